@@ -1,0 +1,74 @@
+// lutb/fit.hpp: fitting (quantising) weights to LUT-B (spec section 2.1).
+//
+// A fitter chooses, per 8x64 tile, a UE8M0 scale s, 8 E4M3 codebook entries and the 512 indices,
+// minimising the tile's squared error sum (w - w_hat)^2. Indices always go to the nearest codebook
+// entry on the exact dequantised values, ties to the lower index; codebooks are written ascending.
+// All fitters are deterministic: the same input gives the same bytes on any thread count and machine.
+//
+// Fitters (by name):
+//   "optimal"     exact minimum over codebooks of at most 8 entries from E4M3 * 2^(s-127), with the
+//                 scale searched over the values that can matter (src/fit/optimal.cpp says why).
+//   "ct-lloyd"    compressed-tensors PR #801: farthest-point start + 8 snapped Lloyd iterations, no
+//                 scale (byte 127).
+//   "multistart"  vLLM PR #51880: three starts x 16 snapped Lloyd iterations, best kept, no scale.
+//   default       the fast fitter named by kDefaultFitter (see src/fit/).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "lutb/dtype.hpp"
+#include "lutb/tile.hpp"
+
+namespace lutb {
+
+/// Options of a fit. Default-constructed options select the default fitter on all cores.
+struct FitOptions {
+  std::string fitter;     // a name from fitter_names(); empty = the default fitter
+  int threads = 0;        // 0 = all cores (OpenMP), 1 = single-threaded; results never depend on it
+  int forced_scale = -1;  // 0..254 forces this scale byte on every tile (tests, research); -1 = free
+};
+
+/// Result of fitting one tile.
+struct TileFit {
+  TileBlock block;     // packed indices, ascending codebook, scale
+  double sse = 0.0;    // sum over the 512 values of (w - w_hat)^2, in double
+  double sum_sq = 0.0; // sum of w^2
+};
+
+/// Aggregate error of a bulk fit.
+struct FitStats {
+  std::int64_t tiles = 0;
+  double sse = 0.0;     // total squared error
+  double sum_sq = 0.0;  // total squared weight
+  /// 10*log10(sum_sq / sse); +inf when sse == 0.
+  double sqnr_db() const;
+  FitStats& operator+=(const FitStats& o);
+};
+
+/// Names of all fitters, the default first.
+std::vector<std::string> fitter_names();
+/// Name of the default fitter.
+std::string default_fitter();
+/// Throws std::invalid_argument naming `name` and the allowed names when it is not a fitter.
+void check_fitter_name(std::string_view name);
+
+/// Fits one tile of 512 FP32 values in flat tile order (f = r*64 + c).
+/// Throws std::invalid_argument if a value is NaN or +-Inf (naming the position) or if the tile's
+/// magnitude needs a scale byte above 246 (spec section 2).
+TileFit fit_tile(const float* values512, const FitOptions& opt = {});
+
+/// Fits a 2-D weight [rows][cols] or an expert stack [experts][rows][cols] (row-major, logical
+/// shape; padding is zero-filled) of element type `src_type` (F32, BF16 or F16). Writes into `out`,
+/// which is (re)allocated for `shape`. `name` is used in error messages ("tensor X, expert e,
+/// tile (tn, tk): NaN at row r col c"). Multithreaded over tiles; deterministic.
+FitStats quantize(const void* src, DType src_type, const LutbShape& shape, LutbTensor& out,
+                  const FitOptions& opt = {}, const std::string& name = "weight");
+
+/// Convenience: FP32 source, returns the tensor.
+LutbTensor quantize(const float* src, const LutbShape& shape, const FitOptions& opt = {},
+                    FitStats* stats = nullptr, const std::string& name = "weight");
+
+}  // namespace lutb

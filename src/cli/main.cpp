@@ -1,0 +1,26 @@
+// lutb: compress the routed experts of MoE language models to LUT-B and run them.
+#include <cstdio>
+#include <exception>
+
+#include <fmt/core.h>
+
+#include "cli/commands.hpp"
+
+int main(int argc, char** argv) {
+  CLI::App app{"lutb: LUT-B (3.14-bit lookup-table weights, MXFP8 activations) for MoE experts"};
+  app.set_version_flag("--version", "lutb 0.1.0");
+  lutb::cli::add_default_job(app);
+  lutb::cli::add_quantize(app);
+  lutb::cli::add_eval(app);
+  lutb::cli::add_moe(app);
+  lutb::cli::add_synth(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "lutb: error: {}\n", e.what());
+    return 1;
+  }
+  return 0;
+}
