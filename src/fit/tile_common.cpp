@@ -56,14 +56,17 @@ void build_sorted(const float* x512, SortedTile& st) {
   std::uint32_t keys[kTileSize];
   for (int i = 0; i < kTileSize; ++i) keys[i] = sort_key(x512[i]);
   radix_sort512(keys);
+  float v[kTileSize + 1];
+  for (int i = 0; i < kTileSize; ++i) v[i] = from_key(keys[i]);
+  v[kTileSize] = INFINITY;  // sentinel (values are finite)
   int n = 0;
   st.cnt[0] = 0;
   st.p1[0] = 0.0;
   st.p2[0] = 0.0;
   for (int i = 0; i < kTileSize;) {
-    const float x = from_key(keys[i]);
+    const float x = v[i];
     int j = i + 1;
-    while (j < kTileSize && from_key(keys[j]) == x) ++j;  // +0 and -0 compare equal and merge
+    while (v[j] == x) ++j;  // +0 and -0 compare equal and merge
     const int c = j - i;
     const double xd = x;
     st.u[n] = x == 0.0f ? 0.0f : x;
