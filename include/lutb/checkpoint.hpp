@@ -294,6 +294,12 @@ class Checkpoint {
   std::optional<SharedExpert> shared_expert(std::int64_t layer) const;
 
  private:
+  // Name of the stacked tensor of layer L whose name + suffix exists ("" when none).
+  std::string find_stacked(std::int64_t layer, bool gate_up, const char* suffix) const;
+  void check_moe_layer(std::int64_t layer) const;
+  // Copies the stored LUT-B triple of `weight_name` (logical shape `one`) into out at tile_offset.
+  void read_lutb(const std::string& weight_name, const LutbShape& one, LutbTensor& out, std::int64_t tile_offset) const;
+
   std::filesystem::path dir_;
   ModelConfig config_;
   std::unique_ptr<SafetensorsCollection> st_;
