@@ -94,7 +94,7 @@ void run_default_job(const DefaultArgs& a) {
   auto t = clock::now();
   synthesize_checkpoint(src_dir, so);
   const double t_synth = since(t);
-  fmt::print("1. synthesised the BF16 checkpoint              {:8.2f} s\n", t_synth);
+  fmt::print("{:<48}{:8.2f} s\n", "1. synthesised the BF16 checkpoint", t_synth);
 
   QuantizeOptions qo;
   qo.fit.fitter = a.fitter;
@@ -102,7 +102,7 @@ void run_default_job(const DefaultArgs& a) {
   t = clock::now();
   const QuantizeSummary qs = quantize_checkpoint(src_dir, q_dir, qo);
   const double t_quant = since(t);
-  fmt::print("2. quantised it to a LUT-B checkpoint ({})   {:8.2f} s\n", qs.fitter, t_quant);
+  fmt::print("{:<48}{:8.2f} s\n", fmt::format("2. quantised it to LUT-B (fitter {})", qs.fitter), t_quant);
 
   t = clock::now();
   Checkpoint bf(src_dir), lq(q_dir);
@@ -110,7 +110,7 @@ void run_default_job(const DefaultArgs& a) {
   ExpertsLutb lut = lq.lutb_experts(0);
   const RouterWeights router = lq.router(0);  // copied bit for bit: same as the source router
   const double t_load = since(t);
-  fmt::print("3. loaded both checkpoints                      {:8.2f} s\n", t_load);
+  fmt::print("{:<48}{:8.2f} s\n", "3. loaded the experts of both checkpoints", t_load);
 
   // Random tokens (standard normal, BF16) and routing with the layer's router.
   const std::int64_t T = a.tokens;
@@ -141,8 +141,12 @@ void run_default_job(const DefaultArgs& a) {
   std::size_t ref_bytes = 0, lut_bytes = 0;
   double t_ref = 0, t_lut = 0;
   {
-    moe::DenseExperts dense(mc, src.w13.to_bf16(), src.w2.to_bf16(), moe::ActivationFormat::BF16);
-    src = {};
+    // Convert one stack at a time and free its source at once: peak = source + one BF16 copy.
+    std::vector<std::uint16_t> w13 = src.w13.to_bf16();
+    src.w13 = {};
+    std::vector<std::uint16_t> w2 = src.w2.to_bf16();
+    src.w2 = {};
+    moe::DenseExperts dense(mc, std::move(w13), std::move(w2), moe::ActivationFormat::BF16);
     ref_bytes = dense.weight_bytes();
     t = clock::now();
     dense.apply_f32(hs, topk, ref.data());

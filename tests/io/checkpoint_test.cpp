@@ -181,6 +181,15 @@ TEST(Checkpoint, SynthWeightsAreHeavyTailedAndScaled) {
   const double var = s2 / w.size(), kurt = s4 / w.size() / (var * var);
   EXPECT_NEAR(std::sqrt(var), 1.0 / std::sqrt(512.0), 0.05 / std::sqrt(512.0));  // std 1/sqrt(fan_in)
   EXPECT_GT(kurt, 4.5);  // Student-t(5) has kurtosis 9 (Gaussian 3); the sample estimate is noisy but > 4.5
+  // Tail probabilities of Student-t(5): P(|T| > 2.5706) = 0.05, P(|T| > 4.0321) = 0.01 (t tables).
+  const double unit = 1.0 / (std::sqrt(512.0) * std::sqrt(5.0 / 3.0));  // the scale applied to T
+  std::int64_t n5 = 0, n1 = 0;
+  for (float v : w) {
+    n5 += std::fabs(v) > 2.5706 * unit;
+    n1 += std::fabs(v) > 4.0321 * unit;
+  }
+  EXPECT_NEAR(double(n5) / w.size(), 0.05, 0.002);
+  EXPECT_NEAR(double(n1) / w.size(), 0.01, 0.001);
 }
 
 // ---------------------------------------------------------------------------
