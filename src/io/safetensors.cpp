@@ -1,0 +1,637 @@
+// Safetensors reading (mmap, zero-copy, hostile-input safe) and streaming writing.
+//
+// Format (https://github.com/huggingface/safetensors, docs "Format"): u64 little-endian header
+// length N, N bytes of JSON, then the data buffer. Validation follows the reference implementation
+// (safetensors/src/tensor.rs, `Metadata::validate`): header at most 100,000,000 bytes, starting
+// with '{', tensors covering the data buffer contiguously (sorted by offset, each beginning where
+// the previous ended, the last ending at the end of the file), byte size = numel x dtype size.
+// We are stricter on what the reference leaves to serde: duplicate keys (serde keeps the last one,
+// nlohmann too) are rejected, as are non-integer or negative shape/offset entries.
+#include "lutb/safetensors.hpp"
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <numeric>
+#include <set>
+#include <sstream>
+#include <system_error>
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "lutb/numerics.hpp"
+
+namespace lutb {
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+constexpr std::uint64_t kMaxHeaderBytes = 100'000'000;  // the reference's MAX_HEADER_SIZE
+
+[[noreturn]] void fail(const std::string& where, const std::string& reason) {
+  throw SafetensorsError(fmt::format("{}: {}", where, reason));
+}
+[[noreturn]] void fail_tensor(const std::string& where, const std::string& name, const std::string& reason) {
+  throw SafetensorsError(fmt::format("{}: tensor '{}': {}", where, name, reason));
+}
+
+std::string shape_str(const std::vector<std::int64_t>& s) {
+  return fmt::format("[{}]", fmt::join(s, ", "));
+}
+
+// Thrown from the JSON parser callback; converted to SafetensorsError with the file name.
+struct HeaderShapeError {
+  std::string reason;
+};
+
+// Parses the header JSON, rejecting duplicate keys at any level and nesting deeper than the format
+// allows (root object > tensor object > shape/offset array: depth 3).
+json parse_header_json(const char* begin, const char* end, const std::string& where) {
+  std::vector<std::set<std::string>> keys;  // one set per open object
+  int depth = 0;
+  auto cb = [&](int, json::parse_event_t ev, json& parsed) -> bool {
+    switch (ev) {
+      case json::parse_event_t::object_start:
+        keys.emplace_back();
+        [[fallthrough]];
+      case json::parse_event_t::array_start:
+        if (++depth > 3) throw HeaderShapeError{"JSON nested deeper than the safetensors header allows"};
+        break;
+      case json::parse_event_t::object_end:
+        if (!keys.empty()) keys.pop_back();
+        [[fallthrough]];
+      case json::parse_event_t::array_end:
+        --depth;
+        break;
+      case json::parse_event_t::key:
+        if (!keys.empty() && !keys.back().insert(parsed.get<std::string>()).second)
+          throw HeaderShapeError{fmt::format("duplicate key '{}' in the header", parsed.get<std::string>())};
+        break;
+      case json::parse_event_t::value:
+        break;
+    }
+    return true;
+  };
+  try {
+    return json::parse(begin, end, cb, /*allow_exceptions=*/true, /*ignore_comments=*/false);
+  } catch (const HeaderShapeError& e) {
+    fail(where, "invalid header: " + e.reason);
+  } catch (const json::exception& e) {
+    fail(where, std::string("invalid JSON header: ") + e.what());
+  }
+}
+
+// A non-negative integer from JSON (rejects floats, negatives, booleans).
+bool json_u64(const json& j, std::uint64_t& out) {
+  if (j.is_number_unsigned()) {
+    out = j.get<std::uint64_t>();
+    return true;
+  }
+  if (j.is_number_integer()) {
+    const auto v = j.get<std::int64_t>();
+    if (v < 0) return false;
+    out = static_cast<std::uint64_t>(v);
+    return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// Header parsing
+// ---------------------------------------------------------------------------
+void SafetensorsFile::parse_header(const std::uint8_t* data, std::size_t file_size, const std::string& where,
+                                   std::map<std::string, TensorView>& tensors, std::vector<std::string>& names,
+                                   std::map<std::string, std::string>& metadata) {
+  tensors.clear();
+  names.clear();
+  metadata.clear();
+  if (file_size < 8) fail(where, fmt::format("file of {} bytes is too small for a safetensors header length", file_size));
+  std::uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | data[i];
+  if (n > kMaxHeaderBytes) fail(where, fmt::format("header length {} exceeds the 100 MB limit", n));
+  if (n > file_size - 8) fail(where, fmt::format("header length {} exceeds the file size {} - 8", n, file_size));
+  if (n < 2) fail(where, fmt::format("header length {} is too short for a JSON object", n));
+  if (data[8] != '{') fail(where, "header does not start with '{'");
+  const char* hb = reinterpret_cast<const char*>(data + 8);
+  const json h = parse_header_json(hb, hb + n, where);
+  if (!h.is_object()) fail(where, "header is not a JSON object");
+
+  const std::uint8_t* buffer = data + 8 + n;
+  const std::uint64_t buffer_size = file_size - 8 - n;
+  struct Span {
+    std::uint64_t begin, end;
+    const std::string* name;
+  };
+  std::vector<Span> spans;
+  spans.reserve(h.size());
+
+  for (auto it = h.begin(); it != h.end(); ++it) {
+    const std::string& name = it.key();
+    const json& v = it.value();
+    if (name == "__metadata__") {
+      if (!v.is_object()) fail(where, "__metadata__ is not an object of strings");
+      for (auto m = v.begin(); m != v.end(); ++m) {
+        if (!m.value().is_string()) fail(where, fmt::format("__metadata__ entry '{}' is not a string", m.key()));
+        metadata.emplace(m.key(), m.value().get<std::string>());
+      }
+      continue;
+    }
+    if (!v.is_object()) fail_tensor(where, name, "entry is not an object");
+    const auto f_dtype = v.find("dtype"), f_shape = v.find("shape"), f_off = v.find("data_offsets");
+    if (f_dtype == v.end() || f_shape == v.end() || f_off == v.end())
+      fail_tensor(where, name, "entry lacks one of 'dtype', 'shape', 'data_offsets'");
+    if (!f_dtype->is_string()) fail_tensor(where, name, "'dtype' is not a string");
+    const auto dt = dtype_from_name(f_dtype->get<std::string>());
+    if (!dt) fail_tensor(where, name, fmt::format("unknown dtype '{}'", f_dtype->get<std::string>()));
+    if (!f_shape->is_array()) fail_tensor(where, name, "'shape' is not an array");
+    TensorView tv;
+    tv.name = name;
+    tv.dtype = *dt;
+    std::uint64_t numel = 1;
+    bool overflow = false;
+    for (const json& d : *f_shape) {
+      std::uint64_t dim = 0;
+      if (!json_u64(d, dim)) fail_tensor(where, name, fmt::format("shape entry {} is not a non-negative integer", d.dump()));
+      if (dim > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
+        fail_tensor(where, name, fmt::format("shape entry {} is too large", dim));
+      tv.shape.push_back(static_cast<std::int64_t>(dim));
+      overflow |= __builtin_mul_overflow(numel, dim, &numel);
+    }
+    std::uint64_t nbytes = 0;
+    overflow |= __builtin_mul_overflow(numel, static_cast<std::uint64_t>(dtype_size(*dt)), &nbytes);
+    if (overflow) fail_tensor(where, name, fmt::format("shape {} overflows 64-bit byte counts", shape_str(tv.shape)));
+    if (!f_off->is_array() || f_off->size() != 2) fail_tensor(where, name, "'data_offsets' is not an array of 2 integers");
+    std::uint64_t b = 0, e = 0;
+    if (!json_u64((*f_off)[0], b) || !json_u64((*f_off)[1], e))
+      fail_tensor(where, name, "'data_offsets' entries are not non-negative integers");
+    if (b > e) fail_tensor(where, name, fmt::format("data_offsets [{}, {}] end before they begin", b, e));
+    if (e > buffer_size)
+      fail_tensor(where, name, fmt::format("data_offsets [{}, {}] out of range: the data buffer has {} bytes", b, e, buffer_size));
+    if (e - b != nbytes)
+      fail_tensor(where, name, fmt::format("data_offsets [{}, {}] span {} bytes, but shape {} x {} needs {}", b, e, e - b,
+                                           shape_str(tv.shape), dtype_name(*dt), nbytes));
+    tv.data = buffer + b;
+    tv.nbytes = static_cast<std::size_t>(nbytes);
+    auto [pos, inserted] = tensors.emplace(name, std::move(tv));
+    if (!inserted) fail_tensor(where, name, "duplicate tensor name");  // the JSON check catches this first
+    spans.push_back({b, e, &pos->first});
+  }
+
+  // The tensors must tile the data buffer exactly: no overlap, no gap, no trailing bytes.
+  std::sort(spans.begin(), spans.end(), [](const Span& x, const Span& y) {
+    return x.begin != y.begin ? x.begin < y.begin : (x.end != y.end ? x.end < y.end : *x.name < *y.name);
+  });
+  std::uint64_t pos = 0;
+  const std::string* prev = nullptr;
+  for (const Span& s : spans) {
+    if (s.begin < pos)
+      fail_tensor(where, *s.name, fmt::format("data_offsets [{}, {}] overlap tensor '{}' (which ends at {})", s.begin, s.end,
+                                              *prev, pos));
+    if (s.begin > pos)
+      fail_tensor(where, *s.name, fmt::format("data_offsets [{}, {}] leave a gap: the previous tensor ends at {}", s.begin,
+                                              s.end, pos));
+    pos = s.end;
+    prev = s.name;
+    names.push_back(*s.name);
+  }
+  if (pos != buffer_size)
+    fail(where, fmt::format("{} bytes of trailing data after the last tensor (data buffer {} bytes, tensors cover {})",
+                            buffer_size - pos, buffer_size, pos));
+}
+
+// ---------------------------------------------------------------------------
+// SafetensorsFile
+// ---------------------------------------------------------------------------
+SafetensorsFile::SafetensorsFile(const fs::path& path) : path_(path) {
+  const std::string where = path.string();
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) fail(where, fmt::format("cannot open: {}", std::strerror(errno)));
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    fail(where, fmt::format("cannot stat: {}", std::strerror(err)));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    fail(where, "not a regular file");
+  }
+  size_ = static_cast<std::size_t>(st.st_size);
+  if (size_ < 8) {
+    ::close(fd);
+    fail(where, fmt::format("file of {} bytes is too small for a safetensors header length", size_));
+  }
+  void* m = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
+  const int err = errno;
+  ::close(fd);
+  if (m == MAP_FAILED) fail(where, fmt::format("cannot mmap {} bytes: {}", size_, std::strerror(err)));
+  map_ = m;
+  try {
+    parse_header(static_cast<const std::uint8_t*>(map_), size_, where, tensors_, names_, metadata_);
+  } catch (...) {
+    ::munmap(map_, size_);
+    map_ = nullptr;
+    throw;
+  }
+}
+
+SafetensorsFile::~SafetensorsFile() {
+  if (map_) ::munmap(map_, size_);
+}
+
+const TensorView& SafetensorsFile::get(const std::string& name) const {
+  const auto it = tensors_.find(name);
+  if (it == tensors_.end()) fail(path_.string(), fmt::format("no tensor named '{}'", name));
+  return it->second;
+}
+
+// ---------------------------------------------------------------------------
+// TensorView
+// ---------------------------------------------------------------------------
+std::int64_t TensorView::numel() const {
+  std::int64_t n = 1;
+  for (auto d : shape) n *= d;
+  return n;
+}
+
+std::vector<float> TensorView::to_float() const {
+  const std::size_t n = nbytes / dtype_size(dtype);
+  std::vector<float> out(n);
+  // The data may sit at any byte offset in the file: copy through aligned chunks, never cast.
+  constexpr std::size_t kChunk = 4096;
+  switch (dtype) {
+    case DType::F32:
+      std::memcpy(out.data(), data, n * sizeof(float));
+      break;
+    case DType::F64:
+      for (std::size_t i = 0; i < n; ++i) {
+        double d;
+        std::memcpy(&d, data + 8 * i, 8);
+        out[i] = static_cast<float>(d);
+      }
+      break;
+    case DType::F16:
+    case DType::BF16: {
+      std::uint16_t buf[kChunk];
+      for (std::size_t i = 0; i < n; i += kChunk) {
+        const std::size_t m = std::min(kChunk, n - i);
+        std::memcpy(buf, data + 2 * i, 2 * m);
+        if (dtype == DType::BF16)
+          bf16_to_float_n(buf, out.data() + i, m);
+        else
+          fp16_to_float_n(buf, out.data() + i, m);
+      }
+      break;
+    }
+    case DType::F8_E4M3:
+      e4m3_to_float_n(data, out.data(), n);
+      break;
+    default:
+      throw SafetensorsError(
+          fmt::format("tensor '{}': dtype {} cannot be read as floating point", name, dtype_name(dtype)));
+  }
+  return out;
+}
+
+template <class T>
+std::span<const T> TensorView::as(DType expected) const {
+  if (dtype != expected)
+    throw SafetensorsError(
+        fmt::format("tensor '{}': dtype is {}, expected {}", name, dtype_name(dtype), dtype_name(expected)));
+  if (sizeof(T) != dtype_size(expected))
+    throw SafetensorsError(fmt::format("tensor '{}': element type of {} bytes cannot view {}", name, sizeof(T),
+                                       dtype_name(expected)));
+  if (reinterpret_cast<std::uintptr_t>(data) % alignof(T) != 0)
+    throw SafetensorsError(fmt::format("tensor '{}': data is not {}-byte aligned in the file; use to_float() or copy it",
+                                       name, alignof(T)));
+  return {reinterpret_cast<const T*>(data), nbytes / sizeof(T)};
+}
+
+template std::span<const std::uint8_t> TensorView::as<std::uint8_t>(DType) const;
+template std::span<const std::int8_t> TensorView::as<std::int8_t>(DType) const;
+template std::span<const std::uint16_t> TensorView::as<std::uint16_t>(DType) const;
+template std::span<const std::int16_t> TensorView::as<std::int16_t>(DType) const;
+template std::span<const std::uint32_t> TensorView::as<std::uint32_t>(DType) const;
+template std::span<const std::int32_t> TensorView::as<std::int32_t>(DType) const;
+template std::span<const std::uint64_t> TensorView::as<std::uint64_t>(DType) const;
+template std::span<const std::int64_t> TensorView::as<std::int64_t>(DType) const;
+template std::span<const float> TensorView::as<float>(DType) const;
+template std::span<const double> TensorView::as<double>(DType) const;
+
+// ---------------------------------------------------------------------------
+// SafetensorsCollection
+// ---------------------------------------------------------------------------
+SafetensorsCollection SafetensorsCollection::open_file(const fs::path& file) {
+  SafetensorsCollection c;
+  c.source_ = file;
+  c.files_.push_back(std::make_unique<SafetensorsFile>(file));
+  for (const auto& n : c.files_[0]->names()) c.where_.emplace(n, 0);
+  return c;
+}
+
+SafetensorsCollection SafetensorsCollection::open_dir(const fs::path& dir) {
+  if (!fs::is_directory(dir)) fail(dir.string(), "not a directory");
+  const fs::path index = dir / "model.safetensors.index.json";
+  if (fs::exists(index)) {
+    SafetensorsCollection c;
+    c.source_ = index;
+    json j;
+    {
+      std::ifstream in(index);
+      if (!in) fail(index.string(), "cannot open");
+      try {
+        j = json::parse(in);
+      } catch (const json::exception& e) {
+        fail(index.string(), std::string("invalid JSON: ") + e.what());
+      }
+    }
+    if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
+      fail(index.string(), "no 'weight_map' object");
+    std::map<std::string, std::size_t> shard_ix;
+    for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
+      if (!it.value().is_string()) fail(index.string(), fmt::format("weight_map entry '{}' is not a file name", it.key()));
+      const std::string shard = it.value().get<std::string>();
+      const fs::path rel(shard);
+      if (shard.empty() || rel.is_absolute() || std::any_of(rel.begin(), rel.end(), [](const fs::path& p) { return p == ".."; }))
+        fail(index.string(), fmt::format("weight_map entry '{}' names '{}', which is not a file inside {}", it.key(), shard,
+                                         dir.string()));
+      auto s = shard_ix.find(shard);
+      if (s == shard_ix.end()) {
+        const fs::path p = dir / rel;
+        if (!fs::exists(p))
+          fail(index.string(), fmt::format("shard '{}' (holding tensor '{}') is missing: {} does not exist", shard, it.key(),
+                                           p.string()));
+        c.files_.push_back(std::make_unique<SafetensorsFile>(p));
+        s = shard_ix.emplace(shard, c.files_.size() - 1).first;
+      }
+      if (!c.files_[s->second]->contains(it.key()))
+        fail(index.string(), fmt::format("tensor '{}' is listed in shard '{}' but that file does not hold it", it.key(), shard));
+      c.where_.emplace(it.key(), s->second);
+    }
+    return c;
+  }
+  if (fs::exists(dir / "model.safetensors")) {
+    SafetensorsCollection c = open_file(dir / "model.safetensors");
+    c.source_ = dir;
+    return c;
+  }
+  std::vector<fs::path> files;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.is_regular_file() && e.path().extension() == ".safetensors") files.push_back(e.path());
+  if (files.empty())
+    fail(dir.string(), "no model.safetensors.index.json, model.safetensors or *.safetensors file in the directory");
+  std::sort(files.begin(), files.end());
+  SafetensorsCollection c;
+  c.source_ = dir;
+  for (const auto& p : files) {
+    c.files_.push_back(std::make_unique<SafetensorsFile>(p));
+    for (const auto& n : c.files_.back()->names()) {
+      const auto [it, inserted] = c.where_.emplace(n, c.files_.size() - 1);
+      if (!inserted)
+        fail(dir.string(), fmt::format("tensor '{}' appears in both {} and {}", n, c.files_[it->second]->path().string(),
+                                       p.string()));
+    }
+  }
+  return c;
+}
+
+std::vector<std::string> SafetensorsCollection::names() const {
+  std::vector<std::string> out;
+  out.reserve(where_.size());
+  for (const auto& [n, _] : where_) out.push_back(n);
+  return out;
+}
+
+bool SafetensorsCollection::contains(const std::string& name) const { return where_.count(name) != 0; }
+
+const SafetensorsFile& SafetensorsCollection::file_of(const std::string& name) const {
+  const auto it = where_.find(name);
+  if (it == where_.end()) fail(source_.string(), fmt::format("no tensor named '{}'", name));
+  return *files_[it->second];
+}
+
+const TensorView& SafetensorsCollection::get(const std::string& name) const { return file_of(name).get(name); }
+
+// ---------------------------------------------------------------------------
+// Writer
+// ---------------------------------------------------------------------------
+struct SafetensorsWriter::Impl {
+  struct Entry {
+    std::string name;
+    DType dtype;
+    std::vector<std::int64_t> shape;
+    std::uint64_t nbytes = 0;
+    std::uint64_t offset = 0;   // in the data buffer
+    std::uint64_t written = 0;
+  };
+  fs::path path, tmp;
+  std::map<std::string, std::string> metadata;
+  std::vector<Entry> entries;
+  std::set<std::string> names;
+  int fd = -1;
+  bool created = false, header_written = false, committed = false, failed = false;
+  std::uint64_t data_start = 0;
+  std::size_t current = 0;  // entry being written
+  std::vector<std::uint8_t> buf;
+  std::uint64_t buf_pos = 0;  // file position of buf[0]
+
+  [[noreturn]] void io_fail(const std::string& what) {
+    failed = true;
+    fail(tmp.string(), fmt::format("{}: {}", what, std::strerror(errno)));
+  }
+
+  void pwrite_all(const std::uint8_t* p, std::size_t n, std::uint64_t off) {
+    while (n > 0) {
+      const ssize_t w = ::pwrite(fd, p, n, static_cast<off_t>(off));
+      if (w < 0) {
+        if (errno == EINTR) continue;
+        io_fail("write failed");
+      }
+      p += w;
+      n -= static_cast<std::size_t>(w);
+      off += static_cast<std::uint64_t>(w);
+    }
+  }
+  void flush() {
+    if (!buf.empty()) pwrite_all(buf.data(), buf.size(), buf_pos);
+    buf.clear();
+  }
+
+  void start() {
+    // Offsets: largest element size first (stable in declaration order), so that every tensor is
+    // aligned to its element size when the data buffer starts 8-byte aligned, as the reference
+    // writer does (it sorts by dtype, descending).
+    std::vector<std::size_t> order(entries.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+      return dtype_size(entries[a].dtype) > dtype_size(entries[b].dtype);
+    });
+    std::uint64_t off = 0;
+    for (std::size_t i : order) {
+      entries[i].offset = off;
+      off += entries[i].nbytes;
+    }
+    // Header JSON in data order, compact, like the reference serialiser.
+    std::string h = "{";
+    if (!metadata.empty()) h += "\"__metadata__\":" + json(metadata).dump() + (order.empty() ? "" : ",");
+    for (std::size_t k = 0; k < order.size(); ++k) {
+      const Entry& e = entries[order[k]];
+      h += json(e.name).dump() + ":{\"dtype\":\"" + std::string(dtype_name(e.dtype)) + "\",\"shape\":" + json(e.shape).dump() +
+           ",\"data_offsets\":[" + std::to_string(e.offset) + "," + std::to_string(e.offset + e.nbytes) + "]}";
+      if (k + 1 < order.size()) h += ",";
+    }
+    h += "}";
+    h.append((8 - h.size() % 8) % 8, ' ');  // pad with spaces so the data buffer starts 8-byte aligned
+    if (h.size() > kMaxHeaderBytes) fail(path.string(), fmt::format("header of {} bytes exceeds the 100 MB limit", h.size()));
+    tmp = path;
+    tmp += ".tmp." + std::to_string(::getpid());
+    fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) io_fail("cannot create");
+    created = true;
+    std::uint8_t len[8];
+    for (int i = 0; i < 8; ++i) len[i] = static_cast<std::uint8_t>(static_cast<std::uint64_t>(h.size()) >> (8 * i));
+    pwrite_all(len, 8, 0);
+    pwrite_all(reinterpret_cast<const std::uint8_t*>(h.data()), h.size(), 8);
+    data_start = 8 + h.size();
+    header_written = true;
+    current = 0;
+    skip_complete();
+    buf.reserve(1 << 20);
+    if (current < entries.size()) buf_pos = data_start + entries[current].offset;
+  }
+
+  void skip_complete() {
+    while (current < entries.size() && entries[current].written == entries[current].nbytes) ++current;
+  }
+
+  void append(const std::uint8_t* p, std::size_t n) {
+    while (n > 0) {
+      if (current >= entries.size())
+        fail(path.string(), fmt::format("{} more bytes written than the declared tensors hold", n));
+      Entry& e = entries[current];
+      const std::uint64_t pos = data_start + e.offset + e.written;
+      if (buf.empty()) buf_pos = pos;
+      if (buf_pos + buf.size() != pos) {
+        flush();
+        buf_pos = pos;
+      }
+      const std::size_t take = static_cast<std::size_t>(std::min<std::uint64_t>(n, e.nbytes - e.written));
+      const std::size_t room = (1u << 20) - buf.size();
+      const std::size_t now = std::min(take, room);
+      buf.insert(buf.end(), p, p + now);
+      if (buf.size() >= (1u << 20)) flush();
+      e.written += now;
+      p += now;
+      n -= now;
+      skip_complete();
+    }
+  }
+
+  void close_fd() {
+    if (fd >= 0) ::close(fd);
+    fd = -1;
+  }
+};
+
+SafetensorsWriter::SafetensorsWriter(fs::path path, std::map<std::string, std::string> metadata)
+    : impl_(std::make_unique<Impl>()) {
+  impl_->path = std::move(path);
+  impl_->metadata = std::move(metadata);
+}
+
+SafetensorsWriter::~SafetensorsWriter() {
+  if (!impl_) return;
+  impl_->close_fd();
+  if (impl_->created && !impl_->committed) {
+    std::error_code ec;
+    fs::remove(impl_->tmp, ec);
+  }
+}
+
+void SafetensorsWriter::declare(const std::string& name, DType dtype, std::vector<std::int64_t> shape) {
+  Impl& m = *impl_;
+  const std::string where = m.path.string();
+  if (m.header_written) fail_tensor(where, name, "declared after data was written");
+  if (name == "__metadata__") fail_tensor(where, name, "reserved name");
+  if (!m.names.insert(name).second) fail_tensor(where, name, "declared twice");
+  std::uint64_t numel = 1;
+  bool overflow = false;
+  for (auto d : shape) {
+    if (d < 0) fail_tensor(where, name, fmt::format("negative dimension in shape {}", shape_str(shape)));
+    overflow |= __builtin_mul_overflow(numel, static_cast<std::uint64_t>(d), &numel);
+  }
+  std::uint64_t nbytes = 0;
+  overflow |= __builtin_mul_overflow(numel, static_cast<std::uint64_t>(dtype_size(dtype)), &nbytes);
+  if (overflow) fail_tensor(where, name, fmt::format("shape {} overflows", shape_str(shape)));
+  m.entries.push_back({name, dtype, std::move(shape), nbytes, 0, 0});
+}
+
+void SafetensorsWriter::write(const void* data, std::size_t nbytes) {
+  Impl& m = *impl_;
+  if (m.committed) fail(m.path.string(), "write after commit");
+  if (m.failed) fail(m.path.string(), "write after an earlier failure");
+  if (!m.header_written) m.start();
+  m.append(static_cast<const std::uint8_t*>(data), nbytes);
+}
+
+void SafetensorsWriter::commit() {
+  Impl& m = *impl_;
+  const std::string where = m.path.string();
+  if (m.committed) fail(where, "committed twice");
+  if (m.failed) fail(where, "commit after an earlier failure");
+  if (!m.header_written) m.start();  // only zero-byte tensors, or none
+  m.skip_complete();
+  if (m.current < m.entries.size()) {
+    const auto& e = m.entries[m.current];
+    fail_tensor(where, e.name, fmt::format("only {} of {} bytes were written", e.written, e.nbytes));
+  }
+  m.flush();
+  if (::fsync(m.fd) != 0) m.io_fail("fsync failed");
+  if (::close(m.fd) != 0) {
+    m.fd = -1;
+    m.io_fail("close failed");
+  }
+  m.fd = -1;
+  std::error_code ec;
+  fs::rename(m.tmp, m.path, ec);
+  if (ec) {
+    m.failed = true;
+    fail(where, fmt::format("cannot rename {} over it: {}", m.tmp.string(), ec.message()));
+  }
+  m.committed = true;
+  // Make the rename durable.
+  const fs::path parent = m.path.has_parent_path() ? m.path.parent_path() : fs::path(".");
+  const int dfd = ::open(parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    ::fsync(dfd);
+    ::close(dfd);
+  }
+}
+
+void write_safetensors(const fs::path& path, const std::vector<std::pair<std::string, OwnedTensor>>& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  SafetensorsWriter w(path, metadata);
+  for (const auto& [name, t] : tensors) {
+    w.declare(name, t.dtype, t.shape);
+    std::uint64_t numel = 1;
+    for (auto d : t.shape) numel *= static_cast<std::uint64_t>(d);
+    if (t.bytes.size() != numel * dtype_size(t.dtype))
+      fail_tensor(path.string(), name, fmt::format("holds {} bytes but shape {} x {} needs {}", t.bytes.size(),
+                                                   shape_str(t.shape), dtype_name(t.dtype), numel * dtype_size(t.dtype)));
+  }
+  for (const auto& [name, t] : tensors) w.write(t.bytes.data(), t.bytes.size());
+  w.commit();
+}
+
+}  // namespace lutb
