@@ -274,9 +274,13 @@ class LutbCpuExperts final : public Experts {
   ActivationFormat act_;
 };
 
-/// Instruction set the fast kernels use on this machine: "avx512", "avx2" or "scalar".
-/// The environment variable LUTB_ISA=scalar|avx2|avx512 caps it (tests use it to cover every path).
+/// Instruction set the fast kernels (LutbCpuExperts, DenseExperts) use now: "avx512", "avx2" or
+/// "scalar": the best the CPU supports (runtime detection), capped by the environment variable
+/// LUTB_ISA=scalar|avx2|avx512 and by set_cpu_isa_cap().
 std::string cpu_isa();
+/// Caps the instruction set for later calls ("scalar", "avx2", "avx512"; "" removes the cap), so
+/// tests can cover every path on one machine. Throws std::invalid_argument for other names.
+void set_cpu_isa_cap(std::string_view isa);
 
 /// Which LUT-B emulation implementation to build.
 enum class EmulationKernel : std::uint8_t {
@@ -304,6 +308,12 @@ struct NativeSupport {
   /// so it reports "built without sm_107 support"; a build with it would check for a CUDA device of
   /// compute capability 10.7 and report "no CUDA device with compute capability 10.7" otherwise.
   static NativeSupport probe();
+  /// The decision itself, from the facts: whether the build has sm_107 kernels, and the compute
+  /// capability of the current CUDA device (major < 0: no CUDA device). Reasons:
+  ///   "built without sm_107 support"
+  ///   "no CUDA device with compute capability 10.7 (no CUDA device found)"
+  ///   "no CUDA device with compute capability 10.7 (device has 9.0)"
+  static NativeSupport decide(bool built_with_sm107, int device_major, int device_minor);
 };
 
 /// Experts holding their weights in the sm_107 native tile layout (lutb/sm107_layout.hpp). Selected
@@ -366,8 +376,13 @@ struct RoutedExpertsLayer {
 };
 
 /// Options of the online method beyond MoeConfig.
+/// A fitter: quantises `src` (element type src_type, logical `shape`) into `out`, like lutb::quantize.
+using FitFunction = std::function<FitStats(const void* src, DType src_type, const LutbShape& shape,
+                                           LutbTensor& out, const FitOptions& opt, const std::string& name)>;
+
 struct OnlineOptions {
   FitOptions fit;                                       // fitter for w13 and w2 (lutb/fit.hpp)
+  FitFunction fit_function;                             // empty = lutb::quantize (fit.hpp); else e.g. a GPU fitter
   EmulationKernel emulation = EmulationKernel::Fast;    // emulation implementation
   ActivationFormat activations = ActivationFormat::MXFP8;
   std::optional<NativeSupport> native_support;          // overrides NativeSupport::probe() (tests)
