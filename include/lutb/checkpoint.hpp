@@ -294,6 +294,12 @@ class Checkpoint {
   std::optional<SharedExpert> shared_expert(std::int64_t layer) const;
 
  private:
+  // Name of the stacked tensor of layer L whose name + suffix exists ("" when none).
+  std::string find_stacked(std::int64_t layer, bool gate_up, const char* suffix) const;
+  void check_moe_layer(std::int64_t layer) const;
+  // Copies the stored LUT-B triple of `weight_name` (logical shape `one`) into out at tile_offset.
+  void read_lutb(const std::string& weight_name, const LutbShape& one, LutbTensor& out, std::int64_t tile_offset) const;
+
   std::filesystem::path dir_;
   ModelConfig config_;
   std::unique_ptr<SafetensorsCollection> st_;
@@ -373,8 +379,6 @@ struct SynthOptions {
   std::uint64_t seed = 1234;    // deterministic: same options -> same bytes
   double student_nu = 5.0;      // Student-t degrees of freedom of the weights (heavy tails)
   bool stacked = false;         // write transformers-5 stacked gate_up_proj/down_proj tensors
-  /// Shard size limit in bytes (one shard per layer at most; 0 = one shard per layer).
-  std::uint64_t shard_bytes = 0;
   bool progress = true;
   bool force = false;           // replace an existing out_dir
   /// Override the real shapes (tests): 0 keeps the family's value.
@@ -395,11 +399,16 @@ ModelConfig synth_config(const SynthOptions& opt);
 
 /// Writes a synthetic checkpoint: config.json and, per layer, only the MoE block (routed experts,
 /// router, DeepSeek correction bias, shared experts) in BF16 -- no attention, norms or embeddings.
-/// Weights are Student-t(nu) scaled to the standard deviation of a trained projection
-/// (1/sqrt(fan_in)), router rows scaled the same; deterministic from the seed (counter-based
-/// generator: each tensor seeded by its name). Streaming: one tensor is generated at a time in
-/// chunks (memory bounded by one expert projection), atomically (temporary dir renamed at the end).
-/// Returns the bytes written.
+/// Files: "model.safetensors" for one layer, else one shard per layer
+/// "model-0000L-of-0000N.safetensors" with model.safetensors.index.json.
+/// Weights are Student-t(nu) (Bailey's polar method) scaled to standard deviation 1/sqrt(fan_in),
+/// the scale of trained projections; the router the same; the DeepSeek correction bias 0.01*t.
+/// Deterministic from the seed: each row of each tensor has its own generator seeded by
+/// hash(seed, per-expert tensor name, row), so stacked and per-expert layouts hold the same
+/// values and results do not depend on the thread count. Streaming: tensors are generated and
+/// written a block of rows at a time (memory bounded by a few MB per thread), atomically
+/// (temporary directory renamed at the end; an existing out_dir is an error unless force).
+/// Returns the tensor bytes written.
 std::uint64_t synthesize_checkpoint(const std::filesystem::path& out_dir, const SynthOptions& opt);
 
 /// Peak resident set size of this process (VmHWM of /proc/self/status) in bytes; 0 if unknown.
