@@ -1,0 +1,217 @@
+// src/fit/fit.cpp: fitter registry, fit_tile and the bulk quantize entry points (spec section 2.1).
+#include "lutb/fit.hpp"
+
+#include <omp.h>
+
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+#include "fit/fit_internal.hpp"
+
+namespace lutb {
+
+using namespace fit_detail;
+
+double FitStats::sqnr_db() const {
+  if (sse == 0.0) return std::numeric_limits<double>::infinity();
+  return 10.0 * std::log10(sum_sq / sse);
+}
+
+FitStats& FitStats::operator+=(const FitStats& o) {
+  tiles += o.tiles;
+  sse += o.sse;
+  sum_sq += o.sum_sq;
+  return *this;
+}
+
+namespace {
+constexpr const char* kNames[] = {"binned-dp", "optimal", "ct-lloyd", "multistart"};
+enum class Which { kBinnedDp, kOptimal, kCtLloyd, kMultistart };
+
+Which resolve(std::string_view name) {
+  if (name.empty()) return Which::kBinnedDp;
+  for (int i = 0; i < 4; ++i)
+    if (name == kNames[i]) return static_cast<Which>(i);
+  check_fitter_name(name);  // throws
+  return Which::kBinnedDp;
+}
+
+std::string position(int f) {
+  return "row " + std::to_string(f / kTileCols) + " col " + std::to_string(f % kTileCols);
+}
+
+// Checks a tile; returns an empty string when fine, else the reason (without the tile's name).
+std::string check_tile(const float* x) {
+  float amax = 0.0f;
+  for (int f = 0; f < kTileSize; ++f) {
+    if (!f32_is_finite(x[f]))
+      return std::string(f32_is_nan(x[f]) ? "NaN" : (x[f] > 0 ? "+Inf" : "-Inf")) + " at tile " +
+             position(f);
+    amax = std::max(amax, std::fabs(x[f]));
+  }
+  if (amax != 0.0f && rceil_scale(amax) > kMaxScale)
+    return "magnitude " + std::to_string(amax) + " needs a scale byte above 246 (spec section 2)";
+  return {};
+}
+
+TileFit fit_checked(const float* x, Which w, int forced_scale) {
+  switch (w) {
+    case Which::kOptimal: return fit_optimal(x, forced_scale);
+    case Which::kBinnedDp: return fit_binned_dp(x, forced_scale);
+    case Which::kCtLloyd: return fit_ct_lloyd(x);
+    case Which::kMultistart: return fit_multistart(x);
+  }
+  return {};
+}
+
+void check_forced(const FitOptions& opt, Which w) {
+  if (opt.forced_scale < 0) return;
+  if (opt.forced_scale < kMinScale || opt.forced_scale > kMaxScale)
+    throw std::invalid_argument("forced_scale " + std::to_string(opt.forced_scale) +
+                                " is outside the scale bytes 3..246 fitters may choose (spec section 2)");
+  if (w == Which::kCtLloyd || w == Which::kMultistart)
+    throw std::invalid_argument("fitter '" + std::string(kNames[static_cast<int>(w)]) +
+                                "' has no scale (always byte 127, as upstream): forced_scale is not supported");
+}
+
+// Gathers tile (tn, tk) of a row-major [rows][cols] matrix of `type` into 512 floats, zero padding.
+void gather(const void* src, DType type, std::int64_t rows, std::int64_t cols, std::int64_t tn,
+            std::int64_t tk, float* out) {
+  for (int r = 0; r < kTileRows; ++r) {
+    const std::int64_t row = tn * kTileRows + r;
+    float* o = out + r * kTileCols;
+    const std::int64_t c0 = tk * kTileCols;
+    const std::int64_t nc = row < rows ? std::max<std::int64_t>(0, std::min<std::int64_t>(kTileCols, cols - c0)) : 0;
+    const std::size_t off = static_cast<std::size_t>(row * cols + c0);
+    switch (type) {
+      case DType::F32: {
+        const float* s = static_cast<const float*>(src) + off;
+        for (std::int64_t c = 0; c < nc; ++c) o[c] = s[c];
+        break;
+      }
+      case DType::BF16: {
+        const std::uint16_t* s = static_cast<const std::uint16_t*>(src) + off;
+        for (std::int64_t c = 0; c < nc; ++c) o[c] = bf16_to_float(s[c]);
+        break;
+      }
+      case DType::F16: {
+        const std::uint16_t* s = static_cast<const std::uint16_t*>(src) + off;
+        for (std::int64_t c = 0; c < nc; ++c) o[c] = fp16_to_float(s[c]);
+        break;
+      }
+      default: break;
+    }
+    for (std::int64_t c = nc; c < kTileCols; ++c) o[c] = 0.0f;
+  }
+}
+
+}  // namespace
+
+std::vector<std::string> fitter_names() { return {std::begin(kNames), std::end(kNames)}; }
+
+std::string default_fitter() { return kNames[0]; }
+
+void check_fitter_name(std::string_view name) {
+  for (const char* n : kNames)
+    if (name == n) return;
+  std::string msg = "unknown fitter '" + std::string(name) + "'; allowed:";
+  for (const char* n : kNames) msg += std::string(" ") + n;
+  throw std::invalid_argument(msg);
+}
+
+TileFit fit_tile(const float* values512, const FitOptions& opt) {
+  const Which w = resolve(opt.fitter);
+  check_forced(opt, w);
+  const std::string err = check_tile(values512);
+  if (!err.empty()) throw std::invalid_argument("fit_tile: " + err);
+  return fit_checked(values512, w, opt.forced_scale);
+}
+
+FitStats quantize(const void* src, DType src_type, const LutbShape& shape, LutbTensor& out,
+                  const FitOptions& opt, const std::string& name) {
+  const Which w = resolve(opt.fitter);
+  check_forced(opt, w);
+  if (src_type != DType::F32 && src_type != DType::BF16 && src_type != DType::F16)
+    throw std::invalid_argument("quantize: tensor " + name + " has dtype " + std::string(dtype_name(src_type)) +
+                                "; LUT-B fitting reads F32, BF16 or F16");
+  if (shape.rows < 0 || shape.cols < 0 || shape.experts < 1 || (!shape.stacked && shape.experts != 1))
+    throw std::invalid_argument("quantize: tensor " + name + " has an invalid shape");
+  if (shape.rows > 0 && shape.cols > 0 && src == nullptr)
+    throw std::invalid_argument("quantize: tensor " + name + ": null source");
+
+  const std::int64_t tiles = shape.tiles();
+  const std::int64_t tpe = shape.tiles_per_expert();
+  const std::int64_t tk_n = shape.tiles_k();
+  out.shape = shape;
+  out.packed.assign(static_cast<std::size_t>(tiles) * kPackedBytes, 0);
+  out.codebook.assign(static_cast<std::size_t>(tiles) * kCodebookSize, 0);
+  out.scale.assign(static_cast<std::size_t>(tiles), kUE8M0One);
+
+  std::vector<double> sse(static_cast<std::size_t>(tiles)), ssq(static_cast<std::size_t>(tiles));
+  const std::size_t esz = dtype_size(src_type);
+  const std::size_t expert_elems = static_cast<std::size_t>(shape.rows * shape.cols);
+  std::int64_t bad_tile = std::numeric_limits<std::int64_t>::max();
+  std::string bad_msg;
+  const int nthreads = opt.threads > 0 ? opt.threads : omp_get_max_threads();
+
+#pragma omp parallel for schedule(dynamic, 16) num_threads(nthreads)
+  for (std::int64_t t = 0; t < tiles; ++t) {
+    const std::int64_t e = t / tpe, tn = (t % tpe) / tk_n, tk = t % tk_n;
+    float x[kTileSize];
+    gather(static_cast<const std::uint8_t*>(src) + e * expert_elems * esz, src_type, shape.rows, shape.cols, tn,
+           tk, x);
+    std::string err = check_tile(x);
+    if (err.empty()) {
+      try {
+        const TileFit f = fit_checked(x, w, opt.forced_scale);
+        std::memcpy(&out.packed[static_cast<std::size_t>(t) * kPackedBytes], f.block.packed, kPackedBytes);
+        std::memcpy(&out.codebook[static_cast<std::size_t>(t) * kCodebookSize], f.block.codebook, kCodebookSize);
+        out.scale[static_cast<std::size_t>(t)] = f.block.scale;
+        sse[static_cast<std::size_t>(t)] = f.sse;
+        ssq[static_cast<std::size_t>(t)] = f.sum_sq;
+      } catch (const std::exception& ex) {
+        err = ex.what();
+      }
+    }
+    if (!err.empty()) {
+      // Tile-relative row/col -> tensor row/col for the message.
+      std::string where = "tensor " + name + (shape.stacked ? ", expert " + std::to_string(e) : std::string()) +
+                          ", tile (" + std::to_string(tn) + ", " + std::to_string(tk) + ")";
+      const auto p = err.find("at tile row ");
+      if (p != std::string::npos) {
+        int r = 0, c = 0;
+        std::sscanf(err.c_str() + p, "at tile row %d col %d", &r, &c);
+        err = err.substr(0, p) + "at row " + std::to_string(tn * kTileRows + r) + " col " +
+              std::to_string(tk * kTileCols + c);
+      }
+#pragma omp critical(lutb_fit_error)
+      if (t < bad_tile) {
+        bad_tile = t;
+        bad_msg = where + ": " + err;
+      }
+    }
+  }
+  if (!bad_msg.empty()) {
+    out = LutbTensor();
+    throw std::invalid_argument("quantize: " + bad_msg);
+  }
+  FitStats st;
+  st.tiles = tiles;
+  for (std::int64_t t = 0; t < tiles; ++t) {
+    st.sse += sse[static_cast<std::size_t>(t)];
+    st.sum_sq += ssq[static_cast<std::size_t>(t)];
+  }
+  return st;
+}
+
+LutbTensor quantize(const float* src, const LutbShape& shape, const FitOptions& opt, FitStats* stats,
+                    const std::string& name) {
+  LutbTensor out;
+  const FitStats st = quantize(src, DType::F32, shape, out, opt, name);
+  if (stats) *stats = st;
+  return out;
+}
+
+}  // namespace lutb

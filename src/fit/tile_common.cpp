@@ -1,0 +1,112 @@
+// src/fit/tile_common.cpp: sorting, exact nearest-entry assignment and the final encoding shared by
+// every fitter (spec section 2.1: nearest entry on the exact dequantised values, ties to the lower
+// index; codebooks ascending).
+#include <algorithm>
+#include <cmath>
+
+#include "fit/fit_internal.hpp"
+
+namespace lutb::fit_detail {
+
+void build_sorted(const float* x512, SortedTile& st) {
+  float v[kTileSize];
+  std::memcpy(v, x512, sizeof(v));
+  std::sort(v, v + kTileSize);
+  int n = 0;
+  st.cnt[0] = 0;
+  st.p1[0] = 0.0;
+  st.p2[0] = 0.0;
+  float amax = 0.0f;
+  for (int i = 0; i < kTileSize;) {
+    const float x = v[i];
+    int j = i + 1;
+    while (j < kTileSize && v[j] == x) ++j;  // +0 and -0 compare equal and merge
+    const int c = j - i;
+    const double xd = x;
+    st.u[n] = x == 0.0f ? 0.0f : x;
+    st.cnt[n + 1] = st.cnt[n] + c;
+    st.p1[n + 1] = st.p1[n] + c * xd;
+    st.p2[n + 1] = st.p2[n] + c * (xd * xd);
+    amax = std::max(amax, std::fabs(x));
+    ++n;
+    i = j;
+  }
+  st.n = n;
+  st.amax = amax;
+}
+
+double assign_sse(const float* x512, const float* cb, std::uint8_t* idx512) {
+  // Distinct runs of the ascending codebook: value u_r, first index pos_r. A value goes to run r
+  // when it is strictly above the midpoint between u_{r-1} and u_r (strictly closer to u_r), so
+  // an exact tie stays with the lower index. Midpoints of two E4M3 * 2^(s-127) values are exact in
+  // double (their exponents differ by < 20 and each has 4 significant bits).
+  double mid[kCodebookSize];
+  std::uint8_t pos[kCodebookSize];
+  double val[kCodebookSize];
+  int runs = 0;
+  for (int j = 0; j < kCodebookSize; ++j) {
+    if (runs == 0 || static_cast<double>(cb[j]) != val[runs - 1]) {
+      val[runs] = cb[j];
+      pos[runs] = static_cast<std::uint8_t>(j);
+      mid[runs] = runs == 0 ? -INFINITY : 0.5 * (val[runs - 1] + static_cast<double>(cb[j]));
+      ++runs;
+    }
+  }
+  double sse = 0.0;
+  for (int f = 0; f < kTileSize; ++f) {
+    const double x = x512[f];
+    int r = 0;
+    for (int k = 1; k < runs; ++k) r += x > mid[k] ? 1 : 0;  // midpoints ascending
+    const double d = x - val[r];
+    sse += d * d;
+    if (idx512) idx512[f] = pos[r];
+  }
+  return sse;
+}
+
+TileFit encode_tile(const float* x512, int scale, const std::uint8_t* entries, int n_entries) {
+  TileFit out;
+  float vals[kCodebookSize];
+  std::uint8_t bytes[kCodebookSize];
+  int m = 0;
+  for (int i = 0; i < n_entries; ++i) {
+    std::uint8_t b = entries[i];
+    if (b == 0x80) b = 0x00;  // write zero as +0
+    const float v = e4m3_to_float(b);
+    bool dup = false;
+    for (int j = 0; j < m; ++j) dup = dup || bytes[j] == b;
+    if (dup) continue;
+    // insertion sort by value
+    int p = m;
+    while (p > 0 && vals[p - 1] > v) {
+      vals[p] = vals[p - 1];
+      bytes[p] = bytes[p - 1];
+      --p;
+    }
+    vals[p] = v;
+    bytes[p] = b;
+    ++m;
+  }
+  if (m == 0) {
+    vals[0] = 0.0f;
+    bytes[0] = 0x00;
+    m = 1;
+  }
+  for (int j = m; j < kCodebookSize; ++j) {
+    vals[j] = vals[m - 1];
+    bytes[j] = bytes[m - 1];
+  }
+  float deq[kCodebookSize];
+  for (int j = 0; j < kCodebookSize; ++j) deq[j] = ldexp_ue8m0(vals[j], static_cast<std::uint8_t>(scale));
+  std::uint8_t idx[kTileSize];
+  out.sse = assign_sse(x512, deq, idx);
+  double ss = 0.0;
+  for (int f = 0; f < kTileSize; ++f) ss += static_cast<double>(x512[f]) * x512[f];
+  out.sum_sq = ss;
+  for (int g = 0; g < kTileSize / 8; ++g) pack8(idx + 8 * g, out.block.packed + 3 * g);
+  std::memcpy(out.block.codebook, bytes, kCodebookSize);
+  out.block.scale = static_cast<std::uint8_t>(scale);
+  return out;
+}
+
+}  // namespace lutb::fit_detail
