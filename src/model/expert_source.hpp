@@ -40,7 +40,8 @@ class ExpertSource {
 };
 
 /// Quantise-dequantise a BF16 weight [rows][cols] in place with a baseline format (INT3 g128 or
-/// MXFP4, lutb/baselines.hpp); stats over the weights, *bytes = the format's storage size.
+/// MXFP4, lutb/baselines.hpp; the dequantised values rounded to BF16 for the BF16 expert kernel);
+/// stats over the weights as used, *bytes = the format's storage size (bits_per_weight * n / 8).
 void baseline_qdq(Quant q, std::vector<std::uint16_t>& w, std::int64_t rows, std::int64_t cols, const std::string& name,
                   FitStats* stats, std::size_t* bytes);
 
