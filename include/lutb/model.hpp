@@ -152,6 +152,14 @@ void linear(const float* x, const float* W, const float* bias, float* y, std::in
 /// Sets the threads used by OpenMP and OpenBLAS (n >= 1); n <= 0 leaves the defaults (all cores).
 void set_threads(int n);
 
+/// The OpenBLAS kernel family in use (openblas_get_corename(): "SkylakeX", "Haswell", "Prescott"...).
+std::string blas_core_name();
+/// OpenBLAS (0.3.21 here) picks its kernels from cpuid when it is loaded; on a CPU newer than it
+/// knows (e.g. Xeon family 6 model 207 under KVM) it falls back to the SSE3 "Prescott" kernels,
+/// about 4x slower. Returns the OPENBLAS_CORETYPE value this CPU supports best ("SkylakeX" with
+/// AVX-512 F/BW/DQ/VL, "Haswell" with AVX2+FMA) when that fallback happened, else "".
+std::string blas_coretype_override();
+
 /// Natural-log softmax NLL of `target` under logits[V] (max-subtracted, accumulated in double).
 double nll(const float* logits, std::int64_t V, std::int64_t target);
 

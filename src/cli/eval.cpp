@@ -31,6 +31,7 @@ struct EvalArgs {
 nlohmann::json number_or_null(double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(nullptr); }
 
 void run_eval(const EvalArgs& a) {
+  ensure_fast_blas();
   model::set_threads(a.threads);
   const model::MoeOptions mo = a.quant.resolve(a.threads);
   const auto t0 = std::chrono::steady_clock::now();

@@ -1,7 +1,14 @@
 // Options shared by `lutb eval` and `lutb moe`: how the routed experts are held and computed.
 #pragma once
 
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
 #include <string>
+#include <vector>
+
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <fmt/core.h>
@@ -11,6 +18,34 @@
 #include "lutb/moe.hpp"
 
 namespace lutb::cli {
+
+/// When OpenBLAS fell back to its generic kernels on a CPU it does not know (see
+/// model::blas_coretype_override), re-executes this process with OPENBLAS_CORETYPE set (the kernels
+/// are chosen when the library loads, so only a fresh process can switch). Does nothing when
+/// OPENBLAS_CORETYPE is already set or no better kernel applies; on any failure continues as is.
+inline void ensure_fast_blas() {
+  if (std::getenv("OPENBLAS_CORETYPE")) return;
+  const std::string core = model::blas_coretype_override();
+  if (core.empty()) return;
+  std::ifstream in("/proc/self/cmdline", std::ios::binary);
+  std::string all((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::vector<std::string> args;
+  for (std::size_t p = 0; p < all.size();) {
+    const std::size_t e = all.find('\0', p);
+    args.push_back(all.substr(p, e == std::string::npos ? std::string::npos : e - p));
+    if (e == std::string::npos) break;
+    p = e + 1;
+  }
+  if (args.empty()) return;
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  ::setenv("OPENBLAS_CORETYPE", core.c_str(), 1);
+  std::fflush(stdout);
+  std::fflush(stderr);
+  ::execv("/proc/self/exe", argv.data());
+  ::unsetenv("OPENBLAS_CORETYPE");  // exec failed: carry on with the generic kernels
+}
 
 inline std::string activation_name(moe::ActivationFormat a) { return a == moe::ActivationFormat::MXFP8 ? "mxfp8" : "bf16"; }
 

@@ -39,6 +39,7 @@ std::vector<float> captured(const SafetensorsFile& f, const std::string& name, s
 }
 
 void run_moe(const MoeArgs& a) {
+  ensure_fast_blas();
   model::set_threads(a.threads);
   const model::MoeOptions mo = a.quant.resolve(a.threads);
   if (!std::filesystem::exists(a.activations_file))
