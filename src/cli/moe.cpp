@@ -48,6 +48,7 @@ void run_moe(const MoeArgs& a) {
   const auto& cfg = moe.config();
   if (a.layer < 0 || a.layer >= cfg.num_layers)
     throw std::runtime_error(fmt::format("--layer {} is out of range: {} has layers 0..{}", a.layer, a.model_dir, cfg.num_layers - 1));
+  std::unique_ptr<model::MoeBlock> block = moe.build(a.layer);
   const std::int64_t H = cfg.hidden_size;
   const SafetensorsFile acts(a.activations_file);
   const std::vector<float> x = captured(acts, fmt::format("layers.{}.moe_input", a.layer), H);
@@ -57,7 +58,6 @@ void run_moe(const MoeArgs& a) {
                                          a.activations_file, a.layer));
   const std::int64_t T = static_cast<std::int64_t>(x.size()) / H;
 
-  std::unique_ptr<model::MoeBlock> block = moe.build(a.layer);
   std::vector<float> out(x.size());
   const auto t0 = std::chrono::steady_clock::now();
   block->forward(x.data(), T, out.data());
