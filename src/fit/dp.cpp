@@ -44,15 +44,65 @@ struct Inv {
 };
 const Inv kInv;
 
+// v[t] = prev[i0 + t] + cost(i0 + t, j) for t < n: a branch-free loop over contiguous arrays that
+// the compiler vectorises. An AVX2 copy is selected at run time where the CPU has it; every
+// operation is an IEEE add, subtract, multiply, divide, compare, min or bit operation and
+// contraction is off (no FMA), so both copies give identical bits.
+#define LUTB_ROW_COSTS_BODY                                            \
+  const double cj = cd[j], aj = s1[j], bj = s2[j];                     \
+  for (int t = 0; t < n; ++t) {                                        \
+    const int i = i0 + t;                                              \
+    const double cc = cj - cd[i];                                      \
+    const double a = aj - s1[i];                                       \
+    const double b = bj - s2[i];                                       \
+    const double mean = a / cc;                                        \
+    const double d = mean - e4m3_nearest(mean);                        \
+    v[t] = prev[i] + ((b - a * mean) + cc * (d * d));                  \
+  }
+
+void row_costs_base(const double* __restrict prev, const double* __restrict cd, const double* __restrict s1,
+                    const double* __restrict s2, int i0, int n, int j, double* __restrict v) {
+  LUTB_ROW_COSTS_BODY
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx2"))) void row_costs_avx2(const double* __restrict prev, const double* __restrict cd,
+                                                    const double* __restrict s1, const double* __restrict s2, int i0,
+                                                    int n, int j, double* __restrict v) {
+  LUTB_ROW_COSTS_BODY
+}
+__attribute__((target("avx512f"))) void row_costs_avx512(const double* __restrict prev, const double* __restrict cd,
+                                                         const double* __restrict s1, const double* __restrict s2,
+                                                         int i0, int n, int j, double* __restrict v) {
+  LUTB_ROW_COSTS_BODY
+}
+const bool kHaveAvx2 = __builtin_cpu_supports("avx2");
+const bool kHaveAvx512 = __builtin_cpu_supports("avx512f");
+#else
+const bool kHaveAvx2 = false;
+const bool kHaveAvx512 = false;
+#define row_costs_avx2 row_costs_base
+#define row_costs_avx512 row_costs_base
+#endif
+
+inline void row_costs(const double* prev, const double* cd, const double* s1, const double* s2, int i0, int n, int j,
+                      double* v) {
+  if (kHaveAvx512) row_costs_avx512(prev, cd, s1, s2, i0, n, j, v);
+  else if (kHaveAvx2) row_costs_avx2(prev, cd, s1, s2, i0, n, j, v);
+  else row_costs_base(prev, cd, s1, s2, i0, n, j, v);
+}
+
 struct Dp {
   // Prefix arrays at the allowed boundary positions, scaled units.
   int c[kTileSize + 1];
+  double cd[kTileSize + 1];  // c as double
   double s1[kTileSize + 1];
   double s2[kTileSize + 1];
   int m = 0;
-  double prev[kTileSize + 1];
-  double cur[kTileSize + 1];
-  std::int16_t opt[kCodebookSize][kTileSize + 1];
+  double buf[2][kTileSize + 1];
+  double* prev = buf[0];
+  double* cur = buf[1];
+  std::int16_t opt[kCodebookSize][kTileSize + 1];  // opt[k-1][j]: start of the last run, layer k
 
   double cost(int i, int j) const {
     const int cc = c[j] - c[i];
@@ -64,24 +114,29 @@ struct Dp {
   }
 
   // cur[j] = min_{i in [ilo, ihi], k-1 <= i < j} prev[i] + cost(i, j) for j in [jlo, jhi].
-  void solve(int k, int jlo, int jhi, int ilo, int ihi) {
+  // Besides the monotonicity in j, the leftmost optimal start of the last run does not move left
+  // when a run is added (opt_k(j) >= opt_{k-1}(j), the same quadrangle-inequality argument as
+  // Knuth-Yao); `lower` (the previous layer's opt row, or null) uses that to cut the search.
+  void solve(int k, int jlo, int jhi, int ilo, int ihi, const std::int16_t* lower) {
     while (jlo <= jhi) {
       const int j = (jlo + jhi) >> 1;
-      const int lo = std::max(ilo, k - 1);
+      int lo = std::max(std::max(ilo, k - 1), lower ? static_cast<int>(lower[j]) : 0);
       const int hi = std::min(ihi, j - 1);
-      double best = std::numeric_limits<double>::infinity();
+      lo = std::min(lo, hi);  // (only reachable through rounding-level ties)
+      double v[kTileSize + 1];
+      row_costs(prev, cd, s1, s2, lo, hi - lo + 1, j, v);
+      double best = v[0];
       int bi = lo;
-      for (int i = lo; i <= hi; ++i) {
-        const double v = prev[i] + cost(i, j);
-        if (v < best) {
-          best = v;
-          bi = i;
+      for (int t = 1; t <= hi - lo; ++t) {
+        if (v[t] < best) {
+          best = v[t];
+          bi = lo + t;
         }
       }
       cur[j] = best;
       opt[k - 1][j] = static_cast<std::int16_t>(bi);
       // Left half recursively, right half iteratively (keeps the recursion shallow).
-      if (jlo <= j - 1) solve(k, jlo, j - 1, ilo, bi);
+      if (jlo <= j - 1) solve(k, jlo, j - 1, ilo, bi, lower);
       jlo = j + 1;
       ilo = bi;
     }
@@ -97,6 +152,7 @@ DpResult dp_fit(const SortedTile& st, const int* pos, int m, int scale) {
   dp.m = m;
   for (int i = 0; i <= m; ++i) {
     dp.c[i] = st.cnt[pos[i]];
+    dp.cd[i] = dp.c[i];
     dp.s1[i] = st.p1[pos[i]] * inv_scale;
     dp.s2[i] = st.p2[pos[i]] * inv_scale2;
   }
@@ -114,12 +170,12 @@ DpResult dp_fit(const SortedTile& st, const int* pos, int m, int scale) {
     for (int j = 1; j <= m; ++j) dp.prev[j] = dp.cost(0, j);
     // Layers 2..K-1 over every end position; layer K only at the end.
     for (int k = 2; k < K; ++k) {
-      dp.solve(k, k, m, k - 1, m - 1);
+      dp.solve(k, k, m, k - 1, m - 1, k > 2 ? dp.opt[k - 2] : nullptr);
       std::swap(dp.prev, dp.cur);
     }
     double best = std::numeric_limits<double>::infinity();
     int bi = K - 1;
-    for (int i = K - 1; i < m; ++i) {
+    for (int i = K > 2 ? dp.opt[K - 2][m] : K - 1; i < m; ++i) {
       const double v = dp.prev[i] + dp.cost(i, m);
       if (v < best) {
         best = v;
@@ -133,6 +189,7 @@ DpResult dp_fit(const SortedTile& st, const int* pos, int m, int scale) {
     seg_end[0] = 0;
   }
   res.n_entries = K;
+  for (int k = 0; k <= K; ++k) res.bounds[k] = pos[seg_end[k]];
   for (int k = 0; k < K; ++k) {
     const int i = seg_end[k], j = seg_end[k + 1];
     const double mean = (dp.s1[j] - dp.s1[i]) * kInv.v[dp.c[j] - dp.c[i]];
@@ -140,6 +197,73 @@ DpResult dp_fit(const SortedTile& st, const int* pos, int m, int scale) {
   }
   res.cost /= inv_scale2;
   return res;
+}
+
+void dp_refine(const SortedTile& st, int scale, int w, int rounds, DpResult& res) {
+  const int K = res.n_entries;
+  const int m = st.n;
+  if (K < 2 || K >= m) return;
+  thread_local Dp dp;
+  const double inv_scale = pow2(127 - scale);
+  const double inv_scale2 = inv_scale * inv_scale;
+  for (int i = 0; i <= m; ++i) {
+    dp.c[i] = st.cnt[i];
+    dp.cd[i] = st.cnt[i];
+    dp.s1[i] = st.p1[i] * inv_scale;
+    dp.s2[i] = st.p2[i] * inv_scale2;
+  }
+  int* b = res.bounds;
+  // F[k][t]: best cost of the first (window k's t-th position) values in k+1 runs.
+  double F[kCodebookSize + 1][2 * kTileSize + 1];
+  std::int16_t arg[kCodebookSize + 1][2 * kTileSize + 1];
+  double v[2 * kTileSize + 2];
+  for (int round = 0; round < rounds; ++round) {
+    int lo[kCodebookSize], hi[kCodebookSize];
+    for (int k = 1; k < K; ++k) {
+      lo[k] = std::max(b[k] - w, k);
+      hi[k] = std::min(b[k] + w, m - (K - k));
+    }
+    // Runs 0..k-1 end at j in window k (boundary k); windows are processed left to right.
+    for (int j = lo[1]; j <= hi[1]; ++j) F[1][j - lo[1]] = dp.cost(0, j);
+    for (int k = 2; k <= K; ++k) {
+      const int jl = k < K ? lo[k] : m, jh = k < K ? hi[k] : m;
+      // prev values on window k-1 as a dense array indexed from lo[k-1].
+      double* prev = dp.buf[1];
+      for (int i = lo[k - 1]; i <= hi[k - 1]; ++i) prev[i] = F[k - 1][i - lo[k - 1]];
+      for (int j = jl; j <= jh; ++j) {
+        const int il = lo[k - 1], ih = std::min(hi[k - 1], j - 1);
+        double best = std::numeric_limits<double>::infinity();
+        int bi = il;
+        if (ih >= il) {
+          row_costs(prev, dp.cd, dp.s1, dp.s2, il, ih - il + 1, j, v);
+          for (int t = 0; t <= ih - il; ++t)
+            if (v[t] < best) {
+              best = v[t];
+              bi = il + t;
+            }
+        }
+        F[k][j - jl] = best;
+        arg[k][j - jl] = static_cast<std::int16_t>(bi);
+      }
+    }
+    // Trace back.
+    int nb[kCodebookSize + 1];
+    nb[K] = m;
+    nb[0] = 0;
+    for (int k = K; k >= 2; --k) nb[k - 1] = arg[k][nb[k] - (k < K ? lo[k] : m)];
+    bool edge = false;
+    for (int k = 1; k < K; ++k) {
+      edge = edge || ((nb[k] == lo[k] && lo[k] > k) || (nb[k] == hi[k] && hi[k] < m - (K - k)));
+      b[k] = nb[k];
+    }
+    res.cost = F[K][0] / inv_scale2;
+    if (!edge) break;
+  }
+  for (int k = 0; k < K; ++k) {
+    const int i = b[k], j = b[k + 1];
+    const double mean = (dp.s1[j] - dp.s1[i]) / (dp.cd[j] - dp.cd[i]);
+    res.entries[k] = e4m3_byte_exact(e4m3_nearest(mean));
+  }
 }
 
 }  // namespace lutb::fit_detail

@@ -16,6 +16,7 @@ struct DpResult {
   int n_entries = 0;
   std::uint8_t entries[kCodebookSize];
   double cost = 0.0;
+  int bounds[kCodebookSize + 1];  // run k covers st.u[bounds[k] .. bounds[k+1]), k < n_entries
 };
 
 /// Minimum over codebooks of at most 8 entries from E4M3 * 2^(scale-127) of the squared error of
@@ -24,5 +25,11 @@ struct DpResult {
 /// strictly increasing). With pos = 0..st.n this is the exact optimum (nearest assignment makes
 /// every optimal clustering contiguous in sorted order).
 DpResult dp_fit(const SortedTile& st, const int* pos, int m, int scale);
+
+/// Local exact refinement of a partition (res.bounds, res.n_entries runs) at scale `scale`: the
+/// exact DP over partitions whose k-th boundary lies within `w` positions of the current k-th
+/// boundary, repeated (re-centred) while a boundary ends on a window edge, at most `rounds`
+/// times. Never increases the DP cost. Updates res in place.
+void dp_refine(const SortedTile& st, int scale, int w, int rounds, DpResult& res);
 
 }  // namespace lutb::fit_detail

@@ -3,7 +3,9 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -76,33 +78,18 @@ void check_forced(const FitOptions& opt, Which w) {
                                 "' has no scale (always byte 127, as upstream): forced_scale is not supported");
 }
 
-// Gathers tile (tn, tk) of a row-major [rows][cols] matrix of `type` into 512 floats, zero padding.
+// Gathers tile (tn, tk) of a row-major [rows][cols] matrix of `type` into 512 floats with zero
+// padding (tile.hpp's gather_tile for F32/BF16; the same rule for F16).
 void gather(const void* src, DType type, std::int64_t rows, std::int64_t cols, std::int64_t tn,
             std::int64_t tk, float* out) {
+  if (type == DType::F32) return gather_tile(static_cast<const float*>(src), rows, cols, tn, tk, out);
+  if (type == DType::BF16) return gather_tile_bf16(static_cast<const std::uint16_t*>(src), rows, cols, tn, tk, out);
   for (int r = 0; r < kTileRows; ++r) {
-    const std::int64_t row = tn * kTileRows + r;
+    const std::int64_t row = tn * kTileRows + r, c0 = tk * kTileCols;
+    const std::int64_t nc = row < rows ? std::clamp<std::int64_t>(cols - c0, 0, kTileCols) : 0;
+    const std::uint16_t* s = static_cast<const std::uint16_t*>(src) + (nc > 0 ? row * cols + c0 : 0);
     float* o = out + r * kTileCols;
-    const std::int64_t c0 = tk * kTileCols;
-    const std::int64_t nc = row < rows ? std::max<std::int64_t>(0, std::min<std::int64_t>(kTileCols, cols - c0)) : 0;
-    const std::size_t off = static_cast<std::size_t>(row * cols + c0);
-    switch (type) {
-      case DType::F32: {
-        const float* s = static_cast<const float*>(src) + off;
-        for (std::int64_t c = 0; c < nc; ++c) o[c] = s[c];
-        break;
-      }
-      case DType::BF16: {
-        const std::uint16_t* s = static_cast<const std::uint16_t*>(src) + off;
-        for (std::int64_t c = 0; c < nc; ++c) o[c] = bf16_to_float(s[c]);
-        break;
-      }
-      case DType::F16: {
-        const std::uint16_t* s = static_cast<const std::uint16_t*>(src) + off;
-        for (std::int64_t c = 0; c < nc; ++c) o[c] = fp16_to_float(s[c]);
-        break;
-      }
-      default: break;
-    }
+    for (std::int64_t c = 0; c < nc; ++c) o[c] = fp16_to_float(s[c]);
     for (std::int64_t c = nc; c < kTileCols; ++c) o[c] = 0.0f;
   }
 }

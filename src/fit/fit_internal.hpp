@@ -30,23 +30,22 @@ inline double pow2(int e) {
 /// Exact ties may go either way (callers use this only where both neighbours cost the same).
 /// Normal range: round the double's mantissa to 3 bits (ties to even), a carry moves to the next
 /// binade, which is the correct E4M3 value; subnormal range (|mu| < 2^-6): multiples of 2^-9.
-inline double e4m3_nearest(double mu) {
-  const std::uint64_t sign = __builtin_bit_cast(std::uint64_t, mu) & 0x8000000000000000ull;
-  const double a = std::fabs(mu);
-  double q;
-  if (a >= 448.0) {
-    q = 448.0;
-  } else if (a >= 0.015625) {
-    std::uint64_t b = __builtin_bit_cast(std::uint64_t, a);
-    b = (b + ((1ull << 48) - 1) + ((b >> 49) & 1ull)) & ~((1ull << 49) - 1);
-    q = __builtin_bit_cast(double, b);
-  } else {
-    // 2^-9 spacing: t = a * 512 < 8; round to nearest integer with the 2^52 trick (RNE).
-    const double t = a * 512.0;
-    const double r = (t + 4503599627370496.0) - 4503599627370496.0;
-    q = r * 0.001953125;
-  }
-  return __builtin_bit_cast(double, __builtin_bit_cast(std::uint64_t, q) | sign);
+__attribute__((always_inline)) inline double e4m3_nearest(double mu) {
+  // Branch-free (the DP calls this in its vectorised inner loop): both roundings are computed and
+  // one is selected with bit masks.
+  const std::uint64_t mb = __builtin_bit_cast(std::uint64_t, mu);
+  const std::uint64_t sign = mb & 0x8000000000000000ull;
+  const std::uint64_t ab = mb & 0x7fffffffffffffffull;
+  const double a = __builtin_bit_cast(double, ab);
+  // Normal: keep 3 mantissa bits, round to nearest even; saturate at 448 (bits 0x407C000000000000).
+  std::uint64_t nb = (ab + ((1ull << 48) - 1) + ((ab >> 49) & 1ull)) & ~((1ull << 49) - 1);
+  const std::uint64_t k448 = 0x407C000000000000ull;
+  nb = nb > k448 ? k448 : nb;  // positive doubles order like their bits
+  // Subnormal (a < 2^-6): multiples of 2^-9, RNE via the 2^52 trick.
+  const double t = a * 512.0;
+  const std::uint64_t sb = __builtin_bit_cast(std::uint64_t, ((t + 4503599627370496.0) - 4503599627370496.0) * 0.001953125);
+  const std::uint64_t is_sub = 0ull - static_cast<std::uint64_t>(ab < 0x3F90000000000000ull);  // a < 2^-6
+  return __builtin_bit_cast(double, ((sb & is_sub) | (nb & ~is_sub)) | sign);
 }
 
 /// E4M3 byte of an exactly representable value in scaled units (|v| <= 448). +0 for zero.

@@ -9,6 +9,13 @@
 //    and that of s+1 uniform with twice that step. The only values of s+1 outside that range are
 //    larger than 448 * 2^(s-127) >= amax, and every one of them is dominated by 448 * 2^(s-127),
 //    which lies between them and every cluster mean. So E(s+1) >= E(s) for all s >= r.
+//  * rceil-1 can win, but only by a hair: in units u = 2^(r-127), the grid of r-1 is the grid of r
+//    cut at 224, plus points H inside (-2^-6, 2^-6) where it is twice as fine; every point of H is
+//    within delta = 2^-10 of a point of the grid of r. Moving each H entry of the optimal r-1
+//    codebook to that neighbour changes a cluster's error by at most n_c * delta * (2|mean - c| +
+//    delta) <= 3 n_c delta^2 (the entry is the nearest grid point to its cluster mean, so
+//    |mean - c| <= delta), hence E(r) <= E(r-1) + 3 * 512 * 2^-20 * u^2. "optimal" still evaluates
+//    it to be exact; the fast default does not.
 //  * Scales below r saturate the largest values but refine the small ones, so they can win (the
 //    golden cases show rceil-1 never did there, but nothing forbids it). They are searched downward
 //    by branch and bound: at scale s every value with |x| > top_s = 448 * 2^(s-127) costs at least

@@ -8,31 +8,73 @@
 
 namespace lutb::fit_detail {
 
+namespace {
+
+// Order-preserving map of a finite float to an unsigned key (negative values reversed).
+inline std::uint32_t sort_key(float x) {
+  const std::uint32_t u = f32_bits(x);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+inline float from_key(std::uint32_t k) {
+  return f32_from_bits((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+// LSD radix sort of 512 keys, 8-bit digits; passes whose digit is the same for all keys are skipped.
+void radix_sort512(std::uint32_t* a) {
+  std::uint32_t hist[4][256] = {};
+  for (int i = 0; i < kTileSize; ++i) {
+    const std::uint32_t k = a[i];
+    ++hist[0][k & 0xff];
+    ++hist[1][(k >> 8) & 0xff];
+    ++hist[2][(k >> 16) & 0xff];
+    ++hist[3][k >> 24];
+  }
+  std::uint32_t tmp[kTileSize];
+  std::uint32_t* src = a;
+  std::uint32_t* dst = tmp;
+  for (int p = 0; p < 4; ++p) {
+    const int shift = 8 * p;
+    if (hist[p][(src[0] >> shift) & 0xff] == kTileSize) continue;  // all keys share this digit
+    std::uint32_t off[256];
+    std::uint32_t sum = 0;
+    for (int d = 0; d < 256; ++d) {
+      off[d] = sum;
+      sum += hist[p][d];
+    }
+    for (int i = 0; i < kTileSize; ++i) {
+      const std::uint32_t k = src[i];
+      dst[off[(k >> shift) & 0xff]++] = k;
+    }
+    std::swap(src, dst);
+  }
+  if (src != a) std::memcpy(a, src, sizeof(tmp));
+}
+
+}  // namespace
+
 void build_sorted(const float* x512, SortedTile& st) {
-  float v[kTileSize];
-  std::memcpy(v, x512, sizeof(v));
-  std::sort(v, v + kTileSize);
+  std::uint32_t keys[kTileSize];
+  for (int i = 0; i < kTileSize; ++i) keys[i] = sort_key(x512[i]);
+  radix_sort512(keys);
   int n = 0;
   st.cnt[0] = 0;
   st.p1[0] = 0.0;
   st.p2[0] = 0.0;
-  float amax = 0.0f;
   for (int i = 0; i < kTileSize;) {
-    const float x = v[i];
+    const float x = from_key(keys[i]);
     int j = i + 1;
-    while (j < kTileSize && v[j] == x) ++j;  // +0 and -0 compare equal and merge
+    while (j < kTileSize && from_key(keys[j]) == x) ++j;  // +0 and -0 compare equal and merge
     const int c = j - i;
     const double xd = x;
     st.u[n] = x == 0.0f ? 0.0f : x;
     st.cnt[n + 1] = st.cnt[n] + c;
     st.p1[n + 1] = st.p1[n] + c * xd;
     st.p2[n + 1] = st.p2[n] + c * (xd * xd);
-    amax = std::max(amax, std::fabs(x));
     ++n;
     i = j;
   }
   st.n = n;
-  st.amax = amax;
+  st.amax = std::max(std::fabs(st.u[0]), std::fabs(st.u[n - 1]));
 }
 
 double assign_sse(const float* x512, const float* cb, std::uint8_t* idx512) {

@@ -240,7 +240,7 @@ Grouping group_by_expert(const MoeConfig& cfg, const TopK& topk, std::int64_t to
 }
 
 void run_grouped(const MoeConfig& cfg, const HiddenStates& x, const TopK& topk, ActivationFormat act,
-                 const GroupedGemm& gemm, int rows_per_job, float* out) {
+                 const GroupedGemm& gemm, std::int64_t job_weights, float* out) {
   check_inputs(cfg, x, topk);
   const std::int64_t T = x.tokens, H = cfg.hidden_size, I = cfg.intermediate_size_per_partition;
   const int k = topk.k, E = cfg.local_experts();
@@ -259,7 +259,7 @@ void run_grouped(const MoeConfig& cfg, const HiddenStates& x, const TopK& topk, 
   for (std::int64_t m = 0; m < M; ++m)
     if (row_of_token[grp.token[m]] < 0) row_of_token[grp.token[m]] = used++;
   std::vector<float> A(static_cast<std::size_t>(used * Hp));
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (T * H > (1 << 16))
   for (std::int64_t t = 0; t < T; ++t)
     if (row_of_token[t] >= 0) load_activation_row(cfg, x, t, act, Hp, A.data() + row_of_token[t] * Hp);
 
@@ -268,9 +268,9 @@ void run_grouped(const MoeConfig& cfg, const HiddenStates& x, const TopK& topk, 
     int e;
     std::int64_t n0, n1;
   };
-  auto make_jobs = [&](std::int64_t N) {
+  auto make_jobs = [&](std::int64_t N, std::int64_t K) {
     std::vector<Job> jobs;
-    const std::int64_t step = 8 * static_cast<std::int64_t>(rows_per_job);
+    const std::int64_t step = std::max<std::int64_t>(8, job_weights / K / 8 * 8);
     for (int e = 0; e < E; ++e) {
       if (grp.offset[e + 1] == grp.offset[e]) continue;
       for (std::int64_t n = 0; n < N; n += step) jobs.push_back({e, n, std::min(N, n + step)});
@@ -297,14 +297,14 @@ void run_grouped(const MoeConfig& cfg, const HiddenStates& x, const TopK& topk, 
       arows[m] = A.data() + row_of_token[grp.token[m]] * Hp;
       crows[m] = G.data() + m * 2 * I;
     }
-    run_jobs(0, make_jobs(2 * I), arows, crows);
+    run_jobs(0, make_jobs(2 * I, H), arows, crows);
   }
   A.clear();
   A.shrink_to_fit();
 
   // Step 4: h = mxfp8_qdq(bf16(silu(g) * u)).
   std::vector<float> Hbuf(static_cast<std::size_t>(M * Ip));
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (M * I > (1 << 16))
   for (std::int64_t m = 0; m < M; ++m)
     gated_activation_row(cfg, G.data() + m * 2 * I, G.data() + m * 2 * I + I, act, Ip, Hbuf.data() + m * Ip);
   G.clear();
@@ -319,12 +319,12 @@ void run_grouped(const MoeConfig& cfg, const HiddenStates& x, const TopK& topk, 
       arows[m] = Hbuf.data() + m * Ip;
       crows[m] = Y.data() + m * H;
     }
-    run_jobs(1, make_jobs(H), arows, crows);
+    run_jobs(1, make_jobs(H, I), arows, crows);
   }
 
   // Step 6: out = sum_k weight_k * y (slot order); padded output columns are zero.
   const std::int64_t Hu = cfg.hidden_unpadded();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (T * H > (1 << 16))
   for (std::int64_t t = 0; t < T; ++t) {
     float* o = out + t * H;
     std::fill(o, o + H, 0.0f);
@@ -347,7 +347,9 @@ int isa_level() {
     int l = 0;
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) l = 1;
-    if (l == 1 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl")) l = 2;
+    if (l == 1 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi"))
+      l = 2;
     if (const char* cap = std::getenv("LUTB_ISA")) {
       const std::string c(cap);
       if (c == "scalar") l = 0;

@@ -90,10 +90,32 @@ inline V zero() { return _mm256_setzero_ps(); }
 inline V load(const float* p) { return _mm256_loadu_ps(p); }
 inline V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
 inline V load_lut(const float* p) { return _mm256_loadu_ps(p); }
-inline V decode(V lut, std::uint64_t bits24) {
-  const __m256i shifts = _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21);
-  const __m256i idx = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(bits24)), shifts);
-  return _mm256_permutevar8x32_ps(lut, idx);  // uses the low 3 bits of each lane
+// Indices j*8 .. j*8+7 of a 24-byte row: the 24-bit word at row + 3j, broadcast straight from
+// memory (vpbroadcastd m32), shifted per lane (vpsrlvd), looked up (vpermps, low 3 bits). The last
+// group reads bytes 20..23 and shifts 8 more, so no read passes the row.
+inline V decode(V lut, const std::uint8_t* row, int j) {
+  std::int32_t w;
+  if (j < 7) {
+    std::memcpy(&w, row + 3 * j, 4);
+    const __m256i shifts = _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21);
+    return _mm256_permutevar8x32_ps(lut, _mm256_srlv_epi32(_mm256_set1_epi32(w), shifts));
+  }
+  std::memcpy(&w, row + 20, 4);
+  const __m256i shifts = _mm256_setr_epi32(8, 11, 14, 17, 20, 23, 26, 29);
+  return _mm256_permutevar8x32_ps(lut, _mm256_srlv_epi32(_mm256_set1_epi32(w), shifts));
+}
+// Table of a tile: e4m3(codebook[i]) * 2^(scale-127). E4M3 bits (b & 0x7F) << 20 read as FP32 are
+// 2^-120 times the E4M3 value (normal and subnormal alike), so one exact multiply by 2^120 decodes,
+// and a second multiply by 2^(scale-127) rounds once, exactly as ldexp_ue8m0 (exact for scales 3..246).
+inline void decode_codebook(const std::uint8_t* cb, std::uint8_t scale, float* out8) {
+  std::int64_t bytes;
+  std::memcpy(&bytes, cb, 8);
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(bytes));
+  const __m256i mag = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7F)), 20);
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
+  __m256 v = _mm256_mul_ps(_mm256_castsi256_ps(mag), _mm256_set1_ps(0x1p120f));
+  v = _mm256_or_ps(v, _mm256_castsi256_ps(sign));
+  _mm256_storeu_ps(out8, _mm256_mul_ps(v, _mm256_set1_ps(ue8m0_to_float(scale))));
 }
 inline V load_bf16(const std::uint16_t* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -120,12 +142,11 @@ void dense_gemm(const std::uint16_t* w, std::int64_t K, std::int64_t n0, std::in
 #pragma GCC pop_options
 
 // ---------------------------------------------------------------------------
-// AVX-512 (F, VL): 16 lanes; two 3-byte groups per vector (48 bits -> two dwords -> vpermd
-// broadcast to the halves -> vpsrlvd), vpermps over the 8-entry table duplicated to 16 lanes
-// (lane bit 3 then selects the same entry, so no masking is needed).
+// AVX-512 (F, VL, BW, VBMI): 16 lanes; 16 indices per vpmultishiftqb, vpermps over the 8-entry
+// table duplicated to 16 lanes.
 // ---------------------------------------------------------------------------
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512vl,avx2,fma")
+#pragma GCC target("avx512f,avx512vl,avx512bw,avx512vbmi,avx2,fma")
 namespace avx512 {
 namespace simd {
 constexpr int kLanes = 16;
@@ -137,12 +158,28 @@ inline V load_lut(const float* p) {
   const __m512 l = _mm512_zextps256_ps512(_mm256_loadu_ps(p));
   return _mm512_shuffle_f32x4(l, l, 0x44);  // 128-bit lanes [0, 1, 0, 1]
 }
-inline V decode(V lut, std::uint64_t bits48) {
-  const std::uint64_t two = (bits48 & 0xffffffu) | ((bits48 >> 24) << 32);
-  const __m512i sel = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-  const __m512i shifts = _mm512_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21, 0, 3, 6, 9, 12, 15, 18, 21);
-  const __m512i words = _mm512_permutexvar_epi32(sel, _mm512_zextsi128_si512(_mm_cvtsi64_si128(static_cast<long long>(two))));
-  return _mm512_permutexvar_ps(_mm512_srlv_epi32(words, shifts), lut);
+// Indices 16c .. 16c+15 of a 24-byte row start at byte 6c: one qword broadcast from memory
+// (vpbroadcastq m64), then vpmultishiftqb puts index 2i at byte 0 and index 2i+1 at byte 4 of qword
+// lane i (bit offsets 6i and 6i+3), i.e. in the low bits of dword lanes 2i, 2i+1; vpermps looks them
+// up (lane bit 3 is the next index's bit, harmless with the table duplicated). The last chunk reads
+// bytes 16..23 with offsets +16, so no read passes the row.
+inline V decode(V lut, const std::uint8_t* row, int j) {
+  std::int64_t q;
+  if (j < 3) {
+    std::memcpy(&q, row + 6 * j, 8);
+    const __m512i ctrl = _mm512_setr_epi64(0x0000000300000000ll, 0x0000000906000006ll, 0x0000000f0c00000cll,
+                                           0x0000001512000012ll, 0x0000001b18000018ll, 0x000000211e00001ell,
+                                           0x0000002724000024ll, 0x0000002d2a00002all);
+    return _mm512_permutexvar_ps(_mm512_multishift_epi64_epi8(ctrl, _mm512_set1_epi64(q)), lut);
+  }
+  std::memcpy(&q, row + 16, 8);
+  const __m512i ctrl = _mm512_setr_epi64(0x0000001310000010ll, 0x0000001916000016ll, 0x0000001f1c00001cll,
+                                         0x0000002522000022ll, 0x0000002b28000028ll, 0x000000312e00002ell,
+                                         0x0000003734000034ll, 0x0000003d3a00003all);
+  return _mm512_permutexvar_ps(_mm512_multishift_epi64_epi8(ctrl, _mm512_set1_epi64(q)), lut);
+}
+inline void decode_codebook(const std::uint8_t* cb, std::uint8_t scale, float* out8) {
+  avx2::simd::decode_codebook(cb, scale, out8);
 }
 inline V load_bf16(const std::uint16_t* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -171,6 +208,14 @@ void lutb_gemm(const std::uint8_t* packed, const std::uint8_t* codebook, const s
     case 2: return avx512::lutb_gemm(packed, codebook, scale, TK, N, n0, n1, a, ntok, c);
     case 1: return avx2::lutb_gemm(packed, codebook, scale, TK, N, n0, n1, a, ntok, c);
     default: return scalar::lutb_gemm(packed, codebook, scale, TK, N, n0, n1, a, ntok, c);
+  }
+}
+
+void lutb_decode_codebook_dispatch(const std::uint8_t* codebook8, std::uint8_t scale, float* out8) {
+  switch (isa_level()) {
+    case 2: return avx512::simd::decode_codebook(codebook8, scale, out8);
+    case 1: return avx2::simd::decode_codebook(codebook8, scale, out8);
+    default: return lutb_decode_codebook(codebook8, scale, out8);
   }
 }
 

@@ -8,6 +8,9 @@ namespace lutb::moe::detail {
 /// 8 FP32 table values of a tile: e4m3(codebook[i]) * 2^(scale - 127) (exact, ldexp_ue8m0).
 void lutb_decode_codebook(const std::uint8_t* codebook8, std::uint8_t scale, float* out8);
 
+/// Same as lutb_decode_codebook through the kernels' own (dispatched) table decoding.
+void lutb_decode_codebook_dispatch(const std::uint8_t* codebook8, std::uint8_t scale, float* out8);
+
 /// One expert's LUT-B weight with TK tiles along K and N logical rows (packed [N/8, TK, 192],
 /// codebook [N/8, TK, 8], scale [N/8, TK]): for rows n in [n0, n1) (n0 % 8 == 0, n < N) and tokens
 /// t < ntok, c[t][n] = sum_{k < 64*TK} a[t][k] * W[n][k]. a[t] must hold 64*TK floats (zero padding).

@@ -23,7 +23,7 @@ void LutbCpuExperts::apply_f32(const HiddenStates& x, const TopK& topk, float* o
         detail::lutb_gemm(w.packed.data() + t0 * kPackedBytes, w.codebook.data() + t0 * kCodebookSize,
                           w.scale.data() + t0, s.tiles_k(), s.rows, n0, n1, a, ntok, c);
       },
-      /*rows_per_job=*/2, out);
+      /*job_weights=*/std::int64_t{1} << 16, out);
 }
 
 }  // namespace lutb::moe

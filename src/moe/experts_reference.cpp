@@ -44,7 +44,7 @@ void DenseExperts::apply_f32(const HiddenStates& x, const TopK& topk, float* out
         else
           detail::dense_gemm(w2 + static_cast<std::int64_t>(e) * H * I, I, n0, n1, a, ntok, c);
       },
-      /*rows_per_job=*/4, out);
+      /*job_weights=*/std::int64_t{1} << 15, out);
 }
 
 // ---------------------------------------------------------------------------

@@ -49,10 +49,10 @@ using GroupedGemm = std::function<void(int which, int e, std::int64_t n_begin, s
                                        const float* const* a, int ntok, float* const* c)>;
 
 /// The grouped pipeline of spec 4 (steps 2..6) around a GEMM callback: activation load (+qdq),
-/// GEMM1 over (expert, 8*rows_per_job-row block) jobs in parallel, gated activation (+qdq), GEMM2,
-/// slot-ordered weighted sum into out [T, hidden_size].
+/// GEMM1 over (expert, row block) jobs in parallel (blocks of a multiple of 8 rows holding about
+/// job_weights weights), gated activation (+qdq), GEMM2, slot-ordered weighted sum into out [T, H].
 void run_grouped(const MoeConfig& cfg, const HiddenStates& x, const TopK& topk, ActivationFormat act,
-                 const GroupedGemm& gemm, int rows_per_job, float* out);
+                 const GroupedGemm& gemm, std::int64_t job_weights, float* out);
 
 /// Which ISA the dispatching kernels use: 0 scalar, 1 AVX2+FMA, 2 AVX-512 (F, VL). Cached; the
 /// LUTB_ISA environment variable caps it.

@@ -7,6 +7,7 @@
 #include <random>
 
 #include "lutb/mxfp8.hpp"
+#include "moe/cpu_kernels.hpp"
 #include "moe/moe_test_util.hpp"
 #include "support/test_support.hpp"
 
@@ -112,6 +113,25 @@ TEST(MoeGolden, BreakingOneStepIsDetected) {
   std::vector<std::uint16_t> out(L.expected.size());
   bf16act.apply(HiddenStates::bf16(L.x.data(), T), {L.ids.data(), L.weights.data(), L.cfg.top_k}, out.data());
   EXPECT_GT(rel_l2(test::bf16_to_f32(out), L.expected), 3e-3);
+}
+
+TEST(Experts, KernelTableDecodeIsExactForEveryByteAndScale) {
+  // The SIMD kernels decode a tile's table as bits((b & 0x7F) << 20) * 2^120 * 2^(s-127); it must
+  // equal e4m3_to_float(b) scaled by ldexp_ue8m0 for every non-NaN byte and every scale 0..254.
+  for (const char* isa : {"scalar", "avx2", "avx512"}) {
+    IsaCap cap(isa);
+    for (int s = 0; s <= 254; ++s)
+      for (int b0 = 0; b0 < 256; b0 += 8) {
+        std::uint8_t cb[8];
+        for (int i = 0; i < 8; ++i) cb[i] = static_cast<std::uint8_t>(e4m3_is_nan(b0 + i) ? 0 : b0 + i);
+        float got[8];
+        detail::lutb_decode_codebook_dispatch(cb, static_cast<std::uint8_t>(s), got);
+        for (int i = 0; i < 8; ++i) {
+          const float want = ldexp_ue8m0(e4m3_to_float(cb[i]), static_cast<std::uint8_t>(s));
+          ASSERT_EQ(f32_bits(got[i]), f32_bits(want)) << isa << " byte " << int(cb[i]) << " scale " << s;
+        }
+      }
+  }
 }
 
 // ---------------------------------------------------------------------------
