@@ -23,7 +23,7 @@
 namespace lutb::fit_detail {
 namespace {
 
-constexpr int kBins = 64;
+constexpr int kBins = 32;
 constexpr int kWindow = 8;   // boundary window half-width of the local exact refinement
 constexpr int kRounds = 4;   // re-centred refinements at most
 
