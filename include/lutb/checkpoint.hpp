@@ -246,7 +246,10 @@ struct SharedExpert {
 };
 
 /// An opened checkpoint directory: config.json plus the safetensors (single file, index + shards,
-/// or every *.safetensors) memory-mapped. Tensor data stays in the mapping until a method copies it.
+/// or every *.safetensors) memory-mapped. Tensor data stays in the mapping until a method copies it;
+/// the methods that copy (dense, experts_source, lutb_experts, lutb_projection, router,
+/// shared_expert) then drop the copied pages of the mapping from the resident set (madvise), so a
+/// layer's weights are resident once, not twice. tensor() views stay valid (pages fault back in).
 class Checkpoint {
  public:
   /// Opens `dir`. Throws ConfigError (missing/invalid config.json, unsupported family) or
@@ -401,7 +404,7 @@ ModelConfig synth_config(const SynthOptions& opt);
 /// router, DeepSeek correction bias, shared experts) in BF16 -- no attention, norms or embeddings.
 /// Files: "model.safetensors" for one layer, else one shard per layer
 /// "model-0000L-of-0000N.safetensors" with model.safetensors.index.json.
-/// Weights are Student-t(nu) (Bailey's polar method) scaled to standard deviation 1/sqrt(fan_in),
+/// Weights are Student-t(nu) (inversion of the exact CDF, tabulated) scaled to standard deviation 1/sqrt(fan_in),
 /// the scale of trained projections; the router the same; the DeepSeek correction bias 0.01*t.
 /// Deterministic from the seed: each row of each tensor has its own generator seeded by
 /// hash(seed, per-expert tensor name, row), so stacked and per-expert layouts hold the same

@@ -98,12 +98,14 @@ void copy_float(const std::filesystem::path& dir, const TensorView& v, const std
                                       detail::shape_str(v.shape), detail::shape_str(expected)));
   if (v.dtype == to) {
     std::memcpy(dst, v.data, v.nbytes);
+    detail::release_pages(v.data, v.nbytes);  // the copy is what we keep; drop the mapped pages from RSS
     return;
   }
   if (to != DType::F32)
     throw CheckpointError(fmt::format("checkpoint {}: tensor {} has dtype {} but the other experts of the stack are {}",
                                       dir.string(), v.name, dtype_name(v.dtype), dtype_name(to)));
   detail::convert_to_f32(v.data, v.dtype, reinterpret_cast<float*>(dst), v.numel());
+  detail::release_pages(v.data, v.nbytes);
 }
 
 DType stack_dtype(DType t) { return t == DType::F64 ? DType::F32 : t; }
@@ -227,6 +229,8 @@ void Checkpoint::read_lutb(const std::string& weight_name, const LutbShape& one,
   const std::int64_t tiles = one.tiles();
   std::memcpy(out.packed.data() + tile_offset * kPackedBytes, p.data, static_cast<std::size_t>(tiles) * kPackedBytes);
   std::memcpy(out.codebook.data() + tile_offset * kCodebookSize, c.data, static_cast<std::size_t>(tiles) * kCodebookSize);
+  detail::release_pages(p.data, p.nbytes);
+  detail::release_pages(c.data, c.nbytes);
   if (st_->contains(n.scale)) {
     const TensorView& s = tensor(n.scale);
     check(s, DType::U8, grid);

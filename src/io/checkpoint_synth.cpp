@@ -81,19 +81,87 @@ std::uint64_t hash_name(const std::string& s, std::uint64_t seed) {
   return splitmix64(h);
 }
 
-// Uniform in (-1, 1) from 53 random bits.
-double uniform_pm1(std::uint64_t& s) { return (static_cast<double>(splitmix64(s) >> 11) + 0.5) * (2.0 / 9007199254740992.0) - 1.0; }
-
-// Student-t(nu) by Bailey's polar method (Bailey 1994, Math. Comp. 62:779-781):
-// U, V uniform on (-1, 1), W = U^2 + V^2 <= 1, T = U * sqrt(nu * (W^(-2/nu) - 1) / W).
-double student_t(std::uint64_t& s, double nu) {
-  for (;;) {
-    const double u = uniform_pm1(s), v = uniform_pm1(s);
-    const double w = u * u + v * v;
-    if (w > 1.0 || w == 0.0) continue;
-    return u * std::sqrt(nu * (std::pow(w, -2.0 / nu) - 1.0) / w);
+// Student-t(nu) CDF: F(t) = 1 - I_x(nu/2, 1/2) / 2 for t > 0, x = nu / (nu + t^2) (regularised
+// incomplete beta, continued fraction of Numerical Recipes 6.4 / Lentz).
+double betacf(double a, double b, double x) {
+  const double tiny = 1e-300;
+  double c = 1.0, d = 1.0 - (a + b) * x / (a + 1.0);
+  if (std::fabs(d) < tiny) d = tiny;
+  d = 1.0 / d;
+  double h = d;
+  for (int m = 1; m <= 300; ++m) {
+    const int m2 = 2 * m;
+    double aa = m * (b - m) * x / ((a - 1.0 + m2) * (a + m2));
+    d = 1.0 + aa * d;
+    if (std::fabs(d) < tiny) d = tiny;
+    c = 1.0 + aa / c;
+    if (std::fabs(c) < tiny) c = tiny;
+    d = 1.0 / d;
+    h *= d * c;
+    aa = -(a + m) * (a + b + m) * x / ((a + m2) * (a + 1.0 + m2));
+    d = 1.0 + aa * d;
+    if (std::fabs(d) < tiny) d = tiny;
+    c = 1.0 + aa / c;
+    if (std::fabs(c) < tiny) c = tiny;
+    d = 1.0 / d;
+    const double del = d * c;
+    h *= del;
+    if (std::fabs(del - 1.0) < 1e-15) break;
   }
+  return h;
 }
+
+double betai(double a, double b, double x) {
+  if (x <= 0.0) return 0.0;
+  if (x >= 1.0) return 1.0;
+  const double bt = std::exp(std::lgamma(a + b) - std::lgamma(a) - std::lgamma(b) + a * std::log(x) + b * std::log1p(-x));
+  if (x < (a + 1.0) / (a + b + 2.0)) return bt * betacf(a, b, x) / a;
+  return 1.0 - bt * betacf(b, a, 1.0 - x) / b;
+}
+
+// Student-t(nu) sampler by inversion: the quantile function tabulated at u = j / 2^16 (built once,
+// exact to ~1e-12 by Newton on the CDF), linear interpolation inside a bin; the two outer bins
+// (probability 2^-15) are inverted exactly per sample. One 64-bit random number per value.
+class StudentT {
+ public:
+  explicit StudentT(double nu) : nu_(nu), q_(kBins + 1) {
+    c_ = std::exp(std::lgamma((nu + 1) / 2) - std::lgamma(nu / 2)) / std::sqrt(nu * M_PI);
+    q_[kBins / 2] = 0.0;
+    // Lower half, descending: Newton from the previous (larger) quantile converges monotonically
+    // because the CDF is convex for t < 0.
+    for (int j = kBins / 2 - 1; j >= 1; --j) q_[j] = lower_quantile(static_cast<double>(j) / kBins, q_[j + 1]);
+    for (int j = kBins / 2 + 1; j < kBins; ++j) q_[j] = -q_[kBins - j];
+    q_[0] = q_[1];  // unused (outer bins are inverted exactly)
+    q_[kBins] = q_[kBins - 1];
+  }
+  double operator()(std::uint64_t r) const {
+    const int j = static_cast<int>(r >> 48);                                      // bin
+    const double f = (static_cast<double>(r & 0xffffffffffffull) + 0.5) * 0x1p-48;  // position in the bin
+    if (j == 0) return lower_quantile(f / kBins, q_[1]);
+    if (j == kBins - 1) return -lower_quantile((1.0 - f) / kBins, q_[1]);
+    return q_[j] + f * (q_[j + 1] - q_[j]);
+  }
+
+ private:
+  static constexpr int kBins = 1 << 16;
+  double cdf(double t) const {
+    const double ib = betai(nu_ / 2, 0.5, nu_ / (nu_ + t * t));
+    return t > 0 ? 1.0 - 0.5 * ib : 0.5 * ib;
+  }
+  double pdf(double t) const { return c_ * std::pow(1.0 + t * t / nu_, -(nu_ + 1) / 2); }
+  // Quantile for u < 0.5 by Newton from `start` (a value at or above the root).
+  double lower_quantile(double u, double start) const {
+    double t = start;
+    for (int it = 0; it < 200; ++it) {
+      const double step = (cdf(t) - u) / pdf(t);
+      t -= step;
+      if (std::fabs(step) <= 1e-13 * (1.0 + std::fabs(t))) break;
+    }
+    return t;
+  }
+  double nu_, c_;
+  std::vector<double> q_;
+};
 
 // One synthetic matrix: its values come from (name, row) only.
 struct SynthSource {
@@ -102,7 +170,8 @@ struct SynthSource {
   double scale;      // multiplies the Student-t samples
 };
 
-void gen_rows(const SynthSource& src, std::int64_t r0, std::int64_t r1, std::uint64_t seed, double nu, std::uint16_t* out) {
+void gen_rows(const SynthSource& src, std::int64_t r0, std::int64_t r1, std::uint64_t seed, const StudentT& dist,
+              std::uint16_t* out) {
   const std::uint64_t base = hash_name(src.name, seed);
 #pragma omp parallel for schedule(static)
   for (std::int64_t r = r0; r < r1; ++r) {
@@ -110,7 +179,7 @@ void gen_rows(const SynthSource& src, std::int64_t r0, std::int64_t r1, std::uin
     splitmix64(s);
     std::uint16_t* row = out + (r - r0) * src.cols;
     for (std::int64_t c = 0; c < src.cols; ++c)
-      row[c] = bf16_from_float(static_cast<float>(src.scale * student_t(s, nu)));
+      row[c] = bf16_from_float(static_cast<float>(src.scale * dist(splitmix64(s))));
   }
 }
 
@@ -223,6 +292,7 @@ std::uint64_t synthesize_checkpoint(const fs::path& out_dir, const SynthOptions&
     }
   } guard{tmp};
 
+  const StudentT dist(nu);
   detail::Progress prog("synth", total, opt.progress);
   nlohmann::json weight_map = nlohmann::json::object();
   std::vector<std::uint16_t> buf;
@@ -240,7 +310,7 @@ std::uint64_t synthesize_checkpoint(const fs::path& out_dir, const SynthOptions&
         for (std::int64_t r0 = 0; r0 < part.rows; r0 += block) {
           const std::int64_t r1 = std::min(part.rows, r0 + block);
           buf.resize(static_cast<std::size_t>((r1 - r0) * part.cols));
-          gen_rows(part, r0, r1, opt.seed, nu, buf.data());
+          gen_rows(part, r0, r1, opt.seed, dist, buf.data());
           w.write(buf.data(), buf.size() * 2);
           prog.advance(buf.size() * 2);
         }
