@@ -1,5 +1,6 @@
 // src/cuda/moe_bf16.cu: the BF16 baseline forward on the same kernel skeleton as the LUT-B one
 // (spec section 4, last paragraph: BF16 weights, no MXFP8 steps). Used by the benchmarks.
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -16,14 +17,15 @@ void launch_gemms_bf16(const DeviceMoeWeightsBf16& w, const std::uint16_t* x, co
                        const detail::Workspace& ws, std::int64_t P, cudaStream_t stream) {
   const std::int64_t H = w.hidden, I = w.intermediate;
   const std::int64_t slots = detail::max_tiles(P, w.experts, MT);
-  const kern::LutbW w13{nullptr, nullptr, nullptr, 2 * I / 8, H / 64};
-  const kern::LutbW w2{nullptr, nullptr, nullptr, H / 8, I / 64};
+  const kern::LutbW w13{nullptr, nullptr, nullptr, 2 * I / 8, H / 64, 0};
+  const kern::LutbW w2{nullptr, nullptr, nullptr, H / 8, I / 64, 0};
+  constexpr int smem = kern::kWarps * kern::Ring<false>::kWarpBytes;
   const dim3 g1(static_cast<unsigned>(I / 32), static_cast<unsigned>(slots));
-  kern::moe_gemm1_kernel<false, false, MT><<<g1, kern::kWarps * 32, 0, stream>>>(w13, w.w13, x, nullptr, H, r, I, I,
+  kern::moe_gemm1_kernel<false, false, MT><<<g1, kern::kWarps * 32, smem, stream>>>(w13, w.w13, x, nullptr, H, r, I, I,
                                                                                   ws.hq, nullptr);
   detail::check_launch("sm80_bf16_moe_gemm1");
   const dim3 g2(static_cast<unsigned>(detail::ceil_div(w2.tiles_n, 8)), static_cast<unsigned>(slots));
-  kern::moe_gemm2_kernel<false, false, MT><<<g2, kern::kWarps * 32, 0, stream>>>(w2, w.w2, ws.hq, nullptr, I, r, H,
+  kern::moe_gemm2_kernel<false, false, MT><<<g2, kern::kWarps * 32, smem, stream>>>(w2, w.w2, ws.hq, nullptr, I, r, H,
                                                                                   ws.y);
   detail::check_launch("sm80_bf16_moe_gemm2");
 }
@@ -40,6 +42,9 @@ void moe_forward_bf16(const DeviceMoeWeightsBf16& w, const std::uint16_t* x, std
   if (top_k < 1 || top_k > 32) throw std::invalid_argument("moe_forward_bf16: top_k must be 1..32");
   if (tokens < 0 || tokens > 65535) throw std::invalid_argument("moe_forward_bf16: tokens must be 0..65535 per call");
   if (!w.w13 || !w.w2) throw std::invalid_argument("moe_forward_bf16: null weight pointer");
+  if (reinterpret_cast<std::uintptr_t>(w.w13) % 16 || reinterpret_cast<std::uintptr_t>(w.w2) % 16 ||
+      reinterpret_cast<std::uintptr_t>(x) % 16)
+    throw std::invalid_argument("moe_forward_bf16: weights and x must be 16-byte aligned");
   if (tokens == 0) return;
   const detail::Workspace ws = detail::carve(workspace, tokens, top_k, E, H, I);
   if (workspace_bytes < ws.bytes)

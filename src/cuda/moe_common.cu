@@ -164,10 +164,10 @@ int resolve_mt(MoeStrategy s, std::int64_t tokens, int top_k, std::int64_t exper
   return s == MoeStrategy::Prefill ? 4 : 1;
 }
 
-static bool g_force_bytes = false;
+static bool g_use_cvt = false;
 
 bool use_cvt_decoder() {
-  if (g_force_bytes) return false;
+  if (!g_use_cvt) return false;
   static int cc[64] = {0};
   int dev = 0;
   check(cudaGetDevice(&dev), "cudaGetDevice");
@@ -205,6 +205,6 @@ void launch_reduce(const int* ids, const float* weights, const float* y, std::in
 
 }  // namespace detail
 
-void set_force_byte_decoder(bool on) { detail::g_force_bytes = on; }
+void set_use_cvt_decoder(bool on) { detail::g_use_cvt = on; }
 
 }  // namespace lutb::cuda

@@ -7,75 +7,148 @@
 
 namespace lutb::cuda::kern {
 
-/// Activation operand of one m16 token tile for one 32-column block: 2 k16 steps x 4 registers.
-/// rowg / rowg8: element pointers (FP16 or BF16) of tokens g and g+8 at the block's start + 8t, or
-/// null for rows past the tile's count (zeros).
-__device__ __forceinline__ void load_a(const uint16_t* rowg, const uint16_t* rowg8, unsigned (&a0)[4],
-                                       unsigned (&a1)[4]) {
-  uint4 r = make_uint4(0, 0, 0, 0), s = make_uint4(0, 0, 0, 0);
-  if (rowg) r = __ldg(reinterpret_cast<const uint4*>(rowg));
-  if (rowg8) s = __ldg(reinterpret_cast<const uint4*>(rowg8));
-  // step 0: k-slots (2t,2t+1) <- register 0, (2t+8,2t+9) <- register 1; step 1: registers 2, 3.
-  a0[0] = r.x; a0[1] = s.x; a0[2] = r.y; a0[3] = s.y;
-  a1[0] = r.z; a1[1] = s.z; a1[2] = r.w; a1[3] = s.w;
-}
+// ---------------------------------------------------------------------------
+// Per-warp cp.async ring of weight K-tiles (stages of kStages), so that several K-tiles of every warp
+// are in flight while it computes: decode is a stream of weight bytes and lives on bytes in flight.
+// ---------------------------------------------------------------------------
+template <bool kLutb>
+struct Ring {
+  // LUT-B stage: 2 strips x 192 packed bytes | 2 x 8 codebook bytes | 2 x 4-byte scale words.
+  // BF16 stage: 2 strips x 8 rows x 192 bytes (128 used; the padding spreads rows over the banks).
+  static constexpr int kStages = kLutb ? 8 : 4;
+  static constexpr int kStageBytes = kLutb ? 416 : 2 * 8 * 192;
+  static constexpr int kWarpBytes = kStages * kStageBytes;
+};
 
-/// One warp's share of a grouped GEMM: NT n8 weight strips (rows strip[i]*8..+7 of expert e) times
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+/// One warp's share of a grouped GEMM: 2 n8 weight strips (rows strip[i]*8..+7 of expert e) times
 /// MT m16 token tiles, over K = 64 * tiles_k columns. acc[i][m][4] FP32.
 /// LUT-B: A = FP16 E4M3 values + UE8M0 block scales; B decoded from the packed tiles.
-/// BF16: A = BF16, B = BF16 rows of the weight matrix.
-template <bool kLutb, bool kCvt, int NT, int MT>
+/// BF16: A = BF16, B = BF16 rows of the weight matrix. `ring` is this warp's shared memory.
+template <bool kLutb, bool kCvt, int MT>
 __device__ __forceinline__ void warp_gemm(const LutbW& w, const uint16_t* __restrict__ wbf16, long long e,
-                                          const long long (&strip)[NT], const bool (&strip_ok)[NT],
+                                          const long long (&strip)[2], const bool (&strip_ok)[2],
                                           const uint16_t* const (&arow)[MT][2],
-                                          const unsigned char* const (&srow)[MT][2], long long a_cols,
-                                          float (&acc)[NT][MT][4]) {
+                                          const unsigned char* const (&srow)[MT][2], unsigned char* ring,
+                                          float (&acc)[2][MT][4]) {
+  using R = Ring<kLutb>;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
-  for (int i = 0; i < NT; ++i)
+  for (int i = 0; i < 2; ++i)
 #pragma unroll
     for (int m = 0; m < MT; ++m)
 #pragma unroll
       for (int r = 0; r < 4; ++r) acc[i][m][r] = 0.0f;
 
   const long long tiles_k = w.tiles_k;
-  // Byte offset inside a tile of this thread's group in block 0: row g (24 bytes), group t (3 bytes).
-  const int grp_off = 24 * g + 3 * t;
-  const int lo_off = grp_off & ~3, hi_off = (t == 1 || t == 2) ? lo_off + 4 : lo_off;
-  const int shift = (3 * t & 3) * 8;
+  const long long K = tiles_k * 64;
+  // Tile-row bases (64-bit: an expert stack can pass 2^31 bytes).
+  const long long tile0[2] = {(e * w.tiles_n + strip[0]) * tiles_k, (e * w.tiles_n + strip[1]) * tiles_k};
+  const unsigned long long scale_end = reinterpret_cast<unsigned long long>(w.scale + w.total_tiles);
 
-  for (long long kt = 0; kt < tiles_k; ++kt) {
-    // ---- load weights of the NT strips for this 64-column tile (both 32-blocks)
-    unsigned wl[NT][2], wh[NT][2], cbl[NT], cbh[NT], sw[NT];
-    uint4 wb[NT][2];
-#pragma unroll
-    for (int i = 0; i < NT; ++i) {
+  auto issue = [&](long long kt) {
+    if (kt < tiles_k) {
+      unsigned char* st = ring + (kt % R::kStages) * R::kStageBytes;
       if constexpr (kLutb) {
-        if (strip_ok[i]) {
-          const long long tile = (e * w.tiles_n + strip[i]) * tiles_k + kt;  // 64-bit: can pass 2^31
-          const unsigned char* p = w.packed + tile * 192;
-#pragma unroll
-          for (int blk = 0; blk < 2; ++blk) {
-            wl[i][blk] = __ldg(reinterpret_cast<const unsigned*>(p + lo_off + 12 * blk));
-            wh[i][blk] = __ldg(reinterpret_cast<const unsigned*>(p + hi_off + 12 * blk));
+        // Lanes 0..23: packed 16-byte chunks; 24, 25: codebooks; 26, 27: scale words (strip = bit).
+        const int i = lane < 24 ? lane / 12 : (lane - 24) & 1;
+        const long long tb = (i ? tile0[1] : tile0[0]) + kt;
+        const bool ok = i ? strip_ok[1] : strip_ok[0];
+        if (ok) {
+          if (lane < 24) {
+            const int c = lane % 12;
+            cp_async16(st + i * 192 + c * 16, w.packed + tb * 192 + c * 16);
+          } else if (lane < 26) {
+            cp_async8(st + 384 + i * 8, w.codebook + tb * 8);
+          } else if (lane < 28) {
+            // The aligned word holding the scale byte (read directly at use when it would pass the end).
+            const unsigned long long a = reinterpret_cast<unsigned long long>(w.scale + tb) & ~3ull;
+            if (a + 4 <= scale_end) cp_async4(st + 400 + i * 4, reinterpret_cast<const void*>(a));
           }
-          const uint2 cb = __ldg(reinterpret_cast<const uint2*>(w.codebook + tile * 8));
-          cbl[i] = cb.x;
-          cbh[i] = cb.y;
-          sw[i] = __ldg(w.scale + tile);
-        } else {
-          wl[i][0] = wl[i][1] = wh[i][0] = wh[i][1] = 0u;
-          cbl[i] = cbh[i] = 0u;  // E4M3 +0
-          sw[i] = 127u;
         }
       } else {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int q = lane + 32 * j, i = q >> 6, row = (q >> 3) & 7, c = q & 7;
+          if (strip_ok[i])
+            cp_async16(st + i * 1536 + row * 192 + c * 16,
+                       wbf16 + ((e * w.tiles_n + strip[i]) * 8 + row) * K + kt * 64 + c * 8);
+        }
+      }
+    }
+    cp_async_commit();
+  };
+
+  // Activation operand of one K-tile (prefetched one K-tile ahead when MT == 1).
+  struct ATile {
+    uint4 r[2][MT][2];
+    unsigned char sb[2][MT][2];
+  };
+  auto load_a_tile = [&](long long kt, ATile& at) {
+#pragma unroll
+    for (int blk = 0; blk < 2; ++blk) {
+      const long long col = kt * 64 + 32 * blk + 8 * t;
+#pragma unroll
+      for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          at.r[blk][m][h] = arow[m][h] ? __ldg(reinterpret_cast<const uint4*>(arow[m][h] + col)) : make_uint4(0, 0, 0, 0);
+          if constexpr (kLutb) at.sb[blk][m][h] = srow[m][h] ? __ldg(srow[m][h] + kt * 2 + blk) : 127;
+        }
+    }
+  };
+
+#pragma unroll
+  for (int s = 0; s < R::kStages - 1; ++s) issue(s);
+  ATile cur;
+  if constexpr (MT == 1) load_a_tile(0, cur);
+
+  for (long long kt = 0; kt < tiles_k; ++kt) {
+    issue(kt + R::kStages - 1);
+    ATile nxt;
+    if constexpr (MT == 1) {
+      if (kt + 1 < tiles_k) load_a_tile(kt + 1, nxt);
+    } else {
+      load_a_tile(kt, cur);
+    }
+    cp_async_wait<R::kStages - 1>();
+    __syncwarp();
+    const unsigned char* st = ring + (kt % R::kStages) * R::kStageBytes;
+    // ---- weights of this K-tile from the ring
+    unsigned cbl[2], cbh[2], sw[2];
+    if constexpr (kLutb) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
         if (strip_ok[i]) {
-          const long long K = tiles_k * 64;
-          const uint16_t* p = wbf16 + ((e * w.tiles_n + strip[i]) * 8 + g) * K + kt * 64 + 8 * t;
-          wb[i][0] = __ldg(reinterpret_cast<const uint4*>(p));
-          wb[i][1] = __ldg(reinterpret_cast<const uint4*>(p + 32));
+          const uint2 cb = *reinterpret_cast<const uint2*>(st + 384 + i * 8);
+          cbl[i] = cb.x;
+          cbh[i] = cb.y;
+          const unsigned char* sp = w.scale + tile0[i] + kt;
+          const unsigned long long a = reinterpret_cast<unsigned long long>(sp);
+          if ((a & ~3ull) + 4 <= scale_end) {
+            const unsigned word = *reinterpret_cast<const unsigned*>(st + 400 + i * 4);
+            sw[i] = (word >> (8 * (a & 3ull))) & 0xffu;
+          } else {
+            sw[i] = __ldg(sp);
+          }
         } else {
-          wb[i][0] = wb[i][1] = make_uint4(0, 0, 0, 0);
+          cbl[i] = cbh[i] = 0u;
+          sw[i] = 127u;
         }
       }
     }
@@ -84,21 +157,27 @@ __device__ __forceinline__ void warp_gemm(const LutbW& w, const uint16_t* __rest
     for (int blk = 0; blk < 2; ++blk) {
       unsigned a0[MT][4], a1[MT][4];
       float sx[MT][2];
-      const long long col = kt * 64 + 32 * blk + 8 * t;
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
-        load_a(arow[m][0] ? arow[m][0] + col : nullptr, arow[m][1] ? arow[m][1] + col : nullptr, a0[m], a1[m]);
+        const uint4 r = cur.r[blk][m][0], q = cur.r[blk][m][1];
+        // step 0: k-slots (2t,2t+1) <- register 0, (2t+8,2t+9) <- register 1; step 1: registers 2, 3.
+        a0[m][0] = r.x; a0[m][1] = q.x; a0[m][2] = r.y; a0[m][3] = q.y;
+        a1[m][0] = r.z; a1[m][1] = q.z; a1[m][2] = r.w; a1[m][3] = q.w;
         if constexpr (kLutb) {
-          const long long sb = kt * 2 + blk;
-          sx[m][0] = srow[m][0] ? ue8m0_scale(__ldg(srow[m][0] + sb), 0) : 0.0f;
-          sx[m][1] = srow[m][1] ? ue8m0_scale(__ldg(srow[m][1] + sb), 0) : 0.0f;
+          sx[m][0] = ue8m0_scale(cur.sb[blk][m][0], 0);
+          sx[m][1] = ue8m0_scale(cur.sb[blk][m][1], 0);
         }
       }
 #pragma unroll
-      for (int i = 0; i < NT; ++i) {
+      for (int i = 0; i < 2; ++i) {
         unsigned b[4];
         if constexpr (kLutb) {
-          const unsigned g24 = __funnelshift_r(wl[i][blk], wh[i][blk], shift);
+          // This thread's group: row g, group t of block blk = bytes 24g + 12blk + 3t .. +2.
+          const unsigned char* rowp = st + i * 192 + 24 * g + 12 * blk;
+          const int lo = (3 * t) >> 2;
+          const unsigned wl = *reinterpret_cast<const unsigned*>(rowp + 4 * lo);
+          const unsigned wh = *reinterpret_cast<const unsigned*>(rowp + 4 * (t == 3 ? lo : lo + 1));
+          const unsigned g24 = __funnelshift_r(wl, wh, (3 * t & 3) * 8);
           decode_group<kCvt>(g24, cbl[i], cbh[i], b);
           const float fw = ue8m0_scale(sw[i], kCvt ? 0 : 8);
 #pragma unroll
@@ -113,7 +192,9 @@ __device__ __forceinline__ void warp_gemm(const LutbW& w, const uint16_t* __rest
             acc[i][m][3] = fmaf(c[3], f1, acc[i][m][3]);
           }
         } else {
-          b[0] = wb[i][blk].x; b[1] = wb[i][blk].y; b[2] = wb[i][blk].z; b[3] = wb[i][blk].w;
+          uint4 v = make_uint4(0, 0, 0, 0);
+          if (strip_ok[i]) v = *reinterpret_cast<const uint4*>(st + i * 1536 + g * 192 + blk * 64 + t * 16);
+          b[0] = v.x; b[1] = v.y; b[2] = v.z; b[3] = v.w;
 #pragma unroll
           for (int m = 0; m < MT; ++m) {
             mma16816<true>(acc[i][m], a0[m], b[0], b[1]);
@@ -122,7 +203,10 @@ __device__ __forceinline__ void warp_gemm(const LutbW& w, const uint16_t* __rest
         }
       }
     }
+    __syncwarp();
+    if constexpr (MT == 1) cur = nxt;
   }
+  cp_async_wait<0>();
 }
 
 /// Resolves the rows of this CTA's token tile: pair indices (or -1) of rows g, g+8 of each m16.
@@ -168,8 +252,9 @@ __global__ void __launch_bounds__(kWarps * 32)
       arow[m][h] = p >= 0 ? xa + tok * a_cols : nullptr;
       srow[m][h] = (kLutb && p >= 0) ? xs + tok * sblocks : nullptr;
     }
+  extern __shared__ __align__(16) unsigned char ring_smem[];
   float acc[2][MT][4];
-  warp_gemm<kLutb, kCvt, 2, MT>(w, wbf16, e, strip, strip_ok, arow, srow, a_cols, acc);
+  warp_gemm<kLutb, kCvt, MT>(w, wbf16, e, strip, strip_ok, arow, srow, ring_smem + warp * Ring<kLutb>::kWarpBytes, acc);
 
   // h = bf16(silu(g) * u): accumulator (m, half h, c) is token row 16m+g+8h, I-column 8*strip+2t+c.
   float hv[MT][2][2];
@@ -238,7 +323,7 @@ __global__ void __launch_bounds__(kWarps * 32)
                      float* __restrict__ y) {
   int e, pair[MT][2];
   if (!tile_rows<MT>(r, blockIdx.y, e, pair)) return;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
+  const int warp = threadIdx.x >> 5, t = threadIdx.x & 3;
   long long strip[2];
   bool strip_ok[2];
 #pragma unroll
@@ -256,8 +341,9 @@ __global__ void __launch_bounds__(kWarps * 32)
       arow[m][h] = p >= 0 ? ha + static_cast<long long>(p) * Ip : nullptr;
       srow[m][h] = (kLutb && p >= 0) ? hs + static_cast<long long>(p) * (Ip / 32) : nullptr;
     }
+  extern __shared__ __align__(16) unsigned char ring_smem[];
   float acc[2][MT][4];
-  warp_gemm<kLutb, kCvt, 2, MT>(w, wbf16, e, strip, strip_ok, arow, srow, Ip, acc);
+  warp_gemm<kLutb, kCvt, MT>(w, wbf16, e, strip, strip_ok, arow, srow, ring_smem + warp * Ring<kLutb>::kWarpBytes, acc);
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const long long n = strip[i] * 8 + 2 * t;

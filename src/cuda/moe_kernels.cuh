@@ -121,6 +121,7 @@ struct LutbW {
   const unsigned char* codebook;
   const unsigned char* scale;
   long long tiles_n, tiles_k;  // per expert
+  long long total_tiles;      // of the whole stack (bounds of the scale array)
 };
 
 }  // namespace lutb::cuda::kern

@@ -2,6 +2,7 @@
 // with SiLU*up and MXFP8 of h, GEMM2, weighted top-k reduction. Kernel names follow the DeepGEMM
 // habit: arch, types, scaling (sm80_lutb_mxfp8_moe_{gemm1,gemm2}_{decode,prefill}; the same code
 // runs on sm_90a with the hardware E4M3 decoder).
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -19,14 +20,17 @@ void launch_gemms(const DeviceMoeWeights& w, const kern::Routing& r, const detai
   const std::int64_t H = w.hidden, I = w.intermediate;
   const std::int64_t Hp = w.w13.shape.padded_cols(), Ip = w.w2.shape.padded_cols();
   const std::int64_t slots = detail::max_tiles(P, w.experts, MT);
-  const kern::LutbW w13{w.w13.packed, w.w13.codebook, w.w13.scale, w.w13.shape.tiles_n(), w.w13.shape.tiles_k()};
-  const kern::LutbW w2{w.w2.packed, w.w2.codebook, w.w2.scale, w.w2.shape.tiles_n(), w.w2.shape.tiles_k()};
+  const kern::LutbW w13{w.w13.packed, w.w13.codebook, w.w13.scale, w.w13.shape.tiles_n(), w.w13.shape.tiles_k(),
+                         w.w13.shape.tiles()};
+  const kern::LutbW w2{w.w2.packed, w.w2.codebook, w.w2.scale, w.w2.shape.tiles_n(), w.w2.shape.tiles_k(),
+                        w.w2.shape.tiles()};
+  constexpr int smem = kern::kWarps * kern::Ring<true>::kWarpBytes;
   const dim3 g1(static_cast<unsigned>(Ip / 32), static_cast<unsigned>(slots));
-  kern::moe_gemm1_kernel<true, kCvt, MT><<<g1, kern::kWarps * 32, 0, stream>>>(w13, nullptr, ws.xa, ws.xs, Hp, r, I, Ip,
+  kern::moe_gemm1_kernel<true, kCvt, MT><<<g1, kern::kWarps * 32, smem, stream>>>(w13, nullptr, ws.xa, ws.xs, Hp, r, I, Ip,
                                                                                 ws.hq, ws.hs);
   detail::check_launch("sm80_lutb_mxfp8_moe_gemm1");
   const dim3 g2(static_cast<unsigned>(detail::ceil_div(w2.tiles_n, 8)), static_cast<unsigned>(slots));
-  kern::moe_gemm2_kernel<true, kCvt, MT><<<g2, kern::kWarps * 32, 0, stream>>>(w2, nullptr, ws.hq, ws.hs, Ip, r, H,
+  kern::moe_gemm2_kernel<true, kCvt, MT><<<g2, kern::kWarps * 32, smem, stream>>>(w2, nullptr, ws.hq, ws.hs, Ip, r, H,
                                                                                 ws.y);
   detail::check_launch("sm80_lutb_mxfp8_moe_gemm2");
 }
@@ -38,6 +42,8 @@ void check_shape(const DeviceLutb& d, std::int64_t E, std::int64_t N, std::int64
                                 std::to_string(d.shape.experts) + ", " + std::to_string(d.shape.rows) + ", " +
                                 std::to_string(d.shape.cols) + "]");
   if (!d.packed || !d.codebook || !d.scale) throw std::invalid_argument(std::string("moe_forward: ") + what + " has a null pointer");
+  if (reinterpret_cast<std::uintptr_t>(d.packed) % 16 || reinterpret_cast<std::uintptr_t>(d.codebook) % 8)
+    throw std::invalid_argument(std::string("moe_forward: ") + what + " packed must be 16-byte and codebook 8-byte aligned");
 }
 
 }  // namespace

@@ -107,8 +107,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     gs[g] = b1 + b2;
   }
   __syncwarp();
-  // Keep the topk_group best groups: mark the others by -inf group score ... then mask experts.
-  unsigned keep_lo = 0;  // kept groups are marked by setting gs to +inf after selection
+  // Kept groups are marked by setting their score to +inf.
   for (int j = 0; j < topk_group; ++j) {
     float v = -INFINITY;
     int i = 0x7fffffff;
@@ -121,7 +120,6 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     if (lane == 0 && i < n_group) gs[i] = INFINITY;
     __syncwarp();
   }
-  (void)keep_lo;
   for (int e = lane; e < E; e += 32)
     if (gs[e / per] != INFINITY) ch[e] = -INFINITY;
   __syncwarp();

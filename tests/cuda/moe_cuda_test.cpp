@@ -144,19 +144,19 @@ TEST_P(MoeRandom, MatchesHostReferenceAllStrategiesAndDecoders) {
   std::vector<float> wts;
   random_routing(c.T, c.k, allowed, rng, ids, wts);
   const auto ref = moe_reference(w13, w2, c.H, c.I, x, c.T, c.k, ids, wts);
-  for (bool force_bytes : {false, true}) {
-    cuda::set_force_byte_decoder(force_bytes);
+  for (bool cvt : {false, true}) {
+    cuda::set_use_cvt_decoder(cvt);
     for (auto s : {cuda::MoeStrategy::Decode, cuda::MoeStrategy::Prefill}) {
       const auto got = run_forward(w13, w2, c.E, c.H, c.I, x, c.T, c.k, ids, wts, s);
       const Cmp r = compare_bf16(got, ref);
       SCOPED_TRACE(::testing::Message() << "strategy " << (s == cuda::MoeStrategy::Decode ? "decode" : "prefill")
-                                        << " byte decoder " << force_bytes);
+                                        << " cvt decoder " << cvt);
       EXPECT_EQ(r.nan, 0) << "unwritten or NaN outputs";
       EXPECT_LT(r.rel_l2, 1e-3) << "exact " << r.exact << " of " << r.n;
       EXPECT_GT(r.exact, r.n * 8 / 10) << "bit-equal BF16 outputs (FP32 order only differs)";
     }
   }
-  cuda::set_force_byte_decoder(false);
+  cuda::set_use_cvt_decoder(false);
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, MoeRandom,
@@ -166,7 +166,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, MoeRandom,
                                            Case{4, 128, 64, 70, 2, false}));    // > 64 rows per expert
 
 TEST(MoeCuda, GoldenLayer) {
-  LUTB_GPU_OR_SKIP();
+  // The host reference is checked against the golden layer first (no GPU needed), then the GPU.
   LUTB_GOLDEN_OR_SKIP(g, "lutb_moe_layer.json");
   const std::int64_t T = g["T"], H = g["H"], I = g["I"], E = g["E"];
   const int k = g["k"];
@@ -176,7 +176,9 @@ TEST(MoeCuda, GoldenLayer) {
     ASSERT_EQ(static_cast<std::int64_t>(tiles.size()), per);
     for (std::int64_t i = 0; i < per; ++i) {
       const auto p = parse_hex_bytes(tiles[i]["packed"].get<std::string>());
-      const auto cb = parse_hex_bytes(tiles[i]["codebook"].get<std::string>());
+      std::vector<std::uint8_t> cb;
+      if (tiles[i]["codebook"].is_string()) cb = parse_hex_bytes(tiles[i]["codebook"].get<std::string>());
+      else for (const auto& v : tiles[i]["codebook"]) cb.push_back(static_cast<std::uint8_t>(v.get<int>()));
       ASSERT_EQ(p.size(), 192u);
       ASSERT_EQ(cb.size(), 8u);
       std::memcpy(&w.packed[(e * per + i) * 192], p.data(), 192);
@@ -205,6 +207,8 @@ TEST(MoeCuda, GoldenLayer) {
   const auto ref = moe_reference(w13, w2, H, I, x, T, k, ids, wts);
   const Cmp rr = compare_bf16(ref, expect);
   EXPECT_LT(rr.rel_l2, 1e-3) << "host reference vs golden";
+  EXPECT_EQ(rr.nan, 0);
+  LUTB_GPU_OR_SKIP();
   for (auto s : {cuda::MoeStrategy::Decode, cuda::MoeStrategy::Prefill}) {
     const auto got = run_forward(w13, w2, E, H, I, x, T, k, ids, wts, s);
     const Cmp r = compare_bf16(got, expect);

@@ -113,9 +113,11 @@ void moe_forward_bf16(const DeviceMoeWeightsBf16& w, const std::uint16_t* x, std
                       const std::int32_t* topk_ids, const float* topk_weights, std::uint16_t* out, void* workspace,
                       std::size_t workspace_bytes, cudaStream_t stream, MoeStrategy strategy = MoeStrategy::Auto);
 
-/// Testing and benchmarking: force the portable byte-permute weight decoder (the sm_80 path) even
-/// on sm_90 devices, where the E4M3 conversion instruction is used by default. Process-wide.
-void set_force_byte_decoder(bool on);
+/// Weight decoder choice (process-wide, for testing and benchmarking). By default every device uses
+/// the portable byte-permute decoder (codebook lookup by PRMT, E4M3 -> FP16 by bit moves), which
+/// measured faster on the H200 than sm_89+'s cvt.rn.f16x2.e4m3x2 (docs/perf/moe-gpu.md). `on` selects
+/// the cvt decoder on sm_90 devices; elsewhere it is ignored.
+void set_use_cvt_decoder(bool on);
 
 /// Packed bytes (packed + codebook + scale) of the experts a routing touches, for bandwidth
 /// accounting: touched_experts * (w13 + w2 bytes per expert).
