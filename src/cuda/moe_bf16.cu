@@ -19,14 +19,15 @@ void launch_gemms_bf16(const DeviceMoeWeightsBf16& w, const std::uint16_t* x, co
   const std::int64_t slots = detail::max_tiles(P, w.experts, MT);
   const kern::LutbW w13{nullptr, nullptr, nullptr, 2 * I / 8, H / 64, 0};
   const kern::LutbW w2{nullptr, nullptr, nullptr, H / 8, I / 64, 0};
-  constexpr int smem = kern::kWarps * kern::Ring<false>::kWarpBytes;
-  const dim3 g1(static_cast<unsigned>(I / 32), static_cast<unsigned>(slots));
-  kern::moe_gemm1_kernel<false, false, MT><<<g1, kern::kWarps * 32, smem, stream>>>(w13, w.w13, x, nullptr, H, r, I, I,
-                                                                                  ws.hq, nullptr);
+  constexpr int NT = 2;
+  constexpr int smem = kern::kWarps * kern::Ring<false, NT>::kWarpBytes;
+  const dim3 g1(static_cast<unsigned>(I / kern::gemm1_cols<NT>()), static_cast<unsigned>(slots));
+  kern::moe_gemm1_kernel<false, false, NT, MT><<<g1, kern::kWarps * 32, smem, stream>>>(w13, w.w13, x, nullptr, H, r, I,
+                                                                                         I, ws.hq, nullptr);
   detail::check_launch("sm80_bf16_moe_gemm1");
-  const dim3 g2(static_cast<unsigned>(detail::ceil_div(w2.tiles_n, 8)), static_cast<unsigned>(slots));
-  kern::moe_gemm2_kernel<false, false, MT><<<g2, kern::kWarps * 32, smem, stream>>>(w2, w.w2, ws.hq, nullptr, I, r, H,
-                                                                                  ws.y);
+  const dim3 g2(static_cast<unsigned>(detail::ceil_div(w2.tiles_n, kern::kWarps * NT)), static_cast<unsigned>(slots));
+  kern::moe_gemm2_kernel<false, false, NT, MT><<<g2, kern::kWarps * 32, smem, stream>>>(w2, w.w2, ws.hq, nullptr, I, r, H,
+                                                                                         ws.y);
   detail::check_launch("sm80_bf16_moe_gemm2");
 }
 

@@ -24,14 +24,16 @@ void launch_gemms(const DeviceMoeWeights& w, const kern::Routing& r, const detai
                          w.w13.shape.tiles()};
   const kern::LutbW w2{w.w2.packed, w.w2.codebook, w.w2.scale, w.w2.shape.tiles_n(), w.w2.shape.tiles_k(),
                         w.w2.shape.tiles()};
-  constexpr int smem = kern::kWarps * kern::Ring<true>::kWarpBytes;
-  const dim3 g1(static_cast<unsigned>(Ip / 32), static_cast<unsigned>(slots));
-  kern::moe_gemm1_kernel<true, kCvt, MT><<<g1, kern::kWarps * 32, smem, stream>>>(w13, nullptr, ws.xa, ws.xs, Hp, r, I, Ip,
-                                                                                ws.hq, ws.hs);
+  // Decode: 4 strips per warp (fewer warps, more weight bytes per K-tile per warp); prefill: 2.
+  constexpr int NT = MT == 1 ? 4 : 2;
+  constexpr int smem = kern::kWarps * kern::Ring<true, NT>::kWarpBytes;
+  const dim3 g1(static_cast<unsigned>(Ip / kern::gemm1_cols<NT>()), static_cast<unsigned>(slots));
+  kern::moe_gemm1_kernel<true, kCvt, NT, MT><<<g1, kern::kWarps * 32, smem, stream>>>(w13, nullptr, ws.xa, ws.xs, Hp, r,
+                                                                                      I, Ip, ws.hq, ws.hs);
   detail::check_launch("sm80_lutb_mxfp8_moe_gemm1");
-  const dim3 g2(static_cast<unsigned>(detail::ceil_div(w2.tiles_n, 8)), static_cast<unsigned>(slots));
-  kern::moe_gemm2_kernel<true, kCvt, MT><<<g2, kern::kWarps * 32, smem, stream>>>(w2, nullptr, ws.hq, ws.hs, Ip, r, H,
-                                                                                ws.y);
+  const dim3 g2(static_cast<unsigned>(detail::ceil_div(w2.tiles_n, kern::kWarps * NT)), static_cast<unsigned>(slots));
+  kern::moe_gemm2_kernel<true, kCvt, NT, MT><<<g2, kern::kWarps * 32, smem, stream>>>(w2, nullptr, ws.hq, ws.hs, Ip, r,
+                                                                                      H, ws.y);
   detail::check_launch("sm80_lutb_mxfp8_moe_gemm2");
 }
 
