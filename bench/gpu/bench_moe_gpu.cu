@@ -160,7 +160,7 @@ int main(int argc, char** argv) {
   std::vector<long long> Ts = {1, 4, 16, 64, 256, 1024, 4096};
   if (quick) Ts = {1, 16, 256, 4096};
   const int R = 8;
-  std::printf("\n| shape | T | experts touched | LUT-B us | strategy | LUT-B cvt-dec us | LUT-B decode us | LUT-B prefill us | BF16 us | speed-up | LUT-B GB/s | %% of read BW | BF16 GB/s | %% of read BW | LUT-B TFLOP/s | BF16 TFLOP/s |\n");
+  std::printf("\n| shape | T | experts touched | LUT-B us | strategy | LUT-B byte-dec us | LUT-B decode us | LUT-B prefill us | BF16 us | speed-up | LUT-B GB/s | %% of read BW | BF16 GB/s | %% of read BW | LUT-B TFLOP/s | BF16 TFLOP/s |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const Shape& s : shapes) {
     if (!only.empty() && only != s.name) continue;
@@ -235,9 +235,9 @@ int main(int argc, char** argv) {
           case 1: cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st, cuda::MoeStrategy::Decode); break;
           case 2: cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st, cuda::MoeStrategy::Prefill); break;
           case 3:
-            cuda::set_use_cvt_decoder(true);
+            cuda::set_weight_decoder(cuda::WeightDecoder::BytePermute);
             cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st);
-            cuda::set_use_cvt_decoder(false);
+            cuda::set_weight_decoder(cuda::WeightDecoder::Auto);
             break;
           case 4: cuda::moe_forward_bf16(wb, xr, T, s.k, id, wt, out, ws, wsb, st, cuda::MoeStrategy::Decode); break;
           case 5: cuda::moe_forward_bf16(wb, xr, T, s.k, id, wt, out, ws, wsb, st, cuda::MoeStrategy::Prefill); break;

@@ -164,10 +164,11 @@ int resolve_mt(MoeStrategy s, std::int64_t tokens, int top_k, std::int64_t exper
   return s == MoeStrategy::Prefill ? 4 : 1;
 }
 
-static bool g_use_cvt = false;
+static WeightDecoder g_decoder = WeightDecoder::Auto;
 
-bool use_cvt_decoder() {
-  if (!g_use_cvt) return false;
+bool use_cvt_decoder(int mt) {
+  if (g_decoder == WeightDecoder::BytePermute) return false;
+  if (g_decoder == WeightDecoder::Auto && mt != 1) return false;
   static int cc[64] = {0};
   int dev = 0;
   check(cudaGetDevice(&dev), "cudaGetDevice");
@@ -205,6 +206,6 @@ void launch_reduce(const int* ids, const float* weights, const float* y, std::in
 
 }  // namespace detail
 
-void set_use_cvt_decoder(bool on) { detail::g_use_cvt = on; }
+void set_weight_decoder(WeightDecoder d) { detail::g_decoder = d; }
 
 }  // namespace lutb::cuda

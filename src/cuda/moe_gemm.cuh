@@ -128,7 +128,7 @@ __device__ __forceinline__ void warp_gemm(const LutbW& w, const uint16_t* __rest
     cp_async_commit();
   };
 
-  // Activation operand of one K-tile (prefetched one K-tile ahead when MT == 1).
+  // Activation operand of one K-tile (prefetched one K-tile ahead when MT <= 2).
   struct ATile {
     uint4 r[2][MT][2];
     float sx[2][MT][2];
@@ -150,13 +150,13 @@ __device__ __forceinline__ void warp_gemm(const LutbW& w, const uint16_t* __rest
 #pragma unroll
   for (int s = 0; s < R::kStages - 1; ++s) issue(s);
   ATile cur;
-  if constexpr (MT == 1) load_a_tile(0, cur);
+  if constexpr (MT <= 2) load_a_tile(0, cur);
   const int lo = (3 * t) >> 2, hi = t == 3 ? lo : lo + 1, sh = (3 * t & 3) * 8;
 
   for (long long kt = 0; kt < tiles_k; ++kt) {
     issue(kt + R::kStages - 1);
     ATile nxt;
-    if constexpr (MT == 1) {
+    if constexpr (MT <= 2) {
       if (kt + 1 < tiles_k) load_a_tile(kt + 1, nxt);
     } else {
       load_a_tile(kt, cur);
@@ -171,11 +171,15 @@ __device__ __forceinline__ void warp_gemm(const LutbW& w, const uint16_t* __rest
 #pragma unroll
       for (int i = 0; i < NT; ++i) {
         const uint2 cb = *reinterpret_cast<const uint2*>(st + R::kCb + i * 8);
-        const unsigned char* sp = w.scale + (e * w.tiles_n + strip[i]) * tiles_k + kt;
-        const unsigned long long a = reinterpret_cast<unsigned long long>(sp);
-        unsigned sw;
-        if ((a & ~3ull) + 4 <= scale_end) sw = (*reinterpret_cast<const unsigned*>(st + R::kSc + i * 4) >> (8 * (a & 3ull))) & 0xffu;
-        else sw = __ldg(sp);
+        unsigned sw = 127u;
+        if (strip_ok[i]) {  // strips past the matrix read nothing (their scale address is out of range)
+          const unsigned char* sp = w.scale + (e * w.tiles_n + strip[i]) * tiles_k + kt;
+          const unsigned long long a = reinterpret_cast<unsigned long long>(sp);
+          if ((a & ~3ull) + 4 <= scale_end)
+            sw = (*reinterpret_cast<const unsigned*>(st + R::kSc + i * 4) >> (8 * (a & 3ull))) & 0xffu;
+          else
+            sw = __ldg(sp);
+        }
         cbl[i] = strip_ok[i] ? cb.x : 0u;
         cbh[i] = strip_ok[i] ? cb.y : 0u;
         // FP16 byte-decoded values are 2^-8 times the E4M3 value: fold 2^8 into the tile scale.
@@ -226,7 +230,7 @@ __device__ __forceinline__ void warp_gemm(const LutbW& w, const uint16_t* __rest
       }
     }
     __syncwarp();
-    if constexpr (MT == 1) cur = nxt;
+    if constexpr (MT <= 2) cur = nxt;
   }
   cp_async_wait<0>();
 }

@@ -33,11 +33,12 @@ std::int64_t max_tiles(std::int64_t pairs, std::int64_t experts, int mt);
 Workspace carve(void* base, std::int64_t tokens, int top_k, std::int64_t experts, std::int64_t hidden,
                 std::int64_t intermediate);
 
-/// Which mma tile to use: 1 (decode) or 4 (prefill) m16 tiles per warp.
+/// Which mma tile to use: 1 (decode) or 4 (prefill) m16 tiles per warp (the LUT-B path uses 2 for prefill).
 int resolve_mt(MoeStrategy s, std::int64_t tokens, int top_k, std::int64_t experts);
 
-/// True when the weight decoder uses the sm_89+ E4M3 conversion instruction on the current device.
-bool use_cvt_decoder();
+/// True when the weight decoder of a launch with `mt` m16 tiles per warp uses the sm_89+ E4M3
+/// conversion instruction on the current device (set_weight_decoder's policy).
+bool use_cvt_decoder(int mt);
 
 /// x [T, H] BF16 -> MXFP8 (rceil) as FP16 E4M3 values in the decoder's column order + UE8M0 scales.
 void launch_quantize_x(const std::uint16_t* x, std::int64_t T, std::int64_t H, std::int64_t Hp, bool swap,

@@ -24,8 +24,8 @@ void launch_gemms(const DeviceMoeWeights& w, const kern::Routing& r, const detai
                          w.w13.shape.tiles()};
   const kern::LutbW w2{w.w2.packed, w.w2.codebook, w.w2.scale, w.w2.shape.tiles_n(), w.w2.shape.tiles_k(),
                         w.w2.shape.tiles()};
-  // Decode: 4 strips per warp (fewer warps, more weight bytes per K-tile per warp); prefill: 2.
-  constexpr int NT = MT == 1 ? 4 : 2;
+  // 4 weight strips per warp (amortises the per-K-tile work over 2048 weights per warp).
+  constexpr int NT = 4;
   constexpr int smem = kern::kWarps * kern::Ring<true, NT>::kWarpBytes;
   const dim3 g1(static_cast<unsigned>(Ip / kern::gemm1_cols<NT>()), static_cast<unsigned>(slots));
   kern::moe_gemm1_kernel<true, kCvt, NT, MT><<<g1, kern::kWarps * 32, smem, stream>>>(w13, nullptr, ws.xa, ws.xs, Hp, r,
@@ -66,17 +66,18 @@ void moe_forward(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t
     throw std::invalid_argument("moe_forward: workspace of " + std::to_string(workspace_bytes) + " bytes, need " +
                                 std::to_string(ws.bytes));
   const std::int64_t P = tokens * top_k;
-  const int mt = detail::resolve_mt(strategy, tokens, top_k, E);
-  const bool cvt = detail::use_cvt_decoder();
+  // Prefill: 2 m16 token tiles per warp (4 spill past the register file with 4 weight strips).
+  const int mt = detail::resolve_mt(strategy, tokens, top_k, E) == 1 ? 1 : 2;
+  const bool cvt = detail::use_cvt_decoder(mt);
   detail::launch_quantize_x(x, tokens, H, w.w13.shape.padded_cols(), !cvt, ws.xa, ws.xs, stream);
   detail::launch_group(topk_ids, P, E, 16 * mt, ws, stream);
   const kern::Routing r{topk_ids, topk_weights, ws.sorted, ws.tile_expert, ws.tile_start, ws.tile_count, ws.num_tiles,
                         top_k};
   if (cvt) {
-    if (mt == 4) launch_gemms<true, 4>(w, r, ws, P, stream);
+    if (mt > 1) launch_gemms<true, 2>(w, r, ws, P, stream);
     else launch_gemms<true, 1>(w, r, ws, P, stream);
   } else {
-    if (mt == 4) launch_gemms<false, 4>(w, r, ws, P, stream);
+    if (mt > 1) launch_gemms<false, 2>(w, r, ws, P, stream);
     else launch_gemms<false, 1>(w, r, ws, P, stream);
   }
   detail::launch_reduce(topk_ids, topk_weights, ws.y, tokens, top_k, E, H, out, stream);

@@ -145,7 +145,7 @@ TEST_P(MoeRandom, MatchesHostReferenceAllStrategiesAndDecoders) {
   random_routing(c.T, c.k, allowed, rng, ids, wts);
   const auto ref = moe_reference(w13, w2, c.H, c.I, x, c.T, c.k, ids, wts);
   for (bool cvt : {false, true}) {
-    cuda::set_use_cvt_decoder(cvt);
+    cuda::set_weight_decoder(cvt ? cuda::WeightDecoder::Cvt : cuda::WeightDecoder::BytePermute);
     for (auto s : {cuda::MoeStrategy::Decode, cuda::MoeStrategy::Prefill}) {
       const auto got = run_forward(w13, w2, c.E, c.H, c.I, x, c.T, c.k, ids, wts, s);
       const Cmp r = compare_bf16(got, ref);
@@ -156,7 +156,7 @@ TEST_P(MoeRandom, MatchesHostReferenceAllStrategiesAndDecoders) {
       EXPECT_GT(r.exact, r.n * 8 / 10) << "bit-equal BF16 outputs (FP32 order only differs)";
     }
   }
-  cuda::set_use_cvt_decoder(false);
+  cuda::set_weight_decoder(cuda::WeightDecoder::Auto);
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, MoeRandom,

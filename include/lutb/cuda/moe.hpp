@@ -88,8 +88,9 @@ void route_deepseek(const float* logits, const float* bias, std::int64_t tokens,
 enum class MoeStrategy : std::uint8_t { Auto, Decode, Prefill };
 
 /// Heuristic, kept apart from the kernels: Decode (16 tokens per warp tile, weight-streaming) when
-/// the mean number of tokens per touched expert is below 48, else Prefill (64 tokens per warp
-/// tile: each decoded weight fragment feeds four tensor-core products).
+/// the mean number of tokens per touched expert is below 48, else Prefill (32 tokens per warp tile
+/// on the LUT-B path, 64 on the BF16 one: each decoded weight fragment feeds several tensor-core
+/// products).
 MoeStrategy choose_strategy(std::int64_t tokens, int top_k, std::int64_t experts);
 
 /// Bytes of device workspace moe_forward needs for at most `max_tokens` tokens.
@@ -113,11 +114,14 @@ void moe_forward_bf16(const DeviceMoeWeightsBf16& w, const std::uint16_t* x, std
                       const std::int32_t* topk_ids, const float* topk_weights, std::uint16_t* out, void* workspace,
                       std::size_t workspace_bytes, cudaStream_t stream, MoeStrategy strategy = MoeStrategy::Auto);
 
-/// Weight decoder choice (process-wide, for testing and benchmarking). By default every device uses
-/// the portable byte-permute decoder (codebook lookup by PRMT, E4M3 -> FP16 by bit moves), which
-/// measured faster on the H200 than sm_89+'s cvt.rn.f16x2.e4m3x2 (docs/perf/moe-gpu.md). `on` selects
-/// the cvt decoder on sm_90 devices; elsewhere it is ignored.
-void set_use_cvt_decoder(bool on);
+/// Weight decoder (process-wide; for testing and benchmarking). Both are exact:
+///   BytePermute: codebook lookup by PRMT, E4M3 -> FP16 by bit moves (any sm_80+ device);
+///   Cvt: codebook lookup by PRMT, E4M3 -> FP16 by sm_89+'s cvt.rn.f16x2.e4m3x2 (sm_90 devices only,
+///        else BytePermute);
+///   Auto (default): Cvt for the decode strategy on sm_90 devices, BytePermute otherwise, as measured
+///        fastest on the H200 (docs/perf/moe-gpu.md).
+enum class WeightDecoder : std::uint8_t { Auto, BytePermute, Cvt };
+void set_weight_decoder(WeightDecoder d);
 
 /// Packed bytes (packed + codebook + scale) of the experts a routing touches, for bandwidth
 /// accounting: touched_experts * (w13 + w2 bytes per expert).
