@@ -146,6 +146,8 @@ struct Case {
   int only_first;  // route only to the first experts (others stay empty); 0 = all
 };
 
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
 class FastVsReference : public ::testing::TestWithParam<Case> {};
 
 TEST_P(FastVsReference, EqualUpToSummationOrder) {
