@@ -1,10 +1,227 @@
-// PLACEHOLDER: replaced by the default job (issue 5).
+// `lutb` with no subcommand: the main job on a built-in default. Synthesises one Qwen3-30B-A3B MoE
+// layer (E 128, H 2048, I 768, top-8; Student-t(5) weights) as a checkpoint in a temporary
+// directory, quantises it to a LUT-B checkpoint with `lutb quantize`'s code, loads both back, runs
+// the layer on random tokens with the BF16 reference and with the LUT-B emulation (spec 4), and
+// prints sizes, bits per weight, SQNR, the output error and the time of each step.
+#include <stdlib.h>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <memory>
+#include <random>
 #include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <fmt/core.h>
+#include <nlohmann/json.hpp>
+
 #include "cli/commands.hpp"
+#include "lutb/checkpoint.hpp"
+#include "lutb/moe.hpp"
+
 namespace lutb::cli {
+
+namespace {
+
+struct DefaultArgs {
+  std::int64_t tokens = 64;
+  std::int64_t experts = 0;  // 0 = the real 128 (tests use fewer to stay fast)
+  std::string fitter;
+  std::uint64_t seed = 1;
+  std::string work_dir;
+  bool keep = false;
+  bool json = false;
+};
+
+struct Err {
+  double rel_l2 = 0, max_abs = 0, cosine = 0;
+};
+
+Err compare(const std::vector<float>& out, const std::vector<float>& ref) {
+  double num = 0, den = 0, dot = 0, on = 0, mx = 0;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    const double d = static_cast<double>(out[i]) - ref[i];
+    num += d * d;
+    den += static_cast<double>(ref[i]) * ref[i];
+    on += static_cast<double>(out[i]) * out[i];
+    dot += static_cast<double>(out[i]) * ref[i];
+    mx = std::max(mx, std::abs(d));
+  }
+  return {std::sqrt(num / den), mx, dot / std::sqrt(on * den)};
+}
+
+double since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+
+void run_default_job(const DefaultArgs& a) {
+  namespace fs = std::filesystem;
+  using clock = std::chrono::steady_clock;
+  if (a.tokens < 1) throw std::invalid_argument("--tokens must be at least 1");
+
+  fs::path work;
+  if (a.work_dir.empty()) {
+    std::string tmpl = (fs::temp_directory_path() / "lutb-default-XXXXXX").string();
+    if (!mkdtemp(tmpl.data())) throw std::runtime_error("cannot create a temporary directory under " + fs::temp_directory_path().string());
+    work = tmpl;
+  } else {
+    work = a.work_dir;
+    fs::create_directories(work);
+  }
+  struct Cleanup {
+    fs::path p;
+    bool keep;
+    ~Cleanup() {
+      std::error_code ec;
+      if (!keep) fs::remove_all(p, ec);
+    }
+  } cleanup{work, a.keep};
+  const fs::path src_dir = work / "qwen3-30b-a3b-layer-bf16", q_dir = work / "qwen3-30b-a3b-layer-lutb";
+
+  SynthOptions so;
+  so.family = ModelFamily::qwen3_moe;
+  so.layers = 1;
+  so.force = true;
+  so.num_experts = a.experts;
+  const ModelConfig cfg = synth_config(so);
+  const std::int64_t E = cfg.num_experts, H = cfg.hidden_size, I = cfg.moe_intermediate_size;
+  const int k = static_cast<int>(cfg.num_experts_per_tok);
+  fmt::print("lutb: the main job on its built-in default\n");
+  fmt::print("  one Qwen3-30B-A3B MoE layer{}: E {} experts, H {}, I {}, top-{}; synthetic Student-t(5) BF16 weights\n",
+             a.experts > 0 ? " (fewer experts: --experts)" : "", E, H, I, k);
+  fmt::print("  work directory {}{}\n\n", work.string(), a.keep ? " (kept)" : " (removed at the end)");
+
+  auto t = clock::now();
+  synthesize_checkpoint(src_dir, so);
+  const double t_synth = since(t);
+  fmt::print("{:<48}{:8.2f} s\n", "1. synthesised the BF16 checkpoint", t_synth);
+
+  QuantizeOptions qo;
+  qo.fit.fitter = a.fitter;
+  qo.force = true;
+  t = clock::now();
+  const QuantizeSummary qs = quantize_checkpoint(src_dir, q_dir, qo);
+  const double t_quant = since(t);
+  fmt::print("{:<48}{:8.2f} s\n", fmt::format("2. quantised it to LUT-B (fitter {})", qs.fitter), t_quant);
+
+  t = clock::now();
+  Checkpoint bf(src_dir), lq(q_dir);
+  ExpertsSource src = bf.experts_source(0);
+  ExpertsLutb lut = lq.lutb_experts(0);
+  const RouterWeights router = lq.router(0);  // copied bit for bit: same as the source router
+  const double t_load = since(t);
+  fmt::print("{:<48}{:8.2f} s\n", "3. loaded the experts of both checkpoints", t_load);
+
+  // Random tokens (standard normal, BF16) and routing with the layer's router.
+  const std::int64_t T = a.tokens;
+  std::vector<std::uint16_t> x(static_cast<std::size_t>(T * H));
+  std::mt19937_64 rng(a.seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (auto& v : x) v = bf16_from_float(nd(rng));
+  std::vector<float> logits(static_cast<std::size_t>(T * E));
+  const std::vector<std::uint16_t> gate = router.weight.to_bf16();
+  moe::router_logits_bf16(x.data(), gate.data(), T, H, static_cast<int>(E), true, logits.data());
+  moe::RouterConfig rc;
+  rc.scoring = moe::ScoringFunc::Softmax;
+  rc.num_experts = static_cast<int>(E);
+  rc.top_k = k;
+  rc.norm_topk_prob = cfg.renormalize();
+  const moe::Routing routing = moe::route(rc, logits, T);
+  const moe::TopK topk{routing.ids.data(), routing.weights.data(), k};
+  const moe::HiddenStates hs = moe::HiddenStates::bf16(x.data(), T);
+
+  moe::MoeConfig mc;
+  mc.global_experts = static_cast<int>(E);
+  mc.top_k = k;
+  mc.hidden_size = H;
+  mc.intermediate_size_per_partition = I;
+  mc.finalize();
+
+  std::vector<float> ref(static_cast<std::size_t>(T * H)), out(ref.size()), out_bf16act(ref.size());
+  std::size_t ref_bytes = 0, lut_bytes = 0;
+  double t_ref = 0, t_lut = 0;
+  {
+    // Convert one stack at a time and free its source at once: peak = source + one BF16 copy.
+    std::vector<std::uint16_t> w13 = src.w13.to_bf16();
+    src.w13 = {};
+    std::vector<std::uint16_t> w2 = src.w2.to_bf16();
+    src.w2 = {};
+    moe::DenseExperts dense(mc, std::move(w13), std::move(w2), moe::ActivationFormat::BF16);
+    ref_bytes = dense.weight_bytes();
+    t = clock::now();
+    dense.apply_f32(hs, topk, ref.data());
+    t_ref = since(t);
+  }
+  {
+    auto bf16act = moe::make_lutb_experts(mc, lut.w13, lut.w2, moe::EmulationKernel::Fast, moe::ActivationFormat::BF16);
+    bf16act->apply_f32(hs, topk, out_bf16act.data());
+  }
+  {
+    auto experts = moe::make_lutb_experts(mc, std::move(lut.w13), std::move(lut.w2), moe::EmulationKernel::Fast,
+                                          moe::ActivationFormat::MXFP8);
+    lut_bytes = experts->weight_bytes();
+    t = clock::now();
+    experts->apply_f32(hs, topk, out.data());
+    t_lut = since(t);
+    fmt::print("4. ran the layer on {} random tokens: BF16 reference {:.3f} s, LUT-B emulation ({}) {:.3f} s\n\n", T,
+               t_ref, experts->name(), t_lut);
+  }
+  const Err e = compare(out, ref), ew = compare(out_bf16act, ref);
+  const double sqnr = qs.stats.sqnr_db();
+
+  fmt::print("routed experts          BF16 {:.1f} MB -> LUT-B {:.1f} MB ({:.2f}x smaller)\n", qs.bytes_before / 1e6,
+             qs.bytes_after / 1e6, static_cast<double>(qs.bytes_before) / static_cast<double>(qs.bytes_after));
+  fmt::print("bits per weight         {:.6f} (BF16: 16)\n", qs.bits_per_weight());
+  fmt::print("weight SQNR             {:.2f} dB over {} tiles\n", sqnr, qs.stats.tiles);
+  fmt::print("layer output vs BF16    rel L2 {:.4f}, cosine {:.6f}, max abs {:.4g}  (LUT-B weights, MXFP8 activations)\n",
+             e.rel_l2, e.cosine, e.max_abs);
+  fmt::print("                        rel L2 {:.4f}, cosine {:.6f}  (LUT-B weights, BF16 activations)\n", ew.rel_l2,
+             ew.cosine);
+  fmt::print("resident expert weights BF16 reference {:.1f} MB, LUT-B emulation {:.1f} MB\n", ref_bytes / 1e6, lut_bytes / 1e6);
+  fmt::print("peak RSS                {:.1f} MB\n", peak_rss_bytes() / 1e6);
+  if (a.json) {
+    nlohmann::json j = {{"model", "Qwen3-30B-A3B layer (synthetic)"},
+                        {"experts", E},
+                        {"hidden_size", H},
+                        {"moe_intermediate_size", I},
+                        {"top_k", k},
+                        {"tokens", T},
+                        {"fitter", qs.fitter},
+                        {"bytes_bf16", qs.bytes_before},
+                        {"bytes_lutb", qs.bytes_after},
+                        {"bits_per_weight", qs.bits_per_weight()},
+                        {"sqnr_db", sqnr},
+                        {"rel_l2", e.rel_l2},
+                        {"cosine", e.cosine},
+                        {"max_abs", e.max_abs},
+                        {"rel_l2_bf16_activations", ew.rel_l2},
+                        {"seconds_synth", t_synth},
+                        {"seconds_quantize", t_quant},
+                        {"seconds_reference", t_ref},
+                        {"seconds_lutb", t_lut},
+                        {"peak_rss_bytes", peak_rss_bytes()}};
+    fmt::print("{}\n", j.dump());
+  }
+}
+
+}  // namespace
+
 void add_default_job(CLI::App& app) {
-  app.callback([&app] {
-    if (app.get_subcommands().empty()) throw std::runtime_error("default job not implemented yet");
+  auto a = std::make_shared<DefaultArgs>();
+  const std::string g = "Default job (lutb with no subcommand)";
+  app.add_option("--tokens", a->tokens, "default job: random tokens run through the layer (default 64)")->group(g);
+  app.add_option("--experts", a->experts, "default job: routed experts (default 128, Qwen3-30B-A3B's; fewer for a quick run)")
+      ->group(g)->check(CLI::NonNegativeNumber);
+  app.add_option("--fitter", a->fitter, "default job: fitter (default " + default_fitter() + ")")->group(g);
+  app.add_option("--seed", a->seed, "default job: token seed")->group(g);
+  app.add_option("--work-dir", a->work_dir, "default job: directory for the two checkpoints (default a temporary one)")->group(g);
+  app.add_flag("--keep", a->keep, "default job: keep the checkpoints")->group(g);
+  app.add_flag("--json", a->json, "default job: print a JSON summary as the last line")->group(g);
+  app.callback([&app, a] {
+    if (app.get_subcommands().empty()) run_default_job(*a);
   });
 }
+
 }  // namespace lutb::cli

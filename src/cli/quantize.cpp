@@ -1,9 +1,86 @@
-// PLACEHOLDER: replaced by the quantize implementation (issue 5).
+// `lutb quantize`: a Hugging Face MoE checkpoint directory -> LUT-B checkpoint (spec 2.2), or the
+// tensors of one safetensors file -> X_packed / X_codebook / X_scale.
+#include <cmath>
+#include <filesystem>
+#include <memory>
 #include <stdexcept>
+#include <string>
+
+#include <fmt/core.h>
+#include <nlohmann/json.hpp>
+
 #include "cli/commands.hpp"
+#include "lutb/checkpoint.hpp"
+
 namespace lutb::cli {
-void add_quantize(CLI::App& app) {
-  auto* cmd = app.add_subcommand("quantize", "(not built yet)");
-  cmd->callback([] { throw std::runtime_error("lutb quantize is not implemented yet"); });
+
+namespace {
+struct QuantizeArgs {
+  std::string input, output, fitter, match;
+  int threads = 0;
+  bool all = false, force = false, no_progress = false, json = false;
+};
+
+nlohmann::json summary_json(const QuantizeSummary& s, const std::string& in, const std::string& out) {
+  const double sqnr = s.stats.sqnr_db();
+  return {{"input", in},
+          {"output", out},
+          {"fitter", s.fitter},
+          {"tensors_quantized", s.tensors_quantized},
+          {"tensors_copied", s.tensors_copied},
+          {"weights", s.weights},
+          {"bytes_before", s.bytes_before},
+          {"bytes_after", s.bytes_after},
+          {"input_bytes", s.input_bytes},
+          {"output_bytes", s.output_bytes},
+          {"bits_per_weight", s.bits_per_weight()},
+          {"sqnr_db", std::isfinite(sqnr) ? nlohmann::json(sqnr) : nlohmann::json(nullptr)},
+          {"seconds", s.seconds},
+          {"peak_rss_bytes", s.peak_rss_bytes}};
 }
+}  // namespace
+
+void add_quantize(CLI::App& app) {
+  auto args = std::make_shared<QuantizeArgs>();
+  auto* cmd = app.add_subcommand(
+      "quantize",
+      "Quantise routed experts to LUT-B. MODEL_DIR -o OUT_DIR writes a LUT-B checkpoint (spec 2.2); "
+      "IN.safetensors -o OUT.safetensors quantises 2-D/3-D float tensors of one file (--match REGEX or --all, "
+      "default --all)");
+  cmd->add_option("input", args->input, "checkpoint directory or .safetensors file")->required();
+  cmd->add_option("-o,--output", args->output, "output directory (checkpoint) or file (.safetensors)")->required();
+  cmd->add_option("--fitter", args->fitter, "fitter: " + [] {
+    std::string s;
+    for (const auto& n : fitter_names()) s += (s.empty() ? "" : ", ") + n;
+    return s + " (default " + default_fitter() + ")";
+  }());
+  cmd->add_option("--threads", args->threads, "threads (0 = all cores)")->check(CLI::NonNegativeNumber);
+  auto* m = cmd->add_option("--match", args->match, "file mode: quantise tensors whose name matches this regex");
+  auto* a = cmd->add_flag("--all", args->all, "file mode: quantise every 2-D/3-D float tensor (the default)");
+  m->excludes(a);
+  cmd->add_flag("--force", args->force, "replace an existing output (built aside, swapped in at the end)");
+  cmd->add_flag("--no-progress", args->no_progress, "no progress bar on stderr");
+  cmd->add_flag("--json", args->json, "print a JSON summary as the last line of stdout");
+  cmd->callback([args] {
+    namespace fs = std::filesystem;
+    QuantizeOptions opt;
+    opt.fit.fitter = args->fitter;
+    opt.fit.threads = args->threads;
+    opt.force = args->force;
+    opt.progress = !args->no_progress;
+    QuantizeSummary s;
+    if (fs::is_directory(args->input)) {
+      if (!args->match.empty() || args->all)
+        throw std::invalid_argument("--match/--all apply to a single .safetensors file, not a checkpoint directory");
+      s = quantize_checkpoint(args->input, args->output, opt);
+    } else if (fs::is_regular_file(args->input)) {
+      s = quantize_file(args->input, args->output, args->match, opt);
+    } else {
+      throw std::invalid_argument(fmt::format("{}: no such checkpoint directory or file", args->input));
+    }
+    fmt::print("lutb quantize: {} -> {}\n{}", args->input, args->output, format_summary(s));
+    if (args->json) fmt::print("{}\n", summary_json(s, args->input, args->output).dump());
+  });
+}
+
 }  // namespace lutb::cli

@@ -35,14 +35,6 @@
 namespace lutb::fit_detail {
 namespace {
 
-struct Inv {
-  double v[kTileSize + 1];
-  Inv() {
-    v[0] = 0.0;
-    for (int i = 1; i <= kTileSize; ++i) v[i] = 1.0 / i;
-  }
-};
-const Inv kInv;
 
 // v[t] = prev[i0 + t] + cost(i0 + t, j) for t < n: a branch-free loop over contiguous arrays that
 // the compiler vectorises. An AVX2 copy is selected at run time where the CPU has it; every
@@ -94,8 +86,7 @@ inline void row_costs(const double* prev, const double* cd, const double* s1, co
 
 struct Dp {
   // Prefix arrays at the allowed boundary positions, scaled units.
-  int c[kTileSize + 1];
-  double cd[kTileSize + 1];  // c as double
+  double cd[kTileSize + 1];  // prefix counts (exact in double)
   double s1[kTileSize + 1];
   double s2[kTileSize + 1];
   int m = 0;
@@ -104,11 +95,12 @@ struct Dp {
   double* cur = buf[1];
   std::int16_t opt[kCodebookSize][kTileSize + 1];  // opt[k-1][j]: start of the last run, layer k
 
+  // Same arithmetic, operation for operation, as LUTB_ROW_COSTS_BODY (so mixing them is exact).
   double cost(int i, int j) const {
-    const int cc = c[j] - c[i];
+    const double cc = cd[j] - cd[i];
     const double a = s1[j] - s1[i];
     const double b = s2[j] - s2[i];
-    const double mean = a * kInv.v[cc];
+    const double mean = a / cc;
     const double d = mean - e4m3_nearest(mean);
     return (b - a * mean) + cc * (d * d);
   }
@@ -123,14 +115,26 @@ struct Dp {
       int lo = std::max(std::max(ilo, k - 1), lower ? static_cast<int>(lower[j]) : 0);
       const int hi = std::min(ihi, j - 1);
       lo = std::min(lo, hi);  // (only reachable through rounding-level ties)
-      double v[kTileSize + 1];
-      row_costs(prev, cd, s1, s2, lo, hi - lo + 1, j, v);
-      double best = v[0];
+      double best;
       int bi = lo;
-      for (int t = 1; t <= hi - lo; ++t) {
-        if (v[t] < best) {
-          best = v[t];
-          bi = lo + t;
+      if (hi - lo < 8) {  // short ranges (most of the recursion): inline scalar
+        best = prev[lo] + cost(lo, j);
+        for (int i = lo + 1; i <= hi; ++i) {
+          const double v = prev[i] + cost(i, j);
+          if (v < best) {
+            best = v;
+            bi = i;
+          }
+        }
+      } else {
+        double v[kTileSize + 1];
+        row_costs(prev, cd, s1, s2, lo, hi - lo + 1, j, v);
+        best = v[0];
+        for (int t = 1; t <= hi - lo; ++t) {
+          if (v[t] < best) {
+            best = v[t];
+            bi = lo + t;
+          }
         }
       }
       cur[j] = best;
@@ -151,8 +155,7 @@ DpResult dp_fit(const SortedTile& st, const int* pos, int m, int scale) {
   const double inv_scale2 = inv_scale * inv_scale;
   dp.m = m;
   for (int i = 0; i <= m; ++i) {
-    dp.c[i] = st.cnt[pos[i]];
-    dp.cd[i] = dp.c[i];
+    dp.cd[i] = st.cnt[pos[i]];
     dp.s1[i] = st.p1[pos[i]] * inv_scale;
     dp.s2[i] = st.p2[pos[i]] * inv_scale2;
   }
@@ -192,7 +195,7 @@ DpResult dp_fit(const SortedTile& st, const int* pos, int m, int scale) {
   for (int k = 0; k <= K; ++k) res.bounds[k] = pos[seg_end[k]];
   for (int k = 0; k < K; ++k) {
     const int i = seg_end[k], j = seg_end[k + 1];
-    const double mean = (dp.s1[j] - dp.s1[i]) * kInv.v[dp.c[j] - dp.c[i]];
+    const double mean = (dp.s1[j] - dp.s1[i]) / (dp.cd[j] - dp.cd[i]);
     res.entries[k] = e4m3_byte_exact(e4m3_nearest(mean));
   }
   res.cost /= inv_scale2;
@@ -207,7 +210,6 @@ void dp_refine(const SortedTile& st, int scale, int w, int rounds, DpResult& res
   const double inv_scale = pow2(127 - scale);
   const double inv_scale2 = inv_scale * inv_scale;
   for (int i = 0; i <= m; ++i) {
-    dp.c[i] = st.cnt[i];
     dp.cd[i] = st.cnt[i];
     dp.s1[i] = st.p1[i] * inv_scale;
     dp.s2[i] = st.p2[i] * inv_scale2;

@@ -56,14 +56,17 @@ void build_sorted(const float* x512, SortedTile& st) {
   std::uint32_t keys[kTileSize];
   for (int i = 0; i < kTileSize; ++i) keys[i] = sort_key(x512[i]);
   radix_sort512(keys);
+  float v[kTileSize + 1];
+  for (int i = 0; i < kTileSize; ++i) v[i] = from_key(keys[i]);
+  v[kTileSize] = INFINITY;  // sentinel (values are finite)
   int n = 0;
   st.cnt[0] = 0;
   st.p1[0] = 0.0;
   st.p2[0] = 0.0;
   for (int i = 0; i < kTileSize;) {
-    const float x = from_key(keys[i]);
+    const float x = v[i];
     int j = i + 1;
-    while (j < kTileSize && from_key(keys[j]) == x) ++j;  // +0 and -0 compare equal and merge
+    while (v[j] == x) ++j;  // +0 and -0 compare equal and merge
     const int c = j - i;
     const double xd = x;
     st.u[n] = x == 0.0f ? 0.0f : x;
@@ -80,29 +83,37 @@ void build_sorted(const float* x512, SortedTile& st) {
 double assign_sse(const float* x512, const float* cb, std::uint8_t* idx512) {
   // Distinct runs of the ascending codebook: value u_r, first index pos_r. A value goes to run r
   // when it is strictly above the midpoint between u_{r-1} and u_r (strictly closer to u_r), so
-  // an exact tie stays with the lower index. Midpoints of two E4M3 * 2^(s-127) values are exact in
-  // double (their exponents differ by < 20 and each has 4 significant bits).
-  double mid[kCodebookSize];
+  // an exact tie stays with the lower index. The midpoint 0.5*u_{r-1} + 0.5*u_r of two
+  // E4M3 * 2^(s-127) values (s = 3..246) is exact in FP32: each half is a multiple of 2^-134 and
+  // the sum needs at most 21 significant bits and stays below 448 * 2^119.
+  float mid[kCodebookSize];
   std::uint8_t pos[kCodebookSize];
-  double val[kCodebookSize];
+  float val[kCodebookSize];
   int runs = 0;
   for (int j = 0; j < kCodebookSize; ++j) {
-    if (runs == 0 || static_cast<double>(cb[j]) != val[runs - 1]) {
+    if (runs == 0 || cb[j] != val[runs - 1]) {
       val[runs] = cb[j];
       pos[runs] = static_cast<std::uint8_t>(j);
-      mid[runs] = runs == 0 ? -INFINITY : 0.5 * (val[runs - 1] + static_cast<double>(cb[j]));
+      if (runs > 0) mid[runs - 1] = 0.5f * val[runs - 1] + 0.5f * cb[j];
       ++runs;
     }
   }
+  for (int k = runs - 1; k < kCodebookSize; ++k) mid[k] = INFINITY;  // unused thresholds
+  // Run index of every value: count of midpoints strictly below it (branch-free, vectorised).
+  std::uint8_t run[kTileSize];
+  for (int f = 0; f < kTileSize; ++f) {
+    const float x = x512[f];
+    int r = 0;
+    for (int k = 0; k < kCodebookSize - 1; ++k) r += x > mid[k] ? 1 : 0;
+    run[f] = static_cast<std::uint8_t>(r);
+  }
   double sse = 0.0;
   for (int f = 0; f < kTileSize; ++f) {
-    const double x = x512[f];
-    int r = 0;
-    for (int k = 1; k < runs; ++k) r += x > mid[k] ? 1 : 0;  // midpoints ascending
-    const double d = x - val[r];
+    const double d = static_cast<double>(x512[f]) - val[run[f]];
     sse += d * d;
-    if (idx512) idx512[f] = pos[r];
   }
+  if (idx512)
+    for (int f = 0; f < kTileSize; ++f) idx512[f] = pos[run[f]];
   return sse;
 }
 

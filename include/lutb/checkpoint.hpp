@@ -1,0 +1,420 @@
+// lutb/checkpoint.hpp: Hugging Face MoE checkpoints (spec section 7) and LUT-B checkpoints
+// (spec section 2.2): configuration, tensor naming, loading a MoE layer's experts, and writing a
+// LUT-B checkpoint by streaming quantisation.
+//
+// Layouts used throughout (spec section 4):
+//   w13 [E, 2I, H]  rows 0..I-1 = gate (Mixtral w1), rows I..2I-1 = up (Mixtral w3)
+//   w2  [E, H, I]   down (Mixtral w2)
+//   router [E, H], e_score_correction_bias [E] (DeepSeek-V3)
+// with E = num_experts, H = hidden_size, I = moe_intermediate_size, PyTorch [out, in] layout.
+//
+// Stacked 3-D expert tensors (transformers 5 "fused experts"):
+//   `<prefix>.experts.gate_up_proj` [E, 2I, H], gate = first I rows, up = last I rows, and
+//   `<prefix>.experts.down_proj`    [E, H, I].
+// Source: transformers 5 Qwen3MoeExperts / MixtralExperts / DeepseekV3NaiveMoe / Qwen2MoeExperts /
+// OlmoeExperts declare `gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_dim,
+// hidden_dim))`, `down_proj = ... (num_experts, hidden_dim, intermediate_dim)` and compute
+// `gate, up = F.linear(x, gate_up_proj[e]).chunk(2, dim=-1)` (gate first). All six supported
+// families share this layout; a stacked tensor of any other shape is an error naming the expected
+// shape (we never transpose silently).
+//
+// Errors: ConfigError (config.json problems) and CheckpointError (missing or malformed tensors,
+// output directory problems); both name the file or checkpoint directory, the tensor and the reason.
+// Safetensors structural errors are SafetensorsError (lutb/safetensors.hpp), LUT-B data errors
+// FormatError (lutb/tile.hpp).
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <regex>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "lutb/dtype.hpp"
+#include "lutb/fit.hpp"
+#include "lutb/safetensors.hpp"
+#include "lutb/tile.hpp"
+
+namespace lutb {
+
+struct ConfigError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+struct CheckpointError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// ---------------------------------------------------------------------------
+// Model families and configuration (spec section 7)
+// ---------------------------------------------------------------------------
+/// The supported `model_type` values of config.json.
+enum class ModelFamily : std::uint8_t { qwen3_moe, qwen2_moe, mixtral, deepseek_v3, deepseek_v2, olmoe };
+
+/// "qwen3_moe", "mixtral", ... (the config.json `model_type`).
+std::string_view family_name(ModelFamily f);
+/// Parses a model_type; nullopt when unsupported.
+std::optional<ModelFamily> family_from_name(std::string_view model_type);
+/// All supported model_type names, in enum order.
+std::vector<std::string> family_names();
+
+/// Router scoring function (spec section 5).
+enum class ScoringFunc : std::uint8_t { softmax, sigmoid };
+
+/// A MoE model's configuration, parsed from config.json with every key variant of spec section 7.
+/// Defaults for absent keys are the transformers defaults of the family, noted per field.
+struct ModelConfig {
+  ModelFamily family = ModelFamily::qwen3_moe;
+  std::string model_type;             // as written in config.json
+  std::int64_t hidden_size = 0;       // H ("hidden_size", required)
+  std::int64_t num_hidden_layers = 0; // ("num_hidden_layers", required)
+  std::int64_t vocab_size = 0;        // ("vocab_size", required)
+  /// Width of the dense MLPs ("intermediate_size"; for Mixtral this is also the expert width).
+  std::int64_t intermediate_size = 0;
+  /// I, the routed experts' width: "moe_intermediate_size"; Mixtral: "intermediate_size".
+  std::int64_t moe_intermediate_size = 0;
+  /// E: "num_experts" (Qwen2/3-MoE, OLMoE) / "num_local_experts" (Mixtral; transformers 5 for all)
+  /// / "n_routed_experts" (DeepSeek). When several are present they must agree.
+  std::int64_t num_experts = 0;
+  std::int64_t num_experts_per_tok = 0;  // k ("num_experts_per_tok", required)
+  /// Renormalise the top-k weights to sum 1 ("norm_topk_prob"; default false, DeepSeek-V3 true;
+  /// Mixtral always true whatever the key says, spec section 5).
+  bool norm_topk_prob = false;
+  ScoringFunc scoring_func = ScoringFunc::softmax;  // "scoring_func" (DeepSeek-V3 default sigmoid)
+  /// DeepSeek routing: "topk_method" ("greedy", "group_limited_greedy", "noaux_tc"; DeepSeek-V3
+  /// default "noaux_tc", DeepSeek-V2 default "greedy"; empty for other families).
+  std::string topk_method;
+  std::int64_t n_group = 1;             // "n_group" (default 1)
+  std::int64_t topk_group = 1;          // "topk_group" (default 1)
+  double routed_scaling_factor = 1.0;   // "routed_scaling_factor" (default 1)
+  /// Shared experts: DeepSeek "n_shared_experts" (width n_shared_experts * moe_intermediate_size,
+  /// tensors mlp.shared_experts.*); Qwen2-MoE one shared expert of width
+  /// "shared_expert_intermediate_size" (tensors mlp.shared_expert.*, scaled by
+  /// sigmoid(mlp.shared_expert_gate.weight . x)). 0 when none.
+  std::int64_t n_shared_experts = 0;
+  std::int64_t shared_expert_intermediate_size = 0;  // total width of the shared MLP; 0 when none
+  /// Dense-layer selection (is_moe_layer): "mlp_only_layers" (Qwen2/3-MoE, default []),
+  /// "decoder_sparse_step" (Qwen2/3-MoE, default 1), "first_k_dense_replace" and "moe_layer_freq"
+  /// (DeepSeek, defaults 0 and 1).
+  std::vector<std::int64_t> mlp_only_layers;
+  std::int64_t decoder_sparse_step = 1;
+  std::int64_t first_k_dense_replace = 0;
+  std::int64_t moe_layer_freq = 1;
+  double rms_norm_eps = 1e-6;          // "rms_norm_eps" (default 1e-6; Mixtral 1e-5)
+  bool tie_word_embeddings = false;    // "tie_word_embeddings" (default false)
+  std::string hidden_act = "silu";     // "hidden_act"; the MoE pipeline of spec 4 requires "silu"
+  nlohmann::json raw;                  // the whole config.json (attention/rope keys live here)
+  std::string source;                  // where it was read from (for messages)
+
+  /// True when decoder layer L has a routed-expert MoE block (0 <= L < num_hidden_layers; layers
+  /// beyond, e.g. DeepSeek's multi-token-prediction layer, follow the same rule).
+  ///   Qwen2/3-MoE: L not in mlp_only_layers and num_experts > 0 and (L + 1) % decoder_sparse_step == 0
+  ///   DeepSeek-V2/V3: L >= first_k_dense_replace and L % moe_layer_freq == 0
+  ///   Mixtral, OLMoE: every layer
+  bool is_moe_layer(std::int64_t layer) const;
+  /// The MoE layers among 0..num_hidden_layers-1, ascending.
+  std::vector<std::int64_t> moe_layers() const;
+  /// True for the softmax top-k routing of Mixtral (always renormalised) and the norm_topk_prob key
+  /// elsewhere: the value the router must use (spec section 5).
+  bool renormalize() const { return family == ModelFamily::mixtral ? true : norm_topk_prob; }
+};
+
+/// Parses a config.json object. `where` names its file in error messages. Throws ConfigError naming
+/// `where` and the key when a required key is missing or has the wrong type, when the experts keys
+/// disagree, and, for an unsupported model_type, naming it and the supported ones.
+ModelConfig parse_model_config(const nlohmann::json& config, const std::string& where = "config.json");
+/// Reads and parses `path` (a config.json file or a checkpoint directory holding one).
+ModelConfig load_model_config(const std::filesystem::path& path);
+
+// ---------------------------------------------------------------------------
+// Tensor names (spec section 7)
+// ---------------------------------------------------------------------------
+/// The three projections of an expert (gate = w1, up = w3, down = w2).
+enum class Proj : std::uint8_t { gate, up, down };
+std::string_view proj_name(Proj p);  // "gate", "up", "down"
+
+/// Block prefix of layer L's MoE: "model.layers.L.mlp" (Mixtral: "model.layers.L.block_sparse_moe").
+std::string moe_prefix(const ModelConfig& c, std::int64_t layer);
+/// Per-expert projection weight: "model.layers.L.mlp.experts.e.gate_proj.weight" (Mixtral:
+/// "model.layers.L.block_sparse_moe.experts.e.w1.weight"; w1 gate, w3 up, w2 down).
+std::string expert_weight_name(const ModelConfig& c, std::int64_t layer, std::int64_t expert, Proj p);
+/// Stacked tensors: "<prefix>.experts.gate_up_proj" ([E, 2I, H]) and "<prefix>.experts.down_proj"
+/// ([E, H, I]). For Mixtral both "block_sparse_moe" and "mlp" prefixes are looked up (transformers
+/// 5 renames the block); this returns the first name and stacked_expert_names() both.
+std::string stacked_gate_up_name(const ModelConfig& c, std::int64_t layer);
+std::string stacked_down_name(const ModelConfig& c, std::int64_t layer);
+/// Router weight "<prefix>.gate.weight" [E, H].
+std::string router_weight_name(const ModelConfig& c, std::int64_t layer);
+/// DeepSeek-V3 "<prefix>.gate.e_score_correction_bias" [E]; empty for families without one.
+std::string router_bias_name(const ModelConfig& c, std::int64_t layer);
+
+/// The regular expression (ECMAScript) of every routed-expert projection name of the family, per
+/// expert and stacked; written into quantization_config as the module pattern. Capture groups are
+/// not part of the contract.
+std::string routed_expert_pattern(const ModelConfig& c);
+
+/// LUT-B tensor names of a projection named `weight_name`: "X.weight" -> "X.weight_packed",
+/// "X.weight_codebook", "X.weight_scale"; a name not ending in ".weight" (stacked, or any tensor of
+/// quantize_file) gets "_packed", "_codebook", "_scale" appended.
+struct LutbNames {
+  std::string packed, codebook, scale;
+};
+LutbNames lutb_names(const std::string& weight_name);
+
+// ---------------------------------------------------------------------------
+// The quantization_config of a LUT-B checkpoint (spec section 2.2)
+// ---------------------------------------------------------------------------
+/// What config.json's "quantization_config" says about LUT-B.
+///   {"quant_method": "lut_b", "format": "lut_b_tiles", "tile": [8, 64],
+///    "codebook_dtype": "float8_e4m3fn", "scale_dtype": "ue8m0", "fitter": "...",
+///    "activation": "mxfp8", "modules": "<routed_expert_pattern>",
+///    "logical_shapes": {"<weight name>": [N, K] or [E, N, K], ...}  (only padded tensors)}
+/// A compressed-tensors checkpoint (quant_method "compressed-tensors" whose "format", top level or
+/// in any config_groups entry, is "lut-b") is accepted as LUT-B too; it has no weight_scale tensors
+/// and reads as scale byte 127 (spec 2.2).
+struct LutbQuantConfig {
+  std::string quant_method;  // "lut_b" or "compressed-tensors"
+  std::string format;
+  std::string fitter;
+  std::string activation = "mxfp8";
+  std::string modules;  // pattern of the quantised names
+  std::map<std::string, std::vector<std::int64_t>> logical_shapes;
+  bool compressed_tensors = false;  // true: no weight_scale tensors, scale byte 127
+};
+/// Parses config["quantization_config"]; nullopt when absent or not LUT-B.
+std::optional<LutbQuantConfig> parse_lutb_quant_config(const nlohmann::json& config);
+
+// ---------------------------------------------------------------------------
+// Loading
+// ---------------------------------------------------------------------------
+/// A dense (float) stack of matrices, row-major [experts][rows][cols], in the checkpoint's source
+/// dtype (BF16, F16 or F32: the dtype of the first tensor read; all experts of one stack must agree,
+/// else CheckpointError). `experts == 1` and a 2-D use for the router or a shared expert.
+struct DenseStack {
+  DType dtype = DType::BF16;
+  std::int64_t experts = 1, rows = 0, cols = 0;
+  std::vector<std::uint8_t> data;  // experts*rows*cols*dtype_size(dtype) bytes
+
+  std::int64_t numel() const { return experts * rows * cols; }
+  const void* ptr() const { return data.data(); }
+  /// Elements as FP32 (exact for BF16/F16).
+  std::vector<float> to_float() const;
+  /// Elements as BF16 bits (exact for BF16 sources; F32/F16 round to nearest even).
+  std::vector<std::uint16_t> to_bf16() const;
+};
+
+/// A MoE layer's routed experts in source precision.
+struct ExpertsSource {
+  DenseStack w13;  // [E, 2I, H], gate rows then up rows
+  DenseStack w2;   // [E, H, I]
+};
+
+/// A MoE layer's routed experts as LUT-B (owned copies of the stored tiles, or fits).
+///   w13: shape {experts E, rows 2I, cols H, stacked}; w2: {E, H, I, stacked}.
+/// For a per-expert checkpoint gate and up are two tensors of [I, H] each (padded separately to
+/// I8 = ceil(I/8)*8 rows); they are stacked by copying whole tiles, which is exact only when
+/// I % 8 == 0 (then tile rows never straddle gate and up). When I % 8 != 0 the stacked w13 would
+/// need tiles that straddle, so lutb_experts() throws FormatError saying so; use
+/// lutb_projection() for per-projection tensors instead. (A stacked LUT-B gate_up tensor is used as
+/// stored, for any I.)
+struct ExpertsLutb {
+  LutbTensor w13;
+  LutbTensor w2;
+};
+
+/// The router of a MoE layer.
+struct RouterWeights {
+  DenseStack weight;                // [E, H] (experts = 1, rows = E, cols = H)
+  std::optional<std::vector<float>> bias;  // e_score_correction_bias [E] (DeepSeek-V3) as FP32
+};
+
+/// Shared experts of a MoE layer, as one dense SwiGLU MLP of width S (DeepSeek: S =
+/// n_shared_experts * I; Qwen2-MoE: shared_expert_intermediate_size).
+struct SharedExpert {
+  DenseStack gate;  // [S, H]
+  DenseStack up;    // [S, H]
+  DenseStack down;  // [H, S]
+  /// Qwen2-MoE: shared_expert_gate.weight [1, H]; the output is scaled by sigmoid(gate . x).
+  std::optional<DenseStack> output_gate;
+};
+
+/// An opened checkpoint directory: config.json plus the safetensors (single file, index + shards,
+/// or every *.safetensors) memory-mapped. Tensor data stays in the mapping until a method copies it;
+/// the methods that copy (dense, experts_source, lutb_experts, lutb_projection, router,
+/// shared_expert) then drop the copied pages of the mapping from the resident set (madvise), so a
+/// layer's weights are resident once, not twice. tensor() views stay valid (pages fault back in).
+class Checkpoint {
+ public:
+  /// Opens `dir`. Throws ConfigError (missing/invalid config.json, unsupported family) or
+  /// SafetensorsError / CheckpointError naming `dir` (no weights, truncated shard, bad index).
+  explicit Checkpoint(const std::filesystem::path& dir);
+  ~Checkpoint();
+  Checkpoint(Checkpoint&&) noexcept;
+  Checkpoint& operator=(Checkpoint&&) noexcept;
+
+  const std::filesystem::path& dir() const { return dir_; }
+  const ModelConfig& config() const { return config_; }
+  const SafetensorsCollection& tensors() const { return *st_; }
+
+  /// True when config.json has a LUT-B quantization_config (quant_method "lut_b", or
+  /// compressed-tensors format "lut-b").
+  bool is_lutb() const { return quant_.has_value(); }
+  const std::optional<LutbQuantConfig>& quant_config() const { return quant_; }
+
+  bool contains(const std::string& name) const;
+  /// Any tensor by name. Throws CheckpointError "checkpoint DIR: tensor NAME not found".
+  const TensorView& tensor(const std::string& name) const;
+  /// A 1-D/2-D float tensor copied as a DenseStack (experts = 1; 1-D gives rows = 1).
+  DenseStack dense(const std::string& name) const;
+
+  /// True when layer L's experts are stored stacked (gate_up_proj / down_proj or their LUT-B forms).
+  bool experts_stacked(std::int64_t layer) const;
+  /// True when layer L's routed experts are stored as LUT-B.
+  bool experts_lutb(std::int64_t layer) const;
+
+  /// Layer L's routed experts in source precision, gathered from per-expert or stacked tensors
+  /// (one layer in memory: 3*E*I*H elements). Throws CheckpointError when L is not a MoE layer,
+  /// when the experts are stored as LUT-B, or naming a missing tensor, a wrong shape (expected vs
+  /// actual) or a non-float dtype.
+  ExpertsSource experts_source(std::int64_t layer) const;
+  /// Layer L's routed experts as LUT-B: the stored tiles when the checkpoint is LUT-B (validated;
+  /// compressed-tensors scale 127), else fitted now from the source with `fit` (the online method:
+  /// w13 and w2 quantised as [E, 2I, H] and [E, H, I] stacks). See ExpertsLutb for I % 8 != 0.
+  ExpertsLutb lutb_experts(std::int64_t layer, const FitOptions& fit = {}, FitStats* stats = nullptr) const;
+  /// One stored LUT-B projection stacked over experts: gate/up [E, I, H] or down [E, H, I] (any I).
+  /// Throws CheckpointError when the layer is not stored as LUT-B.
+  LutbTensor lutb_projection(std::int64_t layer, Proj p) const;
+  /// Router weight and (DeepSeek-V3) correction bias.
+  RouterWeights router(std::int64_t layer) const;
+  /// Shared experts, nullopt when the layer has none.
+  std::optional<SharedExpert> shared_expert(std::int64_t layer) const;
+
+ private:
+  // Name of the stacked tensor of layer L whose name + suffix exists ("" when none).
+  std::string find_stacked(std::int64_t layer, bool gate_up, const char* suffix) const;
+  void check_moe_layer(std::int64_t layer) const;
+  // Copies the stored LUT-B triple of `weight_name` (logical shape `one`) into out at tile_offset.
+  void read_lutb(const std::string& weight_name, const LutbShape& one, LutbTensor& out, std::int64_t tile_offset) const;
+
+  std::filesystem::path dir_;
+  ModelConfig config_;
+  std::unique_ptr<SafetensorsCollection> st_;
+  std::optional<LutbQuantConfig> quant_;
+};
+
+// ---------------------------------------------------------------------------
+// Writing LUT-B checkpoints
+// ---------------------------------------------------------------------------
+/// Options of quantize_checkpoint / quantize_file.
+struct QuantizeOptions {
+  FitOptions fit;          // fitter and threads
+  /// Replace an existing output. Default false: an existing output is an error and is left as it
+  /// was. With force the new output is built under a temporary name first and only then swapped in
+  /// (the old one is removed after the swap).
+  bool force = false;
+  bool progress = true;    // progress bar on stderr (only drawn when stderr is a terminal)
+};
+
+/// Summary of a quantisation run.
+struct QuantizeSummary {
+  std::int64_t tensors_quantized = 0;  // source weights replaced by LUT-B triples
+  std::int64_t tensors_copied = 0;     // everything else
+  std::int64_t weights = 0;            // logical weights quantised
+  std::uint64_t bytes_before = 0;      // bytes of the quantised source tensors
+  std::uint64_t bytes_after = 0;       // bytes of their packed + codebook + scale tensors
+  std::uint64_t input_bytes = 0;       // all tensor bytes in
+  std::uint64_t output_bytes = 0;      // all tensor bytes out
+  FitStats stats;                      // aggregate squared error -> SQNR
+  std::string fitter;
+  double seconds = 0.0;
+  std::uint64_t peak_rss_bytes = 0;    // VmHWM of this process at the end (/proc/self/status)
+  /// Bits per weight of the quantised tensors: 8 * bytes_after / weights (3.140625 unpadded).
+  double bits_per_weight() const { return weights ? 8.0 * static_cast<double>(bytes_after) / weights : 0.0; }
+};
+/// Human-readable multi-line summary.
+std::string format_summary(const QuantizeSummary& s);
+
+/// Writes the LUT-B checkpoint of spec 2.2 for the checkpoint in `in_dir` into `out_dir`.
+/// - Every routed-expert projection (per expert "P.weight" [N, K], or stacked [E, N, K]) of every
+///   MoE layer is fitted and replaced by P.weight_packed U8 [N/8, K/64, 192], P.weight_codebook
+///   F8_E4M3 [N/8, K/64, 8] and P.weight_scale U8 [N/8, K/64] (stacked: a leading E, names from
+///   lutb_names()); N, K padded to the tile with zeros; gate and up are fitted as separate tensors.
+/// - Every other tensor is copied bit for bit, in the same shard, in the same order; shard file
+///   names are kept and model.safetensors.index.json is rewritten for the new names and sizes.
+/// - Every other file of in_dir (tokenizer, generation config, ...) is copied; config.json gains
+///   "quantization_config" (see LutbQuantConfig) with logical_shapes for padded tensors.
+/// - Streaming: tensors are processed one at a time from the memory-mapped source; the source pages
+///   of a tensor are released (madvise) once written, so peak memory is about one stacked tensor's
+///   LUT-B output plus one tensor's FP32 staging, independent of the checkpoint size.
+/// - Atomic: everything is written to "<out_dir>.tmp.<pid>" and renamed to out_dir at the end; on
+///   any error the temporary directory is removed and out_dir is untouched.
+/// Errors: CheckpointError when out_dir exists (without force), equals in_dir, or in_dir is already
+/// LUT-B; ConfigError / SafetensorsError for bad input; std::invalid_argument naming the tensor and
+/// tile for NaN/Inf weights (from the fitter); CheckpointError for a non-float expert tensor.
+QuantizeSummary quantize_checkpoint(const std::filesystem::path& in_dir, const std::filesystem::path& out_dir,
+                                    const QuantizeOptions& opt = {});
+
+/// Quantises tensors of one safetensors file: each selected 2-D [N, K] or 3-D [E, N, K] float tensor
+/// X becomes X_packed / X_codebook / X_scale (lutb_names: "....weight" -> "....weight_packed"),
+/// others are copied bit for bit. Selection: `match` (ECMAScript regex, std::regex_search on the
+/// name), or every 2-D/3-D float tensor when `match` is empty. The file's __metadata__ is kept and
+/// gains "lutb.quant_method" = "lut_b", "lutb.fitter", and for each padded tensor
+/// "lutb.logical_shape.<X>" = "[N, K]" (or "[E, N, K]"). A selected tensor that is not 2-D/3-D float
+/// is an error naming it. Atomic via the temporary-name writer; `out` existing is an error unless
+/// opt.force. Returns the summary.
+QuantizeSummary quantize_file(const std::filesystem::path& in, const std::filesystem::path& out,
+                              const std::string& match, const QuantizeOptions& opt = {});
+
+// ---------------------------------------------------------------------------
+// Synthetic checkpoints (lutb synth)
+// ---------------------------------------------------------------------------
+/// Options of synthesize_checkpoint.
+struct SynthOptions {
+  ModelFamily family = ModelFamily::qwen3_moe;
+  std::int64_t layers = 1;      // number of MoE layers written
+  std::uint64_t seed = 1234;    // deterministic: same options -> same bytes
+  double student_nu = 5.0;      // Student-t degrees of freedom of the weights (heavy tails)
+  bool stacked = false;         // write transformers-5 stacked gate_up_proj/down_proj tensors
+  bool progress = true;
+  bool force = false;           // replace an existing out_dir
+  /// Override the real shapes (tests): 0 keeps the family's value.
+  std::int64_t hidden_size = 0, moe_intermediate_size = 0, num_experts = 0;
+};
+
+/// The real model a family's synthetic checkpoint imitates (shapes from its published config.json):
+///   qwen3_moe   Qwen3-30B-A3B:  H 2048, I 768,  E 128, k 8, norm_topk_prob true
+///   qwen2_moe   Qwen1.5-MoE-A2.7B: H 2048, I 1408, E 60, k 4, one shared expert of 5632
+///   mixtral     Mixtral-8x7B:   H 4096, I 14336, E 8, k 2
+///   deepseek_v3 DeepSeek-V3:    H 7168, I 2048, E 256, k 8, 1 shared expert, sigmoid, 8 groups top-4,
+///                               routed_scaling_factor 2.5
+///   deepseek_v2 DeepSeek-V2-Lite: H 2048, I 1408, E 64, k 6, 2 shared experts, softmax greedy
+///   olmoe       OLMoE-1B-7B:    H 2048, I 1024, E 64, k 8
+/// The config written has num_hidden_layers = `layers` and every layer a MoE layer (first_k_dense_replace
+/// 0, mlp_only_layers []); it is not a full language model.
+ModelConfig synth_config(const SynthOptions& opt);
+
+/// Writes a synthetic checkpoint: config.json and, per layer, only the MoE block (routed experts,
+/// router, DeepSeek correction bias, shared experts) in BF16 -- no attention, norms or embeddings.
+/// Files: "model.safetensors" for one layer, else one shard per layer
+/// "model-0000L-of-0000N.safetensors" with model.safetensors.index.json.
+/// Weights are Student-t(nu) (inversion of the exact CDF, tabulated) scaled to standard deviation 1/sqrt(fan_in),
+/// the scale of trained projections; the router the same; the DeepSeek correction bias 0.01*t.
+/// Deterministic from the seed: each row of each tensor has its own generator seeded by
+/// hash(seed, per-expert tensor name, row), so stacked and per-expert layouts hold the same
+/// values and results do not depend on the thread count. Streaming: tensors are generated and
+/// written a block of rows at a time (memory bounded by a few MB per thread), atomically
+/// (temporary directory renamed at the end; an existing out_dir is an error unless force).
+/// Returns the tensor bytes written.
+std::uint64_t synthesize_checkpoint(const std::filesystem::path& out_dir, const SynthOptions& opt);
+
+/// Peak resident set size of this process (VmHWM of /proc/self/status) in bytes; 0 if unknown.
+std::uint64_t peak_rss_bytes();
+
+}  // namespace lutb

@@ -1,0 +1,390 @@
+// Checkpoint: loading a Hugging Face MoE checkpoint's layers (spec section 7) and stored LUT-B
+// experts (spec section 2.2).
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include <fmt/core.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "io/checkpoint_internal.hpp"
+#include "lutb/checkpoint.hpp"
+
+namespace lutb {
+
+// ---------------------------------------------------------------------------
+// DenseStack
+// ---------------------------------------------------------------------------
+std::vector<float> DenseStack::to_float() const {
+  const std::int64_t n = numel();
+  std::vector<float> out(static_cast<std::size_t>(n));
+  detail::convert_to_f32(data.data(), dtype, out.data(), n);
+  return out;
+}
+
+std::vector<std::uint16_t> DenseStack::to_bf16() const {
+  const std::int64_t n = numel();
+  std::vector<std::uint16_t> out(static_cast<std::size_t>(n));
+  if (dtype == DType::BF16) {
+    std::memcpy(out.data(), data.data(), out.size() * 2);
+    return out;
+  }
+  std::vector<float> f = to_float();
+  for (std::int64_t i = 0; i < n; ++i) out[i] = bf16_from_float(f[i]);
+  return out;
+}
+
+namespace detail {
+
+void convert_to_f32(const void* src, DType t, float* out, std::int64_t n) {
+  switch (t) {
+    case DType::F32: std::memcpy(out, src, static_cast<std::size_t>(n) * 4); return;
+    case DType::BF16: {
+      const auto* p = static_cast<const std::uint16_t*>(src);
+      for (std::int64_t i = 0; i < n; ++i) out[i] = bf16_to_float(p[i]);
+      return;
+    }
+    case DType::F16: {
+      const auto* p = static_cast<const std::uint16_t*>(src);
+      for (std::int64_t i = 0; i < n; ++i) out[i] = fp16_to_float(p[i]);
+      return;
+    }
+    case DType::F64: {
+      const auto* p = static_cast<const double*>(src);
+      for (std::int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(p[i]);
+      return;
+    }
+    default: throw std::invalid_argument(fmt::format("convert_to_f32: {} is not a float dtype", dtype_name(t)));
+  }
+}
+
+std::string shape_str(const std::vector<std::int64_t>& s) { return fmt::format("[{}]", fmt::join(s, ", ")); }
+
+}  // namespace detail
+
+// ---------------------------------------------------------------------------
+// Checkpoint
+// ---------------------------------------------------------------------------
+Checkpoint::Checkpoint(const std::filesystem::path& dir) : dir_(dir) {
+  if (!std::filesystem::is_directory(dir))
+    throw CheckpointError(fmt::format("{}: not a checkpoint directory (does not exist or is not a directory)", dir.string()));
+  config_ = load_model_config(dir);
+  st_ = std::make_unique<SafetensorsCollection>(SafetensorsCollection::open_dir(dir));
+  quant_ = parse_lutb_quant_config(config_.raw);
+}
+Checkpoint::~Checkpoint() = default;
+Checkpoint::Checkpoint(Checkpoint&&) noexcept = default;
+Checkpoint& Checkpoint::operator=(Checkpoint&&) noexcept = default;
+
+bool Checkpoint::contains(const std::string& name) const { return st_->contains(name); }
+
+const TensorView& Checkpoint::tensor(const std::string& name) const {
+  if (!st_->contains(name))
+    throw CheckpointError(fmt::format("checkpoint {}: tensor {} not found", dir_.string(), name));
+  return st_->get(name);
+}
+
+namespace {
+
+// Copies a float tensor into dst (of dtype `to`), checking its shape. F64 sources are narrowed to F32.
+void copy_float(const std::filesystem::path& dir, const TensorView& v, const std::vector<std::int64_t>& expected,
+                DType to, std::uint8_t* dst) {
+  if (!dtype_is_float_source(v.dtype))
+    throw CheckpointError(fmt::format("checkpoint {}: tensor {} has dtype {}, expected a float weight (BF16, F16, F32)",
+                                      dir.string(), v.name, dtype_name(v.dtype)));
+  if (v.shape != expected)
+    throw CheckpointError(fmt::format("checkpoint {}: tensor {} has shape {}, expected {}", dir.string(), v.name,
+                                      detail::shape_str(v.shape), detail::shape_str(expected)));
+  if (v.dtype == to) {
+    std::memcpy(dst, v.data, v.nbytes);
+    detail::release_pages(v.data, v.nbytes);  // the copy is what we keep; drop the mapped pages from RSS
+    return;
+  }
+  if (to != DType::F32)
+    throw CheckpointError(fmt::format("checkpoint {}: tensor {} has dtype {} but the other experts of the stack are {}",
+                                      dir.string(), v.name, dtype_name(v.dtype), dtype_name(to)));
+  detail::convert_to_f32(v.data, v.dtype, reinterpret_cast<float*>(dst), v.numel());
+  detail::release_pages(v.data, v.nbytes);
+}
+
+DType stack_dtype(DType t) { return t == DType::F64 ? DType::F32 : t; }
+
+}  // namespace
+
+DenseStack Checkpoint::dense(const std::string& name) const {
+  const TensorView& v = tensor(name);
+  DenseStack d;
+  d.dtype = stack_dtype(v.dtype);
+  if (v.shape.size() == 1) {
+    d.rows = 1;
+    d.cols = v.shape[0];
+  } else if (v.shape.size() == 2) {
+    d.rows = v.shape[0];
+    d.cols = v.shape[1];
+  } else {
+    throw CheckpointError(fmt::format("checkpoint {}: tensor {} has shape {}, expected 1-D or 2-D", dir_.string(), name,
+                                      detail::shape_str(v.shape)));
+  }
+  d.data.resize(static_cast<std::size_t>(d.numel()) * dtype_size(d.dtype));
+  copy_float(dir_, v, v.shape, d.dtype, d.data.data());
+  return d;
+}
+
+std::string Checkpoint::find_stacked(std::int64_t layer, bool gate_up, const char* suffix) const {
+  std::vector<std::string> cands = {gate_up ? stacked_gate_up_name(config_, layer) : stacked_down_name(config_, layer)};
+  if (config_.family == ModelFamily::mixtral)  // transformers 5 renames block_sparse_moe to mlp
+    cands.push_back(fmt::format("model.layers.{}.mlp.experts.{}", layer, gate_up ? "gate_up_proj" : "down_proj"));
+  for (const auto& c : cands)
+    if (st_->contains(c + suffix)) return c;
+  return {};
+}
+
+void Checkpoint::check_moe_layer(std::int64_t layer) const {
+  if (!config_.is_moe_layer(layer))
+    throw CheckpointError(fmt::format("checkpoint {}: layer {} is not a MoE layer of this {} model (MoE layers: {})",
+                                      dir_.string(), layer, config_.model_type, fmt::join(config_.moe_layers(), ", ")));
+}
+
+bool Checkpoint::experts_stacked(std::int64_t layer) const {
+  return !find_stacked(layer, true, "").empty() || !find_stacked(layer, true, "_packed").empty();
+}
+
+bool Checkpoint::experts_lutb(std::int64_t layer) const {
+  if (!find_stacked(layer, true, "_packed").empty()) return true;
+  return st_->contains(lutb_names(expert_weight_name(config_, layer, 0, Proj::gate)).packed);
+}
+
+ExpertsSource Checkpoint::experts_source(std::int64_t L) const {
+  check_moe_layer(L);
+  if (experts_lutb(L))
+    throw CheckpointError(fmt::format("checkpoint {}: layer {}'s experts are stored as LUT-B; no source weights "
+                                      "(use lutb_experts)",
+                                      dir_.string(), L));
+  const std::int64_t E = config_.num_experts, H = config_.hidden_size, I = config_.moe_intermediate_size;
+  ExpertsSource s;
+  s.w13.experts = s.w2.experts = E;
+  s.w13.rows = 2 * I;
+  s.w13.cols = H;
+  s.w2.rows = H;
+  s.w2.cols = I;
+  const std::string gu = find_stacked(L, true, "");
+  if (!gu.empty()) {
+    const std::string dn = find_stacked(L, false, "");
+    if (dn.empty())
+      throw CheckpointError(fmt::format("checkpoint {}: tensor {} not found (stacked experts: {} is present)",
+                                        dir_.string(), stacked_down_name(config_, L), gu));
+    const TensorView& a = tensor(gu);
+    const TensorView& b = tensor(dn);
+    s.w13.dtype = stack_dtype(a.dtype);
+    s.w2.dtype = stack_dtype(a.dtype);
+    s.w13.data.resize(static_cast<std::size_t>(s.w13.numel()) * dtype_size(s.w13.dtype));
+    s.w2.data.resize(static_cast<std::size_t>(s.w2.numel()) * dtype_size(s.w2.dtype));
+    copy_float(dir_, a, {E, 2 * I, H}, s.w13.dtype, s.w13.data.data());
+    copy_float(dir_, b, {E, H, I}, s.w2.dtype, s.w2.data.data());
+    return s;
+  }
+  const TensorView& first = tensor(expert_weight_name(config_, L, 0, Proj::gate));
+  const DType dt = stack_dtype(first.dtype);
+  const std::size_t es = dtype_size(dt);
+  s.w13.dtype = s.w2.dtype = dt;
+  s.w13.data.resize(static_cast<std::size_t>(s.w13.numel()) * es);
+  s.w2.data.resize(static_cast<std::size_t>(s.w2.numel()) * es);
+  for (std::int64_t e = 0; e < E; ++e) {
+    std::uint8_t* w13 = s.w13.data.data() + static_cast<std::size_t>(e * 2 * I * H) * es;
+    copy_float(dir_, tensor(expert_weight_name(config_, L, e, Proj::gate)), {I, H}, dt, w13);
+    copy_float(dir_, tensor(expert_weight_name(config_, L, e, Proj::up)), {I, H}, dt, w13 + static_cast<std::size_t>(I * H) * es);
+    copy_float(dir_, tensor(expert_weight_name(config_, L, e, Proj::down)), {H, I}, dt,
+               s.w2.data.data() + static_cast<std::size_t>(e * H * I) * es);
+  }
+  return s;
+}
+
+void Checkpoint::read_lutb(const std::string& weight_name, const LutbShape& one, LutbTensor& out,
+                           std::int64_t tile_offset) const {
+  const LutbNames n = lutb_names(weight_name);
+  const TensorView& p = tensor(n.packed);
+  const TensorView& c = tensor(n.codebook);
+  std::vector<std::int64_t> grid;
+  if (one.stacked) grid.push_back(one.experts);
+  grid.push_back(one.tiles_n());
+  grid.push_back(one.tiles_k());
+  auto with = [&](std::int64_t last) {
+    auto g = grid;
+    g.push_back(last);
+    return g;
+  };
+  auto check = [&](const TensorView& v, DType dt, const std::vector<std::int64_t>& shape) {
+    if (v.dtype != dt)
+      throw CheckpointError(fmt::format("checkpoint {}: tensor {} has dtype {}, expected {} (spec 2.2)", dir_.string(),
+                                        v.name, dtype_name(v.dtype), dtype_name(dt)));
+    if (v.shape != shape)
+      throw CheckpointError(fmt::format("checkpoint {}: tensor {} has shape {}, expected {} for logical shape [{}{}, {}] "
+                                        "(spec 2.2)",
+                                        dir_.string(), v.name, detail::shape_str(v.shape), detail::shape_str(shape),
+                                        one.stacked ? fmt::format("{}, ", one.experts) : "", one.rows, one.cols));
+  };
+  check(p, DType::U8, with(kPackedBytes));
+  check(c, DType::F8_E4M3, with(kCodebookSize));
+  const std::int64_t tiles = one.tiles();
+  std::memcpy(out.packed.data() + tile_offset * kPackedBytes, p.data, static_cast<std::size_t>(tiles) * kPackedBytes);
+  std::memcpy(out.codebook.data() + tile_offset * kCodebookSize, c.data, static_cast<std::size_t>(tiles) * kCodebookSize);
+  detail::release_pages(p.data, p.nbytes);
+  detail::release_pages(c.data, c.nbytes);
+  if (st_->contains(n.scale)) {
+    const TensorView& s = tensor(n.scale);
+    check(s, DType::U8, grid);
+    std::memcpy(out.scale.data() + tile_offset, s.data, static_cast<std::size_t>(tiles));
+  } else if (quant_ && quant_->compressed_tensors) {
+    std::memset(out.scale.data() + tile_offset, kUE8M0One, static_cast<std::size_t>(tiles));  // spec 2.2
+  } else {
+    throw CheckpointError(fmt::format("checkpoint {}: tensor {} not found (only compressed-tensors \"lut-b\" "
+                                      "checkpoints may omit weight_scale)",
+                                      dir_.string(), n.scale));
+  }
+}
+
+LutbTensor Checkpoint::lutb_projection(std::int64_t L, Proj p) const {
+  check_moe_layer(L);
+  if (!experts_lutb(L))
+    throw CheckpointError(fmt::format("checkpoint {}: layer {}'s experts are not stored as LUT-B", dir_.string(), L));
+  const std::int64_t E = config_.num_experts, H = config_.hidden_size, I = config_.moe_intermediate_size;
+  const bool down = p == Proj::down;
+  LutbShape shape{E, down ? H : I, down ? I : H, true};
+  LutbTensor out(shape);
+  const std::string gu = find_stacked(L, true, "_packed");
+  if (!gu.empty()) {
+    if (down) {
+      const std::string dn = find_stacked(L, false, "_packed");
+      if (dn.empty())
+        throw CheckpointError(fmt::format("checkpoint {}: tensor {} not found", dir_.string(),
+                                          lutb_names(stacked_down_name(config_, L)).packed));
+      read_lutb(dn, shape, out, 0);
+      return out;
+    }
+    if (I % kTileRows != 0)
+      throw FormatError(fmt::format("checkpoint {}: {} is a stacked LUT-B gate_up tensor with moe_intermediate_size "
+                                    "{} not a multiple of 8: its tiles straddle gate and up, so the {} projection "
+                                    "cannot be cut out; use lutb_experts()",
+                                    dir_.string(), gu, I, proj_name(p)));
+    ExpertsLutb all;
+    all.w13 = LutbTensor(LutbShape{E, 2 * I, H, true});
+    read_lutb(gu, all.w13.shape, all.w13, 0);
+    const std::int64_t per = shape.tiles_per_expert(), per13 = all.w13.shape.tiles_per_expert();
+    const std::int64_t off = p == Proj::up ? per : 0;
+    for (std::int64_t e = 0; e < E; ++e) {
+      std::memcpy(out.packed.data() + e * per * kPackedBytes, all.w13.packed.data() + (e * per13 + off) * kPackedBytes,
+                  static_cast<std::size_t>(per) * kPackedBytes);
+      std::memcpy(out.codebook.data() + e * per * kCodebookSize,
+                  all.w13.codebook.data() + (e * per13 + off) * kCodebookSize, static_cast<std::size_t>(per) * kCodebookSize);
+      std::memcpy(out.scale.data() + e * per, all.w13.scale.data() + e * per13 + off, static_cast<std::size_t>(per));
+    }
+    validate(out.view(), fmt::format("{} layer {} {}", dir_.string(), L, proj_name(p)));
+    return out;
+  }
+  LutbShape one{1, shape.rows, shape.cols, false};
+  for (std::int64_t e = 0; e < E; ++e) read_lutb(expert_weight_name(config_, L, e, p), one, out, e * one.tiles());
+  validate(out.view(), fmt::format("{} layer {} {}", dir_.string(), L, proj_name(p)));
+  return out;
+}
+
+ExpertsLutb Checkpoint::lutb_experts(std::int64_t L, const FitOptions& fit, FitStats* stats) const {
+  check_moe_layer(L);
+  const std::int64_t E = config_.num_experts, H = config_.hidden_size, I = config_.moe_intermediate_size;
+  ExpertsLutb r;
+  if (!experts_lutb(L)) {
+    // The online method: fit the source stacks as w13 [E, 2I, H] and w2 [E, H, I].
+    ExpertsSource s = experts_source(L);
+    const std::string base = moe_prefix(config_, L);
+    FitStats a = quantize(s.w13.ptr(), s.w13.dtype, LutbShape{E, 2 * I, H, true}, r.w13, fit, base + " w13");
+    s.w13.data = {};
+    FitStats b = quantize(s.w2.ptr(), s.w2.dtype, LutbShape{E, H, I, true}, r.w2, fit, base + " w2");
+    if (stats) {
+      *stats += a;
+      *stats += b;
+    }
+    return r;
+  }
+  const std::string gu = find_stacked(L, true, "_packed");
+  if (!gu.empty()) {
+    r.w13 = LutbTensor(LutbShape{E, 2 * I, H, true});
+    read_lutb(gu, r.w13.shape, r.w13, 0);
+    validate(r.w13.view(), gu);
+  } else {
+    if (I % kTileRows != 0)
+      throw FormatError(fmt::format("checkpoint {}: layer {}: moe_intermediate_size {} is not a multiple of 8, so gate "
+                                    "and up (stored separately, each padded to {} rows) cannot be stacked into one "
+                                    "w13 [E, 2I, H] without tiles straddling them; use lutb_projection()",
+                                    dir_.string(), L, I, (I + 7) / 8 * 8));
+    r.w13 = LutbTensor(LutbShape{E, 2 * I, H, true});
+    LutbShape one{1, I, H, false};
+    for (std::int64_t e = 0; e < E; ++e) {
+      const std::int64_t base = e * r.w13.shape.tiles_per_expert();
+      read_lutb(expert_weight_name(config_, L, e, Proj::gate), one, r.w13, base);
+      read_lutb(expert_weight_name(config_, L, e, Proj::up), one, r.w13, base + one.tiles());
+    }
+    validate(r.w13.view(), moe_prefix(config_, L) + " w13");
+  }
+  r.w2 = lutb_projection(L, Proj::down);
+  return r;
+}
+
+RouterWeights Checkpoint::router(std::int64_t L) const {
+  check_moe_layer(L);
+  RouterWeights r;
+  std::string name = router_weight_name(config_, L);
+  if (!st_->contains(name) && config_.family == ModelFamily::mixtral) {
+    const std::string alt = fmt::format("model.layers.{}.mlp.gate.weight", L);
+    if (st_->contains(alt)) name = alt;
+  }
+  r.weight = dense(name);
+  if (r.weight.rows != config_.num_experts || r.weight.cols != config_.hidden_size)
+    throw CheckpointError(fmt::format("checkpoint {}: tensor {} has shape [{}, {}], expected [{}, {}]", dir_.string(),
+                                      name, r.weight.rows, r.weight.cols, config_.num_experts, config_.hidden_size));
+  const std::string bname = router_bias_name(config_, L);
+  if (!bname.empty()) {
+    if (st_->contains(bname)) {
+      DenseStack b = dense(bname);
+      if (b.numel() != config_.num_experts)
+        throw CheckpointError(fmt::format("checkpoint {}: tensor {} has {} elements, expected {}", dir_.string(), bname,
+                                          b.numel(), config_.num_experts));
+      r.bias = b.to_float();
+    } else if (config_.topk_method == "noaux_tc") {
+      throw CheckpointError(fmt::format("checkpoint {}: tensor {} not found (DeepSeek-V3 noaux_tc routing needs the "
+                                        "correction bias)",
+                                        dir_.string(), bname));
+    }
+  }
+  return r;
+}
+
+std::optional<SharedExpert> Checkpoint::shared_expert(std::int64_t L) const {
+  check_moe_layer(L);
+  if (config_.shared_expert_intermediate_size <= 0) return std::nullopt;
+  const std::int64_t H = config_.hidden_size, S = config_.shared_expert_intermediate_size;
+  const bool qwen2 = config_.family == ModelFamily::qwen2_moe;
+  const std::string base = moe_prefix(config_, L) + (qwen2 ? ".shared_expert" : ".shared_experts");
+  SharedExpert s;
+  auto get = [&](const char* proj, std::int64_t rows, std::int64_t cols) {
+    const std::string n = fmt::format("{}.{}.weight", base, proj);
+    DenseStack d = dense(n);
+    if (d.rows != rows || d.cols != cols)
+      throw CheckpointError(fmt::format("checkpoint {}: tensor {} has shape [{}, {}], expected [{}, {}]", dir_.string(),
+                                        n, d.rows, d.cols, rows, cols));
+    return d;
+  };
+  s.gate = get("gate_proj", S, H);
+  s.up = get("up_proj", S, H);
+  s.down = get("down_proj", H, S);
+  if (qwen2) {
+    const std::string g = moe_prefix(config_, L) + ".shared_expert_gate.weight";
+    DenseStack d = dense(g);
+    if (d.numel() != H)
+      throw CheckpointError(fmt::format("checkpoint {}: tensor {} has {} elements, expected [1, {}]", dir_.string(), g,
+                                        d.numel(), H));
+    s.output_gate = std::move(d);
+  }
+  return s;
+}
+
+}  // namespace lutb

@@ -1,0 +1,299 @@
+// config.json parsing, tensor naming and quantization_config parsing (spec sections 2.2 and 7).
+#include <algorithm>
+#include <fstream>
+#include <sstream>
+
+#include <fmt/core.h>
+#include <fmt/format.h>
+
+#include "lutb/checkpoint.hpp"
+
+namespace lutb {
+
+namespace {
+
+constexpr ModelFamily kFamilies[] = {ModelFamily::qwen3_moe, ModelFamily::qwen2_moe, ModelFamily::mixtral,
+                                     ModelFamily::deepseek_v3, ModelFamily::deepseek_v2, ModelFamily::olmoe};
+
+bool is_deepseek(ModelFamily f) { return f == ModelFamily::deepseek_v3 || f == ModelFamily::deepseek_v2; }
+bool is_qwen(ModelFamily f) { return f == ModelFamily::qwen3_moe || f == ModelFamily::qwen2_moe; }
+
+// Reads an integer key; nullopt when absent or null. Throws on a wrong type.
+std::optional<std::int64_t> opt_int(const nlohmann::json& j, const char* key, const std::string& where) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return std::nullopt;
+  if (!it->is_number_integer() && !it->is_number_unsigned())
+    throw ConfigError(fmt::format("{}: key \"{}\" must be an integer, got {}", where, key, it->dump()));
+  return it->get<std::int64_t>();
+}
+std::int64_t req_int(const nlohmann::json& j, const char* key, const std::string& where) {
+  auto v = opt_int(j, key, where);
+  if (!v) throw ConfigError(fmt::format("{}: required key \"{}\" is missing", where, key));
+  if (*v < 0) throw ConfigError(fmt::format("{}: key \"{}\" must be non-negative, got {}", where, key, *v));
+  return *v;
+}
+std::optional<double> opt_num(const nlohmann::json& j, const char* key, const std::string& where) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return std::nullopt;
+  if (!it->is_number()) throw ConfigError(fmt::format("{}: key \"{}\" must be a number, got {}", where, key, it->dump()));
+  return it->get<double>();
+}
+std::optional<bool> opt_bool(const nlohmann::json& j, const char* key, const std::string& where) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return std::nullopt;
+  if (!it->is_boolean()) throw ConfigError(fmt::format("{}: key \"{}\" must be true or false, got {}", where, key, it->dump()));
+  return it->get<bool>();
+}
+std::optional<std::string> opt_str(const nlohmann::json& j, const char* key, const std::string& where) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return std::nullopt;
+  if (!it->is_string()) throw ConfigError(fmt::format("{}: key \"{}\" must be a string, got {}", where, key, it->dump()));
+  return it->get<std::string>();
+}
+
+std::string supported_list() {
+  std::string s;
+  for (auto f : kFamilies) {
+    if (!s.empty()) s += ", ";
+    s += family_name(f);
+  }
+  return s;
+}
+
+}  // namespace
+
+std::string_view family_name(ModelFamily f) {
+  switch (f) {
+    case ModelFamily::qwen3_moe: return "qwen3_moe";
+    case ModelFamily::qwen2_moe: return "qwen2_moe";
+    case ModelFamily::mixtral: return "mixtral";
+    case ModelFamily::deepseek_v3: return "deepseek_v3";
+    case ModelFamily::deepseek_v2: return "deepseek_v2";
+    case ModelFamily::olmoe: return "olmoe";
+  }
+  return "?";
+}
+
+std::optional<ModelFamily> family_from_name(std::string_view s) {
+  for (auto f : kFamilies)
+    if (family_name(f) == s) return f;
+  return std::nullopt;
+}
+
+std::vector<std::string> family_names() {
+  std::vector<std::string> v;
+  for (auto f : kFamilies) v.emplace_back(family_name(f));
+  return v;
+}
+
+bool ModelConfig::is_moe_layer(std::int64_t L) const {
+  if (L < 0 || num_experts <= 0) return false;
+  if (is_qwen(family)) {
+    if (std::find(mlp_only_layers.begin(), mlp_only_layers.end(), L) != mlp_only_layers.end()) return false;
+    return decoder_sparse_step > 0 && (L + 1) % decoder_sparse_step == 0;
+  }
+  if (is_deepseek(family)) return L >= first_k_dense_replace && moe_layer_freq > 0 && L % moe_layer_freq == 0;
+  return true;  // Mixtral, OLMoE: every decoder layer is sparse
+}
+
+std::vector<std::int64_t> ModelConfig::moe_layers() const {
+  std::vector<std::int64_t> v;
+  for (std::int64_t L = 0; L < num_hidden_layers; ++L)
+    if (is_moe_layer(L)) v.push_back(L);
+  return v;
+}
+
+ModelConfig parse_model_config(const nlohmann::json& j, const std::string& where) {
+  if (!j.is_object()) throw ConfigError(fmt::format("{}: not a JSON object", where));
+  ModelConfig c;
+  c.raw = j;
+  c.source = where;
+  auto mt = opt_str(j, "model_type", where);
+  if (!mt) throw ConfigError(fmt::format("{}: required key \"model_type\" is missing (supported: {})", where, supported_list()));
+  c.model_type = *mt;
+  auto fam = family_from_name(*mt);
+  if (!fam)
+    throw ConfigError(fmt::format("{}: unsupported model_type \"{}\" (supported: {})", where, *mt, supported_list()));
+  c.family = *fam;
+
+  c.hidden_size = req_int(j, "hidden_size", where);
+  c.num_hidden_layers = req_int(j, "num_hidden_layers", where);
+  c.vocab_size = req_int(j, "vocab_size", where);
+  c.num_experts_per_tok = req_int(j, "num_experts_per_tok", where);
+  c.intermediate_size = opt_int(j, "intermediate_size", where).value_or(0);
+
+  // Experts count: any of the three keys; when several are present they must agree.
+  std::optional<std::int64_t> experts;
+  std::string experts_key;
+  for (const char* key : {"num_experts", "num_local_experts", "n_routed_experts"}) {
+    auto v = opt_int(j, key, where);
+    if (!v) continue;
+    if (experts && *experts != *v)
+      throw ConfigError(fmt::format("{}: \"{}\" = {} disagrees with \"{}\" = {}", where, experts_key, *experts, key, *v));
+    experts = v;
+    experts_key = key;
+  }
+  if (!experts)
+    throw ConfigError(fmt::format("{}: no experts count: none of \"num_experts\", \"num_local_experts\", "
+                                  "\"n_routed_experts\" is present",
+                                  where));
+  c.num_experts = *experts;
+
+  // Expert width.
+  if (c.family == ModelFamily::mixtral) {
+    c.moe_intermediate_size = opt_int(j, "moe_intermediate_size", where).value_or(c.intermediate_size);
+  } else {
+    auto v = opt_int(j, "moe_intermediate_size", where);
+    if (!v && c.family == ModelFamily::olmoe) v = c.intermediate_size;  // OLMoE experts use intermediate_size
+    if (!v) throw ConfigError(fmt::format("{}: required key \"moe_intermediate_size\" is missing", where));
+    c.moe_intermediate_size = *v;
+  }
+  if (c.moe_intermediate_size <= 0)
+    throw ConfigError(fmt::format("{}: expert width (moe_intermediate_size{}) must be positive", where,
+                                  c.family == ModelFamily::mixtral ? " / intermediate_size" : ""));
+  if (c.hidden_size <= 0) throw ConfigError(fmt::format("{}: hidden_size must be positive", where));
+  if (c.num_experts_per_tok <= 0 || c.num_experts_per_tok > c.num_experts)
+    throw ConfigError(fmt::format("{}: num_experts_per_tok = {} must be in 1..{} (the experts count)", where,
+                                  c.num_experts_per_tok, c.num_experts));
+
+  // Routing.
+  const bool ds3 = c.family == ModelFamily::deepseek_v3;
+  c.norm_topk_prob = opt_bool(j, "norm_topk_prob", where).value_or(ds3);
+  auto sf = opt_str(j, "scoring_func", where).value_or(ds3 ? "sigmoid" : "softmax");
+  if (sf == "softmax") c.scoring_func = ScoringFunc::softmax;
+  else if (sf == "sigmoid") c.scoring_func = ScoringFunc::sigmoid;
+  else throw ConfigError(fmt::format("{}: scoring_func \"{}\" is not supported (softmax, sigmoid)", where, sf));
+  if (is_deepseek(c.family)) c.topk_method = opt_str(j, "topk_method", where).value_or(ds3 ? "noaux_tc" : "greedy");
+  c.n_group = opt_int(j, "n_group", where).value_or(1);
+  c.topk_group = opt_int(j, "topk_group", where).value_or(1);
+  if (c.n_group <= 0 || c.num_experts % c.n_group != 0)
+    throw ConfigError(fmt::format("{}: n_group = {} must divide the experts count {}", where, c.n_group, c.num_experts));
+  if (c.topk_group <= 0 || c.topk_group > c.n_group)
+    throw ConfigError(fmt::format("{}: topk_group = {} must be in 1..n_group ({})", where, c.topk_group, c.n_group));
+  c.routed_scaling_factor = opt_num(j, "routed_scaling_factor", where).value_or(1.0);
+
+  // Shared experts.
+  if (is_deepseek(c.family)) {
+    c.n_shared_experts = opt_int(j, "n_shared_experts", where).value_or(0);
+    c.shared_expert_intermediate_size = c.n_shared_experts * c.moe_intermediate_size;
+  } else if (c.family == ModelFamily::qwen2_moe) {
+    c.shared_expert_intermediate_size = opt_int(j, "shared_expert_intermediate_size", where).value_or(0);
+    c.n_shared_experts = c.shared_expert_intermediate_size > 0 ? 1 : 0;
+  }
+
+  // Dense-layer selection.
+  if (auto it = j.find("mlp_only_layers"); it != j.end() && !it->is_null()) {
+    if (!it->is_array()) throw ConfigError(fmt::format("{}: key \"mlp_only_layers\" must be a list of layer indices", where));
+    for (const auto& v : *it) {
+      if (!v.is_number_integer()) throw ConfigError(fmt::format("{}: \"mlp_only_layers\" holds a non-integer {}", where, v.dump()));
+      c.mlp_only_layers.push_back(v.get<std::int64_t>());
+    }
+  }
+  c.decoder_sparse_step = opt_int(j, "decoder_sparse_step", where).value_or(1);
+  c.first_k_dense_replace = opt_int(j, "first_k_dense_replace", where).value_or(0);
+  c.moe_layer_freq = opt_int(j, "moe_layer_freq", where).value_or(1);
+  if (c.decoder_sparse_step <= 0) throw ConfigError(fmt::format("{}: decoder_sparse_step must be positive", where));
+  if (c.moe_layer_freq <= 0) throw ConfigError(fmt::format("{}: moe_layer_freq must be positive", where));
+
+  c.rms_norm_eps = opt_num(j, "rms_norm_eps", where).value_or(c.family == ModelFamily::mixtral ? 1e-5 : 1e-6);
+  c.tie_word_embeddings = opt_bool(j, "tie_word_embeddings", where).value_or(false);
+  c.hidden_act = opt_str(j, "hidden_act", where).value_or("silu");
+  return c;
+}
+
+ModelConfig load_model_config(const std::filesystem::path& p) {
+  std::filesystem::path file = std::filesystem::is_directory(p) ? p / "config.json" : p;
+  std::ifstream in(file);
+  if (!in) {
+    if (std::filesystem::is_directory(p))
+      throw ConfigError(fmt::format("{}: no config.json in the checkpoint directory", p.string()));
+    throw ConfigError(fmt::format("{}: cannot open", file.string()));
+  }
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    throw ConfigError(fmt::format("{}: invalid JSON: {}", file.string(), e.what()));
+  }
+  return parse_model_config(j, file.string());
+}
+
+// ---------------------------------------------------------------------------
+// Names
+// ---------------------------------------------------------------------------
+std::string_view proj_name(Proj p) {
+  switch (p) {
+    case Proj::gate: return "gate";
+    case Proj::up: return "up";
+    case Proj::down: return "down";
+  }
+  return "?";
+}
+
+std::string moe_prefix(const ModelConfig& c, std::int64_t L) {
+  return fmt::format("model.layers.{}.{}", L, c.family == ModelFamily::mixtral ? "block_sparse_moe" : "mlp");
+}
+
+std::string expert_weight_name(const ModelConfig& c, std::int64_t L, std::int64_t e, Proj p) {
+  static constexpr const char* kHf[] = {"gate_proj", "up_proj", "down_proj"};
+  static constexpr const char* kMixtral[] = {"w1", "w3", "w2"};
+  const char* n = (c.family == ModelFamily::mixtral ? kMixtral : kHf)[static_cast<int>(p)];
+  return fmt::format("{}.experts.{}.{}.weight", moe_prefix(c, L), e, n);
+}
+
+std::string stacked_gate_up_name(const ModelConfig& c, std::int64_t L) { return moe_prefix(c, L) + ".experts.gate_up_proj"; }
+std::string stacked_down_name(const ModelConfig& c, std::int64_t L) { return moe_prefix(c, L) + ".experts.down_proj"; }
+std::string router_weight_name(const ModelConfig& c, std::int64_t L) { return moe_prefix(c, L) + ".gate.weight"; }
+std::string router_bias_name(const ModelConfig& c, std::int64_t L) {
+  return c.family == ModelFamily::deepseek_v3 ? moe_prefix(c, L) + ".gate.e_score_correction_bias" : std::string();
+}
+
+std::string routed_expert_pattern(const ModelConfig& c) {
+  if (c.family == ModelFamily::mixtral)
+    return R"(^model\.layers\.(\d+)\.(?:block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight|(?:block_sparse_moe|mlp)\.experts\.(gate_up_proj|down_proj))$)";
+  return R"(^model\.layers\.(\d+)\.mlp\.experts\.(?:(\d+)\.(gate_proj|up_proj|down_proj)\.weight|(gate_up_proj|down_proj))$)";
+}
+
+LutbNames lutb_names(const std::string& w) {
+  // "X.weight" + "_packed" is "X.weight_packed" (spec 2.2); any other name gets the same suffixes.
+  return {w + "_packed", w + "_codebook", w + "_scale"};
+}
+
+// ---------------------------------------------------------------------------
+// quantization_config
+// ---------------------------------------------------------------------------
+std::optional<LutbQuantConfig> parse_lutb_quant_config(const nlohmann::json& config) {
+  auto it = config.find("quantization_config");
+  if (it == config.end() || !it->is_object()) return std::nullopt;
+  const auto& q = *it;
+  LutbQuantConfig r;
+  r.quant_method = q.value("quant_method", std::string());
+  auto str = [&](const nlohmann::json& o, const char* k) {
+    auto i = o.find(k);
+    return (i != o.end() && i->is_string()) ? i->get<std::string>() : std::string();
+  };
+  if (r.quant_method == "lut_b") {
+    r.format = str(q, "format");
+    r.fitter = str(q, "fitter");
+    if (auto a = str(q, "activation"); !a.empty()) r.activation = a;
+    r.modules = str(q, "modules");
+    if (auto ls = q.find("logical_shapes"); ls != q.end() && ls->is_object())
+      for (auto& [k, v] : ls->items())
+        if (v.is_array()) r.logical_shapes[k] = v.get<std::vector<std::int64_t>>();
+    return r;
+  }
+  if (r.quant_method == "compressed-tensors") {
+    bool lut = str(q, "format") == "lut-b";
+    if (auto g = q.find("config_groups"); g != q.end() && g->is_object())
+      for (auto& [k, v] : g->items())
+        if (v.is_object() && str(v, "format") == "lut-b") lut = true;
+    if (!lut) return std::nullopt;
+    r.format = "lut-b";
+    r.fitter = "ct-lloyd";
+    r.compressed_tensors = true;
+    return r;
+  }
+  return std::nullopt;
+}
+
+}  // namespace lutb

@@ -1,0 +1,41 @@
+// Internal helpers of the checkpoint reader/writer (not public API).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "lutb/dtype.hpp"
+
+namespace lutb::detail {
+
+/// Converts n elements of a float dtype (F32, BF16, F16, F64) to FP32.
+void convert_to_f32(const void* src, DType t, float* out, std::int64_t n);
+/// "[a, b, c]".
+std::string shape_str(const std::vector<std::int64_t>& s);
+/// Drops the pages of [p, p+n) of a read-only file mapping from this process's resident set
+/// (madvise MADV_DONTNEED on the whole pages inside the range); the data stays readable (it is
+/// faulted back in from the file). No-op for n == 0.
+void release_pages(const void* p, std::size_t n);
+
+/// A one-line progress bar on stderr, drawn only when stderr is a terminal.
+class Progress {
+ public:
+  Progress(std::string label, std::uint64_t total, bool enabled);
+  ~Progress();
+  void advance(std::uint64_t n);
+  void finish();
+
+ private:
+  void draw(bool force);
+  std::string label_;
+  std::uint64_t total_, done_ = 0;
+  bool enabled_;
+  double start_, last_ = -1.0;
+  bool finished_ = false;
+};
+
+/// Monotonic seconds.
+double now_seconds();
+
+}  // namespace lutb::detail

@@ -1,0 +1,375 @@
+// Writing LUT-B checkpoints by streaming quantisation (spec section 2.2).
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <fstream>
+#include <regex>
+#include <set>
+
+#include <fmt/core.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "io/checkpoint_internal.hpp"
+#include "lutb/checkpoint.hpp"
+
+namespace lutb {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr std::size_t kCopyChunk = 32u << 20;  // bytes copied (and released) at a time
+
+// Temporary sibling name of `target`: "<target>.tmp.<pid>".
+fs::path temp_sibling(const fs::path& target) {
+  fs::path t = target;
+  if (!t.has_filename()) t = t.parent_path();
+  return t.parent_path() / (t.filename().string() + ".tmp." + std::to_string(::getpid()));
+}
+
+// Removes a temporary path on scope exit unless released.
+struct TempGuard {
+  fs::path path;
+  bool armed = true;
+  ~TempGuard() {
+    if (!armed) return;
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+};
+
+bool same_path(const fs::path& a, const fs::path& b) {
+  std::error_code ec;
+  if (fs::exists(a, ec) && fs::exists(b, ec)) return fs::equivalent(a, b, ec);
+  return fs::weakly_canonical(a, ec) == fs::weakly_canonical(b, ec);
+}
+
+// Moves `tmp` to `target`; with force an existing target is swapped out first and removed after.
+void install(const fs::path& tmp, const fs::path& target, bool force) {
+  std::error_code ec;
+  if (fs::exists(target, ec)) {
+    if (!force) throw CheckpointError(fmt::format("{}: output exists (use --force to replace it)", target.string()));
+    const fs::path old = target.parent_path() / (target.filename().string() + ".old." + std::to_string(::getpid()));
+    fs::rename(target, old);
+    try {
+      fs::rename(tmp, target);
+    } catch (...) {
+      fs::rename(old, target, ec);  // put the old one back
+      throw;
+    }
+    fs::remove_all(old, ec);
+    return;
+  }
+  fs::rename(tmp, target);
+}
+
+struct Planned {
+  std::string name;
+  bool quantize = false;
+  LutbShape shape;  // when quantize
+};
+
+std::vector<std::int64_t> grid_shape(const LutbShape& s, std::int64_t last) {
+  std::vector<std::int64_t> g;
+  if (s.stacked) g.push_back(s.experts);
+  g.push_back(s.tiles_n());
+  g.push_back(s.tiles_k());
+  if (last > 0) g.push_back(last);
+  return g;
+}
+
+LutbShape shape_of(const TensorView& v) {
+  if (v.shape.size() == 2) return LutbShape{1, v.shape[0], v.shape[1], false};
+  return LutbShape{v.shape[0], v.shape[1], v.shape[2], true};
+}
+
+std::vector<std::int64_t> logical_dims(const LutbShape& s) {
+  if (s.stacked) return {s.experts, s.rows, s.cols};
+  return {s.rows, s.cols};
+}
+
+bool quantizable(const TensorView& v) {
+  return dtype_is_float_source(v.dtype) && (v.shape.size() == 2 || v.shape.size() == 3) && v.numel() > 0;
+}
+
+// Declares the output tensors of one plan entry.
+void declare(SafetensorsWriter& w, const Planned& p, const TensorView& v, QuantizeSummary& s) {
+  if (!p.quantize) {
+    w.declare(p.name, v.dtype, v.shape);
+    s.output_bytes += v.nbytes;
+    return;
+  }
+  const LutbNames n = lutb_names(p.name);
+  w.declare(n.packed, DType::U8, grid_shape(p.shape, kPackedBytes));
+  w.declare(n.codebook, DType::F8_E4M3, grid_shape(p.shape, kCodebookSize));
+  w.declare(n.scale, DType::U8, grid_shape(p.shape, 0));
+  const std::uint64_t b = static_cast<std::uint64_t>(p.shape.tiles()) * (kPackedBytes + kCodebookSize + 1);
+  s.output_bytes += b;
+}
+
+// Writes the output tensors of one plan entry (quantising when planned), then releases the source pages.
+void emit(SafetensorsWriter& w, const Planned& p, const TensorView& v, const FitOptions& fit, QuantizeSummary& s,
+          detail::Progress& prog) {
+  if (!p.quantize) {
+    for (std::size_t off = 0; off < v.nbytes; off += kCopyChunk) {
+      const std::size_t n = std::min(kCopyChunk, v.nbytes - off);
+      w.write(v.data + off, n);
+      detail::release_pages(v.data + off, n);
+      prog.advance(n);
+    }
+    if (v.nbytes == 0) w.write(v.data, 0);
+    ++s.tensors_copied;
+    return;
+  }
+  LutbTensor out;
+  FitStats st;
+  if (v.dtype == DType::F64) {  // fitters take F32/BF16/F16: narrow F64 first
+    std::vector<float> f(static_cast<std::size_t>(v.numel()));
+    detail::convert_to_f32(v.data, v.dtype, f.data(), v.numel());
+    st = quantize(f.data(), DType::F32, p.shape, out, fit, p.name);
+  } else {
+    st = quantize(v.data, v.dtype, p.shape, out, fit, p.name);
+  }
+  detail::release_pages(v.data, v.nbytes);
+  w.write(out.packed.data(), out.packed.size());
+  w.write(out.codebook.data(), out.codebook.size());
+  w.write(out.scale.data(), out.scale.size());
+  s.stats += st;
+  ++s.tensors_quantized;
+  s.weights += p.shape.experts * p.shape.rows * p.shape.cols;
+  s.bytes_before += v.nbytes;
+  s.bytes_after += out.bytes();
+  prog.advance(v.nbytes);
+}
+
+void write_text(const fs::path& path, const std::string& text) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f << text;
+  f.close();
+  if (!f) throw CheckpointError(fmt::format("{}: cannot write", path.string()));
+}
+
+std::string resolved_fitter(const FitOptions& f) {
+  if (f.fitter.empty()) return default_fitter();
+  check_fitter_name(f.fitter);
+  return f.fitter;
+}
+
+}  // namespace
+
+QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_dir, const QuantizeOptions& opt) {
+  const double t0 = detail::now_seconds();
+  QuantizeSummary sum;
+  sum.fitter = resolved_fitter(opt.fit);
+  if (out_dir.empty()) throw CheckpointError("quantize: no output directory given");
+  if (same_path(in_dir, out_dir))
+    throw CheckpointError(fmt::format("{}: the output directory is the input checkpoint", out_dir.string()));
+  if (fs::exists(out_dir) && !opt.force)
+    throw CheckpointError(fmt::format("{}: output directory exists (use --force to replace it); nothing written",
+                                      out_dir.string()));
+
+  Checkpoint ck(in_dir);
+  const ModelConfig& cfg = ck.config();
+  if (ck.is_lutb())
+    throw CheckpointError(fmt::format("{}: the checkpoint is already LUT-B (config.json has a LUT-B "
+                                      "quantization_config)",
+                                      in_dir.string()));
+  const std::regex pattern(routed_expert_pattern(cfg));
+
+  // Plan: which tensors of which shard are quantised. Everything is checked before writing.
+  const auto& files = ck.tensors().files();
+  std::vector<std::vector<Planned>> plan(files.size());
+  std::uint64_t total_bytes = 0;
+  std::map<std::string, std::vector<std::int64_t>> logical_shapes;
+  for (std::size_t f = 0; f < files.size(); ++f) {
+    for (const auto& name : files[f]->names()) {
+      const TensorView& v = files[f]->get(name);
+      Planned p{name, false, {}};
+      std::smatch m;
+      if (std::regex_match(name, m, pattern) && cfg.is_moe_layer(std::stoll(m[1].str()))) {
+        const bool stacked = name.find("_proj.weight") == std::string::npos && name.find(".weight") == std::string::npos;
+        if (!dtype_is_float_source(v.dtype))
+          throw CheckpointError(fmt::format("checkpoint {}: routed-expert tensor {} has dtype {}; LUT-B quantisation "
+                                            "needs BF16, F16 or F32 weights",
+                                            in_dir.string(), name, dtype_name(v.dtype)));
+        if (v.shape.size() != (stacked ? 3u : 2u) || v.numel() == 0)
+          throw CheckpointError(fmt::format("checkpoint {}: routed-expert tensor {} has shape {}, expected {}", in_dir.string(),
+                                            name, detail::shape_str(v.shape), stacked ? "[E, N, K]" : "[N, K]"));
+        p.quantize = true;
+        p.shape = shape_of(v);
+        if (p.shape.padded()) logical_shapes[name] = logical_dims(p.shape);
+      }
+      total_bytes += v.nbytes;
+      sum.input_bytes += v.nbytes;
+      plan[f].push_back(std::move(p));
+    }
+  }
+  if (std::none_of(plan.begin(), plan.end(), [](const auto& v) {
+        return std::any_of(v.begin(), v.end(), [](const Planned& p) { return p.quantize; });
+      }))
+    throw CheckpointError(fmt::format("checkpoint {}: no routed-expert tensors found (expected names like {} or {})",
+                                      in_dir.string(), expert_weight_name(cfg, cfg.moe_layers().empty() ? 0 : cfg.moe_layers()[0], 0, Proj::gate),
+                                      stacked_gate_up_name(cfg, cfg.moe_layers().empty() ? 0 : cfg.moe_layers()[0])));
+
+  const fs::path tmp = temp_sibling(out_dir);
+  std::error_code ec;
+  fs::remove_all(tmp, ec);
+  if (!out_dir.parent_path().empty() && !fs::exists(out_dir.parent_path()))
+    throw CheckpointError(fmt::format("{}: parent directory does not exist", out_dir.string()));
+  fs::create_directory(tmp);
+  TempGuard guard{tmp};
+
+  // Shards, one at a time, tensor by tensor.
+  detail::Progress prog("quantize", total_bytes, opt.progress);
+  nlohmann::json weight_map = nlohmann::json::object();
+  std::set<std::string> shard_names;
+  for (std::size_t f = 0; f < files.size(); ++f) {
+    const std::string shard = files[f]->path().filename().string();
+    shard_names.insert(shard);
+    SafetensorsWriter w(tmp / shard, files[f]->metadata());
+    for (const auto& p : plan[f]) {
+      declare(w, p, files[f]->get(p.name), sum);
+      if (p.quantize) {
+        const LutbNames n = lutb_names(p.name);
+        for (const auto* s : {&n.packed, &n.codebook, &n.scale}) weight_map[*s] = shard;
+      } else {
+        weight_map[p.name] = shard;
+      }
+    }
+    for (const auto& p : plan[f]) emit(w, p, files[f]->get(p.name), opt.fit, sum, prog);
+    w.commit();
+  }
+  prog.finish();
+
+  // Index (when the input had one).
+  const fs::path index = in_dir / "model.safetensors.index.json";
+  if (fs::exists(index)) {
+    nlohmann::json j;
+    {
+      std::ifstream in(index);
+      try {
+        j = nlohmann::json::parse(in);
+      } catch (const nlohmann::json::exception& e) {
+        throw CheckpointError(fmt::format("{}: invalid JSON: {}", index.string(), e.what()));
+      }
+    }
+    if (!j.contains("metadata") || !j["metadata"].is_object()) j["metadata"] = nlohmann::json::object();
+    j["metadata"]["total_size"] = sum.output_bytes;
+    j["weight_map"] = weight_map;
+    write_text(tmp / "model.safetensors.index.json", j.dump(2) + "\n");
+  }
+
+  // config.json with quantization_config.
+  nlohmann::json config = cfg.raw;
+  nlohmann::json ls = nlohmann::json::object();
+  for (const auto& [k, v] : logical_shapes) ls[k] = v;
+  config["quantization_config"] = {
+      {"quant_method", "lut_b"},
+      {"format", "lut-b"},
+      {"tile", {kTileRows, kTileCols}},
+      {"index_bits", 3},
+      {"codebook_size", kCodebookSize},
+      {"codebook_dtype", "float8_e4m3fn"},
+      {"scale_dtype", "ue8m0"},
+      {"fitter", sum.fitter},
+      {"activation", "mxfp8"},
+      {"activation_block", 32},
+      {"modules", routed_expert_pattern(cfg)},
+      {"logical_shapes", ls},
+  };
+  write_text(tmp / "config.json", config.dump(2) + "\n");
+
+  // Every other file (tokenizer, generation config, ...), recursively.
+  for (auto it = fs::recursive_directory_iterator(in_dir); it != fs::recursive_directory_iterator(); ++it) {
+    const fs::path rel = fs::relative(it->path(), in_dir);
+    if (it->is_directory()) {
+      fs::create_directories(tmp / rel);
+      continue;
+    }
+    if (!it->is_regular_file()) continue;
+    const std::string fname = rel.string();
+    if (fname == "config.json" || fname == "model.safetensors.index.json" || shard_names.count(fname)) continue;
+    fs::copy_file(it->path(), tmp / rel, fs::copy_options::overwrite_existing);
+  }
+
+  install(tmp, out_dir, opt.force);
+  guard.armed = false;
+  sum.seconds = detail::now_seconds() - t0;
+  sum.peak_rss_bytes = peak_rss_bytes();
+  return sum;
+}
+
+QuantizeSummary quantize_file(const fs::path& in, const fs::path& out, const std::string& match,
+                              const QuantizeOptions& opt) {
+  const double t0 = detail::now_seconds();
+  QuantizeSummary sum;
+  sum.fitter = resolved_fitter(opt.fit);
+  if (same_path(in, out)) throw CheckpointError(fmt::format("{}: the output file is the input file", out.string()));
+  if (fs::exists(out) && !opt.force)
+    throw CheckpointError(fmt::format("{}: output file exists (use --force to replace it); nothing written", out.string()));
+  std::regex re;
+  if (!match.empty()) {
+    try {
+      re = std::regex(match);
+    } catch (const std::regex_error& e) {
+      throw std::invalid_argument(fmt::format("--match \"{}\": invalid regular expression: {}", match, e.what()));
+    }
+  }
+  SafetensorsFile file(in);
+  std::vector<Planned> plan;
+  std::map<std::string, std::string> meta = file.metadata();
+  std::uint64_t total = 0;
+  for (const auto& name : file.names()) {
+    const TensorView& v = file.get(name);
+    Planned p{name, false, {}};
+    if (match.empty()) {
+      p.quantize = quantizable(v);
+    } else if (std::regex_search(name, re)) {
+      if (!quantizable(v))
+        throw CheckpointError(fmt::format("{}: tensor {} matches --match \"{}\" but is {} {}; only 2-D [N, K] or 3-D "
+                                          "[E, N, K] BF16/F16/F32 tensors can be quantised",
+                                          in.string(), name, match, dtype_name(v.dtype), detail::shape_str(v.shape)));
+      p.quantize = true;
+    }
+    if (p.quantize) {
+      p.shape = shape_of(v);
+      const LutbNames n = lutb_names(name);
+      for (const auto* s : {&n.packed, &n.codebook, &n.scale})
+        if (file.contains(*s))
+          throw CheckpointError(fmt::format("{}: cannot quantise {}: the file already has a tensor named {}", in.string(),
+                                            name, *s));
+      if (p.shape.padded()) meta["lutb.logical_shape." + name] = detail::shape_str(logical_dims(p.shape));
+    }
+    total += v.nbytes;
+    sum.input_bytes += v.nbytes;
+    plan.push_back(std::move(p));
+  }
+  if (std::none_of(plan.begin(), plan.end(), [](const Planned& p) { return p.quantize; }))
+    throw CheckpointError(match.empty()
+                              ? fmt::format("{}: no 2-D or 3-D float tensor to quantise", in.string())
+                              : fmt::format("{}: no tensor matches --match \"{}\"", in.string(), match));
+  meta["lutb.quant_method"] = "lut_b";
+  meta["lutb.fitter"] = sum.fitter;
+  meta["lutb.tile"] = "[8, 64]";
+
+  // Written to a temporary sibling, then installed (the writer itself is atomic too).
+  const fs::path tmp = temp_sibling(out);
+  TempGuard guard{tmp};
+  {
+    detail::Progress prog("quantize", total, opt.progress);
+    SafetensorsWriter w(tmp, meta);
+    for (const auto& p : plan) declare(w, p, file.get(p.name), sum);
+    for (const auto& p : plan) emit(w, p, file.get(p.name), opt.fit, sum, prog);
+    w.commit();
+    prog.finish();
+  }
+  install(tmp, out, opt.force);
+  guard.armed = false;
+  sum.seconds = detail::now_seconds() - t0;
+  sum.peak_rss_bytes = peak_rss_bytes();
+  return sum;
+}
+
+}  // namespace lutb

@@ -1,0 +1,102 @@
+// Internal helpers: page release, progress bar, timing, peak RSS, summaries.
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include <fmt/core.h>
+#include <fmt/format.h>
+
+#include "io/checkpoint_internal.hpp"
+#include "lutb/checkpoint.hpp"
+
+namespace lutb {
+namespace detail {
+
+void release_pages(const void* p, std::size_t n) {
+  if (n == 0 || p == nullptr) return;
+  static const std::uintptr_t page = static_cast<std::uintptr_t>(sysconf(_SC_PAGESIZE));
+  const auto a = reinterpret_cast<std::uintptr_t>(p);
+  const std::uintptr_t begin = (a + page - 1) / page * page;  // whole pages inside the range only
+  const std::uintptr_t end = (a + n) / page * page;
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+}
+
+double now_seconds() {
+  using namespace std::chrono;
+  return duration<double>(steady_clock::now().time_since_epoch()).count();
+}
+
+Progress::Progress(std::string label, std::uint64_t total, bool enabled)
+    : label_(std::move(label)), total_(total), enabled_(enabled && isatty(STDERR_FILENO)), start_(now_seconds()) {}
+
+Progress::~Progress() {
+  if (enabled_ && !finished_ && last_ >= 0) std::fputs("\n", stderr);
+}
+
+void Progress::advance(std::uint64_t n) {
+  done_ += n;
+  draw(false);
+}
+
+void Progress::finish() {
+  if (finished_) return;
+  draw(true);
+  if (enabled_ && last_ >= 0) std::fputs("\n", stderr);
+  finished_ = true;
+}
+
+void Progress::draw(bool force) {
+  if (!enabled_) return;
+  const double t = now_seconds();
+  if (!force && last_ >= 0 && t - last_ < 0.2) return;
+  if (!force && last_ < 0 && t - start_ < 0.5) return;  // short runs draw nothing
+  last_ = t;
+  const double frac = total_ ? std::min(1.0, static_cast<double>(done_) / static_cast<double>(total_)) : 1.0;
+  const int width = 30, fill = static_cast<int>(frac * width);
+  const double el = t - start_;
+  const double eta = frac > 0 ? el * (1.0 - frac) / frac : 0.0;
+  fmt::print(stderr, "\r{} [{}{}] {:5.1f}%  {:.0f}s elapsed, ~{:.0f}s left ", label_, std::string(fill, '#'),
+             std::string(width - fill, '.'), 100.0 * frac, el, eta);
+  std::fflush(stderr);
+}
+
+}  // namespace detail
+
+std::uint64_t peak_rss_bytes() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) {
+      std::istringstream is(line.substr(6));
+      std::uint64_t kb = 0;
+      is >> kb;
+      return kb * 1024;
+    }
+  }
+  return 0;
+}
+
+std::string format_summary(const QuantizeSummary& s) {
+  auto mb = [](std::uint64_t b) { return static_cast<double>(b) / 1e6; };
+  const double sqnr = s.stats.sqnr_db();
+  std::string out;
+  out += fmt::format("fitter               {}\n", s.fitter);
+  out += fmt::format("tensors quantised    {} ({} weights, {} tiles)\n", s.tensors_quantized, s.weights, s.stats.tiles);
+  out += fmt::format("tensors copied       {}\n", s.tensors_copied);
+  out += fmt::format("quantised bytes      {:.2f} MB -> {:.2f} MB ({:.2f}x smaller)\n", mb(s.bytes_before), mb(s.bytes_after),
+                     s.bytes_after ? static_cast<double>(s.bytes_before) / static_cast<double>(s.bytes_after) : 0.0);
+  out += fmt::format("bits per weight      {:.4f}\n", s.bits_per_weight());
+  out += fmt::format("all tensors          {:.2f} MB -> {:.2f} MB\n", mb(s.input_bytes), mb(s.output_bytes));
+  out += std::isinf(sqnr) ? std::string("aggregate SQNR       inf dB (exact)\n")
+                          : fmt::format("aggregate SQNR       {:.2f} dB\n", sqnr);
+  out += fmt::format("time                 {:.2f} s\n", s.seconds);
+  out += fmt::format("peak RSS             {:.1f} MB\n", mb(s.peak_rss_bytes));
+  return out;
+}
+
+}  // namespace lutb
