@@ -33,6 +33,7 @@ constexpr int kN = kTileSize;  // 512
 constexpr int kMinScale = 3, kMaxScale = 246;
 constexpr int kBins = 32, kTail = 8, kWindow = 8, kRounds = 4;  // binned_dp.cpp
 constexpr int kWin = 2 * kWindow + 1;
+constexpr int kMaxPos = kBins + 2 * kTail + 2;  // binned_dp.cpp's pos[] size: the binned DP has m < kMaxPos
 
 void ok(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string("quantize_gpu: ") + what + ": " + cudaGetErrorString(e));
@@ -63,24 +64,30 @@ __device__ __forceinline__ std::uint8_t e4m3_byte_exact(double v) {
   return e4m3_from_float(__double2float_rn(v));
 }
 
-// Per-thread working set (local memory).
+// Per-thread working set (local memory, ~16 KiB). SortedTile without u[] (only its two ends are
+// read, for amax); the binned DP's tables at the bin edges only (m < kMaxPos); the refinement reads
+// the prefix sums directly and scales them on the fly (the same products dp_refine precomputes).
+// The sort scratch is dead once the prefix sums exist, so it shares storage with the DP tables.
 struct Work {
-  // SortedTile
   int n;
   float amax;
-  float u[kN];
   int cnt[kN + 1];
   double p1[kN + 1];
   double p2[kN + 1];
-  // Dp
-  double cd[kN + 1];
-  double s1[kN + 1];
-  double s2[kN + 1];
-  double buf[2][kN + 1];
-  std::int16_t opt[kCodebookSize][kN + 1];
-  // sort scratch
-  std::uint32_t keys[kN];
-  std::uint32_t tmp[kN];
+  union {
+    struct {
+      std::uint32_t keys[kN];
+      std::uint32_t tmp[kN];
+      std::uint16_t hist[4][256];
+    } sort;
+    struct {
+      double cd[kMaxPos];
+      double s1[kMaxPos];
+      double s2[kMaxPos];
+      double buf[2][kMaxPos];
+      std::int16_t opt[kCodebookSize][kMaxPos];
+    };
+  };
 };
 
 struct DpRes {
@@ -99,10 +106,10 @@ __device__ __forceinline__ float from_key(std::uint32_t k) {
 
 // Any correct sort of the keys gives the same array; this is tile_common.cpp's LSD radix sort.
 __device__ void radix_sort512(Work& w) {
-  std::uint32_t hist[4][256];
+  std::uint16_t(&hist)[4][256] = w.sort.hist;  // counts <= 512
   for (int p = 0; p < 4; ++p)
     for (int d = 0; d < 256; ++d) hist[p][d] = 0;
-  std::uint32_t* a = w.keys;
+  std::uint32_t* a = w.sort.keys;
   for (int i = 0; i < kN; ++i) {
     const std::uint32_t k = a[i];
     ++hist[0][k & 0xff];
@@ -111,14 +118,14 @@ __device__ void radix_sort512(Work& w) {
     ++hist[3][k >> 24];
   }
   std::uint32_t* src = a;
-  std::uint32_t* dst = w.tmp;
+  std::uint32_t* dst = w.sort.tmp;
   for (int p = 0; p < 4; ++p) {
     const int shift = 8 * p;
     if (hist[p][(src[0] >> shift) & 0xff] == kN) continue;
     std::uint32_t sum = 0;
     for (int d = 0; d < 256; ++d) {  // exclusive prefix, in place
       const std::uint32_t h = hist[p][d];
-      hist[p][d] = sum;
+      hist[p][d] = static_cast<std::uint16_t>(sum);
       sum += h;
     }
     for (int i = 0; i < kN; ++i) {
@@ -135,20 +142,23 @@ __device__ void radix_sort512(Work& w) {
 
 // tile_common.cpp build_sorted.
 __device__ void build_sorted(const float* x, Work& w) {
-  for (int i = 0; i < kN; ++i) w.keys[i] = sort_key(x[i]);
+  for (int i = 0; i < kN; ++i) w.sort.keys[i] = sort_key(x[i]);
   radix_sort512(w);
   int n = 0;
+  float first = 0.0f, last = 0.0f;
   w.cnt[0] = 0;
   w.p1[0] = 0.0;
   w.p2[0] = 0.0;
   for (int i = 0; i < kN;) {
-    const float xv = from_key(w.keys[i]);
+    const float xv = from_key(w.sort.keys[i]);
     int j = i + 1;
-    while (j < kN && from_key(w.keys[j]) == xv) ++j;  // +0 and -0 compare equal and merge
+    while (j < kN && from_key(w.sort.keys[j]) == xv) ++j;  // +0 and -0 compare equal and merge
     const int c = j - i;
     const double xd = xv;
     const double cdd = static_cast<double>(c);
-    w.u[n] = xv == 0.0f ? 0.0f : xv;
+    const float uv = xv == 0.0f ? 0.0f : xv;
+    if (n == 0) first = uv;
+    last = uv;
     w.cnt[n + 1] = w.cnt[n] + c;
     w.p1[n + 1] = __dadd_rn(w.p1[n], __dmul_rn(cdd, xd));
     w.p2[n + 1] = __dadd_rn(w.p2[n], __dmul_rn(cdd, __dmul_rn(xd, xd)));
@@ -156,7 +166,7 @@ __device__ void build_sorted(const float* x, Work& w) {
     i = j;
   }
   w.n = n;
-  w.amax = fmaxf(fabsf(w.u[0]), fabsf(w.u[n - 1]));
+  w.amax = fmaxf(fabsf(first), fabsf(last));
 }
 
 // dp.cpp Dp::cost (= LUTB_ROW_COSTS_BODY), same operation order.
@@ -167,6 +177,23 @@ __device__ __forceinline__ double cost(const Work& w, int i, int j) {
   const double mean = __ddiv_rn(a, cc);
   const double d = __dsub_rn(mean, e4m3_nearest(mean));
   return __dadd_rn(__dsub_rn(b, __dmul_rn(a, mean)), __dmul_rn(cc, __dmul_rn(d, d)));
+}
+
+// The same cost at full resolution (dp_refine): cd/s1/s2 formed on the fly exactly as dp_refine
+// fills its tables (count as double, p1 * inv_scale, p2 * inv_scale^2).
+__device__ __forceinline__ double cost_full(const Work& w, int i, int j, double inv, double inv2) {
+  const double cc = __dsub_rn(static_cast<double>(w.cnt[j]), static_cast<double>(w.cnt[i]));
+  const double a = __dsub_rn(__dmul_rn(w.p1[j], inv), __dmul_rn(w.p1[i], inv));
+  const double b = __dsub_rn(__dmul_rn(w.p2[j], inv2), __dmul_rn(w.p2[i], inv2));
+  const double mean = __ddiv_rn(a, cc);
+  const double d = __dsub_rn(mean, e4m3_nearest(mean));
+  return __dadd_rn(__dsub_rn(b, __dmul_rn(a, mean)), __dmul_rn(cc, __dmul_rn(d, d)));
+}
+
+__device__ __forceinline__ std::uint8_t entry_of_run_full(const Work& w, int i, int j, double inv) {
+  const double mean = __ddiv_rn(__dsub_rn(__dmul_rn(w.p1[j], inv), __dmul_rn(w.p1[i], inv)),
+                                __dsub_rn(static_cast<double>(w.cnt[j]), static_cast<double>(w.cnt[i])));
+  return e4m3_byte_exact(e4m3_nearest(mean));
 }
 
 __device__ __forceinline__ std::uint8_t entry_of_run(const Work& w, int i, int j) {
@@ -255,11 +282,6 @@ __device__ void dp_refine(Work& w, int scale, DpRes& res) {
   if (K < 2 || K >= m) return;
   const double inv_scale = pow2(127 - scale);
   const double inv_scale2 = __dmul_rn(inv_scale, inv_scale);
-  for (int i = 0; i <= m; ++i) {
-    w.cd[i] = static_cast<double>(w.cnt[i]);
-    w.s1[i] = __dmul_rn(w.p1[i], inv_scale);
-    w.s2[i] = __dmul_rn(w.p2[i], inv_scale2);
-  }
   int* b = res.bounds;
   double F[kCodebookSize + 1][kWin];
   std::int16_t arg[kCodebookSize + 1][kWin];
@@ -269,7 +291,7 @@ __device__ void dp_refine(Work& w, int scale, DpRes& res) {
       lo[k] = max(b[k] - kWindow, k);
       hi[k] = min(b[k] + kWindow, m - (K - k));
     }
-    for (int j = lo[1]; j <= hi[1]; ++j) F[1][j - lo[1]] = cost(w, 0, j);
+    for (int j = lo[1]; j <= hi[1]; ++j) F[1][j - lo[1]] = cost_full(w, 0, j, inv_scale, inv_scale2);
     for (int k = 2; k <= K; ++k) {
       const int jl = k < K ? lo[k] : m, jh = k < K ? hi[k] : m;
       const int pl = lo[k - 1];
@@ -278,7 +300,7 @@ __device__ void dp_refine(Work& w, int scale, DpRes& res) {
         double best = __longlong_as_double(0x7ff0000000000000ll);
         int bi = il;
         for (int i = il; i <= ih; ++i) {
-          const double v = __dadd_rn(F[k - 1][i - pl], cost(w, i, j));
+          const double v = __dadd_rn(F[k - 1][i - pl], cost_full(w, i, j, inv_scale, inv_scale2));
           if (v < best) {
             best = v;
             bi = i;
@@ -299,7 +321,7 @@ __device__ void dp_refine(Work& w, int scale, DpRes& res) {
     }
     if (!edge) break;
   }
-  for (int k = 0; k < K; ++k) res.entries[k] = entry_of_run(w, b[k], b[k + 1]);
+  for (int k = 0; k < K; ++k) res.entries[k] = entry_of_run_full(w, b[k], b[k + 1], inv_scale);
 }
 
 // tile_common.cpp assign_sse + encode_tile; writes the block and the two sums.
@@ -382,7 +404,7 @@ __device__ void encode_tile(const float* x, int scale, const std::uint8_t* entri
 __device__ void fit_binned_dp(const float* x, int forced_scale, Work& w, std::uint8_t* packed, std::uint8_t* codebook,
                               std::uint8_t* scale_out, double* sse, double* ssq) {
   build_sorted(x, w);
-  int pos[kBins + 2 * kTail + 2];
+  int pos[kMaxPos];
   int m = 0;
   const int n = w.n;
   if (n <= kBins) {

@@ -10,8 +10,8 @@
 // CPU build's -ffp-contract=off. Tested in tests/cuda/fit_gpu_test.cpp (random, edge and real
 // tiles against lutb::quantize).
 //
-// Execution: one thread per 8x64 tile (about 52 KiB of per-thread local memory, so the CUDA
-// context reserves local memory for every resident thread: ~14 GiB on an H200 at full occupancy;
+// Execution: one thread per 8x64 tile (about 19 KiB of per-thread local memory, so the CUDA
+// context reserves local memory for every resident thread: ~5 GiB on an H200 at full occupancy;
 // this reservation is made once per context and is not bounded by the chunk size).
 //
 // Layout of the outputs: the LutbTensor layout of lutb/tile.hpp (spec section 2.2):
