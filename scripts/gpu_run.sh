@@ -6,6 +6,10 @@
 # compute-sanitizer (memcheck, racecheck) on the small cases, and the benchmark.
 #
 #   scripts/gpu_run.sh [tests|sanitize|bench|all] [bench args...]
+#   scripts/gpu_run.sh fit [bench_fit_gpu args...]
+#     builds only the GPU fitter (src/cuda/fit_*.cu, -fmad=false), its test binary
+#     (tests/cuda/fit_gpu_test.cpp against src/fit compiled with -ffp-contract=off, as CMake does) and
+#     bench/gpu/bench_fit_gpu.cu, then runs the fitter tests, memcheck on a small case and the bench.
 # Environment:
 #   GTEST_DIR   googletest source tree (default: deps/googletest, else /usr/src/googletest/googletest)
 #   JSON_INC    folder holding nlohmann/json.hpp (default: deps/include, else /usr/include)
@@ -35,25 +39,61 @@ CXXFLAGS="-std=c++20 -O2 -fopenmp -DFMT_HEADER_ONLY -Iinclude -Isrc -Itests -I$J
 build() {
   local pids=()
   for f in src/cuda/*.cu; do
-    $NVCC $CUFLAGS -c "$f" -o "$B/obj/$(basename "$f" .cu).o" & pids+=($!)
+    local fl=""; case "$f" in src/cuda/fit_*) fl=-fmad=false;; esac
+    $NVCC $CUFLAGS $fl -c "$f" -o "$B/obj/$(basename "$f" .cu).o" & pids+=($!)
   done
   if [ ! -f "$B/obj/gtest-all.o" ]; then
     g++ -std=c++17 -O2 -isystem "$GTEST_DIR/include" -I"$GTEST_DIR" -c "$GTEST_DIR/src/gtest-all.cc" -o "$B/obj/gtest-all.o" & pids+=($!)
     g++ -std=c++17 -O2 -isystem "$GTEST_DIR/include" -I"$GTEST_DIR" -c "$GTEST_DIR/src/gtest_main.cc" -o "$B/obj/gtest_main.o" & pids+=($!)
   fi
-  for f in src/core/*.cpp src/fit/*.cpp src/moe/*.cpp; do
-    g++ $CXXFLAGS -O3 -c "$f" -o "$B/obj/c_$(basename "$(dirname "$f")")_$(basename "$f" .cpp).o" & pids+=($!)
+  for f in src/core/*.cpp src/fit/*.cpp src/moe/*.cpp src/io/safetensors*.cpp; do
+    local fc=""; case "$f" in src/fit/*) fc=-ffp-contract=off;; esac  # as CMakeLists.txt
+    g++ $CXXFLAGS -O3 $fc -c "$f" -o "$B/obj/c_$(basename "$(dirname "$f")")_$(basename "$f" .cpp).o" & pids+=($!)
   done
   for f in tests/cuda/*.cpp tests/support/test_support.cpp; do
     g++ $CXXFLAGS -DLUTB_SOURCE_DIR="\"$ROOT\"" -c "$f" -o "$B/obj/t_$(basename "$f" .cpp).o" & pids+=($!)
   done
   $NVCC $CUFLAGS -c bench/gpu/bench_moe_gpu.cu -o "$B/obj/b_bench_moe_gpu.o" & pids+=($!)
   for p in "${pids[@]}"; do wait "$p"; done
-  local lib=("$B"/obj/moe_*.o "$B"/obj/routing.o)
+  local lib=("$B"/obj/moe_*.o "$B"/obj/routing.o "$B"/obj/fit_*.o)
   $NVCC $ARCH -o "$B/lutb_cuda_tests" "$B"/obj/t_*.o "${lib[@]}" "$B"/obj/c_*.o "$B/obj/gtest-all.o" "$B/obj/gtest_main.o" \
     -Xcompiler -fopenmp -L"$DEPS_LIB" -lhwy -lpthread -Xlinker -rpath="$DEPS_LIB"
   $NVCC $ARCH -o "$B/bench_moe_gpu" "$B/obj/b_bench_moe_gpu.o" "${lib[@]}" -lcublas
 }
+
+build_fit() {
+  local pids=()
+  for f in src/cuda/fit_*.cu; do
+    $NVCC $CUFLAGS -fmad=false -c "$f" -o "$B/obj/f_$(basename "$f" .cu).o" & pids+=($!)
+  done
+  $NVCC $CUFLAGS -c bench/gpu/bench_fit_gpu.cu -o "$B/obj/fb_bench_fit_gpu.o" & pids+=($!)
+  if [ ! -f "$B/obj/gtest-all.o" ]; then
+    g++ -std=c++17 -O2 -isystem "$GTEST_DIR/include" -I"$GTEST_DIR" -c "$GTEST_DIR/src/gtest-all.cc" -o "$B/obj/gtest-all.o" & pids+=($!)
+    g++ -std=c++17 -O2 -isystem "$GTEST_DIR/include" -I"$GTEST_DIR" -c "$GTEST_DIR/src/gtest_main.cc" -o "$B/obj/gtest_main.o" & pids+=($!)
+  fi
+  for f in src/core/*.cpp src/fit/*.cpp src/io/safetensors*.cpp; do
+    g++ $CXXFLAGS -O3 -ffp-contract=off -c "$f" -o "$B/obj/fc_$(basename "$(dirname "$f")")_$(basename "$f" .cpp).o" & pids+=($!)
+  done
+  for f in tests/cuda/fit_gpu_test.cpp tests/support/test_support.cpp; do
+    g++ $CXXFLAGS -DLUTB_SOURCE_DIR="\"$ROOT\"" -c "$f" -o "$B/obj/ft_$(basename "$f" .cpp).o" & pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p"; done
+  $NVCC $ARCH -o "$B/lutb_fit_gpu_tests" "$B"/obj/ft_*.o "$B"/obj/f_fit_*.o "$B"/obj/fc_*.o "$B/obj/gtest-all.o" "$B/obj/gtest_main.o" \
+    -Xcompiler -fopenmp -L"$DEPS_LIB" -lhwy -lpthread -Xlinker -rpath="$DEPS_LIB"
+  $NVCC $ARCH -o "$B/bench_fit_gpu" "$B/obj/fb_bench_fit_gpu.o" "$B"/obj/f_fit_*.o "$B"/obj/fc_*.o \
+    -Xcompiler -fopenmp -L"$DEPS_LIB" -lhwy -lpthread -Xlinker -rpath="$DEPS_LIB"
+}
+
+if [ "$WHAT" = fit ]; then
+  build_fit 2>&1 | tee "$OUT/build_fit.log"
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv | tee "$OUT/gpu.txt" || true
+  export LD_LIBRARY_PATH="$DEPS_LIB:${LD_LIBRARY_PATH:-}"
+  "$B/lutb_fit_gpu_tests" 2>&1 | tee "$OUT/fit_tests.log" || true
+  compute-sanitizer --tool memcheck --error-exitcode 9 "$B/lutb_fit_gpu_tests" --gtest_filter='FitGpu.EdgeTiles:FitGpu.ErrorsMatchCpu' 2>&1 |
+    tail -12 | tee "$OUT/fit_sanitizer.log" || true
+  "$B/bench_fit_gpu" "$@" 2>&1 | tee "$OUT/bench_fit_gpu.md" || true
+  exit 0
+fi
 
 build 2>&1 | tee "$OUT/build.log"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv | tee "$OUT/gpu.txt" || true

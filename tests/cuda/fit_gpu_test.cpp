@@ -1,0 +1,242 @@
+// tests/cuda/fit_gpu_test.cpp: the GPU "binned-dp" fitter (lutb/cuda/fit.hpp) against the CPU
+// fitter (lutb::quantize, src/fit): identical packed indices, codebooks, scales and FitStats on
+// random Gaussian / Student-t / Laplace stacks, edge tiles, padding shapes, chunkings, error tiles
+// and a real expert stack of tiny-qwen3-moe. Skips without a GPU.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "lutb/cuda/fit.hpp"
+#include "lutb/fit.hpp"
+#include "lutb/numerics.hpp"
+#include "lutb/safetensors.hpp"
+#include "support/test_support.hpp"
+
+namespace lutb::test {
+namespace {
+
+bool gpu_present() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+#define LUTB_GPU_OR_SKIP() \
+  if (!gpu_present()) GTEST_SKIP() << "no CUDA device: skipping"
+
+// Fits on both and asserts byte equality; returns the number of tiles compared.
+std::int64_t expect_same(const void* src, DType type, const LutbShape& shape, int forced_scale = -1,
+                         std::size_t chunk_bytes = std::size_t{512} << 20) {
+  FitOptions fo;
+  fo.fitter = "binned-dp";
+  fo.forced_scale = forced_scale;
+  LutbTensor cpu, gpu;
+  const FitStats sc = quantize(src, type, shape, cpu, fo, "t");
+  cuda::GpuFitOptions go;
+  go.forced_scale = forced_scale;
+  go.chunk_bytes = chunk_bytes;
+  const FitStats sg = cuda::quantize_gpu(src, type, shape, gpu, go, "t");
+  EXPECT_EQ(sg.tiles, sc.tiles);
+  EXPECT_EQ(sg.sse, sc.sse);
+  EXPECT_EQ(sg.sum_sq, sc.sum_sq);
+  EXPECT_EQ(gpu.scale, cpu.scale);
+  EXPECT_EQ(gpu.codebook, cpu.codebook);
+  // First differing tile, for a readable failure.
+  std::int64_t bad = -1;
+  for (std::int64_t t = 0; t < shape.tiles() && bad < 0; ++t)
+    if (std::memcmp(gpu.packed.data() + t * kPackedBytes, cpu.packed.data() + t * kPackedBytes, kPackedBytes) != 0)
+      bad = t;
+  EXPECT_EQ(bad, -1) << "packed indices differ first at tile " << bad;
+  return shape.tiles();
+}
+
+enum class Dist { kGauss, kStudentT3, kLaplace };
+
+std::vector<float> random_values(std::size_t n, Dist d, float sigma, std::uint32_t seed) {
+  std::mt19937 g(seed);
+  std::normal_distribution<float> nd(0.0f, sigma);
+  std::student_t_distribution<float> td(3.0f);
+  std::exponential_distribution<float> ed(1.0f / sigma);
+  std::bernoulli_distribution coin(0.5);
+  std::vector<float> v(n);
+  for (auto& x : v) {
+    if (d == Dist::kGauss) x = nd(g);
+    else if (d == Dist::kStudentT3) x = sigma * td(g);
+    else x = coin(g) ? ed(g) : -ed(g);
+  }
+  return v;
+}
+
+std::vector<std::uint16_t> to_bf16(const std::vector<float>& v) {
+  std::vector<std::uint16_t> b(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) b[i] = bf16_from_float(v[i]);
+  return b;
+}
+
+LutbShape stack(std::int64_t e, std::int64_t n, std::int64_t k) {
+  LutbShape s;
+  s.experts = e;
+  s.rows = n;
+  s.cols = k;
+  s.stacked = e > 1;
+  return s;
+}
+
+struct RandomCase {
+  Dist dist;
+  std::int64_t e, n, k;
+  bool bf16;
+};
+
+class FitGpuRandom : public ::testing::TestWithParam<RandomCase> {};
+
+TEST_P(FitGpuRandom, SameBytesAsCpu) {
+  LUTB_GPU_OR_SKIP();
+  const RandomCase c = GetParam();
+  const LutbShape s = stack(c.e, c.n, c.k);
+  const auto v = random_values(static_cast<std::size_t>(c.e * c.n * c.k), c.dist, 0.02f,
+                               static_cast<std::uint32_t>(17 * c.n + c.k + static_cast<int>(c.dist)));
+  if (c.bf16) {
+    const auto b = to_bf16(v);
+    EXPECT_GT(expect_same(b.data(), DType::BF16, s), 0);
+  } else {
+    EXPECT_GT(expect_same(v.data(), DType::F32, s), 0);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, FitGpuRandom,
+                         ::testing::Values(RandomCase{Dist::kGauss, 2, 64, 512, true},
+                                           RandomCase{Dist::kStudentT3, 2, 64, 512, true},
+                                           RandomCase{Dist::kLaplace, 2, 64, 512, true},
+                                           RandomCase{Dist::kGauss, 3, 21, 200, false},     // N%8, K%64 != 0
+                                           RandomCase{Dist::kStudentT3, 3, 21, 200, true},
+                                           RandomCase{Dist::kLaplace, 1, 13, 70, false},
+                                           RandomCase{Dist::kGauss, 1, 5, 33, true}));      // one padded tile
+
+// One 8 x 64 tile per pattern, side by side along K.
+TEST(FitGpu, EdgeTiles) {
+  LUTB_GPU_OR_SKIP();
+  std::vector<std::vector<float>> tiles;
+  std::mt19937 g(5);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  tiles.push_back(std::vector<float>(512, 0.0f));  // all zero
+  {
+    std::vector<float> t(512, 0.0f);
+    for (int i = 0; i < 512; ++i) t[i] = (i & 1) ? -0.0f : 0.0f;  // +0 / -0 mix
+    tiles.push_back(t);
+  }
+  tiles.push_back(std::vector<float>(512, 0.37f));   // constant
+  tiles.push_back(std::vector<float>(512, -5e-3f));  // constant negative
+  for (int distinct : {2, 3, 7, 8, 9, 31, 32, 33, 40}) {  // few distinct values, around the bin count
+    std::vector<float> t(512);
+    for (int i = 0; i < 512; ++i) t[i] = 0.01f * static_cast<float>((i * 7919) % distinct) - 0.1f;
+    tiles.push_back(t);
+  }
+  for (float mag : {1e-36f, 3e-38f, 1e-40f, 1e-44f}) {  // tiny magnitudes: scale 3, FP32 subnormals
+    std::vector<float> t(512);
+    for (auto& x : t) x = mag * nd(g);
+    tiles.push_back(t);
+  }
+  {
+    std::vector<float> t(512);  // one outlier
+    for (auto& x : t) x = 0.01f * nd(g);
+    t[77] = 3.0f;
+    tiles.push_back(t);
+  }
+  {
+    std::vector<float> t(512);  // large but legal magnitude (scale near 246)
+    for (auto& x : t) x = 1e37f * nd(g);
+    tiles.push_back(t);
+  }
+  {
+    std::vector<float> t(512);  // bimodal, many ties at midpoints
+    for (int i = 0; i < 512; ++i) t[i] = (i % 4 == 0) ? 1.0f : ((i % 4 == 1) ? -1.0f : 0.5f * static_cast<float>(i % 3));
+    tiles.push_back(t);
+  }
+  const std::int64_t nt = static_cast<std::int64_t>(tiles.size());
+  std::vector<float> m(static_cast<std::size_t>(8 * 64 * nt));
+  for (std::int64_t t = 0; t < nt; ++t)
+    for (int r = 0; r < 8; ++r)
+      for (int c = 0; c < 64; ++c) m[static_cast<std::size_t>(r * 64 * nt + t * 64 + c)] = tiles[t][r * 64 + c];
+  const LutbShape s = stack(1, 8, 64 * nt);
+  EXPECT_EQ(expect_same(m.data(), DType::F32, s), nt);
+  const auto b = to_bf16(m);
+  EXPECT_EQ(expect_same(b.data(), DType::BF16, s), nt);
+  // Forced scales (the DP at a scale that is not rceil), except on tiles that saturate badly.
+  const auto small = random_values(8 * 64 * 4, Dist::kStudentT3, 0.02f, 9);
+  for (int fs : {3, 100, 120, 127, 246}) expect_same(small.data(), DType::F32, stack(1, 8, 256), fs);
+}
+
+TEST(FitGpu, ChunkingDoesNotChangeBytes) {
+  LUTB_GPU_OR_SKIP();
+  const LutbShape s = stack(5, 30, 130);
+  const auto b = to_bf16(random_values(static_cast<std::size_t>(5 * 30 * 130), Dist::kGauss, 0.05f, 3));
+  expect_same(b.data(), DType::BF16, s, -1, 1);                       // one tile row per chunk
+  expect_same(b.data(), DType::BF16, s, -1, 30 * 130 * 2);            // one expert per chunk
+  expect_same(b.data(), DType::BF16, s, -1, 2 * 30 * 130 * 2 + 10);  // two experts per chunk
+}
+
+TEST(FitGpu, ErrorsMatchCpu) {
+  LUTB_GPU_OR_SKIP();
+  const LutbShape s = stack(2, 16, 128);
+  for (int which = 0; which < 3; ++which) {
+    auto v = random_values(2 * 16 * 128, Dist::kGauss, 0.05f, 11);
+    const std::size_t at = 1 * 16 * 128 + 9 * 128 + 70;  // expert 1, row 9, col 70
+    v[at] = which == 0 ? std::numeric_limits<float>::quiet_NaN()
+                       : (which == 1 ? -std::numeric_limits<float>::infinity() : 3.3e38f);
+    // A later value of the same tile (last tile of the stack): the first in flat order is reported.
+    if (which < 2) v[1 * 16 * 128 + 15 * 128 + 127] = std::numeric_limits<float>::quiet_NaN();
+    std::string cpu_msg, gpu_msg;
+    LutbTensor t;
+    try {
+      quantize(v.data(), DType::F32, s, t, FitOptions{}, "w");
+    } catch (const std::invalid_argument& e) {
+      cpu_msg = e.what();
+    }
+    try {
+      cuda::quantize_gpu(v.data(), DType::F32, s, t, {}, "w");
+    } catch (const std::invalid_argument& e) {
+      gpu_msg = e.what();
+    }
+    ASSERT_EQ(cpu_msg.rfind("quantize: ", 0), 0u) << cpu_msg;
+    ASSERT_EQ(gpu_msg.rfind("quantize_gpu: ", 0), 0u) << gpu_msg;
+    EXPECT_EQ(gpu_msg.substr(14), cpu_msg.substr(10));
+    EXPECT_EQ(t.packed.size(), 0u);
+  }
+  std::vector<float> v(16);
+  LutbTensor t;
+  cuda::GpuFitOptions bad;
+  bad.forced_scale = 2;
+  EXPECT_THROW(cuda::quantize_gpu(v.data(), DType::F32, stack(1, 4, 4), t, bad), std::invalid_argument);
+  EXPECT_THROW(cuda::quantize_gpu(v.data(), DType::I32, stack(1, 4, 4), t), std::invalid_argument);
+}
+
+TEST(FitGpu, TinyQwen3MoeExpertStacks) {
+  LUTB_GPU_OR_SKIP();
+  LUTB_MODEL_OR_SKIP(dir, "tiny-qwen3-moe");
+  SafetensorsFile f(dir / "model.safetensors");
+  for (const char* proj : {"gate_proj", "down_proj"}) {
+    std::vector<std::uint16_t> data;
+    std::int64_t e = 0, rows = 0, cols = 0;
+    for (;; ++e) {
+      const std::string name = "model.layers.0.mlp.experts." + std::to_string(e) + "." + proj + ".weight";
+      if (!f.contains(name)) break;
+      const TensorView& tv = f.get(name);
+      ASSERT_EQ(tv.dtype, DType::BF16);
+      rows = tv.shape[0];
+      cols = tv.shape[1];
+      const auto span = tv.as<std::uint16_t>(DType::BF16);
+      data.insert(data.end(), span.begin(), span.end());
+    }
+    ASSERT_GT(e, 0);
+    EXPECT_EQ(expect_same(data.data(), DType::BF16, stack(e, rows, cols)), e * (rows / 8) * ((cols + 63) / 64));
+  }
+}
+
+}  // namespace
+}  // namespace lutb::test
