@@ -220,7 +220,8 @@ class Experts {
 ///     LUT-B (exact in BF16), equal to the LUT-B emulation up to FP32 summation order.
 /// Weights: w13 BF16 [E_local, 2I, H], w2 BF16 [E_local, H, I] (moved in; sizes checked, throws
 /// std::invalid_argument naming the tensor, expected and actual element counts). Multithreaded
-/// over (expert, row block), vectorised (runtime AVX2 dispatch), so that it is a fair baseline.
+/// over (expert, row block), vectorised (runtime AVX2 / AVX-512 dispatch, same driver as the LUT-B
+/// kernel), so that it is a fair baseline.
 class DenseExperts final : public Experts {
  public:
   DenseExperts(MoeConfig cfg, std::vector<std::uint16_t> w13_bf16, std::vector<std::uint16_t> w2_bf16,
@@ -256,9 +257,11 @@ class LutbReferenceExperts final : public Experts {
 
 /// LUT-B emulation, fast CPU kernel. Weights stay packed (3.140625 bits per weight); inside the
 /// GEMM each tile's codebook x 2^(scale-127) is decoded once to 8 FP32 values and weights are
-/// gathered by their 3-bit index (AVX2: vpermps; AVX-512: vpermps zmm) and multiplied with the
-/// MXFP8-dequantised activations in FP32. Tokens are grouped by expert; OpenMP over
-/// (expert, 8-row tile blocks) for w13, then for w2; the k-sum runs in slot order. Equal to
+/// gathered by their 3-bit index straight from the packed bytes (AVX2: vpbroadcastd + vpsrlvd +
+/// vpermps per 8 weights; AVX-512: vpbroadcastq + vpmultishiftqb + vpermps per 16) and multiplied
+/// with the MXFP8-dequantised activations in FP32 (up to 4 tokens per decoded vector). Tokens are
+/// grouped by expert; OpenMP over (expert, block of 8-row tiles of ~64K weights) for w13, then for
+/// w2; the k-sum runs in slot order. Equal to
 /// LutbReferenceExperts up to FP32 summation order. Same shape rules as LutbReferenceExperts.
 class LutbCpuExperts final : public Experts {
  public:
@@ -274,8 +277,9 @@ class LutbCpuExperts final : public Experts {
   ActivationFormat act_;
 };
 
-/// Instruction set the fast kernels (LutbCpuExperts, DenseExperts) use now: "avx512", "avx2" or
-/// "scalar": the best the CPU supports (runtime detection), capped by the environment variable
+/// Instruction set the fast kernels (LutbCpuExperts, DenseExperts) use now: "avx512" (needs
+/// AVX-512 F, VL, BW and VBMI: Ice Lake and later), "avx2" (AVX2 + FMA) or "scalar" (portable C++):
+/// the best the CPU supports (runtime detection), capped by the environment variable
 /// LUTB_ISA=scalar|avx2|avx512 and by set_cpu_isa_cap().
 std::string cpu_isa();
 /// Caps the instruction set for later calls ("scalar", "avx2", "avx512"; "" removes the cap), so

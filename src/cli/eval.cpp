@@ -1,9 +1,120 @@
-// PLACEHOLDER: replaced by the eval implementation (issue 5).
-#include <stdexcept>
+// `lutb eval MODEL_DIR`: held-out loss of a whole MoE language model on the CPU (spec section 8),
+// with the routed experts in BF16, LUT-B (online or stored) or a baseline format.
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <unistd.h>
+#include <memory>
+#include <string>
+
+#include <fmt/core.h>
+#include <nlohmann/json.hpp>
+
 #include "cli/commands.hpp"
+#include "cli/model_options.hpp"
+#include "lutb/fit.hpp"
+#include "lutb/model.hpp"
+
 namespace lutb::cli {
-void add_eval(CLI::App& app) {
-  auto* cmd = app.add_subcommand("eval", "(not built yet)");
-  cmd->callback([] { throw std::runtime_error("lutb eval is not implemented yet"); });
+namespace {
+
+struct EvalArgs {
+  std::string model_dir;
+  ModelQuantArgs quant;
+  std::string tokens;
+  bool json = false;
+  int threads = 0;
+  std::int64_t max_windows = 0;
+  std::int64_t batch = 8;
+};
+
+nlohmann::json number_or_null(double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(nullptr); }
+
+void run_eval(const EvalArgs& a) {
+  ensure_fast_blas();
+  model::set_threads(a.threads);
+  const model::MoeOptions mo = a.quant.resolve(a.threads);
+  const auto t0 = std::chrono::steady_clock::now();
+  model::CheckpointMoe moe(a.model_dir, mo);
+  model::LanguageModel lm = model::LanguageModel::load(a.model_dir, moe.factory());
+  const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const std::filesystem::path tokens_path =
+      a.tokens.empty() ? std::filesystem::path(a.model_dir) / "val_tokens.safetensors" : std::filesystem::path(a.tokens);
+  const std::vector<std::int32_t> tokens = model::load_token_ids(tokens_path);
+
+  model::EvalOptions eo;
+  eo.max_windows = a.max_windows;
+  eo.batch = a.batch;
+  const bool tty = isatty(fileno(stderr));
+  if (tty && !a.json)
+    eo.progress = [](std::int64_t done, std::int64_t total) {
+      fmt::print(stderr, "\r  windows {}/{}", done, total);
+      if (done == total) fmt::print(stderr, "\n");
+    };
+  const model::EvalResult r = model::evaluate(lm, tokens, eo);
+
+  const auto& cfg = lm.config();
+  const std::string quant = model::quant_name(mo.quant);
+  const std::string act = activation_name(mo.activations);
+  const std::string fitter = mo.quant == model::Quant::Lutb && !moe.lutb_checkpoint() ? mo.fit.fitter : "";
+  const double sqnr = moe.aggregate_sqnr_db();
+  const double tps = r.seconds > 0 ? static_cast<double>(r.windows * eo.window) / r.seconds : 0.0;
+
+  fmt::print("model        {} ({}, {} layers, hidden {}, {} experts x {})\n", a.model_dir, cfg.family, cfg.num_layers,
+             cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size);
+  fmt::print("experts      quant {}{}, activations {}{}\n", quant, fitter.empty() ? "" : " (fitter " + fitter + ")", act,
+             moe.lutb_checkpoint() ? ", stored LUT-B weights" : "");
+  for (const auto& s : moe.stats())
+    fmt::print("  {:<48} SQNR {:7.3f} dB\n", s.name, s.sqnr_db());
+  if (!moe.stats().empty()) fmt::print("  aggregate SQNR {:.3f} dB\n", sqnr);
+  fmt::print("size         routed experts {} bytes as BF16, {} bytes held ({:.4f} bits per weight)\n",
+             moe.source_bytes(), moe.held_bytes(), moe.bits_per_weight());
+  fmt::print("val loss     {:.6f} nats over {} predicted tokens ({} windows of {})\n", r.val_loss, r.tokens, r.windows,
+             eo.window);
+  fmt::print("time         load {:.2f} s, eval {:.2f} s, {:.0f} tokens/s\n", load_s, r.seconds, tps);
+
+  if (a.json) {
+    nlohmann::json j;
+    j["model"] = a.model_dir;
+    j["family"] = cfg.family;
+    j["val_loss"] = r.val_loss;
+    j["tokens"] = r.tokens;
+    j["windows"] = r.windows;
+    j["quant"] = quant;
+    j["activations"] = act;
+    j["fitter"] = fitter.empty() ? nlohmann::json(nullptr) : nlohmann::json(fitter);
+    j["lutb_checkpoint"] = moe.lutb_checkpoint();
+    j["sqnr_db"] = number_or_null(sqnr);
+    j["bits_per_weight"] = moe.bits_per_weight();
+    j["expert_bytes_bf16"] = moe.source_bytes();
+    j["expert_bytes"] = moe.held_bytes();
+    j["seconds"] = r.seconds;
+    j["load_seconds"] = load_s;
+    j["tokens_per_second"] = tps;
+    nlohmann::json tensors = nlohmann::json::array();
+    for (const auto& s : moe.stats())
+      tensors.push_back({{"name", s.name}, {"layer", s.layer}, {"sqnr_db", number_or_null(s.sqnr_db())},
+                         {"weights", s.weights}, {"bytes", s.quantized_bytes}});
+    j["tensors"] = tensors;
+    fmt::print("{}\n", j.dump());
+  }
+  std::fflush(stdout);
 }
+
+}  // namespace
+
+void add_eval(CLI::App& app) {
+  auto args = std::make_shared<EvalArgs>();
+  auto* cmd = app.add_subcommand("eval", "Held-out loss of a MoE language model on the CPU (spec section 8)");
+  cmd->add_option("model_dir", args->model_dir, "Hugging Face checkpoint directory (BF16 or LUT-B)")->required();
+  args->quant.add_to(cmd);
+  cmd->add_option("--tokens", args->tokens, "safetensors file with input_ids (default MODEL_DIR/val_tokens.safetensors)");
+  cmd->add_flag("--json", args->json, "print one JSON object as the last line of stdout");
+  cmd->add_option("--threads", args->threads, "threads (default: all cores)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--max-windows", args->max_windows, "evaluate only the first N windows (0 = all)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--batch", args->batch, "windows per forward pass (does not change the result)")->check(CLI::PositiveNumber);
+  cmd->callback([args] { run_eval(*args); });
+}
+
 }  // namespace lutb::cli

@@ -1,9 +1,118 @@
-// PLACEHOLDER: replaced by the moe implementation (issue 5).
-#include <stdexcept>
+// `lutb moe MODEL_DIR --layer L --activations FILE`: one sparse MoE block on captured inputs
+// (layers.L.moe_input) against the captured outputs (layers.L.moe_output).
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <string>
+
+#include <fmt/core.h>
+#include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
+
 #include "cli/commands.hpp"
+#include "cli/model_options.hpp"
+#include "lutb/model.hpp"
+#include "lutb/safetensors.hpp"
+
 namespace lutb::cli {
-void add_moe(CLI::App& app) {
-  auto* cmd = app.add_subcommand("moe", "(not built yet)");
-  cmd->callback([] { throw std::runtime_error("lutb moe is not implemented yet"); });
+namespace {
+
+struct MoeArgs {
+  std::string model_dir;
+  int layer = -1;
+  std::string activations_file;
+  ModelQuantArgs quant;
+  bool json = false;
+  int threads = 0;
+};
+
+std::vector<float> captured(const SafetensorsFile& f, const std::string& name, std::int64_t H) {
+  if (!f.contains(name))
+    throw std::runtime_error(fmt::format("{}: no tensor {} (captured MoE activations of that layer)", f.path().string(), name));
+  const TensorView& t = f.get(name);
+  if (t.shape.size() != 2 || t.shape[1] != H)
+    throw std::runtime_error(fmt::format("{}: tensor {} has shape [{}], expected [tokens, {}]", f.path().string(), name,
+                                         fmt::join(t.shape, ", "), H));
+  return t.to_float();
 }
+
+void run_moe(const MoeArgs& a) {
+  ensure_fast_blas();
+  model::set_threads(a.threads);
+  const model::MoeOptions mo = a.quant.resolve(a.threads);
+  if (!std::filesystem::exists(a.activations_file))
+    throw std::runtime_error(fmt::format("{}: activations file not found", a.activations_file));
+  model::CheckpointMoe moe(a.model_dir, mo);
+  const auto& cfg = moe.config();
+  if (a.layer < 0 || a.layer >= cfg.num_layers)
+    throw std::runtime_error(fmt::format("--layer {} is out of range: {} has layers 0..{}", a.layer, a.model_dir, cfg.num_layers - 1));
+  std::unique_ptr<model::MoeBlock> block = moe.build(a.layer);
+  const std::int64_t H = cfg.hidden_size;
+  const SafetensorsFile acts(a.activations_file);
+  const std::vector<float> x = captured(acts, fmt::format("layers.{}.moe_input", a.layer), H);
+  const std::vector<float> ref = captured(acts, fmt::format("layers.{}.moe_output", a.layer), H);
+  if (x.size() != ref.size())
+    throw std::runtime_error(fmt::format("{}: layers.{}.moe_input and moe_output have different token counts",
+                                         a.activations_file, a.layer));
+  const std::int64_t T = static_cast<std::int64_t>(x.size()) / H;
+
+  std::vector<float> out(x.size());
+  const auto t0 = std::chrono::steady_clock::now();
+  block->forward(x.data(), T, out.data());
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+
+  double diff2 = 0, ref2 = 0, out2 = 0, dot = 0, max_abs = 0;
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    const double d = static_cast<double>(out[i]) - ref[i];
+    diff2 += d * d;
+    ref2 += static_cast<double>(ref[i]) * ref[i];
+    out2 += static_cast<double>(out[i]) * out[i];
+    dot += static_cast<double>(out[i]) * ref[i];
+    max_abs = std::max(max_abs, std::fabs(d));
+  }
+  const double rel_l2 = std::sqrt(diff2 / ref2);
+  const double cosine = dot / std::sqrt(out2 * ref2);
+  const std::string quant = model::quant_name(mo.quant);
+  const std::string act = activation_name(mo.activations);
+
+  fmt::print("layer {} of {} ({}), {} tokens, quant {}, activations {}\n", a.layer, a.model_dir, cfg.family, T, quant, act);
+  for (const auto& s : moe.stats()) fmt::print("  {:<48} SQNR {:7.3f} dB\n", s.name, s.sqnr_db());
+  fmt::print("rel_l2 {:.6g}  max_abs {:.6g}  cosine {:.8f}  ({:.3f} s)\n", rel_l2, max_abs, cosine, secs);
+  if (a.json) {
+    nlohmann::json j;
+    j["model"] = a.model_dir;
+    j["layer"] = a.layer;
+    j["tokens"] = T;
+    j["quant"] = quant;
+    j["activations"] = act;
+    j["activations_file"] = a.activations_file;
+    j["rel_l2"] = rel_l2;
+    j["max_abs"] = max_abs;
+    j["cosine"] = cosine;
+    const double sq = moe.aggregate_sqnr_db();
+    j["sqnr_db"] = std::isfinite(sq) ? nlohmann::json(sq) : nlohmann::json(nullptr);
+    j["seconds"] = secs;
+    fmt::print("{}\n", j.dump());
+  }
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+void add_moe(CLI::App& app) {
+  auto args = std::make_shared<MoeArgs>();
+  auto* cmd = app.add_subcommand("moe", "Run one MoE block on captured inputs and compare with the captured outputs");
+  cmd->add_option("model_dir", args->model_dir, "Hugging Face checkpoint directory (BF16 or LUT-B)")->required();
+  cmd->add_option("--layer", args->layer, "sparse layer index")->required();
+  cmd->add_option("--activations", args->activations_file,
+                  "safetensors file with layers.L.moe_input and layers.L.moe_output [tokens, hidden]")
+      ->required();
+  args->quant.add_to(cmd, "--act-format");
+  cmd->add_flag("--json", args->json, "print one JSON object as the last line of stdout");
+  cmd->add_option("--threads", args->threads, "threads (default: all cores)")->check(CLI::NonNegativeNumber);
+  cmd->callback([args] { run_moe(*args); });
+}
+
 }  // namespace lutb::cli

@@ -268,6 +268,7 @@ std::int64_t TensorView::numel() const {
 std::vector<float> TensorView::to_float() const {
   const std::size_t n = nbytes / dtype_size(dtype);
   std::vector<float> out(n);
+  if (n == 0 && dtype_is_float_source(dtype)) return out;
   // The data may sit at any byte offset in the file: copy through aligned chunks, never cast.
   constexpr std::size_t kChunk = 4096;
   switch (dtype) {

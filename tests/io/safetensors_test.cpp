@@ -91,7 +91,9 @@ TEST(Safetensors, WriteThenReadEveryDType) {
     EXPECT_EQ(v.shape, t.shape);
     EXPECT_EQ(v.nbytes, t.bytes.size());
     EXPECT_EQ(v.numel() * static_cast<std::int64_t>(dtype_size(v.dtype)), static_cast<std::int64_t>(v.nbytes));
-    EXPECT_EQ(std::memcmp(v.data, t.bytes.data(), t.bytes.size()), 0) << name;
+    if (!t.bytes.empty()) {
+      EXPECT_EQ(std::memcmp(v.data, t.bytes.data(), t.bytes.size()), 0) << name;
+    }
     // Every tensor is aligned to its element size (largest dtypes are stored first).
     EXPECT_EQ(reinterpret_cast<std::uintptr_t>(v.data) % dtype_size(v.dtype), 0u) << name;
   }

@@ -1,0 +1,87 @@
+// Options shared by `lutb eval` and `lutb moe`: how the routed experts are held and computed.
+#pragma once
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <fmt/core.h>
+
+#include "lutb/fit.hpp"
+#include "lutb/model.hpp"
+#include "lutb/moe.hpp"
+
+namespace lutb::cli {
+
+/// When OpenBLAS fell back to its generic kernels on a CPU it does not know (see
+/// model::blas_coretype_override), re-executes this process with OPENBLAS_CORETYPE set (the kernels
+/// are chosen when the library loads, so only a fresh process can switch). Does nothing when
+/// OPENBLAS_CORETYPE is already set or no better kernel applies; on any failure continues as is.
+inline void ensure_fast_blas() {
+  if (std::getenv("OPENBLAS_CORETYPE")) return;
+  const std::string core = model::blas_coretype_override();
+  if (core.empty()) return;
+  std::ifstream in("/proc/self/cmdline", std::ios::binary);
+  std::string all((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::vector<std::string> args;
+  for (std::size_t p = 0; p < all.size();) {
+    const std::size_t e = all.find('\0', p);
+    args.push_back(all.substr(p, e == std::string::npos ? std::string::npos : e - p));
+    if (e == std::string::npos) break;
+    p = e + 1;
+  }
+  if (args.empty()) return;
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  ::setenv("OPENBLAS_CORETYPE", core.c_str(), 1);
+  std::fflush(stdout);
+  std::fflush(stderr);
+  ::execv("/proc/self/exe", argv.data());
+  ::unsetenv("OPENBLAS_CORETYPE");  // exec failed: carry on with the generic kernels
+}
+
+inline std::string activation_name(moe::ActivationFormat a) { return a == moe::ActivationFormat::MXFP8 ? "mxfp8" : "bf16"; }
+
+struct ModelQuantArgs {
+  std::string quant = "none";
+  std::string activations;  // empty = mxfp8 with LUT-B weights, bf16 otherwise
+  std::string fitter;       // empty = the default fitter
+  std::string kernel = "fast";
+
+  /// Registers --quant, `act_flag` (--activations for eval, --act-format for moe), --fitter, --kernel.
+  void add_to(CLI::App* cmd, const std::string& act_flag = "--activations") {
+    cmd->add_option("--quant", quant, "routed experts: none (BF16), lutb, int3-g128, mxfp4")
+        ->check(CLI::IsMember({"none", "lutb", "int3-g128", "mxfp4"}));
+    cmd->add_option(act_flag, activations, "activations entering the expert GEMMs: bf16 or mxfp8 "
+                                           "(default mxfp8 with LUT-B weights, bf16 otherwise)")
+        ->check(CLI::IsMember({"bf16", "mxfp8"}));
+    cmd->add_option("--fitter", fitter, "LUT-B fitter for the online method (default: the default fitter)");
+    cmd->add_option("--kernel", kernel, "LUT-B emulation kernel: fast, reference, dequantized")
+        ->check(CLI::IsMember({"fast", "reference", "dequantized"}));
+  }
+
+  model::MoeOptions resolve(int threads) const {
+    model::MoeOptions o;
+    o.quant = model::quant_from_name(quant);
+    const std::string act = activations.empty() ? (o.quant == model::Quant::Lutb ? "mxfp8" : "bf16") : activations;
+    o.activations = act == "mxfp8" ? moe::ActivationFormat::MXFP8 : moe::ActivationFormat::BF16;
+    if (!fitter.empty() && o.quant != model::Quant::Lutb)
+      throw std::invalid_argument(fmt::format("--fitter {} only applies to --quant lutb", fitter));
+    if (!fitter.empty()) check_fitter_name(fitter);
+    o.fit.fitter = fitter.empty() ? default_fitter() : fitter;
+    o.fit.threads = threads;
+    o.kernel = kernel == "reference" ? moe::EmulationKernel::Reference
+               : kernel == "dequantized" ? moe::EmulationKernel::Dequantized
+                                         : moe::EmulationKernel::Fast;
+    return o;
+  }
+};
+
+}  // namespace lutb::cli

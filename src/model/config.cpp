@@ -1,0 +1,197 @@
+// TransformerConfig: config.json of the supported MoE families (transformers 5 keys, with the
+// transformers 4 variants: rope_theta/rope_scaling beside rope_parameters, num_experts /
+// num_local_experts / n_routed_experts).
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <set>
+
+#include <fmt/core.h>
+
+#include "lutb/checkpoint.hpp"
+#include "lutb/model.hpp"
+
+namespace lutb::model {
+namespace {
+
+using nlohmann::json;
+
+const json* find(const json& j, const char* key) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return nullptr;
+  return &*it;
+}
+
+template <class T>
+T get_or(const json& j, const char* key, T dflt, const std::string& where) {
+  const json* v = find(j, key);
+  if (!v) return dflt;
+  try {
+    return v->get<T>();
+  } catch (const json::exception& e) {
+    throw ModelError(fmt::format("{}: key \"{}\" has the wrong type ({})", where, key, v->dump()));
+  }
+}
+
+template <class T>
+T require(const json& j, const char* key, const std::string& where) {
+  const json* v = find(j, key);
+  if (!v) throw ModelError(fmt::format("{}: missing key \"{}\"", where, key));
+  try {
+    return v->get<T>();
+  } catch (const json::exception&) {
+    throw ModelError(fmt::format("{}: key \"{}\" has the wrong type ({})", where, key, v->dump()));
+  }
+}
+
+double yarn_get_mscale(double scale, double mscale) {
+  if (scale <= 1.0) return 1.0;
+  return 0.1 * mscale * std::log(scale) + 1.0;
+}
+
+}  // namespace
+
+RopeTable make_rope_table(const RopeConfig& r) {
+  if (r.dim <= 0 || r.dim % 2 != 0) throw ModelError(fmt::format("rope dimension {} must be even and positive", r.dim));
+  const int half = r.dim / 2;
+  RopeTable t;
+  t.inv_freq.resize(half);
+  // transformers: inv_freq = 1 / base^(arange(0, dim, 2) / dim), computed in FP32.
+  for (int i = 0; i < half; ++i) {
+    const float expo = static_cast<float>(2 * i) / static_cast<float>(r.dim);
+    t.inv_freq[i] = 1.0f / static_cast<float>(std::pow(static_cast<double>(static_cast<float>(r.theta)), expo));
+  }
+  if (r.type == "default") return t;
+  if (r.type == "linear") {
+    for (float& f : t.inv_freq) f = static_cast<float>(f / r.factor);
+    return t;
+  }
+  if (r.type == "yarn") {
+    const double factor = r.factor;
+    if (r.attention_factor) {
+      t.attention_scaling = static_cast<float>(*r.attention_factor);
+    } else if (r.mscale != 0 && r.mscale_all_dim != 0) {
+      t.attention_scaling = static_cast<float>(yarn_get_mscale(factor, r.mscale) / yarn_get_mscale(factor, r.mscale_all_dim));
+    } else {
+      t.attention_scaling = static_cast<float>(yarn_get_mscale(factor, 1.0));
+    }
+    if (r.original_max_position <= 0) throw ModelError("rope yarn: original_max_position_embeddings missing");
+    const double base = r.theta, dim = r.dim;
+    auto correction_dim = [&](double rotations) {
+      return dim * std::log(r.original_max_position / (rotations * 2 * M_PI)) / (2 * std::log(base));
+    };
+    double low = correction_dim(r.beta_fast), high = correction_dim(r.beta_slow);
+    if (r.truncate) {
+      low = std::floor(low);
+      high = std::ceil(high);
+    }
+    low = std::max(low, 0.0);
+    high = std::min(high, dim - 1);
+    if (low == high) high += 0.001;
+    for (int i = 0; i < half; ++i) {
+      const double pos_freq = std::pow(base, 2.0 * i / dim);
+      const double extrapolation = 1.0 / pos_freq, interpolation = 1.0 / (factor * pos_freq);
+      const double ramp = std::clamp((i - low) / (high - low), 0.0, 1.0);
+      const double extra_factor = 1.0 - ramp;
+      t.inv_freq[i] = static_cast<float>(interpolation * (1 - extra_factor) + extrapolation * extra_factor);
+    }
+    return t;
+  }
+  throw ModelError(fmt::format("rope type \"{}\" is not supported (default, linear, yarn)", r.type));
+}
+
+TransformerConfig TransformerConfig::load(const std::filesystem::path& dir) {
+  const auto path = dir / "config.json";
+  std::ifstream in(path);
+  if (!in) throw ModelError(fmt::format("{}: cannot open (not a Hugging Face checkpoint directory?)", path.string()));
+  json j;
+  try {
+    j = json::parse(in);
+  } catch (const json::exception& e) {
+    throw ModelError(fmt::format("{}: invalid JSON: {}", path.string(), e.what()));
+  }
+  return from_json(j, path.string());
+}
+
+TransformerConfig TransformerConfig::from_json(const json& j, const std::string& where) {
+  static const std::set<std::string> kFamilies = {"qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3"};
+  TransformerConfig c;
+  c.raw = j;
+  c.family = require<std::string>(j, "model_type", where);
+  if (!kFamilies.count(c.family))
+    throw ModelError(fmt::format("{}: model_type \"{}\" is not supported (qwen3_moe, qwen2_moe, mixtral, olmoe, "
+                                 "deepseek_v2, deepseek_v3)", where, c.family));
+  c.hidden_size = require<int>(j, "hidden_size", where);
+  c.num_layers = require<int>(j, "num_hidden_layers", where);
+  c.vocab_size = require<int>(j, "vocab_size", where);
+  c.num_heads = require<int>(j, "num_attention_heads", where);
+  c.num_kv_heads = get_or<int>(j, "num_key_value_heads", c.num_heads, where);
+  c.head_dim = get_or<int>(j, "head_dim", c.num_heads ? c.hidden_size / c.num_heads : 0, where);
+  c.rms_norm_eps = get_or<double>(j, "rms_norm_eps", 1e-6, where);
+  c.tie_word_embeddings = get_or<bool>(j, "tie_word_embeddings", false, where);
+  c.intermediate_size = get_or<int>(j, "intermediate_size", 0, where);
+  c.clip_qkv = get_or<double>(j, "clip_qkv", 0.0, where);
+  const std::string act = get_or<std::string>(j, "hidden_act", "silu", where);
+  if (act != "silu") throw ModelError(fmt::format("{}: hidden_act \"{}\" is not supported (silu)", where, act));
+  if (c.hidden_size <= 0 || c.num_layers <= 0 || c.vocab_size <= 0 || c.num_heads <= 0 || c.num_kv_heads <= 0 ||
+      c.num_heads % c.num_kv_heads != 0)
+    throw ModelError(fmt::format("{}: inconsistent sizes (hidden_size {}, layers {}, vocab {}, heads {}, kv heads {})",
+                                 where, c.hidden_size, c.num_layers, c.vocab_size, c.num_heads, c.num_kv_heads));
+
+  // Rotary parameters: transformers 5 rope_parameters, else transformers 4 rope_theta + rope_scaling.
+  json rp = json::object();
+  if (const json* p = find(j, "rope_parameters")) rp = *p;
+  else if (const json* p = find(j, "rope_scaling")) rp = *p;
+  RopeConfig& r = c.rope;
+  r.theta = rp.contains("rope_theta") && !rp["rope_theta"].is_null() ? rp["rope_theta"].get<double>()
+                                                                      : get_or<double>(j, "rope_theta", 10000.0, where);
+  r.type = get_or<std::string>(rp, "rope_type", get_or<std::string>(rp, "type", "default", where), where);
+  r.factor = get_or<double>(rp, "factor", 1.0, where);
+  r.original_max_position = get_or<double>(rp, "original_max_position_embeddings",
+                                           get_or<double>(j, "max_position_embeddings", 0.0, where), where);
+  r.beta_fast = get_or<double>(rp, "beta_fast", 32.0, where);
+  r.beta_slow = get_or<double>(rp, "beta_slow", 1.0, where);
+  r.mscale = get_or<double>(rp, "mscale", 0.0, where);
+  r.mscale_all_dim = get_or<double>(rp, "mscale_all_dim", 0.0, where);
+  if (const json* a = find(rp, "attention_factor")) r.attention_factor = a->get<double>();
+  r.truncate = get_or<bool>(rp, "truncate", true, where);
+  const double partial = get_or<double>(rp, "partial_rotary_factor", get_or<double>(j, "partial_rotary_factor", 1.0, where), where);
+
+  const bool deepseek = c.family == "deepseek_v2" || c.family == "deepseek_v3";
+  if (deepseek) {
+    c.mla = true;
+    c.q_lora_rank = get_or<int>(j, "q_lora_rank", 0, where);
+    c.kv_lora_rank = require<int>(j, "kv_lora_rank", where);
+    c.qk_nope_head_dim = require<int>(j, "qk_nope_head_dim", where);
+    c.qk_rope_head_dim = require<int>(j, "qk_rope_head_dim", where);
+    c.v_head_dim = require<int>(j, "v_head_dim", where);
+    // deepseek_v2 applies rope to interleaved pairs (complex form); deepseek_v3 when rope_interleave.
+    c.rope_interleave = c.family == "deepseek_v2" ? true : get_or<bool>(j, "rope_interleave", true, where);
+    r.dim = c.qk_rope_head_dim;
+    double scale = 1.0 / std::sqrt(static_cast<double>(c.qk_nope_head_dim + c.qk_rope_head_dim));
+    if (r.type != "default" && r.mscale_all_dim != 0) {
+      const double m = yarn_get_mscale(r.factor, r.mscale_all_dim);
+      scale *= m * m;
+    }
+    c.attention_scale = static_cast<float>(scale);
+  } else {
+    r.dim = static_cast<int>(c.head_dim * partial);
+    c.attention_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.head_dim)));
+  }
+
+  // MoE layout and routing: the checkpoint module's parser (every spec-7 key variant).
+  try {
+    c.moe = parse_model_config(j, where);
+  } catch (const ConfigError& e) {
+    throw ModelError(e.what());
+  }
+  c.num_experts = static_cast<int>(c.moe.num_experts);
+  c.moe_intermediate_size = static_cast<int>(c.moe.moe_intermediate_size);
+  c.n_shared_experts = static_cast<int>(c.moe.n_shared_experts);
+  c.shared_expert_intermediate_size = static_cast<int>(c.moe.shared_expert_intermediate_size);
+  c.sparse_layer.assign(c.num_layers, false);
+  for (int l = 0; l < c.num_layers; ++l) c.sparse_layer[l] = c.moe.is_moe_layer(l);
+  return c;
+}
+
+}  // namespace lutb::model

@@ -1,0 +1,289 @@
+// CheckpointMoe: the MoE blocks of a checkpoint (router + routed experts through lutb/moe.hpp).
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+#include <fmt/core.h>
+
+#include "lutb/model.hpp"
+#include "lutb/numerics.hpp"
+#include "lutb/safetensors.hpp"
+#include "model/expert_source.hpp"
+
+namespace lutb::model {
+
+std::string quant_name(Quant q) {
+  switch (q) {
+    case Quant::None: return "none";
+    case Quant::Lutb: return "lutb";
+    case Quant::Int3G128: return "int3-g128";
+    case Quant::Mxfp4: return "mxfp4";
+  }
+  return "?";
+}
+
+Quant quant_from_name(const std::string& name) {
+  for (Quant q : {Quant::None, Quant::Lutb, Quant::Int3G128, Quant::Mxfp4})
+    if (quant_name(q) == name) return q;
+  throw ModelError(fmt::format("--quant '{}' is not supported (none, lutb, int3-g128, mxfp4)", name));
+}
+
+double ExpertTensorStats::sqnr_db() const {
+  if (sse == 0) return std::numeric_limits<double>::infinity();
+  return 10.0 * std::log10(sum_sq / sse);
+}
+
+namespace {
+
+/// DeepSeek-V2 "group_limited_greedy" (transformers modeling_deepseek_v2 DeepseekV2Moe.route_tokens):
+/// softmax scores; group score = the max of its experts; keep topk_group groups; top-k of the
+/// scores inside them; weights = scores (renormalised when norm_topk_prob) * routed_scaling_factor.
+void route_group_limited_greedy(const moe::RouterConfig& rc, const float* logits, std::int64_t T, std::int32_t* ids,
+                                float* weights) {
+  const int E = rc.num_experts, G = rc.n_group, per = E / G, k = rc.top_k;
+  std::vector<float> p(E), gs(G);
+  std::vector<int> order(E), gorder(G);
+  for (std::int64_t t = 0; t < T; ++t) {
+    const float* l = logits + t * E;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int e = 0; e < E; ++e) m = std::max(m, l[e]);
+    float s = 0;
+    for (int e = 0; e < E; ++e) s += (p[e] = std::exp(l[e] - m));
+    for (int e = 0; e < E; ++e) p[e] /= s;
+    for (int g = 0; g < G; ++g) gs[g] = *std::max_element(p.begin() + g * per, p.begin() + (g + 1) * per);
+    std::iota(gorder.begin(), gorder.end(), 0);
+    std::stable_sort(gorder.begin(), gorder.end(), [&](int a, int b) { return gs[a] > gs[b]; });
+    std::vector<bool> keep(G, false);
+    for (int i = 0; i < rc.topk_group; ++i) keep[gorder[i]] = true;
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+      const float va = keep[a / per] ? p[a] : 0.0f, vb = keep[b / per] ? p[b] : 0.0f;
+      return va > vb;
+    });
+    float sum = 0;
+    for (int i = 0; i < k; ++i) sum += p[order[i]];
+    for (int i = 0; i < k; ++i) {
+      ids[t * k + i] = order[i];
+      float w = p[order[i]];
+      if (rc.norm_topk_prob && k > 1) w /= (sum + 1e-20f);
+      weights[t * k + i] = w * rc.routed_scaling_factor;
+    }
+  }
+}
+
+class RoutedBlock final : public MoeBlock {
+ public:
+  RoutedBlock(moe::RouterConfig rc, bool group_limited_greedy, std::vector<float> gate, std::vector<float> bias,
+              std::shared_ptr<const void> owner, const moe::Experts* experts, std::int64_t H, SharedExperts shared)
+      : rc_(rc), glg_(group_limited_greedy), gate_(std::move(gate)), bias_(std::move(bias)), owner_(std::move(owner)),
+        experts_(experts), H_(H), shared_(std::move(shared)) {}
+
+  void forward(const float* x, std::int64_t T, float* out) override {
+    const int E = rc_.num_experts, k = rc_.top_k;
+    std::vector<float> logits(static_cast<std::size_t>(T * E)), w(static_cast<std::size_t>(T * k));
+    std::vector<std::int32_t> ids(static_cast<std::size_t>(T * k));
+    linear(x, gate_.data(), nullptr, logits.data(), T, E, H_);
+    if (glg_) route_group_limited_greedy(rc_, logits.data(), T, ids.data(), w.data());
+    else moe::route(rc_, logits.data(), T, bias_.empty() ? nullptr : bias_.data(), ids.data(), w.data());
+    experts_->apply_f32(moe::HiddenStates::f32(x, T), moe::TopK{ids.data(), w.data(), k}, out);
+    shared_.add(x, out, T);
+  }
+
+ private:
+  moe::RouterConfig rc_;
+  bool glg_;
+  std::vector<float> gate_, bias_;
+  std::shared_ptr<const void> owner_;  // keeps the experts alive
+  const moe::Experts* experts_;
+  std::int64_t H_;
+  SharedExperts shared_;
+};
+
+}  // namespace
+
+struct CheckpointMoe::Impl {
+  std::filesystem::path dir;
+  MoeOptions opt;
+  TransformerConfig cfg;
+  std::unique_ptr<ExpertSource> src;
+  std::vector<ExpertTensorStats> stats;
+  std::size_t source_bytes = 0, held_bytes = 0;
+  std::int64_t weights = 0;
+};
+
+CheckpointMoe::CheckpointMoe(const std::filesystem::path& dir, MoeOptions opt) : impl_(std::make_unique<Impl>()) {
+  impl_->dir = dir;
+  impl_->opt = std::move(opt);
+  impl_->cfg = TransformerConfig::load(dir);
+  impl_->src = ExpertSource::open(dir, impl_->cfg);
+  if (impl_->src->lutb() && impl_->opt.quant != Quant::Lutb)
+    throw ModelError(fmt::format("{}: a LUT-B checkpoint holds no BF16 experts; use --quant lutb", dir.string()));
+}
+CheckpointMoe::~CheckpointMoe() = default;
+const TransformerConfig& CheckpointMoe::config() const { return impl_->cfg; }
+bool CheckpointMoe::lutb_checkpoint() const { return impl_->src->lutb(); }
+const MoeOptions& CheckpointMoe::options() const { return impl_->opt; }
+const std::vector<ExpertTensorStats>& CheckpointMoe::stats() const { return impl_->stats; }
+std::size_t CheckpointMoe::source_bytes() const { return impl_->source_bytes; }
+std::size_t CheckpointMoe::held_bytes() const { return impl_->held_bytes; }
+
+double CheckpointMoe::aggregate_sqnr_db() const {
+  double sse = 0, ss = 0;
+  for (const auto& s : impl_->stats) {
+    sse += s.sse;
+    ss += s.sum_sq;
+  }
+  if (impl_->stats.empty()) return std::numeric_limits<double>::quiet_NaN();
+  if (sse == 0) return std::numeric_limits<double>::infinity();
+  return 10.0 * std::log10(ss / sse);
+}
+
+double CheckpointMoe::bits_per_weight() const {
+  if (impl_->weights == 0) return 0;
+  return 8.0 * static_cast<double>(impl_->held_bytes) / static_cast<double>(impl_->weights);
+}
+
+MoeFactory CheckpointMoe::factory() {
+  return [this](int layer) { return build(layer); };
+}
+
+namespace {
+
+moe::RouterConfig router_config(const TransformerConfig& tc, bool* group_limited_greedy) {
+  const lutb::ModelConfig& c = tc.moe;
+  moe::RouterConfig rc;
+  rc.num_experts = static_cast<int>(c.num_experts);
+  rc.top_k = static_cast<int>(c.num_experts_per_tok);
+  rc.norm_topk_prob = c.renormalize();
+  rc.routed_scaling_factor = static_cast<float>(c.routed_scaling_factor);
+  *group_limited_greedy = false;
+  if (c.scoring_func == lutb::ScoringFunc::sigmoid) {
+    // DeepSeek-V3 noaux_tc (spec 5)
+    rc.scoring = moe::ScoringFunc::Sigmoid;
+    rc.n_group = static_cast<int>(c.n_group);
+    rc.topk_group = static_cast<int>(c.topk_group);
+  } else if (c.topk_method == "group_limited_greedy") {
+    *group_limited_greedy = true;
+    rc.n_group = static_cast<int>(c.n_group);
+    rc.topk_group = static_cast<int>(c.topk_group);
+  } else if (!c.topk_method.empty() && c.topk_method != "greedy") {
+    throw ModelError(fmt::format("{}: topk_method \"{}\" with softmax scoring is not supported (greedy, "
+                                 "group_limited_greedy)", tc.family, c.topk_method));
+  }
+  try {
+    rc.validate();
+  } catch (const std::exception& e) {
+    throw ModelError(fmt::format("router of {}: {}", tc.family, e.what()));
+  }
+  return rc;
+}
+
+}  // namespace
+
+std::unique_ptr<MoeBlock> CheckpointMoe::build(int layer) {
+  Impl& m = *impl_;
+  const TransformerConfig& c = m.cfg;
+  if (layer < 0 || layer >= c.num_layers)
+    throw ModelError(fmt::format("{}: layer {} is out of range (the model has {} layers)", m.dir.string(), layer, c.num_layers));
+  if (!c.sparse_layer[layer])
+    throw ModelError(fmt::format("{}: layer {} is a dense (non-MoE) layer", m.dir.string(), layer));
+  bool glg = false;
+  const moe::RouterConfig rc = router_config(c, &glg);
+  RouterWeights router = m.src->router(layer);
+
+  moe::MoeConfig mc;
+  mc.global_experts = c.num_experts;
+  mc.top_k = rc.top_k;
+  mc.hidden_size = c.hidden_size;
+  mc.intermediate_size_per_partition = c.moe_intermediate_size;
+  mc.finalize();
+  const std::int64_t E = c.num_experts, H = c.hidden_size, I = c.moe_intermediate_size;
+  const std::int64_t n13 = E * 2 * I * H, n2 = E * H * I;
+  const std::string base = m.src->expert_prefix(layer);
+
+  std::shared_ptr<const void> owner;
+  const moe::Experts* kernel = nullptr;
+  auto record = [&](const char* which, std::int64_t n, const FitStats& fs, std::size_t qbytes) {
+    ExpertTensorStats s;
+    s.layer = layer;
+    s.name = base + "." + which;
+    s.weights = n;
+    s.sse = fs.sse;
+    s.sum_sq = fs.sum_sq;
+    s.source_bytes = static_cast<std::size_t>(n) * 2;
+    s.quantized_bytes = qbytes;
+    m.stats.push_back(s);
+  };
+
+  if (m.src->lutb()) {
+    // Stored LUT-B weights (spec 2.2): no source to compare with; SQNR is not defined here.
+    auto [w13, w2] = m.src->lutb_stacks(layer);
+    moe::OnlineOptions oo;
+    oo.emulation = m.opt.kernel;
+    oo.activations = m.opt.activations;
+    auto method = std::make_shared<moe::LutBOnlineMoEMethod>(mc, oo);
+    moe::RoutedExpertsLayer rl(mc, DType::BF16);
+    rl.w13_weight.clear();
+    rl.w13_weight.shrink_to_fit();
+    rl.w2_weight.clear();
+    rl.w2_weight.shrink_to_fit();
+    const std::size_t qbytes = w13.bytes() + w2.bytes();
+    method->load_packed(rl, std::move(w13), std::move(w2));
+    kernel = &method->kernel();
+    owner = method;
+    m.source_bytes += static_cast<std::size_t>(n13 + n2) * 2;
+    m.held_bytes += qbytes;
+    m.weights += n13 + n2;
+  } else {
+    auto [w13, w2] = m.src->bf16_stacks(layer);
+    m.source_bytes += (w13.size() + w2.size()) * 2;
+    m.weights += n13 + n2;
+    switch (m.opt.quant) {
+      case Quant::None: {
+        auto ex = std::make_shared<moe::DenseExperts>(mc, std::move(w13), std::move(w2), m.opt.activations);
+        m.held_bytes += ex->weight_bytes();
+        kernel = ex.get();
+        owner = ex;
+        break;
+      }
+      case Quant::Lutb: {
+        moe::OnlineOptions oo;
+        oo.fit = m.opt.fit;
+        oo.emulation = m.opt.kernel;
+        oo.activations = m.opt.activations;
+        auto method = std::make_shared<moe::LutBOnlineMoEMethod>(mc, oo);
+        moe::RoutedExpertsLayer rl(mc, DType::BF16);
+        rl.w13_weight = std::move(w13);
+        rl.w2_weight = std::move(w2);
+        const moe::QuantizeReport rep = method->process_weights_after_loading(rl);
+        const std::size_t b13 = static_cast<std::size_t>(mc.w13_shape().tiles()) * sizeof(TileBlock);
+        const std::size_t b2 = static_cast<std::size_t>(mc.w2_shape().tiles()) * sizeof(TileBlock);
+        record("w13", n13, rep.w13, b13);
+        record("w2", n2, rep.w2, b2);
+        m.held_bytes += b13 + b2;
+        kernel = &method->kernel();
+        owner = method;
+        break;
+      }
+      case Quant::Int3G128:
+      case Quant::Mxfp4: {
+        FitStats s13, s2;
+        std::size_t q13 = 0, q2 = 0;
+        baseline_qdq(m.opt.quant, w13, E * 2 * I, H, base + ".w13", &s13, &q13);
+        baseline_qdq(m.opt.quant, w2, E * H, I, base + ".w2", &s2, &q2);
+        record("w13", n13, s13, q13);
+        record("w2", n2, s2, q2);
+        m.held_bytes += q13 + q2;
+        auto ex = std::make_shared<moe::DenseExperts>(mc, std::move(w13), std::move(w2), m.opt.activations);
+        kernel = ex.get();
+        owner = ex;
+        break;
+      }
+    }
+  }
+  return std::make_unique<RoutedBlock>(rc, glg, std::move(router.gate), std::move(router.correction_bias), owner, kernel, H,
+                                       m.src->shared(layer));
+}
+
+}  // namespace lutb::model

@@ -1,0 +1,94 @@
+// `lutb moe` and `lutb eval` through the command line: JSON output and bad inputs.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "lutb/safetensors.hpp"
+#include "model/model_test_util.hpp"
+
+using namespace lutb::test;
+
+TEST(CliMoe, JsonOnCapturedActivationsDeepseekV3) {
+  LUTB_MODEL_OR_SKIP(dir, "tiny-deepseek-v3");
+  const std::string acts = quote(dir / "moe_activations.safetensors");
+  const CliResult none = run_cli("moe " + quote(dir) + " --layer 2 --activations " + acts + " --json");
+  ASSERT_EQ(none.status, 0) << none.err;
+  const auto a = none.json();
+  EXPECT_EQ(a["layer"], 2);
+  EXPECT_EQ(a["quant"], "none");
+  EXPECT_EQ(a["activations"], "bf16");
+  EXPECT_EQ(a["tokens"], 512);
+  // FP32 compute against transformers' BF16 capture (routed + shared experts): BF16 rounding of the
+  // inputs, weights and outputs, 2^-9 each, bounds the difference to about 1%.
+  EXPECT_LT(a["rel_l2"].get<double>(), 0.01);
+  EXPECT_GT(a["cosine"].get<double>(), 0.9999);
+  EXPECT_GT(a["max_abs"].get<double>(), 0.0);
+
+  const CliResult q = run_cli("moe " + quote(dir) + " --layer 2 --activations " + acts + " --quant lutb --json");
+  ASSERT_EQ(q.status, 0) << q.err;
+  const auto b = q.json();
+  EXPECT_EQ(b["quant"], "lutb");
+  EXPECT_EQ(b["activations"], "mxfp8");
+  const double eps = std::pow(10.0, -b["sqnr_db"].get<double>() / 20);
+  // Two quantised products in series (w13 then w2), each with relative weight error eps, plus MXFP8
+  // activations: the output error is about sqrt(2) eps; 2 eps bounds it. And it exceeds BF16's.
+  EXPECT_GT(b["rel_l2"].get<double>(), a["rel_l2"].get<double>());
+  EXPECT_LT(b["rel_l2"].get<double>(), 2 * eps);
+  std::printf("[ model ] lutb moe layer 2: rel_l2 none %.3e, lutb %.3e (eps %.3e)\n", a["rel_l2"].get<double>(),
+              b["rel_l2"].get<double>(), eps);
+}
+
+TEST(CliMoe, BadInputs) {
+  LUTB_MODEL_OR_SKIP(dir, "tiny-deepseek-v3");
+  const std::string acts = quote(dir / "moe_activations.safetensors");
+  CliResult r = run_cli("moe " + quote(dir) + " --layer 9 --activations " + acts);
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.err.find("out of range"), std::string::npos) << r.err;
+  r = run_cli("moe " + quote(dir) + " --layer 0 --activations " + acts);
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.err.find("dense (non-MoE) layer"), std::string::npos) << r.err;
+  r = run_cli("moe " + quote(dir) + " --layer 1 --activations /nonexistent/acts.safetensors");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.err.find("activations file not found"), std::string::npos) << r.err;
+  // a capture file without that layer
+  TempDir tmp;
+  const auto partial = tmp.path / "acts.safetensors";
+  lutb::write_safetensors(partial, {{"input_ids", lutb::OwnedTensor{lutb::DType::I32, {1}, {0, 0, 0, 0}}}});
+  r = run_cli("moe " + quote(dir) + " --layer 3 --activations " + quote(partial));
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.err.find("no tensor layers.3.moe_input"), std::string::npos) << r.err;
+}
+
+TEST(CliEval, BadInputs) {
+  LUTB_MODEL_OR_SKIP(dir, "tiny-mixtral");
+  CliResult r = run_cli("eval " + quote(dir) + " --tokens /nonexistent/val.safetensors");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.err.find("/nonexistent/val.safetensors: tokens file not found"), std::string::npos) << r.err;
+  r = run_cli("eval /nonexistent/model");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.err.find("/nonexistent/model"), std::string::npos) << r.err;
+  r = run_cli("eval " + quote(dir) + " --quant int4");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.err.find("int4"), std::string::npos) << r.err;
+  r = run_cli("eval " + quote(dir) + " --fitter optimal");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.err.find("--fitter optimal only applies to --quant lutb"), std::string::npos) << r.err;
+  r = run_cli("eval " + quote(dir) + " --quant lutb --fitter nosuch");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.err.find("nosuch"), std::string::npos) << r.err;
+}
+
+TEST(CliEval, BaselineAndWindowsJson) {
+  LUTB_MODEL_OR_SKIP(dir, "tiny-mixtral");
+  const CliResult r = run_cli("eval " + quote(dir) + " --quant mxfp4 --max-windows 2 --json");
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto j = r.json();
+  EXPECT_EQ(j["windows"], 2);
+  EXPECT_EQ(j["tokens"], 510);
+  EXPECT_EQ(j["quant"], "mxfp4");
+  EXPECT_EQ(j["activations"], "bf16");
+  EXPECT_DOUBLE_EQ(j["bits_per_weight"].get<double>(), 4.25);
+  EXPECT_EQ(j["tensors"].size(), 6u);  // w13 and w2 of 3 layers
+  EXPECT_GT(j["sqnr_db"].get<double>(), 10.0);
+  EXPECT_TRUE(std::isfinite(j["val_loss"].get<double>()));
+}
