@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdio>
+#include <filesystem>
 #include <cstdlib>
 #include <fstream>
 #include <iterator>
@@ -13,6 +14,7 @@
 #include <CLI/CLI.hpp>
 #include <fmt/core.h>
 
+#include "lutb/checkpoint.hpp"
 #include "lutb/fit.hpp"
 #include "lutb/model.hpp"
 #include "lutb/moe.hpp"
@@ -50,14 +52,15 @@ inline void ensure_fast_blas() {
 inline std::string activation_name(moe::ActivationFormat a) { return a == moe::ActivationFormat::MXFP8 ? "mxfp8" : "bf16"; }
 
 struct ModelQuantArgs {
-  std::string quant = "none";
+  std::string quant;        // empty = lutb for a LUT-B checkpoint, none otherwise
   std::string activations;  // empty = mxfp8 with LUT-B weights, bf16 otherwise
   std::string fitter;       // empty = the default fitter
   std::string kernel = "fast";
 
   /// Registers --quant, `act_flag` (--activations for eval, --act-format for moe), --fitter, --kernel.
   void add_to(CLI::App* cmd, const std::string& act_flag = "--activations") {
-    cmd->add_option("--quant", quant, "routed experts: none (BF16), lutb, int3-g128, mxfp4")
+    cmd->add_option("--quant", quant, "routed experts: none (BF16), lutb, int3-g128, mxfp4 "
+                                      "(default: lutb for a LUT-B checkpoint, none otherwise)")
         ->check(CLI::IsMember({"none", "lutb", "int3-g128", "mxfp4"}));
     cmd->add_option(act_flag, activations, "activations entering the expert GEMMs: bf16 or mxfp8 "
                                            "(default mxfp8 with LUT-B weights, bf16 otherwise)")
@@ -67,9 +70,20 @@ struct ModelQuantArgs {
         ->check(CLI::IsMember({"fast", "reference", "dequantized"}));
   }
 
-  model::MoeOptions resolve(int threads) const {
+  model::MoeOptions resolve(const std::string& model_dir, int threads) const {
     model::MoeOptions o;
-    o.quant = model::quant_from_name(quant);
+    std::string q = quant;
+    if (q.empty()) {
+      bool lutb_ckpt = false;
+      try {
+        std::ifstream in(std::filesystem::path(model_dir) / "config.json");
+        if (in) lutb_ckpt = parse_lutb_quant_config(nlohmann::json::parse(in)).has_value();
+      } catch (const std::exception&) {
+        // a broken config.json is reported by the loader with its file name
+      }
+      q = lutb_ckpt ? "lutb" : "none";
+    }
+    o.quant = model::quant_from_name(q);
     const std::string act = activations.empty() ? (o.quant == model::Quant::Lutb ? "mxfp8" : "bf16") : activations;
     o.activations = act == "mxfp8" ? moe::ActivationFormat::MXFP8 : moe::ActivationFormat::BF16;
     if (!fitter.empty() && o.quant != model::Quant::Lutb)
