@@ -121,7 +121,7 @@ def main():
 
             lines = [f"## {name}", ""]
             lines.append(f"`{bf16['family']}`; routed experts: {bf16['expert_bytes_bf16']:,} bytes in BF16.")
-            if ref:
+            if ref and not a.max_windows:
                 lines.append(f"transformers reference (`reference_eval.json`): val loss "
                              f"{ref['val_loss_fp32_compute']:.6f} (FP32 compute), {ref['val_loss_bf16_compute']:.6f} "
                              f"(BF16 compute); `lutb eval --quant none`: {bf16['val_loss']:.6f} "
