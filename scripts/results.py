@@ -22,12 +22,20 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+SHOW = {}  # path -> how the commands log shows it
+
+
 def run(cmd, log):
     """Runs a lutb command, returns (json of the last stdout line, wall seconds)."""
     t0 = time.time()
     p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     secs = time.time() - t0
-    log.append(" ".join(shlex.quote(c) for c in cmd))
+    shown = []
+    for c in cmd:
+        for path, name in SHOW.items():
+            c = c.replace(path, name)
+        shown.append(shlex.quote(c) if not c.startswith("$") else c)
+    log.append(" ".join(shown))
     if p.returncode != 0:
         sys.exit(f"command failed ({p.returncode}): {' '.join(cmd)}\n{p.stderr}")
     lines = [l for l in p.stdout.splitlines() if l.strip()]
@@ -72,6 +80,8 @@ def main():
     a = ap.parse_args()
     lutb = os.path.abspath(a.lutb)
     models_dir = os.path.abspath(a.models)
+    SHOW[lutb] = "lutb"
+    SHOW[models_dir] = "$MODELS"
     models = sorted(d for d in os.listdir(models_dir) if os.path.isfile(os.path.join(models_dir, d, "config.json")))
     if not models:
         sys.exit(f"no models under {models_dir}")
@@ -108,14 +118,14 @@ def main():
                 ev(f"LUT-B {f}, BF16 activations", ["--quant", "lutb", "--fitter", f, "--activations", "bf16"])
             # The stored-checkpoint path: quantize to a LUT-B checkpoint, evaluate it.
             qdir = os.path.join(tmp, name + "-lutb")
+            SHOW[qdir] = "$OUT/" + name + "-lutb"
             qcmd = [lutb, "quantize", mdir, "-o", qdir, "--no-progress", "--json"]
             if a.threads:
                 qcmd += ["--threads", str(a.threads)]
             qj, qsecs = run(qcmd, log)
-            stored = ev(f"LUT-B checkpoint ({qj.get('fitter', fitters[0])}), MXFP8 activations", ["--quant", "lutb"])
-            # display the stored checkpoint under the model's name in the commands
-            log[-1] = log[-1].replace(qdir, "OUT_DIR")
-            log[-2] = log[-2].replace(qdir, "OUT_DIR")
+            j, secs = run([lutb, "eval", qdir, "--json"] + extra, log)
+            rows.append((f"LUT-B checkpoint ({qj.get('fitter', fitters[0])}), MXFP8 activations", j, secs))
+            print(f"{name:20s} {'LUT-B stored checkpoint':40s} val_loss {j['val_loss']:.5f}  ({secs:.0f} s)", file=sys.stderr)
             ev("INT3-g128, BF16 activations", ["--quant", "int3-g128"])
             ev("MXFP4, BF16 activations", ["--quant", "mxfp4"])
 
@@ -156,7 +166,7 @@ def main():
            "SQNR is over all routed-expert weights (10·log10(Σw²/Σ(w−ŵ)²)); bytes are the routed experts' storage",
            "(LUT-B: 201 bytes per 8×64 tile; baselines: their bits per weight).", "",
            f"- Machine: {machine()}", f"- Date: {started:%Y-%m-%d %H:%M} UTC (took {(finished - started).total_seconds() / 60:.1f} min)",
-           f"- lutb: `{os.path.relpath(lutb, ROOT)}`, commit `{git_rev()}`", "",
+           f"- lutb: commit `{git_rev()}`", "",
            "## Summary", "",
            "| model | BF16 | best LUT-B (MXFP8 act.) | INT3-g128 | MXFP4 | routed experts BF16 → LUT-B bytes |",
            "|---|---:|---:|---:|---:|---:|"]
@@ -168,7 +178,8 @@ def main():
     out += ["", "Eval speed (tokens/s) is the CPU emulation on the machine above, for orientation only; it is not a",
             "benchmark (see docs/perf/ for those).", ""]
     out += sections
-    out += ["## Commands", "", "Every command this run executed (OUT_DIR: a temporary directory):", "", "```"]
+    out += ["## Commands", "", "Every command this run executed (`lutb` = build/release/lutb, `$MODELS` = ../shared/models,",
+            "`$OUT` = a temporary directory):", "", "```"]
     out += log
     out += ["```", ""]
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
