@@ -31,7 +31,7 @@ struct EvalArgs {
 nlohmann::json number_or_null(double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(nullptr); }
 
 void run_eval(const EvalArgs& a) {
-  ensure_fast_blas();
+  ensure_runtime_env();
   model::set_threads(a.threads);
   const model::MoeOptions mo = a.quant.resolve(a.model_dir, a.threads);
   const auto t0 = std::chrono::steady_clock::now();

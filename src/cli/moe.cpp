@@ -39,7 +39,7 @@ std::vector<float> captured(const SafetensorsFile& f, const std::string& name, s
 }
 
 void run_moe(const MoeArgs& a) {
-  ensure_fast_blas();
+  ensure_runtime_env();
   model::set_threads(a.threads);
   const model::MoeOptions mo = a.quant.resolve(a.model_dir, a.threads);
   if (!std::filesystem::exists(a.activations_file))
