@@ -67,8 +67,8 @@ void Scalar_F32ToE4M3(benchmark::State& st) {
   }
   finish<float, std::uint8_t>(st);
 }
-void Bulk_F32ToE4M3(benchmark::State& st) {
-  PinTarget pin(st.range(0));
+void Bulk_F32ToE4M3(benchmark::State& st, std::int64_t target) {
+  PinTarget pin(target);
   const auto in = make_floats();
   std::vector<std::uint8_t> out(kN);
   for (auto _ : st) {
@@ -90,8 +90,8 @@ void Scalar_E4M3ToF32(benchmark::State& st) {
   }
   finish<std::uint8_t, float>(st);
 }
-void Bulk_E4M3ToF32(benchmark::State& st) {
-  PinTarget pin(st.range(0));
+void Bulk_E4M3ToF32(benchmark::State& st, std::int64_t target) {
+  PinTarget pin(target);
   const auto in = make_bytes();
   std::vector<float> out(kN);
   for (auto _ : st) {
@@ -113,8 +113,8 @@ void Scalar_F32ToBF16(benchmark::State& st) {
   }
   finish<float, std::uint16_t>(st);
 }
-void Bulk_F32ToBF16(benchmark::State& st) {
-  PinTarget pin(st.range(0));
+void Bulk_F32ToBF16(benchmark::State& st, std::int64_t target) {
+  PinTarget pin(target);
   const auto in = make_floats();
   std::vector<std::uint16_t> out(kN);
   for (auto _ : st) {
@@ -134,8 +134,8 @@ void Scalar_BF16ToF32(benchmark::State& st) {
   }
   finish<std::uint16_t, float>(st);
 }
-void Bulk_BF16ToF32(benchmark::State& st) {
-  PinTarget pin(st.range(0));
+void Bulk_BF16ToF32(benchmark::State& st, std::int64_t target) {
+  PinTarget pin(target);
   const auto in = make_halves();
   std::vector<float> out(kN);
   for (auto _ : st) {
@@ -155,8 +155,8 @@ void Scalar_FP16ToF32(benchmark::State& st) {
   }
   finish<std::uint16_t, float>(st);
 }
-void Bulk_FP16ToF32(benchmark::State& st) {
-  PinTarget pin(st.range(0));
+void Bulk_FP16ToF32(benchmark::State& st, std::int64_t target) {
+  PinTarget pin(target);
   const auto in = make_halves();
   std::vector<float> out(kN);
   for (auto _ : st) {
@@ -199,7 +199,7 @@ void Dequant_LutbToBF16(benchmark::State& st) {
   st.SetBytesProcessed(static_cast<std::int64_t>(st.iterations() * (t.bytes() + out.size() * 2)));
 }
 
-// Registers Bulk_* once with the best target (arg 0) and once per supported target.
+// Registers Bulk_* once with the best target (0: normal dispatch) and once per supported target.
 void register_all() {
   benchmark::RegisterBenchmark("Scalar/F32ToE4M3", Scalar_F32ToE4M3);
   benchmark::RegisterBenchmark("Scalar/E4M3ToF32", Scalar_E4M3ToF32);
@@ -208,14 +208,14 @@ void register_all() {
   benchmark::RegisterBenchmark("Scalar/FP16ToF32", Scalar_FP16ToF32);
   struct B {
     const char* name;
-    void (*fn)(benchmark::State&);
+    void (*fn)(benchmark::State&, std::int64_t);
   };
   const B bulk[] = {{"F32ToE4M3", Bulk_F32ToE4M3}, {"E4M3ToF32", Bulk_E4M3ToF32}, {"F32ToBF16", Bulk_F32ToBF16},
                     {"BF16ToF32", Bulk_BF16ToF32}, {"FP16ToF32", Bulk_FP16ToF32}};
   for (const B& b : bulk) {
-    benchmark::RegisterBenchmark((std::string("Bulk/") + b.name + "/best").c_str(), b.fn)->Arg(0);
+    benchmark::RegisterBenchmark((std::string("Bulk/") + b.name + "/best").c_str(), b.fn, std::int64_t{0});
     for (const std::int64_t t : hwy::SupportedAndGeneratedTargets())
-      benchmark::RegisterBenchmark((std::string("Bulk/") + b.name + "/" + hwy::TargetName(t)).c_str(), b.fn)->Arg(t);
+      benchmark::RegisterBenchmark((std::string("Bulk/") + b.name + "/" + hwy::TargetName(t)).c_str(), b.fn, t);
   }
   benchmark::RegisterBenchmark("Dequant/LutbToF32/2048x2048", Dequant_LutbToF32)->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("Dequant/LutbToBF16/2048x2048", Dequant_LutbToBF16)->Unit(benchmark::kMillisecond);

@@ -5,13 +5,22 @@
 // entry on the exact dequantised values, ties to the lower index; codebooks are written ascending.
 // All fitters are deterministic: the same input gives the same bytes on any thread count and machine.
 //
-// Fitters (by name):
+// Fitters (by name, the default first):
+//   "binned-dp"   the default: the exact DP of "optimal" on 32 equal-count bins of the sorted values,
+//                 then an exact DP over windows of +-8 positions around each boundary (re-centred
+//                 until no boundary sits on a window edge), at scale rceil(amax) only. Measured
+//                 0.02 dB below "optimal" on the real tiles (docs/perf/fitting.md), ~10x faster.
 //   "optimal"     exact minimum over codebooks of at most 8 entries from E4M3 * 2^(s-127), with the
-//                 scale searched over the values that can matter (src/fit/optimal.cpp says why).
+//                 scale searched over the values that can matter (src/fit/optimal.cpp says why):
+//                 rceil(amax), then downward while a saturation lower bound allows.
 //   "ct-lloyd"    compressed-tensors PR #801: farthest-point start + 8 snapped Lloyd iterations, no
 //                 scale (byte 127).
 //   "multistart"  vLLM PR #51880: three starts x 16 snapped Lloyd iterations, best kept, no scale.
-//   default       the fast fitter named by kDefaultFitter (see src/fit/).
+// Scale bytes are always in 3..246 (spec section 2): tiles whose rceil is below 3 use 3 (exact, as
+// larger scales never help), tiles needing more than 246 are rejected (std::invalid_argument).
+// All-zero tiles get scale 127 and an all-+0 codebook. A codebook repeats its largest entry only
+// when fewer than 8 distinct entries are needed (or, for the Lloyd fitters, when upstream's
+// snapping merges entries). Errors are sums in double in flat tile order.
 #pragma once
 
 #include <cstdint>
@@ -28,7 +37,8 @@ namespace lutb {
 struct FitOptions {
   std::string fitter;     // a name from fitter_names(); empty = the default fitter
   int threads = 0;        // 0 = all cores (OpenMP), 1 = single-threaded; results never depend on it
-  int forced_scale = -1;  // 0..254 forces this scale byte on every tile (tests, research); -1 = free
+  int forced_scale = -1;  // 3..246 forces this scale byte on every tile (tests, research); -1 = free.
+                          // Only "optimal" and "binned-dp" have a scale: the Lloyd fitters reject it.
 };
 
 /// Result of fitting one tile.
@@ -56,14 +66,18 @@ std::string default_fitter();
 void check_fitter_name(std::string_view name);
 
 /// Fits one tile of 512 FP32 values in flat tile order (f = r*64 + c).
-/// Throws std::invalid_argument if a value is NaN or +-Inf (naming the position) or if the tile's
-/// magnitude needs a scale byte above 246 (spec section 2).
+/// Throws std::invalid_argument if a value is NaN or +-Inf ("NaN at tile row r col c"), if the
+/// tile's magnitude needs a scale byte above 246 (spec section 2), for an unknown fitter name or an
+/// invalid forced_scale. Thread-safe (each call uses only thread-local scratch).
 TileFit fit_tile(const float* values512, const FitOptions& opt = {});
 
 /// Fits a 2-D weight [rows][cols] or an expert stack [experts][rows][cols] (row-major, logical
-/// shape; padding is zero-filled) of element type `src_type` (F32, BF16 or F16). Writes into `out`,
-/// which is (re)allocated for `shape`. `name` is used in error messages ("tensor X, expert e,
-/// tile (tn, tk): NaN at row r col c"). Multithreaded over tiles; deterministic.
+/// shape; padding is zero-filled, spec section 2) of element type `src_type` (F32, BF16 or F16).
+/// Writes into `out`, which is (re)allocated for `shape` (layout of LutbTensor). `name` is used in
+/// error messages ("tensor X, expert e, tile (tn, tk): NaN at row r col c", row/col of the logical
+/// matrix); with several bad tiles the first in storage order is reported, and `out` is left empty.
+/// Multithreaded over tiles (OpenMP, opt.threads); the bytes and the returned FitStats (summed in
+/// tile order) do not depend on the thread count. Memory: the output plus 16 bytes per tile.
 FitStats quantize(const void* src, DType src_type, const LutbShape& shape, LutbTensor& out,
                   const FitOptions& opt = {}, const std::string& name = "weight");
 

@@ -62,9 +62,11 @@ LUTB_HD constexpr void unpack8(const std::uint8_t in[3], std::uint8_t idx[8]) {
   const std::uint32_t w = in[0] | (static_cast<std::uint32_t>(in[1]) << 8) | (static_cast<std::uint32_t>(in[2]) << 16);
   for (int j = 0; j < 8; ++j) idx[j] = static_cast<std::uint8_t>((w >> (3 * j)) & 7u);
 }
-/// Packs 512 indices (flat tile order f = r*64 + c) into 192 bytes. Indices must be 0..7.
+/// Packs 512 indices (flat tile order f = r*64 + c) into 192 bytes (spec 2). Only the low 3 bits
+/// of each index are used (callers pass 0..7). Equivalently, index f occupies bits 3f..3f+2 of the
+/// 1536-bit little-endian stream the 192 bytes form.
 void pack_tile_indices(const std::uint8_t* indices512, std::uint8_t* packed192);
-/// Unpacks 192 bytes into 512 indices (flat tile order).
+/// Unpacks 192 bytes into 512 indices 0..7 (flat tile order). Every byte pattern is valid.
 void unpack_tile_indices(const std::uint8_t* packed192, std::uint8_t* indices512);
 
 // ---------------------------------------------------------------------------
@@ -101,7 +103,8 @@ struct LutbView {
   const std::uint8_t* tile_packed(std::int64_t t) const { return packed + t * kPackedBytes; }
   const std::uint8_t* tile_codebook(std::int64_t t) const { return codebook + t * kCodebookSize; }
   std::uint8_t tile_scale(std::int64_t t) const { return scale[t]; }
-  /// View of expert e of a stack, as a 2-D weight.
+  /// View of expert e (0 <= e < shape.experts) of a stack, as a 2-D weight (experts 1, not
+  /// stacked), pointing into the same arrays. Throws FormatError when e is out of range.
   LutbView expert(std::int64_t e) const;
 };
 
@@ -113,47 +116,58 @@ struct LutbTensor {
   std::vector<std::uint8_t> scale;
 
   LutbTensor() = default;
-  /// Allocates zeroed storage for `shape` (scales 127, codebooks +0).
+  /// Allocates zeroed storage for `shape` (indices 0, codebooks +0, scales 127): a valid all-zero
+  /// weight. Throws FormatError for a shape with experts, rows or cols < 1, or experts > 1 without
+  /// `stacked`.
   explicit LutbTensor(const LutbShape& shape);
   LutbView view() const { return {shape, packed.data(), codebook.data(), scale.data()}; }
   std::size_t bytes() const { return packed.size() + codebook.size() + scale.size(); }
 };
 
-/// Checks a view for invalid data: any scale byte 255, any NaN codebook byte (0x7F/0xFF).
-/// Throws FormatError naming `what`, the tile index (expert, tn, tk) and the reason.
+/// Checks a view for invalid data: any scale byte 255, any NaN codebook byte (0x7F/0xFF), an
+/// invalid shape or a null pointer. Throws FormatError naming `what`, the first bad tile as
+/// "tile (expert e, tn i, tk j)" (or "tile (tn i, tk j)" when not stacked) and the reason. Every
+/// other byte pattern is valid LUT-B data.
 void validate(const LutbView& w, const std::string& what = "LUT-B tensor");
 
-/// Checks that three buffers of the given byte sizes match `shape`; throws FormatError naming
-/// `what` and the expected and actual sizes.
+/// Checks that three buffers of the given byte sizes match `shape` (tiles() x 192, x 8, x 1); throws
+/// FormatError naming `what`, the field, and the expected and actual sizes, e.g.
+/// "w2: codebook has 63 bytes, expected 64 (8 tiles x 8 bytes) for logical shape ..."
 void check_sizes(const LutbShape& shape, std::size_t packed_bytes, std::size_t codebook_bytes,
                  std::size_t scale_bytes, const std::string& what = "LUT-B tensor");
 
 // ---------------------------------------------------------------------------
-// Dequantisation (exact: for scale bytes 3..246 every value is exact in FP32 and BF16)
+// Dequantisation. Values are w = e4m3(codebook[index]) * 2^(scale-127) computed exactly in FP32
+// (every scale byte 0..254 gives the exact product, except that scales above 246 with large entries
+// overflow to +-Inf). For scale bytes 3..246 every value is also exact in BF16 (spec 2).
 // ---------------------------------------------------------------------------
-/// Dequantises one tile to 512 FP32 values in flat tile order. Throws FormatError on scale 255 or a
-/// NaN codebook entry.
+/// Dequantises one tile to 512 FP32 values in flat tile order (r*64 + c). Throws FormatError on
+/// scale 255 or a NaN codebook entry (before writing anything).
 void dequantize_tile(const std::uint8_t* packed192, const std::uint8_t* codebook8, std::uint8_t scale,
                      float* out512);
 
 /// Dequantises a 2-D weight or an expert stack to its logical shape, row-major FP32
-/// out[E][rows][cols]. Padding is dropped. Validates first (throws FormatError).
+/// out[E][rows][cols] (E = 1 when not stacked). Padding is dropped. Validates the whole view first
+/// (throws FormatError as validate(), before writing anything).
 void dequantize(const LutbView& w, float* out);
 std::vector<float> dequantize(const LutbView& w);
-/// Same, to BF16 bits (exact for valid scales 3..246).
+/// Same, to BF16 bits out[E][rows][cols]: exact for scales 3..246; other scales round to nearest
+/// even (bf16_from_float).
 void dequantize_bf16(const LutbView& w, std::uint16_t* out);
 
 // ---------------------------------------------------------------------------
 // Padding helpers
 // ---------------------------------------------------------------------------
 /// Copies a logical row-major matrix src[rows][cols] (FP32) into dst[padded_rows][padded_cols]
-/// with zeros in the padding. dst must hold padded_rows*padded_cols floats.
+/// (rows rounded up to 8, cols to 64) with zeros in the padding. dst must hold
+/// padded_rows*padded_cols floats and not overlap src.
 void pad_to_tiles(const float* src, std::int64_t rows, std::int64_t cols, float* dst);
 /// Gathers tile (tn, tk) of a row-major FP32 matrix src[rows][cols] into 512 values in flat tile
-/// order, zero-filling positions outside the logical shape (the seed's `_zero_padding`).
+/// order, zero-filling positions outside the logical shape (the seed's `_zero_padding`). Any
+/// tn, tk >= 0 is accepted (a tile wholly outside gives zeros); only in-shape elements are read.
 void gather_tile(const float* src, std::int64_t rows, std::int64_t cols, std::int64_t tn,
                  std::int64_t tk, float* out512);
-/// Same for a BF16 source (bits).
+/// Same for a BF16 source (bits), converted exactly to FP32.
 void gather_tile_bf16(const std::uint16_t* src, std::int64_t rows, std::int64_t cols, std::int64_t tn,
                       std::int64_t tk, float* out512);
 

@@ -27,6 +27,7 @@ namespace {
 
 struct DefaultArgs {
   std::int64_t tokens = 64;
+  std::int64_t experts = 0;  // 0 = the real 128 (tests use fewer to stay fast)
   std::string fitter;
   std::uint64_t seed = 1;
   std::string work_dir;
@@ -83,12 +84,13 @@ void run_default_job(const DefaultArgs& a) {
   so.family = ModelFamily::qwen3_moe;
   so.layers = 1;
   so.force = true;
+  so.num_experts = a.experts;
   const ModelConfig cfg = synth_config(so);
   const std::int64_t E = cfg.num_experts, H = cfg.hidden_size, I = cfg.moe_intermediate_size;
   const int k = static_cast<int>(cfg.num_experts_per_tok);
   fmt::print("lutb: the main job on its built-in default\n");
-  fmt::print("  one Qwen3-30B-A3B MoE layer: E {} experts, H {}, I {}, top-{}; synthetic Student-t(5) BF16 weights\n", E, H,
-             I, k);
+  fmt::print("  one Qwen3-30B-A3B MoE layer{}: E {} experts, H {}, I {}, top-{}; synthetic Student-t(5) BF16 weights\n",
+             a.experts > 0 ? " (fewer experts: --experts)" : "", E, H, I, k);
   fmt::print("  work directory {}{}\n\n", work.string(), a.keep ? " (kept)" : " (removed at the end)");
 
   auto t = clock::now();
@@ -210,6 +212,8 @@ void add_default_job(CLI::App& app) {
   auto a = std::make_shared<DefaultArgs>();
   const std::string g = "Default job (lutb with no subcommand)";
   app.add_option("--tokens", a->tokens, "default job: random tokens run through the layer (default 64)")->group(g);
+  app.add_option("--experts", a->experts, "default job: routed experts (default 128, Qwen3-30B-A3B's; fewer for a quick run)")
+      ->group(g)->check(CLI::NonNegativeNumber);
   app.add_option("--fitter", a->fitter, "default job: fitter (default " + default_fitter() + ")")->group(g);
   app.add_option("--seed", a->seed, "default job: token seed")->group(g);
   app.add_option("--work-dir", a->work_dir, "default job: directory for the two checkpoints (default a temporary one)")->group(g);

@@ -24,6 +24,7 @@ namespace lutb::fit_detail {
 namespace {
 
 constexpr int kBins = 32;
+constexpr int kTail = 8;     // values resolved individually at each end
 constexpr int kWindow = 8;   // boundary window half-width of the local exact refinement
 constexpr int kRounds = 4;   // re-centred refinements at most
 
@@ -32,20 +33,28 @@ constexpr int kRounds = 4;   // re-centred refinements at most
 TileFit fit_binned_dp(const float* x512, int forced_scale) {
   SortedTile st;
   build_sorted(x512, st);
-  int pos[kBins + 1];
+  int pos[kBins + 2 * kTail + 2];
   int m = 0;
   if (st.n <= kBins) {
     for (int i = 0; i <= st.n; ++i) pos[i] = i;
     m = st.n;
   } else {
-    // Bin edges: the first distinct index whose prefix count reaches b * 512 / kBins.
+    // Bin edges: every distinct value among the kTail smallest and largest (the tails, where
+    // heavy-tailed tiles put their outer entries on few values), and in between the first distinct
+    // index whose prefix count reaches each multiple of 512 / kBins.
     pos[0] = 0;
     int i = 0;
+    auto push = [&](int e) {
+      if (e > pos[m] && e < st.n) pos[++m] = e;
+    };
+    while (i < st.n && st.cnt[i] < kTail) push(i++);
     for (int b = 1; b < kBins; ++b) {
       const int target = b * (kTileSize / kBins);
       while (i < st.n && st.cnt[i] < target) ++i;
-      if (i > pos[m] && i < st.n) pos[++m] = i;
+      push(i);
     }
+    while (i < st.n && st.cnt[i] <= kTileSize - kTail) ++i;
+    while (i < st.n) push(i++);
     pos[++m] = st.n;
   }
   const bool exact = m == st.n;

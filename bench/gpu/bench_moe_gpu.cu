@@ -1,0 +1,292 @@
+// bench/gpu/bench_moe_gpu.cu: fused LUT-B MoE forward vs the BF16 baseline on the same kernel
+// skeleton, same routing, same run; plus the device's measured read bandwidth and cuBLAS BF16 dense
+// throughput. Prints a markdown table (docs/perf/moe-gpu.md is this output).
+//
+// Usage: bench_moe_gpu [--quick] [--shape NAME]   (NAME: deepseek-v3, qwen3-235b, qwen3-30b, mixtral)
+// Each forward (routing kernel excluded; the routing is precomputed by route_softmax_topk /
+// route_deepseek on random logits) is captured in a CUDA graph; R = 8 different routings are cycled
+// so that the experts touched change from call to call (weights of one call are not in L2 for the
+// next, except by chance); the time is the median over 7 batches of the mean per call.
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "lutb/cuda/moe.hpp"
+
+using namespace lutb;
+
+#define CK(x)                                                                                  \
+  do {                                                                                         \
+    cudaError_t e_ = (x);                                                                      \
+    if (e_ != cudaSuccess) {                                                                   \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                            \
+    }                                                                                          \
+  } while (0)
+
+__device__ __forceinline__ unsigned hash32(unsigned long long i, unsigned seed) {
+  unsigned long long z = i * 0x9E3779B97F4A7C15ull + seed * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return static_cast<unsigned>(z ^ (z >> 31));
+}
+// kind 0: random bytes; 1: E4M3 codebook bytes (no NaN); 2: scale bytes 117..123;
+// 3: BF16 uniform(-a, a) (a = 0.05); 4: FP32 normal-ish logits; 5: BF16 activations ~uniform(-2, 2)
+__global__ void fill_kernel(void* p, unsigned long long n, int kind, unsigned seed) {
+  for (unsigned long long i = blockIdx.x * 256ull + threadIdx.x; i < n; i += 256ull * gridDim.x) {
+    const unsigned h = hash32(i, seed);
+    if (kind == 0) static_cast<unsigned char*>(p)[i] = static_cast<unsigned char>(h);
+    else if (kind == 1) {
+      unsigned char b = static_cast<unsigned char>(h);
+      if ((b & 0x7f) == 0x7f) b ^= 1;
+      static_cast<unsigned char*>(p)[i] = b;
+    } else if (kind == 2) static_cast<unsigned char*>(p)[i] = static_cast<unsigned char>(117 + h % 7);
+    else if (kind == 3 || kind == 5) {
+      const float a = kind == 3 ? 0.05f : 2.0f;
+      const float v = (static_cast<float>(h >> 8) * (1.0f / 16777216.0f) * 2.0f - 1.0f) * a;
+      static_cast<unsigned short*>(p)[i] = bf16_from_float(v);
+    } else {
+      const float u1 = (static_cast<float>(h >> 8) + 0.5f) * (1.0f / 16777216.0f);
+      const float u2 = (static_cast<float>(hash32(i, seed + 1) >> 8) + 0.5f) * (1.0f / 16777216.0f);
+      static_cast<float*>(p)[i] = sqrtf(-2.0f * logf(u1)) * cosf(6.2831853f * u2);
+    }
+  }
+}
+void fill(void* p, unsigned long long n, int kind, unsigned seed) {
+  fill_kernel<<<4096, 256>>>(p, n, kind, seed);
+  CK(cudaGetLastError());
+}
+
+__global__ void read_kernel(const uint4* __restrict__ p, unsigned long long n, unsigned* sink) {
+  unsigned acc = 0;
+  for (unsigned long long i = blockIdx.x * 256ull + threadIdx.x; i < n; i += 256ull * gridDim.x) {
+    const uint4 v = __ldg(p + i);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x12345678u) atomicAdd(sink, acc);
+}
+
+template <class F>
+float time_ms(F&& f, int iters) {
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  std::vector<float> v;
+  for (int rep = 0; rep < 7; ++rep) {
+    CK(cudaEventRecord(a));
+    for (int i = 0; i < iters; ++i) f(i);
+    CK(cudaEventRecord(b));
+    CK(cudaEventSynchronize(b));
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    v.push_back(ms / iters);
+  }
+  std::sort(v.begin(), v.end());
+  CK(cudaEventDestroy(a));
+  CK(cudaEventDestroy(b));
+  return v[v.size() / 2];
+}
+
+struct Shape {
+  const char* name;
+  long long E, H, I;
+  int k;
+  bool deepseek;
+};
+
+int main(int argc, char** argv) {
+  bool quick = false;
+  std::string only;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--quick")) quick = true;
+    else if (!std::strcmp(argv[i], "--shape") && i + 1 < argc) only = argv[++i];
+  }
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("# device: %s, %d SMs, L2 %d MB, %.1f GB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20,
+              prop.totalGlobalMem / 1e9);
+
+  // ---- measured read bandwidth (8 GiB buffer) and D2D copy
+  const unsigned long long bw_bytes = 8ull << 30;
+  void* big = nullptr;
+  CK(cudaMalloc(&big, bw_bytes));
+  unsigned* sink = nullptr;
+  CK(cudaMalloc(&sink, 4));
+  fill(big, bw_bytes, 0, 1);
+  read_kernel<<<prop.multiProcessorCount * 8, 256>>>(static_cast<const uint4*>(big), bw_bytes / 16, sink);
+  const float rd_ms = time_ms([&](int) { read_kernel<<<prop.multiProcessorCount * 8, 256>>>(static_cast<const uint4*>(big), bw_bytes / 16, sink); }, 3);
+  const double read_bw = bw_bytes / (rd_ms * 1e-3);
+  const float cp_ms = time_ms([&](int) { CK(cudaMemcpyAsync(static_cast<char*>(big) + bw_bytes / 2, big, bw_bytes / 2, cudaMemcpyDeviceToDevice)); }, 3);
+  const double copy_bw = bw_bytes / (cp_ms * 1e-3);  // bytes read + written
+  std::printf("# measured read bandwidth %.0f GB/s (8 GiB read kernel); D2D copy %.0f GB/s (read + write)\n",
+              read_bw / 1e9, copy_bw / 1e9);
+  // ---- cuBLAS BF16 dense
+  {
+    const int n = 8192;
+    void *A, *B, *C;
+    CK(cudaMalloc(&A, 2ull * n * n));
+    CK(cudaMalloc(&B, 2ull * n * n));
+    CK(cudaMalloc(&C, 2ull * n * n));
+    fill(A, 1ull * n * n, 3, 2);
+    fill(B, 1ull * n * n, 3, 3);
+    cublasHandle_t h;
+    cublasCreate(&h);
+    const float one = 1, zero = 0;
+    auto gemm = [&](int) {
+      cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, A, CUDA_R_16BF, n, B, CUDA_R_16BF, n, &zero, C,
+                   CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    };
+    gemm(0);
+    const float ms = time_ms(gemm, 5);
+    std::printf("# cuBLAS BF16 dense 8192^3: %.0f TFLOP/s (random data)\n", 2.0 * n * n * (double)n / (ms * 1e-3) / 1e12);
+    cublasDestroy(h);
+    cudaFree(A);
+    cudaFree(B);
+    cudaFree(C);
+  }
+  CK(cudaFree(big));
+
+  const Shape shapes[] = {{"deepseek-v3", 256, 7168, 2048, 8, true},
+                          {"qwen3-235b", 128, 4096, 1536, 8, false},
+                          {"qwen3-30b", 128, 2048, 768, 8, false},
+                          {"mixtral-8x7b", 8, 4096, 14336, 2, false}};
+  std::vector<long long> Ts = {1, 4, 16, 64, 256, 1024, 4096};
+  if (quick) Ts = {1, 16, 256, 4096};
+  const int R = 8;
+  std::printf("\n| shape | T | experts touched | LUT-B us | strategy | LUT-B byte-dec us | LUT-B decode us | LUT-B prefill us | BF16 us | speed-up | LUT-B GB/s | %% of read BW | BF16 GB/s | %% of read BW | LUT-B TFLOP/s | BF16 TFLOP/s |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  for (const Shape& s : shapes) {
+    if (!only.empty() && only != s.name) continue;
+    const long long E = s.E, H = s.H, I = s.I;
+    const LutbShape s13{E, 2 * I, H, true}, s2{E, H, I, true};
+    unsigned char *p13, *c13, *sc13, *p2, *c2, *sc2;
+    CK(cudaMalloc(&p13, s13.tiles() * 192));
+    CK(cudaMalloc(&c13, s13.tiles() * 8));
+    CK(cudaMalloc(&sc13, s13.tiles()));
+    CK(cudaMalloc(&p2, s2.tiles() * 192));
+    CK(cudaMalloc(&c2, s2.tiles() * 8));
+    CK(cudaMalloc(&sc2, s2.tiles()));
+    fill(p13, s13.tiles() * 192, 0, 10);
+    fill(c13, s13.tiles() * 8, 1, 11);
+    fill(sc13, s13.tiles(), 2, 12);
+    fill(p2, s2.tiles() * 192, 0, 13);
+    fill(c2, s2.tiles() * 8, 1, 14);
+    fill(sc2, s2.tiles(), 2, 15);
+    unsigned short *b13, *b2;
+    CK(cudaMalloc(&b13, 2ull * E * 2 * I * H));
+    CK(cudaMalloc(&b2, 2ull * E * H * I));
+    fill(b13, 1ull * E * 2 * I * H, 3, 16);
+    fill(b2, 1ull * E * H * I, 3, 17);
+    cuda::DeviceMoeWeights w{E, H, I, {s13, p13, c13, sc13}, {s2, p2, c2, sc2}};
+    cuda::DeviceMoeWeightsBf16 wb{E, H, I, b13, b2};
+    const double lutb_expert = static_cast<double>(cuda::lutb_bytes_per_expert(w));
+    const double bf16_expert = 2.0 * 3 * H * I;
+    const long long Tmax = Ts.back();
+    const std::size_t wsb = cuda::moe_workspace_bytes(Tmax, s.k, E, H, I);
+    void* ws;
+    CK(cudaMalloc(&ws, wsb));
+    unsigned short *x, *out;
+    CK(cudaMalloc(&x, 2ull * Tmax * H * R));
+    CK(cudaMalloc(&out, 2ull * Tmax * H));
+    fill(x, 1ull * Tmax * H * R, 5, 18);
+    float *logits, *bias, *wts;
+    int* ids;
+    CK(cudaMalloc(&logits, 4ull * Tmax * E * R));
+    CK(cudaMalloc(&bias, 4ull * E));
+    CK(cudaMalloc(&wts, 4ull * Tmax * s.k * R));
+    CK(cudaMalloc(&ids, 4ull * Tmax * s.k * R));
+    fill(logits, 1ull * Tmax * E * R, 4, 19);
+    CK(cudaMemset(bias, 0, 4ull * E));
+    CK(cudaDeviceSynchronize());
+    cudaStream_t st;
+    CK(cudaStreamCreate(&st));
+    for (long long T : Ts) {
+      // R routings of T tokens each.
+      double touched_sum = 0;
+      for (int r = 0; r < R; ++r) {
+        float* lg = logits + 1ull * r * Tmax * E;
+        int* id = ids + 1ull * r * Tmax * s.k;
+        float* wt = wts + 1ull * r * Tmax * s.k;
+        if (s.deepseek) cuda::route_deepseek(lg, bias, T, E, 8, 4, s.k, true, 2.5f, id, wt, st);
+        else cuda::route_softmax_topk(lg, T, E, s.k, true, id, wt, st);
+        std::vector<int> h(T * s.k);
+        CK(cudaMemcpyAsync(h.data(), id, 4ull * T * s.k, cudaMemcpyDeviceToHost, st));
+        CK(cudaStreamSynchronize(st));
+        touched_sum += std::set<int>(h.begin(), h.end()).size();
+      }
+      const double touched = touched_sum / R;
+      // Graphs: one per routing and variant.
+      auto make = [&](int variant, int r) {
+        const unsigned short* xr = x + 1ull * r * Tmax * H;
+        const int* id = ids + 1ull * r * Tmax * s.k;
+        const float* wt = wts + 1ull * r * Tmax * s.k;
+        cudaGraph_t g;
+        cudaGraphExec_t ge;
+        CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+        switch (variant) {
+          case 0: cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st); break;
+          case 1: cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st, cuda::MoeStrategy::Decode); break;
+          case 2: cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st, cuda::MoeStrategy::Prefill); break;
+          case 3:
+            cuda::set_weight_decoder(cuda::WeightDecoder::BytePermute);
+            cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st);
+            cuda::set_weight_decoder(cuda::WeightDecoder::Auto);
+            break;
+          case 4: cuda::moe_forward_bf16(wb, xr, T, s.k, id, wt, out, ws, wsb, st, cuda::MoeStrategy::Decode); break;
+          case 5: cuda::moe_forward_bf16(wb, xr, T, s.k, id, wt, out, ws, wsb, st, cuda::MoeStrategy::Prefill); break;
+        }
+        CK(cudaStreamEndCapture(st, &g));
+        CK(cudaGraphInstantiate(&ge, g, 0));
+        CK(cudaGraphDestroy(g));
+        return ge;
+      };
+      float ms[6];
+      for (int v = 0; v < 6; ++v) {
+        std::vector<cudaGraphExec_t> gs;
+        for (int r = 0; r < R; ++r) gs.push_back(make(v, r));
+        for (int r = 0; r < R; ++r) CK(cudaGraphLaunch(gs[r], st));
+        CK(cudaStreamSynchronize(st));
+        const int iters = T >= 1024 ? R : 4 * R;
+        cudaEvent_t a, b;
+        CK(cudaEventCreate(&a));
+        CK(cudaEventCreate(&b));
+        std::vector<float> v7;
+        for (int rep = 0; rep < 7; ++rep) {
+          CK(cudaEventRecord(a, st));
+          for (int i = 0; i < iters; ++i) CK(cudaGraphLaunch(gs[i % R], st));
+          CK(cudaEventRecord(b, st));
+          CK(cudaEventSynchronize(b));
+          float m = 0;
+          CK(cudaEventElapsedTime(&m, a, b));
+          v7.push_back(m / iters);
+        }
+        std::sort(v7.begin(), v7.end());
+        ms[v] = v7[3];
+        for (auto g : gs) CK(cudaGraphExecDestroy(g));
+        CK(cudaEventDestroy(a));
+        CK(cudaEventDestroy(b));
+      }
+      const double lut_s = ms[0] * 1e-3, bf_s = std::min(ms[4], ms[5]) * 1e-3;
+      const double flops = 6.0 * T * s.k * H * I;
+      const auto strat = cuda::choose_strategy(T, s.k, E) == cuda::MoeStrategy::Decode ? "decode" : "prefill";
+      std::printf("| %s | %lld | %.1f | %.1f | %s | %.1f | %.1f | %.1f | %.1f | %.2fx | %.0f | %.0f%% | %.0f | %.0f%% | %.1f | %.1f |\n",
+                  s.name, T, touched, ms[0] * 1e3, strat, ms[3] * 1e3, ms[1] * 1e3, ms[2] * 1e3, bf_s * 1e6,
+                  bf_s / lut_s, touched * lutb_expert / lut_s / 1e9, 100.0 * touched * lutb_expert / lut_s / read_bw,
+                  touched * bf16_expert / bf_s / 1e9, 100.0 * touched * bf16_expert / bf_s / read_bw, flops / lut_s / 1e12,
+                  flops / bf_s / 1e12);
+      std::fflush(stdout);
+    }
+    CK(cudaStreamDestroy(st));
+    for (void* p : {(void*)p13, (void*)c13, (void*)sc13, (void*)p2, (void*)c2, (void*)sc2, (void*)b13, (void*)b2, ws,
+                    (void*)x, (void*)out, (void*)logits, (void*)bias, (void*)wts, (void*)ids})
+      CK(cudaFree(p));
+  }
+  return 0;
+}

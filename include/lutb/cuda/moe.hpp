@@ -1,0 +1,130 @@
+// lutb/cuda/moe.hpp: fused LUT-B MoE forward on NVIDIA GPUs (Ampere sm_80 and Hopper sm_90a).
+//
+// The routed experts stay PACKED in GPU memory in the checkpoint's own layout (spec section 2.2:
+// packed [E, N/8, K/64, 192] u8, codebook [E, N/8, K/64, 8] E4M3, scale [E, N/8, K/64] UE8M0) and
+// are decoded tile by tile in registers inside the GEMM kernels; no BF16 copy of a weight is ever
+// written to global memory. The numerics are spec section 4 exactly: the values that enter each
+// multiply are the LUT-B weights e4m3(codebook) * 2^(s-127) and the MXFP8 (rceil) activations; only
+// the order of the FP32 additions differs from the CPU emulation (tensor-core partial sums per
+// 32-column MXFP8 block, then scaled by the two power-of-two scales, which is exact).
+//
+// Every function takes a CUDA stream, launches asynchronously, never synchronises with the host
+// and never allocates: the whole forward (routing included) can be captured in a CUDA graph.
+// Errors in arguments throw std::invalid_argument before anything is launched; launch failures
+// throw std::runtime_error with the CUDA error string.
+//
+// Index arithmetic that can pass 2^31 (expert stacks: DeepSeek-V3 w13 has 7.5e9 weights, 2.9e9
+// packed bytes) is 64-bit throughout; see lutb::cuda::tile_offset.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "lutb/tile.hpp"
+
+typedef struct CUstream_st* cudaStream_t;
+
+namespace lutb::cuda {
+
+/// Device pointers to one LUT-B expert stack in the checkpoint layout (see LutbView).
+/// shape.experts = E, shape.rows = N (logical), shape.cols = K (logical).
+struct DeviceLutb {
+  LutbShape shape;
+  const std::uint8_t* packed = nullptr;    // [E, Np/8, Kp/64, 192]
+  const std::uint8_t* codebook = nullptr;  // [E, Np/8, Kp/64, 8] E4M3 bytes
+  const std::uint8_t* scale = nullptr;     // [E, Np/8, Kp/64] UE8M0 bytes (3..246 for valid data)
+};
+
+/// 64-bit flat tile index of tile (tn, tk) of expert e: the only index that can pass 2^31
+/// (times 192 for the packed bytes). Host and device.
+LUTB_HD constexpr std::int64_t tile_offset(std::int64_t e, std::int64_t tn, std::int64_t tk, std::int64_t tiles_n,
+                                           std::int64_t tiles_k) {
+  return (e * tiles_n + tn) * tiles_k + tk;
+}
+
+/// The routed experts of one MoE layer on the GPU, LUT-B packed.
+///   w13: [E, 2I, H] (rows 0..I-1 gate = w1, rows I..2I-1 up = w3), w2: [E, H, I].
+/// Requirements: I % 8 == 0 (so the up rows start on a tile boundary), H >= 1, E >= 1.
+struct DeviceMoeWeights {
+  std::int64_t experts = 0;       // E
+  std::int64_t hidden = 0;        // H (hidden_size)
+  std::int64_t intermediate = 0;  // I (moe_intermediate_size)
+  DeviceLutb w13;
+  DeviceLutb w2;
+};
+
+/// The same layer with BF16 weights ([E, 2I, H] and [E, H, I] row-major bits), for the BF16
+/// baseline pipeline (spec section 4 last paragraph: no MXFP8 steps). Needs H % 64 == 0 and
+/// I % 64 == 0.
+struct DeviceMoeWeightsBf16 {
+  std::int64_t experts = 0, hidden = 0, intermediate = 0;
+  const std::uint16_t* w13 = nullptr;
+  const std::uint16_t* w2 = nullptr;
+};
+
+// ---------------------------------------------------------------------------
+// Routing (spec section 5). Outputs are ordered by descending choice score (ties: lower expert).
+// ---------------------------------------------------------------------------
+/// softmax top-k (Mixtral, Qwen2/3-MoE, OLMoE): p = softmax(logits[t, :]) in FP32 (max-subtracted,
+/// expf), the k largest p (ties: lower expert index), renormalised to sum 1 when `renormalize`.
+/// logits: [T, E] FP32 device; topk_ids: [T, k] int32; topk_weights: [T, k] FP32.
+/// 1 <= k <= 32, 1 <= E <= 1024.
+void route_softmax_topk(const float* logits, std::int64_t tokens, int experts, int k, bool renormalize,
+                        std::int32_t* topk_ids, float* topk_weights, cudaStream_t stream);
+
+/// DeepSeek-V3 grouped sigmoid top-k (Kimi K2 too): s = sigmoid(logits); choice = s + bias; a
+/// group's score is the sum of its two best choices; the topk_group best groups (ties: lower
+/// group); the k best choices inside them; weights = s (divided by their sum when `renormalize`)
+/// times routed_scaling_factor. bias: [E] FP32 (may be null = zeros). E % n_group == 0, E <= 1024,
+/// experts per group >= 2, 1 <= k <= 32.
+void route_deepseek(const float* logits, const float* bias, std::int64_t tokens, int experts, int n_group,
+                    int topk_group, int k, bool renormalize, float routed_scaling_factor, std::int32_t* topk_ids,
+                    float* topk_weights, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------
+// Fused forward
+// ---------------------------------------------------------------------------
+/// Strategy of the GEMM kernels. Auto picks by the expected tokens per expert (choose_strategy).
+enum class MoeStrategy : std::uint8_t { Auto, Decode, Prefill };
+
+/// Heuristic, kept apart from the kernels: Decode (16 tokens per warp tile, weight-streaming) when
+/// the mean number of tokens per touched expert is below 48, else Prefill (32 tokens per warp tile
+/// on the LUT-B path, 64 on the BF16 one: each decoded weight fragment feeds several tensor-core
+/// products).
+MoeStrategy choose_strategy(std::int64_t tokens, int top_k, std::int64_t experts);
+
+/// Bytes of device workspace moe_forward needs for at most `max_tokens` tokens.
+std::size_t moe_workspace_bytes(std::int64_t max_tokens, int top_k, std::int64_t experts, std::int64_t hidden,
+                                std::int64_t intermediate);
+
+/// out[T, H] (BF16 bits) = spec section 4 for x[T, H] (BF16 bits) and the given routing:
+///   a = mxfp8_qdq(x) along H; for each (t, j): g, u = a[t] . w13[e]^T (FP32 accumulation);
+///   h = bf16(silu(g) * u); h = mxfp8_qdq(h) along I; y = h . w2[e]^T (FP32);
+///   out[t] = bf16(sum_j topk_weights[t, j] * y) (FP32, j ascending).
+/// topk_ids: [T, k] int32 in 0..E-1 (checked on the device: an id out of range writes NaN rows);
+/// topk_weights: [T, k] FP32. workspace: moe_workspace_bytes(T, k, E, H, I) bytes, 256-aligned.
+/// Every output element is written. No host synchronisation.
+void moe_forward(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t tokens, int top_k,
+                 const std::int32_t* topk_ids, const float* topk_weights, std::uint16_t* out, void* workspace,
+                 std::size_t workspace_bytes, cudaStream_t stream, MoeStrategy strategy = MoeStrategy::Auto);
+
+/// The BF16 baseline on the same kernel skeleton: BF16 weights, BF16 activations, no MXFP8 steps
+/// (h = bf16(silu(g) * u)). Same arguments and workspace rule as moe_forward.
+void moe_forward_bf16(const DeviceMoeWeightsBf16& w, const std::uint16_t* x, std::int64_t tokens, int top_k,
+                      const std::int32_t* topk_ids, const float* topk_weights, std::uint16_t* out, void* workspace,
+                      std::size_t workspace_bytes, cudaStream_t stream, MoeStrategy strategy = MoeStrategy::Auto);
+
+/// Weight decoder (process-wide; for testing and benchmarking). Both are exact:
+///   BytePermute: codebook lookup by PRMT, E4M3 -> FP16 by bit moves (any sm_80+ device);
+///   Cvt: codebook lookup by PRMT, E4M3 -> FP16 by sm_89+'s cvt.rn.f16x2.e4m3x2 (sm_90 devices only,
+///        else BytePermute);
+///   Auto (default): Cvt for the decode strategy on sm_90 devices, BytePermute otherwise, as measured
+///        fastest on the H200 (docs/perf/moe-gpu.md).
+enum class WeightDecoder : std::uint8_t { Auto, BytePermute, Cvt };
+void set_weight_decoder(WeightDecoder d);
+
+/// Packed bytes (packed + codebook + scale) of the experts a routing touches, for bandwidth
+/// accounting: touched_experts * (w13 + w2 bytes per expert).
+std::int64_t lutb_bytes_per_expert(const DeviceMoeWeights& w);
+
+}  // namespace lutb::cuda

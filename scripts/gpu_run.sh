@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Builds the CUDA library, the GPU tests and the GPU benchmark with nvcc and g++ alone (the GPU
+# machine lacks the Debian packages the CMake build uses), then runs: the GPU tests,
+# compute-sanitizer (memcheck) on the small cases, and the benchmark.
+#
+#   scripts/gpu_run.sh [tests|sanitize|bench|all] [bench args...]
+# Environment:
+#   GTEST_DIR   googletest source tree (default: deps/googletest, else /usr/src/googletest/googletest)
+#   JSON_INC    folder holding nlohmann/json.hpp (default: deps/include, else /usr/include)
+#   LUTB_SHARED_DIR  the shared golden/models folder (default: ../shared or ./shared)
+#   OUT         where logs go (default: build/gpu/out)
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+WHAT=${1:-all}
+shift || true
+B=$ROOT/build/gpu
+mkdir -p "$B/obj"
+OUT=${OUT:-$B/out}
+mkdir -p "$OUT"
+GTEST_DIR=${GTEST_DIR:-$([ -d deps/googletest ] && echo "$ROOT/deps/googletest" || echo /usr/src/googletest/googletest)}
+JSON_INC=${JSON_INC:-$([ -d deps/include/nlohmann ] && echo "$ROOT/deps/include" || echo /usr/include)}
+if [ -z "${LUTB_SHARED_DIR:-}" ]; then
+  for d in "$ROOT/shared" "$ROOT/../shared"; do [ -d "$d/golden" ] && export LUTB_SHARED_DIR=$d && break; done
+fi
+NVCC=${NVCC:-nvcc}
+ARCH="-gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90a,code=sm_90a"
+CUFLAGS="-std=c++20 -O3 --expt-relaxed-constexpr -lineinfo $ARCH -Iinclude -Isrc"
+CXXFLAGS="-std=c++20 -O2 -Iinclude -Isrc -Itests -I$JSON_INC -isystem $GTEST_DIR/include -I$(dirname "$(command -v $NVCC)")/../include"
+
+build() {
+  local pids=()
+  for f in src/cuda/*.cu; do
+    $NVCC $CUFLAGS -c "$f" -o "$B/obj/$(basename "$f" .cu).o" & pids+=($!)
+  done
+  if [ ! -f "$B/obj/gtest-all.o" ]; then
+    g++ -std=c++17 -O2 -isystem "$GTEST_DIR/include" -I"$GTEST_DIR" -c "$GTEST_DIR/src/gtest-all.cc" -o "$B/obj/gtest-all.o" & pids+=($!)
+    g++ -std=c++17 -O2 -isystem "$GTEST_DIR/include" -I"$GTEST_DIR" -c "$GTEST_DIR/src/gtest_main.cc" -o "$B/obj/gtest_main.o" & pids+=($!)
+  fi
+  for f in tests/cuda/*.cpp tests/support/test_support.cpp; do
+    g++ $CXXFLAGS -DLUTB_SOURCE_DIR="\"$ROOT\"" -c "$f" -o "$B/obj/t_$(basename "$f" .cpp).o" & pids+=($!)
+  done
+  $NVCC $CUFLAGS -c bench/gpu/bench_moe_gpu.cu -o "$B/obj/b_bench_moe_gpu.o" & pids+=($!)
+  for p in "${pids[@]}"; do wait "$p"; done
+  local lib=("$B"/obj/moe_*.o "$B"/obj/routing.o)
+  $NVCC $ARCH -o "$B/lutb_cuda_tests" "$B"/obj/t_*.o "${lib[@]}" "$B/obj/gtest-all.o" "$B/obj/gtest_main.o" -lpthread
+  $NVCC $ARCH -o "$B/bench_moe_gpu" "$B/obj/b_bench_moe_gpu.o" "${lib[@]}" -lcublas
+}
+
+build 2>&1 | tee "$OUT/build.log"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv | tee "$OUT/gpu.txt" || true
+if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
+  "$B/lutb_cuda_tests" 2>&1 | tee "$OUT/tests.log" || true
+fi
+if [ "$WHAT" = sanitize ] || [ "$WHAT" = all ]; then
+  compute-sanitizer --tool memcheck --error-exitcode 9 "$B/lutb_cuda_tests" \
+    --gtest_filter='Shapes/MoeRandom.*/1:MoeCuda.GoldenLayer:MoeCuda.InvalidExpertIdWritesNanRow:RoutingCuda.*' 2>&1 |
+    tail -40 | tee "$OUT/sanitizer.log" || true
+  compute-sanitizer --tool racecheck --error-exitcode 9 "$B/lutb_cuda_tests" --gtest_filter='MoeCuda.GoldenLayer' 2>&1 |
+    tail -8 | tee -a "$OUT/sanitizer.log" || true
+fi
+if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
+  "$B/bench_moe_gpu" "$@" 2>&1 | tee "$OUT/bench_moe_gpu.md"
+fi

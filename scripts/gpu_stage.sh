@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Stages what scripts/gpu_run.sh needs into DEST (default /work/main/.gpu) for a GPU machine that
+# receives only that checkout: the sources, googletest and nlohmann-json sources from this machine's
+# Debian packages, the golden vectors and the tiny-qwen3-moe model.
+set -euo pipefail
+SRC=$(cd "$(dirname "$0")/.." && pwd)
+DEST=${1:-/work/main/.gpu}
+SHARED=${SHARED:-$SRC/../shared}
+rm -rf "$DEST/include" "$DEST/src" "$DEST/tests" "$DEST/bench" "$DEST/scripts"
+mkdir -p "$DEST/deps/include" "$DEST/shared/models/tiny-qwen3-moe"
+cp -r "$SRC/include" "$SRC/src" "$SRC/tests" "$SRC/bench" "$SRC/scripts" "$DEST/"
+[ -d "$DEST/deps/googletest" ] || cp -r /usr/src/googletest/googletest "$DEST/deps/googletest"
+[ -d "$DEST/deps/include/nlohmann" ] || cp -r /usr/include/nlohmann "$DEST/deps/include/"
+cp -r "$SHARED/golden" "$DEST/shared/"
+for f in config.json model.safetensors moe_activations.safetensors; do
+  cp "$SHARED/models/tiny-qwen3-moe/$f" "$DEST/shared/models/tiny-qwen3-moe/"
+done
+chmod -R u+w "$DEST"
+du -sh "$DEST"

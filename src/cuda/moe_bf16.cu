@@ -1,0 +1,64 @@
+// src/cuda/moe_bf16.cu: the BF16 baseline forward on the same kernel skeleton as the LUT-B one
+// (spec section 4, last paragraph: BF16 weights, no MXFP8 steps). Used by the benchmarks.
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "common.cuh"
+#include "lutb/cuda/moe.hpp"
+#include "moe_gemm.cuh"
+#include "moe_internal.hpp"
+
+namespace lutb::cuda {
+namespace {
+
+template <int MT>
+void launch_gemms_bf16(const DeviceMoeWeightsBf16& w, const std::uint16_t* x, const kern::Routing& r,
+                       const detail::Workspace& ws, std::int64_t P, cudaStream_t stream) {
+  const std::int64_t H = w.hidden, I = w.intermediate;
+  const std::int64_t slots = detail::max_tiles(P, w.experts, MT);
+  const kern::LutbW w13{nullptr, nullptr, nullptr, 2 * I / 8, H / 64, 0};
+  const kern::LutbW w2{nullptr, nullptr, nullptr, H / 8, I / 64, 0};
+  constexpr int NT = 2;
+  constexpr int smem = kern::kWarps * kern::Ring<false, NT>::kWarpBytes;
+  const dim3 g1(static_cast<unsigned>(I / kern::gemm1_cols<NT>()), static_cast<unsigned>(slots));
+  kern::moe_gemm1_kernel<false, false, NT, MT><<<g1, kern::kWarps * 32, smem, stream>>>(w13, w.w13, x, nullptr, H, r, I,
+                                                                                         I, ws.hq, nullptr);
+  detail::check_launch("sm80_bf16_moe_gemm1");
+  const dim3 g2(static_cast<unsigned>(detail::ceil_div(w2.tiles_n, kern::kWarps * NT)), static_cast<unsigned>(slots));
+  kern::moe_gemm2_kernel<false, false, NT, MT><<<g2, kern::kWarps * 32, smem, stream>>>(w2, w.w2, ws.hq, nullptr, I, r, H,
+                                                                                         ws.y);
+  detail::check_launch("sm80_bf16_moe_gemm2");
+}
+
+}  // namespace
+
+void moe_forward_bf16(const DeviceMoeWeightsBf16& w, const std::uint16_t* x, std::int64_t tokens, int top_k,
+                      const std::int32_t* topk_ids, const float* topk_weights, std::uint16_t* out, void* workspace,
+                      std::size_t workspace_bytes, cudaStream_t stream, MoeStrategy strategy) {
+  const std::int64_t E = w.experts, H = w.hidden, I = w.intermediate;
+  if (E < 1 || E > 1024) throw std::invalid_argument("moe_forward_bf16: experts must be 1..1024");
+  if (H < 64 || H % 64 != 0 || I < 64 || I % 64 != 0)
+    throw std::invalid_argument("moe_forward_bf16: H and I must be positive multiples of 64");
+  if (top_k < 1 || top_k > 32) throw std::invalid_argument("moe_forward_bf16: top_k must be 1..32");
+  if (tokens < 0 || tokens > 65535) throw std::invalid_argument("moe_forward_bf16: tokens must be 0..65535 per call");
+  if (!w.w13 || !w.w2) throw std::invalid_argument("moe_forward_bf16: null weight pointer");
+  if (reinterpret_cast<std::uintptr_t>(w.w13) % 16 || reinterpret_cast<std::uintptr_t>(w.w2) % 16 ||
+      reinterpret_cast<std::uintptr_t>(x) % 16)
+    throw std::invalid_argument("moe_forward_bf16: weights and x must be 16-byte aligned");
+  if (tokens == 0) return;
+  const detail::Workspace ws = detail::carve(workspace, tokens, top_k, E, H, I);
+  if (workspace_bytes < ws.bytes)
+    throw std::invalid_argument("moe_forward_bf16: workspace of " + std::to_string(workspace_bytes) + " bytes, need " +
+                                std::to_string(ws.bytes));
+  const std::int64_t P = tokens * top_k;
+  const int mt = detail::resolve_mt(strategy, tokens, top_k, E);
+  detail::launch_group(topk_ids, P, E, 16 * mt, ws, stream);
+  const kern::Routing r{topk_ids, topk_weights, ws.sorted, ws.tile_expert, ws.tile_start, ws.tile_count, ws.num_tiles,
+                        top_k};
+  if (mt == 4) launch_gemms_bf16<4>(w, x, r, ws, P, stream);
+  else launch_gemms_bf16<1>(w, x, r, ws, P, stream);
+  detail::launch_reduce(topk_ids, topk_weights, ws.y, tokens, top_k, E, H, out, stream);
+}
+
+}  // namespace lutb::cuda

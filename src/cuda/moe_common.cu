@@ -1,0 +1,211 @@
+// src/cuda/moe_common.cu: the small kernels of the MoE forward (MXFP8 of x, grouping of tokens by
+// expert, weighted top-k reduction), the workspace layout and the strategy heuristic.
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+
+#include "common.cuh"
+#include "lutb/cuda/moe.hpp"
+#include "moe_internal.hpp"
+
+namespace lutb::cuda {
+namespace {
+
+__global__ void __launch_bounds__(256)
+    quantize_x_kernel(const uint16_t* __restrict__ x, long long H, long long Hp, bool swap, uint16_t* __restrict__ xa,
+                      unsigned char* __restrict__ xs) {
+  const long long t = blockIdx.y;
+  const long long blk = static_cast<long long>(blockIdx.x) * 8 + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (blk * 32 >= Hp) return;
+  const long long col = blk * 32 + lane;
+  const float v = col < H ? bf16_to_float(x[t * H + col]) : 0.0f;
+  float a = isfinite(v) ? fabsf(v) : INFINITY;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+  const unsigned char b = mx_block_scale(a, MxScaleRule::Rceil);
+  const float q = (b == 255) ? 0.0f : e4m3_to_float(mx_encode(v, b));
+  xa[t * Hp + blk * 32 + (lane & ~7) + kern::perm8(lane & 7, swap)] = __half_as_ushort(__float2half_rn(q));
+  if (lane == 0) xs[t * (Hp / 32) + blk] = b;
+}
+
+/// Block-wide exclusive scan of one int per thread (blockDim.x == 1024).
+__device__ int block_exclusive_scan(int v, int* total) {
+  __shared__ int warp_sums[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int inc = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int n = __shfl_up_sync(0xffffffffu, inc, o);
+    if (lane >= o) inc += n;
+  }
+  if (lane == 31) warp_sums[warp] = inc;
+  __syncthreads();
+  if (warp == 0) {
+    int s = warp_sums[lane];
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int n = __shfl_up_sync(0xffffffffu, s, o);
+      if (lane >= o) s += n;
+    }
+    warp_sums[lane] = s;  // inclusive
+  }
+  __syncthreads();
+  const int before = warp ? warp_sums[warp - 1] : 0;
+  *total = warp_sums[31];
+  __syncthreads();
+  return before + inc - v;
+}
+
+__global__ void __launch_bounds__(1024)
+    group_by_expert_kernel(const int* __restrict__ ids, long long P, int E, int tile_rows, int* __restrict__ sorted,
+                           int* __restrict__ tile_expert, int* __restrict__ tile_start, int* __restrict__ tile_count,
+                           int* __restrict__ num_tiles) {
+  __shared__ int cnt[1024], off[1024], cur[1024];
+  const int tid = threadIdx.x;
+  cnt[tid] = 0;
+  cur[tid] = 0;
+  __syncthreads();
+  for (long long p = tid; p < P; p += 1024) {
+    const int e = ids[p];
+    if (e >= 0 && e < E) atomicAdd(&cnt[e], 1);
+  }
+  __syncthreads();
+  const int c = tid < E ? cnt[tid] : 0;
+  const int nt = (c + tile_rows - 1) / tile_rows;
+  int total_pairs, total_tiles;
+  const int o = block_exclusive_scan(c, &total_pairs);
+  const int to = block_exclusive_scan(nt, &total_tiles);
+  off[tid] = o;
+  for (int j = 0; j < nt; ++j) {
+    tile_expert[to + j] = tid;
+    tile_start[to + j] = o + j * tile_rows;
+    tile_count[to + j] = min(tile_rows, c - j * tile_rows);
+  }
+  if (tid == 0) *num_tiles = total_tiles;
+  __syncthreads();
+  for (long long p = tid; p < P; p += 1024) {
+    const int e = ids[p];
+    if (e >= 0 && e < E) sorted[off[e] + atomicAdd(&cur[e], 1)] = static_cast<int>(p);
+  }
+}
+
+__global__ void __launch_bounds__(256)
+    reduce_topk_kernel(const int* __restrict__ ids, const float* __restrict__ w, const float* __restrict__ y, long long T,
+                       int k, int E, long long H, uint16_t* __restrict__ out) {
+  const long long t = blockIdx.y;
+  const long long n = static_cast<long long>(blockIdx.x) * 256 + threadIdx.x;
+  if (n >= H) return;
+  float acc = 0.0f;
+  for (int j = 0; j < k; ++j) {
+    const long long p = t * k + j;
+    const int e = ids[p];
+    if (e < 0 || e >= E) {
+      acc = __int_as_float(0x7fc00000);
+      break;
+    }
+    acc = __fadd_rn(acc, __fmul_rn(w[p], y[p * H + n]));
+  }
+  out[t * H + n] = bf16_from_float(acc);
+}
+
+std::size_t align256(std::size_t v) { return (v + 255) / 256 * 256; }
+
+}  // namespace
+
+MoeStrategy choose_strategy(std::int64_t tokens, int top_k, std::int64_t experts) {
+  const double pairs = static_cast<double>(tokens) * top_k;
+  const double touched = std::min<double>(static_cast<double>(experts), pairs);
+  return (touched > 0 && pairs / touched >= 48.0) ? MoeStrategy::Prefill : MoeStrategy::Decode;
+}
+
+std::size_t moe_workspace_bytes(std::int64_t max_tokens, int top_k, std::int64_t experts, std::int64_t hidden,
+                                std::int64_t intermediate) {
+  return detail::carve(nullptr, max_tokens, top_k, experts, hidden, intermediate).bytes;
+}
+
+std::int64_t lutb_bytes_per_expert(const DeviceMoeWeights& w) {
+  return (w.w13.shape.tiles_per_expert() + w.w2.shape.tiles_per_expert()) * 201;
+}
+
+namespace detail {
+
+std::int64_t max_tiles(std::int64_t pairs, std::int64_t experts, int mt) {
+  return std::min(experts, pairs) + pairs / (16 * mt);
+}
+
+Workspace carve(void* base, std::int64_t T, int k, std::int64_t E, std::int64_t H, std::int64_t I) {
+  const std::int64_t Hp = ceil_div(H, 64) * 64, Ip = ceil_div(I, 64) * 64, P = T * k;
+  const std::int64_t mt = max_tiles(P, E, 1);
+  Workspace w;
+  std::size_t o = 0;
+  auto take = [&](std::size_t bytes) {
+    const std::size_t at = o;
+    o = align256(o + bytes);
+    return base ? static_cast<char*>(base) + at : nullptr;
+  };
+  w.xa = reinterpret_cast<std::uint16_t*>(take(sizeof(std::uint16_t) * T * Hp));
+  w.xs = reinterpret_cast<std::uint8_t*>(take(T * Hp / 32));
+  w.sorted = reinterpret_cast<int*>(take(sizeof(int) * P));
+  w.tile_expert = reinterpret_cast<int*>(take(sizeof(int) * mt));
+  w.tile_start = reinterpret_cast<int*>(take(sizeof(int) * mt));
+  w.tile_count = reinterpret_cast<int*>(take(sizeof(int) * mt));
+  w.num_tiles = reinterpret_cast<int*>(take(sizeof(int)));
+  w.hq = reinterpret_cast<std::uint16_t*>(take(sizeof(std::uint16_t) * P * Ip));
+  w.hs = reinterpret_cast<std::uint8_t*>(take(P * Ip / 32));
+  w.y = reinterpret_cast<float*>(take(sizeof(float) * P * H));
+  w.bytes = o;
+  return w;
+}
+
+int resolve_mt(MoeStrategy s, std::int64_t tokens, int top_k, std::int64_t experts) {
+  if (s == MoeStrategy::Auto) s = choose_strategy(tokens, top_k, experts);
+  return s == MoeStrategy::Prefill ? 4 : 1;
+}
+
+static WeightDecoder g_decoder = WeightDecoder::Auto;
+
+bool use_cvt_decoder(int mt) {
+  if (g_decoder == WeightDecoder::BytePermute) return false;
+  if (g_decoder == WeightDecoder::Auto && mt != 1) return false;
+  static int cc[64] = {0};
+  int dev = 0;
+  check(cudaGetDevice(&dev), "cudaGetDevice");
+  if (dev < 64 && cc[dev] == 0) {
+    int major = 0, minor = 0;
+    check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "cudaDeviceGetAttribute");
+    check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev), "cudaDeviceGetAttribute");
+    cc[dev] = major * 10 + minor;
+  }
+  const int c = dev < 64 ? cc[dev] : 0;
+  // The binary carries sm_80 and sm_90a code: the cvt decoder exists only in the sm_90a image.
+  return c >= 90 && c < 100;
+}
+
+void launch_quantize_x(const std::uint16_t* x, std::int64_t T, std::int64_t H, std::int64_t Hp, bool swap,
+                       std::uint16_t* xa, std::uint8_t* xs, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(ceil_div(Hp / 32, 8)), static_cast<unsigned>(T));
+  quantize_x_kernel<<<grid, 256, 0, stream>>>(x, H, Hp, swap, xa, xs);
+  check_launch("quantize_x_kernel");
+}
+
+void launch_group(const int* ids, std::int64_t P, std::int64_t E, int tile_rows, const Workspace& ws,
+                  cudaStream_t stream) {
+  group_by_expert_kernel<<<1, 1024, 0, stream>>>(ids, P, static_cast<int>(E), tile_rows, ws.sorted, ws.tile_expert,
+                                                 ws.tile_start, ws.tile_count, ws.num_tiles);
+  check_launch("group_by_expert_kernel");
+}
+
+void launch_reduce(const int* ids, const float* weights, const float* y, std::int64_t T, int k, std::int64_t E,
+                   std::int64_t H, std::uint16_t* out, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(ceil_div(H, 256)), static_cast<unsigned>(T));
+  reduce_topk_kernel<<<grid, 256, 0, stream>>>(ids, weights, y, T, k, static_cast<int>(E), H, out);
+  check_launch("reduce_topk_kernel");
+}
+
+}  // namespace detail
+
+void set_weight_decoder(WeightDecoder d) { detail::g_decoder = d; }
+
+}  // namespace lutb::cuda

@@ -1,0 +1,53 @@
+// src/cuda/moe_internal.hpp: host-side pieces shared by the LUT-B and BF16 forwards: workspace
+// layout, argument checks and the launches of the small kernels (MXFP8 of x, grouping, reduction).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "moe_kernels.cuh"
+
+namespace lutb::cuda::detail {
+
+/// Carved workspace (all pointers 256-byte aligned).
+struct Workspace {
+  std::uint16_t* xa = nullptr;     // [T, Hp] FP16 E4M3 values (LUT-B path)
+  std::uint8_t* xs = nullptr;      // [T, Hp/32] UE8M0
+  int* sorted = nullptr;           // [P]
+  int* tile_expert = nullptr;      // [max_tiles]
+  int* tile_start = nullptr;       // [max_tiles]
+  int* tile_count = nullptr;       // [max_tiles]
+  int* num_tiles = nullptr;        // [1]
+  std::uint16_t* hq = nullptr;     // [P, Ip]
+  std::uint8_t* hs = nullptr;      // [P, Ip/32]
+  float* y = nullptr;              // [P, H]
+  std::size_t bytes = 0;
+};
+
+/// Upper bound of token tiles of 16*mt rows over all experts: min(E, P) + floor(P / (16*mt)).
+std::int64_t max_tiles(std::int64_t pairs, std::int64_t experts, int mt);
+
+/// Lays out the workspace (base may be null to measure).
+Workspace carve(void* base, std::int64_t tokens, int top_k, std::int64_t experts, std::int64_t hidden,
+                std::int64_t intermediate);
+
+/// Which mma tile to use: 1 (decode) or 4 (prefill) m16 tiles per warp (the LUT-B path uses 2 for prefill).
+int resolve_mt(MoeStrategy s, std::int64_t tokens, int top_k, std::int64_t experts);
+
+/// True when the weight decoder of a launch with `mt` m16 tiles per warp uses the sm_89+ E4M3
+/// conversion instruction on the current device (set_weight_decoder's policy).
+bool use_cvt_decoder(int mt);
+
+/// x [T, H] BF16 -> MXFP8 (rceil) as FP16 E4M3 values in the decoder's column order + UE8M0 scales.
+void launch_quantize_x(const std::uint16_t* x, std::int64_t T, std::int64_t H, std::int64_t Hp, bool swap,
+                       std::uint16_t* xa, std::uint8_t* xs, cudaStream_t stream);
+/// Groups the pairs p = t*k + j by expert into token tiles of `tile_rows` rows.
+void launch_group(const int* ids, std::int64_t pairs, std::int64_t experts, int tile_rows, const Workspace& ws,
+                  cudaStream_t stream);
+/// out[t, n] = bf16(sum_j w[t, j] * y[t*k + j, n]); NaN rows for tokens with an invalid expert id.
+void launch_reduce(const int* ids, const float* weights, const float* y, std::int64_t T, int k, std::int64_t E,
+                   std::int64_t H, std::uint16_t* out, cudaStream_t stream);
+
+}  // namespace lutb::cuda::detail

@@ -1,0 +1,127 @@
+// src/cuda/moe_kernels.cuh: the kernels of the fused MoE forward (spec section 4), shared by the
+// LUT-B path and the BF16 baseline (same skeleton, kLutb = false).
+//
+// Tensor-core mapping (mma.sync.m16n8k16, FP32 accumulators): M = 16 tokens (rows of the expert's
+// token list), N = 8 weight rows = exactly one LUT-B tile row-strip, K = 16. So every accumulator
+// column shares one tile scale and every accumulator row one MXFP8 block scale: the products of the
+// UNSCALED E4M3 values (exact in FP16) are summed per 32-column MXFP8 block by two mma, then that
+// partial sum is multiplied by 2^(s_w-127) * 2^(b_x-127) (exact) and added to the FP32 result. The
+// values multiplied are exactly spec section 4's; only the FP32 summation order differs.
+//
+// K permutation: inside every 8 consecutive columns, thread t of a quad holds columns 8t..8t+7 of the
+// 32-column block (one 24-bit group of 8 packed indices). The weight decoder produces FP16 pairs
+// either natural ((0,1),(2,3),...; sm_89+ cvt.rn.f16x2.e4m3x2) or swapped ((0,2),(1,3),...; the
+// portable byte trick); activations are stored in the matching order, so A and B agree on every
+// k-slot.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "lutb/mxfp8.hpp"
+#include "lutb/numerics.hpp"
+
+namespace lutb::cuda::kern {
+
+constexpr int kWarps = 4;  // warps per CTA in the GEMM kernels
+
+/// Storage position, inside its group of 8, of logical column c (swap order 0,2,1,3,4,6,5,7).
+__host__ __device__ __forceinline__ int perm8(int c, bool swap) {
+  return swap ? ((c & 4) | ((c & 1) << 1) | ((c & 2) >> 1)) : c;
+}
+
+/// Spreads the four 3-bit fields at bits 0,3,6,9 of v to nibbles 0..3 (bit 3 of each nibble zero):
+/// a PRMT selector. Bits of v above 11 do not leak into the result.
+__device__ __forceinline__ unsigned spread4(unsigned v) {
+  const unsigned x = (v & 0x3fu) | ((v << 2) & ~0x3fu);         // fields at 0,3 | 8,11
+  return ((x & 0x0707u) | ((x << 1) & ~0x0707u)) & 0x7777u;       // fields at 0,4,8,12
+}
+
+/// Two E4M3 bytes (low 16 bits) -> FP16x2, exact (sm_89+ hardware conversion), natural order.
+__device__ __forceinline__ unsigned e4m3x2_to_f16x2(unsigned short v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  unsigned r;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(v));
+  return r;
+#else
+  // Not used on these architectures (the host selects the byte-trick decoder); keep it exact anyway.
+  const unsigned y = v;
+  const unsigned lo = static_cast<unsigned>(__half_as_ushort(__float2half(e4m3_to_float(y & 0xff))));
+  const unsigned hi = static_cast<unsigned>(__half_as_ushort(__float2half(e4m3_to_float(y >> 8))));
+  return lo | (hi << 16);
+#endif
+}
+
+/// Decodes one 24-bit group (8 packed indices) against codebook bytes cb_lo (entries 0..3) and
+/// cb_hi (4..7) into four FP16x2 registers.
+/// kCvt: natural pairs (0,1)(2,3)(4,5)(6,7), true E4M3 values.
+/// !kCvt: swapped pairs (0,2)(1,3)(4,6)(5,7), values times 2^-8 (FP16 bits = sign<<15 | (b&0x7f)<<7,
+///        exact for normals and subnormals alike).
+template <bool kCvt>
+__device__ __forceinline__ void decode_group(unsigned g24, unsigned cb_lo, unsigned cb_hi, unsigned (&b)[4]) {
+  const unsigned y1 = __byte_perm(cb_lo, cb_hi, spread4(g24));
+  const unsigned y2 = __byte_perm(cb_lo, cb_hi, spread4(g24 >> 12));
+  if constexpr (kCvt) {
+    b[0] = e4m3x2_to_f16x2(static_cast<unsigned short>(y1 & 0xffffu));
+    b[1] = e4m3x2_to_f16x2(static_cast<unsigned short>(y1 >> 16));
+    b[2] = e4m3x2_to_f16x2(static_cast<unsigned short>(y2 & 0xffffu));
+    b[3] = e4m3x2_to_f16x2(static_cast<unsigned short>(y2 >> 16));
+  } else {
+    // bytes 0 and 2 -> (lane0, lane1) of one register; bytes 1 and 3 -> the other.
+    b[0] = ((y1 << 8) & 0x80008000u) | ((y1 << 7) & 0x3f803f80u);
+    b[1] = (y1 & 0x80008000u) | ((y1 >> 1) & 0x3f803f80u);
+    b[2] = ((y2 << 8) & 0x80008000u) | ((y2 << 7) & 0x3f803f80u);
+    b[3] = (y2 & 0x80008000u) | ((y2 >> 1) & 0x3f803f80u);
+  }
+}
+
+template <bool kBf16>
+__device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  if constexpr (kBf16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+/// 2^(b-127) as FP32 (b = 255 -> NaN), times 2^extra (extra in 0..8, b + extra <= 254 for valid b).
+__device__ __forceinline__ float ue8m0_scale(unsigned b, int extra) {
+  if (b == 255u) return __int_as_float(0x7fc00000);
+  if (b + extra == 0u) return __int_as_float(0x00400000);
+  return __int_as_float(static_cast<int>((b + extra) << 23));
+}
+
+// ---------------------------------------------------------------------------
+// Work description shared by the kernels
+// ---------------------------------------------------------------------------
+struct Routing {
+  const int* ids;          // [T*k] expert of pair p = t*k + j
+  const float* weights;    // [T*k]
+  const int* sorted;       // [T*k] pair indices grouped by expert (valid ones first)
+  const int* tile_expert;  // [max_tiles] expert of token tile
+  const int* tile_start;   // [max_tiles] first position in `sorted`
+  const int* tile_count;   // [max_tiles] rows in the tile (1..16*MT)
+  const int* num_tiles;    // [1]
+  int top_k;
+};
+
+struct LutbW {
+  const unsigned char* packed;
+  const unsigned char* codebook;
+  const unsigned char* scale;
+  long long tiles_n, tiles_k;  // per expert
+  long long total_tiles;      // of the whole stack (bounds of the scale array)
+};
+
+}  // namespace lutb::cuda::kern

@@ -1,0 +1,86 @@
+// src/cuda/moe_lutb.cu: the fused LUT-B MoE forward (spec section 4): MXFP8 of x, grouping, GEMM1
+// with SiLU*up and MXFP8 of h, GEMM2, weighted top-k reduction. Kernel names follow the DeepGEMM
+// habit: arch, types, scaling (sm80_lutb_mxfp8_moe_{gemm1,gemm2}_{decode,prefill}; the same code
+// runs on sm_90a with the hardware E4M3 decoder).
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "common.cuh"
+#include "lutb/cuda/moe.hpp"
+#include "moe_gemm.cuh"
+#include "moe_internal.hpp"
+
+namespace lutb::cuda {
+namespace {
+
+template <bool kCvt, int MT>
+void launch_gemms(const DeviceMoeWeights& w, const kern::Routing& r, const detail::Workspace& ws, std::int64_t P,
+                  cudaStream_t stream) {
+  const std::int64_t H = w.hidden, I = w.intermediate;
+  const std::int64_t Hp = w.w13.shape.padded_cols(), Ip = w.w2.shape.padded_cols();
+  const std::int64_t slots = detail::max_tiles(P, w.experts, MT);
+  const kern::LutbW w13{w.w13.packed, w.w13.codebook, w.w13.scale, w.w13.shape.tiles_n(), w.w13.shape.tiles_k(),
+                         w.w13.shape.tiles()};
+  const kern::LutbW w2{w.w2.packed, w.w2.codebook, w.w2.scale, w.w2.shape.tiles_n(), w.w2.shape.tiles_k(),
+                        w.w2.shape.tiles()};
+  // 4 weight strips per warp (amortises the per-K-tile work over 2048 weights per warp).
+  constexpr int NT = 4;
+  constexpr int smem = kern::kWarps * kern::Ring<true, NT>::kWarpBytes;
+  const dim3 g1(static_cast<unsigned>(Ip / kern::gemm1_cols<NT>()), static_cast<unsigned>(slots));
+  kern::moe_gemm1_kernel<true, kCvt, NT, MT><<<g1, kern::kWarps * 32, smem, stream>>>(w13, nullptr, ws.xa, ws.xs, Hp, r,
+                                                                                      I, Ip, ws.hq, ws.hs);
+  detail::check_launch("sm80_lutb_mxfp8_moe_gemm1");
+  const dim3 g2(static_cast<unsigned>(detail::ceil_div(w2.tiles_n, kern::kWarps * NT)), static_cast<unsigned>(slots));
+  kern::moe_gemm2_kernel<true, kCvt, NT, MT><<<g2, kern::kWarps * 32, smem, stream>>>(w2, nullptr, ws.hq, ws.hs, Ip, r,
+                                                                                      H, ws.y);
+  detail::check_launch("sm80_lutb_mxfp8_moe_gemm2");
+}
+
+void check_shape(const DeviceLutb& d, std::int64_t E, std::int64_t N, std::int64_t K, const char* what) {
+  if (d.shape.experts != E || d.shape.rows != N || d.shape.cols != K)
+    throw std::invalid_argument(std::string("moe_forward: ") + what + " shape must be [" + std::to_string(E) + ", " +
+                                std::to_string(N) + ", " + std::to_string(K) + "], got [" +
+                                std::to_string(d.shape.experts) + ", " + std::to_string(d.shape.rows) + ", " +
+                                std::to_string(d.shape.cols) + "]");
+  if (!d.packed || !d.codebook || !d.scale) throw std::invalid_argument(std::string("moe_forward: ") + what + " has a null pointer");
+  if (reinterpret_cast<std::uintptr_t>(d.packed) % 16 || reinterpret_cast<std::uintptr_t>(d.codebook) % 8)
+    throw std::invalid_argument(std::string("moe_forward: ") + what + " packed must be 16-byte and codebook 8-byte aligned");
+}
+
+}  // namespace
+
+void moe_forward(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t tokens, int top_k,
+                 const std::int32_t* topk_ids, const float* topk_weights, std::uint16_t* out, void* workspace,
+                 std::size_t workspace_bytes, cudaStream_t stream, MoeStrategy strategy) {
+  const std::int64_t E = w.experts, H = w.hidden, I = w.intermediate;
+  if (E < 1 || E > 1024) throw std::invalid_argument("moe_forward: experts must be 1..1024");
+  if (H < 1 || I < 8 || I % 8 != 0) throw std::invalid_argument("moe_forward: need H >= 1 and I a positive multiple of 8");
+  if (top_k < 1 || top_k > 32) throw std::invalid_argument("moe_forward: top_k must be 1..32");
+  if (tokens < 0 || tokens > 65535) throw std::invalid_argument("moe_forward: tokens must be 0..65535 per call");
+  check_shape(w.w13, E, 2 * I, H, "w13");
+  check_shape(w.w2, E, H, I, "w2");
+  if (tokens == 0) return;
+  const detail::Workspace ws = detail::carve(workspace, tokens, top_k, E, H, I);
+  if (workspace_bytes < ws.bytes)
+    throw std::invalid_argument("moe_forward: workspace of " + std::to_string(workspace_bytes) + " bytes, need " +
+                                std::to_string(ws.bytes));
+  const std::int64_t P = tokens * top_k;
+  // Prefill: 2 m16 token tiles per warp (4 spill past the register file with 4 weight strips).
+  const int mt = detail::resolve_mt(strategy, tokens, top_k, E) == 1 ? 1 : 2;
+  const bool cvt = detail::use_cvt_decoder(mt);
+  detail::launch_quantize_x(x, tokens, H, w.w13.shape.padded_cols(), !cvt, ws.xa, ws.xs, stream);
+  detail::launch_group(topk_ids, P, E, 16 * mt, ws, stream);
+  const kern::Routing r{topk_ids, topk_weights, ws.sorted, ws.tile_expert, ws.tile_start, ws.tile_count, ws.num_tiles,
+                        top_k};
+  if (cvt) {
+    if (mt > 1) launch_gemms<true, 2>(w, r, ws, P, stream);
+    else launch_gemms<true, 1>(w, r, ws, P, stream);
+  } else {
+    if (mt > 1) launch_gemms<false, 2>(w, r, ws, P, stream);
+    else launch_gemms<false, 1>(w, r, ws, P, stream);
+  }
+  detail::launch_reduce(topk_ids, topk_weights, ws.y, tokens, top_k, E, H, out, stream);
+}
+
+}  // namespace lutb::cuda
