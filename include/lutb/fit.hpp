@@ -6,10 +6,11 @@
 // All fitters are deterministic: the same input gives the same bytes on any thread count and machine.
 //
 // Fitters (by name, the default first):
-//   "binned-dp"   the default: the exact DP of "optimal" on 32 equal-count bins of the sorted values,
-//                 then an exact DP over windows of +-8 positions around each boundary (re-centred
-//                 until no boundary sits on a window edge), at scale rceil(amax) only. Measured
-//                 0.02 dB below "optimal" on the real tiles (docs/perf/fitting.md), ~10x faster.
+//   "binned-dp"   the default: the exact DP of "optimal" on 32 equal-count bins of the sorted values
+//                 (plus the 8 extreme values at each end individually), then an exact DP over
+//                 windows of +-8 positions around each boundary (re-centred while a boundary sits
+//                 on a window edge), at scale rceil(amax) only. Measured 0.012 dB below "optimal"
+//                 on the real routed-expert tiles (docs/perf/fitting.md), ~9x faster.
 //   "optimal"     exact minimum over codebooks of at most 8 entries from E4M3 * 2^(s-127), with the
 //                 scale searched over the values that can matter (src/fit/optimal.cpp says why):
 //                 rceil(amax), then downward while a saturation lower bound allows.

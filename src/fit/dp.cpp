@@ -203,6 +203,7 @@ DpResult dp_fit(const SortedTile& st, const int* pos, int m, int scale) {
 }
 
 void dp_refine(const SortedTile& st, int scale, int w, int rounds, DpResult& res) {
+  constexpr int kSettledWindow = 3;  // later rounds: boundaries that did not hit an edge
   const int K = res.n_entries;
   const int m = st.n;
   if (K < 2 || K >= m) return;
@@ -219,11 +220,13 @@ void dp_refine(const SortedTile& st, int scale, int w, int rounds, DpResult& res
   double F[kCodebookSize + 1][2 * kTileSize + 1];
   std::int16_t arg[kCodebookSize + 1][2 * kTileSize + 1];
   double v[2 * kTileSize + 2];
+  int wk[kCodebookSize];  // window half-width per boundary: w, then narrower where it settled
+  for (int k = 1; k < K; ++k) wk[k] = w;
   for (int round = 0; round < rounds; ++round) {
     int lo[kCodebookSize], hi[kCodebookSize];
     for (int k = 1; k < K; ++k) {
-      lo[k] = std::max(b[k] - w, k);
-      hi[k] = std::min(b[k] + w, m - (K - k));
+      lo[k] = std::max(b[k] - wk[k], k);
+      hi[k] = std::min(b[k] + wk[k], m - (K - k));
     }
     // Runs 0..k-1 end at j in window k (boundary k); windows are processed left to right.
     for (int j = lo[1]; j <= hi[1]; ++j) F[1][j - lo[1]] = dp.cost(0, j);
@@ -255,7 +258,9 @@ void dp_refine(const SortedTile& st, int scale, int w, int rounds, DpResult& res
     for (int k = K; k >= 2; --k) nb[k - 1] = arg[k][nb[k] - (k < K ? lo[k] : m)];
     bool edge = false;
     for (int k = 1; k < K; ++k) {
-      edge = edge || ((nb[k] == lo[k] && lo[k] > k) || (nb[k] == hi[k] && hi[k] < m - (K - k)));
+      const bool e = (nb[k] == lo[k] && lo[k] > k) || (nb[k] == hi[k] && hi[k] < m - (K - k));
+      edge = edge || e;
+      wk[k] = e ? w : kSettledWindow;
       b[k] = nb[k];
     }
     res.cost = F[K][0] / inv_scale2;

@@ -29,7 +29,8 @@ DpResult dp_fit(const SortedTile& st, const int* pos, int m, int scale);
 /// Local exact refinement of a partition (res.bounds, res.n_entries runs) at scale `scale`: the
 /// exact DP over partitions whose k-th boundary lies within `w` positions of the current k-th
 /// boundary, repeated (re-centred) while a boundary ends on a window edge, at most `rounds`
-/// times. Never increases the DP cost. Updates res in place.
+/// times; in the repeats, boundaries that did not end on an edge get +-3 windows. Never increases
+/// the DP cost. Updates res in place.
 void dp_refine(const SortedTile& st, int scale, int w, int rounds, DpResult& res);
 
 }  // namespace lutb::fit_detail
