@@ -92,6 +92,7 @@ def main():
         extra += ["--max-windows", str(a.max_windows)]
 
     started = datetime.datetime.now(datetime.timezone.utc)
+    rev = git_rev()  # the tree the binary is assumed to be built from, read before anything runs
     log = []
     sections = []
     summary = []
@@ -166,7 +167,7 @@ def main():
            "SQNR is over all routed-expert weights (10·log10(Σw²/Σ(w−ŵ)²)); bytes are the routed experts' storage",
            "(LUT-B: 201 bytes per 8×64 tile; baselines: their bits per weight).", "",
            f"- Machine: {machine()}", f"- Date: {started:%Y-%m-%d %H:%M} UTC (took {(finished - started).total_seconds() / 60:.1f} min)",
-           f"- lutb: commit `{git_rev()}`", "",
+           f"- lutb: commit `{rev}`", "",
            "## Summary", "",
            "| model | BF16 | best LUT-B (MXFP8 act.) | INT3-g128 | MXFP4 | routed experts BF16 → LUT-B bytes |",
            "|---|---:|---:|---:|---:|---:|"]
