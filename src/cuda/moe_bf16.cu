@@ -52,7 +52,7 @@ void moe_forward_bf16(const DeviceMoeWeightsBf16& w, const std::uint16_t* x, std
     throw std::invalid_argument("moe_forward_bf16: workspace of " + std::to_string(workspace_bytes) + " bytes, need " +
                                 std::to_string(ws.bytes));
   const std::int64_t P = tokens * top_k;
-  const int mt = detail::resolve_mt(strategy, tokens, top_k, E);
+  const int mt = detail::resolve_mt(strategy, tokens, top_k, E, false);
   detail::launch_group(topk_ids, P, E, 16 * mt, ws, stream);
   const kern::Routing r{topk_ids, topk_weights, ws.sorted, ws.tile_expert, ws.tile_start, ws.tile_count, ws.num_tiles,
                         top_k};

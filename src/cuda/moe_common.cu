@@ -114,7 +114,8 @@ std::size_t align256(std::size_t v) { return (v + 255) / 256 * 256; }
 
 }  // namespace
 
-MoeStrategy choose_strategy(std::int64_t tokens, int top_k, std::int64_t experts) {
+MoeStrategy choose_strategy(std::int64_t tokens, int top_k, std::int64_t experts, bool packed_weights) {
+  if (packed_weights) return MoeStrategy::Decode;
   const double pairs = static_cast<double>(tokens) * top_k;
   const double touched = std::min<double>(static_cast<double>(experts), pairs);
   return (touched > 0 && pairs / touched >= 48.0) ? MoeStrategy::Prefill : MoeStrategy::Decode;
@@ -159,8 +160,8 @@ Workspace carve(void* base, std::int64_t T, int k, std::int64_t E, std::int64_t 
   return w;
 }
 
-int resolve_mt(MoeStrategy s, std::int64_t tokens, int top_k, std::int64_t experts) {
-  if (s == MoeStrategy::Auto) s = choose_strategy(tokens, top_k, experts);
+int resolve_mt(MoeStrategy s, std::int64_t tokens, int top_k, std::int64_t experts, bool packed) {
+  if (s == MoeStrategy::Auto) s = choose_strategy(tokens, top_k, experts, packed);
   return s == MoeStrategy::Prefill ? 4 : 1;
 }
 

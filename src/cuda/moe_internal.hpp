@@ -34,7 +34,7 @@ Workspace carve(void* base, std::int64_t tokens, int top_k, std::int64_t experts
                 std::int64_t intermediate);
 
 /// Which mma tile to use: 1 (decode) or 4 (prefill) m16 tiles per warp (the LUT-B path uses 2 for prefill).
-int resolve_mt(MoeStrategy s, std::int64_t tokens, int top_k, std::int64_t experts);
+int resolve_mt(MoeStrategy s, std::int64_t tokens, int top_k, std::int64_t experts, bool packed);
 
 /// True when the weight decoder of a launch with `mt` m16 tiles per warp uses the sm_89+ E4M3
 /// conversion instruction on the current device (set_weight_decoder's policy).

@@ -67,7 +67,7 @@ void moe_forward(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t
                                 std::to_string(ws.bytes));
   const std::int64_t P = tokens * top_k;
   // Prefill: 2 m16 token tiles per warp (4 spill past the register file with 4 weight strips).
-  const int mt = detail::resolve_mt(strategy, tokens, top_k, E) == 1 ? 1 : 2;
+  const int mt = detail::resolve_mt(strategy, tokens, top_k, E, true) == 1 ? 1 : 2;
   const bool cvt = detail::use_cvt_decoder(mt);
   detail::launch_quantize_x(x, tokens, H, w.w13.shape.padded_cols(), !cvt, ws.xa, ws.xs, stream);
   detail::launch_group(topk_ids, P, E, 16 * mt, ws, stream);

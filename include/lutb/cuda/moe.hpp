@@ -87,11 +87,15 @@ void route_deepseek(const float* logits, const float* bias, std::int64_t tokens,
 /// Strategy of the GEMM kernels. Auto picks by the expected tokens per expert (choose_strategy).
 enum class MoeStrategy : std::uint8_t { Auto, Decode, Prefill };
 
-/// Heuristic, kept apart from the kernels: Decode (16 tokens per warp tile, weight-streaming) when
-/// the mean number of tokens per touched expert is below 48, else Prefill (32 tokens per warp tile
-/// on the LUT-B path, 64 on the BF16 one: each decoded weight fragment feeds several tensor-core
-/// products).
-MoeStrategy choose_strategy(std::int64_t tokens, int top_k, std::int64_t experts);
+/// Heuristic, kept apart from the kernels. Decode = 16 tokens per warp tile (weight streaming);
+/// Prefill = several m16 token tiles per warp (2 on the LUT-B path, 4 on the BF16 one), so each
+/// weight fragment feeds several tensor-core products.
+///   BF16 weights (packed_weights = false): Prefill when the mean number of tokens per touched
+///     expert reaches 48, else Decode.
+///   LUT-B weights: Decode at every batch. On the H200 (docs/perf/moe-gpu.md, 2026-11-29) the
+///     2-tile variant was no faster at any T up to 4096 on the four benchmark shapes (within 2 %
+///     slower to 10 % slower, one shape 1 % faster), so the heuristic never picks it.
+MoeStrategy choose_strategy(std::int64_t tokens, int top_k, std::int64_t experts, bool packed_weights = true);
 
 /// Bytes of device workspace moe_forward needs for at most `max_tokens` tokens.
 std::size_t moe_workspace_bytes(std::int64_t max_tokens, int top_k, std::int64_t experts, std::int64_t hidden,
