@@ -146,6 +146,8 @@ struct Case {
   int only_first;  // route only to the first experts (others stay empty); 0 = all
 };
 
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
 class FastVsReference : public ::testing::TestWithParam<Case> {};
 
 TEST_P(FastVsReference, EqualUpToSummationOrder) {
@@ -247,6 +249,24 @@ TEST(Experts, ExpertParallelRanksSumToTheWholeLayer) {
   }
   EXPECT_LE(rel_l2(sum, full), 1e-6);
   EXPECT_GT(rel_l2(part, full), 0.1);  // one rank alone is not the whole layer
+}
+
+TEST(Experts, Fp32HiddenStatesEqualBf16OnesOfTheSameValues) {
+  std::mt19937 rng(19);
+  const MoeConfig cfg = make_config(4, 2, 128, 64);
+  const LutbTensor w13 = test::random_lutb(cfg.w13_shape(), rng), w2 = test::random_lutb(cfg.w2_shape(), rng);
+  const int T = 3;
+  const auto xb = test::random_bf16(T * 128, rng);
+  const auto xf = test::bf16_to_f32(xb);
+  std::vector<std::int32_t> ids = {0, 3, 1, 2, 3, 0};
+  std::vector<float> w = {0.6f, 0.4f, 0.5f, 0.5f, 0.9f, 0.1f};
+  for (int kind = 0; kind < 3; ++kind) {
+    std::unique_ptr<Experts> ex = make_lutb_experts(cfg, w13, w2, static_cast<EmulationKernel>(kind));
+    std::vector<std::uint16_t> ob(T * 128), of(T * 128);
+    ex->apply(HiddenStates::bf16(xb.data(), T), {ids.data(), w.data(), 2}, ob.data());
+    ex->apply(HiddenStates::f32(xf.data(), T), {ids.data(), w.data(), 2}, of.data());
+    EXPECT_EQ(ob, of) << ex->name();
+  }
 }
 
 TEST(Experts, InputErrors) {
