@@ -356,7 +356,8 @@ std::string format_summary(const QuantizeSummary& s);
 /// - Atomic: everything is written to "<out_dir>.tmp.<pid>" and renamed to out_dir at the end; on
 ///   any error the temporary directory is removed and out_dir is untouched.
 /// Errors: CheckpointError when out_dir exists (without force), equals in_dir, or in_dir is already
-/// LUT-B; ConfigError / SafetensorsError for bad input; std::invalid_argument naming the tensor and
+/// LUT-B, or when a MoE layer's routed experts have a bias tensor ("... LUT-B online MoE
+/// quantization does not support bias.", spec 6); ConfigError / SafetensorsError for bad input; std::invalid_argument naming the tensor and
 /// tile for NaN/Inf weights (from the fitter); CheckpointError for a non-float expert tensor.
 QuantizeSummary quantize_checkpoint(const std::filesystem::path& in_dir, const std::filesystem::path& out_dir,
                                     const QuantizeOptions& opt = {});

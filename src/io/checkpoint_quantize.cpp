@@ -151,6 +151,13 @@ void write_text(const fs::path& path, const std::string& text) {
   if (!f) throw CheckpointError(fmt::format("{}: cannot write", path.string()));
 }
 
+// Layer index of "model.layers.L...." (-1 when the name has none).
+std::int64_t layer_of(const std::string& name) {
+  static const std::regex re(R"(^model\.layers\.(\d+)\.)");
+  std::smatch m;
+  return std::regex_search(name, m, re) ? std::stoll(m[1].str()) : -1;
+}
+
 std::string resolved_fitter(const FitOptions& f) {
   if (f.fitter.empty()) return default_fitter();
   check_fitter_name(f.fitter);
@@ -159,8 +166,9 @@ std::string resolved_fitter(const FitOptions& f) {
 
 }  // namespace
 
-QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_dir, const QuantizeOptions& opt) {
+QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_arg, const QuantizeOptions& opt) {
   const double t0 = detail::now_seconds();
+  const fs::path out_dir = out_arg.has_filename() ? out_arg : out_arg.parent_path();  // "out/" -> "out"
   QuantizeSummary sum;
   sum.fitter = resolved_fitter(opt.fit);
   if (out_dir.empty()) throw CheckpointError("quantize: no output directory given");
@@ -187,6 +195,11 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
     for (const auto& name : files[f]->names()) {
       const TensorView& v = files[f]->get(name);
       Planned p{name, false, {}};
+      if (name.find(".experts.") != std::string::npos && name.size() > 4 && name.compare(name.size() - 4, 4, "bias") == 0 &&
+          cfg.is_moe_layer(layer_of(name)))
+        throw CheckpointError(fmt::format("checkpoint {}: routed experts have a bias ({}): LUT-B online MoE quantization "
+                                          "does not support bias.",
+                                          in_dir.string(), name));
       std::smatch m;
       if (std::regex_match(name, m, pattern) && cfg.is_moe_layer(std::stoll(m[1].str()))) {
         const bool stacked = name.find("_proj.weight") == std::string::npos && name.find(".weight") == std::string::npos;

@@ -427,6 +427,10 @@ TEST(QuantizeErrors, OutputExistsUnlessForce) {
   EXPECT_FALSE(fs::exists(t.path / "out" / "keep.txt"));
   EXPECT_TRUE(Checkpoint(t.path / "out").is_lutb());
   expect_no_temp(t.path / "out");
+  // A trailing separator names the same directory.
+  quantize_checkpoint(t.path / "in", fs::path((t.path / "out2").string() + "/"), quiet());
+  EXPECT_TRUE(Checkpoint(t.path / "out2").is_lutb());
+  expect_no_temp(t.path / "out2");
 }
 
 // Rewrites model.safetensors of `dir` with tensor `name` replaced by `bytes` of `dtype`.
@@ -452,6 +456,24 @@ TEST(QuantizeErrors, WrongDtype) {
   EXPECT_FALSE(fs::exists(t.path / "out"));
   expect_error<CheckpointError>([&] { Checkpoint(t.path / "in").experts_source(0); }, {n, "I16"});
   expect_no_temp(t.path / "out");
+}
+
+TEST(QuantizeErrors, ExpertBiasIsRefused) {
+  TempDir t;
+  synthesize_checkpoint(t.path / "in", small(ModelFamily::qwen3_moe, 1, 64, 16, 2));
+  std::vector<std::pair<std::string, OwnedTensor>> ts;
+  {
+    SafetensorsFile f(t.path / "in" / "model.safetensors");
+    for (const auto& n : f.names()) {
+      const TensorView& v = f.get(n);
+      ts.push_back({n, OwnedTensor{v.dtype, v.shape, std::vector<std::uint8_t>(v.data, v.data + v.nbytes)}});
+    }
+  }
+  ts.push_back({"model.layers.0.mlp.experts.0.up_proj.bias", OwnedTensor{DType::BF16, {16}, std::vector<std::uint8_t>(32)}});
+  write_safetensors(t.path / "in" / "model.safetensors", ts);
+  expect_error<CheckpointError>([&] { quantize_checkpoint(t.path / "in", t.path / "out", quiet()); },
+                                {"up_proj.bias", "does not support bias"});
+  EXPECT_FALSE(fs::exists(t.path / "out"));
 }
 
 TEST(QuantizeErrors, NaNWeightNamesTensorAndTile) {
