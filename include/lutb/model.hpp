@@ -88,7 +88,9 @@ struct TransformerConfig {
   double rms_norm_eps = 1e-6;
   bool tie_word_embeddings = false;
   int intermediate_size = 0;   // dense MLP width
-  double clip_qkv = 0;         // OLMoE: clamp q, k, v to +-clip_qkv when > 0
+  double clip_qkv = 0;         // OLMoE: clamp q, k, v to +-clip_qkv when > 0 (after the q/k norms)
+  int sliding_window = 0;      // > 0: keys further back than this are masked (not implemented:
+                               // a sequence longer than the window is a ModelError)
 
   // MLA (deepseek_v2 / deepseek_v3)
   bool mla = false;

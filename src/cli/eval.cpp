@@ -31,9 +31,9 @@ struct EvalArgs {
 nlohmann::json number_or_null(double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(nullptr); }
 
 void run_eval(const EvalArgs& a) {
-  ensure_fast_blas();
+  ensure_runtime_env();
   model::set_threads(a.threads);
-  const model::MoeOptions mo = a.quant.resolve(a.threads);
+  const model::MoeOptions mo = a.quant.resolve(a.model_dir, a.threads);
   const auto t0 = std::chrono::steady_clock::now();
   model::CheckpointMoe moe(a.model_dir, mo);
   model::LanguageModel lm = model::LanguageModel::load(a.model_dir, moe.factory());
@@ -56,7 +56,11 @@ void run_eval(const EvalArgs& a) {
   const auto& cfg = lm.config();
   const std::string quant = model::quant_name(mo.quant);
   const std::string act = activation_name(mo.activations);
-  const std::string fitter = mo.quant == model::Quant::Lutb && !moe.lutb_checkpoint() ? mo.fit.fitter : "";
+  std::string fitter = mo.quant == model::Quant::Lutb ? mo.fit.fitter : "";
+  if (moe.lutb_checkpoint()) {  // the fitter that wrote the stored weights
+    const auto qc = parse_lutb_quant_config(cfg.raw);
+    fitter = qc ? qc->fitter : "";
+  }
   const double sqnr = moe.aggregate_sqnr_db();
   const double tps = r.seconds > 0 ? static_cast<double>(r.windows * eo.window) / r.seconds : 0.0;
 

@@ -39,9 +39,9 @@ std::vector<float> captured(const SafetensorsFile& f, const std::string& name, s
 }
 
 void run_moe(const MoeArgs& a) {
-  ensure_fast_blas();
+  ensure_runtime_env();
   model::set_threads(a.threads);
-  const model::MoeOptions mo = a.quant.resolve(a.threads);
+  const model::MoeOptions mo = a.quant.resolve(a.model_dir, a.threads);
   if (!std::filesystem::exists(a.activations_file))
     throw std::runtime_error(fmt::format("{}: activations file not found", a.activations_file));
   model::CheckpointMoe moe(a.model_dir, mo);

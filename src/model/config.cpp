@@ -169,7 +169,9 @@ TransformerConfig TransformerConfig::from_json(const json& j, const std::string&
     c.rope_interleave = c.family == "deepseek_v2" ? true : get_or<bool>(j, "rope_interleave", true, where);
     r.dim = c.qk_rope_head_dim;
     double scale = 1.0 / std::sqrt(static_cast<double>(c.qk_nope_head_dim + c.qk_rope_head_dim));
-    if (r.type != "default" && r.mscale_all_dim != 0) {
+    // transformers 5: DeepseekV3Attention multiplies by yarn mscale(factor, mscale_all_dim)^2;
+    // DeepseekV2Attention keeps qk_head_dim^-0.5 (its yarn scaling lives in the rope's cos/sin only).
+    if (c.family == "deepseek_v3" && r.type != "default" && r.mscale_all_dim != 0) {
       const double m = yarn_get_mscale(r.factor, r.mscale_all_dim);
       scale *= m * m;
     }
@@ -178,6 +180,11 @@ TransformerConfig TransformerConfig::from_json(const json& j, const std::string&
     r.dim = static_cast<int>(c.head_dim * partial);
     c.attention_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.head_dim)));
   }
+
+  // Sliding-window attention: Mixtral "sliding_window"; Qwen2/3-MoE only with use_sliding_window.
+  if (c.family == "mixtral") c.sliding_window = get_or<int>(j, "sliding_window", 0, where);
+  if ((c.family == "qwen3_moe" || c.family == "qwen2_moe") && get_or<bool>(j, "use_sliding_window", false, where))
+    c.sliding_window = get_or<int>(j, "sliding_window", 0, where);
 
   // MoE layout and routing: the checkpoint module's parser (every spec-7 key variant).
   try {

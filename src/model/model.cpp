@@ -154,6 +154,9 @@ LanguageModel LanguageModel::load(const std::filesystem::path& dir, const MoeFac
 
 void LanguageModel::Impl::attention(const Layer& L, const float* h, std::int64_t B, std::int64_t T, float* out) const {
   const TransformerConfig& c = cfg;
+  if (c.sliding_window > 0 && T > c.sliding_window)
+    throw ModelError(fmt::format("{}: sliding-window attention (window {}) is not implemented and sequences of {} tokens "
+                                 "exceed the window", c.family, c.sliding_window, T));
   const std::int64_t BT = B * T, nh = c.num_heads;
   std::vector<std::int32_t> pos(static_cast<std::size_t>(T));
   std::iota(pos.begin(), pos.end(), 0);
@@ -205,11 +208,6 @@ void LanguageModel::Impl::attention(const Layer& L, const float* h, std::int64_t
     L.q.apply(h, q.data(), BT);
     L.k.apply(h, k.data(), BT);
     L.v.apply(h, v.data(), BT);
-    if (c.clip_qkv > 0) {
-      const float cl = static_cast<float>(c.clip_qkv);
-      for (auto* vec : {&q, &k, &v})
-        for (float& x : *vec) x = std::clamp(x, -cl, cl);
-    }
     if (!L.q_norm.empty()) {
       const float eps = static_cast<float>(c.rms_norm_eps);
       const bool per_head = static_cast<std::int64_t>(L.q_norm.size()) == qk_dim;
@@ -220,6 +218,12 @@ void LanguageModel::Impl::attention(const Layer& L, const float* h, std::int64_t
         rms_norm(q.data(), L.q_norm.data(), q.data(), BT, nh * qk_dim, eps);
         rms_norm(k.data(), L.k_norm.data(), k.data(), BT, nkv * qk_dim, eps);
       }
+    }
+    // OLMoE: the clamp follows the q/k norms (transformers OlmoeAttention).
+    if (c.clip_qkv > 0) {
+      const float cl = static_cast<float>(c.clip_qkv);
+      for (auto* vec : {&q, &k, &v})
+        for (float& x : *vec) x = std::clamp(x, -cl, cl);
     }
     for (std::int64_t b = 0; b < B; ++b) {
       apply_rope(q.data() + b * T * nh * qk_dim, T, pos.data(), static_cast<int>(nh), nh * qk_dim, qk_dim, 0, rope, false);

@@ -163,6 +163,18 @@ moe::RouterConfig router_config(const TransformerConfig& tc, bool* group_limited
     rc.scoring = moe::ScoringFunc::Sigmoid;
     rc.n_group = static_cast<int>(c.n_group);
     rc.topk_group = static_cast<int>(c.topk_group);
+  } else if (c.family == lutb::ModelFamily::deepseek_v2) {
+    // transformers 5 DeepseekV2Moe: softmax, greedy or group_limited_greedy, never renormalised,
+    // times routed_scaling_factor.
+    rc.norm_topk_prob = false;
+    if (c.topk_method == "group_limited_greedy") {
+      *group_limited_greedy = true;
+      rc.n_group = static_cast<int>(c.n_group);
+      rc.topk_group = static_cast<int>(c.topk_group);
+    } else if (!c.topk_method.empty() && c.topk_method != "greedy") {
+      throw ModelError(fmt::format("deepseek_v2: topk_method \"{}\" is not supported (greedy, group_limited_greedy)",
+                                   c.topk_method));
+    }
   } else if (c.topk_method == "group_limited_greedy") {
     *group_limited_greedy = true;
     rc.n_group = static_cast<int>(c.n_group);

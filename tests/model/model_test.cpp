@@ -6,6 +6,7 @@
 #include <cmath>
 #include <fstream>
 
+#include "lutb/checkpoint.hpp"
 #include "lutb/model.hpp"
 #include "lutb/safetensors.hpp"
 #include "support/test_support.hpp"
@@ -184,4 +185,36 @@ TEST(ModelErrors, TokenFiles) {
   const auto ids = load_token_ids(i64);
   ASSERT_EQ(ids.size(), 2u);
   EXPECT_EQ(ids[1], 7);
+}
+
+TEST(ModelLutb, StoredCheckpointEqualsOnlineMethod) {
+  // `lutb quantize` fits gate and up as separate tensors, the online method fits the stacked w13;
+  // with I % 8 == 0 the tiles are the same, so the stored and the online LUT-B give the same model.
+  LUTB_MODEL_OR_SKIP(dir, "tiny-mixtral");
+  test::TempDir tmp;
+  const auto out = tmp.path / "lutb";
+  QuantizeOptions qo;
+  qo.progress = false;
+  const QuantizeSummary qs = quantize_checkpoint(dir, out, qo);
+  EXPECT_EQ(qs.tensors_quantized, 3 * 8 * 3);
+
+  const auto tokens = load_token_ids(dir / "val_tokens.safetensors");
+  EvalOptions eo;
+  eo.max_windows = 2;
+  MoeOptions mo;
+  mo.quant = Quant::Lutb;
+  mo.activations = moe::ActivationFormat::MXFP8;
+  mo.fit.fitter = qs.fitter;
+  CheckpointMoe online(dir, mo), stored(out, mo);
+  EXPECT_FALSE(online.lutb_checkpoint());
+  EXPECT_TRUE(stored.lutb_checkpoint());
+  LanguageModel a = LanguageModel::load(dir, online.factory());
+  LanguageModel b = LanguageModel::load(out, stored.factory());
+  const double la = evaluate(a, tokens, eo).val_loss, lb = evaluate(b, tokens, eo).val_loss;
+  EXPECT_NEAR(la, lb, 1e-6);
+  EXPECT_EQ(online.held_bytes(), stored.held_bytes());
+  EXPECT_EQ(stored.source_bytes(), online.source_bytes());
+  EXPECT_TRUE(stored.stats().empty());  // no source weights to compare with
+  // a LUT-B checkpoint has no BF16 experts
+  EXPECT_THROW(CheckpointMoe(out, MoeOptions{}), ModelError);
 }

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Regenerates docs/results.md (held-out loss of the shared models: BF16, LUT-B with every fitter and
+# both activation formats, a stored LUT-B checkpoint, INT3-g128, MXFP4). See scripts/results.py.
+#   scripts/results.sh                      # build/release/lutb, ../shared/models -> docs/results.md
+#   scripts/results.sh --max-windows 8      # quick trial (says so in the output)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+exec python3 scripts/results.py "$@"
