@@ -62,28 +62,37 @@ void run_default_job(const DefaultArgs& a) {
   if (a.tokens < 1) throw std::invalid_argument("--tokens must be at least 1");
 
   fs::path work;
+  bool own_work = false;  // true when this run created `work` and may remove it whole
   if (a.work_dir.empty()) {
     std::string tmpl = (fs::temp_directory_path() / "lutb-default-XXXXXX").string();
     if (!mkdtemp(tmpl.data())) throw std::runtime_error("cannot create a temporary directory under " + fs::temp_directory_path().string());
     work = tmpl;
+    own_work = true;
   } else {
     work = a.work_dir;
-    fs::create_directories(work);
+    own_work = fs::create_directories(work);
   }
+  const fs::path src_dir = work / "qwen3-30b-a3b-layer-bf16", q_dir = work / "qwen3-30b-a3b-layer-lutb";
+  // A user's --work-dir is never removed or overwritten: only the two checkpoints this run writes
+  // there are, and they must not exist beforehand.
+  if (!own_work)
+    for (const fs::path& p : {src_dir, q_dir})
+      if (fs::exists(p))
+        throw std::runtime_error(p.string() + ": exists in --work-dir; remove it or choose another directory");
   struct Cleanup {
-    fs::path p;
+    std::vector<fs::path> paths;
     bool keep;
     ~Cleanup() {
       std::error_code ec;
-      if (!keep) fs::remove_all(p, ec);
+      if (!keep)
+        for (const auto& p : paths) fs::remove_all(p, ec);
     }
-  } cleanup{work, a.keep};
-  const fs::path src_dir = work / "qwen3-30b-a3b-layer-bf16", q_dir = work / "qwen3-30b-a3b-layer-lutb";
+  } cleanup{own_work ? std::vector<fs::path>{work} : std::vector<fs::path>{src_dir, q_dir}, a.keep};
 
   SynthOptions so;
   so.family = ModelFamily::qwen3_moe;
   so.layers = 1;
-  so.force = true;
+  so.force = own_work;
   so.num_experts = a.experts;
   const ModelConfig cfg = synth_config(so);
   const std::int64_t E = cfg.num_experts, H = cfg.hidden_size, I = cfg.moe_intermediate_size;
@@ -91,7 +100,7 @@ void run_default_job(const DefaultArgs& a) {
   fmt::print("lutb: the main job on its built-in default\n");
   fmt::print("  one Qwen3-30B-A3B MoE layer{}: E {} experts, H {}, I {}, top-{}; synthetic Student-t(5) BF16 weights\n",
              a.experts > 0 ? " (fewer experts: --experts)" : "", E, H, I, k);
-  fmt::print("  work directory {}{}\n\n", work.string(), a.keep ? " (kept)" : " (removed at the end)");
+  fmt::print("  work directory {}{}\n\n", work.string(), a.keep ? " (kept)" : (own_work ? " (removed at the end)" : " (its two checkpoints removed at the end)"));
 
   auto t = clock::now();
   synthesize_checkpoint(src_dir, so);
@@ -100,7 +109,7 @@ void run_default_job(const DefaultArgs& a) {
 
   QuantizeOptions qo;
   qo.fit.fitter = a.fitter;
-  qo.force = true;
+  qo.force = own_work;
   t = clock::now();
   const QuantizeSummary qs = quantize_checkpoint(src_dir, q_dir, qo);
   const double t_quant = since(t);

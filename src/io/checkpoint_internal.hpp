@@ -1,6 +1,8 @@
 // Internal helpers of the checkpoint reader/writer (not public API).
 #pragma once
 
+#include <filesystem>
+
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -37,5 +39,14 @@ class Progress {
 
 /// Monotonic seconds.
 double now_seconds();
+
+/// Refuses an output location that would destroy or recurse into the input: `out` equal to `in`,
+/// inside it, or containing it (a --force swap of a parent would delete the input). Throws
+/// CheckpointError naming both paths.
+void check_output_location(const std::filesystem::path& in, const std::filesystem::path& out);
+
+/// Refuses to replace an existing `target` of the other kind: a directory output never replaces a
+/// file and a file output never replaces a directory, even with --force. No-op when absent.
+void check_replaceable(const std::filesystem::path& target, bool want_directory);
 
 }  // namespace lutb::detail

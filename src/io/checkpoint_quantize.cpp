@@ -174,6 +174,8 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
   if (out_dir.empty()) throw CheckpointError("quantize: no output directory given");
   if (same_path(in_dir, out_dir))
     throw CheckpointError(fmt::format("{}: the output directory is the input checkpoint", out_dir.string()));
+  detail::check_output_location(in_dir, out_dir);
+  detail::check_replaceable(out_dir, /*want_directory=*/true);
   if (fs::exists(out_dir) && !opt.force)
     throw CheckpointError(fmt::format("{}: output directory exists (use --force to replace it); nothing written",
                                       out_dir.string()));
@@ -320,6 +322,8 @@ QuantizeSummary quantize_file(const fs::path& in, const fs::path& out, const std
   QuantizeSummary sum;
   sum.fitter = resolved_fitter(opt.fit);
   if (same_path(in, out)) throw CheckpointError(fmt::format("{}: the output file is the input file", out.string()));
+  detail::check_output_location(in, out);
+  detail::check_replaceable(out, /*want_directory=*/false);
   if (fs::exists(out) && !opt.force)
     throw CheckpointError(fmt::format("{}: output file exists (use --force to replace it); nothing written", out.string()));
   std::regex re;

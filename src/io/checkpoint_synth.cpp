@@ -222,6 +222,7 @@ ModelConfig synth_config(const SynthOptions& opt) {
 std::uint64_t synthesize_checkpoint(const fs::path& out_dir, const SynthOptions& opt) {
   if (!(opt.student_nu > 2.0)) throw std::invalid_argument("synth: student_nu must be > 2 (finite variance)");
   const ModelConfig c = synth_config(opt);
+  detail::check_replaceable(out_dir, /*want_directory=*/true);
   if (fs::exists(out_dir) && !opt.force)
     throw CheckpointError(fmt::format("{}: output directory exists (use --force to replace it); nothing written",
                                       out_dir.string()));

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -63,6 +64,46 @@ void Progress::draw(bool force) {
   fmt::print(stderr, "\r{} [{}{}] {:5.1f}%  {:.0f}s elapsed, ~{:.0f}s left ", label_, std::string(fill, '#'),
              std::string(width - fill, '.'), 100.0 * frac, el, eta);
   std::fflush(stderr);
+}
+
+
+namespace {
+// True when `inner` is `outer` or lies below it (both made absolute and normalised, links resolved
+// where the paths exist).
+bool path_within(const std::filesystem::path& inner, const std::filesystem::path& outer) {
+  std::error_code ec;
+  const auto a = std::filesystem::weakly_canonical(std::filesystem::absolute(inner), ec);
+  const auto b = std::filesystem::weakly_canonical(std::filesystem::absolute(outer), ec);
+  auto ia = a.begin();
+  for (auto ib = b.begin(); ib != b.end(); ++ib) {
+    if (ib->empty()) continue;  // trailing separator
+    if (ia == a.end() || *ia != *ib) return false;
+    ++ia;
+  }
+  return true;
+}
+}  // namespace
+
+void check_output_location(const std::filesystem::path& in, const std::filesystem::path& out) {
+  if (path_within(out, in))
+    throw CheckpointError(fmt::format("{}: the output lies inside (or is) the input {}; choose a path outside it",
+                                      out.string(), in.string()));
+  if (path_within(in, out))
+    throw CheckpointError(fmt::format("{}: the output contains the input {}; replacing it would delete the input",
+                                      out.string(), in.string()));
+}
+
+void check_replaceable(const std::filesystem::path& target, bool want_directory) {
+  std::error_code ec;
+  const auto st = std::filesystem::symlink_status(target, ec);
+  if (ec || !std::filesystem::exists(st)) return;
+  const bool is_dir = std::filesystem::is_directory(st);
+  if (want_directory && !is_dir)
+    throw CheckpointError(fmt::format(
+        "{}: exists and is not a directory; refusing to replace it with a checkpoint directory", target.string()));
+  if (!want_directory && is_dir)
+    throw CheckpointError(fmt::format("{}: exists and is a directory; refusing to replace it with a file",
+                                      target.string()));
 }
 
 }  // namespace detail

@@ -132,6 +132,10 @@ TEST(Cli, ErrorsAreClear) {
 // pipeline (synthesise, quantise to a LUT-B checkpoint, load, BF16 reference vs LUT-B emulation).
 TEST(Cli, DefaultJobSmall) {
   test::TempDir t;
+  // A user's existing --work-dir keeps its other contents (regression, QA 2026-11-30: it was
+  // removed whole at the end).
+  fs::create_directories(t.path / "w");
+  std::ofstream(t.path / "w" / "precious.txt") << "keep me";
   CliRun r = run("--experts 4 --tokens 16 --json --work-dir " + q(t.path / "w"));
   ASSERT_EQ(r.code, 0) << r.out;
   const nlohmann::json j = r.last_json();
@@ -149,6 +153,8 @@ TEST(Cli, DefaultJobSmall) {
   EXPECT_LT(j["rel_l2"].get<double>(), 0.6);
   EXPECT_GT(j["cosine"].get<double>(), 0.8);
   EXPECT_FALSE(fs::exists(t.path / "w" / "qwen3-30b-a3b-layer-bf16"));  // removed without --keep
+  EXPECT_FALSE(fs::exists(t.path / "w" / "qwen3-30b-a3b-layer-lutb"));
+  EXPECT_TRUE(fs::exists(t.path / "w" / "precious.txt"));
 }
 
 }  // namespace

@@ -433,6 +433,42 @@ TEST(QuantizeErrors, OutputExistsUnlessForce) {
   expect_no_temp(t.path / "out2");
 }
 
+// Regression (QA, 2026-11-30): with --force an output that contains the input (its parent) was
+// swapped out and deleted together with the input; an output inside the input recursed into itself.
+TEST(QuantizeErrors, OutputNestedWithTheInputIsRefusedEvenWithForce) {
+  TempDir t;
+  synthesize_checkpoint(t.path / "par" / "m", small(ModelFamily::mixtral, 1));
+  QuantizeOptions f = quiet();
+  f.force = true;
+  expect_error<CheckpointError>([&] { quantize_checkpoint(t.path / "par" / "m", t.path / "par", f); },
+                                {"contains the input"});
+  EXPECT_TRUE(fs::exists(t.path / "par" / "m" / "config.json"));
+  expect_error<CheckpointError>([&] { quantize_checkpoint(t.path / "par" / "m", t.path / "par" / "m" / "sub", f); },
+                                {"inside"});
+  EXPECT_FALSE(fs::exists(t.path / "par" / "m" / "sub"));
+  expect_no_temp(t.path / "par" / "m" / "sub");
+}
+
+// Regression (QA, 2026-11-30): --force replaced a file with a directory and the reverse.
+TEST(QuantizeErrors, ForceNeverReplacesTheOtherKind) {
+  TempDir t;
+  synthesize_checkpoint(t.path / "in", small(ModelFamily::mixtral, 1));
+  std::ofstream(t.path / "file.txt") << "precious";
+  fs::create_directories(t.path / "dir");
+  std::ofstream(t.path / "dir" / "keep.txt") << "precious";
+  QuantizeOptions f = quiet();
+  f.force = true;
+  expect_error<CheckpointError>([&] { quantize_checkpoint(t.path / "in", t.path / "file.txt", f); }, {"not a directory"});
+  EXPECT_EQ(read_file(t.path / "file.txt"), "precious");
+  expect_error<CheckpointError>([&] { quantize_file(t.path / "in" / "model.safetensors", t.path / "dir", "", f); },
+                                {"is a directory"});
+  EXPECT_EQ(read_file(t.path / "dir" / "keep.txt"), "precious");
+  SynthOptions so = small(ModelFamily::mixtral, 1);
+  so.force = true;
+  expect_error<CheckpointError>([&] { synthesize_checkpoint(t.path / "file.txt", so); }, {"not a directory"});
+  EXPECT_EQ(read_file(t.path / "file.txt"), "precious");
+}
+
 // Rewrites model.safetensors of `dir` with tensor `name` replaced by `bytes` of `dtype`.
 void replace_tensor(const fs::path& dir, const std::string& name, DType dtype, std::vector<std::uint8_t> bytes) {
   std::vector<std::pair<std::string, OwnedTensor>> ts;
