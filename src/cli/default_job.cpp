@@ -47,7 +47,7 @@ Err compare(const std::vector<float>& out, const std::vector<float>& ref) {
     den += static_cast<double>(ref[i]) * ref[i];
     on += static_cast<double>(out[i]) * out[i];
     dot += static_cast<double>(out[i]) * ref[i];
-    mx = std::max(mx, std::abs(d));
+    mx = std::isnan(d) ? d : std::max(mx, std::abs(d));  // NaN propagates, never hides
   }
   return {std::sqrt(num / den), mx, dot / std::sqrt(on * den)};
 }

@@ -2,6 +2,7 @@
 // (layers.L.moe_input) against the captured outputs (layers.L.moe_output).
 #include <chrono>
 #include <cmath>
+#include <stdexcept>
 #include <cstdio>
 #include <filesystem>
 #include <memory>
@@ -64,13 +65,15 @@ void run_moe(const MoeArgs& a) {
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
   double diff2 = 0, ref2 = 0, out2 = 0, dot = 0, max_abs = 0;
+  std::size_t non_finite = 0;
   for (std::size_t i = 0; i < out.size(); ++i) {
+    if (!std::isfinite(out[i])) ++non_finite;
     const double d = static_cast<double>(out[i]) - ref[i];
     diff2 += d * d;
     ref2 += static_cast<double>(ref[i]) * ref[i];
     out2 += static_cast<double>(out[i]) * out[i];
     dot += static_cast<double>(out[i]) * ref[i];
-    max_abs = std::max(max_abs, std::fabs(d));
+    max_abs = std::isnan(d) ? d : std::max(max_abs, std::fabs(d));  // NaN propagates, never hides
   }
   const double rel_l2 = std::sqrt(diff2 / ref2);
   const double cosine = dot / std::sqrt(out2 * ref2);
@@ -97,6 +100,8 @@ void run_moe(const MoeArgs& a) {
     fmt::print("{}\n", j.dump());
   }
   std::fflush(stdout);
+  if (non_finite > 0)
+    throw std::runtime_error(fmt::format("layer {}: {} of {} outputs are NaN or infinite", a.layer, non_finite, out.size()));
 }
 
 }  // namespace

@@ -1,4 +1,5 @@
 // The evaluation protocol of spec section 8 and the token reader.
+#include <cstring>
 #include <chrono>
 
 #include <fmt/core.h>
@@ -18,13 +19,17 @@ std::vector<std::int32_t> load_token_ids(const std::filesystem::path& file) {
   if (!shape_ok)
     throw ModelError(fmt::format("{}: tensor input_ids has shape [{}], expected [n] or [1, n]", file.string(), fmt::join(t.shape, ", ")));
   std::vector<std::int32_t> ids;
+  // Copied element by element with memcpy: a valid file need not align the data (the header
+  // length is free), so typed views over the mapping cannot be assumed.
+  const std::int64_t n = t.numel();
   if (t.dtype == DType::I32) {
-    auto s = t.as<std::int32_t>(DType::I32);
-    ids.assign(s.begin(), s.end());
+    ids.resize(static_cast<std::size_t>(n));
+    if (n > 0) std::memcpy(ids.data(), t.data, static_cast<std::size_t>(n) * sizeof(std::int32_t));
   } else if (t.dtype == DType::I64) {
-    auto s = t.as<std::int64_t>(DType::I64);
-    ids.reserve(s.size());
-    for (std::int64_t v : s) {
+    ids.reserve(static_cast<std::size_t>(n));
+    for (std::int64_t i = 0; i < n; ++i) {
+      std::int64_t v;
+      std::memcpy(&v, t.data + i * sizeof(std::int64_t), sizeof v);
       if (v < INT32_MIN || v > INT32_MAX) throw ModelError(fmt::format("{}: input_ids value {} is out of range", file.string(), v));
       ids.push_back(static_cast<std::int32_t>(v));
     }

@@ -187,6 +187,28 @@ TEST(ModelErrors, TokenFiles) {
   EXPECT_EQ(ids[1], 7);
 }
 
+// Regression (QA, 2026-11-30): a valid file whose header length is not a multiple of 4 puts the
+// int32 data at an unaligned offset; it must load, not fail on alignment.
+TEST(ModelErrors, UnalignedTokenDataLoads) {
+  test::TempDir tmp;
+  const std::string header = R"({"input_ids":{"dtype":"I32","shape":[3],"data_offsets":[0,12]}})";  // 63 bytes
+  ASSERT_NE(header.size() % 4, 0u);
+  const auto p = tmp.path / "unaligned.safetensors";
+  {
+    std::ofstream f(p, std::ios::binary);
+    const std::uint64_t n = header.size();
+    f.write(reinterpret_cast<const char*>(&n), 8);
+    f << header;
+    const std::int32_t v[3] = {5, -1, 300};
+    f.write(reinterpret_cast<const char*>(v), sizeof v);
+  }
+  const auto ids = load_token_ids(p);
+  ASSERT_EQ(ids.size(), 3u);
+  EXPECT_EQ(ids[0], 5);
+  EXPECT_EQ(ids[1], -1);
+  EXPECT_EQ(ids[2], 300);
+}
+
 TEST(ModelLutb, StoredCheckpointEqualsOnlineMethod) {
   // `lutb quantize` fits gate and up as separate tensors, the online method fits the stacked w13;
   // with I % 8 == 0 the tiles are the same, so the stored and the online LUT-B give the same model.
