@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -92,6 +93,13 @@ struct RandomCase {
   std::int64_t e, n, k;
   bool bf16;
 };
+
+// Readable parameter names (the default printer dumps the struct's bytes, padding included).
+void PrintTo(const RandomCase& c, std::ostream* os) {
+  static const char* const kNames[] = {"gauss", "student-t3", "laplace"};
+  *os << kNames[static_cast<int>(c.dist)] << " [" << c.e << ", " << c.n << ", " << c.k << "] "
+      << (c.bf16 ? "BF16" : "F32");
+}
 
 class FitGpuRandom : public ::testing::TestWithParam<RandomCase> {};
 
