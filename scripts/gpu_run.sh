@@ -58,7 +58,9 @@ build() {
   local lib=("$B"/obj/moe_*.o "$B"/obj/routing.o "$B"/obj/fit_*.o)
   $NVCC $ARCH -o "$B/lutb_cuda_tests" "$B"/obj/t_*.o "${lib[@]}" "$B"/obj/c_*.o "$B/obj/gtest-all.o" "$B/obj/gtest_main.o" \
     -Xcompiler -fopenmp -L"$DEPS_LIB" -lhwy -lpthread -Xlinker -rpath="$DEPS_LIB"
-  $NVCC $ARCH -o "$B/bench_moe_gpu" "$B/obj/b_bench_moe_gpu.o" "${lib[@]}" -lcublas
+  # The GPU fitter objects in lib need the core (dtype names, tiles) too.
+  $NVCC $ARCH -o "$B/bench_moe_gpu" "$B/obj/b_bench_moe_gpu.o" "${lib[@]}" "$B"/obj/c_core_*.o -lcublas \
+    -Xcompiler -fopenmp -L"$DEPS_LIB" -lhwy -lpthread -Xlinker -rpath="$DEPS_LIB"
 }
 
 build_fit() {

@@ -285,11 +285,14 @@ __device__ void dp_refine(Work& w, int scale, DpRes& res) {
   int* b = res.bounds;
   double F[kCodebookSize + 1][kWin];
   std::int16_t arg[kCodebookSize + 1][kWin];
+  constexpr int kSettledWindow = 3;  // dp.cpp: later rounds narrow the boundaries that settled
+  int wk[kCodebookSize];             // window half-width per boundary (<= kWindow: tables fit)
+  for (int k = 1; k < K; ++k) wk[k] = kWindow;
   for (int round = 0; round < kRounds; ++round) {
     int lo[kCodebookSize], hi[kCodebookSize];
     for (int k = 1; k < K; ++k) {
-      lo[k] = max(b[k] - kWindow, k);
-      hi[k] = min(b[k] + kWindow, m - (K - k));
+      lo[k] = max(b[k] - wk[k], k);
+      hi[k] = min(b[k] + wk[k], m - (K - k));
     }
     for (int j = lo[1]; j <= hi[1]; ++j) F[1][j - lo[1]] = cost_full(w, 0, j, inv_scale, inv_scale2);
     for (int k = 2; k <= K; ++k) {
@@ -316,7 +319,9 @@ __device__ void dp_refine(Work& w, int scale, DpRes& res) {
     for (int k = K; k >= 2; --k) nb[k - 1] = arg[k][nb[k] - (k < K ? lo[k] : m)];
     bool edge = false;
     for (int k = 1; k < K; ++k) {
-      edge = edge || ((nb[k] == lo[k] && lo[k] > k) || (nb[k] == hi[k] && hi[k] < m - (K - k)));
+      const bool e = (nb[k] == lo[k] && lo[k] > k) || (nb[k] == hi[k] && hi[k] < m - (K - k));
+      edge = edge || e;
+      wk[k] = e ? kWindow : kSettledWindow;
       b[k] = nb[k];
     }
     if (!edge) break;
