@@ -2,7 +2,8 @@
 // skeleton, same routing, same run; plus the device's measured read bandwidth and cuBLAS BF16 dense
 // throughput. Prints a markdown table (docs/perf/moe-gpu.md is this output).
 //
-// Usage: bench_moe_gpu [--quick] [--shape NAME]   (NAME: deepseek-v3, qwen3-235b, qwen3-30b, mixtral)
+// Usage: bench_moe_gpu [--quick] [--shape NAME] [--tokens T]
+//   (NAME: deepseek-v3, qwen3-235b, qwen3-30b, mixtral-8x7b; --tokens runs that one batch size only)
 // Each forward (routing kernel excluded; the routing is precomputed by route_softmax_topk /
 // route_deepseek on random logits) is captured in a CUDA graph; R = 8 different routings are cycled
 // so that the experts touched change from call to call (weights of one call are not in L2 for the
@@ -12,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <set>
 #include <stdexcept>
@@ -104,9 +106,11 @@ struct Shape {
 int main(int argc, char** argv) {
   bool quick = false;
   std::string only;
+  long long only_T = 0;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--quick")) quick = true;
     else if (!std::strcmp(argv[i], "--shape") && i + 1 < argc) only = argv[++i];
+    else if (!std::strcmp(argv[i], "--tokens") && i + 1 < argc) only_T = std::atoll(argv[++i]);
   }
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
@@ -159,6 +163,7 @@ int main(int argc, char** argv) {
                           {"mixtral-8x7b", 8, 4096, 14336, 2, false}};
   std::vector<long long> Ts = {1, 4, 16, 64, 256, 1024, 4096};
   if (quick) Ts = {1, 16, 256, 4096};
+  if (only_T > 0) Ts = {only_T};
   const int R = 8;
   std::printf("\n| shape | T | experts touched | LUT-B us | LUT-B byte-dec us | LUT-B decode (swap-AB) us | LUT-B prefill us | previous decode-m16 us | BF16 us (best of decode, prefill) | BF16 best | speed-up | LUT-B GB/s | %% of read BW | BF16 GB/s | %% of read BW | LUT-B TFLOP/s | BF16 TFLOP/s |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");

@@ -3,6 +3,7 @@
 // habit: arch, types, scaling (sm80_lutb_mxfp8_moe_{gemm1,gemm2}_{swapab,decode,prefill}; the same
 // code runs on sm_90a with the hardware E4M3 decoder). Strategy choice: choose_strategy and
 // decode_token_blocks in moe_common.cu, apart from the kernels.
+#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -109,9 +110,12 @@ void moe_forward(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t
     throw std::invalid_argument("moe_forward: workspace of " + std::to_string(workspace_bytes) + " bytes, need " +
                                 std::to_string(ws.bytes));
   const std::int64_t P = tokens * top_k;
-  const MoeStrategy s = strategy == MoeStrategy::Auto ? choose_strategy(tokens, top_k, E, true) : strategy;
+  MoeStrategy s = strategy == MoeStrategy::Auto ? choose_strategy(tokens, top_k, E, true) : strategy;
   const kern::Routing r{topk_ids, topk_weights, ws.sorted, ws.tile_expert, ws.tile_start, ws.tile_count, ws.num_tiles,
                         top_k};
+  // The swap-AB kernels use 32-bit byte offsets inside one expert's stack.
+  const bool small_experts = std::max(w.w13.shape.tiles_per_expert(), w.w2.shape.tiles_per_expert()) * 192 < (1ll << 31);
+  if (s == MoeStrategy::Decode && !small_experts) s = MoeStrategy::DecodeM16;
   if (s == MoeStrategy::Decode) {
     const int nb = decode_token_blocks(tokens, top_k, E);
     const bool cvt = detail::use_cvt_decoder(1);

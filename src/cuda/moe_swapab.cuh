@@ -117,6 +117,8 @@ __device__ __forceinline__ bool swap_tile(const Routing& r, int slot, int& exper
 /// One warp's K-range [k0, k1) of the swap-AB product for 8 strips and NB token n-blocks.
 /// arow[nb]: FP16 activation row of token g (null: zeros); srow[nb][u]: UE8M0 row of the tokens of
 /// accumulator columns 2t+u (null: 0). acc[m][nb][4]: FP32, rows (a: g, b: g+8) x cols (2t, 2t+1).
+/// Per-strip offsets are 32-bit (one expert's packed bytes stay below 2^31: checked by the host);
+/// the expert base is 64-bit.
 template <bool kCvt, int NB>
 __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, const long long (&strip)[8],
                                                const bool (&ok)[8], const uint16_t* const (&arow)[NB],
@@ -133,61 +135,69 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
   if (k0 >= k1) return;
 
   const long long tiles_k = w.tiles_k;
+  const int n = static_cast<int>(k1 - k0);
   const unsigned ring_s = static_cast<unsigned>(__cvta_generic_to_shared(ring));
-  const unsigned char* src[R::kRounds];
-  int dst[R::kRounds], kind[R::kRounds];
-  long long step[R::kRounds];
+  // Missing strips (past the matrix) read a zero codebook: their products vanish with no test in
+  // the loop. Their ring bytes are never copied, so zero the codebook slots of every stage once.
+  if (lane < R::kStrips) {
 #pragma unroll
-  for (int j = 0; j < R::kRounds; ++j) {
+    for (int i = 0; i < R::kStrips; ++i)
+      if (i == lane && !ok[i])
+        for (int st = 0; st < R::kStages; ++st)
+          *reinterpret_cast<uint2*>(ring + st * R::kStageBytes + R::kCb + 8 * i) = make_uint2(0u, 0u);
+  }
+  __syncwarp();
+  // Copies of one K-tile: rounds 0..2 = 96 index chunks (strip q/12, chunk q%12), round 3 = the 8
+  // codebooks (lanes 0..7). Sources advance by 192 (indices) and 8 (codebooks) bytes per K-tile.
+  const long long tile0 = e * w.tiles_n * tiles_k + k0;  // tile index of (e, strip 0, k0)
+  const unsigned char* const pk_base = w.packed + tile0 * 192;
+  const unsigned char* const cb_base = w.codebook + tile0 * 8;
+  const unsigned char* const sc_base = w.scale + tile0;
+  int off[4], dsto[4];
+  bool cp_ok[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
     const int q = lane + 32 * j;
-    kind[j] = 0;
-    src[j] = nullptr;
-    dst[j] = 0;
-    step[j] = 0;
-    if (q >= R::kCopies) continue;
-    int i, k2;
-    if (q < 12 * R::kStrips) { i = q / 12; k2 = 1; }
-    else { i = q - 12 * R::kStrips; k2 = 2; }
-    long long tb = 0;
+    const int i = j < 3 ? q / 12 : lane;
+    long long si = 0;
     bool sok = false;
 #pragma unroll
     for (int u = 0; u < R::kStrips; ++u)
-      if (u == i) { tb = (e * w.tiles_n + strip[u]) * tiles_k + k0; sok = ok[u]; }
-    if (!sok) continue;
-    kind[j] = k2;
-    if (k2 == 1) { src[j] = w.packed + tb * 192 + (q % 12) * 16; step[j] = 192; dst[j] = i * 192 + (q % 12) * 16; }
-    else { src[j] = w.codebook + tb * 8; step[j] = 8; dst[j] = R::kCb + i * 8; }
+      if (u == i) { si = strip[u]; sok = ok[u]; }
+    cp_ok[j] = j < 3 ? sok : (lane < R::kStrips && sok);
+    off[j] = static_cast<int>(si * tiles_k) * (j < 3 ? 192 : 8) + (j < 3 ? (q % 12) * 16 : 0);
+    dsto[j] = j < 3 ? i * 192 + (q % 12) * 16 : R::kCb + 8 * lane;
   }
-  // Scale bytes of the 8 strips at K-tile k0 (advanced by one per K-tile).
-  const unsigned char* sp[8];
+  int soff[8];  // scale byte offsets of the 8 strips
 #pragma unroll
-  for (int i = 0; i < 8; ++i) sp[i] = ok[i] ? w.scale + (e * w.tiles_n + strip[i]) * tiles_k + k0 : nullptr;
-  const long long n = k1 - k0;
-  auto issue = [&](long long kk) {  // kk: K-tile relative to k0
+  for (int i = 0; i < 8; ++i) soff[i] = static_cast<int>(strip[i] * tiles_k);
+
+  auto issue = [&](int kk, int slot) {
     if (kk < n) {
-      const unsigned st = ring_s + static_cast<unsigned>(kk % R::kStages) * R::kStageBytes;
+      const unsigned st = ring_s + static_cast<unsigned>(slot * R::kStageBytes);
 #pragma unroll
-      for (int j = 0; j < R::kRounds; ++j) {
-        const unsigned char* p = src[j] + kk * step[j];
-        if (kind[j] == 1) cp_async16(st + dst[j], p);
-        else if (kind[j] == 2) cp_async8(st + dst[j], p);
-      }
+      for (int j = 0; j < 3; ++j)
+        if (cp_ok[j]) cp_async16(st + dsto[j], pk_base + off[j] + static_cast<long long>(kk) * 192);
+      if (cp_ok[3]) cp_async8(st + dsto[3], cb_base + off[3] + static_cast<long long>(kk) * 8);
     }
     cp_async_commit();
   };
 
-  // Activations of one K-tile: token g's 2 x 8 FP16 values, scales of tokens 2t, 2t+1 (2 blocks).
+  // Activations of one K-tile: token g's 2 x 8 FP16 values, scales of tokens 2t, 2t+1 (2 blocks),
+  // and the 8 tile scales as FP32 (times 2^8 for the byte decoder).
   struct XTile {
     uint4 v[NB][2];
     float sx[NB][2][2];  // [nb][block][u]
-    unsigned sw[8];      // tile scale bytes of the 8 strips
+    float fw[8];
   };
-  auto load_x = [&](long long kt, XTile& x) {
+  const float wmul = kCvt ? 1.0f : 256.0f;
+  auto load_x = [&](int kk, XTile& x) {
+    const long long kt = k0 + kk;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) x.sw[i] = sp[i] ? __ldg(sp[i] + (kt - k0)) : 127u;
+    for (int i = 0; i < 8; ++i) x.fw[i] = ue8m0_f(ok[i] ? __ldg(sc_base + soff[i] + kk) : 127u) * wmul;
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
-      if (nb >= nblocks) continue;
+      if (nb > 0 && nb >= nblocks) continue;
 #pragma unroll
       for (int blk = 0; blk < 2; ++blk)
         x.v[nb][blk] = arow[nb] ? __ldg(reinterpret_cast<const uint4*>(arow[nb] + kt * 64 + 32 * blk + 8 * t))
@@ -203,29 +213,26 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
   };
 
 #pragma unroll
-  for (int s = 0; s < R::kStages - 1; ++s) issue(s);
+  for (int s = 0; s < R::kStages - 1; ++s) issue(s, s);
   XTile cur;
-  load_x(k0, cur);
-  const float wmul = kCvt ? 1.0f : 256.0f;  // the byte trick's 2^-8
+  load_x(0, cur);
+  int slot = 0;  // ring slot of K-tile kk
 
-  for (long long kk = 0; kk < n; ++kk) {
-    const long long kt = k0 + kk;
-    issue(kk + R::kStages - 1);
+  for (int kk = 0; kk < n; ++kk) {
+    issue(kk + R::kStages - 1, slot == 0 ? R::kStages - 1 : slot - 1);
     XTile nxt;
-    if (kk + 1 < n) load_x(kt + 1, nxt);
+    if (kk + 1 < n) load_x(kk + 1, nxt);
     cp_async_wait<R::kStages - 1>();
     __syncwarp();
-    const unsigned char* st = ring + (kk % R::kStages) * R::kStageBytes;
+    const unsigned char* st = ring + slot * R::kStageBytes;
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
-      // codebooks of strips a (x, y) and b (z, w); scales; this lane's index words.
+      // codebooks of strips a (x, y) and b (z, w); this lane's index words of both strips.
       const uint4 cb = *reinterpret_cast<const uint4*>(st + R::kCb + 16 * m);
-      float fw[2];
       unsigned sel[2][4];
 #pragma unroll
       for (int ab = 0; ab < 2; ++ab) {
         const int i = 2 * m + ab;
-        fw[ab] = ok[i] ? ue8m0_f(cur.sw[i]) * wmul : 0.0f;
         const unsigned x = *reinterpret_cast<const unsigned*>(st + i * 192 + 4 * lane);
         const unsigned y = *reinterpret_cast<const unsigned short*>(st + i * 192 + 128 + 2 * lane);
         sel[ab][0] = x & 0x7777u;
@@ -233,37 +240,55 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
         sel[ab][2] = y & 0x7777u;
         sel[ab][3] = ((x >> 3) & 0x1111u) | ((x >> 18) & 0x2222u) | ((y >> 1) & 0x4444u);
       }
-      const unsigned cla = ok[2 * m] ? cb.x : 0u, cha = ok[2 * m] ? cb.y : 0u;
-      const unsigned clb = ok[2 * m + 1] ? cb.z : 0u, chb = ok[2 * m + 1] ? cb.w : 0u;
+      float part[NB][4];  // this K-tile's sum over both blocks, activation scales applied
 #pragma unroll
       for (int blk = 0; blk < 2; ++blk) {
         unsigned a0[4], a1[4];  // A operands of the block's two k16 steps
         {
-          unsigned pa = __byte_perm(cla, cha, sel[0][2 * blk]), pb = __byte_perm(clb, chb, sel[1][2 * blk]);
+          unsigned pa = __byte_perm(cb.x, cb.y, sel[0][2 * blk]), pb = __byte_perm(cb.z, cb.w, sel[1][2 * blk]);
           bytes_to_f16<kCvt>(pa, a0[0], a0[2]);
           bytes_to_f16<kCvt>(pb, a0[1], a0[3]);
-          pa = __byte_perm(cla, cha, sel[0][2 * blk + 1]);
-          pb = __byte_perm(clb, chb, sel[1][2 * blk + 1]);
+          pa = __byte_perm(cb.x, cb.y, sel[0][2 * blk + 1]);
+          pb = __byte_perm(cb.z, cb.w, sel[1][2 * blk + 1]);
           bytes_to_f16<kCvt>(pa, a1[0], a1[2]);
           bytes_to_f16<kCvt>(pb, a1[1], a1[3]);
         }
 #pragma unroll
         for (int nb = 0; nb < NB; ++nb) {
-          if (nb >= nblocks) continue;
+          if (nb > 0 && nb >= nblocks) continue;  // token block 0 always holds a token
           const uint4 xv = cur.v[nb][blk];
           float c[4];
           mma_f16_zero(c, a0, xv.x, xv.y);
           mma16816<false>(c, a1, xv.z, xv.w);
+          // Exact: the 32-column partial sum times the power-of-two block scale of each token.
           const float s0 = cur.sx[nb][blk][0], s1 = cur.sx[nb][blk][1];
-          acc[m][nb][0] = fmaf(c[0], fw[0] * s0, acc[m][nb][0]);
-          acc[m][nb][1] = fmaf(c[1], fw[0] * s1, acc[m][nb][1]);
-          acc[m][nb][2] = fmaf(c[2], fw[1] * s0, acc[m][nb][2]);
-          acc[m][nb][3] = fmaf(c[3], fw[1] * s1, acc[m][nb][3]);
+          if (blk == 0) {
+            part[nb][0] = c[0] * s0;
+            part[nb][1] = c[1] * s1;
+            part[nb][2] = c[2] * s0;
+            part[nb][3] = c[3] * s1;
+          } else {
+            part[nb][0] = fmaf(c[0], s0, part[nb][0]);
+            part[nb][1] = fmaf(c[1], s1, part[nb][1]);
+            part[nb][2] = fmaf(c[2], s0, part[nb][2]);
+            part[nb][3] = fmaf(c[3], s1, part[nb][3]);
+          }
         }
+      }
+      // Tile scales (powers of two, exact) of strips a (rows g) and b (rows g+8).
+      const float fa = cur.fw[2 * m], fb = cur.fw[2 * m + 1];
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) {
+        if (nb > 0 && nb >= nblocks) continue;
+        acc[m][nb][0] = fmaf(part[nb][0], fa, acc[m][nb][0]);
+        acc[m][nb][1] = fmaf(part[nb][1], fa, acc[m][nb][1]);
+        acc[m][nb][2] = fmaf(part[nb][2], fb, acc[m][nb][2]);
+        acc[m][nb][3] = fmaf(part[nb][3], fb, acc[m][nb][3]);
       }
     }
     __syncwarp();
     if (kk + 1 < n) cur = nxt;
+    slot = slot == R::kStages - 1 ? 0 : slot + 1;
   }
   cp_async_wait<0>();
 }
@@ -307,7 +332,7 @@ constexpr int swap_smem_bytes(int warps) {
 /// 32 * warps (K split across the warps). Output as moe_gemm1_kernel (LUT-B): hq [P, Ip] FP16 E4M3
 /// values in the decoder's column order, hs [P, Ip/32] UE8M0.
 template <bool kCvt, int NB>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(256, NB == 1 ? 2 : 1)
     swapab_gemm1_kernel(LutbW w, const uint16_t* __restrict__ xa, const unsigned char* __restrict__ xs,
                         long long a_cols, Routing r, long long I, long long Ip, uint16_t* __restrict__ hq,
                         unsigned char* __restrict__ hs) {
@@ -376,7 +401,7 @@ __global__ void __launch_bounds__(256)
 
 /// GEMM2: y[p, n] = h[p] . w2[e, n]^T (FP32). Grid: (ceil(tiles_n/8) strip groups, slots).
 template <bool kCvt, int NB>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(256, NB == 1 ? 2 : 1)
     swapab_gemm2_kernel(LutbW w, const uint16_t* __restrict__ ha, const unsigned char* __restrict__ hs, long long Ip,
                         Routing r, long long H, float* __restrict__ y) {
   int e;

@@ -102,18 +102,23 @@ void route_deepseek(const float* logits, const float* bias, std::int64_t tokens,
 ///     16-token tile kernel.
 ///   Prefill: tokens as the M operand, several m16 token tiles per warp (2 on the LUT-B path, 4 on
 ///     the BF16 one), so each weight fragment feeds several tensor-core products.
-///   DecodeM16: the previous LUT-B decode kernel (tokens as M, one m16 tile per warp), kept as the
-///     same-run baseline of the benchmark; the same as Decode on the BF16 path.
+///   DecodeM16: LUT-B with tokens as the M operand, one m16 token tile per warp (the previous
+///     decode kernel; the fastest LUT-B kernel from ~8 tokens per expert up); the same as Decode
+///     on the BF16 path.
 enum class MoeStrategy : std::uint8_t { Auto, Decode, Prefill, DecodeM16 };
 
-/// LUT-B: Decode while the mean number of tokens per touched expert (T*k / min(E, T*k)) is below
-/// this, else Prefill (docs/perf/moe-gpu.md has the crossover measured on the H200).
-inline constexpr double kDecodeMaxTokensPerExpert = 32.0;
+/// LUT-B: the swap-AB Decode kernels while the mean number of tokens per touched expert
+/// (T*k / min(E, T*k)) is at most this, else DecodeM16. Measured on the H200 (docs/perf/moe-gpu.md,
+/// 2026-11-30): swap-AB is 1.3-1.9x faster than DecodeM16 at 1-4 tokens per expert (T <= 16 on the
+/// four benchmark shapes), DecodeM16 is 9-29 % faster from 8 tokens per expert up (T >= 256), and
+/// the 2-tile Prefill kernel was slower than DecodeM16 at every T up to 4096 (2-7 %).
+inline constexpr double kSwapAbMaxTokensPerExpert = 6.0;
 
 /// Heuristic, kept apart from the kernels.
 ///   BF16 weights (packed_weights = false): Prefill when the mean number of tokens per touched
 ///     expert reaches 48, else Decode.
-///   LUT-B weights: Decode below kDecodeMaxTokensPerExpert tokens per touched expert, else Prefill.
+///   LUT-B weights: Decode up to kSwapAbMaxTokensPerExpert tokens per touched expert, else
+///     DecodeM16 (Prefill is only used when asked for).
 MoeStrategy choose_strategy(std::int64_t tokens, int top_k, std::int64_t experts, bool packed_weights = true);
 
 /// Token n-blocks of 8 per tile of the swap-AB decode kernels (1, 2 or 4) for a batch: 1 up to 6
