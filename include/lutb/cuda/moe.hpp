@@ -147,13 +147,17 @@ void moe_forward_bf16(const DeviceMoeWeightsBf16& w, const std::uint16_t* x, std
                       const std::int32_t* topk_ids, const float* topk_weights, std::uint16_t* out, void* workspace,
                       std::size_t workspace_bytes, cudaStream_t stream, MoeStrategy strategy = MoeStrategy::Auto);
 
-/// Weight decoder (process-wide; for testing and benchmarking). Both are exact:
+/// Weight decoder (process-wide; for testing and benchmarking). All are exact in the products:
 ///   BytePermute: codebook lookup by PRMT, E4M3 -> FP16 by bit moves (any sm_80+ device);
 ///   Cvt: codebook lookup by PRMT, E4M3 -> FP16 by sm_89+'s cvt.rn.f16x2.e4m3x2 (sm_90 devices only,
 ///        else BytePermute);
-///   Auto (default): Cvt for the decode strategy on sm_90 devices, BytePermute otherwise, as measured
-///        fastest on the H200 (docs/perf/moe-gpu.md).
-enum class WeightDecoder : std::uint8_t { Auto, BytePermute, Cvt };
+///   Fp8Mma: swap-AB decode kernels only: the looked-up E4M3 bytes go straight into
+///        mma.sync.m16n8k32.e4m3 with E4M3 activation bytes (no conversion; sm_90 devices only,
+///        else BytePermute); the other kernels use Cvt's policy. The tensor core sums each 32-column
+///        MXFP8 block (one mma) before the FP32 promotion, as in the FP16 decoders.
+///   Auto (default): swap-AB kernels Fp8Mma on sm_90, the m16 decode kernel Cvt on sm_90, the
+///        prefill kernel BytePermute (docs/perf/moe-gpu.md).
+enum class WeightDecoder : std::uint8_t { Auto, BytePermute, Cvt, Fp8Mma };
 void set_weight_decoder(WeightDecoder d);
 
 /// Packed bytes (packed + codebook + scale) of the experts a routing touches, for bandwidth
