@@ -1,0 +1,63 @@
+// src/cuda/moe_prefill.hpp: the large-batch (prefill) LUT-B GEMM path of the fused MoE forward.
+//
+// What it is: GEMM1 (+ SiLU*up + MXFP8 of h) and GEMM2 of spec section 4 as CTA-tiled BF16
+// tensor-core GEMMs (mma.sync.m16n8k16, FP32 accumulators, ldmatrix from swizzled shared memory).
+// A CTA owns 64 token rows of one expert (one token tile of the grouping) x 128 weight rows; every
+// LUT-B tile it needs is decoded ONCE per CTA into shared memory and then feeds all 64 tokens.
+//
+// Numerics (spec section 4, exact): both power-of-two scales are folded into BF16 operands.
+//   weights:     BF16(e4m3(codebook[i]) * 2^(s-127)), exact for every scale byte 3..246 (spec 2:
+//                fitters write only those); the 8 scaled entries of a tile are computed once per
+//                tile and looked up by PRMT (lo/hi byte tables), so decoding is ~1.5 integer ops
+//                per weight and no FP32 rescaling is left in the K loop.
+//   activations: BF16(e4m3 * 2^(b-127)) = mxfp8_qdq(x) as BF16: exact for every block scale
+//                b = 10..254 (BF16 has FP32's exponent range; an E4M3 value has 4 significant bits).
+//                b = 0..9 (a 32-value block whose amax is below ~1.3e-33) would need BF16
+//                subnormals below 2^-133 and is rounded there (|error| < 2^-134 per element); no
+//                activation of a real model is that small, but the claim is "exact for b >= 10".
+//   The tensor cores then sum exact products in FP32: the result equals the CPU emulation up to
+//   the order of the FP32 additions, as the decode path does.
+//
+// Weights must be resident in LANE-MAJOR order (lutb/cuda/lane_major.hpp: tile_to_lane_major /
+// to_lane_major); codebooks and scales as in the checkpoint.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "lutb/cuda/moe.hpp"
+
+namespace lutb::cuda {
+
+/// Token rows per CTA of the prefill path = the tile_rows its grouping must be made with.
+inline constexpr int kPrefillTileRows = 64;
+
+/// A complete MoE forward (same contract, arguments and workspace rule as moe_forward in
+/// lutb/cuda/moe.hpp) that runs the prefill GEMMs at any batch: MXFP8 of x (natural column order),
+/// grouping into 64-row token tiles, launch_lutb_prefill_gemms, weighted top-k reduction.
+/// Weights in lane-major order. No host synchronisation (CUDA-graph friendly).
+/// Throws std::invalid_argument on bad arguments (before any launch).
+void moe_forward_lutb_prefill(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t tokens, int top_k,
+                              const std::int32_t* topk_ids, const float* topk_weights, std::uint16_t* out,
+                              void* workspace, std::size_t workspace_bytes, cudaStream_t stream);
+
+}  // namespace lutb::cuda
+
+#ifdef __CUDACC__
+#include "moe_internal.hpp"
+
+namespace lutb::cuda::detail {
+
+/// The prefill GEMMs on the workspace of the existing forward (moe_internal.hpp), for the
+/// dispatcher. Preconditions (the caller's steps before it):
+///   - ws.xa/ws.xs: launch_quantize_x(x, T, H, Hp, /*swap=*/false, ...) (natural column order);
+///   - ws.sorted/tile_*: launch_group(ids, P, E, kPrefillTileRows, ws, stream);
+///   - r: the Routing over that grouping (r.top_k = k), P = T * k.
+/// Effects: ws.xa is converted IN PLACE to BF16 a = mxfp8_qdq(x) (xa is not read afterwards by
+/// anything else); ws.hq receives h = mxfp8_qdq(bf16(silu(g)*u)) as BF16 [P, Ip] (ws.hs unused);
+/// ws.y receives y [P, H] FP32 for every valid pair. Then launch_reduce as usual.
+void launch_lutb_prefill_gemms(const DeviceMoeWeights& w, const kern::Routing& r, const Workspace& ws, std::int64_t P,
+                               cudaStream_t stream);
+
+}  // namespace lutb::cuda::detail
+#endif
