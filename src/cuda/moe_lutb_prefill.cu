@@ -46,11 +46,18 @@ void launch_lutb_prefill_gemms(const DeviceMoeWeights& w, const kern::Routing& r
                         w.w13.shape.tiles()};
   const kern::LutbW w2{w.w2.packed, w.w2.codebook, w.w2.scale, w.w2.shape.tiles_n(), w.w2.shape.tiles_k(),
                        w.w2.shape.tiles()};
-  // The dynamic shared memory (77 KB) needs the opt-in above 48 KB; cheap, and legal during capture.
-  check(cudaFuncSetAttribute(pf::prefill_gemm1_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, pf::kSmemBytes),
-        "cudaFuncSetAttribute(prefill_gemm1)");
-  check(cudaFuncSetAttribute(pf::prefill_gemm2_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, pf::kSmemBytes),
-        "cudaFuncSetAttribute(prefill_gemm2)");
+  // The dynamic shared memory (77 KB) needs the opt-in above 48 KB: once per device (not a stream
+  // operation, so also fine when the first call is being captured into a graph).
+  static bool smem_opt_in[64] = {};
+  int dev = 0;
+  check(cudaGetDevice(&dev), "cudaGetDevice");
+  if (dev >= 64 || !smem_opt_in[dev]) {
+    check(cudaFuncSetAttribute(pf::prefill_gemm1_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, pf::kSmemBytes),
+          "cudaFuncSetAttribute(prefill_gemm1)");
+    check(cudaFuncSetAttribute(pf::prefill_gemm2_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, pf::kSmemBytes),
+          "cudaFuncSetAttribute(prefill_gemm2)");
+    if (dev < 64) smem_opt_in[dev] = true;
+  }
   const dim3 g1(static_cast<unsigned>(Ip / 64), static_cast<unsigned>(slots));
   pf::prefill_gemm1_kernel<<<g1, pf::kThreads, pf::kSmemBytes, stream>>>(w13, ws.xa, Hp, r, I, Ip, ws.hq);
   check_launch("sm80_lutb_mxfp8_moe_gemm1_prefill_bf16fold");
