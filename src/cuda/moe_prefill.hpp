@@ -32,6 +32,18 @@ namespace lutb::cuda {
 /// Token rows per CTA of the prefill path = the tile_rows its grouping must be made with.
 inline constexpr int kPrefillTileRows = 64;
 
+/// Heuristic for the dispatcher: true when the prefill GEMMs are expected to beat the decode
+/// kernels, i.e. when the mean number of (token, expert) pairs per touched expert,
+/// T*k / min(E, T*k), is at least 16. Measured on the H200 (docs/perf/moe-gpu-prefill.md,
+/// 2026-11-30): at 8 pairs per expert (DeepSeek-V3, T = 256) the 64-row token tiles are mostly
+/// empty and prefill is 0.70x the decode path; at 16 (Qwen3, T = 256) they are even (1.01-1.03x);
+/// at >= 32 prefill is 1.7-2.7x faster.
+inline bool prefer_lutb_prefill(std::int64_t tokens, int top_k, std::int64_t experts) {
+  const std::int64_t pairs = tokens * top_k;
+  const std::int64_t touched = experts < pairs ? experts : pairs;
+  return touched > 0 && pairs >= 16 * touched;
+}
+
 /// A complete MoE forward (same contract, arguments and workspace rule as moe_forward in
 /// lutb/cuda/moe.hpp) that runs the prefill GEMMs at any batch: MXFP8 of x (natural column order),
 /// grouping into 64-row token tiles, launch_lutb_prefill_gemms, weighted top-k reduction.

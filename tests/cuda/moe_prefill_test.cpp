@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <iostream>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -167,6 +168,7 @@ V take_rows(const V& v, std::int64_t width, const std::vector<std::int64_t>& row
 
 void expect_matches(const std::vector<std::uint16_t>& got, const std::vector<std::uint16_t>& ref) {
   const Cmp r = compare_bf16(got, ref);
+  std::cout << "  vs host reference: rel. L2 " << r.rel_l2 << ", bit-equal " << r.exact << " of " << r.n << "\n";
   EXPECT_EQ(r.nan, 0) << "unwritten or NaN outputs";
   EXPECT_LT(r.rel_l2, 1e-3) << "exact " << r.exact << " of " << r.n;
   EXPECT_GT(r.exact, r.n * 8 / 10) << "bit-equal BF16 outputs (FP32 order only differs); rel L2 " << r.rel_l2;
@@ -270,6 +272,39 @@ TEST(PrefillCuda, InvalidExpertIdWritesNanRowOnly) {
     EXPECT_EQ(got[0 * H + c], ref[0 * H + c]) << "column " << c;
     EXPECT_FALSE(std::isnan(bf16_to_float(got[2 * H + c])));
   }
+}
+
+TEST(PrefillCuda, NonFiniteActivationBlockGivesNanRowLikeTheReference) {
+  LUTB_GPU_OR_SKIP();
+  // An Inf in x makes its MXFP8 block scale 255 (spec 3): the token's row is NaN in the reference;
+  // every other row must be unaffected.
+  std::mt19937 rng(11);
+  const std::int64_t E = 4, H = 256, I = 128, T = 5;
+  const int k = 2;
+  const HostLutb w13 = random_lutb({E, 2 * I, H, true}, rng), w2 = random_lutb({E, H, I, true}, rng);
+  auto x = random_bf16(T * H, rng);
+  x[2 * H + 77] = bf16_from_float(INFINITY);
+  std::vector<std::int32_t> ids;
+  std::vector<float> wts;
+  random_routing(T, k, {0, 1, 2, 3}, rng, ids, wts);
+  DevLutbLM d13(w13), d2(w2);
+  const auto got = run_prefill({E, H, I, d13.view, d2.view}, x, T, k, ids, wts);
+  const auto ref = moe_reference(w13, w2, H, I, x, T, k, ids, wts);
+  for (std::int64_t c = 0; c < H; ++c) {
+    EXPECT_TRUE(std::isnan(bf16_to_float(ref[2 * H + c])));
+    EXPECT_TRUE(std::isnan(bf16_to_float(got[2 * H + c]))) << "column " << c;
+  }
+  const std::vector<std::int64_t> rows = {0, 1, 3, 4};
+  expect_matches(take_rows(got, H, rows), take_rows(ref, H, rows));
+}
+
+TEST(PrefillCuda, HeuristicThresholdIs16PairsPerTouchedExpert) {
+  EXPECT_FALSE(cuda::prefer_lutb_prefill(256, 8, 256));   // DeepSeek-V3, T = 256: 8 pairs per expert
+  EXPECT_TRUE(cuda::prefer_lutb_prefill(256, 8, 128));    // Qwen3, T = 256: 16
+  EXPECT_TRUE(cuda::prefer_lutb_prefill(4096, 8, 256));   // 128
+  EXPECT_FALSE(cuda::prefer_lutb_prefill(4, 2, 8));       // 8 pairs over 8 experts
+  EXPECT_TRUE(cuda::prefer_lutb_prefill(64, 2, 8));       // 16
+  EXPECT_FALSE(cuda::prefer_lutb_prefill(0, 8, 256));
 }
 
 TEST(PrefillCuda, BadArgumentsThrowBeforeAnyLaunch) {
