@@ -9,14 +9,17 @@
 //   weights:     BF16(e4m3(codebook[i]) * 2^(s-127)), exact for every scale byte 3..246 (spec 2:
 //                fitters write only those); the 8 scaled entries of a tile are computed once per
 //                tile and looked up by PRMT (lo/hi byte tables), so decoding is ~1.5 integer ops
-//                per weight and no FP32 rescaling is left in the K loop.
+//                per weight and no per-block FP32 rescaling is left in the K loop.
 //   activations: BF16(e4m3 * 2^(b-127)) = mxfp8_qdq(x) as BF16: exact for every block scale
 //                b = 10..254 (BF16 has FP32's exponent range; an E4M3 value has 4 significant bits).
 //                b = 0..9 (a 32-value block whose amax is below ~1.3e-33) would need BF16
 //                subnormals below 2^-133 and is rounded there (|error| < 2^-134 per element); no
 //                activation of a real model is that small, but the claim is "exact for b >= 10".
-//   The tensor cores then sum exact products in FP32: the result equals the CPU emulation up to
-//   the order of the FP32 additions, as the decode path does.
+//   The tensor cores then sum exact products; because they truncate while accumulating, each
+//   128-column partial sum is added to FP32 registers with round-to-nearest adds ("promotion";
+//   without it the DeepSeek-V3 shape was 2.2e-3 rel. L2 from the reference, with it 4.3e-5). The
+//   result equals the CPU emulation up to the order (and tensor-core rounding) of the FP32
+//   additions, as the decode path's does.
 //
 // Weights must be resident in LANE-MAJOR order (lutb/cuda/lane_major.hpp: tile_to_lane_major /
 // to_lane_major); codebooks and scales as in the checkpoint.
@@ -34,14 +37,16 @@ inline constexpr int kPrefillTileRows = 64;
 
 /// Heuristic for the dispatcher: true when the prefill GEMMs are expected to beat the decode
 /// kernels, i.e. when the mean number of (token, expert) pairs per touched expert,
-/// T*k / min(E, T*k), is at least 16. Measured on the H200 (docs/perf/moe-gpu-prefill.md,
-/// 2026-11-30): at 8 pairs per expert (DeepSeek-V3, T = 256) the 64-row token tiles are mostly
-/// empty and prefill is 0.70x the decode path; at 16 (Qwen3, T = 256) they are even (1.01-1.03x);
-/// at >= 32 prefill is 1.7-2.7x faster.
+/// T*k / min(E, T*k), is at least 24. Measured on the H200 (docs/perf/moe-gpu-prefill.md,
+/// 2026-11-30, against the decode kernels of main 6e814f9): at 8 pairs per expert (DeepSeek-V3,
+/// T = 256) the 64-row token tiles are mostly empty and prefill is 0.67x the decode path; at 16
+/// (Qwen3, T = 256) they are even (0.96-1.03x over two runs); at 32 (DeepSeek-V3, T = 1024) prefill
+/// is 1.6x faster and at 64 or more 1.8-2.6x. 24 sits between the break-even and the first clear
+/// win; re-measure once the decode kernels read the lane-major order.
 inline bool prefer_lutb_prefill(std::int64_t tokens, int top_k, std::int64_t experts) {
   const std::int64_t pairs = tokens * top_k;
   const std::int64_t touched = experts < pairs ? experts : pairs;
-  return touched > 0 && pairs >= 16 * touched;
+  return touched > 0 && pairs >= 24 * touched;
 }
 
 /// A complete MoE forward (same contract, arguments and workspace rule as moe_forward in

@@ -298,12 +298,13 @@ TEST(PrefillCuda, NonFiniteActivationBlockGivesNanRowLikeTheReference) {
   expect_matches(take_rows(got, H, rows), take_rows(ref, H, rows));
 }
 
-TEST(PrefillCuda, HeuristicThresholdIs16PairsPerTouchedExpert) {
+TEST(PrefillCuda, HeuristicThresholdIs24PairsPerTouchedExpert) {
   EXPECT_FALSE(cuda::prefer_lutb_prefill(256, 8, 256));   // DeepSeek-V3, T = 256: 8 pairs per expert
-  EXPECT_TRUE(cuda::prefer_lutb_prefill(256, 8, 128));    // Qwen3, T = 256: 16
-  EXPECT_TRUE(cuda::prefer_lutb_prefill(4096, 8, 256));   // 128
+  EXPECT_FALSE(cuda::prefer_lutb_prefill(256, 8, 128));   // Qwen3, T = 256: 16 (break-even)
+  EXPECT_TRUE(cuda::prefer_lutb_prefill(384, 8, 128));    // 24
+  EXPECT_TRUE(cuda::prefer_lutb_prefill(1024, 8, 256));   // 32
   EXPECT_FALSE(cuda::prefer_lutb_prefill(4, 2, 8));       // 8 pairs over 8 experts
-  EXPECT_TRUE(cuda::prefer_lutb_prefill(64, 2, 8));       // 16
+  EXPECT_TRUE(cuda::prefer_lutb_prefill(96, 2, 8));       // 24
   EXPECT_FALSE(cuda::prefer_lutb_prefill(0, 8, 256));
 }
 
