@@ -114,11 +114,24 @@ std::size_t align256(std::size_t v) { return (v + 255) / 256 * 256; }
 
 }  // namespace
 
-MoeStrategy choose_strategy(std::int64_t tokens, int top_k, std::int64_t experts, bool packed_weights) {
-  if (packed_weights) return MoeStrategy::Decode;
+namespace {
+/// Mean tokens per touched expert (pairs / min(E, pairs)).
+double tokens_per_expert(std::int64_t tokens, int top_k, std::int64_t experts) {
   const double pairs = static_cast<double>(tokens) * top_k;
   const double touched = std::min<double>(static_cast<double>(experts), pairs);
-  return (touched > 0 && pairs / touched >= 48.0) ? MoeStrategy::Prefill : MoeStrategy::Decode;
+  return touched > 0 ? pairs / touched : 0.0;
+}
+}  // namespace
+
+MoeStrategy choose_strategy(std::int64_t tokens, int top_k, std::int64_t experts, bool packed_weights) {
+  const double a = tokens_per_expert(tokens, top_k, experts);
+  if (packed_weights) return a <= kSwapAbMaxTokensPerExpert ? MoeStrategy::Decode : MoeStrategy::DecodeM16;
+  return a >= 48.0 ? MoeStrategy::Prefill : MoeStrategy::Decode;
+}
+
+int decode_token_blocks(std::int64_t tokens, int top_k, std::int64_t experts) {
+  const double a = tokens_per_expert(tokens, top_k, experts);
+  return a <= 6.0 ? 1 : (a <= 14.0 ? 2 : 4);
 }
 
 std::size_t moe_workspace_bytes(std::int64_t max_tokens, int top_k, std::int64_t experts, std::int64_t hidden,
@@ -132,13 +145,13 @@ std::int64_t lutb_bytes_per_expert(const DeviceMoeWeights& w) {
 
 namespace detail {
 
-std::int64_t max_tiles(std::int64_t pairs, std::int64_t experts, int mt) {
-  return std::min(experts, pairs) + pairs / (16 * mt);
+std::int64_t max_tiles(std::int64_t pairs, std::int64_t experts, int rows) {
+  return std::min(experts, pairs) + pairs / rows;
 }
 
 Workspace carve(void* base, std::int64_t T, int k, std::int64_t E, std::int64_t H, std::int64_t I) {
   const std::int64_t Hp = ceil_div(H, 64) * 64, Ip = ceil_div(I, 64) * 64, P = T * k;
-  const std::int64_t mt = max_tiles(P, E, 1);
+  const std::int64_t mt = max_tiles(P, E, 8);  // the smallest token tile (swap-AB decode, 8 rows)
   Workspace w;
   std::size_t o = 0;
   auto take = [&](std::size_t bytes) {
@@ -162,7 +175,7 @@ Workspace carve(void* base, std::int64_t T, int k, std::int64_t E, std::int64_t 
 
 int resolve_mt(MoeStrategy s, std::int64_t tokens, int top_k, std::int64_t experts, bool packed) {
   if (s == MoeStrategy::Auto) s = choose_strategy(tokens, top_k, experts, packed);
-  return s == MoeStrategy::Prefill ? 4 : 1;
+  return s == MoeStrategy::Prefill ? 4 : 1;  // Decode and DecodeM16 are the same BF16 kernel
 }
 
 static WeightDecoder g_decoder = WeightDecoder::Auto;

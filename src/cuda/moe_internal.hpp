@@ -26,14 +26,14 @@ struct Workspace {
   std::size_t bytes = 0;
 };
 
-/// Upper bound of token tiles of 16*mt rows over all experts: min(E, P) + floor(P / (16*mt)).
-std::int64_t max_tiles(std::int64_t pairs, std::int64_t experts, int mt);
+/// Upper bound of token tiles of `rows` rows over all experts: min(E, P) + floor(P / rows).
+std::int64_t max_tiles(std::int64_t pairs, std::int64_t experts, int rows);
 
 /// Lays out the workspace (base may be null to measure).
 Workspace carve(void* base, std::int64_t tokens, int top_k, std::int64_t experts, std::int64_t hidden,
                 std::int64_t intermediate);
 
-/// Which mma tile to use: 1 (decode) or 4 (prefill) m16 tiles per warp (the LUT-B path uses 2 for prefill).
+/// BF16 path: which mma tile to use, 1 (decode) or 4 (prefill) m16 tiles per warp.
 int resolve_mt(MoeStrategy s, std::int64_t tokens, int top_k, std::int64_t experts, bool packed);
 
 /// True when the weight decoder of a launch with `mt` m16 tiles per warp uses the sm_89+ E4M3
