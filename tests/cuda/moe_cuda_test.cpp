@@ -141,6 +141,10 @@ struct Case {
   bool only_even;  // leave odd experts empty
 };
 
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << "E=" << c.E << " H=" << c.H << " I=" << c.I << " T=" << c.T << " k=" << c.k << (c.only_even ? " (odd experts empty)" : "");
+}
+
 class MoeRandom : public ::testing::TestWithParam<Case> {};
 
 TEST_P(MoeRandom, MatchesHostReferenceAllStrategiesAndDecoders) {
