@@ -10,9 +10,11 @@
 // CPU build's -ffp-contract=off. Tested in tests/cuda/fit_gpu_test.cpp (random, edge and real
 // tiles against lutb::quantize).
 //
-// Execution: one thread per 8x64 tile (about 19 KiB of per-thread local memory, so the CUDA
-// context reserves local memory for every resident thread: ~5 GiB on an H200 at full occupancy;
-// this reservation is made once per context and is not bounded by the chunk size).
+// Execution (GpuFitKernel below): by default one warp per 8x64 tile with its tables in shared
+// memory; the first port (one thread per tile, about 19 KiB of per-thread local memory, for which
+// the CUDA context reserves local memory for every resident thread: ~5 GiB on an H200 at full
+// occupancy, once per context, not bounded by the chunk size) remains selectable.
+// The scalar arithmetic that decides bytes is shared with the CPU fitter (src/fit/fit_scalar.hpp).
 //
 // Layout of the outputs: the LutbTensor layout of lutb/tile.hpp (spec section 2.2):
 //   packed [E, Np/8, Kp/64, 192] u8, codebook [E, Np/8, Kp/64, 8] E4M3, scale [E, Np/8, Kp/64] UE8M0,
@@ -32,6 +34,14 @@ typedef struct CUstream_st* cudaStream_t;
 
 namespace lutb::cuda {
 
+/// Which kernel fits the tiles. Both give the CPU fitter's bytes.
+///   Warp (default): one warp per tile, per-warp tables in shared memory (~13 KiB), the sort, the
+///     DP levels, the refinement tables and the encoding spread over the lanes
+///     (src/cuda/fit_binned_dp_warp.cu); no local-memory reservation.
+///   Thread: the first port, one thread per tile with ~19 KiB of local memory per thread
+///     (src/cuda/fit_binned_dp.cu); kept as the benchmark baseline.
+enum class GpuFitKernel : std::uint8_t { Warp, Thread };
+
 /// Options of the GPU fitter.
 struct GpuFitOptions {
   /// -1: the fitter's own scale (rceil of the tile's amax, at least 3; byte 127 for an all-zero
@@ -39,12 +49,14 @@ struct GpuFitOptions {
   int forced_scale = -1;
   /// Bound on the source bytes staged on the device at once (quantize_gpu only). Peak extra device
   /// memory is about chunk_bytes + (chunk tiles) * 217 bytes (192 packed + 8 codebook + 1 scale +
-  /// 16 for the per-tile sse/sum_sq), plus the local-memory reservation described above. A chunk
+  /// 16 for the per-tile sse/sum_sq), plus, with GpuFitKernel::Thread, the local-memory
+  /// reservation described above. A chunk
   /// holds whole experts when one expert fits, else whole tile rows (8 matrix rows) of one expert;
   /// at least one tile row is staged whatever the bound.
   std::size_t chunk_bytes = std::size_t{512} << 20;
   /// Device to run on (-1: the current device).
   int device = -1;
+  GpuFitKernel kernel = GpuFitKernel::Warp;
 };
 
 /// Quantizes a host-resident weight or expert stack to LUT-B with "binned-dp" on the GPU.
@@ -90,6 +102,12 @@ GpuFitError decode_fit_error(unsigned long long word);
 /// (decode_fit_error); outputs of failing tiles are left unwritten. Throws std::invalid_argument
 /// for bad arguments and std::runtime_error when the launch fails.
 void fit_binned_dp_device(const void* d_src, DType src_type, const LutbShape& shape, const DeviceFitOut& out,
-                          int forced_scale, unsigned long long* d_error, cudaStream_t stream);
+                          int forced_scale, unsigned long long* d_error, cudaStream_t stream,
+                          GpuFitKernel kernel = GpuFitKernel::Warp);
+
+/// Only the tile check of fit_binned_dp_device (NaN / Inf / magnitude, same error word in d_error,
+/// set to all ones first): reads the stack once, writes nothing else. Asynchronous on `stream`.
+void check_tiles_device(const void* d_src, DType src_type, const LutbShape& shape, unsigned long long* d_error,
+                        cudaStream_t stream);
 
 }  // namespace lutb::cuda
