@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/fit_internal.cuh"
 #include "lutb/cuda/fit.hpp"
 #include "lutb/cuda/online.hpp"
 #include "lutb/fit.hpp"
@@ -132,6 +133,21 @@ int main(int argc, char** argv) {
   const double t_warp_nostats = time_kernel(lutb::cuda::GpuFitKernel::Warp, nostats);
   const double t_warp = time_kernel(lutb::cuda::GpuFitKernel::Warp, out[0]);
 
+  // Where the warp kernel's time goes: per-phase clock64() cycles of lane 0, summed over warps
+  // (an instrumented copy of the kernel; same bytes).
+  unsigned long long* d_prof = nullptr;
+  constexpr int kSlots = lutb::cuda::fit_internal::kProfPhases + 4;
+  unsigned long long prof[kSlots] = {};
+  ok(cudaMalloc(&d_prof, sizeof(prof)));
+  ok(cudaMemset(d_prof, 0, sizeof(prof)));
+  {
+    lutb::cuda::fit_internal::KernelArgs ka{d_w, 1, N, K, s.tiles_n(), s.tiles_k(), tiles, 0, out[0], -1, d_err};
+    ok(cudaMemset(d_err, 0xff, 8));
+    lutb::cuda::fit_internal::launch_warp_profiled(ka, d_prof, nullptr);
+    ok(cudaMemcpy(prof, d_prof, sizeof(prof), cudaMemcpyDeviceToHost));
+  }
+  cudaFree(d_prof);
+
   // Whole-stack bytes: warp == thread.
   auto host = [](const void* p, std::size_t n) {
     std::vector<std::uint8_t> h(n);
@@ -219,6 +235,24 @@ int main(int argc, char** argv) {
                 "lane-major + stats, host-timed | %.4f s | %.3g | | %.0f s | %.1f%% |\n",
                 static_cast<long long>(E), online_weights, t_online, rate, 654e9 / rate, 100.0 * rate / 45e9);
     std::printf("| online method device memory | output %zu B, temporaries %zu B |\n", online_out, online_temp);
+  }
+  {
+    static const char* const kPhase[] = {"load + check", "sort + de-duplication", "prefix sums (serial)",
+                                         "bin edges", "binned DP (6 layers, level-parallel)",
+                                         "refinement (window DP)", "encoding + per-tile sums (serial)"};
+    constexpr int P = lutb::cuda::fit_internal::kProfPhases;
+    double total = 0.0;
+    for (int i = 0; i < P; ++i) total += static_cast<double>(prof[i]);
+    const double nt_d = static_cast<double>(prof[P]);
+    std::printf("\n| warp kernel phase (instrumented run, lane-0 clock64 cycles per tile) | cycles/tile | share |\n");
+    std::printf("|---|---|---|\n");
+    for (int i = 0; i < P; ++i)
+      std::printf("| %s | %.0f | %.1f%% |\n", kPhase[i], static_cast<double>(prof[i]) / nt_d,
+                  100.0 * static_cast<double>(prof[i]) / total);
+    std::printf("| total per tile (one warp) | %.0f | |\n", total / nt_d);
+    std::printf("| mean distinct values n / bin edges m / refinement rounds per tile | %.1f / %.1f / %.2f | |\n",
+                static_cast<double>(prof[P + 1]) / nt_d, static_cast<double>(prof[P + 2]) / nt_d,
+                static_cast<double>(prof[P + 3]) / nt_d);
   }
   std::printf("\n| warp == thread kernel bytes and sums (whole stack) | %s |\n", same_kernels ? "yes" : "NO");
   std::printf("| expert 0 bytes GPU == CPU | %s |\n", same ? "yes" : "NO");

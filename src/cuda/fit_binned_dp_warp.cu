@@ -53,6 +53,7 @@ constexpr int kBins = 32, kTail = 8, kWindow = 8, kRounds = 4, kSettled = 3;  //
 constexpr int kWin = 2 * kWindow + 1;
 constexpr int kMaxPos = kBins + 2 * kTail + 2;  // binned_dp.cpp's pos[] size: m < kMaxPos
 constexpr int kWarps = 2;                       // warps (tiles in flight) per block
+constexpr int kProfSlots = kProfPhases + 4;      // phases, then tiles, sum n, sum m, refine rounds
 
 using WarpSort = cub::WarpMergeSort<std::uint32_t, kIpt, 32>;
 struct KeyLess {
@@ -111,6 +112,27 @@ __device__ __forceinline__ void group_argmin(double& bv, int& bi, int gs) {
     const double ov = __shfl_xor_sync(kFull, bv, off);
     const int oi = __shfl_xor_sync(kFull, bi, off);
     keep_min(bv, bi, ov, oi);
+  }
+}
+
+// In place: P[0] = 0, P[d] = P[d-1] + P[d] for d = 1..n (a double running sum, in order).
+__device__ __forceinline__ void running_sum(double* P, int n) {
+  P[0] = 0.0;
+  double acc = 0.0;
+  int d = 1;
+  for (; d + 7 <= n; d += 8) {
+    double t[8];
+#pragma unroll
+    for (int r = 0; r < 8; ++r) t[r] = P[d + r];
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      acc = acc + t[r];
+      P[d + r] = acc;
+    }
+  }
+  for (; d <= n; ++d) {
+    acc = acc + P[d];
+    P[d] = acc;
   }
 }
 
@@ -237,14 +259,16 @@ __device__ void dp_fit_warp(Smem& s, int lane, int m, int scale) {
 }
 
 // dp.cpp dp_refine with w = kWindow, rounds = kRounds, over n distinct values.
-__device__ void dp_refine_warp(Smem& s, int lane, int n, int scale) {
+__device__ int dp_refine_warp(Smem& s, int lane, int n, int scale) {
   const int K = s.K;
   const int m = n;
-  if (K < 2 || K >= m) return;
+  if (K < 2 || K >= m) return 0;
+  int rounds = 0;
   const double inv = pow2(127 - scale);
   const double inv2 = inv * inv;
   if (lane >= 1 && lane < K) s.wk[lane] = kWindow;
   for (int round = 0; round < kRounds; ++round) {
+    ++rounds;
     if (lane >= 1 && lane < K) {
       const int b = s.bounds[lane];
       s.lo[lane] = max(b - s.wk[lane], lane);
@@ -260,10 +284,18 @@ __device__ void dp_refine_warp(Smem& s, int lane, int n, int scale) {
       const int jl = k < K ? s.lo[k] : m, jh = k < K ? s.hi[k] : m;
       const int il = s.lo[k - 1], ihm = s.hi[k - 1];
       const int nj = jh - jl + 1, ni = ihm - il + 1;
-      for (int idx = lane; idx < nj * ni; idx += 32) {
+      const int tot = nj * ni;
+      for (int idx = lane; idx < tot; idx += 64) {  // two independent evaluations per lane and pass
         const int jj = idx / ni, ii = idx - jj * ni;
-        const int j = jl + jj, i = il + ii;
-        if (i <= j - 1) s.rf.V[jj][ii] = s.rf.F[k - 1][ii] + cost_full(s, i, j, inv, inv2);
+        const int idx2 = idx + 32;
+        const int jj2 = idx2 / ni, ii2 = idx2 - jj2 * ni;
+        const bool ok1 = il + ii <= jl + jj - 1;
+        const bool ok2 = idx2 < tot && il + ii2 <= jl + jj2 - 1;
+        // (a valid dummy run where a slot is unused: its value is not stored)
+        const double v1 = s.rf.F[k - 1][ok1 ? ii : 0] + cost_full(s, ok1 ? il + ii : 0, ok1 ? jl + jj : 1, inv, inv2);
+        const double v2 = s.rf.F[k - 1][ok2 ? ii2 : 0] + cost_full(s, ok2 ? il + ii2 : 0, ok2 ? jl + jj2 : 1, inv, inv2);
+        if (ok1) s.rf.V[jj][ii] = v1;
+        if (ok2) s.rf.V[jj2][ii2] = v2;
       }
       __syncwarp();
       if (lane < nj) {
@@ -305,6 +337,7 @@ __device__ void dp_refine_warp(Smem& s, int lane, int n, int scale) {
                                 static_cast<double>(s.cnt[j]) - static_cast<double>(s.cnt[i]));
   }
   __syncwarp();
+  return rounds;
 }
 
 // tile_common.cpp encode_tile + assign_sse. Entries in s.entries[0..n_entries).
@@ -382,22 +415,17 @@ __device__ void encode_warp(Smem& s, int lane, const float (&x)[kIpt], int scale
   }
   if (lane < kCodebookSize) codebook[lane] = s.cbb[lane];
   if (lane == 0) *scale_out = static_cast<std::uint8_t>(scale);
-  if (sse_out || ssq_out) {  // flat-order double sums: lane after lane
-    double se = 0.0, ss = 0.0;
-    for (int src = 0; src < 32; ++src) {
-      if (lane == src) {
+  if (sse_out || ssq_out) {  // flat-order double sums (the prefix sums are dead: reuse them)
 #pragma unroll
-        for (int q = 0; q < kIpt; ++q) {
-          se = se + dsq[q];
-          ss = ss + xsq[q];
-        }
-      }
-      se = __shfl_sync(kFull, se, src);
-      ss = __shfl_sync(kFull, ss, src);
+    for (int q = 0; q < kIpt; ++q) {
+      s.p[0][kIpt * lane + q + 1] = dsq[q];
+      s.p[1][kIpt * lane + q + 1] = xsq[q];
     }
-    if (lane == 0) {
-      if (sse_out) *sse_out = se;
-      if (ssq_out) *ssq_out = ss;
+    __syncwarp();
+    if (lane < 2) {
+      running_sum(s.p[lane], kN);
+      double* o = lane == 0 ? sse_out : ssq_out;
+      if (o) *o = s.p[lane][kN];
     }
   }
   __syncwarp();
@@ -452,7 +480,27 @@ __device__ __forceinline__ void load_tile(const KernelArgs& a, std::int64_t lt, 
   }
 }
 
-__device__ void fit_one(Smem& s, int lane, const KernelArgs& a, std::int64_t lt) {
+// Phase timing (the profiled instantiation only): lane 0 adds clock64() deltas per phase.
+struct Prof {
+  long long t = 0;
+  long long c[kProfSlots] = {};
+};
+template <bool P>
+__device__ __forceinline__ void phase(Prof& pr, int lane, int i) {
+  if constexpr (P) {
+    if (lane == 0) {
+      const long long t = clock64();
+      pr.c[i] += t - pr.t;
+      pr.t = t;
+    }
+  }
+}
+
+template <bool P>
+__device__ __forceinline__ void fit_one(Smem& s, int lane, const KernelArgs& a, std::int64_t lt, Prof& pr) {
+  if constexpr (P) {
+    if (lane == 0) pr.t = clock64();
+  }
   float x[kIpt];
   load_tile(a, lt, lane, x);
   // fit.cpp check_tile: the first non-finite value in flat order, else the magnitude.
@@ -481,6 +529,7 @@ __device__ void fit_one(Smem& s, int lane, const KernelArgs& a, std::int64_t lt)
     return;
   }
   if (a.check_only) return;
+  phase<P>(pr, lane, 0);
 
   // tile_common.cpp build_sorted.
   {
@@ -520,21 +569,20 @@ __device__ void fit_one(Smem& s, int lane, const KernelArgs& a, std::int64_t lt)
     }
   }
   __syncwarp();
+  phase<P>(pr, lane, 1);
   const int n = s.m;
-  if (lane < 2) {  // the running sums, in the CPU's order: lane 0 sum x, lane 1 sum x^2
-    double* P = s.p[lane];
-    double acc = 0.0;
-    P[0] = 0.0;
-    int c0 = 0;
-    for (int d = 0; d < n; ++d) {
-      const int c1 = s.cnt[d + 1];
-      const double c = static_cast<double>(c1 - c0);
-      c0 = c1;
-      const double xd = static_cast<double>(s.u[d]);
-      acc = acc + (lane == 0 ? c * xd : c * (xd * xd));
-      P[d + 1] = acc;
-    }
+  // The terms c * x and c * x^2 of every distinct value (independent: all lanes), then the running
+  // sums in the CPU's order (lane 0 sum x, lane 1 sum x^2), loads batched ahead of the adds.
+  for (int d = lane; d < n; d += 32) {
+    const double c = static_cast<double>(s.cnt[d + 1] - s.cnt[d]);
+    const double xd = static_cast<double>(s.u[d]);
+    s.p[0][d + 1] = c * xd;
+    s.p[1][d + 1] = c * (xd * xd);
   }
+  __syncwarp();
+  if (lane < 2) running_sum(s.p[lane], n);
+  if constexpr (P) __syncwarp();
+  phase<P>(pr, lane, 2);
   // binned_dp.cpp: bin edges.
   if (n <= kBins) {
     if (lane <= n) s.pos[lane] = lane;
@@ -569,6 +617,7 @@ __device__ void fit_one(Smem& s, int lane, const KernelArgs& a, std::int64_t lt)
     }
   }
   __syncwarp();
+  phase<P>(pr, lane, 3);
   const int m = n <= kBins ? n : s.m;
   std::uint8_t* packed = a.out.packed + lt * kPackedBytes;
   std::uint8_t* codebook = a.out.codebook + lt * kCodebookSize;
@@ -582,22 +631,39 @@ __device__ void fit_one(Smem& s, int lane, const KernelArgs& a, std::int64_t lt)
     if (lane == 0) s.entries[0] = 0x00;
     __syncwarp();
     encode_warp(s, lane, x, 127, 1, packed, codebook, scale_out, sse, ssq);
+    phase<P>(pr, lane, 6);
     return;
   } else {
     sc = max(static_cast<int>(ue8m0_rceil(am)), kMinScale);
   }
   dp_fit_warp(s, lane, m, sc);
-  if (m != n) dp_refine_warp(s, lane, n, sc);
+  phase<P>(pr, lane, 4);
+  int rounds = 0;
+  if (m != n) rounds = dp_refine_warp(s, lane, n, sc);
+  phase<P>(pr, lane, 5);
   encode_warp(s, lane, x, sc, s.K, packed, codebook, scale_out, sse, ssq);
+  phase<P>(pr, lane, 6);
+  if constexpr (P) {
+    pr.c[kProfPhases] += 1;
+    pr.c[kProfPhases + 1] += n;
+    pr.c[kProfPhases + 2] += m;
+    pr.c[kProfPhases + 3] += rounds;
+  }
 }
 
-__global__ void __launch_bounds__(32 * kWarps) fit_warp_kernel(KernelArgs a) {
+template <bool P>
+__global__ void __launch_bounds__(32 * kWarps) fit_warp_kernel(KernelArgs a, unsigned long long* prof) {
   __shared__ Smem sm[kWarps];
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * kWarps;
+  Prof pr;
   for (std::int64_t lt = static_cast<std::int64_t>(blockIdx.x) * kWarps + w; lt < a.tiles; lt += stride) {
-    fit_one(sm[w], lane, a, lt);
+    fit_one<P>(sm[w], lane, a, lt, pr);
     __syncwarp();
+  }
+  if constexpr (P) {
+    if (lane == 0)
+      for (int i = 0; i < kProfSlots; ++i) atomicAdd(prof + i, static_cast<unsigned long long>(pr.c[i]));
   }
 }
 
@@ -606,9 +672,17 @@ __global__ void __launch_bounds__(32 * kWarps) fit_warp_kernel(KernelArgs a) {
 void launch_warp(const KernelArgs& a, cudaStream_t stream) {
   if (a.tiles == 0) return;
   const std::int64_t blocks = std::min<std::int64_t>((a.tiles + kWarps - 1) / kWarps, std::int64_t{1} << 22);
-  fit_warp_kernel<<<static_cast<unsigned>(blocks), 32 * kWarps, 0, stream>>>(a);
+  fit_warp_kernel<false><<<static_cast<unsigned>(blocks), 32 * kWarps, 0, stream>>>(a, nullptr);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) throw std::runtime_error(std::string("quantize_gpu: kernel launch: ") + cudaGetErrorString(e));
+}
+
+void launch_warp_profiled(const KernelArgs& a, unsigned long long* d_prof, cudaStream_t stream) {
+  if (a.tiles == 0) return;
+  const std::int64_t blocks = std::min<std::int64_t>((a.tiles + kWarps - 1) / kWarps, std::int64_t{1} << 22);
+  fit_warp_kernel<true><<<static_cast<unsigned>(blocks), 32 * kWarps, 0, stream>>>(a, d_prof);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) throw std::runtime_error(std::string("profile kernel launch: ") + cudaGetErrorString(e));
 }
 
 }  // namespace lutb::cuda::fit_internal

@@ -26,6 +26,15 @@ struct KernelArgs {
 /// The warp-cooperative kernel (src/cuda/fit_binned_dp_warp.cu): one warp per tile.
 void launch_warp(const KernelArgs& a, cudaStream_t stream);
 
+/// The same kernel with per-phase clock64() accounting (lane 0 of every warp), for the benchmark:
+/// d_prof[kProfPhases + 4] zeroed by the caller receives the summed cycles of the phases
+///   0 load + check, 1 sort + de-duplication, 2 prefix sums, 3 bin edges, 4 binned DP,
+///   5 refinement, 6 encoding (+ per-tile sums),
+/// then the number of tiles, the sums of distinct values n, of bin edges m and of refinement rounds.
+/// Bytes written are those of launch_warp.
+inline constexpr int kProfPhases = 7;
+void launch_warp_profiled(const KernelArgs& a, unsigned long long* d_prof, cudaStream_t stream);
+
 /// Error word of a failing tile: (tile << 12) | (code << 9) | position (decode_fit_error).
 __host__ __device__ inline unsigned long long error_word(std::int64_t tile, int code, int pos) {
   return (static_cast<unsigned long long>(tile) << 12) | (static_cast<unsigned long long>(code) << 9) |
