@@ -307,8 +307,8 @@ GpuOnlineReport quantize_experts_online(DeviceExpertSource& src, DeviceLutbLayer
   w.experts = E;
   w.hidden = H;
   w.intermediate = I;
-  w.w13 = DeviceLutb{s13, tens[0].packed, tens[0].codebook, tens[0].scale};
-  w.w2 = DeviceLutb{s2, tens[1].packed, tens[1].codebook, tens[1].scale};
+  w.w13 = DeviceLutb{s13, tens[0].packed, tens[0].codebook, tens[0].scale, opt.lane_major};
+  w.w2 = DeviceLutb{s2, tens[1].packed, tens[1].codebook, tens[1].scale, opt.lane_major};
   OnlineAccess::set(out, mem, total, w);
 
   src.w13.clear();

@@ -175,6 +175,8 @@ TEST(OnlineGpu, RandomLayerMatchesCpuAndReleasesByChunk) {
   EXPECT_EQ(out.weights().experts, 5);
   EXPECT_EQ(out.weights().hidden, 200);
   EXPECT_EQ(out.weights().intermediate, 40);
+  EXPECT_TRUE(out.weights().w13.lane_major);
+  EXPECT_TRUE(out.weights().w2.lane_major);
   expect_equal_layer(out, x);
   // Idempotent: a second call does nothing (no release, empty report, output unchanged).
   const cuda::GpuOnlineReport again = cuda::quantize_experts_online(src, out, opt);
@@ -200,6 +202,7 @@ TEST(OnlineGpu, StackedF16CheckpointOrder) {
   opt.chunk_bytes = 1;  // one expert per chunk
   cuda::DeviceLutbLayer out;
   const cuda::GpuOnlineReport rep = cuda::quantize_experts_online(src, out, opt);
+  EXPECT_FALSE(out.weights().w13.lane_major);
   EXPECT_EQ(calls, 3);
   EXPECT_EQ(rep.w2.sse, x.s2.sse);
   expect_equal_layer(out, x);

@@ -65,8 +65,8 @@ class DeviceLutbLayer {
   DeviceLutbLayer(const DeviceLutbLayer&) = delete;
   DeviceLutbLayer& operator=(const DeviceLutbLayer&) = delete;
 
-  /// The weights for moe_forward (packed bytes in lane-major order unless the options said
-  /// otherwise).
+  /// The weights for moe_forward: packed bytes in lane-major order and w13.lane_major /
+  /// w2.lane_major set (unless GpuOnlineOptions::lane_major was false).
   const DeviceMoeWeights& weights() const { return w_; }
   /// Bytes of the allocation (packed + codebook + scale of both matrices, 256-byte aligned parts).
   std::size_t bytes() const { return bytes_; }
@@ -120,9 +120,10 @@ GpuOnlineReport quantize_experts_online(DeviceExpertSource& src, DeviceLutbLayer
                                         const GpuOnlineOptions& opt = {});
 
 /// Permutes the index bytes of `tiles` consecutive tiles (192 bytes each) from checkpoint order to
-/// lane-major order in place, one warp per tile, asynchronously on `stream` (the lead's
-/// to_lane_major(DeviceLutb&, stream) in lutb/cuda/moe.hpp was not on main when this was written;
-/// this is the fitter's own).
+/// lane-major order in place, one warp per tile, asynchronously on `stream`: the online method
+/// permutes each chunk as soon as it is fitted. The same permutation as to_lane_major
+/// (lutb/cuda/moe.hpp, src/cuda/lane_major.cu), which converts a whole DeviceLutb and arrived on main
+/// after this was written and tested; both apply tile_to_lane_major's words per tile.
 void packed_to_lane_major(std::uint8_t* d_packed, std::int64_t tiles, cudaStream_t stream);
 
 }  // namespace lutb::cuda
