@@ -1,20 +1,22 @@
 // lutb/cuda/fit.hpp: the default LUT-B fitter "binned-dp" (spec section 2.1; CPU reference
 // src/fit/binned_dp.cpp) on NVIDIA GPUs, producing THE SAME BYTES as the CPU fitter.
 //
-// Byte equality with lutb::quantize(..., FitOptions{fitter = "binned-dp"}) is by construction: the
-// device code (src/cuda/fit_binned_dp.cu) is an operation-for-operation port of src/fit
-// (sort order, +0/-0 merging, prefix sums, the restricted DP with its divide-and-conquer split
-// search and tie rules, the local exact refinement, the final encoding with ties to the lower
-// index), with every decision-making double/float operation written as an IEEE round-to-nearest
-// intrinsic (__dadd_rn, __dmul_rn, __ddiv_rn, ...) so nothing is contracted to FMA, matching the
-// CPU build's -ffp-contract=off. Tested in tests/cuda/fit_gpu_test.cpp (random, edge and real
-// tiles against lutb::quantize).
-//
-// Execution (GpuFitKernel below): by default one warp per 8x64 tile with its tables in shared
-// memory; the first port (one thread per tile, about 19 KiB of per-thread local memory, for which
-// the CUDA context reserves local memory for every resident thread: ~5 GiB on an H200 at full
-// occupancy, once per context, not bounded by the chunk size) remains selectable.
-// The scalar arithmetic that decides bytes is shared with the CPU fitter (src/fit/fit_scalar.hpp).
+// Byte equality with lutb::quantize(..., FitOptions{fitter = "binned-dp"}) holds for both kernels
+// (GpuFitKernel below):
+//  - Warp (default, src/cuda/fit_binned_dp_warp.cu): one warp per 8x64 tile, tables in shared
+//    memory (~13.6 KiB per warp, no local memory). The byte-deciding scalar arithmetic is the CPU
+//    fitter's own (src/fit/fit_scalar.hpp, compiled with -fmad=false here and -ffp-contract=off
+//    there); the sort, the DP levels, the refinement tables and the encoding are spread over the
+//    lanes in ways that cannot change a result, and the order-dependent double sums (prefix sums,
+//    per-tile error sums) stay sequential in the CPU's order (argued in the .cu file).
+//  - Thread (src/cuda/fit_binned_dp.cu): the first port, operation for operation, one thread per
+//    tile, every decision-making operation an IEEE round-to-nearest intrinsic (__dadd_rn, ...);
+//    about 19 KiB of per-thread local memory, for which the CUDA context reserves local memory for
+//    every resident thread (~5 GiB on an H200 at full occupancy, once per context, not bounded by
+//    the chunk size). Kept as the benchmark baseline and an independent second port.
+// Tested in tests/cuda/fit_gpu_test.cpp (random, edge and real tiles, both kernels, against
+// lutb::quantize). Speed on an H200: docs/perf/fit-gpu.md. The online method built on the warp
+// kernel (device BF16/FP16 experts in, packed LUT-B out): lutb/cuda/online.hpp.
 //
 // Layout of the outputs: the LutbTensor layout of lutb/tile.hpp (spec section 2.2):
 //   packed [E, Np/8, Kp/64, 192] u8, codebook [E, Np/8, Kp/64, 8] E4M3, scale [E, Np/8, Kp/64] UE8M0,
