@@ -13,6 +13,7 @@
 #include "lutb/cuda/moe.hpp"
 #include "moe_gemm.cuh"
 #include "moe_internal.hpp"
+#include "moe_prefill.hpp"
 #include "moe_swapab.cuh"
 
 namespace lutb::cuda {
@@ -135,20 +136,18 @@ void moe_forward(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t
     if (dec == kern::kDecFp8) go(std::integral_constant<int, kern::kDecFp8>{});
     else if (dec == kern::kDecCvt) go(std::integral_constant<int, kern::kDecCvt>{});
     else go(std::integral_constant<int, kern::kDecByte>{});
+  } else if (s == MoeStrategy::Prefill) {
+    // CTA-tiled prefill GEMMs (moe_prefill.hpp): 64-token tiles, weights decoded once per CTA.
+    detail::launch_quantize_x(x, tokens, H, w.w13.shape.padded_cols(), /*swap=*/false, ws.xa, nullptr, ws.xs, stream);
+    detail::launch_group(topk_ids, P, E, kPrefillTileRows, ws, stream);
+    detail::launch_lutb_prefill_gemms(w, r, ws, P, stream);
   } else {
-    // Prefill: 2 m16 token tiles per warp (4 spill past the register file with 4 weight strips);
-    // DecodeM16: the previous decode kernel, 1 m16 token tile per warp.
-    const int mt = s == MoeStrategy::Prefill ? 2 : 1;
-    const bool cvt = detail::use_cvt_decoder(mt);
+    // DecodeM16: tokens as the M operand, one m16 token tile per warp.
+    const bool cvt = detail::use_cvt_decoder(1);
     detail::launch_quantize_x(x, tokens, H, w.w13.shape.padded_cols(), !cvt, ws.xa, nullptr, ws.xs, stream);
-    detail::launch_group(topk_ids, P, E, 16 * mt, ws, stream);
-    if (cvt) {
-      if (mt > 1) launch_gemms<true, 2>(w, r, ws, P, stream);
-      else launch_gemms<true, 1>(w, r, ws, P, stream);
-    } else {
-      if (mt > 1) launch_gemms<false, 2>(w, r, ws, P, stream);
-      else launch_gemms<false, 1>(w, r, ws, P, stream);
-    }
+    detail::launch_group(topk_ids, P, E, 16, ws, stream);
+    if (cvt) launch_gemms<true, 1>(w, r, ws, P, stream);
+    else launch_gemms<false, 1>(w, r, ws, P, stream);
   }
   detail::launch_reduce(topk_ids, topk_weights, ws.y, tokens, top_k, E, H, out, stream);
 }

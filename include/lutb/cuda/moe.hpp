@@ -100,25 +100,28 @@ void route_deepseek(const float* logits, const float* bias, std::int64_t tokens,
 ///     the mma (256 weights per instruction), tokens the N operand in blocks of 8, 8*NB tokens per
 ///     tile (decode_token_blocks); the CTA's warps split K. The BF16 baseline's Decode is its
 ///     16-token tile kernel.
-///   Prefill: tokens as the M operand, several m16 token tiles per warp (2 on the LUT-B path, 4 on
-///     the BF16 one), so each weight fragment feeds several tensor-core products.
+///   Prefill: LUT-B: CTA-tiled GEMMs (src/cuda/moe_prefill.hpp): 64-token tiles, every weight tile
+///     decoded once per CTA into shared memory as BF16 with both power-of-two scales folded in,
+///     ldmatrix + mma.sync. BF16 baseline: 4 m16 token tiles per warp.
 ///   DecodeM16: LUT-B with tokens as the M operand, one m16 token tile per warp (the previous
 ///     decode kernel; the fastest LUT-B kernel from ~8 tokens per expert up); the same as Decode
 ///     on the BF16 path.
 enum class MoeStrategy : std::uint8_t { Auto, Decode, Prefill, DecodeM16 };
 
 /// LUT-B: the swap-AB Decode kernels while the mean number of tokens per touched expert
-/// (T*k / min(E, T*k)) is at most this, else DecodeM16. Measured on the H200 (docs/perf/moe-gpu.md,
-/// 2026-11-30): swap-AB is 1.3-1.9x faster than DecodeM16 at 1-4 tokens per expert (T <= 16 on the
-/// four benchmark shapes), DecodeM16 is 9-29 % faster from 8 tokens per expert up (T >= 256), and
-/// the 2-tile Prefill kernel was slower than DecodeM16 at every T up to 4096 (2-7 %).
+/// (T*k / min(E, T*k)) is at most this. Measured on the H200 (docs/perf/moe-gpu.md, 2026-11-30):
+/// swap-AB is 1.3-1.9x faster than DecodeM16 at 1-4 tokens per expert (T <= 16 on the four
+/// benchmark shapes); DecodeM16 is 9-29 % faster at 8-16 tokens per expert (T = 256).
 inline constexpr double kSwapAbMaxTokensPerExpert = 6.0;
+/// LUT-B: the CTA-tiled Prefill kernels from this many tokens per touched expert on (measured
+/// break-even ~16, docs/perf/moe-gpu-prefill.md); DecodeM16 between the two thresholds.
+inline constexpr double kPrefillMinTokensPerExpert = 24.0;
 
 /// Heuristic, kept apart from the kernels.
 ///   BF16 weights (packed_weights = false): Prefill when the mean number of tokens per touched
 ///     expert reaches 48, else Decode.
-///   LUT-B weights: Decode up to kSwapAbMaxTokensPerExpert tokens per touched expert, else
-///     DecodeM16 (Prefill is only used when asked for).
+///   LUT-B weights: Decode up to kSwapAbMaxTokensPerExpert tokens per touched expert, Prefill
+///     from kPrefillMinTokensPerExpert, DecodeM16 between.
 MoeStrategy choose_strategy(std::int64_t tokens, int top_k, std::int64_t experts, bool packed_weights = true);
 
 /// Token n-blocks of 8 per tile of the swap-AB decode kernels (1, 2 or 4) for a batch: 1 up to 6
