@@ -20,9 +20,11 @@
 namespace lutb::cuda {
 namespace {
 
-/// Warps per CTA of the swap-AB kernels (they split K): enough warps in flight to cover the memory
-/// latency when few (expert, strip group) pairs exist, at least 2 K-tiles per warp. `ctas` is the
-/// expected CTA count (touched experts x strip groups).
+/// Warps per CTA of the swap-AB kernels (they split K): at least 2 (shorter CTAs balance the last
+/// wave), doubled while the expected warps (`ctas` = touched experts x strip groups, times the
+/// split) stay under 12 per SM, at least 2 K-tiles per warp, at most 8. Measured on the H200
+/// (LUTB_SWAPAB_WARPS sweep, docs/perf/moe-gpu.md): DeepSeek-V3 T=1 best at 4, T=16 at 2;
+/// Qwen3-30B T=1 at 4-8, T=16 at 2.
 int swap_warps(std::int64_t ctas, std::int64_t tiles_k) {
   // Benchmarking knob: LUTB_SWAPAB_WARPS = 1, 2, 4 or 8 forces the split (read once).
   static const int forced = [] {
@@ -30,8 +32,9 @@ int swap_warps(std::int64_t ctas, std::int64_t tiles_k) {
     return v ? std::atoi(v) : 0;
   }();
   if (forced == 1 || forced == 2 || forced == 4 || forced == 8) return forced;
-  int w = 1;
-  while (w < 8 && ctas * w < 132 * 16 && tiles_k >= 4 * w) w *= 2;
+  if (tiles_k < 4) return 1;
+  int w = 2;
+  while (w < 8 && ctas * w < 132 * 12 && tiles_k >= 4 * w) w *= 2;
   return w;
 }
 
