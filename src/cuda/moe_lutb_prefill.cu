@@ -23,6 +23,8 @@ void check_stack(const DeviceLutb& d, std::int64_t E, std::int64_t N, std::int64
   if (!d.packed || !d.codebook || !d.scale) throw std::invalid_argument(w + " has a null pointer");
   if (reinterpret_cast<std::uintptr_t>(d.packed) % 16 || reinterpret_cast<std::uintptr_t>(d.codebook) % 8)
     throw std::invalid_argument(w + " packed must be 16-byte and codebook 8-byte aligned");
+  if (!d.lane_major)
+    throw std::invalid_argument(w + " is in checkpoint index order; convert it once with lutb::cuda::to_lane_major");
 }
 
 }  // namespace
@@ -35,7 +37,7 @@ void launch_lutb_prefill_gemms(const DeviceMoeWeights& w, const kern::Routing& r
   const std::int64_t I = w.intermediate, H = w.hidden;
   const std::int64_t Hp = w.w13.shape.padded_cols(), Ip = w.w2.shape.padded_cols();
   const std::int64_t T = P / r.top_k;
-  const std::int64_t slots = max_tiles(P, w.experts, kPrefillTileRows / 16);
+  const std::int64_t slots = max_tiles(P, w.experts, kPrefillTileRows);
   if (P <= 0) return;
   // a = mxfp8_qdq(x) as BF16, in place over xa.
   const std::int64_t n8 = T * Hp / 8;
