@@ -7,9 +7,11 @@
 #
 #   scripts/gpu_run.sh [tests|sanitize|bench|all] [bench args...]
 #   scripts/gpu_run.sh fit [bench_fit_gpu args...]
-#     builds only the GPU fitter (src/cuda/fit_*.cu, -fmad=false), its test binary
-#     (tests/cuda/fit_gpu_test.cpp against src/fit compiled with -ffp-contract=off, as CMake does) and
-#     bench/gpu/bench_fit_gpu.cu, then runs the fitter tests, memcheck on a small case and the bench.
+#     builds only the GPU fitter and the online method (src/cuda/fit_*.cu, -fmad=false), their test
+#     binary (tests/cuda/fit_gpu_test.cpp and online_gpu_test.cpp against src/fit compiled with
+#     -ffp-contract=off, as CMake does) and bench/gpu/bench_fit_gpu.cu, then runs the tests,
+#     memcheck and racecheck on small cases and the bench (old and new kernel, Gaussian and
+#     Student-t data).
 #   scripts/gpu_run.sh prefill [bench_moe_prefill args...]
 #     builds only the MoE CUDA sources (src/cuda/moe_*.cu, routing.cu, lane_major.cu), the prefill path's tests
 #     (tests/cuda/moe_prefill_test.cpp) and bench/gpu/bench_moe_prefill.cu, then runs those tests,
@@ -80,7 +82,7 @@ build_fit() {
   for f in src/core/*.cpp src/fit/*.cpp src/io/safetensors*.cpp; do
     g++ $CXXFLAGS -O3 -ffp-contract=off -c "$f" -o "$B/obj/fc_$(basename "$(dirname "$f")")_$(basename "$f" .cpp).o" & pids+=($!)
   done
-  for f in tests/cuda/fit_gpu_test.cpp tests/support/test_support.cpp; do
+  for f in tests/cuda/fit_gpu_test.cpp tests/cuda/online_gpu_test.cpp tests/support/test_support.cpp; do
     g++ $CXXFLAGS -DLUTB_SOURCE_DIR="\"$ROOT\"" -c "$f" -o "$B/obj/ft_$(basename "$f" .cpp).o" & pids+=($!)
   done
   for p in "${pids[@]}"; do wait "$p"; done
@@ -132,9 +134,17 @@ if [ "$WHAT" = fit ]; then
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv | tee "$OUT/gpu.txt" || true
   export LD_LIBRARY_PATH="$DEPS_LIB:${LD_LIBRARY_PATH:-}"
   "$B/lutb_fit_gpu_tests" 2>&1 | tee "$OUT/fit_tests.log" || true
-  compute-sanitizer --tool memcheck --error-exitcode 9 "$B/lutb_fit_gpu_tests" --gtest_filter='FitGpu.EdgeTiles:FitGpu.ErrorsMatchCpu' 2>&1 |
+  compute-sanitizer --tool memcheck --error-exitcode 9 "$B/lutb_fit_gpu_tests" \
+    --gtest_filter='FitGpu.EdgeTiles:FitGpu.ErrorsMatchCpu:FitGpu.DeviceEntryWithoutStats:OnlineGpu.RandomLayer*:OnlineGpu.Errors*:OnlineGpu.LaneMajor*' 2>&1 |
     tail -12 | tee "$OUT/fit_sanitizer.log" || true
-  "$B/bench_fit_gpu" "$@" 2>&1 | tee "$OUT/bench_fit_gpu.md" || true
+  compute-sanitizer --tool racecheck --error-exitcode 9 "$B/lutb_fit_gpu_tests" --gtest_filter='FitGpu.EdgeTiles:OnlineGpu.LaneMajor*' 2>&1 |
+    tail -6 | tee -a "$OUT/fit_sanitizer.log" || true
+  compute-sanitizer --tool synccheck --error-exitcode 9 "$B/lutb_fit_gpu_tests" --gtest_filter='FitGpu.EdgeTiles' 2>&1 |
+    tail -4 | tee -a "$OUT/fit_sanitizer.log" || true
+  local_args=("$@")
+  [ ${#local_args[@]} -ge 3 ] || local_args=(8 4096 7168)
+  { "$B/bench_fit_gpu" "${local_args[@]:0:3}"; echo; "$B/bench_fit_gpu" "${local_args[@]:0:3}" student; } 2>&1 |
+    tee "$OUT/bench_fit_gpu.md" || true
   exit 0
 fi
 

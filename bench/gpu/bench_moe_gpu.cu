@@ -165,8 +165,8 @@ int main(int argc, char** argv) {
   if (quick) Ts = {1, 16, 256, 4096};
   if (only_T > 0) Ts = {only_T};
   const int R = 8;
-  std::printf("\n| shape | T | experts touched | LUT-B us | LUT-B byte-dec us | LUT-B decode (swap-AB) us | LUT-B prefill us | previous decode-m16 us | BF16 us (best of decode, prefill) | BF16 best | speed-up | LUT-B GB/s | %% of read BW | BF16 GB/s | %% of read BW | LUT-B TFLOP/s | BF16 TFLOP/s |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("\n| shape | T | experts touched | LUT-B us | LUT-B byte-dec us | LUT-B decode (swap-AB) us | swap-AB cvt-dec us | LUT-B prefill us | decode-m16 us | BF16 us (best of decode, prefill) | BF16 best | speed-up | LUT-B GB/s | %% of read BW | BF16 GB/s | %% of read BW | LUT-B TFLOP/s | BF16 TFLOP/s |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const Shape& s : shapes) {
     if (!only.empty() && only != s.name) continue;
     const long long E = s.E, H = s.H, I = s.I;
@@ -249,14 +249,19 @@ int main(int argc, char** argv) {
           case 4: cuda::moe_forward_bf16(wb, xr, T, s.k, id, wt, out, ws, wsb, st, cuda::MoeStrategy::Decode); break;
           case 5: cuda::moe_forward_bf16(wb, xr, T, s.k, id, wt, out, ws, wsb, st, cuda::MoeStrategy::Prefill); break;
           case 6: cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st, cuda::MoeStrategy::DecodeM16); break;
+          case 7:
+            cuda::set_weight_decoder(cuda::WeightDecoder::Cvt);
+            cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st, cuda::MoeStrategy::Decode);
+            cuda::set_weight_decoder(cuda::WeightDecoder::Auto);
+            break;
         }
         CK(cudaStreamEndCapture(st, &g));
         CK(cudaGraphInstantiate(&ge, g, 0));
         CK(cudaGraphDestroy(g));
         return ge;
       };
-      float ms[7];
-      for (int v = 0; v < 7; ++v) {
+      float ms[8];
+      for (int v = 0; v < 8; ++v) {
         std::vector<cudaGraphExec_t> gs;
         for (int r = 0; r < R; ++r) gs.push_back(make(v, r));
         for (int r = 0; r < R; ++r) CK(cudaGraphLaunch(gs[r], st));
@@ -284,8 +289,8 @@ int main(int argc, char** argv) {
       const double lut_s = ms[0] * 1e-3, bf_s = std::min(ms[4], ms[5]) * 1e-3;
       const double flops = 6.0 * T * s.k * H * I;
       const auto strat = ms[4] <= ms[5] ? "decode" : "prefill";
-      std::printf("| %s | %lld | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %s | %.2fx | %.0f | %.0f%% | %.0f | %.0f%% | %.1f | %.1f |\n",
-                  s.name, T, touched, ms[0] * 1e3, ms[3] * 1e3, ms[1] * 1e3, ms[2] * 1e3, ms[6] * 1e3, bf_s * 1e6, strat,
+      std::printf("| %s | %lld | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %s | %.2fx | %.0f | %.0f%% | %.0f | %.0f%% | %.1f | %.1f |\n",
+                  s.name, T, touched, ms[0] * 1e3, ms[3] * 1e3, ms[1] * 1e3, ms[7] * 1e3, ms[2] * 1e3, ms[6] * 1e3, bf_s * 1e6, strat,
                   bf_s / lut_s, touched * lutb_expert / lut_s / 1e9, 100.0 * touched * lutb_expert / lut_s / read_bw,
                   touched * bf16_expert / bf_s / 1e9, 100.0 * touched * bf16_expert / bf_s / read_bw, flops / lut_s / 1e12,
                   flops / bf_s / 1e12);

@@ -28,6 +28,11 @@ namespace lutb::cuda::kern {
 
 constexpr int kWarps = 4;  // warps per CTA in the GEMM kernels
 
+/// Weight decoders of the swap-AB kernels (moe_swapab.cuh, template parameter kDec): the FP16 ones
+/// feed mma.m16n8k16.f16 (byte trick / sm_89+ cvt), kDecFp8 feeds the looked-up E4M3 bytes straight
+/// into mma.m16n8k32.e4m3 (sm_89+) with E4M3 activation bytes.
+constexpr int kDecByte = 0, kDecCvt = 1, kDecFp8 = 2;
+
 /// Storage position, inside its group of 8, of logical column c (swap order 0,2,1,3,4,6,5,7).
 __host__ __device__ __forceinline__ int perm8(int c, bool swap) {
   return swap ? ((c & 4) | ((c & 1) << 1) | ((c & 2) >> 1)) : c;

@@ -7,11 +7,13 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "common.cuh"
 #include "lutb/cuda/moe.hpp"
 #include "moe_gemm.cuh"
 #include "moe_internal.hpp"
+#include "moe_prefill.hpp"
 #include "moe_swapab.cuh"
 
 namespace lutb::cuda {
@@ -26,7 +28,7 @@ int swap_warps(std::int64_t ctas, std::int64_t tiles_k) {
   return w;
 }
 
-template <bool kCvt, int NB>
+template <int kDec, int NB>
 void launch_swapab(const DeviceMoeWeights& w, const kern::Routing& r, const detail::Workspace& ws, std::int64_t P,
                    cudaStream_t stream) {
   const std::int64_t H = w.hidden, I = w.intermediate;
@@ -39,18 +41,21 @@ void launch_swapab(const DeviceMoeWeights& w, const kern::Routing& r, const deta
                         w.w2.shape.tiles()};
   // Up to 8 warps x 9.6 KiB of ring: above the 48 KiB default (a host-side attribute, capture-safe).
   const int most = kern::swap_smem_bytes<NB>(8);
-  LUTB_CUDA_CHECK(cudaFuncSetAttribute(kern::swapab_gemm1_kernel<kCvt, NB>,
+  LUTB_CUDA_CHECK(cudaFuncSetAttribute(kern::swapab_gemm1_kernel<kDec, NB>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, most));
-  LUTB_CUDA_CHECK(cudaFuncSetAttribute(kern::swapab_gemm2_kernel<kCvt, NB>,
+  LUTB_CUDA_CHECK(cudaFuncSetAttribute(kern::swapab_gemm2_kernel<kDec, NB>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, most));
+  // FP8 decoder: E4M3 bytes of x and h; FP16 decoders: FP16 values.
+  const void* xa = kDec == kern::kDecFp8 ? static_cast<const void*>(ws.xq8) : static_cast<const void*>(ws.xa);
+  void* hq = kDec == kern::kDecFp8 ? static_cast<void*>(ws.hq8) : static_cast<void*>(ws.hq);
   const std::int64_t groups1 = Ip / 32, groups2 = detail::ceil_div(w2.tiles_n, 8);
   const int nw1 = swap_warps(touched * groups1, w13.tiles_k), nw2 = swap_warps(touched * groups2, w2.tiles_k);
   const dim3 g1(static_cast<unsigned>(groups1), static_cast<unsigned>(slots));
-  kern::swapab_gemm1_kernel<kCvt, NB><<<g1, 32 * nw1, kern::swap_smem_bytes<NB>(nw1), stream>>>(
-      w13, ws.xa, ws.xs, Hp, r, I, Ip, ws.hq, ws.hs);
+  kern::swapab_gemm1_kernel<kDec, NB><<<g1, 32 * nw1, kern::swap_smem_bytes<NB>(nw1), stream>>>(
+      w13, xa, ws.xs, Hp, r, I, Ip, hq, ws.hs);
   detail::check_launch("sm80_lutb_mxfp8_moe_gemm1_swapab");
   const dim3 g2(static_cast<unsigned>(groups2), static_cast<unsigned>(slots));
-  kern::swapab_gemm2_kernel<kCvt, NB><<<g2, 32 * nw2, kern::swap_smem_bytes<NB>(nw2), stream>>>(w2, ws.hq, ws.hs, Ip, r,
+  kern::swapab_gemm2_kernel<kDec, NB><<<g2, 32 * nw2, kern::swap_smem_bytes<NB>(nw2), stream>>>(w2, hq, ws.hs, Ip, r,
                                                                                                H, ws.y);
   detail::check_launch("sm80_lutb_mxfp8_moe_gemm2_swapab");
 }
@@ -118,32 +123,31 @@ void moe_forward(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t
   if (s == MoeStrategy::Decode && !small_experts) s = MoeStrategy::DecodeM16;
   if (s == MoeStrategy::Decode) {
     const int nb = decode_token_blocks(tokens, top_k, E);
-    const bool cvt = detail::use_cvt_decoder(1);
-    detail::launch_quantize_x(x, tokens, H, w.w13.shape.padded_cols(), !cvt, ws.xa, ws.xs, stream);
+    const int dec = detail::swap_decoder();
+    detail::launch_quantize_x(x, tokens, H, w.w13.shape.padded_cols(), dec == kern::kDecByte, ws.xa, ws.xq8, ws.xs,
+                              stream);
     detail::launch_group(topk_ids, P, E, 8 * nb, ws, stream);
-    if (cvt) {
-      if (nb == 1) launch_swapab<true, 1>(w, r, ws, P, stream);
-      else if (nb == 2) launch_swapab<true, 2>(w, r, ws, P, stream);
-      else launch_swapab<true, 4>(w, r, ws, P, stream);
-    } else {
-      if (nb == 1) launch_swapab<false, 1>(w, r, ws, P, stream);
-      else if (nb == 2) launch_swapab<false, 2>(w, r, ws, P, stream);
-      else launch_swapab<false, 4>(w, r, ws, P, stream);
-    }
+    auto go = [&](auto dec_c) {
+      constexpr int kD = decltype(dec_c)::value;
+      if (nb == 1) launch_swapab<kD, 1>(w, r, ws, P, stream);
+      else if (nb == 2) launch_swapab<kD, 2>(w, r, ws, P, stream);
+      else launch_swapab<kD, 4>(w, r, ws, P, stream);
+    };
+    if (dec == kern::kDecFp8) go(std::integral_constant<int, kern::kDecFp8>{});
+    else if (dec == kern::kDecCvt) go(std::integral_constant<int, kern::kDecCvt>{});
+    else go(std::integral_constant<int, kern::kDecByte>{});
+  } else if (s == MoeStrategy::Prefill) {
+    // CTA-tiled prefill GEMMs (moe_prefill.hpp): 64-token tiles, weights decoded once per CTA.
+    detail::launch_quantize_x(x, tokens, H, w.w13.shape.padded_cols(), /*swap=*/false, ws.xa, nullptr, ws.xs, stream);
+    detail::launch_group(topk_ids, P, E, kPrefillTileRows, ws, stream);
+    detail::launch_lutb_prefill_gemms(w, r, ws, P, stream);
   } else {
-    // Prefill: 2 m16 token tiles per warp (4 spill past the register file with 4 weight strips);
-    // DecodeM16: the previous decode kernel, 1 m16 token tile per warp.
-    const int mt = s == MoeStrategy::Prefill ? 2 : 1;
-    const bool cvt = detail::use_cvt_decoder(mt);
-    detail::launch_quantize_x(x, tokens, H, w.w13.shape.padded_cols(), !cvt, ws.xa, ws.xs, stream);
-    detail::launch_group(topk_ids, P, E, 16 * mt, ws, stream);
-    if (cvt) {
-      if (mt > 1) launch_gemms<true, 2>(w, r, ws, P, stream);
-      else launch_gemms<true, 1>(w, r, ws, P, stream);
-    } else {
-      if (mt > 1) launch_gemms<false, 2>(w, r, ws, P, stream);
-      else launch_gemms<false, 1>(w, r, ws, P, stream);
-    }
+    // DecodeM16: tokens as the M operand, one m16 token tile per warp.
+    const bool cvt = detail::use_cvt_decoder(1);
+    detail::launch_quantize_x(x, tokens, H, w.w13.shape.padded_cols(), !cvt, ws.xa, nullptr, ws.xs, stream);
+    detail::launch_group(topk_ids, P, E, 16, ws, stream);
+    if (cvt) launch_gemms<true, 1>(w, r, ws, P, stream);
+    else launch_gemms<false, 1>(w, r, ws, P, stream);
   }
   detail::launch_reduce(topk_ids, topk_weights, ws.y, tokens, top_k, E, H, out, stream);
 }

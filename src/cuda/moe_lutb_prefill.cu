@@ -88,7 +88,7 @@ void moe_forward_lutb_prefill(const DeviceMoeWeights& w, const std::uint16_t* x,
     throw std::invalid_argument("moe_forward_lutb_prefill: workspace of " + std::to_string(workspace_bytes) +
                                 " bytes, need " + std::to_string(ws.bytes));
   const std::int64_t P = tokens * top_k;
-  detail::launch_quantize_x(x, tokens, H, w.w13.shape.padded_cols(), /*swap=*/false, ws.xa, ws.xs, stream);
+  detail::launch_quantize_x(x, tokens, H, w.w13.shape.padded_cols(), /*swap=*/false, ws.xa, nullptr, ws.xs, stream);
   detail::launch_group(topk_ids, P, E, kPrefillTileRows, ws, stream);
   const kern::Routing r{topk_ids, topk_weights, ws.sorted, ws.tile_expert, ws.tile_start, ws.tile_count, ws.num_tiles,
                         top_k};

@@ -47,6 +47,19 @@ struct SwapRing {
 static_assert(SwapRing::kStageBytes % 16 == 0, "stages stay 16-byte aligned");
 static_assert(SwapRing::kStageBytes == 8 * 200, "8 tiles of 192 index + 8 codebook bytes");
 
+/// 2^(b-127) for every UE8M0 byte b (0 -> 2^-127, 255 -> NaN), in constant memory: the tile scale
+/// of a K-tile is the same in every lane, so one LDC replaces the 5-instruction conversion.
+struct Ue8m0Table {
+  float v[256];
+};
+constexpr Ue8m0Table make_ue8m0_table() {
+  Ue8m0Table t{};
+  for (unsigned b = 0; b < 256; ++b)
+    t.v[b] = __builtin_bit_cast(float, b == 255u ? 0x7fc00000u : (b == 0u ? 0x00400000u : b << 23));
+  return t;
+}
+__constant__ Ue8m0Table kUe8m0 = make_ue8m0_table();
+
 /// Strips of group G: strip[2m] = a, strip[2m+1] = b (see the file comment).
 template <bool kGated>
 __device__ __forceinline__ void group_strips(long long G, long long tiles_n, long long half, long long (&strip)[8],
@@ -65,6 +78,22 @@ __device__ __forceinline__ void group_strips(long long G, long long tiles_n, lon
       ok[2 * m + 1] = strip[2 * m + 1] < tiles_n;
     }
   }
+}
+
+
+/// m16n8k32 E4M3 x E4M3 -> FP32, C = 0 (sm_89+; never launched on older devices).
+__device__ __forceinline__ void mma_e4m3_zero(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%10,%10,%10,%10};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.0f));
+#else
+  (void)a; (void)b0; (void)b1;
+  d[0] = d[1] = d[2] = d[3] = 0.0f;
+  __trap();
+#endif
 }
 
 /// 4 codebook bytes (column order) -> two FP16x2 operand registers: lo = columns (+0,+1), hi =
@@ -115,13 +144,13 @@ __device__ __forceinline__ bool swap_tile(const Routing& r, int slot, int& exper
 }
 
 /// One warp's K-range [k0, k1) of the swap-AB product for 8 strips and NB token n-blocks.
-/// arow[nb]: FP16 activation row of token g (null: zeros); srow[nb][u]: UE8M0 row of the tokens of
+/// arow[nb]: activation row of token g (null: zeros): FP16 E4M3 values, or E4M3 bytes for kDecFp8; srow[nb][u]: UE8M0 row of the tokens of
 /// accumulator columns 2t+u (null: 0). acc[m][nb][4]: FP32, rows (a: g, b: g+8) x cols (2t, 2t+1).
 /// Per-strip offsets are 32-bit (one expert's packed bytes stay below 2^31: checked by the host);
 /// the expert base is 64-bit.
-template <bool kCvt, int NB>
+template <int kDec, int NB>
 __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, const long long (&strip)[8],
-                                               const bool (&ok)[8], const uint16_t* const (&arow)[NB],
+                                               const bool (&ok)[8], const void* const (&arow)[NB],
                                                const unsigned char* const (&srow)[NB][2], int nblocks, long long k0,
                                                long long k1, unsigned char* ring, float (&acc)[4][NB][4]) {
   using R = SwapRing;
@@ -190,18 +219,30 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
     float sx[NB][2][2];  // [nb][block][u]
     float fw[8];
   };
-  const float wmul = kCvt ? 1.0f : 256.0f;
+  const float wmul = kDec == kDecByte ? 256.0f : 1.0f;  // the byte trick's 2^-8
   auto load_x = [&](int kk, XTile& x) {
     const long long kt = k0 + kk;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) x.fw[i] = ue8m0_f(ok[i] ? __ldg(sc_base + soff[i] + kk) : 127u) * wmul;
+    for (int i = 0; i < 8; ++i) {
+      x.fw[i] = kUe8m0.v[ok[i] ? __ldg(sc_base + soff[i] + kk) : 127u];
+      if constexpr (kDec == kDecByte) x.fw[i] *= wmul;
+    }
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
       if (nb > 0 && nb >= nblocks) continue;
 #pragma unroll
-      for (int blk = 0; blk < 2; ++blk)
-        x.v[nb][blk] = arow[nb] ? __ldg(reinterpret_cast<const uint4*>(arow[nb] + kt * 64 + 32 * blk + 8 * t))
-                                : make_uint4(0, 0, 0, 0);
+      for (int blk = 0; blk < 2; ++blk) {
+        if constexpr (kDec == kDecFp8) {  // 8 E4M3 bytes: columns 8t..8t+7 of the block
+          const uint2 v = arow[nb] ? __ldg(reinterpret_cast<const uint2*>(static_cast<const unsigned char*>(arow[nb]) +
+                                                                           kt * 64 + 32 * blk + 8 * t))
+                                   : make_uint2(0u, 0u);
+          x.v[nb][blk] = make_uint4(v.x, v.y, 0u, 0u);
+        } else {
+          x.v[nb][blk] = arow[nb] ? __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(arow[nb]) +
+                                                                          kt * 64 + 32 * blk + 8 * t))
+                                  : make_uint4(0, 0, 0, 0);
+        }
+      }
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
         unsigned s2 = 0;
@@ -243,23 +284,34 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
       float part[NB][4];  // this K-tile's sum over both blocks, activation scales applied
 #pragma unroll
       for (int blk = 0; blk < 2; ++blk) {
-        unsigned a0[4], a1[4];  // A operands of the block's two k16 steps
-        {
+        unsigned a0[4], a1[4];  // A operands: FP16 -> the block's two k16 steps; FP8 -> a0 = one k32 step
+        if constexpr (kDec == kDecFp8) {
+          // m16n8k32 E4M3: {row g k 4t..4t+3, row g+8 same, row g k 16+4t.., row g+8 same} =
+          // {strip a cols 8t+0..3, strip b cols 8t+0..3, strip a cols 8t+4..7, strip b cols 8t+4..7}.
+          a0[0] = __byte_perm(cb.x, cb.y, sel[0][2 * blk]);
+          a0[1] = __byte_perm(cb.z, cb.w, sel[1][2 * blk]);
+          a0[2] = __byte_perm(cb.x, cb.y, sel[0][2 * blk + 1]);
+          a0[3] = __byte_perm(cb.z, cb.w, sel[1][2 * blk + 1]);
+        } else {
           unsigned pa = __byte_perm(cb.x, cb.y, sel[0][2 * blk]), pb = __byte_perm(cb.z, cb.w, sel[1][2 * blk]);
-          bytes_to_f16<kCvt>(pa, a0[0], a0[2]);
-          bytes_to_f16<kCvt>(pb, a0[1], a0[3]);
+          bytes_to_f16<kDec == kDecCvt>(pa, a0[0], a0[2]);
+          bytes_to_f16<kDec == kDecCvt>(pb, a0[1], a0[3]);
           pa = __byte_perm(cb.x, cb.y, sel[0][2 * blk + 1]);
           pb = __byte_perm(cb.z, cb.w, sel[1][2 * blk + 1]);
-          bytes_to_f16<kCvt>(pa, a1[0], a1[2]);
-          bytes_to_f16<kCvt>(pb, a1[1], a1[3]);
+          bytes_to_f16<kDec == kDecCvt>(pa, a1[0], a1[2]);
+          bytes_to_f16<kDec == kDecCvt>(pb, a1[1], a1[3]);
         }
 #pragma unroll
         for (int nb = 0; nb < NB; ++nb) {
           if (nb > 0 && nb >= nblocks) continue;  // token block 0 always holds a token
           const uint4 xv = cur.v[nb][blk];
           float c[4];
-          mma_f16_zero(c, a0, xv.x, xv.y);
-          mma16816<false>(c, a1, xv.z, xv.w);
+          if constexpr (kDec == kDecFp8) {
+            mma_e4m3_zero(c, a0, xv.x, xv.y);
+          } else {
+            mma_f16_zero(c, a0, xv.x, xv.y);
+            mma16816<false>(c, a1, xv.z, xv.w);
+          }
           // Exact: the 32-column partial sum times the power-of-two block scale of each token.
           const float s0 = cur.sx[nb][blk][0], s1 = cur.sx[nb][blk][1];
           if (blk == 0) {
@@ -329,13 +381,15 @@ constexpr int swap_smem_bytes(int warps) {
 }
 
 /// GEMM1 + SiLU*up + MXFP8 of h. Grid: (Ip/32 strip groups, token tile slots); blockDim.x =
-/// 32 * warps (K split across the warps). Output as moe_gemm1_kernel (LUT-B): hq [P, Ip] FP16 E4M3
-/// values in the decoder's column order, hs [P, Ip/32] UE8M0.
-template <bool kCvt, int NB>
+/// 32 * warps (K split across the warps). xa: [T, a_cols] FP16 E4M3 values in the decoder's column
+/// order, or E4M3 bytes (natural order) for kDecFp8. Output hq [P, Ip] in the same form, hs [P, Ip/32]
+/// UE8M0.
+template <int kDec, int NB>
 __global__ void __launch_bounds__(256, NB == 1 ? 2 : 1)
-    swapab_gemm1_kernel(LutbW w, const uint16_t* __restrict__ xa, const unsigned char* __restrict__ xs,
-                        long long a_cols, Routing r, long long I, long long Ip, uint16_t* __restrict__ hq,
+    swapab_gemm1_kernel(LutbW w, const void* __restrict__ xa, const unsigned char* __restrict__ xs,
+                        long long a_cols, Routing r, long long I, long long Ip, void* __restrict__ hq,
                         unsigned char* __restrict__ hs) {
+  constexpr long long kEl = kDec == kDecFp8 ? 1 : 2;  // bytes per activation element
   int e;
   SwapTokens<NB> tk;
   if (!swap_tile<NB>(r, blockIdx.y, e, tk)) return;
@@ -344,13 +398,14 @@ __global__ void __launch_bounds__(256, NB == 1 ? 2 : 1)
   long long strip[8];
   bool ok[8];
   group_strips<true>(G, w.tiles_n, I / 8, strip, ok);
-  const uint16_t* arow[NB];
+  const void* arow[NB];
   const unsigned char* srow[NB][2];
   const long long sblocks = a_cols / 32;
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
     const int p = tk.pair_g[nb];
-    arow[nb] = p >= 0 ? xa + static_cast<long long>(p / r.top_k) * a_cols : nullptr;
+    arow[nb] = p >= 0 ? static_cast<const unsigned char*>(xa) + static_cast<long long>(p / r.top_k) * a_cols * kEl
+                      : nullptr;
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
       const int pc = tk.pair_c[nb][u];
@@ -362,7 +417,7 @@ __global__ void __launch_bounds__(256, NB == 1 ? 2 : 1)
   const long long k0 = min(w.tiles_k, per * warp), k1 = min(w.tiles_k, k0 + per);
   extern __shared__ __align__(16) unsigned char swap_smem[];
   float acc[4][NB][4];
-  swap_warp_gemm<kCvt, NB>(w, e, strip, ok, arow, srow, nblocks, k0, k1, swap_smem + warp * SwapRing::kWarpBytes, acc);
+  swap_warp_gemm<kDec, NB>(w, e, strip, ok, arow, srow, nblocks, k0, k1, swap_smem + warp * SwapRing::kWarpBytes, acc);
   if (!swap_reduce<NB>(swap_smem, acc)) return;
 
   // Lane (g, t) holds gate (c0, c1) and up (c2, c3) of I-column 8(4G+m)+g for the tokens of
@@ -391,8 +446,13 @@ __global__ void __launch_bounds__(256, NB == 1 ? 2 : 1)
 #pragma unroll
       for (int m = 0; m < 4; ++m) {
         // Padding I-columns (I..Ip-1) are written as zeros: GEMM2 reads all Ip columns.
-        const float q = (b == 255) ? 0.0f : e4m3_to_float(mx_encode(hv[m], b));
-        hq[static_cast<long long>(p) * Ip + 8 * (4 * G + m) + perm8(g, !kCvt)] = __half_as_ushort(__float2half_rn(q));
+        const unsigned char q8 = (b == 255) ? 0 : mx_encode(hv[m], b);
+        const long long at = static_cast<long long>(p) * Ip + 8 * (4 * G + m);
+        if constexpr (kDec == kDecFp8) {
+          static_cast<unsigned char*>(hq)[at + g] = q8;
+        } else {
+          static_cast<uint16_t*>(hq)[at + perm8(g, kDec == kDecByte)] = __half_as_ushort(__float2half_rn(e4m3_to_float(q8)));
+        }
       }
       if (g == 0) hs[static_cast<long long>(p) * (Ip / 32) + G] = b;
     }
@@ -400,10 +460,11 @@ __global__ void __launch_bounds__(256, NB == 1 ? 2 : 1)
 }
 
 /// GEMM2: y[p, n] = h[p] . w2[e, n]^T (FP32). Grid: (ceil(tiles_n/8) strip groups, slots).
-template <bool kCvt, int NB>
+template <int kDec, int NB>
 __global__ void __launch_bounds__(256, NB == 1 ? 2 : 1)
-    swapab_gemm2_kernel(LutbW w, const uint16_t* __restrict__ ha, const unsigned char* __restrict__ hs, long long Ip,
+    swapab_gemm2_kernel(LutbW w, const void* __restrict__ ha, const unsigned char* __restrict__ hs, long long Ip,
                         Routing r, long long H, float* __restrict__ y) {
+  constexpr long long kEl = kDec == kDecFp8 ? 1 : 2;  // bytes per activation element
   int e;
   SwapTokens<NB> tk;
   if (!swap_tile<NB>(r, blockIdx.y, e, tk)) return;
@@ -412,12 +473,12 @@ __global__ void __launch_bounds__(256, NB == 1 ? 2 : 1)
   long long strip[8];
   bool ok[8];
   group_strips<false>(G, w.tiles_n, 0, strip, ok);
-  const uint16_t* arow[NB];
+  const void* arow[NB];
   const unsigned char* srow[NB][2];
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
     const int p = tk.pair_g[nb];
-    arow[nb] = p >= 0 ? ha + static_cast<long long>(p) * Ip : nullptr;
+    arow[nb] = p >= 0 ? static_cast<const unsigned char*>(ha) + static_cast<long long>(p) * Ip * kEl : nullptr;
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
       const int pc = tk.pair_c[nb][u];
@@ -429,7 +490,7 @@ __global__ void __launch_bounds__(256, NB == 1 ? 2 : 1)
   const long long k0 = min(w.tiles_k, per * warp), k1 = min(w.tiles_k, k0 + per);
   extern __shared__ __align__(16) unsigned char swap_smem[];
   float acc[4][NB][4];
-  swap_warp_gemm<kCvt, NB>(w, e, strip, ok, arow, srow, nblocks, k0, k1, swap_smem + warp * SwapRing::kWarpBytes, acc);
+  swap_warp_gemm<kDec, NB>(w, e, strip, ok, arow, srow, nblocks, k0, k1, swap_smem + warp * SwapRing::kWarpBytes, acc);
   if (!swap_reduce<NB>(swap_smem, acc)) return;
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {

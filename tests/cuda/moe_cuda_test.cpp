@@ -141,6 +141,10 @@ struct Case {
   bool only_even;  // leave odd experts empty
 };
 
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << "E=" << c.E << " H=" << c.H << " I=" << c.I << " T=" << c.T << " k=" << c.k << (c.only_even ? " (odd experts empty)" : "");
+}
+
 class MoeRandom : public ::testing::TestWithParam<Case> {};
 
 TEST_P(MoeRandom, MatchesHostReferenceAllStrategiesAndDecoders) {
@@ -157,12 +161,12 @@ TEST_P(MoeRandom, MatchesHostReferenceAllStrategiesAndDecoders) {
   std::vector<float> wts;
   random_routing(c.T, c.k, allowed, rng, ids, wts);
   const auto ref = moe_reference(w13, w2, c.H, c.I, x, c.T, c.k, ids, wts);
-  for (bool cvt : {false, true}) {
-    cuda::set_weight_decoder(cvt ? cuda::WeightDecoder::Cvt : cuda::WeightDecoder::BytePermute);
+  for (auto dec : {cuda::WeightDecoder::BytePermute, cuda::WeightDecoder::Cvt, cuda::WeightDecoder::Fp8Mma}) {
+    cuda::set_weight_decoder(dec);
     for (auto s : kAllStrategies) {
       const auto got = run_forward(w13, w2, c.E, c.H, c.I, x, c.T, c.k, ids, wts, s);
       const Cmp r = compare_bf16(got, ref);
-      SCOPED_TRACE(::testing::Message() << "strategy " << strategy_name(s) << " cvt decoder " << cvt);
+      SCOPED_TRACE(::testing::Message() << "strategy " << strategy_name(s) << " decoder " << static_cast<int>(dec));
       EXPECT_EQ(r.nan, 0) << "unwritten or NaN outputs";
       EXPECT_LT(r.rel_l2, 1e-3) << "exact " << r.exact << " of " << r.n;
       EXPECT_GT(r.exact, r.n * 8 / 10) << "bit-equal BF16 outputs (FP32 order only differs)";

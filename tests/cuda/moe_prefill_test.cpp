@@ -80,7 +80,7 @@ struct DevLutbLM {
     view.packed = packed.p;
     view.codebook = codebook.p;
     view.scale = scale.p;
-    view.lane_major = true;
+    view.lane_major = true;  // uploaded already permuted on the host
   }
 };
 
@@ -182,6 +182,10 @@ struct Case {
   bool only_even;    // leave odd experts empty
   int check_tokens;  // 0: all tokens against the host reference, else this many sampled tokens
 };
+// Readable parameters in failure messages (gtest otherwise dumps the struct's bytes).
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << c.name << " (E=" << c.E << ", H=" << c.H << ", I=" << c.I << ", T=" << c.T << ", k=" << c.k << ")";
+}
 
 class PrefillRandom : public ::testing::TestWithParam<Case> {};
 

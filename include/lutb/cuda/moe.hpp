@@ -100,25 +100,28 @@ void route_deepseek(const float* logits, const float* bias, std::int64_t tokens,
 ///     the mma (256 weights per instruction), tokens the N operand in blocks of 8, 8*NB tokens per
 ///     tile (decode_token_blocks); the CTA's warps split K. The BF16 baseline's Decode is its
 ///     16-token tile kernel.
-///   Prefill: tokens as the M operand, several m16 token tiles per warp (2 on the LUT-B path, 4 on
-///     the BF16 one), so each weight fragment feeds several tensor-core products.
+///   Prefill: LUT-B: CTA-tiled GEMMs (src/cuda/moe_prefill.hpp): 64-token tiles, every weight tile
+///     decoded once per CTA into shared memory as BF16 with both power-of-two scales folded in,
+///     ldmatrix + mma.sync. BF16 baseline: 4 m16 token tiles per warp.
 ///   DecodeM16: LUT-B with tokens as the M operand, one m16 token tile per warp (the previous
 ///     decode kernel; the fastest LUT-B kernel from ~8 tokens per expert up); the same as Decode
 ///     on the BF16 path.
 enum class MoeStrategy : std::uint8_t { Auto, Decode, Prefill, DecodeM16 };
 
 /// LUT-B: the swap-AB Decode kernels while the mean number of tokens per touched expert
-/// (T*k / min(E, T*k)) is at most this, else DecodeM16. Measured on the H200 (docs/perf/moe-gpu.md,
-/// 2026-11-30): swap-AB is 1.3-1.9x faster than DecodeM16 at 1-4 tokens per expert (T <= 16 on the
-/// four benchmark shapes), DecodeM16 is 9-29 % faster from 8 tokens per expert up (T >= 256), and
-/// the 2-tile Prefill kernel was slower than DecodeM16 at every T up to 4096 (2-7 %).
+/// (T*k / min(E, T*k)) is at most this. Measured on the H200 (docs/perf/moe-gpu.md, 2026-11-30):
+/// swap-AB is 1.3-1.9x faster than DecodeM16 at 1-4 tokens per expert (T <= 16 on the four
+/// benchmark shapes); DecodeM16 is 9-29 % faster at 8-16 tokens per expert (T = 256).
 inline constexpr double kSwapAbMaxTokensPerExpert = 6.0;
+/// LUT-B: the CTA-tiled Prefill kernels from this many tokens per touched expert on (measured
+/// break-even ~16, docs/perf/moe-gpu-prefill.md); DecodeM16 between the two thresholds.
+inline constexpr double kPrefillMinTokensPerExpert = 24.0;
 
 /// Heuristic, kept apart from the kernels.
 ///   BF16 weights (packed_weights = false): Prefill when the mean number of tokens per touched
 ///     expert reaches 48, else Decode.
-///   LUT-B weights: Decode up to kSwapAbMaxTokensPerExpert tokens per touched expert, else
-///     DecodeM16 (Prefill is only used when asked for).
+///   LUT-B weights: Decode up to kSwapAbMaxTokensPerExpert tokens per touched expert, Prefill
+///     from kPrefillMinTokensPerExpert, DecodeM16 between.
 MoeStrategy choose_strategy(std::int64_t tokens, int top_k, std::int64_t experts, bool packed_weights = true);
 
 /// Token n-blocks of 8 per tile of the swap-AB decode kernels (1, 2 or 4) for a batch: 1 up to 6
@@ -147,13 +150,17 @@ void moe_forward_bf16(const DeviceMoeWeightsBf16& w, const std::uint16_t* x, std
                       const std::int32_t* topk_ids, const float* topk_weights, std::uint16_t* out, void* workspace,
                       std::size_t workspace_bytes, cudaStream_t stream, MoeStrategy strategy = MoeStrategy::Auto);
 
-/// Weight decoder (process-wide; for testing and benchmarking). Both are exact:
+/// Weight decoder (process-wide; for testing and benchmarking). All are exact in the products:
 ///   BytePermute: codebook lookup by PRMT, E4M3 -> FP16 by bit moves (any sm_80+ device);
 ///   Cvt: codebook lookup by PRMT, E4M3 -> FP16 by sm_89+'s cvt.rn.f16x2.e4m3x2 (sm_90 devices only,
 ///        else BytePermute);
-///   Auto (default): Cvt for the decode strategy on sm_90 devices, BytePermute otherwise, as measured
-///        fastest on the H200 (docs/perf/moe-gpu.md).
-enum class WeightDecoder : std::uint8_t { Auto, BytePermute, Cvt };
+///   Fp8Mma: swap-AB decode kernels only: the looked-up E4M3 bytes go straight into
+///        mma.sync.m16n8k32.e4m3 with E4M3 activation bytes (no conversion; sm_90 devices only,
+///        else BytePermute); the other kernels use Cvt's policy. The tensor core sums each 32-column
+///        MXFP8 block (one mma) before the FP32 promotion, as in the FP16 decoders.
+///   Auto (default): swap-AB kernels Fp8Mma on sm_90, the m16 decode kernel Cvt on sm_90, the
+///        prefill kernel BytePermute (docs/perf/moe-gpu.md).
+enum class WeightDecoder : std::uint8_t { Auto, BytePermute, Cvt, Fp8Mma };
 void set_weight_decoder(WeightDecoder d);
 
 /// Packed bytes (packed + codebook + scale) of the experts a routing touches, for bandwidth
