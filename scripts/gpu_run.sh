@@ -74,6 +74,7 @@ build_fit() {
   for f in src/cuda/fit_*.cu; do
     $NVCC $CUFLAGS -fmad=false -c "$f" -o "$B/obj/f_$(basename "$f" .cu).o" & pids+=($!)
   done
+  $NVCC $CUFLAGS -c src/cuda/lane_major.cu -o "$B/obj/fl_lane_major.o" & pids+=($!)  # the online method's permutation
   $NVCC $CUFLAGS -c bench/gpu/bench_fit_gpu.cu -o "$B/obj/fb_bench_fit_gpu.o" & pids+=($!)
   if [ ! -f "$B/obj/gtest-all.o" ]; then
     g++ -std=c++17 -O2 -isystem "$GTEST_DIR/include" -I"$GTEST_DIR" -c "$GTEST_DIR/src/gtest-all.cc" -o "$B/obj/gtest-all.o" & pids+=($!)
@@ -86,9 +87,9 @@ build_fit() {
     g++ $CXXFLAGS -DLUTB_SOURCE_DIR="\"$ROOT\"" -c "$f" -o "$B/obj/ft_$(basename "$f" .cpp).o" & pids+=($!)
   done
   for p in "${pids[@]}"; do wait "$p"; done
-  $NVCC $ARCH -o "$B/lutb_fit_gpu_tests" "$B"/obj/ft_*.o "$B"/obj/f_fit_*.o "$B"/obj/fc_*.o "$B/obj/gtest-all.o" "$B/obj/gtest_main.o" \
+  $NVCC $ARCH -o "$B/lutb_fit_gpu_tests" "$B"/obj/ft_*.o "$B"/obj/f_fit_*.o "$B/obj/fl_lane_major.o" "$B"/obj/fc_*.o "$B/obj/gtest-all.o" "$B/obj/gtest_main.o" \
     -Xcompiler -fopenmp -L"$DEPS_LIB" -lhwy -lpthread -Xlinker -rpath="$DEPS_LIB"
-  $NVCC $ARCH -o "$B/bench_fit_gpu" "$B/obj/fb_bench_fit_gpu.o" "$B"/obj/f_fit_*.o "$B"/obj/fc_*.o \
+  $NVCC $ARCH -o "$B/bench_fit_gpu" "$B/obj/fb_bench_fit_gpu.o" "$B"/obj/f_fit_*.o "$B/obj/fl_lane_major.o" "$B"/obj/fc_*.o \
     -Xcompiler -fopenmp -L"$DEPS_LIB" -lhwy -lpthread -Xlinker -rpath="$DEPS_LIB"
 }
 

@@ -26,31 +26,6 @@ void ok(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string(kWho) + ": " + what + ": " + cudaGetErrorString(e));
 }
 
-// One warp per tile: the tile's 192 bytes to shared memory, then each lane writes its X and Y
-// words (lane_major.hpp) back in place.
-constexpr int kPermWarps = 4;
-__global__ void __launch_bounds__(32 * kPermWarps) lane_major_kernel(std::uint8_t* packed, std::int64_t tiles) {
-  __shared__ std::uint8_t buf[kPermWarps][kPackedBytes + 8];
-  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * kPermWarps;
-  for (std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * kPermWarps + w; t < tiles; t += stride) {
-    std::uint8_t* p = packed + t * kPackedBytes;
-    for (int b = lane; b < kPackedBytes; b += 32) buf[w][b] = p[b];
-    __syncwarp();
-    const int g = lane >> 2, tg = lane & 3;
-    unsigned v[16] = {};
-#pragma unroll
-    for (int j = 0; j < 16; ++j) v[j] = spec_index(buf[w], g * kTileCols + lane_col(tg, j));
-    std::uint32_t x = 0, y = 0;
-    lane_words(v, x, y);
-#pragma unroll
-    for (int b = 0; b < 4; ++b) p[4 * lane + b] = static_cast<std::uint8_t>(x >> (8 * b));
-    p[128 + 2 * lane] = static_cast<std::uint8_t>(y);
-    p[129 + 2 * lane] = static_cast<std::uint8_t>(y >> 8);
-    __syncwarp();
-  }
-}
-
 void log_once(const GpuOnlineOptions& opt, const std::string& msg) {
   static std::mutex mu;
   static std::set<std::string> seen;
@@ -151,15 +126,6 @@ struct OnlineAccess {
     l.w_ = w;
   }
 };
-
-void packed_to_lane_major(std::uint8_t* d_packed, std::int64_t tiles, cudaStream_t stream) {
-  if (tiles <= 0) return;
-  if (!d_packed) throw std::invalid_argument("packed_to_lane_major: null pointer");
-  const std::int64_t blocks = std::min<std::int64_t>((tiles + kPermWarps - 1) / kPermWarps, std::int64_t{1} << 20);
-  lane_major_kernel<<<static_cast<unsigned>(blocks), 32 * kPermWarps, 0, stream>>>(d_packed, tiles);
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) throw std::runtime_error(std::string("packed_to_lane_major: ") + cudaGetErrorString(e));
-}
 
 // ---------------------------------------------------------------------------
 // quantize_experts_online

@@ -2,6 +2,7 @@
 // order to the lane-major order the MoE kernels read (lutb/cuda/lane_major.hpp). One warp per
 // tile: the 192 bytes go to shared memory, every lane builds its own X and Y words with the same
 // host/device functions the CPU tests check, then writes them back over the tile.
+#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 
@@ -42,17 +43,20 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) to_lane_major_kernel(std:
 
 }  // namespace
 
+void packed_to_lane_major(std::uint8_t* d_packed, std::int64_t tiles, cudaStream_t stream) {
+  if (tiles <= 0) return;
+  if (!d_packed) throw std::invalid_argument("packed_to_lane_major: null packed pointer");
+  if (reinterpret_cast<std::uintptr_t>(d_packed) % 4)
+    throw std::invalid_argument("packed_to_lane_major: packed must be 4-byte aligned");
+  const long long blocks = std::min<long long>(detail::ceil_div(tiles, kWarpsPerBlock), 132LL * 64);
+  to_lane_major_kernel<<<static_cast<unsigned>(blocks), kWarpsPerBlock * 32, 0, stream>>>(d_packed, tiles);
+  detail::check_launch("to_lane_major_kernel");
+}
+
 void to_lane_major(DeviceLutb& w, cudaStream_t stream) {
   if (w.lane_major) throw std::invalid_argument("to_lane_major: the stack is already in lane-major order");
   if (!w.packed) throw std::invalid_argument("to_lane_major: null packed pointer");
-  if (reinterpret_cast<std::uintptr_t>(w.packed) % 4) throw std::invalid_argument("to_lane_major: packed must be 4-byte aligned");
-  const long long tiles = w.shape.tiles();
-  if (tiles > 0) {
-    const long long blocks = std::min<long long>(detail::ceil_div(tiles, kWarpsPerBlock), 132LL * 64);
-    to_lane_major_kernel<<<static_cast<unsigned>(blocks), kWarpsPerBlock * 32, 0, stream>>>(
-        const_cast<std::uint8_t*>(w.packed), tiles);
-    detail::check_launch("to_lane_major_kernel");
-  }
+  packed_to_lane_major(const_cast<std::uint8_t*>(w.packed), w.shape.tiles(), stream);
   w.lane_major = true;
 }
 

@@ -5,6 +5,7 @@
 // decode_token_blocks in moe_common.cu, apart from the kernels.
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -23,6 +24,12 @@ namespace {
 /// latency when few (expert, strip group) pairs exist, at least 2 K-tiles per warp. `ctas` is the
 /// expected CTA count (touched experts x strip groups).
 int swap_warps(std::int64_t ctas, std::int64_t tiles_k) {
+  // Benchmarking knob: LUTB_SWAPAB_WARPS = 1, 2, 4 or 8 forces the split (read once).
+  static const int forced = [] {
+    const char* v = std::getenv("LUTB_SWAPAB_WARPS");
+    return v ? std::atoi(v) : 0;
+  }();
+  if (forced == 1 || forced == 2 || forced == 4 || forced == 8) return forced;
   int w = 1;
   while (w < 8 && ctas * w < 132 * 16 && tiles_k >= 4 * w) w *= 2;
   return w;

@@ -46,6 +46,12 @@ struct DeviceLutb {
 /// packed bytes. Throws std::invalid_argument when w is already lane-major or has a null pointer.
 void to_lane_major(DeviceLutb& w, cudaStream_t stream);
 
+/// The same permutation on `tiles` consecutive tiles (192 bytes each) at d_packed, in place,
+/// asynchronously on `stream` (the online method permutes each chunk as soon as it is fitted).
+/// Throws std::invalid_argument for a null or unaligned pointer (4 bytes), std::runtime_error when
+/// the launch fails.
+void packed_to_lane_major(std::uint8_t* d_packed, std::int64_t tiles, cudaStream_t stream);
+
 /// 64-bit flat tile index of tile (tn, tk) of expert e: the only index that can pass 2^31
 /// (times 192 for the packed bytes). Host and device.
 LUTB_HD constexpr std::int64_t tile_offset(std::int64_t e, std::int64_t tn, std::int64_t tk, std::int64_t tiles_n,
@@ -98,14 +104,15 @@ void route_deepseek(const float* logits, const float* bias, std::int64_t tokens,
 /// Strategy of the GEMM kernels. Auto picks by the expected tokens per expert (choose_strategy).
 ///   Decode: LUT-B "swap AB" kernels (src/cuda/moe_swapab.cuh): the weights are the M operand of
 ///     the mma (256 weights per instruction), tokens the N operand in blocks of 8, 8*NB tokens per
-///     tile (decode_token_blocks); the CTA's warps split K. The BF16 baseline's Decode is its
-///     16-token tile kernel.
+///     tile (decode_token_blocks); the CTA's warps split K (1-8 warps by the expected CTA count;
+///     the environment variable LUTB_SWAPAB_WARPS = 1/2/4/8 forces it, for benchmarking). The BF16
+///     baseline's Decode is its 16-token tile kernel.
 ///   Prefill: LUT-B: CTA-tiled GEMMs (src/cuda/moe_prefill.hpp): 64-token tiles, every weight tile
 ///     decoded once per CTA into shared memory as BF16 with both power-of-two scales folded in,
 ///     ldmatrix + mma.sync. BF16 baseline: 4 m16 token tiles per warp.
 ///   DecodeM16: LUT-B with tokens as the M operand, one m16 token tile per warp (the previous
-///     decode kernel; the fastest LUT-B kernel from ~8 tokens per expert up); the same as Decode
-///     on the BF16 path.
+///     decode kernel; the fastest LUT-B kernel at ~8-16 tokens per expert); the same as Decode on
+///     the BF16 path.
 enum class MoeStrategy : std::uint8_t { Auto, Decode, Prefill, DecodeM16 };
 
 /// LUT-B: the swap-AB Decode kernels while the mean number of tokens per touched expert

@@ -119,11 +119,5 @@ struct GpuOnlineReport {
 GpuOnlineReport quantize_experts_online(DeviceExpertSource& src, DeviceLutbLayer& out,
                                         const GpuOnlineOptions& opt = {});
 
-/// Permutes the index bytes of `tiles` consecutive tiles (192 bytes each) from checkpoint order to
-/// lane-major order in place, one warp per tile, asynchronously on `stream`: the online method
-/// permutes each chunk as soon as it is fitted. The same permutation as to_lane_major
-/// (lutb/cuda/moe.hpp, src/cuda/lane_major.cu), which converts a whole DeviceLutb and arrived on main
-/// after this was written and tested; both apply tile_to_lane_major's words per tile.
-void packed_to_lane_major(std::uint8_t* d_packed, std::int64_t tiles, cudaStream_t stream);
 
 }  // namespace lutb::cuda
