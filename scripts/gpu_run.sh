@@ -13,7 +13,7 @@
 #     memcheck and racecheck on small cases and the bench (old and new kernel, Gaussian and
 #     Student-t data).
 #   scripts/gpu_run.sh prefill [bench_moe_prefill args...]
-#     builds only the MoE CUDA sources (src/cuda/moe_*.cu, routing.cu), the prefill path's tests
+#     builds only the MoE CUDA sources (src/cuda/moe_*.cu, routing.cu, lane_major.cu), the prefill path's tests
 #     (tests/cuda/moe_prefill_test.cpp) and bench/gpu/bench_moe_prefill.cu, then runs those tests,
 #     the benchmark, and compute-sanitizer memcheck + racecheck on small cases.
 # Environment:
@@ -95,7 +95,7 @@ build_fit() {
 
 build_prefill() {
   local pids=()
-  for f in src/cuda/moe_*.cu src/cuda/routing.cu; do
+  for f in src/cuda/moe_*.cu src/cuda/routing.cu src/cuda/lane_major.cu; do
     $NVCC $CUFLAGS -c "$f" -o "$B/obj/p_$(basename "$f" .cu).o" & pids+=($!)
   done
   $NVCC $CUFLAGS -c bench/gpu/bench_moe_prefill.cu -o "$B/obj/pb_bench_moe_prefill.o" & pids+=($!)

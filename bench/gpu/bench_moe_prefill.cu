@@ -104,7 +104,6 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&p2, s2.tiles() * 192));
     CK(cudaMalloc(&c2, s2.tiles() * 8));
     CK(cudaMalloc(&sc2, s2.tiles()));
-    // Random index bytes are random in any bit order (lane-major or checkpoint).
     fill(p13, s13.tiles() * 192, 0, 10);
     fill(c13, s13.tiles() * 8, 1, 11);
     fill(sc13, s13.tiles(), 2, 12);
@@ -117,6 +116,8 @@ int main(int argc, char** argv) {
     fill(b13, 1ull * E * 2 * I * H, 3, 16);
     fill(b2, 1ull * E * H * I, 3, 17);
     cuda::DeviceMoeWeights w{E, H, I, {s13, p13, c13, sc13}, {s2, p2, c2, sc2}};
+    cuda::to_lane_major(w.w13, nullptr);  // load-time index permutation (lutb/cuda/lane_major.hpp)
+    cuda::to_lane_major(w.w2, nullptr);
     cuda::DeviceMoeWeightsBf16 wb{E, H, I, b13, b2};
     const long long Tmax = *std::max_element(Ts.begin(), Ts.end());
     const std::size_t wsb = cuda::moe_workspace_bytes(Tmax, s.k, E, H, I);

@@ -326,6 +326,16 @@ TEST(PrefillCuda, BadArgumentsThrowBeforeAnyLaunch) {
   w.w2.shape = {4, 64, 64, true};
   EXPECT_THROW(cuda::moe_forward_lutb_prefill(w, nullptr, 1, 2, nullptr, nullptr, nullptr, nullptr, 0, nullptr),
                std::invalid_argument);  // null stacks
+  alignas(16) static const std::uint8_t dummy[256] = {};
+  w.w13.packed = w.w13.codebook = w.w13.scale = dummy;
+  w.w2.packed = w.w2.codebook = w.w2.scale = dummy;
+  w.w13.lane_major = true;  // w2 still in checkpoint order
+  try {
+    cuda::moe_forward_lutb_prefill(w, nullptr, 1, 2, nullptr, nullptr, nullptr, nullptr, 0, nullptr);
+    ADD_FAILURE() << "checkpoint-order w2 accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("to_lane_major"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace
