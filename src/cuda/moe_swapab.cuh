@@ -1,7 +1,8 @@
 // src/cuda/moe_swapab.cuh: the small-batch (decode) LUT-B expert GEMMs, "swap AB": the WEIGHTS are
-// the M operand of mma.sync.m16n8k16 and the tokens the N operand (8 tokens per n-block), so one
-// tensor-core instruction consumes 256 weights (the token-as-M kernels of moe_gemm.cuh consume 128
-// and waste 15/16 of the token rows at one token per expert).
+// the M operand of mma.sync (m16n8k32 E4M3 or m16n8k16 FP16) and the tokens the N operand (8 tokens
+// per n-block), so one tensor-core instruction consumes 512 (FP8) or 256 (FP16) weights (the
+// token-as-M kernels of moe_gemm.cuh consume 128 and waste 15/16 of the token rows at one token per
+// expert). Kernel names: sm80_lutb_mxfp8_moe_gemm{1,2}_swapab (launch labels in moe_lutb.cu).
 //
 // Work split. A CTA owns one token tile (<= 8*NB pairs of one expert) and one "strip group": 4
 // pairs of tile row-strips (a, b), i.e. 4 m16 tiles whose rows g come from strip a and rows g+8
@@ -14,18 +15,22 @@
 // cp.async ring and add their FP32 partial sums in warp order at the end (deterministic).
 //
 // Decoding (lane L = 4g + t; tiles in lane-major order, lutb/cuda/lane_major.hpp): per tile and
-// K-tile a lane loads X (4 B) and Y (2 B), builds 4 PRMT selectors, looks up 16 E4M3 bytes in the
-// tile codebook (4 PRMT) and converts pairs to FP16 (sm_89+ cvt, or the exact byte trick which
-// yields values times 2^-8 with the pairs (0,2),(1,3) that quantize_x's swapped order matches).
-// Step s of a K-tile (k16; block = s/2) uses columns 32*block + 8t + 4*(s%2) + {0,1 | 2,3}: the
-// lane's A registers {a0a1, a2a3, a4a5, a6a7} = {strip a cols +0,1; strip b cols +0,1; strip a
-// cols +2,3; strip b cols +2,3} and its B registers are token g's activations at the same columns
-// (one 16-byte load per block covers two steps).
+// K-tile a lane loads X (4 B) and Y (2 B), builds 4 PRMT selectors and looks up its 16 E4M3 bytes
+// in the tile codebook (4 PRMT), 4 bytes = 4 consecutive columns per PRMT. Three decoders (kDec):
+//   kDecFp8 (default on sm_90): the looked-up bytes ARE the A operand of mma.m16n8k32.e4m3: per
+//     32-column block, registers {a0..a3} = {strip a cols 8t+0..3, strip b cols 8t+0..3, strip a
+//     cols 8t+4..7, strip b cols 8t+4..7} (k-slots 4t.., 4t.. (row g+8), 16+4t.., 16+4t..), and
+//     the B operand is token g's 8 E4M3 activation bytes at the same columns (one 8-byte load);
+//   kDecCvt: pairs of bytes -> FP16x2 by sm_89+ cvt, two mma.m16n8k16 per block (step s uses
+//     columns 32*block + 8t + 4*(s%2) + {0,1 | 2,3}), FP16 activations at the same columns;
+//   kDecByte (any sm_80+): the exact byte trick, values times 2^-8 and pairs (0,2),(1,3), matched
+//     by quantize_x's swapped activation order.
 //
-// Numerics (spec section 4, exact): the tensor core multiplies the unscaled E4M3 values (exact in
-// FP16) and sums 32 columns (two mma) in FP32; that partial sum is multiplied by the exact
-// power-of-two product 2^(s_w-127) * 2^(b_x-127) and added to the FP32 result. Only the order of
-// the FP32 additions differs from the CPU emulation.
+// Numerics (spec section 4, exact products): the tensor core multiplies the unscaled E4M3 values
+// and sums one 32-column MXFP8 block; that partial sum is multiplied by the token's power-of-two
+// block scale 2^(b_x-127) and promoted to FP32, and once per K-tile by the tile scale
+// 2^(s_w-127). Only the order (and the tensor core's internal rounding inside one 32-column block)
+// of the FP32 additions differs from the CPU emulation.
 #pragma once
 
 #include "moe_gemm.cuh"
