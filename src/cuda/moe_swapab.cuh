@@ -127,6 +127,7 @@ __device__ __forceinline__ void mma_f16_zero(float (&d)[4], const unsigned (&a)[
 template <int NB>
 struct SwapTokens {
   int count;             // pairs in the tile (1..8*NB)
+  int first;             // pair of the tile's first row (always valid)
   int pair_g[NB];        // pair of token row g of block nb (or -1)
   int pair_c[NB][2];     // pairs of accumulator columns 2t, 2t+1 (or -1)
 };
@@ -138,6 +139,7 @@ __device__ __forceinline__ bool swap_tile(const Routing& r, int slot, int& exper
   const int start = r.tile_start[slot], count = r.tile_count[slot];
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   tk.count = count;
+  tk.first = r.sorted[start];
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
     tk.pair_g[nb] = (8 * nb + g < count) ? r.sorted[start + 8 * nb + g] : -1;
@@ -202,9 +204,10 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
     off[j] = static_cast<int>(si * tiles_k) * (j < 3 ? 192 : 8) + (j < 3 ? (q % 12) * 16 : 0);
     dsto[j] = j < 3 ? i * 192 + (q % 12) * 16 : R::kCb + 8 * lane;
   }
-  int soff[8];  // scale byte offsets of the 8 strips
+  int soff[8];  // scale byte offsets of the 8 strips (missing strips read strip 0's: their
+                // codebooks are zero, so any finite scale gives them zero products)
 #pragma unroll
-  for (int i = 0; i < 8; ++i) soff[i] = static_cast<int>(strip[i] * tiles_k);
+  for (int i = 0; i < 8; ++i) soff[i] = ok[i] ? static_cast<int>(strip[i] * tiles_k) : 0;
 
   auto issue = [&](int kk, int slot) {
     if (kk < n) {
@@ -229,7 +232,7 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
     const long long kt = k0 + kk;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      x.fw[i] = kUe8m0.v[ok[i] ? __ldg(sc_base + soff[i] + kk) : 127u];
+      x.fw[i] = kUe8m0.v[__ldg(sc_base + soff[i] + kk)];
       if constexpr (kDec == kDecByte) x.fw[i] *= wmul;
     }
 #pragma unroll
@@ -238,22 +241,19 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
 #pragma unroll
       for (int blk = 0; blk < 2; ++blk) {
         if constexpr (kDec == kDecFp8) {  // 8 E4M3 bytes: columns 8t..8t+7 of the block
-          const uint2 v = arow[nb] ? __ldg(reinterpret_cast<const uint2*>(static_cast<const unsigned char*>(arow[nb]) +
-                                                                           kt * 64 + 32 * blk + 8 * t))
-                                   : make_uint2(0u, 0u);
+          const uint2 v = __ldg(reinterpret_cast<const uint2*>(static_cast<const unsigned char*>(arow[nb]) + kt * 64 +
+                                                               32 * blk + 8 * t));
           x.v[nb][blk] = make_uint4(v.x, v.y, 0u, 0u);
         } else {
-          x.v[nb][blk] = arow[nb] ? __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(arow[nb]) +
-                                                                          kt * 64 + 32 * blk + 8 * t))
-                                  : make_uint4(0, 0, 0, 0);
+          x.v[nb][blk] = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(arow[nb]) + kt * 64 +
+                                                              32 * blk + 8 * t));
         }
       }
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
-        unsigned s2 = 0;
-        if (srow[nb][u]) s2 = __ldg(reinterpret_cast<const unsigned short*>(srow[nb][u] + 2 * kt));
-        x.sx[nb][0][u] = srow[nb][u] ? ue8m0_f(s2 & 0xffu) : 0.0f;
-        x.sx[nb][1][u] = srow[nb][u] ? ue8m0_f(s2 >> 8) : 0.0f;
+        const unsigned s2 = __ldg(reinterpret_cast<const unsigned short*>(srow[nb][u] + 2 * kt));
+        x.sx[nb][0][u] = ue8m0_f(s2 & 0xffu);
+        x.sx[nb][1][u] = ue8m0_f(s2 >> 8);
       }
     }
   };
@@ -408,13 +408,12 @@ __global__ void __launch_bounds__(256, NB == 1 ? 2 : 1)
   const long long sblocks = a_cols / 32;
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
-    const int p = tk.pair_g[nb];
-    arow[nb] = p >= 0 ? static_cast<const unsigned char*>(xa) + static_cast<long long>(p / r.top_k) * a_cols * kEl
-                      : nullptr;
+    const int p = tk.pair_g[nb] >= 0 ? tk.pair_g[nb] : tk.first;
+    arow[nb] = static_cast<const unsigned char*>(xa) + static_cast<long long>(p / r.top_k) * a_cols * kEl;
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
-      const int pc = tk.pair_c[nb][u];
-      srow[nb][u] = pc >= 0 ? xs + static_cast<long long>(pc / r.top_k) * sblocks : nullptr;
+      const int pc = tk.pair_c[nb][u] >= 0 ? tk.pair_c[nb][u] : tk.first;
+      srow[nb][u] = xs + static_cast<long long>(pc / r.top_k) * sblocks;
     }
   }
   const int nblocks = (tk.count + 7) / 8;
@@ -482,12 +481,12 @@ __global__ void __launch_bounds__(256, NB == 1 ? 2 : 1)
   const unsigned char* srow[NB][2];
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
-    const int p = tk.pair_g[nb];
-    arow[nb] = p >= 0 ? static_cast<const unsigned char*>(ha) + static_cast<long long>(p) * Ip * kEl : nullptr;
+    const int p = tk.pair_g[nb] >= 0 ? tk.pair_g[nb] : tk.first;
+    arow[nb] = static_cast<const unsigned char*>(ha) + static_cast<long long>(p) * Ip * kEl;
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
-      const int pc = tk.pair_c[nb][u];
-      srow[nb][u] = pc >= 0 ? hs + static_cast<long long>(pc) * (Ip / 32) : nullptr;
+      const int pc = tk.pair_c[nb][u] >= 0 ? tk.pair_c[nb][u] : tk.first;
+      srow[nb][u] = hs + static_cast<long long>(pc) * (Ip / 32);
     }
   }
   const int nblocks = (tk.count + 7) / 8;
