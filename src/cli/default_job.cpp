@@ -254,12 +254,10 @@ void add_default_job(CLI::App& app) {
   app.add_option("--fitter", a->fitter, "default job: fitter (default " + default_fitter() + ")")->group(g);
   app.add_option("--seed", a->seed, "default job: token seed")
       ->group(g)->check(IntRange<std::uint64_t>(0, std::numeric_limits<std::uint64_t>::max()));
-  app.add_option("--work-dir", a->work_dir, "default job: directory for the two checkpoints (default a temporary one)")->group(g);
+  app.add_option("--work-dir", a->work_dir, "default job: directory for the two checkpoints (default a temporary one); Ctrl-C/SIGTERM remove what the run "
+                 "wrote there")->group(g);
   app.add_flag("--keep", a->keep, "default job: keep the checkpoints")->group(g);
   app.add_flag("--json", a->json, "default job: print a JSON summary as the last line")->group(g);
-  app.footer(
-      "Default job: every option is checked before any work. Ctrl-C, SIGTERM or SIGHUP stop it and remove the "
-      "checkpoints it wrote (exit status of the signal, 130/143); a second signal stops at once.");
   app.callback([&app, a] {
     if (app.get_subcommands().empty()) run_default_job(*a);
   });

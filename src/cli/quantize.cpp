@@ -48,11 +48,13 @@ void add_quantize(CLI::App& app) {
       "quantize",
       "Quantise routed experts to LUT-B. MODEL_DIR -o OUT_DIR writes a LUT-B checkpoint (spec 2.2); "
       "IN.safetensors -o OUT.safetensors quantises 2-D/3-D float tensors of one file (--match REGEX or --all, "
-      "default --all). The output is built under OUT.tmp.PID and renamed at the end: Ctrl-C, SIGTERM or SIGHUP "
-      "stop the run, remove that temporary and leave OUT exactly as it was (exit status of the signal, 130/143); "
-      "a second signal stops at once and leaves the temporary. Temporaries of processes that no longer exist "
-      "(OUT.tmp.PID, OUT.old.PID) are reported on stderr at the start but never removed: delete them yourself "
-      "(a process id unknown here may be a live run on another host sharing the filesystem)");
+      "default --all)");
+  cmd->footer(
+      "Interruption: the output is built under OUT.tmp.PID and renamed at the end. Ctrl-C, SIGTERM or SIGHUP stop "
+      "the run, remove that temporary and leave OUT exactly as it was (exit status of the signal: 130/143); a "
+      "second signal stops at once and leaves the temporary. Temporaries of processes that no longer exist "
+      "(OUT.tmp.PID, OUT.old.PID) are reported on stderr at the start but never removed: delete them yourself (a "
+      "process id unknown here may be a live run on another host sharing the filesystem).");
   cmd->add_option("input", args->input, "checkpoint directory or .safetensors file")->required();
   cmd->add_option("-o,--output", args->output, "output directory (checkpoint) or file (.safetensors)")->required();
   cmd->add_option("--fitter", args->fitter, "fitter: " + [] {

@@ -35,9 +35,11 @@ void add_synth(CLI::App& app) {
       "synth",
       "Synthesise a MoE checkpoint at the real shapes of a large model of the family (Qwen3-30B-A3B, "
       "Qwen1.5-MoE-A2.7B, Mixtral-8x7B, DeepSeek-V3, DeepSeek-V2-Lite, OLMoE-1B-7B): MoE blocks only, "
-      "heavy-tailed (Student-t) BF16 weights, deterministic. Prints the bytes it will write and checks the free "
-      "space first. Written under OUT.tmp.PID and renamed at the end: Ctrl-C/SIGTERM/SIGHUP remove the temporary "
-      "and leave OUT as it was; temporaries of dead processes are reported at the start, never removed");
+      "heavy-tailed (Student-t) BF16 weights, deterministic");
+  cmd->footer(
+      "Prints the bytes it will write and checks the free space before writing. Written under OUT.tmp.PID and "
+      "renamed at the end: Ctrl-C, SIGTERM or SIGHUP remove the temporary and leave OUT as it was (exit status of "
+      "the signal: 130/143); temporaries of dead processes are reported at the start, never removed.");
   cmd->add_option("--family", args->family, "model family: " + fams)->required();
   cmd->add_option("--layers", args->opt.layers, "number of MoE layers")->required()->check(IntRange<std::int64_t>(1, kMaxLayers));
   cmd->add_option("-o,--output", args->output, "output directory (must not exist unless --force)")->required();

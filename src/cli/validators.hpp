@@ -44,7 +44,7 @@ CLI::Validator IntRange(T lo, T hi) {
         if (v < lo || v > hi) return fmt::format("{} is outside the valid range {}..{}", in, lo, hi);
         return {};
       },
-      fmt::format("INT in {}..{}", lo, hi));
+      fmt::format("{}..{}", lo, hi));  // help: "--threads INT:0..4096"
 }
 
 /// Thread counts: 0 (all cores) .. 4096.
