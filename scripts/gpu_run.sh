@@ -7,9 +7,15 @@
 #
 #   scripts/gpu_run.sh [tests|sanitize|bench|all] [bench args...]
 #   scripts/gpu_run.sh fit [bench_fit_gpu args...]
-#     builds only the GPU fitter (src/cuda/fit_*.cu, -fmad=false), its test binary
-#     (tests/cuda/fit_gpu_test.cpp against src/fit compiled with -ffp-contract=off, as CMake does) and
-#     bench/gpu/bench_fit_gpu.cu, then runs the fitter tests, memcheck on a small case and the bench.
+#     builds only the GPU fitter and the online method (src/cuda/fit_*.cu, -fmad=false), their test
+#     binary (tests/cuda/fit_gpu_test.cpp and online_gpu_test.cpp against src/fit compiled with
+#     -ffp-contract=off, as CMake does) and bench/gpu/bench_fit_gpu.cu, then runs the tests,
+#     memcheck and racecheck on small cases and the bench (old and new kernel, Gaussian and
+#     Student-t data).
+#   scripts/gpu_run.sh prefill [bench_moe_prefill args...]
+#     builds only the MoE CUDA sources (src/cuda/moe_*.cu, routing.cu), the prefill path's tests
+#     (tests/cuda/moe_prefill_test.cpp) and bench/gpu/bench_moe_prefill.cu, then runs those tests,
+#     the benchmark, and compute-sanitizer memcheck + racecheck on small cases.
 # Environment:
 #   GTEST_DIR   googletest source tree (default: deps/googletest, else /usr/src/googletest/googletest)
 #   JSON_INC    folder holding nlohmann/json.hpp (default: deps/include, else /usr/include)
@@ -55,7 +61,7 @@ build() {
   done
   $NVCC $CUFLAGS -c bench/gpu/bench_moe_gpu.cu -o "$B/obj/b_bench_moe_gpu.o" & pids+=($!)
   for p in "${pids[@]}"; do wait "$p"; done
-  local lib=("$B"/obj/moe_*.o "$B"/obj/routing.o "$B"/obj/fit_*.o)
+  local lib=("$B"/obj/moe_*.o "$B"/obj/routing.o "$B"/obj/lane_major.o "$B"/obj/fit_*.o)
   $NVCC $ARCH -o "$B/lutb_cuda_tests" "$B"/obj/t_*.o "${lib[@]}" "$B"/obj/c_*.o "$B/obj/gtest-all.o" "$B/obj/gtest_main.o" \
     -Xcompiler -fopenmp -L"$DEPS_LIB" -lhwy -lpthread -Xlinker -rpath="$DEPS_LIB"
   # The GPU fitter objects in lib need the core (dtype names, tiles) too.
@@ -68,6 +74,7 @@ build_fit() {
   for f in src/cuda/fit_*.cu; do
     $NVCC $CUFLAGS -fmad=false -c "$f" -o "$B/obj/f_$(basename "$f" .cu).o" & pids+=($!)
   done
+  $NVCC $CUFLAGS -c src/cuda/lane_major.cu -o "$B/obj/fl_lane_major.o" & pids+=($!)  # the online method's permutation
   $NVCC $CUFLAGS -c bench/gpu/bench_fit_gpu.cu -o "$B/obj/fb_bench_fit_gpu.o" & pids+=($!)
   if [ ! -f "$B/obj/gtest-all.o" ]; then
     g++ -std=c++17 -O2 -isystem "$GTEST_DIR/include" -I"$GTEST_DIR" -c "$GTEST_DIR/src/gtest-all.cc" -o "$B/obj/gtest-all.o" & pids+=($!)
@@ -76,24 +83,69 @@ build_fit() {
   for f in src/core/*.cpp src/fit/*.cpp src/io/safetensors*.cpp; do
     g++ $CXXFLAGS -O3 -ffp-contract=off -c "$f" -o "$B/obj/fc_$(basename "$(dirname "$f")")_$(basename "$f" .cpp).o" & pids+=($!)
   done
-  for f in tests/cuda/fit_gpu_test.cpp tests/support/test_support.cpp; do
+  for f in tests/cuda/fit_gpu_test.cpp tests/cuda/online_gpu_test.cpp tests/support/test_support.cpp; do
     g++ $CXXFLAGS -DLUTB_SOURCE_DIR="\"$ROOT\"" -c "$f" -o "$B/obj/ft_$(basename "$f" .cpp).o" & pids+=($!)
   done
   for p in "${pids[@]}"; do wait "$p"; done
-  $NVCC $ARCH -o "$B/lutb_fit_gpu_tests" "$B"/obj/ft_*.o "$B"/obj/f_fit_*.o "$B"/obj/fc_*.o "$B/obj/gtest-all.o" "$B/obj/gtest_main.o" \
+  $NVCC $ARCH -o "$B/lutb_fit_gpu_tests" "$B"/obj/ft_*.o "$B"/obj/f_fit_*.o "$B/obj/fl_lane_major.o" "$B"/obj/fc_*.o "$B/obj/gtest-all.o" "$B/obj/gtest_main.o" \
     -Xcompiler -fopenmp -L"$DEPS_LIB" -lhwy -lpthread -Xlinker -rpath="$DEPS_LIB"
-  $NVCC $ARCH -o "$B/bench_fit_gpu" "$B/obj/fb_bench_fit_gpu.o" "$B"/obj/f_fit_*.o "$B"/obj/fc_*.o \
+  $NVCC $ARCH -o "$B/bench_fit_gpu" "$B/obj/fb_bench_fit_gpu.o" "$B"/obj/f_fit_*.o "$B/obj/fl_lane_major.o" "$B"/obj/fc_*.o \
     -Xcompiler -fopenmp -L"$DEPS_LIB" -lhwy -lpthread -Xlinker -rpath="$DEPS_LIB"
 }
+
+build_prefill() {
+  local pids=()
+  for f in src/cuda/moe_*.cu src/cuda/routing.cu; do
+    $NVCC $CUFLAGS -c "$f" -o "$B/obj/p_$(basename "$f" .cu).o" & pids+=($!)
+  done
+  $NVCC $CUFLAGS -c bench/gpu/bench_moe_prefill.cu -o "$B/obj/pb_bench_moe_prefill.o" & pids+=($!)
+  if [ ! -f "$B/obj/gtest-all.o" ]; then
+    g++ -std=c++17 -O2 -isystem "$GTEST_DIR/include" -I"$GTEST_DIR" -c "$GTEST_DIR/src/gtest-all.cc" -o "$B/obj/gtest-all.o" & pids+=($!)
+    g++ -std=c++17 -O2 -isystem "$GTEST_DIR/include" -I"$GTEST_DIR" -c "$GTEST_DIR/src/gtest_main.cc" -o "$B/obj/gtest_main.o" & pids+=($!)
+  fi
+  for f in src/core/*.cpp; do
+    g++ $CXXFLAGS -O3 -c "$f" -o "$B/obj/pc_$(basename "$f" .cpp).o" & pids+=($!)
+  done
+  for f in tests/cuda/moe_prefill_test.cpp tests/support/test_support.cpp; do
+    g++ $CXXFLAGS -DLUTB_SOURCE_DIR="\"$ROOT\"" -c "$f" -o "$B/obj/pt_$(basename "$f" .cpp).o" & pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p"; done
+  $NVCC $ARCH -o "$B/lutb_prefill_tests" "$B"/obj/pt_*.o "$B"/obj/p_*.o "$B"/obj/pc_*.o "$B/obj/gtest-all.o" "$B/obj/gtest_main.o" \
+    -Xcompiler -fopenmp -L"$DEPS_LIB" -lhwy -lpthread -Xlinker -rpath="$DEPS_LIB"
+  $NVCC $ARCH -o "$B/bench_moe_prefill" "$B/obj/pb_bench_moe_prefill.o" "$B"/obj/p_*.o "$B"/obj/pc_*.o \
+    -Xcompiler -fopenmp -L"$DEPS_LIB" -lhwy -lpthread -Xlinker -rpath="$DEPS_LIB"
+}
+
+if [ "$WHAT" = prefill ]; then
+  build_prefill 2>&1 | tee "$OUT/build_prefill.log"
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv | tee "$OUT/gpu.txt" || true
+  export LD_LIBRARY_PATH="$DEPS_LIB:${LD_LIBRARY_PATH:-}"
+  "$B/lutb_prefill_tests" 2>&1 | tee "$OUT/prefill_tests.log" || true
+  "$B/bench_moe_prefill" "$@" 2>&1 | tee "$OUT/bench_moe_prefill.md" || true
+  compute-sanitizer --tool memcheck --error-exitcode 9 "$B/lutb_prefill_tests" \
+    --gtest_filter='Shapes/PrefillRandom.MatchesHostReference/padded_odd:PrefillCuda.InvalidExpertIdWritesNanRowOnly' 2>&1 |
+    tail -12 | tee "$OUT/prefill_sanitizer.log" || true
+  compute-sanitizer --tool racecheck --error-exitcode 9 "$B/lutb_prefill_tests" \
+    --gtest_filter='Shapes/PrefillRandom.MatchesHostReference/padded_odd' 2>&1 | tail -8 | tee -a "$OUT/prefill_sanitizer.log" || true
+  exit 0
+fi
 
 if [ "$WHAT" = fit ]; then
   build_fit 2>&1 | tee "$OUT/build_fit.log"
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv | tee "$OUT/gpu.txt" || true
   export LD_LIBRARY_PATH="$DEPS_LIB:${LD_LIBRARY_PATH:-}"
   "$B/lutb_fit_gpu_tests" 2>&1 | tee "$OUT/fit_tests.log" || true
-  compute-sanitizer --tool memcheck --error-exitcode 9 "$B/lutb_fit_gpu_tests" --gtest_filter='FitGpu.EdgeTiles:FitGpu.ErrorsMatchCpu' 2>&1 |
+  compute-sanitizer --tool memcheck --error-exitcode 9 "$B/lutb_fit_gpu_tests" \
+    --gtest_filter='FitGpu.EdgeTiles:FitGpu.ErrorsMatchCpu:FitGpu.DeviceEntryWithoutStats:OnlineGpu.RandomLayer*:OnlineGpu.Errors*:OnlineGpu.LaneMajor*' 2>&1 |
     tail -12 | tee "$OUT/fit_sanitizer.log" || true
-  "$B/bench_fit_gpu" "$@" 2>&1 | tee "$OUT/bench_fit_gpu.md" || true
+  compute-sanitizer --tool racecheck --error-exitcode 9 "$B/lutb_fit_gpu_tests" --gtest_filter='FitGpu.EdgeTiles:OnlineGpu.LaneMajor*' 2>&1 |
+    tail -6 | tee -a "$OUT/fit_sanitizer.log" || true
+  compute-sanitizer --tool synccheck --error-exitcode 9 "$B/lutb_fit_gpu_tests" --gtest_filter='FitGpu.EdgeTiles' 2>&1 |
+    tail -4 | tee -a "$OUT/fit_sanitizer.log" || true
+  local_args=("$@")
+  [ ${#local_args[@]} -ge 3 ] || local_args=(8 4096 7168)
+  { "$B/bench_fit_gpu" "${local_args[@]:0:3}"; echo; "$B/bench_fit_gpu" "${local_args[@]:0:3}" student; } 2>&1 |
+    tee "$OUT/bench_fit_gpu.md" || true
   exit 0
 fi
 
@@ -104,7 +156,7 @@ if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
 fi
 if [ "$WHAT" = sanitize ] || [ "$WHAT" = all ]; then
   compute-sanitizer --tool memcheck --error-exitcode 9 "$B/lutb_cuda_tests" \
-    --gtest_filter='Shapes/MoeRandom.*/1:MoeCuda.GoldenLayer:MoeCuda.InvalidExpertIdWritesNanRow:RoutingCuda.*:MoeCudaVsCpu.*' 2>&1 |
+    --gtest_filter='Shapes/MoeRandom.*E16_H200*:Shapes/MoeRandom.*E8_H320*:MoeCuda.ToLaneMajor*:MoeCuda.GoldenLayer:MoeCuda.InvalidExpertIdWritesNanRow:RoutingCuda.*:MoeCudaVsCpu.*' 2>&1 |
     tail -40 | tee "$OUT/sanitizer.log" || true
   compute-sanitizer --tool racecheck --error-exitcode 9 "$B/lutb_cuda_tests" --gtest_filter='MoeCuda.GoldenLayer' 2>&1 |
     tail -8 | tee -a "$OUT/sanitizer.log" || true

@@ -2,7 +2,8 @@
 // skeleton, same routing, same run; plus the device's measured read bandwidth and cuBLAS BF16 dense
 // throughput. Prints a markdown table (docs/perf/moe-gpu.md is this output).
 //
-// Usage: bench_moe_gpu [--quick] [--shape NAME]   (NAME: deepseek-v3, qwen3-235b, qwen3-30b, mixtral)
+// Usage: bench_moe_gpu [--quick] [--shape NAME] [--tokens T]
+//   (NAME: deepseek-v3, qwen3-235b, qwen3-30b, mixtral-8x7b; --tokens runs that one batch size only)
 // Each forward (routing kernel excluded; the routing is precomputed by route_softmax_topk /
 // route_deepseek on random logits) is captured in a CUDA graph; R = 8 different routings are cycled
 // so that the experts touched change from call to call (weights of one call are not in L2 for the
@@ -12,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <set>
 #include <stdexcept>
@@ -104,9 +106,11 @@ struct Shape {
 int main(int argc, char** argv) {
   bool quick = false;
   std::string only;
+  long long only_T = 0;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--quick")) quick = true;
     else if (!std::strcmp(argv[i], "--shape") && i + 1 < argc) only = argv[++i];
+    else if (!std::strcmp(argv[i], "--tokens") && i + 1 < argc) only_T = std::atoll(argv[++i]);
   }
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
@@ -159,9 +163,10 @@ int main(int argc, char** argv) {
                           {"mixtral-8x7b", 8, 4096, 14336, 2, false}};
   std::vector<long long> Ts = {1, 4, 16, 64, 256, 1024, 4096};
   if (quick) Ts = {1, 16, 256, 4096};
+  if (only_T > 0) Ts = {only_T};
   const int R = 8;
-  std::printf("\n| shape | T | experts touched | LUT-B us | LUT-B byte-dec us | LUT-B decode us | LUT-B prefill us | BF16 us (best of decode, prefill) | BF16 best | speed-up | LUT-B GB/s | %% of read BW | BF16 GB/s | %% of read BW | LUT-B TFLOP/s | BF16 TFLOP/s |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("\n| shape | T | experts touched | LUT-B us | LUT-B byte-dec us | LUT-B decode (swap-AB) us | swap-AB cvt-dec us | LUT-B prefill us | decode-m16 us | BF16 us (best of decode, prefill) | BF16 best | speed-up | LUT-B GB/s | %% of read BW | BF16 GB/s | %% of read BW | LUT-B TFLOP/s | BF16 TFLOP/s |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const Shape& s : shapes) {
     if (!only.empty() && only != s.name) continue;
     const long long E = s.E, H = s.H, I = s.I;
@@ -185,6 +190,8 @@ int main(int argc, char** argv) {
     fill(b13, 1ull * E * 2 * I * H, 3, 16);
     fill(b2, 1ull * E * H * I, 3, 17);
     cuda::DeviceMoeWeights w{E, H, I, {s13, p13, c13, sc13}, {s2, p2, c2, sc2}};
+    cuda::to_lane_major(w.w13, nullptr);  // load-time index permutation (lutb/cuda/lane_major.hpp)
+    cuda::to_lane_major(w.w2, nullptr);
     cuda::DeviceMoeWeightsBf16 wb{E, H, I, b13, b2};
     const double lutb_expert = static_cast<double>(cuda::lutb_bytes_per_expert(w));
     const double bf16_expert = 2.0 * 3 * H * I;
@@ -241,14 +248,20 @@ int main(int argc, char** argv) {
             break;
           case 4: cuda::moe_forward_bf16(wb, xr, T, s.k, id, wt, out, ws, wsb, st, cuda::MoeStrategy::Decode); break;
           case 5: cuda::moe_forward_bf16(wb, xr, T, s.k, id, wt, out, ws, wsb, st, cuda::MoeStrategy::Prefill); break;
+          case 6: cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st, cuda::MoeStrategy::DecodeM16); break;
+          case 7:
+            cuda::set_weight_decoder(cuda::WeightDecoder::Cvt);
+            cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st, cuda::MoeStrategy::Decode);
+            cuda::set_weight_decoder(cuda::WeightDecoder::Auto);
+            break;
         }
         CK(cudaStreamEndCapture(st, &g));
         CK(cudaGraphInstantiate(&ge, g, 0));
         CK(cudaGraphDestroy(g));
         return ge;
       };
-      float ms[6];
-      for (int v = 0; v < 6; ++v) {
+      float ms[8];
+      for (int v = 0; v < 8; ++v) {
         std::vector<cudaGraphExec_t> gs;
         for (int r = 0; r < R; ++r) gs.push_back(make(v, r));
         for (int r = 0; r < R; ++r) CK(cudaGraphLaunch(gs[r], st));
@@ -276,8 +289,8 @@ int main(int argc, char** argv) {
       const double lut_s = ms[0] * 1e-3, bf_s = std::min(ms[4], ms[5]) * 1e-3;
       const double flops = 6.0 * T * s.k * H * I;
       const auto strat = ms[4] <= ms[5] ? "decode" : "prefill";
-      std::printf("| %s | %lld | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %s | %.2fx | %.0f | %.0f%% | %.0f | %.0f%% | %.1f | %.1f |\n",
-                  s.name, T, touched, ms[0] * 1e3, ms[3] * 1e3, ms[1] * 1e3, ms[2] * 1e3, bf_s * 1e6, strat,
+      std::printf("| %s | %lld | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %s | %.2fx | %.0f | %.0f%% | %.0f | %.0f%% | %.1f | %.1f |\n",
+                  s.name, T, touched, ms[0] * 1e3, ms[3] * 1e3, ms[1] * 1e3, ms[7] * 1e3, ms[2] * 1e3, ms[6] * 1e3, bf_s * 1e6, strat,
                   bf_s / lut_s, touched * lutb_expert / lut_s / 1e9, 100.0 * touched * lutb_expert / lut_s / read_bw,
                   touched * bf16_expert / bf_s / 1e9, 100.0 * touched * bf16_expert / bf_s / read_bw, flops / lut_s / 1e12,
                   flops / bf_s / 1e12);

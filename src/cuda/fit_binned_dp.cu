@@ -1,7 +1,10 @@
 // src/cuda/fit_binned_dp.cu: "binned-dp" (spec section 2.1) on the GPU, byte-identical to the CPU
-// fitter (src/fit/binned_dp.cpp, dp.cpp, tile_common.cpp, fit_internal.hpp, fit.cpp).
+// fitter (src/fit/binned_dp.cpp, dp.cpp, tile_common.cpp, fit_internal.hpp, fit.cpp): the host
+// entry points (quantize_gpu, fit_binned_dp_device) and the first, one-THREAD-per-tile kernel
+// (GpuFitKernel::Thread, kept as the benchmark's baseline and a second, independent port). The
+// default kernel is the warp-cooperative one in fit_binned_dp_warp.cu.
 //
-// This is an operation-for-operation port of the CPU code, one thread per tile. Every floating
+// The thread kernel is an operation-for-operation port of the CPU code, one thread per tile. Every floating
 // point operation that decides anything is written with an IEEE round-to-nearest intrinsic
 // (__dadd_rn, __dsub_rn, __dmul_rn, __ddiv_rn, __fadd_rn, __fmul_rn), which nvcc never contracts
 // to FMA, matching the CPU build's -ffp-contract=off (the file is also compiled with -fmad=false).
@@ -22,12 +25,15 @@
 #include <string>
 #include <vector>
 
+#include "cuda/fit_internal.cuh"
 #include "lutb/cuda/fit.hpp"
 #include "lutb/numerics.hpp"
 #include "lutb/tile.hpp"
 
 namespace lutb::cuda {
 namespace {
+
+using fit_internal::KernelArgs;
 
 constexpr int kN = kTileSize;  // 512
 constexpr int kMinScale = 3, kMaxScale = 246;
@@ -457,20 +463,6 @@ __device__ void fit_binned_dp(const float* x, int forced_scale, Work& w, std::ui
   encode_tile(x, s, r.entries, r.n_entries, packed, codebook, scale_out, sse, ssq);
 }
 
-struct KernelArgs {
-  const void* src;       // first element of the view
-  int dtype;             // 0 F32, 1 BF16, 2 F16
-  std::int64_t rows;     // logical rows per expert in the view
-  std::int64_t cols;
-  std::int64_t tiles_n;  // tile rows per expert in the view
-  std::int64_t tiles_k;
-  std::int64_t tiles;    // tiles in the view
-  std::int64_t t_base;   // global index of the view's first tile (error words)
-  DeviceFitOut out;      // pointers at the view's first tile
-  int forced_scale;
-  unsigned long long* err;
-};
-
 __device__ __forceinline__ float load(const void* src, int dtype, std::int64_t i) {
   if (dtype == 0) return static_cast<const float*>(src)[i];
   const std::uint16_t h = static_cast<const std::uint16_t*>(src)[i];
@@ -523,8 +515,9 @@ int dtype_code(DType t) {
   return -1;
 }
 
-void launch(const KernelArgs& a, cudaStream_t stream) {
+void launch(const KernelArgs& a, cudaStream_t stream, GpuFitKernel kernel) {
   if (a.tiles == 0) return;
+  if (kernel == GpuFitKernel::Warp || a.check_only) return fit_internal::launch_warp(a, stream);
   constexpr int kBlock = 64;
   const std::int64_t blocks = (a.tiles + kBlock - 1) / kBlock;
   fit_binned_dp_kernel<<<static_cast<unsigned>(blocks), kBlock, 0, stream>>>(a);
@@ -572,7 +565,7 @@ GpuFitError decode_fit_error(unsigned long long word) {
 }
 
 void fit_binned_dp_device(const void* d_src, DType src_type, const LutbShape& shape, const DeviceFitOut& out,
-                          int forced_scale, unsigned long long* d_error, cudaStream_t stream) {
+                          int forced_scale, unsigned long long* d_error, cudaStream_t stream, GpuFitKernel kernel) {
   check_args(src_type, shape, forced_scale, "fit_binned_dp_device");
   if (!d_error || !out.packed || !out.codebook || !out.scale)
     throw std::invalid_argument("fit_binned_dp_device: null output pointer");
@@ -580,7 +573,19 @@ void fit_binned_dp_device(const void* d_src, DType src_type, const LutbShape& sh
   ok(cudaMemsetAsync(d_error, 0xff, sizeof(unsigned long long), stream), "cudaMemsetAsync");
   KernelArgs a{d_src, dtype_code(src_type), shape.rows, shape.cols, shape.tiles_n(), shape.tiles_k(), shape.tiles(),
                0, out, forced_scale, d_error};
-  launch(a, stream);
+  launch(a, stream, kernel);
+}
+
+void check_tiles_device(const void* d_src, DType src_type, const LutbShape& shape, unsigned long long* d_error,
+                        cudaStream_t stream) {
+  check_args(src_type, shape, -1, "check_tiles_device");
+  if (!d_error) throw std::invalid_argument("check_tiles_device: null error word");
+  if (shape.rows > 0 && shape.cols > 0 && !d_src) throw std::invalid_argument("check_tiles_device: null source");
+  ok(cudaMemsetAsync(d_error, 0xff, sizeof(unsigned long long), stream), "cudaMemsetAsync");
+  KernelArgs a{d_src, dtype_code(src_type), shape.rows, shape.cols, shape.tiles_n(), shape.tiles_k(), shape.tiles(),
+               0, DeviceFitOut{}, -1, d_error};
+  a.check_only = true;
+  launch(a, stream, GpuFitKernel::Warp);
 }
 
 FitStats quantize_gpu(const void* src, DType src_type, const LutbShape& shape, LutbTensor& out,
@@ -653,7 +658,7 @@ FitStats quantize_gpu(const void* src, DType src_type, const LutbShape& shape, L
       a.forced_scale = opt.forced_scale;
       a.err = d_err.as<unsigned long long>();
       if (bytes) ok(cudaMemcpy(d_src.p, from, bytes, cudaMemcpyHostToDevice), "cudaMemcpy to device");
-      launch(a, nullptr);
+      launch(a, nullptr, opt.kernel);
       unsigned long long word = ~0ull;
       ok(cudaMemcpy(&word, d_err.p, sizeof(word), cudaMemcpyDeviceToHost), "fit kernel");
       const GpuFitError err = decode_fit_error(word);

@@ -16,7 +16,7 @@ template <int MT>
 void launch_gemms_bf16(const DeviceMoeWeightsBf16& w, const std::uint16_t* x, const kern::Routing& r,
                        const detail::Workspace& ws, std::int64_t P, cudaStream_t stream) {
   const std::int64_t H = w.hidden, I = w.intermediate;
-  const std::int64_t slots = detail::max_tiles(P, w.experts, MT);
+  const std::int64_t slots = detail::max_tiles(P, w.experts, 16 * MT);
   const kern::LutbW w13{nullptr, nullptr, nullptr, 2 * I / 8, H / 64, 0};
   const kern::LutbW w2{nullptr, nullptr, nullptr, H / 8, I / 64, 0};
   constexpr int NT = 2;

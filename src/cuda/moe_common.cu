@@ -14,7 +14,7 @@ namespace {
 
 __global__ void __launch_bounds__(256)
     quantize_x_kernel(const uint16_t* __restrict__ x, long long H, long long Hp, bool swap, uint16_t* __restrict__ xa,
-                      unsigned char* __restrict__ xs) {
+                      unsigned char* __restrict__ xq8, unsigned char* __restrict__ xs) {
   const long long t = blockIdx.y;
   const long long blk = static_cast<long long>(blockIdx.x) * 8 + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
@@ -25,8 +25,9 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
   const unsigned char b = mx_block_scale(a, MxScaleRule::Rceil);
-  const float q = (b == 255) ? 0.0f : e4m3_to_float(mx_encode(v, b));
-  xa[t * Hp + blk * 32 + (lane & ~7) + kern::perm8(lane & 7, swap)] = __half_as_ushort(__float2half_rn(q));
+  const unsigned char q8 = (b == 255) ? 0 : mx_encode(v, b);
+  xa[t * Hp + blk * 32 + (lane & ~7) + kern::perm8(lane & 7, swap)] = __half_as_ushort(__float2half_rn(e4m3_to_float(q8)));
+  if (xq8) xq8[t * Hp + col] = q8;
   if (lane == 0) xs[t * (Hp / 32) + blk] = b;
 }
 
@@ -114,11 +115,26 @@ std::size_t align256(std::size_t v) { return (v + 255) / 256 * 256; }
 
 }  // namespace
 
-MoeStrategy choose_strategy(std::int64_t tokens, int top_k, std::int64_t experts, bool packed_weights) {
-  if (packed_weights) return MoeStrategy::Decode;
+namespace {
+/// Mean tokens per touched expert (pairs / min(E, pairs)).
+double tokens_per_expert(std::int64_t tokens, int top_k, std::int64_t experts) {
   const double pairs = static_cast<double>(tokens) * top_k;
   const double touched = std::min<double>(static_cast<double>(experts), pairs);
-  return (touched > 0 && pairs / touched >= 48.0) ? MoeStrategy::Prefill : MoeStrategy::Decode;
+  return touched > 0 ? pairs / touched : 0.0;
+}
+}  // namespace
+
+MoeStrategy choose_strategy(std::int64_t tokens, int top_k, std::int64_t experts, bool packed_weights) {
+  const double a = tokens_per_expert(tokens, top_k, experts);
+  if (packed_weights)
+    return a <= kSwapAbMaxTokensPerExpert ? MoeStrategy::Decode
+                                          : (a >= kPrefillMinTokensPerExpert ? MoeStrategy::Prefill : MoeStrategy::DecodeM16);
+  return a >= 48.0 ? MoeStrategy::Prefill : MoeStrategy::Decode;
+}
+
+int decode_token_blocks(std::int64_t tokens, int top_k, std::int64_t experts) {
+  const double a = tokens_per_expert(tokens, top_k, experts);
+  return a <= 6.0 ? 1 : (a <= 14.0 ? 2 : 4);
 }
 
 std::size_t moe_workspace_bytes(std::int64_t max_tokens, int top_k, std::int64_t experts, std::int64_t hidden,
@@ -132,13 +148,13 @@ std::int64_t lutb_bytes_per_expert(const DeviceMoeWeights& w) {
 
 namespace detail {
 
-std::int64_t max_tiles(std::int64_t pairs, std::int64_t experts, int mt) {
-  return std::min(experts, pairs) + pairs / (16 * mt);
+std::int64_t max_tiles(std::int64_t pairs, std::int64_t experts, int rows) {
+  return std::min(experts, pairs) + pairs / rows;
 }
 
 Workspace carve(void* base, std::int64_t T, int k, std::int64_t E, std::int64_t H, std::int64_t I) {
   const std::int64_t Hp = ceil_div(H, 64) * 64, Ip = ceil_div(I, 64) * 64, P = T * k;
-  const std::int64_t mt = max_tiles(P, E, 1);
+  const std::int64_t mt = max_tiles(P, E, 8);  // the smallest token tile (swap-AB decode, 8 rows)
   Workspace w;
   std::size_t o = 0;
   auto take = [&](std::size_t bytes) {
@@ -147,6 +163,7 @@ Workspace carve(void* base, std::int64_t T, int k, std::int64_t E, std::int64_t 
     return base ? static_cast<char*>(base) + at : nullptr;
   };
   w.xa = reinterpret_cast<std::uint16_t*>(take(sizeof(std::uint16_t) * T * Hp));
+  w.xq8 = reinterpret_cast<std::uint8_t*>(take(T * Hp));
   w.xs = reinterpret_cast<std::uint8_t*>(take(T * Hp / 32));
   w.sorted = reinterpret_cast<int*>(take(sizeof(int) * P));
   w.tile_expert = reinterpret_cast<int*>(take(sizeof(int) * mt));
@@ -154,6 +171,7 @@ Workspace carve(void* base, std::int64_t T, int k, std::int64_t E, std::int64_t 
   w.tile_count = reinterpret_cast<int*>(take(sizeof(int) * mt));
   w.num_tiles = reinterpret_cast<int*>(take(sizeof(int)));
   w.hq = reinterpret_cast<std::uint16_t*>(take(sizeof(std::uint16_t) * P * Ip));
+  w.hq8 = reinterpret_cast<std::uint8_t*>(take(P * Ip));
   w.hs = reinterpret_cast<std::uint8_t*>(take(P * Ip / 32));
   w.y = reinterpret_cast<float*>(take(sizeof(float) * P * H));
   w.bytes = o;
@@ -162,14 +180,13 @@ Workspace carve(void* base, std::int64_t T, int k, std::int64_t E, std::int64_t 
 
 int resolve_mt(MoeStrategy s, std::int64_t tokens, int top_k, std::int64_t experts, bool packed) {
   if (s == MoeStrategy::Auto) s = choose_strategy(tokens, top_k, experts, packed);
-  return s == MoeStrategy::Prefill ? 4 : 1;
+  return s == MoeStrategy::Prefill ? 4 : 1;  // Decode and DecodeM16 are the same BF16 kernel
 }
 
 static WeightDecoder g_decoder = WeightDecoder::Auto;
 
-bool use_cvt_decoder(int mt) {
-  if (g_decoder == WeightDecoder::BytePermute) return false;
-  if (g_decoder == WeightDecoder::Auto && mt != 1) return false;
+namespace {
+int device_cc() {
   static int cc[64] = {0};
   int dev = 0;
   check(cudaGetDevice(&dev), "cudaGetDevice");
@@ -179,15 +196,31 @@ bool use_cvt_decoder(int mt) {
     check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev), "cudaDeviceGetAttribute");
     cc[dev] = major * 10 + minor;
   }
-  const int c = dev < 64 ? cc[dev] : 0;
-  // The binary carries sm_80 and sm_90a code: the cvt decoder exists only in the sm_90a image.
+  return dev < 64 ? cc[dev] : 0;
+}
+// The binary carries sm_80 and sm_90a code: the E4M3 conversion and E4M3 mma exist only in the
+// sm_90a image.
+bool sm90_image() {
+  const int c = device_cc();
   return c >= 90 && c < 100;
+}
+}  // namespace
+
+bool use_cvt_decoder(int mt) {
+  if (g_decoder == WeightDecoder::BytePermute) return false;
+  if (g_decoder == WeightDecoder::Auto && mt != 1) return false;
+  return sm90_image();
+}
+
+int swap_decoder() {
+  if (g_decoder == WeightDecoder::BytePermute || !sm90_image()) return kern::kDecByte;
+  return g_decoder == WeightDecoder::Cvt ? kern::kDecCvt : kern::kDecFp8;
 }
 
 void launch_quantize_x(const std::uint16_t* x, std::int64_t T, std::int64_t H, std::int64_t Hp, bool swap,
-                       std::uint16_t* xa, std::uint8_t* xs, cudaStream_t stream) {
+                       std::uint16_t* xa, std::uint8_t* xq8, std::uint8_t* xs, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(ceil_div(Hp / 32, 8)), static_cast<unsigned>(T));
-  quantize_x_kernel<<<grid, 256, 0, stream>>>(x, H, Hp, swap, xa, xs);
+  quantize_x_kernel<<<grid, 256, 0, stream>>>(x, H, Hp, swap, xa, xq8, xs);
   check_launch("quantize_x_kernel");
 }
 

@@ -151,7 +151,6 @@ __device__ __forceinline__ void warp_gemm(const LutbW& w, const uint16_t* __rest
   for (int s = 0; s < R::kStages - 1; ++s) issue(s);
   ATile cur;
   if constexpr (MT <= 2) load_a_tile(0, cur);
-  const int lo = (3 * t) >> 2, hi = t == 3 ? lo : lo + 1, sh = (3 * t & 3) * 8;
 
   for (long long kt = 0; kt < tiles_k; ++kt) {
     issue(kt + R::kStages - 1);
@@ -201,11 +200,18 @@ __device__ __forceinline__ void warp_gemm(const LutbW& w, const uint16_t* __rest
       for (int i = 0; i < NT; ++i) {
         unsigned b[4];
         if constexpr (kLutb) {
-          // This thread's group: row g, group t of block blk = bytes 24g + 12blk + 3t .. +2.
-          const unsigned char* rowp = st + i * 192 + 24 * g + 12 * blk;
-          const unsigned g24 = __funnelshift_r(*reinterpret_cast<const unsigned*>(rowp + 4 * lo),
-                                               *reinterpret_cast<const unsigned*>(rowp + 4 * hi), sh);
-          decode_group<kCvt>(g24, cbl[i], cbh[i], b);
+          // This lane's 8 columns of block blk (row g, columns 32blk + 8t..+7), lane-major order.
+          const unsigned x = *reinterpret_cast<const unsigned*>(st + i * 192 + 4 * lane);
+          const unsigned y = *reinterpret_cast<const unsigned short*>(st + i * 192 + 128 + 2 * lane);
+          unsigned sa, sb;
+          if (blk == 0) {
+            sa = x & 0x7777u;
+            sb = (x >> 16) & 0x7777u;
+          } else {
+            sa = y & 0x7777u;
+            sb = ((x >> 3) & 0x1111u) | ((x >> 18) & 0x2222u) | ((y >> 1) & 0x4444u);
+          }
+          decode_group<kCvt>(sa, sb, cbl[i], cbh[i], b);
 #pragma unroll
           for (int m = 0; m < MT; ++m) {
             float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};

@@ -14,6 +14,7 @@ namespace lutb::cuda::detail {
 /// Carved workspace (all pointers 256-byte aligned).
 struct Workspace {
   std::uint16_t* xa = nullptr;     // [T, Hp] FP16 E4M3 values (LUT-B path)
+  std::uint8_t* xq8 = nullptr;     // [T, Hp] E4M3 bytes (swap-AB FP8 decoder)
   std::uint8_t* xs = nullptr;      // [T, Hp/32] UE8M0
   int* sorted = nullptr;           // [P]
   int* tile_expert = nullptr;      // [max_tiles]
@@ -21,28 +22,33 @@ struct Workspace {
   int* tile_count = nullptr;       // [max_tiles]
   int* num_tiles = nullptr;        // [1]
   std::uint16_t* hq = nullptr;     // [P, Ip]
+  std::uint8_t* hq8 = nullptr;     // [P, Ip] E4M3 bytes (swap-AB FP8 decoder)
   std::uint8_t* hs = nullptr;      // [P, Ip/32]
   float* y = nullptr;              // [P, H]
   std::size_t bytes = 0;
 };
 
-/// Upper bound of token tiles of 16*mt rows over all experts: min(E, P) + floor(P / (16*mt)).
-std::int64_t max_tiles(std::int64_t pairs, std::int64_t experts, int mt);
+/// Upper bound of token tiles of `rows` rows over all experts: min(E, P) + floor(P / rows).
+std::int64_t max_tiles(std::int64_t pairs, std::int64_t experts, int rows);
 
 /// Lays out the workspace (base may be null to measure).
 Workspace carve(void* base, std::int64_t tokens, int top_k, std::int64_t experts, std::int64_t hidden,
                 std::int64_t intermediate);
 
-/// Which mma tile to use: 1 (decode) or 4 (prefill) m16 tiles per warp (the LUT-B path uses 2 for prefill).
+/// BF16 path: which mma tile to use, 1 (decode) or 4 (prefill) m16 tiles per warp.
 int resolve_mt(MoeStrategy s, std::int64_t tokens, int top_k, std::int64_t experts, bool packed);
 
 /// True when the weight decoder of a launch with `mt` m16 tiles per warp uses the sm_89+ E4M3
 /// conversion instruction on the current device (set_weight_decoder's policy).
 bool use_cvt_decoder(int mt);
+/// Weight decoder of the swap-AB kernels on the current device (kern::kDecByte / kDecCvt / kDecFp8):
+/// Auto and Fp8Mma -> FP8 on sm_90 devices; Cvt -> Cvt on sm_90; otherwise the byte trick.
+int swap_decoder();
 
-/// x [T, H] BF16 -> MXFP8 (rceil) as FP16 E4M3 values in the decoder's column order + UE8M0 scales.
+/// x [T, H] BF16 -> MXFP8 (rceil) as FP16 E4M3 values in the decoder's column order (xa), as E4M3
+/// bytes in natural order (xq8, when not null) and UE8M0 scales (xs).
 void launch_quantize_x(const std::uint16_t* x, std::int64_t T, std::int64_t H, std::int64_t Hp, bool swap,
-                       std::uint16_t* xa, std::uint8_t* xs, cudaStream_t stream);
+                       std::uint16_t* xa, std::uint8_t* xq8, std::uint8_t* xs, cudaStream_t stream);
 /// Groups the pairs p = t*k + j by expert into token tiles of `tile_rows` rows.
 void launch_group(const int* ids, std::int64_t pairs, std::int64_t experts, int tile_rows, const Workspace& ws,
                   cudaStream_t stream);

@@ -9,7 +9,7 @@
 // values multiplied are exactly spec section 4's; only the FP32 summation order differs.
 //
 // K permutation: inside every 8 consecutive columns, thread t of a quad holds columns 8t..8t+7 of the
-// 32-column block (one 24-bit group of 8 packed indices). The weight decoder produces FP16 pairs
+// 32-column block (the lane-major tile order of lutb/cuda/lane_major.hpp gives it their selectors). The weight decoder produces FP16 pairs
 // either natural ((0,1),(2,3),...; sm_89+ cvt.rn.f16x2.e4m3x2) or swapped ((0,2),(1,3),...; the
 // portable byte trick); activations are stored in the matching order, so A and B agree on every
 // k-slot.
@@ -28,16 +28,14 @@ namespace lutb::cuda::kern {
 
 constexpr int kWarps = 4;  // warps per CTA in the GEMM kernels
 
+/// Weight decoders of the swap-AB kernels (moe_swapab.cuh, template parameter kDec): the FP16 ones
+/// feed mma.m16n8k16.f16 (byte trick / sm_89+ cvt), kDecFp8 feeds the looked-up E4M3 bytes straight
+/// into mma.m16n8k32.e4m3 (sm_89+) with E4M3 activation bytes.
+constexpr int kDecByte = 0, kDecCvt = 1, kDecFp8 = 2;
+
 /// Storage position, inside its group of 8, of logical column c (swap order 0,2,1,3,4,6,5,7).
 __host__ __device__ __forceinline__ int perm8(int c, bool swap) {
   return swap ? ((c & 4) | ((c & 1) << 1) | ((c & 2) >> 1)) : c;
-}
-
-/// Spreads the four 3-bit fields at bits 0,3,6,9 of v to nibbles 0..3 (bit 3 of each nibble zero):
-/// a PRMT selector. Bits of v above 11 do not leak into the result.
-__device__ __forceinline__ unsigned spread4(unsigned v) {
-  const unsigned x = (v & 0x3fu) | ((v << 2) & ~0x3fu);         // fields at 0,3 | 8,11
-  return ((x & 0x0707u) | ((x << 1) & ~0x0707u)) & 0x7777u;       // fields at 0,4,8,12
 }
 
 /// Two E4M3 bytes (low 16 bits) -> FP16x2, exact (sm_89+ hardware conversion), natural order.
@@ -55,15 +53,17 @@ __device__ __forceinline__ unsigned e4m3x2_to_f16x2(unsigned short v) {
 #endif
 }
 
-/// Decodes one 24-bit group (8 packed indices) against codebook bytes cb_lo (entries 0..3) and
-/// cb_hi (4..7) into four FP16x2 registers.
+/// Decodes 8 indices given as two PRMT selectors (lane-major order, lutb/cuda/lane_major.hpp: sa =
+/// columns +0..3, sb = +4..7 of the lane's 8 columns of one MXFP8 block) against codebook bytes
+/// cb_lo (entries 0..3) and cb_hi (4..7) into four FP16x2 registers.
 /// kCvt: natural pairs (0,1)(2,3)(4,5)(6,7), true E4M3 values.
 /// !kCvt: swapped pairs (0,2)(1,3)(4,6)(5,7), values times 2^-8 (FP16 bits = sign<<15 | (b&0x7f)<<7,
 ///        exact for normals and subnormals alike).
 template <bool kCvt>
-__device__ __forceinline__ void decode_group(unsigned g24, unsigned cb_lo, unsigned cb_hi, unsigned (&b)[4]) {
-  const unsigned y1 = __byte_perm(cb_lo, cb_hi, spread4(g24));
-  const unsigned y2 = __byte_perm(cb_lo, cb_hi, spread4(g24 >> 12));
+__device__ __forceinline__ void decode_group(unsigned sa, unsigned sb, unsigned cb_lo, unsigned cb_hi,
+                                             unsigned (&b)[4]) {
+  const unsigned y1 = __byte_perm(cb_lo, cb_hi, sa);
+  const unsigned y2 = __byte_perm(cb_lo, cb_hi, sb);
   if constexpr (kCvt) {
     b[0] = e4m3x2_to_f16x2(static_cast<unsigned short>(y1 & 0xffffu));
     b[1] = e4m3x2_to_f16x2(static_cast<unsigned short>(y1 >> 16));

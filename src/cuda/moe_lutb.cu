@@ -1,25 +1,81 @@
 // src/cuda/moe_lutb.cu: the fused LUT-B MoE forward (spec section 4): MXFP8 of x, grouping, GEMM1
 // with SiLU*up and MXFP8 of h, GEMM2, weighted top-k reduction. Kernel names follow the DeepGEMM
-// habit: arch, types, scaling (sm80_lutb_mxfp8_moe_{gemm1,gemm2}_{decode,prefill}; the same code
-// runs on sm_90a with the hardware E4M3 decoder).
+// habit: arch, types, scaling (sm80_lutb_mxfp8_moe_{gemm1,gemm2}_{swapab,decode,prefill}; the same
+// code runs on sm_90a with the hardware E4M3 decoder). Strategy choice: choose_strategy and
+// decode_token_blocks in moe_common.cu, apart from the kernels.
+#include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "common.cuh"
 #include "lutb/cuda/moe.hpp"
 #include "moe_gemm.cuh"
 #include "moe_internal.hpp"
+#include "moe_prefill.hpp"
+#include "moe_swapab.cuh"
 
 namespace lutb::cuda {
 namespace {
+
+/// Warps per CTA of the swap-AB kernels (they split K): at least 2 (shorter CTAs balance the last
+/// wave), doubled while the expected warps (`ctas` = touched experts x strip groups, times the
+/// split) stay under 12 per SM, at least 2 K-tiles per warp, at most 8. Measured on the H200
+/// (LUTB_SWAPAB_WARPS sweep, docs/perf/moe-gpu.md): DeepSeek-V3 T=1 best at 4, T=16 at 2;
+/// Qwen3-30B T=1 at 4-8, T=16 at 2.
+int swap_warps(std::int64_t ctas, std::int64_t tiles_k) {
+  // Benchmarking knob: LUTB_SWAPAB_WARPS = 1, 2, 4 or 8 forces the split (read once).
+  static const int forced = [] {
+    const char* v = std::getenv("LUTB_SWAPAB_WARPS");
+    return v ? std::atoi(v) : 0;
+  }();
+  if (forced == 1 || forced == 2 || forced == 4 || forced == 8) return forced;
+  if (tiles_k < 4) return 1;
+  int w = 2;
+  while (w < 8 && ctas * w < 132 * 12 && tiles_k >= 4 * w) w *= 2;
+  return w;
+}
+
+template <int kDec, int NB>
+void launch_swapab(const DeviceMoeWeights& w, const kern::Routing& r, const detail::Workspace& ws, std::int64_t P,
+                   cudaStream_t stream) {
+  const std::int64_t H = w.hidden, I = w.intermediate;
+  const std::int64_t Hp = w.w13.shape.padded_cols(), Ip = w.w2.shape.padded_cols();
+  const std::int64_t slots = detail::max_tiles(P, w.experts, 8 * NB);
+  const std::int64_t touched = std::min<std::int64_t>(w.experts, P);
+  const kern::LutbW w13{w.w13.packed, w.w13.codebook, w.w13.scale, w.w13.shape.tiles_n(), w.w13.shape.tiles_k(),
+                         w.w13.shape.tiles()};
+  const kern::LutbW w2{w.w2.packed, w.w2.codebook, w.w2.scale, w.w2.shape.tiles_n(), w.w2.shape.tiles_k(),
+                        w.w2.shape.tiles()};
+  // Up to 8 warps x 9.6 KiB of ring: above the 48 KiB default (a host-side attribute, capture-safe).
+  const int most = kern::swap_smem_bytes<NB>(8);
+  LUTB_CUDA_CHECK(cudaFuncSetAttribute(kern::swapab_gemm1_kernel<kDec, NB>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, most));
+  LUTB_CUDA_CHECK(cudaFuncSetAttribute(kern::swapab_gemm2_kernel<kDec, NB>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, most));
+  // FP8 decoder: E4M3 bytes of x and h; FP16 decoders: FP16 values.
+  const void* xa = kDec == kern::kDecFp8 ? static_cast<const void*>(ws.xq8) : static_cast<const void*>(ws.xa);
+  void* hq = kDec == kern::kDecFp8 ? static_cast<void*>(ws.hq8) : static_cast<void*>(ws.hq);
+  const std::int64_t groups1 = Ip / 32, groups2 = detail::ceil_div(w2.tiles_n, 8);
+  const int nw1 = swap_warps(touched * groups1, w13.tiles_k), nw2 = swap_warps(touched * groups2, w2.tiles_k);
+  const dim3 g1(static_cast<unsigned>(groups1), static_cast<unsigned>(slots));
+  kern::swapab_gemm1_kernel<kDec, NB><<<g1, 32 * nw1, kern::swap_smem_bytes<NB>(nw1), stream>>>(
+      w13, xa, ws.xs, Hp, r, I, Ip, hq, ws.hs);
+  detail::check_launch("sm80_lutb_mxfp8_moe_gemm1_swapab");
+  const dim3 g2(static_cast<unsigned>(groups2), static_cast<unsigned>(slots));
+  kern::swapab_gemm2_kernel<kDec, NB><<<g2, 32 * nw2, kern::swap_smem_bytes<NB>(nw2), stream>>>(w2, hq, ws.hs, Ip, r,
+                                                                                               H, ws.y);
+  detail::check_launch("sm80_lutb_mxfp8_moe_gemm2_swapab");
+}
 
 template <bool kCvt, int MT>
 void launch_gemms(const DeviceMoeWeights& w, const kern::Routing& r, const detail::Workspace& ws, std::int64_t P,
                   cudaStream_t stream) {
   const std::int64_t H = w.hidden, I = w.intermediate;
   const std::int64_t Hp = w.w13.shape.padded_cols(), Ip = w.w2.shape.padded_cols();
-  const std::int64_t slots = detail::max_tiles(P, w.experts, MT);
+  const std::int64_t slots = detail::max_tiles(P, w.experts, 16 * MT);
   const kern::LutbW w13{w.w13.packed, w.w13.codebook, w.w13.scale, w.w13.shape.tiles_n(), w.w13.shape.tiles_k(),
                          w.w13.shape.tiles()};
   const kern::LutbW w2{w.w2.packed, w.w2.codebook, w.w2.scale, w.w2.shape.tiles_n(), w.w2.shape.tiles_k(),
@@ -46,6 +102,9 @@ void check_shape(const DeviceLutb& d, std::int64_t E, std::int64_t N, std::int64
   if (!d.packed || !d.codebook || !d.scale) throw std::invalid_argument(std::string("moe_forward: ") + what + " has a null pointer");
   if (reinterpret_cast<std::uintptr_t>(d.packed) % 16 || reinterpret_cast<std::uintptr_t>(d.codebook) % 8)
     throw std::invalid_argument(std::string("moe_forward: ") + what + " packed must be 16-byte and codebook 8-byte aligned");
+  if (!d.lane_major)
+    throw std::invalid_argument(std::string("moe_forward: ") + what +
+                                " is in checkpoint index order; convert it once with lutb::cuda::to_lane_major");
 }
 
 }  // namespace
@@ -66,18 +125,38 @@ void moe_forward(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t
     throw std::invalid_argument("moe_forward: workspace of " + std::to_string(workspace_bytes) + " bytes, need " +
                                 std::to_string(ws.bytes));
   const std::int64_t P = tokens * top_k;
-  // Prefill: 2 m16 token tiles per warp (4 spill past the register file with 4 weight strips).
-  const int mt = detail::resolve_mt(strategy, tokens, top_k, E, true) == 1 ? 1 : 2;
-  const bool cvt = detail::use_cvt_decoder(mt);
-  detail::launch_quantize_x(x, tokens, H, w.w13.shape.padded_cols(), !cvt, ws.xa, ws.xs, stream);
-  detail::launch_group(topk_ids, P, E, 16 * mt, ws, stream);
+  MoeStrategy s = strategy == MoeStrategy::Auto ? choose_strategy(tokens, top_k, E, true) : strategy;
   const kern::Routing r{topk_ids, topk_weights, ws.sorted, ws.tile_expert, ws.tile_start, ws.tile_count, ws.num_tiles,
                         top_k};
-  if (cvt) {
-    if (mt > 1) launch_gemms<true, 2>(w, r, ws, P, stream);
-    else launch_gemms<true, 1>(w, r, ws, P, stream);
+  // The swap-AB kernels use 32-bit byte offsets inside one expert's stack.
+  const bool small_experts = std::max(w.w13.shape.tiles_per_expert(), w.w2.shape.tiles_per_expert()) * 192 < (1ll << 31);
+  if (s == MoeStrategy::Decode && !small_experts) s = MoeStrategy::DecodeM16;
+  if (s == MoeStrategy::Decode) {
+    const int nb = decode_token_blocks(tokens, top_k, E);
+    const int dec = detail::swap_decoder();
+    detail::launch_quantize_x(x, tokens, H, w.w13.shape.padded_cols(), dec == kern::kDecByte, ws.xa, ws.xq8, ws.xs,
+                              stream);
+    detail::launch_group(topk_ids, P, E, 8 * nb, ws, stream);
+    auto go = [&](auto dec_c) {
+      constexpr int kD = decltype(dec_c)::value;
+      if (nb == 1) launch_swapab<kD, 1>(w, r, ws, P, stream);
+      else if (nb == 2) launch_swapab<kD, 2>(w, r, ws, P, stream);
+      else launch_swapab<kD, 4>(w, r, ws, P, stream);
+    };
+    if (dec == kern::kDecFp8) go(std::integral_constant<int, kern::kDecFp8>{});
+    else if (dec == kern::kDecCvt) go(std::integral_constant<int, kern::kDecCvt>{});
+    else go(std::integral_constant<int, kern::kDecByte>{});
+  } else if (s == MoeStrategy::Prefill) {
+    // CTA-tiled prefill GEMMs (moe_prefill.hpp): 64-token tiles, weights decoded once per CTA.
+    detail::launch_quantize_x(x, tokens, H, w.w13.shape.padded_cols(), /*swap=*/false, ws.xa, nullptr, ws.xs, stream);
+    detail::launch_group(topk_ids, P, E, kPrefillTileRows, ws, stream);
+    detail::launch_lutb_prefill_gemms(w, r, ws, P, stream);
   } else {
-    if (mt > 1) launch_gemms<false, 2>(w, r, ws, P, stream);
+    // DecodeM16: tokens as the M operand, one m16 token tile per warp.
+    const bool cvt = detail::use_cvt_decoder(1);
+    detail::launch_quantize_x(x, tokens, H, w.w13.shape.padded_cols(), !cvt, ws.xa, nullptr, ws.xs, stream);
+    detail::launch_group(topk_ids, P, E, 16, ws, stream);
+    if (cvt) launch_gemms<true, 1>(w, r, ws, P, stream);
     else launch_gemms<false, 1>(w, r, ws, P, stream);
   }
   detail::launch_reduce(topk_ids, topk_weights, ws.y, tokens, top_k, E, H, out, stream);

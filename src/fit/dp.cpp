@@ -44,12 +44,7 @@ namespace {
   const double cj = cd[j], aj = s1[j], bj = s2[j];                     \
   for (int t = 0; t < n; ++t) {                                        \
     const int i = i0 + t;                                              \
-    const double cc = cj - cd[i];                                      \
-    const double a = aj - s1[i];                                       \
-    const double b = bj - s2[i];                                       \
-    const double mean = a / cc;                                        \
-    const double d = mean - e4m3_nearest(mean);                        \
-    v[t] = prev[i] + ((b - a * mean) + cc * (d * d));                  \
+    v[t] = prev[i] + run_cost(cj - cd[i], aj - s1[i], bj - s2[i]);     \
   }
 
 void row_costs_base(const double* __restrict prev, const double* __restrict cd, const double* __restrict s1,
@@ -96,14 +91,7 @@ struct Dp {
   std::int16_t opt[kCodebookSize][kTileSize + 1];  // opt[k-1][j]: start of the last run, layer k
 
   // Same arithmetic, operation for operation, as LUTB_ROW_COSTS_BODY (so mixing them is exact).
-  double cost(int i, int j) const {
-    const double cc = cd[j] - cd[i];
-    const double a = s1[j] - s1[i];
-    const double b = s2[j] - s2[i];
-    const double mean = a / cc;
-    const double d = mean - e4m3_nearest(mean);
-    return (b - a * mean) + cc * (d * d);
-  }
+  double cost(int i, int j) const { return run_cost(cd[j] - cd[i], s1[j] - s1[i], s2[j] - s2[i]); }
 
   // cur[j] = min_{i in [ilo, ihi], k-1 <= i < j} prev[i] + cost(i, j) for j in [jlo, jhi].
   // Besides the monotonicity in j, the leftmost optimal start of the last run does not move left
@@ -195,8 +183,7 @@ DpResult dp_fit(const SortedTile& st, const int* pos, int m, int scale) {
   for (int k = 0; k <= K; ++k) res.bounds[k] = pos[seg_end[k]];
   for (int k = 0; k < K; ++k) {
     const int i = seg_end[k], j = seg_end[k + 1];
-    const double mean = (dp.s1[j] - dp.s1[i]) / (dp.cd[j] - dp.cd[i]);
-    res.entries[k] = e4m3_byte_exact(e4m3_nearest(mean));
+    res.entries[k] = run_entry(dp.s1[j] - dp.s1[i], dp.cd[j] - dp.cd[i]);
   }
   res.cost /= inv_scale2;
   return res;
@@ -268,8 +255,7 @@ void dp_refine(const SortedTile& st, int scale, int w, int rounds, DpResult& res
   }
   for (int k = 0; k < K; ++k) {
     const int i = b[k], j = b[k + 1];
-    const double mean = (dp.s1[j] - dp.s1[i]) / (dp.cd[j] - dp.cd[i]);
-    res.entries[k] = e4m3_byte_exact(e4m3_nearest(mean));
+    res.entries[k] = run_entry(dp.s1[j] - dp.s1[i], dp.cd[j] - dp.cd[i]);
   }
 }
 

@@ -15,44 +15,15 @@
 
 #include "lutb/fit.hpp"
 #include "lutb/numerics.hpp"
+#include "fit/fit_scalar.hpp"
 
 namespace lutb::fit_detail {
 
 inline constexpr int kMinScale = 3;    // spec section 2: fitters choose scale bytes 3..246
 inline constexpr int kMaxScale = 246;
 
-/// 2^e as a double for |e| < 1000 (exact).
-inline double pow2(int e) {
-  return __builtin_bit_cast(double, static_cast<std::uint64_t>(1023 + e) << 52);
-}
-
-/// Nearest E4M3 value to `mu` (a value in scaled units), as a double; saturates at +-448.
-/// Exact ties may go either way (callers use this only where both neighbours cost the same).
-/// Normal range: round the double's mantissa to 3 bits (ties to even), a carry moves to the next
-/// binade, which is the correct E4M3 value; subnormal range (|mu| < 2^-6): multiples of 2^-9.
-__attribute__((always_inline)) inline double e4m3_nearest(double mu) {
-  // Branch-free (the DP calls this in its vectorised inner loop): both roundings are computed and
-  // one is selected with bit masks.
-  const std::uint64_t mb = __builtin_bit_cast(std::uint64_t, mu);
-  const std::uint64_t sign = mb & 0x8000000000000000ull;
-  const std::uint64_t ab = mb & 0x7fffffffffffffffull;
-  const double a = __builtin_bit_cast(double, ab);
-  // Normal: keep 3 mantissa bits, round to nearest even; saturate at 448 (bits 0x407C000000000000).
-  std::uint64_t nb = (ab + ((1ull << 48) - 1) + ((ab >> 49) & 1ull)) & ~((1ull << 49) - 1);
-  const std::uint64_t k448 = 0x407C000000000000ull;
-  nb = nb > k448 ? k448 : nb;  // positive doubles order like their bits
-  // Subnormal (a < 2^-6): multiples of 2^-9, RNE via the 2^52 trick.
-  const double t = a * 512.0;
-  const std::uint64_t sb = __builtin_bit_cast(std::uint64_t, ((t + 4503599627370496.0) - 4503599627370496.0) * 0.001953125);
-  const std::uint64_t is_sub = 0ull - static_cast<std::uint64_t>(ab < 0x3F90000000000000ull);  // a < 2^-6
-  return __builtin_bit_cast(double, ((sb & is_sub) | (nb & ~is_sub)) | sign);
-}
-
-/// E4M3 byte of an exactly representable value in scaled units (|v| <= 448). +0 for zero.
-inline std::uint8_t e4m3_byte_exact(double v) {
-  if (v == 0.0) return 0x00;
-  return e4m3_from_float(static_cast<float>(v));
-}
+// pow2, e4m3_nearest, run_cost, e4m3_byte_exact, run_entry, sort_key, from_key: fit/fit_scalar.hpp
+// (shared with the GPU fitter).
 
 /// Sorted, de-duplicated tile: u[0..n) ascending distinct values with multiplicities, and prefix
 /// sums over them (cnt, sum x, sum x^2) in double, unscaled.

@@ -10,15 +10,6 @@ namespace lutb::fit_detail {
 
 namespace {
 
-// Order-preserving map of a finite float to an unsigned key (negative values reversed).
-inline std::uint32_t sort_key(float x) {
-  const std::uint32_t u = f32_bits(x);
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-inline float from_key(std::uint32_t k) {
-  return f32_from_bits((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
-}
-
 // LSD radix sort of 512 keys, 8-bit digits; passes whose digit is the same for all keys are skipped.
 void radix_sort512(std::uint32_t* a) {
   std::uint32_t hist[4][256] = {};

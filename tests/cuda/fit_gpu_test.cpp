@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -30,29 +31,39 @@ bool gpu_present() {
 #define LUTB_GPU_OR_SKIP() \
   if (!gpu_present()) GTEST_SKIP() << "no CUDA device: skipping"
 
-// Fits on both and asserts byte equality; returns the number of tiles compared.
+// Fits on the CPU and with both GPU kernels (the default warp kernel and the first, thread-per-tile
+// one) and asserts byte equality; returns the number of tiles compared.
 std::int64_t expect_same(const void* src, DType type, const LutbShape& shape, int forced_scale = -1,
                          std::size_t chunk_bytes = std::size_t{512} << 20) {
   FitOptions fo;
   fo.fitter = "binned-dp";
   fo.forced_scale = forced_scale;
-  LutbTensor cpu, gpu;
+  LutbTensor cpu;
   const FitStats sc = quantize(src, type, shape, cpu, fo, "t");
-  cuda::GpuFitOptions go;
-  go.forced_scale = forced_scale;
-  go.chunk_bytes = chunk_bytes;
-  const FitStats sg = cuda::quantize_gpu(src, type, shape, gpu, go, "t");
-  EXPECT_EQ(sg.tiles, sc.tiles);
-  EXPECT_EQ(sg.sse, sc.sse);
-  EXPECT_EQ(sg.sum_sq, sc.sum_sq);
-  EXPECT_EQ(gpu.scale, cpu.scale);
-  EXPECT_EQ(gpu.codebook, cpu.codebook);
-  // First differing tile, for a readable failure.
-  std::int64_t bad = -1;
-  for (std::int64_t t = 0; t < shape.tiles() && bad < 0; ++t)
-    if (std::memcmp(gpu.packed.data() + t * kPackedBytes, cpu.packed.data() + t * kPackedBytes, kPackedBytes) != 0)
-      bad = t;
-  EXPECT_EQ(bad, -1) << "packed indices differ first at tile " << bad;
+  for (cuda::GpuFitKernel kernel : {cuda::GpuFitKernel::Warp, cuda::GpuFitKernel::Thread}) {
+    SCOPED_TRACE(kernel == cuda::GpuFitKernel::Warp ? "warp kernel" : "thread kernel");
+    LutbTensor gpu;
+    cuda::GpuFitOptions go;
+    go.forced_scale = forced_scale;
+    go.chunk_bytes = chunk_bytes;
+    go.kernel = kernel;
+    const FitStats sg = cuda::quantize_gpu(src, type, shape, gpu, go, "t");
+    EXPECT_EQ(sg.tiles, sc.tiles);
+    EXPECT_EQ(sg.sse, sc.sse);
+    EXPECT_EQ(sg.sum_sq, sc.sum_sq);
+    EXPECT_EQ(gpu.scale, cpu.scale);
+    // First differing tile, for a readable failure.
+    std::int64_t bad = -1, bad_cb = -1;
+    for (std::int64_t t = 0; t < shape.tiles() && bad < 0; ++t)
+      if (std::memcmp(gpu.packed.data() + t * kPackedBytes, cpu.packed.data() + t * kPackedBytes, kPackedBytes) != 0)
+        bad = t;
+    for (std::int64_t t = 0; t < shape.tiles() && bad_cb < 0; ++t)
+      if (std::memcmp(gpu.codebook.data() + t * kCodebookSize, cpu.codebook.data() + t * kCodebookSize,
+                      kCodebookSize) != 0)
+        bad_cb = t;
+    EXPECT_EQ(bad, -1) << "packed indices differ first at tile " << bad;
+    EXPECT_EQ(bad_cb, -1) << "codebooks differ first at tile " << bad_cb;
+  }
   return shape.tiles();
 }
 
@@ -124,7 +135,12 @@ INSTANTIATE_TEST_SUITE_P(Shapes, FitGpuRandom,
                                            RandomCase{Dist::kGauss, 3, 21, 200, false},     // N%8, K%64 != 0
                                            RandomCase{Dist::kStudentT3, 3, 21, 200, true},
                                            RandomCase{Dist::kLaplace, 1, 13, 70, false},
-                                           RandomCase{Dist::kGauss, 1, 5, 33, true}));      // one padded tile
+                                           RandomCase{Dist::kGauss, 1, 5, 33, true},        // one padded tile
+                                           // FP32: 512 distinct values per tile (49 bin edges, the
+                                           // deepest DP trees), many tiles
+                                           RandomCase{Dist::kStudentT3, 2, 128, 1024, false},
+                                           RandomCase{Dist::kLaplace, 2, 128, 1024, false},
+                                           RandomCase{Dist::kGauss, 4, 128, 1024, true}));
 
 // One 8 x 64 tile per pattern, side by side along K.
 TEST(FitGpu, EdgeTiles) {
@@ -178,6 +194,73 @@ TEST(FitGpu, EdgeTiles) {
   // Forced scales (the DP at a scale that is not rceil), except on tiles that saturate badly.
   const auto small = random_values(8 * 64 * 4, Dist::kStudentT3, 0.02f, 9);
   for (int fs : {3, 100, 120, 127, 246}) expect_same(small.data(), DType::F32, stack(1, 8, 256), fs);
+}
+
+// Heavy mixtures: log-uniform magnitudes over many binades (FP32 sums that round), sparse tiles
+// (a few values and many zeros), and tiles with exactly 33..64 distinct values.
+TEST(FitGpu, MixedTiles) {
+  LUTB_GPU_OR_SKIP();
+  std::mt19937 g(77);
+  std::uniform_real_distribution<float> ud(-30.0f, 2.0f);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::bernoulli_distribution sign(0.5), sparse(0.1);
+  const int nt = 96;
+  std::vector<float> m(static_cast<std::size_t>(8 * 64 * nt));
+  for (int t = 0; t < nt; ++t)
+    for (int f = 0; f < 512; ++f) {
+      float v;
+      if (t % 3 == 0) v = (sign(g) ? 1.0f : -1.0f) * std::exp2(ud(g));
+      else if (t % 3 == 1) v = sparse(g) ? 0.05f * nd(g) : 0.0f;
+      else v = 0.001f * static_cast<float>((f * 37) % (33 + t % 32)) - 0.02f;
+      m[static_cast<std::size_t>((f / 64) * 64 * nt + t * 64 + f % 64)] = v;
+    }
+  EXPECT_EQ(expect_same(m.data(), DType::F32, stack(1, 8, 64 * nt)), nt);
+  const auto b = to_bf16(m);
+  EXPECT_EQ(expect_same(b.data(), DType::BF16, stack(1, 8, 64 * nt)), nt);
+}
+
+// The device entry point without the per-tile sums (sse / sum_sq null) writes the same bytes.
+TEST(FitGpu, DeviceEntryWithoutStats) {
+  LUTB_GPU_OR_SKIP();
+  const LutbShape s = stack(3, 40, 300);
+  const auto b = to_bf16(random_values(static_cast<std::size_t>(3 * 40 * 300), Dist::kStudentT3, 0.02f, 21));
+  LutbTensor cpu;
+  quantize(b.data(), DType::BF16, s, cpu, FitOptions{}, "t");
+  const std::size_t nt = static_cast<std::size_t>(s.tiles());
+  void* d_src = nullptr;
+  std::uint8_t* d_out = nullptr;
+  unsigned long long* d_err = nullptr;
+  ASSERT_EQ(cudaMalloc(&d_src, b.size() * 2), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&d_out, nt * (kPackedBytes + kCodebookSize + 1)), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&d_err, 8), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(d_src, b.data(), b.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  const cuda::DeviceFitOut o{d_out, d_out + nt * kPackedBytes, d_out + nt * (kPackedBytes + kCodebookSize), nullptr,
+                             nullptr};
+  cuda::fit_binned_dp_device(d_src, DType::BF16, s, o, -1, d_err, nullptr);
+  std::vector<std::uint8_t> h(nt * (kPackedBytes + kCodebookSize + 1));
+  unsigned long long word = 0;
+  ASSERT_EQ(cudaMemcpy(h.data(), d_out, h.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(&word, d_err, 8, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(cuda::decode_fit_error(word).code, 0);
+  EXPECT_TRUE(std::equal(cpu.packed.begin(), cpu.packed.end(), h.begin()));
+  EXPECT_TRUE(std::equal(cpu.codebook.begin(), cpu.codebook.end(), h.begin() + nt * kPackedBytes));
+  EXPECT_TRUE(std::equal(cpu.scale.begin(), cpu.scale.end(), h.begin() + nt * (kPackedBytes + kCodebookSize)));
+  // check_tiles_device on the same stack: no error; with a NaN: the tile and position.
+  cuda::check_tiles_device(d_src, DType::BF16, s, d_err, nullptr);
+  ASSERT_EQ(cudaMemcpy(&word, d_err, 8, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(cuda::decode_fit_error(word).code, 0);
+  const std::uint16_t nan = 0x7fc0;
+  const std::size_t at = (2 * 40 + 17) * 300 + 130;  // expert 2, row 17 (tile row 2), col 130 (tile col 2)
+  ASSERT_EQ(cudaMemcpy(static_cast<std::uint16_t*>(d_src) + at, &nan, 2, cudaMemcpyHostToDevice), cudaSuccess);
+  cuda::check_tiles_device(d_src, DType::BF16, s, d_err, nullptr);
+  ASSERT_EQ(cudaMemcpy(&word, d_err, 8, cudaMemcpyDeviceToHost), cudaSuccess);
+  const cuda::GpuFitError e = cuda::decode_fit_error(word);
+  EXPECT_EQ(e.code, 1);
+  EXPECT_EQ(e.tile, 2 * s.tiles_per_expert() + 2 * s.tiles_k() + 2);
+  EXPECT_EQ(e.pos, 1 * 64 + 2);
+  cudaFree(d_src);
+  cudaFree(d_out);
+  cudaFree(d_err);
 }
 
 TEST(FitGpu, ChunkingDoesNotChangeBytes) {

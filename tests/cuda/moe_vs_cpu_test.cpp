@@ -56,6 +56,8 @@ std::vector<std::uint16_t> gpu_forward(const HostLutb& w13, const HostLutb& w2, 
   ok(cudaMemcpy(s2.p, w2.scale.data(), w2.scale.size(), cudaMemcpyHostToDevice));
   cuda::DeviceMoeWeights w{E, H, I, {w13.shape, p13.as<std::uint8_t>(), c13.as<std::uint8_t>(), s13.as<std::uint8_t>()},
                            {w2.shape, p2.as<std::uint8_t>(), c2.as<std::uint8_t>(), s2.as<std::uint8_t>()}};
+  cuda::to_lane_major(w.w13, nullptr);
+  cuda::to_lane_major(w.w2, nullptr);
   Dev dx(x.size() * 2), dout(T * H * 2), did(ids.size() * 4), dw(wts.size() * 4);
   ok(cudaMemcpy(dx.p, x.data(), x.size() * 2, cudaMemcpyHostToDevice));
   ok(cudaMemcpy(did.p, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
@@ -100,7 +102,7 @@ TEST(MoeCudaVsCpu, EqualsProjectEmulationUpToSummationOrder) {
     auto cpu = make_lutb_experts(cfg, to_tensor(w13), to_tensor(w2), kernel);
     std::vector<std::uint16_t> ref(T * H);
     cpu->apply(hx, tk, ref.data());
-    for (auto s : {cuda::MoeStrategy::Decode, cuda::MoeStrategy::Prefill}) {
+    for (auto s : {cuda::MoeStrategy::Decode, cuda::MoeStrategy::Prefill, cuda::MoeStrategy::DecodeM16}) {
       const auto got = gpu_forward(w13, w2, E, H, I, x, T, k, r.ids, r.weights, s);
       double num = 0, den = 0;
       std::int64_t exact = 0, nan = 0;

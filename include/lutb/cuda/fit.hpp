@@ -1,18 +1,22 @@
 // lutb/cuda/fit.hpp: the default LUT-B fitter "binned-dp" (spec section 2.1; CPU reference
 // src/fit/binned_dp.cpp) on NVIDIA GPUs, producing THE SAME BYTES as the CPU fitter.
 //
-// Byte equality with lutb::quantize(..., FitOptions{fitter = "binned-dp"}) is by construction: the
-// device code (src/cuda/fit_binned_dp.cu) is an operation-for-operation port of src/fit
-// (sort order, +0/-0 merging, prefix sums, the restricted DP with its divide-and-conquer split
-// search and tie rules, the local exact refinement, the final encoding with ties to the lower
-// index), with every decision-making double/float operation written as an IEEE round-to-nearest
-// intrinsic (__dadd_rn, __dmul_rn, __ddiv_rn, ...) so nothing is contracted to FMA, matching the
-// CPU build's -ffp-contract=off. Tested in tests/cuda/fit_gpu_test.cpp (random, edge and real
-// tiles against lutb::quantize).
-//
-// Execution: one thread per 8x64 tile (about 19 KiB of per-thread local memory, so the CUDA
-// context reserves local memory for every resident thread: ~5 GiB on an H200 at full occupancy;
-// this reservation is made once per context and is not bounded by the chunk size).
+// Byte equality with lutb::quantize(..., FitOptions{fitter = "binned-dp"}) holds for both kernels
+// (GpuFitKernel below):
+//  - Warp (default, src/cuda/fit_binned_dp_warp.cu): one warp per 8x64 tile, tables in shared
+//    memory (~13.6 KiB per warp, no local memory). The byte-deciding scalar arithmetic is the CPU
+//    fitter's own (src/fit/fit_scalar.hpp, compiled with -fmad=false here and -ffp-contract=off
+//    there); the sort, the DP levels, the refinement tables and the encoding are spread over the
+//    lanes in ways that cannot change a result, and the order-dependent double sums (prefix sums,
+//    per-tile error sums) stay sequential in the CPU's order (argued in the .cu file).
+//  - Thread (src/cuda/fit_binned_dp.cu): the first port, operation for operation, one thread per
+//    tile, every decision-making operation an IEEE round-to-nearest intrinsic (__dadd_rn, ...);
+//    about 19 KiB of per-thread local memory, for which the CUDA context reserves local memory for
+//    every resident thread (~5 GiB on an H200 at full occupancy, once per context, not bounded by
+//    the chunk size). Kept as the benchmark baseline and an independent second port.
+// Tested in tests/cuda/fit_gpu_test.cpp (random, edge and real tiles, both kernels, against
+// lutb::quantize). Speed on an H200: docs/perf/fit-gpu.md. The online method built on the warp
+// kernel (device BF16/FP16 experts in, packed LUT-B out): lutb/cuda/online.hpp.
 //
 // Layout of the outputs: the LutbTensor layout of lutb/tile.hpp (spec section 2.2):
 //   packed [E, Np/8, Kp/64, 192] u8, codebook [E, Np/8, Kp/64, 8] E4M3, scale [E, Np/8, Kp/64] UE8M0,
@@ -32,6 +36,14 @@ typedef struct CUstream_st* cudaStream_t;
 
 namespace lutb::cuda {
 
+/// Which kernel fits the tiles. Both give the CPU fitter's bytes.
+///   Warp (default): one warp per tile, per-warp tables in shared memory (~13 KiB), the sort, the
+///     DP levels, the refinement tables and the encoding spread over the lanes
+///     (src/cuda/fit_binned_dp_warp.cu); no local-memory reservation.
+///   Thread: the first port, one thread per tile with ~19 KiB of local memory per thread
+///     (src/cuda/fit_binned_dp.cu); kept as the benchmark baseline.
+enum class GpuFitKernel : std::uint8_t { Warp, Thread };
+
 /// Options of the GPU fitter.
 struct GpuFitOptions {
   /// -1: the fitter's own scale (rceil of the tile's amax, at least 3; byte 127 for an all-zero
@@ -39,12 +51,14 @@ struct GpuFitOptions {
   int forced_scale = -1;
   /// Bound on the source bytes staged on the device at once (quantize_gpu only). Peak extra device
   /// memory is about chunk_bytes + (chunk tiles) * 217 bytes (192 packed + 8 codebook + 1 scale +
-  /// 16 for the per-tile sse/sum_sq), plus the local-memory reservation described above. A chunk
+  /// 16 for the per-tile sse/sum_sq), plus, with GpuFitKernel::Thread, the local-memory
+  /// reservation described above. A chunk
   /// holds whole experts when one expert fits, else whole tile rows (8 matrix rows) of one expert;
   /// at least one tile row is staged whatever the bound.
   std::size_t chunk_bytes = std::size_t{512} << 20;
   /// Device to run on (-1: the current device).
   int device = -1;
+  GpuFitKernel kernel = GpuFitKernel::Warp;
 };
 
 /// Quantizes a host-resident weight or expert stack to LUT-B with "binned-dp" on the GPU.
@@ -90,6 +104,12 @@ GpuFitError decode_fit_error(unsigned long long word);
 /// (decode_fit_error); outputs of failing tiles are left unwritten. Throws std::invalid_argument
 /// for bad arguments and std::runtime_error when the launch fails.
 void fit_binned_dp_device(const void* d_src, DType src_type, const LutbShape& shape, const DeviceFitOut& out,
-                          int forced_scale, unsigned long long* d_error, cudaStream_t stream);
+                          int forced_scale, unsigned long long* d_error, cudaStream_t stream,
+                          GpuFitKernel kernel = GpuFitKernel::Warp);
+
+/// Only the tile check of fit_binned_dp_device (NaN / Inf / magnitude, same error word in d_error,
+/// set to all ones first): reads the stack once, writes nothing else. Asynchronous on `stream`.
+void check_tiles_device(const void* d_src, DType src_type, const LutbShape& shape, unsigned long long* d_error,
+                        cudaStream_t stream);
 
 }  // namespace lutb::cuda

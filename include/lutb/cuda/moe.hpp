@@ -1,7 +1,9 @@
 // lutb/cuda/moe.hpp: fused LUT-B MoE forward on NVIDIA GPUs (Ampere sm_80 and Hopper sm_90a).
 //
 // The routed experts stay PACKED in GPU memory in the checkpoint's own layout (spec section 2.2:
-// packed [E, N/8, K/64, 192] u8, codebook [E, N/8, K/64, 8] E4M3, scale [E, N/8, K/64] UE8M0) and
+// packed [E, N/8, K/64, 192] u8, codebook [E, N/8, K/64, 8] E4M3, scale [E, N/8, K/64] UE8M0),
+// except that the 192 index bytes of every tile are bit-permuted once at load time into the
+// lane-major order of lutb/cuda/lane_major.hpp (to_lane_major, in place, same bytes per tile), and
 // are decoded tile by tile in registers inside the GEMM kernels; no BF16 copy of a weight is ever
 // written to global memory. The numerics are spec section 4 exactly: the values that enter each
 // multiply are the LUT-B weights e4m3(codebook) * 2^(s-127) and the MXFP8 (rceil) activations; only
@@ -33,7 +35,22 @@ struct DeviceLutb {
   const std::uint8_t* packed = nullptr;    // [E, Np/8, Kp/64, 192]
   const std::uint8_t* codebook = nullptr;  // [E, Np/8, Kp/64, 8] E4M3 bytes
   const std::uint8_t* scale = nullptr;     // [E, Np/8, Kp/64] UE8M0 bytes (3..246 for valid data)
+  /// Index order of `packed`: false = checkpoint order (spec 2.2), true = lane-major
+  /// (lutb/cuda/lane_major.hpp). moe_forward needs lane-major; to_lane_major converts and sets it.
+  bool lane_major = false;
 };
+
+/// Permutes the index bytes of every tile of `w` from checkpoint order into lane-major order, in
+/// place on the device (w.packed must point to writable device memory; no other memory is used),
+/// asynchronously on `stream`, and sets w.lane_major. Memory-bound: one read and one write of the
+/// packed bytes. Throws std::invalid_argument when w is already lane-major or has a null pointer.
+void to_lane_major(DeviceLutb& w, cudaStream_t stream);
+
+/// The same permutation on `tiles` consecutive tiles (192 bytes each) at d_packed, in place,
+/// asynchronously on `stream` (the online method permutes each chunk as soon as it is fitted).
+/// Throws std::invalid_argument for a null or unaligned pointer (4 bytes), std::runtime_error when
+/// the launch fails.
+void packed_to_lane_major(std::uint8_t* d_packed, std::int64_t tiles, cudaStream_t stream);
 
 /// 64-bit flat tile index of tile (tn, tk) of expert e: the only index that can pass 2^31
 /// (times 192 for the packed bytes). Host and device.
@@ -85,17 +102,39 @@ void route_deepseek(const float* logits, const float* bias, std::int64_t tokens,
 // Fused forward
 // ---------------------------------------------------------------------------
 /// Strategy of the GEMM kernels. Auto picks by the expected tokens per expert (choose_strategy).
-enum class MoeStrategy : std::uint8_t { Auto, Decode, Prefill };
+///   Decode: LUT-B "swap AB" kernels (src/cuda/moe_swapab.cuh): the weights are the M operand of
+///     the mma (256 weights per instruction), tokens the N operand in blocks of 8, 8*NB tokens per
+///     tile (decode_token_blocks); the CTA's warps split K (1-8 warps by the expected CTA count;
+///     the environment variable LUTB_SWAPAB_WARPS = 1/2/4/8 forces it, for benchmarking). The BF16
+///     baseline's Decode is its 16-token tile kernel.
+///   Prefill: LUT-B: CTA-tiled GEMMs (src/cuda/moe_prefill.hpp): 64-token tiles, every weight tile
+///     decoded once per CTA into shared memory as BF16 with both power-of-two scales folded in,
+///     ldmatrix + mma.sync. BF16 baseline: 4 m16 token tiles per warp.
+///   DecodeM16: LUT-B with tokens as the M operand, one m16 token tile per warp (the previous
+///     decode kernel; the fastest LUT-B kernel at ~8-16 tokens per expert); the same as Decode on
+///     the BF16 path.
+enum class MoeStrategy : std::uint8_t { Auto, Decode, Prefill, DecodeM16 };
 
-/// Heuristic, kept apart from the kernels. Decode = 16 tokens per warp tile (weight streaming);
-/// Prefill = several m16 token tiles per warp (2 on the LUT-B path, 4 on the BF16 one), so each
-/// weight fragment feeds several tensor-core products.
+/// LUT-B: the swap-AB Decode kernels while the mean number of tokens per touched expert
+/// (T*k / min(E, T*k)) is at most this. Measured on the H200 (docs/perf/moe-gpu.md, 2026-11-30):
+/// swap-AB is 1.3-1.9x faster than DecodeM16 at 1-4 tokens per expert (T <= 16 on the four
+/// benchmark shapes); DecodeM16 is 9-29 % faster at 8-16 tokens per expert (T = 256).
+inline constexpr double kSwapAbMaxTokensPerExpert = 6.0;
+/// LUT-B: the CTA-tiled Prefill kernels from this many tokens per touched expert on (measured
+/// break-even ~16, docs/perf/moe-gpu-prefill.md); DecodeM16 between the two thresholds.
+inline constexpr double kPrefillMinTokensPerExpert = 24.0;
+
+/// Heuristic, kept apart from the kernels.
 ///   BF16 weights (packed_weights = false): Prefill when the mean number of tokens per touched
 ///     expert reaches 48, else Decode.
-///   LUT-B weights: Decode at every batch. On the H200 (docs/perf/moe-gpu.md, 2026-11-29) the
-///     2-tile variant was no faster at any T up to 4096 on the four benchmark shapes (within 2 %
-///     slower to 10 % slower, one shape 1 % faster), so the heuristic never picks it.
+///   LUT-B weights: Decode up to kSwapAbMaxTokensPerExpert tokens per touched expert, Prefill
+///     from kPrefillMinTokensPerExpert, DecodeM16 between.
 MoeStrategy choose_strategy(std::int64_t tokens, int top_k, std::int64_t experts, bool packed_weights = true);
+
+/// Token n-blocks of 8 per tile of the swap-AB decode kernels (1, 2 or 4) for a batch: 1 up to 6
+/// mean tokens per touched expert, 2 up to 14, else 4 (experts with more tokens than a tile get
+/// several tiles; blocks past an expert's token count are skipped).
+int decode_token_blocks(std::int64_t tokens, int top_k, std::int64_t experts);
 
 /// Bytes of device workspace moe_forward needs for at most `max_tokens` tokens.
 std::size_t moe_workspace_bytes(std::int64_t max_tokens, int top_k, std::int64_t experts, std::int64_t hidden,
@@ -118,13 +157,17 @@ void moe_forward_bf16(const DeviceMoeWeightsBf16& w, const std::uint16_t* x, std
                       const std::int32_t* topk_ids, const float* topk_weights, std::uint16_t* out, void* workspace,
                       std::size_t workspace_bytes, cudaStream_t stream, MoeStrategy strategy = MoeStrategy::Auto);
 
-/// Weight decoder (process-wide; for testing and benchmarking). Both are exact:
+/// Weight decoder (process-wide; for testing and benchmarking). All are exact in the products:
 ///   BytePermute: codebook lookup by PRMT, E4M3 -> FP16 by bit moves (any sm_80+ device);
 ///   Cvt: codebook lookup by PRMT, E4M3 -> FP16 by sm_89+'s cvt.rn.f16x2.e4m3x2 (sm_90 devices only,
 ///        else BytePermute);
-///   Auto (default): Cvt for the decode strategy on sm_90 devices, BytePermute otherwise, as measured
-///        fastest on the H200 (docs/perf/moe-gpu.md).
-enum class WeightDecoder : std::uint8_t { Auto, BytePermute, Cvt };
+///   Fp8Mma: swap-AB decode kernels only: the looked-up E4M3 bytes go straight into
+///        mma.sync.m16n8k32.e4m3 with E4M3 activation bytes (no conversion; sm_90 devices only,
+///        else BytePermute); the other kernels use Cvt's policy. The tensor core sums each 32-column
+///        MXFP8 block (one mma) before the FP32 promotion, as in the FP16 decoders.
+///   Auto (default): swap-AB kernels Fp8Mma on sm_90, the m16 decode kernel Cvt on sm_90, the
+///        prefill kernel BytePermute (docs/perf/moe-gpu.md).
+enum class WeightDecoder : std::uint8_t { Auto, BytePermute, Cvt, Fp8Mma };
 void set_weight_decoder(WeightDecoder d);
 
 /// Packed bytes (packed + codebook + scale) of the experts a routing touches, for bandwidth

@@ -1,0 +1,230 @@
+// bench/gpu/bench_moe_prefill.cu: the large-batch (prefill) LUT-B path (src/cuda/moe_prefill.hpp)
+// against the default LUT-B forward (moe_forward) and the BF16 baseline on the same kernel skeleton
+// (moe_forward_bf16, the better of its decode and prefill strategies), same routing, same run.
+// Prints a markdown table (docs/perf/moe-gpu-prefill.md).
+//
+// Usage: bench_moe_prefill [--shape NAME] [--T N]   (default T in {256, 1024, 4096}, the 4 shapes)
+// Method as bench_moe_gpu: the whole forward (routing precomputed by route_softmax_topk /
+// route_deepseek on random N(0,1) logits) captured in a CUDA graph; R = 8 routings cycled; the time
+// is the median over 7 batches of the mean per call. TFLOP/s = 6 * T * k * H * I / time.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstdio>
+#include <cstring>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "cuda/moe_prefill.hpp"
+#include "lutb/cuda/moe.hpp"
+
+using namespace lutb;
+
+#define CK(x)                                                                                  \
+  do {                                                                                         \
+    cudaError_t e_ = (x);                                                                      \
+    if (e_ != cudaSuccess) {                                                                   \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                            \
+    }                                                                                          \
+  } while (0)
+
+__device__ __forceinline__ unsigned hash32(unsigned long long i, unsigned seed) {
+  unsigned long long z = i * 0x9E3779B97F4A7C15ull + seed * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return static_cast<unsigned>(z ^ (z >> 31));
+}
+// kind 0: random bytes; 1: E4M3 codebook bytes (no NaN); 2: scale bytes 117..123;
+// 3: BF16 uniform(-a, a) (a = 0.05); 4: FP32 normal-ish logits; 5: BF16 activations ~uniform(-2, 2)
+__global__ void fill_kernel(void* p, unsigned long long n, int kind, unsigned seed) {
+  for (unsigned long long i = blockIdx.x * 256ull + threadIdx.x; i < n; i += 256ull * gridDim.x) {
+    const unsigned h = hash32(i, seed);
+    if (kind == 0) static_cast<unsigned char*>(p)[i] = static_cast<unsigned char>(h);
+    else if (kind == 1) {
+      unsigned char b = static_cast<unsigned char>(h);
+      if ((b & 0x7f) == 0x7f) b ^= 1;
+      static_cast<unsigned char*>(p)[i] = b;
+    } else if (kind == 2) static_cast<unsigned char*>(p)[i] = static_cast<unsigned char>(117 + h % 7);
+    else if (kind == 3 || kind == 5) {
+      const float a = kind == 3 ? 0.05f : 2.0f;
+      const float v = (static_cast<float>(h >> 8) * (1.0f / 16777216.0f) * 2.0f - 1.0f) * a;
+      static_cast<unsigned short*>(p)[i] = bf16_from_float(v);
+    } else {
+      const float u1 = (static_cast<float>(h >> 8) + 0.5f) * (1.0f / 16777216.0f);
+      const float u2 = (static_cast<float>(hash32(i, seed + 1) >> 8) + 0.5f) * (1.0f / 16777216.0f);
+      static_cast<float*>(p)[i] = sqrtf(-2.0f * logf(u1)) * cosf(6.2831853f * u2);
+    }
+  }
+}
+void fill(void* p, unsigned long long n, int kind, unsigned seed) {
+  fill_kernel<<<4096, 256>>>(p, n, kind, seed);
+  CK(cudaGetLastError());
+}
+
+
+struct Shape {
+  const char* name;
+  long long E, H, I;
+  int k;
+  bool deepseek;
+};
+
+int main(int argc, char** argv) {
+  std::string only;
+  std::vector<long long> Ts = {256, 1024, 4096};
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--shape") && i + 1 < argc) only = argv[++i];
+    else if (!std::strcmp(argv[i], "--T") && i + 1 < argc) Ts = {std::atoll(argv[++i])};
+  }
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("# device: %s, %d SMs, L2 %d MB, %.1f GB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20,
+              prop.totalGlobalMem / 1e9);
+  const Shape shapes[] = {{"deepseek-v3", 256, 7168, 2048, 8, true},
+                          {"qwen3-235b", 128, 4096, 1536, 8, false},
+                          {"qwen3-30b", 128, 2048, 768, 8, false},
+                          {"mixtral-8x7b", 8, 4096, 14336, 2, false}};
+  const int R = 8;
+  std::printf("\n| shape | T | experts touched | LUT-B prefill us | LUT-B default us | BF16 us (best) | BF16 best | "
+              "prefill TFLOP/s | default TFLOP/s | BF16 TFLOP/s | prefill / BF16 throughput | default / BF16 | prefill speed-up over default | "
+              "prefill GEMMs alone us | GEMMs alone TFLOP/s |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  for (const Shape& s : shapes) {
+    if (!only.empty() && only != s.name) continue;
+    const long long E = s.E, H = s.H, I = s.I;
+    const LutbShape s13{E, 2 * I, H, true}, s2{E, H, I, true};
+    unsigned char *p13, *c13, *sc13, *p2, *c2, *sc2;
+    CK(cudaMalloc(&p13, s13.tiles() * 192));
+    CK(cudaMalloc(&c13, s13.tiles() * 8));
+    CK(cudaMalloc(&sc13, s13.tiles()));
+    CK(cudaMalloc(&p2, s2.tiles() * 192));
+    CK(cudaMalloc(&c2, s2.tiles() * 8));
+    CK(cudaMalloc(&sc2, s2.tiles()));
+    // Random index bytes are random in any bit order (lane-major or checkpoint).
+    fill(p13, s13.tiles() * 192, 0, 10);
+    fill(c13, s13.tiles() * 8, 1, 11);
+    fill(sc13, s13.tiles(), 2, 12);
+    fill(p2, s2.tiles() * 192, 0, 13);
+    fill(c2, s2.tiles() * 8, 1, 14);
+    fill(sc2, s2.tiles(), 2, 15);
+    unsigned short *b13, *b2;
+    CK(cudaMalloc(&b13, 2ull * E * 2 * I * H));
+    CK(cudaMalloc(&b2, 2ull * E * H * I));
+    fill(b13, 1ull * E * 2 * I * H, 3, 16);
+    fill(b2, 1ull * E * H * I, 3, 17);
+    cuda::DeviceMoeWeights w{E, H, I, {s13, p13, c13, sc13}, {s2, p2, c2, sc2}};
+    cuda::DeviceMoeWeightsBf16 wb{E, H, I, b13, b2};
+    const long long Tmax = *std::max_element(Ts.begin(), Ts.end());
+    const std::size_t wsb = cuda::moe_workspace_bytes(Tmax, s.k, E, H, I);
+    void* ws;
+    CK(cudaMalloc(&ws, wsb));
+    unsigned short *x, *out;
+    CK(cudaMalloc(&x, 2ull * Tmax * H * R));
+    CK(cudaMalloc(&out, 2ull * Tmax * H));
+    fill(x, 1ull * Tmax * H * R, 5, 18);
+    float *logits, *bias, *wts;
+    int* ids;
+    CK(cudaMalloc(&logits, 4ull * Tmax * E * R));
+    CK(cudaMalloc(&bias, 4ull * E));
+    CK(cudaMalloc(&wts, 4ull * Tmax * s.k * R));
+    CK(cudaMalloc(&ids, 4ull * Tmax * s.k * R));
+    fill(logits, 1ull * Tmax * E * R, 4, 19);
+    CK(cudaMemset(bias, 0, 4ull * E));
+    CK(cudaDeviceSynchronize());
+    cudaStream_t st;
+    CK(cudaStreamCreate(&st));
+    for (long long T : Ts) {
+      double touched_sum = 0;
+      for (int r = 0; r < R; ++r) {
+        float* lg = logits + 1ull * r * Tmax * E;
+        int* id = ids + 1ull * r * Tmax * s.k;
+        float* wt = wts + 1ull * r * Tmax * s.k;
+        if (s.deepseek) cuda::route_deepseek(lg, bias, T, E, 8, 4, s.k, true, 2.5f, id, wt, st);
+        else cuda::route_softmax_topk(lg, T, E, s.k, true, id, wt, st);
+        std::vector<int> h(T * s.k);
+        CK(cudaMemcpyAsync(h.data(), id, 4ull * T * s.k, cudaMemcpyDeviceToHost, st));
+        CK(cudaStreamSynchronize(st));
+        touched_sum += std::set<int>(h.begin(), h.end()).size();
+      }
+      const double touched = touched_sum / R;
+      auto make = [&](int variant, int r) {
+        const unsigned short* xr = x + 1ull * r * Tmax * H;
+        const int* id = ids + 1ull * r * Tmax * s.k;
+        const float* wt = wts + 1ull * r * Tmax * s.k;
+        cudaGraph_t g;
+        cudaGraphExec_t ge;
+        CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+        switch (variant) {
+          case 0: cuda::moe_forward_lutb_prefill(w, xr, T, s.k, id, wt, out, ws, wsb, st); break;
+          case 1: cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st); break;
+          case 2: cuda::moe_forward_bf16(wb, xr, T, s.k, id, wt, out, ws, wsb, st, cuda::MoeStrategy::Decode); break;
+          case 3: cuda::moe_forward_bf16(wb, xr, T, s.k, id, wt, out, ws, wsb, st, cuda::MoeStrategy::Prefill); break;
+          case 4: {
+            // The prefill GEMMs alone (xa -> BF16, GEMM1, GEMM2) on routing 0's grouping, made
+            // before the capture (repeated in-place conversions leave garbage values in xa: the
+            // time does not depend on them).
+            const cuda::detail::Workspace wsp = cuda::detail::carve(ws, T, s.k, E, H, I);
+            const cuda::kern::Routing rr{ids, wts, wsp.sorted, wsp.tile_expert, wsp.tile_start, wsp.tile_count,
+                                         wsp.num_tiles, s.k};
+            cuda::detail::launch_lutb_prefill_gemms(w, rr, wsp, T * s.k, st);
+            break;
+          }
+        }
+        CK(cudaStreamEndCapture(st, &g));
+        CK(cudaGraphInstantiate(&ge, g, 0));
+        CK(cudaGraphDestroy(g));
+        return ge;
+      };
+      // One uncaptured call first (per-device kernel attributes are set there), then the GEMMs-alone setup.
+      cuda::moe_forward_lutb_prefill(w, x, T, s.k, ids, wts, out, ws, wsb, st);
+      CK(cudaStreamSynchronize(st));
+      {
+        const cuda::detail::Workspace wsp = cuda::detail::carve(ws, T, s.k, E, H, I);
+        cuda::detail::launch_quantize_x(x, T, H, w.w13.shape.padded_cols(), false, wsp.xa, nullptr, wsp.xs, st);
+        cuda::detail::launch_group(ids, T * s.k, E, cuda::kPrefillTileRows, wsp, st);
+      }
+      float ms[5];
+      for (int v : {4, 0, 1, 2, 3}) {
+        std::vector<cudaGraphExec_t> gs;
+        for (int r = 0; r < R; ++r) gs.push_back(make(v, r));
+        for (int r = 0; r < R; ++r) CK(cudaGraphLaunch(gs[r], st));
+        CK(cudaStreamSynchronize(st));
+        const int iters = T >= 1024 ? R : 4 * R;
+        cudaEvent_t a, b;
+        CK(cudaEventCreate(&a));
+        CK(cudaEventCreate(&b));
+        std::vector<float> v7;
+        for (int rep = 0; rep < 7; ++rep) {
+          CK(cudaEventRecord(a, st));
+          for (int i = 0; i < iters; ++i) CK(cudaGraphLaunch(gs[i % R], st));
+          CK(cudaEventRecord(b, st));
+          CK(cudaEventSynchronize(b));
+          float m = 0;
+          CK(cudaEventElapsedTime(&m, a, b));
+          v7.push_back(m / iters);
+        }
+        std::sort(v7.begin(), v7.end());
+        ms[v] = v7[3];
+        for (auto g : gs) CK(cudaGraphExecDestroy(g));
+        CK(cudaEventDestroy(a));
+        CK(cudaEventDestroy(b));
+      }
+      const double pf_s = ms[0] * 1e-3, def_s = ms[1] * 1e-3, bf_s = std::min(ms[2], ms[3]) * 1e-3;
+      const double flops = 6.0 * T * s.k * H * I;
+      std::printf("| %s | %lld | %.1f | %.1f | %.1f | %.1f | %s | %.1f | %.1f | %.1f | %.2fx | %.2fx | %.2fx | %.1f | %.1f |\n",
+                  s.name, T, touched, pf_s * 1e6, def_s * 1e6, bf_s * 1e6, ms[2] <= ms[3] ? "decode" : "prefill",
+                  flops / pf_s / 1e12, flops / def_s / 1e12, flops / bf_s / 1e12, bf_s / pf_s, bf_s / def_s, def_s / pf_s,
+                  ms[4] * 1e3, flops / (ms[4] * 1e-3) / 1e12);
+      std::fflush(stdout);
+    }
+    CK(cudaStreamDestroy(st));
+    for (void* p : {(void*)p13, (void*)c13, (void*)sc13, (void*)p2, (void*)c2, (void*)sc2, (void*)b13, (void*)b2, ws,
+                    (void*)x, (void*)out, (void*)logits, (void*)bias, (void*)wts, (void*)ids})
+      CK(cudaFree(p));
+  }
+  return 0;
+}

@@ -1,0 +1,688 @@
+// src/cuda/fit_binned_dp_warp.cu: "binned-dp" (spec section 2.1) on the GPU with one WARP per
+// 8x64 tile, byte-identical to the CPU fitter (src/fit/binned_dp.cpp, dp.cpp, tile_common.cpp).
+//
+// The scalar arithmetic that decides bytes (run cost, nearest E4M3 value, entry of a run, sort
+// keys, 2^e) is src/fit/fit_scalar.hpp, the very functions the CPU fitter calls; this file is
+// compiled with -fmad=false (CMakeLists.txt, scripts/gpu_run.sh) as src/fit is with
+// -ffp-contract=off, so every add/multiply/divide rounds as on the CPU. What is parallel here, and
+// why each part gives the CPU's bits:
+//  - sort: cub::WarpMergeSort of the 512 keys (16 per lane). Any correct sort gives the same array.
+//  - de-duplication: head flags + a warp scan (integers). The prefix sums of x and x^2 are double
+//    running sums whose rounding depends on the order, so they stay SEQUENTIAL in the CPU's order
+//    (lane 0 sums x, lane 1 sums x^2 at the same time).
+//  - bin edges: the CPU's "advance i while cnt[i] < target" loops are max(i, lower_bound(target))
+//    because cnt is increasing; each lane binary-searches one target, lane 0 replays the pushes.
+//  - binned DP layers: dp.cpp's divide and conquer computes, for each end position j (one tree
+//    node), the leftmost minimum of prev[i] + cost(i, j) over a range that depends only on the
+//    node's ancestors. The nodes of one tree level are therefore independent: they run together,
+//    32 / (nodes in the level) lanes per node, each lane scanning a strided part of the range with
+//    the CPU's strict "<" and the group combining by (smaller value, then lower index). That is the
+//    leftmost minimum, as the CPU's scan (no NaN can occur: every run is non-empty).
+//  - refinement (dp_refine): the window costs of one layer are computed by all lanes into a table,
+//    then one lane per end position scans it in the CPU's order with its strict "<".
+//  - encoding: each lane assigns its 16 values (the CPU's midpoint rule, ties to the lower index);
+//    the per-tile sse and sum of squares are double sums in flat order, so they are accumulated
+//    lane after lane (a shuffle chain) in exactly that order, and only when asked for.
+// Keep in step with src/fit: tests/cuda/fit_gpu_test.cpp compares the bytes with the CPU's.
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cub/warp/warp_merge_sort.cuh>
+#include <stdexcept>
+#include <string>
+
+#include "cuda/fit_internal.cuh"
+#include "fit/fit_scalar.hpp"
+#include "lutb/numerics.hpp"
+#include "lutb/tile.hpp"
+
+namespace lutb::cuda::fit_internal {
+namespace {
+
+using fit_detail::from_key;
+using fit_detail::pow2;
+using fit_detail::run_cost;
+using fit_detail::run_entry;
+using fit_detail::sort_key;
+
+constexpr unsigned kFull = 0xffffffffu;
+constexpr int kN = kTileSize;  // 512
+constexpr int kIpt = kN / 32;  // values per lane
+constexpr int kMinScale = 3, kMaxScale = 246;
+constexpr int kBins = 32, kTail = 8, kWindow = 8, kRounds = 4, kSettled = 3;  // binned_dp.cpp, dp.cpp
+constexpr int kWin = 2 * kWindow + 1;
+constexpr int kMaxPos = kBins + 2 * kTail + 2;  // binned_dp.cpp's pos[] size: m < kMaxPos
+constexpr int kWarps = 2;                       // warps (tiles in flight) per block
+constexpr int kProfSlots = kProfPhases + 4;      // phases, then tiles, sum n, sum m, refine rounds
+
+using WarpSort = cub::WarpMergeSort<std::uint32_t, kIpt, 32>;
+struct KeyLess {
+  __device__ bool operator()(std::uint32_t a, std::uint32_t b) const { return a < b; }
+};
+
+// A node of dp.cpp's divide and conquer: end positions [jlo, jhi], start range [ilo, ihi].
+struct Node {
+  short jlo, jhi, ilo, ihi;
+};
+
+// Per-warp shared memory (~13 KiB). The union members are used one after the other.
+struct Smem {
+  union {
+    WarpSort::TempStorage sort;
+    float u[kN];  // distinct values, ascending (+0 for zero)
+    struct {
+      double cd[kMaxPos], s1[kMaxPos], s2[kMaxPos];  // prefix sums at the bin edges, scaled units
+      double buf[2][kMaxPos];
+      std::int16_t opt[kCodebookSize][kMaxPos];
+      // Nodes of one tree level. A level never holds more than 32 nodes: the tree covers at most
+      // m - 1 <= 48 end positions and, split at midpoints, levels 0..4 hold at most 31 of them.
+      Node nodes[2][32];
+    } dp;
+    struct {
+      double F[kCodebookSize + 1][kWin];
+      double V[kWin][kWin];  // V[j - jl][i - il] = F[k-1][i - il] + cost(i, j)
+      std::int16_t arg[kCodebookSize + 1][kWin];
+    } rf;
+  };
+  double p[2][kN + 1];          // prefix sums of x and x^2 (unscaled), over distinct values
+  std::uint16_t cnt[kN + 1];    // prefix counts
+  int pos[kMaxPos];             // bin edges
+  int lb[32];                   // lower bounds of the bin targets
+  int seg[kCodebookSize + 1];   // DP boundaries (indices into pos)
+  int bounds[kCodebookSize + 1];  // boundaries at full resolution
+  int lo[kCodebookSize], hi[kCodebookSize], wk[kCodebookSize];
+  float cbv[kCodebookSize];
+  std::uint8_t entries[kCodebookSize];
+  std::uint8_t cbb[kCodebookSize];
+  int m, K, edge, n_cb;
+};
+
+__device__ __forceinline__ double inf() { return __longlong_as_double(0x7ff0000000000000ll); }
+
+__device__ __forceinline__ void keep_min(double& bv, int& bi, double ov, int oi) {
+  if (ov < bv || (ov == bv && oi < bi)) {
+    bv = ov;
+    bi = oi;
+  }
+}
+
+// Leftmost minimum over groups of `gs` lanes (gs a power of two, groups aligned).
+__device__ __forceinline__ void group_argmin(double& bv, int& bi, int gs) {
+  for (int off = gs >> 1; off > 0; off >>= 1) {
+    const double ov = __shfl_xor_sync(kFull, bv, off);
+    const int oi = __shfl_xor_sync(kFull, bi, off);
+    keep_min(bv, bi, ov, oi);
+  }
+}
+
+// In place: P[0] = 0, P[d] = P[d-1] + P[d] for d = 1..n (a double running sum, in order).
+__device__ __forceinline__ void running_sum(double* P, int n) {
+  P[0] = 0.0;
+  double acc = 0.0;
+  int d = 1;
+  for (; d + 7 <= n; d += 8) {
+    double t[8];
+#pragma unroll
+    for (int r = 0; r < 8; ++r) t[r] = P[d + r];
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      acc = acc + t[r];
+      P[d + r] = acc;
+    }
+  }
+  for (; d <= n; ++d) {
+    acc = acc + P[d];
+    P[d] = acc;
+  }
+}
+
+// dp.cpp Dp::cost on the bin-edge tables.
+__device__ __forceinline__ double cost_bin(const Smem& s, int i, int j) {
+  return run_cost(s.dp.cd[j] - s.dp.cd[i], s.dp.s1[j] - s.dp.s1[i], s.dp.s2[j] - s.dp.s2[i]);
+}
+// dp_refine's cost: its tables (count as double, p1 * inv, p2 * inv2) formed on the fly.
+__device__ __forceinline__ double cost_full(const Smem& s, int i, int j, double inv, double inv2) {
+  return run_cost(static_cast<double>(s.cnt[j]) - static_cast<double>(s.cnt[i]), s.p[0][j] * inv - s.p[0][i] * inv,
+                  s.p[1][j] * inv2 - s.p[1][i] * inv2);
+}
+
+// One layer k of dp.cpp Dp::solve (cur[j], opt[k-1][j] for j in [k, m]), level by level.
+__device__ void dp_layer(Smem& s, int lane, int k, int m, const double* prev, double* cur,
+                         const std::int16_t* lower) {
+  Node* nb = s.dp.nodes[0];
+  Node* nn = s.dp.nodes[1];
+  if (lane == 0) nb[0] = Node{static_cast<short>(k), static_cast<short>(m), static_cast<short>(k - 1),
+                              static_cast<short>(m - 1)};
+  int count = 1;
+  __syncwarp();
+  while (count > 0) {
+    int lg = 0;
+    while ((1 << lg) < count) ++lg;
+    const int gs = 32 >> lg;  // lanes per node
+    const int g = lane >> (5 - lg), sub = lane & (gs - 1);
+    const bool valid = g < count;
+    Node nd{0, -1, 0, 0};
+    int j = 0, lo = 0, hi = -1;
+    if (valid) {
+      nd = nb[g];
+      j = (nd.jlo + nd.jhi) >> 1;
+      lo = max(max(static_cast<int>(nd.ilo), k - 1), lower ? static_cast<int>(lower[j]) : 0);
+      hi = min(static_cast<int>(nd.ihi), j - 1);
+      lo = min(lo, hi);  // (dp.cpp: only reachable through rounding-level ties)
+    }
+    double bv = inf();
+    int bi = INT_MAX;
+    for (int i = lo + sub; i <= hi; i += gs) {
+      const double v = prev[i] + cost_bin(s, i, j);
+      if (v < bv) {
+        bv = v;
+        bi = i;
+      }
+    }
+    group_argmin(bv, bi, gs);
+    const bool leader = valid && sub == 0;
+    bool hasl = false, hasr = false;
+    if (leader) {
+      cur[j] = bv;
+      s.dp.opt[k - 1][j] = static_cast<std::int16_t>(bi);
+      hasl = nd.jlo <= j - 1;
+      hasr = j + 1 <= nd.jhi;
+    }
+    const unsigned ml = __ballot_sync(kFull, hasl), mr = __ballot_sync(kFull, hasr);
+    if (leader) {
+      const unsigned lt = (1u << lane) - 1u;
+      int p = __popc(ml & lt) + __popc(mr & lt);
+      if (hasl) nn[p++] = Node{nd.jlo, static_cast<short>(j - 1), nd.ilo, static_cast<short>(bi)};
+      if (hasr) nn[p] = Node{static_cast<short>(j + 1), nd.jhi, static_cast<short>(bi), nd.ihi};
+    }
+    count = __popc(ml) + __popc(mr);
+    __syncwarp();
+    Node* t = nb;
+    nb = nn;
+    nn = t;
+  }
+}
+
+// dp.cpp dp_fit over the bin edges s.pos[0..m] (without the unused cost value). Leaves s.K,
+// s.entries, s.bounds.
+__device__ void dp_fit_warp(Smem& s, int lane, int m, int scale) {
+  const double inv = pow2(127 - scale);
+  const double inv2 = inv * inv;
+  for (int i = lane; i <= m; i += 32) {
+    const int p = s.pos[i];
+    s.dp.cd[i] = static_cast<double>(s.cnt[p]);
+    s.dp.s1[i] = s.p[0][p] * inv;
+    s.dp.s2[i] = s.p[1][p] * inv2;
+  }
+  __syncwarp();
+  const int K = min(m, kCodebookSize);
+  if (K == m) {
+    if (lane <= m) s.seg[lane] = lane;
+  } else {
+    double* prev = s.dp.buf[0];
+    double* cur = s.dp.buf[1];
+    for (int j = 1 + lane; j <= m; j += 32) prev[j] = cost_bin(s, 0, j);
+    __syncwarp();
+    for (int k = 2; k < K; ++k) {
+      dp_layer(s, lane, k, m, prev, cur, k > 2 ? s.dp.opt[k - 2] : nullptr);
+      __syncwarp();
+      double* t = prev;
+      prev = cur;
+      cur = t;
+    }
+    const int start = K > 2 ? s.dp.opt[K - 2][m] : K - 1;
+    double bv = inf();
+    int bi = INT_MAX;
+    for (int i = start + lane; i < m; i += 32) {
+      const double v = prev[i] + cost_bin(s, i, m);
+      if (v < bv) {
+        bv = v;
+        bi = i;
+      }
+    }
+    group_argmin(bv, bi, 32);
+    if (lane == 0) {
+      s.seg[K] = m;
+      s.seg[K - 1] = bi;
+      for (int k = K - 1; k >= 2; --k) s.seg[k - 1] = s.dp.opt[k - 1][s.seg[k]];
+      s.seg[0] = 0;
+    }
+  }
+  __syncwarp();
+  if (lane <= K) s.bounds[lane] = s.pos[s.seg[lane]];
+  if (lane < K) {
+    const int i = s.seg[lane], j = s.seg[lane + 1];
+    s.entries[lane] = run_entry(s.dp.s1[j] - s.dp.s1[i], s.dp.cd[j] - s.dp.cd[i]);
+  }
+  if (lane == 0) s.K = K;
+  __syncwarp();
+}
+
+// dp.cpp dp_refine with w = kWindow, rounds = kRounds, over n distinct values.
+__device__ int dp_refine_warp(Smem& s, int lane, int n, int scale) {
+  const int K = s.K;
+  const int m = n;
+  if (K < 2 || K >= m) return 0;
+  int rounds = 0;
+  const double inv = pow2(127 - scale);
+  const double inv2 = inv * inv;
+  if (lane >= 1 && lane < K) s.wk[lane] = kWindow;
+  for (int round = 0; round < kRounds; ++round) {
+    ++rounds;
+    if (lane >= 1 && lane < K) {
+      const int b = s.bounds[lane];
+      s.lo[lane] = max(b - s.wk[lane], lane);
+      s.hi[lane] = min(b + s.wk[lane], m - (K - lane));
+    }
+    __syncwarp();
+    {
+      const int l1 = s.lo[1], h1 = s.hi[1];
+      for (int j = l1 + lane; j <= h1; j += 32) s.rf.F[1][j - l1] = cost_full(s, 0, j, inv, inv2);
+    }
+    __syncwarp();
+    for (int k = 2; k <= K; ++k) {
+      const int jl = k < K ? s.lo[k] : m, jh = k < K ? s.hi[k] : m;
+      const int il = s.lo[k - 1], ihm = s.hi[k - 1];
+      const int nj = jh - jl + 1, ni = ihm - il + 1;
+      const int tot = nj * ni;
+      for (int idx = lane; idx < tot; idx += 64) {  // two independent evaluations per lane and pass
+        const int jj = idx / ni, ii = idx - jj * ni;
+        const int idx2 = idx + 32;
+        const int jj2 = idx2 / ni, ii2 = idx2 - jj2 * ni;
+        const bool ok1 = il + ii <= jl + jj - 1;
+        const bool ok2 = idx2 < tot && il + ii2 <= jl + jj2 - 1;
+        // (a valid dummy run where a slot is unused: its value is not stored)
+        const double v1 = s.rf.F[k - 1][ok1 ? ii : 0] + cost_full(s, ok1 ? il + ii : 0, ok1 ? jl + jj : 1, inv, inv2);
+        const double v2 = s.rf.F[k - 1][ok2 ? ii2 : 0] + cost_full(s, ok2 ? il + ii2 : 0, ok2 ? jl + jj2 : 1, inv, inv2);
+        if (ok1) s.rf.V[jj][ii] = v1;
+        if (ok2) s.rf.V[jj2][ii2] = v2;
+      }
+      __syncwarp();
+      if (lane < nj) {
+        const int j = jl + lane, ih = min(ihm, j - 1);
+        double best = inf();
+        int bi = il;
+        for (int i = il; i <= ih; ++i) {
+          const double v = s.rf.V[lane][i - il];
+          if (v < best) {
+            best = v;
+            bi = i;
+          }
+        }
+        s.rf.F[k][lane] = best;
+        s.rf.arg[k][lane] = static_cast<std::int16_t>(bi);
+      }
+      __syncwarp();
+    }
+    if (lane == 0) {
+      int* nb = s.seg;  // (free here: dp_fit_warp's boundaries are in s.bounds)
+      nb[K] = m;
+      nb[0] = 0;
+      for (int k = K; k >= 2; --k) nb[k - 1] = s.rf.arg[k][nb[k] - (k < K ? s.lo[k] : m)];
+      bool edge = false;
+      for (int k = 1; k < K; ++k) {
+        const bool e = (nb[k] == s.lo[k] && s.lo[k] > k) || (nb[k] == s.hi[k] && s.hi[k] < m - (K - k));
+        edge = edge || e;
+        s.wk[k] = e ? kWindow : kSettled;
+        s.bounds[k] = nb[k];
+      }
+      s.edge = edge;
+    }
+    __syncwarp();
+    if (!s.edge) break;
+  }
+  if (lane < K) {
+    const int i = s.bounds[lane], j = s.bounds[lane + 1];
+    s.entries[lane] = run_entry(s.p[0][j] * inv - s.p[0][i] * inv,
+                                static_cast<double>(s.cnt[j]) - static_cast<double>(s.cnt[i]));
+  }
+  __syncwarp();
+  return rounds;
+}
+
+// tile_common.cpp encode_tile + assign_sse. Entries in s.entries[0..n_entries).
+__device__ void encode_warp(Smem& s, int lane, const float (&x)[kIpt], int scale, int n_entries, std::uint8_t* packed,
+                            std::uint8_t* codebook, std::uint8_t* scale_out, double* sse_out, double* ssq_out) {
+  if (lane == 0) {  // codebook ascending, duplicates dropped, padded with the largest entry
+    float* vals = s.cbv;  // (sorted in shared memory: no per-thread local arrays)
+    std::uint8_t* bytes = s.cbb;
+    int m = 0;
+    for (int i = 0; i < n_entries; ++i) {
+      std::uint8_t b = s.entries[i];
+      if (b == 0x80) b = 0x00;
+      const float v = e4m3_to_float(b);
+      bool dup = false;
+      for (int j = 0; j < m; ++j) dup = dup || bytes[j] == b;
+      if (dup) continue;
+      int p = m;
+      while (p > 0 && vals[p - 1] > v) {
+        vals[p] = vals[p - 1];
+        bytes[p] = bytes[p - 1];
+        --p;
+      }
+      vals[p] = v;
+      bytes[p] = b;
+      ++m;
+    }
+    if (m == 0) {
+      vals[0] = 0.0f;
+      bytes[0] = 0x00;
+      m = 1;
+    }
+    for (int j = m; j < kCodebookSize; ++j) {
+      vals[j] = vals[m - 1];
+      bytes[j] = bytes[m - 1];
+    }
+    for (int j = 0; j < kCodebookSize; ++j) vals[j] = ldexp_ue8m0(vals[j], static_cast<std::uint8_t>(scale));
+  }
+  __syncwarp();
+  // assign_sse: run boundaries where the dequantised value changes; a value goes to run r when it
+  // is strictly above the midpoint 0.5*u_{r-1} + 0.5*u_r (ties stay with the lower index); the
+  // index written is the first codebook slot of its run. Midpoints ascend, so the last boundary
+  // below x is the count the CPU takes.
+  float cb[kCodebookSize], mid[kCodebookSize];
+#pragma unroll
+  for (int j = 0; j < kCodebookSize; ++j) cb[j] = s.cbv[j];
+  mid[0] = __int_as_float(0x7f800000);
+#pragma unroll
+  for (int j = 1; j < kCodebookSize; ++j)
+    mid[j] = cb[j] != cb[j - 1] ? 0.5f * cb[j - 1] + 0.5f * cb[j] : __int_as_float(0x7f800000);
+  // Value of the run of slot j is cb[j] (every slot of a run holds the same value).
+  std::uint32_t w[2] = {0u, 0u};
+  double dsq[kIpt], xsq[kIpt];
+#pragma unroll
+  for (int q = 0; q < kIpt; ++q) {
+    const float xv = x[q];
+    int idx = 0;
+    float val = cb[0];
+#pragma unroll
+    for (int j = 1; j < kCodebookSize; ++j)
+      if (xv > mid[j]) {
+        idx = j;
+        val = cb[j];
+      }
+    w[q >> 3] |= static_cast<std::uint32_t>(idx) << (3 * (q & 7));
+    const double d = static_cast<double>(xv) - static_cast<double>(val);
+    dsq[q] = d * d;
+    const double xd = static_cast<double>(xv);
+    xsq[q] = xd * xd;
+  }
+  // Lane L holds flat positions 16L..16L+15: bytes 6L..6L+5 of the packed stream.
+#pragma unroll
+  for (int b = 0; b < 3; ++b) {
+    packed[6 * lane + b] = static_cast<std::uint8_t>(w[0] >> (8 * b));
+    packed[6 * lane + 3 + b] = static_cast<std::uint8_t>(w[1] >> (8 * b));
+  }
+  if (lane < kCodebookSize) codebook[lane] = s.cbb[lane];
+  if (lane == 0) *scale_out = static_cast<std::uint8_t>(scale);
+  if (sse_out || ssq_out) {  // flat-order double sums (the prefix sums are dead: reuse them)
+#pragma unroll
+    for (int q = 0; q < kIpt; ++q) {
+      s.p[0][kIpt * lane + q + 1] = dsq[q];
+      s.p[1][kIpt * lane + q + 1] = xsq[q];
+    }
+    __syncwarp();
+    if (lane < 2) {
+      running_sum(s.p[lane], kN);
+      double* o = lane == 0 ? sse_out : ssq_out;
+      if (o) *o = s.p[lane][kN];
+    }
+  }
+  __syncwarp();
+}
+
+__device__ __forceinline__ float load1(const void* src, int dtype, std::int64_t i) {
+  if (dtype == 0) return static_cast<const float*>(src)[i];
+  const std::uint16_t h = static_cast<const std::uint16_t*>(src)[i];
+  return dtype == 1 ? bf16_to_float(h) : fp16_to_float(h);
+}
+
+__device__ __forceinline__ float cvt16(std::uint16_t h, int dtype) {
+  return dtype == 1 ? bf16_to_float(h) : fp16_to_float(h);
+}
+
+// Lane's 16 values: flat positions 16L..16L+15 = row L/4, columns 16(L%4)..+15 (zero padding as
+// gather_tile).
+__device__ __forceinline__ void load_tile(const KernelArgs& a, std::int64_t lt, int lane, float (&x)[kIpt]) {
+  const std::int64_t tpe = a.tiles_n * a.tiles_k;
+  const std::int64_t e = lt / tpe, rem = lt - e * tpe, tn = rem / a.tiles_k, tk = rem - tn * a.tiles_k;
+  const std::int64_t row = tn * kTileRows + (lane >> 2), col0 = tk * kTileCols + (lane & 3) * kIpt;
+  std::int64_t nc = row < a.rows ? a.cols - col0 : 0;
+  nc = nc < 0 ? 0 : (nc > kIpt ? kIpt : nc);
+  const std::int64_t base = (e * a.rows + row) * a.cols + col0;
+  const int esz = a.dtype == 0 ? 4 : 2;
+  const char* p = static_cast<const char*>(a.src) + base * esz;
+  if (nc == kIpt && (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0) {
+    if (a.dtype == 0) {
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        const float4 f = reinterpret_cast<const float4*>(p)[v];
+        x[4 * v] = f.x;
+        x[4 * v + 1] = f.y;
+        x[4 * v + 2] = f.z;
+        x[4 * v + 3] = f.w;
+      }
+    } else {
+#pragma unroll
+      for (int v = 0; v < 2; ++v) {
+        const uint4 u = reinterpret_cast<const uint4*>(p)[v];
+        const std::uint32_t wv[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int h = 0; h < 4; ++h) {
+          x[8 * v + 2 * h] = cvt16(static_cast<std::uint16_t>(wv[h] & 0xffffu), a.dtype);
+          x[8 * v + 2 * h + 1] = cvt16(static_cast<std::uint16_t>(wv[h] >> 16), a.dtype);
+        }
+      }
+    }
+  } else {
+#pragma unroll
+    for (int q = 0; q < kIpt; ++q) x[q] = q < nc ? load1(a.src, a.dtype, base + q) : 0.0f;
+  }
+}
+
+// Phase timing (the profiled instantiation only): lane 0 adds clock64() deltas per phase.
+struct Prof {
+  long long t = 0;
+  long long c[kProfSlots] = {};
+};
+template <bool P>
+__device__ __forceinline__ void phase(Prof& pr, int lane, int i) {
+  if constexpr (P) {
+    if (lane == 0) {
+      const long long t = clock64();
+      pr.c[i] += t - pr.t;
+      pr.t = t;
+    }
+  }
+}
+
+template <bool P>
+__device__ __forceinline__ void fit_one(Smem& s, int lane, const KernelArgs& a, std::int64_t lt, Prof& pr) {
+  if constexpr (P) {
+    if (lane == 0) pr.t = clock64();
+  }
+  float x[kIpt];
+  load_tile(a, lt, lane, x);
+  // fit.cpp check_tile: the first non-finite value in flat order, else the magnitude.
+  int badq = -1, mycode = 0;
+  float am = 0.0f;
+#pragma unroll
+  for (int q = 0; q < kIpt; ++q) {
+    if (badq < 0 && !f32_is_finite(x[q])) {
+      badq = q;
+      mycode = f32_is_nan(x[q]) ? 1 : (x[q] > 0 ? 2 : 3);
+    }
+    am = fmaxf(am, fabsf(x[q]));
+  }
+  for (int off = 16; off > 0; off >>= 1) am = fmaxf(am, __shfl_xor_sync(kFull, am, off));
+  const unsigned bm = __ballot_sync(kFull, badq >= 0);
+  int code = 0, where = 0;
+  if (bm) {
+    const int fl = __ffs(bm) - 1;
+    code = __shfl_sync(kFull, mycode, fl);
+    where = fl * kIpt + __shfl_sync(kFull, badq, fl);
+  } else if (am != 0.0f && static_cast<int>(ue8m0_rceil(am)) > kMaxScale) {
+    code = 4;
+  }
+  if (code != 0) {
+    if (lane == 0) atomicMin(a.err, error_word(a.t_base + lt, code, where));
+    return;
+  }
+  if (a.check_only) return;
+  phase<P>(pr, lane, 0);
+
+  // tile_common.cpp build_sorted.
+  {
+    std::uint32_t keys[kIpt];
+#pragma unroll
+    for (int q = 0; q < kIpt; ++q) keys[q] = sort_key(x[q]);
+    WarpSort(s.sort).Sort(keys, KeyLess());
+    __syncwarp();
+    float v[kIpt];
+#pragma unroll
+    for (int q = 0; q < kIpt; ++q) v[q] = from_key(keys[q]);
+    const float before = __shfl_up_sync(kFull, v[kIpt - 1], 1);
+    unsigned hm = 0;
+#pragma unroll
+    for (int q = 0; q < kIpt; ++q) {
+      const float pv = q ? v[q - 1] : before;
+      const bool h = (lane == 0 && q == 0) || v[q] != pv;  // +0 and -0 compare equal and merge
+      hm |= static_cast<unsigned>(h) << q;
+    }
+    const int hc = __popc(hm);
+    int incl = hc;
+    for (int off = 1; off < 32; off <<= 1) {
+      const int t = __shfl_up_sync(kFull, incl, off);
+      if (lane >= off) incl += t;
+    }
+    int d = incl - hc;
+#pragma unroll
+    for (int q = 0; q < kIpt; ++q)
+      if ((hm >> q) & 1u) {
+        s.u[d] = v[q] == 0.0f ? 0.0f : v[q];
+        s.cnt[d] = static_cast<std::uint16_t>(kIpt * lane + q);
+        ++d;
+      }
+    if (lane == 31) {
+      s.cnt[incl] = kN;
+      s.m = incl;  // n, temporarily
+    }
+  }
+  __syncwarp();
+  phase<P>(pr, lane, 1);
+  const int n = s.m;
+  // The terms c * x and c * x^2 of every distinct value (independent: all lanes), then the running
+  // sums in the CPU's order (lane 0 sum x, lane 1 sum x^2), loads batched ahead of the adds.
+  for (int d = lane; d < n; d += 32) {
+    const double c = static_cast<double>(s.cnt[d + 1] - s.cnt[d]);
+    const double xd = static_cast<double>(s.u[d]);
+    s.p[0][d + 1] = c * xd;
+    s.p[1][d + 1] = c * (xd * xd);
+  }
+  __syncwarp();
+  if (lane < 2) running_sum(s.p[lane], n);
+  if constexpr (P) __syncwarp();
+  phase<P>(pr, lane, 2);
+  // binned_dp.cpp: bin edges.
+  if (n <= kBins) {
+    if (lane <= n) s.pos[lane] = lane;
+    if (n == 32 && lane == 0) s.pos[32] = 32;
+  } else {
+    auto lower_bound = [&](int t) {
+      int lo = 0, hi = n;
+      while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if (s.cnt[mid] < t) lo = mid + 1;
+        else hi = mid;
+      }
+      return lo;
+    };
+    s.lb[lane] = lower_bound(lane == 0 ? kTail : lane * (kN / kBins));
+    const int lb_end = lower_bound(kN - kTail + 1);
+    __syncwarp();
+    if (lane == 0) {
+      int m = 0, i = 0;
+      s.pos[0] = 0;
+      auto push = [&](int e) {
+        if (e > s.pos[m] && e < n) s.pos[++m] = e;
+      };
+      for (; i < s.lb[0]; ++i) push(i);
+      for (int b = 1; b < kBins; ++b) {
+        i = max(i, s.lb[b]);
+        push(i);
+      }
+      for (i = max(i, lb_end); i < n; ++i) push(i);
+      s.pos[++m] = n;
+      s.m = m;
+    }
+  }
+  __syncwarp();
+  phase<P>(pr, lane, 3);
+  const int m = n <= kBins ? n : s.m;
+  std::uint8_t* packed = a.out.packed + lt * kPackedBytes;
+  std::uint8_t* codebook = a.out.codebook + lt * kCodebookSize;
+  std::uint8_t* scale_out = a.out.scale + lt;
+  double* sse = a.out.sse ? a.out.sse + lt : nullptr;
+  double* ssq = a.out.sum_sq ? a.out.sum_sq + lt : nullptr;
+  int sc;
+  if (a.forced_scale >= 0) {
+    sc = a.forced_scale;
+  } else if (am == 0.0f) {
+    if (lane == 0) s.entries[0] = 0x00;
+    __syncwarp();
+    encode_warp(s, lane, x, 127, 1, packed, codebook, scale_out, sse, ssq);
+    phase<P>(pr, lane, 6);
+    return;
+  } else {
+    sc = max(static_cast<int>(ue8m0_rceil(am)), kMinScale);
+  }
+  dp_fit_warp(s, lane, m, sc);
+  phase<P>(pr, lane, 4);
+  int rounds = 0;
+  if (m != n) rounds = dp_refine_warp(s, lane, n, sc);
+  phase<P>(pr, lane, 5);
+  encode_warp(s, lane, x, sc, s.K, packed, codebook, scale_out, sse, ssq);
+  phase<P>(pr, lane, 6);
+  if constexpr (P) {
+    pr.c[kProfPhases] += 1;
+    pr.c[kProfPhases + 1] += n;
+    pr.c[kProfPhases + 2] += m;
+    pr.c[kProfPhases + 3] += rounds;
+  }
+}
+
+template <bool P>
+__global__ void __launch_bounds__(32 * kWarps) fit_warp_kernel(KernelArgs a, unsigned long long* prof) {
+  __shared__ Smem sm[kWarps];
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * kWarps;
+  Prof pr;
+  for (std::int64_t lt = static_cast<std::int64_t>(blockIdx.x) * kWarps + w; lt < a.tiles; lt += stride) {
+    fit_one<P>(sm[w], lane, a, lt, pr);
+    __syncwarp();
+  }
+  if constexpr (P) {
+    if (lane == 0)
+      for (int i = 0; i < kProfSlots; ++i) atomicAdd(prof + i, static_cast<unsigned long long>(pr.c[i]));
+  }
+}
+
+}  // namespace
+
+void launch_warp(const KernelArgs& a, cudaStream_t stream) {
+  if (a.tiles == 0) return;
+  const std::int64_t blocks = std::min<std::int64_t>((a.tiles + kWarps - 1) / kWarps, std::int64_t{1} << 22);
+  fit_warp_kernel<false><<<static_cast<unsigned>(blocks), 32 * kWarps, 0, stream>>>(a, nullptr);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) throw std::runtime_error(std::string("quantize_gpu: kernel launch: ") + cudaGetErrorString(e));
+}
+
+void launch_warp_profiled(const KernelArgs& a, unsigned long long* d_prof, cudaStream_t stream) {
+  if (a.tiles == 0) return;
+  const std::int64_t blocks = std::min<std::int64_t>((a.tiles + kWarps - 1) / kWarps, std::int64_t{1} << 22);
+  fit_warp_kernel<true><<<static_cast<unsigned>(blocks), 32 * kWarps, 0, stream>>>(a, d_prof);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) throw std::runtime_error(std::string("profile kernel launch: ") + cudaGetErrorString(e));
+}
+
+}  // namespace lutb::cuda::fit_internal

@@ -1,0 +1,44 @@
+// src/cuda/fit_internal.cuh: pieces shared by the GPU fitter's translation units (private).
+#pragma once
+
+#include <cstdint>
+
+#include "lutb/cuda/fit.hpp"
+
+namespace lutb::cuda::fit_internal {
+
+/// One launch over a view of an expert stack (a whole stack, whole experts, or tile rows of one).
+struct KernelArgs {
+  const void* src;       // first element of the view
+  int dtype;             // 0 F32, 1 BF16, 2 F16
+  std::int64_t rows;     // logical rows per expert in the view
+  std::int64_t cols;
+  std::int64_t tiles_n;  // tile rows per expert in the view
+  std::int64_t tiles_k;
+  std::int64_t tiles;    // tiles in the view
+  std::int64_t t_base;   // global index of the view's first tile (error words)
+  DeviceFitOut out;      // pointers at the view's first tile
+  int forced_scale;
+  unsigned long long* err;
+  bool check_only = false;  // only the tile check (NaN/Inf/too large) and the error word (warp kernel)
+};
+
+/// The warp-cooperative kernel (src/cuda/fit_binned_dp_warp.cu): one warp per tile.
+void launch_warp(const KernelArgs& a, cudaStream_t stream);
+
+/// The same kernel with per-phase clock64() accounting (lane 0 of every warp), for the benchmark:
+/// d_prof[kProfPhases + 4] zeroed by the caller receives the summed cycles of the phases
+///   0 load + check, 1 sort + de-duplication, 2 prefix sums, 3 bin edges, 4 binned DP,
+///   5 refinement, 6 encoding (+ per-tile sums),
+/// then the number of tiles, the sums of distinct values n, of bin edges m and of refinement rounds.
+/// Bytes written are those of launch_warp.
+inline constexpr int kProfPhases = 7;
+void launch_warp_profiled(const KernelArgs& a, unsigned long long* d_prof, cudaStream_t stream);
+
+/// Error word of a failing tile: (tile << 12) | (code << 9) | position (decode_fit_error).
+__host__ __device__ inline unsigned long long error_word(std::int64_t tile, int code, int pos) {
+  return (static_cast<unsigned long long>(tile) << 12) | (static_cast<unsigned long long>(code) << 9) |
+         static_cast<unsigned long long>(pos);
+}
+
+}  // namespace lutb::cuda::fit_internal

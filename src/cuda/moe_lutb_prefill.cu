@@ -1,0 +1,99 @@
+// src/cuda/moe_lutb_prefill.cu: launches of the large-batch (prefill) LUT-B GEMM path
+// (moe_prefill.hpp) and a complete forward built on it (moe_forward_lutb_prefill). Kernel names
+// follow the DeepGEMM habit: sm80_lutb_mxfp8_moe_{gemm1,gemm2}_prefill_bf16fold.
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "common.cuh"
+#include "lutb/cuda/moe.hpp"
+#include "moe_internal.hpp"
+#include "moe_lutb_prefill.cuh"
+#include "moe_prefill.hpp"
+
+namespace lutb::cuda {
+namespace {
+
+void check_stack(const DeviceLutb& d, std::int64_t E, std::int64_t N, std::int64_t K, const char* what) {
+  const std::string w = std::string("moe_forward_lutb_prefill: ") + what;
+  if (d.shape.experts != E || d.shape.rows != N || d.shape.cols != K)
+    throw std::invalid_argument(w + " shape must be [" + std::to_string(E) + ", " + std::to_string(N) + ", " +
+                                std::to_string(K) + "], got [" + std::to_string(d.shape.experts) + ", " +
+                                std::to_string(d.shape.rows) + ", " + std::to_string(d.shape.cols) + "]");
+  if (!d.packed || !d.codebook || !d.scale) throw std::invalid_argument(w + " has a null pointer");
+  if (reinterpret_cast<std::uintptr_t>(d.packed) % 16 || reinterpret_cast<std::uintptr_t>(d.codebook) % 8)
+    throw std::invalid_argument(w + " packed must be 16-byte and codebook 8-byte aligned");
+  if (!d.lane_major)
+    throw std::invalid_argument(w + " is in checkpoint index order; convert it once with lutb::cuda::to_lane_major");
+}
+
+}  // namespace
+
+namespace detail {
+
+void launch_lutb_prefill_gemms(const DeviceMoeWeights& w, const kern::Routing& r, const Workspace& ws, std::int64_t P,
+                               cudaStream_t stream) {
+  namespace pf = kern::prefill;
+  const std::int64_t I = w.intermediate, H = w.hidden;
+  const std::int64_t Hp = w.w13.shape.padded_cols(), Ip = w.w2.shape.padded_cols();
+  const std::int64_t T = P / r.top_k;
+  const std::int64_t slots = max_tiles(P, w.experts, kPrefillTileRows);
+  if (P <= 0) return;
+  // a = mxfp8_qdq(x) as BF16, in place over xa.
+  const std::int64_t n8 = T * Hp / 8;
+  pf::xa_to_bf16_kernel<<<static_cast<unsigned>(ceil_div(n8, 256)), 256, 0, stream>>>(ws.xa, ws.xs, n8, Hp);
+  check_launch("sm80_lutb_moe_prefill_xa_to_bf16");
+
+  const kern::LutbW w13{w.w13.packed, w.w13.codebook, w.w13.scale, w.w13.shape.tiles_n(), w.w13.shape.tiles_k(),
+                        w.w13.shape.tiles()};
+  const kern::LutbW w2{w.w2.packed, w.w2.codebook, w.w2.scale, w.w2.shape.tiles_n(), w.w2.shape.tiles_k(),
+                       w.w2.shape.tiles()};
+  // The dynamic shared memory (77 KB) needs the opt-in above 48 KB: once per device (not a stream
+  // operation, so also fine when the first call is being captured into a graph).
+  static bool smem_opt_in[64] = {};
+  int dev = 0;
+  check(cudaGetDevice(&dev), "cudaGetDevice");
+  if (dev >= 64 || !smem_opt_in[dev]) {
+    check(cudaFuncSetAttribute(pf::prefill_gemm1_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, pf::kSmemBytes),
+          "cudaFuncSetAttribute(prefill_gemm1)");
+    check(cudaFuncSetAttribute(pf::prefill_gemm2_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, pf::kSmemBytes),
+          "cudaFuncSetAttribute(prefill_gemm2)");
+    if (dev < 64) smem_opt_in[dev] = true;
+  }
+  const dim3 g1(static_cast<unsigned>(Ip / 64), static_cast<unsigned>(slots));
+  pf::prefill_gemm1_kernel<<<g1, pf::kThreads, pf::kSmemBytes, stream>>>(w13, ws.xa, Hp, r, I, Ip, ws.hq);
+  check_launch("sm80_lutb_mxfp8_moe_gemm1_prefill_bf16fold");
+  const dim3 g2(static_cast<unsigned>(ceil_div(w2.tiles_n, pf::kStrips)), static_cast<unsigned>(slots));
+  pf::prefill_gemm2_kernel<<<g2, pf::kThreads, pf::kSmemBytes, stream>>>(w2, ws.hq, Ip, r, H, ws.y);
+  check_launch("sm80_lutb_mxfp8_moe_gemm2_prefill_bf16fold");
+}
+
+}  // namespace detail
+
+void moe_forward_lutb_prefill(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t tokens, int top_k,
+                              const std::int32_t* topk_ids, const float* topk_weights, std::uint16_t* out,
+                              void* workspace, std::size_t workspace_bytes, cudaStream_t stream) {
+  const std::int64_t E = w.experts, H = w.hidden, I = w.intermediate;
+  if (E < 1 || E > 1024) throw std::invalid_argument("moe_forward_lutb_prefill: experts must be 1..1024");
+  if (H < 1 || I < 8 || I % 8 != 0)
+    throw std::invalid_argument("moe_forward_lutb_prefill: need H >= 1 and I a positive multiple of 8");
+  if (top_k < 1 || top_k > 32) throw std::invalid_argument("moe_forward_lutb_prefill: top_k must be 1..32");
+  if (tokens < 0 || tokens > 65535)
+    throw std::invalid_argument("moe_forward_lutb_prefill: tokens must be 0..65535 per call");
+  check_stack(w.w13, E, 2 * I, H, "w13");
+  check_stack(w.w2, E, H, I, "w2");
+  if (tokens == 0) return;
+  const detail::Workspace ws = detail::carve(workspace, tokens, top_k, E, H, I);
+  if (workspace_bytes < ws.bytes)
+    throw std::invalid_argument("moe_forward_lutb_prefill: workspace of " + std::to_string(workspace_bytes) +
+                                " bytes, need " + std::to_string(ws.bytes));
+  const std::int64_t P = tokens * top_k;
+  detail::launch_quantize_x(x, tokens, H, w.w13.shape.padded_cols(), /*swap=*/false, ws.xa, nullptr, ws.xs, stream);
+  detail::launch_group(topk_ids, P, E, kPrefillTileRows, ws, stream);
+  const kern::Routing r{topk_ids, topk_weights, ws.sorted, ws.tile_expert, ws.tile_start, ws.tile_count, ws.num_tiles,
+                        top_k};
+  detail::launch_lutb_prefill_gemms(w, r, ws, P, stream);
+  detail::launch_reduce(topk_ids, topk_weights, ws.y, tokens, top_k, E, H, out, stream);
+}
+
+}  // namespace lutb::cuda

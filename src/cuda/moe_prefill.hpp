@@ -1,0 +1,80 @@
+// src/cuda/moe_prefill.hpp: the large-batch (prefill) LUT-B GEMM path of the fused MoE forward.
+//
+// What it is: GEMM1 (+ SiLU*up + MXFP8 of h) and GEMM2 of spec section 4 as CTA-tiled BF16
+// tensor-core GEMMs (mma.sync.m16n8k16, FP32 accumulators, ldmatrix from swizzled shared memory).
+// A CTA owns 64 token rows of one expert (one token tile of the grouping) x 128 weight rows; every
+// LUT-B tile it needs is decoded ONCE per CTA into shared memory and then feeds all 64 tokens.
+//
+// Numerics (spec section 4, exact): both power-of-two scales are folded into BF16 operands.
+//   weights:     BF16(e4m3(codebook[i]) * 2^(s-127)), exact for every scale byte 3..246 (spec 2:
+//                fitters write only those); the 8 scaled entries of a tile are computed once per
+//                tile and looked up by PRMT (lo/hi byte tables), so decoding is ~1.5 integer ops
+//                per weight and no per-block FP32 rescaling is left in the K loop.
+//   activations: BF16(e4m3 * 2^(b-127)) = mxfp8_qdq(x) as BF16: exact for every block scale
+//                b = 10..254 (BF16 has FP32's exponent range; an E4M3 value has 4 significant bits).
+//                b = 0..9 (a 32-value block whose amax is below ~1.3e-33) would need BF16
+//                subnormals below 2^-133 and is rounded there (|error| < 2^-134 per element); no
+//                activation of a real model is that small, but the claim is "exact for b >= 10".
+//   The tensor cores then sum exact products; because they truncate while accumulating, each
+//   128-column partial sum is added to FP32 registers with round-to-nearest adds ("promotion";
+//   without it the DeepSeek-V3 shape was 2.2e-3 rel. L2 from the reference, with it 4.3e-5). The
+//   result equals the CPU emulation up to the order (and tensor-core rounding) of the FP32
+//   additions, as the decode path's does.
+//
+// Weights must be resident in LANE-MAJOR order (lutb/cuda/lane_major.hpp: tile_to_lane_major /
+// to_lane_major); codebooks and scales as in the checkpoint.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "lutb/cuda/moe.hpp"
+
+namespace lutb::cuda {
+
+/// Token rows per CTA of the prefill path = the tile_rows its grouping must be made with.
+inline constexpr int kPrefillTileRows = 64;
+
+/// Heuristic for the dispatcher: true when the prefill GEMMs are expected to beat the decode
+/// kernels, i.e. when the mean number of (token, expert) pairs per touched expert,
+/// T*k / min(E, T*k), is at least 24. Measured on the H200 (docs/perf/moe-gpu-prefill.md,
+/// 2026-11-30, against the decode kernels of main 6e814f9): at 8 pairs per expert (DeepSeek-V3,
+/// T = 256) the 64-row token tiles are mostly empty and prefill is 0.67x the decode path; at 16
+/// (Qwen3, T = 256) they are even (0.96-1.03x over two runs); at 32 (DeepSeek-V3, T = 1024) prefill
+/// is 1.6x faster and at 64 or more 1.8-2.6x. 24 sits between the break-even and the first clear
+/// win; re-measure once the decode kernels read the lane-major order.
+inline bool prefer_lutb_prefill(std::int64_t tokens, int top_k, std::int64_t experts) {
+  const std::int64_t pairs = tokens * top_k;
+  const std::int64_t touched = experts < pairs ? experts : pairs;
+  return touched > 0 && pairs >= 24 * touched;
+}
+
+/// A complete MoE forward (same contract, arguments and workspace rule as moe_forward in
+/// lutb/cuda/moe.hpp) that runs the prefill GEMMs at any batch: MXFP8 of x (natural column order),
+/// grouping into 64-row token tiles, launch_lutb_prefill_gemms, weighted top-k reduction.
+/// Weights in lane-major order. No host synchronisation (CUDA-graph friendly).
+/// Throws std::invalid_argument on bad arguments (before any launch).
+void moe_forward_lutb_prefill(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t tokens, int top_k,
+                              const std::int32_t* topk_ids, const float* topk_weights, std::uint16_t* out,
+                              void* workspace, std::size_t workspace_bytes, cudaStream_t stream);
+
+}  // namespace lutb::cuda
+
+#ifdef __CUDACC__
+#include "moe_internal.hpp"
+
+namespace lutb::cuda::detail {
+
+/// The prefill GEMMs on the workspace of the existing forward (moe_internal.hpp), for the
+/// dispatcher. Preconditions (the caller's steps before it):
+///   - ws.xa/ws.xs: launch_quantize_x(x, T, H, Hp, /*swap=*/false, ...) (natural column order);
+///   - ws.sorted/tile_*: launch_group(ids, P, E, kPrefillTileRows, ws, stream);
+///   - r: the Routing over that grouping (r.top_k = k), P = T * k.
+/// Effects: ws.xa is converted IN PLACE to BF16 a = mxfp8_qdq(x) (xa is not read afterwards by
+/// anything else); ws.hq receives h = mxfp8_qdq(bf16(silu(g)*u)) as BF16 [P, Ip] (ws.hs unused);
+/// ws.y receives y [P, H] FP32 for every valid pair. Then launch_reduce as usual.
+void launch_lutb_prefill_gemms(const DeviceMoeWeights& w, const kern::Routing& r, const Workspace& ws, std::int64_t P,
+                               cudaStream_t stream);
+
+}  // namespace lutb::cuda::detail
+#endif

@@ -1,0 +1,514 @@
+// src/cuda/moe_swapab.cuh: the small-batch (decode) LUT-B expert GEMMs, "swap AB": the WEIGHTS are
+// the M operand of mma.sync.m16n8k16 and the tokens the N operand (8 tokens per n-block), so one
+// tensor-core instruction consumes 256 weights (the token-as-M kernels of moe_gemm.cuh consume 128
+// and waste 15/16 of the token rows at one token per expert).
+//
+// Work split. A CTA owns one token tile (<= 8*NB pairs of one expert) and one "strip group": 4
+// pairs of tile row-strips (a, b), i.e. 4 m16 tiles whose rows g come from strip a and rows g+8
+// from strip b:
+//   GEMM1 (w13 [2I, H]): a = gate strip 4G+m, b = the up strip I/8 + 4G+m, so each lane holds
+//     gate and up of the same I-column and the SiLU*up epilogue and the MXFP8 block of h (the 32
+//     I-columns 32G..32G+31 = the 4 m16 tiles x 8 rows) stay inside one warp;
+//   GEMM2 (w2 [H, I]): a = strip 8G+m, b = 8G+4+m (64 output rows per CTA).
+// The CTA's warps split K (contiguous K-tile ranges), stream their tiles through a per-warp
+// cp.async ring and add their FP32 partial sums in warp order at the end (deterministic).
+//
+// Decoding (lane L = 4g + t; tiles in lane-major order, lutb/cuda/lane_major.hpp): per tile and
+// K-tile a lane loads X (4 B) and Y (2 B), builds 4 PRMT selectors, looks up 16 E4M3 bytes in the
+// tile codebook (4 PRMT) and converts pairs to FP16 (sm_89+ cvt, or the exact byte trick which
+// yields values times 2^-8 with the pairs (0,2),(1,3) that quantize_x's swapped order matches).
+// Step s of a K-tile (k16; block = s/2) uses columns 32*block + 8t + 4*(s%2) + {0,1 | 2,3}: the
+// lane's A registers {a0a1, a2a3, a4a5, a6a7} = {strip a cols +0,1; strip b cols +0,1; strip a
+// cols +2,3; strip b cols +2,3} and its B registers are token g's activations at the same columns
+// (one 16-byte load per block covers two steps).
+//
+// Numerics (spec section 4, exact): the tensor core multiplies the unscaled E4M3 values (exact in
+// FP16) and sums 32 columns (two mma) in FP32; that partial sum is multiplied by the exact
+// power-of-two product 2^(s_w-127) * 2^(b_x-127) and added to the FP32 result. Only the order of
+// the FP32 additions differs from the CPU emulation.
+#pragma once
+
+#include "moe_gemm.cuh"
+#include "moe_kernels.cuh"
+
+namespace lutb::cuda::kern {
+
+/// Per-warp ring stage: 8 strips x one K-tile (strip i = 2m + (0 for a, 1 for b)): index bytes and
+/// codebooks. The scale bytes (1 per tile) are loaded into registers one K-tile ahead instead.
+struct SwapRing {
+  static constexpr int kStrips = 8;
+  static constexpr int kStages = 6;
+  static constexpr int kCb = kStrips * 192;        // [8][8] codebook bytes
+  static constexpr int kStageBytes = kCb + kStrips * 8;
+  static constexpr int kWarpBytes = kStages * kStageBytes;
+  static constexpr int kCopies = kStrips * 12 + kStrips;  // 16 B and 8 B copies
+  static constexpr int kRounds = (kCopies + 31) / 32;
+};
+static_assert(SwapRing::kStageBytes % 16 == 0, "stages stay 16-byte aligned");
+static_assert(SwapRing::kStageBytes == 8 * 200, "8 tiles of 192 index + 8 codebook bytes");
+
+/// 2^(b-127) for every UE8M0 byte b (0 -> 2^-127, 255 -> NaN), in constant memory: the tile scale
+/// of a K-tile is the same in every lane, so one LDC replaces the 5-instruction conversion.
+struct Ue8m0Table {
+  float v[256];
+};
+constexpr Ue8m0Table make_ue8m0_table() {
+  Ue8m0Table t{};
+  for (unsigned b = 0; b < 256; ++b)
+    t.v[b] = __builtin_bit_cast(float, b == 255u ? 0x7fc00000u : (b == 0u ? 0x00400000u : b << 23));
+  return t;
+}
+__constant__ Ue8m0Table kUe8m0 = make_ue8m0_table();
+
+/// Strips of group G: strip[2m] = a, strip[2m+1] = b (see the file comment).
+template <bool kGated>
+__device__ __forceinline__ void group_strips(long long G, long long tiles_n, long long half, long long (&strip)[8],
+                                             bool (&ok)[8]) {
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    if constexpr (kGated) {
+      const long long s = 4 * G + m;  // gate strip; half = I/8
+      strip[2 * m] = s;
+      strip[2 * m + 1] = half + s;
+      ok[2 * m] = ok[2 * m + 1] = s < half;
+    } else {
+      strip[2 * m] = 8 * G + m;
+      strip[2 * m + 1] = 8 * G + 4 + m;
+      ok[2 * m] = strip[2 * m] < tiles_n;
+      ok[2 * m + 1] = strip[2 * m + 1] < tiles_n;
+    }
+  }
+}
+
+
+/// m16n8k32 E4M3 x E4M3 -> FP32, C = 0 (sm_89+; never launched on older devices).
+__device__ __forceinline__ void mma_e4m3_zero(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%10,%10,%10,%10};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.0f));
+#else
+  (void)a; (void)b0; (void)b1;
+  d[0] = d[1] = d[2] = d[3] = 0.0f;
+  __trap();
+#endif
+}
+
+/// 4 codebook bytes (column order) -> two FP16x2 operand registers: lo = columns (+0,+1), hi =
+/// (+2,+3) (kCvt); byte trick: lo = (+0,+2), hi = (+1,+3), values times 2^-8.
+template <bool kCvt>
+__device__ __forceinline__ void bytes_to_f16(unsigned p, unsigned& lo, unsigned& hi) {
+  if constexpr (kCvt) {
+    lo = e4m3x2_to_f16x2(static_cast<unsigned short>(p & 0xffffu));
+    hi = e4m3x2_to_f16x2(static_cast<unsigned short>(p >> 16));
+  } else {
+    lo = ((p << 8) & 0x80008000u) | ((p << 7) & 0x3f803f80u);
+    hi = (p & 0x80008000u) | ((p >> 1) & 0x3f803f80u);
+  }
+}
+
+__device__ __forceinline__ void mma_f16_zero(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%10,%10,%10,%10};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.0f));
+}
+
+/// Token rows of this CTA's tile for n-block nb: the pair of column n = g (B operand) and of the
+/// accumulator columns n = 2t, 2t+1.
+template <int NB>
+struct SwapTokens {
+  int count;             // pairs in the tile (1..8*NB)
+  int pair_g[NB];        // pair of token row g of block nb (or -1)
+  int pair_c[NB][2];     // pairs of accumulator columns 2t, 2t+1 (or -1)
+};
+
+template <int NB>
+__device__ __forceinline__ bool swap_tile(const Routing& r, int slot, int& expert, SwapTokens<NB>& tk) {
+  if (slot >= *r.num_tiles) return false;
+  expert = r.tile_expert[slot];
+  const int start = r.tile_start[slot], count = r.tile_count[slot];
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  tk.count = count;
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    tk.pair_g[nb] = (8 * nb + g < count) ? r.sorted[start + 8 * nb + g] : -1;
+#pragma unroll
+    for (int u = 0; u < 2; ++u)
+      tk.pair_c[nb][u] = (8 * nb + 2 * t + u < count) ? r.sorted[start + 8 * nb + 2 * t + u] : -1;
+  }
+  return true;
+}
+
+/// One warp's K-range [k0, k1) of the swap-AB product for 8 strips and NB token n-blocks.
+/// arow[nb]: activation row of token g (null: zeros): FP16 E4M3 values, or E4M3 bytes for kDecFp8; srow[nb][u]: UE8M0 row of the tokens of
+/// accumulator columns 2t+u (null: 0). acc[m][nb][4]: FP32, rows (a: g, b: g+8) x cols (2t, 2t+1).
+/// Per-strip offsets are 32-bit (one expert's packed bytes stay below 2^31: checked by the host);
+/// the expert base is 64-bit.
+template <int kDec, int NB>
+__device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, const long long (&strip)[8],
+                                               const bool (&ok)[8], const void* const (&arow)[NB],
+                                               const unsigned char* const (&srow)[NB][2], int nblocks, long long k0,
+                                               long long k1, unsigned char* ring, float (&acc)[4][NB][4]) {
+  using R = SwapRing;
+  const int lane = threadIdx.x & 31, t = lane & 3;
+#pragma unroll
+  for (int m = 0; m < 4; ++m)
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[m][nb][r] = 0.0f;
+  if (k0 >= k1) return;
+
+  const long long tiles_k = w.tiles_k;
+  const int n = static_cast<int>(k1 - k0);
+  const unsigned ring_s = static_cast<unsigned>(__cvta_generic_to_shared(ring));
+  // Missing strips (past the matrix) read a zero codebook: their products vanish with no test in
+  // the loop. Their ring bytes are never copied, so zero the codebook slots of every stage once.
+  if (lane < R::kStrips) {
+#pragma unroll
+    for (int i = 0; i < R::kStrips; ++i)
+      if (i == lane && !ok[i])
+        for (int st = 0; st < R::kStages; ++st)
+          *reinterpret_cast<uint2*>(ring + st * R::kStageBytes + R::kCb + 8 * i) = make_uint2(0u, 0u);
+  }
+  __syncwarp();
+  // Copies of one K-tile: rounds 0..2 = 96 index chunks (strip q/12, chunk q%12), round 3 = the 8
+  // codebooks (lanes 0..7). Sources advance by 192 (indices) and 8 (codebooks) bytes per K-tile.
+  const long long tile0 = e * w.tiles_n * tiles_k + k0;  // tile index of (e, strip 0, k0)
+  const unsigned char* const pk_base = w.packed + tile0 * 192;
+  const unsigned char* const cb_base = w.codebook + tile0 * 8;
+  const unsigned char* const sc_base = w.scale + tile0;
+  int off[4], dsto[4];
+  bool cp_ok[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int q = lane + 32 * j;
+    const int i = j < 3 ? q / 12 : lane;
+    long long si = 0;
+    bool sok = false;
+#pragma unroll
+    for (int u = 0; u < R::kStrips; ++u)
+      if (u == i) { si = strip[u]; sok = ok[u]; }
+    cp_ok[j] = j < 3 ? sok : (lane < R::kStrips && sok);
+    off[j] = static_cast<int>(si * tiles_k) * (j < 3 ? 192 : 8) + (j < 3 ? (q % 12) * 16 : 0);
+    dsto[j] = j < 3 ? i * 192 + (q % 12) * 16 : R::kCb + 8 * lane;
+  }
+  int soff[8];  // scale byte offsets of the 8 strips
+#pragma unroll
+  for (int i = 0; i < 8; ++i) soff[i] = static_cast<int>(strip[i] * tiles_k);
+
+  auto issue = [&](int kk, int slot) {
+    if (kk < n) {
+      const unsigned st = ring_s + static_cast<unsigned>(slot * R::kStageBytes);
+#pragma unroll
+      for (int j = 0; j < 3; ++j)
+        if (cp_ok[j]) cp_async16(st + dsto[j], pk_base + off[j] + static_cast<long long>(kk) * 192);
+      if (cp_ok[3]) cp_async8(st + dsto[3], cb_base + off[3] + static_cast<long long>(kk) * 8);
+    }
+    cp_async_commit();
+  };
+
+  // Activations of one K-tile: token g's 2 x 8 FP16 values, scales of tokens 2t, 2t+1 (2 blocks),
+  // and the 8 tile scales as FP32 (times 2^8 for the byte decoder).
+  struct XTile {
+    uint4 v[NB][2];
+    float sx[NB][2][2];  // [nb][block][u]
+    float fw[8];
+  };
+  const float wmul = kDec == kDecByte ? 256.0f : 1.0f;  // the byte trick's 2^-8
+  auto load_x = [&](int kk, XTile& x) {
+    const long long kt = k0 + kk;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      x.fw[i] = kUe8m0.v[ok[i] ? __ldg(sc_base + soff[i] + kk) : 127u];
+      if constexpr (kDec == kDecByte) x.fw[i] *= wmul;
+    }
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      if (nb > 0 && nb >= nblocks) continue;
+#pragma unroll
+      for (int blk = 0; blk < 2; ++blk) {
+        if constexpr (kDec == kDecFp8) {  // 8 E4M3 bytes: columns 8t..8t+7 of the block
+          const uint2 v = arow[nb] ? __ldg(reinterpret_cast<const uint2*>(static_cast<const unsigned char*>(arow[nb]) +
+                                                                           kt * 64 + 32 * blk + 8 * t))
+                                   : make_uint2(0u, 0u);
+          x.v[nb][blk] = make_uint4(v.x, v.y, 0u, 0u);
+        } else {
+          x.v[nb][blk] = arow[nb] ? __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(arow[nb]) +
+                                                                          kt * 64 + 32 * blk + 8 * t))
+                                  : make_uint4(0, 0, 0, 0);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        unsigned s2 = 0;
+        if (srow[nb][u]) s2 = __ldg(reinterpret_cast<const unsigned short*>(srow[nb][u] + 2 * kt));
+        x.sx[nb][0][u] = srow[nb][u] ? ue8m0_f(s2 & 0xffu) : 0.0f;
+        x.sx[nb][1][u] = srow[nb][u] ? ue8m0_f(s2 >> 8) : 0.0f;
+      }
+    }
+  };
+
+#pragma unroll
+  for (int s = 0; s < R::kStages - 1; ++s) issue(s, s);
+  XTile cur;
+  load_x(0, cur);
+  int slot = 0;  // ring slot of K-tile kk
+
+  for (int kk = 0; kk < n; ++kk) {
+    issue(kk + R::kStages - 1, slot == 0 ? R::kStages - 1 : slot - 1);
+    XTile nxt;
+    if (kk + 1 < n) load_x(kk + 1, nxt);
+    cp_async_wait<R::kStages - 1>();
+    __syncwarp();
+    const unsigned char* st = ring + slot * R::kStageBytes;
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      // codebooks of strips a (x, y) and b (z, w); this lane's index words of both strips.
+      const uint4 cb = *reinterpret_cast<const uint4*>(st + R::kCb + 16 * m);
+      unsigned sel[2][4];
+#pragma unroll
+      for (int ab = 0; ab < 2; ++ab) {
+        const int i = 2 * m + ab;
+        const unsigned x = *reinterpret_cast<const unsigned*>(st + i * 192 + 4 * lane);
+        const unsigned y = *reinterpret_cast<const unsigned short*>(st + i * 192 + 128 + 2 * lane);
+        sel[ab][0] = x & 0x7777u;
+        sel[ab][1] = (x >> 16) & 0x7777u;
+        sel[ab][2] = y & 0x7777u;
+        sel[ab][3] = ((x >> 3) & 0x1111u) | ((x >> 18) & 0x2222u) | ((y >> 1) & 0x4444u);
+      }
+      float part[NB][4];  // this K-tile's sum over both blocks, activation scales applied
+#pragma unroll
+      for (int blk = 0; blk < 2; ++blk) {
+        unsigned a0[4], a1[4];  // A operands: FP16 -> the block's two k16 steps; FP8 -> a0 = one k32 step
+        if constexpr (kDec == kDecFp8) {
+          // m16n8k32 E4M3: {row g k 4t..4t+3, row g+8 same, row g k 16+4t.., row g+8 same} =
+          // {strip a cols 8t+0..3, strip b cols 8t+0..3, strip a cols 8t+4..7, strip b cols 8t+4..7}.
+          a0[0] = __byte_perm(cb.x, cb.y, sel[0][2 * blk]);
+          a0[1] = __byte_perm(cb.z, cb.w, sel[1][2 * blk]);
+          a0[2] = __byte_perm(cb.x, cb.y, sel[0][2 * blk + 1]);
+          a0[3] = __byte_perm(cb.z, cb.w, sel[1][2 * blk + 1]);
+        } else {
+          unsigned pa = __byte_perm(cb.x, cb.y, sel[0][2 * blk]), pb = __byte_perm(cb.z, cb.w, sel[1][2 * blk]);
+          bytes_to_f16<kDec == kDecCvt>(pa, a0[0], a0[2]);
+          bytes_to_f16<kDec == kDecCvt>(pb, a0[1], a0[3]);
+          pa = __byte_perm(cb.x, cb.y, sel[0][2 * blk + 1]);
+          pb = __byte_perm(cb.z, cb.w, sel[1][2 * blk + 1]);
+          bytes_to_f16<kDec == kDecCvt>(pa, a1[0], a1[2]);
+          bytes_to_f16<kDec == kDecCvt>(pb, a1[1], a1[3]);
+        }
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+          if (nb > 0 && nb >= nblocks) continue;  // token block 0 always holds a token
+          const uint4 xv = cur.v[nb][blk];
+          float c[4];
+          if constexpr (kDec == kDecFp8) {
+            mma_e4m3_zero(c, a0, xv.x, xv.y);
+          } else {
+            mma_f16_zero(c, a0, xv.x, xv.y);
+            mma16816<false>(c, a1, xv.z, xv.w);
+          }
+          // Exact: the 32-column partial sum times the power-of-two block scale of each token.
+          const float s0 = cur.sx[nb][blk][0], s1 = cur.sx[nb][blk][1];
+          if (blk == 0) {
+            part[nb][0] = c[0] * s0;
+            part[nb][1] = c[1] * s1;
+            part[nb][2] = c[2] * s0;
+            part[nb][3] = c[3] * s1;
+          } else {
+            part[nb][0] = fmaf(c[0], s0, part[nb][0]);
+            part[nb][1] = fmaf(c[1], s1, part[nb][1]);
+            part[nb][2] = fmaf(c[2], s0, part[nb][2]);
+            part[nb][3] = fmaf(c[3], s1, part[nb][3]);
+          }
+        }
+      }
+      // Tile scales (powers of two, exact) of strips a (rows g) and b (rows g+8).
+      const float fa = cur.fw[2 * m], fb = cur.fw[2 * m + 1];
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) {
+        if (nb > 0 && nb >= nblocks) continue;
+        acc[m][nb][0] = fmaf(part[nb][0], fa, acc[m][nb][0]);
+        acc[m][nb][1] = fmaf(part[nb][1], fa, acc[m][nb][1]);
+        acc[m][nb][2] = fmaf(part[nb][2], fb, acc[m][nb][2]);
+        acc[m][nb][3] = fmaf(part[nb][3], fb, acc[m][nb][3]);
+      }
+    }
+    __syncwarp();
+    if (kk + 1 < n) cur = nxt;
+    slot = slot == R::kStages - 1 ? 0 : slot + 1;
+  }
+  cp_async_wait<0>();
+}
+
+/// Adds the warps' partial sums in warp order into warp 0's acc (through the ring memory, which
+/// is free once every warp has drained its copies). Returns true in warp 0.
+template <int NB>
+__device__ __forceinline__ bool swap_reduce(unsigned char* smem, float (&acc)[4][NB][4]) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+  __syncthreads();
+  float* red = reinterpret_cast<float*>(smem);
+  constexpr int kPer = 16 * NB;  // floats per lane
+  if (warp > 0) {
+#pragma unroll
+    for (int m = 0; m < 4; ++m)
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) red[((warp - 1) * kPer + (m * NB + nb) * 4 + r) * 32 + lane] = acc[m][nb][r];
+  }
+  __syncthreads();
+  if (warp > 0) return false;
+  for (int u = 1; u < nw; ++u)
+#pragma unroll
+    for (int m = 0; m < 4; ++m)
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[m][nb][r] += red[((u - 1) * kPer + (m * NB + nb) * 4 + r) * 32 + lane];
+  return true;
+}
+
+/// Dynamic shared memory of a swap-AB CTA of `warps` warps.
+template <int NB>
+constexpr int swap_smem_bytes(int warps) {
+  const int ring = warps * SwapRing::kWarpBytes, red = (warps - 1) * 16 * NB * 32 * 4;
+  return ring > red ? ring : red;
+}
+
+/// GEMM1 + SiLU*up + MXFP8 of h. Grid: (Ip/32 strip groups, token tile slots); blockDim.x =
+/// 32 * warps (K split across the warps). xa: [T, a_cols] FP16 E4M3 values in the decoder's column
+/// order, or E4M3 bytes (natural order) for kDecFp8. Output hq [P, Ip] in the same form, hs [P, Ip/32]
+/// UE8M0.
+template <int kDec, int NB>
+__global__ void __launch_bounds__(256, NB == 1 ? 2 : 1)
+    swapab_gemm1_kernel(LutbW w, const void* __restrict__ xa, const unsigned char* __restrict__ xs,
+                        long long a_cols, Routing r, long long I, long long Ip, void* __restrict__ hq,
+                        unsigned char* __restrict__ hs) {
+  constexpr long long kEl = kDec == kDecFp8 ? 1 : 2;  // bytes per activation element
+  int e;
+  SwapTokens<NB> tk;
+  if (!swap_tile<NB>(r, blockIdx.y, e, tk)) return;
+  const int warp = threadIdx.x >> 5, nw = blockDim.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+  const long long G = blockIdx.x;
+  long long strip[8];
+  bool ok[8];
+  group_strips<true>(G, w.tiles_n, I / 8, strip, ok);
+  const void* arow[NB];
+  const unsigned char* srow[NB][2];
+  const long long sblocks = a_cols / 32;
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    const int p = tk.pair_g[nb];
+    arow[nb] = p >= 0 ? static_cast<const unsigned char*>(xa) + static_cast<long long>(p / r.top_k) * a_cols * kEl
+                      : nullptr;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int pc = tk.pair_c[nb][u];
+      srow[nb][u] = pc >= 0 ? xs + static_cast<long long>(pc / r.top_k) * sblocks : nullptr;
+    }
+  }
+  const int nblocks = (tk.count + 7) / 8;
+  const long long per = (w.tiles_k + nw - 1) / nw;
+  const long long k0 = min(w.tiles_k, per * warp), k1 = min(w.tiles_k, k0 + per);
+  extern __shared__ __align__(16) unsigned char swap_smem[];
+  float acc[4][NB][4];
+  swap_warp_gemm<kDec, NB>(w, e, strip, ok, arow, srow, nblocks, k0, k1, swap_smem + warp * SwapRing::kWarpBytes, acc);
+  if (!swap_reduce<NB>(swap_smem, acc)) return;
+
+  // Lane (g, t) holds gate (c0, c1) and up (c2, c3) of I-column 8(4G+m)+g for the tokens of
+  // accumulator columns 2t, 2t+1. The MXFP8 block of h is I-columns 32G..32G+31 = (m, g).
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    if (nb >= nblocks) continue;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      float hv[4];
+      float a = 0.0f;
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        const float gg = acc[m][nb][u], uu = acc[m][nb][2 + u];
+        const float v = ok[2 * m] ? (gg / (1.0f + expf(-gg))) * uu : 0.0f;
+        hv[m] = bf16_round(v);
+        a = fmaxf(a, fabsf(hv[m]));
+        if (!isfinite(hv[m])) a = INFINITY;
+      }
+      a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 4));
+      a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 8));
+      a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 16));
+      const unsigned char b = mx_block_scale(a, MxScaleRule::Rceil);
+      const int p = tk.pair_c[nb][u];
+      if (p < 0) continue;
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        // Padding I-columns (I..Ip-1) are written as zeros: GEMM2 reads all Ip columns.
+        const unsigned char q8 = (b == 255) ? 0 : mx_encode(hv[m], b);
+        const long long at = static_cast<long long>(p) * Ip + 8 * (4 * G + m);
+        if constexpr (kDec == kDecFp8) {
+          static_cast<unsigned char*>(hq)[at + g] = q8;
+        } else {
+          static_cast<uint16_t*>(hq)[at + perm8(g, kDec == kDecByte)] = __half_as_ushort(__float2half_rn(e4m3_to_float(q8)));
+        }
+      }
+      if (g == 0) hs[static_cast<long long>(p) * (Ip / 32) + G] = b;
+    }
+  }
+}
+
+/// GEMM2: y[p, n] = h[p] . w2[e, n]^T (FP32). Grid: (ceil(tiles_n/8) strip groups, slots).
+template <int kDec, int NB>
+__global__ void __launch_bounds__(256, NB == 1 ? 2 : 1)
+    swapab_gemm2_kernel(LutbW w, const void* __restrict__ ha, const unsigned char* __restrict__ hs, long long Ip,
+                        Routing r, long long H, float* __restrict__ y) {
+  constexpr long long kEl = kDec == kDecFp8 ? 1 : 2;  // bytes per activation element
+  int e;
+  SwapTokens<NB> tk;
+  if (!swap_tile<NB>(r, blockIdx.y, e, tk)) return;
+  const int warp = threadIdx.x >> 5, nw = blockDim.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+  const long long G = blockIdx.x;
+  long long strip[8];
+  bool ok[8];
+  group_strips<false>(G, w.tiles_n, 0, strip, ok);
+  const void* arow[NB];
+  const unsigned char* srow[NB][2];
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    const int p = tk.pair_g[nb];
+    arow[nb] = p >= 0 ? static_cast<const unsigned char*>(ha) + static_cast<long long>(p) * Ip * kEl : nullptr;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int pc = tk.pair_c[nb][u];
+      srow[nb][u] = pc >= 0 ? hs + static_cast<long long>(pc) * (Ip / 32) : nullptr;
+    }
+  }
+  const int nblocks = (tk.count + 7) / 8;
+  const long long per = (w.tiles_k + nw - 1) / nw;
+  const long long k0 = min(w.tiles_k, per * warp), k1 = min(w.tiles_k, k0 + per);
+  extern __shared__ __align__(16) unsigned char swap_smem[];
+  float acc[4][NB][4];
+  swap_warp_gemm<kDec, NB>(w, e, strip, ok, arow, srow, nblocks, k0, k1, swap_smem + warp * SwapRing::kWarpBytes, acc);
+  if (!swap_reduce<NB>(swap_smem, acc)) return;
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    if (nb >= nblocks) continue;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int p = tk.pair_c[nb][u];
+      if (p < 0) continue;
+      float* dst = y + static_cast<long long>(p) * H;
+#pragma unroll
+      for (int m = 0; m < 4; ++m)
+#pragma unroll
+        for (int ab = 0; ab < 2; ++ab) {
+          const long long row = strip[2 * m + ab] * 8 + g;
+          if (ok[2 * m + ab] && row < H) dst[row] = acc[m][nb][2 * ab + u];
+        }
+    }
+  }
+}
+
+}  // namespace lutb::cuda::kern

@@ -1,0 +1,332 @@
+// tests/cuda/moe_prefill_test.cpp: the large-batch (prefill) LUT-B path (src/cuda/moe_prefill.hpp)
+// against the plain host reference of spec section 4 (tests/cuda/reference.hpp): random weights
+// uploaded in lane-major order, padded odd shapes, empty experts, 1..300 tokens per expert, the
+// DeepSeek-V3 / Qwen3 layer shapes (H, I, k as the models; fewer experts) at moderate T. Outputs
+// and workspace are poisoned (NaN bytes) before every run. GPU tests skip without a device.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <iostream>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cuda/moe_prefill.hpp"
+#include "cuda/reference.hpp"
+#include "lutb/cuda/lane_major.hpp"
+#include "lutb/cuda/moe.hpp"
+
+namespace lutb::test {
+namespace {
+
+bool have_gpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+#define LUTB_GPU_OR_SKIP() \
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device: skipping GPU test"
+
+void ck(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+template <class T>
+struct DevBuf {
+  T* p = nullptr;
+  std::size_t n = 0;
+  explicit DevBuf(std::size_t count) : n(count) {
+    ck(cudaMalloc(&p, std::max<std::size_t>(1, count) * sizeof(T)), "cudaMalloc");
+  }
+  explicit DevBuf(const std::vector<T>& v) : DevBuf(v.size()) {
+    ck(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), "H2D");
+  }
+  ~DevBuf() { cudaFree(p); }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  std::vector<T> down() const {
+    std::vector<T> v(n);
+    ck(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost), "D2H");
+    return v;
+  }
+};
+
+/// Packed bytes of every tile permuted to the GPU's lane-major order (in parallel: large stacks).
+std::vector<std::uint8_t> to_lane_major_host(const std::vector<std::uint8_t>& packed) {
+  std::vector<std::uint8_t> out(packed.size());
+  const std::int64_t tiles = static_cast<std::int64_t>(packed.size() / kPackedBytes);
+  const int nt = static_cast<int>(std::clamp<std::int64_t>(tiles / 4096, 1, std::max(1u, std::thread::hardware_concurrency())));
+  std::vector<std::thread> th;
+  for (int i = 0; i < nt; ++i)
+    th.emplace_back([&, i] {
+      for (std::int64_t t = tiles * i / nt; t < tiles * (i + 1) / nt; ++t)
+        cuda::tile_to_lane_major(&packed[t * kPackedBytes], &out[t * kPackedBytes]);
+    });
+  for (auto& x : th) x.join();
+  return out;
+}
+
+/// A host stack uploaded in lane-major order.
+struct DevLutbLM {
+  DevBuf<std::uint8_t> packed, codebook, scale;
+  cuda::DeviceLutb view;
+  explicit DevLutbLM(const HostLutb& h)
+      : packed(to_lane_major_host(h.packed)), codebook(h.codebook), scale(h.scale) {
+    view.shape = h.shape;
+    view.packed = packed.p;
+    view.codebook = codebook.p;
+    view.scale = scale.p;
+    view.lane_major = true;  // uploaded already permuted on the host
+  }
+};
+
+/// random_lutb (reference.hpp) with the bulk index bytes drawn 4 at a time (the large shapes).
+HostLutb fast_random_lutb(LutbShape s, std::mt19937& rng) {
+  HostLutb out(s);
+  for (std::size_t i = 0; i < out.packed.size(); i += 4) {
+    const std::uint32_t v = rng();
+    for (std::size_t b = 0; b < 4 && i + b < out.packed.size(); ++b) out.packed[i + b] = static_cast<std::uint8_t>(v >> (8 * b));
+  }
+  std::uniform_int_distribution<int> byte(0, 255), sc(117, 123);
+  for (std::int64_t t = 0; t < s.tiles(); ++t) {
+    std::uint8_t cb[8];
+    for (auto& b : cb) do b = static_cast<std::uint8_t>(byte(rng)); while (e4m3_is_nan(b));
+    std::sort(cb, cb + 8, [](std::uint8_t a, std::uint8_t b) { return e4m3_to_float(a) < e4m3_to_float(b); });
+    std::memcpy(&out.codebook[t * 8], cb, 8);
+    out.scale[t] = static_cast<std::uint8_t>(sc(rng));
+  }
+  return out;
+}
+
+std::vector<std::uint16_t> random_bf16(std::size_t n, std::mt19937& rng, float sigma = 1.0f) {
+  std::normal_distribution<float> d(0.0f, sigma);
+  std::vector<std::uint16_t> v(n);
+  for (auto& x : v) x = bf16_from_float(d(rng));
+  return v;
+}
+
+struct Cmp {
+  double rel_l2 = 0;
+  std::int64_t nan = 0, exact = 0, n = 0;
+};
+Cmp compare_bf16(const std::vector<std::uint16_t>& got, const std::vector<std::uint16_t>& ref) {
+  Cmp c;
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const float g = bf16_to_float(got[i]), r = bf16_to_float(ref[i]);
+    if (std::isnan(g)) { ++c.nan; continue; }
+    num += (double(g) - r) * (double(g) - r);
+    den += double(r) * r;
+    c.exact += got[i] == ref[i];
+  }
+  c.n = static_cast<std::int64_t>(got.size());
+  c.rel_l2 = std::sqrt(num / std::max(den, 1e-300));
+  return c;
+}
+
+/// The prefill forward on device stacks; out [T][H] poisoned (0xffff = NaN) before the run.
+std::vector<std::uint16_t> run_prefill(const cuda::DeviceMoeWeights& w, const std::vector<std::uint16_t>& x,
+                                       std::int64_t T, int k, const std::vector<std::int32_t>& ids,
+                                       const std::vector<float>& wts) {
+  DevBuf<std::uint16_t> dx(x), out(static_cast<std::size_t>(T * w.hidden));
+  DevBuf<std::int32_t> did(ids);
+  DevBuf<float> dw(wts);
+  const std::size_t wsb = cuda::moe_workspace_bytes(T, k, w.experts, w.hidden, w.intermediate);
+  DevBuf<char> ws(wsb);
+  ck(cudaMemset(out.p, 0xff, out.n * 2), "poison out");
+  ck(cudaMemset(ws.p, 0xff, wsb), "poison workspace");
+  cuda::moe_forward_lutb_prefill(w, dx.p, T, k, did.p, dw.p, out.p, ws.p, wsb, nullptr);
+  ck(cudaDeviceSynchronize(), "moe_forward_lutb_prefill");
+  return out.down();
+}
+
+void random_routing(std::int64_t T, int k, const std::vector<int>& allowed, std::mt19937& rng,
+                    std::vector<std::int32_t>& ids, std::vector<float>& w) {
+  ids.resize(T * k);
+  w.resize(T * k);
+  std::uniform_real_distribution<float> u(0.05f, 1.0f);
+  for (std::int64_t t = 0; t < T; ++t) {
+    std::vector<int> pool = allowed;
+    std::shuffle(pool.begin(), pool.end(), rng);
+    for (int j = 0; j < k; ++j) {
+      ids[t * k + j] = pool[j];
+      w[t * k + j] = u(rng);
+    }
+  }
+}
+
+/// Rows `rows` of x / ids / weights (for checking large shapes on a sample of tokens).
+template <class V>
+V take_rows(const V& v, std::int64_t width, const std::vector<std::int64_t>& rows) {
+  V out;
+  for (std::int64_t r : rows) out.insert(out.end(), v.begin() + r * width, v.begin() + (r + 1) * width);
+  return out;
+}
+
+void expect_matches(const std::vector<std::uint16_t>& got, const std::vector<std::uint16_t>& ref) {
+  const Cmp r = compare_bf16(got, ref);
+  std::cout << "  vs host reference: rel. L2 " << r.rel_l2 << ", bit-equal " << r.exact << " of " << r.n << "\n";
+  EXPECT_EQ(r.nan, 0) << "unwritten or NaN outputs";
+  EXPECT_LT(r.rel_l2, 1e-3) << "exact " << r.exact << " of " << r.n;
+  EXPECT_GT(r.exact, r.n * 8 / 10) << "bit-equal BF16 outputs (FP32 order only differs); rel L2 " << r.rel_l2;
+}
+
+struct Case {
+  const char* name;
+  std::int64_t E, H, I, T;
+  int k;
+  bool only_even;    // leave odd experts empty
+  int check_tokens;  // 0: all tokens against the host reference, else this many sampled tokens
+};
+// Readable parameters in failure messages (gtest otherwise dumps the struct's bytes).
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << c.name << " (E=" << c.E << ", H=" << c.H << ", I=" << c.I << ", T=" << c.T << ", k=" << c.k << ")";
+}
+
+class PrefillRandom : public ::testing::TestWithParam<Case> {};
+
+TEST_P(PrefillRandom, MatchesHostReference) {
+  LUTB_GPU_OR_SKIP();
+  const Case c = GetParam();
+  std::mt19937 rng(777 + static_cast<unsigned>(c.E * 7 + c.H + c.I + c.T));
+  const HostLutb w13 = fast_random_lutb({c.E, 2 * c.I, c.H, true}, rng);
+  const HostLutb w2 = fast_random_lutb({c.E, c.H, c.I, true}, rng);
+  const auto x = random_bf16(c.T * c.H, rng);
+  std::vector<int> allowed;
+  for (int e = 0; e < c.E; ++e)
+    if (!c.only_even || e % 2 == 0) allowed.push_back(e);
+  std::vector<std::int32_t> ids;
+  std::vector<float> wts;
+  random_routing(c.T, c.k, allowed, rng, ids, wts);
+  DevLutbLM d13(w13), d2(w2);
+  const cuda::DeviceMoeWeights w{c.E, c.H, c.I, d13.view, d2.view};
+  const auto got = run_prefill(w, x, c.T, c.k, ids, wts);
+  std::vector<std::int64_t> rows;
+  if (c.check_tokens == 0) {
+    for (std::int64_t t = 0; t < c.T; ++t) rows.push_back(t);
+  } else {
+    for (int i = 0; i < c.check_tokens; ++i) rows.push_back((c.T - 1) * i / std::max(1, c.check_tokens - 1));
+  }
+  const auto ref = moe_reference(w13, w2, c.H, c.I, take_rows(x, c.H, rows), static_cast<std::int64_t>(rows.size()),
+                                 c.k, take_rows(ids, c.k, rows), take_rows(wts, c.k, rows));
+  expect_matches(take_rows(got, c.H, rows), ref);
+  if (c.check_tokens != 0) {
+    // Every row written and finite (the sampled check covers the values).
+    std::int64_t bad = 0;
+    for (auto v : got) bad += std::isnan(bf16_to_float(v));
+    EXPECT_EQ(bad, 0) << "unwritten or NaN outputs outside the sampled rows";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, PrefillRandom,
+    ::testing::Values(Case{"one_token", 8, 256, 128, 1, 2, false, 0},
+                      Case{"padded_odd", 16, 200, 72, 13, 4, false, 0},        // H, I padded in K and N
+                      Case{"empty_experts", 32, 512, 256, 100, 8, true, 0},    // odd experts empty
+                      Case{"several_tiles", 4, 1024, 512, 200, 2, false, 0},   // ~100 rows per expert, 2 N-blocks
+                      Case{"padded_many_rows", 3, 328, 136, 250, 2, false, 0},  // > 2 token tiles, ragged edges
+                      Case{"deepseek_v3_shape", 12, 7168, 2048, 96, 8, false, 2},
+                      Case{"qwen3_235b_shape", 16, 4096, 1536, 160, 8, false, 3},
+                      Case{"qwen3_30b_shape", 32, 2048, 768, 256, 8, false, 8}),
+    [](const ::testing::TestParamInfo<Case>& i) { return std::string(i.param.name); });
+
+TEST(PrefillCuda, SkewedRouting1To300TokensPerExpert) {
+  LUTB_GPU_OR_SKIP();
+  // Expert 0: all 300 tokens (4 full token tiles + 44); expert 1: every 4th (75); expert 2: one
+  // token; expert 3: none; 4..7: the third choice at random.
+  const std::int64_t E = 8, H = 328, I = 136, T = 300;
+  const int k = 3;
+  std::mt19937 rng(4242);
+  const HostLutb w13 = fast_random_lutb({E, 2 * I, H, true}, rng), w2 = fast_random_lutb({E, H, I, true}, rng);
+  const auto x = random_bf16(T * H, rng);
+  std::vector<std::int32_t> ids(T * k);
+  std::vector<float> wts(T * k);
+  std::uniform_int_distribution<int> other(4, 7);
+  std::uniform_real_distribution<float> u(0.05f, 1.0f);
+  for (std::int64_t t = 0; t < T; ++t) {
+    ids[t * k + 0] = 0;
+    ids[t * k + 1] = (t % 4 == 0) ? 1 : (t == 7 ? 2 : other(rng));
+    int third = other(rng);
+    while (third == ids[t * k + 1]) third = other(rng);
+    ids[t * k + 2] = third;
+    for (int j = 0; j < k; ++j) wts[t * k + j] = u(rng);
+  }
+  DevLutbLM d13(w13), d2(w2);
+  const auto got = run_prefill({E, H, I, d13.view, d2.view}, x, T, k, ids, wts);
+  expect_matches(got, moe_reference(w13, w2, H, I, x, T, k, ids, wts));
+}
+
+TEST(PrefillCuda, InvalidExpertIdWritesNanRowOnly) {
+  LUTB_GPU_OR_SKIP();
+  std::mt19937 rng(5);
+  const std::int64_t E = 4, H = 64, I = 64, T = 3;
+  const int k = 2;
+  const HostLutb w13 = random_lutb({E, 2 * I, H, true}, rng), w2 = random_lutb({E, H, I, true}, rng);
+  const auto x = random_bf16(T * H, rng);
+  const std::vector<std::int32_t> ids = {0, 1, 2, 7, 3, 0};  // token 1 has an out-of-range id
+  const std::vector<float> wts = {0.5f, 0.5f, 0.3f, 0.7f, 0.6f, 0.4f};
+  DevLutbLM d13(w13), d2(w2);
+  const auto got = run_prefill({E, H, I, d13.view, d2.view}, x, T, k, ids, wts);
+  const auto ref = moe_reference(w13, w2, H, I, x, T, k, ids, wts);
+  for (std::int64_t c = 0; c < H; ++c) {
+    EXPECT_TRUE(std::isnan(bf16_to_float(got[1 * H + c])));
+    EXPECT_EQ(got[0 * H + c], ref[0 * H + c]) << "column " << c;
+    EXPECT_FALSE(std::isnan(bf16_to_float(got[2 * H + c])));
+  }
+}
+
+TEST(PrefillCuda, NonFiniteActivationBlockGivesNanRowLikeTheReference) {
+  LUTB_GPU_OR_SKIP();
+  // An Inf in x makes its MXFP8 block scale 255 (spec 3): the token's row is NaN in the reference;
+  // every other row must be unaffected.
+  std::mt19937 rng(11);
+  const std::int64_t E = 4, H = 256, I = 128, T = 5;
+  const int k = 2;
+  const HostLutb w13 = random_lutb({E, 2 * I, H, true}, rng), w2 = random_lutb({E, H, I, true}, rng);
+  auto x = random_bf16(T * H, rng);
+  x[2 * H + 77] = bf16_from_float(INFINITY);
+  std::vector<std::int32_t> ids;
+  std::vector<float> wts;
+  random_routing(T, k, {0, 1, 2, 3}, rng, ids, wts);
+  DevLutbLM d13(w13), d2(w2);
+  const auto got = run_prefill({E, H, I, d13.view, d2.view}, x, T, k, ids, wts);
+  const auto ref = moe_reference(w13, w2, H, I, x, T, k, ids, wts);
+  for (std::int64_t c = 0; c < H; ++c) {
+    EXPECT_TRUE(std::isnan(bf16_to_float(ref[2 * H + c])));
+    EXPECT_TRUE(std::isnan(bf16_to_float(got[2 * H + c]))) << "column " << c;
+  }
+  const std::vector<std::int64_t> rows = {0, 1, 3, 4};
+  expect_matches(take_rows(got, H, rows), take_rows(ref, H, rows));
+}
+
+TEST(PrefillCuda, HeuristicThresholdIs24PairsPerTouchedExpert) {
+  EXPECT_FALSE(cuda::prefer_lutb_prefill(256, 8, 256));   // DeepSeek-V3, T = 256: 8 pairs per expert
+  EXPECT_FALSE(cuda::prefer_lutb_prefill(256, 8, 128));   // Qwen3, T = 256: 16 (break-even)
+  EXPECT_TRUE(cuda::prefer_lutb_prefill(384, 8, 128));    // 24
+  EXPECT_TRUE(cuda::prefer_lutb_prefill(1024, 8, 256));   // 32
+  EXPECT_FALSE(cuda::prefer_lutb_prefill(4, 2, 8));       // 8 pairs over 8 experts
+  EXPECT_TRUE(cuda::prefer_lutb_prefill(96, 2, 8));       // 24
+  EXPECT_FALSE(cuda::prefer_lutb_prefill(0, 8, 256));
+}
+
+TEST(PrefillCuda, BadArgumentsThrowBeforeAnyLaunch) {
+  // Argument checks run before any CUDA call: no device needed.
+  cuda::DeviceMoeWeights w{4, 64, 60, {}, {}};
+  EXPECT_THROW(cuda::moe_forward_lutb_prefill(w, nullptr, 1, 2, nullptr, nullptr, nullptr, nullptr, 0, nullptr),
+               std::invalid_argument);  // I % 8 != 0
+  w.intermediate = 64;
+  w.w13.shape = {4, 128, 64, true};
+  w.w2.shape = {4, 64, 32, true};  // wrong K
+  EXPECT_THROW(cuda::moe_forward_lutb_prefill(w, nullptr, 1, 2, nullptr, nullptr, nullptr, nullptr, 0, nullptr),
+               std::invalid_argument);
+  w.w2.shape = {4, 64, 64, true};
+  EXPECT_THROW(cuda::moe_forward_lutb_prefill(w, nullptr, 1, 2, nullptr, nullptr, nullptr, nullptr, 0, nullptr),
+               std::invalid_argument);  // null stacks
+}
+
+}  // namespace
+}  // namespace lutb::test

@@ -1,0 +1,421 @@
+// tests/cuda/online_gpu_test.cpp: the online LUT-B method on the GPU (lutb/cuda/online.hpp):
+// device BF16/FP16 experts in, packed LUT-B out with the bytes of lutb::quantize on the host
+// (then permuted to lane-major order), source released chunk by chunk, device memory bounded by the
+// chunk, errors before anything is released, idempotence. Skips without a GPU.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "lutb/cuda/lane_major.hpp"
+#include "lutb/cuda/online.hpp"
+#include "lutb/fit.hpp"
+#include "lutb/numerics.hpp"
+#include "lutb/safetensors.hpp"
+#include "support/test_support.hpp"
+
+namespace lutb::test {
+namespace {
+
+bool gpu_present() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+#define LUTB_GPU_OR_SKIP() \
+  if (!gpu_present()) GTEST_SKIP() << "no CUDA device: skipping"
+
+#define CUDA_OK(x) ASSERT_EQ((x), cudaSuccess)
+
+LutbShape stack(std::int64_t e, std::int64_t n, std::int64_t k) {
+  LutbShape s;
+  s.experts = e;
+  s.rows = n;
+  s.cols = k;
+  s.stacked = true;
+  return s;
+}
+
+// Host copy of one layer: w13 [E, 2I, H], w2 [E, H, I] (16-bit bits).
+struct HostLayer {
+  std::int64_t E = 0, H = 0, I = 0;
+  DType dtype = DType::BF16;
+  std::vector<std::uint16_t> w13, w2;
+};
+
+HostLayer random_layer(std::int64_t E, std::int64_t H, std::int64_t I, DType dt, std::uint32_t seed) {
+  HostLayer l{E, H, I, dt, {}, {}};
+  std::mt19937 g(seed);
+  std::student_t_distribution<float> td(4.0f);
+  auto enc = [&](float v) { return dt == DType::BF16 ? bf16_from_float(v) : fp16_from_float(v); };
+  l.w13.resize(static_cast<std::size_t>(E * 2 * I * H));
+  l.w2.resize(static_cast<std::size_t>(E * H * I));
+  for (auto& x : l.w13) x = enc(0.02f * td(g));
+  for (auto& x : l.w2) x = enc(0.03f * td(g));
+  return l;
+}
+
+// The CPU method's bytes: lutb::quantize (binned-dp), then every tile permuted to lane-major.
+struct Expected {
+  LutbTensor w13, w2;
+  FitStats s13, s2;
+};
+Expected cpu_expected(const HostLayer& l, bool lane_major) {
+  Expected x;
+  x.s13 = quantize(l.w13.data(), l.dtype, stack(l.E, 2 * l.I, l.H), x.w13, FitOptions{}, "w13_weight");
+  x.s2 = quantize(l.w2.data(), l.dtype, stack(l.E, l.H, l.I), x.w2, FitOptions{}, "w2_weight");
+  if (lane_major)
+    for (LutbTensor* t : {&x.w13, &x.w2})
+      for (std::size_t i = 0; i < t->packed.size(); i += kPackedBytes) {
+        std::uint8_t lm[kPackedBytes];
+        cuda::tile_to_lane_major(t->packed.data() + i, lm);
+        std::memcpy(t->packed.data() + i, lm, kPackedBytes);
+      }
+  return x;
+}
+
+// Device copies of the layer, one allocation per expert and matrix (or one stack each).
+struct DeviceSource {
+  std::vector<void*> w13, w2;
+  ~DeviceSource() { free_all(); }
+  void free_all() {
+    for (auto* v : {&w13, &w2})
+      for (void*& p : *v) {
+        if (p) cudaFree(p);
+        p = nullptr;
+      }
+  }
+};
+
+void upload(const HostLayer& l, bool stacked, DeviceSource& d, cuda::DeviceExpertSource& src) {
+  src = cuda::DeviceExpertSource{};
+  src.dtype = l.dtype;
+  src.experts = l.E;
+  src.hidden = l.H;
+  src.intermediate = l.I;
+  const std::size_t n13 = static_cast<std::size_t>(2 * l.I * l.H), n2 = static_cast<std::size_t>(l.H * l.I);
+  const std::int64_t parts = stacked ? 1 : l.E;
+  const std::size_t per13 = stacked ? n13 * l.E : n13, per2 = stacked ? n2 * l.E : n2;
+  for (std::int64_t e = 0; e < parts; ++e) {
+    void* a = nullptr;
+    void* b = nullptr;
+    ASSERT_EQ(cudaMalloc(&a, per13 * 2), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&b, per2 * 2), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(a, l.w13.data() + e * n13, per13 * 2, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(b, l.w2.data() + e * n2, per2 * 2, cudaMemcpyHostToDevice), cudaSuccess);
+    d.w13.push_back(a);
+    d.w2.push_back(b);
+    src.w13.push_back(a);
+    src.w2.push_back(b);
+  }
+}
+
+std::vector<std::uint8_t> to_host(const std::uint8_t* p, std::size_t n) {
+  std::vector<std::uint8_t> h(n);
+  EXPECT_EQ(cudaMemcpy(h.data(), p, n, cudaMemcpyDeviceToHost), cudaSuccess);
+  return h;
+}
+
+void expect_equal_layer(const cuda::DeviceLutbLayer& out, const Expected& x) {
+  const cuda::DeviceMoeWeights& w = out.weights();
+  for (int which = 0; which < 2; ++which) {
+    const cuda::DeviceLutb& d = which == 0 ? w.w13 : w.w2;
+    const LutbTensor& c = which == 0 ? x.w13 : x.w2;
+    SCOPED_TRACE(which == 0 ? "w13" : "w2");
+    EXPECT_EQ(d.shape.tiles(), c.shape.tiles());
+    const auto packed = to_host(d.packed, c.packed.size());
+    std::int64_t bad = -1;
+    for (std::size_t t = 0; t * kPackedBytes < c.packed.size() && bad < 0; ++t)
+      if (std::memcmp(packed.data() + t * kPackedBytes, c.packed.data() + t * kPackedBytes, kPackedBytes) != 0)
+        bad = static_cast<std::int64_t>(t);
+    EXPECT_EQ(bad, -1) << "packed bytes differ first at tile " << bad;
+    EXPECT_EQ(to_host(d.codebook, c.codebook.size()), c.codebook);
+    EXPECT_EQ(to_host(d.scale, c.scale.size()), c.scale);
+  }
+}
+
+TEST(OnlineGpu, RandomLayerMatchesCpuAndReleasesByChunk) {
+  LUTB_GPU_OR_SKIP();
+  // I = 40: w2's columns end mid-tile (padding); H = 200: w13's too.
+  const HostLayer l = random_layer(5, 200, 40, DType::BF16, 1);
+  const Expected x = cpu_expected(l, true);
+  DeviceSource d;
+  cuda::DeviceExpertSource src;
+  upload(l, false, d, src);
+  std::vector<std::pair<std::int64_t, std::int64_t>> released;
+  src.release = [&](std::int64_t e0, std::int64_t e1) {
+    released.emplace_back(e0, e1);
+    for (std::int64_t e = e0; e < e1; ++e) {
+      cudaFree(d.w13[static_cast<std::size_t>(e)]);
+      cudaFree(d.w2[static_cast<std::size_t>(e)]);
+      d.w13[static_cast<std::size_t>(e)] = d.w2[static_cast<std::size_t>(e)] = nullptr;
+    }
+  };
+  cuda::GpuOnlineOptions opt;
+  opt.chunk_bytes = 2 * (3 * 40 * 200 * 2) + 100;  // two experts per chunk
+  cuda::DeviceLutbLayer out;
+  const cuda::GpuOnlineReport rep = cuda::quantize_experts_online(src, out, opt);
+  EXPECT_EQ(rep.experts_per_chunk, 2);
+  EXPECT_EQ(rep.chunks, 3);
+  const std::vector<std::pair<std::int64_t, std::int64_t>> want = {{0, 2}, {2, 4}, {4, 5}};
+  EXPECT_EQ(released, want);
+  EXPECT_EQ(rep.source_bytes, static_cast<std::size_t>(5 * 3 * 40 * 200 * 2));
+  EXPECT_EQ(rep.w13.tiles, x.s13.tiles);
+  EXPECT_EQ(rep.w13.sse, x.s13.sse);
+  EXPECT_EQ(rep.w13.sum_sq, x.s13.sum_sq);
+  EXPECT_EQ(rep.w2.sse, x.s2.sse);
+  EXPECT_EQ(rep.w2.sum_sq, x.s2.sum_sq);
+  EXPECT_TRUE(src.already_processed);
+  EXPECT_TRUE(src.w13.empty());
+  EXPECT_EQ(out.weights().experts, 5);
+  EXPECT_EQ(out.weights().hidden, 200);
+  EXPECT_EQ(out.weights().intermediate, 40);
+  EXPECT_TRUE(out.weights().w13.lane_major);
+  EXPECT_TRUE(out.weights().w2.lane_major);
+  expect_equal_layer(out, x);
+  // Idempotent: a second call does nothing (no release, empty report, output unchanged).
+  const cuda::GpuOnlineReport again = cuda::quantize_experts_online(src, out, opt);
+  EXPECT_EQ(again.chunks, 0);
+  EXPECT_EQ(released.size(), 3u);
+  expect_equal_layer(out, x);
+}
+
+TEST(OnlineGpu, StackedF16CheckpointOrder) {
+  LUTB_GPU_OR_SKIP();
+  const HostLayer l = random_layer(3, 128, 64, DType::F16, 2);
+  const Expected x = cpu_expected(l, false);
+  DeviceSource d;
+  cuda::DeviceExpertSource src;
+  upload(l, true, d, src);
+  int calls = 0;
+  src.release = [&](std::int64_t, std::int64_t e1) {
+    ++calls;
+    if (e1 == 3) d.free_all();  // a stack is freed once all of it is consumed
+  };
+  cuda::GpuOnlineOptions opt;
+  opt.lane_major = false;
+  opt.chunk_bytes = 1;  // one expert per chunk
+  cuda::DeviceLutbLayer out;
+  const cuda::GpuOnlineReport rep = cuda::quantize_experts_online(src, out, opt);
+  EXPECT_FALSE(out.weights().w13.lane_major);
+  EXPECT_EQ(calls, 3);
+  EXPECT_EQ(rep.w2.sse, x.s2.sse);
+  expect_equal_layer(out, x);
+}
+
+TEST(OnlineGpu, TinyQwen3MoeLayer) {
+  LUTB_GPU_OR_SKIP();
+  LUTB_MODEL_OR_SKIP(dir, "tiny-qwen3-moe");
+  SafetensorsFile f(dir / "model.safetensors");
+  HostLayer l;
+  l.dtype = DType::BF16;
+  for (int layer : {0, 1}) {
+    l.w13.clear();
+    l.w2.clear();
+    std::int64_t e = 0;
+    for (;; ++e) {
+      const std::string p = "model.layers." + std::to_string(layer) + ".mlp.experts." + std::to_string(e) + ".";
+      if (!f.contains(p + "gate_proj.weight")) break;
+      for (const char* proj : {"gate_proj", "up_proj"}) {
+        const auto span = f.get(p + proj + ".weight").as<std::uint16_t>(DType::BF16);
+        l.w13.insert(l.w13.end(), span.begin(), span.end());
+      }
+      const TensorView& down = f.get(p + "down_proj.weight");
+      l.H = down.shape[0];
+      l.I = down.shape[1];
+      const auto span = down.as<std::uint16_t>(DType::BF16);
+      l.w2.insert(l.w2.end(), span.begin(), span.end());
+    }
+    if (e == 0) break;
+    l.E = e;
+    SCOPED_TRACE("layer " + std::to_string(layer));
+    const Expected x = cpu_expected(l, true);
+    DeviceSource d;
+    cuda::DeviceExpertSource src;
+    upload(l, false, d, src);
+    cuda::GpuOnlineOptions opt;
+    opt.chunk_bytes = 4 * static_cast<std::size_t>(3 * l.H * l.I * 2);
+    cuda::DeviceLutbLayer out;
+    const cuda::GpuOnlineReport rep = cuda::quantize_experts_online(src, out, opt);
+    EXPECT_EQ(rep.w13.sse, x.s13.sse);
+    EXPECT_EQ(rep.w2.sse, x.s2.sse);
+    expect_equal_layer(out, x);
+  }
+}
+
+// Peak device memory: the source (until released) + the output + the chunk's temporaries, measured
+// with cudaMemGetInfo inside the release callback (before that chunk is freed), against a layer 16x
+// the chunk.
+TEST(OnlineGpu, MemoryBoundedByChunk) {
+  LUTB_GPU_OR_SKIP();
+  const std::int64_t E = 16, H = 1024, I = 512;
+  const HostLayer l = random_layer(E, H, I, DType::BF16, 3);
+  const std::size_t expert_bytes = static_cast<std::size_t>(3 * H * I * 2);  // 3 MiB
+  {  // warm-up: kernels loaded, context settled
+    const HostLayer w = random_layer(2, 64, 64, DType::BF16, 4);
+    DeviceSource d;
+    cuda::DeviceExpertSource src;
+    upload(w, false, d, src);
+    cuda::DeviceLutbLayer out;
+    cuda::quantize_experts_online(src, out);
+  }
+  DeviceSource d;
+  cuda::DeviceExpertSource src;
+  upload(l, false, d, src);
+  CUDA_OK(cudaDeviceSynchronize());
+  std::size_t free0 = 0, total = 0;
+  CUDA_OK(cudaMemGetInfo(&free0, &total));
+  std::size_t min_free = free0;
+  std::int64_t held = E;  // experts still allocated
+  std::size_t worst_excess = 0;
+  src.release = [&](std::int64_t e0, std::int64_t e1) {
+    std::size_t f = 0, t = 0;
+    cudaMemGetInfo(&f, &t);
+    min_free = std::min(min_free, f);
+    // Memory in use beyond the sources already freed: (free0 - f) - (E - held) * expert_bytes.
+    const std::size_t used = free0 - f + static_cast<std::size_t>(E - held) * expert_bytes;
+    worst_excess = std::max(worst_excess, used);
+    for (std::int64_t e = e0; e < e1; ++e) {
+      cudaFree(d.w13[static_cast<std::size_t>(e)]);
+      cudaFree(d.w2[static_cast<std::size_t>(e)]);
+      d.w13[static_cast<std::size_t>(e)] = d.w2[static_cast<std::size_t>(e)] = nullptr;
+    }
+    held -= e1 - e0;
+  };
+  cuda::GpuOnlineOptions opt;
+  opt.chunk_bytes = expert_bytes;  // one expert per chunk: 1/16 of the layer
+  cuda::DeviceLutbLayer out;
+  const cuda::GpuOnlineReport rep = cuda::quantize_experts_online(src, out, opt);
+  std::size_t free1 = 0;
+  CUDA_OK(cudaMemGetInfo(&free1, &total));
+  const std::size_t layer = static_cast<std::size_t>(E) * expert_bytes;
+  const std::size_t slack = std::size_t{4} << 20;  // allocation granularity (2 MiB pages)
+  std::printf("layer %zu B, output %zu B, temporaries %zu B, peak extra over the sources %zu B\n", layer,
+              rep.quantized_bytes, rep.temp_bytes, worst_excess);
+  EXPECT_EQ(rep.chunks, E);
+  EXPECT_LE(rep.temp_bytes, expert_bytes / 64 + 512);
+  // Extra memory at any release point: at most the output + temporaries (+ granularity), which is
+  // far below the layer (a BF16 staging copy would be 48 MiB).
+  EXPECT_LE(worst_excess, rep.quantized_bytes + rep.temp_bytes + slack);
+  EXPECT_LT(worst_excess, layer / 3);
+  // After the call: every source is freed and only the output remains.
+  EXPECT_EQ(held, 0);
+  EXPECT_GE(free1 + rep.quantized_bytes + slack, free0 + layer);
+}
+
+TEST(OnlineGpu, ErrorsBeforeAnythingIsReleased) {
+  LUTB_GPU_OR_SKIP();
+  HostLayer l = random_layer(3, 128, 64, DType::BF16, 5);
+  // A NaN in w2 of expert 2 and a -Inf in w13 of expert 1: w13 is reported (the CPU fits it first).
+  l.w2[static_cast<std::size_t>(2 * 128 * 64 + 70 * 64 + 5)] = 0x7fc0;
+  std::string cpu_msg;
+  LutbTensor t;
+  try {
+    quantize(l.w2.data(), DType::BF16, stack(3, 128, 64), t, FitOptions{}, "w2_weight");
+  } catch (const std::invalid_argument& e) {
+    cpu_msg = e.what();
+  }
+  ASSERT_EQ(cpu_msg.rfind("quantize: ", 0), 0u);
+  for (bool with_w13_error : {false, true}) {
+    if (with_w13_error) l.w13[static_cast<std::size_t>(1 * 128 * 128 + 9 * 128 + 100)] = 0xff80;  // -Inf
+    DeviceSource d;
+    cuda::DeviceExpertSource src;
+    upload(l, false, d, src);
+    int releases = 0;
+    src.release = [&](std::int64_t, std::int64_t) { ++releases; };
+    cuda::DeviceLutbLayer out;
+    std::string msg;
+    try {
+      cuda::quantize_experts_online(src, out);
+    } catch (const std::invalid_argument& e) {
+      msg = e.what();
+    }
+    EXPECT_EQ(releases, 0);
+    EXPECT_FALSE(src.already_processed);
+    EXPECT_EQ(src.w13.size(), 3u);
+    EXPECT_TRUE(out.empty());
+    if (!with_w13_error) {
+      EXPECT_EQ(msg, "quantize_experts_online: " + cpu_msg.substr(10));
+    } else {
+      EXPECT_EQ(msg, "quantize_experts_online: tensor w13_weight, expert 1, tile (1, 1): -Inf at row 9 col 100");
+    }
+  }
+  // Bad arguments.
+  DeviceSource d;
+  cuda::DeviceExpertSource good;
+  upload(random_layer(2, 64, 64, DType::BF16, 6), false, d, good);
+  auto msg_of = [&](cuda::DeviceExpertSource s, cuda::GpuOnlineOptions o = {}) {
+    cuda::DeviceLutbLayer out;
+    try {
+      cuda::quantize_experts_online(s, out, o);
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  cuda::DeviceExpertSource s = good;
+  s.dtype = DType::F32;
+  EXPECT_EQ(msg_of(s), "quantize_experts_online: weight dtype F32 is not BF16 or F16");
+  s = good;
+  s.intermediate = 12;
+  EXPECT_NE(msg_of(s).find("intermediate size 12 is not a multiple of 8"), std::string::npos) << msg_of(s);
+  s = good;
+  s.w2.pop_back();
+  s.w2.push_back(nullptr);
+  EXPECT_EQ(msg_of(s), "quantize_experts_online: w2 pointer 1 is null");
+  s = good;
+  s.w13.push_back(s.w13[0]);
+  EXPECT_NE(msg_of(s).find("w13 has 3 pointers; expected 1 (stacked) or 2"), std::string::npos) << msg_of(s);
+  s = good;
+  s.experts = 0;
+  EXPECT_NE(msg_of(s).find("must be >= 1"), std::string::npos);
+  cuda::GpuOnlineOptions o;
+  o.forced_scale = 2;
+  EXPECT_NE(msg_of(good, o).find("forced_scale 2 is outside"), std::string::npos);
+}
+
+TEST(OnlineGpu, SelectionLoggedOnce) {
+  LUTB_GPU_OR_SKIP();
+  std::vector<std::string> msgs;
+  cuda::GpuOnlineOptions opt;
+  opt.log = [&](const std::string& m) { msgs.push_back(m); };
+  for (int i = 0; i < 2; ++i) {
+    DeviceSource d;
+    cuda::DeviceExpertSource src;
+    upload(random_layer(1, 64, 64, DType::BF16, 7 + i), false, d, src);
+    cuda::DeviceLutbLayer out;
+    cuda::quantize_experts_online(src, out, opt);
+  }
+  // Once per process: at most one message (none if an earlier test in this process logged it).
+  ASSERT_LE(msgs.size(), 1u);
+  if (!msgs.empty()) {
+    EXPECT_NE(msgs[0].find("quantised on the GPU (binned-dp)"), std::string::npos) << msgs[0];
+  }
+}
+
+TEST(OnlineGpu, LaneMajorKernelMatchesHost) {
+  LUTB_GPU_OR_SKIP();
+  const int tiles = 37;
+  std::vector<std::uint8_t> h(static_cast<std::size_t>(tiles) * kPackedBytes);
+  std::mt19937 g(9);
+  for (auto& b : h) b = static_cast<std::uint8_t>(g());
+  std::uint8_t* d = nullptr;
+  CUDA_OK(cudaMalloc(&d, h.size()));
+  CUDA_OK(cudaMemcpy(d, h.data(), h.size(), cudaMemcpyHostToDevice));
+  cuda::packed_to_lane_major(d, tiles, nullptr);
+  const auto got = to_host(d, h.size());
+  cudaFree(d);
+  for (int t = 0; t < tiles; ++t) {
+    std::uint8_t want[kPackedBytes];
+    cuda::tile_to_lane_major(h.data() + t * kPackedBytes, want);
+    EXPECT_EQ(std::memcmp(got.data() + t * kPackedBytes, want, kPackedBytes), 0) << "tile " << t;
+  }
+}
+
+}  // namespace
+}  // namespace lutb::test
