@@ -24,6 +24,7 @@
 // FormatError (lutb/tile.hpp).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <filesystem>
 #include <functional>
@@ -51,6 +52,25 @@ struct ConfigError : std::runtime_error {
 struct CheckpointError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
+/// A write stopped because its interrupt flag (QuantizeOptions::interrupt, SynthOptions::interrupt)
+/// became nonzero, i.e. a signal arrived. When it propagates out of quantize_checkpoint,
+/// quantize_file or synthesize_checkpoint the temporary output has been removed and the destination
+/// is exactly as it was. `signal` is the flag's value (the signal number, e.g. SIGINT = 2).
+struct Interrupted : std::runtime_error {
+  Interrupted(int sig, const std::string& what) : std::runtime_error(what), signal(sig) {}
+  int signal;
+};
+/// The flag type polled by the writers: set from a signal handler (lock-free, so async-signal-safe).
+using InterruptFlag = std::atomic<int>;
+static_assert(InterruptFlag::is_always_lock_free, "a signal handler may only touch a lock-free atomic");
+
+/// Temporaries that an earlier write of `target` left behind when its process died (killed, or a
+/// second Ctrl-C): siblings named "<target>.tmp.<pid>..." or "<target>.old.<pid>..." whose <pid> is
+/// not a running process (kill(pid, 0) fails with ESRCH). Temporaries of running processes (another
+/// lutb writing the same target, or this process) are not listed. Sorted by name. Nothing is removed:
+/// the callers (lutb quantize, lutb synth) report them and leave them, because a process id that is
+/// not running here may be a live writer on another host sharing the filesystem.
+std::vector<std::filesystem::path> stale_temporaries(const std::filesystem::path& target);
 
 // ---------------------------------------------------------------------------
 // Model families and configuration (spec section 7)
@@ -320,6 +340,10 @@ struct QuantizeOptions {
   /// (the old one is removed after the swap).
   bool force = false;
   bool progress = true;    // progress bar on stderr (only drawn when stderr is a terminal)
+  /// Polled between tensors and between 32 MB copy chunks (a single tensor's fit is not
+  /// interrupted): when it reads nonzero the write stops, the temporary output is removed and
+  /// Interrupted is thrown; the destination is left as it was. Null: never interrupted.
+  const InterruptFlag* interrupt = nullptr;
 };
 
 /// Summary of a quantisation run.
@@ -385,8 +409,10 @@ struct SynthOptions {
   bool stacked = false;         // write transformers-5 stacked gate_up_proj/down_proj tensors
   bool progress = true;
   bool force = false;           // replace an existing out_dir
-  /// Override the real shapes (tests): 0 keeps the family's value.
+  /// Override the real shapes (tests): 0 keeps the family's value; negative is an error.
   std::int64_t hidden_size = 0, moe_intermediate_size = 0, num_experts = 0;
+  /// As QuantizeOptions::interrupt, polled between blocks of rows (a few MB).
+  const InterruptFlag* interrupt = nullptr;
 };
 
 /// The real model a family's synthetic checkpoint imitates (shapes from its published config.json):
@@ -412,8 +438,14 @@ ModelConfig synth_config(const SynthOptions& opt);
 /// values and results do not depend on the thread count. Streaming: tensors are generated and
 /// written a block of rows at a time (memory bounded by a few MB per thread), atomically
 /// (temporary directory renamed at the end; an existing out_dir is an error unless force).
+/// Before writing, the free space of out_dir's filesystem (std::filesystem::space of its parent) must
+/// exceed synth_checkpoint_bytes(opt), else CheckpointError naming both sizes; nothing is written.
 /// Returns the tensor bytes written.
 std::uint64_t synthesize_checkpoint(const std::filesystem::path& out_dir, const SynthOptions& opt);
+
+/// The tensor bytes synthesize_checkpoint(opt) writes (safetensors headers and config.json, a few
+/// KB per shard, not included). Throws as synth_config for invalid options.
+std::uint64_t synth_checkpoint_bytes(const SynthOptions& opt);
 
 /// Peak resident set size of this process (VmHWM of /proc/self/status) in bytes; 0 if unknown.
 std::uint64_t peak_rss_bytes();

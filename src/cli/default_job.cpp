@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <limits>
 #include <memory>
 #include <random>
 #include <stdexcept>
@@ -18,6 +19,8 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.hpp"
+#include "cli/interrupt.hpp"
+#include "cli/validators.hpp"
 #include "lutb/checkpoint.hpp"
 #include "lutb/moe.hpp"
 
@@ -59,8 +62,26 @@ double since(std::chrono::steady_clock::time_point t) {
 void run_default_job(const DefaultArgs& a) {
   namespace fs = std::filesystem;
   using clock = std::chrono::steady_clock;
-  if (a.tokens < 1) throw std::invalid_argument("--tokens must be at least 1");
+  // Every option is checked before any work (QA 2026-11-30: a bad --fitter failed only after the
+  // synthesis). The ranges of --tokens, --experts and --seed are checked by the parser.
+  if (a.tokens < 1) throw std::invalid_argument(fmt::format("--tokens {}: must be at least 1", a.tokens));
+  if (!a.fitter.empty()) {
+    try {
+      check_fitter_name(a.fitter);
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument(fmt::format("--fitter: {}", e.what()));
+    }
+  }
+  if (!a.work_dir.empty() && fs::exists(a.work_dir) && !fs::is_directory(a.work_dir))
+    throw std::invalid_argument(fmt::format("--work-dir {}: exists and is not a directory", a.work_dir));
+  {
+    SynthOptions probe;
+    probe.family = ModelFamily::qwen3_moe;
+    probe.num_experts = a.experts;
+    synth_config(probe);  // throws for an invalid --experts before anything is written
+  }
 
+  InterruptGuard on_signal;  // Ctrl-C: the Cleanup below removes what this run wrote
   fs::path work;
   bool own_work = false;  // true when this run created `work` and may remove it whole
   if (a.work_dir.empty()) {
@@ -94,6 +115,7 @@ void run_default_job(const DefaultArgs& a) {
   so.layers = 1;
   so.force = own_work;
   so.num_experts = a.experts;
+  so.interrupt = interrupt_flag();
   const ModelConfig cfg = synth_config(so);
   const std::int64_t E = cfg.num_experts, H = cfg.hidden_size, I = cfg.moe_intermediate_size;
   const int k = static_cast<int>(cfg.num_experts_per_tok);
@@ -110,11 +132,13 @@ void run_default_job(const DefaultArgs& a) {
   QuantizeOptions qo;
   qo.fit.fitter = a.fitter;
   qo.force = own_work;
+  qo.interrupt = interrupt_flag();
   t = clock::now();
   const QuantizeSummary qs = quantize_checkpoint(src_dir, q_dir, qo);
   const double t_quant = since(t);
   fmt::print("{:<48}{:8.2f} s\n", fmt::format("2. quantised it to LUT-B (fitter {})", qs.fitter), t_quant);
 
+  check_interrupted("after the quantisation");
   t = clock::now();
   Checkpoint bf(src_dir), lq(q_dir);
   ExpertsSource src = bf.experts_source(0);
@@ -123,6 +147,7 @@ void run_default_job(const DefaultArgs& a) {
   const double t_load = since(t);
   fmt::print("{:<48}{:8.2f} s\n", "3. loaded the experts of both checkpoints", t_load);
 
+  check_interrupted("after loading the checkpoints");
   // Random tokens (standard normal, BF16) and routing with the layer's router.
   const std::int64_t T = a.tokens;
   std::vector<std::uint16_t> x(static_cast<std::size_t>(T * H));
@@ -163,6 +188,7 @@ void run_default_job(const DefaultArgs& a) {
     dense.apply_f32(hs, topk, ref.data());
     t_ref = since(t);
   }
+  check_interrupted("after the BF16 reference");
   {
     auto bf16act = moe::make_lutb_experts(mc, lut.w13, lut.w2, moe::EmulationKernel::Fast, moe::ActivationFormat::BF16);
     bf16act->apply_f32(hs, topk, out_bf16act.data());
@@ -220,12 +246,16 @@ void run_default_job(const DefaultArgs& a) {
 void add_default_job(CLI::App& app) {
   auto a = std::make_shared<DefaultArgs>();
   const std::string g = "Default job (lutb with no subcommand)";
-  app.add_option("--tokens", a->tokens, "default job: random tokens run through the layer (default 64)")->group(g);
-  app.add_option("--experts", a->experts, "default job: routed experts (default 128, Qwen3-30B-A3B's; fewer for a quick run)")
-      ->group(g)->check(CLI::NonNegativeNumber);
+  app.add_option("--tokens", a->tokens, "default job: random tokens run through the layer (default 64)")
+      ->group(g)->check(IntRange<std::int64_t>(1, 1 << 20));
+  app.add_option("--experts", a->experts,
+                 "default job: routed experts (0 or default: 128, Qwen3-30B-A3B's; fewer for a quick run)")
+      ->group(g)->check(IntRange<std::int64_t>(0, 4096));
   app.add_option("--fitter", a->fitter, "default job: fitter (default " + default_fitter() + ")")->group(g);
-  app.add_option("--seed", a->seed, "default job: token seed")->group(g);
-  app.add_option("--work-dir", a->work_dir, "default job: directory for the two checkpoints (default a temporary one)")->group(g);
+  app.add_option("--seed", a->seed, "default job: token seed")
+      ->group(g)->check(IntRange<std::uint64_t>(0, std::numeric_limits<std::uint64_t>::max()));
+  app.add_option("--work-dir", a->work_dir, "default job: directory for the two checkpoints (default a temporary one); Ctrl-C/SIGTERM remove what the run "
+                 "wrote there")->group(g);
   app.add_flag("--keep", a->keep, "default job: keep the checkpoints")->group(g);
   app.add_flag("--json", a->json, "default job: print a JSON summary as the last line")->group(g);
   app.callback([&app, a] {

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.hpp"
+#include "cli/validators.hpp"
 #include "cli/model_options.hpp"
 #include "lutb/fit.hpp"
 #include "lutb/model.hpp"
@@ -34,17 +35,27 @@ void run_eval(const EvalArgs& a) {
   ensure_runtime_env();
   model::set_threads(a.threads);
   const model::MoeOptions mo = a.quant.resolve(a.model_dir, a.threads);
+  // The config and the tokens first, so that a bad file fails before the weights load; every
+  // message names its file.
+  const model::TransformerConfig config = model::TransformerConfig::load(a.model_dir);
+  const std::filesystem::path tokens_path =
+      a.tokens.empty() ? std::filesystem::path(a.model_dir) / "val_tokens.safetensors" : std::filesystem::path(a.tokens);
+  const std::vector<std::int32_t> tokens = model::load_token_ids(tokens_path);
+  model::EvalOptions eo;
+  eo.max_windows = a.max_windows;
+  eo.batch = a.batch;
+  if (static_cast<std::int64_t>(tokens.size()) < eo.window)
+    throw model::ModelError(fmt::format("{}: input_ids holds {} tokens, fewer than one evaluation window of {}",
+                                        tokens_path.string(), tokens.size(), eo.window));
+  for (std::size_t i = 0; i < tokens.size(); ++i)
+    if (tokens[i] < 0 || tokens[i] >= config.vocab_size)
+      throw model::ModelError(fmt::format("{}: input_ids[{}] = {} is outside the vocabulary [0, {}) of {}",
+                                          tokens_path.string(), i, tokens[i], config.vocab_size, a.model_dir));
   const auto t0 = std::chrono::steady_clock::now();
   model::CheckpointMoe moe(a.model_dir, mo);
   model::LanguageModel lm = model::LanguageModel::load(a.model_dir, moe.factory());
   const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  const std::filesystem::path tokens_path =
-      a.tokens.empty() ? std::filesystem::path(a.model_dir) / "val_tokens.safetensors" : std::filesystem::path(a.tokens);
-  const std::vector<std::int32_t> tokens = model::load_token_ids(tokens_path);
 
-  model::EvalOptions eo;
-  eo.max_windows = a.max_windows;
-  eo.batch = a.batch;
   const bool tty = isatty(fileno(stderr));
   if (tty && !a.json)
     eo.progress = [](std::int64_t done, std::int64_t total) {
@@ -114,10 +125,10 @@ void add_eval(CLI::App& app) {
   args->quant.add_to(cmd);
   cmd->add_option("--tokens", args->tokens, "safetensors file with input_ids (default MODEL_DIR/val_tokens.safetensors)");
   cmd->add_flag("--json", args->json, "print one JSON object as the last line of stdout");
-  cmd->add_option("--threads", args->threads, "threads (default: all cores)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--threads", args->threads, "threads (default: all cores)")->check(ThreadCount());
   cmd->add_option("--max-windows", args->max_windows, "evaluate only the first N windows (0 = all)")
-      ->check(CLI::NonNegativeNumber);
-  cmd->add_option("--batch", args->batch, "windows per forward pass (does not change the result)")->check(CLI::PositiveNumber);
+      ->check(IntRange<std::int64_t>(0, std::numeric_limits<std::int64_t>::max()));
+  cmd->add_option("--batch", args->batch, "windows per forward pass (does not change the result)")->check(IntRange<std::int64_t>(1, 4096));
   cmd->callback([args] { run_eval(*args); });
 }
 

@@ -5,6 +5,7 @@
 #include <fmt/core.h>
 
 #include "cli/commands.hpp"
+#include "cli/interrupt.hpp"
 
 int main(int argc, char** argv) {
   CLI::App app{"lutb: LUT-B (3.14-bit lookup-table weights, MXFP8 activations) for MoE experts"};
@@ -18,6 +19,10 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
+  } catch (const lutb::Interrupted& e) {
+    // The writer's guards have removed its temporary output; end as the signal would have.
+    fmt::print(stderr, "lutb: {}\n", e.what());
+    lutb::cli::reraise_interrupt(e.signal);
   } catch (const std::exception& e) {
     fmt::print(stderr, "lutb: error: {}\n", e.what());
     return 1;

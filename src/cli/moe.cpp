@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.hpp"
+#include "cli/validators.hpp"
 #include "cli/model_options.hpp"
 #include "lutb/model.hpp"
 #include "lutb/safetensors.hpp"
@@ -116,7 +117,7 @@ void add_moe(CLI::App& app) {
       ->required();
   args->quant.add_to(cmd, "--act-format");
   cmd->add_flag("--json", args->json, "print one JSON object as the last line of stdout");
-  cmd->add_option("--threads", args->threads, "threads (default: all cores)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--threads", args->threads, "threads (default: all cores)")->check(ThreadCount());
   cmd->callback([args] { run_moe(*args); });
 }
 

@@ -10,6 +10,8 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.hpp"
+#include "cli/interrupt.hpp"
+#include "cli/validators.hpp"
 #include "lutb/checkpoint.hpp"
 
 namespace lutb::cli {
@@ -47,6 +49,12 @@ void add_quantize(CLI::App& app) {
       "Quantise routed experts to LUT-B. MODEL_DIR -o OUT_DIR writes a LUT-B checkpoint (spec 2.2); "
       "IN.safetensors -o OUT.safetensors quantises 2-D/3-D float tensors of one file (--match REGEX or --all, "
       "default --all)");
+  cmd->footer(
+      "Interruption: the output is built under OUT.tmp.PID and renamed at the end. Ctrl-C, SIGTERM or SIGHUP stop "
+      "the run, remove that temporary and leave OUT exactly as it was (exit status of the signal: 130/143); a "
+      "second signal stops at once and leaves the temporary. Temporaries of processes that no longer exist "
+      "(OUT.tmp.PID, OUT.old.PID) are reported on stderr at the start but never removed: delete them yourself (a "
+      "process id unknown here may be a live run on another host sharing the filesystem).");
   cmd->add_option("input", args->input, "checkpoint directory or .safetensors file")->required();
   cmd->add_option("-o,--output", args->output, "output directory (checkpoint) or file (.safetensors)")->required();
   cmd->add_option("--fitter", args->fitter, "fitter: " + [] {
@@ -54,7 +62,7 @@ void add_quantize(CLI::App& app) {
     for (const auto& n : fitter_names()) s += (s.empty() ? "" : ", ") + n;
     return s + " (default " + default_fitter() + ")";
   }());
-  cmd->add_option("--threads", args->threads, "threads (0 = all cores)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--threads", args->threads, "threads (0 = all cores)")->check(ThreadCount());
   auto* m = cmd->add_option("--match", args->match, "file mode: quantise tensors whose name matches this regex");
   auto* a = cmd->add_flag("--all", args->all, "file mode: quantise every 2-D/3-D float tensor (the default)");
   m->excludes(a);
@@ -63,7 +71,10 @@ void add_quantize(CLI::App& app) {
   cmd->add_flag("--json", args->json, "print a JSON summary as the last line of stdout");
   cmd->callback([args] {
     namespace fs = std::filesystem;
+    InterruptGuard on_signal;
+    warn_stale_temporaries(args->output);
     QuantizeOptions opt;
+    opt.interrupt = interrupt_flag();
     opt.fit.fitter = args->fitter;
     opt.fit.threads = args->threads;
     opt.force = args->force;

@@ -1,5 +1,7 @@
 // `lutb synth`: writes a synthetic MoE checkpoint at a real model's shapes (see synth_config()).
 #include <chrono>
+#include <cmath>
+#include <limits>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -7,11 +9,17 @@
 #include <fmt/core.h>
 
 #include "cli/commands.hpp"
+#include "cli/interrupt.hpp"
+#include "cli/validators.hpp"
 #include "lutb/checkpoint.hpp"
 
 namespace lutb::cli {
 
 namespace {
+// Bounds of the size options: generous beside the largest published MoE models (DeepSeek-V3 61
+// layers, H 7168; Mixtral-8x22B I 16384; 512 experts), small enough that no product overflows.
+constexpr std::int64_t kMaxLayers = 1024, kMaxWidth = 65536, kMaxExperts = 4096;
+
 struct SynthArgs {
   std::string family = "qwen3_moe", output;
   SynthOptions opt;
@@ -28,23 +36,41 @@ void add_synth(CLI::App& app) {
       "Synthesise a MoE checkpoint at the real shapes of a large model of the family (Qwen3-30B-A3B, "
       "Qwen1.5-MoE-A2.7B, Mixtral-8x7B, DeepSeek-V3, DeepSeek-V2-Lite, OLMoE-1B-7B): MoE blocks only, "
       "heavy-tailed (Student-t) BF16 weights, deterministic");
+  cmd->footer(
+      "Prints the bytes it will write and checks the free space before writing. Written under OUT.tmp.PID and "
+      "renamed at the end: Ctrl-C, SIGTERM or SIGHUP remove the temporary and leave OUT as it was (exit status of "
+      "the signal: 130/143); temporaries of dead processes are reported at the start, never removed.");
   cmd->add_option("--family", args->family, "model family: " + fams)->required();
-  cmd->add_option("--layers", args->opt.layers, "number of MoE layers")->required()->check(CLI::PositiveNumber);
+  cmd->add_option("--layers", args->opt.layers, "number of MoE layers")->required()->check(IntRange<std::int64_t>(1, kMaxLayers));
   cmd->add_option("-o,--output", args->output, "output directory (must not exist unless --force)")->required();
-  cmd->add_option("--seed", args->opt.seed, "random seed (default 1234)");
-  cmd->add_option("--nu", args->opt.student_nu, "Student-t degrees of freedom (default 5)");
+  cmd->add_option("--seed", args->opt.seed, "random seed (default 1234)")
+      ->check(IntRange<std::uint64_t>(0, std::numeric_limits<std::uint64_t>::max()));
+  cmd->add_option("--nu", args->opt.student_nu, "Student-t degrees of freedom, a finite number > 2 (default 5)");
   cmd->add_flag("--stacked", args->opt.stacked, "write stacked gate_up_proj [E, 2I, H] / down_proj [E, H, I] tensors");
-  cmd->add_option("--hidden-size", args->opt.hidden_size, "override hidden_size (tests)");
-  cmd->add_option("--moe-intermediate-size", args->opt.moe_intermediate_size, "override the expert width (tests)");
-  cmd->add_option("--experts", args->opt.num_experts, "override the number of routed experts (tests)");
+  cmd->add_option("--hidden-size", args->opt.hidden_size, "override hidden_size (tests)")
+      ->check(IntRange<std::int64_t>(1, kMaxWidth));
+  cmd->add_option("--moe-intermediate-size", args->opt.moe_intermediate_size, "override the expert width (tests)")
+      ->check(IntRange<std::int64_t>(1, kMaxWidth));
+  cmd->add_option("--experts", args->opt.num_experts, "override the number of routed experts (tests)")
+      ->check(IntRange<std::int64_t>(1, kMaxExperts));
   cmd->add_flag("--force", args->opt.force, "replace an existing output directory");
   cmd->add_flag("--no-progress", args->no_progress, "no progress bar on stderr");
   cmd->callback([args, fams] {
     auto f = family_from_name(args->family);
     if (!f) throw std::invalid_argument(fmt::format("--family {}: unknown family (supported: {})", args->family, fams));
+    if (!std::isfinite(args->opt.student_nu) || !(args->opt.student_nu > 2.0))
+      throw std::invalid_argument(
+          fmt::format("--nu {}: must be a finite number > 2 (the Student-t variance is finite only then)", args->opt.student_nu));
     args->opt.family = *f;
     args->opt.progress = !args->no_progress;
     const ModelConfig c = synth_config(args->opt);
+    InterruptGuard on_signal;
+    args->opt.interrupt = interrupt_flag();
+    warn_stale_temporaries(args->output);
+    const std::uint64_t planned = synth_checkpoint_bytes(args->opt);
+    fmt::print("lutb synth: will write {} bytes ({:.2f} GB) of BF16 tensors to {}\n", planned,
+               static_cast<double>(planned) / 1e9, args->output);
+    std::fflush(stdout);
     const auto t0 = std::chrono::steady_clock::now();
     const std::uint64_t bytes = synthesize_checkpoint(args->output, args->opt);
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

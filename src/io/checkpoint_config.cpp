@@ -6,6 +6,7 @@
 #include <fmt/core.h>
 #include <fmt/format.h>
 
+#include "io/config_json.hpp"
 #include "lutb/checkpoint.hpp"
 
 namespace lutb {
@@ -18,37 +19,24 @@ constexpr ModelFamily kFamilies[] = {ModelFamily::qwen3_moe, ModelFamily::qwen2_
 bool is_deepseek(ModelFamily f) { return f == ModelFamily::deepseek_v3 || f == ModelFamily::deepseek_v2; }
 bool is_qwen(ModelFamily f) { return f == ModelFamily::qwen3_moe || f == ModelFamily::qwen2_moe; }
 
-// Reads an integer key; nullopt when absent or null. Throws on a wrong type.
+// The typed readers of io/config_json.hpp: errors read "WHERE: key 'K': reason" (the same wording as
+// the model's TransformerConfig parser).
 std::optional<std::int64_t> opt_int(const nlohmann::json& j, const char* key, const std::string& where) {
-  auto it = j.find(key);
-  if (it == j.end() || it->is_null()) return std::nullopt;
-  if (!it->is_number_integer() && !it->is_number_unsigned())
-    throw ConfigError(fmt::format("{}: key \"{}\" must be an integer, got {}", where, key, it->dump()));
-  return it->get<std::int64_t>();
+  return detail::config_int(j, key, where);
 }
 std::int64_t req_int(const nlohmann::json& j, const char* key, const std::string& where) {
-  auto v = opt_int(j, key, where);
-  if (!v) throw ConfigError(fmt::format("{}: required key \"{}\" is missing", where, key));
-  if (*v < 0) throw ConfigError(fmt::format("{}: key \"{}\" must be non-negative, got {}", where, key, *v));
-  return *v;
+  const std::int64_t v = detail::config_required(opt_int(j, key, where), key, where);
+  if (v < 0) detail::throw_config_key(where, key, fmt::format("must be non-negative, got {}", v));
+  return v;
 }
 std::optional<double> opt_num(const nlohmann::json& j, const char* key, const std::string& where) {
-  auto it = j.find(key);
-  if (it == j.end() || it->is_null()) return std::nullopt;
-  if (!it->is_number()) throw ConfigError(fmt::format("{}: key \"{}\" must be a number, got {}", where, key, it->dump()));
-  return it->get<double>();
+  return detail::config_number(j, key, where);
 }
 std::optional<bool> opt_bool(const nlohmann::json& j, const char* key, const std::string& where) {
-  auto it = j.find(key);
-  if (it == j.end() || it->is_null()) return std::nullopt;
-  if (!it->is_boolean()) throw ConfigError(fmt::format("{}: key \"{}\" must be true or false, got {}", where, key, it->dump()));
-  return it->get<bool>();
+  return detail::config_bool(j, key, where);
 }
 std::optional<std::string> opt_str(const nlohmann::json& j, const char* key, const std::string& where) {
-  auto it = j.find(key);
-  if (it == j.end() || it->is_null()) return std::nullopt;
-  if (!it->is_string()) throw ConfigError(fmt::format("{}: key \"{}\" must be a string, got {}", where, key, it->dump()));
-  return it->get<std::string>();
+  return detail::config_string(j, key, where);
 }
 
 std::string supported_list() {
@@ -109,11 +97,12 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& where
   c.raw = j;
   c.source = where;
   auto mt = opt_str(j, "model_type", where);
-  if (!mt) throw ConfigError(fmt::format("{}: required key \"model_type\" is missing (supported: {})", where, supported_list()));
+  if (!mt) detail::throw_config_key(where, "model_type", fmt::format("required but missing (supported: {})", supported_list()));
   c.model_type = *mt;
   auto fam = family_from_name(*mt);
   if (!fam)
-    throw ConfigError(fmt::format("{}: unsupported model_type \"{}\" (supported: {})", where, *mt, supported_list()));
+    detail::throw_config_key(where, "model_type",
+                             fmt::format("unsupported model_type \"{}\" (supported: {})", *mt, supported_list()));
   c.family = *fam;
 
   c.hidden_size = req_int(j, "hidden_size", where);
@@ -129,14 +118,13 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& where
     auto v = opt_int(j, key, where);
     if (!v) continue;
     if (experts && *experts != *v)
-      throw ConfigError(fmt::format("{}: \"{}\" = {} disagrees with \"{}\" = {}", where, experts_key, *experts, key, *v));
+      detail::throw_config_key(where, key, fmt::format("{} disagrees with key '{}' = {}", *v, experts_key, *experts));
     experts = v;
     experts_key = key;
   }
   if (!experts)
-    throw ConfigError(fmt::format("{}: no experts count: none of \"num_experts\", \"num_local_experts\", "
-                                  "\"n_routed_experts\" is present",
-                                  where));
+    detail::throw_config_key(where, "num_experts",
+                             "required but missing (nor are its variants 'num_local_experts', 'n_routed_experts')");
   c.num_experts = *experts;
 
   // Expert width.
@@ -145,16 +133,18 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& where
   } else {
     auto v = opt_int(j, "moe_intermediate_size", where);
     if (!v && c.family == ModelFamily::olmoe) v = c.intermediate_size;  // OLMoE experts use intermediate_size
-    if (!v) throw ConfigError(fmt::format("{}: required key \"moe_intermediate_size\" is missing", where));
+    if (!v) detail::throw_config_key(where, "moe_intermediate_size", "required but missing");
     c.moe_intermediate_size = *v;
   }
   if (c.moe_intermediate_size <= 0)
-    throw ConfigError(fmt::format("{}: expert width (moe_intermediate_size{}) must be positive", where,
-                                  c.family == ModelFamily::mixtral ? " / intermediate_size" : ""));
-  if (c.hidden_size <= 0) throw ConfigError(fmt::format("{}: hidden_size must be positive", where));
+    detail::throw_config_key(where,
+                             c.family == ModelFamily::mixtral && !j.contains("moe_intermediate_size") ? "intermediate_size"
+                                                                                                    : "moe_intermediate_size",
+                             fmt::format("the expert width must be positive, got {}", c.moe_intermediate_size));
+  if (c.hidden_size <= 0) detail::throw_config_key(where, "hidden_size", fmt::format("must be positive, got {}", c.hidden_size));
   if (c.num_experts_per_tok <= 0 || c.num_experts_per_tok > c.num_experts)
-    throw ConfigError(fmt::format("{}: num_experts_per_tok = {} must be in 1..{} (the experts count)", where,
-                                  c.num_experts_per_tok, c.num_experts));
+    detail::throw_config_key(where, "num_experts_per_tok",
+                             fmt::format("must be in 1..{} (the experts count), got {}", c.num_experts, c.num_experts_per_tok));
 
   // Routing.
   const bool ds3 = c.family == ModelFamily::deepseek_v3;
@@ -162,14 +152,14 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& where
   auto sf = opt_str(j, "scoring_func", where).value_or(ds3 ? "sigmoid" : "softmax");
   if (sf == "softmax") c.scoring_func = ScoringFunc::softmax;
   else if (sf == "sigmoid") c.scoring_func = ScoringFunc::sigmoid;
-  else throw ConfigError(fmt::format("{}: scoring_func \"{}\" is not supported (softmax, sigmoid)", where, sf));
+  else detail::throw_config_key(where, "scoring_func", fmt::format("\"{}\" is not supported (softmax, sigmoid)", sf));
   if (is_deepseek(c.family)) c.topk_method = opt_str(j, "topk_method", where).value_or(ds3 ? "noaux_tc" : "greedy");
   c.n_group = opt_int(j, "n_group", where).value_or(1);
   c.topk_group = opt_int(j, "topk_group", where).value_or(1);
   if (c.n_group <= 0 || c.num_experts % c.n_group != 0)
-    throw ConfigError(fmt::format("{}: n_group = {} must divide the experts count {}", where, c.n_group, c.num_experts));
+    detail::throw_config_key(where, "n_group", fmt::format("must divide the experts count {}, got {}", c.num_experts, c.n_group));
   if (c.topk_group <= 0 || c.topk_group > c.n_group)
-    throw ConfigError(fmt::format("{}: topk_group = {} must be in 1..n_group ({})", where, c.topk_group, c.n_group));
+    detail::throw_config_key(where, "topk_group", fmt::format("must be in 1..n_group ({}), got {}", c.n_group, c.topk_group));
   c.routed_scaling_factor = opt_num(j, "routed_scaling_factor", where).value_or(1.0);
 
   // Shared experts.
@@ -183,17 +173,22 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& where
 
   // Dense-layer selection.
   if (auto it = j.find("mlp_only_layers"); it != j.end() && !it->is_null()) {
-    if (!it->is_array()) throw ConfigError(fmt::format("{}: key \"mlp_only_layers\" must be a list of layer indices", where));
+    if (!it->is_array())
+      detail::throw_config_key(where, "mlp_only_layers",
+                               fmt::format("must be a list of layer indices, got {}", detail::json_excerpt(*it)));
     for (const auto& v : *it) {
-      if (!v.is_number_integer()) throw ConfigError(fmt::format("{}: \"mlp_only_layers\" holds a non-integer {}", where, v.dump()));
+      if (!v.is_number_integer())
+        detail::throw_config_key(where, "mlp_only_layers", fmt::format("holds a non-integer {}", detail::json_excerpt(v)));
       c.mlp_only_layers.push_back(v.get<std::int64_t>());
     }
   }
   c.decoder_sparse_step = opt_int(j, "decoder_sparse_step", where).value_or(1);
   c.first_k_dense_replace = opt_int(j, "first_k_dense_replace", where).value_or(0);
   c.moe_layer_freq = opt_int(j, "moe_layer_freq", where).value_or(1);
-  if (c.decoder_sparse_step <= 0) throw ConfigError(fmt::format("{}: decoder_sparse_step must be positive", where));
-  if (c.moe_layer_freq <= 0) throw ConfigError(fmt::format("{}: moe_layer_freq must be positive", where));
+  if (c.decoder_sparse_step <= 0)
+    detail::throw_config_key(where, "decoder_sparse_step", fmt::format("must be positive, got {}", c.decoder_sparse_step));
+  if (c.moe_layer_freq <= 0)
+    detail::throw_config_key(where, "moe_layer_freq", fmt::format("must be positive, got {}", c.moe_layer_freq));
 
   c.rms_norm_eps = opt_num(j, "rms_norm_eps", where).value_or(c.family == ModelFamily::mixtral ? 1e-5 : 1e-6);
   c.tie_word_embeddings = opt_bool(j, "tie_word_embeddings", where).value_or(false);

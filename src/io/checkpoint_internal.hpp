@@ -1,6 +1,7 @@
 // Internal helpers of the checkpoint reader/writer (not public API).
 #pragma once
 
+#include <atomic>
 #include <filesystem>
 
 #include <cstdint>
@@ -48,5 +49,18 @@ void check_output_location(const std::filesystem::path& in, const std::filesyste
 /// Refuses to replace an existing `target` of the other kind: a directory output never replaces a
 /// file and a file output never replaces a directory, even with --force. No-op when absent.
 void check_replaceable(const std::filesystem::path& target, bool want_directory);
+
+/// Temporary sibling name of `target`: "<target>.tmp.<pid>" (a trailing separator is ignored).
+/// stale_temporaries() recognises these names.
+std::filesystem::path temp_sibling(const std::filesystem::path& target);
+
+/// Throws Interrupted naming `target` when `flag` is set (nonzero). No-op for a null flag.
+void check_interrupt(const std::atomic<int>* flag, const std::filesystem::path& target);
+
+/// Copies the bytes of regular file `from` to a new file `to` (replaced when it exists) created with
+/// the default mode 0666 minus the umask, like any file this program writes. Unlike
+/// std::filesystem::copy_file it does not carry the source's permission bits over: a read-only
+/// source must not give a read-only output. Throws CheckpointError naming the file on failure.
+void copy_file_contents(const std::filesystem::path& from, const std::filesystem::path& to);
 
 }  // namespace lutb::detail

@@ -22,13 +22,6 @@ namespace {
 
 constexpr std::size_t kCopyChunk = 32u << 20;  // bytes copied (and released) at a time
 
-// Temporary sibling name of `target`: "<target>.tmp.<pid>".
-fs::path temp_sibling(const fs::path& target) {
-  fs::path t = target;
-  if (!t.has_filename()) t = t.parent_path();
-  return t.parent_path() / (t.filename().string() + ".tmp." + std::to_string(::getpid()));
-}
-
 // Removes a temporary path on scope exit unless released.
 struct TempGuard {
   fs::path path;
@@ -110,10 +103,13 @@ void declare(SafetensorsWriter& w, const Planned& p, const TensorView& v, Quanti
 }
 
 // Writes the output tensors of one plan entry (quantising when planned), then releases the source pages.
+// Polls `stop` (see QuantizeOptions::interrupt) before the tensor and between copy chunks.
 void emit(SafetensorsWriter& w, const Planned& p, const TensorView& v, const FitOptions& fit, QuantizeSummary& s,
-          detail::Progress& prog) {
+          detail::Progress& prog, const InterruptFlag* stop, const fs::path& target) {
+  detail::check_interrupt(stop, target);
   if (!p.quantize) {
     for (std::size_t off = 0; off < v.nbytes; off += kCopyChunk) {
+      if (off > 0) detail::check_interrupt(stop, target);
       const std::size_t n = std::min(kCopyChunk, v.nbytes - off);
       w.write(v.data + off, n);
       detail::release_pages(v.data + off, n);
@@ -228,7 +224,7 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
                                       in_dir.string(), expert_weight_name(cfg, cfg.moe_layers().empty() ? 0 : cfg.moe_layers()[0], 0, Proj::gate),
                                       stacked_gate_up_name(cfg, cfg.moe_layers().empty() ? 0 : cfg.moe_layers()[0])));
 
-  const fs::path tmp = temp_sibling(out_dir);
+  const fs::path tmp = detail::temp_sibling(out_dir);
   std::error_code ec;
   fs::remove_all(tmp, ec);
   if (!out_dir.parent_path().empty() && !fs::exists(out_dir.parent_path()))
@@ -253,7 +249,7 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
         weight_map[p.name] = shard;
       }
     }
-    for (const auto& p : plan[f]) emit(w, p, files[f]->get(p.name), opt.fit, sum, prog);
+    for (const auto& p : plan[f]) emit(w, p, files[f]->get(p.name), opt.fit, sum, prog, opt.interrupt, out_dir);
     w.commit();
   }
   prog.finish();
@@ -306,9 +302,12 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
     if (!it->is_regular_file()) continue;
     const std::string fname = rel.string();
     if (fname == "config.json" || fname == "model.safetensors.index.json" || shard_names.count(fname)) continue;
-    fs::copy_file(it->path(), tmp / rel, fs::copy_options::overwrite_existing);
+    // Contents only: the output gets this process's default permissions, not the source's (a
+    // read-only source made the copies read-only; QA 2026-11-30).
+    detail::copy_file_contents(it->path(), tmp / rel);
   }
 
+  detail::check_interrupt(opt.interrupt, out_dir);
   install(tmp, out_dir, opt.force);
   guard.armed = false;
   sum.seconds = detail::now_seconds() - t0;
@@ -372,16 +371,17 @@ QuantizeSummary quantize_file(const fs::path& in, const fs::path& out, const std
   meta["lutb.tile"] = "[8, 64]";
 
   // Written to a temporary sibling, then installed (the writer itself is atomic too).
-  const fs::path tmp = temp_sibling(out);
+  const fs::path tmp = detail::temp_sibling(out);
   TempGuard guard{tmp};
   {
     detail::Progress prog("quantize", total, opt.progress);
     SafetensorsWriter w(tmp, meta);
     for (const auto& p : plan) declare(w, p, file.get(p.name), sum);
-    for (const auto& p : plan) emit(w, p, file.get(p.name), opt.fit, sum, prog);
+    for (const auto& p : plan) emit(w, p, file.get(p.name), opt.fit, sum, prog, opt.interrupt, out);
     w.commit();
     prog.finish();
   }
+  detail::check_interrupt(opt.interrupt, out);
   install(tmp, out, opt.force);
   guard.armed = false;
   sum.seconds = detail::now_seconds() - t0;

@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <fstream>
 
 #include <fmt/core.h>
@@ -190,10 +191,81 @@ struct SynthTensor {
   std::vector<SynthSource> parts;
 };
 
+// The tensors of synthetic layer l of config c, in the order written.
+std::vector<SynthTensor> synth_layer_tensors(const ModelConfig& c, const SynthOptions& opt, std::int64_t l) {
+  const std::int64_t E = c.num_experts, H = c.hidden_size, I = c.moe_intermediate_size;
+  const double nu = opt.student_nu;
+  const double tstd = std::sqrt(nu / (nu - 2.0));  // std of Student-t(nu)
+  auto scale_for = [&](std::int64_t fan_in) { return 1.0 / (std::sqrt(static_cast<double>(fan_in)) * tstd); };
+
+  std::vector<SynthTensor> t;
+  const std::string router = router_weight_name(c, l);
+  t.push_back({router, {E, H}, {{router, E, H, scale_for(H)}}});
+  if (const std::string b = router_bias_name(c, l); !b.empty()) t.push_back({b, {E}, {{b, 1, E, 0.01}}});
+  if (opt.stacked) {
+    SynthTensor gu{stacked_gate_up_name(c, l), {E, 2 * I, H}, {}};
+    SynthTensor dn{stacked_down_name(c, l), {E, H, I}, {}};
+    for (std::int64_t e = 0; e < E; ++e) {
+      gu.parts.push_back({expert_weight_name(c, l, e, Proj::gate), I, H, scale_for(H)});
+      gu.parts.push_back({expert_weight_name(c, l, e, Proj::up), I, H, scale_for(H)});
+      dn.parts.push_back({expert_weight_name(c, l, e, Proj::down), H, I, scale_for(I)});
+    }
+    t.push_back(std::move(gu));
+    t.push_back(std::move(dn));
+  } else {
+    for (std::int64_t e = 0; e < E; ++e)
+      for (Proj p : {Proj::gate, Proj::up, Proj::down}) {
+        const std::string n = expert_weight_name(c, l, e, p);
+        const bool down = p == Proj::down;
+        t.push_back({n, {down ? H : I, down ? I : H}, {{n, down ? H : I, down ? I : H, scale_for(down ? I : H)}}});
+      }
+  }
+  if (c.shared_expert_intermediate_size > 0) {
+    const std::int64_t S = c.shared_expert_intermediate_size;
+    const bool qwen2 = c.family == ModelFamily::qwen2_moe;
+    const std::string base = moe_prefix(c, l) + (qwen2 ? ".shared_expert" : ".shared_experts");
+    for (const char* p : {"gate_proj", "up_proj", "down_proj"}) {
+      const bool down = std::string(p) == "down_proj";
+      const std::string n = fmt::format("{}.{}.weight", base, p);
+      t.push_back({n, {down ? H : S, down ? S : H}, {{n, down ? H : S, down ? S : H, scale_for(down ? S : H)}}});
+    }
+    if (qwen2) {
+      const std::string g = moe_prefix(c, l) + ".shared_expert_gate.weight";
+      t.push_back({g, {1, H}, {{g, 1, H, scale_for(H)}}});
+    }
+  }
+  return t;
+}
+
+// Tensor bytes of every layer (BF16). The options are bounded by the CLI and the sizes are summed
+// in 128 bits, so absurd programmatic sizes are reported as too large rather than wrapping.
+std::uint64_t synth_total_bytes(const ModelConfig& c, const SynthOptions& opt) {
+  unsigned __int128 total = 0;
+  const std::vector<SynthTensor> one = synth_layer_tensors(c, opt, 0);  // every layer has the same shapes
+  for (const auto& t : one) {
+    unsigned __int128 n = 2;
+    for (auto d : t.shape) n *= static_cast<std::uint64_t>(d);
+    total += n;
+  }
+  total *= static_cast<std::uint64_t>(c.num_hidden_layers);
+  if (total > std::numeric_limits<std::uint64_t>::max())
+    throw std::invalid_argument(fmt::format("synth: {} layers of E {}, H {}, I {} exceed 2^64 bytes", c.num_hidden_layers,
+                                            c.num_experts, c.hidden_size, c.moe_intermediate_size));
+  return static_cast<std::uint64_t>(total);
+}
+
 }  // namespace
+
+std::uint64_t synth_checkpoint_bytes(const SynthOptions& opt) { return synth_total_bytes(synth_config(opt), opt); }
 
 ModelConfig synth_config(const SynthOptions& opt) {
   if (opt.layers < 1) throw std::invalid_argument(fmt::format("synth: --layers must be at least 1, got {}", opt.layers));
+  for (const auto& [name, v] : {std::pair<const char*, std::int64_t>{"hidden_size", opt.hidden_size},
+                                {"moe_intermediate_size", opt.moe_intermediate_size},
+                                {"num_experts", opt.num_experts}})
+    if (v < 0)
+      throw std::invalid_argument(
+          fmt::format("synth: {} override {} is negative (0 keeps the family's value, else it must be positive)", name, v));
   nlohmann::json j = real_config(opt.family);
   j["num_hidden_layers"] = opt.layers;
   j["torch_dtype"] = "bfloat16";
@@ -226,62 +298,24 @@ std::uint64_t synthesize_checkpoint(const fs::path& out_dir, const SynthOptions&
   if (fs::exists(out_dir) && !opt.force)
     throw CheckpointError(fmt::format("{}: output directory exists (use --force to replace it); nothing written",
                                       out_dir.string()));
-  const std::int64_t E = c.num_experts, H = c.hidden_size, I = c.moe_intermediate_size, L = c.num_hidden_layers;
-  const double nu = opt.student_nu;
-  const double tstd = std::sqrt(nu / (nu - 2.0));  // std of Student-t(nu)
-  auto scale_for = [&](std::int64_t fan_in) { return 1.0 / (std::sqrt(static_cast<double>(fan_in)) * tstd); };
+  const std::int64_t L = c.num_hidden_layers;
+  const std::uint64_t total = synth_total_bytes(c, opt);
 
-  // Tensors of layer l, in the order written.
-  auto layer_tensors = [&](std::int64_t l) {
-    std::vector<SynthTensor> t;
-    const std::string router = router_weight_name(c, l);
-    t.push_back({router, {E, H}, {{router, E, H, scale_for(H)}}});
-    if (const std::string b = router_bias_name(c, l); !b.empty()) t.push_back({b, {E}, {{b, 1, E, 0.01}}});
-    if (opt.stacked) {
-      SynthTensor gu{stacked_gate_up_name(c, l), {E, 2 * I, H}, {}};
-      SynthTensor dn{stacked_down_name(c, l), {E, H, I}, {}};
-      for (std::int64_t e = 0; e < E; ++e) {
-        gu.parts.push_back({expert_weight_name(c, l, e, Proj::gate), I, H, scale_for(H)});
-        gu.parts.push_back({expert_weight_name(c, l, e, Proj::up), I, H, scale_for(H)});
-        dn.parts.push_back({expert_weight_name(c, l, e, Proj::down), H, I, scale_for(I)});
-      }
-      t.push_back(std::move(gu));
-      t.push_back(std::move(dn));
-    } else {
-      for (std::int64_t e = 0; e < E; ++e)
-        for (Proj p : {Proj::gate, Proj::up, Proj::down}) {
-          const std::string n = expert_weight_name(c, l, e, p);
-          const bool down = p == Proj::down;
-          t.push_back({n, {down ? H : I, down ? I : H}, {{n, down ? H : I, down ? I : H, scale_for(down ? I : H)}}});
-        }
-    }
-    if (c.shared_expert_intermediate_size > 0) {
-      const std::int64_t S = c.shared_expert_intermediate_size;
-      const bool qwen2 = c.family == ModelFamily::qwen2_moe;
-      const std::string base = moe_prefix(c, l) + (qwen2 ? ".shared_expert" : ".shared_experts");
-      for (const char* p : {"gate_proj", "up_proj", "down_proj"}) {
-        const bool down = std::string(p) == "down_proj";
-        const std::string n = fmt::format("{}.{}.weight", base, p);
-        t.push_back({n, {down ? H : S, down ? S : H}, {{n, down ? H : S, down ? S : H, scale_for(down ? S : H)}}});
-      }
-      if (qwen2) {
-        const std::string g = moe_prefix(c, l) + ".shared_expert_gate.weight";
-        t.push_back({g, {1, H}, {{g, 1, H, scale_for(H)}}});
-      }
-    }
-    return t;
-  };
-
-  std::uint64_t total = 0;
-  for (std::int64_t l = 0; l < L; ++l)
-    for (const auto& t : layer_tensors(l)) {
-      std::uint64_t n = 2;
-      for (auto d : t.shape) n *= static_cast<std::uint64_t>(d);
-      total += n;
-    }
-
-  const fs::path tmp = out_dir.parent_path() / (out_dir.filename().string() + ".tmp." + std::to_string(::getpid()));
+  // Free space, before anything is written. The old output of --force is removed only after the
+  // new one is complete, so it does not count as available.
+  fs::path probe = out_dir.parent_path().empty() ? fs::path(".") : out_dir.parent_path();
   std::error_code ec;
+  while (!fs::exists(probe, ec) && probe.parent_path() != probe)  // the nearest existing ancestor
+    probe = probe.parent_path().empty() ? fs::path(".") : probe.parent_path();
+  const fs::space_info sp = fs::space(probe, ec);
+  const std::uint64_t need = total + static_cast<std::uint64_t>(L + 1) * (64u << 10);  // + headers, config, index
+  if (!ec && sp.available < need)
+    throw CheckpointError(fmt::format("{}: the checkpoint needs {:.2f} GB ({} bytes) but only {:.2f} GB ({} bytes) "
+                                      "are free on the filesystem of {}; nothing written",
+                                      out_dir.string(), need / 1e9, need, sp.available / 1e9, sp.available,
+                                      probe.string()));
+
+  const fs::path tmp = detail::temp_sibling(out_dir);
   fs::remove_all(tmp, ec);
   fs::create_directories(tmp);
   struct Guard {
@@ -293,13 +327,13 @@ std::uint64_t synthesize_checkpoint(const fs::path& out_dir, const SynthOptions&
     }
   } guard{tmp};
 
-  const StudentT dist(nu);
+  const StudentT dist(opt.student_nu);
   detail::Progress prog("synth", total, opt.progress);
   nlohmann::json weight_map = nlohmann::json::object();
   std::vector<std::uint16_t> buf;
   for (std::int64_t l = 0; l < L; ++l) {
     const std::string shard = L == 1 ? "model.safetensors" : fmt::format("model-{:05d}-of-{:05d}.safetensors", l + 1, L);
-    const auto tensors = layer_tensors(l);
+    const auto tensors = synth_layer_tensors(c, opt, l);
     SafetensorsWriter w(tmp / shard, {{"format", "pt"}});
     for (const auto& t : tensors) {
       w.declare(t.name, DType::BF16, t.shape);
@@ -309,6 +343,7 @@ std::uint64_t synthesize_checkpoint(const fs::path& out_dir, const SynthOptions&
       for (const auto& part : t.parts) {
         const std::int64_t block = std::max<std::int64_t>(1, (4 << 20) / std::max<std::int64_t>(1, part.cols));
         for (std::int64_t r0 = 0; r0 < part.rows; r0 += block) {
+          detail::check_interrupt(opt.interrupt, out_dir);
           const std::int64_t r1 = std::min(part.rows, r0 + block);
           buf.resize(static_cast<std::size_t>((r1 - r0) * part.cols));
           gen_rows(part, r0, r1, opt.seed, dist, buf.data());
@@ -328,6 +363,7 @@ std::uint64_t synthesize_checkpoint(const fs::path& out_dir, const SynthOptions&
     f << c.raw.dump(2) << "\n";
     if (!f) throw CheckpointError(fmt::format("{}: cannot write config.json", tmp.string()));
   }
+  detail::check_interrupt(opt.interrupt, out_dir);
   if (fs::exists(out_dir)) {  // force (checked above)
     fs::remove_all(out_dir);
   }

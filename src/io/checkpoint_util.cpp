@@ -1,6 +1,13 @@
 // Internal helpers: page release, progress bar, timing, peak RSS, summaries.
+#include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <vector>
 
 #include <chrono>
 #include <cmath>
@@ -16,6 +23,9 @@
 #include "lutb/checkpoint.hpp"
 
 namespace lutb {
+
+namespace fs = std::filesystem;
+
 namespace detail {
 
 void release_pages(const void* p, std::size_t n) {
@@ -106,7 +116,82 @@ void check_replaceable(const std::filesystem::path& target, bool want_directory)
                                       target.string()));
 }
 
+fs::path temp_sibling(const fs::path& target) {
+  fs::path t = target;
+  if (!t.has_filename()) t = t.parent_path();
+  return t.parent_path() / (t.filename().string() + ".tmp." + std::to_string(::getpid()));
+}
+
+void check_interrupt(const std::atomic<int>* flag, const fs::path& target) {
+  if (!flag) return;
+  const int sig = flag->load(std::memory_order_relaxed);
+  if (sig == 0) return;
+  throw Interrupted(sig, fmt::format("{}: interrupted by signal {} ({}); the partial output was removed and {} is as "
+                                     "it was",
+                                     target.string(), sig, strsignal(sig), target.string()));
+}
+
+void copy_file_contents(const fs::path& from, const fs::path& to) {
+  const int in = ::open(from.c_str(), O_RDONLY | O_CLOEXEC);
+  if (in < 0) throw CheckpointError(fmt::format("{}: cannot open: {}", from.string(), std::strerror(errno)));
+  const int out = ::open(to.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+  if (out < 0) {
+    const int err = errno;
+    ::close(in);
+    throw CheckpointError(fmt::format("{}: cannot create: {}", to.string(), std::strerror(err)));
+  }
+  std::vector<char> buf(1 << 20);
+  std::string error;
+  for (;;) {
+    const ssize_t n = ::read(in, buf.data(), buf.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      error = fmt::format("{}: cannot read: {}", from.string(), std::strerror(errno));
+      break;
+    }
+    if (n == 0) break;
+    for (ssize_t done = 0; done < n;) {
+      const ssize_t w = ::write(out, buf.data() + done, static_cast<std::size_t>(n - done));
+      if (w < 0 && errno == EINTR) continue;
+      if (w < 0) {
+        error = fmt::format("{}: cannot write: {}", to.string(), std::strerror(errno));
+        break;
+      }
+      done += w;
+    }
+    if (!error.empty()) break;
+  }
+  ::close(in);
+  if (::close(out) != 0 && error.empty()) error = fmt::format("{}: cannot write: {}", to.string(), std::strerror(errno));
+  if (!error.empty()) throw CheckpointError(error);
+}
+
 }  // namespace detail
+
+std::vector<fs::path> stale_temporaries(const fs::path& target_arg) {
+  fs::path target = target_arg;
+  if (!target.has_filename()) target = target.parent_path();
+  const fs::path dir = target.parent_path().empty() ? fs::path(".") : target.parent_path();
+  const std::string base = target.filename().string();
+  std::vector<fs::path> found;
+  if (base.empty()) return found;
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.size() <= base.size() + 5 || name.compare(0, base.size(), base) != 0) continue;
+    const std::string rest = name.substr(base.size());  // ".tmp.<pid>..." or ".old.<pid>..."
+    if (rest.compare(0, 5, ".tmp.") != 0 && rest.compare(0, 5, ".old.") != 0) continue;
+    std::size_t i = 5;
+    while (i < rest.size() && rest[i] >= '0' && rest[i] <= '9') ++i;
+    if (i == 5 || i - 5 > 9 || (i < rest.size() && rest[i] != '.')) continue;  // "<pid>" then end or '.'
+    const long pid = std::stol(rest.substr(5, i - 5));
+    if (pid <= 0) continue;
+    if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;  // running (or not ours to probe)
+    found.push_back(target.parent_path() / name);
+  }
+  std::sort(found.begin(), found.end());
+  return found;
+}
 
 std::uint64_t peak_rss_bytes() {
   std::ifstream f("/proc/self/status");

@@ -4,10 +4,14 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <limits>
+#include <optional>
 #include <set>
+#include <type_traits>
 
 #include <fmt/core.h>
 
+#include "io/config_json.hpp"
 #include "lutb/checkpoint.hpp"
 #include "lutb/model.hpp"
 
@@ -22,26 +26,44 @@ const json* find(const json& j, const char* key) {
   return &*it;
 }
 
+// Typed readers over io/config_json.hpp: the checkpoint parser's wording, "WHERE: key 'K': reason",
+// thrown as ModelError. `name` reports a nested key ("rope_parameters.factor").
 template <class T>
-T get_or(const json& j, const char* key, T dflt, const std::string& where) {
-  const json* v = find(j, key);
-  if (!v) return dflt;
+std::optional<T> read(const json& j, const char* key, const std::string& where, const std::string& name = {}) {
   try {
-    return v->get<T>();
-  } catch (const json::exception& e) {
-    throw ModelError(fmt::format("{}: key \"{}\" has the wrong type ({})", where, key, v->dump()));
+    if constexpr (std::is_same_v<T, int>) {
+      const std::optional<std::int64_t> v = detail::config_int(j, key, where, name);
+      if (!v) return std::nullopt;
+      if (*v < std::numeric_limits<int>::min() || *v > std::numeric_limits<int>::max())
+        detail::throw_config_key(where, name.empty() ? key : name, fmt::format("{} does not fit a 32-bit integer", *v));
+      return static_cast<int>(*v);
+    } else if constexpr (std::is_same_v<T, double>) {
+      return detail::config_number(j, key, where, name);
+    } else if constexpr (std::is_same_v<T, bool>) {
+      return detail::config_bool(j, key, where, name);
+    } else {
+      static_assert(std::is_same_v<T, std::string>);
+      return detail::config_string(j, key, where, name);
+    }
+  } catch (const ConfigError& e) {
+    throw ModelError(e.what());
   }
 }
 
 template <class T>
+T get_or(const json& j, const char* key, T dflt, const std::string& where, const std::string& name = {}) {
+  return read<T>(j, key, where, name).value_or(dflt);
+}
+
+template <class T>
 T require(const json& j, const char* key, const std::string& where) {
-  const json* v = find(j, key);
-  if (!v) throw ModelError(fmt::format("{}: missing key \"{}\"", where, key));
-  try {
-    return v->get<T>();
-  } catch (const json::exception&) {
-    throw ModelError(fmt::format("{}: key \"{}\" has the wrong type ({})", where, key, v->dump()));
-  }
+  const std::optional<T> v = read<T>(j, key, where);
+  if (!v) throw ModelError(detail::config_key_message(where, key, "required but missing"));
+  return *v;
+}
+
+[[noreturn]] void key_error(const std::string& where, const std::string& key, const std::string& reason) {
+  throw ModelError(detail::config_key_message(where, key, reason));
 }
 
 double yarn_get_mscale(double scale, double mscale) {
@@ -119,8 +141,10 @@ TransformerConfig TransformerConfig::from_json(const json& j, const std::string&
   c.raw = j;
   c.family = require<std::string>(j, "model_type", where);
   if (!kFamilies.count(c.family))
-    throw ModelError(fmt::format("{}: model_type \"{}\" is not supported (qwen3_moe, qwen2_moe, mixtral, olmoe, "
-                                 "deepseek_v2, deepseek_v3)", where, c.family));
+    key_error(where, "model_type",
+              fmt::format("unsupported model_type \"{}\" (supported: qwen3_moe, qwen2_moe, mixtral, deepseek_v3, "
+                          "deepseek_v2, olmoe)",
+                          c.family));
   c.hidden_size = require<int>(j, "hidden_size", where);
   c.num_layers = require<int>(j, "num_hidden_layers", where);
   c.vocab_size = require<int>(j, "vocab_size", where);
@@ -132,30 +156,40 @@ TransformerConfig TransformerConfig::from_json(const json& j, const std::string&
   c.intermediate_size = get_or<int>(j, "intermediate_size", 0, where);
   c.clip_qkv = get_or<double>(j, "clip_qkv", 0.0, where);
   const std::string act = get_or<std::string>(j, "hidden_act", "silu", where);
-  if (act != "silu") throw ModelError(fmt::format("{}: hidden_act \"{}\" is not supported (silu)", where, act));
-  if (c.hidden_size <= 0 || c.num_layers <= 0 || c.vocab_size <= 0 || c.num_heads <= 0 || c.num_kv_heads <= 0 ||
-      c.num_heads % c.num_kv_heads != 0)
-    throw ModelError(fmt::format("{}: inconsistent sizes (hidden_size {}, layers {}, vocab {}, heads {}, kv heads {})",
-                                 where, c.hidden_size, c.num_layers, c.vocab_size, c.num_heads, c.num_kv_heads));
+  if (act != "silu") key_error(where, "hidden_act", fmt::format("\"{}\" is not supported (silu)", act));
+  for (const auto& [key, v] : {std::pair<const char*, int>{"hidden_size", c.hidden_size},
+                               {"num_hidden_layers", c.num_layers},
+                               {"vocab_size", c.vocab_size},
+                               {"num_attention_heads", c.num_heads},
+                               {"num_key_value_heads", c.num_kv_heads}})
+    if (v <= 0) key_error(where, key, fmt::format("must be positive, got {}", v));
+  if (c.num_heads % c.num_kv_heads != 0)
+    key_error(where, "num_key_value_heads",
+              fmt::format("{} must divide num_attention_heads ({})", c.num_kv_heads, c.num_heads));
 
   // Rotary parameters: transformers 5 rope_parameters, else transformers 4 rope_theta + rope_scaling.
   json rp = json::object();
+  std::string rp_key = "rope_parameters";
   if (const json* p = find(j, "rope_parameters")) rp = *p;
-  else if (const json* p = find(j, "rope_scaling")) rp = *p;
+  else if (const json* p = find(j, "rope_scaling")) rp = *p, rp_key = "rope_scaling";
+  if (!rp.is_object()) key_error(where, rp_key, fmt::format("must be an object, got {}", detail::json_excerpt(rp)));
+  const auto in_rp = [&](const char* k) { return rp_key + "." + k; };
   RopeConfig& r = c.rope;
-  r.theta = rp.contains("rope_theta") && !rp["rope_theta"].is_null() ? rp["rope_theta"].get<double>()
-                                                                      : get_or<double>(j, "rope_theta", 10000.0, where);
-  r.type = get_or<std::string>(rp, "rope_type", get_or<std::string>(rp, "type", "default", where), where);
-  r.factor = get_or<double>(rp, "factor", 1.0, where);
+  r.theta = read<double>(rp, "rope_theta", where, in_rp("rope_theta")).value_or(get_or<double>(j, "rope_theta", 10000.0, where));
+  r.type = get_or<std::string>(rp, "rope_type", get_or<std::string>(rp, "type", "default", where, in_rp("type")), where,
+                               in_rp("rope_type"));
+  r.factor = get_or<double>(rp, "factor", 1.0, where, in_rp("factor"));
   r.original_max_position = get_or<double>(rp, "original_max_position_embeddings",
-                                           get_or<double>(j, "max_position_embeddings", 0.0, where), where);
-  r.beta_fast = get_or<double>(rp, "beta_fast", 32.0, where);
-  r.beta_slow = get_or<double>(rp, "beta_slow", 1.0, where);
-  r.mscale = get_or<double>(rp, "mscale", 0.0, where);
-  r.mscale_all_dim = get_or<double>(rp, "mscale_all_dim", 0.0, where);
-  if (const json* a = find(rp, "attention_factor")) r.attention_factor = a->get<double>();
-  r.truncate = get_or<bool>(rp, "truncate", true, where);
-  const double partial = get_or<double>(rp, "partial_rotary_factor", get_or<double>(j, "partial_rotary_factor", 1.0, where), where);
+                                           get_or<double>(j, "max_position_embeddings", 0.0, where), where,
+                                           in_rp("original_max_position_embeddings"));
+  r.beta_fast = get_or<double>(rp, "beta_fast", 32.0, where, in_rp("beta_fast"));
+  r.beta_slow = get_or<double>(rp, "beta_slow", 1.0, where, in_rp("beta_slow"));
+  r.mscale = get_or<double>(rp, "mscale", 0.0, where, in_rp("mscale"));
+  r.mscale_all_dim = get_or<double>(rp, "mscale_all_dim", 0.0, where, in_rp("mscale_all_dim"));
+  r.attention_factor = read<double>(rp, "attention_factor", where, in_rp("attention_factor"));
+  r.truncate = get_or<bool>(rp, "truncate", true, where, in_rp("truncate"));
+  const double partial = get_or<double>(rp, "partial_rotary_factor", get_or<double>(j, "partial_rotary_factor", 1.0, where),
+                                        where, in_rp("partial_rotary_factor"));
 
   const bool deepseek = c.family == "deepseek_v2" || c.family == "deepseek_v3";
   if (deepseek) {

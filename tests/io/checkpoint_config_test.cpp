@@ -229,3 +229,50 @@ TEST(ModelConfig, RoutedExpertPattern) {
 
 }  // namespace
 }  // namespace lutb
+
+namespace lutb {
+namespace {
+
+std::string config_error(const nlohmann::json& j) {
+  try {
+    parse_model_config(j, "m/config.json");
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "no exception";
+}
+
+// Regression (QA 2026-11-30): one wording for key faults, "FILE: key 'K': reason", the same as the
+// model's TransformerConfig parser (tests/model/config_test.cpp compares the two).
+TEST(ModelConfig, KeyErrorsNameFileKeyAndReason) {
+  json j = base("qwen3_moe");
+  j["num_experts"] = 4;
+  j["moe_intermediate_size"] = 32;
+  ASSERT_EQ(config_error(j), "no exception");
+  auto with = [&](const char* k, json v) {
+    json c = j;
+    if (v.is_null()) c.erase(k);
+    else c[k] = v;
+    return config_error(c);
+  };
+  EXPECT_EQ(with("hidden_size", nullptr), "m/config.json: key 'hidden_size': required but missing");
+  EXPECT_EQ(with("hidden_size", "64"), "m/config.json: key 'hidden_size': must be an integer, got \"64\"");
+  EXPECT_EQ(with("hidden_size", -1), "m/config.json: key 'hidden_size': must be non-negative, got -1");
+  EXPECT_EQ(with("moe_intermediate_size", nullptr), "m/config.json: key 'moe_intermediate_size': required but missing");
+  EXPECT_EQ(with("num_experts_per_tok", 9),
+            "m/config.json: key 'num_experts_per_tok': must be in 1..4 (the experts count), got 9");
+  EXPECT_EQ(with("norm_topk_prob", "yes"), "m/config.json: key 'norm_topk_prob': must be true or false, got \"yes\"");
+  EXPECT_EQ(with("scoring_func", "relu"), "m/config.json: key 'scoring_func': \"relu\" is not supported (softmax, sigmoid)");
+  EXPECT_EQ(with("mlp_only_layers", "none"),
+            "m/config.json: key 'mlp_only_layers': must be a list of layer indices, got \"none\"");
+  EXPECT_EQ(with("num_local_experts", 8), "m/config.json: key 'num_local_experts': 8 disagrees with key 'num_experts' = 4");
+  EXPECT_EQ(with("num_experts", nullptr),
+            "m/config.json: key 'num_experts': required but missing (nor are its variants 'num_local_experts', "
+            "'n_routed_experts')");
+  EXPECT_EQ(with("model_type", "gpt2").substr(0, 60), std::string("m/config.json: key 'model_type': unsupported model_type \"gpt2\"").substr(0, 60));
+  EXPECT_EQ(with("rms_norm_eps", "small"), "m/config.json: key 'rms_norm_eps': must be a number, got \"small\"");
+  EXPECT_EQ(with("decoder_sparse_step", 0), "m/config.json: key 'decoder_sparse_step': must be positive, got 0");
+}
+
+}  // namespace
+}  // namespace lutb

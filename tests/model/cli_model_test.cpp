@@ -2,6 +2,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
+#include <vector>
 
 #include "lutb/safetensors.hpp"
 #include "model/model_test_util.hpp"
@@ -91,4 +93,40 @@ TEST(CliEval, BaselineAndWindowsJson) {
   EXPECT_EQ(j["tensors"].size(), 6u);  // w13 and w2 of 3 layers
   EXPECT_GT(j["sqnr_db"].get<double>(), 10.0);
   EXPECT_TRUE(std::isfinite(j["val_loss"].get<double>()));
+}
+
+// Regression (QA 2026-11-30): a token file too short for one window, or with an id outside the
+// vocabulary, failed with "10 tokens are fewer than one window of 256" / "token id 1000000 at
+// position 3 is outside the vocabulary [0, 2048)", without naming the file. Both are now checked
+// before the weights load and name it.
+TEST(CliEval, TokenFileErrorsNameTheFile) {
+  LUTB_MODEL_OR_SKIP(dir, "tiny-qwen3-moe");
+  TempDir t;
+  auto write_ids = [&](const std::string& name, std::vector<std::int32_t> ids) {
+    std::vector<std::uint8_t> bytes(ids.size() * 4);
+    std::memcpy(bytes.data(), ids.data(), bytes.size());
+    const std::filesystem::path p = t.path / name;
+    lutb::write_safetensors(p, {{"input_ids", lutb::OwnedTensor{lutb::DType::I32, {static_cast<std::int64_t>(ids.size())}, bytes}}});
+    return p;
+  };
+  const auto short_file = write_ids("short.safetensors", std::vector<std::int32_t>(10, 5));
+  CliResult r = run_cli("eval " + quote(dir) + " --tokens " + quote(short_file));
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.err.find(short_file.string() + ": input_ids holds 10 tokens, fewer than one evaluation window of 256"),
+            std::string::npos)
+      << r.err;
+  std::vector<std::int32_t> ids(600, 5);
+  ids[3] = 1000000;
+  const auto oov = write_ids("oov.safetensors", ids);
+  r = run_cli("eval " + quote(dir) + " --tokens " + quote(oov));
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.err.find(oov.string() + ": input_ids[3] = 1000000 is outside the vocabulary [0, 2048) of " + dir.string()),
+            std::string::npos)
+      << r.err;
+  ids[3] = 5;
+  ids[599] = -1;  // beyond the evaluated windows, still an invalid file
+  const auto neg = write_ids("neg.safetensors", ids);
+  r = run_cli("eval " + quote(dir) + " --tokens " + quote(neg));
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.err.find(neg.string() + ": input_ids[599] = -1 is outside the vocabulary"), std::string::npos) << r.err;
 }

@@ -3,6 +3,7 @@
 
 #include <cmath>
 
+#include "lutb/checkpoint.hpp"
 #include "lutb/model.hpp"
 #include "support/test_support.hpp"
 
@@ -91,4 +92,66 @@ TEST(TransformerConfigTest, Errors) {
   EXPECT_THROW(TransformerConfig::from_json(j, "x"), ModelError);
   lutb::test::TempDir tmp;
   EXPECT_THROW(TransformerConfig::load(tmp.path), ModelError);  // no config.json
+}
+
+// Regression (QA 2026-11-30): the quantize path (lutb::parse_model_config) and the eval path
+// (TransformerConfig::from_json) worded the same fault differently ("required key "K" is missing"
+// vs "missing key "K""; "must be an integer" vs "has the wrong type"). Both now read
+// "FILE: key 'K': reason", from one helper.
+TEST(TransformerConfigTest, ErrorsWordedAsTheCheckpointParser) {
+  const std::string where = "m/config.json";
+  struct Case {
+    const char* key;
+    json value;  // null: erase the key
+    std::string expect;
+  } cases[] = {
+      {"hidden_size", nullptr, "m/config.json: key 'hidden_size': required but missing"},
+      {"hidden_size", "64", "m/config.json: key 'hidden_size': must be an integer, got \"64\""},
+      {"hidden_size", 64.5, "m/config.json: key 'hidden_size': must be an integer, got 64.5"},
+      {"vocab_size", nullptr, "m/config.json: key 'vocab_size': required but missing"},
+      {"num_hidden_layers", true, "m/config.json: key 'num_hidden_layers': must be an integer, got true"},
+      {"hidden_size", 0, "m/config.json: key 'hidden_size': must be positive, got 0"},
+      {"model_type", nullptr, "m/config.json: key 'model_type': required but missing"},
+      {"model_type", 7, "m/config.json: key 'model_type': must be a string, got 7"},
+      {"rms_norm_eps", "1e-6", "m/config.json: key 'rms_norm_eps': must be a number, got \"1e-6\""},
+      {"tie_word_embeddings", 1, "m/config.json: key 'tie_word_embeddings': must be true or false, got 1"},
+      {"num_experts_per_tok", "2", "m/config.json: key 'num_experts_per_tok': must be an integer, got \"2\""},
+  };
+  for (const auto& c : cases) {
+    json j = deepseek_like();
+    if (c.value.is_null()) j.erase(c.key);
+    else j[c.key] = c.value;
+    std::string model_msg = "no exception", ckpt_msg = "no exception";
+    try {
+      TransformerConfig::from_json(j, where);
+    } catch (const ModelError& e) {
+      model_msg = e.what();
+    }
+    try {
+      lutb::parse_model_config(j, where);
+    } catch (const lutb::ConfigError& e) {
+      ckpt_msg = e.what();
+    }
+    // The same text from both (a missing model_type adds the supported list after it).
+    EXPECT_EQ(model_msg.substr(0, c.expect.size()), c.expect) << c.key;
+    EXPECT_EQ(ckpt_msg.substr(0, c.expect.size()), c.expect) << c.key;
+  }
+  // Nested rope keys are named with their object.
+  json j = deepseek_like();
+  j["rope_scaling"] = {{"type", "yarn"}, {"factor", "40"}};
+  try {
+    TransformerConfig::from_json(j, where);
+    ADD_FAILURE() << "no exception";
+  } catch (const ModelError& e) {
+    EXPECT_STREQ(e.what(), "m/config.json: key 'rope_scaling.factor': must be a number, got \"40\"");
+  }
+  j = deepseek_like();
+  j["num_attention_heads"] = 3;
+  j["num_key_value_heads"] = 2;
+  try {
+    TransformerConfig::from_json(j, where);
+    ADD_FAILURE() << "no exception";
+  } catch (const ModelError& e) {
+    EXPECT_STREQ(e.what(), "m/config.json: key 'num_key_value_heads': 2 must divide num_attention_heads (3)");
+  }
 }

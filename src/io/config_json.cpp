@@ -1,0 +1,74 @@
+// Typed reading of config.json keys with one error wording (see config_json.hpp).
+#include "io/config_json.hpp"
+
+#include <cstdint>
+
+#include <fmt/core.h>
+
+#include "lutb/checkpoint.hpp"
+
+namespace lutb::detail {
+
+namespace {
+const nlohmann::json* find_value(const nlohmann::json& j, const char* key) {
+  if (!j.is_object()) return nullptr;
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return nullptr;
+  return &*it;
+}
+std::string_view shown(const char* key, std::string_view name) { return name.empty() ? std::string_view(key) : name; }
+}  // namespace
+
+std::string config_key_message(std::string_view where, std::string_view key, std::string_view reason) {
+  return fmt::format("{}: key '{}': {}", where, key, reason);
+}
+
+void throw_config_key(std::string_view where, std::string_view key, std::string_view reason) {
+  throw ConfigError(config_key_message(where, key, reason));
+}
+
+std::string json_excerpt(const nlohmann::json& v) {
+  std::string s = v.dump();
+  if (s.size() > 60) s = s.substr(0, 57) + "...";
+  return s;
+}
+
+std::optional<std::int64_t> config_int(const nlohmann::json& j, const char* key, std::string_view where,
+                                       std::string_view name) {
+  const nlohmann::json* v = find_value(j, key);
+  if (!v) return std::nullopt;
+  if (v->is_number_unsigned()) {
+    if (v->get<std::uint64_t>() > static_cast<std::uint64_t>(INT64_MAX))
+      throw_config_key(where, shown(key, name), fmt::format("integer {} is too large", v->dump()));
+    return static_cast<std::int64_t>(v->get<std::uint64_t>());
+  }
+  if (!v->is_number_integer())
+    throw_config_key(where, shown(key, name), fmt::format("must be an integer, got {}", json_excerpt(*v)));
+  return v->get<std::int64_t>();
+}
+
+std::optional<double> config_number(const nlohmann::json& j, const char* key, std::string_view where,
+                                    std::string_view name) {
+  const nlohmann::json* v = find_value(j, key);
+  if (!v) return std::nullopt;
+  if (!v->is_number()) throw_config_key(where, shown(key, name), fmt::format("must be a number, got {}", json_excerpt(*v)));
+  return v->get<double>();
+}
+
+std::optional<bool> config_bool(const nlohmann::json& j, const char* key, std::string_view where, std::string_view name) {
+  const nlohmann::json* v = find_value(j, key);
+  if (!v) return std::nullopt;
+  if (!v->is_boolean())
+    throw_config_key(where, shown(key, name), fmt::format("must be true or false, got {}", json_excerpt(*v)));
+  return v->get<bool>();
+}
+
+std::optional<std::string> config_string(const nlohmann::json& j, const char* key, std::string_view where,
+                                         std::string_view name) {
+  const nlohmann::json* v = find_value(j, key);
+  if (!v) return std::nullopt;
+  if (!v->is_string()) throw_config_key(where, shown(key, name), fmt::format("must be a string, got {}", json_excerpt(*v)));
+  return v->get<std::string>();
+}
+
+}  // namespace lutb::detail

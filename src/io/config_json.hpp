@@ -1,0 +1,50 @@
+// Typed reading of config.json keys, shared by the two config parsers (checkpoint: ModelConfig in
+// src/io/checkpoint_config.cpp; model: TransformerConfig in src/model/config.cpp), so that the same
+// fault reads the same from `lutb quantize` and `lutb eval`:
+//   WHERE: key 'KEY': REASON
+// e.g. "m/config.json: key 'hidden_size': required but missing",
+//      "m/config.json: key 'hidden_size': must be an integer, got \"2048\"".
+// WHERE is the file (or a description such as "synthetic qwen3_moe"); KEY is the JSON key, dotted
+// for a nested object ("rope_parameters.factor").
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include <nlohmann/json.hpp>
+
+namespace lutb::detail {
+
+/// "WHERE: key 'KEY': REASON".
+std::string config_key_message(std::string_view where, std::string_view key, std::string_view reason);
+/// Throws ConfigError(config_key_message(where, key, reason)).
+[[noreturn]] void throw_config_key(std::string_view where, std::string_view key, std::string_view reason);
+/// A JSON value for a message: its dump, cut to 60 characters.
+std::string json_excerpt(const nlohmann::json& v);
+
+/// Readers: nullopt when `key` is absent or null; ConfigError in the format above when the value has
+/// the wrong type. `name` is the key as reported (defaults to `key`; give "rope_parameters.factor"
+/// for a nested object).
+///   int:    a JSON integer (a float such as 2048.0 is a wrong type), within int64
+///   number: any JSON number
+///   bool:   true / false
+///   string: a JSON string
+std::optional<std::int64_t> config_int(const nlohmann::json& j, const char* key, std::string_view where,
+                                       std::string_view name = {});
+std::optional<double> config_number(const nlohmann::json& j, const char* key, std::string_view where,
+                                    std::string_view name = {});
+std::optional<bool> config_bool(const nlohmann::json& j, const char* key, std::string_view where,
+                                std::string_view name = {});
+std::optional<std::string> config_string(const nlohmann::json& j, const char* key, std::string_view where,
+                                         std::string_view name = {});
+
+/// The value of a required key; ConfigError "...: key 'K': required but missing" when absent.
+template <class T>
+T config_required(const std::optional<T>& v, const char* key, std::string_view where) {
+  if (!v) throw_config_key(where, key, "required but missing");
+  return *v;
+}
+
+}  // namespace lutb::detail

@@ -1,0 +1,183 @@
+// Ctrl-C / SIGTERM during `lutb quantize` (QA 2026-11-30: the run died and left OUT.tmp.PID behind)
+// and the report of temporaries left by dead processes. The binary is spawned (LUTB_CLI_PATH), the
+// signal sent once its temporary output exists, i.e. while it streams tensors.
+#include <gtest/gtest.h>
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "lutb/checkpoint.hpp"
+#include "support/test_support.hpp"
+
+namespace lutb {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Starts `lutb ARGS...` with stdout+stderr to `log` and the default action for the signals under
+// test (a test run from a non-interactive background shell inherits SIGINT ignored).
+pid_t spawn(const std::vector<std::string>& args, const fs::path& log) {
+  const pid_t pid = ::fork();
+  if (pid != 0) return pid;
+  for (int s : {SIGINT, SIGTERM, SIGHUP}) ::signal(s, SIG_DFL);
+  const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (fd >= 0) {
+    ::dup2(fd, 1);
+    ::dup2(fd, 2);
+  }
+  std::vector<char*> argv;
+  std::string exe = LUTB_CLI_PATH;
+  argv.push_back(exe.data());
+  std::vector<std::string> copy = args;
+  for (auto& a : copy) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  ::execv(exe.c_str(), argv.data());
+  ::_exit(127);
+}
+
+std::string slurp(const fs::path& p) {
+  std::ifstream f(p);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+// Names in `dir` starting with `prefix`, sorted.
+std::vector<std::string> names_with_prefix(const fs::path& dir, const std::string& prefix) {
+  std::vector<std::string> v;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string n = e.path().filename().string();
+    if (n.rfind(prefix, 0) == 0) v.push_back(n);
+  }
+  std::sort(v.begin(), v.end());
+  return v;
+}
+
+// A BF16 checkpoint whose quantisation takes a second or two on one thread (8 layers x 8 experts of
+// 256 x 512: 192 projections), so that a signal sent once the temporary exists lands mid-stream.
+void make_input(const fs::path& dir) {
+  SynthOptions so;
+  so.family = ModelFamily::qwen3_moe;
+  so.layers = 8;
+  so.hidden_size = 512;
+  so.moe_intermediate_size = 256;
+  so.num_experts = 8;
+  so.progress = false;
+  synthesize_checkpoint(dir, so);
+}
+
+struct SignalledRun {
+  int status = 0;
+  std::string log;
+};
+
+// Runs quantize IN -o OUT (extra args), waits until OUT.tmp.PID exists, sends `sig`, waits for the end.
+SignalledRun quantize_and_signal(const fs::path& in, const fs::path& out, int sig, const std::vector<std::string>& extra) {
+  const fs::path log = out.parent_path() / "log.txt";
+  std::vector<std::string> args = {"quantize", in.string(), "-o", out.string(), "--threads", "1", "--no-progress"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  const pid_t pid = spawn(args, log);
+  EXPECT_GT(pid, 0);
+  const fs::path tmp = out.parent_path() / (out.filename().string() + ".tmp." + std::to_string(pid));
+  SignalledRun r;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  bool exited = false;
+  while (!fs::exists(tmp)) {
+    if (::waitpid(pid, &r.status, WNOHANG) == pid) {
+      exited = true;
+      break;
+    }
+    if (std::chrono::steady_clock::now() > deadline) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  if (!exited) {
+    ::kill(pid, sig);
+    ::waitpid(pid, &r.status, 0);
+  }
+  r.log = slurp(log);
+  EXPECT_FALSE(exited) << "quantize ended before its temporary appeared:\n" << r.log;
+  return r;
+}
+
+TEST(CliInterrupt, SigintDuringForcedQuantizeKeepsTheOldOutput) {
+  test::TempDir t;
+  make_input(t.path / "in");
+  // An existing destination replaced with --force: it must survive an interrupted run untouched.
+  fs::create_directories(t.path / "out");
+  std::ofstream(t.path / "out" / "keep.txt") << "the previous output";
+  const SignalledRun r = quantize_and_signal(t.path / "in", t.path / "out", SIGINT, {"--force"});
+  ASSERT_TRUE(WIFSIGNALED(r.status)) << "status " << r.status << "\n" << r.log;  // re-raised: shell status 130
+  EXPECT_EQ(WTERMSIG(r.status), SIGINT) << r.log;
+  EXPECT_NE(r.log.find("interrupted by signal 2"), std::string::npos) << r.log;
+  EXPECT_EQ(names_with_prefix(t.path, "out"), std::vector<std::string>{"out"});  // no out.tmp.*, out.old.*
+  EXPECT_EQ(names_with_prefix(t.path / "out", ""), std::vector<std::string>{"keep.txt"});
+  EXPECT_EQ(slurp(t.path / "out" / "keep.txt"), "the previous output");
+}
+
+TEST(CliInterrupt, SigtermDuringQuantizeLeavesNothing) {
+  test::TempDir t;
+  make_input(t.path / "in");
+  const SignalledRun r = quantize_and_signal(t.path / "in", t.path / "out", SIGTERM, {});
+  ASSERT_TRUE(WIFSIGNALED(r.status)) << "status " << r.status << "\n" << r.log;  // shell status 143
+  EXPECT_EQ(WTERMSIG(r.status), SIGTERM) << r.log;
+  EXPECT_TRUE(names_with_prefix(t.path, "out").empty()) << r.log;
+  EXPECT_EQ(Checkpoint(t.path / "in").config().num_hidden_layers, 8);  // the input is untouched
+}
+
+// A pid that no longer exists: a child that has exited and been reaped.
+pid_t dead_pid() {
+  const pid_t p = ::fork();
+  if (p == 0) ::_exit(0);
+  int st = 0;
+  ::waitpid(p, &st, 0);
+  return p;
+}
+
+TEST(CliInterrupt, StaleTemporariesAreReportedNotRemoved) {
+  test::TempDir t;
+  SynthOptions so;
+  so.family = ModelFamily::qwen3_moe;
+  so.layers = 1;
+  so.hidden_size = 64;
+  so.moe_intermediate_size = 64;
+  so.num_experts = 2;
+  so.progress = false;
+  synthesize_checkpoint(t.path / "in", so);
+  const pid_t dead = dead_pid();
+  ASSERT_NE(::kill(dead, 0), 0);
+  const fs::path stale = t.path / ("out.tmp." + std::to_string(dead));
+  const fs::path stale_old = t.path / ("out.old." + std::to_string(dead));
+  const fs::path live = t.path / ("out.tmp." + std::to_string(::getpid()));  // this test process: alive
+  const fs::path other = t.path / ("outer.tmp." + std::to_string(dead));    // another target's
+  for (const auto& p : {stale, stale_old, live, other}) fs::create_directories(p);
+
+  // The library lists exactly the dead process's temporaries of this target, sorted by name.
+  EXPECT_EQ(stale_temporaries(t.path / "out"), (std::vector<fs::path>{stale_old, stale}));
+  EXPECT_EQ(stale_temporaries(t.path / "out/"), (std::vector<fs::path>{stale_old, stale}));
+
+  const pid_t pid = spawn({"quantize", (t.path / "in").string(), "-o", (t.path / "out").string(), "--no-progress"},
+                          t.path / "log.txt");
+  int st = 0;
+  ::waitpid(pid, &st, 0);
+  const std::string log = slurp(t.path / "log.txt");
+  ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << log;
+  EXPECT_NE(log.find("warning: " + stale.string() + " was left by an interrupted run"), std::string::npos) << log;
+  EXPECT_NE(log.find("warning: " + stale_old.string()), std::string::npos) << log;
+  EXPECT_EQ(log.find(live.string()), std::string::npos) << log;
+  EXPECT_EQ(log.find(other.string()), std::string::npos) << log;
+  for (const auto& p : {stale, stale_old, live, other}) EXPECT_TRUE(fs::exists(p)) << p;  // never removed
+  EXPECT_TRUE(Checkpoint(t.path / "out").is_lutb());
+}
+
+}  // namespace
+}  // namespace lutb

@@ -1,0 +1,137 @@
+// Option checking of the lutb command line (QA 2026-11-30): integer ranges printed as integers with
+// the valid range named, synth size overrides and free space, the default job validating every
+// option before any work.
+#include <gtest/gtest.h>
+
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "support/test_support.hpp"
+
+namespace lutb {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct CliOut {
+  int code = -1;
+  std::string out;  // stdout and stderr
+};
+
+CliOut run(const std::string& args) {
+  const std::string cmd = std::string(LUTB_CLI_PATH) + " " + args + " 2>&1";
+  CliOut r;
+  FILE* p = popen(cmd.c_str(), "r");
+  if (!p) return r;
+  std::array<char, 4096> buf;
+  std::size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
+  const int st = pclose(p);
+  r.code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  return r;
+}
+
+std::string q(const fs::path& p) {
+  std::string s = "'";
+  s += p.string();
+  s += "'";
+  return s;
+}
+
+bool has(const CliOut& r, const std::string& s) { return r.out.find(s) != std::string::npos; }
+
+// Regression: CLI::NonNegativeNumber printed "Value -3 not in range 0.000000 to 1797693134862...
+// (a 309-digit double)", and an unsigned --seed -1 wrapped to 18446744073709551615 silently.
+TEST(CliOptions, RangeMessagesPrintIntegersAndTheValidRange) {
+  test::TempDir t;
+  const std::string dummy = q(t.path / "none") + " -o " + q(t.path / "o");
+  struct Case {
+    std::string args, expect;
+  } cases[] = {
+      {"quantize " + dummy + " --threads -3", "--threads: -3 is outside the valid range 0..4096"},
+      {"quantize " + dummy + " --threads 99999999999999999999", "--threads: 99999999999999999999 is outside the valid range 0..4096"},
+      {"quantize " + dummy + " --threads 2.5", "--threads: 2.5 is not an integer (valid range 0..4096)"},
+      {"eval " + q(t.path) + " --batch 0", "--batch: 0 is outside the valid range 1..4096"},
+      {"eval " + q(t.path) + " --max-windows -1", "--max-windows: -1 is outside the valid range 0..9223372036854775807"},
+      {"moe " + q(t.path) + " --layer 0 --activations x --threads -1", "--threads: -1 is outside the valid range 0..4096"},
+      {"--experts -1", "--experts: -1 is outside the valid range 0..4096"},
+      {"--seed -1", "--seed: -1 is outside the valid range 0..18446744073709551615"},
+      {"--tokens 0", "--tokens: 0 is outside the valid range 1..1048576"},
+      {"synth --family qwen3_moe --layers 0 -o " + q(t.path / "s"), "--layers: 0 is outside the valid range 1..1024"},
+      {"synth --family qwen3_moe --layers 1 --seed -1 -o " + q(t.path / "s"), "--seed: -1 is outside the valid range"},
+  };
+  for (const auto& c : cases) {
+    const CliOut r = run(c.args);
+    EXPECT_NE(r.code, 0) << c.args << "\n" << r.out;
+    EXPECT_TRUE(has(r, c.expect)) << c.args << "\n" << r.out;
+    EXPECT_FALSE(has(r, "e+")) << c.args << "\n" << r.out;
+    EXPECT_FALSE(has(r, ".000000")) << c.args << "\n" << r.out;
+  }
+  EXPECT_FALSE(fs::exists(t.path / "s"));
+}
+
+// Regression: negative size overrides were silently replaced by the family's real size (a 0.8 GB
+// Qwen3 layer for --hidden-size -5), absurd ones started writing.
+TEST(CliOptions, SynthRejectsBadSizesAndChecksFreeSpace) {
+  test::TempDir t;
+  const std::string base = "synth --family qwen3_moe --layers 1 --no-progress -o " + q(t.path / "s");
+  struct Case {
+    std::string args, expect;
+  } cases[] = {
+      {base + " --hidden-size -5", "--hidden-size: -5 is outside the valid range 1..65536"},
+      {base + " --hidden-size 0", "--hidden-size: 0 is outside the valid range 1..65536"},
+      {base + " --moe-intermediate-size 1000000", "--moe-intermediate-size: 1000000 is outside the valid range 1..65536"},
+      {base + " --experts 0", "--experts: 0 is outside the valid range 1..4096"},
+      {base + " --experts 1e3", "--experts: 1e3 is not an integer (valid range 1..4096)"},
+      {base + " --nu 2", "--nu 2: must be a finite number > 2"},
+      {base + " --nu inf", "--nu inf: must be a finite number > 2"},
+  };
+  for (const auto& c : cases) {
+    const CliOut r = run(c.args);
+    EXPECT_NE(r.code, 0) << c.args << "\n" << r.out;
+    EXPECT_TRUE(has(r, c.expect)) << c.args << "\n" << r.out;
+  }
+  EXPECT_TRUE(fs::is_empty(t.path)) << "something was written";
+
+  // Bigger than any disk: the size is printed, then refused before writing.
+  const CliOut big = run("synth --family qwen3_moe --layers 1000 --hidden-size 65536 --experts 4096 --no-progress -o " +
+                      q(t.path / "big"));
+  EXPECT_EQ(big.code, 1) << big.out;
+  EXPECT_TRUE(has(big, "lutb synth: will write ")) << big.out;
+  EXPECT_TRUE(has(big, ": the checkpoint needs")) << big.out;
+  EXPECT_TRUE(has(big, "are free on the filesystem of")) << big.out;
+  EXPECT_TRUE(fs::is_empty(t.path)) << "something was written";
+
+  // A valid run prints the size it writes: 2 layers x (router 4*64 + 3 * 4*32*64) BF16 values.
+  const CliOut ok = run("synth --family qwen3_moe --layers 2 --hidden-size 64 --moe-intermediate-size 32 --experts 4 "
+                     "--no-progress -o " + q(t.path / "ok"));
+  ASSERT_EQ(ok.code, 0) << ok.out;
+  EXPECT_TRUE(has(ok, "lutb synth: will write " + std::to_string(2 * 2 * (4 * 64 + 3 * 4 * 32 * 64)) + " bytes")) << ok.out;
+}
+
+// Regression: `lutb --fitter nope` failed only after synthesising the checkpoint (minutes at the
+// default size); every option is now checked before any work.
+TEST(CliOptions, DefaultJobValidatesBeforeWork) {
+  test::TempDir t;
+  const fs::path w = t.path / "w";
+  const CliOut r = run("--fitter nope --experts 2 --tokens 4 --work-dir " + q(w));
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(has(r, "--fitter: unknown fitter 'nope'")) << r.out;
+  EXPECT_FALSE(has(r, "synthesised")) << r.out;
+  EXPECT_FALSE(has(r, "the main job")) << r.out;
+  EXPECT_FALSE(fs::exists(w)) << "the work directory was created";
+
+  std::ofstream(t.path / "file") << "x";
+  const CliOut f = run("--experts 2 --tokens 4 --work-dir " + q(t.path / "file"));
+  EXPECT_EQ(f.code, 1) << f.out;
+  EXPECT_TRUE(has(f, "--work-dir " + (t.path / "file").string() + ": exists and is not a directory")) << f.out;
+  EXPECT_FALSE(has(f, "synthesised")) << f.out;
+}
+
+}  // namespace
+}  // namespace lutb

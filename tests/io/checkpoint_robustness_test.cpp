@@ -1,0 +1,188 @@
+// Robustness of the checkpoint writers found by the new-user QA pass (2026-11-30): interruption,
+// output permissions, synth size checks and free space, stale temporaries.
+#include <gtest/gtest.h>
+
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "lutb/checkpoint.hpp"
+#include "support/test_support.hpp"
+
+namespace lutb {
+namespace {
+
+namespace fs = std::filesystem;
+using test::TempDir;
+
+SynthOptions small(std::int64_t layers = 1) {
+  SynthOptions o;
+  o.family = ModelFamily::qwen3_moe;
+  o.layers = layers;
+  o.hidden_size = 128;
+  o.moe_intermediate_size = 64;
+  o.num_experts = 4;
+  o.progress = false;
+  return o;
+}
+
+QuantizeOptions quiet() {
+  QuantizeOptions q;
+  q.progress = false;
+  return q;
+}
+
+template <class Ex, class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Ex& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    return std::string("wrong exception type: ") + e.what();
+  }
+  return "no exception";
+}
+
+// Every entry of `dir` whose name starts with `prefix`.
+std::vector<std::string> entries(const fs::path& dir, const std::string& prefix) {
+  std::vector<std::string> v;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.path().filename().string().rfind(prefix, 0) == 0) v.push_back(e.path().filename().string());
+  std::sort(v.begin(), v.end());
+  return v;
+}
+
+mode_t current_umask() {
+  const mode_t m = ::umask(022);
+  ::umask(m);
+  return m;
+}
+
+fs::perms mode_of(const fs::path& p) { return fs::status(p).permissions() & fs::perms::mask; }
+
+// Regression: quantize_checkpoint copied the other files with std::filesystem::copy_file, which
+// carries the source's permission bits over: a read-only source gave read-only outputs.
+TEST(QuantizeOutput, CopiedFilesGetNormalPermissions) {
+  TempDir t;
+  const fs::path in = t.path / "in";
+  synthesize_checkpoint(in, small());
+  std::ofstream(in / "tokenizer.json") << "{}";
+  fs::create_directories(in / "extra");
+  std::ofstream(in / "extra" / "notes.txt") << "n";
+  const auto ro_file = fs::perms::owner_read | fs::perms::group_read | fs::perms::others_read;  // 0444
+  const auto ro_dir = ro_file | fs::perms::owner_exec | fs::perms::group_exec | fs::perms::others_exec;  // 0555
+  fs::permissions(in / "tokenizer.json", ro_file);
+  fs::permissions(in / "extra" / "notes.txt", ro_file);
+  fs::permissions(in / "extra", ro_dir);
+  quantize_checkpoint(in, t.path / "out", quiet());
+  fs::permissions(in / "extra", fs::perms::owner_all);  // let TempDir remove it
+
+  const auto um = static_cast<fs::perms>(current_umask());
+  const fs::perms file_mode = static_cast<fs::perms>(0666) & ~um;
+  const fs::perms dir_mode = static_cast<fs::perms>(0777) & ~um;
+  EXPECT_EQ(mode_of(t.path / "out" / "tokenizer.json"), file_mode);
+  EXPECT_EQ(mode_of(t.path / "out" / "extra" / "notes.txt"), file_mode);
+  EXPECT_EQ(mode_of(t.path / "out" / "extra"), dir_mode);
+  EXPECT_EQ(mode_of(t.path / "out"), dir_mode);
+  EXPECT_EQ(mode_of(t.path / "out" / "config.json"), file_mode);
+  std::ifstream f(t.path / "out" / "extra" / "notes.txt");
+  std::string s;
+  f >> s;
+  EXPECT_EQ(s, "n");  // contents copied
+}
+
+// The interrupt flag (set by the CLI's signal handler): the write stops, the temporary goes, the
+// destination stays as it was.
+TEST(QuantizeOutput, InterruptFlagLeavesTheDestinationAsItWas) {
+  TempDir t;
+  synthesize_checkpoint(t.path / "in", small(2));
+  fs::create_directories(t.path / "out");
+  std::ofstream(t.path / "out" / "keep.txt") << "old";
+  InterruptFlag flag{SIGINT};
+  QuantizeOptions q = quiet();
+  q.force = true;
+  q.interrupt = &flag;
+  try {
+    quantize_checkpoint(t.path / "in", t.path / "out", q);
+    ADD_FAILURE() << "not interrupted";
+  } catch (const Interrupted& e) {
+    EXPECT_EQ(e.signal, SIGINT);
+    EXPECT_NE(std::string(e.what()).find((t.path / "out").string() + ": interrupted by signal 2"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(entries(t.path, "out"), std::vector<std::string>{"out"});
+  EXPECT_EQ(entries(t.path / "out", ""), std::vector<std::string>{"keep.txt"});
+
+  // quantize_file and synthesize_checkpoint honour it too.
+  const fs::path shard = t.path / "in" / "model-00001-of-00002.safetensors";
+  EXPECT_NE(error_of<Interrupted>([&] { quantize_file(shard, t.path / "x.safetensors", "", q); }).find("interrupted"),
+            std::string::npos);
+  EXPECT_TRUE(entries(t.path, "x.safetensors").empty());
+  SynthOptions so = small();
+  so.interrupt = &flag;
+  EXPECT_NE(error_of<Interrupted>([&] { synthesize_checkpoint(t.path / "s", so); }).find("interrupted"),
+            std::string::npos);
+  EXPECT_TRUE(entries(t.path, "s").empty());
+  // A zero flag changes nothing.
+  flag = 0;
+  quantize_checkpoint(t.path / "in", t.path / "out", q);
+  EXPECT_TRUE(Checkpoint(t.path / "out").is_lutb());
+}
+
+TEST(Synth, NegativeOverridesAreRejected) {
+  SynthOptions o = small();
+  o.hidden_size = -5;
+  EXPECT_NE(error_of<std::invalid_argument>([&] { synth_config(o); }).find("hidden_size override -5 is negative"),
+            std::string::npos);
+  o = small();
+  o.num_experts = -1;
+  EXPECT_NE(error_of<std::invalid_argument>([&] { synth_config(o); }).find("num_experts override -1"), std::string::npos);
+  o = small();
+  o.moe_intermediate_size = -64;
+  EXPECT_NE(error_of<std::invalid_argument>([&] { synth_config(o); }).find("moe_intermediate_size override -64"),
+            std::string::npos);
+}
+
+TEST(Synth, PlannedBytesEqualTheBytesWritten) {
+  TempDir t;
+  for (ModelFamily f : {ModelFamily::qwen3_moe, ModelFamily::qwen2_moe, ModelFamily::deepseek_v3}) {
+    SynthOptions o = small(2);
+    o.family = f;
+    o.stacked = f == ModelFamily::qwen2_moe;
+    const std::uint64_t planned = synth_checkpoint_bytes(o);
+    const fs::path dir = t.path / std::string(family_name(f));
+    EXPECT_EQ(synthesize_checkpoint(dir, o), planned);
+    // Against the files: tensor bytes = file sizes minus the headers.
+    std::uint64_t tensors = 0;
+    for (const auto& e : fs::directory_iterator(dir)) {
+      if (e.path().extension() != ".safetensors") continue;
+      const SafetensorsFile sf(e.path());
+      for (const auto& n : sf.names()) tensors += sf.get(n).nbytes;
+    }
+    EXPECT_EQ(tensors, planned) << family_name(f);
+  }
+  // Qwen3 per layer: router E*H + 3 projections of E*I*H, BF16.
+  EXPECT_EQ(synth_checkpoint_bytes(small(3)), 3u * 2u * (4u * 128u + 3u * 4u * 64u * 128u));
+}
+
+// More than any disk holds: refused before anything is written, naming both sizes.
+TEST(Synth, FreeSpaceIsCheckedBeforeWriting) {
+  TempDir t;
+  SynthOptions o = small(1024);
+  o.hidden_size = 65536;
+  o.moe_intermediate_size = 65536;
+  o.num_experts = 4096;
+  const std::string w = error_of<CheckpointError>([&] { synthesize_checkpoint(t.path / "big", o); });
+  EXPECT_NE(w.find((t.path / "big").string() + ": the checkpoint needs"), std::string::npos) << w;
+  EXPECT_NE(w.find("are free on the filesystem of"), std::string::npos) << w;
+  EXPECT_TRUE(entries(t.path, "big").empty());
+}
+
+}  // namespace
+}  // namespace lutb
