@@ -126,9 +126,7 @@ double tokens_per_expert(std::int64_t tokens, int top_k, std::int64_t experts) {
 
 MoeStrategy choose_strategy(std::int64_t tokens, int top_k, std::int64_t experts, bool packed_weights) {
   const double a = tokens_per_expert(tokens, top_k, experts);
-  if (packed_weights)
-    return a <= kSwapAbMaxTokensPerExpert ? MoeStrategy::Decode
-                                          : (a >= kPrefillMinTokensPerExpert ? MoeStrategy::Prefill : MoeStrategy::DecodeM16);
+  if (packed_weights) return a >= kPrefillMinTokensPerExpert ? MoeStrategy::Prefill : MoeStrategy::Decode;
   return a >= 48.0 ? MoeStrategy::Prefill : MoeStrategy::Decode;
 }
 

@@ -42,12 +42,10 @@ inline constexpr int kPrefillTileRows = 64;
 /// T = 256) the 64-row token tiles are mostly empty and prefill is 0.67x the decode path; at 16
 /// (Qwen3, T = 256) they are even (0.96-1.03x over two runs); at 32 (DeepSeek-V3, T = 1024) prefill
 /// is 1.6x faster and at 64 or more 1.8-2.6x. 24 sits between the break-even and the first clear
-/// win; re-measure against main's DecodeM16 kernel, which reads the lane-major order since fb84e7d
-/// (the figures above are against its flat-order predecessor).
+/// win. The dispatcher's rule is choose_strategy (lutb/cuda/moe.hpp, kPrefillMinTokensPerExpert);
+/// this is the same rule, kept for the prefill tests.
 inline bool prefer_lutb_prefill(std::int64_t tokens, int top_k, std::int64_t experts) {
-  const std::int64_t pairs = tokens * top_k;
-  const std::int64_t touched = experts < pairs ? experts : pairs;
-  return touched > 0 && pairs >= 24 * touched;
+  return tokens > 0 && choose_strategy(tokens, top_k, experts, true) == MoeStrategy::Prefill;
 }
 
 /// A complete MoE forward (same contract, arguments and workspace rule as moe_forward in

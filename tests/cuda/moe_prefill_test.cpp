@@ -311,6 +311,14 @@ TEST(PrefillCuda, HeuristicThresholdIs24PairsPerTouchedExpert) {
   EXPECT_FALSE(cuda::prefer_lutb_prefill(4, 2, 8));       // 8 pairs over 8 experts
   EXPECT_TRUE(cuda::prefer_lutb_prefill(96, 2, 8));       // 24
   EXPECT_FALSE(cuda::prefer_lutb_prefill(0, 8, 256));
+  // The dispatcher (choose_strategy): swap-AB decode below 24 pairs per touched expert.
+  EXPECT_EQ(cuda::choose_strategy(1, 8, 256), cuda::MoeStrategy::Decode);
+  EXPECT_EQ(cuda::choose_strategy(256, 8, 128), cuda::MoeStrategy::Decode);
+  EXPECT_EQ(cuda::choose_strategy(384, 8, 128), cuda::MoeStrategy::Prefill);
+  EXPECT_EQ(cuda::choose_strategy(4096, 8, 256), cuda::MoeStrategy::Prefill);
+  EXPECT_EQ(cuda::decode_token_blocks(1, 8, 256), 1);
+  EXPECT_EQ(cuda::decode_token_blocks(256, 8, 256), 2);   // 8 pairs per expert
+  EXPECT_EQ(cuda::decode_token_blocks(256, 8, 128), 4);   // 16
 }
 
 TEST(PrefillCuda, BadArgumentsThrowBeforeAnyLaunch) {

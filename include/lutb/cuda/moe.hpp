@@ -111,24 +111,22 @@ void route_deepseek(const float* logits, const float* bias, std::int64_t tokens,
 ///     decoded once per CTA into shared memory as BF16 with both power-of-two scales folded in,
 ///     ldmatrix + mma.sync. BF16 baseline: 4 m16 token tiles per warp.
 ///   DecodeM16: LUT-B with tokens as the M operand, one m16 token tile per warp (the previous
-///     decode kernel; the fastest LUT-B kernel at ~8-16 tokens per expert); the same as Decode on
-///     the BF16 path.
+///     decode kernel, kept as the benchmark's same-run baseline; Auto does not pick it); the same
+///     as Decode on the BF16 path.
 enum class MoeStrategy : std::uint8_t { Auto, Decode, Prefill, DecodeM16 };
 
-/// LUT-B: the swap-AB Decode kernels while the mean number of tokens per touched expert
-/// (T*k / min(E, T*k)) is at most this. Measured on the H200 (docs/perf/moe-gpu.md, 2026-11-30):
-/// swap-AB is 1.3-1.9x faster than DecodeM16 at 1-4 tokens per expert (T <= 16 on the four
-/// benchmark shapes); DecodeM16 is 9-29 % faster at 8-16 tokens per expert (T = 256).
-inline constexpr double kSwapAbMaxTokensPerExpert = 6.0;
-/// LUT-B: the CTA-tiled Prefill kernels from this many tokens per touched expert on (measured
-/// break-even ~16, docs/perf/moe-gpu-prefill.md); DecodeM16 between the two thresholds.
+/// LUT-B: the CTA-tiled Prefill kernels from this many tokens per touched expert
+/// (T*k / min(E, T*k)) on, the swap-AB Decode kernels below. Measured on the H200
+/// (docs/perf/moe-gpu.md, 2026-11-30 ~02:50 UTC): swap-AB is 1.4-3.0x faster than DecodeM16 at 1-4
+/// tokens per expert, 1.0-1.2x at 8-16 (Qwen3-30B T=256 0.97x) and 1.0-1.1x beyond, so Auto never
+/// picks DecodeM16; prefill breaks even near 16 tokens per expert and wins from 32
+/// (docs/perf/moe-gpu-prefill.md).
 inline constexpr double kPrefillMinTokensPerExpert = 24.0;
 
 /// Heuristic, kept apart from the kernels.
 ///   BF16 weights (packed_weights = false): Prefill when the mean number of tokens per touched
 ///     expert reaches 48, else Decode.
-///   LUT-B weights: Decode up to kSwapAbMaxTokensPerExpert tokens per touched expert, Prefill
-///     from kPrefillMinTokensPerExpert, DecodeM16 between.
+///   LUT-B weights: Prefill from kPrefillMinTokensPerExpert tokens per touched expert, else Decode.
 MoeStrategy choose_strategy(std::int64_t tokens, int top_k, std::int64_t experts, bool packed_weights = true);
 
 /// Token n-blocks of 8 per tile of the swap-AB decode kernels (1, 2 or 4) for a batch: 1 up to 6
