@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Stages what scripts/gpu_run.sh needs into DEST (default /work/main/.gpu) for a GPU machine that
+# Stages what scripts/gpu_run.sh needs into DEST (default: .gpu in this checkout, git-ignored) for a GPU machine that
 # receives only that checkout: the sources, googletest and nlohmann-json sources from this machine's
 # Debian packages, the golden vectors and the tiny-qwen3-moe model.
 set -euo pipefail
 SRC=$(cd "$(dirname "$0")/.." && pwd)
-DEST=${1:-/work/main/.gpu}
+DEST=${1:-$SRC/.gpu}
 SHARED=${SHARED:-$SRC/../shared}
 rm -rf "$DEST/include" "$DEST/src" "$DEST/tests" "$DEST/bench" "$DEST/scripts"
 mkdir -p "$DEST/deps/include" "$DEST/shared/models/tiny-qwen3-moe"
