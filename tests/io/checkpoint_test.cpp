@@ -423,8 +423,12 @@ TEST(QuantizeErrors, OutputExistsUnlessForce) {
   expect_error<CheckpointError>([&] { quantize_checkpoint(t.path / "in", t.path / "in", quiet()); }, {"is the input"});
   QuantizeOptions f = quiet();
   f.force = true;
+  // --force replaces only what looks like a checkpoint: keep.txt is not a checkpoint file.
+  expect_error<CheckpointError>([&] { quantize_checkpoint(t.path / "in", t.path / "out", f); }, {"keep.txt"});
+  EXPECT_EQ(read_file(t.path / "out" / "keep.txt"), "precious");
+  fs::rename(t.path / "out" / "keep.txt", t.path / "out" / "keep.json");
   quantize_checkpoint(t.path / "in", t.path / "out", f);
-  EXPECT_FALSE(fs::exists(t.path / "out" / "keep.txt"));
+  EXPECT_FALSE(fs::exists(t.path / "out" / "keep.json"));
   EXPECT_TRUE(Checkpoint(t.path / "out").is_lutb());
   expect_no_temp(t.path / "out");
   // A trailing separator names the same directory.
