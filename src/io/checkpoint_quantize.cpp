@@ -189,6 +189,27 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
         if (v.shape.size() != (stacked ? 3u : 2u) || v.numel() == 0)
           throw CheckpointError(fmt::format("checkpoint {}: routed-expert tensor {} has shape {}, expected {}", in_dir.string(),
                                             name, detail::shape_str(v.shape), stacked ? "[E, N, K]" : "[N, K]"));
+        // The shape config.json implies, as the loader checks it: a checkpoint eval would reject
+        // is refused before anything is written (QA 2026-11-30).
+        const std::int64_t H = cfg.hidden_size, I = cfg.moe_intermediate_size, E = cfg.num_experts;
+        const std::string proj = stacked ? m[4].str() : m[3].str();
+        const bool down = proj == "down_proj" || proj == "w2";
+        std::vector<std::int64_t> expected;
+        if (stacked)
+          expected = down ? std::vector<std::int64_t>{E, H, I} : std::vector<std::int64_t>{E, 2 * I, H};
+        else
+          expected = down ? std::vector<std::int64_t>{H, I} : std::vector<std::int64_t>{I, H};
+        if (v.shape != expected)
+          throw CheckpointError(fmt::format(
+              "{}: routed-expert tensor {} has shape {}, expected {} from {} (hidden_size {}, {} {}{}); nothing "
+              "written",
+              files[f]->path().string(), name, detail::shape_str(v.shape), detail::shape_str(expected),
+              (in_dir / "config.json").string(), H, "expert width", I, stacked ? fmt::format(", {} experts", E) : ""));
+        if (!stacked && std::stoll(m[2].str()) >= E)
+          throw CheckpointError(fmt::format("{}: routed-expert tensor {} names expert {}, but {} declares {} experts; "
+                                            "nothing written",
+                                            files[f]->path().string(), name, m[2].str(),
+                                            (in_dir / "config.json").string(), E));
         p.quantize = true;
         p.shape = shape_of(v);
         if (p.shape.padded()) logical_shapes[name] = logical_dims(p.shape);

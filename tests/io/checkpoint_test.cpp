@@ -498,6 +498,47 @@ TEST(QuantizeErrors, WrongDtype) {
   expect_no_temp(t.path / "out");
 }
 
+// Regression (QA 2026-11-30): quantize did not check the expert shapes against config.json (swapped
+// dims, or hidden_size doubled in the config) and wrote a checkpoint eval rejected. Now it fails
+// naming the shard, the tensor and both shapes, and writes nothing.
+TEST(QuantizeErrors, ExpertShapeMustMatchTheConfig) {
+  TempDir t;
+  synthesize_checkpoint(t.path / "in", small(ModelFamily::qwen3_moe, 1, 64, 16, 2));
+  const std::string n = "model.layers.0.mlp.experts.1.up_proj.weight";  // [16, 64]
+  std::vector<std::uint8_t> b;
+  {
+    Checkpoint ck(t.path / "in");
+    const TensorView& v = ck.tensor(n);
+    b.assign(v.data, v.data + v.nbytes);
+  }
+  {
+    std::vector<std::pair<std::string, OwnedTensor>> ts;
+    SafetensorsFile f(t.path / "in" / "model.safetensors");
+    for (const auto& name : f.names()) {
+      const TensorView& v = f.get(name);
+      ts.push_back({name, OwnedTensor{v.dtype, name == n ? std::vector<std::int64_t>{64, 16} : v.shape,
+                                      std::vector<std::uint8_t>(v.data, v.data + v.nbytes)}});
+    }
+    write_safetensors(t.path / "in" / "model2.safetensors", ts);
+  }
+  fs::rename(t.path / "in" / "model2.safetensors", t.path / "in" / "model.safetensors");
+  const std::string shard = (t.path / "in" / "model.safetensors").string();
+  expect_error<CheckpointError>([&] { quantize_checkpoint(t.path / "in", t.path / "out", quiet()); },
+                                {shard + ": routed-expert tensor " + n + " has shape [64, 16], expected [16, 64]",
+                                 "nothing written"});
+  EXPECT_FALSE(fs::exists(t.path / "out"));
+  expect_no_temp(t.path / "out");
+
+  // The tensors right, the config wrong: hidden_size doubled.
+  replace_tensor(t.path / "in", n, DType::BF16, b);
+  nlohmann::json cfg = Checkpoint(t.path / "in").config().raw;
+  cfg["hidden_size"] = 128;
+  std::ofstream(t.path / "in" / "config.json") << cfg.dump();
+  expect_error<CheckpointError>([&] { quantize_checkpoint(t.path / "in", t.path / "out", quiet()); },
+                                {"routed-expert tensor model.layers.0.mlp.experts.", "hidden_size 128", "nothing written"});
+  EXPECT_FALSE(fs::exists(t.path / "out"));
+}
+
 TEST(QuantizeErrors, ExpertBiasIsRefused) {
   TempDir t;
   synthesize_checkpoint(t.path / "in", small(ModelFamily::qwen3_moe, 1, 64, 16, 2));
