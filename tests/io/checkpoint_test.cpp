@@ -283,6 +283,22 @@ TEST(Quantize, TinyQwen3RoundTrip) {
   EXPECT_EQ(online.w13.scale, x.w13.scale);
   EXPECT_EQ(online.w2.packed, x.w2.packed);
   expect_error<CheckpointError>([&] { q.experts_source(2); }, {"stored as LUT-B"});
+  // Regression (QA 2026-11-30): without its quantization_config the message named an internal
+  // function ("use lutb_experts"); it now says what is missing.
+  {
+    nlohmann::json cfg = q.config().raw;
+    cfg.erase("quantization_config");
+    std::ofstream(out / "config.json") << cfg.dump();
+    try {
+      Checkpoint(out).experts_source(2);
+      ADD_FAILURE() << "no error";
+    } catch (const CheckpointError& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find("no LUT-B quantization_config"), std::string::npos) << m;
+      EXPECT_EQ(m.find("lutb_experts"), std::string::npos) << m;
+    }
+    std::ofstream(out / "config.json") << q.config().raw.dump();
+  }
   // Quantising a LUT-B checkpoint again is refused.
   expect_error<CheckpointError>([&] { quantize_checkpoint(out, t.path / "qq", quiet()); }, {"already LUT-B"});
   EXPECT_FALSE(fs::exists(t.path / "qq"));
@@ -384,6 +400,19 @@ TEST(Quantize, CompressedTensorsWithoutScaleReadsAs127) {
   nlohmann::json c2 = a.config().raw;
   std::ofstream(t.path / "ct" / "config.json") << c2.dump();
   expect_error<CheckpointError>([&] { Checkpoint(t.path / "ct").lutb_experts(0); }, {"weight_scale", "not found"});
+}
+
+// Regression (QA 2026-11-30): a stored checkpoint whose quantization_config claims another tile was
+// read as 8x64 anyway; opening it now fails naming its config.json and the key.
+TEST(Quantize, StoredQuantizationConfigIsValidated) {
+  TempDir t;
+  synthesize_checkpoint(t.path / "in", small(ModelFamily::qwen3_moe, 1, 64, 16, 2));
+  quantize_checkpoint(t.path / "in", t.path / "lut", quiet());
+  nlohmann::json cfg = Checkpoint(t.path / "lut").config().raw;
+  cfg["quantization_config"]["tile"] = {16, 64};
+  std::ofstream(t.path / "lut" / "config.json") << cfg.dump();
+  expect_error<ConfigError>([&] { Checkpoint c(t.path / "lut"); },
+                            {(t.path / "lut" / "config.json").string() + ": key 'quantization_config.tile'"});
 }
 
 // ---------------------------------------------------------------------------
