@@ -208,8 +208,11 @@ struct LutbQuantConfig {
   std::map<std::string, std::vector<std::int64_t>> logical_shapes;
   bool compressed_tensors = false;  // true: no weight_scale tensors, scale byte 127
 };
-/// Parses config["quantization_config"]; nullopt when absent or not LUT-B.
-std::optional<LutbQuantConfig> parse_lutb_quant_config(const nlohmann::json& config);
+/// Parses config["quantization_config"]; nullopt when absent or not LUT-B. A "lut_b" block whose
+/// format, tile, index_bits, codebook_size, codebook/scale dtype, activation or activation_block
+/// differ from LUT-B's (spec 2.2) throws ConfigError "WHERE: key 'quantization_config.K': reason".
+std::optional<LutbQuantConfig> parse_lutb_quant_config(const nlohmann::json& config,
+                                                       std::string_view where = "config.json");
 
 // ---------------------------------------------------------------------------
 // Loading

@@ -409,7 +409,8 @@ class LutBOnlineMoEMethod {
   ///     "moe_backend='<value>' is not supported for LUT-B MoE; expected 'auto' or 'emulation'."
   /// Selection: "emulation" -> Emulation (nothing logged); "auto" -> Native iff the native support
   /// probe says supported and hidden_size % 128 == 0 and intermediate_size_per_partition % 128 == 0;
-  /// otherwise Emulation, logging once at Info "LUT-B MoE falls back to emulation: <reason>" where
+  /// otherwise Emulation, logging once at Info "LUT-B MoE: CPU emulation of Rubin's LUT-B numerics
+  /// (native sm_107 path not used: <reason>)" where
   /// reason is the probe's reason, or "hidden and intermediate sizes must be multiples of 128"
   /// when the device is supported but the shape is not.
   explicit LutBOnlineMoEMethod(MoeConfig cfg, OnlineOptions options = {});

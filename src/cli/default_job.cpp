@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <limits>
 #include <memory>
 #include <random>
@@ -78,7 +79,32 @@ void run_default_job(const DefaultArgs& a) {
     SynthOptions probe;
     probe.family = ModelFamily::qwen3_moe;
     probe.num_experts = a.experts;
-    synth_config(probe);  // throws for an invalid --experts before anything is written
+    const ModelConfig pc = synth_config(probe);  // throws for an invalid --experts before anything is written
+    // The token buffers grow with --tokens: check them against the free memory up front (QA
+    // 2026-11-30: "--tokens 100000000" ended in a bare std::bad_alloc). Per token: the BF16 input,
+    // three FP32 outputs, the router logits and, per routed expert, the FP32 gate/up and down
+    // intermediates.
+    const auto H = static_cast<std::uint64_t>(pc.hidden_size), I = static_cast<std::uint64_t>(pc.moe_intermediate_size),
+               E = static_cast<std::uint64_t>(pc.num_experts), k = static_cast<std::uint64_t>(pc.num_experts_per_tok);
+    const std::uint64_t per_token = 2 * H + 3 * 4 * H + 4 * E + 8 * k + k * (2 * I + I) * 4;
+    const std::uint64_t need = per_token * static_cast<std::uint64_t>(a.tokens);
+    std::uint64_t avail = 0;
+    {
+      std::ifstream mi("/proc/meminfo");
+      std::string key;
+      std::uint64_t kb = 0;
+      std::string unit;
+      while (mi >> key >> kb >> unit)
+        if (key == "MemAvailable:") {
+          avail = kb * 1024;
+          break;
+        }
+    }
+    if (avail > 0 && need > avail)
+      throw std::invalid_argument(fmt::format(
+          "--tokens {}: the token buffers would need about {:.1f} GB ({} bytes per token), but only {:.1f} GB of "
+          "memory is available; use fewer tokens (at most about {})",
+          a.tokens, need / 1e9, per_token, avail / 1e9, avail / per_token));
   }
 
   InterruptGuard on_signal;  // Ctrl-C: the Cleanup below removes what this run wrote

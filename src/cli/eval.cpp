@@ -63,6 +63,20 @@ void run_eval(const EvalArgs& a) {
       if (done == total) fmt::print(stderr, "\n");
     };
   const model::EvalResult r = model::evaluate(lm, tokens, eo);
+  if (!std::isfinite(r.val_loss)) {
+    // A NaN or Inf anywhere (e.g. a stored weight_scale of 2^127 or a NaN codebook entry) made the
+    // loss meaningless: an error, not a number to report (QA 2026-11-30: "val loss nan", exit 0).
+    std::string where;
+    for (const auto& s : moe.stats())
+      if (const double v = s.sqnr_db(); std::isnan(v) || (std::isinf(v) && v < 0)) {
+        where = fmt::format("; the first tensor with non-finite values is {} (layer {})", s.name, s.layer);
+        break;
+      }
+    throw model::ModelError(fmt::format(
+        "{}: non-finite loss ({}) over {} predicted tokens: a weight, scale or activation overflowed or is NaN{}; "
+        "the checkpoint's tensors are likely corrupt",
+        a.model_dir, r.val_loss, r.tokens, where));
+  }
 
   const auto& cfg = lm.config();
   const std::string quant = model::quant_name(mo.quant);
@@ -128,7 +142,7 @@ void add_eval(CLI::App& app) {
   cmd->add_option("--threads", args->threads, "threads (default: all cores)")->check(ThreadCount());
   cmd->add_option("--max-windows", args->max_windows, "evaluate only the first N windows (0 = all)")
       ->check(IntRange<std::int64_t>(0, std::numeric_limits<std::int64_t>::max()));
-  cmd->add_option("--batch", args->batch, "windows per forward pass (does not change the result)")->check(IntRange<std::int64_t>(1, 4096));
+  cmd->add_option("--batch", args->batch, "windows per forward pass (changes only the FP32 summation order: results agree to ~1e-5)")->check(IntRange<std::int64_t>(1, 4096));
   cmd->callback([args] { run_eval(*args); });
 }
 

@@ -1,6 +1,7 @@
 // lutb: compress the routed experts of MoE language models to LUT-B and run them.
 #include <cstdio>
 #include <exception>
+#include <new>
 
 #include <fmt/core.h>
 
@@ -23,6 +24,9 @@ int main(int argc, char** argv) {
     // The writer's guards have removed its temporary output; end as the signal would have.
     fmt::print(stderr, "lutb: {}\n", e.what());
     lutb::cli::reraise_interrupt(e.signal);
+  } catch (const std::bad_alloc&) {
+    fmt::print(stderr, "lutb: error: out of memory (an allocation failed); try a smaller input or fewer tokens\n");
+    return 1;
   } catch (const std::exception& e) {
     fmt::print(stderr, "lutb: error: {}\n", e.what());
     return 1;

@@ -79,16 +79,20 @@ struct ModelQuantArgs {
   model::MoeOptions resolve(const std::string& model_dir, int threads) const {
     model::MoeOptions o;
     std::string q = quant;
-    if (q.empty()) {
-      bool lutb_ckpt = false;
-      try {
-        std::ifstream in(std::filesystem::path(model_dir) / "config.json");
-        if (in) lutb_ckpt = parse_lutb_quant_config(nlohmann::json::parse(in)).has_value();
-      } catch (const std::exception&) {
-        // a broken config.json is reported by the loader with its file name
-      }
-      q = lutb_ckpt ? "lutb" : "none";
+    bool lutb_ckpt = false;
+    try {
+      std::ifstream in(std::filesystem::path(model_dir) / "config.json");
+      if (in) lutb_ckpt = parse_lutb_quant_config(nlohmann::json::parse(in)).has_value();
+    } catch (const std::exception&) {
+      // a broken config.json is reported by the loader with its file name
     }
+    if (q.empty()) q = lutb_ckpt ? "lutb" : "none";
+    // A stored LUT-B checkpoint is read as written: a fitter would be silently ignored (QA 2026-11-30).
+    if (lutb_ckpt && !fitter.empty())
+      throw std::invalid_argument(fmt::format(
+          "--fitter {}: {} holds stored LUT-B weights; --fitter applies only when quantising a BF16 checkpoint on "
+          "the fly (--quant lutb)",
+          fitter, model_dir));
     o.quant = model::quant_from_name(q);
     const std::string act = activations.empty() ? (o.quant == model::Quant::Lutb ? "mxfp8" : "bf16") : activations;
     o.activations = act == "mxfp8" ? moe::ActivationFormat::MXFP8 : moe::ActivationFormat::BF16;

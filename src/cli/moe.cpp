@@ -44,8 +44,13 @@ void run_moe(const MoeArgs& a) {
   ensure_runtime_env();
   model::set_threads(a.threads);
   const model::MoeOptions mo = a.quant.resolve(a.model_dir, a.threads);
-  if (!std::filesystem::exists(a.activations_file))
+  if (!std::filesystem::exists(a.activations_file)) {
+    if (a.activations_file == "mxfp8" || a.activations_file == "bf16")  // eval's --activations takes a format
+      throw std::invalid_argument(fmt::format("--activations {}: --activations takes a file for `moe` (captured MoE "
+                                              "inputs, a .safetensors); the format is --act-format {}",
+                                              a.activations_file, a.activations_file));
     throw std::runtime_error(fmt::format("{}: activations file not found", a.activations_file));
+  }
   model::CheckpointMoe moe(a.model_dir, mo);
   const auto& cfg = moe.config();
   if (a.layer < 0 || a.layer >= cfg.num_layers)

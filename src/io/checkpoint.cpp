@@ -71,7 +71,7 @@ Checkpoint::Checkpoint(const std::filesystem::path& dir) : dir_(dir) {
     throw CheckpointError(fmt::format("{}: not a checkpoint directory (does not exist or is not a directory)", dir.string()));
   config_ = load_model_config(dir);
   st_ = std::make_unique<SafetensorsCollection>(SafetensorsCollection::open_dir(dir));
-  quant_ = parse_lutb_quant_config(config_.raw);
+  quant_ = parse_lutb_quant_config(config_.raw, (dir / "config.json").string());
 }
 Checkpoint::~Checkpoint() = default;
 Checkpoint::Checkpoint(Checkpoint&&) noexcept = default;
@@ -158,9 +158,12 @@ bool Checkpoint::experts_lutb(std::int64_t layer) const {
 ExpertsSource Checkpoint::experts_source(std::int64_t L) const {
   check_moe_layer(L);
   if (experts_lutb(L))
-    throw CheckpointError(fmt::format("checkpoint {}: layer {}'s experts are stored as LUT-B; no source weights "
-                                      "(use lutb_experts)",
-                                      dir_.string(), L));
+    throw CheckpointError(fmt::format("checkpoint {}: layer {}'s experts are stored as LUT-B (*_packed tensors), "
+                                      "not as BF16 weights{}",
+                                      dir_.string(), L,
+                                      quant_ ? std::string()
+                                             : "; its config.json has no LUT-B quantization_config, so it is not "
+                                               "read as a LUT-B checkpoint (one `lutb quantize` wrote has it)"));
   const std::int64_t E = config_.num_experts, H = config_.hidden_size, I = config_.moe_intermediate_size;
   ExpertsSource s;
   s.w13.experts = s.w2.experts = E;

@@ -125,6 +125,8 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& where
   if (!experts)
     detail::throw_config_key(where, "num_experts",
                              "required but missing (nor are its variants 'num_local_experts', 'n_routed_experts')");
+  if (*experts < 1)  // else num_experts_per_tok would report "must be in 1..0" (QA 2026-11-30)
+    detail::throw_config_key(where, experts_key, fmt::format("the experts count must be >= 1, got {}", *experts));
   c.num_experts = *experts;
 
   // Expert width.
@@ -257,7 +259,7 @@ LutbNames lutb_names(const std::string& w) {
 // ---------------------------------------------------------------------------
 // quantization_config
 // ---------------------------------------------------------------------------
-std::optional<LutbQuantConfig> parse_lutb_quant_config(const nlohmann::json& config) {
+std::optional<LutbQuantConfig> parse_lutb_quant_config(const nlohmann::json& config, std::string_view where) {
   auto it = config.find("quantization_config");
   if (it == config.end() || !it->is_object()) return std::nullopt;
   const auto& q = *it;
@@ -268,6 +270,52 @@ std::optional<LutbQuantConfig> parse_lutb_quant_config(const nlohmann::json& con
     return (i != o.end() && i->is_string()) ? i->get<std::string>() : std::string();
   };
   if (r.quant_method == "lut_b") {
+    // What the loader relies on (spec 2.2): a stored checkpoint claiming another tile, index width,
+    // codebook or scale type or activation format would otherwise be read as 3-bit 8x64 silently.
+    const std::string w(where);
+    auto want_string = [&](const char* key, std::initializer_list<const char*> allowed) {
+      const auto v = detail::config_string(q, key, w, std::string("quantization_config.") + key);
+      if (!v) return;
+      for (const char* a : allowed)
+        if (*v == a) return;
+      detail::throw_config_key(w, std::string("quantization_config.") + key,
+                               fmt::format("\"{}\" is not supported; LUT-B stores \"{}\"", *v, *allowed.begin()));
+    };
+    auto want_int = [&](const char* key, std::int64_t expected) {
+      const auto v = detail::config_int(q, key, w, std::string("quantization_config.") + key);
+      if (v && *v != expected)
+        detail::throw_config_key(w, std::string("quantization_config.") + key,
+                                 fmt::format("{} is not supported; LUT-B uses {}", *v, expected));
+    };
+    want_string("format", {"lut-b"});
+    want_string("codebook_dtype", {"float8_e4m3fn"});
+    want_string("scale_dtype", {"ue8m0"});
+    want_string("activation", {"mxfp8"});
+    want_int("index_bits", 3);
+    want_int("codebook_size", kCodebookSize);
+    want_int("activation_block", 32);
+    if (auto t = q.find("tile"); t != q.end() && !t->is_null()) {
+      const bool ok = t->is_array() && t->size() == 2 && (*t)[0].is_number_integer() &&
+                      (*t)[1].is_number_integer() && (*t)[0].get<std::int64_t>() == kTileRows &&
+                      (*t)[1].get<std::int64_t>() == kTileCols;
+      if (!ok)
+        detail::throw_config_key(w, "quantization_config.tile",
+                                 fmt::format("{} is not supported; LUT-B tiles are [{}, {}]", detail::json_excerpt(*t),
+                                             kTileRows, kTileCols));
+    }
+    if (auto ls = q.find("logical_shapes"); ls != q.end() && !ls->is_null()) {
+      if (!ls->is_object())
+        detail::throw_config_key(w, "quantization_config.logical_shapes",
+                                 "must be an object of tensor name to [rows, cols]");
+      for (auto& [k, v] : ls->items()) {
+        bool ok = v.is_array() && !v.empty();
+        if (ok)
+          for (const auto& d : v) ok = ok && d.is_number_integer() && d.get<std::int64_t>() > 0;
+        if (!ok)
+          detail::throw_config_key(w, "quantization_config.logical_shapes." + k,
+                                   fmt::format("must be an array of positive integers, got {}", detail::json_excerpt(v)));
+      }
+    }
     r.format = str(q, "format");
     r.fitter = str(q, "fitter");
     if (auto a = str(q, "activation"); !a.empty()) r.activation = a;

@@ -47,8 +47,23 @@ double now_seconds();
 void check_output_location(const std::filesystem::path& in, const std::filesystem::path& out);
 
 /// Refuses to replace an existing `target` of the other kind: a directory output never replaces a
-/// file and a file output never replaces a directory, even with --force. No-op when absent.
-void check_replaceable(const std::filesystem::path& target, bool want_directory);
+/// file and a file output never replaces a directory, even with --force. With `force` it also
+/// refuses a target that does not look like this tool's output: the current directory or an
+/// ancestor of it, a file that is not a regular *.safetensors, a directory holding anything but
+/// regular checkpoint files (*.safetensors, *.json, tokenizer*, merges.txt, ...). No-op when absent.
+/// Throws CheckpointError naming the path (and the offending entry) before anything is changed.
+void check_replaceable(const std::filesystem::path& target, bool want_directory, bool force);
+
+/// Moves directory or file `tmp` to `target`. An existing target (force was checked by the
+/// caller) is renamed aside, the new one renamed in, then the old one removed; on failure the old
+/// one is put back.
+void install_replacing(const std::filesystem::path& tmp, const std::filesystem::path& target);
+
+/// Creates the temporary directory `tmp` of output `target`; on failure (permissions, a parent that
+/// is a file, ...) throws CheckpointError naming `target`, the user's path, not the temporary one.
+void create_temp_dir(const std::filesystem::path& tmp, const std::filesystem::path& target);
+/// Checks that file `tmp` can be created (creates and removes it); else as create_temp_dir.
+void probe_temp_file(const std::filesystem::path& tmp, const std::filesystem::path& target);
 
 /// Temporary sibling name of `target`: "<target>.tmp.<pid>" (a trailing separator is ignored).
 /// stale_temporaries() recognises these names.

@@ -39,25 +39,6 @@ bool same_path(const fs::path& a, const fs::path& b) {
   return fs::weakly_canonical(a, ec) == fs::weakly_canonical(b, ec);
 }
 
-// Moves `tmp` to `target`; with force an existing target is swapped out first and removed after.
-void install(const fs::path& tmp, const fs::path& target, bool force) {
-  std::error_code ec;
-  if (fs::exists(target, ec)) {
-    if (!force) throw CheckpointError(fmt::format("{}: output exists (use --force to replace it)", target.string()));
-    const fs::path old = target.parent_path() / (target.filename().string() + ".old." + std::to_string(::getpid()));
-    fs::rename(target, old);
-    try {
-      fs::rename(tmp, target);
-    } catch (...) {
-      fs::rename(old, target, ec);  // put the old one back
-      throw;
-    }
-    fs::remove_all(old, ec);
-    return;
-  }
-  fs::rename(tmp, target);
-}
-
 struct Planned {
   std::string name;
   bool quantize = false;
@@ -171,7 +152,7 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
   if (same_path(in_dir, out_dir))
     throw CheckpointError(fmt::format("{}: the output directory is the input checkpoint", out_dir.string()));
   detail::check_output_location(in_dir, out_dir);
-  detail::check_replaceable(out_dir, /*want_directory=*/true);
+  detail::check_replaceable(out_dir, /*want_directory=*/true, opt.force);
   if (fs::exists(out_dir) && !opt.force)
     throw CheckpointError(fmt::format("{}: output directory exists (use --force to replace it); nothing written",
                                       out_dir.string()));
@@ -208,6 +189,27 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
         if (v.shape.size() != (stacked ? 3u : 2u) || v.numel() == 0)
           throw CheckpointError(fmt::format("checkpoint {}: routed-expert tensor {} has shape {}, expected {}", in_dir.string(),
                                             name, detail::shape_str(v.shape), stacked ? "[E, N, K]" : "[N, K]"));
+        // The shape config.json implies, as the loader checks it: a checkpoint eval would reject
+        // is refused before anything is written (QA 2026-11-30).
+        const std::int64_t H = cfg.hidden_size, I = cfg.moe_intermediate_size, E = cfg.num_experts;
+        const std::string proj = stacked ? m[4].str() : m[3].str();
+        const bool down = proj == "down_proj" || proj == "w2";
+        std::vector<std::int64_t> expected;
+        if (stacked)
+          expected = down ? std::vector<std::int64_t>{E, H, I} : std::vector<std::int64_t>{E, 2 * I, H};
+        else
+          expected = down ? std::vector<std::int64_t>{H, I} : std::vector<std::int64_t>{I, H};
+        if (v.shape != expected)
+          throw CheckpointError(fmt::format(
+              "{}: routed-expert tensor {} has shape {}, expected {} from {} (hidden_size {}, {} {}{}); nothing "
+              "written",
+              files[f]->path().string(), name, detail::shape_str(v.shape), detail::shape_str(expected),
+              (in_dir / "config.json").string(), H, "expert width", I, stacked ? fmt::format(", {} experts", E) : ""));
+        if (!stacked && std::stoll(m[2].str()) >= E)
+          throw CheckpointError(fmt::format("{}: routed-expert tensor {} names expert {}, but {} declares {} experts; "
+                                            "nothing written",
+                                            files[f]->path().string(), name, m[2].str(),
+                                            (in_dir / "config.json").string(), E));
         p.quantize = true;
         p.shape = shape_of(v);
         if (p.shape.padded()) logical_shapes[name] = logical_dims(p.shape);
@@ -229,7 +231,7 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
   fs::remove_all(tmp, ec);
   if (!out_dir.parent_path().empty() && !fs::exists(out_dir.parent_path()))
     throw CheckpointError(fmt::format("{}: parent directory does not exist", out_dir.string()));
-  fs::create_directory(tmp);
+  detail::create_temp_dir(tmp, out_dir);
   TempGuard guard{tmp};
 
   // Shards, one at a time, tensor by tensor.
@@ -308,7 +310,7 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
   }
 
   detail::check_interrupt(opt.interrupt, out_dir);
-  install(tmp, out_dir, opt.force);
+  detail::install_replacing(tmp, out_dir);
   guard.armed = false;
   sum.seconds = detail::now_seconds() - t0;
   sum.peak_rss_bytes = peak_rss_bytes();
@@ -322,7 +324,7 @@ QuantizeSummary quantize_file(const fs::path& in, const fs::path& out, const std
   sum.fitter = resolved_fitter(opt.fit);
   if (same_path(in, out)) throw CheckpointError(fmt::format("{}: the output file is the input file", out.string()));
   detail::check_output_location(in, out);
-  detail::check_replaceable(out, /*want_directory=*/false);
+  detail::check_replaceable(out, /*want_directory=*/false, opt.force);
   if (fs::exists(out) && !opt.force)
     throw CheckpointError(fmt::format("{}: output file exists (use --force to replace it); nothing written", out.string()));
   std::regex re;
@@ -372,6 +374,11 @@ QuantizeSummary quantize_file(const fs::path& in, const fs::path& out, const std
 
   // Written to a temporary sibling, then installed (the writer itself is atomic too).
   const fs::path tmp = detail::temp_sibling(out);
+  {
+    std::error_code ec;
+    fs::remove(tmp, ec);
+  }
+  detail::probe_temp_file(tmp, out);
   TempGuard guard{tmp};
   {
     detail::Progress prog("quantize", total, opt.progress);
@@ -382,7 +389,7 @@ QuantizeSummary quantize_file(const fs::path& in, const fs::path& out, const std
     prog.finish();
   }
   detail::check_interrupt(opt.interrupt, out);
-  install(tmp, out, opt.force);
+  detail::install_replacing(tmp, out);
   guard.armed = false;
   sum.seconds = detail::now_seconds() - t0;
   sum.peak_rss_bytes = peak_rss_bytes();

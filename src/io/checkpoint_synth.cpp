@@ -294,7 +294,7 @@ ModelConfig synth_config(const SynthOptions& opt) {
 std::uint64_t synthesize_checkpoint(const fs::path& out_dir, const SynthOptions& opt) {
   if (!(opt.student_nu > 2.0)) throw std::invalid_argument("synth: student_nu must be > 2 (finite variance)");
   const ModelConfig c = synth_config(opt);
-  detail::check_replaceable(out_dir, /*want_directory=*/true);
+  detail::check_replaceable(out_dir, /*want_directory=*/true, opt.force);
   if (fs::exists(out_dir) && !opt.force)
     throw CheckpointError(fmt::format("{}: output directory exists (use --force to replace it); nothing written",
                                       out_dir.string()));
@@ -317,7 +317,7 @@ std::uint64_t synthesize_checkpoint(const fs::path& out_dir, const SynthOptions&
 
   const fs::path tmp = detail::temp_sibling(out_dir);
   fs::remove_all(tmp, ec);
-  fs::create_directories(tmp);
+  detail::create_temp_dir(tmp, out_dir);
   struct Guard {
     fs::path p;
     bool armed = true;
@@ -364,10 +364,9 @@ std::uint64_t synthesize_checkpoint(const fs::path& out_dir, const SynthOptions&
     if (!f) throw CheckpointError(fmt::format("{}: cannot write config.json", tmp.string()));
   }
   detail::check_interrupt(opt.interrupt, out_dir);
-  if (fs::exists(out_dir)) {  // force (checked above)
-    fs::remove_all(out_dir);
-  }
-  fs::rename(tmp, out_dir);
+  // An old output (force, checked above) is renamed aside, the new one renamed in, then the old
+  // one removed: a failure in between leaves the old one in place.
+  detail::install_replacing(tmp, out_dir);
   guard.armed = false;
   return total;
 }

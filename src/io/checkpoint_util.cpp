@@ -92,6 +92,19 @@ bool path_within(const std::filesystem::path& inner, const std::filesystem::path
   }
   return true;
 }
+// Names a checkpoint directory holds (what quantize, synth or a model download writes): tensors,
+// JSON configs and indexes, tokenizer files. Conservative on purpose: anything else (notes, code,
+// subdirectories) makes --force refuse.
+bool checkpoint_entry_name(const std::string& name) {
+  auto ends = [&](const char* suf) {
+    const std::size_t n = std::strlen(suf);
+    return name.size() > n && name.compare(name.size() - n, n, suf) == 0;
+  };
+  if (name.empty() || name[0] == '.') return false;
+  if (ends(".safetensors") || ends(".json") || ends(".tiktoken")) return true;
+  if (name.rfind("tokenizer", 0) == 0) return true;  // tokenizer.json, tokenizer.model, ...
+  return name == "merges.txt" || name == "vocab.txt" || name == "spiece.model" || name == "sentencepiece.model";
+}
 }  // namespace
 
 void check_output_location(const std::filesystem::path& in, const std::filesystem::path& out) {
@@ -103,7 +116,7 @@ void check_output_location(const std::filesystem::path& in, const std::filesyste
                                       out.string(), in.string()));
 }
 
-void check_replaceable(const std::filesystem::path& target, bool want_directory) {
+void check_replaceable(const std::filesystem::path& target, bool want_directory, bool force) {
   std::error_code ec;
   const auto st = std::filesystem::symlink_status(target, ec);
   if (ec || !std::filesystem::exists(st)) return;
@@ -114,6 +127,76 @@ void check_replaceable(const std::filesystem::path& target, bool want_directory)
   if (!want_directory && is_dir)
     throw CheckpointError(fmt::format("{}: exists and is a directory; refusing to replace it with a file",
                                       target.string()));
+  if (!force) return;  // the caller refuses an existing output without --force
+  // --force deletes the old output, so it may only ever hit something this tool could have written
+  // (QA 2026-11-30: "-o d --force" deleted any directory d, even the current one, with its notes).
+  std::error_code cec;
+  const auto cwd = std::filesystem::current_path(cec);
+  if (!cec && path_within(cwd, target))
+    throw CheckpointError(fmt::format("{}: is the current directory or one of its ancestors; refusing to replace it "
+                                      "with --force; nothing changed",
+                                      target.string()));
+  if (!is_dir) {
+    if (!std::filesystem::is_regular_file(st) || target.extension() != ".safetensors")
+      throw CheckpointError(fmt::format("{}: exists and is not a regular .safetensors file; refusing to replace it "
+                                        "with --force; nothing changed",
+                                        target.string()));
+    return;
+  }
+  for (std::filesystem::directory_iterator it(target, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    const auto est = it->symlink_status();
+    std::string why;
+    if (std::filesystem::is_directory(est))
+      why = "a subdirectory";
+    else if (!std::filesystem::is_regular_file(est))
+      why = "not a regular file";
+    else if (!checkpoint_entry_name(name))
+      why = "not a file a checkpoint holds";
+    if (!why.empty())
+      throw CheckpointError(fmt::format("{}: does not look like a checkpoint this tool wrote ('{}' is {}); refusing to "
+                                        "replace it with --force; remove it yourself or choose another output; "
+                                        "nothing changed",
+                                        target.string(), name, why));
+  }
+  if (ec)
+    throw CheckpointError(fmt::format("{}: cannot list it ({}); refusing to replace it with --force; nothing changed",
+                                      target.string(), ec.message()));
+}
+
+void install_replacing(const fs::path& tmp, const fs::path& target) {
+  std::error_code ec;
+  if (!fs::exists(fs::symlink_status(target, ec))) {
+    fs::rename(tmp, target);
+    return;
+  }
+  fs::path t = target;
+  if (!t.has_filename()) t = t.parent_path();
+  const fs::path old = t.parent_path() / (t.filename().string() + ".old." + std::to_string(::getpid()));
+  fs::remove_all(old, ec);
+  fs::rename(t, old);
+  try {
+    fs::rename(tmp, t);
+  } catch (...) {
+    fs::rename(old, t, ec);  // put the old one back
+    throw;
+  }
+  fs::remove_all(old, ec);
+}
+
+void create_temp_dir(const fs::path& tmp, const fs::path& target) {
+  std::error_code ec;
+  if (!fs::create_directories(tmp, ec) && ec)
+    throw CheckpointError(fmt::format("{}: cannot create the output: {}; nothing written", target.string(), ec.message()));
+}
+
+void probe_temp_file(const fs::path& tmp, const fs::path& target) {
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+  if (fd < 0)
+    throw CheckpointError(fmt::format("{}: cannot create the output: {}; nothing written", target.string(),
+                                      std::strerror(errno)));
+  ::close(fd);
+  ::unlink(tmp.c_str());
 }
 
 fs::path temp_sibling(const fs::path& target) {

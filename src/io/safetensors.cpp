@@ -119,8 +119,10 @@ void SafetensorsFile::parse_header(const std::uint8_t* data, std::size_t file_si
   if (file_size < 8) fail(where, fmt::format("file of {} bytes is too small for a safetensors header length", file_size));
   std::uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | data[i];
+  // A length beyond the file is what any other file (config.json, text) reads as: say so first.
+  if (n > file_size - 8)
+    fail(where, fmt::format("not a safetensors file (header length {} exceeds the file size {})", n, file_size));
   if (n > kMaxHeaderBytes) fail(where, fmt::format("header length {} exceeds the 100 MB limit", n));
-  if (n > file_size - 8) fail(where, fmt::format("header length {} exceeds the file size {} - 8", n, file_size));
   if (n < 2) fail(where, fmt::format("header length {} is too short for a JSON object", n));
   if (data[8] != '{') fail(where, "header does not start with '{'");
   const char* hb = reinterpret_cast<const char*>(data + 8);

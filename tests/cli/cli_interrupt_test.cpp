@@ -114,14 +114,15 @@ TEST(CliInterrupt, SigintDuringForcedQuantizeKeepsTheOldOutput) {
   make_input(t.path / "in");
   // An existing destination replaced with --force: it must survive an interrupted run untouched.
   fs::create_directories(t.path / "out");
-  std::ofstream(t.path / "out" / "keep.txt") << "the previous output";
+  // (a file a checkpoint holds: --force refuses to replace a directory holding anything else)
+  std::ofstream(t.path / "out" / "keep.json") << "the previous output";
   const SignalledRun r = quantize_and_signal(t.path / "in", t.path / "out", SIGINT, {"--force"});
   ASSERT_TRUE(WIFSIGNALED(r.status)) << "status " << r.status << "\n" << r.log;  // re-raised: shell status 130
   EXPECT_EQ(WTERMSIG(r.status), SIGINT) << r.log;
   EXPECT_NE(r.log.find("interrupted by signal 2"), std::string::npos) << r.log;
   EXPECT_EQ(names_with_prefix(t.path, "out"), std::vector<std::string>{"out"});  // no out.tmp.*, out.old.*
-  EXPECT_EQ(names_with_prefix(t.path / "out", ""), std::vector<std::string>{"keep.txt"});
-  EXPECT_EQ(slurp(t.path / "out" / "keep.txt"), "the previous output");
+  EXPECT_EQ(names_with_prefix(t.path / "out", ""), std::vector<std::string>{"keep.json"});
+  EXPECT_EQ(slurp(t.path / "out" / "keep.json"), "the previous output");
 }
 
 TEST(CliInterrupt, SigtermDuringQuantizeLeavesNothing) {

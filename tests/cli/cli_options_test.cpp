@@ -133,5 +133,28 @@ TEST(CliOptions, DefaultJobValidatesBeforeWork) {
   EXPECT_FALSE(has(f, "synthesised")) << f.out;
 }
 
+// Regression (QA 2026-11-30): a huge --tokens ended in a bare "std::bad_alloc". The buffers are now
+// sized against the free memory before any work, and the message says how much they would need.
+TEST(CliOptions, DefaultJobChecksTokenMemoryUpFront) {
+  std::uint64_t avail_kb = 0;
+  {
+    std::ifstream mi("/proc/meminfo");
+    std::string key, unit;
+    std::uint64_t kb = 0;
+    while (mi >> key >> kb >> unit)
+      if (key == "MemAvailable:") avail_kb = kb;
+  }
+  // 2^20 tokens of Qwen3-30B-A3B's layer with 2 experts need about 49 GB.
+  if (avail_kb == 0 || avail_kb > 40ull * 1000 * 1000) GTEST_SKIP() << "this machine has the memory for it";
+  test::TempDir t;
+  const fs::path w = t.path / "w";
+  const CliOut r = run("--experts 2 --tokens 1048576 --work-dir " + q(w));
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(has(r, "--tokens 1048576: the token buffers would need about ")) << r.out;
+  EXPECT_TRUE(has(r, "GB of memory is available; use fewer tokens")) << r.out;
+  EXPECT_FALSE(has(r, "synthesised")) << r.out;
+  EXPECT_FALSE(fs::exists(w)) << "the work directory was created";
+}
+
 }  // namespace
 }  // namespace lutb

@@ -151,6 +151,20 @@ TEST(ModelConfig, OlmoeAndMixtralWidths) {
   EXPECT_TRUE(mc.renormalize());
 }
 
+// Regression (QA 2026-11-30): num_local_experts 0 was reported as "num_experts_per_tok: must be in 1..0".
+TEST(ModelConfig, ZeroExpertsNamesTheKey) {
+  json j = base("mixtral");
+  j["num_local_experts"] = 0;
+  try {
+    parse_model_config(j, "/m/config.json");
+    FAIL();
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("/m/config.json: key 'num_local_experts': the experts count must be >= 1, got 0"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(ModelConfig, UnknownFamilyNamesFileTypeAndSupported) {
   json j = base("llama");
   try {
@@ -207,6 +221,38 @@ TEST(ModelConfig, LutbQuantConfig) {
   EXPECT_FALSE(parse_lutb_quant_config(json::object()));
   EXPECT_EQ(lutb_names("a.b.weight").packed, "a.b.weight_packed");
   EXPECT_EQ(lutb_names("a.experts.gate_up_proj").scale, "a.experts.gate_up_proj_scale");
+}
+
+// Regression (QA 2026-11-30): a stored quantization_config claiming another tile, index width, format
+// or activation was accepted and the weights still read as 3-bit 8x64. Each mismatch is now a
+// ConfigError in the project's format, naming the file and the key.
+TEST(ModelConfig, LutbQuantConfigMismatchesAreRejected) {
+  const json good = {{"quant_method", "lut_b"},        {"format", "lut-b"},          {"tile", {8, 64}},
+                     {"index_bits", 3},                {"codebook_size", 8},         {"codebook_dtype", "float8_e4m3fn"},
+                     {"scale_dtype", "ue8m0"},         {"activation", "mxfp8"},      {"activation_block", 32},
+                     {"fitter", "optimal"}};
+  ASSERT_TRUE(parse_lutb_quant_config(json{{"quantization_config", good}}, "m/config.json"));
+  const std::vector<std::pair<std::pair<std::string, json>, std::string>> bad = {
+      {{"tile", json{16, 64}}, "m/config.json: key 'quantization_config.tile': [16,64] is not supported; LUT-B tiles are [8, 64]"},
+      {{"index_bits", 4}, "m/config.json: key 'quantization_config.index_bits': 4 is not supported; LUT-B uses 3"},
+      {{"format", "int4"}, "m/config.json: key 'quantization_config.format': \"int4\" is not supported; LUT-B stores \"lut-b\""},
+      {{"activation", "fp4"}, "m/config.json: key 'quantization_config.activation': \"fp4\" is not supported"},
+      {{"codebook_dtype", "float8_e5m2"}, "key 'quantization_config.codebook_dtype': \"float8_e5m2\" is not supported"},
+      {{"scale_dtype", "fp32"}, "key 'quantization_config.scale_dtype'"},
+      {{"codebook_size", 16}, "key 'quantization_config.codebook_size': 16 is not supported"},
+      {{"index_bits", "3"}, "key 'quantization_config.index_bits': must be an integer"},
+      {{"logical_shapes", json{{"a.weight", "x"}}}, "key 'quantization_config.logical_shapes.a.weight'"},
+  };
+  for (const auto& [kv, want] : bad) {
+    json q = good;
+    q[kv.first] = kv.second;
+    try {
+      parse_lutb_quant_config(json{{"quantization_config", q}}, "m/config.json");
+      ADD_FAILURE() << kv.first << " accepted";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+    }
+  }
 }
 
 TEST(ModelConfig, RoutedExpertPattern) {

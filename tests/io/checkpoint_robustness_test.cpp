@@ -103,7 +103,7 @@ TEST(QuantizeOutput, InterruptFlagLeavesTheDestinationAsItWas) {
   TempDir t;
   synthesize_checkpoint(t.path / "in", small(2));
   fs::create_directories(t.path / "out");
-  std::ofstream(t.path / "out" / "keep.txt") << "old";
+  std::ofstream(t.path / "out" / "keep.json") << "old";
   InterruptFlag flag{SIGINT};
   QuantizeOptions q = quiet();
   q.force = true;
@@ -117,7 +117,7 @@ TEST(QuantizeOutput, InterruptFlagLeavesTheDestinationAsItWas) {
         << e.what();
   }
   EXPECT_EQ(entries(t.path, "out"), std::vector<std::string>{"out"});
-  EXPECT_EQ(entries(t.path / "out", ""), std::vector<std::string>{"keep.txt"});
+  EXPECT_EQ(entries(t.path / "out", ""), std::vector<std::string>{"keep.json"});
 
   // quantize_file and synthesize_checkpoint honour it too.
   const fs::path shard = t.path / "in" / "model-00001-of-00002.safetensors";
@@ -133,6 +133,87 @@ TEST(QuantizeOutput, InterruptFlagLeavesTheDestinationAsItWas) {
   flag = 0;
   quantize_checkpoint(t.path / "in", t.path / "out", q);
   EXPECT_TRUE(Checkpoint(t.path / "out").is_lutb());
+}
+
+// Regression (QA 2026-11-30, data loss): --force deleted ANY existing destination, e.g. a directory
+// holding the user's notes, or the current directory itself. It now replaces only what looks like
+// a checkpoint, and refuses anything else naming the path and the offending entry, changing nothing.
+TEST(ForceOutput, ReplacesOnlyCheckpointLikeDestinations) {
+  TempDir t;
+  synthesize_checkpoint(t.path / "in", small());
+  QuantizeOptions f = quiet();
+  f.force = true;
+  const fs::path d = t.path / "d";
+  fs::create_directories(d);
+  std::ofstream(d / "config.json") << "{}";
+  std::ofstream(d / "notes.txt") << "precious";
+  const std::string e1 = error_of<CheckpointError>([&] { quantize_checkpoint(t.path / "in", d, f); });
+  EXPECT_NE(e1.find(d.string() + ": does not look like a checkpoint"), std::string::npos) << e1;
+  EXPECT_NE(e1.find("'notes.txt'"), std::string::npos) << e1;
+  EXPECT_NE(e1.find("nothing changed"), std::string::npos) << e1;
+  EXPECT_EQ(entries(d, ""), (std::vector<std::string>{"config.json", "notes.txt"}));
+  EXPECT_EQ(entries(t.path, "d"), std::vector<std::string>{"d"});  // no d.tmp.*, d.old.*
+  SynthOptions so = small();
+  so.force = true;
+  const std::string e2 = error_of<CheckpointError>([&] { synthesize_checkpoint(d, so); });
+  EXPECT_NE(e2.find("'notes.txt'"), std::string::npos) << e2;
+  EXPECT_EQ(entries(d, ""), (std::vector<std::string>{"config.json", "notes.txt"}));
+
+  // A subdirectory is refused too.
+  fs::remove(d / "notes.txt");
+  fs::create_directories(d / "sub");
+  const std::string e3 = error_of<CheckpointError>([&] { quantize_checkpoint(t.path / "in", d, f); });
+  EXPECT_NE(e3.find("'sub' is a subdirectory"), std::string::npos) << e3;
+  EXPECT_TRUE(fs::exists(d / "sub"));
+  fs::remove(d / "sub");
+
+  // The current directory (or an ancestor of it) is never replaced, even when it looks like one.
+  const fs::path cwd = fs::current_path();
+  fs::create_directories(t.path / "d2");
+  std::ofstream(t.path / "d2" / "config.json") << "{}";
+  fs::current_path(t.path / "d2");
+  const std::string e4 = error_of<CheckpointError>([&] { quantize_checkpoint(t.path / "in", t.path / "d2", f); });
+  const std::string e5 = error_of<CheckpointError>([&] { synthesize_checkpoint(fs::path("."), so); });
+  fs::current_path(cwd);
+  EXPECT_NE(e4.find("current directory"), std::string::npos) << e4;
+  EXPECT_NE(e5.find("current directory"), std::string::npos) << e5;
+  EXPECT_TRUE(fs::exists(t.path / "d2" / "config.json"));
+
+  // A checkpoint-like directory (only config.json here) is replaced, by quantize and by synth.
+  quantize_checkpoint(t.path / "in", d, f);
+  EXPECT_TRUE(Checkpoint(d).is_lutb());
+  synthesize_checkpoint(d, so);
+  EXPECT_FALSE(Checkpoint(d).is_lutb());
+  EXPECT_EQ(entries(t.path, "d"), (std::vector<std::string>{"d", "d2"}));
+
+  // File outputs: only a regular *.safetensors file is replaced.
+  const fs::path shard = t.path / "in" / "model.safetensors";
+  std::ofstream(t.path / "notes.txt") << "precious";
+  const std::string e6 = error_of<CheckpointError>([&] { quantize_file(shard, t.path / "notes.txt", "", f); });
+  EXPECT_NE(e6.find("not a regular .safetensors file"), std::string::npos) << e6;
+  std::ifstream nf(t.path / "notes.txt");
+  std::string word;
+  nf >> word;
+  EXPECT_EQ(word, "precious");
+  quantize_file(shard, t.path / "x.safetensors", "", f);
+  quantize_file(shard, t.path / "x.safetensors", "", f);  // replaced
+  EXPECT_TRUE(fs::is_regular_file(t.path / "x.safetensors"));
+}
+
+// Regression (QA 2026-11-30): an output that cannot be created (no permission; here, as the tests may
+// run as root, a parent that is a file) was reported under the temporary path ".../out.tmp.PID".
+TEST(ForceOutput, CreationErrorsNameTheUsersPath) {
+  TempDir t;
+  synthesize_checkpoint(t.path / "in", small());
+  std::ofstream(t.path / "f") << "x";
+  const fs::path out = t.path / "f" / "out";
+  for (const std::string& e :
+       {error_of<CheckpointError>([&] { quantize_checkpoint(t.path / "in", out, quiet()); }),
+        error_of<CheckpointError>([&] { synthesize_checkpoint(out, small()); }),
+        error_of<CheckpointError>([&] { quantize_file(t.path / "in" / "model.safetensors", out, "", quiet()); })}) {
+    EXPECT_EQ(e.rfind(out.string() + ": cannot create the output: ", 0), 0u) << e;
+    EXPECT_EQ(e.find(".tmp."), std::string::npos) << e;
+  }
 }
 
 TEST(Synth, NegativeOverridesAreRejected) {

