@@ -416,6 +416,11 @@ struct SynthOptions {
   std::int64_t hidden_size = 0, moe_intermediate_size = 0, num_experts = 0;
   /// As QuantizeOptions::interrupt, polled between blocks of rows (a few MB).
   const InterruptFlag* interrupt = nullptr;
+  /// Called once with the tensor bytes that will be written (synth_checkpoint_bytes(opt)) after
+  /// every check has passed (options, destination replaceable, free space) and the temporary
+  /// output directory was created, just before the first tensor is written; never called on a
+  /// refusal. lutb synth prints its "will write N bytes" line here. May be empty.
+  std::function<void(std::uint64_t bytes)> on_start;
 };
 
 /// The real model a family's synthetic checkpoint imitates (shapes from its published config.json):

@@ -327,6 +327,7 @@ std::uint64_t synthesize_checkpoint(const fs::path& out_dir, const SynthOptions&
     }
   } guard{tmp};
 
+  if (opt.on_start) opt.on_start(total);
   const StudentT dist(opt.student_nu);
   detail::Progress prog("synth", total, opt.progress);
   nlohmann::json weight_map = nlohmann::json::object();

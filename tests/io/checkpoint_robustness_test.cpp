@@ -265,5 +265,34 @@ TEST(Synth, FreeSpaceIsCheckedBeforeWriting) {
   EXPECT_TRUE(entries(t.path, "big").empty());
 }
 
+// SynthOptions::on_start (QA session 9: lutb synth announced "will write N bytes" before a refusal):
+// never called when a check refuses, called once with the planned bytes when the write starts.
+TEST(Synth, OnStartOnlyAfterEveryCheckPassed) {
+  TempDir t;
+  std::vector<std::uint64_t> calls;
+  SynthOptions o = small();
+  o.on_start = [&](std::uint64_t b) { calls.push_back(b); };
+  fs::create_directories(t.path / "notes");
+  std::ofstream(t.path / "notes" / "todo.txt") << "mine";
+  o.force = true;
+  EXPECT_NE(error_of<CheckpointError>([&] { synthesize_checkpoint(t.path / "notes", o); }).find("does not look like"),
+            std::string::npos);
+  o.force = false;
+  EXPECT_NE(error_of<CheckpointError>([&] { synthesize_checkpoint(t.path / "notes", o); }).find("exists"),
+            std::string::npos);
+  std::ofstream(t.path / "file") << "x";
+  EXPECT_NE(error_of<CheckpointError>([&] { synthesize_checkpoint(t.path / "file" / "out", o); }).find("cannot create"),
+            std::string::npos);
+  SynthOptions big = o;
+  big.layers = 1024;
+  big.hidden_size = big.moe_intermediate_size = 65536;
+  big.num_experts = 4096;
+  EXPECT_NE(error_of<CheckpointError>([&] { synthesize_checkpoint(t.path / "big", big); }).find("needs"),
+            std::string::npos);
+  EXPECT_TRUE(calls.empty());
+  EXPECT_EQ(synthesize_checkpoint(t.path / "ok", o), synth_checkpoint_bytes(o));
+  EXPECT_EQ(calls, std::vector<std::uint64_t>{synth_checkpoint_bytes(o)});
+}
+
 }  // namespace
 }  // namespace lutb
