@@ -52,17 +52,11 @@ struct ConfigError : std::runtime_error {
 struct CheckpointError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
-/// A write stopped because its interrupt flag (QuantizeOptions::interrupt, SynthOptions::interrupt)
-/// became nonzero, i.e. a signal arrived. When it propagates out of quantize_checkpoint,
-/// quantize_file or synthesize_checkpoint the temporary output has been removed and the destination
-/// is exactly as it was. `signal` is the flag's value (the signal number, e.g. SIGINT = 2).
-struct Interrupted : std::runtime_error {
-  Interrupted(int sig, const std::string& what) : std::runtime_error(what), signal(sig) {}
-  int signal;
-};
-/// The flag type polled by the writers: set from a signal handler (lock-free, so async-signal-safe).
-using InterruptFlag = std::atomic<int>;
-static_assert(InterruptFlag::is_always_lock_free, "a signal handler may only touch a lock-free atomic");
+// Interrupted and InterruptFlag (the cancellation token of the writers and of the fitter) are
+// declared in lutb/fit.hpp. When Interrupted propagates out of quantize_checkpoint, quantize_file
+// or synthesize_checkpoint the temporary output has been removed and the destination is exactly as
+// it was; a stop inside one tensor's fit says so ("... while fitting tensor T after K of N tiles")
+// and carries tiles_done / tiles_total.
 
 /// Temporaries that an earlier write of `target` left behind when its process died (killed, or a
 /// second Ctrl-C): siblings named "<target>.tmp.<pid>..." or "<target>.old.<pid>..." whose <pid> is
@@ -343,8 +337,9 @@ struct QuantizeOptions {
   /// (the old one is removed after the swap).
   bool force = false;
   bool progress = true;    // progress bar on stderr (only drawn when stderr is a terminal)
-  /// Polled between tensors and between 32 MB copy chunks (a single tensor's fit is not
-  /// interrupted): when it reads nonzero the write stops, the temporary output is removed and
+  /// Polled between tensors, between 32 MB copy chunks and, inside a tensor's fit, before every
+  /// tile (it is passed on as FitOptions::interrupt when fit.interrupt is null): when it reads
+  /// nonzero the write stops within about one tile per thread, the temporary output is removed and
   /// Interrupted is thrown; the destination is left as it was. Null: never interrupted.
   const InterruptFlag* interrupt = nullptr;
 };

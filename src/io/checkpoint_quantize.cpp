@@ -84,7 +84,8 @@ void declare(SafetensorsWriter& w, const Planned& p, const TensorView& v, Quanti
 }
 
 // Writes the output tensors of one plan entry (quantising when planned), then releases the source pages.
-// Polls `stop` (see QuantizeOptions::interrupt) before the tensor and between copy chunks.
+// Polls `stop` (see QuantizeOptions::interrupt) before the tensor, between copy chunks and, through
+// the fitter, before every tile.
 void emit(SafetensorsWriter& w, const Planned& p, const TensorView& v, const FitOptions& fit, QuantizeSummary& s,
           detail::Progress& prog, const InterruptFlag* stop, const fs::path& target) {
   detail::check_interrupt(stop, target);
@@ -102,12 +103,25 @@ void emit(SafetensorsWriter& w, const Planned& p, const TensorView& v, const Fit
   }
   LutbTensor out;
   FitStats st;
-  if (v.dtype == DType::F64) {  // fitters take F32/BF16/F16: narrow F64 first
-    std::vector<float> f(static_cast<std::size_t>(v.numel()));
-    detail::convert_to_f32(v.data, v.dtype, f.data(), v.numel());
-    st = quantize(f.data(), DType::F32, p.shape, out, fit, p.name);
-  } else {
-    st = quantize(v.data, v.dtype, p.shape, out, fit, p.name);
+  // The fit itself polls the flag before every tile (a large tensor takes seconds to minutes).
+  FitOptions fo = fit;
+  if (!fo.interrupt) fo.interrupt = stop;
+  try {
+    if (v.dtype == DType::F64) {  // fitters take F32/BF16/F16: narrow F64 first
+      std::vector<float> f(static_cast<std::size_t>(v.numel()));
+      detail::convert_to_f32(v.data, v.dtype, f.data(), v.numel());
+      st = quantize(f.data(), DType::F32, p.shape, out, fo, p.name);
+    } else {
+      st = quantize(v.data, v.dtype, p.shape, out, fo, p.name);
+    }
+  } catch (const Interrupted& e) {
+    // The caller's guard removes the temporary output as this unwinds.
+    throw Interrupted(e.signal,
+                      fmt::format("{}: interrupted by signal {} ({}) while fitting tensor {} after {} of {} tiles; the "
+                                  "partial output was removed and {} is as it was",
+                                  target.string(), e.signal, strsignal(e.signal), p.name, e.tiles_done, e.tiles_total,
+                                  target.string()),
+                      e.tiles_done, e.tiles_total);
   }
   detail::release_pages(v.data, v.nbytes);
   w.write(out.packed.data(), out.packed.size());

@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -133,6 +134,65 @@ TEST(QuantizeOutput, InterruptFlagLeavesTheDestinationAsItWas) {
   flag = 0;
   quantize_checkpoint(t.path / "in", t.path / "out", q);
   EXPECT_TRUE(Checkpoint(t.path / "out").is_lutb());
+}
+
+// FitOptions::interrupt (QA session 9: one tensor's fit could not be interrupted). A set flag stops
+// the fit before its next tile with Interrupted naming the tensor and the progress; a zero flag
+// changes nothing (same bytes and statistics as no flag).
+TEST(QuantizeOutput, FitReadsTheInterruptFlagBeforeEveryTile) {
+  const LutbShape shape{3, 40, 130, true};  // 3 experts x 5 x 3 tiles, padded
+  std::vector<float> w(static_cast<std::size_t>(3 * 40 * 130));
+  std::uint32_t x = 12345;
+  for (auto& v : w) {
+    x = x * 1664525u + 1013904223u;
+    v = static_cast<float>(static_cast<std::int32_t>(x >> 8) - (1 << 23)) / (1 << 23);
+  }
+  for (const char* fitter : {"binned-dp", "optimal", "ct-lloyd"}) {
+    SCOPED_TRACE(fitter);
+    FitOptions plain;
+    plain.fitter = fitter;
+    plain.threads = 2;
+    LutbTensor ref;
+    const FitStats rs = quantize(w.data(), DType::F32, shape, ref, plain);
+
+    InterruptFlag flag{0};
+    FitOptions polled = plain;
+    polled.interrupt = &flag;
+    LutbTensor same;
+    const FitStats ss = quantize(w.data(), DType::F32, shape, same, polled);
+    EXPECT_EQ(same.packed, ref.packed);
+    EXPECT_EQ(same.codebook, ref.codebook);
+    EXPECT_EQ(same.scale, ref.scale);
+    EXPECT_EQ(ss.tiles, rs.tiles);
+    EXPECT_EQ(ss.sse, rs.sse);
+    EXPECT_EQ(ss.sum_sq, rs.sum_sq);
+
+    flag = SIGTERM;
+    LutbTensor stopped;
+    try {
+      quantize(w.data(), DType::F32, shape, stopped, polled, "experts.w13");
+      ADD_FAILURE() << "not interrupted";
+    } catch (const Interrupted& e) {
+      EXPECT_EQ(e.signal, SIGTERM);
+      EXPECT_EQ(e.tiles_done, 0);
+      EXPECT_EQ(e.tiles_total, 45);
+      EXPECT_EQ(std::string(e.what()), "quantize: tensor experts.w13: interrupted (flag 15) after 0 of 45 tiles");
+    }
+    EXPECT_TRUE(stopped.packed.empty());
+    EXPECT_TRUE(stopped.scale.empty());
+  }
+  // A stop wins over a bad tile (the tiles after the stop are not looked at).
+  w[7] = std::nanf("");
+  InterruptFlag flag{SIGINT};
+  FitOptions o;
+  o.interrupt = &flag;
+  LutbTensor out;
+  EXPECT_NE(error_of<Interrupted>([&] { quantize(w.data(), DType::F32, shape, out, o); }).find("interrupted (flag 2)"),
+            std::string::npos);
+  flag = 0;
+  EXPECT_NE(error_of<std::invalid_argument>([&] { quantize(w.data(), DType::F32, shape, out, o, "t"); })
+                .find("quantize: tensor t, expert 0, tile (0, 0): NaN at row 0 col 7"),
+            std::string::npos);
 }
 
 // Regression (QA 2026-11-30, data loss): --force deleted ANY existing destination, e.g. a directory
