@@ -141,8 +141,9 @@ struct ModelConfig {
 };
 
 /// Parses a config.json object. `where` names its file in error messages. Throws ConfigError naming
-/// `where` and the key when a required key is missing or has the wrong type, when the experts keys
-/// disagree, and, for an unsupported model_type, naming it and the supported ones.
+/// `where` and the key when a required key is missing or has the wrong type, when a size or count
+/// is negative or does not fit a 32-bit integer (what the model parser accepts), when the experts
+/// keys disagree, and, for an unsupported model_type, naming it and the supported ones.
 ModelConfig parse_model_config(const nlohmann::json& config, const std::string& where = "config.json");
 /// Reads and parses `path` (a config.json file or a checkpoint directory holding one).
 ModelConfig load_model_config(const std::filesystem::path& path);
@@ -378,7 +379,9 @@ std::string format_summary(const QuantizeSummary& s);
 /// - Atomic: everything is written to "<out_dir>.tmp.<pid>" and renamed to out_dir at the end; on
 ///   any error the temporary directory is removed and out_dir is untouched.
 /// Errors: CheckpointError when out_dir exists (without force), equals in_dir, or in_dir is already
-/// LUT-B, or when a MoE layer's routed experts have a bias tensor ("... LUT-B online MoE
+/// LUT-B, when a routed-expert tensor's shape or expert index contradicts config.json, when a MoE
+/// layer's routed experts are incomplete (a MoE layer below num_hidden_layers without them, or
+/// one missing any expert's projection or one of the stacked pair), or when a MoE layer's routed experts have a bias tensor ("... LUT-B online MoE
 /// quantization does not support bias.", spec 6); ConfigError / SafetensorsError for bad input; std::invalid_argument naming the tensor and
 /// tile for NaN/Inf weights (from the fitter); CheckpointError for a non-float expert tensor.
 QuantizeSummary quantize_checkpoint(const std::filesystem::path& in_dir, const std::filesystem::path& out_dir,
@@ -391,7 +394,7 @@ QuantizeSummary quantize_checkpoint(const std::filesystem::path& in_dir, const s
 /// gains "lutb.quant_method" = "lut_b", "lutb.fitter", and for each padded tensor
 /// "lutb.logical_shape.<X>" = "[N, K]" (or "[E, N, K]"). A selected tensor that is not 2-D/3-D float
 /// is an error naming it. Atomic via the temporary-name writer; `out` existing is an error unless
-/// opt.force. Returns the summary.
+/// opt.force, and `out` must end in ".safetensors" (CheckpointError otherwise). Returns the summary.
 QuantizeSummary quantize_file(const std::filesystem::path& in, const std::filesystem::path& out,
                               const std::string& match, const QuantizeOptions& opt = {});
 
@@ -441,7 +444,7 @@ ModelConfig synth_config(const SynthOptions& opt);
 /// values and results do not depend on the thread count. Streaming: tensors are generated and
 /// written a block of rows at a time (memory bounded by a few MB per thread), atomically
 /// (temporary directory renamed at the end; an existing out_dir is an error unless force).
-/// Before writing, the free space of out_dir's filesystem (std::filesystem::space of its parent) must
+/// An empty out_dir is a CheckpointError. Before writing, the free space of out_dir's filesystem (std::filesystem::space of its parent) must
 /// exceed synth_checkpoint_bytes(opt), else CheckpointError naming both sizes; nothing is written.
 /// Returns the tensor bytes written.
 std::uint64_t synthesize_checkpoint(const std::filesystem::path& out_dir, const SynthOptions& opt);

@@ -2,8 +2,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <regex>
 #include <set>
 
@@ -142,11 +144,61 @@ void write_text(const fs::path& path, const std::string& text) {
   if (!f) throw CheckpointError(fmt::format("{}: cannot write", path.string()));
 }
 
+// A decimal index of a tensor name (the regexes match \d+ only); -1 when it does not fit 63 bits
+// (std::stoll threw a bare "stoll" out_of_range for "model.layers.99999999999999999999...").
+std::int64_t index_of(const std::string& digits) {
+  std::int64_t v = -1;
+  const auto r = std::from_chars(digits.data(), digits.data() + digits.size(), v);
+  return r.ec == std::errc() && r.ptr == digits.data() + digits.size() ? v : -1;
+}
+
 // Layer index of "model.layers.L...." (-1 when the name has none).
 std::int64_t layer_of(const std::string& name) {
   static const std::regex re(R"(^model\.layers\.(\d+)\.)");
   std::smatch m;
-  return std::regex_search(name, m, re) ? std::stoll(m[1].str()) : -1;
+  return std::regex_search(name, m, re) ? index_of(m[1].str()) : -1;
+}
+
+// The routed-expert tensors found for one MoE layer.
+struct LayerExperts {
+  std::set<std::pair<std::int64_t, int>> per_expert;  // (expert, Proj)
+  bool gate_up = false, down = false;                  // stacked tensors
+};
+
+Proj proj_of(const std::string& p) {
+  if (p == "gate_proj" || p == "w1") return Proj::gate;
+  if (p == "up_proj" || p == "w3") return Proj::up;
+  return Proj::down;
+}
+
+// Every MoE layer config.json declares must have all its routed experts, and every MoE layer with
+// any must have them all (QA session 9: a checkpoint missing an expert, or declaring more experts or
+// layers than it stores, was quantised into a checkpoint that lutb eval then refused). Throws
+// CheckpointError naming the first missing tensor.
+void check_experts_complete(const fs::path& in_dir, const ModelConfig& cfg,
+                            const std::map<std::int64_t, LayerExperts>& found) {
+  const fs::path config = in_dir / "config.json";
+  auto missing = [&](std::int64_t L, const std::string& name, const char* what) {
+    throw CheckpointError(fmt::format("checkpoint {}: layer {} is a MoE layer of {} ({} experts, {} layers) but {} is "
+                                      "missing{}; nothing written",
+                                      in_dir.string(), L, config.string(), cfg.num_experts, cfg.num_hidden_layers, name,
+                                      what));
+  };
+  // Declared MoE layers without any routed-expert tensor (stops at the first: the layer count is
+  // bounded by the config parser).
+  for (std::int64_t L = 0; L < cfg.num_hidden_layers; ++L)
+    if (cfg.is_moe_layer(L) && !found.count(L))
+      missing(L, expert_weight_name(cfg, L, 0, Proj::gate), " (no routed-expert tensor of this layer was found)");
+  for (const auto& [L, x] : found) {
+    if (x.gate_up || x.down) {
+      if (!x.gate_up) missing(L, stacked_gate_up_name(cfg, L), " (its stacked down_proj is present)");
+      if (!x.down) missing(L, stacked_down_name(cfg, L), " (its stacked gate_up_proj is present)");
+      continue;
+    }
+    for (std::int64_t e = 0; e < cfg.num_experts; ++e)
+      for (Proj p : {Proj::gate, Proj::up, Proj::down})
+        if (!x.per_expert.count({e, static_cast<int>(p)})) missing(L, expert_weight_name(cfg, L, e, p), "");
+  }
 }
 
 std::string resolved_fitter(const FitOptions& f) {
@@ -184,6 +236,7 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
   std::vector<std::vector<Planned>> plan(files.size());
   std::uint64_t total_bytes = 0;
   std::map<std::string, std::vector<std::int64_t>> logical_shapes;
+  std::map<std::int64_t, LayerExperts> found;
   for (std::size_t f = 0; f < files.size(); ++f) {
     for (const auto& name : files[f]->names()) {
       const TensorView& v = files[f]->get(name);
@@ -194,7 +247,10 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
                                           "does not support bias.",
                                           in_dir.string(), name));
       std::smatch m;
-      if (std::regex_match(name, m, pattern) && cfg.is_moe_layer(std::stoll(m[1].str()))) {
+      if (std::regex_match(name, m, pattern) && index_of(m[1].str()) < 0)
+        throw CheckpointError(fmt::format("{}: tensor {} has a layer index that does not fit 63 bits; nothing written",
+                                          files[f]->path().string(), name));
+      if (std::regex_match(name, m, pattern) && cfg.is_moe_layer(index_of(m[1].str()))) {
         const bool stacked = name.find("_proj.weight") == std::string::npos && name.find(".weight") == std::string::npos;
         if (!dtype_is_float_source(v.dtype))
           throw CheckpointError(fmt::format("checkpoint {}: routed-expert tensor {} has dtype {}; LUT-B quantisation "
@@ -219,11 +275,17 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
               "written",
               files[f]->path().string(), name, detail::shape_str(v.shape), detail::shape_str(expected),
               (in_dir / "config.json").string(), H, "expert width", I, stacked ? fmt::format(", {} experts", E) : ""));
-        if (!stacked && std::stoll(m[2].str()) >= E)
+        const std::int64_t expert = stacked ? -1 : index_of(m[2].str());
+        if (!stacked && (expert < 0 || expert >= E))
           throw CheckpointError(fmt::format("{}: routed-expert tensor {} names expert {}, but {} declares {} experts; "
                                             "nothing written",
                                             files[f]->path().string(), name, m[2].str(),
                                             (in_dir / "config.json").string(), E));
+        LayerExperts& le = found[index_of(m[1].str())];
+        if (stacked)
+          (down ? le.down : le.gate_up) = true;
+        else
+          le.per_expert.insert({expert, static_cast<int>(proj_of(proj))});
         p.quantize = true;
         p.shape = shape_of(v);
         if (p.shape.padded()) logical_shapes[name] = logical_dims(p.shape);
@@ -235,10 +297,14 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
   }
   if (std::none_of(plan.begin(), plan.end(), [](const auto& v) {
         return std::any_of(v.begin(), v.end(), [](const Planned& p) { return p.quantize; });
-      }))
+      })) {
+    std::int64_t first = 0;  // the first MoE layer (not moe_layers(): it lists them all)
+    while (first < cfg.num_hidden_layers && !cfg.is_moe_layer(first)) ++first;
     throw CheckpointError(fmt::format("checkpoint {}: no routed-expert tensors found (expected names like {} or {})",
-                                      in_dir.string(), expert_weight_name(cfg, cfg.moe_layers().empty() ? 0 : cfg.moe_layers()[0], 0, Proj::gate),
-                                      stacked_gate_up_name(cfg, cfg.moe_layers().empty() ? 0 : cfg.moe_layers()[0])));
+                                      in_dir.string(), expert_weight_name(cfg, first, 0, Proj::gate),
+                                      stacked_gate_up_name(cfg, first)));
+  }
+  check_experts_complete(in_dir, cfg, found);
 
   const fs::path tmp = detail::temp_sibling(out_dir);
   std::error_code ec;
@@ -341,6 +407,12 @@ QuantizeSummary quantize_file(const fs::path& in, const fs::path& out, const std
   detail::check_replaceable(out, /*want_directory=*/false, opt.force);
   if (fs::exists(out) && !opt.force)
     throw CheckpointError(fmt::format("{}: output file exists (use --force to replace it); nothing written", out.string()));
+  // "lutb quantize DIR/model.safetensors -o OUT_DIR" wrote a safetensors file named OUT_DIR, which
+  // --force then refused to replace (QA session 9): the output must be named like what it is.
+  if (out.extension() != ".safetensors")
+    throw CheckpointError(fmt::format("{}: the output of one quantised file must be named *.safetensors (to write a "
+                                      "checkpoint directory, give the input checkpoint directory); nothing written",
+                                      out.string()));
   std::regex re;
   if (!match.empty()) {
     try {

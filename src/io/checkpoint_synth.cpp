@@ -294,6 +294,9 @@ ModelConfig synth_config(const SynthOptions& opt) {
 std::uint64_t synthesize_checkpoint(const fs::path& out_dir, const SynthOptions& opt) {
   if (!(opt.student_nu > 2.0)) throw std::invalid_argument("synth: student_nu must be > 2 (finite variance)");
   const ModelConfig c = synth_config(opt);
+  // An empty path wrote the whole checkpoint to ".tmp.PID" in the current directory, then failed to
+  // rename it to "" with a bare filesystem error (QA session 9).
+  if (out_dir.empty()) throw CheckpointError("synth: no output directory given; nothing written");
   detail::check_replaceable(out_dir, /*want_directory=*/true, opt.force);
   if (fs::exists(out_dir) && !opt.force)
     throw CheckpointError(fmt::format("{}: output directory exists (use --force to replace it); nothing written",

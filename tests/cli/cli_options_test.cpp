@@ -155,6 +155,27 @@ TEST(CliOptions, SynthAnnouncesNothingBeforeARefusal) {
   EXPECT_TRUE(has(ok, "lutb synth: will write " + std::to_string(2 * (2 * 64 + 3 * 2 * 32 * 64)) + " bytes")) << ok.out;
 }
 
+// Regressions (QA session 9): bad option values that ended in bare library messages.
+TEST(CliOptions, OddValuesGiveClearErrors) {
+  test::TempDir t;
+  // synth -o '' wrote the checkpoint to ".tmp.PID", then failed to rename it to "".
+  const CliOut empty = run("synth --family qwen3_moe --layers 1 --hidden-size 64 --moe-intermediate-size 32 --experts 2 "
+                           "--no-progress -o ''");
+  EXPECT_EQ(empty.code, 1) << empty.out;
+  EXPECT_TRUE(has(empty, "lutb: error: synth: no output directory given; nothing written")) << empty.out;
+  EXPECT_FALSE(has(empty, "will write")) << empty.out;
+  // moe --layer beyond int: CLI11's "Could not convert" (exit 104).
+  const CliOut layer = run("moe " + q(t.path) + " --activations x --layer 99999999999999999999");
+  EXPECT_NE(layer.code, 0) << layer.out;
+  EXPECT_TRUE(has(layer, "--layer: 99999999999999999999 is outside the valid range 0..2147483647")) << layer.out;
+  // The default job's --work-dir that cannot be created: "filesystem error: cannot create directories".
+  std::ofstream(t.path / "file") << "x";
+  const CliOut wd = run("--experts 2 --tokens 4 --work-dir " + q(t.path / "file" / "w"));
+  EXPECT_EQ(wd.code, 1) << wd.out;
+  EXPECT_TRUE(has(wd, "--work-dir " + (t.path / "file" / "w").string() + ": cannot create it: Not a directory")) << wd.out;
+  EXPECT_FALSE(has(wd, "filesystem error")) << wd.out;
+}
+
 // Regression: `lutb --fitter nope` failed only after synthesising the checkpoint (minutes at the
 // default size); every option is now checked before any work.
 TEST(CliOptions, DefaultJobValidatesBeforeWork) {

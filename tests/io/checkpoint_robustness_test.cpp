@@ -7,8 +7,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -266,12 +268,12 @@ TEST(ForceOutput, CreationErrorsNameTheUsersPath) {
   TempDir t;
   synthesize_checkpoint(t.path / "in", small());
   std::ofstream(t.path / "f") << "x";
-  const fs::path out = t.path / "f" / "out";
-  for (const std::string& e :
-       {error_of<CheckpointError>([&] { quantize_checkpoint(t.path / "in", out, quiet()); }),
-        error_of<CheckpointError>([&] { synthesize_checkpoint(out, small()); }),
-        error_of<CheckpointError>([&] { quantize_file(t.path / "in" / "model.safetensors", out, "", quiet()); })}) {
-    EXPECT_EQ(e.rfind(out.string() + ": cannot create the output: ", 0), 0u) << e;
+  const fs::path out = t.path / "f" / "out", outf = t.path / "f" / "out.safetensors";
+  for (const auto& [path, e] : std::vector<std::pair<fs::path, std::string>>{
+           {out, error_of<CheckpointError>([&] { quantize_checkpoint(t.path / "in", out, quiet()); })},
+           {out, error_of<CheckpointError>([&] { synthesize_checkpoint(out, small()); })},
+           {outf, error_of<CheckpointError>([&] { quantize_file(t.path / "in" / "model.safetensors", outf, "", quiet()); })}}) {
+    EXPECT_EQ(e.rfind(path.string() + ": cannot create the output: ", 0), 0u) << e;
     EXPECT_EQ(e.find(".tmp."), std::string::npos) << e;
   }
 }
@@ -352,6 +354,158 @@ TEST(Synth, OnStartOnlyAfterEveryCheckPassed) {
   EXPECT_TRUE(calls.empty());
   EXPECT_EQ(synthesize_checkpoint(t.path / "ok", o), synth_checkpoint_bytes(o));
   EXPECT_EQ(calls, std::vector<std::uint64_t>{synth_checkpoint_bytes(o)});
+}
+
+// ---------------------------------------------------------------------------
+// Bad inputs found by the QA pass of session 9
+// ---------------------------------------------------------------------------
+// Rewrites safetensors file `p` without the tensors named in `drop` and with `add` appended.
+void rewrite(const fs::path& p, const std::vector<std::string>& drop,
+             const std::vector<std::pair<std::string, OwnedTensor>>& add = {}) {
+  std::vector<std::pair<std::string, OwnedTensor>> keep;
+  {
+    const SafetensorsFile f(p);
+    for (const auto& n : f.names()) {
+      if (std::find(drop.begin(), drop.end(), n) != drop.end()) continue;
+      const TensorView& v = f.get(n);
+      keep.push_back({n, OwnedTensor{v.dtype, v.shape, std::vector<std::uint8_t>(v.data, v.data + v.nbytes)}});
+    }
+  }
+  keep.insert(keep.end(), add.begin(), add.end());
+  write_safetensors(p, keep, {{"format", "pt"}});
+}
+
+void edit_config(const fs::path& dir, const std::function<void(nlohmann::json&)>& f) {
+  nlohmann::json j;
+  {
+    std::ifstream in(dir / "config.json");
+    in >> j;
+  }
+  f(j);
+  std::ofstream(dir / "config.json") << j.dump(2);
+}
+
+// Regression: lutb synth -o "" wrote the whole checkpoint to ".tmp.PID" in the current directory,
+// then failed to rename it to "" with a bare filesystem error.
+TEST(Synth, EmptyOutputIsRefusedBeforeWriting) {
+  SynthOptions o = small();
+  bool started = false;
+  o.on_start = [&](std::uint64_t) { started = true; };
+  EXPECT_EQ(error_of<CheckpointError>([&] { synthesize_checkpoint("", o); }),
+            "synth: no output directory given; nothing written");
+  EXPECT_FALSE(started);
+}
+
+// Regression: a checkpoint whose routed experts are incomplete (an expert's projection missing,
+// config.json declaring more experts or layers than stored, half a stacked pair) was quantised into
+// a LUT-B checkpoint that lutb eval then refused. Now refused before writing, naming the tensor.
+TEST(QuantizeInput, IncompleteRoutedExpertsAreRefused) {
+  TempDir t;
+  const auto refused = [&](const fs::path& in) {
+    const std::string e = error_of<CheckpointError>([&] { quantize_checkpoint(in, t.path / "out", quiet()); });
+    EXPECT_TRUE(entries(t.path, "out").empty()) << "something was written";
+    return e;
+  };
+  // One expert's up projection missing (per-expert layout, 4 experts).
+  synthesize_checkpoint(t.path / "a", small(1));
+  rewrite(t.path / "a" / "model.safetensors", {"model.layers.0.mlp.experts.2.up_proj.weight"});
+  std::string e = refused(t.path / "a");
+  EXPECT_EQ(e, "checkpoint " + (t.path / "a").string() + ": layer 0 is a MoE layer of " +
+                   (t.path / "a" / "config.json").string() +
+                   " (4 experts, 1 layers) but model.layers.0.mlp.experts.2.up_proj.weight is missing; nothing written");
+  // config.json declaring 8 experts where 4 are stored (n_group etc. stay valid).
+  synthesize_checkpoint(t.path / "b", small(1));
+  edit_config(t.path / "b", [](nlohmann::json& j) { j["num_experts"] = 8; });
+  e = refused(t.path / "b");
+  EXPECT_NE(e.find("layer 0 is a MoE layer of " + (t.path / "b" / "config.json").string() +
+                   " (8 experts, 1 layers) but model.layers.0.mlp.experts.4.gate_proj.weight is missing"),
+            std::string::npos)
+      << e;
+  // config.json declaring 3 layers where 2 are stored.
+  synthesize_checkpoint(t.path / "c", small(2));
+  edit_config(t.path / "c", [](nlohmann::json& j) { j["num_hidden_layers"] = 3; });
+  e = refused(t.path / "c");
+  EXPECT_NE(e.find("layer 2 is a MoE layer of " + (t.path / "c" / "config.json").string() +
+                   " (4 experts, 3 layers) but model.layers.2.mlp.experts.0.gate_proj.weight is missing (no "
+                   "routed-expert tensor of this layer was found)"),
+            std::string::npos)
+      << e;
+  // Stacked layout with the down_proj missing.
+  SynthOptions st = small(1);
+  st.stacked = true;
+  synthesize_checkpoint(t.path / "d", st);
+  rewrite(t.path / "d" / "model.safetensors", {"model.layers.0.mlp.experts.down_proj"});
+  e = refused(t.path / "d");
+  EXPECT_NE(e.find("but model.layers.0.mlp.experts.down_proj is missing (its stacked gate_up_proj is present)"),
+            std::string::npos)
+      << e;
+  // The complete checkpoints quantise (the check does not refuse valid input).
+  synthesize_checkpoint(t.path / "ok", small(2));
+  EXPECT_EQ(quantize_checkpoint(t.path / "ok", t.path / "out", quiet()).tensors_quantized, 2 * 4 * 3);
+  fs::remove_all(t.path / "out");
+  synthesize_checkpoint(t.path / "oks", st);
+  EXPECT_EQ(quantize_checkpoint(t.path / "oks", t.path / "out", quiet()).tensors_quantized, 2);
+}
+
+// Regression: a tensor name with a layer index beyond 64 bits ended in a bare "stoll" (std::out_of_range).
+TEST(QuantizeInput, HugeLayerIndexInATensorName) {
+  TempDir t;
+  synthesize_checkpoint(t.path / "in", small(1));
+  const std::string bad = "model.layers.99999999999999999999.mlp.experts.0.gate_proj.weight";
+  rewrite(t.path / "in" / "model.safetensors", {}, {{bad, OwnedTensor{DType::BF16, {64, 128}, std::vector<std::uint8_t>(64 * 128 * 2)}}});
+  const std::string e = error_of<CheckpointError>([&] { quantize_checkpoint(t.path / "in", t.path / "out", quiet()); });
+  EXPECT_EQ(e, (t.path / "in" / "model.safetensors").string() + ": tensor " + bad +
+                   " has a layer index that does not fit 63 bits; nothing written");
+  EXPECT_TRUE(entries(t.path, "out").empty());
+}
+
+// Regression: num_hidden_layers 10^12 (or any size beyond 32 bits) was accepted by the checkpoint
+// parser (lutb quantize), refused only by the model parser (lutb eval).
+TEST(QuantizeInput, ConfigSizesBeyond32BitsAreRefused) {
+  for (const char* key : {"num_hidden_layers", "hidden_size", "moe_intermediate_size", "num_experts", "vocab_size"}) {
+    nlohmann::json j = synth_config(small()).raw;
+    j[key] = 1000000000000LL;
+    EXPECT_EQ(error_of<ConfigError>([&] { parse_model_config(j, "c.json"); }),
+              std::string("c.json: key '") + key + "': 1000000000000 does not fit a 32-bit integer");
+  }
+  nlohmann::json j = synth_config(small()).raw;
+  j["num_hidden_layers"] = 2147483647;  // the largest accepted
+  EXPECT_EQ(parse_model_config(j, "c.json").num_hidden_layers, 2147483647);
+}
+
+// Regression: `lutb quantize DIR/model.safetensors -o OUT_DIR` wrote a safetensors file named OUT_DIR.
+TEST(QuantizeInput, FileOutputMustBeNamedSafetensors) {
+  TempDir t;
+  synthesize_checkpoint(t.path / "in", small(1));
+  for (const char* name : {"out", "out.json", "out.safetensors.tmp"}) {
+    const std::string e = error_of<CheckpointError>(
+        [&] { quantize_file(t.path / "in" / "model.safetensors", t.path / name, "", quiet()); });
+    EXPECT_EQ(e, (t.path / name).string() +
+                     ": the output of one quantised file must be named *.safetensors (to write a checkpoint "
+                     "directory, give the input checkpoint directory); nothing written");
+  }
+  EXPECT_EQ(entries(t.path, "out"), std::vector<std::string>{});
+  quantize_file(t.path / "in" / "model.safetensors", t.path / "out.safetensors", "", quiet());
+  EXPECT_TRUE(fs::is_regular_file(t.path / "out.safetensors"));
+}
+
+// Regression: quantization_config.logical_shapes contradicting config.json was silently ignored.
+TEST(QuantizeInput, LogicalShapesMustAgreeWithConfig) {
+  TempDir t;
+  SynthOptions o = small(1);
+  o.hidden_size = 100;  // padded: K 100 -> 128 for gate/up, N 100 -> 104 for down
+  o.moe_intermediate_size = 64;
+  synthesize_checkpoint(t.path / "in", o);
+  quantize_checkpoint(t.path / "in", t.path / "q", quiet());
+  const std::string gate = "model.layers.0.mlp.experts.1.gate_proj.weight";
+  EXPECT_EQ(Checkpoint(t.path / "q").quant_config()->logical_shapes.at(gate), (std::vector<std::int64_t>{64, 100}));
+  EXPECT_EQ(Checkpoint(t.path / "q").lutb_projection(0, Proj::gate).shape.cols, 100);  // as written: fine
+  edit_config(t.path / "q", [&](nlohmann::json& j) { j["quantization_config"]["logical_shapes"][gate] = {64, 96}; });
+  const Checkpoint ck(t.path / "q");
+  EXPECT_EQ(error_of<CheckpointError>([&] { ck.lutb_projection(0, Proj::gate); }),
+            "checkpoint " + (t.path / "q").string() + ": config.json key 'quantization_config.logical_shapes." + gate +
+                "' is [64, 96], but hidden_size 100 and the expert width 64 give [64, 100]");
+  EXPECT_NE(error_of<CheckpointError>([&] { ck.lutb_experts(0); }).find("is [64, 96]"), std::string::npos);
 }
 
 }  // namespace
