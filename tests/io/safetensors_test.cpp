@@ -487,6 +487,17 @@ TEST(SafetensorsCollection, ShardedCheckpoint) {
   expect_error("no 'weight_map' object");
   write_index(R"({"weight_map":)");
   expect_error("invalid JSON");
+  // A tensor held by two shards, the index naming one (QA session 9: accepted; lutb quantize wrote
+  // both copies and the reader used one).
+  write_safetensors(tmp.path / "model-00002-of-00002.safetensors",
+                    {{"z.weight", OwnedTensor{DType::U8, {4}, random_bytes(4, 3)}},
+                     {"x.weight", OwnedTensor{DType::BF16, {2, 2}, random_bytes(8, 4)}}});
+  write_index(R"({"weight_map":{"x.weight":"model-00001-of-00002.safetensors","z.weight":"model-00002-of-00002.safetensors"}})");
+  expect_error("model.safetensors.index.json: tensor 'x.weight' appears in both " +
+               (tmp.path / "model-00001-of-00002.safetensors").string() + " (where the index lists it) and " +
+               (tmp.path / "model-00002-of-00002.safetensors").string());
+  write_safetensors(tmp.path / "model-00002-of-00002.safetensors",
+                    {{"z.weight", OwnedTensor{DType::U8, {4}, random_bytes(4, 3)}}});
   // Without an index: every *.safetensors in the directory, duplicates across files rejected.
   fs::remove(tmp.path / "model.safetensors.index.json");
   {
