@@ -320,15 +320,25 @@ std::uint64_t synthesize_checkpoint(const fs::path& out_dir, const SynthOptions&
 
   const fs::path tmp = detail::temp_sibling(out_dir);
   fs::remove_all(tmp, ec);
-  detail::create_temp_dir(tmp, out_dir);
+  // Missing parents are created (as mkdir -p) and, when the run fails or is interrupted, removed
+  // again if still empty: a failed run leaves the filesystem as it was (QA session 9: they stayed).
+  std::vector<fs::path> made;  // deepest first
+  for (fs::path p = tmp.parent_path(); !p.empty() && !fs::exists(fs::symlink_status(p, ec)); p = p.parent_path()) {
+    made.push_back(p);
+    if (p == p.parent_path()) break;
+  }
   struct Guard {
     fs::path p;
+    std::vector<fs::path> parents;
     bool armed = true;
     ~Guard() {
+      if (!armed) return;
       std::error_code e;
-      if (armed) fs::remove_all(p, e);
+      fs::remove_all(p, e);
+      for (const auto& d : parents) fs::remove(d, e);  // only removes an empty directory
     }
-  } guard{tmp};
+  } guard{tmp, made};
+  detail::create_temp_dir(tmp, out_dir);
 
   if (opt.on_start) opt.on_start(total);
   const StudentT dist(opt.student_nu);

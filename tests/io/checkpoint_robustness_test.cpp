@@ -396,6 +396,29 @@ TEST(Synth, EmptyOutputIsRefusedBeforeWriting) {
   EXPECT_FALSE(started);
 }
 
+// Regression: synthesize_checkpoint creates missing parents of its output (as mkdir -p); a failed
+// or interrupted run removed its temporary but left those parents behind.
+TEST(Synth, FailedRunRemovesTheParentsItCreated) {
+  TempDir t;
+  InterruptFlag flag{SIGINT};
+  SynthOptions o = small();
+  o.interrupt = &flag;
+  EXPECT_NE(error_of<Interrupted>([&] { synthesize_checkpoint(t.path / "new1" / "new2" / "out", o); })
+                .find("interrupted by signal 2"),
+            std::string::npos);
+  EXPECT_TRUE(fs::is_empty(t.path)) << "parents left behind";
+  // A parent that existed, or holds something else by then, is kept.
+  fs::create_directories(t.path / "kept");
+  EXPECT_NE(error_of<Interrupted>([&] { synthesize_checkpoint(t.path / "kept" / "new" / "out", o); }).find("interrupted"),
+            std::string::npos);
+  EXPECT_EQ(entries(t.path, ""), std::vector<std::string>{"kept"});
+  EXPECT_TRUE(fs::is_empty(t.path / "kept"));
+  // A successful run keeps them, of course.
+  flag = 0;
+  synthesize_checkpoint(t.path / "new1" / "new2" / "out", o);
+  EXPECT_TRUE(fs::exists(t.path / "new1" / "new2" / "out" / "config.json"));
+}
+
 // Regression: a checkpoint whose routed experts are incomplete (an expert's projection missing,
 // config.json declaring more experts or layers than stored, half a stacked pair) was quantised into
 // a LUT-B checkpoint that lutb eval then refused. Now refused before writing, naming the tensor.
