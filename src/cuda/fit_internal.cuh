@@ -21,9 +21,11 @@ struct KernelArgs {
   int forced_scale;
   unsigned long long* err;
   bool check_only = false;  // only the tile check (NaN/Inf/too large) and the error word (warp kernel)
+  bool optimal = false;     // the "optimal" fitter instead of "binned-dp" (warp kernel only)
 };
 
-/// The warp-cooperative kernel (src/cuda/fit_binned_dp_warp.cu): one warp per tile.
+/// The warp-cooperative kernel (src/cuda/fit_binned_dp_warp.cu): one warp per tile, "binned-dp" or
+/// (a.optimal) "optimal".
 void launch_warp(const KernelArgs& a, cudaStream_t stream);
 
 /// The same kernel with per-phase clock64() accounting (lane 0 of every warp), for the benchmark:
@@ -31,6 +33,9 @@ void launch_warp(const KernelArgs& a, cudaStream_t stream);
 ///   0 load + check, 1 sort + de-duplication, 2 prefix sums, 3 bin edges, 4 binned DP,
 ///   5 refinement, 6 encoding (+ per-tile sums),
 /// then the number of tiles, the sums of distinct values n, of bin edges m and of refinement rounds.
+/// With a.optimal: 4 is the DP at the first scale, 5 the rest of the scale search including every
+/// candidate's encoding (6 then holds only forced-scale and all-zero tiles), m = n, and the last
+/// slot counts the scales evaluated below the first.
 /// Bytes written are those of launch_warp.
 inline constexpr int kProfPhases = 7;
 void launch_warp_profiled(const KernelArgs& a, unsigned long long* d_prof, cudaStream_t stream);

@@ -1,7 +1,8 @@
-// tests/cuda/fit_gpu_test.cpp: the GPU "binned-dp" fitter (lutb/cuda/fit.hpp) against the CPU
-// fitter (lutb::quantize, src/fit): identical packed indices, codebooks, scales and FitStats on
-// random Gaussian / Student-t / Laplace stacks, edge tiles, padding shapes, chunkings, error tiles
-// and a real expert stack of tiny-qwen3-moe. Skips without a GPU.
+// tests/cuda/fit_gpu_test.cpp: the GPU fitters "binned-dp" and "optimal" (lutb/cuda/fit.hpp) against
+// the CPU fitters (lutb::quantize, src/fit): identical packed indices, codebooks, scales and
+// FitStats on random Gaussian / Student-t / Laplace stacks, edge tiles, padding shapes, chunkings,
+// forced scales, optimal's scale search, error tiles and real expert stacks of tiny-qwen3-moe.
+// Skips without a GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -31,19 +32,23 @@ bool gpu_present() {
 #define LUTB_GPU_OR_SKIP() \
   if (!gpu_present()) GTEST_SKIP() << "no CUDA device: skipping"
 
-// Fits on the CPU and with both GPU kernels (the default warp kernel and the first, thread-per-tile
-// one) and asserts byte equality; returns the number of tiles compared.
+// Fits on the CPU and on the GPU with `fitter` (binned-dp: both GPU kernels, the default warp
+// kernel and the first, thread-per-tile one; optimal: the warp kernel) and asserts byte equality;
+// returns the number of tiles compared.
 std::int64_t expect_same(const void* src, DType type, const LutbShape& shape, int forced_scale = -1,
-                         std::size_t chunk_bytes = std::size_t{512} << 20) {
+                         std::size_t chunk_bytes = std::size_t{512} << 20, const std::string& fitter = "binned-dp") {
   FitOptions fo;
-  fo.fitter = "binned-dp";
+  fo.fitter = fitter;
   fo.forced_scale = forced_scale;
   LutbTensor cpu;
   const FitStats sc = quantize(src, type, shape, cpu, fo, "t");
-  for (cuda::GpuFitKernel kernel : {cuda::GpuFitKernel::Warp, cuda::GpuFitKernel::Thread}) {
-    SCOPED_TRACE(kernel == cuda::GpuFitKernel::Warp ? "warp kernel" : "thread kernel");
+  std::vector<cuda::GpuFitKernel> kernels{cuda::GpuFitKernel::Warp};
+  if (fitter == "binned-dp") kernels.push_back(cuda::GpuFitKernel::Thread);
+  for (cuda::GpuFitKernel kernel : kernels) {
+    SCOPED_TRACE(fitter + (kernel == cuda::GpuFitKernel::Warp ? ", warp kernel" : ", thread kernel"));
     LutbTensor gpu;
     cuda::GpuFitOptions go;
+    go.fitter = fitter;
     go.forced_scale = forced_scale;
     go.chunk_bytes = chunk_bytes;
     go.kernel = kernel;
@@ -65,6 +70,11 @@ std::int64_t expect_same(const void* src, DType type, const LutbShape& shape, in
     EXPECT_EQ(bad_cb, -1) << "codebooks differ first at tile " << bad_cb;
   }
   return shape.tiles();
+}
+
+std::int64_t expect_same_optimal(const void* src, DType type, const LutbShape& shape, int forced_scale = -1,
+                                 std::size_t chunk_bytes = std::size_t{512} << 20) {
+  return expect_same(src, type, shape, forced_scale, chunk_bytes, "optimal");
 }
 
 enum class Dist { kGauss, kStudentT3, kLaplace };
@@ -142,9 +152,36 @@ INSTANTIATE_TEST_SUITE_P(Shapes, FitGpuRandom,
                                            RandomCase{Dist::kLaplace, 2, 128, 1024, false},
                                            RandomCase{Dist::kGauss, 4, 128, 1024, true}));
 
-// One 8 x 64 tile per pattern, side by side along K.
-TEST(FitGpu, EdgeTiles) {
+class FitGpuOptimalRandom : public ::testing::TestWithParam<RandomCase> {};
+
+TEST_P(FitGpuOptimalRandom, SameBytesAsCpu) {
   LUTB_GPU_OR_SKIP();
+  const RandomCase c = GetParam();
+  const LutbShape s = stack(c.e, c.n, c.k);
+  const auto v = random_values(static_cast<std::size_t>(c.e * c.n * c.k), c.dist, 0.02f,
+                               static_cast<std::uint32_t>(31 * c.n + c.k + static_cast<int>(c.dist)));
+  if (c.bf16) {
+    const auto b = to_bf16(v);
+    EXPECT_GT(expect_same_optimal(b.data(), DType::BF16, s), 0);
+  } else {
+    EXPECT_GT(expect_same_optimal(v.data(), DType::F32, s), 0);
+  }
+}
+
+// Sizes keep the CPU optimal fitter (~2 M weights/s per core) fast.
+INSTANTIATE_TEST_SUITE_P(Shapes, FitGpuOptimalRandom,
+                         ::testing::Values(RandomCase{Dist::kGauss, 2, 64, 512, true},
+                                           RandomCase{Dist::kStudentT3, 2, 64, 512, true},
+                                           RandomCase{Dist::kLaplace, 1, 64, 512, true},
+                                           RandomCase{Dist::kGauss, 3, 21, 200, false},  // N%8, K%64 != 0
+                                           RandomCase{Dist::kStudentT3, 1, 13, 70, true},
+                                           RandomCase{Dist::kGauss, 1, 5, 33, true},     // one padded tile
+                                           // FP32: 512 distinct values per tile (DP trees 9 levels deep)
+                                           RandomCase{Dist::kGauss, 1, 64, 1024, false},
+                                           RandomCase{Dist::kStudentT3, 1, 64, 1024, false}));
+
+// The edge-case tiles, one 8 x 64 tile per pattern side by side along K: [8, 64 * count] FP32.
+std::vector<float> edge_tiles(std::int64_t& count) {
   std::vector<std::vector<float>> tiles;
   std::mt19937 g(5);
   std::normal_distribution<float> nd(0.0f, 1.0f);
@@ -187,19 +224,72 @@ TEST(FitGpu, EdgeTiles) {
   for (std::int64_t t = 0; t < nt; ++t)
     for (int r = 0; r < 8; ++r)
       for (int c = 0; c < 64; ++c) m[static_cast<std::size_t>(r * 64 * nt + t * 64 + c)] = tiles[t][r * 64 + c];
+  count = nt;
+  return m;
+}
+
+void edge_tiles_case(const std::string& fitter) {
+  std::int64_t nt = 0;
+  const std::vector<float> m = edge_tiles(nt);
   const LutbShape s = stack(1, 8, 64 * nt);
-  EXPECT_EQ(expect_same(m.data(), DType::F32, s), nt);
+  const std::size_t chunk = std::size_t{512} << 20;
+  EXPECT_EQ(expect_same(m.data(), DType::F32, s, -1, chunk, fitter), nt);
   const auto b = to_bf16(m);
-  EXPECT_EQ(expect_same(b.data(), DType::BF16, s), nt);
-  // Forced scales (the DP at a scale that is not rceil), except on tiles that saturate badly.
+  EXPECT_EQ(expect_same(b.data(), DType::BF16, s, -1, chunk, fitter), nt);
+  // Forced scales (the DP at a scale that is not the fitter's own), except on tiles that saturate badly.
   const auto small = random_values(8 * 64 * 4, Dist::kStudentT3, 0.02f, 9);
-  for (int fs : {3, 100, 120, 127, 246}) expect_same(small.data(), DType::F32, stack(1, 8, 256), fs);
+  for (int fs : {3, 100, 120, 127, 246}) expect_same(small.data(), DType::F32, stack(1, 8, 256), fs, chunk, fitter);
+}
+
+TEST(FitGpu, EdgeTiles) {
+  LUTB_GPU_OR_SKIP();
+  edge_tiles_case("binned-dp");
+}
+
+TEST(FitGpuOptimal, EdgeTiles) {
+  LUTB_GPU_OR_SKIP();
+  edge_tiles_case("optimal");
+}
+
+// optimal's scale search (src/fit/optimal.cpp): tiles whose optimum is BELOW rceil. The largest
+// magnitude 224 * (1 + 2^-20) has rceil 127; at scale 126 it saturates to 224 (error
+// (224 * 2^-20)^2 ~ 4.6e-8), but the small values, odd multiples of 2^-10, sit exactly on scale 126's subnormal
+// grid and halfway between scale 127's points (error 2^-20 each, ~5e-4 in all). So 126 wins; 125 is cut by the
+// saturation bound. Variants: 8 distinct values (the DP's "every value alone" case), 36 distinct
+// values (7 tight clusters and the outlier: full DP layers), a negative outlier, and an ordinary
+// tile beside them.
+TEST(FitGpuOptimal, ScaleSearchBelowRceil) {
+  LUTB_GPU_OR_SKIP();
+  const float big = 224.0f * (1.0f + std::ldexp(1.0f, -20));
+  std::vector<std::vector<float>> tiles;
+  for (int variant = 0; variant < 3; ++variant) {
+    std::vector<float> t(512);
+    for (int f = 0; f < 512; ++f) {
+      const int q = (f * 13) % 7;  // -5, -3, ..., 7 times 2^-10
+      t[f] = std::ldexp(static_cast<float>(2 * (q - 3) + 1), -10);
+      if (variant == 1) t[f] += std::ldexp(static_cast<float>((f * 7) % 5 - 2), -22);  // 35 distinct
+    }
+    t[100] = variant == 2 ? -big : big;
+    tiles.push_back(t);
+  }
+  tiles.push_back(random_values(512, Dist::kGauss, 0.02f, 4));
+  const std::int64_t nt = static_cast<std::int64_t>(tiles.size());
+  std::vector<float> m(static_cast<std::size_t>(512 * nt));
+  for (std::int64_t t = 0; t < nt; ++t)
+    for (int f = 0; f < 512; ++f) m[static_cast<std::size_t>((f / 64) * 64 * nt + t * 64 + f % 64)] = tiles[t][f];
+  const LutbShape s = stack(1, 8, 64 * nt);
+  FitOptions fo;
+  fo.fitter = "optimal";
+  LutbTensor cpu;
+  quantize(m.data(), DType::F32, s, cpu, fo, "t");
+  // The CPU reference really takes a scale below rceil (127) on the constructed tiles.
+  for (int t = 0; t < 3; ++t) EXPECT_EQ(cpu.scale[static_cast<std::size_t>(t)], 126) << "tile " << t;
+  EXPECT_EQ(expect_same_optimal(m.data(), DType::F32, s), nt);
 }
 
 // Heavy mixtures: log-uniform magnitudes over many binades (FP32 sums that round), sparse tiles
 // (a few values and many zeros), and tiles with exactly 33..64 distinct values.
-TEST(FitGpu, MixedTiles) {
-  LUTB_GPU_OR_SKIP();
+void mixed_tiles_case(const std::string& fitter) {
   std::mt19937 g(77);
   std::uniform_real_distribution<float> ud(-30.0f, 2.0f);
   std::normal_distribution<float> nd(0.0f, 1.0f);
@@ -214,9 +304,20 @@ TEST(FitGpu, MixedTiles) {
       else v = 0.001f * static_cast<float>((f * 37) % (33 + t % 32)) - 0.02f;
       m[static_cast<std::size_t>((f / 64) * 64 * nt + t * 64 + f % 64)] = v;
     }
-  EXPECT_EQ(expect_same(m.data(), DType::F32, stack(1, 8, 64 * nt)), nt);
+  const std::size_t chunk = std::size_t{512} << 20;
+  EXPECT_EQ(expect_same(m.data(), DType::F32, stack(1, 8, 64 * nt), -1, chunk, fitter), nt);
   const auto b = to_bf16(m);
-  EXPECT_EQ(expect_same(b.data(), DType::BF16, stack(1, 8, 64 * nt)), nt);
+  EXPECT_EQ(expect_same(b.data(), DType::BF16, stack(1, 8, 64 * nt), -1, chunk, fitter), nt);
+}
+
+TEST(FitGpu, MixedTiles) {
+  LUTB_GPU_OR_SKIP();
+  mixed_tiles_case("binned-dp");
+}
+
+TEST(FitGpuOptimal, MixedTiles) {
+  LUTB_GPU_OR_SKIP();
+  mixed_tiles_case("optimal");
 }
 
 // The device entry point without the per-tile sums (sse / sum_sq null) writes the same bytes.
@@ -263,6 +364,55 @@ TEST(FitGpu, DeviceEntryWithoutStats) {
   cudaFree(d_err);
 }
 
+// fit_device with the optimal fitter, no per-tile sums, on a stream: the CPU optimal fitter's bytes.
+TEST(FitGpuOptimal, DeviceEntryWithoutStats) {
+  LUTB_GPU_OR_SKIP();
+  const LutbShape s = stack(2, 24, 200);
+  const auto b = to_bf16(random_values(static_cast<std::size_t>(2 * 24 * 200), Dist::kStudentT3, 0.02f, 23));
+  FitOptions fo;
+  fo.fitter = "optimal";
+  LutbTensor cpu;
+  quantize(b.data(), DType::BF16, s, cpu, fo, "t");
+  const std::size_t nt = static_cast<std::size_t>(s.tiles());
+  void* d_src = nullptr;
+  std::uint8_t* d_out = nullptr;
+  unsigned long long* d_err = nullptr;
+  cudaStream_t st = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&st), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&d_src, b.size() * 2), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&d_out, nt * (kPackedBytes + kCodebookSize + 1)), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&d_err, 8), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(d_src, b.data(), b.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  const cuda::DeviceFitOut o{d_out, d_out + nt * kPackedBytes, d_out + nt * (kPackedBytes + kCodebookSize), nullptr,
+                             nullptr};
+  cuda::fit_device(d_src, DType::BF16, s, o, cuda::GpuFitter::Optimal, -1, d_err, st);
+  ASSERT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+  std::vector<std::uint8_t> h(nt * (kPackedBytes + kCodebookSize + 1));
+  unsigned long long word = 0;
+  ASSERT_EQ(cudaMemcpy(h.data(), d_out, h.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(&word, d_err, 8, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(cuda::decode_fit_error(word).code, 0);
+  EXPECT_TRUE(std::equal(cpu.packed.begin(), cpu.packed.end(), h.begin()));
+  EXPECT_TRUE(std::equal(cpu.codebook.begin(), cpu.codebook.end(), h.begin() + nt * kPackedBytes));
+  EXPECT_TRUE(std::equal(cpu.scale.begin(), cpu.scale.end(), h.begin() + nt * (kPackedBytes + kCodebookSize)));
+  // The thread kernel has no optimal: a clear error, nothing launched.
+  EXPECT_THROW(cuda::fit_device(d_src, DType::BF16, s, o, cuda::GpuFitter::Optimal, -1, d_err, st,
+                                cuda::GpuFitKernel::Thread),
+               std::invalid_argument);
+  cudaFree(d_src);
+  cudaFree(d_out);
+  cudaFree(d_err);
+  cudaStreamDestroy(st);
+}
+
+TEST(FitGpuOptimal, ChunkingDoesNotChangeBytes) {
+  LUTB_GPU_OR_SKIP();
+  const LutbShape s = stack(3, 16, 130);
+  const auto b = to_bf16(random_values(static_cast<std::size_t>(3 * 16 * 130), Dist::kLaplace, 0.05f, 5));
+  expect_same_optimal(b.data(), DType::BF16, s, -1, 1);                 // one tile row per chunk
+  expect_same_optimal(b.data(), DType::BF16, s, -1, 16 * 130 * 2 + 3);  // one expert per chunk
+}
+
 TEST(FitGpu, ChunkingDoesNotChangeBytes) {
   LUTB_GPU_OR_SKIP();
   const LutbShape s = stack(5, 30, 130);
@@ -275,22 +425,25 @@ TEST(FitGpu, ChunkingDoesNotChangeBytes) {
 TEST(FitGpu, ErrorsMatchCpu) {
   LUTB_GPU_OR_SKIP();
   const LutbShape s = stack(2, 16, 128);
-  for (int which = 0; which < 3; ++which) {
+  for (int which = 0; which < 6; ++which) {  // 3..5: the same with the optimal fitter
+    FitOptions fo;
+    cuda::GpuFitOptions go;
+    if (which >= 3) fo.fitter = go.fitter = "optimal";
     auto v = random_values(2 * 16 * 128, Dist::kGauss, 0.05f, 11);
     const std::size_t at = 1 * 16 * 128 + 9 * 128 + 70;  // expert 1, row 9, col 70
-    v[at] = which == 0 ? std::numeric_limits<float>::quiet_NaN()
-                       : (which == 1 ? -std::numeric_limits<float>::infinity() : 3.3e38f);
+    v[at] = which % 3 == 0 ? std::numeric_limits<float>::quiet_NaN()
+                           : (which % 3 == 1 ? -std::numeric_limits<float>::infinity() : 3.3e38f);
     // A later value of the same tile (last tile of the stack): the first in flat order is reported.
-    if (which < 2) v[1 * 16 * 128 + 15 * 128 + 127] = std::numeric_limits<float>::quiet_NaN();
+    if (which % 3 < 2) v[1 * 16 * 128 + 15 * 128 + 127] = std::numeric_limits<float>::quiet_NaN();
     std::string cpu_msg, gpu_msg;
     LutbTensor t;
     try {
-      quantize(v.data(), DType::F32, s, t, FitOptions{}, "w");
+      quantize(v.data(), DType::F32, s, t, fo, "w");
     } catch (const std::invalid_argument& e) {
       cpu_msg = e.what();
     }
     try {
-      cuda::quantize_gpu(v.data(), DType::F32, s, t, {}, "w");
+      cuda::quantize_gpu(v.data(), DType::F32, s, t, go, "w");
     } catch (const std::invalid_argument& e) {
       gpu_msg = e.what();
     }
@@ -305,6 +458,37 @@ TEST(FitGpu, ErrorsMatchCpu) {
   bad.forced_scale = 2;
   EXPECT_THROW(cuda::quantize_gpu(v.data(), DType::F32, stack(1, 4, 4), t, bad), std::invalid_argument);
   EXPECT_THROW(cuda::quantize_gpu(v.data(), DType::I32, stack(1, 4, 4), t), std::invalid_argument);
+  bad.fitter = "optimal";
+  EXPECT_THROW(cuda::quantize_gpu(v.data(), DType::F32, stack(1, 4, 4), t, bad), std::invalid_argument);
+}
+
+// Fitters without a GPU kernel, unknown names and optimal on the thread kernel: clear errors.
+TEST(FitGpu, FitterSelectionErrors) {
+  LUTB_GPU_OR_SKIP();
+  EXPECT_EQ(cuda::gpu_fitter(""), cuda::GpuFitter::BinnedDp);
+  EXPECT_EQ(cuda::gpu_fitter("binned-dp"), cuda::GpuFitter::BinnedDp);
+  EXPECT_EQ(cuda::gpu_fitter("optimal"), cuda::GpuFitter::Optimal);
+  EXPECT_STREQ(cuda::gpu_fitter_name(cuda::GpuFitter::Optimal), "optimal");
+  std::vector<float> v(8 * 64, 0.5f);
+  auto msg = [&](const std::string& fitter, cuda::GpuFitKernel kernel) {
+    cuda::GpuFitOptions go;
+    go.fitter = fitter;
+    go.kernel = kernel;
+    LutbTensor t;
+    try {
+      cuda::quantize_gpu(v.data(), DType::F32, stack(1, 8, 64), t, go, "w");
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(msg("ct-lloyd", cuda::GpuFitKernel::Warp),
+            "quantize_gpu: tensor w: fitter 'ct-lloyd' has no GPU kernel (GPU fitters: binned-dp, optimal); "
+            "lutb::quantize runs it on the CPU");
+  EXPECT_NE(msg("multistart", cuda::GpuFitKernel::Warp).find("'multistart' has no GPU kernel"), std::string::npos);
+  EXPECT_NE(msg("kmeans", cuda::GpuFitKernel::Warp).find("unknown fitter 'kmeans'"), std::string::npos);
+  EXPECT_NE(msg("optimal", cuda::GpuFitKernel::Thread).find("implements binned-dp only"), std::string::npos);
+  EXPECT_EQ(msg("optimal", cuda::GpuFitKernel::Warp), "no error");
 }
 
 TEST(FitGpu, TinyQwen3MoeExpertStacks) {
@@ -325,7 +509,9 @@ TEST(FitGpu, TinyQwen3MoeExpertStacks) {
       data.insert(data.end(), span.begin(), span.end());
     }
     ASSERT_GT(e, 0);
-    EXPECT_EQ(expect_same(data.data(), DType::BF16, stack(e, rows, cols)), e * (rows / 8) * ((cols + 63) / 64));
+    const std::int64_t tiles = e * (rows / 8) * ((cols + 63) / 64);
+    EXPECT_EQ(expect_same(data.data(), DType::BF16, stack(e, rows, cols)), tiles);
+    EXPECT_EQ(expect_same_optimal(data.data(), DType::BF16, stack(e, rows, cols)), tiles);
   }
 }
 
