@@ -92,7 +92,8 @@ int main(int argc, char** argv) {
   fill<<<4096, 256>>>(d_w, static_cast<unsigned long long>(weights), student);
   ok(cudaGetLastError());
   const std::size_t nt = static_cast<std::size_t>(tiles);
-  lutb::cuda::DeviceFitOut out[3];  // [0] binned-dp warp, [1] binned-dp thread, [2] optimal warp
+  // [0] binned-dp warp, [1] binned-dp thread, [2] optimal warp, [3] binned-dp warp variants
+  lutb::cuda::DeviceFitOut out[4];
   for (auto& o : out) {
     ok(cudaMalloc(&o.packed, nt * lutb::kPackedBytes));
     ok(cudaMalloc(&o.codebook, nt * lutb::kCodebookSize));
@@ -136,6 +137,37 @@ int main(int argc, char** argv) {
   const double t_warp = time_kernel(lutb::cuda::GpuFitKernel::Warp, out[0]);
   const double t_opt = time_kernel(lutb::cuda::GpuFitKernel::Warp, out[2], lutb::cuda::GpuFitter::Optimal);
 
+  auto host = [](const void* p, std::size_t n) {
+    std::vector<std::uint8_t> h(n);
+    ok(cudaMemcpy(h.data(), p, n, cudaMemcpyDeviceToHost));
+    return h;
+  };
+  auto same_out = [&](const lutb::cuda::DeviceFitOut& x, const lutb::cuda::DeviceFitOut& y) {
+    return host(x.packed, nt * lutb::kPackedBytes) == host(y.packed, nt * lutb::kPackedBytes) &&
+           host(x.codebook, nt * 8) == host(y.codebook, nt * 8) && host(x.scale, nt) == host(y.scale, nt) &&
+           host(x.sse, nt * 8) == host(y.sse, nt * 8) && host(x.sum_sq, nt * 8) == host(y.sum_sq, nt * 8);
+  };
+  // binned-dp warp kernel variants (cost evaluations issued together in the DP scans; default 2),
+  // same run, same bytes as the default's.
+  double t_unroll[5] = {};
+  bool same_unroll = true;
+  for (int u : {1, 4}) {
+    lutb::cuda::fit_internal::KernelArgs ka{d_w, 1, N, K, s.tiles_n(), s.tiles_k(), tiles, 0, out[3], -1, d_err};
+    float best = 1e30f;
+    for (int rep = 0; rep < 4; ++rep) {  // first = warm-up
+      ok(cudaMemset(d_err, 0xff, 8));
+      ok(cudaEventRecord(a));
+      lutb::cuda::fit_internal::launch_warp_unrolled(ka, u, nullptr);
+      ok(cudaEventRecord(b));
+      ok(cudaEventSynchronize(b));
+      float ms = 0;
+      ok(cudaEventElapsedTime(&ms, a, b));
+      if (rep > 0) best = std::min(best, ms);
+    }
+    t_unroll[u] = best * 1e-3;
+    same_unroll = same_unroll && same_out(out[3], out[0]);
+  }
+
   // Where the warp kernel's time goes: per-phase clock64() cycles of lane 0, summed over warps
   // (an instrumented copy of the kernel; same bytes).
   unsigned long long* d_prof = nullptr;
@@ -153,11 +185,6 @@ int main(int argc, char** argv) {
   cudaFree(d_prof);
 
   // Whole-stack bytes: warp == thread.
-  auto host = [](const void* p, std::size_t n) {
-    std::vector<std::uint8_t> h(n);
-    ok(cudaMemcpy(h.data(), p, n, cudaMemcpyDeviceToHost));
-    return h;
-  };
   const bool same_kernels = host(out[0].packed, nt * lutb::kPackedBytes) == host(out[1].packed, nt * lutb::kPackedBytes) &&
                             host(out[0].codebook, nt * 8) == host(out[1].codebook, nt * 8) &&
                             host(out[0].scale, nt) == host(out[1].scale, nt) &&
@@ -241,8 +268,10 @@ int main(int argc, char** argv) {
   std::printf("| fitter (data on the device) | time | weights/s | vs thread kernel | 654e9 weights | of 45e9/s |\n");
   std::printf("|---|---|---|---|---|---|\n");
   row("GPU thread-per-tile kernel (old), with per-tile sums", t_thread);
-  row("GPU warp-per-tile kernel (new, default), with per-tile sums", t_warp);
+  row("GPU warp-per-tile kernel (new, default: 2 evaluations at a time), with per-tile sums", t_warp);
   row("GPU warp-per-tile kernel (new), bytes only", t_warp_nostats);
+  row("GPU warp kernel variant: DP scans one evaluation at a time (before), with per-tile sums", t_unroll[1]);
+  row("GPU warp kernel variant: DP scans 4 evaluations at a time, with per-tile sums", t_unroll[4]);
   row("GPU **optimal**, warp-per-tile kernel, with per-tile sums", t_opt);
   std::printf("| optimal vs binned-dp (warp, with sums) | %.2fx the time | | | | |\n", t_opt / t_warp);
   std::printf("| CPU binned-dp, %d threads, expert 0 only | %.3f s | %.3g | | %.0f s | |\n", omp_get_max_threads(),
@@ -286,7 +315,9 @@ int main(int argc, char** argv) {
                   static_cast<double>(pf[P + 1]) / nt_d, static_cast<double>(pf[P + 3]) / nt_d);
   }
   std::printf("\n| warp == thread kernel bytes and sums (whole stack) | %s |\n", same_kernels ? "yes" : "NO");
+  std::printf("| warp kernel variants (1, 4 evaluations at a time) == default (2): bytes and sums, whole stack | %s |\n",
+              same_unroll ? "yes" : "NO");
   std::printf("| expert 0 bytes GPU == CPU, binned-dp | %s |\n", same ? "yes" : "NO");
   std::printf("| expert 0 bytes GPU == CPU, optimal | %s |\n", same_opt ? "yes" : "NO");
-  return same && same_opt && same_kernels ? 0 : 2;
+  return same && same_opt && same_kernels && same_unroll ? 0 : 2;
 }

@@ -67,6 +67,7 @@ constexpr int kWin = 2 * kWindow + 1;
 constexpr int kMaxPos = kBins + 2 * kTail + 2;  // binned_dp.cpp's pos[] size: m < kMaxPos
 constexpr int kOptRows = kCodebookSize - 2;     // opt rows of layers 2..7 (row k - 2)
 constexpr int kProfSlots = kProfPhases + 4;      // phases, then tiles, sum n, sum m, refine rounds
+constexpr int kUnroll = 2;  // cost evaluations issued together in the DP scans (scan_min)
 
 // Warps (tiles in flight) per block: the static shared memory of a block stays under 48 KiB.
 template <bool Opt>
@@ -186,6 +187,29 @@ __device__ __forceinline__ double cost_full(const S& s, int i, int j, double inv
                   s.p[1][j] * inv2 - s.p[1][i] * inv2);
 }
 
+// Leftmost minimum of prev[i] + cost(i, j) over i = i0, i0 + step, ... <= hi, folded into (bv, bi)
+// with the CPU's strict "<" in increasing i. U evaluations are issued before their comparisons
+// (independent: they overlap their latencies); the comparisons stay in increasing i, so the result
+// is that of the one-by-one scan. (An index past hi is evaluated at hi and not compared.)
+template <int U, class Cost>
+__device__ __forceinline__ void scan_min(const double* prev, int i0, int hi, int step, int j, const Cost& cost,
+                                         double& bv, int& bi) {
+  for (int i = i0; i <= hi; i += U * step) {
+    double v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int iu = min(i + u * step, hi);
+      v[u] = prev[iu] + cost(iu, j);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (i + u * step <= hi && v[u] < bv) {
+        bv = v[u];
+        bi = i + u * step;
+      }
+  }
+}
+
 // The interval [jlo, jhi] of candidate node c (bits from the root: 0 left, 1 right) at depth L of
 // dp.cpp's divide and conquer over end positions [k, m]; empty (jlo > jhi) when it does not exist.
 __device__ __forceinline__ void descend(int k, int m, int c, int L, int& jlo, int& jhi) {
@@ -200,7 +224,7 @@ __device__ __forceinline__ void descend(int k, int m, int c, int L, int& jlo, in
 
 // One layer k of dp.cpp Dp::solve (cur[j], opt row of layer k for j in [k, m]), level by level.
 // `optk` is the layer's opt row, `lower` the previous layer's (null for k = 2).
-template <class S, class Cost>
+template <int U, class S, class Cost>
 __device__ void dp_layer(S& s, int lane, int k, int m, const double* prev, double* cur, std::int16_t* optk,
                          const std::int16_t* lower, const Cost& cost) {
   // Node [jlo, jhi]: its end position j, and the start range dp.cpp scans for it.
@@ -233,13 +257,7 @@ __device__ void dp_layer(S& s, int lane, int k, int m, const double* prev, doubl
       }
       double bv = inf();
       int bi = INT_MAX;
-      for (int i = lo + sub; i <= hi; i += gs) {
-        const double v = prev[i] + cost(i, j);
-        if (v < bv) {
-          bv = v;
-          bi = i;
-        }
-      }
+      scan_min<U>(prev, lo + sub, hi, gs, j, cost, bv, bi);
       group_argmin(bv, bi, gs);
       if (g < count && sub == 0) {
         cur[j] = bv;
@@ -254,15 +272,9 @@ __device__ void dp_layer(S& s, int lane, int k, int m, const double* prev, doubl
         any = true;
         int j, lo, hi;
         range(jlo, jhi, j, lo, hi);
-        double bv = prev[lo] + cost(lo, j);
+        double bv = inf();  // (every value is finite: the first comparison takes it, as the CPU's start)
         int bi = lo;
-        for (int i = lo + 1; i <= hi; ++i) {
-          const double v = prev[i] + cost(i, j);
-          if (v < bv) {
-            bv = v;
-            bi = i;
-          }
-        }
+        scan_min<U>(prev, lo, hi, 1, j, cost, bv, bi);
         cur[j] = bv;
         optk[j] = static_cast<std::int16_t>(bi);
       }
@@ -274,7 +286,7 @@ __device__ void dp_layer(S& s, int lane, int k, int m, const double* prev, doubl
 
 // dp.cpp dp_fit over m + 1 positions: the bin edges s.pos[0..m] (binned-dp) or every distinct value
 // (optimal, m = n). Leaves s.K, s.entries, s.bounds and (optimal) s.cost = the DP minimum / inv^2.
-template <bool Opt>
+template <int U, bool Opt>
 __device__ void dp_fit_warp(Smem<Opt>& s, int lane, int m, int scale) {
   const double inv = pow2(127 - scale);
   const double inv2 = inv * inv;
@@ -307,7 +319,7 @@ __device__ void dp_fit_warp(Smem<Opt>& s, int lane, int m, int scale) {
     for (int j = 1 + lane; j <= m; j += 32) prev[j] = cost(0, j);
     __syncwarp();
     for (int k = 2; k < K; ++k) {
-      dp_layer(s, lane, k, m, prev, cur, s.dp.opt[k - 2], k > 2 ? s.dp.opt[k - 3] : nullptr, cost);
+      dp_layer<U>(s, lane, k, m, prev, cur, s.dp.opt[k - 2], k > 2 ? s.dp.opt[k - 3] : nullptr, cost);
       __syncwarp();
       double* t = prev;
       prev = cur;
@@ -316,13 +328,7 @@ __device__ void dp_fit_warp(Smem<Opt>& s, int lane, int m, int scale) {
     const int start = K > 2 ? s.dp.opt[K - 3][m] : K - 1;
     double bv = inf();
     int bi = INT_MAX;
-    for (int i = start + lane; i < m; i += 32) {
-      const double v = prev[i] + cost(i, m);
-      if (v < bv) {
-        bv = v;
-        bi = i;
-      }
-    }
+    scan_min<U>(prev, start + lane, m - 1, 32, m, cost, bv, bi);
     group_argmin(bv, bi, 32);
     if (lane == 0) {
       s.seg[K] = m;
@@ -628,7 +634,7 @@ __device__ __forceinline__ void phase(Prof& pr, int lane, int i) {
   }
 }
 
-template <bool P, bool Opt>
+template <bool P, bool Opt, int U>
 __device__ __forceinline__ void fit_one(Smem<Opt>& s, int lane, const KernelArgs& a, std::int64_t lt, Prof& pr) {
   if constexpr (P) {
     if (lane == 0) pr.t = clock64();
@@ -770,7 +776,7 @@ __device__ __forceinline__ void fit_one(Smem<Opt>& s, int lane, const KernelArgs
   } else {
     sc = max(static_cast<int>(ue8m0_rceil(am)), kMinScale);
   }
-  dp_fit_warp(s, lane, m, sc);
+  dp_fit_warp<U>(s, lane, m, sc);
   phase<P>(pr, lane, 4);
   int rounds = 0;  // refinement rounds (binned-dp), scales evaluated below the first (optimal)
   if constexpr (Opt) {
@@ -786,7 +792,7 @@ __device__ __forceinline__ void fit_one(Smem<Opt>& s, int lane, const KernelArgs
         lb = __shfl_sync(kFull, lb, 0);
         if (lb >= best) break;
         ++rounds;
-        dp_fit_warp(s, lane, m, t);
+        dp_fit_warp<U>(s, lane, m, t);
         if (s.cost > best * (1.0 + 1e-12)) continue;  // cannot beat the best even after reassigning
         const double e = encode_warp(s, lane, x, t, s.K, o, true, best);
         if (e < best) best = e;
@@ -810,7 +816,7 @@ __device__ __forceinline__ void fit_one(Smem<Opt>& s, int lane, const KernelArgs
   }
 }
 
-template <bool P, bool Opt>
+template <bool P, bool Opt, int U>
 __global__ void __launch_bounds__(32 * Cfg<Opt>::kWarps) fit_warp_kernel(KernelArgs a, unsigned long long* prof) {
   constexpr int kWarps = Cfg<Opt>::kWarps;
   __shared__ Smem<Opt> sm[kWarps];
@@ -818,7 +824,7 @@ __global__ void __launch_bounds__(32 * Cfg<Opt>::kWarps) fit_warp_kernel(KernelA
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * kWarps;
   Prof pr;
   for (std::int64_t lt = static_cast<std::int64_t>(blockIdx.x) * kWarps + w; lt < a.tiles; lt += stride) {
-    fit_one<P, Opt>(sm[w], lane, a, lt, pr);
+    fit_one<P, Opt, U>(sm[w], lane, a, lt, pr);
     __syncwarp();
   }
   if constexpr (P) {
@@ -827,11 +833,11 @@ __global__ void __launch_bounds__(32 * Cfg<Opt>::kWarps) fit_warp_kernel(KernelA
   }
 }
 
-template <bool P, bool Opt>
+template <bool P, bool Opt, int U = kUnroll>
 void launch_t(const KernelArgs& a, unsigned long long* d_prof, cudaStream_t stream, const char* who) {
   constexpr int kWarps = Cfg<Opt>::kWarps;
   const std::int64_t blocks = std::min<std::int64_t>((a.tiles + kWarps - 1) / kWarps, std::int64_t{1} << 22);
-  fit_warp_kernel<P, Opt><<<static_cast<unsigned>(blocks), 32 * kWarps, 0, stream>>>(a, d_prof);
+  fit_warp_kernel<P, Opt, U><<<static_cast<unsigned>(blocks), 32 * kWarps, 0, stream>>>(a, d_prof);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) throw std::runtime_error(std::string(who) + cudaGetErrorString(e));
 }
@@ -849,6 +855,14 @@ void launch_warp_profiled(const KernelArgs& a, unsigned long long* d_prof, cudaS
   if (a.tiles == 0) return;
   if (a.optimal) launch_t<true, true>(a, d_prof, stream, "profile kernel launch: ");
   else launch_t<true, false>(a, d_prof, stream, "profile kernel launch: ");
+}
+
+void launch_warp_unrolled(const KernelArgs& a, int unroll, cudaStream_t stream) {
+  if (a.tiles == 0) return;
+  if (a.optimal || unroll == kUnroll) return launch_warp(a, stream);
+  if (unroll == 1) launch_t<false, false, 1>(a, nullptr, stream, "unroll variant launch: ");
+  else if (unroll == 4) launch_t<false, false, 4>(a, nullptr, stream, "unroll variant launch: ");
+  else throw std::invalid_argument("launch_warp_unrolled: unroll must be 1, 2 or 4");
 }
 
 }  // namespace lutb::cuda::fit_internal
