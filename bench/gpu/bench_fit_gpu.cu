@@ -24,6 +24,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda/fit_internal.cuh"
@@ -147,25 +148,38 @@ int main(int argc, char** argv) {
            host(x.codebook, nt * 8) == host(y.codebook, nt * 8) && host(x.scale, nt) == host(y.scale, nt) &&
            host(x.sse, nt * 8) == host(y.sse, nt * 8) && host(x.sum_sq, nt * 8) == host(y.sum_sq, nt * 8);
   };
-  // binned-dp warp kernel variants (cost evaluations issued together in the DP scans; default 2),
-  // same run, same bytes as the default's.
-  double t_unroll[5] = {};
-  bool same_unroll = true;
-  for (int u : {1, 4}) {
+  // Warp kernel variants: cost evaluations issued together in the DP scans (default: binned-dp 1,
+  // optimal 2), same run, same bytes as the default's (whole stack, bytes and per-tile sums).
+  auto time_variant = [&](int unroll, bool optimal, const lutb::cuda::DeviceFitOut& ref) {
     lutb::cuda::fit_internal::KernelArgs ka{d_w, 1, N, K, s.tiles_n(), s.tiles_k(), tiles, 0, out[3], -1, d_err};
+    ka.optimal = optimal;
     float best = 1e30f;
     for (int rep = 0; rep < 4; ++rep) {  // first = warm-up
       ok(cudaMemset(d_err, 0xff, 8));
       ok(cudaEventRecord(a));
-      lutb::cuda::fit_internal::launch_warp_unrolled(ka, u, nullptr);
+      lutb::cuda::fit_internal::launch_warp_unrolled(ka, unroll, nullptr);
       ok(cudaEventRecord(b));
       ok(cudaEventSynchronize(b));
       float ms = 0;
       ok(cudaEventElapsedTime(&ms, a, b));
       if (rep > 0) best = std::min(best, ms);
     }
-    t_unroll[u] = best * 1e-3;
-    same_unroll = same_unroll && same_out(out[3], out[0]);
+    const bool eq = same_out(out[3], ref);
+    return std::pair<double, bool>(best * 1e-3, eq);
+  };
+  double t_unroll[2][5] = {};  // [optimal][unroll]
+  bool same_unroll = true;
+  t_unroll[0][1] = t_warp;
+  t_unroll[1][2] = t_opt;
+  for (int u : {2, 4}) {
+    const auto r = time_variant(u, false, out[0]);
+    t_unroll[0][u] = r.first;
+    same_unroll = same_unroll && r.second;
+  }
+  for (int u : {1, 4}) {
+    const auto r = time_variant(u, true, out[2]);
+    t_unroll[1][u] = r.first;
+    same_unroll = same_unroll && r.second;
   }
 
   // Where the warp kernel's time goes: per-phase clock64() cycles of lane 0, summed over warps
@@ -268,11 +282,13 @@ int main(int argc, char** argv) {
   std::printf("| fitter (data on the device) | time | weights/s | vs thread kernel | 654e9 weights | of 45e9/s |\n");
   std::printf("|---|---|---|---|---|---|\n");
   row("GPU thread-per-tile kernel (old), with per-tile sums", t_thread);
-  row("GPU warp-per-tile kernel (new, default: 2 evaluations at a time), with per-tile sums", t_warp);
+  row("GPU warp-per-tile kernel (new, default: 1 evaluation at a time), with per-tile sums", t_warp);
   row("GPU warp-per-tile kernel (new), bytes only", t_warp_nostats);
-  row("GPU warp kernel variant: DP scans one evaluation at a time (before), with per-tile sums", t_unroll[1]);
-  row("GPU warp kernel variant: DP scans 4 evaluations at a time, with per-tile sums", t_unroll[4]);
-  row("GPU **optimal**, warp-per-tile kernel, with per-tile sums", t_opt);
+  row("GPU warp kernel variant: DP scans 2 evaluations at a time, with per-tile sums", t_unroll[0][2]);
+  row("GPU warp kernel variant: DP scans 4 evaluations at a time, with per-tile sums", t_unroll[0][4]);
+  row("GPU **optimal**, warp-per-tile kernel (default: 2 evaluations at a time), with per-tile sums", t_opt);
+  row("GPU optimal variant: DP scans 1 evaluation at a time, with per-tile sums", t_unroll[1][1]);
+  row("GPU optimal variant: DP scans 4 evaluations at a time, with per-tile sums", t_unroll[1][4]);
   std::printf("| optimal vs binned-dp (warp, with sums) | %.2fx the time | | | | |\n", t_opt / t_warp);
   std::printf("| CPU binned-dp, %d threads, expert 0 only | %.3f s | %.3g | | %.0f s | |\n", omp_get_max_threads(),
               cpu_s, cpu_rate, 654e9 / cpu_rate);
@@ -315,7 +331,8 @@ int main(int argc, char** argv) {
                   static_cast<double>(pf[P + 1]) / nt_d, static_cast<double>(pf[P + 3]) / nt_d);
   }
   std::printf("\n| warp == thread kernel bytes and sums (whole stack) | %s |\n", same_kernels ? "yes" : "NO");
-  std::printf("| warp kernel variants (1, 4 evaluations at a time) == default (2): bytes and sums, whole stack | %s |\n",
+  std::printf("| warp kernel variants (binned-dp 2, 4; optimal 1, 4 evaluations at a time) == defaults: bytes and "
+              "sums, whole stack | %s |\n",
               same_unroll ? "yes" : "NO");
   std::printf("| expert 0 bytes GPU == CPU, binned-dp | %s |\n", same ? "yes" : "NO");
   std::printf("| expert 0 bytes GPU == CPU, optimal | %s |\n", same_opt ? "yes" : "NO");

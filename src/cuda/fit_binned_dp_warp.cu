@@ -19,14 +19,15 @@
 //    lane 0 replays the pushes.
 //  - DP layers: dp.cpp's divide and conquer computes, for each end position j (one tree node), the
 //    leftmost minimum of prev[i] + cost(i, j) over a range that depends only on the node's
-//    ancestors. The tree's SHAPE (which [jlo, jhi] intervals exist at which depth) depends only on
-//    (k, m), and a node's start range is [opt(jlo - 1), opt(jhi + 1)] (k - 1 and m - 1 at the
-//    ends): the split points of the ancestors that bound it, which dp.cpp passes down as
-//    (ilo, bi) / (bi, ihi). So the nodes of one tree level are independent and run together: up to
-//    32 nodes with 32 / (nodes) lanes per node, each lane scanning a strided part of the range
-//    with the CPU's strict "<" and the group combining by (smaller value, then lower index), which
-//    is the leftmost minimum the CPU's scan finds (no NaN can occur: every run is non-empty); deeper
-//    levels (optimal only: up to 256 nodes) one lane per node, scanning in the CPU's order.
+//    ancestors. The nodes of one tree level are therefore independent and run together: up to 32
+//    nodes with 32 / (nodes) lanes per node (a node list carries each node's range, as dp.cpp
+//    passes it down), each lane scanning a strided part of the range with the CPU's strict "<" and
+//    the group combining by (smaller value, then lower index), which is the leftmost minimum the
+//    CPU's scan finds (no NaN can occur: every run is non-empty). Levels of more than 32 nodes
+//    (optimal's deeper trees, up to 256 nodes) run a lane per node in the CPU's scan order; their
+//    nodes come from the tree's SHAPE, which depends only on (k, m), and a node [jlo, jhi] takes the
+//    start range [opt(jlo - 1), opt(jhi + 1)] (k - 1 and m - 1 at the ends): the split points of the
+//    ancestors that bound it, exactly the (ilo, bi) / (bi, ihi) dp.cpp passes down.
 //  - refinement (binned-dp, dp_refine): the window costs of one layer are computed by all lanes
 //    into a table, then one lane per end position scans it in the CPU's order with its strict "<".
 //  - scale search (optimal, optimal.cpp search_scales): serial over scales as on the CPU; the
@@ -67,7 +68,10 @@ constexpr int kWin = 2 * kWindow + 1;
 constexpr int kMaxPos = kBins + 2 * kTail + 2;  // binned_dp.cpp's pos[] size: m < kMaxPos
 constexpr int kOptRows = kCodebookSize - 2;     // opt rows of layers 2..7 (row k - 2)
 constexpr int kProfSlots = kProfPhases + 4;      // phases, then tiles, sum n, sum m, refine rounds
-constexpr int kUnroll = 2;  // cost evaluations issued together in the DP scans (scan_min)
+// Cost evaluations issued together in the DP scans (scan_min), per fitter: binned-dp's scans are
+// 1-3 evaluations long (2 and 4 measured no faster: docs/perf/fit-gpu.md), optimal's longer.
+template <bool Opt>
+inline constexpr int kUnroll = Opt ? 2 : 1;
 
 // Warps (tiles in flight) per block: the static shared memory of a block stays under 48 KiB.
 template <bool Opt>
@@ -80,6 +84,11 @@ struct KeyLess {
   __device__ bool operator()(std::uint32_t a, std::uint32_t b) const { return a < b; }
 };
 
+// A node of dp.cpp's divide and conquer: end positions [jlo, jhi], start range [ilo, ihi].
+struct Node {
+  short jlo, jhi, ilo, ihi;
+};
+
 // DP tables. binned-dp: prefix sums at the bin edges (scaled units), as dp.cpp's Dp. optimal: the
 // positions are the distinct values themselves, so the costs read the prefix sums directly and
 // scale them on the fly (the same products dp.cpp stores), which saves 12 KiB per warp.
@@ -88,11 +97,13 @@ struct DpTables {
   double cd[kMaxPos], s1[kMaxPos], s2[kMaxPos];
   double buf[2][kMaxPos];
   std::int16_t opt[kOptRows][kMaxPos];
+  Node nodes[2][32];  // the nodes of one tree level (at most 32: m - 1 <= 48 end positions)
 };
 template <>
 struct DpTables<true> {
   double buf[2][kN + 1];  // (also the encoding's scratch for the flat-order sums)
   std::int16_t opt[kOptRows][kN + 1];
+  Node nodes[2][32];  // the nodes of one tree level while it has at most 32
 };
 
 // Per-warp shared memory (binned-dp ~13 KiB, optimal ~26 KiB). The union members are used one
@@ -114,7 +125,6 @@ struct Smem {
   std::uint16_t cnt[kN + 1];    // prefix counts
   int pos[Opt ? 1 : kMaxPos];   // bin edges
   int lb[32];                   // lower bounds of the bin targets
-  short2 nodes[32];             // the (up to 32) nodes of one DP tree level: (jlo, jhi)
   int seg[kCodebookSize + 1];   // DP boundaries (indices into pos)
   int bounds[kCodebookSize + 1];  // boundaries at full resolution
   int lo[kCodebookSize], hi[kCodebookSize], wk[kCodebookSize];
@@ -223,63 +233,85 @@ __device__ __forceinline__ void descend(int k, int m, int c, int L, int& jlo, in
 }
 
 // One layer k of dp.cpp Dp::solve (cur[j], opt row of layer k for j in [k, m]), level by level.
-// `optk` is the layer's opt row, `lower` the previous layer's (null for k = 2).
+// `optk` is the layer's opt row, `lower` the previous layer's (null for k = 2). Levels of at most 32
+// nodes run from a node list carrying each node's start range (what dp.cpp passes down), a group
+// of lanes per node; a level of more than 32 nodes (optimal's deeper trees only) and all below it
+// enumerate the nodes from the tree's shape (descend) and read the start ranges from optk, a lane
+// per node.
 template <int U, class S, class Cost>
 __device__ void dp_layer(S& s, int lane, int k, int m, const double* prev, double* cur, std::int16_t* optk,
                          const std::int16_t* lower, const Cost& cost) {
-  // Node [jlo, jhi]: its end position j, and the start range dp.cpp scans for it.
-  auto range = [&](int jlo, int jhi, int& j, int& lo, int& hi) {
-    j = (jlo + jhi) >> 1;
-    const int ilo = jlo > k ? static_cast<int>(optk[jlo - 1]) : k - 1;
-    const int ihi = jhi < m ? static_cast<int>(optk[jhi + 1]) : m - 1;
+  auto clamp_range = [&](int j, int ilo, int ihi, int& lo, int& hi) {
     lo = max(max(ilo, k - 1), lower ? static_cast<int>(lower[j]) : 0);
     hi = min(ihi, j - 1);
     lo = min(lo, hi);  // (dp.cpp: only reachable through rounding-level ties)
   };
-  for (int L = 0;; ++L) {
-    if (L <= 5) {  // at most 32 nodes: a group of lanes per node
-      int jlo = 0, jhi = -1;
-      if (lane < (1 << L)) descend(k, m, lane, L, jlo, jhi);
-      const bool exists = jlo <= jhi;
-      const unsigned em = __ballot_sync(kFull, exists);
-      const int count = __popc(em);
-      if (count == 0) break;
-      if (exists) s.nodes[__popc(em & ((1u << lane) - 1u))] = make_short2(static_cast<short>(jlo), static_cast<short>(jhi));
-      __syncwarp();
-      int lg = 0;
-      while ((1 << lg) < count) ++lg;
-      const int gs = 32 >> lg;  // lanes per node
-      const int g = lane >> (5 - lg), sub = lane & (gs - 1);
-      int j = 0, lo = 0, hi = -1;
-      if (g < count) {
-        const short2 nd = s.nodes[g];
-        range(nd.x, nd.y, j, lo, hi);
-      }
-      double bv = inf();
-      int bi = INT_MAX;
-      scan_min<U>(prev, lo + sub, hi, gs, j, cost, bv, bi);
-      group_argmin(bv, bi, gs);
-      if (g < count && sub == 0) {
-        cur[j] = bv;
-        optk[j] = static_cast<std::int16_t>(bi);
-      }
-    } else {  // deeper levels (optimal only): a lane per node, the CPU's scan order
-      bool any = false;
-      for (int c = lane; c < (1 << L); c += 32) {
-        int jlo, jhi;
-        descend(k, m, c, L, jlo, jhi);
-        if (jlo > jhi) continue;
-        any = true;
-        int j, lo, hi;
-        range(jlo, jhi, j, lo, hi);
-        double bv = inf();  // (every value is finite: the first comparison takes it, as the CPU's start)
-        int bi = lo;
-        scan_min<U>(prev, lo, hi, 1, j, cost, bv, bi);
-        cur[j] = bv;
-        optk[j] = static_cast<std::int16_t>(bi);
-      }
-      if (!__any_sync(kFull, any)) break;
+  Node* nb = s.dp.nodes[0];
+  Node* nn = s.dp.nodes[1];
+  if (lane == 0) nb[0] = Node{static_cast<short>(k), static_cast<short>(m), static_cast<short>(k - 1),
+                              static_cast<short>(m - 1)};
+  int count = 1, L = 0;
+  __syncwarp();
+  while (count > 0 && count <= 32) {
+    int lg = 0;
+    while ((1 << lg) < count) ++lg;
+    const int gs = 32 >> lg;  // lanes per node
+    const int g = lane >> (5 - lg), sub = lane & (gs - 1);
+    const bool valid = g < count;
+    Node nd{0, -1, 0, 0};
+    int j = 0, lo = 0, hi = -1;
+    if (valid) {
+      nd = nb[g];
+      j = (nd.jlo + nd.jhi) >> 1;
+      clamp_range(j, nd.ilo, nd.ihi, lo, hi);
     }
+    double bv = inf();
+    int bi = INT_MAX;
+    scan_min<U>(prev, lo + sub, hi, gs, j, cost, bv, bi);
+    group_argmin(bv, bi, gs);
+    const bool leader = valid && sub == 0;
+    bool hasl = false, hasr = false;
+    if (leader) {
+      cur[j] = bv;
+      optk[j] = static_cast<std::int16_t>(bi);
+      hasl = nd.jlo <= j - 1;
+      hasr = j + 1 <= nd.jhi;
+    }
+    const unsigned ml = __ballot_sync(kFull, hasl), mr = __ballot_sync(kFull, hasr);
+    const int next = __popc(ml) + __popc(mr);
+    if (leader && next <= 32) {
+      const unsigned lt = (1u << lane) - 1u;
+      int p = __popc(ml & lt) + __popc(mr & lt);
+      if (hasl) nn[p++] = Node{nd.jlo, static_cast<short>(j - 1), nd.ilo, static_cast<short>(bi)};
+      if (hasr) nn[p] = Node{static_cast<short>(j + 1), nd.jhi, static_cast<short>(bi), nd.ihi};
+    }
+    count = next;
+    ++L;
+    __syncwarp();
+    Node* t = nb;
+    nb = nn;
+    nn = t;
+  }
+  if (count == 0) return;
+  for (;; ++L) {  // levels of more than 32 nodes: a lane per node, the CPU's scan order
+    bool any = false;
+    for (int c = lane; c < (1 << L); c += 32) {
+      int jlo, jhi;
+      descend(k, m, c, L, jlo, jhi);
+      if (jlo > jhi) continue;
+      any = true;
+      // The start range dp.cpp passes down: the split points of the ancestors that bound the node.
+      const int j = (jlo + jhi) >> 1;
+      int lo, hi;
+      clamp_range(j, jlo > k ? static_cast<int>(optk[jlo - 1]) : k - 1, jhi < m ? static_cast<int>(optk[jhi + 1]) : m - 1,
+                  lo, hi);
+      double bv = inf();  // (every value is finite: the first comparison takes it, as the CPU's start)
+      int bi = lo;
+      scan_min<U>(prev, lo, hi, 1, j, cost, bv, bi);
+      cur[j] = bv;
+      optk[j] = static_cast<std::int16_t>(bi);
+    }
+    if (!__any_sync(kFull, any)) break;
     __syncwarp();
   }
 }
@@ -833,7 +865,7 @@ __global__ void __launch_bounds__(32 * Cfg<Opt>::kWarps) fit_warp_kernel(KernelA
   }
 }
 
-template <bool P, bool Opt, int U = kUnroll>
+template <bool P, bool Opt, int U = kUnroll<Opt>>
 void launch_t(const KernelArgs& a, unsigned long long* d_prof, cudaStream_t stream, const char* who) {
   constexpr int kWarps = Cfg<Opt>::kWarps;
   const std::int64_t blocks = std::min<std::int64_t>((a.tiles + kWarps - 1) / kWarps, std::int64_t{1} << 22);
@@ -859,10 +891,17 @@ void launch_warp_profiled(const KernelArgs& a, unsigned long long* d_prof, cudaS
 
 void launch_warp_unrolled(const KernelArgs& a, int unroll, cudaStream_t stream) {
   if (a.tiles == 0) return;
-  if (a.optimal || unroll == kUnroll) return launch_warp(a, stream);
-  if (unroll == 1) launch_t<false, false, 1>(a, nullptr, stream, "unroll variant launch: ");
-  else if (unroll == 4) launch_t<false, false, 4>(a, nullptr, stream, "unroll variant launch: ");
-  else throw std::invalid_argument("launch_warp_unrolled: unroll must be 1, 2 or 4");
+  if (a.check_only || unroll == (a.optimal ? kUnroll<true> : kUnroll<false>)) return launch_warp(a, stream);
+  const char* who = "unroll variant launch: ";
+  if (unroll != 1 && unroll != 2 && unroll != 4)
+    throw std::invalid_argument("launch_warp_unrolled: unroll must be 1, 2 or 4");
+  if (a.optimal) {
+    if (unroll == 1) launch_t<false, true, 1>(a, nullptr, stream, who);
+    else launch_t<false, true, 4>(a, nullptr, stream, who);  // (2 is the default)
+  } else {
+    if (unroll == 2) launch_t<false, false, 2>(a, nullptr, stream, who);
+    else launch_t<false, false, 4>(a, nullptr, stream, who);  // (1 is the default)
+  }
 }
 
 }  // namespace lutb::cuda::fit_internal

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/fit_internal.cuh"
 #include "lutb/cuda/fit.hpp"
 #include "lutb/fit.hpp"
 #include "lutb/numerics.hpp"
@@ -285,6 +286,72 @@ TEST(FitGpuOptimal, ScaleSearchBelowRceil) {
   // The CPU reference really takes a scale below rceil (127) on the constructed tiles.
   for (int t = 0; t < 3; ++t) EXPECT_EQ(cpu.scale[static_cast<std::size_t>(t)], 126) << "tile " << t;
   EXPECT_EQ(expect_same_optimal(m.data(), DType::F32, s), nt);
+}
+
+// The warp kernel's scan variants (cost evaluations issued 1, 2 or 4 at a time; the benchmark
+// times them) write the CPU's bytes and per-tile sums too, for both fitters: edge tiles and
+// Student-t tiles side by side.
+TEST(FitGpu, ScanVariantsSameBytes) {
+  LUTB_GPU_OR_SKIP();
+  std::int64_t ne = 0;
+  const std::vector<float> edges = edge_tiles(ne);
+  const std::int64_t nr = 12, nt = ne + nr;
+  const auto rnd = random_values(static_cast<std::size_t>(512 * nr), Dist::kStudentT3, 0.02f, 41);
+  std::vector<float> m(static_cast<std::size_t>(512 * nt));
+  for (int r = 0; r < 8; ++r)
+    for (std::int64_t c = 0; c < 64 * nt; ++c)
+      m[static_cast<std::size_t>(r * 64 * nt + c)] =
+          c < 64 * ne ? edges[static_cast<std::size_t>(r * 64 * ne + c)]
+                      : rnd[static_cast<std::size_t>(r * 64 * nr + (c - 64 * ne))];
+  const LutbShape s = stack(1, 8, 64 * nt);
+  const std::size_t n = static_cast<std::size_t>(nt);
+  float* d_src = nullptr;
+  std::uint8_t* d_out = nullptr;
+  double* d_sums = nullptr;
+  unsigned long long* d_err = nullptr;
+  ASSERT_EQ(cudaMalloc(&d_src, m.size() * 4), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&d_out, n * (kPackedBytes + kCodebookSize + 1)), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&d_sums, n * 16), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&d_err, 8), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(d_src, m.data(), m.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  for (const char* fitter : {"binned-dp", "optimal"}) {
+    FitOptions fo;
+    fo.fitter = fitter;
+    LutbTensor cpu;
+    const FitStats sc = quantize(m.data(), DType::F32, s, cpu, fo, "t");
+    for (int unroll : {1, 2, 4}) {
+      SCOPED_TRACE(std::string(fitter) + ", unroll " + std::to_string(unroll));
+      cuda::fit_internal::KernelArgs ka{d_src, 0, 8, 64 * nt, 1, nt, nt, 0,
+                                        cuda::DeviceFitOut{d_out, d_out + n * kPackedBytes,
+                                                           d_out + n * (kPackedBytes + kCodebookSize), d_sums, d_sums + n},
+                                        -1, d_err};
+      ka.optimal = std::string(fitter) == "optimal";
+      ASSERT_EQ(cudaMemset(d_out, 0, n * (kPackedBytes + kCodebookSize + 1)), cudaSuccess);
+      ASSERT_EQ(cudaMemset(d_err, 0xff, 8), cudaSuccess);
+      cuda::fit_internal::launch_warp_unrolled(ka, unroll, nullptr);
+      std::vector<std::uint8_t> h(n * (kPackedBytes + kCodebookSize + 1));
+      std::vector<double> sums(2 * n);
+      unsigned long long word = 0;
+      ASSERT_EQ(cudaMemcpy(h.data(), d_out, h.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(sums.data(), d_sums, n * 16, cudaMemcpyDeviceToHost), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(&word, d_err, 8, cudaMemcpyDeviceToHost), cudaSuccess);
+      EXPECT_EQ(cuda::decode_fit_error(word).code, 0);
+      EXPECT_TRUE(std::equal(cpu.packed.begin(), cpu.packed.end(), h.begin()));
+      EXPECT_TRUE(std::equal(cpu.codebook.begin(), cpu.codebook.end(), h.begin() + n * kPackedBytes));
+      EXPECT_TRUE(std::equal(cpu.scale.begin(), cpu.scale.end(), h.begin() + n * (kPackedBytes + kCodebookSize)));
+      FitStats sg;
+      for (std::size_t t = 0; t < n; ++t) {
+        sg.sse += sums[t];
+        sg.sum_sq += sums[n + t];
+      }
+      EXPECT_EQ(sg.sse, sc.sse);
+      EXPECT_EQ(sg.sum_sq, sc.sum_sq);
+    }
+  }
+  cudaFree(d_src);
+  cudaFree(d_out);
+  cudaFree(d_sums);
+  cudaFree(d_err);
 }
 
 // Heavy mixtures: log-uniform magnitudes over many binades (FP32 sums that round), sparse tiles
