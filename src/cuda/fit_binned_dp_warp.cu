@@ -68,10 +68,12 @@ constexpr int kWin = 2 * kWindow + 1;
 constexpr int kMaxPos = kBins + 2 * kTail + 2;  // binned_dp.cpp's pos[] size: m < kMaxPos
 constexpr int kOptRows = kCodebookSize - 2;     // opt rows of layers 2..7 (row k - 2)
 constexpr int kProfSlots = kProfPhases + 4;      // phases, then tiles, sum n, sum m, refine rounds
-// Cost evaluations issued together in the DP scans (scan_min), per fitter: binned-dp's scans are
-// 1-3 evaluations long (2 and 4 measured no faster: docs/perf/fit-gpu.md), optimal's longer.
+// Cost evaluations issued together in the DP scans (scan_min), per fitter, as measured on the H200
+// (docs/perf/fit-gpu.md, gpufit3 run 2): binned-dp's scans are 1-3 evaluations long, 2 at a time
+// was no faster and 4 6 % slower; optimal's are longer, 4 at a time was 5 % faster than 2 and 10 %
+// faster than 1.
 template <bool Opt>
-inline constexpr int kUnroll = Opt ? 2 : 1;
+inline constexpr int kUnroll = Opt ? 4 : 1;
 
 // Warps (tiles in flight) per block: the static shared memory of a block stays under 48 KiB.
 template <bool Opt>
@@ -897,7 +899,7 @@ void launch_warp_unrolled(const KernelArgs& a, int unroll, cudaStream_t stream) 
     throw std::invalid_argument("launch_warp_unrolled: unroll must be 1, 2 or 4");
   if (a.optimal) {
     if (unroll == 1) launch_t<false, true, 1>(a, nullptr, stream, who);
-    else launch_t<false, true, 4>(a, nullptr, stream, who);  // (2 is the default)
+    else launch_t<false, true, 2>(a, nullptr, stream, who);  // (4 is the default)
   } else {
     if (unroll == 2) launch_t<false, false, 2>(a, nullptr, stream, who);
     else launch_t<false, false, 4>(a, nullptr, stream, who);  // (1 is the default)

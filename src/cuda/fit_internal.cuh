@@ -41,7 +41,7 @@ inline constexpr int kProfPhases = 7;
 void launch_warp_profiled(const KernelArgs& a, unsigned long long* d_prof, cudaStream_t stream);
 
 /// The warp kernel (a.optimal selects the fitter) with `unroll` (1, 2 or 4) cost evaluations issued
-/// together in the DP scans instead of the fitter's default (binned-dp 1, optimal 2), for the
+/// together in the DP scans instead of the fitter's default (binned-dp 1, optimal 4), for the
 /// benchmark's same-run comparison and the tests; same bytes (the comparisons stay in the CPU's
 /// order).
 void launch_warp_unrolled(const KernelArgs& a, int unroll, cudaStream_t stream);

@@ -114,13 +114,14 @@ struct RandomCase {
   Dist dist;
   std::int64_t e, n, k;
   bool bf16;
+  bool optimal = false;  // the fitter: binned-dp (both kernels) or optimal (warp kernel)
 };
 
 // Readable parameter names (the default printer dumps the struct's bytes, padding included).
 void PrintTo(const RandomCase& c, std::ostream* os) {
   static const char* const kNames[] = {"gauss", "student-t3", "laplace"};
-  *os << kNames[static_cast<int>(c.dist)] << " [" << c.e << ", " << c.n << ", " << c.k << "] "
-      << (c.bf16 ? "BF16" : "F32");
+  *os << (c.optimal ? "optimal " : "binned-dp ") << kNames[static_cast<int>(c.dist)] << " [" << c.e << ", " << c.n
+      << ", " << c.k << "] " << (c.bf16 ? "BF16" : "F32");
 }
 
 class FitGpuRandom : public ::testing::TestWithParam<RandomCase> {};
@@ -130,12 +131,14 @@ TEST_P(FitGpuRandom, SameBytesAsCpu) {
   const RandomCase c = GetParam();
   const LutbShape s = stack(c.e, c.n, c.k);
   const auto v = random_values(static_cast<std::size_t>(c.e * c.n * c.k), c.dist, 0.02f,
-                               static_cast<std::uint32_t>(17 * c.n + c.k + static_cast<int>(c.dist)));
+                               static_cast<std::uint32_t>((c.optimal ? 31 : 17) * c.n + c.k + static_cast<int>(c.dist)));
+  const std::string fitter = c.optimal ? "optimal" : "binned-dp";
+  const std::size_t chunk = std::size_t{512} << 20;
   if (c.bf16) {
     const auto b = to_bf16(v);
-    EXPECT_GT(expect_same(b.data(), DType::BF16, s), 0);
+    EXPECT_GT(expect_same(b.data(), DType::BF16, s, -1, chunk, fitter), 0);
   } else {
-    EXPECT_GT(expect_same(v.data(), DType::F32, s), 0);
+    EXPECT_GT(expect_same(v.data(), DType::F32, s, -1, chunk, fitter), 0);
   }
 }
 
@@ -153,33 +156,17 @@ INSTANTIATE_TEST_SUITE_P(Shapes, FitGpuRandom,
                                            RandomCase{Dist::kLaplace, 2, 128, 1024, false},
                                            RandomCase{Dist::kGauss, 4, 128, 1024, true}));
 
-class FitGpuOptimalRandom : public ::testing::TestWithParam<RandomCase> {};
-
-TEST_P(FitGpuOptimalRandom, SameBytesAsCpu) {
-  LUTB_GPU_OR_SKIP();
-  const RandomCase c = GetParam();
-  const LutbShape s = stack(c.e, c.n, c.k);
-  const auto v = random_values(static_cast<std::size_t>(c.e * c.n * c.k), c.dist, 0.02f,
-                               static_cast<std::uint32_t>(31 * c.n + c.k + static_cast<int>(c.dist)));
-  if (c.bf16) {
-    const auto b = to_bf16(v);
-    EXPECT_GT(expect_same_optimal(b.data(), DType::BF16, s), 0);
-  } else {
-    EXPECT_GT(expect_same_optimal(v.data(), DType::F32, s), 0);
-  }
-}
-
-// Sizes keep the CPU optimal fitter (~2 M weights/s per core) fast.
-INSTANTIATE_TEST_SUITE_P(Shapes, FitGpuOptimalRandom,
-                         ::testing::Values(RandomCase{Dist::kGauss, 2, 64, 512, true},
-                                           RandomCase{Dist::kStudentT3, 2, 64, 512, true},
-                                           RandomCase{Dist::kLaplace, 1, 64, 512, true},
-                                           RandomCase{Dist::kGauss, 3, 21, 200, false},  // N%8, K%64 != 0
-                                           RandomCase{Dist::kStudentT3, 1, 13, 70, true},
-                                           RandomCase{Dist::kGauss, 1, 5, 33, true},     // one padded tile
+// The optimal fitter; sizes keep the CPU optimal fitter (~2 M weights/s per core) fast.
+INSTANTIATE_TEST_SUITE_P(Optimal, FitGpuRandom,
+                         ::testing::Values(RandomCase{Dist::kGauss, 2, 64, 512, true, true},
+                                           RandomCase{Dist::kStudentT3, 2, 64, 512, true, true},
+                                           RandomCase{Dist::kLaplace, 1, 64, 512, true, true},
+                                           RandomCase{Dist::kGauss, 3, 21, 200, false, true},  // N%8, K%64 != 0
+                                           RandomCase{Dist::kStudentT3, 1, 13, 70, true, true},
+                                           RandomCase{Dist::kGauss, 1, 5, 33, true, true},     // one padded tile
                                            // FP32: 512 distinct values per tile (DP trees 9 levels deep)
-                                           RandomCase{Dist::kGauss, 1, 64, 1024, false},
-                                           RandomCase{Dist::kStudentT3, 1, 64, 1024, false}));
+                                           RandomCase{Dist::kGauss, 1, 64, 1024, false, true},
+                                           RandomCase{Dist::kStudentT3, 1, 64, 1024, false, true}));
 
 // The edge-case tiles, one 8 x 64 tile per pattern side by side along K: [8, 64 * count] FP32.
 std::vector<float> edge_tiles(std::int64_t& count) {
@@ -387,48 +374,74 @@ TEST(FitGpuOptimal, MixedTiles) {
   mixed_tiles_case("optimal");
 }
 
-// The device entry point without the per-tile sums (sse / sum_sq null) writes the same bytes.
-TEST(FitGpu, DeviceEntryWithoutStats) {
-  LUTB_GPU_OR_SKIP();
-  const LutbShape s = stack(3, 40, 300);
-  const auto b = to_bf16(random_values(static_cast<std::size_t>(3 * 40 * 300), Dist::kStudentT3, 0.02f, 21));
+// A BF16 stack on the device and room for its LUT-B bytes (packed, codebook, scale).
+struct DeviceStack {
+  void* src = nullptr;
+  std::uint8_t* out = nullptr;
+  unsigned long long* err = nullptr;
+  std::size_t tiles = 0;
+  DeviceStack(const std::vector<std::uint16_t>& b, const LutbShape& s) : tiles(static_cast<std::size_t>(s.tiles())) {
+    EXPECT_EQ(cudaMalloc(&src, b.size() * 2), cudaSuccess);
+    EXPECT_EQ(cudaMalloc(&out, tiles * (kPackedBytes + kCodebookSize + 1)), cudaSuccess);
+    EXPECT_EQ(cudaMalloc(&err, 8), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(src, b.data(), b.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  ~DeviceStack() {
+    cudaFree(src);
+    cudaFree(out);
+    cudaFree(err);
+  }
+  cuda::DeviceFitOut fit_out() const {
+    return cuda::DeviceFitOut{out, out + tiles * kPackedBytes, out + tiles * (kPackedBytes + kCodebookSize), nullptr,
+                              nullptr};
+  }
+};
+
+// fit_device without the per-tile sums (sse / sum_sq null), on `stream`: the CPU fitter's bytes.
+void expect_device_entry_same(const std::vector<std::uint16_t>& b, const LutbShape& s, cuda::GpuFitter fitter,
+                              cudaStream_t stream, const DeviceStack& d) {
+  FitOptions fo;
+  fo.fitter = cuda::gpu_fitter_name(fitter);
   LutbTensor cpu;
-  quantize(b.data(), DType::BF16, s, cpu, FitOptions{}, "t");
-  const std::size_t nt = static_cast<std::size_t>(s.tiles());
-  void* d_src = nullptr;
-  std::uint8_t* d_out = nullptr;
-  unsigned long long* d_err = nullptr;
-  ASSERT_EQ(cudaMalloc(&d_src, b.size() * 2), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&d_out, nt * (kPackedBytes + kCodebookSize + 1)), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&d_err, 8), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(d_src, b.data(), b.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
-  const cuda::DeviceFitOut o{d_out, d_out + nt * kPackedBytes, d_out + nt * (kPackedBytes + kCodebookSize), nullptr,
-                             nullptr};
-  cuda::fit_binned_dp_device(d_src, DType::BF16, s, o, -1, d_err, nullptr);
+  quantize(b.data(), DType::BF16, s, cpu, fo, "t");
+  const std::size_t nt = d.tiles;
+  cuda::fit_device(d.src, DType::BF16, s, d.fit_out(), fitter, -1, d.err, stream);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
   std::vector<std::uint8_t> h(nt * (kPackedBytes + kCodebookSize + 1));
   unsigned long long word = 0;
-  ASSERT_EQ(cudaMemcpy(h.data(), d_out, h.size(), cudaMemcpyDeviceToHost), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(&word, d_err, 8, cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(h.data(), d.out, h.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(&word, d.err, 8, cudaMemcpyDeviceToHost), cudaSuccess);
   EXPECT_EQ(cuda::decode_fit_error(word).code, 0);
   EXPECT_TRUE(std::equal(cpu.packed.begin(), cpu.packed.end(), h.begin()));
   EXPECT_TRUE(std::equal(cpu.codebook.begin(), cpu.codebook.end(), h.begin() + nt * kPackedBytes));
   EXPECT_TRUE(std::equal(cpu.scale.begin(), cpu.scale.end(), h.begin() + nt * (kPackedBytes + kCodebookSize)));
+}
+
+// The device entry point without the per-tile sums writes the same bytes; check_tiles_device.
+TEST(FitGpu, DeviceEntryWithoutStats) {
+  LUTB_GPU_OR_SKIP();
+  const LutbShape s = stack(3, 40, 300);
+  const auto b = to_bf16(random_values(static_cast<std::size_t>(3 * 40 * 300), Dist::kStudentT3, 0.02f, 21));
+  const DeviceStack d(b, s);
+  expect_device_entry_same(b, s, cuda::GpuFitter::BinnedDp, nullptr, d);
+  // (the binned-dp-only entry point too)
+  cuda::fit_binned_dp_device(d.src, DType::BF16, s, d.fit_out(), -1, d.err, nullptr);
+  unsigned long long word = 0;
+  ASSERT_EQ(cudaMemcpy(&word, d.err, 8, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(cuda::decode_fit_error(word).code, 0);
   // check_tiles_device on the same stack: no error; with a NaN: the tile and position.
-  cuda::check_tiles_device(d_src, DType::BF16, s, d_err, nullptr);
-  ASSERT_EQ(cudaMemcpy(&word, d_err, 8, cudaMemcpyDeviceToHost), cudaSuccess);
+  cuda::check_tiles_device(d.src, DType::BF16, s, d.err, nullptr);
+  ASSERT_EQ(cudaMemcpy(&word, d.err, 8, cudaMemcpyDeviceToHost), cudaSuccess);
   EXPECT_EQ(cuda::decode_fit_error(word).code, 0);
   const std::uint16_t nan = 0x7fc0;
   const std::size_t at = (2 * 40 + 17) * 300 + 130;  // expert 2, row 17 (tile row 2), col 130 (tile col 2)
-  ASSERT_EQ(cudaMemcpy(static_cast<std::uint16_t*>(d_src) + at, &nan, 2, cudaMemcpyHostToDevice), cudaSuccess);
-  cuda::check_tiles_device(d_src, DType::BF16, s, d_err, nullptr);
-  ASSERT_EQ(cudaMemcpy(&word, d_err, 8, cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(static_cast<std::uint16_t*>(d.src) + at, &nan, 2, cudaMemcpyHostToDevice), cudaSuccess);
+  cuda::check_tiles_device(d.src, DType::BF16, s, d.err, nullptr);
+  ASSERT_EQ(cudaMemcpy(&word, d.err, 8, cudaMemcpyDeviceToHost), cudaSuccess);
   const cuda::GpuFitError e = cuda::decode_fit_error(word);
   EXPECT_EQ(e.code, 1);
   EXPECT_EQ(e.tile, 2 * s.tiles_per_expert() + 2 * s.tiles_k() + 2);
   EXPECT_EQ(e.pos, 1 * 64 + 2);
-  cudaFree(d_src);
-  cudaFree(d_out);
-  cudaFree(d_err);
 }
 
 // fit_device with the optimal fitter, no per-tile sums, on a stream: the CPU optimal fitter's bytes.
@@ -436,39 +449,14 @@ TEST(FitGpuOptimal, DeviceEntryWithoutStats) {
   LUTB_GPU_OR_SKIP();
   const LutbShape s = stack(2, 24, 200);
   const auto b = to_bf16(random_values(static_cast<std::size_t>(2 * 24 * 200), Dist::kStudentT3, 0.02f, 23));
-  FitOptions fo;
-  fo.fitter = "optimal";
-  LutbTensor cpu;
-  quantize(b.data(), DType::BF16, s, cpu, fo, "t");
-  const std::size_t nt = static_cast<std::size_t>(s.tiles());
-  void* d_src = nullptr;
-  std::uint8_t* d_out = nullptr;
-  unsigned long long* d_err = nullptr;
   cudaStream_t st = nullptr;
   ASSERT_EQ(cudaStreamCreate(&st), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&d_src, b.size() * 2), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&d_out, nt * (kPackedBytes + kCodebookSize + 1)), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&d_err, 8), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(d_src, b.data(), b.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
-  const cuda::DeviceFitOut o{d_out, d_out + nt * kPackedBytes, d_out + nt * (kPackedBytes + kCodebookSize), nullptr,
-                             nullptr};
-  cuda::fit_device(d_src, DType::BF16, s, o, cuda::GpuFitter::Optimal, -1, d_err, st);
-  ASSERT_EQ(cudaStreamSynchronize(st), cudaSuccess);
-  std::vector<std::uint8_t> h(nt * (kPackedBytes + kCodebookSize + 1));
-  unsigned long long word = 0;
-  ASSERT_EQ(cudaMemcpy(h.data(), d_out, h.size(), cudaMemcpyDeviceToHost), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(&word, d_err, 8, cudaMemcpyDeviceToHost), cudaSuccess);
-  EXPECT_EQ(cuda::decode_fit_error(word).code, 0);
-  EXPECT_TRUE(std::equal(cpu.packed.begin(), cpu.packed.end(), h.begin()));
-  EXPECT_TRUE(std::equal(cpu.codebook.begin(), cpu.codebook.end(), h.begin() + nt * kPackedBytes));
-  EXPECT_TRUE(std::equal(cpu.scale.begin(), cpu.scale.end(), h.begin() + nt * (kPackedBytes + kCodebookSize)));
+  const DeviceStack d(b, s);
+  expect_device_entry_same(b, s, cuda::GpuFitter::Optimal, st, d);
   // The thread kernel has no optimal: a clear error, nothing launched.
-  EXPECT_THROW(cuda::fit_device(d_src, DType::BF16, s, o, cuda::GpuFitter::Optimal, -1, d_err, st,
+  EXPECT_THROW(cuda::fit_device(d.src, DType::BF16, s, d.fit_out(), cuda::GpuFitter::Optimal, -1, d.err, st,
                                 cuda::GpuFitKernel::Thread),
                std::invalid_argument);
-  cudaFree(d_src);
-  cudaFree(d_out);
-  cudaFree(d_err);
   cudaStreamDestroy(st);
 }
 
