@@ -102,6 +102,41 @@ __device__ __forceinline__ float ue8m0_scale(unsigned b, int extra) {
   return __int_as_float(static_cast<int>((b + extra) << 23));
 }
 
+/// 2^(b-127) without branches (b = 255 -> NaN, b = 0 -> 2^-127).
+__device__ __forceinline__ float ue8m0_f(unsigned b) {
+  const float f = __int_as_float(static_cast<int>(b << 23));
+  return b == 255u ? __int_as_float(0x7fc00000) : (b == 0u ? __int_as_float(0x00400000) : f);
+}
+
+// ---------------------------------------------------------------------------
+// Programmatic dependent launch (PDL, sm_90+; CUDA programming guide, "Programmatic Dependent
+// Launch and Synchronization"). The forward launches every kernel after the first with
+// cudaLaunchAttributeProgrammaticStreamSerialization (moe_internal.hpp launch_kernel), so a kernel
+// may start while its predecessor finishes. Rules every forward kernel follows:
+//  - pdl_wait() before reading anything the PREVIOUS kernel writes (it returns once that grid has
+//    completed and its memory is visible; a no-op when the launch had no programmatic dependency);
+//  - pdl_trigger() only AFTER its own pdl_wait(), so that when a kernel starts, the kernel two
+//    launches back has completed: the swap-AB GEMMs read the routing (written by the grouping two
+//    launches back) and prefetch weights before their wait.
+// Both compile to nothing below sm_90.
+// ---------------------------------------------------------------------------
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+struct PdlWaitAndTrigger {
+  __device__ __forceinline__ void operator()() const {
+    pdl_wait();
+    pdl_trigger();
+  }
+};
+
 // ---------------------------------------------------------------------------
 // Work description shared by the kernels
 // ---------------------------------------------------------------------------
