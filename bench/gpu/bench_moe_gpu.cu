@@ -166,7 +166,7 @@ int main(int argc, char** argv) {
   if (quick) Ts = {1, 16, 256, 4096};
   if (only_T > 0) Ts = {only_T};
   const int R = 8;
-  std::printf("\n| shape | T | experts touched | LUT-B us | LUT-B byte-dec us | LUT-B decode (swap-AB) us | swap-AB cvt-dec us | LUT-B prefill us | decode-m16 us | BF16 us (best of decode, prefill) | BF16 best | speed-up | LUT-B GB/s | %% of read BW | BF16 GB/s | %% of read BW | LUT-B TFLOP/s | BF16 TFLOP/s | LUT-B no-PDL us | BF16 best no-PDL us |\n");
+  std::printf("\n| shape | T | experts touched | LUT-B us | LUT-B byte-dec us | LUT-B decode (swap-AB) us | swap-AB fp8-mma us | LUT-B prefill us | decode-m16 us | BF16 us (best of decode, prefill) | BF16 best | speed-up | LUT-B GB/s | %% of read BW | BF16 GB/s | %% of read BW | LUT-B TFLOP/s | BF16 TFLOP/s | LUT-B no-PDL us | BF16 best no-PDL us |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const Shape& s : shapes) {
     if (!only.empty() && only != s.name) continue;
@@ -252,7 +252,7 @@ int main(int argc, char** argv) {
           case 5: cuda::moe_forward_bf16(wb, xr, T, s.k, id, wt, out, ws, wsb, st, cuda::MoeStrategy::Prefill); break;
           case 6: cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st, cuda::MoeStrategy::DecodeM16); break;
           case 7:
-            cuda::set_weight_decoder(cuda::WeightDecoder::Cvt);
+            cuda::set_weight_decoder(cuda::WeightDecoder::Fp8Mma);
             cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st, cuda::MoeStrategy::Decode);
             cuda::set_weight_decoder(cuda::WeightDecoder::Auto);
             break;

@@ -227,7 +227,7 @@ bool use_cvt_decoder(int mt) {
 
 int swap_decoder() {
   if (g_decoder == WeightDecoder::BytePermute || !sm90_image()) return kern::kDecByte;
-  return g_decoder == WeightDecoder::Cvt ? kern::kDecCvt : kern::kDecFp8;
+  return g_decoder == WeightDecoder::Fp8Mma ? kern::kDecFp8 : kern::kDecCvt;
 }
 
 static int g_pdl = -1;  // set_pdl: -1 = the LUTB_PDL knob, 0 = off, 1 = on where supported

@@ -46,7 +46,7 @@ int resolve_mt(MoeStrategy s, std::int64_t tokens, int top_k, std::int64_t exper
 /// conversion instruction on the current device (set_weight_decoder's policy).
 bool use_cvt_decoder(int mt);
 /// Weight decoder of the swap-AB kernels on the current device (kern::kDecByte / kDecCvt / kDecFp8):
-/// Auto and Fp8Mma -> FP8 on sm_90 devices; Cvt -> Cvt on sm_90; otherwise the byte trick.
+/// Auto and Cvt -> Cvt on sm_90 devices; Fp8Mma -> FP8 on sm_90; otherwise the byte trick.
 int swap_decoder();
 
 /// True when the forward uses programmatic dependent launch: the device is sm_90+ and the

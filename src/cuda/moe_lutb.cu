@@ -140,8 +140,8 @@ void moe_forward(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t
     const int nb = decode_token_blocks(tokens, top_k, E);
     const int dec = detail::swap_decoder();
     detail::launch_group(topk_ids, P, E, 8 * nb, ws, stream);
-    detail::launch_quantize_x(x, tokens, H, w.w13.shape.padded_cols(), dec == kern::kDecByte, ws.xa, ws.xq8, ws.xs,
-                              ws.xsf, stream);
+    detail::launch_quantize_x(x, tokens, H, w.w13.shape.padded_cols(), dec == kern::kDecByte, ws.xa,
+                              dec == kern::kDecFp8 ? ws.xq8 : nullptr, ws.xs, ws.xsf, stream);
     auto go = [&](auto dec_c) {
       constexpr int kD = decltype(dec_c)::value;
       if (nb == 1) launch_swapab<kD, 1>(w, r, ws, P, stream);

@@ -42,7 +42,10 @@ namespace lutb::cuda::kern {
 /// codebooks. The scale bytes (1 per tile) are loaded into registers one K-tile ahead instead.
 struct SwapRing {
   static constexpr int kStrips = 8;
-  static constexpr int kStages = 6;
+#ifndef LUTB_SWAPAB_STAGES
+#define LUTB_SWAPAB_STAGES 6
+#endif
+  static constexpr int kStages = LUTB_SWAPAB_STAGES;  // a tuning build may override it
   static constexpr int kCb = kStrips * 192;        // [8][8] codebook bytes
   static constexpr int kStageBytes = kCb + kStrips * 8;
   static constexpr int kWarpBytes = kStages * kStageBytes;
@@ -239,11 +242,16 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
     scp = w.scale + tile0 + (sok ? si : 0) * tiles_k;
   }
 
+  // K-tiles are issued in order, so the sources are running pointers.
   auto issue = [&](int kk, unsigned slot_addr) {
     if (kk < n) {
 #pragma unroll
-      for (int j = 0; j < 3; ++j) cp_async16_zfill(slot_addr + dst[j], src[j] + kk * 192, bytes[j]);
-      if (cb_lane) cp_async8_zfill(slot_addr + dst[3], src[3] + kk * 8, bytes[3]);
+      for (int j = 0; j < 3; ++j) {
+        cp_async16_zfill(slot_addr + dst[j], src[j], bytes[j]);
+        src[j] += 192;
+      }
+      if (cb_lane) cp_async8_zfill(slot_addr + dst[3], src[3], bytes[3]);
+      src[3] += 8;
     }
     cp_async_commit();
   };
@@ -295,13 +303,16 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
   load_x(0, cur);
   int slot = 0;  // ring slot of K-tile kk
 
+  // Unrolled by two so that cur / nxt alternate registers instead of being copied.
+#pragma unroll 2
   for (int kk = 0; kk < n; ++kk) {
     issue(kk + R::kStages - 1, ring_s + (slot == 0 ? R::kStages - 1 : slot - 1) * R::kStageBytes);
+    // Next K-tile's scales and activations (the last iteration reloads its own: no test on the
+    // register copy below).
     XTile nxt;
-    if (kk + 1 < n) {
-      load_w(kk + 1, nxt);
-      load_x(kk + 1, nxt);
-    }
+    const int kn = kk + 1 < n ? kk + 1 : kk;
+    load_w(kn, nxt);
+    load_x(kn, nxt);
     cp_async_wait<R::kStages - 1>();
     __syncwarp();
     const unsigned char* st = ring + slot * R::kStageBytes;
@@ -319,7 +330,11 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
         sel[ab][0] = xm;
         sel[ab][1] = xm >> 16;
         sel[ab][2] = y & 0x7777u;
-        sel[ab][3] = ((x >> 3) & 0x1111u) | ((x >> 18) & 0x2222u) | ((y >> 1) & 0x4444u);
+        // The spare bit 3 of every nibble: x's low nibbles -> bit 0, x's high nibbles -> bit 1,
+        // y's -> bit 2 of selector 3's nibbles. The three terms share no bit, so + is | and lets
+        // ptxas fuse the shifts into LEA.HI / IADD3 (bits above 15 are junk PRMT ignores).
+        const unsigned sx = x & 0x88888888u;
+        sel[ab][3] = (sx >> 3) + (sx >> 18) + ((y & 0x8888u) >> 1);
       }
       float part[NB][4];  // this K-tile's sum over both blocks, activation scales applied
 #pragma unroll
@@ -379,7 +394,7 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
       }
     }
     __syncwarp();
-    if (kk + 1 < n) cur = nxt;
+    cur = nxt;
     slot = slot == R::kStages - 1 ? 0 : slot + 1;
   }
   cp_async_wait<0>();
@@ -420,12 +435,23 @@ constexpr int swap_smem_bytes(int warps) {
   return ring > red ? ring : red;
 }
 
+/// Resident 256-thread CTAs per SM the compiler must allow (sets the register cap: 65536 / (256 *
+/// this)). Measured on the H200 (docs/perf/moe-gpu.md); LUTB_SWAPAB_MINB1 / MINB2 override for
+/// tuning builds.
+#ifndef LUTB_SWAPAB_MINB1
+#define LUTB_SWAPAB_MINB1 2
+#endif
+#ifndef LUTB_SWAPAB_MINB2
+#define LUTB_SWAPAB_MINB2 1
+#endif
+constexpr int swap_min_blocks(int nb) { return nb == 1 ? LUTB_SWAPAB_MINB1 : (nb == 2 ? LUTB_SWAPAB_MINB2 : 1); }
+
 /// GEMM1 + SiLU*up + MXFP8 of h. Grid: (Ip/32 strip groups, token tile slots); blockDim.x =
 /// 32 * warps (K split across the warps). xa: [T, a_cols] FP16 E4M3 values in the decoder's column
 /// order, or E4M3 bytes (natural order) for kDecFp8. Output hq [P, Ip] in the same form, hs [P, Ip/32]
 /// UE8M0.
 template <int kDec, int NB>
-__global__ void __launch_bounds__(256, NB == 1 ? 2 : 1)
+__global__ void __launch_bounds__(256, swap_min_blocks(NB))
     swapab_gemm1_kernel(LutbW w, const void* __restrict__ xa, const float* __restrict__ xsf,
                         long long a_cols, Routing r, long long I, long long Ip, void* __restrict__ hq,
                         float* __restrict__ hsf) {
@@ -501,7 +527,7 @@ __global__ void __launch_bounds__(256, NB == 1 ? 2 : 1)
 
 /// GEMM2: y[p, n] = h[p] . w2[e, n]^T (FP32). Grid: (ceil(tiles_n/8) strip groups, slots).
 template <int kDec, int NB>
-__global__ void __launch_bounds__(256, NB == 1 ? 2 : 1)
+__global__ void __launch_bounds__(256, swap_min_blocks(NB))
     swapab_gemm2_kernel(LutbW w, const void* __restrict__ ha, const float* __restrict__ hsf, long long Ip,
                         Routing r, long long H, float* __restrict__ y) {
   constexpr long long kEl = kDec == kDecFp8 ? 1 : 2;  // bytes per activation element
