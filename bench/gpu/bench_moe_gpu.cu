@@ -21,7 +21,6 @@
 #include <vector>
 
 #include "lutb/cuda/moe.hpp"
-#include "cuda/moe_internal.hpp"  // detail::set_pdl (benchmark switch)
 
 using namespace lutb;
 
@@ -257,15 +256,15 @@ int main(int argc, char** argv) {
             cuda::set_weight_decoder(cuda::WeightDecoder::Auto);
             break;
           case 8:  // the default without programmatic dependent launch (launch overlap measured)
-            cuda::detail::set_pdl(0);
+            cuda::set_dependent_launch(false);
             cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st);
-            cuda::detail::set_pdl(-1);
+            cuda::set_dependent_launch(true);
             break;
           case 9:
-            cuda::detail::set_pdl(0);
+            cuda::set_dependent_launch(false);
             cuda::moe_forward_bf16(wb, xr, T, s.k, id, wt, out, ws, wsb, st,
                                    ms[4] <= ms[5] ? cuda::MoeStrategy::Decode : cuda::MoeStrategy::Prefill);
-            cuda::detail::set_pdl(-1);
+            cuda::set_dependent_launch(true);
             break;
         }
         CK(cudaStreamEndCapture(st, &g));

@@ -230,16 +230,15 @@ int swap_decoder() {
   return g_decoder == WeightDecoder::Fp8Mma ? kern::kDecFp8 : kern::kDecCvt;
 }
 
-static int g_pdl = -1;  // set_pdl: -1 = the LUTB_PDL knob, 0 = off, 1 = on where supported
-
-void set_pdl(int mode) { g_pdl = mode; }
+// Programmatic dependent launch: on unless LUTB_PDL=0 in the environment or set_dependent_launch(false).
+static int g_pdl = -1;  // -1: not set yet (read the environment)
 
 bool pdl_enabled() {
-  static const bool knob = [] {
+  if (g_pdl < 0) {
     const char* v = std::getenv("LUTB_PDL");
-    return !(v && std::strcmp(v, "0") == 0);
-  }();
-  return (g_pdl < 0 ? knob : g_pdl == 1) && device_cc() >= 90;
+    g_pdl = (v && std::strcmp(v, "0") == 0) ? 0 : 1;
+  }
+  return g_pdl == 1 && device_cc() >= 90;
 }
 
 void launch_quantize_x(const std::uint16_t* x, std::int64_t T, std::int64_t H, std::int64_t Hp, bool swap,
@@ -266,5 +265,7 @@ void launch_reduce(const int* ids, const float* weights, const float* y, std::in
 }  // namespace detail
 
 void set_weight_decoder(WeightDecoder d) { detail::g_decoder = d; }
+
+void set_dependent_launch(bool enabled) { detail::g_pdl = enabled ? 1 : 0; }
 
 }  // namespace lutb::cuda

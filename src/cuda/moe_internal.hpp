@@ -49,12 +49,9 @@ bool use_cvt_decoder(int mt);
 /// Auto and Cvt -> Cvt on sm_90 devices; Fp8Mma -> FP8 on sm_90; otherwise the byte trick.
 int swap_decoder();
 
-/// True when the forward uses programmatic dependent launch: the device is sm_90+ and the
-/// benchmarking knob LUTB_PDL (read once) is not "0".
+/// True when the forward uses programmatic dependent launch: the device is sm_90+ and neither
+/// LUTB_PDL=0 (environment, read once) nor set_dependent_launch(false) turned it off.
 bool pdl_enabled();
-/// Benchmark switch for launches made from now on in this process: -1 = the LUTB_PDL knob (default),
-/// 0 = never PDL, 1 = PDL where the device supports it.
-void set_pdl(int mode);
 
 /// Launches `kernel` (named `name` in errors) on `stream`. `dependent`: a forward kernel after the
 /// first, launched with cudaLaunchAttributeProgrammaticStreamSerialization when pdl_enabled(); such a

@@ -53,6 +53,20 @@ __device__ __forceinline__ unsigned e4m3x2_to_f16x2(unsigned short v) {
 #endif
 }
 
+/// 4 E4M3 bytes -> FP16x2 of bytes (0, 1) in lo and of bytes (2, 3) in hi. The register is split
+/// with mov.b32 {l, h} so that ptxas reads the high half as an operand (F2FP ... R.H1) instead of
+/// shifting it first.
+__device__ __forceinline__ void e4m3x4_to_f16x2x2(unsigned p, unsigned& lo, unsigned& hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.rn.f16x2.e4m3x2 %0, l;\n\tcvt.rn.f16x2.e4m3x2 %1, h;\n\t}"
+      : "=r"(lo), "=r"(hi)
+      : "r"(p));
+#else
+  lo = e4m3x2_to_f16x2(static_cast<unsigned short>(p & 0xffffu));
+  hi = e4m3x2_to_f16x2(static_cast<unsigned short>(p >> 16));
+#endif
+}
+
 /// Decodes 8 indices given as two PRMT selectors (lane-major order, lutb/cuda/lane_major.hpp: sa =
 /// columns +0..3, sb = +4..7 of the lane's 8 columns of one MXFP8 block) against codebook bytes
 /// cb_lo (entries 0..3) and cb_hi (4..7) into four FP16x2 registers.
@@ -65,10 +79,8 @@ __device__ __forceinline__ void decode_group(unsigned sa, unsigned sb, unsigned 
   const unsigned y1 = __byte_perm(cb_lo, cb_hi, sa);
   const unsigned y2 = __byte_perm(cb_lo, cb_hi, sb);
   if constexpr (kCvt) {
-    b[0] = e4m3x2_to_f16x2(static_cast<unsigned short>(y1 & 0xffffu));
-    b[1] = e4m3x2_to_f16x2(static_cast<unsigned short>(y1 >> 16));
-    b[2] = e4m3x2_to_f16x2(static_cast<unsigned short>(y2 & 0xffffu));
-    b[3] = e4m3x2_to_f16x2(static_cast<unsigned short>(y2 >> 16));
+    e4m3x4_to_f16x2x2(y1, b[0], b[1]);
+    e4m3x4_to_f16x2x2(y2, b[2], b[3]);
   } else {
     // bytes 0 and 2 -> (lane0, lane1) of one register; bytes 1 and 3 -> the other.
     b[0] = ((y1 << 8) & 0x80008000u) | ((y1 << 7) & 0x3f803f80u);

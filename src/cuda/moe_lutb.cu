@@ -137,7 +137,13 @@ void moe_forward(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t
   const bool small_experts = std::max(w.w13.shape.tiles_per_expert(), w.w2.shape.tiles_per_expert()) * 192 < (1ll << 31);
   if (s == MoeStrategy::Decode && !small_experts) s = MoeStrategy::DecodeM16;
   if (s == MoeStrategy::Decode) {
-    const int nb = decode_token_blocks(tokens, top_k, E);
+    // Benchmarking knob: LUTB_SWAPAB_NB = 1, 2 or 4 forces the token blocks per CTA (read once).
+    static const int forced_nb = [] {
+      const char* v = std::getenv("LUTB_SWAPAB_NB");
+      const int n = v ? std::atoi(v) : 0;
+      return n == 1 || n == 2 || n == 4 ? n : 0;
+    }();
+    const int nb = forced_nb ? forced_nb : decode_token_blocks(tokens, top_k, E);
     const int dec = detail::swap_decoder();
     detail::launch_group(topk_ids, P, E, 8 * nb, ws, stream);
     detail::launch_quantize_x(x, tokens, H, w.w13.shape.padded_cols(), dec == kern::kDecByte, ws.xa,

@@ -109,8 +109,7 @@ __device__ __forceinline__ void mma_e4m3_zero(float (&d)[4], const unsigned (&a)
 template <bool kCvt>
 __device__ __forceinline__ void bytes_to_f16(unsigned p, unsigned& lo, unsigned& hi) {
   if constexpr (kCvt) {
-    lo = e4m3x2_to_f16x2(static_cast<unsigned short>(p & 0xffffu));
-    hi = e4m3x2_to_f16x2(static_cast<unsigned short>(p >> 16));
+    e4m3x4_to_f16x2x2(p, lo, hi);
   } else {
     lo = ((p << 8) & 0x80008000u) | ((p << 7) & 0x3f803f80u);
     hi = (p & 0x80008000u) | ((p >> 1) & 0x3f803f80u);
@@ -270,27 +269,33 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
 #pragma unroll
     for (int i = 0; i < 8; ++i) x.fw[i] = __shfl_sync(0xffffffffu, f, i);
   };
+  // Per-lane bases at k0 (this lane's 8 columns of block 0), indexed by the 32-bit kk below.
+  const unsigned char* abase[NB];  // activation bytes (kDecFp8) or FP16 values, K-tile k0
+  const float2* sbase[NB][2];      // the two block scales of K-tile k0
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    abase[nb] = static_cast<const unsigned char*>(arow[nb]) + (k0 * 64 + 8 * t) * (kDec == kDecFp8 ? 1 : 2);
+#pragma unroll
+    for (int u = 0; u < 2; ++u) sbase[nb][u] = reinterpret_cast<const float2*>(srow[nb][u] + 2 * k0);
+  }
   auto load_x = [&](int kk, XTile& x) {
-    const long long kt = k0 + kk;
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
       if (nb > 0 && nb >= nblocks) continue;
 #pragma unroll
       for (int blk = 0; blk < 2; ++blk) {
         if constexpr (kDec == kDecFp8) {  // 8 E4M3 bytes: columns 8t..8t+7 of the block
-          const uint2 v = __ldg(reinterpret_cast<const uint2*>(static_cast<const unsigned char*>(arow[nb]) + kt * 64 +
-                                                               32 * blk + 8 * t));
+          const uint2 v = __ldg(reinterpret_cast<const uint2*>(abase[nb] + kk * 64 + 32 * blk));
           x.v[nb][blk] = make_uint4(v.x, v.y, 0u, 0u);
-        } else {
-          x.v[nb][blk] = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(arow[nb]) + kt * 64 +
-                                                              32 * blk + 8 * t));
+        } else {  // 8 FP16 values
+          x.v[nb][blk] = __ldg(reinterpret_cast<const uint4*>(abase[nb] + kk * 128 + 64 * blk));
         }
       }
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
-        const float2 s = __ldg(reinterpret_cast<const float2*>(srow[nb][u] + 2 * kt));
-        x.sx[nb][0][u] = s.x;
-        x.sx[nb][1][u] = s.y;
+        const float2 sc = __ldg(sbase[nb][u] + kk);
+        x.sx[nb][0][u] = sc.x;
+        x.sx[nb][1][u] = sc.y;
       }
     }
   };

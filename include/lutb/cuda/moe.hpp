@@ -171,6 +171,13 @@ void moe_forward_bf16(const DeviceMoeWeightsBf16& w, const std::uint16_t* x, std
 enum class WeightDecoder : std::uint8_t { Auto, BytePermute, Cvt, Fp8Mma };
 void set_weight_decoder(WeightDecoder d);
 
+/// Programmatic dependent launch (process-wide; for testing and benchmarking): on sm_90+ the
+/// forward's kernels after the first are launched with cudaLaunchAttributeProgrammaticStreamSerialization,
+/// so each one starts (and the decode GEMMs prefetch their first weight tiles) while its predecessor
+/// finishes; results are bit-identical either way (tested). On by default; off with false here or
+/// LUTB_PDL=0 in the environment. Applies to launches (and graph captures) made afterwards.
+void set_dependent_launch(bool enabled);
+
 /// Packed bytes (packed + codebook + scale) of the experts a routing touches, for bandwidth
 /// accounting: touched_experts * (w13 + w2 bytes per expert).
 std::int64_t lutb_bytes_per_expert(const DeviceMoeWeights& w);
