@@ -165,8 +165,8 @@ int main(int argc, char** argv) {
   if (quick) Ts = {1, 16, 256, 4096};
   if (only_T > 0) Ts = {only_T};
   const int R = 8;
-  std::printf("\n| shape | T | experts touched | LUT-B us | LUT-B byte-dec us | LUT-B decode (swap-AB) us | swap-AB cvt-dec us | LUT-B prefill us | decode-m16 us | BF16 us (best of decode, prefill) | BF16 best | speed-up | LUT-B GB/s | %% of read BW | BF16 GB/s | %% of read BW | LUT-B TFLOP/s | BF16 TFLOP/s |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("\n| shape | T | experts touched | LUT-B us | LUT-B byte-dec us | LUT-B decode (swap-AB) us | swap-AB fp8-mma us | LUT-B prefill us | decode-m16 us | BF16 us (best of decode, prefill) | BF16 best | speed-up | LUT-B GB/s | %% of read BW | BF16 GB/s | %% of read BW | LUT-B TFLOP/s | BF16 TFLOP/s | LUT-B no-PDL us | BF16 best no-PDL us |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const Shape& s : shapes) {
     if (!only.empty() && only != s.name) continue;
     const long long E = s.E, H = s.H, I = s.I;
@@ -229,6 +229,7 @@ int main(int argc, char** argv) {
         touched_sum += std::set<int>(h.begin(), h.end()).size();
       }
       const double touched = touched_sum / R;
+      float ms[10] = {};  // per variant (variant 9 reads 4 and 5)
       // Graphs: one per routing and variant.
       auto make = [&](int variant, int r) {
         const unsigned short* xr = x + 1ull * r * Tmax * H;
@@ -250,9 +251,20 @@ int main(int argc, char** argv) {
           case 5: cuda::moe_forward_bf16(wb, xr, T, s.k, id, wt, out, ws, wsb, st, cuda::MoeStrategy::Prefill); break;
           case 6: cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st, cuda::MoeStrategy::DecodeM16); break;
           case 7:
-            cuda::set_weight_decoder(cuda::WeightDecoder::Cvt);
+            cuda::set_weight_decoder(cuda::WeightDecoder::Fp8Mma);
             cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st, cuda::MoeStrategy::Decode);
             cuda::set_weight_decoder(cuda::WeightDecoder::Auto);
+            break;
+          case 8:  // the default without programmatic dependent launch (launch overlap measured)
+            cuda::set_dependent_launch(false);
+            cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st);
+            cuda::set_dependent_launch(true);
+            break;
+          case 9:
+            cuda::set_dependent_launch(false);
+            cuda::moe_forward_bf16(wb, xr, T, s.k, id, wt, out, ws, wsb, st,
+                                   ms[4] <= ms[5] ? cuda::MoeStrategy::Decode : cuda::MoeStrategy::Prefill);
+            cuda::set_dependent_launch(true);
             break;
         }
         CK(cudaStreamEndCapture(st, &g));
@@ -260,8 +272,7 @@ int main(int argc, char** argv) {
         CK(cudaGraphDestroy(g));
         return ge;
       };
-      float ms[8];
-      for (int v = 0; v < 8; ++v) {
+      for (int v = 0; v < 10; ++v) {
         std::vector<cudaGraphExec_t> gs;
         for (int r = 0; r < R; ++r) gs.push_back(make(v, r));
         for (int r = 0; r < R; ++r) CK(cudaGraphLaunch(gs[r], st));
@@ -289,11 +300,11 @@ int main(int argc, char** argv) {
       const double lut_s = ms[0] * 1e-3, bf_s = std::min(ms[4], ms[5]) * 1e-3;
       const double flops = 6.0 * T * s.k * H * I;
       const auto strat = ms[4] <= ms[5] ? "decode" : "prefill";
-      std::printf("| %s | %lld | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %s | %.2fx | %.0f | %.0f%% | %.0f | %.0f%% | %.1f | %.1f |\n",
+      std::printf("| %s | %lld | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %s | %.2fx | %.0f | %.0f%% | %.0f | %.0f%% | %.1f | %.1f | %.1f | %.1f |\n",
                   s.name, T, touched, ms[0] * 1e3, ms[3] * 1e3, ms[1] * 1e3, ms[7] * 1e3, ms[2] * 1e3, ms[6] * 1e3, bf_s * 1e6, strat,
                   bf_s / lut_s, touched * lutb_expert / lut_s / 1e9, 100.0 * touched * lutb_expert / lut_s / read_bw,
                   touched * bf16_expert / bf_s / 1e9, 100.0 * touched * bf16_expert / bf_s / read_bw, flops / lut_s / 1e12,
-                  flops / bf_s / 1e12);
+                  flops / bf_s / 1e12, ms[8] * 1e3, ms[9] * 1e3);
       std::fflush(stdout);
     }
     CK(cudaStreamDestroy(st));
