@@ -6,7 +6,7 @@
 // Byte equality with lutb::quantize(..., FitOptions{fitter, forced_scale}) holds for every kernel
 // (GpuFitKernel below):
 //  - Warp (default, src/cuda/fit_binned_dp_warp.cu): one warp per 8x64 tile, tables in shared
-//    memory (binned-dp ~13.8 KiB per warp, optimal ~26 KiB; no local memory); one kernel source
+//    memory (binned-dp ~13.3 KiB per warp, optimal ~26 KiB; no local memory); one kernel source
 //    templated on the fitter. The byte-deciding scalar arithmetic is the CPU fitter's own
 //    (src/fit/fit_scalar.hpp, compiled with -fmad=false here and -ffp-contract=off there); the
 //    sort, the DP levels, the refinement tables and the encoding are spread over the lanes in ways

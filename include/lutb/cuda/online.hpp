@@ -86,7 +86,7 @@ struct GpuOnlineOptions {
   /// Source bytes fitted per step (whole experts; at least one expert whatever the bound). Bounds
   /// the temporaries (see the file comment) and how soon the source is released.
   std::size_t chunk_bytes = std::size_t{256} << 20;
-  /// The fitter: "" or "binned-dp" (the default), or "optimal" (exact, ~10x slower:
+  /// The fitter: "" or "binned-dp" (the default), or "optimal" (exact, ~21-24x slower on an H200:
   /// docs/perf/fit-gpu.md). Fitters without a GPU kernel ("ct-lloyd", "multistart") and unknown
   /// names are std::invalid_argument errors (lutb/cuda/fit.hpp gpu_fitter).
   std::string fitter;
