@@ -64,8 +64,8 @@ build() {
   local lib=("$B"/obj/moe_*.o "$B"/obj/routing.o "$B"/obj/lane_major.o "$B"/obj/fit_*.o)
   $NVCC $ARCH -o "$B/lutb_cuda_tests" "$B"/obj/t_*.o "${lib[@]}" "$B"/obj/c_*.o "$B/obj/gtest-all.o" "$B/obj/gtest_main.o" \
     -Xcompiler -fopenmp -L"$DEPS_LIB" -lhwy -lpthread -Xlinker -rpath="$DEPS_LIB"
-  # The GPU fitter objects in lib need the core (dtype names, tiles) too.
-  $NVCC $ARCH -o "$B/bench_moe_gpu" "$B/obj/b_bench_moe_gpu.o" "${lib[@]}" "$B"/obj/c_core_*.o -lcublas \
+  # The GPU fitter objects in lib need the core (dtype names, tiles) and src/fit (fitter names) too.
+  $NVCC $ARCH -o "$B/bench_moe_gpu" "$B/obj/b_bench_moe_gpu.o" "${lib[@]}" "$B"/obj/c_core_*.o "$B"/obj/c_fit_*.o -lcublas \
     -Xcompiler -fopenmp -L"$DEPS_LIB" -lhwy -lpthread -Xlinker -rpath="$DEPS_LIB"
 }
 
