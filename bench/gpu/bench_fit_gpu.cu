@@ -1,10 +1,11 @@
-// bench/gpu/bench_fit_gpu.cu: throughput of the GPU "binned-dp" fitters (lutb/cuda/fit.hpp) on a
-// BF16 expert stack already on the device (default: DeepSeek-V3 w13 chunk, 8 experts x 4096 x 7168),
-// in one run: the warp kernel (default) with and without the per-tile error sums, the first
-// thread-per-tile kernel, the CPU fitter (lutb::quantize, all cores, OpenMP) on expert 0, and the
-// online method (lutb/cuda/online.hpp: check pass + fit + lane-major permutation + stats) on a
-// DeepSeek-V3-shaped layer slice (E experts, H = 7168, I = 2048: w13 [E, 4096, 7168] = the stack
-// above, w2 [E, 7168, 2048]). Bytes: warp == thread on the whole stack, GPU == CPU on expert 0.
+// bench/gpu/bench_fit_gpu.cu: throughput of the GPU fitters (lutb/cuda/fit.hpp) on a BF16 expert
+// stack already on the device (default: DeepSeek-V3 w13 chunk, 8 experts x 4096 x 7168), in one
+// run: "binned-dp" on the warp kernel (default) with and without the per-tile error sums and on the
+// first thread-per-tile kernel, "optimal" on the warp kernel, the CPU fitters (lutb::quantize, all
+// cores, OpenMP) on expert 0, and the online method (lutb/cuda/online.hpp: check pass + fit +
+// lane-major permutation + stats) on a DeepSeek-V3-shaped layer slice (E experts, H = 7168,
+// I = 2048: w13 [E, 4096, 7168] = the stack above, w2 [E, 7168, 2048]). Bytes: binned-dp warp ==
+// thread on the whole stack; GPU == CPU on expert 0 for both fitters.
 //
 //   bench_fit_gpu [E N K] [student]
 // Weights: i.i.d. Gaussian (sigma 0.02) rounded to BF16, or Student-t(3)-like with "student" (a
@@ -23,6 +24,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda/fit_internal.cuh"
@@ -91,7 +93,8 @@ int main(int argc, char** argv) {
   fill<<<4096, 256>>>(d_w, static_cast<unsigned long long>(weights), student);
   ok(cudaGetLastError());
   const std::size_t nt = static_cast<std::size_t>(tiles);
-  lutb::cuda::DeviceFitOut out[2];  // [0] warp, [1] thread
+  // [0] binned-dp warp, [1] binned-dp thread, [2] optimal warp, [3] binned-dp warp variants
+  lutb::cuda::DeviceFitOut out[4];
   for (auto& o : out) {
     ok(cudaMalloc(&o.packed, nt * lutb::kPackedBytes));
     ok(cudaMalloc(&o.codebook, nt * lutb::kCodebookSize));
@@ -109,13 +112,14 @@ int main(int argc, char** argv) {
 
   // Best of 3 after a warm-up on expert 0 (the first thread-kernel launch also reserves its local
   // memory).
-  auto time_kernel = [&](lutb::cuda::GpuFitKernel kernel, const lutb::cuda::DeviceFitOut& o) {
-    lutb::cuda::fit_binned_dp_device(d_w, lutb::DType::BF16, s1, o, -1, d_err, nullptr, kernel);
+  auto time_kernel = [&](lutb::cuda::GpuFitKernel kernel, const lutb::cuda::DeviceFitOut& o,
+                         lutb::cuda::GpuFitter fitter = lutb::cuda::GpuFitter::BinnedDp) {
+    lutb::cuda::fit_device(d_w, lutb::DType::BF16, s1, o, fitter, -1, d_err, nullptr, kernel);
     ok(cudaDeviceSynchronize());
     float best = 1e30f;
     for (int rep = 0; rep < 3; ++rep) {
       ok(cudaEventRecord(a));
-      lutb::cuda::fit_binned_dp_device(d_w, lutb::DType::BF16, s, o, -1, d_err, nullptr, kernel);
+      lutb::cuda::fit_device(d_w, lutb::DType::BF16, s, o, fitter, -1, d_err, nullptr, kernel);
       ok(cudaEventRecord(b));
       ok(cudaEventSynchronize(b));
       float ms = 0;
@@ -132,28 +136,69 @@ int main(int argc, char** argv) {
   nostats.sse = nostats.sum_sq = nullptr;
   const double t_warp_nostats = time_kernel(lutb::cuda::GpuFitKernel::Warp, nostats);
   const double t_warp = time_kernel(lutb::cuda::GpuFitKernel::Warp, out[0]);
+  const double t_opt = time_kernel(lutb::cuda::GpuFitKernel::Warp, out[2], lutb::cuda::GpuFitter::Optimal);
 
-  // Where the warp kernel's time goes: per-phase clock64() cycles of lane 0, summed over warps
-  // (an instrumented copy of the kernel; same bytes).
-  unsigned long long* d_prof = nullptr;
-  constexpr int kSlots = lutb::cuda::fit_internal::kProfPhases + 4;
-  unsigned long long prof[kSlots] = {};
-  ok(cudaMalloc(&d_prof, sizeof(prof)));
-  ok(cudaMemset(d_prof, 0, sizeof(prof)));
-  {
-    lutb::cuda::fit_internal::KernelArgs ka{d_w, 1, N, K, s.tiles_n(), s.tiles_k(), tiles, 0, out[0], -1, d_err};
-    ok(cudaMemset(d_err, 0xff, 8));
-    lutb::cuda::fit_internal::launch_warp_profiled(ka, d_prof, nullptr);
-    ok(cudaMemcpy(prof, d_prof, sizeof(prof), cudaMemcpyDeviceToHost));
-  }
-  cudaFree(d_prof);
-
-  // Whole-stack bytes: warp == thread.
   auto host = [](const void* p, std::size_t n) {
     std::vector<std::uint8_t> h(n);
     ok(cudaMemcpy(h.data(), p, n, cudaMemcpyDeviceToHost));
     return h;
   };
+  auto same_out = [&](const lutb::cuda::DeviceFitOut& x, const lutb::cuda::DeviceFitOut& y) {
+    return host(x.packed, nt * lutb::kPackedBytes) == host(y.packed, nt * lutb::kPackedBytes) &&
+           host(x.codebook, nt * 8) == host(y.codebook, nt * 8) && host(x.scale, nt) == host(y.scale, nt) &&
+           host(x.sse, nt * 8) == host(y.sse, nt * 8) && host(x.sum_sq, nt * 8) == host(y.sum_sq, nt * 8);
+  };
+  // Warp kernel variants: cost evaluations issued together in the DP scans (default: binned-dp 1,
+  // optimal 4), same run, same bytes as the default's (whole stack, bytes and per-tile sums).
+  auto time_variant = [&](int unroll, bool optimal, const lutb::cuda::DeviceFitOut& ref) {
+    lutb::cuda::fit_internal::KernelArgs ka{d_w, 1, N, K, s.tiles_n(), s.tiles_k(), tiles, 0, out[3], -1, d_err};
+    ka.optimal = optimal;
+    float best = 1e30f;
+    for (int rep = 0; rep < 4; ++rep) {  // first = warm-up
+      ok(cudaMemset(d_err, 0xff, 8));
+      ok(cudaEventRecord(a));
+      lutb::cuda::fit_internal::launch_warp_unrolled(ka, unroll, nullptr);
+      ok(cudaEventRecord(b));
+      ok(cudaEventSynchronize(b));
+      float ms = 0;
+      ok(cudaEventElapsedTime(&ms, a, b));
+      if (rep > 0) best = std::min(best, ms);
+    }
+    const bool eq = same_out(out[3], ref);
+    return std::pair<double, bool>(best * 1e-3, eq);
+  };
+  double t_unroll[2][5] = {};  // [optimal][unroll]
+  bool same_unroll = true;
+  t_unroll[0][1] = t_warp;
+  t_unroll[1][4] = t_opt;
+  for (int u : {2, 4}) {
+    const auto r = time_variant(u, false, out[0]);
+    t_unroll[0][u] = r.first;
+    same_unroll = same_unroll && r.second;
+  }
+  for (int u : {1, 2}) {
+    const auto r = time_variant(u, true, out[2]);
+    t_unroll[1][u] = r.first;
+    same_unroll = same_unroll && r.second;
+  }
+
+  // Where the warp kernel's time goes: per-phase clock64() cycles of lane 0, summed over warps
+  // (an instrumented copy of the kernel; same bytes).
+  unsigned long long* d_prof = nullptr;
+  constexpr int kSlots = lutb::cuda::fit_internal::kProfPhases + 4;
+  unsigned long long prof[2][kSlots] = {};  // [0] binned-dp, [1] optimal
+  ok(cudaMalloc(&d_prof, sizeof(prof[0])));
+  for (int f = 0; f < 2; ++f) {
+    ok(cudaMemset(d_prof, 0, sizeof(prof[f])));
+    lutb::cuda::fit_internal::KernelArgs ka{d_w, 1, N, K, s.tiles_n(), s.tiles_k(), tiles, 0, out[f == 0 ? 0 : 2], -1, d_err};
+    ka.optimal = f == 1;
+    ok(cudaMemset(d_err, 0xff, 8));
+    lutb::cuda::fit_internal::launch_warp_profiled(ka, d_prof, nullptr);
+    ok(cudaMemcpy(prof[f], d_prof, sizeof(prof[f]), cudaMemcpyDeviceToHost));
+  }
+  cudaFree(d_prof);
+
+  // Whole-stack bytes: warp == thread.
   const bool same_kernels = host(out[0].packed, nt * lutb::kPackedBytes) == host(out[1].packed, nt * lutb::kPackedBytes) &&
                             host(out[0].codebook, nt * 8) == host(out[1].codebook, nt * 8) &&
                             host(out[0].scale, nt) == host(out[1].scale, nt) &&
@@ -170,10 +215,22 @@ int main(int argc, char** argv) {
   lutb::FitOptions fo;
   fo.fitter = "binned-dp";
   const auto t0 = std::chrono::steady_clock::now();
-  lutb::quantize(h.data(), lutb::DType::BF16, s1, cpu, fo, "w13");
+  const lutb::FitStats st_b = lutb::quantize(h.data(), lutb::DType::BF16, s1, cpu, fo, "w13");
   const double cpu_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const double cpu_rate = static_cast<double>(N * K) / cpu_s;
   const bool same = cpu.packed == gp && cpu.codebook == gc && cpu.scale == gs;
+  // The same for optimal.
+  const auto op = host(out[2].packed, static_cast<std::size_t>(tpe) * lutb::kPackedBytes);
+  const auto oc = host(out[2].codebook, static_cast<std::size_t>(tpe) * lutb::kCodebookSize);
+  const auto os = host(out[2].scale, static_cast<std::size_t>(tpe));
+  lutb::LutbTensor cpu_opt;
+  fo.fitter = "optimal";
+  const auto t1 = std::chrono::steady_clock::now();
+  const lutb::FitStats st_opt = lutb::quantize(h.data(), lutb::DType::BF16, s1, cpu_opt, fo, "w13");
+  const double cpu_opt_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+  const double cpu_opt_rate = static_cast<double>(N * K) / cpu_opt_s;
+  const bool same_opt = cpu_opt.packed == op && cpu_opt.codebook == oc && cpu_opt.scale == os;
+
   for (auto& o : out) {
     cudaFree(o.packed);
     cudaFree(o.codebook);
@@ -225,10 +282,20 @@ int main(int argc, char** argv) {
   std::printf("| fitter (data on the device) | time | weights/s | vs thread kernel | 654e9 weights | of 45e9/s |\n");
   std::printf("|---|---|---|---|---|---|\n");
   row("GPU thread-per-tile kernel (old), with per-tile sums", t_thread);
-  row("GPU warp-per-tile kernel (new, default), with per-tile sums", t_warp);
+  row("GPU warp-per-tile kernel (new, default: 1 evaluation at a time), with per-tile sums", t_warp);
   row("GPU warp-per-tile kernel (new), bytes only", t_warp_nostats);
+  row("GPU warp kernel variant: DP scans 2 evaluations at a time, with per-tile sums", t_unroll[0][2]);
+  row("GPU warp kernel variant: DP scans 4 evaluations at a time, with per-tile sums", t_unroll[0][4]);
+  row("GPU **optimal**, warp-per-tile kernel (default: 4 evaluations at a time), with per-tile sums", t_opt);
+  row("GPU optimal variant: DP scans 1 evaluation at a time, with per-tile sums", t_unroll[1][1]);
+  row("GPU optimal variant: DP scans 2 evaluations at a time, with per-tile sums", t_unroll[1][2]);
+  std::printf("| optimal vs binned-dp (warp, with sums) | %.2fx the time | | | | |\n", t_opt / t_warp);
   std::printf("| CPU binned-dp, %d threads, expert 0 only | %.3f s | %.3g | | %.0f s | |\n", omp_get_max_threads(),
               cpu_s, cpu_rate, 654e9 / cpu_rate);
+  std::printf("| CPU optimal, %d threads, expert 0 only | %.3f s | %.3g | | %.0f s | |\n", omp_get_max_threads(),
+              cpu_opt_s, cpu_opt_rate, 654e9 / cpu_opt_rate);
+  std::printf("| SQNR expert 0 (CPU = GPU bytes): binned-dp / optimal | %.4f dB / %.4f dB | | | | |\n",
+              st_b.sqnr_db(), st_opt.sqnr_db());
   if (t_online > 0.0) {
     const double rate = online_weights / t_online;
     std::printf("| online method, [%lld x (4096x7168 + 7168x2048)]-shaped layer (%.3g weights): check + fit + "
@@ -236,25 +303,38 @@ int main(int argc, char** argv) {
                 static_cast<long long>(E), online_weights, t_online, rate, 654e9 / rate, 100.0 * rate / 45e9);
     std::printf("| online method device memory | output %zu B, temporaries %zu B |\n", online_out, online_temp);
   }
-  {
-    static const char* const kPhase[] = {"load + check", "sort + de-duplication", "prefix sums (serial)",
-                                         "bin edges", "binned DP (6 layers, level-parallel)",
-                                         "refinement (window DP)", "encoding + per-tile sums (serial)"};
+  for (int f = 0; f < 2; ++f) {
+    static const char* const kPhase[2][7] = {
+        {"load + check", "sort + de-duplication", "prefix sums (serial)", "bin edges",
+         "binned DP (6 layers, level-parallel)", "refinement (window DP)", "encoding + per-tile sums (serial)"},
+        {"load + check", "sort + de-duplication", "prefix sums (serial)", "(no bin edges)",
+         "DP over all distinct values at the first scale", "rest of the scale search (+ every candidate's encoding)",
+         "encoding (forced / all-zero tiles only)"}};
     constexpr int P = lutb::cuda::fit_internal::kProfPhases;
+    const unsigned long long* pf = prof[f];
     double total = 0.0;
-    for (int i = 0; i < P; ++i) total += static_cast<double>(prof[i]);
-    const double nt_d = static_cast<double>(prof[P]);
-    std::printf("\n| warp kernel phase (instrumented run, lane-0 clock64 cycles per tile) | cycles/tile | share |\n");
+    for (int i = 0; i < P; ++i) total += static_cast<double>(pf[i]);
+    const double nt_d = static_cast<double>(pf[P]);
+    std::printf("\n| %s warp kernel phase (instrumented run, lane-0 clock64 cycles per tile) | cycles/tile | share |\n",
+                f == 0 ? "binned-dp" : "optimal");
     std::printf("|---|---|---|\n");
     for (int i = 0; i < P; ++i)
-      std::printf("| %s | %.0f | %.1f%% |\n", kPhase[i], static_cast<double>(prof[i]) / nt_d,
-                  100.0 * static_cast<double>(prof[i]) / total);
+      std::printf("| %s | %.0f | %.1f%% |\n", kPhase[f][i], static_cast<double>(pf[i]) / nt_d,
+                  100.0 * static_cast<double>(pf[i]) / total);
     std::printf("| total per tile (one warp) | %.0f | |\n", total / nt_d);
-    std::printf("| mean distinct values n / bin edges m / refinement rounds per tile | %.1f / %.1f / %.2f | |\n",
-                static_cast<double>(prof[P + 1]) / nt_d, static_cast<double>(prof[P + 2]) / nt_d,
-                static_cast<double>(prof[P + 3]) / nt_d);
+    if (f == 0)
+      std::printf("| mean distinct values n / bin edges m / refinement rounds per tile | %.1f / %.1f / %.2f | |\n",
+                  static_cast<double>(pf[P + 1]) / nt_d, static_cast<double>(pf[P + 2]) / nt_d,
+                  static_cast<double>(pf[P + 3]) / nt_d);
+    else
+      std::printf("| mean distinct values n / scales evaluated below the first per tile | %.1f / %.3f | |\n",
+                  static_cast<double>(pf[P + 1]) / nt_d, static_cast<double>(pf[P + 3]) / nt_d);
   }
   std::printf("\n| warp == thread kernel bytes and sums (whole stack) | %s |\n", same_kernels ? "yes" : "NO");
-  std::printf("| expert 0 bytes GPU == CPU | %s |\n", same ? "yes" : "NO");
-  return same && same_kernels ? 0 : 2;
+  std::printf("| warp kernel variants (binned-dp 2, 4; optimal 1, 2 evaluations at a time) == defaults: bytes and "
+              "sums, whole stack | %s |\n",
+              same_unroll ? "yes" : "NO");
+  std::printf("| expert 0 bytes GPU == CPU, binned-dp | %s |\n", same ? "yes" : "NO");
+  std::printf("| expert 0 bytes GPU == CPU, optimal | %s |\n", same_opt ? "yes" : "NO");
+  return same && same_opt && same_kernels && same_unroll ? 0 : 2;
 }

@@ -75,16 +75,17 @@ __global__ void read_kernel(const uint4* __restrict__ p, unsigned long long n, u
   if (acc == 0x12345678u) atomicAdd(sink, acc);
 }
 
+/// Median over 7 repetitions of the mean time of `iters` calls of f(i) on `stream`, in ms.
 template <class F>
-float time_ms(F&& f, int iters) {
+float time_ms(F&& f, int iters, cudaStream_t stream = nullptr) {
   cudaEvent_t a, b;
   CK(cudaEventCreate(&a));
   CK(cudaEventCreate(&b));
   std::vector<float> v;
   for (int rep = 0; rep < 7; ++rep) {
-    CK(cudaEventRecord(a));
+    CK(cudaEventRecord(a, stream));
     for (int i = 0; i < iters; ++i) f(i);
-    CK(cudaEventRecord(b));
+    CK(cudaEventRecord(b, stream));
     CK(cudaEventSynchronize(b));
     float ms = 0;
     CK(cudaEventElapsedTime(&ms, a, b));
@@ -94,6 +95,79 @@ float time_ms(F&& f, int iters) {
   CK(cudaEventDestroy(a));
   CK(cudaEventDestroy(b));
   return v[v.size() / 2];
+}
+
+/// cuBLAS grouped BF16 GEMMs of one MoE layer (the large-T baseline): per touched expert e with n_e
+/// routed tokens, GEMM1 [n_e, H] x w13_e^T -> [n_e, 2I] and GEMM2 [n_e, I] x w2_e^T -> [n_e, H], each
+/// as ONE cublasGemmGroupedBatchedEx call (one group per expert), BF16 in and out, FP32 compute.
+/// Only the two GEMMs are timed (no gather, activation, quantisation or reduction), so this is a
+/// lower bound on a cuBLAS-based BF16 MoE layer. Returns the median ms.
+float cublas_grouped_ms(cublasHandle_t h, const std::vector<int>& ids, long long E, long long H, long long I,
+                        const unsigned short* w13, const unsigned short* w2, cudaStream_t st) {
+  std::vector<int> cnt(E, 0);
+  for (int e : ids) cnt[e]++;
+  std::vector<int> m1, n1, k1, lda1, ldb1, ldc1, m2, n2, k2, lda2, ldb2, ldc2, gs;
+  std::vector<cublasOperation_t> ta, tb;
+  std::vector<float> one, zero;
+  std::vector<const void*> A1, B1, A2, B2;
+  std::vector<void*> C1, C2;
+  long long P = 0;
+  for (long long e = 0; e < E; ++e) P += cnt[e];
+  void *x, *h1, *hh, *y;
+  CK(cudaMalloc(&x, 2ull * P * H));
+  CK(cudaMalloc(&h1, 4ull * P * I));
+  CK(cudaMalloc(&hh, 2ull * P * I));
+  CK(cudaMalloc(&y, 2ull * P * H));
+  fill(x, 1ull * P * H, 5, 31);
+  fill(hh, 1ull * P * I, 5, 32);
+  long long off = 0;
+  for (long long e = 0; e < E; ++e) {
+    if (!cnt[e]) continue;
+    const int n = cnt[e];
+    // Column-major views of row-major data: GEMM1 C (2I x n) = (w13_e as H x 2I)^T * (x_e as H x n).
+    m1.push_back(static_cast<int>(2 * I)); n1.push_back(n); k1.push_back(static_cast<int>(H));
+    lda1.push_back(static_cast<int>(H)); ldb1.push_back(static_cast<int>(H)); ldc1.push_back(static_cast<int>(2 * I));
+    A1.push_back(w13 + e * 2 * I * H); B1.push_back(static_cast<unsigned short*>(x) + off * H);
+    C1.push_back(static_cast<unsigned short*>(h1) + off * 2 * I);
+    // GEMM2 C (H x n) = (w2_e as I x H)^T * (h_e as I x n).
+    m2.push_back(static_cast<int>(H)); n2.push_back(n); k2.push_back(static_cast<int>(I));
+    lda2.push_back(static_cast<int>(I)); ldb2.push_back(static_cast<int>(I)); ldc2.push_back(static_cast<int>(H));
+    A2.push_back(w2 + e * H * I); B2.push_back(static_cast<unsigned short*>(hh) + off * I);
+    C2.push_back(static_cast<unsigned short*>(y) + off * H);
+    ta.push_back(CUBLAS_OP_T); tb.push_back(CUBLAS_OP_N); one.push_back(1.0f); zero.push_back(0.0f); gs.push_back(1);
+    off += n;
+  }
+  const int G = static_cast<int>(gs.size());
+  auto dev_ptrs = [&](const auto& v) {
+    void** d = nullptr;
+    CK(cudaMalloc(&d, sizeof(void*) * v.size()));
+    CK(cudaMemcpy(d, v.data(), sizeof(void*) * v.size(), cudaMemcpyHostToDevice));
+    return d;
+  };
+  void **dA1 = dev_ptrs(A1), **dB1 = dev_ptrs(B1), **dC1 = dev_ptrs(C1), **dA2 = dev_ptrs(A2), **dB2 = dev_ptrs(B2),
+       **dC2 = dev_ptrs(C2);
+  cublasSetStream(h, st);
+  auto run = [&](int) {
+    cublasStatus_t r1 = cublasGemmGroupedBatchedEx(h, ta.data(), tb.data(), m1.data(), n1.data(), k1.data(), one.data(),
+                                                   dA1, CUDA_R_16BF, lda1.data(), dB1, CUDA_R_16BF, ldb1.data(),
+                                                   zero.data(), dC1, CUDA_R_16BF, ldc1.data(), G, gs.data(),
+                                                   CUBLAS_COMPUTE_32F);
+    cublasStatus_t r2 = cublasGemmGroupedBatchedEx(h, ta.data(), tb.data(), m2.data(), n2.data(), k2.data(), one.data(),
+                                                   dA2, CUDA_R_16BF, lda2.data(), dB2, CUDA_R_16BF, ldb2.data(),
+                                                   zero.data(), dC2, CUDA_R_16BF, ldc2.data(), G, gs.data(),
+                                                   CUBLAS_COMPUTE_32F);
+    if (r1 != CUBLAS_STATUS_SUCCESS || r2 != CUBLAS_STATUS_SUCCESS) {
+      std::fprintf(stderr, "cublasGemmGroupedBatchedEx failed: %d %d\n", static_cast<int>(r1), static_cast<int>(r2));
+      std::exit(1);
+    }
+  };
+  run(0);
+  CK(cudaStreamSynchronize(st));
+  const float ms = time_ms(run, 3, st);
+  for (void* q : {x, h1, hh, y}) CK(cudaFree(q));
+  for (void** q : {dA1, dB1, dC1, dA2, dB2, dC2}) CK(cudaFree(q));
+  cublasSetStream(h, nullptr);
+  return ms;
 }
 
 struct Shape {
@@ -157,6 +231,8 @@ int main(int argc, char** argv) {
   }
   CK(cudaFree(big));
 
+  cublasHandle_t cublas;
+  cublasCreate(&cublas);
   const Shape shapes[] = {{"deepseek-v3", 256, 7168, 2048, 8, true},
                           {"qwen3-235b", 128, 4096, 1536, 8, false},
                           {"qwen3-30b", 128, 2048, 768, 8, false},
@@ -165,8 +241,8 @@ int main(int argc, char** argv) {
   if (quick) Ts = {1, 16, 256, 4096};
   if (only_T > 0) Ts = {only_T};
   const int R = 8;
-  std::printf("\n| shape | T | experts touched | LUT-B us | LUT-B byte-dec us | LUT-B decode (swap-AB) us | swap-AB cvt-dec us | LUT-B prefill us | decode-m16 us | BF16 us (best of decode, prefill) | BF16 best | speed-up | LUT-B GB/s | %% of read BW | BF16 GB/s | %% of read BW | LUT-B TFLOP/s | BF16 TFLOP/s |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("\n| shape | T | experts touched | LUT-B us | LUT-B byte-dec us | LUT-B decode (swap-AB) us | swap-AB fp8-mma us | LUT-B prefill us | decode-m16 us | BF16 us (best of decode, prefill) | BF16 best | speed-up | LUT-B GB/s | %% of read BW | BF16 GB/s | %% of read BW | LUT-B TFLOP/s | BF16 TFLOP/s | LUT-B no-PDL us | BF16 best no-PDL us | cuBLAS grouped BF16 GEMMs us (T >= 256) | LUT-B vs cuBLAS |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const Shape& s : shapes) {
     if (!only.empty() && only != s.name) continue;
     const long long E = s.E, H = s.H, I = s.I;
@@ -217,6 +293,7 @@ int main(int argc, char** argv) {
     for (long long T : Ts) {
       // R routings of T tokens each.
       double touched_sum = 0;
+      std::vector<int> ids0;  // routing 0 on the host (the cuBLAS baseline's per-expert token counts)
       for (int r = 0; r < R; ++r) {
         float* lg = logits + 1ull * r * Tmax * E;
         int* id = ids + 1ull * r * Tmax * s.k;
@@ -227,8 +304,10 @@ int main(int argc, char** argv) {
         CK(cudaMemcpyAsync(h.data(), id, 4ull * T * s.k, cudaMemcpyDeviceToHost, st));
         CK(cudaStreamSynchronize(st));
         touched_sum += std::set<int>(h.begin(), h.end()).size();
+        if (r == 0) ids0 = h;
       }
       const double touched = touched_sum / R;
+      float ms[10] = {};  // per variant (variant 9 reads 4 and 5)
       // Graphs: one per routing and variant.
       auto make = [&](int variant, int r) {
         const unsigned short* xr = x + 1ull * r * Tmax * H;
@@ -250,9 +329,20 @@ int main(int argc, char** argv) {
           case 5: cuda::moe_forward_bf16(wb, xr, T, s.k, id, wt, out, ws, wsb, st, cuda::MoeStrategy::Prefill); break;
           case 6: cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st, cuda::MoeStrategy::DecodeM16); break;
           case 7:
-            cuda::set_weight_decoder(cuda::WeightDecoder::Cvt);
+            cuda::set_weight_decoder(cuda::WeightDecoder::Fp8Mma);
             cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st, cuda::MoeStrategy::Decode);
             cuda::set_weight_decoder(cuda::WeightDecoder::Auto);
+            break;
+          case 8:  // the default without programmatic dependent launch (launch overlap measured)
+            cuda::set_dependent_launch(false);
+            cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st);
+            cuda::set_dependent_launch(true);
+            break;
+          case 9:
+            cuda::set_dependent_launch(false);
+            cuda::moe_forward_bf16(wb, xr, T, s.k, id, wt, out, ws, wsb, st,
+                                   ms[4] <= ms[5] ? cuda::MoeStrategy::Decode : cuda::MoeStrategy::Prefill);
+            cuda::set_dependent_launch(true);
             break;
         }
         CK(cudaStreamEndCapture(st, &g));
@@ -260,8 +350,7 @@ int main(int argc, char** argv) {
         CK(cudaGraphDestroy(g));
         return ge;
       };
-      float ms[8];
-      for (int v = 0; v < 8; ++v) {
+      for (int v = 0; v < 10; ++v) {
         std::vector<cudaGraphExec_t> gs;
         for (int r = 0; r < R; ++r) gs.push_back(make(v, r));
         for (int r = 0; r < R; ++r) CK(cudaGraphLaunch(gs[r], st));
@@ -289,11 +378,17 @@ int main(int argc, char** argv) {
       const double lut_s = ms[0] * 1e-3, bf_s = std::min(ms[4], ms[5]) * 1e-3;
       const double flops = 6.0 * T * s.k * H * I;
       const auto strat = ms[4] <= ms[5] ? "decode" : "prefill";
-      std::printf("| %s | %lld | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %s | %.2fx | %.0f | %.0f%% | %.0f | %.0f%% | %.1f | %.1f |\n",
+      const float cub_ms = T >= 256 ? cublas_grouped_ms(cublas, ids0, E, H, I, b13, b2, st) : 0.0f;
+      char cub[64] = "-", cubr[32] = "-";
+      if (T >= 256) {
+        std::snprintf(cub, sizeof cub, "%.1f (%.0f TFLOP/s)", cub_ms * 1e3, flops / (cub_ms * 1e-3) / 1e12);
+        std::snprintf(cubr, sizeof cubr, "%.2fx", cub_ms * 1e-3 / lut_s);
+      }
+      std::printf("| %s | %lld | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %s | %.2fx | %.0f | %.0f%% | %.0f | %.0f%% | %.1f | %.1f | %.1f | %.1f | %s | %s |\n",
                   s.name, T, touched, ms[0] * 1e3, ms[3] * 1e3, ms[1] * 1e3, ms[7] * 1e3, ms[2] * 1e3, ms[6] * 1e3, bf_s * 1e6, strat,
                   bf_s / lut_s, touched * lutb_expert / lut_s / 1e9, 100.0 * touched * lutb_expert / lut_s / read_bw,
                   touched * bf16_expert / bf_s / 1e9, 100.0 * touched * bf16_expert / bf_s / read_bw, flops / lut_s / 1e12,
-                  flops / bf_s / 1e12);
+                  flops / bf_s / 1e12, ms[8] * 1e3, ms[9] * 1e3, cub, cubr);
       std::fflush(stdout);
     }
     CK(cudaStreamDestroy(st));
@@ -301,5 +396,6 @@ int main(int argc, char** argv) {
                     (void*)x, (void*)out, (void*)logits, (void*)bias, (void*)wts, (void*)ids})
       CK(cudaFree(p));
   }
+  cublasDestroy(cublas);
   return 0;
 }

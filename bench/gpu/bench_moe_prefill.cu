@@ -185,8 +185,8 @@ int main(int argc, char** argv) {
       CK(cudaStreamSynchronize(st));
       {
         const cuda::detail::Workspace wsp = cuda::detail::carve(ws, T, s.k, E, H, I);
-        cuda::detail::launch_quantize_x(x, T, H, w.w13.shape.padded_cols(), false, wsp.xa, nullptr, wsp.xs, st);
         cuda::detail::launch_group(ids, T * s.k, E, cuda::kPrefillTileRows, wsp, st);
+        cuda::detail::launch_quantize_x(x, T, H, w.w13.shape.padded_cols(), false, wsp.xa, nullptr, wsp.xs, nullptr, st);
       }
       float ms[5];
       for (int v : {4, 0, 1, 2, 3}) {

@@ -1,8 +1,9 @@
-// src/cuda/fit_binned_dp.cu: "binned-dp" (spec section 2.1) on the GPU, byte-identical to the CPU
-// fitter (src/fit/binned_dp.cpp, dp.cpp, tile_common.cpp, fit_internal.hpp, fit.cpp): the host
-// entry points (quantize_gpu, fit_binned_dp_device) and the first, one-THREAD-per-tile kernel
-// (GpuFitKernel::Thread, kept as the benchmark's baseline and a second, independent port). The
-// default kernel is the warp-cooperative one in fit_binned_dp_warp.cu.
+// src/cuda/fit_binned_dp.cu: the host entry points of the GPU fitters (quantize_gpu, fit_device,
+// fit_binned_dp_device, check_tiles_device, gpu_fitter) and the first, one-THREAD-per-tile
+// "binned-dp" kernel (spec section 2.1; GpuFitKernel::Thread, kept as the benchmark's baseline and a
+// second, independent port), byte-identical to the CPU fitter (src/fit/binned_dp.cpp, dp.cpp,
+// tile_common.cpp, fit_internal.hpp, fit.cpp). The default kernel, for "binned-dp" and "optimal",
+// is the warp-cooperative one in fit_binned_dp_warp.cu.
 //
 // The thread kernel is an operation-for-operation port of the CPU code, one thread per tile. Every floating
 // point operation that decides anything is written with an IEEE round-to-nearest intrinsic
@@ -518,6 +519,7 @@ int dtype_code(DType t) {
 void launch(const KernelArgs& a, cudaStream_t stream, GpuFitKernel kernel) {
   if (a.tiles == 0) return;
   if (kernel == GpuFitKernel::Warp || a.check_only) return fit_internal::launch_warp(a, stream);
+  if (a.optimal) throw std::invalid_argument("quantize_gpu: the thread kernel implements binned-dp only");
   constexpr int kBlock = 64;
   const std::int64_t blocks = (a.tiles + kBlock - 1) / kBlock;
   fit_binned_dp_kernel<<<static_cast<unsigned>(blocks), kBlock, 0, stream>>>(a);
@@ -553,7 +555,23 @@ struct DevBuf {
   }
 };
 
+void check_kernel(GpuFitter f, GpuFitKernel kernel, const std::string& who) {
+  if (f == GpuFitter::Optimal && kernel == GpuFitKernel::Thread)
+    throw std::invalid_argument(who + ": the thread kernel (GpuFitKernel::Thread) implements binned-dp only; "
+                                      "optimal runs on the warp kernel");
+}
+
 }  // namespace
+
+GpuFitter gpu_fitter(std::string_view name) {
+  if (name.empty() || name == "binned-dp") return GpuFitter::BinnedDp;
+  if (name == "optimal") return GpuFitter::Optimal;
+  check_fitter_name(name);  // throws for unknown names
+  throw std::invalid_argument("fitter '" + std::string(name) +
+                              "' has no GPU kernel (GPU fitters: binned-dp, optimal); lutb::quantize runs it on the CPU");
+}
+
+const char* gpu_fitter_name(GpuFitter f) { return f == GpuFitter::Optimal ? "optimal" : "binned-dp"; }
 
 GpuFitError decode_fit_error(unsigned long long word) {
   GpuFitError e;
@@ -564,16 +582,23 @@ GpuFitError decode_fit_error(unsigned long long word) {
   return e;
 }
 
-void fit_binned_dp_device(const void* d_src, DType src_type, const LutbShape& shape, const DeviceFitOut& out,
-                          int forced_scale, unsigned long long* d_error, cudaStream_t stream, GpuFitKernel kernel) {
-  check_args(src_type, shape, forced_scale, "fit_binned_dp_device");
+void fit_device(const void* d_src, DType src_type, const LutbShape& shape, const DeviceFitOut& out, GpuFitter fitter,
+                int forced_scale, unsigned long long* d_error, cudaStream_t stream, GpuFitKernel kernel) {
+  check_args(src_type, shape, forced_scale, "fit_device");
+  check_kernel(fitter, kernel, "fit_device");
   if (!d_error || !out.packed || !out.codebook || !out.scale)
-    throw std::invalid_argument("fit_binned_dp_device: null output pointer");
-  if (shape.rows > 0 && shape.cols > 0 && !d_src) throw std::invalid_argument("fit_binned_dp_device: null source");
+    throw std::invalid_argument("fit_device: null output pointer");
+  if (shape.rows > 0 && shape.cols > 0 && !d_src) throw std::invalid_argument("fit_device: null source");
   ok(cudaMemsetAsync(d_error, 0xff, sizeof(unsigned long long), stream), "cudaMemsetAsync");
   KernelArgs a{d_src, dtype_code(src_type), shape.rows, shape.cols, shape.tiles_n(), shape.tiles_k(), shape.tiles(),
                0, out, forced_scale, d_error};
+  a.optimal = fitter == GpuFitter::Optimal;
   launch(a, stream, kernel);
+}
+
+void fit_binned_dp_device(const void* d_src, DType src_type, const LutbShape& shape, const DeviceFitOut& out,
+                          int forced_scale, unsigned long long* d_error, cudaStream_t stream, GpuFitKernel kernel) {
+  fit_device(d_src, src_type, shape, out, GpuFitter::BinnedDp, forced_scale, d_error, stream, kernel);
 }
 
 void check_tiles_device(const void* d_src, DType src_type, const LutbShape& shape, unsigned long long* d_error,
@@ -590,6 +615,13 @@ void check_tiles_device(const void* d_src, DType src_type, const LutbShape& shap
 
 FitStats quantize_gpu(const void* src, DType src_type, const LutbShape& shape, LutbTensor& out,
                       const GpuFitOptions& opt, const std::string& name) {
+  GpuFitter fitter;
+  try {
+    fitter = gpu_fitter(opt.fitter);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument("quantize_gpu: tensor " + name + ": " + e.what());
+  }
+  check_kernel(fitter, opt.kernel, "quantize_gpu: tensor " + name);
   check_args(src_type, shape, opt.forced_scale, ("quantize_gpu: tensor " + name).c_str());
   if (shape.rows > 0 && shape.cols > 0 && src == nullptr)
     throw std::invalid_argument("quantize_gpu: tensor " + name + ": null source");
@@ -657,6 +689,7 @@ FitStats quantize_gpu(const void* src, DType src_type, const LutbShape& shape, L
       a.out = dout;
       a.forced_scale = opt.forced_scale;
       a.err = d_err.as<unsigned long long>();
+      a.optimal = fitter == GpuFitter::Optimal;
       if (bytes) ok(cudaMemcpy(d_src.p, from, bytes, cudaMemcpyHostToDevice), "cudaMemcpy to device");
       launch(a, nullptr, opt.kernel);
       unsigned long long word = ~0ull;

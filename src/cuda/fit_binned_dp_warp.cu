@@ -1,5 +1,9 @@
-// src/cuda/fit_binned_dp_warp.cu: "binned-dp" (spec section 2.1) on the GPU with one WARP per
-// 8x64 tile, byte-identical to the CPU fitter (src/fit/binned_dp.cpp, dp.cpp, tile_common.cpp).
+// src/cuda/fit_binned_dp_warp.cu: the GPU fitters "binned-dp" (the default) and "optimal" (spec
+// section 2.1) with one WARP per 8x64 tile, byte-identical to the CPU fitters (src/fit/binned_dp.cpp,
+// optimal.cpp, dp.cpp, tile_common.cpp). ONE kernel source, templated on the fitter (`Opt`): both
+// share the load and check, the sort and de-duplication, the prefix sums, the DP layer, the
+// encoding; binned-dp adds the bin edges and the refinement, optimal runs the DP over every
+// distinct value (identity positions, m = n <= 512) and optimal.cpp's scale search.
 //
 // The scalar arithmetic that decides bytes (run cost, nearest E4M3 value, entry of a run, sort
 // keys, 2^e) is src/fit/fit_scalar.hpp, the very functions the CPU fitter calls; this file is
@@ -10,19 +14,29 @@
 //  - de-duplication: head flags + a warp scan (integers). The prefix sums of x and x^2 are double
 //    running sums whose rounding depends on the order, so they stay SEQUENTIAL in the CPU's order
 //    (lane 0 sums x, lane 1 sums x^2 at the same time).
-//  - bin edges: the CPU's "advance i while cnt[i] < target" loops are max(i, lower_bound(target))
-//    because cnt is increasing; each lane binary-searches one target, lane 0 replays the pushes.
-//  - binned DP layers: dp.cpp's divide and conquer computes, for each end position j (one tree
-//    node), the leftmost minimum of prev[i] + cost(i, j) over a range that depends only on the
-//    node's ancestors. The nodes of one tree level are therefore independent: they run together,
-//    32 / (nodes in the level) lanes per node, each lane scanning a strided part of the range with
-//    the CPU's strict "<" and the group combining by (smaller value, then lower index). That is the
-//    leftmost minimum, as the CPU's scan (no NaN can occur: every run is non-empty).
-//  - refinement (dp_refine): the window costs of one layer are computed by all lanes into a table,
-//    then one lane per end position scans it in the CPU's order with its strict "<".
+//  - bin edges (binned-dp): the CPU's "advance i while cnt[i] < target" loops are
+//    max(i, lower_bound(target)) because cnt is increasing; each lane binary-searches one target,
+//    lane 0 replays the pushes.
+//  - DP layers: dp.cpp's divide and conquer computes, for each end position j (one tree node), the
+//    leftmost minimum of prev[i] + cost(i, j) over a range that depends only on the node's
+//    ancestors. The nodes of one tree level are therefore independent and run together: up to 32
+//    nodes with 32 / (nodes) lanes per node (a node list carries each node's range, as dp.cpp
+//    passes it down), each lane scanning a strided part of the range with the CPU's strict "<" and
+//    the group combining by (smaller value, then lower index), which is the leftmost minimum the
+//    CPU's scan finds (no NaN can occur: every run is non-empty). Levels of more than 32 nodes
+//    (optimal's deeper trees, up to 256 nodes) run a lane per node in the CPU's scan order; their
+//    nodes come from the tree's SHAPE, which depends only on (k, m), and a node [jlo, jhi] takes the
+//    start range [opt(jlo - 1), opt(jhi + 1)] (k - 1 and m - 1 at the ends): the split points of the
+//    ancestors that bound it, exactly the (ilo, bi) / (bi, ihi) dp.cpp passes down.
+//  - refinement (binned-dp, dp_refine): the window costs of one layer are computed by all lanes
+//    into a table, then one lane per end position scans it in the CPU's order with its strict "<".
+//  - scale search (optimal, optimal.cpp search_scales): serial over scales as on the CPU; the
+//    saturation bound is lane 0's loop in the CPU's order; each candidate's error is the encoding's
+//    flat-order double sum, and a candidate's bytes are written only when its error is strictly
+//    below the best so far (the first one always), so the last write is the CPU's choice.
 //  - encoding: each lane assigns its 16 values (the CPU's midpoint rule, ties to the lower index);
-//    the per-tile sse and sum of squares are double sums in flat order, so they are accumulated
-//    lane after lane (a shuffle chain) in exactly that order, and only when asked for.
+//    the per-tile sse and sum of squares are double sums in flat order, so they are accumulated in
+//    exactly that order (lane 0 and lane 1 at once), and only when needed.
 // Keep in step with src/fit: tests/cuda/fit_gpu_test.cpp compares the bytes with the CPU's.
 #include <cuda_runtime.h>
 
@@ -52,8 +66,20 @@ constexpr int kMinScale = 3, kMaxScale = 246;
 constexpr int kBins = 32, kTail = 8, kWindow = 8, kRounds = 4, kSettled = 3;  // binned_dp.cpp, dp.cpp
 constexpr int kWin = 2 * kWindow + 1;
 constexpr int kMaxPos = kBins + 2 * kTail + 2;  // binned_dp.cpp's pos[] size: m < kMaxPos
-constexpr int kWarps = 2;                       // warps (tiles in flight) per block
+constexpr int kOptRows = kCodebookSize - 2;     // opt rows of layers 2..7 (row k - 2)
 constexpr int kProfSlots = kProfPhases + 4;      // phases, then tiles, sum n, sum m, refine rounds
+// Cost evaluations issued together in the DP scans (scan_min), per fitter, as measured on the H200
+// (docs/perf/fit-gpu.md, gpufit3 run 2): binned-dp's scans are 1-3 evaluations long, 2 at a time
+// was no faster and 4 6 % slower; optimal's are longer, 4 at a time was 5 % faster than 2 and 10 %
+// faster than 1.
+template <bool Opt>
+inline constexpr int kUnroll = Opt ? 4 : 1;
+
+// Warps (tiles in flight) per block: the static shared memory of a block stays under 48 KiB.
+template <bool Opt>
+struct Cfg {
+  static constexpr int kWarps = Opt ? 1 : 2;
+};
 
 using WarpSort = cub::WarpMergeSort<std::uint32_t, kIpt, 32>;
 struct KeyLess {
@@ -65,28 +91,41 @@ struct Node {
   short jlo, jhi, ilo, ihi;
 };
 
-// Per-warp shared memory (~13 KiB). The union members are used one after the other.
+// DP tables. binned-dp: prefix sums at the bin edges (scaled units), as dp.cpp's Dp. optimal: the
+// positions are the distinct values themselves, so the costs read the prefix sums directly and
+// scale them on the fly (the same products dp.cpp stores), which saves 12 KiB per warp.
+template <bool Opt>
+struct DpTables {
+  double cd[kMaxPos], s1[kMaxPos], s2[kMaxPos];
+  double buf[2][kMaxPos];
+  std::int16_t opt[kOptRows][kMaxPos];
+  Node nodes[2][32];  // the nodes of one tree level (at most 32: m - 1 <= 48 end positions)
+};
+template <>
+struct DpTables<true> {
+  double buf[2][kN + 1];  // (also the encoding's scratch for the flat-order sums)
+  std::int16_t opt[kOptRows][kN + 1];
+  Node nodes[2][32];  // the nodes of one tree level while it has at most 32
+};
+
+// Per-warp shared memory (binned-dp ~13 KiB, optimal ~26 KiB). The union members are used one
+// after the other.
+template <bool Opt>
 struct Smem {
   union {
     WarpSort::TempStorage sort;
-    float u[kN];  // distinct values, ascending (+0 for zero)
-    struct {
-      double cd[kMaxPos], s1[kMaxPos], s2[kMaxPos];  // prefix sums at the bin edges, scaled units
-      double buf[2][kMaxPos];
-      std::int16_t opt[kCodebookSize][kMaxPos];
-      // Nodes of one tree level. A level never holds more than 32 nodes: the tree covers at most
-      // m - 1 <= 48 end positions and, split at midpoints, levels 0..4 hold at most 31 of them.
-      Node nodes[2][32];
-    } dp;
+    float u[Opt ? 1 : kN];  // binned-dp: distinct values, ascending (+0 for zero); dead after the prefix sums
+    DpTables<Opt> dp;
     struct {
       double F[kCodebookSize + 1][kWin];
       double V[kWin][kWin];  // V[j - jl][i - il] = F[k-1][i - il] + cost(i, j)
       std::int16_t arg[kCodebookSize + 1][kWin];
     } rf;
   };
+  float su[Opt ? kN : 1];       // optimal: distinct values, kept for the saturation bound
   double p[2][kN + 1];          // prefix sums of x and x^2 (unscaled), over distinct values
   std::uint16_t cnt[kN + 1];    // prefix counts
-  int pos[kMaxPos];             // bin edges
+  int pos[Opt ? 1 : kMaxPos];   // bin edges
   int lb[32];                   // lower bounds of the bin targets
   int seg[kCodebookSize + 1];   // DP boundaries (indices into pos)
   int bounds[kCodebookSize + 1];  // boundaries at full resolution
@@ -94,7 +133,19 @@ struct Smem {
   float cbv[kCodebookSize];
   std::uint8_t entries[kCodebookSize];
   std::uint8_t cbb[kCodebookSize];
-  int m, K, edge, n_cb;
+  double cost;  // the DP's minimum (optimal.cpp's d.cost), unscaled
+  int m, K, edge;
+
+  __device__ float* uv() {
+    if constexpr (Opt) return su;
+    else return u;
+  }
+  // Scratch for the encoding's two flat-order sums: the prefix sums are dead by then in
+  // binned-dp; optimal needs them for the next scale, and uses the DP buffers instead.
+  __device__ double (*scratch())[kN + 1] {
+    if constexpr (Opt) return dp.buf;
+    else return p;
+  }
 };
 
 __device__ __forceinline__ double inf() { return __longlong_as_double(0x7ff0000000000000ll); }
@@ -137,25 +188,73 @@ __device__ __forceinline__ void running_sum(double* P, int n) {
 }
 
 // dp.cpp Dp::cost on the bin-edge tables.
-__device__ __forceinline__ double cost_bin(const Smem& s, int i, int j) {
+__device__ __forceinline__ double cost_bin(const Smem<false>& s, int i, int j) {
   return run_cost(s.dp.cd[j] - s.dp.cd[i], s.dp.s1[j] - s.dp.s1[i], s.dp.s2[j] - s.dp.s2[i]);
 }
-// dp_refine's cost: its tables (count as double, p1 * inv, p2 * inv2) formed on the fly.
-__device__ __forceinline__ double cost_full(const Smem& s, int i, int j, double inv, double inv2) {
+// dp.cpp's cost over every distinct value (dp_fit with identity positions, dp_refine): its tables
+// (count as double, p1 * inv, p2 * inv2) formed on the fly.
+template <class S>
+__device__ __forceinline__ double cost_full(const S& s, int i, int j, double inv, double inv2) {
   return run_cost(static_cast<double>(s.cnt[j]) - static_cast<double>(s.cnt[i]), s.p[0][j] * inv - s.p[0][i] * inv,
                   s.p[1][j] * inv2 - s.p[1][i] * inv2);
 }
 
-// One layer k of dp.cpp Dp::solve (cur[j], opt[k-1][j] for j in [k, m]), level by level.
-__device__ void dp_layer(Smem& s, int lane, int k, int m, const double* prev, double* cur,
-                         const std::int16_t* lower) {
+// Leftmost minimum of prev[i] + cost(i, j) over i = i0, i0 + step, ... <= hi, folded into (bv, bi)
+// with the CPU's strict "<" in increasing i. U evaluations are issued before their comparisons
+// (independent: they overlap their latencies); the comparisons stay in increasing i, so the result
+// is that of the one-by-one scan. (An index past hi is evaluated at hi and not compared.)
+template <int U, class Cost>
+__device__ __forceinline__ void scan_min(const double* prev, int i0, int hi, int step, int j, const Cost& cost,
+                                         double& bv, int& bi) {
+  for (int i = i0; i <= hi; i += U * step) {
+    double v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int iu = min(i + u * step, hi);
+      v[u] = prev[iu] + cost(iu, j);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (i + u * step <= hi && v[u] < bv) {
+        bv = v[u];
+        bi = i + u * step;
+      }
+  }
+}
+
+// The interval [jlo, jhi] of candidate node c (bits from the root: 0 left, 1 right) at depth L of
+// dp.cpp's divide and conquer over end positions [k, m]; empty (jlo > jhi) when it does not exist.
+__device__ __forceinline__ void descend(int k, int m, int c, int L, int& jlo, int& jhi) {
+  jlo = k;
+  jhi = m;
+  for (int b = L - 1; b >= 0 && jlo <= jhi; --b) {
+    const int mid = (jlo + jhi) >> 1;
+    if ((c >> b) & 1) jlo = mid + 1;
+    else jhi = mid - 1;
+  }
+}
+
+// One layer k of dp.cpp Dp::solve (cur[j], opt row of layer k for j in [k, m]), level by level.
+// `optk` is the layer's opt row, `lower` the previous layer's (null for k = 2). Levels of at most 32
+// nodes run from a node list carrying each node's start range (what dp.cpp passes down), a group
+// of lanes per node; a level of more than 32 nodes (optimal's deeper trees only) and all below it
+// enumerate the nodes from the tree's shape (descend) and read the start ranges from optk, a lane
+// per node.
+template <int U, class S, class Cost>
+__device__ void dp_layer(S& s, int lane, int k, int m, const double* prev, double* cur, std::int16_t* optk,
+                         const std::int16_t* lower, const Cost& cost) {
+  auto clamp_range = [&](int j, int ilo, int ihi, int& lo, int& hi) {
+    lo = max(max(ilo, k - 1), lower ? static_cast<int>(lower[j]) : 0);
+    hi = min(ihi, j - 1);
+    lo = min(lo, hi);  // (dp.cpp: only reachable through rounding-level ties)
+  };
   Node* nb = s.dp.nodes[0];
   Node* nn = s.dp.nodes[1];
   if (lane == 0) nb[0] = Node{static_cast<short>(k), static_cast<short>(m), static_cast<short>(k - 1),
                               static_cast<short>(m - 1)};
-  int count = 1;
+  int count = 1, L = 0;
   __syncwarp();
-  while (count > 0) {
+  while (count > 0 && count <= 32) {
     int lg = 0;
     while ((1 << lg) < count) ++lg;
     const int gs = 32 >> lg;  // lanes per node
@@ -166,100 +265,134 @@ __device__ void dp_layer(Smem& s, int lane, int k, int m, const double* prev, do
     if (valid) {
       nd = nb[g];
       j = (nd.jlo + nd.jhi) >> 1;
-      lo = max(max(static_cast<int>(nd.ilo), k - 1), lower ? static_cast<int>(lower[j]) : 0);
-      hi = min(static_cast<int>(nd.ihi), j - 1);
-      lo = min(lo, hi);  // (dp.cpp: only reachable through rounding-level ties)
+      clamp_range(j, nd.ilo, nd.ihi, lo, hi);
     }
     double bv = inf();
     int bi = INT_MAX;
-    for (int i = lo + sub; i <= hi; i += gs) {
-      const double v = prev[i] + cost_bin(s, i, j);
-      if (v < bv) {
-        bv = v;
-        bi = i;
-      }
-    }
+    scan_min<U>(prev, lo + sub, hi, gs, j, cost, bv, bi);
     group_argmin(bv, bi, gs);
     const bool leader = valid && sub == 0;
     bool hasl = false, hasr = false;
     if (leader) {
       cur[j] = bv;
-      s.dp.opt[k - 1][j] = static_cast<std::int16_t>(bi);
+      optk[j] = static_cast<std::int16_t>(bi);
       hasl = nd.jlo <= j - 1;
       hasr = j + 1 <= nd.jhi;
     }
     const unsigned ml = __ballot_sync(kFull, hasl), mr = __ballot_sync(kFull, hasr);
-    if (leader) {
+    const int next = __popc(ml) + __popc(mr);
+    if (leader && next <= 32) {
       const unsigned lt = (1u << lane) - 1u;
       int p = __popc(ml & lt) + __popc(mr & lt);
       if (hasl) nn[p++] = Node{nd.jlo, static_cast<short>(j - 1), nd.ilo, static_cast<short>(bi)};
       if (hasr) nn[p] = Node{static_cast<short>(j + 1), nd.jhi, static_cast<short>(bi), nd.ihi};
     }
-    count = __popc(ml) + __popc(mr);
+    count = next;
+    ++L;
     __syncwarp();
     Node* t = nb;
     nb = nn;
     nn = t;
   }
+  if (count == 0) return;
+  for (;; ++L) {  // levels of more than 32 nodes: a lane per node, the CPU's scan order
+    bool any = false;
+    for (int c = lane; c < (1 << L); c += 32) {
+      int jlo, jhi;
+      descend(k, m, c, L, jlo, jhi);
+      if (jlo > jhi) continue;
+      any = true;
+      // The start range dp.cpp passes down: the split points of the ancestors that bound the node.
+      const int j = (jlo + jhi) >> 1;
+      int lo, hi;
+      clamp_range(j, jlo > k ? static_cast<int>(optk[jlo - 1]) : k - 1, jhi < m ? static_cast<int>(optk[jhi + 1]) : m - 1,
+                  lo, hi);
+      double bv = inf();  // (every value is finite: the first comparison takes it, as the CPU's start)
+      int bi = lo;
+      scan_min<U>(prev, lo, hi, 1, j, cost, bv, bi);
+      cur[j] = bv;
+      optk[j] = static_cast<std::int16_t>(bi);
+    }
+    if (!__any_sync(kFull, any)) break;
+    __syncwarp();
+  }
 }
 
-// dp.cpp dp_fit over the bin edges s.pos[0..m] (without the unused cost value). Leaves s.K,
-// s.entries, s.bounds.
-__device__ void dp_fit_warp(Smem& s, int lane, int m, int scale) {
+// dp.cpp dp_fit over m + 1 positions: the bin edges s.pos[0..m] (binned-dp) or every distinct value
+// (optimal, m = n). Leaves s.K, s.entries, s.bounds and (optimal) s.cost = the DP minimum / inv^2.
+template <int U, bool Opt>
+__device__ void dp_fit_warp(Smem<Opt>& s, int lane, int m, int scale) {
   const double inv = pow2(127 - scale);
   const double inv2 = inv * inv;
-  for (int i = lane; i <= m; i += 32) {
-    const int p = s.pos[i];
-    s.dp.cd[i] = static_cast<double>(s.cnt[p]);
-    s.dp.s1[i] = s.p[0][p] * inv;
-    s.dp.s2[i] = s.p[1][p] * inv2;
+  if constexpr (!Opt) {
+    for (int i = lane; i <= m; i += 32) {
+      const int p = s.pos[i];
+      s.dp.cd[i] = static_cast<double>(s.cnt[p]);
+      s.dp.s1[i] = s.p[0][p] * inv;
+      s.dp.s2[i] = s.p[1][p] * inv2;
+    }
+    __syncwarp();
   }
-  __syncwarp();
+  auto cost = [&](int i, int j) {
+    if constexpr (Opt) return cost_full(s, i, j, inv, inv2);
+    else return cost_bin(s, i, j);
+  };
   const int K = min(m, kCodebookSize);
   if (K == m) {
     if (lane <= m) s.seg[lane] = lane;
+    if constexpr (Opt) {
+      if (lane == 0) {  // every value alone: the cost is the sum in order
+        double total = 0.0;
+        for (int i = 0; i < m; ++i) total += cost(i, i + 1);
+        s.cost = total / inv2;
+      }
+    }
   } else {
     double* prev = s.dp.buf[0];
     double* cur = s.dp.buf[1];
-    for (int j = 1 + lane; j <= m; j += 32) prev[j] = cost_bin(s, 0, j);
+    for (int j = 1 + lane; j <= m; j += 32) prev[j] = cost(0, j);
     __syncwarp();
     for (int k = 2; k < K; ++k) {
-      dp_layer(s, lane, k, m, prev, cur, k > 2 ? s.dp.opt[k - 2] : nullptr);
+      dp_layer<U>(s, lane, k, m, prev, cur, s.dp.opt[k - 2], k > 2 ? s.dp.opt[k - 3] : nullptr, cost);
       __syncwarp();
       double* t = prev;
       prev = cur;
       cur = t;
     }
-    const int start = K > 2 ? s.dp.opt[K - 2][m] : K - 1;
+    const int start = K > 2 ? s.dp.opt[K - 3][m] : K - 1;
     double bv = inf();
     int bi = INT_MAX;
-    for (int i = start + lane; i < m; i += 32) {
-      const double v = prev[i] + cost_bin(s, i, m);
-      if (v < bv) {
-        bv = v;
-        bi = i;
-      }
-    }
+    scan_min<U>(prev, start + lane, m - 1, 32, m, cost, bv, bi);
     group_argmin(bv, bi, 32);
     if (lane == 0) {
       s.seg[K] = m;
       s.seg[K - 1] = bi;
-      for (int k = K - 1; k >= 2; --k) s.seg[k - 1] = s.dp.opt[k - 1][s.seg[k]];
+      for (int k = K - 1; k >= 2; --k) s.seg[k - 1] = s.dp.opt[k - 2][s.seg[k]];
       s.seg[0] = 0;
+      if constexpr (Opt) s.cost = bv / inv2;
     }
   }
   __syncwarp();
-  if (lane <= K) s.bounds[lane] = s.pos[s.seg[lane]];
-  if (lane < K) {
-    const int i = s.seg[lane], j = s.seg[lane + 1];
-    s.entries[lane] = run_entry(s.dp.s1[j] - s.dp.s1[i], s.dp.cd[j] - s.dp.cd[i]);
+  if constexpr (Opt) {
+    if (lane <= K) s.bounds[lane] = s.seg[lane];
+    if (lane < K) {
+      const int i = s.seg[lane], j = s.seg[lane + 1];
+      s.entries[lane] = run_entry(s.p[0][j] * inv - s.p[0][i] * inv,
+                                  static_cast<double>(s.cnt[j]) - static_cast<double>(s.cnt[i]));
+    }
+  } else {
+    if (lane <= K) s.bounds[lane] = s.pos[s.seg[lane]];
+    if (lane < K) {
+      const int i = s.seg[lane], j = s.seg[lane + 1];
+      s.entries[lane] = run_entry(s.dp.s1[j] - s.dp.s1[i], s.dp.cd[j] - s.dp.cd[i]);
+    }
   }
   if (lane == 0) s.K = K;
   __syncwarp();
 }
 
-// dp.cpp dp_refine with w = kWindow, rounds = kRounds, over n distinct values.
-__device__ int dp_refine_warp(Smem& s, int lane, int n, int scale) {
+// dp.cpp dp_refine with w = kWindow, rounds = kRounds, over n distinct values (binned-dp).
+__device__ int dp_refine_warp(Smem<false>& s, int lane, int n, int scale) {
   const int K = s.K;
   const int m = n;
   if (K < 2 || K >= m) return 0;
@@ -340,9 +473,38 @@ __device__ int dp_refine_warp(Smem& s, int lane, int n, int scale) {
   return rounds;
 }
 
-// tile_common.cpp encode_tile + assign_sse. Entries in s.entries[0..n_entries).
-__device__ void encode_warp(Smem& s, int lane, const float (&x)[kIpt], int scale, int n_entries, std::uint8_t* packed,
-                            std::uint8_t* codebook, std::uint8_t* scale_out, double* sse_out, double* ssq_out) {
+// optimal.cpp saturation_bound (lane 0; the CPU's order): a lower bound on the error at scale s.
+__device__ double saturation_bound(Smem<true>& s, int n, int sc) {
+  const double top = 448.0 * pow2(sc - 127);
+  const float* u = s.su;
+  double lb = 0.0;
+  for (int i = 0; i < n && -static_cast<double>(u[i]) > top; ++i) {
+    const double d = -static_cast<double>(u[i]) - top;
+    lb += static_cast<double>(static_cast<int>(s.cnt[i + 1]) - static_cast<int>(s.cnt[i])) * (d * d);
+  }
+  for (int i = n - 1; i >= 0 && static_cast<double>(u[i]) > top; --i) {
+    const double d = static_cast<double>(u[i]) - top;
+    lb += static_cast<double>(static_cast<int>(s.cnt[i + 1]) - static_cast<int>(s.cnt[i])) * (d * d);
+  }
+  return lb;
+}
+
+// Where a tile's results go.
+struct TileOut {
+  std::uint8_t* packed;
+  std::uint8_t* codebook;
+  std::uint8_t* scale;
+  double* sse;
+  double* ssq;
+};
+
+// tile_common.cpp encode_tile + assign_sse. Entries in s.entries[0..n_entries). Computes the
+// tile's sse (the CPU's flat-order double sum) when `need_sse` or the caller wants the per-tile
+// sums, returns it to every lane (0 when not computed), and writes the outputs only when
+// !need_sse or sse < write_below (optimal's scale search: strictly better than the best so far).
+template <bool Opt>
+__device__ double encode_warp(Smem<Opt>& s, int lane, const float (&x)[kIpt], int scale, int n_entries,
+                              const TileOut& o, bool need_sse, double write_below) {
   if (lane == 0) {  // codebook ascending, duplicates dropped, padded with the largest entry
     float* vals = s.cbv;  // (sorted in shared memory: no per-thread local arrays)
     std::uint8_t* bytes = s.cbb;
@@ -407,28 +569,38 @@ __device__ void encode_warp(Smem& s, int lane, const float (&x)[kIpt], int scale
     const double xd = static_cast<double>(xv);
     xsq[q] = xd * xd;
   }
-  // Lane L holds flat positions 16L..16L+15: bytes 6L..6L+5 of the packed stream.
-#pragma unroll
-  for (int b = 0; b < 3; ++b) {
-    packed[6 * lane + b] = static_cast<std::uint8_t>(w[0] >> (8 * b));
-    packed[6 * lane + 3 + b] = static_cast<std::uint8_t>(w[1] >> (8 * b));
-  }
-  if (lane < kCodebookSize) codebook[lane] = s.cbb[lane];
-  if (lane == 0) *scale_out = static_cast<std::uint8_t>(scale);
-  if (sse_out || ssq_out) {  // flat-order double sums (the prefix sums are dead: reuse them)
+  const bool sums = need_sse || o.sse || o.ssq;
+  double sse = 0.0, ssq = 0.0;
+  if (sums) {  // flat-order double sums in the scratch rows, lane 0 sse and lane 1 sum of squares
+    double(*scr)[kN + 1] = s.scratch();
 #pragma unroll
     for (int q = 0; q < kIpt; ++q) {
-      s.p[0][kIpt * lane + q + 1] = dsq[q];
-      s.p[1][kIpt * lane + q + 1] = xsq[q];
+      scr[0][kIpt * lane + q + 1] = dsq[q];
+      scr[1][kIpt * lane + q + 1] = xsq[q];
     }
     __syncwarp();
-    if (lane < 2) {
-      running_sum(s.p[lane], kN);
-      double* o = lane == 0 ? sse_out : ssq_out;
-      if (o) *o = s.p[lane][kN];
+    if (lane < 2 && (lane == 0 || o.ssq)) running_sum(scr[lane], kN);
+    __syncwarp();
+    sse = scr[0][kN];
+    ssq = scr[1][kN];
+    __syncwarp();  // (the scratch is reused by the caller's next step)
+  }
+  if (!need_sse || sse < write_below) {
+    // Lane L holds flat positions 16L..16L+15: bytes 6L..6L+5 of the packed stream.
+#pragma unroll
+    for (int b = 0; b < 3; ++b) {
+      o.packed[6 * lane + b] = static_cast<std::uint8_t>(w[0] >> (8 * b));
+      o.packed[6 * lane + 3 + b] = static_cast<std::uint8_t>(w[1] >> (8 * b));
+    }
+    if (lane < kCodebookSize) o.codebook[lane] = s.cbb[lane];
+    if (lane == 0) {
+      *o.scale = static_cast<std::uint8_t>(scale);
+      if (o.sse) *o.sse = sse;
+      if (o.ssq) *o.ssq = ssq;
     }
   }
   __syncwarp();
+  return sse;
 }
 
 __device__ __forceinline__ float load1(const void* src, int dtype, std::int64_t i) {
@@ -496,8 +668,8 @@ __device__ __forceinline__ void phase(Prof& pr, int lane, int i) {
   }
 }
 
-template <bool P>
-__device__ __forceinline__ void fit_one(Smem& s, int lane, const KernelArgs& a, std::int64_t lt, Prof& pr) {
+template <bool P, bool Opt, int U>
+__device__ __forceinline__ void fit_one(Smem<Opt>& s, int lane, const KernelArgs& a, std::int64_t lt, Prof& pr) {
   if constexpr (P) {
     if (lane == 0) pr.t = clock64();
   }
@@ -532,6 +704,7 @@ __device__ __forceinline__ void fit_one(Smem& s, int lane, const KernelArgs& a, 
   phase<P>(pr, lane, 0);
 
   // tile_common.cpp build_sorted.
+  float* const u = s.uv();
   {
     std::uint32_t keys[kIpt];
 #pragma unroll
@@ -559,7 +732,7 @@ __device__ __forceinline__ void fit_one(Smem& s, int lane, const KernelArgs& a, 
 #pragma unroll
     for (int q = 0; q < kIpt; ++q)
       if ((hm >> q) & 1u) {
-        s.u[d] = v[q] == 0.0f ? 0.0f : v[q];
+        u[d] = v[q] == 0.0f ? 0.0f : v[q];
         s.cnt[d] = static_cast<std::uint16_t>(kIpt * lane + q);
         ++d;
       }
@@ -575,73 +748,99 @@ __device__ __forceinline__ void fit_one(Smem& s, int lane, const KernelArgs& a, 
   // sums in the CPU's order (lane 0 sum x, lane 1 sum x^2), loads batched ahead of the adds.
   for (int d = lane; d < n; d += 32) {
     const double c = static_cast<double>(s.cnt[d + 1] - s.cnt[d]);
-    const double xd = static_cast<double>(s.u[d]);
+    const double xd = static_cast<double>(u[d]);
     s.p[0][d + 1] = c * xd;
     s.p[1][d + 1] = c * (xd * xd);
   }
   __syncwarp();
   if (lane < 2) running_sum(s.p[lane], n);
-  if constexpr (P) __syncwarp();
+  // (binned-dp: the other lanes go on to the bin edges, which read only cnt and sync before the DP)
+  if constexpr (P || Opt) __syncwarp();
   phase<P>(pr, lane, 2);
-  // binned_dp.cpp: bin edges.
-  if (n <= kBins) {
-    if (lane <= n) s.pos[lane] = lane;
-    if (n == 32 && lane == 0) s.pos[32] = 32;
-  } else {
-    auto lower_bound = [&](int t) {
-      int lo = 0, hi = n;
-      while (lo < hi) {
-        const int mid = (lo + hi) >> 1;
-        if (s.cnt[mid] < t) lo = mid + 1;
-        else hi = mid;
-      }
-      return lo;
-    };
-    s.lb[lane] = lower_bound(lane == 0 ? kTail : lane * (kN / kBins));
-    const int lb_end = lower_bound(kN - kTail + 1);
-    __syncwarp();
-    if (lane == 0) {
-      int m = 0, i = 0;
-      s.pos[0] = 0;
-      auto push = [&](int e) {
-        if (e > s.pos[m] && e < n) s.pos[++m] = e;
+  int m = n;
+  if constexpr (!Opt) {
+    // binned_dp.cpp: bin edges.
+    if (n <= kBins) {
+      if (lane <= n) s.pos[lane] = lane;
+      if (n == 32 && lane == 0) s.pos[32] = 32;
+    } else {
+      auto lower_bound = [&](int t) {
+        int lo = 0, hi = n;
+        while (lo < hi) {
+          const int mid = (lo + hi) >> 1;
+          if (s.cnt[mid] < t) lo = mid + 1;
+          else hi = mid;
+        }
+        return lo;
       };
-      for (; i < s.lb[0]; ++i) push(i);
-      for (int b = 1; b < kBins; ++b) {
-        i = max(i, s.lb[b]);
-        push(i);
+      s.lb[lane] = lower_bound(lane == 0 ? kTail : lane * (kN / kBins));
+      const int lb_end = lower_bound(kN - kTail + 1);
+      __syncwarp();
+      if (lane == 0) {
+        int mm = 0, i = 0;
+        s.pos[0] = 0;
+        auto push = [&](int e) {
+          if (e > s.pos[mm] && e < n) s.pos[++mm] = e;
+        };
+        for (; i < s.lb[0]; ++i) push(i);
+        for (int b = 1; b < kBins; ++b) {
+          i = max(i, s.lb[b]);
+          push(i);
+        }
+        for (i = max(i, lb_end); i < n; ++i) push(i);
+        s.pos[++mm] = n;
+        s.m = mm;
       }
-      for (i = max(i, lb_end); i < n; ++i) push(i);
-      s.pos[++m] = n;
-      s.m = m;
     }
+    __syncwarp();
+    m = n <= kBins ? n : s.m;
   }
-  __syncwarp();
   phase<P>(pr, lane, 3);
-  const int m = n <= kBins ? n : s.m;
-  std::uint8_t* packed = a.out.packed + lt * kPackedBytes;
-  std::uint8_t* codebook = a.out.codebook + lt * kCodebookSize;
-  std::uint8_t* scale_out = a.out.scale + lt;
-  double* sse = a.out.sse ? a.out.sse + lt : nullptr;
-  double* ssq = a.out.sum_sq ? a.out.sum_sq + lt : nullptr;
+  const TileOut o{a.out.packed + lt * kPackedBytes, a.out.codebook + lt * kCodebookSize, a.out.scale + lt,
+                  a.out.sse ? a.out.sse + lt : nullptr, a.out.sum_sq ? a.out.sum_sq + lt : nullptr};
   int sc;
   if (a.forced_scale >= 0) {
     sc = a.forced_scale;
   } else if (am == 0.0f) {
     if (lane == 0) s.entries[0] = 0x00;
     __syncwarp();
-    encode_warp(s, lane, x, 127, 1, packed, codebook, scale_out, sse, ssq);
+    encode_warp(s, lane, x, 127, 1, o, false, 0.0);
     phase<P>(pr, lane, 6);
     return;
   } else {
     sc = max(static_cast<int>(ue8m0_rceil(am)), kMinScale);
   }
-  dp_fit_warp(s, lane, m, sc);
+  dp_fit_warp<U>(s, lane, m, sc);
   phase<P>(pr, lane, 4);
-  int rounds = 0;
-  if (m != n) rounds = dp_refine_warp(s, lane, n, sc);
-  phase<P>(pr, lane, 5);
-  encode_warp(s, lane, x, sc, s.K, packed, codebook, scale_out, sse, ssq);
+  int rounds = 0;  // refinement rounds (binned-dp), scales evaluated below the first (optimal)
+  if constexpr (Opt) {
+    if (a.forced_scale < 0) {
+      // optimal.cpp search_scales: rceil (at least 3), then downward while the saturation bound
+      // allows; a scale whose DP minimum exceeds the best error cannot win; strictly smaller errors
+      // replace the best (ties keep the larger scale, found first). Each candidate's bytes are
+      // written only when it is the best so far.
+      double best = encode_warp(s, lane, x, sc, s.K, o, true, inf());
+      for (int t = sc - 1; t >= kMinScale; --t) {
+        double lb = 0.0;
+        if (lane == 0) lb = saturation_bound(s, n, t);
+        lb = __shfl_sync(kFull, lb, 0);
+        if (lb >= best) break;
+        ++rounds;
+        dp_fit_warp<U>(s, lane, m, t);
+        if (s.cost > best * (1.0 + 1e-12)) continue;  // cannot beat the best even after reassigning
+        const double e = encode_warp(s, lane, x, t, s.K, o, true, best);
+        if (e < best) best = e;
+      }
+      phase<P>(pr, lane, 5);
+    } else {
+      phase<P>(pr, lane, 5);
+      encode_warp(s, lane, x, sc, s.K, o, false, 0.0);
+    }
+  } else {
+    if (m != n) rounds = dp_refine_warp(s, lane, n, sc);
+    phase<P>(pr, lane, 5);
+    encode_warp(s, lane, x, sc, s.K, o, false, 0.0);
+  }
   phase<P>(pr, lane, 6);
   if constexpr (P) {
     pr.c[kProfPhases] += 1;
@@ -651,14 +850,15 @@ __device__ __forceinline__ void fit_one(Smem& s, int lane, const KernelArgs& a, 
   }
 }
 
-template <bool P>
-__global__ void __launch_bounds__(32 * kWarps) fit_warp_kernel(KernelArgs a, unsigned long long* prof) {
-  __shared__ Smem sm[kWarps];
+template <bool P, bool Opt, int U>
+__global__ void __launch_bounds__(32 * Cfg<Opt>::kWarps) fit_warp_kernel(KernelArgs a, unsigned long long* prof) {
+  constexpr int kWarps = Cfg<Opt>::kWarps;
+  __shared__ Smem<Opt> sm[kWarps];
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * kWarps;
   Prof pr;
   for (std::int64_t lt = static_cast<std::int64_t>(blockIdx.x) * kWarps + w; lt < a.tiles; lt += stride) {
-    fit_one<P>(sm[w], lane, a, lt, pr);
+    fit_one<P, Opt, U>(sm[w], lane, a, lt, pr);
     __syncwarp();
   }
   if constexpr (P) {
@@ -667,22 +867,43 @@ __global__ void __launch_bounds__(32 * kWarps) fit_warp_kernel(KernelArgs a, uns
   }
 }
 
+template <bool P, bool Opt, int U = kUnroll<Opt>>
+void launch_t(const KernelArgs& a, unsigned long long* d_prof, cudaStream_t stream, const char* who) {
+  constexpr int kWarps = Cfg<Opt>::kWarps;
+  const std::int64_t blocks = std::min<std::int64_t>((a.tiles + kWarps - 1) / kWarps, std::int64_t{1} << 22);
+  fit_warp_kernel<P, Opt, U><<<static_cast<unsigned>(blocks), 32 * kWarps, 0, stream>>>(a, d_prof);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) throw std::runtime_error(std::string(who) + cudaGetErrorString(e));
+}
+
 }  // namespace
 
 void launch_warp(const KernelArgs& a, cudaStream_t stream) {
   if (a.tiles == 0) return;
-  const std::int64_t blocks = std::min<std::int64_t>((a.tiles + kWarps - 1) / kWarps, std::int64_t{1} << 22);
-  fit_warp_kernel<false><<<static_cast<unsigned>(blocks), 32 * kWarps, 0, stream>>>(a, nullptr);
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) throw std::runtime_error(std::string("quantize_gpu: kernel launch: ") + cudaGetErrorString(e));
+  // (the tile check alone is the same code in both instantiations: the smaller one runs it)
+  if (a.optimal && !a.check_only) launch_t<false, true>(a, nullptr, stream, "quantize_gpu: kernel launch: ");
+  else launch_t<false, false>(a, nullptr, stream, "quantize_gpu: kernel launch: ");
 }
 
 void launch_warp_profiled(const KernelArgs& a, unsigned long long* d_prof, cudaStream_t stream) {
   if (a.tiles == 0) return;
-  const std::int64_t blocks = std::min<std::int64_t>((a.tiles + kWarps - 1) / kWarps, std::int64_t{1} << 22);
-  fit_warp_kernel<true><<<static_cast<unsigned>(blocks), 32 * kWarps, 0, stream>>>(a, d_prof);
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) throw std::runtime_error(std::string("profile kernel launch: ") + cudaGetErrorString(e));
+  if (a.optimal) launch_t<true, true>(a, d_prof, stream, "profile kernel launch: ");
+  else launch_t<true, false>(a, d_prof, stream, "profile kernel launch: ");
+}
+
+void launch_warp_unrolled(const KernelArgs& a, int unroll, cudaStream_t stream) {
+  if (a.tiles == 0) return;
+  if (a.check_only || unroll == (a.optimal ? kUnroll<true> : kUnroll<false>)) return launch_warp(a, stream);
+  const char* who = "unroll variant launch: ";
+  if (unroll != 1 && unroll != 2 && unroll != 4)
+    throw std::invalid_argument("launch_warp_unrolled: unroll must be 1, 2 or 4");
+  if (a.optimal) {
+    if (unroll == 1) launch_t<false, true, 1>(a, nullptr, stream, who);
+    else launch_t<false, true, 2>(a, nullptr, stream, who);  // (4 is the default)
+  } else {
+    if (unroll == 2) launch_t<false, false, 2>(a, nullptr, stream, who);
+    else launch_t<false, false, 4>(a, nullptr, stream, who);  // (1 is the default)
+  }
 }
 
 }  // namespace lutb::cuda::fit_internal

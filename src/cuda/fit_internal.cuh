@@ -21,9 +21,11 @@ struct KernelArgs {
   int forced_scale;
   unsigned long long* err;
   bool check_only = false;  // only the tile check (NaN/Inf/too large) and the error word (warp kernel)
+  bool optimal = false;     // the "optimal" fitter instead of "binned-dp" (warp kernel only)
 };
 
-/// The warp-cooperative kernel (src/cuda/fit_binned_dp_warp.cu): one warp per tile.
+/// The warp-cooperative kernel (src/cuda/fit_binned_dp_warp.cu): one warp per tile, "binned-dp" or
+/// (a.optimal) "optimal".
 void launch_warp(const KernelArgs& a, cudaStream_t stream);
 
 /// The same kernel with per-phase clock64() accounting (lane 0 of every warp), for the benchmark:
@@ -31,9 +33,18 @@ void launch_warp(const KernelArgs& a, cudaStream_t stream);
 ///   0 load + check, 1 sort + de-duplication, 2 prefix sums, 3 bin edges, 4 binned DP,
 ///   5 refinement, 6 encoding (+ per-tile sums),
 /// then the number of tiles, the sums of distinct values n, of bin edges m and of refinement rounds.
+/// With a.optimal: 4 is the DP at the first scale, 5 the rest of the scale search including every
+/// candidate's encoding (6 then holds only forced-scale and all-zero tiles), m = n, and the last
+/// slot counts the scales evaluated below the first.
 /// Bytes written are those of launch_warp.
 inline constexpr int kProfPhases = 7;
 void launch_warp_profiled(const KernelArgs& a, unsigned long long* d_prof, cudaStream_t stream);
+
+/// The warp kernel (a.optimal selects the fitter) with `unroll` (1, 2 or 4) cost evaluations issued
+/// together in the DP scans instead of the fitter's default (binned-dp 1, optimal 4), for the
+/// benchmark's same-run comparison and the tests; same bytes (the comparisons stay in the CPU's
+/// order).
+void launch_warp_unrolled(const KernelArgs& a, int unroll, cudaStream_t stream);
 
 /// Error word of a failing tile: (tile << 12) | (code << 9) | position (decode_fit_error).
 __host__ __device__ inline unsigned long long error_word(std::int64_t tile, int code, int pos) {

@@ -134,6 +134,12 @@ GpuOnlineReport quantize_experts_online(DeviceExpertSource& src, DeviceLutbLayer
   GpuOnlineReport rep;
   if (src.already_processed) return rep;  // idempotent
   const std::string who = kWho;
+  GpuFitter fitter;
+  try {
+    fitter = gpu_fitter(opt.fitter);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(who + ": " + e.what());
+  }
   if (src.dtype != DType::BF16 && src.dtype != DType::F16)
     throw std::invalid_argument(who + ": weight dtype " + std::string(dtype_name(src.dtype)) + " is not BF16 or F16");
   const std::int64_t E = src.experts, H = src.hidden, I = src.intermediate;
@@ -240,7 +246,7 @@ GpuOnlineReport quantize_experts_online(DeviceExpertSource& src, DeviceLutbLayer
           const std::int64_t t0 = e * tpe, lt0 = (e - e0) * tpe;
           DeviceFitOut o{t.packed + t0 * kPackedBytes, t.codebook + t0 * kCodebookSize, t.scale + t0,
                          d_sse ? d_sse + lt0 : nullptr, d_ssq ? d_ssq + lt0 : nullptr};
-          fit_binned_dp_device(t.expert_ptr(e, esz), src.dtype, v, o, opt.forced_scale, d_err, st, GpuFitKernel::Warp);
+          fit_device(t.expert_ptr(e, esz), src.dtype, v, o, fitter, opt.forced_scale, d_err, st, GpuFitKernel::Warp);
           const GpuFitError err = fetch_error();  // (checked in pass 1; a CUDA failure shows here)
           if (err.code != 0) throw std::runtime_error(who + ": tile error after the check pass");
         };
@@ -289,7 +295,7 @@ GpuOnlineReport quantize_experts_online(DeviceExpertSource& src, DeviceLutbLayer
   if (cudaGetDevice(&dev) == cudaSuccess && cudaGetDeviceProperties(&prop, dev) == cudaSuccess)
     devname = std::string(prop.name) + " (sm_" + std::to_string(prop.major) + std::to_string(prop.minor) + ")";
   log_once(opt, "LUT-B MoE on " + devname +
-                    ": weights quantised on the GPU (binned-dp) and kept packed for the CUDA LUT-B kernels "
+                    ": weights quantised on the GPU (" + gpu_fitter_name(fitter) + ") and kept packed for the CUDA LUT-B kernels "
                     "(emulated Rubin numerics; no native sm_107 path: built without sm_107 support)");
 
   rep.w13 = opt.stats ? st13 : FitStats{};

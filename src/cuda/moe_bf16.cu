@@ -22,13 +22,15 @@ void launch_gemms_bf16(const DeviceMoeWeightsBf16& w, const std::uint16_t* x, co
   constexpr int NT = 2;
   constexpr int smem = kern::kWarps * kern::Ring<false, NT>::kWarpBytes;
   const dim3 g1(static_cast<unsigned>(I / kern::gemm1_cols<NT>()), static_cast<unsigned>(slots));
-  kern::moe_gemm1_kernel<false, false, NT, MT><<<g1, kern::kWarps * 32, smem, stream>>>(w13, w.w13, x, nullptr, H, r, I,
-                                                                                         I, ws.hq, nullptr);
-  detail::check_launch("sm80_bf16_moe_gemm1");
+  detail::launch_kernel("sm80_bf16_moe_gemm1", true, kern::moe_gemm1_kernel<false, false, NT, MT>, g1,
+                        dim3(kern::kWarps * 32), smem, stream, w13, w.w13, x, static_cast<const unsigned char*>(nullptr),
+                        static_cast<long long>(H), r, static_cast<long long>(I), static_cast<long long>(I), ws.hq,
+                        static_cast<unsigned char*>(nullptr));
   const dim3 g2(static_cast<unsigned>(detail::ceil_div(w2.tiles_n, kern::kWarps * NT)), static_cast<unsigned>(slots));
-  kern::moe_gemm2_kernel<false, false, NT, MT><<<g2, kern::kWarps * 32, smem, stream>>>(w2, w.w2, ws.hq, nullptr, I, r, H,
-                                                                                         ws.y);
-  detail::check_launch("sm80_bf16_moe_gemm2");
+  detail::launch_kernel("sm80_bf16_moe_gemm2", true, kern::moe_gemm2_kernel<false, false, NT, MT>, g2,
+                        dim3(kern::kWarps * 32), smem, stream, w2, w.w2, static_cast<const uint16_t*>(ws.hq),
+                        static_cast<const unsigned char*>(nullptr), static_cast<long long>(I), r,
+                        static_cast<long long>(H), ws.y);
 }
 
 }  // namespace

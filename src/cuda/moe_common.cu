@@ -14,21 +14,29 @@ namespace {
 
 __global__ void __launch_bounds__(256)
     quantize_x_kernel(const uint16_t* __restrict__ x, long long H, long long Hp, bool swap, uint16_t* __restrict__ xa,
-                      unsigned char* __restrict__ xq8, unsigned char* __restrict__ xs) {
+                      unsigned char* __restrict__ xq8, unsigned char* __restrict__ xs, float* __restrict__ xsf) {
+  // Reads only x (the caller's input) and writes buffers no kernel still running reads (the
+  // forward's first kernel, the grouping, started after all earlier work), so it works first and
+  // waits for the grouping at the end: the GEMM it triggers reads the grouping's routing.
   const long long t = blockIdx.y;
   const long long blk = static_cast<long long>(blockIdx.x) * 8 + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
-  if (blk * 32 >= Hp) return;
-  const long long col = blk * 32 + lane;
-  const float v = col < H ? bf16_to_float(x[t * H + col]) : 0.0f;
-  float a = isfinite(v) ? fabsf(v) : INFINITY;
+  if (blk * 32 < Hp) {
+    const long long col = blk * 32 + lane;
+    const float v = col < H ? bf16_to_float(x[t * H + col]) : 0.0f;
+    float a = isfinite(v) ? fabsf(v) : INFINITY;
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
-  const unsigned char b = mx_block_scale(a, MxScaleRule::Rceil);
-  const unsigned char q8 = (b == 255) ? 0 : mx_encode(v, b);
-  xa[t * Hp + blk * 32 + (lane & ~7) + kern::perm8(lane & 7, swap)] = __half_as_ushort(__float2half_rn(e4m3_to_float(q8)));
-  if (xq8) xq8[t * Hp + col] = q8;
-  if (lane == 0) xs[t * (Hp / 32) + blk] = b;
+    for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+    const unsigned char b = mx_block_scale(a, MxScaleRule::Rceil);
+    const unsigned char q8 = (b == 255) ? 0 : mx_encode(v, b);
+    xa[t * Hp + blk * 32 + (lane & ~7) + kern::perm8(lane & 7, swap)] =
+        __half_as_ushort(__float2half_rn(e4m3_to_float(q8)));
+    if (xq8) xq8[t * Hp + col] = q8;
+    if (lane == 0) xs[t * (Hp / 32) + blk] = b;
+    if (xsf && lane == 0) xsf[t * (Hp / 32) + blk] = kern::ue8m0_f(b);
+  }
+  kern::pdl_wait();
+  kern::pdl_trigger();
 }
 
 /// Block-wide exclusive scan of one int per thread (blockDim.x == 1024).
@@ -64,6 +72,9 @@ __global__ void __launch_bounds__(1024)
                            int* __restrict__ tile_expert, int* __restrict__ tile_start, int* __restrict__ tile_count,
                            int* __restrict__ num_tiles) {
   __shared__ int cnt[1024], off[1024], cur[1024];
+  // The forward's first kernel (a normal launch: everything before it has completed). The next
+  // kernel (MXFP8 of x) does not read the routing, so it may start now.
+  kern::pdl_trigger();
   const int tid = threadIdx.x;
   cnt[tid] = 0;
   cur[tid] = 0;
@@ -95,6 +106,8 @@ __global__ void __launch_bounds__(1024)
 __global__ void __launch_bounds__(256)
     reduce_topk_kernel(const int* __restrict__ ids, const float* __restrict__ w, const float* __restrict__ y, long long T,
                        int k, int E, long long H, uint16_t* __restrict__ out) {
+  kern::pdl_wait();  // y comes from GEMM2
+  kern::pdl_trigger();
   const long long t = blockIdx.y;
   const long long n = static_cast<long long>(blockIdx.x) * 256 + threadIdx.x;
   if (n >= H) return;
@@ -163,6 +176,7 @@ Workspace carve(void* base, std::int64_t T, int k, std::int64_t E, std::int64_t 
   w.xa = reinterpret_cast<std::uint16_t*>(take(sizeof(std::uint16_t) * T * Hp));
   w.xq8 = reinterpret_cast<std::uint8_t*>(take(T * Hp));
   w.xs = reinterpret_cast<std::uint8_t*>(take(T * Hp / 32));
+  w.xsf = reinterpret_cast<float*>(take(sizeof(float) * T * Hp / 32));
   w.sorted = reinterpret_cast<int*>(take(sizeof(int) * P));
   w.tile_expert = reinterpret_cast<int*>(take(sizeof(int) * mt));
   w.tile_start = reinterpret_cast<int*>(take(sizeof(int) * mt));
@@ -171,6 +185,7 @@ Workspace carve(void* base, std::int64_t T, int k, std::int64_t E, std::int64_t 
   w.hq = reinterpret_cast<std::uint16_t*>(take(sizeof(std::uint16_t) * P * Ip));
   w.hq8 = reinterpret_cast<std::uint8_t*>(take(P * Ip));
   w.hs = reinterpret_cast<std::uint8_t*>(take(P * Ip / 32));
+  w.hsf = reinterpret_cast<float*>(take(sizeof(float) * P * Ip / 32));
   w.y = reinterpret_cast<float*>(take(sizeof(float) * P * H));
   w.bytes = o;
   return w;
@@ -212,32 +227,45 @@ bool use_cvt_decoder(int mt) {
 
 int swap_decoder() {
   if (g_decoder == WeightDecoder::BytePermute || !sm90_image()) return kern::kDecByte;
-  return g_decoder == WeightDecoder::Cvt ? kern::kDecCvt : kern::kDecFp8;
+  return g_decoder == WeightDecoder::Fp8Mma ? kern::kDecFp8 : kern::kDecCvt;
+}
+
+// Programmatic dependent launch: on unless LUTB_PDL=0 in the environment or set_dependent_launch(false).
+static int g_pdl = -1;  // -1: not set yet (read the environment)
+
+bool pdl_enabled() {
+  if (g_pdl < 0) {
+    const char* v = std::getenv("LUTB_PDL");
+    g_pdl = (v && std::strcmp(v, "0") == 0) ? 0 : 1;
+  }
+  return g_pdl == 1 && device_cc() >= 90;
 }
 
 void launch_quantize_x(const std::uint16_t* x, std::int64_t T, std::int64_t H, std::int64_t Hp, bool swap,
-                       std::uint16_t* xa, std::uint8_t* xq8, std::uint8_t* xs, cudaStream_t stream) {
+                       std::uint16_t* xa, std::uint8_t* xq8, std::uint8_t* xs, float* xsf, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(ceil_div(Hp / 32, 8)), static_cast<unsigned>(T));
-  quantize_x_kernel<<<grid, 256, 0, stream>>>(x, H, Hp, swap, xa, xq8, xs);
-  check_launch("quantize_x_kernel");
+  launch_kernel("quantize_x_kernel", true, quantize_x_kernel, grid, dim3(256), 0, stream, x,
+                static_cast<long long>(H), static_cast<long long>(Hp), swap, xa, xq8, xs, xsf);
 }
 
 void launch_group(const int* ids, std::int64_t P, std::int64_t E, int tile_rows, const Workspace& ws,
                   cudaStream_t stream) {
-  group_by_expert_kernel<<<1, 1024, 0, stream>>>(ids, P, static_cast<int>(E), tile_rows, ws.sorted, ws.tile_expert,
-                                                 ws.tile_start, ws.tile_count, ws.num_tiles);
-  check_launch("group_by_expert_kernel");
+  launch_kernel("group_by_expert_kernel", false, group_by_expert_kernel, dim3(1), dim3(1024), 0, stream, ids,
+                static_cast<long long>(P), static_cast<int>(E), tile_rows, ws.sorted, ws.tile_expert, ws.tile_start,
+                ws.tile_count, ws.num_tiles);
 }
 
 void launch_reduce(const int* ids, const float* weights, const float* y, std::int64_t T, int k, std::int64_t E,
                    std::int64_t H, std::uint16_t* out, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(ceil_div(H, 256)), static_cast<unsigned>(T));
-  reduce_topk_kernel<<<grid, 256, 0, stream>>>(ids, weights, y, T, k, static_cast<int>(E), H, out);
-  check_launch("reduce_topk_kernel");
+  launch_kernel("reduce_topk_kernel", true, reduce_topk_kernel, grid, dim3(256), 0, stream, ids, weights, y,
+                static_cast<long long>(T), k, static_cast<int>(E), static_cast<long long>(H), out);
 }
 
 }  // namespace detail
 
 void set_weight_decoder(WeightDecoder d) { detail::g_decoder = d; }
+
+void set_dependent_launch(bool enabled) { detail::g_pdl = enabled ? 1 : 0; }
 
 }  // namespace lutb::cuda

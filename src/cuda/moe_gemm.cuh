@@ -37,11 +37,6 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
-/// 2^(b-127) without branches (b = 255 -> NaN, b = 0 -> 2^-127).
-__device__ __forceinline__ float ue8m0_f(unsigned b) {
-  const float f = __int_as_float(static_cast<int>(b << 23));
-  return b == 255u ? __int_as_float(0x7fc00000) : (b == 0u ? __int_as_float(0x00400000) : f);
-}
 
 /// One warp's share of a grouped GEMM: NT n8 weight strips (rows strip[i]*8..+7 of expert e) times
 /// MT m16 token tiles, over K = 64 * tiles_k columns. acc[i][m][4] FP32.
@@ -272,6 +267,8 @@ __global__ void __launch_bounds__(kWarps * 32)
                      uint16_t* __restrict__ hq, unsigned char* __restrict__ hs) {
   constexpr int G = NT / 2;                 // gate strips per warp
   constexpr int kWarpsPerBlock = 8 / NT;    // warps sharing one 32-column MXFP8 block
+  pdl_wait();  // the routing and x come from the kernels before
+  pdl_trigger();
   int e, pair[MT][2];
   if (!tile_rows<MT>(r, blockIdx.y, e, pair)) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -379,6 +376,8 @@ __global__ void __launch_bounds__(kWarps * 32)
     moe_gemm2_kernel(LutbW w, const uint16_t* __restrict__ wbf16, const uint16_t* __restrict__ ha,
                      const unsigned char* __restrict__ hs, long long Ip, Routing r, long long H,
                      float* __restrict__ y) {
+  pdl_wait();  // h comes from GEMM1
+  pdl_trigger();
   int e, pair[MT][2];
   if (!tile_rows<MT>(r, blockIdx.y, e, pair)) return;
   const int warp = threadIdx.x >> 5, t = threadIdx.x & 3;

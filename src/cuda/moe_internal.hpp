@@ -6,7 +6,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 
+#include "common.cuh"
 #include "moe_kernels.cuh"
 
 namespace lutb::cuda::detail {
@@ -16,6 +18,7 @@ struct Workspace {
   std::uint16_t* xa = nullptr;     // [T, Hp] FP16 E4M3 values (LUT-B path)
   std::uint8_t* xq8 = nullptr;     // [T, Hp] E4M3 bytes (swap-AB FP8 decoder)
   std::uint8_t* xs = nullptr;      // [T, Hp/32] UE8M0
+  float* xsf = nullptr;            // [T, Hp/32] the same scales as FP32 2^(b-127) (swap-AB kernels)
   int* sorted = nullptr;           // [P]
   int* tile_expert = nullptr;      // [max_tiles]
   int* tile_start = nullptr;       // [max_tiles]
@@ -24,6 +27,7 @@ struct Workspace {
   std::uint16_t* hq = nullptr;     // [P, Ip]
   std::uint8_t* hq8 = nullptr;     // [P, Ip] E4M3 bytes (swap-AB FP8 decoder)
   std::uint8_t* hs = nullptr;      // [P, Ip/32]
+  float* hsf = nullptr;            // [P, Ip/32] FP32 block scales of h (swap-AB kernels)
   float* y = nullptr;              // [P, H]
   std::size_t bytes = 0;
 };
@@ -42,17 +46,44 @@ int resolve_mt(MoeStrategy s, std::int64_t tokens, int top_k, std::int64_t exper
 /// conversion instruction on the current device (set_weight_decoder's policy).
 bool use_cvt_decoder(int mt);
 /// Weight decoder of the swap-AB kernels on the current device (kern::kDecByte / kDecCvt / kDecFp8):
-/// Auto and Fp8Mma -> FP8 on sm_90 devices; Cvt -> Cvt on sm_90; otherwise the byte trick.
+/// Auto and Cvt -> Cvt on sm_90 devices; Fp8Mma -> FP8 on sm_90; otherwise the byte trick.
 int swap_decoder();
 
+/// True when the forward uses programmatic dependent launch: the device is sm_90+ and neither
+/// LUTB_PDL=0 (environment, read once) nor set_dependent_launch(false) turned it off.
+bool pdl_enabled();
+
+/// Launches `kernel` (named `name` in errors) on `stream`. `dependent`: a forward kernel after the
+/// first, launched with cudaLaunchAttributeProgrammaticStreamSerialization when pdl_enabled(); such a
+/// kernel must follow the PDL rules of moe_kernels.cuh (pdl_wait before reading its predecessor's
+/// output, pdl_trigger only after pdl_wait). Capture-safe (no host synchronisation).
+template <class... Params, class... Args>
+void launch_kernel(const char* name, bool dependent, void (*kernel)(Params...), dim3 grid, dim3 block,
+                   std::size_t smem, cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = dependent && pdl_enabled() ? 1 : 0;
+  check(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...), name);
+}
+
 /// x [T, H] BF16 -> MXFP8 (rceil) as FP16 E4M3 values in the decoder's column order (xa), as E4M3
-/// bytes in natural order (xq8, when not null) and UE8M0 scales (xs).
+/// bytes in natural order (xq8, when not null), UE8M0 scales (xs) and the same scales as FP32
+/// (xsf, when not null). A dependent launch (it runs after launch_group).
 void launch_quantize_x(const std::uint16_t* x, std::int64_t T, std::int64_t H, std::int64_t Hp, bool swap,
-                       std::uint16_t* xa, std::uint8_t* xq8, std::uint8_t* xs, cudaStream_t stream);
-/// Groups the pairs p = t*k + j by expert into token tiles of `tile_rows` rows.
+                       std::uint16_t* xa, std::uint8_t* xq8, std::uint8_t* xs, float* xsf, cudaStream_t stream);
+/// Groups the pairs p = t*k + j by expert into token tiles of `tile_rows` rows. The first kernel of
+/// every forward (never a dependent launch: it waits for all earlier work in the stream).
 void launch_group(const int* ids, std::int64_t pairs, std::int64_t experts, int tile_rows, const Workspace& ws,
                   cudaStream_t stream);
 /// out[t, n] = bf16(sum_j w[t, j] * y[t*k + j, n]); NaN rows for tokens with an invalid expert id.
+/// A dependent launch.
 void launch_reduce(const int* ids, const float* weights, const float* y, std::int64_t T, int k, std::int64_t E,
                    std::int64_t H, std::uint16_t* out, cudaStream_t stream);
 

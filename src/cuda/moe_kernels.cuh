@@ -53,6 +53,20 @@ __device__ __forceinline__ unsigned e4m3x2_to_f16x2(unsigned short v) {
 #endif
 }
 
+/// 4 E4M3 bytes -> FP16x2 of bytes (0, 1) in lo and of bytes (2, 3) in hi. The register is split
+/// with mov.b32 {l, h} so that ptxas reads the high half as an operand (F2FP ... R.H1) instead of
+/// shifting it first.
+__device__ __forceinline__ void e4m3x4_to_f16x2x2(unsigned p, unsigned& lo, unsigned& hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.rn.f16x2.e4m3x2 %0, l;\n\tcvt.rn.f16x2.e4m3x2 %1, h;\n\t}"
+      : "=r"(lo), "=r"(hi)
+      : "r"(p));
+#else
+  lo = e4m3x2_to_f16x2(static_cast<unsigned short>(p & 0xffffu));
+  hi = e4m3x2_to_f16x2(static_cast<unsigned short>(p >> 16));
+#endif
+}
+
 /// Decodes 8 indices given as two PRMT selectors (lane-major order, lutb/cuda/lane_major.hpp: sa =
 /// columns +0..3, sb = +4..7 of the lane's 8 columns of one MXFP8 block) against codebook bytes
 /// cb_lo (entries 0..3) and cb_hi (4..7) into four FP16x2 registers.
@@ -65,10 +79,8 @@ __device__ __forceinline__ void decode_group(unsigned sa, unsigned sb, unsigned 
   const unsigned y1 = __byte_perm(cb_lo, cb_hi, sa);
   const unsigned y2 = __byte_perm(cb_lo, cb_hi, sb);
   if constexpr (kCvt) {
-    b[0] = e4m3x2_to_f16x2(static_cast<unsigned short>(y1 & 0xffffu));
-    b[1] = e4m3x2_to_f16x2(static_cast<unsigned short>(y1 >> 16));
-    b[2] = e4m3x2_to_f16x2(static_cast<unsigned short>(y2 & 0xffffu));
-    b[3] = e4m3x2_to_f16x2(static_cast<unsigned short>(y2 >> 16));
+    e4m3x4_to_f16x2x2(y1, b[0], b[1]);
+    e4m3x4_to_f16x2x2(y2, b[2], b[3]);
   } else {
     // bytes 0 and 2 -> (lane0, lane1) of one register; bytes 1 and 3 -> the other.
     b[0] = ((y1 << 8) & 0x80008000u) | ((y1 << 7) & 0x3f803f80u);
@@ -101,6 +113,41 @@ __device__ __forceinline__ float ue8m0_scale(unsigned b, int extra) {
   if (b + extra == 0u) return __int_as_float(0x00400000);
   return __int_as_float(static_cast<int>((b + extra) << 23));
 }
+
+/// 2^(b-127) without branches (b = 255 -> NaN, b = 0 -> 2^-127).
+__device__ __forceinline__ float ue8m0_f(unsigned b) {
+  const float f = __int_as_float(static_cast<int>(b << 23));
+  return b == 255u ? __int_as_float(0x7fc00000) : (b == 0u ? __int_as_float(0x00400000) : f);
+}
+
+// ---------------------------------------------------------------------------
+// Programmatic dependent launch (PDL, sm_90+; CUDA programming guide, "Programmatic Dependent
+// Launch and Synchronization"). The forward launches every kernel after the first with
+// cudaLaunchAttributeProgrammaticStreamSerialization (moe_internal.hpp launch_kernel), so a kernel
+// may start while its predecessor finishes. Rules every forward kernel follows:
+//  - pdl_wait() before reading anything the PREVIOUS kernel writes (it returns once that grid has
+//    completed and its memory is visible; a no-op when the launch had no programmatic dependency);
+//  - pdl_trigger() only AFTER its own pdl_wait(), so that when a kernel starts, the kernel two
+//    launches back has completed: the swap-AB GEMMs read the routing (written by the grouping two
+//    launches back) and prefetch weights before their wait.
+// Both compile to nothing below sm_90.
+// ---------------------------------------------------------------------------
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+struct PdlWaitAndTrigger {
+  __device__ __forceinline__ void operator()() const {
+    pdl_wait();
+    pdl_trigger();
+  }
+};
 
 // ---------------------------------------------------------------------------
 // Work description shared by the kernels

@@ -61,13 +61,15 @@ void launch_swapab(const DeviceMoeWeights& w, const kern::Routing& r, const deta
   const std::int64_t groups1 = Ip / 32, groups2 = detail::ceil_div(w2.tiles_n, 8);
   const int nw1 = swap_warps(touched * groups1, w13.tiles_k), nw2 = swap_warps(touched * groups2, w2.tiles_k);
   const dim3 g1(static_cast<unsigned>(groups1), static_cast<unsigned>(slots));
-  kern::swapab_gemm1_kernel<kDec, NB><<<g1, 32 * nw1, kern::swap_smem_bytes<NB>(nw1), stream>>>(
-      w13, xa, ws.xs, Hp, r, I, Ip, hq, ws.hs);
-  detail::check_launch("sm80_lutb_mxfp8_moe_gemm1_swapab");
+  detail::launch_kernel("sm80_lutb_mxfp8_moe_gemm1_swapab", true, kern::swapab_gemm1_kernel<kDec, NB>, g1,
+                        dim3(32 * nw1), kern::swap_smem_bytes<NB>(nw1), stream, w13, xa,
+                        static_cast<const float*>(ws.xsf), static_cast<long long>(Hp), r, static_cast<long long>(I),
+                        static_cast<long long>(Ip), hq, ws.hsf);
   const dim3 g2(static_cast<unsigned>(groups2), static_cast<unsigned>(slots));
-  kern::swapab_gemm2_kernel<kDec, NB><<<g2, 32 * nw2, kern::swap_smem_bytes<NB>(nw2), stream>>>(w2, hq, ws.hs, Ip, r,
-                                                                                               H, ws.y);
-  detail::check_launch("sm80_lutb_mxfp8_moe_gemm2_swapab");
+  detail::launch_kernel("sm80_lutb_mxfp8_moe_gemm2_swapab", true, kern::swapab_gemm2_kernel<kDec, NB>, g2,
+                        dim3(32 * nw2), kern::swap_smem_bytes<NB>(nw2), stream, w2, static_cast<const void*>(hq),
+                        static_cast<const float*>(ws.hsf), static_cast<long long>(Ip), r, static_cast<long long>(H),
+                        ws.y);
 }
 
 template <bool kCvt, int MT>
@@ -84,13 +86,16 @@ void launch_gemms(const DeviceMoeWeights& w, const kern::Routing& r, const detai
   constexpr int NT = 4;
   constexpr int smem = kern::kWarps * kern::Ring<true, NT>::kWarpBytes;
   const dim3 g1(static_cast<unsigned>(Ip / kern::gemm1_cols<NT>()), static_cast<unsigned>(slots));
-  kern::moe_gemm1_kernel<true, kCvt, NT, MT><<<g1, kern::kWarps * 32, smem, stream>>>(w13, nullptr, ws.xa, ws.xs, Hp, r,
-                                                                                      I, Ip, ws.hq, ws.hs);
-  detail::check_launch("sm80_lutb_mxfp8_moe_gemm1");
+  detail::launch_kernel("sm80_lutb_mxfp8_moe_gemm1", true, kern::moe_gemm1_kernel<true, kCvt, NT, MT>, g1,
+                        dim3(kern::kWarps * 32), smem, stream, w13, static_cast<const uint16_t*>(nullptr),
+                        static_cast<const uint16_t*>(ws.xa), static_cast<const unsigned char*>(ws.xs),
+                        static_cast<long long>(Hp), r, static_cast<long long>(I), static_cast<long long>(Ip), ws.hq,
+                        ws.hs);
   const dim3 g2(static_cast<unsigned>(detail::ceil_div(w2.tiles_n, kern::kWarps * NT)), static_cast<unsigned>(slots));
-  kern::moe_gemm2_kernel<true, kCvt, NT, MT><<<g2, kern::kWarps * 32, smem, stream>>>(w2, nullptr, ws.hq, ws.hs, Ip, r,
-                                                                                      H, ws.y);
-  detail::check_launch("sm80_lutb_mxfp8_moe_gemm2");
+  detail::launch_kernel("sm80_lutb_mxfp8_moe_gemm2", true, kern::moe_gemm2_kernel<true, kCvt, NT, MT>, g2,
+                        dim3(kern::kWarps * 32), smem, stream, w2, static_cast<const uint16_t*>(nullptr),
+                        static_cast<const uint16_t*>(ws.hq), static_cast<const unsigned char*>(ws.hs),
+                        static_cast<long long>(Ip), r, static_cast<long long>(H), ws.y);
 }
 
 void check_shape(const DeviceLutb& d, std::int64_t E, std::int64_t N, std::int64_t K, const char* what) {
@@ -132,11 +137,17 @@ void moe_forward(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t
   const bool small_experts = std::max(w.w13.shape.tiles_per_expert(), w.w2.shape.tiles_per_expert()) * 192 < (1ll << 31);
   if (s == MoeStrategy::Decode && !small_experts) s = MoeStrategy::DecodeM16;
   if (s == MoeStrategy::Decode) {
-    const int nb = decode_token_blocks(tokens, top_k, E);
+    // Benchmarking knob: LUTB_SWAPAB_NB = 1, 2 or 4 forces the token blocks per CTA (read once).
+    static const int forced_nb = [] {
+      const char* v = std::getenv("LUTB_SWAPAB_NB");
+      const int n = v ? std::atoi(v) : 0;
+      return n == 1 || n == 2 || n == 4 ? n : 0;
+    }();
+    const int nb = forced_nb ? forced_nb : decode_token_blocks(tokens, top_k, E);
     const int dec = detail::swap_decoder();
-    detail::launch_quantize_x(x, tokens, H, w.w13.shape.padded_cols(), dec == kern::kDecByte, ws.xa, ws.xq8, ws.xs,
-                              stream);
     detail::launch_group(topk_ids, P, E, 8 * nb, ws, stream);
+    detail::launch_quantize_x(x, tokens, H, w.w13.shape.padded_cols(), dec == kern::kDecByte, ws.xa,
+                              dec == kern::kDecFp8 ? ws.xq8 : nullptr, ws.xs, ws.xsf, stream);
     auto go = [&](auto dec_c) {
       constexpr int kD = decltype(dec_c)::value;
       if (nb == 1) launch_swapab<kD, 1>(w, r, ws, P, stream);
@@ -148,14 +159,15 @@ void moe_forward(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t
     else go(std::integral_constant<int, kern::kDecByte>{});
   } else if (s == MoeStrategy::Prefill) {
     // CTA-tiled prefill GEMMs (moe_prefill.hpp): 64-token tiles, weights decoded once per CTA.
-    detail::launch_quantize_x(x, tokens, H, w.w13.shape.padded_cols(), /*swap=*/false, ws.xa, nullptr, ws.xs, stream);
     detail::launch_group(topk_ids, P, E, kPrefillTileRows, ws, stream);
+    detail::launch_quantize_x(x, tokens, H, w.w13.shape.padded_cols(), /*swap=*/false, ws.xa, nullptr, ws.xs, nullptr,
+                              stream);
     detail::launch_lutb_prefill_gemms(w, r, ws, P, stream);
   } else {
     // DecodeM16: tokens as the M operand, one m16 token tile per warp.
     const bool cvt = detail::use_cvt_decoder(1);
-    detail::launch_quantize_x(x, tokens, H, w.w13.shape.padded_cols(), !cvt, ws.xa, nullptr, ws.xs, stream);
     detail::launch_group(topk_ids, P, E, 16, ws, stream);
+    detail::launch_quantize_x(x, tokens, H, w.w13.shape.padded_cols(), !cvt, ws.xa, nullptr, ws.xs, nullptr, stream);
     if (cvt) launch_gemms<true, 1>(w, r, ws, P, stream);
     else launch_gemms<false, 1>(w, r, ws, P, stream);
   }

@@ -41,8 +41,9 @@ void launch_lutb_prefill_gemms(const DeviceMoeWeights& w, const kern::Routing& r
   if (P <= 0) return;
   // a = mxfp8_qdq(x) as BF16, in place over xa.
   const std::int64_t n8 = T * Hp / 8;
-  pf::xa_to_bf16_kernel<<<static_cast<unsigned>(ceil_div(n8, 256)), 256, 0, stream>>>(ws.xa, ws.xs, n8, Hp);
-  check_launch("sm80_lutb_moe_prefill_xa_to_bf16");
+  launch_kernel("sm80_lutb_moe_prefill_xa_to_bf16", true, pf::xa_to_bf16_kernel,
+                dim3(static_cast<unsigned>(ceil_div(n8, 256))), dim3(256), 0, stream, ws.xa, ws.xs,
+                static_cast<long long>(n8), static_cast<long long>(Hp));
 
   const kern::LutbW w13{w.w13.packed, w.w13.codebook, w.w13.scale, w.w13.shape.tiles_n(), w.w13.shape.tiles_k(),
                         w.w13.shape.tiles()};
@@ -61,11 +62,12 @@ void launch_lutb_prefill_gemms(const DeviceMoeWeights& w, const kern::Routing& r
     if (dev < 64) smem_opt_in[dev] = true;
   }
   const dim3 g1(static_cast<unsigned>(Ip / 64), static_cast<unsigned>(slots));
-  pf::prefill_gemm1_kernel<<<g1, pf::kThreads, pf::kSmemBytes, stream>>>(w13, ws.xa, Hp, r, I, Ip, ws.hq);
-  check_launch("sm80_lutb_mxfp8_moe_gemm1_prefill_bf16fold");
+  launch_kernel("sm80_lutb_mxfp8_moe_gemm1_prefill_bf16fold", true, pf::prefill_gemm1_kernel, g1, dim3(pf::kThreads),
+                pf::kSmemBytes, stream, w13, ws.xa, static_cast<long long>(Hp), r, static_cast<long long>(I),
+                static_cast<long long>(Ip), ws.hq);
   const dim3 g2(static_cast<unsigned>(ceil_div(w2.tiles_n, pf::kStrips)), static_cast<unsigned>(slots));
-  pf::prefill_gemm2_kernel<<<g2, pf::kThreads, pf::kSmemBytes, stream>>>(w2, ws.hq, Ip, r, H, ws.y);
-  check_launch("sm80_lutb_mxfp8_moe_gemm2_prefill_bf16fold");
+  launch_kernel("sm80_lutb_mxfp8_moe_gemm2_prefill_bf16fold", true, pf::prefill_gemm2_kernel, g2, dim3(pf::kThreads),
+                pf::kSmemBytes, stream, w2, ws.hq, static_cast<long long>(Ip), r, static_cast<long long>(H), ws.y);
 }
 
 }  // namespace detail
@@ -88,8 +90,9 @@ void moe_forward_lutb_prefill(const DeviceMoeWeights& w, const std::uint16_t* x,
     throw std::invalid_argument("moe_forward_lutb_prefill: workspace of " + std::to_string(workspace_bytes) +
                                 " bytes, need " + std::to_string(ws.bytes));
   const std::int64_t P = tokens * top_k;
-  detail::launch_quantize_x(x, tokens, H, w.w13.shape.padded_cols(), /*swap=*/false, ws.xa, nullptr, ws.xs, stream);
   detail::launch_group(topk_ids, P, E, kPrefillTileRows, ws, stream);
+  detail::launch_quantize_x(x, tokens, H, w.w13.shape.padded_cols(), /*swap=*/false, ws.xa, nullptr, ws.xs, nullptr,
+                            stream);
   const kern::Routing r{topk_ids, topk_weights, ws.sorted, ws.tile_expert, ws.tile_start, ws.tile_count, ws.num_tiles,
                         top_k};
   detail::launch_lutb_prefill_gemms(w, r, ws, P, stream);

@@ -278,6 +278,8 @@ __device__ __forceinline__ int pair_of(const Routing& r, int start, int count, i
 /// n8 = T * Hp / 8 groups of 8 values.
 __global__ void __launch_bounds__(256)
     xa_to_bf16_kernel(uint16_t* __restrict__ xa, const unsigned char* __restrict__ xs, long long n8, long long Hp) {
+  pdl_wait();  // xa, xs come from the MXFP8 of x (PDL rules: moe_kernels.cuh)
+  pdl_trigger();
   const long long i = static_cast<long long>(blockIdx.x) * 256 + threadIdx.x;
   if (i >= n8) return;
   const long long e0 = i * 8, tok = e0 / Hp, col = e0 - tok * Hp;
@@ -298,6 +300,8 @@ __global__ void __launch_bounds__(256)
 __global__ void __launch_bounds__(kThreads, 2)
     prefill_gemm1_kernel(LutbW w, const uint16_t* __restrict__ a, long long Hp, Routing r, long long I, long long Ip,
                          uint16_t* __restrict__ hq) {
+  pdl_wait();
+  pdl_trigger();
   if (static_cast<int>(blockIdx.y) >= *r.num_tiles) return;
   const int slot = blockIdx.y;
   const long long e = r.tile_expert[slot];
@@ -375,6 +379,8 @@ __global__ void __launch_bounds__(kThreads, 2)
 __global__ void __launch_bounds__(kThreads, 2)
     prefill_gemm2_kernel(LutbW w, const uint16_t* __restrict__ hq, long long Ip, Routing r, long long H,
                          float* __restrict__ y) {
+  pdl_wait();
+  pdl_trigger();
   if (static_cast<int>(blockIdx.y) >= *r.num_tiles) return;
   const int slot = blockIdx.y;
   const long long e = r.tile_expert[slot];

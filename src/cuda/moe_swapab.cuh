@@ -42,7 +42,10 @@ namespace lutb::cuda::kern {
 /// codebooks. The scale bytes (1 per tile) are loaded into registers one K-tile ahead instead.
 struct SwapRing {
   static constexpr int kStrips = 8;
-  static constexpr int kStages = 6;
+#ifndef LUTB_SWAPAB_STAGES
+#define LUTB_SWAPAB_STAGES 6
+#endif
+  static constexpr int kStages = LUTB_SWAPAB_STAGES;  // a tuning build may override it
   static constexpr int kCb = kStrips * 192;        // [8][8] codebook bytes
   static constexpr int kStageBytes = kCb + kStrips * 8;
   static constexpr int kWarpBytes = kStages * kStageBytes;
@@ -106,8 +109,7 @@ __device__ __forceinline__ void mma_e4m3_zero(float (&d)[4], const unsigned (&a)
 template <bool kCvt>
 __device__ __forceinline__ void bytes_to_f16(unsigned p, unsigned& lo, unsigned& hi) {
   if constexpr (kCvt) {
-    lo = e4m3x2_to_f16x2(static_cast<unsigned short>(p & 0xffffu));
-    hi = e4m3x2_to_f16x2(static_cast<unsigned short>(p >> 16));
+    e4m3x4_to_f16x2x2(p, lo, hi);
   } else {
     lo = ((p << 8) & 0x80008000u) | ((p << 7) & 0x3f803f80u);
     hi = (p & 0x80008000u) | ((p >> 1) & 0x3f803f80u);
@@ -150,16 +152,34 @@ __device__ __forceinline__ bool swap_tile(const Routing& r, int slot, int& exper
   return true;
 }
 
+/// cp.async of 16 (8) bytes into shared memory that writes zeros when `bytes` is 0 (the source is
+/// then not read): missing strips get zero index bytes and a zero codebook with no branch.
+__device__ __forceinline__ void cp_async16_zfill(unsigned s, const void* gmem, unsigned bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async8_zfill(unsigned s, const void* gmem, unsigned bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
+}
+
 /// One warp's K-range [k0, k1) of the swap-AB product for 8 strips and NB token n-blocks.
-/// arow[nb]: activation row of token g (null: zeros): FP16 E4M3 values, or E4M3 bytes for kDecFp8; srow[nb][u]: UE8M0 row of the tokens of
-/// accumulator columns 2t+u (null: 0). acc[m][nb][4]: FP32, rows (a: g, b: g+8) x cols (2t, 2t+1).
-/// Per-strip offsets are 32-bit (one expert's packed bytes stay below 2^31: checked by the host);
-/// the expert base is 64-bit.
-template <int kDec, int NB>
+/// arow[nb]: activation row of token g: FP16 E4M3 values, or E4M3 bytes for kDecFp8.
+/// srow[nb][u]: FP32 block-scale row (2^(b-127) per 32 columns, written by quantize_x / GEMM1) of
+/// the token of accumulator column 2t+u. acc[m][nb][4]: FP32, rows (a: g, b: g+8) x cols (2t, 2t+1).
+///
+/// Per-K-tile bookkeeping is kept to a few instructions, because decode is bound by instruction
+/// issue (docs/perf/moe-gpu.md): the copy sources are per-lane pointers advanced by a constant, the
+/// missing strips are zero-filled by the copy itself, the 8 tile scales are loaded and converted by
+/// lanes 0..7 (lane & 7) and broadcast with 8 shuffles, and the activation block scales arrive as
+/// FP32 (one 8-byte load per token and K-tile, no conversion).
+/// `before_wait` runs after the first ring stages are issued and before the first activation load:
+/// the kernels put the programmatic-dependent-launch wait there, so the weight prefetch overlaps
+/// the previous kernel's tail.
+template <int kDec, int NB, class BeforeWait>
 __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, const long long (&strip)[8],
                                                const bool (&ok)[8], const void* const (&arow)[NB],
-                                               const unsigned char* const (&srow)[NB][2], int nblocks, long long k0,
-                                               long long k1, unsigned char* ring, float (&acc)[4][NB][4]) {
+                                               const float* const (&srow)[NB][2], int nblocks, long long k0,
+                                               long long k1, unsigned char* ring, float (&acc)[4][NB][4],
+                                               BeforeWait&& before_wait) {
   using R = SwapRing;
   const int lane = threadIdx.x & 31, t = lane & 3;
 #pragma unroll
@@ -168,106 +188,136 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
     for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
       for (int r = 0; r < 4; ++r) acc[m][nb][r] = 0.0f;
-  if (k0 >= k1) return;
+  if (k0 >= k1) {
+    before_wait();
+    return;
+  }
 
   const long long tiles_k = w.tiles_k;
   const int n = static_cast<int>(k1 - k0);
   const unsigned ring_s = static_cast<unsigned>(__cvta_generic_to_shared(ring));
-  // Missing strips (past the matrix) read a zero codebook: their products vanish with no test in
-  // the loop. Their ring bytes are never copied, so zero the codebook slots of every stage once.
-  if (lane < R::kStrips) {
-#pragma unroll
-    for (int i = 0; i < R::kStrips; ++i)
-      if (i == lane && !ok[i])
-        for (int st = 0; st < R::kStages; ++st)
-          *reinterpret_cast<uint2*>(ring + st * R::kStageBytes + R::kCb + 8 * i) = make_uint2(0u, 0u);
-  }
-  __syncwarp();
-  // Copies of one K-tile: rounds 0..2 = 96 index chunks (strip q/12, chunk q%12), round 3 = the 8
-  // codebooks (lanes 0..7). Sources advance by 192 (indices) and 8 (codebooks) bytes per K-tile.
   const long long tile0 = e * w.tiles_n * tiles_k + k0;  // tile index of (e, strip 0, k0)
-  const unsigned char* const pk_base = w.packed + tile0 * 192;
-  const unsigned char* const cb_base = w.codebook + tile0 * 8;
-  const unsigned char* const sc_base = w.scale + tile0;
-  int off[4], dsto[4];
-  bool cp_ok[4];
+  // Copies of one K-tile: j = 0..2: 16 index bytes, chunk q % 12 of strip q / 12 (q = lane + 32 j);
+  // j = 3 (lanes 0..7): the codebook of strip `lane`. Sources advance by 192 / 8 bytes per K-tile.
+  const unsigned char* src[4];
+  unsigned dst[4], bytes[4];
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const int q = lane + 32 * j;
-    const int i = j < 3 ? q / 12 : lane;
+    const int i = j < 3 ? q / 12 : (lane & 7);
     long long si = 0;
     bool sok = false;
 #pragma unroll
     for (int u = 0; u < R::kStrips; ++u)
-      if (u == i) { si = strip[u]; sok = ok[u]; }
-    cp_ok[j] = j < 3 ? sok : (lane < R::kStrips && sok);
-    off[j] = static_cast<int>(si * tiles_k) * (j < 3 ? 192 : 8) + (j < 3 ? (q % 12) * 16 : 0);
-    dsto[j] = j < 3 ? i * 192 + (q % 12) * 16 : R::kCb + 8 * lane;
+      if (u == i) {
+        si = strip[u];
+        sok = ok[u];
+      }
+    const long long tile = tile0 + (sok ? si : 0) * tiles_k;
+    if (j < 3) {
+      src[j] = w.packed + tile * 192 + (q % 12) * 16;
+      dst[j] = static_cast<unsigned>(i * 192 + (q % 12) * 16);
+      bytes[j] = sok ? 16u : 0u;
+    } else {
+      src[j] = w.codebook + tile * 8;
+      dst[j] = static_cast<unsigned>(R::kCb + 8 * i);
+      bytes[j] = sok ? 8u : 0u;
+    }
   }
-  int soff[8];  // scale byte offsets of the 8 strips (missing strips read strip 0's: their
-                // codebooks are zero, so any finite scale gives them zero products)
+  const bool cb_lane = lane < R::kStrips;
+  // Tile scales: lane i (mod 8) reads strip i's byte (missing strips read strip 0's: their
+  // codebooks are zero, so any finite scale gives zero products).
+  const unsigned char* scp;
+  {
+    const int i = lane & 7;
+    long long si = 0;
+    bool sok = false;
 #pragma unroll
-  for (int i = 0; i < 8; ++i) soff[i] = ok[i] ? static_cast<int>(strip[i] * tiles_k) : 0;
+    for (int u = 0; u < R::kStrips; ++u)
+      if (u == i) {
+        si = strip[u];
+        sok = ok[u];
+      }
+    scp = w.scale + tile0 + (sok ? si : 0) * tiles_k;
+  }
 
-  auto issue = [&](int kk, int slot) {
+  // K-tiles are issued in order, so the sources are running pointers.
+  auto issue = [&](int kk, unsigned slot_addr) {
     if (kk < n) {
-      const unsigned st = ring_s + static_cast<unsigned>(slot * R::kStageBytes);
 #pragma unroll
-      for (int j = 0; j < 3; ++j)
-        if (cp_ok[j]) cp_async16(st + dsto[j], pk_base + off[j] + static_cast<long long>(kk) * 192);
-      if (cp_ok[3]) cp_async8(st + dsto[3], cb_base + off[3] + static_cast<long long>(kk) * 8);
+      for (int j = 0; j < 3; ++j) {
+        cp_async16_zfill(slot_addr + dst[j], src[j], bytes[j]);
+        src[j] += 192;
+      }
+      if (cb_lane) cp_async8_zfill(slot_addr + dst[3], src[3], bytes[3]);
+      src[3] += 8;
     }
     cp_async_commit();
   };
 
-  // Activations of one K-tile: token g's 2 x 8 FP16 values, scales of tokens 2t, 2t+1 (2 blocks),
-  // and the 8 tile scales as FP32 (times 2^8 for the byte decoder).
+  // Activations of one K-tile: token g's E4M3 bytes (or FP16 values) of both 32-column blocks, the
+  // FP32 block scales of tokens 2t, 2t+1, and the 8 tile scales as FP32 (times 2^8 for the byte
+  // decoder).
   struct XTile {
     uint4 v[NB][2];
     float sx[NB][2][2];  // [nb][block][u]
     float fw[8];
   };
   const float wmul = kDec == kDecByte ? 256.0f : 1.0f;  // the byte trick's 2^-8
-  auto load_x = [&](int kk, XTile& x) {
-    const long long kt = k0 + kk;
+  auto load_w = [&](int kk, XTile& x) {
+    const float f = ue8m0_f(__ldg(scp + kk)) * wmul;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      x.fw[i] = kUe8m0.v[__ldg(sc_base + soff[i] + kk)];
-      if constexpr (kDec == kDecByte) x.fw[i] *= wmul;
-    }
+    for (int i = 0; i < 8; ++i) x.fw[i] = __shfl_sync(0xffffffffu, f, i);
+  };
+  // Per-lane bases at k0 (this lane's 8 columns of block 0), indexed by the 32-bit kk below.
+  const unsigned char* abase[NB];  // activation bytes (kDecFp8) or FP16 values, K-tile k0
+  const float2* sbase[NB][2];      // the two block scales of K-tile k0
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    abase[nb] = static_cast<const unsigned char*>(arow[nb]) + (k0 * 64 + 8 * t) * (kDec == kDecFp8 ? 1 : 2);
+#pragma unroll
+    for (int u = 0; u < 2; ++u) sbase[nb][u] = reinterpret_cast<const float2*>(srow[nb][u] + 2 * k0);
+  }
+  auto load_x = [&](int kk, XTile& x) {
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
       if (nb > 0 && nb >= nblocks) continue;
 #pragma unroll
       for (int blk = 0; blk < 2; ++blk) {
         if constexpr (kDec == kDecFp8) {  // 8 E4M3 bytes: columns 8t..8t+7 of the block
-          const uint2 v = __ldg(reinterpret_cast<const uint2*>(static_cast<const unsigned char*>(arow[nb]) + kt * 64 +
-                                                               32 * blk + 8 * t));
+          const uint2 v = __ldg(reinterpret_cast<const uint2*>(abase[nb] + kk * 64 + 32 * blk));
           x.v[nb][blk] = make_uint4(v.x, v.y, 0u, 0u);
-        } else {
-          x.v[nb][blk] = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(arow[nb]) + kt * 64 +
-                                                              32 * blk + 8 * t));
+        } else {  // 8 FP16 values
+          x.v[nb][blk] = __ldg(reinterpret_cast<const uint4*>(abase[nb] + kk * 128 + 64 * blk));
         }
       }
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
-        const unsigned s2 = __ldg(reinterpret_cast<const unsigned short*>(srow[nb][u] + 2 * kt));
-        x.sx[nb][0][u] = ue8m0_f(s2 & 0xffu);
-        x.sx[nb][1][u] = ue8m0_f(s2 >> 8);
+        const float2 sc = __ldg(sbase[nb][u] + kk);
+        x.sx[nb][0][u] = sc.x;
+        x.sx[nb][1][u] = sc.y;
       }
     }
   };
 
 #pragma unroll
-  for (int s = 0; s < R::kStages - 1; ++s) issue(s, s);
+  for (int s = 0; s < R::kStages - 1; ++s) issue(s, ring_s + s * R::kStageBytes);
   XTile cur;
+  load_w(0, cur);
+  before_wait();
   load_x(0, cur);
   int slot = 0;  // ring slot of K-tile kk
 
+  // Unrolled by two so that cur / nxt alternate registers instead of being copied.
+#pragma unroll 2
   for (int kk = 0; kk < n; ++kk) {
-    issue(kk + R::kStages - 1, slot == 0 ? R::kStages - 1 : slot - 1);
+    issue(kk + R::kStages - 1, ring_s + (slot == 0 ? R::kStages - 1 : slot - 1) * R::kStageBytes);
+    // Next K-tile's scales and activations (the last iteration reloads its own: no test on the
+    // register copy below).
     XTile nxt;
-    if (kk + 1 < n) load_x(kk + 1, nxt);
+    const int kn = kk + 1 < n ? kk + 1 : kk;
+    load_w(kn, nxt);
+    load_x(kn, nxt);
     cp_async_wait<R::kStages - 1>();
     __syncwarp();
     const unsigned char* st = ring + slot * R::kStageBytes;
@@ -281,10 +331,15 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
         const int i = 2 * m + ab;
         const unsigned x = *reinterpret_cast<const unsigned*>(st + i * 192 + 4 * lane);
         const unsigned y = *reinterpret_cast<const unsigned short*>(st + i * 192 + 128 + 2 * lane);
-        sel[ab][0] = x & 0x7777u;
-        sel[ab][1] = (x >> 16) & 0x7777u;
+        const unsigned xm = x & 0x77777777u;  // PRMT reads only the low 16 selector bits
+        sel[ab][0] = xm;
+        sel[ab][1] = xm >> 16;
         sel[ab][2] = y & 0x7777u;
-        sel[ab][3] = ((x >> 3) & 0x1111u) | ((x >> 18) & 0x2222u) | ((y >> 1) & 0x4444u);
+        // The spare bit 3 of every nibble: x's low nibbles -> bit 0, x's high nibbles -> bit 1,
+        // y's -> bit 2 of selector 3's nibbles. The three terms share no bit, so + is | and lets
+        // ptxas fuse the shifts into LEA.HI / IADD3 (bits above 15 are junk PRMT ignores).
+        const unsigned sx = x & 0x88888888u;
+        sel[ab][3] = (sx >> 3) + (sx >> 18) + ((y & 0x8888u) >> 1);
       }
       float part[NB][4];  // this K-tile's sum over both blocks, activation scales applied
 #pragma unroll
@@ -344,7 +399,7 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
       }
     }
     __syncwarp();
-    if (kk + 1 < n) cur = nxt;
+    cur = nxt;
     slot = slot == R::kStages - 1 ? 0 : slot + 1;
   }
   cp_async_wait<0>();
@@ -385,15 +440,26 @@ constexpr int swap_smem_bytes(int warps) {
   return ring > red ? ring : red;
 }
 
+/// Resident 256-thread CTAs per SM the compiler must allow (sets the register cap: 65536 / (256 *
+/// this)). Measured on the H200 (docs/perf/moe-gpu.md); LUTB_SWAPAB_MINB1 / MINB2 override for
+/// tuning builds.
+#ifndef LUTB_SWAPAB_MINB1
+#define LUTB_SWAPAB_MINB1 2
+#endif
+#ifndef LUTB_SWAPAB_MINB2
+#define LUTB_SWAPAB_MINB2 1
+#endif
+constexpr int swap_min_blocks(int nb) { return nb == 1 ? LUTB_SWAPAB_MINB1 : (nb == 2 ? LUTB_SWAPAB_MINB2 : 1); }
+
 /// GEMM1 + SiLU*up + MXFP8 of h. Grid: (Ip/32 strip groups, token tile slots); blockDim.x =
 /// 32 * warps (K split across the warps). xa: [T, a_cols] FP16 E4M3 values in the decoder's column
 /// order, or E4M3 bytes (natural order) for kDecFp8. Output hq [P, Ip] in the same form, hs [P, Ip/32]
 /// UE8M0.
 template <int kDec, int NB>
-__global__ void __launch_bounds__(256, NB == 1 ? 2 : 1)
-    swapab_gemm1_kernel(LutbW w, const void* __restrict__ xa, const unsigned char* __restrict__ xs,
+__global__ void __launch_bounds__(256, swap_min_blocks(NB))
+    swapab_gemm1_kernel(LutbW w, const void* __restrict__ xa, const float* __restrict__ xsf,
                         long long a_cols, Routing r, long long I, long long Ip, void* __restrict__ hq,
-                        unsigned char* __restrict__ hs) {
+                        float* __restrict__ hsf) {
   constexpr long long kEl = kDec == kDecFp8 ? 1 : 2;  // bytes per activation element
   int e;
   SwapTokens<NB> tk;
@@ -404,7 +470,7 @@ __global__ void __launch_bounds__(256, NB == 1 ? 2 : 1)
   bool ok[8];
   group_strips<true>(G, w.tiles_n, I / 8, strip, ok);
   const void* arow[NB];
-  const unsigned char* srow[NB][2];
+  const float* srow[NB][2];
   const long long sblocks = a_cols / 32;
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
@@ -413,7 +479,7 @@ __global__ void __launch_bounds__(256, NB == 1 ? 2 : 1)
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
       const int pc = tk.pair_c[nb][u] >= 0 ? tk.pair_c[nb][u] : tk.first;
-      srow[nb][u] = xs + static_cast<long long>(pc / r.top_k) * sblocks;
+      srow[nb][u] = xsf + static_cast<long long>(pc / r.top_k) * sblocks;
     }
   }
   const int nblocks = (tk.count + 7) / 8;
@@ -421,7 +487,8 @@ __global__ void __launch_bounds__(256, NB == 1 ? 2 : 1)
   const long long k0 = min(w.tiles_k, per * warp), k1 = min(w.tiles_k, k0 + per);
   extern __shared__ __align__(16) unsigned char swap_smem[];
   float acc[4][NB][4];
-  swap_warp_gemm<kDec, NB>(w, e, strip, ok, arow, srow, nblocks, k0, k1, swap_smem + warp * SwapRing::kWarpBytes, acc);
+  swap_warp_gemm<kDec, NB>(w, e, strip, ok, arow, srow, nblocks, k0, k1, swap_smem + warp * SwapRing::kWarpBytes, acc,
+                           PdlWaitAndTrigger{});
   if (!swap_reduce<NB>(swap_smem, acc)) return;
 
   // Lane (g, t) holds gate (c0, c1) and up (c2, c3) of I-column 8(4G+m)+g for the tokens of
@@ -458,15 +525,15 @@ __global__ void __launch_bounds__(256, NB == 1 ? 2 : 1)
           static_cast<uint16_t*>(hq)[at + perm8(g, kDec == kDecByte)] = __half_as_ushort(__float2half_rn(e4m3_to_float(q8)));
         }
       }
-      if (g == 0) hs[static_cast<long long>(p) * (Ip / 32) + G] = b;
+      if (g == 0) hsf[static_cast<long long>(p) * (Ip / 32) + G] = ue8m0_f(b);
     }
   }
 }
 
 /// GEMM2: y[p, n] = h[p] . w2[e, n]^T (FP32). Grid: (ceil(tiles_n/8) strip groups, slots).
 template <int kDec, int NB>
-__global__ void __launch_bounds__(256, NB == 1 ? 2 : 1)
-    swapab_gemm2_kernel(LutbW w, const void* __restrict__ ha, const unsigned char* __restrict__ hs, long long Ip,
+__global__ void __launch_bounds__(256, swap_min_blocks(NB))
+    swapab_gemm2_kernel(LutbW w, const void* __restrict__ ha, const float* __restrict__ hsf, long long Ip,
                         Routing r, long long H, float* __restrict__ y) {
   constexpr long long kEl = kDec == kDecFp8 ? 1 : 2;  // bytes per activation element
   int e;
@@ -478,7 +545,7 @@ __global__ void __launch_bounds__(256, NB == 1 ? 2 : 1)
   bool ok[8];
   group_strips<false>(G, w.tiles_n, 0, strip, ok);
   const void* arow[NB];
-  const unsigned char* srow[NB][2];
+  const float* srow[NB][2];
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
     const int p = tk.pair_g[nb] >= 0 ? tk.pair_g[nb] : tk.first;
@@ -486,7 +553,7 @@ __global__ void __launch_bounds__(256, NB == 1 ? 2 : 1)
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
       const int pc = tk.pair_c[nb][u] >= 0 ? tk.pair_c[nb][u] : tk.first;
-      srow[nb][u] = hs + static_cast<long long>(pc) * (Ip / 32);
+      srow[nb][u] = hsf + static_cast<long long>(pc) * (Ip / 32);
     }
   }
   const int nblocks = (tk.count + 7) / 8;
@@ -494,7 +561,8 @@ __global__ void __launch_bounds__(256, NB == 1 ? 2 : 1)
   const long long k0 = min(w.tiles_k, per * warp), k1 = min(w.tiles_k, k0 + per);
   extern __shared__ __align__(16) unsigned char swap_smem[];
   float acc[4][NB][4];
-  swap_warp_gemm<kDec, NB>(w, e, strip, ok, arow, srow, nblocks, k0, k1, swap_smem + warp * SwapRing::kWarpBytes, acc);
+  swap_warp_gemm<kDec, NB>(w, e, strip, ok, arow, srow, nblocks, k0, k1, swap_smem + warp * SwapRing::kWarpBytes, acc,
+                           PdlWaitAndTrigger{});
   if (!swap_reduce<NB>(swap_smem, acc)) return;
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {

@@ -1,7 +1,8 @@
-// tests/cuda/fit_gpu_test.cpp: the GPU "binned-dp" fitter (lutb/cuda/fit.hpp) against the CPU
-// fitter (lutb::quantize, src/fit): identical packed indices, codebooks, scales and FitStats on
-// random Gaussian / Student-t / Laplace stacks, edge tiles, padding shapes, chunkings, error tiles
-// and a real expert stack of tiny-qwen3-moe. Skips without a GPU.
+// tests/cuda/fit_gpu_test.cpp: the GPU fitters "binned-dp" and "optimal" (lutb/cuda/fit.hpp) against
+// the CPU fitters (lutb::quantize, src/fit): identical packed indices, codebooks, scales and
+// FitStats on random Gaussian / Student-t / Laplace stacks, edge tiles, padding shapes, chunkings,
+// forced scales, optimal's scale search, error tiles and real expert stacks of tiny-qwen3-moe.
+// Skips without a GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -14,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/fit_internal.cuh"
 #include "lutb/cuda/fit.hpp"
 #include "lutb/fit.hpp"
 #include "lutb/numerics.hpp"
@@ -31,19 +33,23 @@ bool gpu_present() {
 #define LUTB_GPU_OR_SKIP() \
   if (!gpu_present()) GTEST_SKIP() << "no CUDA device: skipping"
 
-// Fits on the CPU and with both GPU kernels (the default warp kernel and the first, thread-per-tile
-// one) and asserts byte equality; returns the number of tiles compared.
+// Fits on the CPU and on the GPU with `fitter` (binned-dp: both GPU kernels, the default warp
+// kernel and the first, thread-per-tile one; optimal: the warp kernel) and asserts byte equality;
+// returns the number of tiles compared.
 std::int64_t expect_same(const void* src, DType type, const LutbShape& shape, int forced_scale = -1,
-                         std::size_t chunk_bytes = std::size_t{512} << 20) {
+                         std::size_t chunk_bytes = std::size_t{512} << 20, const std::string& fitter = "binned-dp") {
   FitOptions fo;
-  fo.fitter = "binned-dp";
+  fo.fitter = fitter;
   fo.forced_scale = forced_scale;
   LutbTensor cpu;
   const FitStats sc = quantize(src, type, shape, cpu, fo, "t");
-  for (cuda::GpuFitKernel kernel : {cuda::GpuFitKernel::Warp, cuda::GpuFitKernel::Thread}) {
-    SCOPED_TRACE(kernel == cuda::GpuFitKernel::Warp ? "warp kernel" : "thread kernel");
+  std::vector<cuda::GpuFitKernel> kernels{cuda::GpuFitKernel::Warp};
+  if (fitter == "binned-dp") kernels.push_back(cuda::GpuFitKernel::Thread);
+  for (cuda::GpuFitKernel kernel : kernels) {
+    SCOPED_TRACE(fitter + (kernel == cuda::GpuFitKernel::Warp ? ", warp kernel" : ", thread kernel"));
     LutbTensor gpu;
     cuda::GpuFitOptions go;
+    go.fitter = fitter;
     go.forced_scale = forced_scale;
     go.chunk_bytes = chunk_bytes;
     go.kernel = kernel;
@@ -65,6 +71,11 @@ std::int64_t expect_same(const void* src, DType type, const LutbShape& shape, in
     EXPECT_EQ(bad_cb, -1) << "codebooks differ first at tile " << bad_cb;
   }
   return shape.tiles();
+}
+
+std::int64_t expect_same_optimal(const void* src, DType type, const LutbShape& shape, int forced_scale = -1,
+                                 std::size_t chunk_bytes = std::size_t{512} << 20) {
+  return expect_same(src, type, shape, forced_scale, chunk_bytes, "optimal");
 }
 
 enum class Dist { kGauss, kStudentT3, kLaplace };
@@ -103,13 +114,14 @@ struct RandomCase {
   Dist dist;
   std::int64_t e, n, k;
   bool bf16;
+  bool optimal = false;  // the fitter: binned-dp (both kernels) or optimal (warp kernel)
 };
 
 // Readable parameter names (the default printer dumps the struct's bytes, padding included).
 void PrintTo(const RandomCase& c, std::ostream* os) {
   static const char* const kNames[] = {"gauss", "student-t3", "laplace"};
-  *os << kNames[static_cast<int>(c.dist)] << " [" << c.e << ", " << c.n << ", " << c.k << "] "
-      << (c.bf16 ? "BF16" : "F32");
+  *os << (c.optimal ? "optimal " : "binned-dp ") << kNames[static_cast<int>(c.dist)] << " [" << c.e << ", " << c.n
+      << ", " << c.k << "] " << (c.bf16 ? "BF16" : "F32");
 }
 
 class FitGpuRandom : public ::testing::TestWithParam<RandomCase> {};
@@ -119,12 +131,14 @@ TEST_P(FitGpuRandom, SameBytesAsCpu) {
   const RandomCase c = GetParam();
   const LutbShape s = stack(c.e, c.n, c.k);
   const auto v = random_values(static_cast<std::size_t>(c.e * c.n * c.k), c.dist, 0.02f,
-                               static_cast<std::uint32_t>(17 * c.n + c.k + static_cast<int>(c.dist)));
+                               static_cast<std::uint32_t>((c.optimal ? 31 : 17) * c.n + c.k + static_cast<int>(c.dist)));
+  const std::string fitter = c.optimal ? "optimal" : "binned-dp";
+  const std::size_t chunk = std::size_t{512} << 20;
   if (c.bf16) {
     const auto b = to_bf16(v);
-    EXPECT_GT(expect_same(b.data(), DType::BF16, s), 0);
+    EXPECT_GT(expect_same(b.data(), DType::BF16, s, -1, chunk, fitter), 0);
   } else {
-    EXPECT_GT(expect_same(v.data(), DType::F32, s), 0);
+    EXPECT_GT(expect_same(v.data(), DType::F32, s, -1, chunk, fitter), 0);
   }
 }
 
@@ -142,9 +156,20 @@ INSTANTIATE_TEST_SUITE_P(Shapes, FitGpuRandom,
                                            RandomCase{Dist::kLaplace, 2, 128, 1024, false},
                                            RandomCase{Dist::kGauss, 4, 128, 1024, true}));
 
-// One 8 x 64 tile per pattern, side by side along K.
-TEST(FitGpu, EdgeTiles) {
-  LUTB_GPU_OR_SKIP();
+// The optimal fitter; sizes keep the CPU optimal fitter (~2 M weights/s per core) fast.
+INSTANTIATE_TEST_SUITE_P(Optimal, FitGpuRandom,
+                         ::testing::Values(RandomCase{Dist::kGauss, 2, 64, 512, true, true},
+                                           RandomCase{Dist::kStudentT3, 2, 64, 512, true, true},
+                                           RandomCase{Dist::kLaplace, 1, 64, 512, true, true},
+                                           RandomCase{Dist::kGauss, 3, 21, 200, false, true},  // N%8, K%64 != 0
+                                           RandomCase{Dist::kStudentT3, 1, 13, 70, true, true},
+                                           RandomCase{Dist::kGauss, 1, 5, 33, true, true},     // one padded tile
+                                           // FP32: 512 distinct values per tile (DP trees 9 levels deep)
+                                           RandomCase{Dist::kGauss, 1, 64, 1024, false, true},
+                                           RandomCase{Dist::kStudentT3, 1, 64, 1024, false, true}));
+
+// The edge-case tiles, one 8 x 64 tile per pattern side by side along K: [8, 64 * count] FP32.
+std::vector<float> edge_tiles(std::int64_t& count) {
   std::vector<std::vector<float>> tiles;
   std::mt19937 g(5);
   std::normal_distribution<float> nd(0.0f, 1.0f);
@@ -187,19 +212,138 @@ TEST(FitGpu, EdgeTiles) {
   for (std::int64_t t = 0; t < nt; ++t)
     for (int r = 0; r < 8; ++r)
       for (int c = 0; c < 64; ++c) m[static_cast<std::size_t>(r * 64 * nt + t * 64 + c)] = tiles[t][r * 64 + c];
+  count = nt;
+  return m;
+}
+
+void edge_tiles_case(const std::string& fitter) {
+  std::int64_t nt = 0;
+  const std::vector<float> m = edge_tiles(nt);
   const LutbShape s = stack(1, 8, 64 * nt);
-  EXPECT_EQ(expect_same(m.data(), DType::F32, s), nt);
+  const std::size_t chunk = std::size_t{512} << 20;
+  EXPECT_EQ(expect_same(m.data(), DType::F32, s, -1, chunk, fitter), nt);
   const auto b = to_bf16(m);
-  EXPECT_EQ(expect_same(b.data(), DType::BF16, s), nt);
-  // Forced scales (the DP at a scale that is not rceil), except on tiles that saturate badly.
+  EXPECT_EQ(expect_same(b.data(), DType::BF16, s, -1, chunk, fitter), nt);
+  // Forced scales (the DP at a scale that is not the fitter's own), except on tiles that saturate badly.
   const auto small = random_values(8 * 64 * 4, Dist::kStudentT3, 0.02f, 9);
-  for (int fs : {3, 100, 120, 127, 246}) expect_same(small.data(), DType::F32, stack(1, 8, 256), fs);
+  for (int fs : {3, 100, 120, 127, 246}) expect_same(small.data(), DType::F32, stack(1, 8, 256), fs, chunk, fitter);
+}
+
+TEST(FitGpu, EdgeTiles) {
+  LUTB_GPU_OR_SKIP();
+  edge_tiles_case("binned-dp");
+}
+
+TEST(FitGpuOptimal, EdgeTiles) {
+  LUTB_GPU_OR_SKIP();
+  edge_tiles_case("optimal");
+}
+
+// optimal's scale search (src/fit/optimal.cpp): tiles whose optimum is BELOW rceil. The largest
+// magnitude 224 * (1 + 2^-20) has rceil 127; at scale 126 it saturates to 224 (error
+// (224 * 2^-20)^2 ~ 4.6e-8), but the small values, odd multiples of 2^-10, sit exactly on scale 126's subnormal
+// grid and halfway between scale 127's points (error 2^-20 each, ~5e-4 in all). So 126 wins; 125 is cut by the
+// saturation bound. Variants: 8 distinct values (the DP's "every value alone" case), 36 distinct
+// values (7 tight clusters and the outlier: full DP layers), a negative outlier, and an ordinary
+// tile beside them.
+TEST(FitGpuOptimal, ScaleSearchBelowRceil) {
+  LUTB_GPU_OR_SKIP();
+  const float big = 224.0f * (1.0f + std::ldexp(1.0f, -20));
+  std::vector<std::vector<float>> tiles;
+  for (int variant = 0; variant < 3; ++variant) {
+    std::vector<float> t(512);
+    for (int f = 0; f < 512; ++f) {
+      const int q = (f * 13) % 7;  // -5, -3, ..., 7 times 2^-10
+      t[f] = std::ldexp(static_cast<float>(2 * (q - 3) + 1), -10);
+      if (variant == 1) t[f] += std::ldexp(static_cast<float>((f * 7) % 5 - 2), -22);  // 35 distinct
+    }
+    t[100] = variant == 2 ? -big : big;
+    tiles.push_back(t);
+  }
+  tiles.push_back(random_values(512, Dist::kGauss, 0.02f, 4));
+  const std::int64_t nt = static_cast<std::int64_t>(tiles.size());
+  std::vector<float> m(static_cast<std::size_t>(512 * nt));
+  for (std::int64_t t = 0; t < nt; ++t)
+    for (int f = 0; f < 512; ++f) m[static_cast<std::size_t>((f / 64) * 64 * nt + t * 64 + f % 64)] = tiles[t][f];
+  const LutbShape s = stack(1, 8, 64 * nt);
+  FitOptions fo;
+  fo.fitter = "optimal";
+  LutbTensor cpu;
+  quantize(m.data(), DType::F32, s, cpu, fo, "t");
+  // The CPU reference really takes a scale below rceil (127) on the constructed tiles.
+  for (int t = 0; t < 3; ++t) EXPECT_EQ(cpu.scale[static_cast<std::size_t>(t)], 126) << "tile " << t;
+  EXPECT_EQ(expect_same_optimal(m.data(), DType::F32, s), nt);
+}
+
+// The warp kernel's scan variants (cost evaluations issued 1, 2 or 4 at a time; the benchmark
+// times them) write the CPU's bytes and per-tile sums too, for both fitters: edge tiles and
+// Student-t tiles side by side.
+TEST(FitGpu, ScanVariantsSameBytes) {
+  LUTB_GPU_OR_SKIP();
+  std::int64_t ne = 0;
+  const std::vector<float> edges = edge_tiles(ne);
+  const std::int64_t nr = 12, nt = ne + nr;
+  const auto rnd = random_values(static_cast<std::size_t>(512 * nr), Dist::kStudentT3, 0.02f, 41);
+  std::vector<float> m(static_cast<std::size_t>(512 * nt));
+  for (int r = 0; r < 8; ++r)
+    for (std::int64_t c = 0; c < 64 * nt; ++c)
+      m[static_cast<std::size_t>(r * 64 * nt + c)] =
+          c < 64 * ne ? edges[static_cast<std::size_t>(r * 64 * ne + c)]
+                      : rnd[static_cast<std::size_t>(r * 64 * nr + (c - 64 * ne))];
+  const LutbShape s = stack(1, 8, 64 * nt);
+  const std::size_t n = static_cast<std::size_t>(nt);
+  float* d_src = nullptr;
+  std::uint8_t* d_out = nullptr;
+  double* d_sums = nullptr;
+  unsigned long long* d_err = nullptr;
+  ASSERT_EQ(cudaMalloc(&d_src, m.size() * 4), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&d_out, n * (kPackedBytes + kCodebookSize + 1)), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&d_sums, n * 16), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&d_err, 8), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(d_src, m.data(), m.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  for (const char* fitter : {"binned-dp", "optimal"}) {
+    FitOptions fo;
+    fo.fitter = fitter;
+    LutbTensor cpu;
+    const FitStats sc = quantize(m.data(), DType::F32, s, cpu, fo, "t");
+    for (int unroll : {1, 2, 4}) {
+      SCOPED_TRACE(std::string(fitter) + ", unroll " + std::to_string(unroll));
+      cuda::fit_internal::KernelArgs ka{d_src, 0, 8, 64 * nt, 1, nt, nt, 0,
+                                        cuda::DeviceFitOut{d_out, d_out + n * kPackedBytes,
+                                                           d_out + n * (kPackedBytes + kCodebookSize), d_sums, d_sums + n},
+                                        -1, d_err};
+      ka.optimal = std::string(fitter) == "optimal";
+      ASSERT_EQ(cudaMemset(d_out, 0, n * (kPackedBytes + kCodebookSize + 1)), cudaSuccess);
+      ASSERT_EQ(cudaMemset(d_err, 0xff, 8), cudaSuccess);
+      cuda::fit_internal::launch_warp_unrolled(ka, unroll, nullptr);
+      std::vector<std::uint8_t> h(n * (kPackedBytes + kCodebookSize + 1));
+      std::vector<double> sums(2 * n);
+      unsigned long long word = 0;
+      ASSERT_EQ(cudaMemcpy(h.data(), d_out, h.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(sums.data(), d_sums, n * 16, cudaMemcpyDeviceToHost), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(&word, d_err, 8, cudaMemcpyDeviceToHost), cudaSuccess);
+      EXPECT_EQ(cuda::decode_fit_error(word).code, 0);
+      EXPECT_TRUE(std::equal(cpu.packed.begin(), cpu.packed.end(), h.begin()));
+      EXPECT_TRUE(std::equal(cpu.codebook.begin(), cpu.codebook.end(), h.begin() + n * kPackedBytes));
+      EXPECT_TRUE(std::equal(cpu.scale.begin(), cpu.scale.end(), h.begin() + n * (kPackedBytes + kCodebookSize)));
+      FitStats sg;
+      for (std::size_t t = 0; t < n; ++t) {
+        sg.sse += sums[t];
+        sg.sum_sq += sums[n + t];
+      }
+      EXPECT_EQ(sg.sse, sc.sse);
+      EXPECT_EQ(sg.sum_sq, sc.sum_sq);
+    }
+  }
+  cudaFree(d_src);
+  cudaFree(d_out);
+  cudaFree(d_sums);
+  cudaFree(d_err);
 }
 
 // Heavy mixtures: log-uniform magnitudes over many binades (FP32 sums that round), sparse tiles
 // (a few values and many zeros), and tiles with exactly 33..64 distinct values.
-TEST(FitGpu, MixedTiles) {
-  LUTB_GPU_OR_SKIP();
+void mixed_tiles_case(const std::string& fitter) {
   std::mt19937 g(77);
   std::uniform_real_distribution<float> ud(-30.0f, 2.0f);
   std::normal_distribution<float> nd(0.0f, 1.0f);
@@ -214,53 +358,114 @@ TEST(FitGpu, MixedTiles) {
       else v = 0.001f * static_cast<float>((f * 37) % (33 + t % 32)) - 0.02f;
       m[static_cast<std::size_t>((f / 64) * 64 * nt + t * 64 + f % 64)] = v;
     }
-  EXPECT_EQ(expect_same(m.data(), DType::F32, stack(1, 8, 64 * nt)), nt);
+  const std::size_t chunk = std::size_t{512} << 20;
+  EXPECT_EQ(expect_same(m.data(), DType::F32, stack(1, 8, 64 * nt), -1, chunk, fitter), nt);
   const auto b = to_bf16(m);
-  EXPECT_EQ(expect_same(b.data(), DType::BF16, stack(1, 8, 64 * nt)), nt);
+  EXPECT_EQ(expect_same(b.data(), DType::BF16, stack(1, 8, 64 * nt), -1, chunk, fitter), nt);
 }
 
-// The device entry point without the per-tile sums (sse / sum_sq null) writes the same bytes.
-TEST(FitGpu, DeviceEntryWithoutStats) {
+TEST(FitGpu, MixedTiles) {
   LUTB_GPU_OR_SKIP();
-  const LutbShape s = stack(3, 40, 300);
-  const auto b = to_bf16(random_values(static_cast<std::size_t>(3 * 40 * 300), Dist::kStudentT3, 0.02f, 21));
+  mixed_tiles_case("binned-dp");
+}
+
+TEST(FitGpuOptimal, MixedTiles) {
+  LUTB_GPU_OR_SKIP();
+  mixed_tiles_case("optimal");
+}
+
+// A BF16 stack on the device and room for its LUT-B bytes (packed, codebook, scale).
+struct DeviceStack {
+  void* src = nullptr;
+  std::uint8_t* out = nullptr;
+  unsigned long long* err = nullptr;
+  std::size_t tiles = 0;
+  DeviceStack(const std::vector<std::uint16_t>& b, const LutbShape& s) : tiles(static_cast<std::size_t>(s.tiles())) {
+    EXPECT_EQ(cudaMalloc(&src, b.size() * 2), cudaSuccess);
+    EXPECT_EQ(cudaMalloc(&out, tiles * (kPackedBytes + kCodebookSize + 1)), cudaSuccess);
+    EXPECT_EQ(cudaMalloc(&err, 8), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(src, b.data(), b.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  ~DeviceStack() {
+    cudaFree(src);
+    cudaFree(out);
+    cudaFree(err);
+  }
+  cuda::DeviceFitOut fit_out() const {
+    return cuda::DeviceFitOut{out, out + tiles * kPackedBytes, out + tiles * (kPackedBytes + kCodebookSize), nullptr,
+                              nullptr};
+  }
+};
+
+// fit_device without the per-tile sums (sse / sum_sq null), on `stream`: the CPU fitter's bytes.
+void expect_device_entry_same(const std::vector<std::uint16_t>& b, const LutbShape& s, cuda::GpuFitter fitter,
+                              cudaStream_t stream, const DeviceStack& d) {
+  FitOptions fo;
+  fo.fitter = cuda::gpu_fitter_name(fitter);
   LutbTensor cpu;
-  quantize(b.data(), DType::BF16, s, cpu, FitOptions{}, "t");
-  const std::size_t nt = static_cast<std::size_t>(s.tiles());
-  void* d_src = nullptr;
-  std::uint8_t* d_out = nullptr;
-  unsigned long long* d_err = nullptr;
-  ASSERT_EQ(cudaMalloc(&d_src, b.size() * 2), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&d_out, nt * (kPackedBytes + kCodebookSize + 1)), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&d_err, 8), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(d_src, b.data(), b.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
-  const cuda::DeviceFitOut o{d_out, d_out + nt * kPackedBytes, d_out + nt * (kPackedBytes + kCodebookSize), nullptr,
-                             nullptr};
-  cuda::fit_binned_dp_device(d_src, DType::BF16, s, o, -1, d_err, nullptr);
+  quantize(b.data(), DType::BF16, s, cpu, fo, "t");
+  const std::size_t nt = d.tiles;
+  cuda::fit_device(d.src, DType::BF16, s, d.fit_out(), fitter, -1, d.err, stream);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
   std::vector<std::uint8_t> h(nt * (kPackedBytes + kCodebookSize + 1));
   unsigned long long word = 0;
-  ASSERT_EQ(cudaMemcpy(h.data(), d_out, h.size(), cudaMemcpyDeviceToHost), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(&word, d_err, 8, cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(h.data(), d.out, h.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(&word, d.err, 8, cudaMemcpyDeviceToHost), cudaSuccess);
   EXPECT_EQ(cuda::decode_fit_error(word).code, 0);
   EXPECT_TRUE(std::equal(cpu.packed.begin(), cpu.packed.end(), h.begin()));
   EXPECT_TRUE(std::equal(cpu.codebook.begin(), cpu.codebook.end(), h.begin() + nt * kPackedBytes));
   EXPECT_TRUE(std::equal(cpu.scale.begin(), cpu.scale.end(), h.begin() + nt * (kPackedBytes + kCodebookSize)));
+}
+
+// The device entry point without the per-tile sums writes the same bytes; check_tiles_device.
+TEST(FitGpu, DeviceEntryWithoutStats) {
+  LUTB_GPU_OR_SKIP();
+  const LutbShape s = stack(3, 40, 300);
+  const auto b = to_bf16(random_values(static_cast<std::size_t>(3 * 40 * 300), Dist::kStudentT3, 0.02f, 21));
+  const DeviceStack d(b, s);
+  expect_device_entry_same(b, s, cuda::GpuFitter::BinnedDp, nullptr, d);
+  // (the binned-dp-only entry point too)
+  cuda::fit_binned_dp_device(d.src, DType::BF16, s, d.fit_out(), -1, d.err, nullptr);
+  unsigned long long word = 0;
+  ASSERT_EQ(cudaMemcpy(&word, d.err, 8, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(cuda::decode_fit_error(word).code, 0);
   // check_tiles_device on the same stack: no error; with a NaN: the tile and position.
-  cuda::check_tiles_device(d_src, DType::BF16, s, d_err, nullptr);
-  ASSERT_EQ(cudaMemcpy(&word, d_err, 8, cudaMemcpyDeviceToHost), cudaSuccess);
+  cuda::check_tiles_device(d.src, DType::BF16, s, d.err, nullptr);
+  ASSERT_EQ(cudaMemcpy(&word, d.err, 8, cudaMemcpyDeviceToHost), cudaSuccess);
   EXPECT_EQ(cuda::decode_fit_error(word).code, 0);
   const std::uint16_t nan = 0x7fc0;
   const std::size_t at = (2 * 40 + 17) * 300 + 130;  // expert 2, row 17 (tile row 2), col 130 (tile col 2)
-  ASSERT_EQ(cudaMemcpy(static_cast<std::uint16_t*>(d_src) + at, &nan, 2, cudaMemcpyHostToDevice), cudaSuccess);
-  cuda::check_tiles_device(d_src, DType::BF16, s, d_err, nullptr);
-  ASSERT_EQ(cudaMemcpy(&word, d_err, 8, cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(static_cast<std::uint16_t*>(d.src) + at, &nan, 2, cudaMemcpyHostToDevice), cudaSuccess);
+  cuda::check_tiles_device(d.src, DType::BF16, s, d.err, nullptr);
+  ASSERT_EQ(cudaMemcpy(&word, d.err, 8, cudaMemcpyDeviceToHost), cudaSuccess);
   const cuda::GpuFitError e = cuda::decode_fit_error(word);
   EXPECT_EQ(e.code, 1);
   EXPECT_EQ(e.tile, 2 * s.tiles_per_expert() + 2 * s.tiles_k() + 2);
   EXPECT_EQ(e.pos, 1 * 64 + 2);
-  cudaFree(d_src);
-  cudaFree(d_out);
-  cudaFree(d_err);
+}
+
+// fit_device with the optimal fitter, no per-tile sums, on a stream: the CPU optimal fitter's bytes.
+TEST(FitGpuOptimal, DeviceEntryWithoutStats) {
+  LUTB_GPU_OR_SKIP();
+  const LutbShape s = stack(2, 24, 200);
+  const auto b = to_bf16(random_values(static_cast<std::size_t>(2 * 24 * 200), Dist::kStudentT3, 0.02f, 23));
+  cudaStream_t st = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&st), cudaSuccess);
+  const DeviceStack d(b, s);
+  expect_device_entry_same(b, s, cuda::GpuFitter::Optimal, st, d);
+  // The thread kernel has no optimal: a clear error, nothing launched.
+  EXPECT_THROW(cuda::fit_device(d.src, DType::BF16, s, d.fit_out(), cuda::GpuFitter::Optimal, -1, d.err, st,
+                                cuda::GpuFitKernel::Thread),
+               std::invalid_argument);
+  cudaStreamDestroy(st);
+}
+
+TEST(FitGpuOptimal, ChunkingDoesNotChangeBytes) {
+  LUTB_GPU_OR_SKIP();
+  const LutbShape s = stack(3, 16, 130);
+  const auto b = to_bf16(random_values(static_cast<std::size_t>(3 * 16 * 130), Dist::kLaplace, 0.05f, 5));
+  expect_same_optimal(b.data(), DType::BF16, s, -1, 1);                 // one tile row per chunk
+  expect_same_optimal(b.data(), DType::BF16, s, -1, 16 * 130 * 2 + 3);  // one expert per chunk
 }
 
 TEST(FitGpu, ChunkingDoesNotChangeBytes) {
@@ -275,22 +480,25 @@ TEST(FitGpu, ChunkingDoesNotChangeBytes) {
 TEST(FitGpu, ErrorsMatchCpu) {
   LUTB_GPU_OR_SKIP();
   const LutbShape s = stack(2, 16, 128);
-  for (int which = 0; which < 3; ++which) {
+  for (int which = 0; which < 6; ++which) {  // 3..5: the same with the optimal fitter
+    FitOptions fo;
+    cuda::GpuFitOptions go;
+    if (which >= 3) fo.fitter = go.fitter = "optimal";
     auto v = random_values(2 * 16 * 128, Dist::kGauss, 0.05f, 11);
     const std::size_t at = 1 * 16 * 128 + 9 * 128 + 70;  // expert 1, row 9, col 70
-    v[at] = which == 0 ? std::numeric_limits<float>::quiet_NaN()
-                       : (which == 1 ? -std::numeric_limits<float>::infinity() : 3.3e38f);
+    v[at] = which % 3 == 0 ? std::numeric_limits<float>::quiet_NaN()
+                           : (which % 3 == 1 ? -std::numeric_limits<float>::infinity() : 3.3e38f);
     // A later value of the same tile (last tile of the stack): the first in flat order is reported.
-    if (which < 2) v[1 * 16 * 128 + 15 * 128 + 127] = std::numeric_limits<float>::quiet_NaN();
+    if (which % 3 < 2) v[1 * 16 * 128 + 15 * 128 + 127] = std::numeric_limits<float>::quiet_NaN();
     std::string cpu_msg, gpu_msg;
     LutbTensor t;
     try {
-      quantize(v.data(), DType::F32, s, t, FitOptions{}, "w");
+      quantize(v.data(), DType::F32, s, t, fo, "w");
     } catch (const std::invalid_argument& e) {
       cpu_msg = e.what();
     }
     try {
-      cuda::quantize_gpu(v.data(), DType::F32, s, t, {}, "w");
+      cuda::quantize_gpu(v.data(), DType::F32, s, t, go, "w");
     } catch (const std::invalid_argument& e) {
       gpu_msg = e.what();
     }
@@ -305,6 +513,37 @@ TEST(FitGpu, ErrorsMatchCpu) {
   bad.forced_scale = 2;
   EXPECT_THROW(cuda::quantize_gpu(v.data(), DType::F32, stack(1, 4, 4), t, bad), std::invalid_argument);
   EXPECT_THROW(cuda::quantize_gpu(v.data(), DType::I32, stack(1, 4, 4), t), std::invalid_argument);
+  bad.fitter = "optimal";
+  EXPECT_THROW(cuda::quantize_gpu(v.data(), DType::F32, stack(1, 4, 4), t, bad), std::invalid_argument);
+}
+
+// Fitters without a GPU kernel, unknown names and optimal on the thread kernel: clear errors.
+TEST(FitGpu, FitterSelectionErrors) {
+  LUTB_GPU_OR_SKIP();
+  EXPECT_EQ(cuda::gpu_fitter(""), cuda::GpuFitter::BinnedDp);
+  EXPECT_EQ(cuda::gpu_fitter("binned-dp"), cuda::GpuFitter::BinnedDp);
+  EXPECT_EQ(cuda::gpu_fitter("optimal"), cuda::GpuFitter::Optimal);
+  EXPECT_STREQ(cuda::gpu_fitter_name(cuda::GpuFitter::Optimal), "optimal");
+  std::vector<float> v(8 * 64, 0.5f);
+  auto msg = [&](const std::string& fitter, cuda::GpuFitKernel kernel) {
+    cuda::GpuFitOptions go;
+    go.fitter = fitter;
+    go.kernel = kernel;
+    LutbTensor t;
+    try {
+      cuda::quantize_gpu(v.data(), DType::F32, stack(1, 8, 64), t, go, "w");
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(msg("ct-lloyd", cuda::GpuFitKernel::Warp),
+            "quantize_gpu: tensor w: fitter 'ct-lloyd' has no GPU kernel (GPU fitters: binned-dp, optimal); "
+            "lutb::quantize runs it on the CPU");
+  EXPECT_NE(msg("multistart", cuda::GpuFitKernel::Warp).find("'multistart' has no GPU kernel"), std::string::npos);
+  EXPECT_NE(msg("kmeans", cuda::GpuFitKernel::Warp).find("unknown fitter 'kmeans'"), std::string::npos);
+  EXPECT_NE(msg("optimal", cuda::GpuFitKernel::Thread).find("implements binned-dp only"), std::string::npos);
+  EXPECT_EQ(msg("optimal", cuda::GpuFitKernel::Warp), "no error");
 }
 
 TEST(FitGpu, TinyQwen3MoeExpertStacks) {
@@ -325,7 +564,9 @@ TEST(FitGpu, TinyQwen3MoeExpertStacks) {
       data.insert(data.end(), span.begin(), span.end());
     }
     ASSERT_GT(e, 0);
-    EXPECT_EQ(expect_same(data.data(), DType::BF16, stack(e, rows, cols)), e * (rows / 8) * ((cols + 63) / 64));
+    const std::int64_t tiles = e * (rows / 8) * ((cols + 63) / 64);
+    EXPECT_EQ(expect_same(data.data(), DType::BF16, stack(e, rows, cols)), tiles);
+    EXPECT_EQ(expect_same_optimal(data.data(), DType::BF16, stack(e, rows, cols)), tiles);
   }
 }
 

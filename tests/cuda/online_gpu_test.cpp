@@ -60,15 +60,18 @@ HostLayer random_layer(std::int64_t E, std::int64_t H, std::int64_t I, DType dt,
   return l;
 }
 
-// The CPU method's bytes: lutb::quantize (binned-dp), then every tile permuted to lane-major.
+// The CPU method's bytes: lutb::quantize (binned-dp, or `fitter`), then every tile permuted to
+// lane-major.
 struct Expected {
   LutbTensor w13, w2;
   FitStats s13, s2;
 };
-Expected cpu_expected(const HostLayer& l, bool lane_major) {
+Expected cpu_expected(const HostLayer& l, bool lane_major, const std::string& fitter = "") {
   Expected x;
-  x.s13 = quantize(l.w13.data(), l.dtype, stack(l.E, 2 * l.I, l.H), x.w13, FitOptions{}, "w13_weight");
-  x.s2 = quantize(l.w2.data(), l.dtype, stack(l.E, l.H, l.I), x.w2, FitOptions{}, "w2_weight");
+  FitOptions fo;
+  fo.fitter = fitter;
+  x.s13 = quantize(l.w13.data(), l.dtype, stack(l.E, 2 * l.I, l.H), x.w13, fo, "w13_weight");
+  x.s2 = quantize(l.w2.data(), l.dtype, stack(l.E, l.H, l.I), x.w2, fo, "w2_weight");
   if (lane_major)
     for (LutbTensor* t : {&x.w13, &x.w2})
       for (std::size_t i = 0; i < t->packed.size(); i += kPackedBytes) {
@@ -183,6 +186,58 @@ TEST(OnlineGpu, RandomLayerMatchesCpuAndReleasesByChunk) {
   EXPECT_EQ(again.chunks, 0);
   EXPECT_EQ(released.size(), 3u);
   expect_equal_layer(out, x);
+}
+
+// The online method with the optimal fitter: the CPU optimal fitter's bytes and FitStats, the
+// selection message names it, and fitters without a GPU kernel are refused before anything runs.
+TEST(OnlineGpu, OptimalFitterMatchesCpu) {
+  LUTB_GPU_OR_SKIP();
+  const HostLayer l = random_layer(3, 200, 40, DType::BF16, 5);  // padded tiles in both matrices
+  const Expected x = cpu_expected(l, true, "optimal");
+  DeviceSource d;
+  cuda::DeviceExpertSource src;
+  upload(l, false, d, src);
+  int released = 0;
+  src.release = [&](std::int64_t e0, std::int64_t e1) { released += static_cast<int>(e1 - e0); };
+  cuda::GpuOnlineOptions opt;
+  opt.fitter = "optimal";
+  opt.chunk_bytes = 1;  // one expert per chunk
+  std::vector<std::string> msgs;
+  opt.log = [&](const std::string& m) { msgs.push_back(m); };
+  cuda::DeviceLutbLayer out;
+  const cuda::GpuOnlineReport rep = cuda::quantize_experts_online(src, out, opt);
+  EXPECT_EQ(released, 3);
+  EXPECT_EQ(rep.chunks, 3);
+  EXPECT_EQ(rep.w13.sse, x.s13.sse);
+  EXPECT_EQ(rep.w13.sum_sq, x.s13.sum_sq);
+  EXPECT_EQ(rep.w2.sse, x.s2.sse);
+  EXPECT_EQ(rep.w2.sum_sq, x.s2.sum_sq);
+  expect_equal_layer(out, x);
+  ASSERT_LE(msgs.size(), 1u);
+  if (!msgs.empty()) {
+    EXPECT_NE(msgs[0].find("quantised on the GPU (optimal)"), std::string::npos) << msgs[0];
+  }
+
+  DeviceSource d2;
+  cuda::DeviceExpertSource src2;
+  upload(l, false, d2, src2);
+  int released2 = 0;
+  src2.release = [&](std::int64_t, std::int64_t) { ++released2; };
+  cuda::GpuOnlineOptions bad;
+  bad.fitter = "ct-lloyd";
+  cuda::DeviceLutbLayer out2;
+  std::string msg;
+  try {
+    cuda::quantize_experts_online(src2, out2, bad);
+  } catch (const std::invalid_argument& e) {
+    msg = e.what();
+  }
+  EXPECT_EQ(msg,
+            "quantize_experts_online: fitter 'ct-lloyd' has no GPU kernel (GPU fitters: binned-dp, optimal); "
+            "lutb::quantize runs it on the CPU");
+  EXPECT_EQ(released2, 0);
+  EXPECT_TRUE(out2.empty());
+  EXPECT_FALSE(src2.already_processed);
 }
 
 TEST(OnlineGpu, StackedF16CheckpointOrder) {

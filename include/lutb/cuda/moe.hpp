@@ -159,14 +159,24 @@ void moe_forward_bf16(const DeviceMoeWeightsBf16& w, const std::uint16_t* x, std
 ///   BytePermute: codebook lookup by PRMT, E4M3 -> FP16 by bit moves (any sm_80+ device);
 ///   Cvt: codebook lookup by PRMT, E4M3 -> FP16 by sm_89+'s cvt.rn.f16x2.e4m3x2 (sm_90 devices only,
 ///        else BytePermute);
-///   Fp8Mma: swap-AB decode kernels only: the looked-up E4M3 bytes go straight into
-///        mma.sync.m16n8k32.e4m3 with E4M3 activation bytes (no conversion; sm_90 devices only,
-///        else BytePermute); the other kernels use Cvt's policy. The tensor core sums each 32-column
-///        MXFP8 block (one mma) before the FP32 promotion, as in the FP16 decoders.
-///   Auto (default): swap-AB kernels Fp8Mma on sm_90, the m16 decode kernel Cvt on sm_90, the
-///        prefill kernel BytePermute (docs/perf/moe-gpu.md).
+///   Fp8Mma: swap-AB decode kernels only: the looked-up E4M3 bytes go into mma.sync.m16n8k32.e4m3
+///        with E4M3 activation bytes (sm_90 devices only, else BytePermute); the other kernels use
+///        Cvt's policy. sm_90 has no FP8 mma.sync: ptxas lowers it to E4M3 -> FP16 conversions of
+///        both operands, two FP16 mma and an FADD per accumulator (SASS in docs/perf/moe-gpu.md), so
+///        it is slower than Cvt there; kept for comparison and for GPUs with a native FP8 mma.sync.
+///        The tensor core sums each 32-column MXFP8 block before the FP32 promotion, as in the FP16
+///        decoders.
+///   Auto (default): swap-AB kernels Cvt on sm_90, the m16 decode kernel Cvt on sm_90, the prefill
+///        kernel BytePermute (docs/perf/moe-gpu.md).
 enum class WeightDecoder : std::uint8_t { Auto, BytePermute, Cvt, Fp8Mma };
 void set_weight_decoder(WeightDecoder d);
+
+/// Programmatic dependent launch (process-wide; for testing and benchmarking): on sm_90+ the
+/// forward's kernels after the first are launched with cudaLaunchAttributeProgrammaticStreamSerialization,
+/// so each one starts (and the decode GEMMs prefetch their first weight tiles) while its predecessor
+/// finishes; results are bit-identical either way (tested). On by default; off with false here or
+/// LUTB_PDL=0 in the environment. Applies to launches (and graph captures) made afterwards.
+void set_dependent_launch(bool enabled);
 
 /// Packed bytes (packed + codebook + scale) of the experts a routing touches, for bandwidth
 /// accounting: touched_experts * (w13 + w2 bytes per expert).

@@ -4,9 +4,9 @@
 // chunk by chunk, with temporaries bounded by the chunk size rather than the layer size.
 //
 // The GPU analogue of lutb::moe::LutBOnlineMoEMethod::process_weights_after_loading (src/moe):
-//  - the bytes are those of the CPU method for the same weights: lutb::quantize with "binned-dp"
-//    (the warp kernel of lutb/cuda/fit.hpp reproduces them), then each tile's 192 index bytes
-//    permuted by tile_to_lane_major (done in place on the device);
+//  - the bytes are those of the CPU method for the same weights: lutb::quantize with the chosen
+//    fitter ("binned-dp" by default, or "optimal"; the warp kernel of lutb/cuda/fit.hpp reproduces
+//    them), then each tile's 192 index bytes permuted by tile_to_lane_major (in place on the device);
 //  - idempotent: a source marked already_processed returns at once with an empty report;
 //  - the source is released: through the caller's `release` callback, one chunk of experts at a
 //    time as soon as the device has finished reading it, then the source's pointers are cleared;
@@ -86,6 +86,10 @@ struct GpuOnlineOptions {
   /// Source bytes fitted per step (whole experts; at least one expert whatever the bound). Bounds
   /// the temporaries (see the file comment) and how soon the source is released.
   std::size_t chunk_bytes = std::size_t{256} << 20;
+  /// The fitter: "" or "binned-dp" (the default), or "optimal" (exact, ~21-24x slower on an H200:
+  /// docs/perf/fit-gpu.md). Fitters without a GPU kernel ("ct-lloyd", "multistart") and unknown
+  /// names are std::invalid_argument errors (lutb/cuda/fit.hpp gpu_fitter).
+  std::string fitter;
   /// -1: the fitter's own scale per tile, else a scale byte 3..246 for every tile.
   int forced_scale = -1;
   /// Compute FitStats (per-tile error sums, copied to the host and summed in tile order exactly as
@@ -110,8 +114,8 @@ struct GpuOnlineReport {
 };
 
 /// Quantises `src` into `out` (replacing its contents) on the GPU; see the file comment.
-/// Errors: std::invalid_argument ("quantize_experts_online: ..." naming the reason: dtype not BF16
-/// or F16, bad sizes, I % 8 != 0, wrong number of or null pointers, forced_scale outside 3..246,
+/// Errors: std::invalid_argument ("quantize_experts_online: ..." naming the reason: a fitter without
+/// a GPU kernel or an unknown fitter name, dtype not BF16 or F16, bad sizes, I % 8 != 0, wrong number of or null pointers, forced_scale outside 3..246,
 /// or a tile with NaN/Inf or a magnitude needing a scale above 246: "tensor w13_weight, expert e,
 /// tile (tn, tk): NaN at row R col C", as lutb::quantize words it); nothing is released and `out`
 /// is unchanged. CUDA failures: std::runtime_error with the CUDA error string (chunks already
