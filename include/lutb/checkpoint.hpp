@@ -358,6 +358,9 @@ struct QuantizeSummary {
   std::string fitter;
   double seconds = 0.0;
   std::uint64_t peak_rss_bytes = 0;    // VmHWM of this process at the end (/proc/self/status)
+  /// Files of the input checkpoint directory that were not copied because they hold the weights in
+  /// another format (see quantize_checkpoint), relative paths, sorted. Empty for quantize_file.
+  std::vector<std::string> skipped_files;
   /// Bits per weight of the quantised tensors: 8 * bytes_after / weights (3.140625 unpadded).
   double bits_per_weight() const { return weights ? 8.0 * static_cast<double>(bytes_after) / weights : 0.0; }
 };
@@ -372,7 +375,13 @@ std::string format_summary(const QuantizeSummary& s);
 /// - Every other tensor is copied bit for bit, in the same shard, in the same order; shard file
 ///   names are kept and model.safetensors.index.json is rewritten for the new names and sizes.
 /// - Every other file of in_dir (tokenizer, generation config, ...) is copied; config.json gains
-///   "quantization_config" (see LutbQuantConfig) with logical_shapes for padded tensors.
+///   "quantization_config" (see LutbQuantConfig) with logical_shapes for padded tensors. Files that
+///   hold the (unquantised) weights in another form are not copied but listed in
+///   QuantizeSummary::skipped_files: pytorch_model*.bin, consolidated*.{pth,pt,safetensors}
+///   (Meta / Mistral originals), tf_model*.h5, flax_model*.msgpack, the index files of those, and
+///   *.gguf (a framework reading them would silently load the unquantised weights). Other files,
+///   other *.safetensors data (val_tokens, activations) included, are copied; the flag of
+///   QuantizeOptions::interrupt is polled per MB while they are.
 /// - Streaming: tensors are processed one at a time from the memory-mapped source; the source pages
 ///   of a tensor are released (madvise) once written, so peak memory is about one stacked tensor's
 ///   LUT-B output plus one tensor's FP32 staging, independent of the checkpoint size.

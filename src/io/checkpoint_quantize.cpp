@@ -8,6 +8,7 @@
 #include <map>
 #include <regex>
 #include <set>
+#include <string_view>
 
 #include <fmt/core.h>
 #include <fmt/format.h>
@@ -157,6 +158,23 @@ std::int64_t layer_of(const std::string& name) {
   static const std::regex re(R"(^model\.layers\.(\d+)\.)");
   std::smatch m;
   return std::regex_search(name, m, re) ? index_of(m[1].str()) : -1;
+}
+
+// Files that hold the model's weights in another well-known form than this checkpoint's shards:
+// PyTorch (pytorch_model*.bin and its index), Meta / Mistral originals (consolidated*.pth, .pt,
+// .safetensors), TensorFlow (tf_model*.h5), Flax (flax_model*.msgpack) and their index files, GGUF.
+// Other files, including other safetensors files (val_tokens.safetensors, captured activations) and
+// training state (training_args.bin, optimizer.pt), are copied.
+bool other_weight_file(const std::string& name) {
+  auto starts = [&](std::string_view pre) { return name.rfind(pre, 0) == 0; };
+  auto ends = [&](std::string_view suf) {
+    return name.size() >= suf.size() && name.compare(name.size() - suf.size(), suf.size(), suf) == 0;
+  };
+  if (ends(".gguf")) return true;
+  if (starts("pytorch_model") && (ends(".bin") || ends(".bin.index.json"))) return true;
+  if (starts("consolidated") && (ends(".pth") || ends(".pt") || ends(".safetensors"))) return true;
+  if (starts("tf_model") && (ends(".h5") || ends(".h5.index.json"))) return true;
+  return starts("flax_model") && (ends(".msgpack") || ends(".msgpack.index.json"));
 }
 
 // The routed-expert tensors found for one MoE layer.
@@ -374,7 +392,9 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
   };
   write_text(tmp / "config.json", config.dump(2) + "\n");
 
-  // Every other file (tokenizer, generation config, ...), recursively.
+  // Every other file (tokenizer, generation config, ...), recursively, except the weights in
+  // another form: copied, they put the unquantised weights into the LUT-B checkpoint (a 90 GB
+  // consolidated.safetensors or pytorch_model*.bin beside the shards; QA session 9).
   for (auto it = fs::recursive_directory_iterator(in_dir); it != fs::recursive_directory_iterator(); ++it) {
     const fs::path rel = fs::relative(it->path(), in_dir);
     if (it->is_directory()) {
@@ -384,10 +404,16 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
     if (!it->is_regular_file()) continue;
     const std::string fname = rel.string();
     if (fname == "config.json" || fname == "model.safetensors.index.json" || shard_names.count(fname)) continue;
+    if (other_weight_file(rel.filename().string())) {
+      sum.skipped_files.push_back(fname);
+      continue;
+    }
+    detail::check_interrupt(opt.interrupt, out_dir);
     // Contents only: the output gets this process's default permissions, not the source's (a
     // read-only source made the copies read-only; QA 2026-11-30).
-    detail::copy_file_contents(it->path(), tmp / rel);
+    detail::copy_file_contents(it->path(), tmp / rel, opt.interrupt, out_dir);
   }
+  std::sort(sum.skipped_files.begin(), sum.skipped_files.end());
 
   detail::check_interrupt(opt.interrupt, out_dir);
   detail::install_replacing(tmp, out_dir);

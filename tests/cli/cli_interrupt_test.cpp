@@ -191,6 +191,48 @@ TEST(CliInterrupt, SigintInsideOneTensorsFitStopsThatFit) {
   EXPECT_TRUE(names_with_prefix(t.path, "out").empty()) << text;  // no out, no out.tmp.*
 }
 
+// Regression (session 9): the other files of a checkpoint were copied without polling the flag, so
+// a signal during the copy of a large one (here 2 GB, sparse) waited for the whole copy.
+TEST(CliInterrupt, SigintWhileCopyingALargeFileStopsTheCopy) {
+  test::TempDir t;
+  SynthOptions so;
+  so.family = ModelFamily::qwen3_moe;
+  so.layers = 1;
+  so.hidden_size = 64;
+  so.moe_intermediate_size = 64;
+  so.num_experts = 2;
+  so.progress = false;
+  synthesize_checkpoint(t.path / "in", so);
+  {
+    std::ofstream(t.path / "in" / "training_state.dat") << "x";
+    fs::resize_file(t.path / "in" / "training_state.dat", std::uintmax_t{2} << 30);
+  }
+  const fs::path out = t.path / "out", log = t.path / "log.txt";
+  const pid_t pid = spawn({"quantize", (t.path / "in").string(), "-o", out.string(), "--no-progress"}, log);
+  ASSERT_GT(pid, 0);
+  const fs::path copy = t.path / ("out.tmp." + std::to_string(pid)) / "training_state.dat";
+  int status = 0;
+  bool exited = false;
+  while (!fs::exists(copy)) {
+    if (::waitpid(pid, &status, WNOHANG) == pid) {
+      exited = true;
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_FALSE(exited) << slurp(log);
+  ::kill(pid, SIGINT);
+  ::waitpid(pid, &status, 0);
+  const std::string text = slurp(log);
+  ASSERT_TRUE(WIFSIGNALED(status)) << "status " << status << "\n" << text;
+  EXPECT_EQ(WTERMSIG(status), SIGINT) << text;
+  EXPECT_NE(text.find(out.string() + ": interrupted by signal 2 (Interrupt) while copying " +
+                      (t.path / "in" / "training_state.dat").string() + "; the partial output was removed"),
+            std::string::npos)
+      << text;
+  EXPECT_TRUE(names_with_prefix(t.path, "out").empty()) << text;
+}
+
 // A pid that no longer exists: a child that has exited and been reaped.
 pid_t dead_pid() {
   const pid_t p = ::fork();

@@ -470,6 +470,39 @@ TEST(QuantizeInput, IncompleteRoutedExpertsAreRefused) {
   EXPECT_EQ(quantize_checkpoint(t.path / "oks", t.path / "out", quiet()).tensors_quantized, 2);
 }
 
+// Regression: quantize_checkpoint copied every other file, including the unquantised weights in
+// other forms (pytorch_model*.bin, Mistral's consolidated.safetensors, original/*.pth), into the
+// LUT-B checkpoint. They are now left out and listed; other files (other safetensors data too) are
+// still copied.
+TEST(QuantizeInput, OtherFormatWeightFilesAreNotCopied) {
+  TempDir t;
+  synthesize_checkpoint(t.path / "in", small(1));
+  const fs::path in = t.path / "in";
+  fs::create_directories(in / "original");
+  for (const char* f : {"pytorch_model-00001-of-00002.bin", "pytorch_model.bin.index.json", "consolidated.safetensors",
+                        "original/consolidated.00.pth", "tf_model.h5", "flax_model.msgpack", "model-q4.gguf",
+                        "val_tokens.safetensors", "tokenizer.json", "training_args.bin", "optimizer.pt", "README.md",
+                        "original/params.json"})
+    std::ofstream(in / f) << "bytes of " << f;
+  const QuantizeSummary s = quantize_checkpoint(in, t.path / "out", quiet());
+  EXPECT_EQ(s.skipped_files,
+            (std::vector<std::string>{"consolidated.safetensors", "flax_model.msgpack", "model-q4.gguf",
+                                      "original/consolidated.00.pth", "pytorch_model-00001-of-00002.bin",
+                                      "pytorch_model.bin.index.json", "tf_model.h5"}));
+  for (const auto& f : s.skipped_files) EXPECT_FALSE(fs::exists(t.path / "out" / f)) << f;
+  for (const char* f : {"val_tokens.safetensors", "tokenizer.json", "training_args.bin", "optimizer.pt", "README.md",
+                        "original/params.json"}) {
+    std::ifstream c(t.path / "out" / f);
+    std::string line;
+    std::getline(c, line);
+    EXPECT_EQ(line, std::string("bytes of ") + f);
+  }
+  EXPECT_TRUE(Checkpoint(t.path / "out").is_lutb());
+  EXPECT_NE(format_summary(s).find("not copied           consolidated.safetensors, flax_model.msgpack, "),
+            std::string::npos)
+      << format_summary(s);
+}
+
 // Regression: a tensor name with a layer index beyond 64 bits ended in a bare "stoll" (std::out_of_range).
 TEST(QuantizeInput, HugeLayerIndexInATensorName) {
   TempDir t;
