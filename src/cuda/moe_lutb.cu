@@ -137,11 +137,11 @@ void moe_forward(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t
   const bool small_experts = std::max(w.w13.shape.tiles_per_expert(), w.w2.shape.tiles_per_expert()) * 192 < (1ll << 31);
   if (s == MoeStrategy::Decode && !small_experts) s = MoeStrategy::DecodeM16;
   if (s == MoeStrategy::Decode) {
-    // Benchmarking knob: LUTB_SWAPAB_NB = 1, 2 or 4 forces the token blocks per CTA (read once).
+    // Benchmarking knob: LUTB_SWAPAB_NB = 1 or 2 forces the token blocks per CTA (read once).
     static const int forced_nb = [] {
       const char* v = std::getenv("LUTB_SWAPAB_NB");
       const int n = v ? std::atoi(v) : 0;
-      return n == 1 || n == 2 || n == 4 ? n : 0;
+      return n == 1 || n == 2 ? n : 0;
     }();
     const int nb = forced_nb ? forced_nb : decode_token_blocks(tokens, top_k, E);
     const int dec = detail::swap_decoder();
@@ -151,8 +151,7 @@ void moe_forward(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t
     auto go = [&](auto dec_c) {
       constexpr int kD = decltype(dec_c)::value;
       if (nb == 1) launch_swapab<kD, 1>(w, r, ws, P, stream);
-      else if (nb == 2) launch_swapab<kD, 2>(w, r, ws, P, stream);
-      else launch_swapab<kD, 4>(w, r, ws, P, stream);
+      else launch_swapab<kD, 2>(w, r, ws, P, stream);
     };
     if (dec == kern::kDecFp8) go(std::integral_constant<int, kern::kDecFp8>{});
     else if (dec == kern::kDecCvt) go(std::integral_constant<int, kern::kDecCvt>{});

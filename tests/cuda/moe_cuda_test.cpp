@@ -176,8 +176,8 @@ TEST_P(MoeRandom, MatchesHostReferenceAllStrategiesAndDecoders) {
   cuda::set_weight_decoder(cuda::WeightDecoder::Auto);
 }
 
-// Swap-AB token blocks (decode_token_blocks): 1 for the first two cases, 2 for the fifth, 4 for the
-// third and fourth (which also need several tiles per expert).
+// Swap-AB token blocks (decode_token_blocks): 1 for the first two cases, 2 for the others (the third
+// and fourth also need several 16-token tiles per expert).
 INSTANTIATE_TEST_SUITE_P(Shapes, MoeRandom,
                          ::testing::Values(Case{8, 256, 128, 1, 2, false},      // one token
                                            Case{16, 200, 72, 13, 4, false},     // padded H (K and N) and I
@@ -208,7 +208,8 @@ TEST(MoeCuda, DependentLaunchBitIdenticalBackToBack) {
   for (int e = 0; e < E; ++e) allowed[e] = e;
   cudaStream_t st;
   ck(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "stream");
-  for (const std::int64_t T : {std::int64_t{3}, std::int64_t{40}, std::int64_t{200}}) {  // 1, 2 and 4 token blocks
+  // 1 token block; 2 blocks; 2 blocks with several tiles per expert.
+  for (const std::int64_t T : {std::int64_t{3}, std::int64_t{40}, std::int64_t{200}}) {
     std::deque<DevBuf<std::uint16_t>> xs, outs;  // deque: DevBuf does not move
     std::deque<DevBuf<std::int32_t>> ids;
     std::deque<DevBuf<float>> wts;

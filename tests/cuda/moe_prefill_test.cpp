@@ -318,7 +318,7 @@ TEST(PrefillCuda, HeuristicThresholdIs24PairsPerTouchedExpert) {
   EXPECT_EQ(cuda::choose_strategy(4096, 8, 256), cuda::MoeStrategy::Prefill);
   EXPECT_EQ(cuda::decode_token_blocks(1, 8, 256), 1);
   EXPECT_EQ(cuda::decode_token_blocks(256, 8, 256), 2);   // 8 pairs per expert
-  EXPECT_EQ(cuda::decode_token_blocks(256, 8, 128), 4);   // 16
+  EXPECT_EQ(cuda::decode_token_blocks(256, 8, 128), 2);   // 16: two 16-token tiles per expert
 }
 
 TEST(PrefillCuda, BadArgumentsThrowBeforeAnyLaunch) {

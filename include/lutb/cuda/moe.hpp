@@ -129,9 +129,11 @@ inline constexpr double kPrefillMinTokensPerExpert = 24.0;
 ///   LUT-B weights: Prefill from kPrefillMinTokensPerExpert tokens per touched expert, else Decode.
 MoeStrategy choose_strategy(std::int64_t tokens, int top_k, std::int64_t experts, bool packed_weights = true);
 
-/// Token n-blocks of 8 per tile of the swap-AB decode kernels (1, 2 or 4) for a batch: 1 up to 6
-/// mean tokens per touched expert, 2 up to 14, else 4 (experts with more tokens than a tile get
-/// several tiles; blocks past an expert's token count are skipped).
+/// Token n-blocks of 8 per tile of the swap-AB decode kernels (1 or 2) for a batch: 1 up to 6 mean
+/// tokens per touched expert, else 2 (experts with more tokens than a tile get several tiles;
+/// blocks past an expert's token count are skipped). 4 blocks (32-token tiles) needed 255 registers
+/// and spilled: at 16 tokens per expert they were 17-23 % slower than two 16-token tiles on the
+/// H200 (docs/perf/moe-gpu.md), so they were dropped.
 int decode_token_blocks(std::int64_t tokens, int top_k, std::int64_t experts);
 
 /// Bytes of device workspace moe_forward needs for at most `max_tokens` tokens.
