@@ -390,7 +390,9 @@ std::uint64_t vm_size() {
 // another message (printed), 2 when an allocation failed (the claimed size was allocated), 3 when
 // the file opened.
 void open_with_little_memory(const fs::path& p, std::uint64_t file_size, const std::string& reason) {
-  GTEST_FLAG_SET(death_test_style, "threadsafe");  // the child re-executes the test binary
+  // The default ("fast") death-test style forks without re-executing: the child uses the parent's
+  // files and _Exits, and the parent's TempDir removes them ("threadsafe" re-ran the test in the
+  // child, whose TempDir was then never removed).
   const std::uint64_t limit = vm_size() + file_size + (48u << 20);
   EXPECT_EXIT(
       {
