@@ -52,17 +52,11 @@ struct ConfigError : std::runtime_error {
 struct CheckpointError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
-/// A write stopped because its interrupt flag (QuantizeOptions::interrupt, SynthOptions::interrupt)
-/// became nonzero, i.e. a signal arrived. When it propagates out of quantize_checkpoint,
-/// quantize_file or synthesize_checkpoint the temporary output has been removed and the destination
-/// is exactly as it was. `signal` is the flag's value (the signal number, e.g. SIGINT = 2).
-struct Interrupted : std::runtime_error {
-  Interrupted(int sig, const std::string& what) : std::runtime_error(what), signal(sig) {}
-  int signal;
-};
-/// The flag type polled by the writers: set from a signal handler (lock-free, so async-signal-safe).
-using InterruptFlag = std::atomic<int>;
-static_assert(InterruptFlag::is_always_lock_free, "a signal handler may only touch a lock-free atomic");
+// Interrupted and InterruptFlag (the cancellation token of the writers and of the fitter) are
+// declared in lutb/fit.hpp. When Interrupted propagates out of quantize_checkpoint, quantize_file
+// or synthesize_checkpoint the temporary output has been removed and the destination is exactly as
+// it was; a stop inside one tensor's fit says so ("... while fitting tensor T after K of N tiles")
+// and carries tiles_done / tiles_total.
 
 /// Temporaries that an earlier write of `target` left behind when its process died (killed, or a
 /// second Ctrl-C): siblings named "<target>.tmp.<pid>..." or "<target>.old.<pid>..." whose <pid> is
@@ -147,8 +141,9 @@ struct ModelConfig {
 };
 
 /// Parses a config.json object. `where` names its file in error messages. Throws ConfigError naming
-/// `where` and the key when a required key is missing or has the wrong type, when the experts keys
-/// disagree, and, for an unsupported model_type, naming it and the supported ones.
+/// `where` and the key when a required key is missing or has the wrong type, when a size or count
+/// is negative or does not fit a 32-bit integer (what the model parser accepts), when the experts
+/// keys disagree, and, for an unsupported model_type, naming it and the supported ones.
 ModelConfig parse_model_config(const nlohmann::json& config, const std::string& where = "config.json");
 /// Reads and parses `path` (a config.json file or a checkpoint directory holding one).
 ModelConfig load_model_config(const std::filesystem::path& path);
@@ -343,8 +338,9 @@ struct QuantizeOptions {
   /// (the old one is removed after the swap).
   bool force = false;
   bool progress = true;    // progress bar on stderr (only drawn when stderr is a terminal)
-  /// Polled between tensors and between 32 MB copy chunks (a single tensor's fit is not
-  /// interrupted): when it reads nonzero the write stops, the temporary output is removed and
+  /// Polled between tensors, between 32 MB copy chunks and, inside a tensor's fit, before every
+  /// tile (it is passed on as FitOptions::interrupt when fit.interrupt is null): when it reads
+  /// nonzero the write stops within about one tile per thread, the temporary output is removed and
   /// Interrupted is thrown; the destination is left as it was. Null: never interrupted.
   const InterruptFlag* interrupt = nullptr;
 };
@@ -362,6 +358,9 @@ struct QuantizeSummary {
   std::string fitter;
   double seconds = 0.0;
   std::uint64_t peak_rss_bytes = 0;    // VmHWM of this process at the end (/proc/self/status)
+  /// Files of the input checkpoint directory that were not copied because they hold the weights in
+  /// another format (see quantize_checkpoint), relative paths, sorted. Empty for quantize_file.
+  std::vector<std::string> skipped_files;
   /// Bits per weight of the quantised tensors: 8 * bytes_after / weights (3.140625 unpadded).
   double bits_per_weight() const { return weights ? 8.0 * static_cast<double>(bytes_after) / weights : 0.0; }
 };
@@ -376,14 +375,22 @@ std::string format_summary(const QuantizeSummary& s);
 /// - Every other tensor is copied bit for bit, in the same shard, in the same order; shard file
 ///   names are kept and model.safetensors.index.json is rewritten for the new names and sizes.
 /// - Every other file of in_dir (tokenizer, generation config, ...) is copied; config.json gains
-///   "quantization_config" (see LutbQuantConfig) with logical_shapes for padded tensors.
+///   "quantization_config" (see LutbQuantConfig) with logical_shapes for padded tensors. Files that
+///   hold the (unquantised) weights in another form are not copied but listed in
+///   QuantizeSummary::skipped_files: pytorch_model*.bin, consolidated*.{pth,pt,safetensors}
+///   (Meta / Mistral originals), tf_model*.h5, flax_model*.msgpack, the index files of those, and
+///   *.gguf (a framework reading them would silently load the unquantised weights). Other files,
+///   other *.safetensors data (val_tokens, activations) included, are copied; the flag of
+///   QuantizeOptions::interrupt is polled per MB while they are.
 /// - Streaming: tensors are processed one at a time from the memory-mapped source; the source pages
 ///   of a tensor are released (madvise) once written, so peak memory is about one stacked tensor's
 ///   LUT-B output plus one tensor's FP32 staging, independent of the checkpoint size.
 /// - Atomic: everything is written to "<out_dir>.tmp.<pid>" and renamed to out_dir at the end; on
 ///   any error the temporary directory is removed and out_dir is untouched.
 /// Errors: CheckpointError when out_dir exists (without force), equals in_dir, or in_dir is already
-/// LUT-B, or when a MoE layer's routed experts have a bias tensor ("... LUT-B online MoE
+/// LUT-B, when a routed-expert tensor's shape or expert index contradicts config.json, when a MoE
+/// layer's routed experts are incomplete (a MoE layer below num_hidden_layers without them, or
+/// one missing any expert's projection or one of the stacked pair), or when a MoE layer's routed experts have a bias tensor ("... LUT-B online MoE
 /// quantization does not support bias.", spec 6); ConfigError / SafetensorsError for bad input; std::invalid_argument naming the tensor and
 /// tile for NaN/Inf weights (from the fitter); CheckpointError for a non-float expert tensor.
 QuantizeSummary quantize_checkpoint(const std::filesystem::path& in_dir, const std::filesystem::path& out_dir,
@@ -396,7 +403,7 @@ QuantizeSummary quantize_checkpoint(const std::filesystem::path& in_dir, const s
 /// gains "lutb.quant_method" = "lut_b", "lutb.fitter", and for each padded tensor
 /// "lutb.logical_shape.<X>" = "[N, K]" (or "[E, N, K]"). A selected tensor that is not 2-D/3-D float
 /// is an error naming it. Atomic via the temporary-name writer; `out` existing is an error unless
-/// opt.force. Returns the summary.
+/// opt.force, and `out` must end in ".safetensors" (CheckpointError otherwise). Returns the summary.
 QuantizeSummary quantize_file(const std::filesystem::path& in, const std::filesystem::path& out,
                               const std::string& match, const QuantizeOptions& opt = {});
 
@@ -416,6 +423,11 @@ struct SynthOptions {
   std::int64_t hidden_size = 0, moe_intermediate_size = 0, num_experts = 0;
   /// As QuantizeOptions::interrupt, polled between blocks of rows (a few MB).
   const InterruptFlag* interrupt = nullptr;
+  /// Called once with the tensor bytes that will be written (synth_checkpoint_bytes(opt)) after
+  /// every check has passed (options, destination replaceable, free space) and the temporary
+  /// output directory was created, just before the first tensor is written; never called on a
+  /// refusal. lutb synth prints its "will write N bytes" line here. May be empty.
+  std::function<void(std::uint64_t bytes)> on_start;
 };
 
 /// The real model a family's synthetic checkpoint imitates (shapes from its published config.json):
@@ -441,7 +453,7 @@ ModelConfig synth_config(const SynthOptions& opt);
 /// values and results do not depend on the thread count. Streaming: tensors are generated and
 /// written a block of rows at a time (memory bounded by a few MB per thread), atomically
 /// (temporary directory renamed at the end; an existing out_dir is an error unless force).
-/// Before writing, the free space of out_dir's filesystem (std::filesystem::space of its parent) must
+/// An empty out_dir is a CheckpointError. Before writing, the free space of out_dir's filesystem (std::filesystem::space of its parent) must
 /// exceed synth_checkpoint_bytes(opt), else CheckpointError naming both sizes; nothing is written.
 /// Returns the tensor bytes written.
 std::uint64_t synthesize_checkpoint(const std::filesystem::path& out_dir, const SynthOptions& opt);

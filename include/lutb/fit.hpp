@@ -24,7 +24,9 @@
 // snapping merges entries). Errors are sums in double in flat tile order.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -34,12 +36,36 @@
 
 namespace lutb {
 
+/// Cancellation token of the long operations (quantize() below, and the checkpoint writers of
+/// lutb/checkpoint.hpp): the caller keeps it at 0 and stores a nonzero value to ask for a stop, from
+/// any thread or from a signal handler (it is lock-free, hence async-signal-safe; the lutb CLI stores
+/// the signal number). Operations only read it.
+using InterruptFlag = std::atomic<int>;
+static_assert(InterruptFlag::is_always_lock_free, "a signal handler may only touch a lock-free atomic");
+
+/// Thrown by an operation that stopped because its InterruptFlag became nonzero. `signal` is the
+/// flag's value. When the stop happened inside one tensor's fit, tiles_done and tiles_total say how
+/// far it had got (tiles fitted before the stop, of the tensor's tiles); otherwise both are -1.
+struct Interrupted : std::runtime_error {
+  Interrupted(int sig, const std::string& what, std::int64_t done = -1, std::int64_t total = -1)
+      : std::runtime_error(what), signal(sig), tiles_done(done), tiles_total(total) {}
+  int signal;
+  std::int64_t tiles_done, tiles_total;
+};
+
 /// Options of a fit. Default-constructed options select the default fitter on all cores.
 struct FitOptions {
   std::string fitter;     // a name from fitter_names(); empty = the default fitter
   int threads = 0;        // 0 = all cores (OpenMP), 1 = single-threaded; results never depend on it
   int forced_scale = -1;  // 3..246 forces this scale byte on every tile (tests, research); -1 = free.
                           // Only "optimal" and "binned-dp" have a scale: the Lloyd fitters reject it.
+  /// Cancellation (null: none). quantize() reads it before every tile, on every thread; once it
+  /// reads nonzero the remaining tiles are skipped (the stop takes about one tile's fit per thread:
+  /// well under a millisecond for "binned-dp", a few for "optimal"), `out` is left empty and
+  /// Interrupted is thrown: "quantize: tensor NAME: interrupted (flag V) after K of N tiles" with
+  /// signal V, tiles_done K, tiles_total N. A fit that completes is unaffected: same bytes, same
+  /// statistics. fit_tile() does not read it.
+  const InterruptFlag* interrupt = nullptr;
 };
 
 /// Result of fitting one tile.
@@ -78,7 +104,9 @@ TileFit fit_tile(const float* values512, const FitOptions& opt = {});
 /// error messages ("tensor X, expert e, tile (tn, tk): NaN at row r col c", row/col of the logical
 /// matrix); with several bad tiles the first in storage order is reported, and `out` is left empty.
 /// Multithreaded over tiles (OpenMP, opt.threads); the bytes and the returned FitStats (summed in
-/// tile order) do not depend on the thread count. Memory: the output plus 16 bytes per tile.
+/// tile order) do not depend on the thread count. Memory: the output plus 16 bytes per tile (17
+/// with opt.interrupt). Cancellable through opt.interrupt (see FitOptions); a stop takes precedence
+/// over a bad tile found before it.
 FitStats quantize(const void* src, DType src_type, const LutbShape& shape, LutbTensor& out,
                   const FitOptions& opt = {}, const std::string& name = "weight");
 

@@ -117,7 +117,10 @@ void run_default_job(const DefaultArgs& a) {
     own_work = true;
   } else {
     work = a.work_dir;
-    own_work = fs::create_directories(work);
+    std::error_code ec;  // (a bare "filesystem error: cannot create directories" before; QA session 9)
+    own_work = fs::create_directories(work, ec);
+    if (ec)
+      throw std::runtime_error(fmt::format("--work-dir {}: cannot create it: {}", work.string(), ec.message()));
   }
   const fs::path src_dir = work / "qwen3-30b-a3b-layer-bf16", q_dir = work / "qwen3-30b-a3b-layer-lutb";
   // A user's --work-dir is never removed or overwritten: only the two checkpoints this run writes

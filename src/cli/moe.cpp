@@ -5,6 +5,7 @@
 #include <stdexcept>
 #include <cstdio>
 #include <filesystem>
+#include <limits>
 #include <memory>
 #include <string>
 
@@ -116,7 +117,7 @@ void add_moe(CLI::App& app) {
   auto args = std::make_shared<MoeArgs>();
   auto* cmd = app.add_subcommand("moe", "Run one MoE block on captured inputs and compare with the captured outputs");
   cmd->add_option("model_dir", args->model_dir, "Hugging Face checkpoint directory (BF16 or LUT-B)")->required();
-  cmd->add_option("--layer", args->layer, "sparse layer index")->required();
+  cmd->add_option("--layer", args->layer, "sparse layer index")->required()->check(IntRange<int>(0, std::numeric_limits<int>::max()));
   cmd->add_option("--activations", args->activations_file,
                   "safetensors file with layers.L.moe_input and layers.L.moe_output [tokens, hidden]")
       ->required();

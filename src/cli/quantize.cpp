@@ -38,7 +38,8 @@ nlohmann::json summary_json(const QuantizeSummary& s, const std::string& in, con
           {"bits_per_weight", s.bits_per_weight()},
           {"sqnr_db", std::isfinite(sqnr) ? nlohmann::json(sqnr) : nlohmann::json(nullptr)},
           {"seconds", s.seconds},
-          {"peak_rss_bytes", s.peak_rss_bytes}};
+          {"peak_rss_bytes", s.peak_rss_bytes},
+          {"skipped_files", s.skipped_files}};
 }
 }  // namespace
 

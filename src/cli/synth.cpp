@@ -37,7 +37,7 @@ void add_synth(CLI::App& app) {
       "Qwen1.5-MoE-A2.7B, Mixtral-8x7B, DeepSeek-V3, DeepSeek-V2-Lite, OLMoE-1B-7B): MoE blocks only, "
       "heavy-tailed (Student-t) BF16 weights, deterministic");
   cmd->footer(
-      "Prints the bytes it will write and checks the free space before writing. Written under OUT.tmp.PID and "
+      "Checks the destination and the free space first, then prints the bytes it will write. Written under OUT.tmp.PID and "
       "renamed at the end: Ctrl-C, SIGTERM or SIGHUP remove the temporary and leave OUT as it was (exit status of "
       "the signal: 130/143); temporaries of dead processes are reported at the start, never removed.");
   cmd->add_option("--family", args->family, "model family: " + fams)->required();
@@ -67,10 +67,13 @@ void add_synth(CLI::App& app) {
     InterruptGuard on_signal;
     args->opt.interrupt = interrupt_flag();
     warn_stale_temporaries(args->output);
-    const std::uint64_t planned = synth_checkpoint_bytes(args->opt);
-    fmt::print("lutb synth: will write {} bytes ({:.2f} GB) of BF16 tensors to {}\n", planned,
-               static_cast<double>(planned) / 1e9, args->output);
-    std::fflush(stdout);
+    // Announced only once the library has checked everything (destination, free space) and
+    // created its temporary: a refusal prints nothing but the error.
+    args->opt.on_start = [out = args->output](std::uint64_t planned) {
+      fmt::print("lutb synth: will write {} bytes ({:.2f} GB) of BF16 tensors to {}\n", planned,
+                 static_cast<double>(planned) / 1e9, out);
+      std::fflush(stdout);
+    };
     const auto t0 = std::chrono::steady_clock::now();
     const std::uint64_t bytes = synthesize_checkpoint(args->output, args->opt);
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -4,6 +4,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <limits>
@@ -142,9 +143,23 @@ FitStats quantize(const void* src, DType src_type, const LutbShape& shape, LutbT
   std::int64_t bad_tile = std::numeric_limits<std::int64_t>::max();
   std::string bad_msg;
   const int nthreads = opt.threads > 0 ? opt.threads : omp_get_max_threads();
+  // Cancellation (FitOptions::interrupt): every thread reads the flag before each tile and skips
+  // the rest once it is set; `fitted` marks the tiles done, for the message. Reading the flag does
+  // not change what a completed fit computes.
+  const InterruptFlag* stop = opt.interrupt;
+  std::vector<std::uint8_t> fitted(stop ? static_cast<std::size_t>(tiles) : 0);
+  std::atomic<int> stopped_by{0};
 
 #pragma omp parallel for schedule(dynamic, 16) num_threads(nthreads)
   for (std::int64_t t = 0; t < tiles; ++t) {
+    if (stop) {
+      const int v = stop->load(std::memory_order_relaxed);
+      if (v != 0) {
+        stopped_by.store(v, std::memory_order_relaxed);
+        continue;
+      }
+      fitted[static_cast<std::size_t>(t)] = 1;
+    }
     const std::int64_t e = t / tpe, tn = (t % tpe) / tk_n, tk = t % tk_n;
     float x[kTileSize];
     gather(static_cast<const std::uint8_t*>(src) + e * expert_elems * esz, src_type, shape.rows, shape.cols, tn,
@@ -179,6 +194,14 @@ FitStats quantize(const void* src, DType src_type, const LutbShape& shape, LutbT
         bad_msg = where + ": " + err;
       }
     }
+  }
+  if (const int v = stopped_by.load(); v != 0) {
+    out = LutbTensor();
+    const std::int64_t done = std::count(fitted.begin(), fitted.end(), std::uint8_t{1});
+    throw Interrupted(v,
+                      "quantize: tensor " + name + ": interrupted (flag " + std::to_string(v) + ") after " +
+                          std::to_string(done) + " of " + std::to_string(tiles) + " tiles",
+                      done, tiles);
   }
   if (!bad_msg.empty()) {
     out = LutbTensor();

@@ -227,6 +227,18 @@ void Checkpoint::read_lutb(const std::string& weight_name, const LutbShape& one,
                                         dir_.string(), v.name, detail::shape_str(v.shape), detail::shape_str(shape),
                                         one.stacked ? fmt::format("{}, ", one.experts) : "", one.rows, one.cols));
   };
+  // quantization_config.logical_shapes must agree with the shape config.json gives the tensor
+  // (it was ignored: a contradicting entry went unnoticed; QA session 9).
+  if (quant_) {
+    const auto ls = quant_->logical_shapes.find(weight_name);
+    const std::vector<std::int64_t> logical =
+        one.stacked ? std::vector<std::int64_t>{one.experts, one.rows, one.cols} : std::vector<std::int64_t>{one.rows, one.cols};
+    if (ls != quant_->logical_shapes.end() && ls->second != logical)
+      throw CheckpointError(fmt::format("checkpoint {}: config.json key 'quantization_config.logical_shapes.{}' is {}, "
+                                        "but hidden_size {} and the expert width {} give {}",
+                                        dir_.string(), weight_name, detail::shape_str(ls->second),
+                                        config_.hidden_size, config_.moe_intermediate_size, detail::shape_str(logical)));
+  }
   check(p, DType::U8, with(kPackedBytes));
   check(c, DType::F8_E4M3, with(kCodebookSize));
   const std::int64_t tiles = one.tiles();

@@ -1,5 +1,7 @@
 // config.json parsing, tensor naming and quantization_config parsing (spec sections 2.2 and 7).
 #include <algorithm>
+#include <cstdint>
+#include <limits>
 #include <fstream>
 #include <sstream>
 
@@ -24,8 +26,17 @@ bool is_qwen(ModelFamily f) { return f == ModelFamily::qwen3_moe || f == ModelFa
 std::optional<std::int64_t> opt_int(const nlohmann::json& j, const char* key, const std::string& where) {
   return detail::config_int(j, key, where);
 }
+// Sizes and counts are bounded by what the model parser (src/model/config.cpp) accepts, a 32-bit
+// int: a larger value is a corrupt config (QA session 9: num_hidden_layers 10^12 was accepted by
+// lutb quantize, which iterates over the layers, and refused only by lutb eval).
+std::optional<std::int64_t> opt_size(const nlohmann::json& j, const char* key, const std::string& where) {
+  const auto v = opt_int(j, key, where);
+  if (v && *v > std::numeric_limits<std::int32_t>::max())
+    detail::throw_config_key(where, key, fmt::format("{} does not fit a 32-bit integer", *v));
+  return v;
+}
 std::int64_t req_int(const nlohmann::json& j, const char* key, const std::string& where) {
-  const std::int64_t v = detail::config_required(opt_int(j, key, where), key, where);
+  const std::int64_t v = detail::config_required(opt_size(j, key, where), key, where);
   if (v < 0) detail::throw_config_key(where, key, fmt::format("must be non-negative, got {}", v));
   return v;
 }
@@ -109,13 +120,13 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& where
   c.num_hidden_layers = req_int(j, "num_hidden_layers", where);
   c.vocab_size = req_int(j, "vocab_size", where);
   c.num_experts_per_tok = req_int(j, "num_experts_per_tok", where);
-  c.intermediate_size = opt_int(j, "intermediate_size", where).value_or(0);
+  c.intermediate_size = opt_size(j, "intermediate_size", where).value_or(0);
 
   // Experts count: any of the three keys; when several are present they must agree.
   std::optional<std::int64_t> experts;
   std::string experts_key;
   for (const char* key : {"num_experts", "num_local_experts", "n_routed_experts"}) {
-    auto v = opt_int(j, key, where);
+    auto v = opt_size(j, key, where);
     if (!v) continue;
     if (experts && *experts != *v)
       detail::throw_config_key(where, key, fmt::format("{} disagrees with key '{}' = {}", *v, experts_key, *experts));
@@ -131,9 +142,9 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& where
 
   // Expert width.
   if (c.family == ModelFamily::mixtral) {
-    c.moe_intermediate_size = opt_int(j, "moe_intermediate_size", where).value_or(c.intermediate_size);
+    c.moe_intermediate_size = opt_size(j, "moe_intermediate_size", where).value_or(c.intermediate_size);
   } else {
-    auto v = opt_int(j, "moe_intermediate_size", where);
+    auto v = opt_size(j, "moe_intermediate_size", where);
     if (!v && c.family == ModelFamily::olmoe) v = c.intermediate_size;  // OLMoE experts use intermediate_size
     if (!v) detail::throw_config_key(where, "moe_intermediate_size", "required but missing");
     c.moe_intermediate_size = *v;
@@ -166,10 +177,10 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& where
 
   // Shared experts.
   if (is_deepseek(c.family)) {
-    c.n_shared_experts = opt_int(j, "n_shared_experts", where).value_or(0);
+    c.n_shared_experts = opt_size(j, "n_shared_experts", where).value_or(0);
     c.shared_expert_intermediate_size = c.n_shared_experts * c.moe_intermediate_size;
   } else if (c.family == ModelFamily::qwen2_moe) {
-    c.shared_expert_intermediate_size = opt_int(j, "shared_expert_intermediate_size", where).value_or(0);
+    c.shared_expert_intermediate_size = opt_size(j, "shared_expert_intermediate_size", where).value_or(0);
     c.n_shared_experts = c.shared_expert_intermediate_size > 0 ? 1 : 0;
   }
 

@@ -76,6 +76,9 @@ void check_interrupt(const std::atomic<int>* flag, const std::filesystem::path& 
 /// the default mode 0666 minus the umask, like any file this program writes. Unlike
 /// std::filesystem::copy_file it does not carry the source's permission bits over: a read-only
 /// source must not give a read-only output. Throws CheckpointError naming the file on failure.
-void copy_file_contents(const std::filesystem::path& from, const std::filesystem::path& to);
+/// With `stop` non-null the flag is polled per MB; when set, the partial copy is left for the
+/// caller's guard and Interrupted is thrown (check_interrupt with `target`, naming `from`).
+void copy_file_contents(const std::filesystem::path& from, const std::filesystem::path& to,
+                        const std::atomic<int>* stop = nullptr, const std::filesystem::path& target = {});
 
 }  // namespace lutb::detail

@@ -2,10 +2,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <regex>
 #include <set>
+#include <string_view>
 
 #include <fmt/core.h>
 #include <fmt/format.h>
@@ -84,7 +87,8 @@ void declare(SafetensorsWriter& w, const Planned& p, const TensorView& v, Quanti
 }
 
 // Writes the output tensors of one plan entry (quantising when planned), then releases the source pages.
-// Polls `stop` (see QuantizeOptions::interrupt) before the tensor and between copy chunks.
+// Polls `stop` (see QuantizeOptions::interrupt) before the tensor, between copy chunks and, through
+// the fitter, before every tile.
 void emit(SafetensorsWriter& w, const Planned& p, const TensorView& v, const FitOptions& fit, QuantizeSummary& s,
           detail::Progress& prog, const InterruptFlag* stop, const fs::path& target) {
   detail::check_interrupt(stop, target);
@@ -102,12 +106,25 @@ void emit(SafetensorsWriter& w, const Planned& p, const TensorView& v, const Fit
   }
   LutbTensor out;
   FitStats st;
-  if (v.dtype == DType::F64) {  // fitters take F32/BF16/F16: narrow F64 first
-    std::vector<float> f(static_cast<std::size_t>(v.numel()));
-    detail::convert_to_f32(v.data, v.dtype, f.data(), v.numel());
-    st = quantize(f.data(), DType::F32, p.shape, out, fit, p.name);
-  } else {
-    st = quantize(v.data, v.dtype, p.shape, out, fit, p.name);
+  // The fit itself polls the flag before every tile (a large tensor takes seconds to minutes).
+  FitOptions fo = fit;
+  if (!fo.interrupt) fo.interrupt = stop;
+  try {
+    if (v.dtype == DType::F64) {  // fitters take F32/BF16/F16: narrow F64 first
+      std::vector<float> f(static_cast<std::size_t>(v.numel()));
+      detail::convert_to_f32(v.data, v.dtype, f.data(), v.numel());
+      st = quantize(f.data(), DType::F32, p.shape, out, fo, p.name);
+    } else {
+      st = quantize(v.data, v.dtype, p.shape, out, fo, p.name);
+    }
+  } catch (const Interrupted& e) {
+    // The caller's guard removes the temporary output as this unwinds.
+    throw Interrupted(e.signal,
+                      fmt::format("{}: interrupted by signal {} ({}) while fitting tensor {} after {} of {} tiles; the "
+                                  "partial output was removed and {} is as it was",
+                                  target.string(), e.signal, strsignal(e.signal), p.name, e.tiles_done, e.tiles_total,
+                                  target.string()),
+                      e.tiles_done, e.tiles_total);
   }
   detail::release_pages(v.data, v.nbytes);
   w.write(out.packed.data(), out.packed.size());
@@ -128,11 +145,78 @@ void write_text(const fs::path& path, const std::string& text) {
   if (!f) throw CheckpointError(fmt::format("{}: cannot write", path.string()));
 }
 
+// A decimal index of a tensor name (the regexes match \d+ only); -1 when it does not fit 63 bits
+// (std::stoll threw a bare "stoll" out_of_range for "model.layers.99999999999999999999...").
+std::int64_t index_of(const std::string& digits) {
+  std::int64_t v = -1;
+  const auto r = std::from_chars(digits.data(), digits.data() + digits.size(), v);
+  return r.ec == std::errc() && r.ptr == digits.data() + digits.size() ? v : -1;
+}
+
 // Layer index of "model.layers.L...." (-1 when the name has none).
 std::int64_t layer_of(const std::string& name) {
   static const std::regex re(R"(^model\.layers\.(\d+)\.)");
   std::smatch m;
-  return std::regex_search(name, m, re) ? std::stoll(m[1].str()) : -1;
+  return std::regex_search(name, m, re) ? index_of(m[1].str()) : -1;
+}
+
+// Files that hold the model's weights in another well-known form than this checkpoint's shards:
+// PyTorch (pytorch_model*.bin and its index), Meta / Mistral originals (consolidated*.pth, .pt,
+// .safetensors), TensorFlow (tf_model*.h5), Flax (flax_model*.msgpack) and their index files, GGUF.
+// Other files, including other safetensors files (val_tokens.safetensors, captured activations) and
+// training state (training_args.bin, optimizer.pt), are copied.
+bool other_weight_file(const std::string& name) {
+  auto starts = [&](std::string_view pre) { return name.rfind(pre, 0) == 0; };
+  auto ends = [&](std::string_view suf) {
+    return name.size() >= suf.size() && name.compare(name.size() - suf.size(), suf.size(), suf) == 0;
+  };
+  if (ends(".gguf")) return true;
+  if (starts("pytorch_model") && (ends(".bin") || ends(".bin.index.json"))) return true;
+  if (starts("consolidated") && (ends(".pth") || ends(".pt") || ends(".safetensors"))) return true;
+  if (starts("tf_model") && (ends(".h5") || ends(".h5.index.json"))) return true;
+  return starts("flax_model") && (ends(".msgpack") || ends(".msgpack.index.json"));
+}
+
+// The routed-expert tensors found for one MoE layer.
+struct LayerExperts {
+  std::set<std::pair<std::int64_t, int>> per_expert;  // (expert, Proj)
+  bool gate_up = false, down = false;                  // stacked tensors
+};
+
+Proj proj_of(const std::string& p) {
+  if (p == "gate_proj" || p == "w1") return Proj::gate;
+  if (p == "up_proj" || p == "w3") return Proj::up;
+  return Proj::down;
+}
+
+// Every MoE layer config.json declares must have all its routed experts, and every MoE layer with
+// any must have them all (QA session 9: a checkpoint missing an expert, or declaring more experts or
+// layers than it stores, was quantised into a checkpoint that lutb eval then refused). Throws
+// CheckpointError naming the first missing tensor.
+void check_experts_complete(const fs::path& in_dir, const ModelConfig& cfg,
+                            const std::map<std::int64_t, LayerExperts>& found) {
+  const fs::path config = in_dir / "config.json";
+  auto missing = [&](std::int64_t L, const std::string& name, const char* what) {
+    throw CheckpointError(fmt::format("checkpoint {}: layer {} is a MoE layer of {} ({} experts, {} layers) but {} is "
+                                      "missing{}; nothing written",
+                                      in_dir.string(), L, config.string(), cfg.num_experts, cfg.num_hidden_layers, name,
+                                      what));
+  };
+  // Declared MoE layers without any routed-expert tensor (stops at the first: the layer count is
+  // bounded by the config parser).
+  for (std::int64_t L = 0; L < cfg.num_hidden_layers; ++L)
+    if (cfg.is_moe_layer(L) && !found.count(L))
+      missing(L, expert_weight_name(cfg, L, 0, Proj::gate), " (no routed-expert tensor of this layer was found)");
+  for (const auto& [L, x] : found) {
+    if (x.gate_up || x.down) {
+      if (!x.gate_up) missing(L, stacked_gate_up_name(cfg, L), " (its stacked down_proj is present)");
+      if (!x.down) missing(L, stacked_down_name(cfg, L), " (its stacked gate_up_proj is present)");
+      continue;
+    }
+    for (std::int64_t e = 0; e < cfg.num_experts; ++e)
+      for (Proj p : {Proj::gate, Proj::up, Proj::down})
+        if (!x.per_expert.count({e, static_cast<int>(p)})) missing(L, expert_weight_name(cfg, L, e, p), "");
+  }
 }
 
 std::string resolved_fitter(const FitOptions& f) {
@@ -170,6 +254,7 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
   std::vector<std::vector<Planned>> plan(files.size());
   std::uint64_t total_bytes = 0;
   std::map<std::string, std::vector<std::int64_t>> logical_shapes;
+  std::map<std::int64_t, LayerExperts> found;
   for (std::size_t f = 0; f < files.size(); ++f) {
     for (const auto& name : files[f]->names()) {
       const TensorView& v = files[f]->get(name);
@@ -180,7 +265,10 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
                                           "does not support bias.",
                                           in_dir.string(), name));
       std::smatch m;
-      if (std::regex_match(name, m, pattern) && cfg.is_moe_layer(std::stoll(m[1].str()))) {
+      if (std::regex_match(name, m, pattern) && index_of(m[1].str()) < 0)
+        throw CheckpointError(fmt::format("{}: tensor {} has a layer index that does not fit 63 bits; nothing written",
+                                          files[f]->path().string(), name));
+      if (std::regex_match(name, m, pattern) && cfg.is_moe_layer(index_of(m[1].str()))) {
         const bool stacked = name.find("_proj.weight") == std::string::npos && name.find(".weight") == std::string::npos;
         if (!dtype_is_float_source(v.dtype))
           throw CheckpointError(fmt::format("checkpoint {}: routed-expert tensor {} has dtype {}; LUT-B quantisation "
@@ -205,11 +293,17 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
               "written",
               files[f]->path().string(), name, detail::shape_str(v.shape), detail::shape_str(expected),
               (in_dir / "config.json").string(), H, "expert width", I, stacked ? fmt::format(", {} experts", E) : ""));
-        if (!stacked && std::stoll(m[2].str()) >= E)
+        const std::int64_t expert = stacked ? -1 : index_of(m[2].str());
+        if (!stacked && (expert < 0 || expert >= E))
           throw CheckpointError(fmt::format("{}: routed-expert tensor {} names expert {}, but {} declares {} experts; "
                                             "nothing written",
                                             files[f]->path().string(), name, m[2].str(),
                                             (in_dir / "config.json").string(), E));
+        LayerExperts& le = found[index_of(m[1].str())];
+        if (stacked)
+          (down ? le.down : le.gate_up) = true;
+        else
+          le.per_expert.insert({expert, static_cast<int>(proj_of(proj))});
         p.quantize = true;
         p.shape = shape_of(v);
         if (p.shape.padded()) logical_shapes[name] = logical_dims(p.shape);
@@ -221,10 +315,14 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
   }
   if (std::none_of(plan.begin(), plan.end(), [](const auto& v) {
         return std::any_of(v.begin(), v.end(), [](const Planned& p) { return p.quantize; });
-      }))
+      })) {
+    std::int64_t first = 0;  // the first MoE layer (not moe_layers(): it lists them all)
+    while (first < cfg.num_hidden_layers && !cfg.is_moe_layer(first)) ++first;
     throw CheckpointError(fmt::format("checkpoint {}: no routed-expert tensors found (expected names like {} or {})",
-                                      in_dir.string(), expert_weight_name(cfg, cfg.moe_layers().empty() ? 0 : cfg.moe_layers()[0], 0, Proj::gate),
-                                      stacked_gate_up_name(cfg, cfg.moe_layers().empty() ? 0 : cfg.moe_layers()[0])));
+                                      in_dir.string(), expert_weight_name(cfg, first, 0, Proj::gate),
+                                      stacked_gate_up_name(cfg, first)));
+  }
+  check_experts_complete(in_dir, cfg, found);
 
   const fs::path tmp = detail::temp_sibling(out_dir);
   std::error_code ec;
@@ -294,7 +392,9 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
   };
   write_text(tmp / "config.json", config.dump(2) + "\n");
 
-  // Every other file (tokenizer, generation config, ...), recursively.
+  // Every other file (tokenizer, generation config, ...), recursively, except the weights in
+  // another form: copied, they put the unquantised weights into the LUT-B checkpoint (a 90 GB
+  // consolidated.safetensors or pytorch_model*.bin beside the shards; QA session 9).
   for (auto it = fs::recursive_directory_iterator(in_dir); it != fs::recursive_directory_iterator(); ++it) {
     const fs::path rel = fs::relative(it->path(), in_dir);
     if (it->is_directory()) {
@@ -304,10 +404,16 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
     if (!it->is_regular_file()) continue;
     const std::string fname = rel.string();
     if (fname == "config.json" || fname == "model.safetensors.index.json" || shard_names.count(fname)) continue;
+    if (other_weight_file(rel.filename().string())) {
+      sum.skipped_files.push_back(fname);
+      continue;
+    }
+    detail::check_interrupt(opt.interrupt, out_dir);
     // Contents only: the output gets this process's default permissions, not the source's (a
     // read-only source made the copies read-only; QA 2026-11-30).
-    detail::copy_file_contents(it->path(), tmp / rel);
+    detail::copy_file_contents(it->path(), tmp / rel, opt.interrupt, out_dir);
   }
+  std::sort(sum.skipped_files.begin(), sum.skipped_files.end());
 
   detail::check_interrupt(opt.interrupt, out_dir);
   detail::install_replacing(tmp, out_dir);
@@ -327,6 +433,12 @@ QuantizeSummary quantize_file(const fs::path& in, const fs::path& out, const std
   detail::check_replaceable(out, /*want_directory=*/false, opt.force);
   if (fs::exists(out) && !opt.force)
     throw CheckpointError(fmt::format("{}: output file exists (use --force to replace it); nothing written", out.string()));
+  // "lutb quantize DIR/model.safetensors -o OUT_DIR" wrote a safetensors file named OUT_DIR, which
+  // --force then refused to replace (QA session 9): the output must be named like what it is.
+  if (out.extension() != ".safetensors")
+    throw CheckpointError(fmt::format("{}: the output of one quantised file must be named *.safetensors (to write a "
+                                      "checkpoint directory, give the input checkpoint directory); nothing written",
+                                      out.string()));
   std::regex re;
   if (!match.empty()) {
     try {

@@ -294,6 +294,9 @@ ModelConfig synth_config(const SynthOptions& opt) {
 std::uint64_t synthesize_checkpoint(const fs::path& out_dir, const SynthOptions& opt) {
   if (!(opt.student_nu > 2.0)) throw std::invalid_argument("synth: student_nu must be > 2 (finite variance)");
   const ModelConfig c = synth_config(opt);
+  // An empty path wrote the whole checkpoint to ".tmp.PID" in the current directory, then failed to
+  // rename it to "" with a bare filesystem error (QA session 9).
+  if (out_dir.empty()) throw CheckpointError("synth: no output directory given; nothing written");
   detail::check_replaceable(out_dir, /*want_directory=*/true, opt.force);
   if (fs::exists(out_dir) && !opt.force)
     throw CheckpointError(fmt::format("{}: output directory exists (use --force to replace it); nothing written",
@@ -317,16 +320,27 @@ std::uint64_t synthesize_checkpoint(const fs::path& out_dir, const SynthOptions&
 
   const fs::path tmp = detail::temp_sibling(out_dir);
   fs::remove_all(tmp, ec);
-  detail::create_temp_dir(tmp, out_dir);
+  // Missing parents are created (as mkdir -p) and, when the run fails or is interrupted, removed
+  // again if still empty: a failed run leaves the filesystem as it was (QA session 9: they stayed).
+  std::vector<fs::path> made;  // deepest first
+  for (fs::path p = tmp.parent_path(); !p.empty() && !fs::exists(fs::symlink_status(p, ec)); p = p.parent_path()) {
+    made.push_back(p);
+    if (p == p.parent_path()) break;
+  }
   struct Guard {
     fs::path p;
+    std::vector<fs::path> parents;
     bool armed = true;
     ~Guard() {
+      if (!armed) return;
       std::error_code e;
-      if (armed) fs::remove_all(p, e);
+      fs::remove_all(p, e);
+      for (const auto& d : parents) fs::remove(d, e);  // only removes an empty directory
     }
-  } guard{tmp};
+  } guard{tmp, made};
+  detail::create_temp_dir(tmp, out_dir);
 
+  if (opt.on_start) opt.on_start(total);
   const StudentT dist(opt.student_nu);
   detail::Progress prog("synth", total, opt.progress);
   nlohmann::json weight_map = nlohmann::json::object();

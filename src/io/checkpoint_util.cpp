@@ -18,6 +18,7 @@
 
 #include <fmt/core.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "io/checkpoint_internal.hpp"
 #include "lutb/checkpoint.hpp"
@@ -214,7 +215,8 @@ void check_interrupt(const std::atomic<int>* flag, const fs::path& target) {
                                      target.string(), sig, strsignal(sig), target.string()));
 }
 
-void copy_file_contents(const fs::path& from, const fs::path& to) {
+void copy_file_contents(const fs::path& from, const fs::path& to, const std::atomic<int>* stop,
+                        const fs::path& target) {
   const int in = ::open(from.c_str(), O_RDONLY | O_CLOEXEC);
   if (in < 0) throw CheckpointError(fmt::format("{}: cannot open: {}", from.string(), std::strerror(errno)));
   const int out = ::open(to.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
@@ -225,7 +227,9 @@ void copy_file_contents(const fs::path& from, const fs::path& to) {
   }
   std::vector<char> buf(1 << 20);
   std::string error;
+  int sig = 0;
   for (;;) {
+    if (stop && (sig = stop->load(std::memory_order_relaxed)) != 0) break;
     const ssize_t n = ::read(in, buf.data(), buf.size());
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) {
@@ -246,6 +250,10 @@ void copy_file_contents(const fs::path& from, const fs::path& to) {
   }
   ::close(in);
   if (::close(out) != 0 && error.empty()) error = fmt::format("{}: cannot write: {}", to.string(), std::strerror(errno));
+  if (sig != 0)
+    throw Interrupted(sig, fmt::format("{}: interrupted by signal {} ({}) while copying {}; the partial output was "
+                                       "removed and {} is as it was",
+                                       target.string(), sig, strsignal(sig), from.string(), target.string()));
   if (!error.empty()) throw CheckpointError(error);
 }
 
@@ -305,6 +313,9 @@ std::string format_summary(const QuantizeSummary& s) {
                           : fmt::format("aggregate SQNR       {:.2f} dB\n", sqnr);
   out += fmt::format("time                 {:.2f} s\n", s.seconds);
   out += fmt::format("peak RSS             {:.1f} MB\n", mb(s.peak_rss_bytes));
+  if (!s.skipped_files.empty())
+    out += fmt::format("not copied           {} (the unquantised weights in another format)\n",
+                       fmt::join(s.skipped_files, ", "));
   return out;
 }
 

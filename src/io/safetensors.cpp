@@ -382,6 +382,15 @@ SafetensorsCollection SafetensorsCollection::open_dir(const fs::path& dir) {
         fail(index.string(), fmt::format("tensor '{}' is listed in shard '{}' but that file does not hold it", it.key(), shard));
       c.where_.emplace(it.key(), s->second);
     }
+    // A tensor held by two shards is ambiguous (the reader used the index's, lutb quantize wrote
+    // both; QA session 9), as it is without an index (below).
+    for (const auto& [shard, ix] : shard_ix)
+      for (const auto& n : c.files_[ix]->names()) {
+        const auto w = c.where_.find(n);
+        if (w != c.where_.end() && w->second != ix)
+          fail(index.string(), fmt::format("tensor '{}' appears in both {} (where the index lists it) and {}", n,
+                                           c.files_[w->second]->path().string(), c.files_[ix]->path().string()));
+      }
     return c;
   }
   if (fs::exists(dir / "model.safetensors")) {

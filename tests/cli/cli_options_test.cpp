@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <string>
 
 #include "support/test_support.hpp"
@@ -98,11 +99,11 @@ TEST(CliOptions, SynthRejectsBadSizesAndChecksFreeSpace) {
   }
   EXPECT_TRUE(fs::is_empty(t.path)) << "something was written";
 
-  // Bigger than any disk: the size is printed, then refused before writing.
+  // Bigger than any disk: refused before writing, and before announcing what it would write.
   const CliOut big = run("synth --family qwen3_moe --layers 1000 --hidden-size 65536 --experts 4096 --no-progress -o " +
                       q(t.path / "big"));
   EXPECT_EQ(big.code, 1) << big.out;
-  EXPECT_TRUE(has(big, "lutb synth: will write ")) << big.out;
+  EXPECT_FALSE(has(big, "will write")) << big.out;
   EXPECT_TRUE(has(big, ": the checkpoint needs")) << big.out;
   EXPECT_TRUE(has(big, "are free on the filesystem of")) << big.out;
   EXPECT_TRUE(fs::is_empty(t.path)) << "something was written";
@@ -112,6 +113,67 @@ TEST(CliOptions, SynthRejectsBadSizesAndChecksFreeSpace) {
                      "--no-progress -o " + q(t.path / "ok"));
   ASSERT_EQ(ok.code, 0) << ok.out;
   EXPECT_TRUE(has(ok, "lutb synth: will write " + std::to_string(2 * 2 * (4 * 64 + 3 * 4 * 32 * 64)) + " bytes")) << ok.out;
+}
+
+// Regression (QA 2026-11-30, session 9): `lutb synth` printed "lutb synth: will write N bytes ..." and
+// then refused (destination not replaceable, already there, not creatable, space short). Every check
+// now runs before that line; a refusal prints only the error.
+TEST(CliOptions, SynthAnnouncesNothingBeforeARefusal) {
+  test::TempDir t;
+  const std::string small = "synth --family qwen3_moe --layers 1 --hidden-size 64 --moe-intermediate-size 32 "
+                            "--experts 2 --no-progress ";
+  // --force onto a folder that does not look like a checkpoint.
+  fs::create_directories(t.path / "notes");
+  std::ofstream(t.path / "notes" / "todo.txt") << "mine";
+  const CliOut notes = run(small + "--force -o " + q(t.path / "notes"));
+  EXPECT_EQ(notes.code, 1) << notes.out;
+  EXPECT_TRUE(has(notes, "does not look like a checkpoint this tool wrote ('todo.txt'")) << notes.out;
+  EXPECT_FALSE(has(notes, "will write")) << notes.out;
+  // An existing destination without --force.
+  fs::create_directories(t.path / "there");
+  const CliOut there = run(small + "-o " + q(t.path / "there"));
+  EXPECT_EQ(there.code, 1) << there.out;
+  EXPECT_TRUE(has(there, "output directory exists (use --force to replace it)")) << there.out;
+  EXPECT_FALSE(has(there, "will write")) << there.out;
+  // A destination that cannot be created (its parent is a file).
+  std::ofstream(t.path / "file") << "x";
+  const CliOut under = run(small + "-o " + q(t.path / "file" / "out"));
+  EXPECT_EQ(under.code, 1) << under.out;
+  EXPECT_TRUE(has(under, (t.path / "file" / "out").string() + ": cannot create the output")) << under.out;
+  EXPECT_FALSE(has(under, "will write")) << under.out;
+  // A file where the directory should go, with --force.
+  const CliOut onfile = run(small + "--force -o " + q(t.path / "file"));
+  EXPECT_EQ(onfile.code, 1) << onfile.out;
+  EXPECT_TRUE(has(onfile, "exists and is not a directory")) << onfile.out;
+  EXPECT_FALSE(has(onfile, "will write")) << onfile.out;
+  // Nothing was changed or left behind.
+  EXPECT_EQ(std::distance(fs::directory_iterator(t.path), fs::directory_iterator()), 3);
+  EXPECT_TRUE(fs::is_empty(t.path / "there"));
+  // A run that passes the checks still announces the size (2 * (2*64 + 3*2*32*64) bytes), then writes.
+  const CliOut ok = run(small + "--force -o " + q(t.path / "there"));
+  ASSERT_EQ(ok.code, 0) << ok.out;
+  EXPECT_TRUE(has(ok, "lutb synth: will write " + std::to_string(2 * (2 * 64 + 3 * 2 * 32 * 64)) + " bytes")) << ok.out;
+}
+
+// Regressions (QA session 9): bad option values that ended in bare library messages.
+TEST(CliOptions, OddValuesGiveClearErrors) {
+  test::TempDir t;
+  // synth -o '' wrote the checkpoint to ".tmp.PID", then failed to rename it to "".
+  const CliOut empty = run("synth --family qwen3_moe --layers 1 --hidden-size 64 --moe-intermediate-size 32 --experts 2 "
+                           "--no-progress -o ''");
+  EXPECT_EQ(empty.code, 1) << empty.out;
+  EXPECT_TRUE(has(empty, "lutb: error: synth: no output directory given; nothing written")) << empty.out;
+  EXPECT_FALSE(has(empty, "will write")) << empty.out;
+  // moe --layer beyond int: CLI11's "Could not convert" (exit 104).
+  const CliOut layer = run("moe " + q(t.path) + " --activations x --layer 99999999999999999999");
+  EXPECT_NE(layer.code, 0) << layer.out;
+  EXPECT_TRUE(has(layer, "--layer: 99999999999999999999 is outside the valid range 0..2147483647")) << layer.out;
+  // The default job's --work-dir that cannot be created: "filesystem error: cannot create directories".
+  std::ofstream(t.path / "file") << "x";
+  const CliOut wd = run("--experts 2 --tokens 4 --work-dir " + q(t.path / "file" / "w"));
+  EXPECT_EQ(wd.code, 1) << wd.out;
+  EXPECT_TRUE(has(wd, "--work-dir " + (t.path / "file" / "w").string() + ": cannot create it: Not a directory")) << wd.out;
+  EXPECT_FALSE(has(wd, "filesystem error")) << wd.out;
 }
 
 // Regression: `lutb --fitter nope` failed only after synthesising the checkpoint (minutes at the

@@ -7,7 +7,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -135,6 +138,65 @@ TEST(QuantizeOutput, InterruptFlagLeavesTheDestinationAsItWas) {
   EXPECT_TRUE(Checkpoint(t.path / "out").is_lutb());
 }
 
+// FitOptions::interrupt (QA session 9: one tensor's fit could not be interrupted). A set flag stops
+// the fit before its next tile with Interrupted naming the tensor and the progress; a zero flag
+// changes nothing (same bytes and statistics as no flag).
+TEST(QuantizeOutput, FitReadsTheInterruptFlagBeforeEveryTile) {
+  const LutbShape shape{3, 40, 130, true};  // 3 experts x 5 x 3 tiles, padded
+  std::vector<float> w(static_cast<std::size_t>(3 * 40 * 130));
+  std::uint32_t x = 12345;
+  for (auto& v : w) {
+    x = x * 1664525u + 1013904223u;
+    v = static_cast<float>(static_cast<std::int32_t>(x >> 8) - (1 << 23)) / (1 << 23);
+  }
+  for (const char* fitter : {"binned-dp", "optimal", "ct-lloyd"}) {
+    SCOPED_TRACE(fitter);
+    FitOptions plain;
+    plain.fitter = fitter;
+    plain.threads = 2;
+    LutbTensor ref;
+    const FitStats rs = quantize(w.data(), DType::F32, shape, ref, plain);
+
+    InterruptFlag flag{0};
+    FitOptions polled = plain;
+    polled.interrupt = &flag;
+    LutbTensor same;
+    const FitStats ss = quantize(w.data(), DType::F32, shape, same, polled);
+    EXPECT_EQ(same.packed, ref.packed);
+    EXPECT_EQ(same.codebook, ref.codebook);
+    EXPECT_EQ(same.scale, ref.scale);
+    EXPECT_EQ(ss.tiles, rs.tiles);
+    EXPECT_EQ(ss.sse, rs.sse);
+    EXPECT_EQ(ss.sum_sq, rs.sum_sq);
+
+    flag = SIGTERM;
+    LutbTensor stopped;
+    try {
+      quantize(w.data(), DType::F32, shape, stopped, polled, "experts.w13");
+      ADD_FAILURE() << "not interrupted";
+    } catch (const Interrupted& e) {
+      EXPECT_EQ(e.signal, SIGTERM);
+      EXPECT_EQ(e.tiles_done, 0);
+      EXPECT_EQ(e.tiles_total, 45);
+      EXPECT_EQ(std::string(e.what()), "quantize: tensor experts.w13: interrupted (flag 15) after 0 of 45 tiles");
+    }
+    EXPECT_TRUE(stopped.packed.empty());
+    EXPECT_TRUE(stopped.scale.empty());
+  }
+  // A stop wins over a bad tile (the tiles after the stop are not looked at).
+  w[7] = std::nanf("");
+  InterruptFlag flag{SIGINT};
+  FitOptions o;
+  o.interrupt = &flag;
+  LutbTensor out;
+  EXPECT_NE(error_of<Interrupted>([&] { quantize(w.data(), DType::F32, shape, out, o); }).find("interrupted (flag 2)"),
+            std::string::npos);
+  flag = 0;
+  EXPECT_NE(error_of<std::invalid_argument>([&] { quantize(w.data(), DType::F32, shape, out, o, "t"); })
+                .find("quantize: tensor t, expert 0, tile (0, 0): NaN at row 0 col 7"),
+            std::string::npos);
+}
+
 // Regression (QA 2026-11-30, data loss): --force deleted ANY existing destination, e.g. a directory
 // holding the user's notes, or the current directory itself. It now replaces only what looks like
 // a checkpoint, and refuses anything else naming the path and the offending entry, changing nothing.
@@ -206,12 +268,12 @@ TEST(ForceOutput, CreationErrorsNameTheUsersPath) {
   TempDir t;
   synthesize_checkpoint(t.path / "in", small());
   std::ofstream(t.path / "f") << "x";
-  const fs::path out = t.path / "f" / "out";
-  for (const std::string& e :
-       {error_of<CheckpointError>([&] { quantize_checkpoint(t.path / "in", out, quiet()); }),
-        error_of<CheckpointError>([&] { synthesize_checkpoint(out, small()); }),
-        error_of<CheckpointError>([&] { quantize_file(t.path / "in" / "model.safetensors", out, "", quiet()); })}) {
-    EXPECT_EQ(e.rfind(out.string() + ": cannot create the output: ", 0), 0u) << e;
+  const fs::path out = t.path / "f" / "out", outf = t.path / "f" / "out.safetensors";
+  for (const auto& [path, e] : std::vector<std::pair<fs::path, std::string>>{
+           {out, error_of<CheckpointError>([&] { quantize_checkpoint(t.path / "in", out, quiet()); })},
+           {out, error_of<CheckpointError>([&] { synthesize_checkpoint(out, small()); })},
+           {outf, error_of<CheckpointError>([&] { quantize_file(t.path / "in" / "model.safetensors", outf, "", quiet()); })}}) {
+    EXPECT_EQ(e.rfind(path.string() + ": cannot create the output: ", 0), 0u) << e;
     EXPECT_EQ(e.find(".tmp."), std::string::npos) << e;
   }
 }
@@ -263,6 +325,243 @@ TEST(Synth, FreeSpaceIsCheckedBeforeWriting) {
   EXPECT_NE(w.find((t.path / "big").string() + ": the checkpoint needs"), std::string::npos) << w;
   EXPECT_NE(w.find("are free on the filesystem of"), std::string::npos) << w;
   EXPECT_TRUE(entries(t.path, "big").empty());
+}
+
+// SynthOptions::on_start (QA session 9: lutb synth announced "will write N bytes" before a refusal):
+// never called when a check refuses, called once with the planned bytes when the write starts.
+TEST(Synth, OnStartOnlyAfterEveryCheckPassed) {
+  TempDir t;
+  std::vector<std::uint64_t> calls;
+  SynthOptions o = small();
+  o.on_start = [&](std::uint64_t b) { calls.push_back(b); };
+  fs::create_directories(t.path / "notes");
+  std::ofstream(t.path / "notes" / "todo.txt") << "mine";
+  o.force = true;
+  EXPECT_NE(error_of<CheckpointError>([&] { synthesize_checkpoint(t.path / "notes", o); }).find("does not look like"),
+            std::string::npos);
+  o.force = false;
+  EXPECT_NE(error_of<CheckpointError>([&] { synthesize_checkpoint(t.path / "notes", o); }).find("exists"),
+            std::string::npos);
+  std::ofstream(t.path / "file") << "x";
+  EXPECT_NE(error_of<CheckpointError>([&] { synthesize_checkpoint(t.path / "file" / "out", o); }).find("cannot create"),
+            std::string::npos);
+  SynthOptions big = o;
+  big.layers = 1024;
+  big.hidden_size = big.moe_intermediate_size = 65536;
+  big.num_experts = 4096;
+  EXPECT_NE(error_of<CheckpointError>([&] { synthesize_checkpoint(t.path / "big", big); }).find("needs"),
+            std::string::npos);
+  EXPECT_TRUE(calls.empty());
+  EXPECT_EQ(synthesize_checkpoint(t.path / "ok", o), synth_checkpoint_bytes(o));
+  EXPECT_EQ(calls, std::vector<std::uint64_t>{synth_checkpoint_bytes(o)});
+}
+
+// ---------------------------------------------------------------------------
+// Bad inputs found by the QA pass of session 9
+// ---------------------------------------------------------------------------
+// Rewrites safetensors file `p` without the tensors named in `drop` and with `add` appended.
+void rewrite(const fs::path& p, const std::vector<std::string>& drop,
+             const std::vector<std::pair<std::string, OwnedTensor>>& add = {}) {
+  std::vector<std::pair<std::string, OwnedTensor>> keep;
+  {
+    const SafetensorsFile f(p);
+    for (const auto& n : f.names()) {
+      if (std::find(drop.begin(), drop.end(), n) != drop.end()) continue;
+      const TensorView& v = f.get(n);
+      keep.push_back({n, OwnedTensor{v.dtype, v.shape, std::vector<std::uint8_t>(v.data, v.data + v.nbytes)}});
+    }
+  }
+  keep.insert(keep.end(), add.begin(), add.end());
+  write_safetensors(p, keep, {{"format", "pt"}});
+}
+
+void edit_config(const fs::path& dir, const std::function<void(nlohmann::json&)>& f) {
+  nlohmann::json j;
+  {
+    std::ifstream in(dir / "config.json");
+    in >> j;
+  }
+  f(j);
+  std::ofstream(dir / "config.json") << j.dump(2);
+}
+
+// Regression: lutb synth -o "" wrote the whole checkpoint to ".tmp.PID" in the current directory,
+// then failed to rename it to "" with a bare filesystem error.
+TEST(Synth, EmptyOutputIsRefusedBeforeWriting) {
+  SynthOptions o = small();
+  bool started = false;
+  o.on_start = [&](std::uint64_t) { started = true; };
+  EXPECT_EQ(error_of<CheckpointError>([&] { synthesize_checkpoint("", o); }),
+            "synth: no output directory given; nothing written");
+  EXPECT_FALSE(started);
+}
+
+// Regression: synthesize_checkpoint creates missing parents of its output (as mkdir -p); a failed
+// or interrupted run removed its temporary but left those parents behind.
+TEST(Synth, FailedRunRemovesTheParentsItCreated) {
+  TempDir t;
+  InterruptFlag flag{SIGINT};
+  SynthOptions o = small();
+  o.interrupt = &flag;
+  EXPECT_NE(error_of<Interrupted>([&] { synthesize_checkpoint(t.path / "new1" / "new2" / "out", o); })
+                .find("interrupted by signal 2"),
+            std::string::npos);
+  EXPECT_TRUE(fs::is_empty(t.path)) << "parents left behind";
+  // A parent that existed, or holds something else by then, is kept.
+  fs::create_directories(t.path / "kept");
+  EXPECT_NE(error_of<Interrupted>([&] { synthesize_checkpoint(t.path / "kept" / "new" / "out", o); }).find("interrupted"),
+            std::string::npos);
+  EXPECT_EQ(entries(t.path, ""), std::vector<std::string>{"kept"});
+  EXPECT_TRUE(fs::is_empty(t.path / "kept"));
+  // A successful run keeps them, of course.
+  flag = 0;
+  synthesize_checkpoint(t.path / "new1" / "new2" / "out", o);
+  EXPECT_TRUE(fs::exists(t.path / "new1" / "new2" / "out" / "config.json"));
+}
+
+// Regression: a checkpoint whose routed experts are incomplete (an expert's projection missing,
+// config.json declaring more experts or layers than stored, half a stacked pair) was quantised into
+// a LUT-B checkpoint that lutb eval then refused. Now refused before writing, naming the tensor.
+TEST(QuantizeInput, IncompleteRoutedExpertsAreRefused) {
+  TempDir t;
+  const auto refused = [&](const fs::path& in) {
+    const std::string e = error_of<CheckpointError>([&] { quantize_checkpoint(in, t.path / "out", quiet()); });
+    EXPECT_TRUE(entries(t.path, "out").empty()) << "something was written";
+    return e;
+  };
+  // One expert's up projection missing (per-expert layout, 4 experts).
+  synthesize_checkpoint(t.path / "a", small(1));
+  rewrite(t.path / "a" / "model.safetensors", {"model.layers.0.mlp.experts.2.up_proj.weight"});
+  std::string e = refused(t.path / "a");
+  EXPECT_EQ(e, "checkpoint " + (t.path / "a").string() + ": layer 0 is a MoE layer of " +
+                   (t.path / "a" / "config.json").string() +
+                   " (4 experts, 1 layers) but model.layers.0.mlp.experts.2.up_proj.weight is missing; nothing written");
+  // config.json declaring 8 experts where 4 are stored (n_group etc. stay valid).
+  synthesize_checkpoint(t.path / "b", small(1));
+  edit_config(t.path / "b", [](nlohmann::json& j) { j["num_experts"] = 8; });
+  e = refused(t.path / "b");
+  EXPECT_NE(e.find("layer 0 is a MoE layer of " + (t.path / "b" / "config.json").string() +
+                   " (8 experts, 1 layers) but model.layers.0.mlp.experts.4.gate_proj.weight is missing"),
+            std::string::npos)
+      << e;
+  // config.json declaring 3 layers where 2 are stored.
+  synthesize_checkpoint(t.path / "c", small(2));
+  edit_config(t.path / "c", [](nlohmann::json& j) { j["num_hidden_layers"] = 3; });
+  e = refused(t.path / "c");
+  EXPECT_NE(e.find("layer 2 is a MoE layer of " + (t.path / "c" / "config.json").string() +
+                   " (4 experts, 3 layers) but model.layers.2.mlp.experts.0.gate_proj.weight is missing (no "
+                   "routed-expert tensor of this layer was found)"),
+            std::string::npos)
+      << e;
+  // Stacked layout with the down_proj missing.
+  SynthOptions st = small(1);
+  st.stacked = true;
+  synthesize_checkpoint(t.path / "d", st);
+  rewrite(t.path / "d" / "model.safetensors", {"model.layers.0.mlp.experts.down_proj"});
+  e = refused(t.path / "d");
+  EXPECT_NE(e.find("but model.layers.0.mlp.experts.down_proj is missing (its stacked gate_up_proj is present)"),
+            std::string::npos)
+      << e;
+  // The complete checkpoints quantise (the check does not refuse valid input).
+  synthesize_checkpoint(t.path / "ok", small(2));
+  EXPECT_EQ(quantize_checkpoint(t.path / "ok", t.path / "out", quiet()).tensors_quantized, 2 * 4 * 3);
+  fs::remove_all(t.path / "out");
+  synthesize_checkpoint(t.path / "oks", st);
+  EXPECT_EQ(quantize_checkpoint(t.path / "oks", t.path / "out", quiet()).tensors_quantized, 2);
+}
+
+// Regression: quantize_checkpoint copied every other file, including the unquantised weights in
+// other forms (pytorch_model*.bin, Mistral's consolidated.safetensors, original/*.pth), into the
+// LUT-B checkpoint. They are now left out and listed; other files (other safetensors data too) are
+// still copied.
+TEST(QuantizeInput, OtherFormatWeightFilesAreNotCopied) {
+  TempDir t;
+  synthesize_checkpoint(t.path / "in", small(1));
+  const fs::path in = t.path / "in";
+  fs::create_directories(in / "original");
+  for (const char* f : {"pytorch_model-00001-of-00002.bin", "pytorch_model.bin.index.json", "consolidated.safetensors",
+                        "original/consolidated.00.pth", "tf_model.h5", "flax_model.msgpack", "model-q4.gguf",
+                        "val_tokens.safetensors", "tokenizer.json", "training_args.bin", "optimizer.pt", "README.md",
+                        "original/params.json"})
+    std::ofstream(in / f) << "bytes of " << f;
+  const QuantizeSummary s = quantize_checkpoint(in, t.path / "out", quiet());
+  EXPECT_EQ(s.skipped_files,
+            (std::vector<std::string>{"consolidated.safetensors", "flax_model.msgpack", "model-q4.gguf",
+                                      "original/consolidated.00.pth", "pytorch_model-00001-of-00002.bin",
+                                      "pytorch_model.bin.index.json", "tf_model.h5"}));
+  for (const auto& f : s.skipped_files) EXPECT_FALSE(fs::exists(t.path / "out" / f)) << f;
+  for (const char* f : {"val_tokens.safetensors", "tokenizer.json", "training_args.bin", "optimizer.pt", "README.md",
+                        "original/params.json"}) {
+    std::ifstream c(t.path / "out" / f);
+    std::string line;
+    std::getline(c, line);
+    EXPECT_EQ(line, std::string("bytes of ") + f);
+  }
+  EXPECT_TRUE(Checkpoint(t.path / "out").is_lutb());
+  EXPECT_NE(format_summary(s).find("not copied           consolidated.safetensors, flax_model.msgpack, "),
+            std::string::npos)
+      << format_summary(s);
+}
+
+// Regression: a tensor name with a layer index beyond 64 bits ended in a bare "stoll" (std::out_of_range).
+TEST(QuantizeInput, HugeLayerIndexInATensorName) {
+  TempDir t;
+  synthesize_checkpoint(t.path / "in", small(1));
+  const std::string bad = "model.layers.99999999999999999999.mlp.experts.0.gate_proj.weight";
+  rewrite(t.path / "in" / "model.safetensors", {}, {{bad, OwnedTensor{DType::BF16, {64, 128}, std::vector<std::uint8_t>(64 * 128 * 2)}}});
+  const std::string e = error_of<CheckpointError>([&] { quantize_checkpoint(t.path / "in", t.path / "out", quiet()); });
+  EXPECT_EQ(e, (t.path / "in" / "model.safetensors").string() + ": tensor " + bad +
+                   " has a layer index that does not fit 63 bits; nothing written");
+  EXPECT_TRUE(entries(t.path, "out").empty());
+}
+
+// Regression: num_hidden_layers 10^12 (or any size beyond 32 bits) was accepted by the checkpoint
+// parser (lutb quantize), refused only by the model parser (lutb eval).
+TEST(QuantizeInput, ConfigSizesBeyond32BitsAreRefused) {
+  for (const char* key : {"num_hidden_layers", "hidden_size", "moe_intermediate_size", "num_experts", "vocab_size"}) {
+    nlohmann::json j = synth_config(small()).raw;
+    j[key] = 1000000000000LL;
+    EXPECT_EQ(error_of<ConfigError>([&] { parse_model_config(j, "c.json"); }),
+              std::string("c.json: key '") + key + "': 1000000000000 does not fit a 32-bit integer");
+  }
+  nlohmann::json j = synth_config(small()).raw;
+  j["num_hidden_layers"] = 2147483647;  // the largest accepted
+  EXPECT_EQ(parse_model_config(j, "c.json").num_hidden_layers, 2147483647);
+}
+
+// Regression: `lutb quantize DIR/model.safetensors -o OUT_DIR` wrote a safetensors file named OUT_DIR.
+TEST(QuantizeInput, FileOutputMustBeNamedSafetensors) {
+  TempDir t;
+  synthesize_checkpoint(t.path / "in", small(1));
+  for (const char* name : {"out", "out.json", "out.safetensors.tmp"}) {
+    const std::string e = error_of<CheckpointError>(
+        [&] { quantize_file(t.path / "in" / "model.safetensors", t.path / name, "", quiet()); });
+    EXPECT_EQ(e, (t.path / name).string() +
+                     ": the output of one quantised file must be named *.safetensors (to write a checkpoint "
+                     "directory, give the input checkpoint directory); nothing written");
+  }
+  EXPECT_EQ(entries(t.path, "out"), std::vector<std::string>{});
+  quantize_file(t.path / "in" / "model.safetensors", t.path / "out.safetensors", "", quiet());
+  EXPECT_TRUE(fs::is_regular_file(t.path / "out.safetensors"));
+}
+
+// Regression: quantization_config.logical_shapes contradicting config.json was silently ignored.
+TEST(QuantizeInput, LogicalShapesMustAgreeWithConfig) {
+  TempDir t;
+  SynthOptions o = small(1);
+  o.hidden_size = 100;  // padded: K 100 -> 128 for gate/up, N 100 -> 104 for down
+  o.moe_intermediate_size = 64;
+  synthesize_checkpoint(t.path / "in", o);
+  quantize_checkpoint(t.path / "in", t.path / "q", quiet());
+  const std::string gate = "model.layers.0.mlp.experts.1.gate_proj.weight";
+  EXPECT_EQ(Checkpoint(t.path / "q").quant_config()->logical_shapes.at(gate), (std::vector<std::int64_t>{64, 100}));
+  EXPECT_EQ(Checkpoint(t.path / "q").lutb_projection(0, Proj::gate).shape.cols, 100);  // as written: fine
+  edit_config(t.path / "q", [&](nlohmann::json& j) { j["quantization_config"]["logical_shapes"][gate] = {64, 96}; });
+  const Checkpoint ck(t.path / "q");
+  EXPECT_EQ(error_of<CheckpointError>([&] { ck.lutb_projection(0, Proj::gate); }),
+            "checkpoint " + (t.path / "q").string() + ": config.json key 'quantization_config.logical_shapes." + gate +
+                "' is [64, 96], but hidden_size 100 and the expert width 64 give [64, 100]");
+  EXPECT_NE(error_of<CheckpointError>([&] { ck.lutb_experts(0); }).find("is [64, 96]"), std::string::npos);
 }
 
 }  // namespace

@@ -2,7 +2,14 @@
 // gives a SafetensorsError naming the file and the reason), atomic writes, the real tiny models.
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <new>
 #include <cstring>
 #include <fstream>
 #include <random>
@@ -350,6 +357,90 @@ TEST(SafetensorsHostile, EveryTruncationAndByteFlipIsHandled) {
   EXPECT_GT(parsed, 0);  // some flips (e.g. in metadata text) keep the file valid
 }
 
+// A file of `size` bytes (sparse: no disk blocks) whose 8-byte header length is `len` and whose
+// header starts with '{'; every other byte is zero.
+void write_sparse(const fs::path& p, std::uint64_t len, std::uint64_t size) {
+  const int fd = ::open(p.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  ASSERT_GE(fd, 0) << p;
+  std::uint8_t head[9];
+  for (int i = 0; i < 8; ++i) head[i] = static_cast<std::uint8_t>(len >> (8 * i));
+  head[8] = '{';
+  ASSERT_EQ(::pwrite(fd, head, 9, 0), 9);
+  ASSERT_EQ(::ftruncate(fd, static_cast<off_t>(size)), 0);
+  ::close(fd);
+}
+
+// Virtual memory of this process (VmSize of /proc/self/status), bytes.
+std::uint64_t vm_size() {
+  std::ifstream s("/proc/self/status");
+  std::string key;
+  while (s >> key) {
+    if (key == "VmSize:") {
+      std::uint64_t kb = 0;
+      s >> kb;
+      return kb * 1024;
+    }
+    s.ignore(1 << 20, '\n');
+  }
+  return 0;
+}
+
+// Opens `p` in a child whose address space has room for the file's mapping plus 48 MB but not for
+// the header length it claims: exit 0 when SafetensorsError names the file and `reason`, 1 for
+// another message (printed), 2 when an allocation failed (the claimed size was allocated), 3 when
+// the file opened.
+void open_with_little_memory(const fs::path& p, std::uint64_t file_size, const std::string& reason) {
+  // The default ("fast") death-test style forks without re-executing: the child uses the parent's
+  // files and _Exits, and the parent's TempDir removes them ("threadsafe" re-ran the test in the
+  // child, whose TempDir was then never removed).
+  const std::uint64_t limit = vm_size() + file_size + (48u << 20);
+  EXPECT_EXIT(
+      {
+        struct rlimit rl;
+        rl.rlim_cur = rl.rlim_max = limit;
+        if (::setrlimit(RLIMIT_AS, &rl) != 0) std::_Exit(4);
+        try {
+          SafetensorsFile f(p);
+          std::_Exit(3);
+        } catch (const SafetensorsError& e) {
+          const std::string m = e.what();
+          if (m.find(p.string()) != std::string::npos && m.find(reason) != std::string::npos) std::_Exit(0);
+          std::fprintf(stderr, "message: %s\n", m.c_str());
+          std::_Exit(1);
+        } catch (const std::bad_alloc&) {
+          std::_Exit(2);
+        }
+      },
+      ::testing::ExitedWithCode(0), "");
+}
+
+// The header-length field is checked against the file size and the 100 MB limit (safetensors'
+// MAX_HEADER_SIZE, 100,000,000 bytes) before the header is read or anything of its size allocated
+// (QA session 9: the limit itself was untested; the earlier "over 100 MB" case had a 10-byte file
+// and so only reached the file-size check).
+TEST(SafetensorsHostile, HeaderLengthLimitIsCheckedBeforeAllocating) {
+  TempDir tmp;
+  constexpr std::uint64_t kLimit = 100'000'000;
+  // Over the limit in a file that does hold that many bytes (sparse, 100 MB + 16).
+  const fs::path over = tmp.path / "over.safetensors";
+  write_sparse(over, kLimit + 1, 8 + kLimit + 1 + 8);
+  expect_broken(over, "header length 100000001 exceeds the 100 MB limit");
+  open_with_little_memory(over, 8 + kLimit + 1 + 8, "header length 100000001 exceeds the 100 MB limit");
+  // Exactly at the limit: accepted as a length, then parsed (and rejected) as JSON (zeros).
+  const fs::path at = tmp.path / "at.safetensors";
+  write_sparse(at, kLimit, 8 + kLimit);
+  expect_broken(at, "invalid JSON header");
+  // Past the end of the file: within the limit, and far beyond it (2^62), in a 4 KB file.
+  for (const std::uint64_t len : {std::uint64_t{4096 - 8 + 1}, kLimit - 1, std::uint64_t{1} << 62}) {
+    SCOPED_TRACE(len);
+    const fs::path past = tmp.path / ("past" + std::to_string(len) + ".safetensors");
+    write_sparse(past, len, 4096);
+    const std::string reason = "not a safetensors file (header length " + std::to_string(len) + " exceeds the file size 4096)";
+    expect_broken(past, reason);
+    open_with_little_memory(past, 4096, reason);
+  }
+}
+
 // ---------------------------------------------------------------------------
 // Collections
 // ---------------------------------------------------------------------------
@@ -398,6 +489,17 @@ TEST(SafetensorsCollection, ShardedCheckpoint) {
   expect_error("no 'weight_map' object");
   write_index(R"({"weight_map":)");
   expect_error("invalid JSON");
+  // A tensor held by two shards, the index naming one (QA session 9: accepted; lutb quantize wrote
+  // both copies and the reader used one).
+  write_safetensors(tmp.path / "model-00002-of-00002.safetensors",
+                    {{"z.weight", OwnedTensor{DType::U8, {4}, random_bytes(4, 3)}},
+                     {"x.weight", OwnedTensor{DType::BF16, {2, 2}, random_bytes(8, 4)}}});
+  write_index(R"({"weight_map":{"x.weight":"model-00001-of-00002.safetensors","z.weight":"model-00002-of-00002.safetensors"}})");
+  expect_error("model.safetensors.index.json: tensor 'x.weight' appears in both " +
+               (tmp.path / "model-00001-of-00002.safetensors").string() + " (where the index lists it) and " +
+               (tmp.path / "model-00002-of-00002.safetensors").string());
+  write_safetensors(tmp.path / "model-00002-of-00002.safetensors",
+                    {{"z.weight", OwnedTensor{DType::U8, {4}, random_bytes(4, 3)}}});
   // Without an index: every *.safetensors in the directory, duplicates across files rejected.
   fs::remove(tmp.path / "model.safetensors.index.json");
   {
