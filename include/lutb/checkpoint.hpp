@@ -359,7 +359,8 @@ struct QuantizeSummary {
   double seconds = 0.0;
   std::uint64_t peak_rss_bytes = 0;    // VmHWM of this process at the end (/proc/self/status)
   /// Files of the input checkpoint directory that were not copied because they hold the weights in
-  /// another format (see quantize_checkpoint), relative paths, sorted. Empty for quantize_file.
+  /// another format (see quantize_checkpoint), and symlinked folders (listed with a trailing '/'),
+  /// relative paths, sorted. Empty for quantize_file.
   std::vector<std::string> skipped_files;
   /// Bits per weight of the quantised tensors: 8 * bytes_after / weights (3.140625 unpadded).
   double bits_per_weight() const { return weights ? 8.0 * static_cast<double>(bytes_after) / weights : 0.0; }
@@ -385,8 +386,13 @@ std::string format_summary(const QuantizeSummary& s);
 /// - Streaming: tensors are processed one at a time from the memory-mapped source; the source pages
 ///   of a tensor are released (madvise) once written, so peak memory is about one stacked tensor's
 ///   LUT-B output plus one tensor's FP32 staging, independent of the checkpoint size.
+/// - Symlinks in in_dir (a Hugging Face cache snapshot links every file to ../../blobs/<sha>): a
+///   symlinked file is copied, its contents under the link's own name; the sources are only read.
+///   A symlinked folder is not followed; it is left out and listed in skipped_files.
 /// - Atomic: everything is written to "<out_dir>.tmp.<pid>" and renamed to out_dir at the end; on
-///   any error the temporary directory is removed and out_dir is untouched.
+///   any error the temporary directory is removed and out_dir is untouched. An out_dir that appears
+///   during the run is not replaced without force (CheckpointError "appeared while the output was
+///   being written"), and with force the rules above are applied to it again.
 /// Errors: CheckpointError when out_dir exists (without force), equals in_dir, or in_dir is already
 /// LUT-B, when a routed-expert tensor's shape or expert index contradicts config.json, when a MoE
 /// layer's routed experts are incomplete (a MoE layer below num_hidden_layers without them, or
@@ -415,7 +421,7 @@ struct SynthOptions {
   ModelFamily family = ModelFamily::qwen3_moe;
   std::int64_t layers = 1;      // number of MoE layers written
   std::uint64_t seed = 1234;    // deterministic: same options -> same bytes
-  double student_nu = 5.0;      // Student-t degrees of freedom of the weights (heavy tails)
+  double student_nu = 5.0;      // Student-t degrees of freedom of the weights (heavy tails), in (2, 1e6]
   bool stacked = false;         // write transformers-5 stacked gate_up_proj/down_proj tensors
   bool progress = true;
   bool force = false;           // replace an existing out_dir

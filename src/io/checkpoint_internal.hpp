@@ -54,10 +54,15 @@ void check_output_location(const std::filesystem::path& in, const std::filesyste
 /// Throws CheckpointError naming the path (and the offending entry) before anything is changed.
 void check_replaceable(const std::filesystem::path& target, bool want_directory, bool force);
 
-/// Moves directory or file `tmp` to `target`. An existing target (force was checked by the
-/// caller) is renamed aside, the new one renamed in, then the old one removed; on failure the old
-/// one is put back.
-void install_replacing(const std::filesystem::path& tmp, const std::filesystem::path& target);
+/// Moves directory or file `tmp` to `target`. When `target` is absent it is created with
+/// renameat2(RENAME_NOREPLACE), so one that appears at that moment is never replaced. When it exists
+/// (the caller checked it at the start, but it may have appeared during the run): without `force`
+/// CheckpointError ("appeared while the output was being written"), tmp left for the caller's
+/// guard; with `force` check_replaceable(target, want_directory, true) again, then the old target
+/// is renamed aside, the new one renamed in and the old one removed; on failure the old one is put
+/// back.
+void install_replacing(const std::filesystem::path& tmp, const std::filesystem::path& target, bool want_directory,
+                       bool force);
 
 /// Creates the temporary directory `tmp` of output `target`; on failure (permissions, a parent that
 /// is a file, ...) throws CheckpointError naming `target`, the user's path, not the temporary one.

@@ -395,9 +395,21 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
   // Every other file (tokenizer, generation config, ...), recursively, except the weights in
   // another form: copied, they put the unquantised weights into the LUT-B checkpoint (a 90 GB
   // consolidated.safetensors or pytorch_model*.bin beside the shards; QA session 9).
+  // Names are taken LEXICALLY relative to the input folder: fs::relative resolves symlinks, so in a
+  // Hugging Face cache snapshot (every file a symlink to ../../blobs/<sha>) it gave "../../blobs/<sha>"
+  // and the copy below truncated the source blob through tmp / "../../blobs/<sha>" (data loss, new-user
+  // QA session 9). A symlinked file is copied (its contents) under the link's own name; a symlinked
+  // folder is not descended into (the iterator does not follow it) and is left out.
   for (auto it = fs::recursive_directory_iterator(in_dir); it != fs::recursive_directory_iterator(); ++it) {
-    const fs::path rel = fs::relative(it->path(), in_dir);
+    const fs::path rel = it->path().lexically_relative(in_dir);
+    if (rel.empty() || *rel.begin() == "..")
+      throw CheckpointError(fmt::format("{}: '{}' is not inside the input folder {}; nothing written", out_dir.string(),
+                                        it->path().string(), in_dir.string()));
     if (it->is_directory()) {
+      if (it->is_symlink()) {
+        sum.skipped_files.push_back(rel.string() + "/");
+        continue;
+      }
       fs::create_directories(tmp / rel);
       continue;
     }
@@ -416,7 +428,7 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
   std::sort(sum.skipped_files.begin(), sum.skipped_files.end());
 
   detail::check_interrupt(opt.interrupt, out_dir);
-  detail::install_replacing(tmp, out_dir);
+  detail::install_replacing(tmp, out_dir, /*want_directory=*/true, opt.force);
   guard.armed = false;
   sum.seconds = detail::now_seconds() - t0;
   sum.peak_rss_bytes = peak_rss_bytes();
@@ -501,7 +513,7 @@ QuantizeSummary quantize_file(const fs::path& in, const fs::path& out, const std
     prog.finish();
   }
   detail::check_interrupt(opt.interrupt, out);
-  detail::install_replacing(tmp, out);
+  detail::install_replacing(tmp, out, /*want_directory=*/false, opt.force);
   guard.armed = false;
   sum.seconds = detail::now_seconds() - t0;
   sum.peak_rss_bytes = peak_rss_bytes();

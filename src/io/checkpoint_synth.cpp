@@ -292,7 +292,13 @@ ModelConfig synth_config(const SynthOptions& opt) {
 }
 
 std::uint64_t synthesize_checkpoint(const fs::path& out_dir, const SynthOptions& opt) {
-  if (!(opt.student_nu > 2.0)) throw std::invalid_argument("synth: student_nu must be > 2 (finite variance)");
+  // Above 1e6 the sampler's lgamma difference cancels (lgamma(nu/2) ~ 1e16 at nu = 1e15: NaN weights,
+  // new-user QA session 9); such a t distribution is a Gaussian to every printed digit anyway.
+  if (!(opt.student_nu > 2.0 && opt.student_nu <= 1e6))
+    throw std::invalid_argument(fmt::format("synth: student_nu must be in (2, 1e6] (finite variance; above 1e6 the "
+                                            "t distribution is numerically Gaussian and its sampler loses precision), "
+                                            "got {}; nothing written",
+                                            opt.student_nu));
   const ModelConfig c = synth_config(opt);
   // An empty path wrote the whole checkpoint to ".tmp.PID" in the current directory, then failed to
   // rename it to "" with a bare filesystem error (QA session 9).
@@ -380,7 +386,7 @@ std::uint64_t synthesize_checkpoint(const fs::path& out_dir, const SynthOptions&
   detail::check_interrupt(opt.interrupt, out_dir);
   // An old output (force, checked above) is renamed aside, the new one renamed in, then the old
   // one removed: a failure in between leaves the old one in place.
-  detail::install_replacing(tmp, out_dir);
+  detail::install_replacing(tmp, out_dir, /*want_directory=*/true, opt.force);
   guard.armed = false;
   return total;
 }

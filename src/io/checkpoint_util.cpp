@@ -165,14 +165,30 @@ void check_replaceable(const std::filesystem::path& target, bool want_directory,
                                       target.string(), ec.message()));
 }
 
-void install_replacing(const fs::path& tmp, const fs::path& target) {
+void install_replacing(const fs::path& tmp, const fs::path& target, bool want_directory, bool force) {
   std::error_code ec;
-  if (!fs::exists(fs::symlink_status(target, ec))) {
-    fs::rename(tmp, target);
-    return;
-  }
   fs::path t = target;
   if (!t.has_filename()) t = t.parent_path();
+  if (!fs::exists(fs::symlink_status(t, ec))) {
+    // RENAME_NOREPLACE: a target created between the check above and this rename is not replaced.
+    if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, t.c_str(), RENAME_NOREPLACE) == 0) return;
+    const int err = errno;
+    if (err == EINVAL || err == ENOSYS) {  // a file system without RENAME_NOREPLACE: the plain rename
+      fs::rename(tmp, t);
+      return;
+    }
+    if (err != EEXIST)
+      throw CheckpointError(fmt::format("{}: cannot move the finished output into place: {}; nothing changed",
+                                        target.string(), std::strerror(err)));
+  }
+  // The target exists now. The caller checked it at the start, but it may have appeared since (a
+  // second run, the user): never replace it without force, and with force apply the --force rules
+  // again to what is there now (new-user QA session 9: a folder created mid-run was deleted).
+  if (!force)
+    throw CheckpointError(fmt::format("{}: appeared while the output was being written; refusing to replace it "
+                                      "without --force; the new output was removed and {} is as it was",
+                                      target.string(), target.string()));
+  check_replaceable(t, want_directory, /*force=*/true);
   const fs::path old = t.parent_path() / (t.filename().string() + ".old." + std::to_string(::getpid()));
   fs::remove_all(old, ec);
   fs::rename(t, old);

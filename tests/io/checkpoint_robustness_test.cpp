@@ -11,9 +11,11 @@
 #include <cmath>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
+#include "io/checkpoint_internal.hpp"
 #include "lutb/checkpoint.hpp"
 #include "support/test_support.hpp"
 
@@ -68,6 +70,95 @@ mode_t current_umask() {
 }
 
 fs::perms mode_of(const fs::path& p) { return fs::status(p).permissions() & fs::perms::mask; }
+
+std::string slurp(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+// Regression (data loss, new-user QA session 9): in a Hugging Face cache snapshot every file is a
+// symlink to ../../blobs/<sha>. The other-files copy took fs::relative(path, in_dir), which resolves
+// the link to "../../blobs/<sha>", so it wrote tmp / "../../blobs/<sha>" = the blob itself with
+// O_TRUNC: quantize emptied the source checkpoint and exited 0. Failed on the old code (every blob
+// 0 bytes). Now the link's own name is used, the contents are copied, symlinked folders are left
+// out and listed, and the sources are untouched.
+TEST(QuantizeInput, HuggingFaceCacheSymlinksLeaveTheSourcesIntact) {
+  TempDir t;
+  synthesize_checkpoint(t.path / "src", small());
+  std::ofstream(t.path / "src" / "tokenizer.json") << "{\"tokens\": 3}";
+  const fs::path blobs = t.path / "cache" / "blobs", snap = t.path / "cache" / "snapshots" / "rev1";
+  fs::create_directories(blobs);
+  fs::create_directories(snap);
+  fs::create_directories(t.path / "extra");
+  std::ofstream(t.path / "extra" / "notes.txt") << "not part of the checkpoint";
+  std::map<std::string, std::string> before;
+  for (const auto& e : fs::directory_iterator(t.path / "src")) {
+    const std::string name = e.path().filename().string();
+    fs::copy_file(e.path(), blobs / ("sha-" + name));
+    fs::create_symlink(fs::path("..") / ".." / "blobs" / ("sha-" + name), snap / name);
+    before[name] = slurp(e.path());
+  }
+  fs::create_directory_symlink(t.path / "extra", snap / "linked_dir");
+  ASSERT_GE(before.size(), 3u);
+  for (const fs::path out : {t.path / "cache" / "snapshots" / "rev1-lutb", t.path / "out"}) {
+    const QuantizeSummary sum = quantize_checkpoint(snap, out, quiet());
+    for (const auto& [name, bytes] : before) {
+      EXPECT_EQ(slurp(blobs / ("sha-" + name)), bytes) << "source blob of " << name << " changed";
+      EXPECT_TRUE(fs::exists(out / name)) << name;
+      EXPECT_FALSE(fs::is_symlink(out / name)) << name;
+    }
+    EXPECT_EQ(slurp(out / "tokenizer.json"), before["tokenizer.json"]);
+    EXPECT_TRUE(Checkpoint(out).is_lutb());
+    EXPECT_FALSE(fs::exists(out / "linked_dir"));
+    EXPECT_NE(std::find(sum.skipped_files.begin(), sum.skipped_files.end(), "linked_dir/"), sum.skipped_files.end());
+    EXPECT_EQ(slurp(t.path / "extra" / "notes.txt"), "not part of the checkpoint");
+    EXPECT_TRUE(entries(out.parent_path(), out.filename().string() + ".tmp.").empty());
+  }
+}
+
+// Regression (data loss, new-user QA session 9): the existence and --force checks ran only at the
+// start, and the final rename replaced whatever was at the destination by then: a folder created
+// during a run (another run, the user) was deleted without --force. install_replacing now creates an
+// absent destination with RENAME_NOREPLACE, refuses an existing one without force, and re-applies
+// the --force rules to it. (The old function had no force argument: it replaced unconditionally.)
+TEST(QuantizeOutput, DestinationThatAppearedDuringTheRunIsNotReplaced) {
+  TempDir t;
+  const fs::path tmp = t.path / "out.tmp.1", out = t.path / "out";
+  fs::create_directories(tmp);
+  std::ofstream(tmp / "model.safetensors") << "new";
+  fs::create_directories(out / "sub");
+  std::ofstream(out / "notes.txt") << "precious";
+  const std::string e1 = error_of<CheckpointError>([&] { detail::install_replacing(tmp, out, true, false); });
+  EXPECT_NE(e1.find("appeared while the output was being written"), std::string::npos) << e1;
+  EXPECT_NE(e1.find("--force"), std::string::npos) << e1;
+  EXPECT_EQ(slurp(out / "notes.txt"), "precious");
+  EXPECT_TRUE(fs::exists(out / "sub"));
+  EXPECT_TRUE(fs::exists(tmp / "model.safetensors"));  // left for the caller's guard
+  // With force, the --force rules apply to what is there now (notes.txt and sub/ are not checkpoint
+  // entries; either may be named first).
+  const std::string e2 = error_of<CheckpointError>([&] { detail::install_replacing(tmp, out, true, true); });
+  EXPECT_NE(e2.find("does not look like a checkpoint this tool wrote"), std::string::npos) << e2;
+  EXPECT_EQ(slurp(out / "notes.txt"), "precious");
+  // A checkpoint-like destination is replaced with force; an absent one is created.
+  fs::remove_all(out);
+  fs::create_directories(out);
+  std::ofstream(out / "config.json") << "{}";
+  detail::install_replacing(tmp, out, true, true);
+  EXPECT_EQ(slurp(out / "model.safetensors"), "new");
+  EXPECT_FALSE(fs::exists(out / "config.json"));
+  EXPECT_FALSE(fs::exists(tmp));
+  const fs::path tmp2 = t.path / "two.tmp.1", out2 = t.path / "two";
+  fs::create_directories(tmp2);
+  detail::install_replacing(tmp2, out2, true, false);
+  EXPECT_TRUE(fs::is_directory(out2));
+  // File outputs: a file that appeared is not replaced without force.
+  std::ofstream(t.path / "f.safetensors.tmp.1") << "new";
+  std::ofstream(t.path / "f.safetensors") << "someone else's";
+  const std::string e3 = error_of<CheckpointError>(
+      [&] { detail::install_replacing(t.path / "f.safetensors.tmp.1", t.path / "f.safetensors", false, false); });
+  EXPECT_NE(e3.find("appeared"), std::string::npos) << e3;
+  EXPECT_EQ(slurp(t.path / "f.safetensors"), "someone else's");
+}
 
 // Regression: quantize_checkpoint copied the other files with std::filesystem::copy_file, which
 // carries the source's permission bits over: a read-only source gave read-only outputs.
@@ -290,6 +381,25 @@ TEST(Synth, NegativeOverridesAreRejected) {
   o.moe_intermediate_size = -64;
   EXPECT_NE(error_of<std::invalid_argument>([&] { synth_config(o); }).find("moe_intermediate_size override -64"),
             std::string::npos);
+}
+
+// Regression (new-user QA session 9): --nu 1e16 wrote NaN weights and exited 0 (the sampler's
+// lgamma difference cancels); --nu 1e15 gave a wrong distribution. nu is now limited to (2, 1e6].
+TEST(Synth, StudentNuOutsideItsRangeIsRefusedBeforeWriting) {
+  TempDir t;
+  for (const double nu : {1e16, 1e7, 2.0, -1.0}) {
+    SynthOptions o = small();
+    o.student_nu = nu;
+    const std::string e = error_of<std::invalid_argument>([&] { synthesize_checkpoint(t.path / "x", o); });
+    EXPECT_NE(e.find("student_nu must be in (2, 1e6]"), std::string::npos) << nu << ": " << e;
+    EXPECT_FALSE(fs::exists(t.path / "x")) << nu;
+  }
+  SynthOptions o = small();
+  o.student_nu = 1e6;  // the largest accepted: finite weights, about unit-variance scaled like the others
+  synthesize_checkpoint(t.path / "ok", o);
+  const QuantizeSummary q = quantize_checkpoint(t.path / "ok", t.path / "okq", quiet());  // throws on a NaN weight
+  EXPECT_GT(q.weights, 0);
+  EXPECT_TRUE(std::isfinite(q.stats.sqnr_db()));
 }
 
 TEST(Synth, PlannedBytesEqualTheBytesWritten) {
