@@ -162,7 +162,7 @@ std::string moe_prefix(const ModelConfig& c, std::int64_t layer);
 std::string expert_weight_name(const ModelConfig& c, std::int64_t layer, std::int64_t expert, Proj p);
 /// Stacked tensors: "<prefix>.experts.gate_up_proj" ([E, 2I, H]) and "<prefix>.experts.down_proj"
 /// ([E, H, I]). For Mixtral both "block_sparse_moe" and "mlp" prefixes are looked up (transformers
-/// 5 renames the block); this returns the first name and stacked_expert_names() both.
+/// 5 renames the block); this returns the first name (Checkpoint looks up both).
 std::string stacked_gate_up_name(const ModelConfig& c, std::int64_t layer);
 std::string stacked_down_name(const ModelConfig& c, std::int64_t layer);
 /// Router weight "<prefix>.gate.weight" [E, H].
