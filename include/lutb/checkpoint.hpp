@@ -335,7 +335,10 @@ struct QuantizeOptions {
   FitOptions fit;          // fitter and threads
   /// Replace an existing output. Default false: an existing output is an error and is left as it
   /// was. With force the new output is built under a temporary name first and only then swapped in
-  /// (the old one is removed after the swap).
+  /// (the old one is removed after the swap). Force replaces only what looks like a checkpoint: a
+  /// regular *.safetensors file; a folder of checkpoint files (*.safetensors, *.json, tokenizer
+  /// files) or one whose config.json says this tool wrote it (quantization_config.quant_method
+  /// "lut_b", or a synth output); never the current folder or one above it.
   bool force = false;
   bool progress = true;    // progress bar on stderr (only drawn when stderr is a terminal)
   /// Polled between tensors, between 32 MB copy chunks and, inside a tensor's fit, before every

@@ -50,7 +50,10 @@ void check_output_location(const std::filesystem::path& in, const std::filesyste
 /// file and a file output never replaces a directory, even with --force. With `force` it also
 /// refuses a target that does not look like this tool's output: the current directory or an
 /// ancestor of it, a file that is not a regular *.safetensors, a directory holding anything but
-/// regular checkpoint files (*.safetensors, *.json, tokenizer*, merges.txt, ...). No-op when absent.
+/// regular checkpoint files (*.safetensors, *.json, tokenizer*, merges.txt, ...) unless its
+/// config.json says this tool wrote it (quantization_config.quant_method "lut_b", or a synth
+/// output's "lutb_synthetic"): quantize copies a source's README.md, LICENSE, subfolders, ... into
+/// its output. No-op when absent.
 /// Throws CheckpointError naming the path (and the offending entry) before anything is changed.
 void check_replaceable(const std::filesystem::path& target, bool want_directory, bool force);
 

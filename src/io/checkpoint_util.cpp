@@ -19,6 +19,7 @@
 #include <fmt/core.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
 
 #include "io/checkpoint_internal.hpp"
 #include "lutb/checkpoint.hpp"
@@ -117,6 +118,26 @@ void check_output_location(const std::filesystem::path& in, const std::filesyste
                                       out.string(), in.string()));
 }
 
+namespace {
+// True when `config` is a regular file (not a link) whose JSON says this tool wrote the directory: a
+// LUT-B checkpoint (quantization_config.quant_method "lut_b") or a synth output ("lutb_synthetic").
+bool written_by_lutb(const std::filesystem::path& config) {
+  std::error_code ec;
+  const auto st = std::filesystem::symlink_status(config, ec);
+  if (ec || !std::filesystem::is_regular_file(st) || std::filesystem::file_size(config, ec) > (16u << 20) || ec)
+    return false;
+  std::ifstream f(config, std::ios::binary);
+  const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  const auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object()) return false;
+  if (j.contains("lutb_synthetic")) return true;
+  const auto q = j.find("quantization_config");
+  if (q == j.end() || !q->is_object()) return false;
+  const auto m = q->find("quant_method");
+  return m != q->end() && m->is_string() && m->get<std::string>() == "lut_b";
+}
+}  // namespace
+
 void check_replaceable(const std::filesystem::path& target, bool want_directory, bool force) {
   std::error_code ec;
   const auto st = std::filesystem::symlink_status(target, ec);
@@ -144,6 +165,10 @@ void check_replaceable(const std::filesystem::path& target, bool want_directory,
                                         target.string()));
     return;
   }
+  // quantize copies every other file of its source (README.md, LICENSE, .gitattributes, subfolders of
+  // a Hugging Face repository), so a LUT-B checkpoint this tool wrote is recognised by its config,
+  // not by its file names (new-user QA session 9: "--force" refused lutb's own output).
+  if (written_by_lutb(target / "config.json")) return;
   for (std::filesystem::directory_iterator it(target, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
     const auto est = it->symlink_status();

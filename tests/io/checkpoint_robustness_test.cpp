@@ -116,6 +116,50 @@ TEST(QuantizeInput, HuggingFaceCacheSymlinksLeaveTheSourcesIntact) {
   }
 }
 
+// Regression (new-user QA session 9): quantize copies a Hugging Face repository's README.md,
+// LICENSE, .gitattributes and subfolders into its output, and the next "quantize --force" then
+// refused to replace that output ("does not look like a checkpoint this tool wrote ('.gitattributes'
+// ...)", which was false). A folder whose config.json says lutb wrote it is now replaceable; the
+// same files without such a config are still refused.
+TEST(QuantizeOutput, ForceReplacesOwnOutputOfAHuggingFaceRepository) {
+  TempDir t;
+  synthesize_checkpoint(t.path / "in", small());
+  std::ofstream(t.path / "in" / "README.md") << "# model card";
+  std::ofstream(t.path / "in" / "LICENSE") << "license";
+  std::ofstream(t.path / "in" / ".gitattributes") << "*.safetensors filter=lfs";
+  fs::create_directories(t.path / "in" / "original");
+  std::ofstream(t.path / "in" / "original" / "params.json") << "{}";
+  quantize_checkpoint(t.path / "in", t.path / "out", quiet());
+  EXPECT_TRUE(fs::exists(t.path / "out" / ".gitattributes"));
+  QuantizeOptions f = quiet();
+  f.force = true;
+  const QuantizeSummary again = quantize_checkpoint(t.path / "in", t.path / "out", f);  // threw on the old code
+  EXPECT_GT(again.tensors_quantized, 0);
+  EXPECT_TRUE(Checkpoint(t.path / "out").is_lutb());
+  EXPECT_TRUE(fs::exists(t.path / "out" / "original" / "params.json"));
+  // The synth output itself (a BF16 checkpoint lutb wrote) is replaceable too.
+  synthesize_checkpoint(t.path / "in2", small());
+  std::ofstream(t.path / "in2" / "notes.md") << "mine";
+  SynthOptions so = small();
+  so.force = true;
+  synthesize_checkpoint(t.path / "in2", so);
+  EXPECT_FALSE(fs::exists(t.path / "in2" / "notes.md"));
+  // Not written by lutb (no quantization_config, no synth marker): still refused, nothing changed.
+  fs::create_directories(t.path / "theirs");
+  std::ofstream(t.path / "theirs" / "config.json") << "{\"model_type\": \"qwen3_moe\"}";
+  std::ofstream(t.path / "theirs" / "README.md") << "theirs";
+  const std::string e = error_of<CheckpointError>([&] { quantize_checkpoint(t.path / "in", t.path / "theirs", f); });
+  EXPECT_NE(e.find("README.md"), std::string::npos) << e;
+  EXPECT_EQ(slurp(t.path / "theirs" / "README.md"), "theirs");
+  // A config.json that is a symlink to a LUT-B config does not count.
+  fs::create_directories(t.path / "linked");
+  fs::create_symlink(t.path / "out" / "config.json", t.path / "linked" / "config.json");
+  std::ofstream(t.path / "linked" / "README.md") << "keep";
+  EXPECT_NE(error_of<CheckpointError>([&] { quantize_checkpoint(t.path / "in", t.path / "linked", f); }).find("refusing"),
+            std::string::npos);
+  EXPECT_EQ(slurp(t.path / "linked" / "README.md"), "keep");
+}
+
 // Regression (data loss, new-user QA session 9): the existence and --force checks ran only at the
 // start, and the final rename replaced whatever was at the destination by then: a folder created
 // during a run (another run, the user) was deleted without --force. install_replacing now creates an

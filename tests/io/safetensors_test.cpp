@@ -393,9 +393,11 @@ void open_with_little_memory(const fs::path& p, std::uint64_t file_size, const s
   // The default ("fast") death-test style forks without re-executing: the child uses the parent's
   // files and _Exits, and the parent's TempDir removes them ("threadsafe" re-ran the test in the
   // child, whose TempDir was then never removed).
-  const std::uint64_t limit = vm_size() + file_size + (48u << 20);
   EXPECT_EXIT(
       {
+        // Measured in the child: the death-test machinery grows the address space after the fork
+        // (a limit taken in the parent left too little room on some machines).
+        const std::uint64_t limit = vm_size() + file_size + (48u << 20);
         struct rlimit rl;
         rl.rlim_cur = rl.rlim_max = limit;
         if (::setrlimit(RLIMIT_AS, &rl) != 0) std::_Exit(4);
