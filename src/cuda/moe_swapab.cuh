@@ -136,6 +136,21 @@ struct SwapTokens {
 
 template <int NB>
 __device__ __forceinline__ bool swap_tile(const Routing& r, int slot, int& expert, SwapTokens<NB>& tk) {
+  if (r.direct_pairs > 0) {  // T = 1, no grouping: slot j = pair j (ids are the caller's input)
+    if (slot >= r.direct_pairs) return false;
+    expert = r.ids[slot];
+    if (expert < 0 || expert >= r.direct_experts) return false;  // the reduction writes its NaN row
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    tk.count = 1;
+    tk.first = slot;
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      tk.pair_g[nb] = (nb == 0 && g == 0) ? slot : -1;
+      tk.pair_c[nb][0] = (nb == 0 && t == 0) ? slot : -1;
+      tk.pair_c[nb][1] = -1;
+    }
+    return true;
+  }
   if (slot >= *r.num_tiles) return false;
   expert = r.tile_expert[slot];
   const int start = r.tile_start[slot], count = r.tile_count[slot];
