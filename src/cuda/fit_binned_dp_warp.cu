@@ -41,7 +41,6 @@
 #include <cuda_runtime.h>
 
 #include <climits>
-#include <type_traits>
 #include <cub/warp/warp_merge_sort.cuh>
 #include <stdexcept>
 #include <string>
@@ -79,12 +78,9 @@ constexpr int kProfSlots = kProfPhases + 4;      // phases, then tiles, sum n, s
 // faster than 1.
 template <bool Opt>
 inline constexpr int kUnroll = Opt ? 4 : 1;
-// Kernel variants V (fit_internal.cuh kWarpVariantDefault; all give the CPU's bits, and each is
-// timed against the others in the same benchmark run). V = 0..3: how a DP cost evaluation computes
-// fit_scalar.hpp's run_cost (proofs and CPU tests: src/fit/fit_scalar_fast.hpp,
-// tests/fit/fit_scalar_fast_test.cpp):
-//   0: run_cost itself (IEEE division, the four-operation subnormal branch of e4m3_nearest): the
-//      kernel as it was before fit10;
+// How a DP cost evaluation computes fit_scalar.hpp's run_cost (all give its bits; proofs and CPU
+// tests: src/fit/fit_scalar_fast.hpp, tests/fit/fit_scalar_fast_test.cpp):
+//   0: run_cost itself (IEEE division, the four-operation subnormal branch of e4m3_nearest);
 //   1: run_cost_div: the division by the run count from the table of RN(1/count) and an FMA
 //      correction (div_by_count);
 //   2: run_cost_fast: 1 plus e4m3_nearest_fast (32-bit rounding, two-FMA subnormal branch);
@@ -94,15 +90,7 @@ inline constexpr int kUnroll = Opt ? 4 : 1;
 //      of 2^-149 (x^2: 2^-298) below 2^137 (x^2: 2^265), so the products lie in [2^-536, 2^513],
 //      far inside the normal range; hence p[j] * inv - p[i] * inv == (p[j] * inv) - (p[i] * inv)
 //      read from the scaled array, bit for bit.
-//   4: 3 + fewer shuffle rounds in the DP levels' group argmin (rounds whose partner lanes all hold
-//      no candidate are skipped: the group's range is shorter than the group) + the refinement's
-//      per-end-position scans with their loads batched four at a time (same strict "<" order);
-//   5: 4 + a compact shared-memory layout (12.1 KiB instead of 13.3 KiB per binned-dp warp: the
-//      refinement keeps 2 rows of F instead of 9, no double copy of the bin-edge counts, the bin
-//      targets' lower bounds in the union, 16-bit indices), so 18 warps per SM fit instead of 16.
-inline constexpr int kVar = kWarpVariantDefault;
-template <int V>
-inline constexpr int kAr = V < 3 ? V : 3;  // the cost arithmetic of variant V
+inline constexpr int kArith = kWarpArithDefault;
 
 // The table of (count, RN(1/count)) for div_by_count, count = 0..512 (row 0 unused), read through
 // the read-only data cache: the same literals as the host's fit_detail::kCountRecip.
@@ -141,34 +129,31 @@ struct Node {
 // DP tables. binned-dp: prefix sums at the bin edges (scaled units), as dp.cpp's Dp. optimal: the
 // positions are the distinct values themselves, so the costs read the prefix sums directly and
 // scale them on the fly (the same products dp.cpp stores), which saves 12 KiB per warp.
-template <bool Opt, bool C = false>
+template <bool Opt>
 struct DpTables {
-  double cd[C ? 1 : kMaxPos], s1[kMaxPos], s2[kMaxPos];  // (compact: cd's values are read from ci)
+  double cd[kMaxPos], s1[kMaxPos], s2[kMaxPos];
   std::int16_t ci[kMaxPos];  // the counts at the bin edges as integers (cd's values), the table's index
   double buf[2][kMaxPos];
   std::int16_t opt[kOptRows][kMaxPos];
   Node nodes[2][32];  // the nodes of one tree level (at most 32: m - 1 <= 48 end positions)
 };
-template <bool C>
-struct DpTables<true, C> {
+template <>
+struct DpTables<true> {
   double buf[2][kN + 1];  // (also the encoding's scratch for the flat-order sums)
   std::int16_t opt[kOptRows][kN + 1];
   Node nodes[2][32];  // the nodes of one tree level while it has at most 32
 };
 
-// Per-warp shared memory (binned-dp ~13 KiB, compact (C, variant 5) ~12 KiB; optimal ~26 KiB). The
-// union members are used one after the other.
-template <bool Opt, bool C = false>
+// Per-warp shared memory (binned-dp ~13 KiB, optimal ~26 KiB). The union members are used one
+// after the other.
+template <bool Opt>
 struct Smem {
-  static constexpr bool kOpt = Opt, kCompact = C;
-  using Idx = std::conditional_t<C, std::int16_t, int>;  // small indices (<= 512)
   union {
     WarpSort::TempStorage sort;
     float u[Opt ? 1 : kN];  // binned-dp: distinct values, ascending (+0 for zero); dead after the prefix sums
-    int lbu[32];            // compact: the bin targets' lower bounds (bin-edge phase: u is dead then)
-    DpTables<Opt, C> dp;
+    DpTables<Opt> dp;
     struct {
-      double F[C ? 2 : kCodebookSize + 1][kWin];  // compact: rows k & 1
+      double F[kCodebookSize + 1][kWin];
       double V[kWin][kWin];  // V[j - jl][i - il] = F[k-1][i - il] + cost(i, j)
       std::int16_t arg[kCodebookSize + 1][kWin];
     } rf;
@@ -176,11 +161,11 @@ struct Smem {
   float su[Opt ? kN : 1];       // optimal: distinct values, kept for the saturation bound
   double p[2][kN + 1];          // prefix sums of x and x^2 (unscaled), over distinct values
   std::uint16_t cnt[kN + 1];    // prefix counts
-  Idx pos[Opt ? 1 : kMaxPos];   // bin edges
-  int lb[C ? 1 : 32];           // lower bounds of the bin targets (compact: lbu)
-  Idx seg[kCodebookSize + 1];   // DP boundaries (indices into pos)
-  Idx bounds[kCodebookSize + 1];  // boundaries at full resolution
-  Idx lo[kCodebookSize], hi[kCodebookSize], wk[kCodebookSize];
+  int pos[Opt ? 1 : kMaxPos];   // bin edges
+  int lb[32];                   // lower bounds of the bin targets
+  int seg[kCodebookSize + 1];   // DP boundaries (indices into pos)
+  int bounds[kCodebookSize + 1];  // boundaries at full resolution
+  int lo[kCodebookSize], hi[kCodebookSize], wk[kCodebookSize];
   float cbv[kCodebookSize];
   std::uint8_t entries[kCodebookSize];
   std::uint8_t cbb[kCodebookSize];
@@ -190,14 +175,6 @@ struct Smem {
   __device__ float* uv() {
     if constexpr (Opt) return su;
     else return u;
-  }
-  __device__ int* lbv() {
-    if constexpr (C) return lbu;
-    else return lb;
-  }
-  __device__ __forceinline__ double& F(int k, int t) {
-    if constexpr (C) return rf.F[k & 1][t];
-    else return rf.F[k][t];
   }
   // Scratch for the encoding's two flat-order sums: the prefix sums are dead by then in
   // binned-dp; optimal needs them for the next scale, and uses the DP buffers instead.
@@ -248,8 +225,8 @@ __device__ __forceinline__ void running_sum(double* P, int n) {
 
 // dp.cpp Dp::cost on the bin-edge tables (cd[j] - cd[i] is the exact integer ci[j] - ci[i], which
 // the table variants read as a double from the table).
-template <int Ar, class S>
-__device__ __forceinline__ double cost_bin(const S& s, int i, int j) {
+template <int Ar>
+__device__ __forceinline__ double cost_bin(const Smem<false>& s, int i, int j) {
   if constexpr (Ar == 0)
     return run_cost(s.dp.cd[j] - s.dp.cd[i], s.dp.s1[j] - s.dp.s1[i], s.dp.s2[j] - s.dp.s2[i]);
   else
@@ -307,7 +284,7 @@ __device__ __forceinline__ void descend(int k, int m, int c, int L, int& jlo, in
 // of lanes per node; a level of more than 32 nodes (optimal's deeper trees only) and all below it
 // enumerate the nodes from the tree's shape (descend) and read the start ranges from optk, a lane
 // per node.
-template <int U, int V, class S, class Cost>
+template <int U, class S, class Cost>
 __device__ void dp_layer(S& s, int lane, int k, int m, const double* prev, double* cur, std::int16_t* optk,
                          const std::int16_t* lower, const Cost& cost) {
   auto clamp_range = [&](int j, int ilo, int ihi, int& lo, int& hi) {
@@ -337,18 +314,7 @@ __device__ void dp_layer(S& s, int lane, int k, int m, const double* prev, doubl
     double bv = inf();
     int bi = INT_MAX;
     scan_min<U>(prev, lo + sub, hi, gs, j, cost, bv, bi);
-    if constexpr (V >= 4) {
-      // Only the lanes sub < hi - lo + 1 hold candidates (the others (inf, INT_MAX), a no-op for
-      // keep_min): rounds with offsets >= the longest range in the warp combine nothing and are
-      // skipped; the leader still sees every candidate of its node.
-      const int len = hi - lo + 1;  // (<= 0 for lanes of no node)
-      const int mx = __reduce_max_sync(kFull, len);
-      int top = gs;
-      while (top > 1 && (top >> 1) >= mx) top >>= 1;
-      group_argmin(bv, bi, top);
-    } else {
-      group_argmin(bv, bi, gs);
-    }
+    group_argmin(bv, bi, gs);
     const bool leader = valid && sub == 0;
     bool hasl = false, hasr = false;
     if (leader) {
@@ -397,9 +363,9 @@ __device__ void dp_layer(S& s, int lane, int k, int m, const double* prev, doubl
 }
 
 // Arithmetic variant 3: the prefix sums, scaled to scale `from` (127: unscaled), rescaled to `to`
-// in place (exact, see kVar's variant 3).
-template <class S>
-__device__ __forceinline__ void prescale(S& s, int lane, int n, int from, int to) {
+// in place (exact, see kArith).
+template <bool Opt>
+__device__ __forceinline__ void prescale(Smem<Opt>& s, int lane, int n, int from, int to) {
   const double f = pow2(from - to), f2 = f * f;
   for (int i = lane; i <= n; i += 32) {
     s.p[0][i] = s.p[0][i] * f;
@@ -410,16 +376,14 @@ __device__ __forceinline__ void prescale(S& s, int lane, int n, int from, int to
 
 // dp.cpp dp_fit over m + 1 positions: the bin edges s.pos[0..m] (binned-dp) or every distinct value
 // (optimal, m = n). Leaves s.K, s.entries, s.bounds and (optimal) s.cost = the DP minimum / inv^2.
-template <int U, int V, class S>
-__device__ void dp_fit_warp(S& s, int lane, int m, int scale) {
-  constexpr bool Opt = S::kOpt, C = S::kCompact;
-  constexpr int Ar = kAr<V>;
+template <int U, int Ar, bool Opt>
+__device__ void dp_fit_warp(Smem<Opt>& s, int lane, int m, int scale) {
   const double inv = pow2(127 - scale);
   const double inv2 = inv * inv;
   if constexpr (!Opt) {
     for (int i = lane; i <= m; i += 32) {
       const int p = s.pos[i];
-      if constexpr (!C) s.dp.cd[i] = static_cast<double>(s.cnt[p]);
+      s.dp.cd[i] = static_cast<double>(s.cnt[p]);
       s.dp.ci[i] = static_cast<std::int16_t>(s.cnt[p]);
       s.dp.s1[i] = Ar >= 3 ? s.p[0][p] : s.p[0][p] * inv;
       s.dp.s2[i] = Ar >= 3 ? s.p[1][p] : s.p[1][p] * inv2;
@@ -446,7 +410,7 @@ __device__ void dp_fit_warp(S& s, int lane, int m, int scale) {
     for (int j = 1 + lane; j <= m; j += 32) prev[j] = cost(0, j);
     __syncwarp();
     for (int k = 2; k < K; ++k) {
-      dp_layer<U, V>(s, lane, k, m, prev, cur, s.dp.opt[k - 2], k > 2 ? s.dp.opt[k - 3] : nullptr, cost);
+      dp_layer<U>(s, lane, k, m, prev, cur, s.dp.opt[k - 2], k > 2 ? s.dp.opt[k - 3] : nullptr, cost);
       __syncwarp();
       double* t = prev;
       prev = cur;
@@ -477,10 +441,7 @@ __device__ void dp_fit_warp(S& s, int lane, int m, int scale) {
     if (lane <= K) s.bounds[lane] = s.pos[s.seg[lane]];
     if (lane < K) {
       const int i = s.seg[lane], j = s.seg[lane + 1];
-      if constexpr (C)
-        s.entries[lane] = run_entry(s.dp.s1[j] - s.dp.s1[i], static_cast<double>(s.dp.ci[j]) - static_cast<double>(s.dp.ci[i]));
-      else
-        s.entries[lane] = run_entry(s.dp.s1[j] - s.dp.s1[i], s.dp.cd[j] - s.dp.cd[i]);
+      s.entries[lane] = run_entry(s.dp.s1[j] - s.dp.s1[i], s.dp.cd[j] - s.dp.cd[i]);
     }
   }
   if (lane == 0) s.K = K;
@@ -488,9 +449,8 @@ __device__ void dp_fit_warp(S& s, int lane, int m, int scale) {
 }
 
 // dp.cpp dp_refine with w = kWindow, rounds = kRounds, over n distinct values (binned-dp).
-template <int V, class S>
-__device__ int dp_refine_warp(S& s, int lane, int n, int scale) {
-  constexpr int Ar = kAr<V>;
+template <int Ar>
+__device__ int dp_refine_warp(Smem<false>& s, int lane, int n, int scale) {
   const int K = s.K;
   const int m = n;
   if (K < 2 || K >= m) return 0;
@@ -508,7 +468,7 @@ __device__ int dp_refine_warp(S& s, int lane, int n, int scale) {
     __syncwarp();
     {
       const int l1 = s.lo[1], h1 = s.hi[1];
-      for (int j = l1 + lane; j <= h1; j += 32) s.F(1, j - l1) = cost_full<Ar>(s, 0, j, inv, inv2);
+      for (int j = l1 + lane; j <= h1; j += 32) s.rf.F[1][j - l1] = cost_full<Ar>(s, 0, j, inv, inv2);
     }
     __syncwarp();
     for (int k = 2; k <= K; ++k) {
@@ -523,8 +483,8 @@ __device__ int dp_refine_warp(S& s, int lane, int n, int scale) {
         const bool ok1 = il + ii <= jl + jj - 1;
         const bool ok2 = idx2 < tot && il + ii2 <= jl + jj2 - 1;
         // (a valid dummy run where a slot is unused: its value is not stored)
-        const double v1 = s.F(k - 1, ok1 ? ii : 0) + cost_full<Ar>(s, ok1 ? il + ii : 0, ok1 ? jl + jj : 1, inv, inv2);
-        const double v2 = s.F(k - 1, ok2 ? ii2 : 0) + cost_full<Ar>(s, ok2 ? il + ii2 : 0, ok2 ? jl + jj2 : 1, inv, inv2);
+        const double v1 = s.rf.F[k - 1][ok1 ? ii : 0] + cost_full<Ar>(s, ok1 ? il + ii : 0, ok1 ? jl + jj : 1, inv, inv2);
+        const double v2 = s.rf.F[k - 1][ok2 ? ii2 : 0] + cost_full<Ar>(s, ok2 ? il + ii2 : 0, ok2 ? jl + jj2 : 1, inv, inv2);
         if (ok1) s.rf.V[jj][ii] = v1;
         if (ok2) s.rf.V[jj2][ii2] = v2;
       }
@@ -533,34 +493,20 @@ __device__ int dp_refine_warp(S& s, int lane, int n, int scale) {
         const int j = jl + lane, ih = min(ihm, j - 1);
         double best = inf();
         int bi = il;
-        if constexpr (V >= 4) {  // the same scan, its loads issued four at a time
-          for (int i = il; i <= ih; i += 4) {
-            double v[4];
-#pragma unroll
-            for (int t = 0; t < 4; ++t) v[t] = i + t <= ih ? s.rf.V[lane][i + t - il] : 0.0;
-#pragma unroll
-            for (int t = 0; t < 4; ++t)
-              if (i + t <= ih && v[t] < best) {
-                best = v[t];
-                bi = i + t;
-              }
-          }
-        } else {
-          for (int i = il; i <= ih; ++i) {
-            const double v = s.rf.V[lane][i - il];
-            if (v < best) {
-              best = v;
-              bi = i;
-            }
+        for (int i = il; i <= ih; ++i) {
+          const double v = s.rf.V[lane][i - il];
+          if (v < best) {
+            best = v;
+            bi = i;
           }
         }
-        s.F(k, lane) = best;
+        s.rf.F[k][lane] = best;
         s.rf.arg[k][lane] = static_cast<std::int16_t>(bi);
       }
       __syncwarp();
     }
     if (lane == 0) {
-      auto* nb = s.seg;  // (free here: dp_fit_warp's boundaries are in s.bounds)
+      int* nb = s.seg;  // (free here: dp_fit_warp's boundaries are in s.bounds)
       nb[K] = m;
       nb[0] = 0;
       for (int k = K; k >= 2; --k) nb[k - 1] = s.rf.arg[k][nb[k] - (k < K ? s.lo[k] : m)];
@@ -586,8 +532,7 @@ __device__ int dp_refine_warp(S& s, int lane, int n, int scale) {
 }
 
 // optimal.cpp saturation_bound (lane 0; the CPU's order): a lower bound on the error at scale s.
-template <class S>
-__device__ double saturation_bound(S& s, int n, int sc) {
+__device__ double saturation_bound(Smem<true>& s, int n, int sc) {
   const double top = 448.0 * pow2(sc - 127);
   const float* u = s.su;
   double lb = 0.0;
@@ -615,8 +560,8 @@ struct TileOut {
 // tile's sse (the CPU's flat-order double sum) when `need_sse` or the caller wants the per-tile
 // sums, returns it to every lane (0 when not computed), and writes the outputs only when
 // !need_sse or sse < write_below (optimal's scale search: strictly better than the best so far).
-template <class S>
-__device__ double encode_warp(S& s, int lane, const float (&x)[kIpt], int scale, int n_entries,
+template <bool Opt>
+__device__ double encode_warp(Smem<Opt>& s, int lane, const float (&x)[kIpt], int scale, int n_entries,
                               const TileOut& o, bool need_sse, double write_below) {
   if (lane == 0) {  // codebook ascending, duplicates dropped, padded with the largest entry
     float* vals = s.cbv;  // (sorted in shared memory: no per-thread local arrays)
@@ -781,8 +726,8 @@ __device__ __forceinline__ void phase(Prof& pr, int lane, int i) {
   }
 }
 
-template <bool P, bool Opt, int U, int V>
-__device__ __forceinline__ void fit_one(Smem<Opt, (V >= 5)>& s, int lane, const KernelArgs& a, std::int64_t lt, Prof& pr) {
+template <bool P, bool Opt, int U, int Ar>
+__device__ __forceinline__ void fit_one(Smem<Opt>& s, int lane, const KernelArgs& a, std::int64_t lt, Prof& pr) {
   if constexpr (P) {
     if (lane == 0) pr.t = clock64();
   }
@@ -886,22 +831,22 @@ __device__ __forceinline__ void fit_one(Smem<Opt, (V >= 5)>& s, int lane, const 
         }
         return lo;
       };
-      s.lbv()[lane] = lower_bound(lane == 0 ? kTail : lane * (kN / kBins));
+      s.lb[lane] = lower_bound(lane == 0 ? kTail : lane * (kN / kBins));
       const int lb_end = lower_bound(kN - kTail + 1);
       __syncwarp();
       if (lane == 0) {
         int mm = 0, i = 0;
         s.pos[0] = 0;
         auto push = [&](int e) {
-          if (e > s.pos[mm] && e < n) s.pos[++mm] = static_cast<typename std::remove_reference_t<decltype(s)>::Idx>(e);
+          if (e > s.pos[mm] && e < n) s.pos[++mm] = e;
         };
-        for (; i < s.lbv()[0]; ++i) push(i);
+        for (; i < s.lb[0]; ++i) push(i);
         for (int b = 1; b < kBins; ++b) {
-          i = max(i, static_cast<int>(s.lbv()[b]));
+          i = max(i, s.lb[b]);
           push(i);
         }
         for (i = max(i, lb_end); i < n; ++i) push(i);
-        s.pos[++mm] = static_cast<typename std::remove_reference_t<decltype(s)>::Idx>(n);
+        s.pos[++mm] = n;
         s.m = mm;
       }
     }
@@ -923,8 +868,8 @@ __device__ __forceinline__ void fit_one(Smem<Opt, (V >= 5)>& s, int lane, const 
   } else {
     sc = max(static_cast<int>(ue8m0_rceil(am)), kMinScale);
   }
-  if constexpr (kAr<V> >= 3) prescale(s, lane, n, 127, sc);
-  dp_fit_warp<U, V>(s, lane, m, sc);
+  if constexpr (Ar >= 3) prescale(s, lane, n, 127, sc);
+  dp_fit_warp<U, Ar>(s, lane, m, sc);
   phase<P>(pr, lane, 4);
   int rounds = 0;  // refinement rounds (binned-dp), scales evaluated below the first (optimal)
   if constexpr (Opt) {
@@ -940,8 +885,8 @@ __device__ __forceinline__ void fit_one(Smem<Opt, (V >= 5)>& s, int lane, const 
         lb = __shfl_sync(kFull, lb, 0);
         if (lb >= best) break;
         ++rounds;
-        if constexpr (kAr<V> >= 3) prescale(s, lane, n, t + 1, t);
-        dp_fit_warp<U, V>(s, lane, m, t);
+        if constexpr (Ar >= 3) prescale(s, lane, n, t + 1, t);
+        dp_fit_warp<U, Ar>(s, lane, m, t);
         if (s.cost > best * (1.0 + 1e-12)) continue;  // cannot beat the best even after reassigning
         const double e = encode_warp(s, lane, x, t, s.K, o, true, best);
         if (e < best) best = e;
@@ -952,7 +897,7 @@ __device__ __forceinline__ void fit_one(Smem<Opt, (V >= 5)>& s, int lane, const 
       encode_warp(s, lane, x, sc, s.K, o, false, 0.0);
     }
   } else {
-    if (m != n) rounds = dp_refine_warp<V>(s, lane, n, sc);
+    if (m != n) rounds = dp_refine_warp<Ar>(s, lane, n, sc);
     phase<P>(pr, lane, 5);
     encode_warp(s, lane, x, sc, s.K, o, false, 0.0);
   }
@@ -965,15 +910,15 @@ __device__ __forceinline__ void fit_one(Smem<Opt, (V >= 5)>& s, int lane, const 
   }
 }
 
-template <bool P, bool Opt, int U, int V>
+template <bool P, bool Opt, int U, int Ar>
 __global__ void __launch_bounds__(32 * Cfg<Opt>::kWarps) fit_warp_kernel(KernelArgs a, unsigned long long* prof) {
   constexpr int kWarps = Cfg<Opt>::kWarps;
-  __shared__ Smem<Opt, (V >= 5)> sm[kWarps];
+  __shared__ Smem<Opt> sm[kWarps];
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * kWarps;
   Prof pr;
   for (std::int64_t lt = static_cast<std::int64_t>(blockIdx.x) * kWarps + w; lt < a.tiles; lt += stride) {
-    fit_one<P, Opt, U, V>(sm[w], lane, a, lt, pr);
+    fit_one<P, Opt, U, Ar>(sm[w], lane, a, lt, pr);
     __syncwarp();
   }
   if constexpr (P) {
@@ -982,14 +927,11 @@ __global__ void __launch_bounds__(32 * Cfg<Opt>::kWarps) fit_warp_kernel(KernelA
   }
 }
 
-template <bool P, bool Opt, int U = kUnroll<Opt>, int V = kVar>
+template <bool P, bool Opt, int U = kUnroll<Opt>, int Ar = kArith>
 void launch_t(const KernelArgs& a, unsigned long long* d_prof, cudaStream_t stream, const char* who) {
   constexpr int kWarps = Cfg<Opt>::kWarps;
   const std::int64_t blocks = std::min<std::int64_t>((a.tiles + kWarps - 1) / kWarps, std::int64_t{1} << 22);
-  // The compact layout's 18 warps per SM need the largest shared-memory carveout (a hint; variants
-  // below 5 keep the driver's choice, as before fit10).
-  if constexpr (V >= 5) cudaFuncSetAttribute(fit_warp_kernel<P, Opt, U, V>, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
-  fit_warp_kernel<P, Opt, U, V><<<static_cast<unsigned>(blocks), 32 * kWarps, 0, stream>>>(a, d_prof);
+  fit_warp_kernel<P, Opt, U, Ar><<<static_cast<unsigned>(blocks), 32 * kWarps, 0, stream>>>(a, d_prof);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) throw std::runtime_error(std::string(who) + cudaGetErrorString(e));
 }
@@ -1003,23 +945,22 @@ void launch_warp(const KernelArgs& a, cudaStream_t stream) {
   else launch_t<false, false>(a, nullptr, stream, "quantize_gpu: kernel launch: ");
 }
 
-void launch_warp_profiled(const KernelArgs& a, unsigned long long* d_prof, cudaStream_t stream, int variant) {
+void launch_warp_profiled(const KernelArgs& a, unsigned long long* d_prof, cudaStream_t stream, int arith) {
   if (a.tiles == 0) return;
   const char* who = "profile kernel launch: ";
-  if (variant != kVar && !(variant == 0 && !a.optimal))
-    throw std::invalid_argument("launch_warp_profiled: variant must be the default, or 0 for binned-dp");
+  if (arith != kArith && !(arith == 0 && !a.optimal))
+    throw std::invalid_argument("launch_warp_profiled: arith must be the default, or 0 for binned-dp");
   if (a.optimal) launch_t<true, true>(a, d_prof, stream, who);
-  else if (variant == 0) launch_t<true, false, kUnroll<false>, 0>(a, d_prof, stream, who);
+  else if (arith == 0) launch_t<true, false, kUnroll<false>, 0>(a, d_prof, stream, who);
   else launch_t<true, false>(a, d_prof, stream, who);
 }
 
-void launch_warp_variant(const KernelArgs& a, int unroll, int variant, cudaStream_t stream) {
+void launch_warp_variant(const KernelArgs& a, int unroll, int arith, cudaStream_t stream) {
   if (a.tiles == 0) return;
   const int du = a.optimal ? kUnroll<true> : kUnroll<false>;
-  if (a.check_only || (unroll == du && variant == kVar)) return launch_warp(a, stream);
+  if (a.check_only || (unroll == du && arith == kArith)) return launch_warp(a, stream);
   const char* who = "warp kernel variant launch: ";
-  static_assert(kVar == 5);
-  if (variant == kVar) {
+  if (arith == kArith) {
     if (unroll != 1 && unroll != 2 && unroll != 4)
       throw std::invalid_argument("launch_warp_variant: unroll must be 1, 2 or 4");
     if (a.optimal) {
@@ -1031,35 +972,21 @@ void launch_warp_variant(const KernelArgs& a, int unroll, int variant, cudaStrea
     }
     return;
   }
-  if (unroll != du || (variant != 0 && variant != 3 && (variant != 4 || a.optimal)))
+  if (unroll != du || arith < 0 || arith > 2 || (a.optimal && arith == 1))
     throw std::invalid_argument(
-        "launch_warp_variant: other variants only with the default unroll: 0, 3 (both fitters) or 4 (binned-dp)");
+        "launch_warp_variant: other arithmetic only with the default unroll: arith 0, 2 (both fitters) or 1 (binned-dp)");
   if (a.optimal) {
-    if (variant == 0) launch_t<false, true, kUnroll<true>, 0>(a, nullptr, stream, who);
-    else launch_t<false, true, kUnroll<true>, 3>(a, nullptr, stream, who);
+    if (arith == 0) launch_t<false, true, kUnroll<true>, 0>(a, nullptr, stream, who);
+    else launch_t<false, true, kUnroll<true>, 2>(a, nullptr, stream, who);
   } else {
-    if (variant == 0) launch_t<false, false, kUnroll<false>, 0>(a, nullptr, stream, who);
-    else if (variant == 3) launch_t<false, false, kUnroll<false>, 3>(a, nullptr, stream, who);
-    else launch_t<false, false, kUnroll<false>, 4>(a, nullptr, stream, who);
+    if (arith == 0) launch_t<false, false, kUnroll<false>, 0>(a, nullptr, stream, who);
+    else if (arith == 1) launch_t<false, false, kUnroll<false>, 1>(a, nullptr, stream, who);
+    else launch_t<false, false, kUnroll<false>, 2>(a, nullptr, stream, who);
   }
 }
 
-int warp_kernel_warps_per_sm(bool optimal, int variant) {
-  int nb = 0;
-  auto q = [&](auto kern, int threads) {
-    if (variant != 0) cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, kern, threads, 0) != cudaSuccess) return -1;
-    return nb * threads / 32;
-  };
-  if (optimal)
-    return variant == 0 ? q(fit_warp_kernel<false, true, kUnroll<true>, 0>, 32 * Cfg<true>::kWarps)
-                        : q(fit_warp_kernel<false, true, kUnroll<true>, kVar>, 32 * Cfg<true>::kWarps);
-  return variant == 0 ? q(fit_warp_kernel<false, false, kUnroll<false>, 0>, 32 * Cfg<false>::kWarps)
-                      : q(fit_warp_kernel<false, false, kUnroll<false>, kVar>, 32 * Cfg<false>::kWarps);
-}
-
 void launch_warp_unrolled(const KernelArgs& a, int unroll, cudaStream_t stream) {
-  launch_warp_variant(a, unroll, kVar, stream);
+  launch_warp_variant(a, unroll, kArith, stream);
 }
 
 }  // namespace lutb::cuda::fit_internal
