@@ -24,7 +24,8 @@
 //    and q' = q + (-0) = q. Otherwise 2^(f-1) < b < 2^f for some f <= 9, 1/b in [2^-f, 2^(1-f)),
 //    so |y - 1/b| =: |d| <= ulp(1/b)/2 = 2^(-f-53) < 2^-53 / b. Let x = a/b (exact, normal), 2^e <=
 //    |x| < 2^(e+1), u = ulp(x) = 2^(e-52).
-//    (i) |a*y - x| = |a||d| < 2^-53 |x| < u, and rounding adds at most u/2: |q - x| < 1.5 u.
+//    (i) |a*y - x| = |a||d| < 2^-53 |x| < u; below 2^(e+1) the doubles are u apart, and an a*y in
+//    [2^(e+1), x + u) rounds to 2^(e+1), within u of x: in all cases |q - x| < 1.5 u.
 //    (ii) |a| = b|x| >= 3 * 2^e, so a is a multiple of 2^(e-51); q (binade e or e-1) is a multiple
 //    of 2^(e-53); so cc*q - a is a multiple of 2^(e-53) of magnitude b|q - x| < 1.5 * 2^9 * 2^(e-52)
 //    < 2^11 * 2^(e-53): representable (e - 53 >= -1062 > -1074), so the FMA's r is exact.
