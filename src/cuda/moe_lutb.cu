@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -60,16 +61,21 @@ void launch_swapab(const DeviceMoeWeights& w, const kern::Routing& r, const deta
   void* hq = kDec == kern::kDecFp8 ? static_cast<void*>(ws.hq8) : static_cast<void*>(ws.hq);
   const std::int64_t groups1 = Ip / 32, groups2 = detail::ceil_div(w2.tiles_n, 8);
   const int nw1 = swap_warps(touched * groups1, w13.tiles_k), nw2 = swap_warps(touched * groups2, w2.tiles_k);
+  // Benchmarking knob: LUTB_SWAPAB_ONE=0 runs one-token tiles through the general K-loop (read once).
+  static const bool one_token_loop = [] {
+    const char* v = std::getenv("LUTB_SWAPAB_ONE");
+    return !(v && std::strcmp(v, "0") == 0);
+  }();
   const dim3 g1(static_cast<unsigned>(groups1), static_cast<unsigned>(slots));
   detail::launch_kernel("sm80_lutb_mxfp8_moe_gemm1_swapab", true, kern::swapab_gemm1_kernel<kDec, NB>, g1,
                         dim3(32 * nw1), kern::swap_smem_bytes<NB>(nw1), stream, w13, xa,
                         static_cast<const float*>(ws.xsf), static_cast<long long>(Hp), r, static_cast<long long>(I),
-                        static_cast<long long>(Ip), hq, ws.hsf);
+                        static_cast<long long>(Ip), hq, ws.hsf, one_token_loop);
   const dim3 g2(static_cast<unsigned>(groups2), static_cast<unsigned>(slots));
   detail::launch_kernel("sm80_lutb_mxfp8_moe_gemm2_swapab", true, kern::swapab_gemm2_kernel<kDec, NB>, g2,
                         dim3(32 * nw2), kern::swap_smem_bytes<NB>(nw2), stream, w2, static_cast<const void*>(hq),
                         static_cast<const float*>(ws.hsf), static_cast<long long>(Ip), r, static_cast<long long>(H),
-                        ws.y);
+                        ws.y, one_token_loop);
 }
 
 template <bool kCvt, int MT>

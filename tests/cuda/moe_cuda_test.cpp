@@ -162,7 +162,8 @@ TEST_P(MoeRandom, MatchesHostReferenceAllStrategiesAndDecoders) {
   std::vector<float> wts;
   random_routing(c.T, c.k, allowed, rng, ids, wts);
   const auto ref = moe_reference(w13, w2, c.H, c.I, x, c.T, c.k, ids, wts);
-  for (auto dec : {cuda::WeightDecoder::BytePermute, cuda::WeightDecoder::Cvt, cuda::WeightDecoder::Fp8Mma}) {
+  for (auto dec : {cuda::WeightDecoder::Auto, cuda::WeightDecoder::BytePermute, cuda::WeightDecoder::Cvt,
+                   cuda::WeightDecoder::Fp8Mma}) {
     cuda::set_weight_decoder(dec);
     for (auto s : kAllStrategies) {
       const auto got = run_forward(w13, w2, c.E, c.H, c.I, x, c.T, c.k, ids, wts, s);
