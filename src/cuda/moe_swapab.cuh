@@ -476,12 +476,21 @@ constexpr int swap_smem_bytes(int warps) {
 #endif
 constexpr int swap_min_blocks(int nb) { return nb == 1 ? LUTB_SWAPAB_MINB1 : (nb == 2 ? LUTB_SWAPAB_MINB2 : 1); }
 
+// Tuning builds only: LUTB_SWAPAB_MAXNREG1=N caps the one-token-block kernels at N registers
+// (__maxnreg__) instead of the minimum-blocks rule, e.g. 96 with LUTB_SWAPAB_STAGES=4 for 20 warps
+// per SM (spills ~100 bytes per thread; measured in docs/perf/moe-gpu.md).
+#if defined(LUTB_SWAPAB_MAXNREG1) && LUTB_SWAPAB_MAXNREG1 > 0
+#define LUTB_SWAPAB_BOUNDS(NB) __launch_bounds__(256) __maxnreg__((NB) == 1 ? LUTB_SWAPAB_MAXNREG1 : 255)
+#else
+#define LUTB_SWAPAB_BOUNDS(NB) __launch_bounds__(256, swap_min_blocks(NB))
+#endif
+
 /// GEMM1 + SiLU*up + MXFP8 of h. Grid: (Ip/32 strip groups, token tile slots); blockDim.x =
 /// 32 * warps (K split across the warps). xa: [T, a_cols] FP16 E4M3 values in the decoder's column
 /// order, or E4M3 bytes (natural order) for kDecFp8. Output hq [P, Ip] in the same form, hs [P, Ip/32]
 /// UE8M0.
 template <int kDec, int NB>
-__global__ void __launch_bounds__(256, swap_min_blocks(NB))
+__global__ void LUTB_SWAPAB_BOUNDS(NB)
     swapab_gemm1_kernel(LutbW w, const void* __restrict__ xa, const float* __restrict__ xsf,
                         long long a_cols, Routing r, long long I, long long Ip, void* __restrict__ hq,
                         float* __restrict__ hsf, bool one_token_loop) {
@@ -562,7 +571,7 @@ __global__ void __launch_bounds__(256, swap_min_blocks(NB))
 
 /// GEMM2: y[p, n] = h[p] . w2[e, n]^T (FP32). Grid: (ceil(tiles_n/8) strip groups, slots).
 template <int kDec, int NB>
-__global__ void __launch_bounds__(256, swap_min_blocks(NB))
+__global__ void LUTB_SWAPAB_BOUNDS(NB)
     swapab_gemm2_kernel(LutbW w, const void* __restrict__ ha, const float* __restrict__ hsf, long long Ip,
                         Routing r, long long H, float* __restrict__ y, bool one_token_loop) {
   constexpr long long kEl = kDec == kDecFp8 ? 1 : 2;  // bytes per activation element
