@@ -22,20 +22,29 @@ namespace lutb::cuda {
 namespace {
 
 /// Warps per CTA of the swap-AB kernels (they split K): at least 2 (shorter CTAs balance the last
-/// wave), doubled while the expected warps (`ctas` = touched experts x strip groups, times the
-/// split) stay under 12 per SM, at least 2 K-tiles per warp, at most 8. Measured on the H200
+/// wave), doubled up to 8 while the expected warps (`ctas` = touched experts x strip groups, times
+/// the split) stay under 12 per SM and each warp keeps at least 2 K-tiles. Measured on the H200
 /// (LUTB_SWAPAB_WARPS sweep, docs/perf/moe-gpu.md): DeepSeek-V3 T=1 best at 4, T=16 at 2;
-/// Qwen3-30B T=1 at 4-8, T=16 at 2.
-int swap_warps(std::int64_t ctas, std::int64_t tiles_k) {
-  // Benchmarking knob: LUTB_SWAPAB_WARPS = 1, 2, 4 or 8 forces the split (read once).
+/// Qwen3-30B T=1 at 4-8, T=16 at 2. 16 warps (`most` = kern::swap_max_warps = 16: one token block)
+/// only when every CTA is resident at once (ctas <= 132: a 16-warp CTA fills an SM) and each warp
+/// keeps 4 K-tiles: the few-CTA, long-K GEMMs such as Mixtral's GEMM2 at T = 1 (2 experts x 64 row
+/// groups, 224 K-tiles), which 8-warp CTAs leave at 7.8 warps per SM.
+int swap_warps(std::int64_t ctas, std::int64_t tiles_k, int most) {
+  // Benchmarking knobs (read once): LUTB_SWAPAB_WARPS = 1, 2, 4, 8 or 16 (one token block only)
+  // forces the split; LUTB_SWAPAB_WARPS16=0 stops the rule at 8.
   static const int forced = [] {
     const char* v = std::getenv("LUTB_SWAPAB_WARPS");
     return v ? std::atoi(v) : 0;
   }();
-  if (forced == 1 || forced == 2 || forced == 4 || forced == 8) return forced;
+  static const bool allow16 = [] {
+    const char* v = std::getenv("LUTB_SWAPAB_WARPS16");
+    return !(v && std::strcmp(v, "0") == 0);
+  }();
+  if ((forced == 1 || forced == 2 || forced == 4 || forced == 8 || forced == 16) && forced <= most) return forced;
   if (tiles_k < 4) return 1;
   int w = 2;
-  while (w < 8 && ctas * w < 132 * 12 && tiles_k >= 4 * w) w *= 2;
+  while (w < 8 && w < most && ctas * w < 132 * 12 && tiles_k >= 4 * w) w *= 2;
+  if (allow16 && w == 8 && most >= 16 && ctas <= 132 && tiles_k >= 64) w = 16;
   return w;
 }
 
@@ -51,8 +60,10 @@ void launch_swapab(const DeviceMoeWeights& w, const kern::Routing& r, const deta
                          w.w13.shape.tiles()};
   const kern::LutbW w2{w.w2.packed, w.w2.codebook, w.w2.scale, w.w2.shape.tiles_n(), w.w2.shape.tiles_k(),
                         w.w2.shape.tiles()};
-  // Up to 8 warps x 9.6 KiB of ring: above the 48 KiB default (a host-side attribute, capture-safe).
-  const int most = kern::swap_smem_bytes<NB>(8);
+  // Up to 16 (NB = 1) or 8 warps x 9.6 KiB of ring: above the 48 KiB default (a host-side
+  // attribute, capture-safe).
+  constexpr int kMostWarps = kern::swap_max_warps(NB);
+  const int most = kern::swap_smem_bytes<NB>(kMostWarps);
   LUTB_CUDA_CHECK(cudaFuncSetAttribute(kern::swapab_gemm1_kernel<kDec, NB>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, most));
   LUTB_CUDA_CHECK(cudaFuncSetAttribute(kern::swapab_gemm2_kernel<kDec, NB>,
@@ -61,7 +72,8 @@ void launch_swapab(const DeviceMoeWeights& w, const kern::Routing& r, const deta
   const void* xa = kDec == kern::kDecFp8 ? static_cast<const void*>(ws.xq8) : static_cast<const void*>(ws.xa);
   void* hq = kDec == kern::kDecFp8 ? static_cast<void*>(ws.hq8) : static_cast<void*>(ws.hq);
   const std::int64_t groups1 = Ip / 32, groups2 = detail::ceil_div(w2.tiles_n, 8);
-  const int nw1 = swap_warps(touched * groups1, w13.tiles_k), nw2 = swap_warps(touched * groups2, w2.tiles_k);
+  const int nw1 = swap_warps(touched * groups1, w13.tiles_k, kMostWarps);
+  const int nw2 = swap_warps(touched * groups2, w2.tiles_k, kMostWarps);
   // Benchmarking knob: LUTB_SWAPAB_ONE=0 runs one-token tiles through the general K-loop (read once).
   static const bool one_token_loop = [] {
     const char* v = std::getenv("LUTB_SWAPAB_ONE");

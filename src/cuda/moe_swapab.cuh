@@ -465,11 +465,15 @@ constexpr int swap_smem_bytes(int warps) {
   return ring > red ? ring : red;
 }
 
-/// Resident 256-thread CTAs per SM the compiler must allow (sets the register cap: 65536 / (256 *
-/// this)). Measured on the H200 (docs/perf/moe-gpu.md); LUTB_SWAPAB_MINB1 / MINB2 override for
-/// tuning builds.
+/// Most warps per CTA: 16 with one token block (128 registers per thread fit 512 threads), 8 with
+/// two (~195 registers).
+constexpr int swap_max_warps(int nb) { return nb == 1 ? 16 : 8; }
+
+/// Resident CTAs of swap_max_warps(nb) warps per SM the compiler must allow (sets the register cap:
+/// 65536 / (32 * swap_max_warps * this) = 128 for NB = 1, 255 for NB = 2). Measured on the H200
+/// (docs/perf/moe-gpu.md); LUTB_SWAPAB_MINB1 / MINB2 override for tuning builds.
 #ifndef LUTB_SWAPAB_MINB1
-#define LUTB_SWAPAB_MINB1 2
+#define LUTB_SWAPAB_MINB1 1
 #endif
 #ifndef LUTB_SWAPAB_MINB2
 #define LUTB_SWAPAB_MINB2 1
@@ -480,9 +484,9 @@ constexpr int swap_min_blocks(int nb) { return nb == 1 ? LUTB_SWAPAB_MINB1 : (nb
 // (__maxnreg__) instead of the minimum-blocks rule, e.g. 96 with LUTB_SWAPAB_STAGES=4 for 20 warps
 // per SM (spills ~100 bytes per thread; measured in docs/perf/moe-gpu.md).
 #if defined(LUTB_SWAPAB_MAXNREG1) && LUTB_SWAPAB_MAXNREG1 > 0
-#define LUTB_SWAPAB_BOUNDS(NB) __launch_bounds__(256) __maxnreg__((NB) == 1 ? LUTB_SWAPAB_MAXNREG1 : 255)
+#define LUTB_SWAPAB_BOUNDS(NB) __launch_bounds__(32 * swap_max_warps(NB)) __maxnreg__((NB) == 1 ? LUTB_SWAPAB_MAXNREG1 : 255)
 #else
-#define LUTB_SWAPAB_BOUNDS(NB) __launch_bounds__(256, swap_min_blocks(NB))
+#define LUTB_SWAPAB_BOUNDS(NB) __launch_bounds__(32 * swap_max_warps(NB), swap_min_blocks(NB))
 #endif
 
 /// GEMM1 + SiLU*up + MXFP8 of h. Grid: (Ip/32 strip groups, token tile slots); blockDim.x =
