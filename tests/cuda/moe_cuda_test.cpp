@@ -176,14 +176,16 @@ TEST_P(MoeRandom, MatchesHostReferenceAllStrategiesAndDecoders) {
   cuda::set_weight_decoder(cuda::WeightDecoder::Auto);
 }
 
-// Swap-AB token blocks (decode_token_blocks): 1 for the first two cases, 2 for the others (the third
-// and fourth also need several 16-token tiles per expert).
+// Swap-AB token blocks (decode_token_blocks): 1 for the first two cases and the last, 2 for the
+// others (the third and fourth also need several 16-token tiles per expert). The last has few CTAs
+// (128 in GEMM1, 64 in GEMM2) of 64 K-tiles each: swap_warps splits K over 8 warps.
 INSTANTIATE_TEST_SUITE_P(Shapes, MoeRandom,
                          ::testing::Values(Case{8, 256, 128, 1, 2, false},      // one token
                                            Case{16, 200, 72, 13, 4, false},     // padded H (K and N) and I
                                            Case{32, 512, 256, 100, 8, true},    // empty experts, several tiles
                                            Case{4, 128, 64, 70, 2, false},      // > 64 rows per expert
-                                           Case{8, 320, 96, 40, 2, false}),     // odd K-tiles, padded I groups
+                                           Case{8, 320, 96, 40, 2, false},      // odd K-tiles, padded I groups
+                                           Case{2, 4096, 4096, 1, 1, false}),   // few CTAs, long K (8-warp K split)
                          [](const ::testing::TestParamInfo<Case>& i) {
                            const Case& c = i.param;
                            return "E" + std::to_string(c.E) + "_H" + std::to_string(c.H) + "_I" + std::to_string(c.I) +
@@ -250,6 +252,66 @@ TEST(MoeCuda, DependentLaunchBitIdenticalBackToBack) {
   }
   cuda::set_dependent_launch(true);
   ck(cudaStreamDestroy(st), "stream");
+}
+
+// The BF16 baseline (moe_forward_bf16, the benchmarks' reference point: its speed is only
+// meaningful if it computes the same function) against a host computation of that function
+// (h = bf16(silu(g) * u), FP32 GEMMs, out = bf16(sum_j w_j y_j)), with decode and prefill tiles.
+TEST(MoeCuda, Bf16BaselineMatchesHost) {
+  LUTB_GPU_OR_SKIP();
+  const std::int64_t E = 8, H = 256, I = 128;
+  const int k = 2;
+  std::mt19937 rng(31);
+  const auto w13 = random_bf16(E * 2 * I * H, rng, 0.05f), w2 = random_bf16(E * H * I, rng, 0.05f);
+  DevBuf<std::uint16_t> d13(w13), d2(w2);
+  const cuda::DeviceMoeWeightsBf16 w{E, H, I, d13.p, d2.p};
+  std::vector<int> allowed(E);
+  for (int e = 0; e < E; ++e) allowed[e] = e;
+  for (const std::int64_t T : {std::int64_t{1}, std::int64_t{16}, std::int64_t{64}, std::int64_t{100}}) {
+    std::vector<std::int32_t> ids;
+    std::vector<float> wts;
+    random_routing(T, k, allowed, rng, ids, wts);
+    const auto x = random_bf16(T * H, rng);
+    // Host: double sums, rounded where the function rounds (h to BF16, out to BF16).
+    std::vector<std::uint16_t> ref(T * H);
+    for (std::int64_t t = 0; t < T; ++t) {
+      std::vector<double> o(H, 0.0);
+      for (int j = 0; j < k; ++j) {
+        const std::int64_t e = ids[t * k + j];
+        std::vector<float> h(I);
+        for (std::int64_t i = 0; i < I; ++i) {
+          double g = 0, u = 0;
+          for (std::int64_t c = 0; c < H; ++c) {
+            const double xv = bf16_to_float(x[t * H + c]);
+            g += xv * bf16_to_float(w13[(e * 2 * I + i) * H + c]);
+            u += xv * bf16_to_float(w13[(e * 2 * I + I + i) * H + c]);
+          }
+          h[i] = bf16_to_float(bf16_from_float(static_cast<float>(g / (1.0 + std::exp(-g)) * u)));
+        }
+        for (std::int64_t n = 0; n < H; ++n) {
+          double y = 0;
+          for (std::int64_t i = 0; i < I; ++i) y += double(h[i]) * bf16_to_float(w2[(e * H + n) * I + i]);
+          o[n] += double(wts[t * k + j]) * static_cast<float>(y);
+        }
+      }
+      for (std::int64_t n = 0; n < H; ++n) ref[t * H + n] = bf16_from_float(static_cast<float>(o[n]));
+    }
+    DevBuf<std::uint16_t> dx(x), out(static_cast<std::size_t>(T * H));
+    DevBuf<std::int32_t> did(ids);
+    DevBuf<float> dw(wts);
+    const std::size_t wsb = cuda::moe_workspace_bytes(T, k, E, H, I);
+    DevBuf<char> ws(wsb);
+    for (auto s : {cuda::MoeStrategy::Decode, cuda::MoeStrategy::Prefill}) {
+      SCOPED_TRACE(::testing::Message() << "T " << T << " strategy " << strategy_name(s));
+      ck(cudaMemset(out.p, 0xff, out.n * 2), "poison out");
+      ck(cudaMemset(ws.p, 0xff, wsb), "poison workspace");
+      cuda::moe_forward_bf16(w, dx.p, T, k, did.p, dw.p, out.p, ws.p, wsb, nullptr, s);
+      ck(cudaDeviceSynchronize(), "moe_forward_bf16");
+      const Cmp r = compare_bf16(out.down(), ref);
+      EXPECT_EQ(r.nan, 0);
+      EXPECT_LT(r.rel_l2, 5e-3);
+    }
+  }
 }
 
 TEST(MoeCuda, GoldenLayer) {
