@@ -150,14 +150,15 @@ int main(int argc, char** argv) {
   };
   // Warp kernel variants: cost evaluations issued together in the DP scans (default: binned-dp 1,
   // optimal 4), same run, same bytes as the default's (whole stack, bytes and per-tile sums).
-  auto time_variant = [&](int unroll, bool optimal, const lutb::cuda::DeviceFitOut& ref) {
+  constexpr int kDefArith = lutb::cuda::fit_internal::kWarpArithDefault;
+  auto time_variant = [&](int unroll, bool optimal, const lutb::cuda::DeviceFitOut& ref, int arith = lutb::cuda::fit_internal::kWarpArithDefault) {
     lutb::cuda::fit_internal::KernelArgs ka{d_w, 1, N, K, s.tiles_n(), s.tiles_k(), tiles, 0, out[3], -1, d_err};
     ka.optimal = optimal;
     float best = 1e30f;
     for (int rep = 0; rep < 4; ++rep) {  // first = warm-up
       ok(cudaMemset(d_err, 0xff, 8));
       ok(cudaEventRecord(a));
-      lutb::cuda::fit_internal::launch_warp_unrolled(ka, unroll, nullptr);
+      lutb::cuda::fit_internal::launch_warp_variant(ka, unroll, arith, nullptr);
       ok(cudaEventRecord(b));
       ok(cudaEventSynchronize(b));
       float ms = 0;
@@ -181,19 +182,36 @@ int main(int argc, char** argv) {
     t_unroll[1][u] = r.first;
     same_unroll = same_unroll && r.second;
   }
+  // Cost-arithmetic variants (fit_internal.cuh kWarpArithDefault): 0 = the IEEE division (the
+  // kernel before fit10), 1 = table division only; same bytes and sums as the default's.
+  static_assert(kDefArith == 3);
+  double t_arith[2][4] = {};  // [optimal][arith]
+  bool same_arith = true;
+  t_arith[0][kDefArith] = t_warp;
+  t_arith[1][kDefArith] = t_opt;
+  for (int ar : {0, 1, 2}) {
+    const auto r = time_variant(1, false, out[0], ar);
+    t_arith[0][ar] = r.first;
+    same_arith = same_arith && r.second;
+  }
+  for (int ar : {0, 2}) {
+    const auto r = time_variant(4, true, out[2], ar);
+    t_arith[1][ar] = r.first;
+    same_arith = same_arith && r.second;
+  }
 
   // Where the warp kernel's time goes: per-phase clock64() cycles of lane 0, summed over warps
   // (an instrumented copy of the kernel; same bytes).
   unsigned long long* d_prof = nullptr;
   constexpr int kSlots = lutb::cuda::fit_internal::kProfPhases + 4;
-  unsigned long long prof[2][kSlots] = {};  // [0] binned-dp, [1] optimal
+  unsigned long long prof[3][kSlots] = {};  // [0] binned-dp, [1] optimal, [2] binned-dp with arith 0
   ok(cudaMalloc(&d_prof, sizeof(prof[0])));
-  for (int f = 0; f < 2; ++f) {
+  for (int f = 0; f < 3; ++f) {
     ok(cudaMemset(d_prof, 0, sizeof(prof[f])));
-    lutb::cuda::fit_internal::KernelArgs ka{d_w, 1, N, K, s.tiles_n(), s.tiles_k(), tiles, 0, out[f == 0 ? 0 : 2], -1, d_err};
+    lutb::cuda::fit_internal::KernelArgs ka{d_w, 1, N, K, s.tiles_n(), s.tiles_k(), tiles, 0, out[f == 1 ? 2 : f == 0 ? 0 : 3], -1, d_err};
     ka.optimal = f == 1;
     ok(cudaMemset(d_err, 0xff, 8));
-    lutb::cuda::fit_internal::launch_warp_profiled(ka, d_prof, nullptr);
+    lutb::cuda::fit_internal::launch_warp_profiled(ka, d_prof, nullptr, f == 2 ? 0 : kDefArith);
     ok(cudaMemcpy(prof[f], d_prof, sizeof(prof[f]), cudaMemcpyDeviceToHost));
   }
   cudaFree(d_prof);
@@ -282,11 +300,16 @@ int main(int argc, char** argv) {
   std::printf("| fitter (data on the device) | time | weights/s | vs thread kernel | 654e9 weights | of 45e9/s |\n");
   std::printf("|---|---|---|---|---|---|\n");
   row("GPU thread-per-tile kernel (old), with per-tile sums", t_thread);
-  row("GPU warp-per-tile kernel (new, default: 1 evaluation at a time), with per-tile sums", t_warp);
+  row("GPU warp-per-tile kernel (new, default: 1 evaluation at a time, cost arithmetic 3), with per-tile sums", t_warp);
+  row("GPU warp kernel variant: arithmetic 0, **IEEE division** (the kernel before fit10), with per-tile sums", t_arith[0][0]);
+  row("GPU warp kernel variant: arithmetic 1, table division, with per-tile sums", t_arith[0][1]);
+  row("GPU warp kernel variant: arithmetic 2, table division + e4m3_nearest_fast, with per-tile sums", t_arith[0][2]);
   row("GPU warp-per-tile kernel (new), bytes only", t_warp_nostats);
   row("GPU warp kernel variant: DP scans 2 evaluations at a time, with per-tile sums", t_unroll[0][2]);
   row("GPU warp kernel variant: DP scans 4 evaluations at a time, with per-tile sums", t_unroll[0][4]);
   row("GPU **optimal**, warp-per-tile kernel (default: 4 evaluations at a time), with per-tile sums", t_opt);
+  row("GPU optimal variant: arithmetic 0, **IEEE division** (the kernel before fit10), with per-tile sums", t_arith[1][0]);
+  row("GPU optimal variant: arithmetic 2 (table division + e4m3_nearest_fast, prefix sums scaled per evaluation), with per-tile sums", t_arith[1][2]);
   row("GPU optimal variant: DP scans 1 evaluation at a time, with per-tile sums", t_unroll[1][1]);
   row("GPU optimal variant: DP scans 2 evaluations at a time, with per-tile sums", t_unroll[1][2]);
   std::printf("| optimal vs binned-dp (warp, with sums) | %.2fx the time | | | | |\n", t_opt / t_warp);
@@ -303,8 +326,10 @@ int main(int argc, char** argv) {
                 static_cast<long long>(E), online_weights, t_online, rate, 654e9 / rate, 100.0 * rate / 45e9);
     std::printf("| online method device memory | output %zu B, temporaries %zu B |\n", online_out, online_temp);
   }
-  for (int f = 0; f < 2; ++f) {
-    static const char* const kPhase[2][7] = {
+  for (int f = 0; f < 3; ++f) {
+    static const char* const kPhase[3][7] = {
+        {"load + check", "sort + de-duplication", "prefix sums (serial)", "bin edges",
+         "binned DP (6 layers, level-parallel)", "refinement (window DP)", "encoding + per-tile sums (serial)"},
         {"load + check", "sort + de-duplication", "prefix sums (serial)", "bin edges",
          "binned DP (6 layers, level-parallel)", "refinement (window DP)", "encoding + per-tile sums (serial)"},
         {"load + check", "sort + de-duplication", "prefix sums (serial)", "(no bin edges)",
@@ -316,13 +341,13 @@ int main(int argc, char** argv) {
     for (int i = 0; i < P; ++i) total += static_cast<double>(pf[i]);
     const double nt_d = static_cast<double>(pf[P]);
     std::printf("\n| %s warp kernel phase (instrumented run, lane-0 clock64 cycles per tile) | cycles/tile | share |\n",
-                f == 0 ? "binned-dp" : "optimal");
+                f == 0 ? "binned-dp" : f == 1 ? "optimal" : "binned-dp, IEEE-division variant (before fit10),");
     std::printf("|---|---|---|\n");
     for (int i = 0; i < P; ++i)
-      std::printf("| %s | %.0f | %.1f%% |\n", kPhase[f][i], static_cast<double>(pf[i]) / nt_d,
+      std::printf("| %s | %.0f | %.1f%% |\n", kPhase[f == 1 ? 2 : f == 2 ? 1 : 0][i], static_cast<double>(pf[i]) / nt_d,
                   100.0 * static_cast<double>(pf[i]) / total);
     std::printf("| total per tile (one warp) | %.0f | |\n", total / nt_d);
-    if (f == 0)
+    if (f != 1)
       std::printf("| mean distinct values n / bin edges m / refinement rounds per tile | %.1f / %.1f / %.2f | |\n",
                   static_cast<double>(pf[P + 1]) / nt_d, static_cast<double>(pf[P + 2]) / nt_d,
                   static_cast<double>(pf[P + 3]) / nt_d);
@@ -334,7 +359,10 @@ int main(int argc, char** argv) {
   std::printf("| warp kernel variants (binned-dp 2, 4; optimal 1, 2 evaluations at a time) == defaults: bytes and "
               "sums, whole stack | %s |\n",
               same_unroll ? "yes" : "NO");
+  std::printf("| warp kernel arithmetic variants (binned-dp 0, 1, 2; optimal 0, 2) == defaults: bytes and sums, whole stack "
+              "| %s |\n",
+              same_arith ? "yes" : "NO");
   std::printf("| expert 0 bytes GPU == CPU, binned-dp | %s |\n", same ? "yes" : "NO");
   std::printf("| expert 0 bytes GPU == CPU, optimal | %s |\n", same_opt ? "yes" : "NO");
-  return same && same_opt && same_kernels && same_unroll ? 0 : 2;
+  return same && same_opt && same_kernels && same_unroll && same_arith ? 0 : 2;
 }

@@ -47,6 +47,7 @@
 
 #include "cuda/fit_internal.cuh"
 #include "fit/fit_scalar.hpp"
+#include "fit/fit_scalar_fast.hpp"
 #include "lutb/numerics.hpp"
 #include "lutb/tile.hpp"
 
@@ -55,7 +56,10 @@ namespace {
 
 using fit_detail::from_key;
 using fit_detail::pow2;
+using fit_detail::CountRecip;
 using fit_detail::run_cost;
+using fit_detail::run_cost_div;
+using fit_detail::run_cost_fast;
 using fit_detail::run_entry;
 using fit_detail::sort_key;
 
@@ -74,6 +78,37 @@ constexpr int kProfSlots = kProfPhases + 4;      // phases, then tiles, sum n, s
 // faster than 1.
 template <bool Opt>
 inline constexpr int kUnroll = Opt ? 4 : 1;
+// How a DP cost evaluation computes fit_scalar.hpp's run_cost (all give its bits; proofs and CPU
+// tests: src/fit/fit_scalar_fast.hpp, tests/fit/fit_scalar_fast_test.cpp):
+//   0: run_cost itself (IEEE division, the four-operation subnormal branch of e4m3_nearest);
+//   1: run_cost_div: the division by the run count from the table of RN(1/count) and an FMA
+//      correction (div_by_count);
+//   2: run_cost_fast: 1 plus e4m3_nearest_fast (32-bit rounding, two-FMA subnormal branch);
+//   3: 2 with the prefix sums scaled in place (prescale) once per scale instead of multiplying
+//      both ends of every run by inv and inv^2 in every evaluation (optimal's DP, the refinement).
+//      p * 2^(127 - s) is exact for every prefix sum and scale 3..246: the sums are 0 or multiples
+//      of 2^-149 (x^2: 2^-298) below 2^137 (x^2: 2^265), so the products lie in [2^-536, 2^513],
+//      far inside the normal range; hence p[j] * inv - p[i] * inv == (p[j] * inv) - (p[i] * inv)
+//      read from the scaled array, bit for bit.
+inline constexpr int kArith = kWarpArithDefault;
+
+// The table of (count, RN(1/count)) for div_by_count, count = 0..512 (row 0 unused), read through
+// the read-only data cache: the same literals as the host's fit_detail::kCountRecip.
+__device__ const CountRecip g_count_recip[fit_detail::kMaxCount + 1] = {
+    {0.0, 0.0},
+#define X(c, y) {static_cast<double>(c), y},
+    LUTB_COUNT_RECIP_LIST
+#undef X
+};
+
+// fit_scalar.hpp run_cost(c, a, b) for the run count c >= 1 as the table variants (Ar 1, 2) compute it.
+template <int Ar>
+__device__ __forceinline__ double cost_of(int c, double a, double b) {
+  static_assert(Ar >= 1 && Ar <= 3);
+  const double2 t = __ldg(reinterpret_cast<const double2*>(g_count_recip) + c);
+  if constexpr (Ar == 1) return run_cost_div(t.x, t.y, a, b);
+  else return run_cost_fast(t.x, t.y, a, b);
+}
 
 // Warps (tiles in flight) per block: the static shared memory of a block stays under 48 KiB.
 template <bool Opt>
@@ -97,6 +132,7 @@ struct Node {
 template <bool Opt>
 struct DpTables {
   double cd[kMaxPos], s1[kMaxPos], s2[kMaxPos];
+  std::int16_t ci[kMaxPos];  // the counts at the bin edges as integers (cd's values), the table's index
   double buf[2][kMaxPos];
   std::int16_t opt[kOptRows][kMaxPos];
   Node nodes[2][32];  // the nodes of one tree level (at most 32: m - 1 <= 48 end positions)
@@ -187,16 +223,24 @@ __device__ __forceinline__ void running_sum(double* P, int n) {
   }
 }
 
-// dp.cpp Dp::cost on the bin-edge tables.
+// dp.cpp Dp::cost on the bin-edge tables (cd[j] - cd[i] is the exact integer ci[j] - ci[i], which
+// the table variants read as a double from the table).
+template <int Ar>
 __device__ __forceinline__ double cost_bin(const Smem<false>& s, int i, int j) {
-  return run_cost(s.dp.cd[j] - s.dp.cd[i], s.dp.s1[j] - s.dp.s1[i], s.dp.s2[j] - s.dp.s2[i]);
+  if constexpr (Ar == 0)
+    return run_cost(s.dp.cd[j] - s.dp.cd[i], s.dp.s1[j] - s.dp.s1[i], s.dp.s2[j] - s.dp.s2[i]);
+  else
+    return cost_of<Ar>(s.dp.ci[j] - s.dp.ci[i], s.dp.s1[j] - s.dp.s1[i], s.dp.s2[j] - s.dp.s2[i]);
 }
 // dp.cpp's cost over every distinct value (dp_fit with identity positions, dp_refine): its tables
 // (count as double, p1 * inv, p2 * inv2) formed on the fly.
-template <class S>
+// (The difference of the two exact integer-valued doubles is the integer cnt[j] - cnt[i].)
+template <int Ar, class S>
 __device__ __forceinline__ double cost_full(const S& s, int i, int j, double inv, double inv2) {
-  return run_cost(static_cast<double>(s.cnt[j]) - static_cast<double>(s.cnt[i]), s.p[0][j] * inv - s.p[0][i] * inv,
-                  s.p[1][j] * inv2 - s.p[1][i] * inv2);
+  if constexpr (Ar >= 3) return cost_of<Ar>(static_cast<int>(s.cnt[j]) - static_cast<int>(s.cnt[i]), s.p[0][j] - s.p[0][i], s.p[1][j] - s.p[1][i]);
+  const double a = s.p[0][j] * inv - s.p[0][i] * inv, b = s.p[1][j] * inv2 - s.p[1][i] * inv2;
+  if constexpr (Ar == 0) return run_cost(static_cast<double>(s.cnt[j]) - static_cast<double>(s.cnt[i]), a, b);
+  else return cost_of<Ar>(static_cast<int>(s.cnt[j]) - static_cast<int>(s.cnt[i]), a, b);
 }
 
 // Leftmost minimum of prev[i] + cost(i, j) over i = i0, i0 + step, ... <= hi, folded into (bv, bi)
@@ -318,9 +362,21 @@ __device__ void dp_layer(S& s, int lane, int k, int m, const double* prev, doubl
   }
 }
 
+// Arithmetic variant 3: the prefix sums, scaled to scale `from` (127: unscaled), rescaled to `to`
+// in place (exact, see kArith).
+template <bool Opt>
+__device__ __forceinline__ void prescale(Smem<Opt>& s, int lane, int n, int from, int to) {
+  const double f = pow2(from - to), f2 = f * f;
+  for (int i = lane; i <= n; i += 32) {
+    s.p[0][i] = s.p[0][i] * f;
+    s.p[1][i] = s.p[1][i] * f2;
+  }
+  __syncwarp();
+}
+
 // dp.cpp dp_fit over m + 1 positions: the bin edges s.pos[0..m] (binned-dp) or every distinct value
 // (optimal, m = n). Leaves s.K, s.entries, s.bounds and (optimal) s.cost = the DP minimum / inv^2.
-template <int U, bool Opt>
+template <int U, int Ar, bool Opt>
 __device__ void dp_fit_warp(Smem<Opt>& s, int lane, int m, int scale) {
   const double inv = pow2(127 - scale);
   const double inv2 = inv * inv;
@@ -328,14 +384,15 @@ __device__ void dp_fit_warp(Smem<Opt>& s, int lane, int m, int scale) {
     for (int i = lane; i <= m; i += 32) {
       const int p = s.pos[i];
       s.dp.cd[i] = static_cast<double>(s.cnt[p]);
-      s.dp.s1[i] = s.p[0][p] * inv;
-      s.dp.s2[i] = s.p[1][p] * inv2;
+      s.dp.ci[i] = static_cast<std::int16_t>(s.cnt[p]);
+      s.dp.s1[i] = Ar >= 3 ? s.p[0][p] : s.p[0][p] * inv;
+      s.dp.s2[i] = Ar >= 3 ? s.p[1][p] : s.p[1][p] * inv2;
     }
     __syncwarp();
   }
   auto cost = [&](int i, int j) {
-    if constexpr (Opt) return cost_full(s, i, j, inv, inv2);
-    else return cost_bin(s, i, j);
+    if constexpr (Opt) return cost_full<Ar>(s, i, j, inv, inv2);
+    else return cost_bin<Ar>(s, i, j);
   };
   const int K = min(m, kCodebookSize);
   if (K == m) {
@@ -377,7 +434,7 @@ __device__ void dp_fit_warp(Smem<Opt>& s, int lane, int m, int scale) {
     if (lane <= K) s.bounds[lane] = s.seg[lane];
     if (lane < K) {
       const int i = s.seg[lane], j = s.seg[lane + 1];
-      s.entries[lane] = run_entry(s.p[0][j] * inv - s.p[0][i] * inv,
+      s.entries[lane] = run_entry(Ar >= 3 ? s.p[0][j] - s.p[0][i] : s.p[0][j] * inv - s.p[0][i] * inv,
                                   static_cast<double>(s.cnt[j]) - static_cast<double>(s.cnt[i]));
     }
   } else {
@@ -392,6 +449,7 @@ __device__ void dp_fit_warp(Smem<Opt>& s, int lane, int m, int scale) {
 }
 
 // dp.cpp dp_refine with w = kWindow, rounds = kRounds, over n distinct values (binned-dp).
+template <int Ar>
 __device__ int dp_refine_warp(Smem<false>& s, int lane, int n, int scale) {
   const int K = s.K;
   const int m = n;
@@ -410,7 +468,7 @@ __device__ int dp_refine_warp(Smem<false>& s, int lane, int n, int scale) {
     __syncwarp();
     {
       const int l1 = s.lo[1], h1 = s.hi[1];
-      for (int j = l1 + lane; j <= h1; j += 32) s.rf.F[1][j - l1] = cost_full(s, 0, j, inv, inv2);
+      for (int j = l1 + lane; j <= h1; j += 32) s.rf.F[1][j - l1] = cost_full<Ar>(s, 0, j, inv, inv2);
     }
     __syncwarp();
     for (int k = 2; k <= K; ++k) {
@@ -425,8 +483,8 @@ __device__ int dp_refine_warp(Smem<false>& s, int lane, int n, int scale) {
         const bool ok1 = il + ii <= jl + jj - 1;
         const bool ok2 = idx2 < tot && il + ii2 <= jl + jj2 - 1;
         // (a valid dummy run where a slot is unused: its value is not stored)
-        const double v1 = s.rf.F[k - 1][ok1 ? ii : 0] + cost_full(s, ok1 ? il + ii : 0, ok1 ? jl + jj : 1, inv, inv2);
-        const double v2 = s.rf.F[k - 1][ok2 ? ii2 : 0] + cost_full(s, ok2 ? il + ii2 : 0, ok2 ? jl + jj2 : 1, inv, inv2);
+        const double v1 = s.rf.F[k - 1][ok1 ? ii : 0] + cost_full<Ar>(s, ok1 ? il + ii : 0, ok1 ? jl + jj : 1, inv, inv2);
+        const double v2 = s.rf.F[k - 1][ok2 ? ii2 : 0] + cost_full<Ar>(s, ok2 ? il + ii2 : 0, ok2 ? jl + jj2 : 1, inv, inv2);
         if (ok1) s.rf.V[jj][ii] = v1;
         if (ok2) s.rf.V[jj2][ii2] = v2;
       }
@@ -466,7 +524,7 @@ __device__ int dp_refine_warp(Smem<false>& s, int lane, int n, int scale) {
   }
   if (lane < K) {
     const int i = s.bounds[lane], j = s.bounds[lane + 1];
-    s.entries[lane] = run_entry(s.p[0][j] * inv - s.p[0][i] * inv,
+    s.entries[lane] = run_entry(Ar >= 3 ? s.p[0][j] - s.p[0][i] : s.p[0][j] * inv - s.p[0][i] * inv,
                                 static_cast<double>(s.cnt[j]) - static_cast<double>(s.cnt[i]));
   }
   __syncwarp();
@@ -668,7 +726,7 @@ __device__ __forceinline__ void phase(Prof& pr, int lane, int i) {
   }
 }
 
-template <bool P, bool Opt, int U>
+template <bool P, bool Opt, int U, int Ar>
 __device__ __forceinline__ void fit_one(Smem<Opt>& s, int lane, const KernelArgs& a, std::int64_t lt, Prof& pr) {
   if constexpr (P) {
     if (lane == 0) pr.t = clock64();
@@ -810,7 +868,8 @@ __device__ __forceinline__ void fit_one(Smem<Opt>& s, int lane, const KernelArgs
   } else {
     sc = max(static_cast<int>(ue8m0_rceil(am)), kMinScale);
   }
-  dp_fit_warp<U>(s, lane, m, sc);
+  if constexpr (Ar >= 3) prescale(s, lane, n, 127, sc);
+  dp_fit_warp<U, Ar>(s, lane, m, sc);
   phase<P>(pr, lane, 4);
   int rounds = 0;  // refinement rounds (binned-dp), scales evaluated below the first (optimal)
   if constexpr (Opt) {
@@ -826,7 +885,8 @@ __device__ __forceinline__ void fit_one(Smem<Opt>& s, int lane, const KernelArgs
         lb = __shfl_sync(kFull, lb, 0);
         if (lb >= best) break;
         ++rounds;
-        dp_fit_warp<U>(s, lane, m, t);
+        if constexpr (Ar >= 3) prescale(s, lane, n, t + 1, t);
+        dp_fit_warp<U, Ar>(s, lane, m, t);
         if (s.cost > best * (1.0 + 1e-12)) continue;  // cannot beat the best even after reassigning
         const double e = encode_warp(s, lane, x, t, s.K, o, true, best);
         if (e < best) best = e;
@@ -837,7 +897,7 @@ __device__ __forceinline__ void fit_one(Smem<Opt>& s, int lane, const KernelArgs
       encode_warp(s, lane, x, sc, s.K, o, false, 0.0);
     }
   } else {
-    if (m != n) rounds = dp_refine_warp(s, lane, n, sc);
+    if (m != n) rounds = dp_refine_warp<Ar>(s, lane, n, sc);
     phase<P>(pr, lane, 5);
     encode_warp(s, lane, x, sc, s.K, o, false, 0.0);
   }
@@ -850,7 +910,7 @@ __device__ __forceinline__ void fit_one(Smem<Opt>& s, int lane, const KernelArgs
   }
 }
 
-template <bool P, bool Opt, int U>
+template <bool P, bool Opt, int U, int Ar>
 __global__ void __launch_bounds__(32 * Cfg<Opt>::kWarps) fit_warp_kernel(KernelArgs a, unsigned long long* prof) {
   constexpr int kWarps = Cfg<Opt>::kWarps;
   __shared__ Smem<Opt> sm[kWarps];
@@ -858,7 +918,7 @@ __global__ void __launch_bounds__(32 * Cfg<Opt>::kWarps) fit_warp_kernel(KernelA
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * kWarps;
   Prof pr;
   for (std::int64_t lt = static_cast<std::int64_t>(blockIdx.x) * kWarps + w; lt < a.tiles; lt += stride) {
-    fit_one<P, Opt, U>(sm[w], lane, a, lt, pr);
+    fit_one<P, Opt, U, Ar>(sm[w], lane, a, lt, pr);
     __syncwarp();
   }
   if constexpr (P) {
@@ -867,11 +927,11 @@ __global__ void __launch_bounds__(32 * Cfg<Opt>::kWarps) fit_warp_kernel(KernelA
   }
 }
 
-template <bool P, bool Opt, int U = kUnroll<Opt>>
+template <bool P, bool Opt, int U = kUnroll<Opt>, int Ar = kArith>
 void launch_t(const KernelArgs& a, unsigned long long* d_prof, cudaStream_t stream, const char* who) {
   constexpr int kWarps = Cfg<Opt>::kWarps;
   const std::int64_t blocks = std::min<std::int64_t>((a.tiles + kWarps - 1) / kWarps, std::int64_t{1} << 22);
-  fit_warp_kernel<P, Opt, U><<<static_cast<unsigned>(blocks), 32 * kWarps, 0, stream>>>(a, d_prof);
+  fit_warp_kernel<P, Opt, U, Ar><<<static_cast<unsigned>(blocks), 32 * kWarps, 0, stream>>>(a, d_prof);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) throw std::runtime_error(std::string(who) + cudaGetErrorString(e));
 }
@@ -885,25 +945,48 @@ void launch_warp(const KernelArgs& a, cudaStream_t stream) {
   else launch_t<false, false>(a, nullptr, stream, "quantize_gpu: kernel launch: ");
 }
 
-void launch_warp_profiled(const KernelArgs& a, unsigned long long* d_prof, cudaStream_t stream) {
+void launch_warp_profiled(const KernelArgs& a, unsigned long long* d_prof, cudaStream_t stream, int arith) {
   if (a.tiles == 0) return;
-  if (a.optimal) launch_t<true, true>(a, d_prof, stream, "profile kernel launch: ");
-  else launch_t<true, false>(a, d_prof, stream, "profile kernel launch: ");
+  const char* who = "profile kernel launch: ";
+  if (arith != kArith && !(arith == 0 && !a.optimal))
+    throw std::invalid_argument("launch_warp_profiled: arith must be the default, or 0 for binned-dp");
+  if (a.optimal) launch_t<true, true>(a, d_prof, stream, who);
+  else if (arith == 0) launch_t<true, false, kUnroll<false>, 0>(a, d_prof, stream, who);
+  else launch_t<true, false>(a, d_prof, stream, who);
+}
+
+void launch_warp_variant(const KernelArgs& a, int unroll, int arith, cudaStream_t stream) {
+  if (a.tiles == 0) return;
+  const int du = a.optimal ? kUnroll<true> : kUnroll<false>;
+  if (a.check_only || (unroll == du && arith == kArith)) return launch_warp(a, stream);
+  const char* who = "warp kernel variant launch: ";
+  if (arith == kArith) {
+    if (unroll != 1 && unroll != 2 && unroll != 4)
+      throw std::invalid_argument("launch_warp_variant: unroll must be 1, 2 or 4");
+    if (a.optimal) {
+      if (unroll == 1) launch_t<false, true, 1>(a, nullptr, stream, who);
+      else launch_t<false, true, 2>(a, nullptr, stream, who);  // (4 is the default)
+    } else {
+      if (unroll == 2) launch_t<false, false, 2>(a, nullptr, stream, who);
+      else launch_t<false, false, 4>(a, nullptr, stream, who);  // (1 is the default)
+    }
+    return;
+  }
+  if (unroll != du || arith < 0 || arith > 2 || (a.optimal && arith == 1))
+    throw std::invalid_argument(
+        "launch_warp_variant: other arithmetic only with the default unroll: arith 0, 2 (both fitters) or 1 (binned-dp)");
+  if (a.optimal) {
+    if (arith == 0) launch_t<false, true, kUnroll<true>, 0>(a, nullptr, stream, who);
+    else launch_t<false, true, kUnroll<true>, 2>(a, nullptr, stream, who);
+  } else {
+    if (arith == 0) launch_t<false, false, kUnroll<false>, 0>(a, nullptr, stream, who);
+    else if (arith == 1) launch_t<false, false, kUnroll<false>, 1>(a, nullptr, stream, who);
+    else launch_t<false, false, kUnroll<false>, 2>(a, nullptr, stream, who);
+  }
 }
 
 void launch_warp_unrolled(const KernelArgs& a, int unroll, cudaStream_t stream) {
-  if (a.tiles == 0) return;
-  if (a.check_only || unroll == (a.optimal ? kUnroll<true> : kUnroll<false>)) return launch_warp(a, stream);
-  const char* who = "unroll variant launch: ";
-  if (unroll != 1 && unroll != 2 && unroll != 4)
-    throw std::invalid_argument("launch_warp_unrolled: unroll must be 1, 2 or 4");
-  if (a.optimal) {
-    if (unroll == 1) launch_t<false, true, 1>(a, nullptr, stream, who);
-    else launch_t<false, true, 2>(a, nullptr, stream, who);  // (4 is the default)
-  } else {
-    if (unroll == 2) launch_t<false, false, 2>(a, nullptr, stream, who);
-    else launch_t<false, false, 4>(a, nullptr, stream, who);  // (1 is the default)
-  }
+  launch_warp_variant(a, unroll, kArith, stream);
 }
 
 }  // namespace lutb::cuda::fit_internal

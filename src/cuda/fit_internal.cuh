@@ -24,6 +24,13 @@ struct KernelArgs {
   bool optimal = false;     // the "optimal" fitter instead of "binned-dp" (warp kernel only)
 };
 
+/// How the warp kernel's DP computes a run's cost (src/cuda/fit_binned_dp_warp.cu, all with the bits
+/// of src/fit/fit_scalar.hpp run_cost): 0 run_cost itself (IEEE division; the kernel before fit10);
+/// 1 the division by the run count via a table of RN(1/count) and an FMA correction
+/// (fit_scalar_fast.hpp div_by_count); 2 the same plus fit_scalar_fast.hpp e4m3_nearest_fast; 3 the
+/// same with the prefix sums scaled once per scale instead of in every evaluation. The default:
+inline constexpr int kWarpArithDefault = 3;
+
 /// The warp-cooperative kernel (src/cuda/fit_binned_dp_warp.cu): one warp per tile, "binned-dp" or
 /// (a.optimal) "optimal".
 void launch_warp(const KernelArgs& a, cudaStream_t stream);
@@ -37,14 +44,23 @@ void launch_warp(const KernelArgs& a, cudaStream_t stream);
 /// candidate's encoding (6 then holds only forced-scale and all-zero tiles), m = n, and the last
 /// slot counts the scales evaluated below the first.
 /// Bytes written are those of launch_warp.
+/// `arith`: the default (kWarpArithDefault) or, for binned-dp, 0 (the cost evaluation with the IEEE
+/// division, for the benchmark's same-run comparison).
 inline constexpr int kProfPhases = 7;
-void launch_warp_profiled(const KernelArgs& a, unsigned long long* d_prof, cudaStream_t stream);
+void launch_warp_profiled(const KernelArgs& a, unsigned long long* d_prof, cudaStream_t stream,
+                          int arith = kWarpArithDefault);
 
 /// The warp kernel (a.optimal selects the fitter) with `unroll` (1, 2 or 4) cost evaluations issued
 /// together in the DP scans instead of the fitter's default (binned-dp 1, optimal 4), for the
 /// benchmark's same-run comparison and the tests; same bytes (the comparisons stay in the CPU's
 /// order).
 void launch_warp_unrolled(const KernelArgs& a, int unroll, cudaStream_t stream);
+
+/// The warp kernel with `unroll` evaluations at a time and cost arithmetic `arith`: with the default
+/// arithmetic any unroll 1, 2, 4; otherwise the fitter's default unroll and arith 0, 2 (both
+/// fitters) or 1 (binned-dp). Same bytes as launch_warp (tested); for the benchmark's same-run
+/// comparisons.
+void launch_warp_variant(const KernelArgs& a, int unroll, int arith, cudaStream_t stream);
 
 /// Error word of a failing tile: (tile << 12) | (code << 9) | position (decode_fit_error).
 __host__ __device__ inline unsigned long long error_word(std::int64_t tile, int code, int pos) {

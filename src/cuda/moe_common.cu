@@ -242,9 +242,10 @@ bool pdl_enabled() {
 }
 
 void launch_quantize_x(const std::uint16_t* x, std::int64_t T, std::int64_t H, std::int64_t Hp, bool swap,
-                       std::uint16_t* xa, std::uint8_t* xq8, std::uint8_t* xs, float* xsf, cudaStream_t stream) {
+                       std::uint16_t* xa, std::uint8_t* xq8, std::uint8_t* xs, float* xsf, cudaStream_t stream,
+                       bool first) {
   const dim3 grid(static_cast<unsigned>(ceil_div(Hp / 32, 8)), static_cast<unsigned>(T));
-  launch_kernel("quantize_x_kernel", true, quantize_x_kernel, grid, dim3(256), 0, stream, x,
+  launch_kernel("quantize_x_kernel", !first, quantize_x_kernel, grid, dim3(256), 0, stream, x,
                 static_cast<long long>(H), static_cast<long long>(Hp), swap, xa, xq8, xs, xsf);
 }
 

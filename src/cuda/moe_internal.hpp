@@ -75,9 +75,12 @@ void launch_kernel(const char* name, bool dependent, void (*kernel)(Params...), 
 
 /// x [T, H] BF16 -> MXFP8 (rceil) as FP16 E4M3 values in the decoder's column order (xa), as E4M3
 /// bytes in natural order (xq8, when not null), UE8M0 scales (xs) and the same scales as FP32
-/// (xsf, when not null). A dependent launch (it runs after launch_group).
+/// (xsf, when not null). A dependent launch (it runs after launch_group), unless `first`: the
+/// forward's first kernel when there is no grouping (the swap-AB decode of one token), a normal
+/// launch that waits for all earlier work in the stream (the caller's writes of x included).
 void launch_quantize_x(const std::uint16_t* x, std::int64_t T, std::int64_t H, std::int64_t Hp, bool swap,
-                       std::uint16_t* xa, std::uint8_t* xq8, std::uint8_t* xs, float* xsf, cudaStream_t stream);
+                       std::uint16_t* xa, std::uint8_t* xq8, std::uint8_t* xs, float* xsf, cudaStream_t stream,
+                       bool first = false);
 /// Groups the pairs p = t*k + j by expert into token tiles of `tile_rows` rows. The first kernel of
 /// every forward (never a dependent launch: it waits for all earlier work in the stream).
 void launch_group(const int* ids, std::int64_t pairs, std::int64_t experts, int tile_rows, const Workspace& ws,

@@ -161,6 +161,11 @@ struct Routing {
   const int* tile_count;   // [max_tiles] rows in the tile (1..16*MT)
   const int* num_tiles;    // [1]
   int top_k;
+  // Ungrouped single-token forward (swap-AB decode, T = 1 only): when > 0, the grouping kernel did
+  // not run and token tile slot j (< direct_pairs = k) is pair j alone, expert ids[j] (skipped when
+  // out of range [0, direct_experts)); sorted/tile_* are not read.
+  int direct_pairs = 0;
+  int direct_experts = 0;
 };
 
 struct LutbW {

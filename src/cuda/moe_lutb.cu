@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -43,7 +44,8 @@ void launch_swapab(const DeviceMoeWeights& w, const kern::Routing& r, const deta
                    cudaStream_t stream) {
   const std::int64_t H = w.hidden, I = w.intermediate;
   const std::int64_t Hp = w.w13.shape.padded_cols(), Ip = w.w2.shape.padded_cols();
-  const std::int64_t slots = detail::max_tiles(P, w.experts, 8 * NB);
+  // Direct (ungrouped, T = 1) forwards have one slot per pair, even with top_k > experts.
+  const std::int64_t slots = r.direct_pairs > 0 ? r.direct_pairs : detail::max_tiles(P, w.experts, 8 * NB);
   const std::int64_t touched = std::min<std::int64_t>(w.experts, P);
   const kern::LutbW w13{w.w13.packed, w.w13.codebook, w.w13.scale, w.w13.shape.tiles_n(), w.w13.shape.tiles_k(),
                          w.w13.shape.tiles()};
@@ -60,16 +62,21 @@ void launch_swapab(const DeviceMoeWeights& w, const kern::Routing& r, const deta
   void* hq = kDec == kern::kDecFp8 ? static_cast<void*>(ws.hq8) : static_cast<void*>(ws.hq);
   const std::int64_t groups1 = Ip / 32, groups2 = detail::ceil_div(w2.tiles_n, 8);
   const int nw1 = swap_warps(touched * groups1, w13.tiles_k), nw2 = swap_warps(touched * groups2, w2.tiles_k);
+  // Benchmarking knob: LUTB_SWAPAB_ONE=0 runs one-token tiles through the general K-loop (read once).
+  static const bool one_token_loop = [] {
+    const char* v = std::getenv("LUTB_SWAPAB_ONE");
+    return !(v && std::strcmp(v, "0") == 0);
+  }();
   const dim3 g1(static_cast<unsigned>(groups1), static_cast<unsigned>(slots));
   detail::launch_kernel("sm80_lutb_mxfp8_moe_gemm1_swapab", true, kern::swapab_gemm1_kernel<kDec, NB>, g1,
                         dim3(32 * nw1), kern::swap_smem_bytes<NB>(nw1), stream, w13, xa,
                         static_cast<const float*>(ws.xsf), static_cast<long long>(Hp), r, static_cast<long long>(I),
-                        static_cast<long long>(Ip), hq, ws.hsf);
+                        static_cast<long long>(Ip), hq, ws.hsf, one_token_loop);
   const dim3 g2(static_cast<unsigned>(groups2), static_cast<unsigned>(slots));
   detail::launch_kernel("sm80_lutb_mxfp8_moe_gemm2_swapab", true, kern::swapab_gemm2_kernel<kDec, NB>, g2,
                         dim3(32 * nw2), kern::swap_smem_bytes<NB>(nw2), stream, w2, static_cast<const void*>(hq),
                         static_cast<const float*>(ws.hsf), static_cast<long long>(Ip), r, static_cast<long long>(H),
-                        ws.y);
+                        ws.y, one_token_loop);
 }
 
 template <bool kCvt, int MT>
@@ -131,8 +138,8 @@ void moe_forward(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t
                                 std::to_string(ws.bytes));
   const std::int64_t P = tokens * top_k;
   MoeStrategy s = strategy == MoeStrategy::Auto ? choose_strategy(tokens, top_k, E, true) : strategy;
-  const kern::Routing r{topk_ids, topk_weights, ws.sorted, ws.tile_expert, ws.tile_start, ws.tile_count, ws.num_tiles,
-                        top_k};
+  kern::Routing r{topk_ids, topk_weights, ws.sorted, ws.tile_expert, ws.tile_start, ws.tile_count, ws.num_tiles,
+                  top_k};
   // The swap-AB kernels use 32-bit byte offsets inside one expert's stack.
   const bool small_experts = std::max(w.w13.shape.tiles_per_expert(), w.w2.shape.tiles_per_expert()) * 192 < (1ll << 31);
   if (s == MoeStrategy::Decode && !small_experts) s = MoeStrategy::DecodeM16;
@@ -145,9 +152,23 @@ void moe_forward(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t
     }();
     const int nb = forced_nb ? forced_nb : decode_token_blocks(tokens, top_k, E);
     const int dec = detail::swap_decoder();
-    detail::launch_group(topk_ids, P, E, 8 * nb, ws, stream);
+    // One token: its k pairs are the token tiles as they come (one token each; a repeated expert is
+    // computed twice, which gives the same sum), so the grouping kernel is skipped and the MXFP8 of
+    // x is the first kernel. Saves a launch on the critical path of the commonest decode step.
+    // Benchmarking knob: LUTB_SWAPAB_DIRECT=0 keeps the grouping kernel at T = 1 (read once).
+    static const bool allow_direct = [] {
+      const char* v = std::getenv("LUTB_SWAPAB_DIRECT");
+      return !(v && std::strcmp(v, "0") == 0);
+    }();
+    const bool direct = allow_direct && tokens == 1 && nb == 1;
+    if (direct) {
+      r.direct_pairs = top_k;
+      r.direct_experts = static_cast<int>(E);
+    } else {
+      detail::launch_group(topk_ids, P, E, 8 * nb, ws, stream);
+    }
     detail::launch_quantize_x(x, tokens, H, w.w13.shape.padded_cols(), dec == kern::kDecByte, ws.xa,
-                              dec == kern::kDecFp8 ? ws.xq8 : nullptr, ws.xs, ws.xsf, stream);
+                              dec == kern::kDecFp8 ? ws.xq8 : nullptr, ws.xs, ws.xsf, stream, /*first=*/direct);
     auto go = [&](auto dec_c) {
       constexpr int kD = decltype(dec_c)::value;
       if (nb == 1) launch_swapab<kD, 1>(w, r, ws, P, stream);

@@ -136,6 +136,21 @@ struct SwapTokens {
 
 template <int NB>
 __device__ __forceinline__ bool swap_tile(const Routing& r, int slot, int& expert, SwapTokens<NB>& tk) {
+  if (r.direct_pairs > 0) {  // T = 1, no grouping: slot j = pair j (ids are the caller's input)
+    if (slot >= r.direct_pairs) return false;
+    expert = r.ids[slot];
+    if (expert < 0 || expert >= r.direct_experts) return false;  // the reduction writes its NaN row
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    tk.count = 1;
+    tk.first = slot;
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      tk.pair_g[nb] = (nb == 0 && g == 0) ? slot : -1;
+      tk.pair_c[nb][0] = (nb == 0 && t == 0) ? slot : -1;
+      tk.pair_c[nb][1] = -1;
+    }
+    return true;
+  }
   if (slot >= *r.num_tiles) return false;
   expert = r.tile_expert[slot];
   const int start = r.tile_start[slot], count = r.tile_count[slot];
@@ -174,7 +189,11 @@ __device__ __forceinline__ void cp_async8_zfill(unsigned s, const void* gmem, un
 /// `before_wait` runs after the first ring stages are issued and before the first activation load:
 /// the kernels put the programmatic-dependent-launch wait there, so the weight prefetch overlaps
 /// the previous kernel's tail.
-template <int kDec, int NB, class BeforeWait>
+/// kOne (NB = 1 only): the tile holds ONE token, so only accumulator column 0 (c0, c2 of the lanes
+/// t = 0) is ever stored: the promotion of columns 2t+1 (c1, c3) and their block-scale loads are
+/// skipped, a quarter fewer FP32 operations per K-tile (acc[..][1], acc[..][3] stay 0). Decode
+/// batches of large-E models are mostly one-token tiles (T = 1: all of them).
+template <int kDec, int NB, bool kOne, class BeforeWait>
 __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, const long long (&strip)[8],
                                                const bool (&ok)[8], const void* const (&arow)[NB],
                                                const float* const (&srow)[NB][2], int nblocks, long long k0,
@@ -292,7 +311,7 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
         }
       }
 #pragma unroll
-      for (int u = 0; u < 2; ++u) {
+      for (int u = 0; u < (kOne ? 1 : 2); ++u) {
         const float2 sc = __ldg(sbase[nb][u] + kk);
         x.sx[nb][0][u] = sc.x;
         x.sx[nb][1][u] = sc.y;
@@ -373,17 +392,21 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
             mma16816<false>(c, a1, xv.z, xv.w);
           }
           // Exact: the 32-column partial sum times the power-of-two block scale of each token.
-          const float s0 = cur.sx[nb][blk][0], s1 = cur.sx[nb][blk][1];
+          const float s0 = cur.sx[nb][blk][0], s1 = kOne ? 0.0f : cur.sx[nb][blk][1];
           if (blk == 0) {
             part[nb][0] = c[0] * s0;
-            part[nb][1] = c[1] * s1;
             part[nb][2] = c[2] * s0;
-            part[nb][3] = c[3] * s1;
+            if constexpr (!kOne) {
+              part[nb][1] = c[1] * s1;
+              part[nb][3] = c[3] * s1;
+            }
           } else {
             part[nb][0] = fmaf(c[0], s0, part[nb][0]);
-            part[nb][1] = fmaf(c[1], s1, part[nb][1]);
             part[nb][2] = fmaf(c[2], s0, part[nb][2]);
-            part[nb][3] = fmaf(c[3], s1, part[nb][3]);
+            if constexpr (!kOne) {
+              part[nb][1] = fmaf(c[1], s1, part[nb][1]);
+              part[nb][3] = fmaf(c[3], s1, part[nb][3]);
+            }
           }
         }
       }
@@ -393,9 +416,11 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
       for (int nb = 0; nb < NB; ++nb) {
         if (nb > 0 && nb >= nblocks) continue;
         acc[m][nb][0] = fmaf(part[nb][0], fa, acc[m][nb][0]);
-        acc[m][nb][1] = fmaf(part[nb][1], fa, acc[m][nb][1]);
         acc[m][nb][2] = fmaf(part[nb][2], fb, acc[m][nb][2]);
-        acc[m][nb][3] = fmaf(part[nb][3], fb, acc[m][nb][3]);
+        if constexpr (!kOne) {
+          acc[m][nb][1] = fmaf(part[nb][1], fa, acc[m][nb][1]);
+          acc[m][nb][3] = fmaf(part[nb][3], fb, acc[m][nb][3]);
+        }
       }
     }
     __syncwarp();
@@ -451,15 +476,24 @@ constexpr int swap_smem_bytes(int warps) {
 #endif
 constexpr int swap_min_blocks(int nb) { return nb == 1 ? LUTB_SWAPAB_MINB1 : (nb == 2 ? LUTB_SWAPAB_MINB2 : 1); }
 
+// Tuning builds only: LUTB_SWAPAB_MAXNREG1=N caps the one-token-block kernels at N registers
+// (__maxnreg__) instead of the minimum-blocks rule, e.g. 96 with LUTB_SWAPAB_STAGES=4 for 20 warps
+// per SM (spills ~100 bytes per thread; measured in docs/perf/moe-gpu.md).
+#if defined(LUTB_SWAPAB_MAXNREG1) && LUTB_SWAPAB_MAXNREG1 > 0
+#define LUTB_SWAPAB_BOUNDS(NB) __launch_bounds__(256) __maxnreg__((NB) == 1 ? LUTB_SWAPAB_MAXNREG1 : 255)
+#else
+#define LUTB_SWAPAB_BOUNDS(NB) __launch_bounds__(256, swap_min_blocks(NB))
+#endif
+
 /// GEMM1 + SiLU*up + MXFP8 of h. Grid: (Ip/32 strip groups, token tile slots); blockDim.x =
 /// 32 * warps (K split across the warps). xa: [T, a_cols] FP16 E4M3 values in the decoder's column
 /// order, or E4M3 bytes (natural order) for kDecFp8. Output hq [P, Ip] in the same form, hs [P, Ip/32]
 /// UE8M0.
 template <int kDec, int NB>
-__global__ void __launch_bounds__(256, swap_min_blocks(NB))
+__global__ void LUTB_SWAPAB_BOUNDS(NB)
     swapab_gemm1_kernel(LutbW w, const void* __restrict__ xa, const float* __restrict__ xsf,
                         long long a_cols, Routing r, long long I, long long Ip, void* __restrict__ hq,
-                        float* __restrict__ hsf) {
+                        float* __restrict__ hsf, bool one_token_loop) {
   constexpr long long kEl = kDec == kDecFp8 ? 1 : 2;  // bytes per activation element
   int e;
   SwapTokens<NB> tk;
@@ -487,8 +521,13 @@ __global__ void __launch_bounds__(256, swap_min_blocks(NB))
   const long long k0 = min(w.tiles_k, per * warp), k1 = min(w.tiles_k, k0 + per);
   extern __shared__ __align__(16) unsigned char swap_smem[];
   float acc[4][NB][4];
-  swap_warp_gemm<kDec, NB>(w, e, strip, ok, arow, srow, nblocks, k0, k1, swap_smem + warp * SwapRing::kWarpBytes, acc,
-                           PdlWaitAndTrigger{});
+  // One-token tiles take the lighter K-loop (CTA-uniform branch; NB = 1 only).
+  if (NB == 1 && one_token_loop && tk.count == 1)
+    swap_warp_gemm<kDec, NB, NB == 1>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
+                                      swap_smem + warp * SwapRing::kWarpBytes, acc, PdlWaitAndTrigger{});
+  else
+    swap_warp_gemm<kDec, NB, false>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
+                                    swap_smem + warp * SwapRing::kWarpBytes, acc, PdlWaitAndTrigger{});
   if (!swap_reduce<NB>(swap_smem, acc)) return;
 
   // Lane (g, t) holds gate (c0, c1) and up (c2, c3) of I-column 8(4G+m)+g for the tokens of
@@ -532,9 +571,9 @@ __global__ void __launch_bounds__(256, swap_min_blocks(NB))
 
 /// GEMM2: y[p, n] = h[p] . w2[e, n]^T (FP32). Grid: (ceil(tiles_n/8) strip groups, slots).
 template <int kDec, int NB>
-__global__ void __launch_bounds__(256, swap_min_blocks(NB))
+__global__ void LUTB_SWAPAB_BOUNDS(NB)
     swapab_gemm2_kernel(LutbW w, const void* __restrict__ ha, const float* __restrict__ hsf, long long Ip,
-                        Routing r, long long H, float* __restrict__ y) {
+                        Routing r, long long H, float* __restrict__ y, bool one_token_loop) {
   constexpr long long kEl = kDec == kDecFp8 ? 1 : 2;  // bytes per activation element
   int e;
   SwapTokens<NB> tk;
@@ -561,8 +600,13 @@ __global__ void __launch_bounds__(256, swap_min_blocks(NB))
   const long long k0 = min(w.tiles_k, per * warp), k1 = min(w.tiles_k, k0 + per);
   extern __shared__ __align__(16) unsigned char swap_smem[];
   float acc[4][NB][4];
-  swap_warp_gemm<kDec, NB>(w, e, strip, ok, arow, srow, nblocks, k0, k1, swap_smem + warp * SwapRing::kWarpBytes, acc,
-                           PdlWaitAndTrigger{});
+  // One-token tiles take the lighter K-loop (CTA-uniform branch; NB = 1 only).
+  if (NB == 1 && one_token_loop && tk.count == 1)
+    swap_warp_gemm<kDec, NB, NB == 1>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
+                                      swap_smem + warp * SwapRing::kWarpBytes, acc, PdlWaitAndTrigger{});
+  else
+    swap_warp_gemm<kDec, NB, false>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
+                                    swap_smem + warp * SwapRing::kWarpBytes, acc, PdlWaitAndTrigger{});
   if (!swap_reduce<NB>(swap_smem, acc)) return;
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {

@@ -13,6 +13,7 @@
 #include <ostream>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda/fit_internal.cuh"
@@ -275,8 +276,11 @@ TEST(FitGpuOptimal, ScaleSearchBelowRceil) {
   EXPECT_EQ(expect_same_optimal(m.data(), DType::F32, s), nt);
 }
 
-// The warp kernel's scan variants (cost evaluations issued 1, 2 or 4 at a time; the benchmark
-// times them) write the CPU's bytes and per-tile sums too, for both fitters: edge tiles and
+// The warp kernel's scan variants (cost evaluations issued 1, 2 or 4 at a time) and cost-arithmetic
+// variants (0: IEEE division, the previous default; 1: table division only; 2: table division +
+// e4m3_nearest_fast; the default 3: 2 with prefix sums scaled once per scale; the benchmark times
+// them) write the CPU's bytes and per-tile sums
+// too, for both fitters: edge tiles (subnormal magnitudes, forced-scale-like extremes, zeros) and
 // Student-t tiles side by side.
 TEST(FitGpu, ScanVariantsSameBytes) {
   LUTB_GPU_OR_SKIP();
@@ -306,16 +310,20 @@ TEST(FitGpu, ScanVariantsSameBytes) {
     fo.fitter = fitter;
     LutbTensor cpu;
     const FitStats sc = quantize(m.data(), DType::F32, s, cpu, fo, "t");
-    for (int unroll : {1, 2, 4}) {
-      SCOPED_TRACE(std::string(fitter) + ", unroll " + std::to_string(unroll));
+    const bool opt = std::string(fitter) == "optimal";
+    const int du = opt ? 4 : 1, da = cuda::fit_internal::kWarpArithDefault;
+    std::vector<std::pair<int, int>> variants{{1, da}, {2, da}, {4, da}, {du, 0}, {du, 2}};
+    if (!opt) variants.emplace_back(du, 1);
+    for (const auto& [unroll, arith] : variants) {
+      SCOPED_TRACE(std::string(fitter) + ", unroll " + std::to_string(unroll) + ", arith " + std::to_string(arith));
       cuda::fit_internal::KernelArgs ka{d_src, 0, 8, 64 * nt, 1, nt, nt, 0,
                                         cuda::DeviceFitOut{d_out, d_out + n * kPackedBytes,
                                                            d_out + n * (kPackedBytes + kCodebookSize), d_sums, d_sums + n},
                                         -1, d_err};
-      ka.optimal = std::string(fitter) == "optimal";
+      ka.optimal = opt;
       ASSERT_EQ(cudaMemset(d_out, 0, n * (kPackedBytes + kCodebookSize + 1)), cudaSuccess);
       ASSERT_EQ(cudaMemset(d_err, 0xff, 8), cudaSuccess);
-      cuda::fit_internal::launch_warp_unrolled(ka, unroll, nullptr);
+      cuda::fit_internal::launch_warp_variant(ka, unroll, arith, nullptr);
       std::vector<std::uint8_t> h(n * (kPackedBytes + kCodebookSize + 1));
       std::vector<double> sums(2 * n);
       unsigned long long word = 0;

@@ -162,7 +162,8 @@ TEST_P(MoeRandom, MatchesHostReferenceAllStrategiesAndDecoders) {
   std::vector<float> wts;
   random_routing(c.T, c.k, allowed, rng, ids, wts);
   const auto ref = moe_reference(w13, w2, c.H, c.I, x, c.T, c.k, ids, wts);
-  for (auto dec : {cuda::WeightDecoder::BytePermute, cuda::WeightDecoder::Cvt, cuda::WeightDecoder::Fp8Mma}) {
+  for (auto dec : {cuda::WeightDecoder::Auto, cuda::WeightDecoder::BytePermute, cuda::WeightDecoder::Cvt,
+                   cuda::WeightDecoder::Fp8Mma}) {
     cuda::set_weight_decoder(dec);
     for (auto s : kAllStrategies) {
       const auto got = run_forward(w13, w2, c.E, c.H, c.I, x, c.T, c.k, ids, wts, s);
@@ -210,8 +211,9 @@ TEST(MoeCuda, DependentLaunchBitIdenticalBackToBack) {
   for (int e = 0; e < E; ++e) allowed[e] = e;
   cudaStream_t st;
   ck(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "stream");
-  // 1 token block; 2 blocks; 2 blocks with several tiles per expert.
-  for (const std::int64_t T : {std::int64_t{3}, std::int64_t{40}, std::int64_t{200}}) {
+  // One token (swap-AB without the grouping kernel: the MXFP8 of x comes first); 1 token block; 2
+  // blocks; 2 blocks with several tiles per expert.
+  for (const std::int64_t T : {std::int64_t{1}, std::int64_t{3}, std::int64_t{40}, std::int64_t{200}}) {
     std::deque<DevBuf<std::uint16_t>> xs, outs;  // deque: DevBuf does not move
     std::deque<DevBuf<std::int32_t>> ids;
     std::deque<DevBuf<float>> wts;
@@ -381,6 +383,36 @@ TEST(MoeCuda, InvalidExpertIdWritesNanRow) {
     EXPECT_TRUE(std::isnan(bf16_to_float(got[1 * H + c])));
     EXPECT_FALSE(std::isnan(bf16_to_float(got[0 * H + c])));
     EXPECT_FALSE(std::isnan(bf16_to_float(got[2 * H + c])));
+  }
+}
+
+// One token (the swap-AB decode then skips the grouping: its k pairs are the token tiles): an
+// invalid expert id gives the NaN row, a repeated expert is summed twice like any two experts, and
+// every strategy agrees with the host reference.
+TEST(MoeCuda, SingleTokenInvalidAndRepeatedExperts) {
+  LUTB_GPU_OR_SKIP();
+  std::mt19937 rng(8);
+  const std::int64_t E = 6, H = 192, I = 64, T = 1;
+  const int k = 3;
+  const HostLutb w13 = random_lutb({E, 2 * I, H, true}, rng), w2 = random_lutb({E, H, I, true}, rng);
+  const auto x = random_bf16(T * H, rng);
+  const std::vector<float> wts = {0.5f, 0.3f, 0.2f};
+  for (const std::vector<std::int32_t>& ids : {std::vector<std::int32_t>{4, 1, 5}, std::vector<std::int32_t>{2, 2, 0},
+                                               std::vector<std::int32_t>{3, 6, 1}, std::vector<std::int32_t>{-1, 0, 1}}) {
+    const bool invalid = ids[1] >= E || ids[0] < 0;
+    const auto ref = moe_reference(w13, w2, H, I, x, T, k, invalid ? std::vector<std::int32_t>{0, 0, 0} : ids, wts);
+    for (auto s : kAllStrategies) {
+      SCOPED_TRACE(::testing::Message() << "ids " << ids[0] << "," << ids[1] << "," << ids[2] << " strategy "
+                                        << strategy_name(s));
+      const auto got = run_forward(w13, w2, E, H, I, x, T, k, ids, wts, s);
+      if (invalid) {
+        for (std::int64_t c = 0; c < H; ++c) EXPECT_TRUE(std::isnan(bf16_to_float(got[c]))) << c;
+      } else {
+        const Cmp r = compare_bf16(got, ref);
+        EXPECT_EQ(r.nan, 0);
+        EXPECT_LT(r.rel_l2, 1e-3);
+      }
+    }
   }
 }
 
