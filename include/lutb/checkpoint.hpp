@@ -239,9 +239,10 @@ struct ExpertsSource {
 /// For a per-expert checkpoint gate and up are two tensors of [I, H] each (padded separately to
 /// I8 = ceil(I/8)*8 rows); they are stacked by copying whole tiles, which is exact only when
 /// I % 8 == 0 (then tile rows never straddle gate and up). When I % 8 != 0 the stacked w13 would
-/// need tiles that straddle, so lutb_experts() throws FormatError saying so; use
-/// lutb_projection() for per-projection tensors instead. (A stacked LUT-B gate_up tensor is used as
-/// stored, for any I.)
+/// need tiles that straddle, so lutb_experts() throws FormatError naming the file, the first gate
+/// tensor, the layer and the remedies (a checkpoint with stacked experts, or the online fit of the
+/// BF16 checkpoint); lutb_projection() still reads each projection. (A stacked LUT-B gate_up tensor
+/// is used as stored, for any I.)
 struct ExpertsLutb {
   LutbTensor w13;
   LutbTensor w2;
@@ -289,7 +290,9 @@ class Checkpoint {
   bool contains(const std::string& name) const;
   /// Any tensor by name. Throws CheckpointError "checkpoint DIR: tensor NAME not found".
   const TensorView& tensor(const std::string& name) const;
-  /// A 1-D/2-D float tensor copied as a DenseStack (experts = 1; 1-D gives rows = 1).
+  /// A 1-D/2-D float tensor copied as a DenseStack (experts = 1; 1-D gives rows = 1; BF16, F16 and
+  /// F32 kept, F64 narrowed to F32). Throws CheckpointError naming the folder and the tensor when it
+  /// is absent, not 1-D/2-D, or not a float dtype.
   DenseStack dense(const std::string& name) const;
 
   /// True when layer L's experts are stored stacked (gate_up_proj / down_proj or their LUT-B forms).
@@ -305,21 +308,41 @@ class Checkpoint {
   /// Layer L's routed experts as LUT-B: the stored tiles when the checkpoint is LUT-B (validated;
   /// compressed-tensors scale 127), else fitted now from the source with `fit` (the online method:
   /// w13 and w2 quantised as [E, 2I, H] and [E, H, I] stacks). See ExpertsLutb for I % 8 != 0.
+  /// Stored tensors must be U8 weight_packed [.., N/8, K/64, 192], F8_E4M3 weight_codebook
+  /// [.., N/8, K/64, 8] and U8 weight_scale [.., N/8, K/64] (spec 2.2; "..": E when stacked).
+  /// Throws CheckpointError (missing tensor, wrong dtype or shape, a contradicting
+  /// quantization_config.logical_shapes entry) or FormatError (a NaN codebook byte 0x7F/0xFF, a
+  /// scale byte 255), each naming the file that holds the tensor, the tensor as stored, the layer
+  /// (and expert) and, for data errors, the tile in that tensor's grid; std::invalid_argument for
+  /// fit.threads < 0 (online fit only).
   ExpertsLutb lutb_experts(std::int64_t layer, const FitOptions& fit = {}, FitStats* stats = nullptr) const;
-  /// One stored LUT-B projection stacked over experts: gate/up [E, I, H] or down [E, H, I] (any I).
-  /// Throws CheckpointError when the layer is not stored as LUT-B.
+  /// One stored LUT-B projection stacked over experts: gate/up [E, I, H] or down [E, H, I] (any I
+  /// for per-expert tensors). Throws CheckpointError when the layer is not stored as LUT-B,
+  /// FormatError for gate/up of a stacked gate_up tensor with I % 8 != 0 (its tiles straddle gate
+  /// and up), and the errors of lutb_experts() for the stored tensors.
   LutbTensor lutb_projection(std::int64_t layer, Proj p) const;
-  /// Router weight and (DeepSeek-V3) correction bias.
+  /// Router weight [E, H] (any float dtype) and (DeepSeek) correction bias [E] as FP32. Throws
+  /// CheckpointError when L is not a MoE layer, the weight is absent or not [E, H], the bias has
+  /// not E elements, or noaux_tc routing lacks the bias.
   RouterWeights router(std::int64_t layer) const;
-  /// Shared experts, nullopt when the layer has none.
+  /// Shared experts (gate/up [S, H], down [H, S], S = shared_expert_intermediate_size; Qwen2-MoE's
+  /// output gate [1, H]), nullopt when the layer has none. Throws CheckpointError naming a missing
+  /// tensor or a wrong shape.
   std::optional<SharedExpert> shared_expert(std::int64_t layer) const;
 
  private:
   // Name of the stacked tensor of layer L whose name + suffix exists ("" when none).
   std::string find_stacked(std::int64_t layer, bool gate_up, const char* suffix) const;
   void check_moe_layer(std::int64_t layer) const;
-  // Copies the stored LUT-B triple of `weight_name` (logical shape `one`) into out at tile_offset.
-  void read_lutb(const std::string& weight_name, const LutbShape& one, LutbTensor& out, std::int64_t tile_offset) const;
+  // Copies the stored LUT-B triple of `weight_name` (logical shape `one`) of layer `layer` (expert
+  // `expert`, -1 for a stacked tensor) into out at tile_offset, checking dtypes, shapes, NaN
+  // codebook bytes and scale 255; errors name the file, the stored tensor, the layer and the tile.
+  void read_lutb(const std::string& weight_name, const LutbShape& one, LutbTensor& out, std::int64_t tile_offset,
+                 std::int64_t layer, std::int64_t expert = -1) const;
+  // The file holding tensor `name` (the checkpoint folder when absent).
+  std::string file_of(const std::string& name) const;
+  // Throws FormatError: per-expert LUT-B gate/up of layer L cannot be stacked (I % 8 != 0).
+  [[noreturn]] void throw_unstackable(std::int64_t layer) const;
 
   std::filesystem::path dir_;
   ModelConfig config_;

@@ -56,7 +56,11 @@ struct Interrupted : std::runtime_error {
 /// Options of a fit. Default-constructed options select the default fitter on all cores.
 struct FitOptions {
   std::string fitter;     // a name from fitter_names(); empty = the default fitter
-  int threads = 0;        // 0 = all cores (OpenMP), 1 = single-threaded; results never depend on it
+  /// OpenMP threads of the fit: 0 = all cores (omp_get_max_threads()), N >= 1 = N threads (1 =
+  /// single-threaded); the results never depend on it. Negative values are invalid:
+  /// quantize_checkpoint(), Checkpoint::lutb_experts() (online fit) and LutBOnlineMoEMethod throw
+  /// std::invalid_argument for them; quantize() itself treats them as 0.
+  int threads = 0;
   int forced_scale = -1;  // 3..246 forces this scale byte on every tile (tests, research); -1 = free.
                           // Only "optimal" and "binned-dp" have a scale: the Lloyd fitters reject it.
   /// Cancellation (null: none). quantize() reads it before every tile, on every thread; once it

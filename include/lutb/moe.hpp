@@ -39,6 +39,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -63,7 +64,15 @@ struct ExpertMap {
   std::vector<std::int32_t> local_to_global;  // [local experts], ascending global ids
 
   int local_experts() const { return static_cast<int>(local_to_global.size()); }
-  bool is_local(int global_id) const { return global_to_local[global_id] >= 0; }
+  /// Whether global expert `global_id` is held by this rank. global_id must be in
+  /// 0..global_experts-1 (the size of global_to_local); any other id throws std::out_of_range naming
+  /// the id and the range (it indexed the table unchecked before: undefined behaviour).
+  bool is_local(int global_id) const {
+    if (global_id < 0 || static_cast<std::size_t>(global_id) >= global_to_local.size())
+      throw std::out_of_range("ExpertMap::is_local: expert id " + std::to_string(global_id) + " is outside 0.." +
+                              std::to_string(static_cast<long long>(global_to_local.size()) - 1));
+    return global_to_local[global_id] >= 0;
+  }
 
   /// vLLM's "linear" placement: rank r holds a contiguous range; the first (E mod ep_size) ranks
   /// hold one expert more: base = E / ep_size, rank r starts at r*base + min(r, E mod ep_size).

@@ -100,9 +100,13 @@ class SafetensorsCollection {
  public:
   /// Opens `dir/model.safetensors.index.json` when present (its "weight_map" name -> shard file,
   /// relative to dir; each shard opened once; only the mapped names are exposed), else
-  /// `dir/model.safetensors`, else every *.safetensors in dir (a name in two files is an error).
-  /// Throws SafetensorsError naming what is missing: the shard file and a tensor it should hold,
-  /// a tensor absent from its shard, a weight_map entry outside dir, or no file at all.
+  /// `dir/model.safetensors`, else every *.safetensors in dir except the data files
+  /// val_tokens.safetensors, moe_activations.safetensors and consolidated*.safetensors (a name in
+  /// two files is an error; Hugging Face shards "S-NNNNN-of-MMMMM.safetensors" must all be there).
+  /// Throws SafetensorsError naming `dir` (or the index) and what is missing or wrong: the shard
+  /// file and a tensor it should hold, a tensor absent from its shard, a weight_map entry outside
+  /// dir, a shard missing from an index-less set, a tensor in two files, or no weight file at all
+  /// (listing what the folder holds).
   static SafetensorsCollection open_dir(const std::filesystem::path& dir);
   /// Opens one file.
   static SafetensorsCollection open_file(const std::filesystem::path& file);

@@ -110,6 +110,7 @@ void run_default_job(const DefaultArgs& a) {
   InterruptGuard on_signal;  // Ctrl-C: the Cleanup below removes what this run wrote
   fs::path work;
   bool own_work = false;  // true when this run created `work` and may remove it whole
+  std::vector<fs::path> made_parents;  // ancestors of --work-dir this run created, deepest first
   if (a.work_dir.empty()) {
     std::string tmpl = (fs::temp_directory_path() / "lutb-default-XXXXXX").string();
     if (!mkdtemp(tmpl.data())) throw std::runtime_error("cannot create a temporary directory under " + fs::temp_directory_path().string());
@@ -117,10 +118,21 @@ void run_default_job(const DefaultArgs& a) {
     own_work = true;
   } else {
     work = a.work_dir;
+    // The missing ancestors of --work-dir are created (as mkdir -p) and removed again at the end,
+    // deepest first and only while empty: the run leaves the filesystem as it found it (new-user QA
+    // session 9: "--work-dir a/b/c" left a and a/b behind). Existing ones are never touched.
     std::error_code ec;  // (a bare "filesystem error: cannot create directories" before; QA session 9)
+    for (fs::path p = fs::absolute(work, ec).lexically_normal(); p.has_relative_path() && !fs::exists(fs::symlink_status(p, ec));
+         p = p.parent_path()) {
+      if (!p.has_filename()) continue;  // "a/b/" -> "a/b"
+      made_parents.push_back(p);
+    }
     own_work = fs::create_directories(work, ec);
-    if (ec)
+    if (ec) {
+      for (const auto& d : made_parents) fs::remove(d, ec);  // an empty directory only
       throw std::runtime_error(fmt::format("--work-dir {}: cannot create it: {}", work.string(), ec.message()));
+    }
+    if (!made_parents.empty()) made_parents.erase(made_parents.begin());  // `work` itself: removed whole below
   }
   const fs::path src_dir = work / "qwen3-30b-a3b-layer-bf16", q_dir = work / "qwen3-30b-a3b-layer-lutb";
   // A user's --work-dir is never removed or overwritten: only the two checkpoints this run writes
@@ -130,14 +142,15 @@ void run_default_job(const DefaultArgs& a) {
       if (fs::exists(p))
         throw std::runtime_error(p.string() + ": exists in --work-dir; remove it or choose another directory");
   struct Cleanup {
-    std::vector<fs::path> paths;
+    std::vector<fs::path> paths, parents;
     bool keep;
     ~Cleanup() {
       std::error_code ec;
-      if (!keep)
-        for (const auto& p : paths) fs::remove_all(p, ec);
+      if (keep) return;
+      for (const auto& p : paths) fs::remove_all(p, ec);
+      for (const auto& d : parents) fs::remove(d, ec);  // removes an empty directory only
     }
-  } cleanup{own_work ? std::vector<fs::path>{work} : std::vector<fs::path>{src_dir, q_dir}, a.keep};
+  } cleanup{own_work ? std::vector<fs::path>{work} : std::vector<fs::path>{src_dir, q_dir}, made_parents, a.keep};
 
   SynthOptions so;
   so.family = ModelFamily::qwen3_moe;
@@ -283,8 +296,8 @@ void add_default_job(CLI::App& app) {
   app.add_option("--fitter", a->fitter, "default job: fitter (default " + default_fitter() + ")")->group(g);
   app.add_option("--seed", a->seed, "default job: token seed")
       ->group(g)->check(IntRange<std::uint64_t>(0, std::numeric_limits<std::uint64_t>::max()));
-  app.add_option("--work-dir", a->work_dir, "default job: directory for the two checkpoints (default a temporary one); Ctrl-C/SIGTERM remove what the run "
-                 "wrote there")->group(g);
+  app.add_option("--work-dir", a->work_dir, "default job: directory for the two checkpoints (default a temporary one); missing parent directories are "
+                 "created and, unless --keep, removed again; Ctrl-C/SIGTERM remove what the run wrote there")->group(g);
   app.add_flag("--keep", a->keep, "default job: keep the checkpoints")->group(g);
   app.add_flag("--json", a->json, "default job: print a JSON summary as the last line")->group(g);
   app.callback([&app, a] {

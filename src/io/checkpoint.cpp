@@ -203,11 +203,24 @@ ExpertsSource Checkpoint::experts_source(std::int64_t L) const {
   return s;
 }
 
+std::string Checkpoint::file_of(const std::string& name) const {
+  return st_->contains(name) ? st_->file_of(name).path().string() : dir_.string();
+}
+
+// Errors name the file that holds the tensor, the tensor as stored, the layer (and expert for
+// per-expert tensors) and the reason (new-user QA session 9: they named the internal stacks "w13" /
+// "w2" and the checkpoint folder only).
 void Checkpoint::read_lutb(const std::string& weight_name, const LutbShape& one, LutbTensor& out,
-                           std::int64_t tile_offset) const {
+                           std::int64_t tile_offset, std::int64_t layer, std::int64_t expert) const {
   const LutbNames n = lutb_names(weight_name);
-  const TensorView& p = tensor(n.packed);
-  const TensorView& c = tensor(n.codebook);
+  const std::string who = expert >= 0 ? fmt::format("layer {}, expert {}", layer, expert) : fmt::format("layer {}", layer);
+  auto get = [&](const std::string& name, const char* why) -> const TensorView& {
+    if (!st_->contains(name))
+      throw CheckpointError(fmt::format("checkpoint {}: tensor {} ({}) not found{}", dir_.string(), name, who, why));
+    return st_->get(name);
+  };
+  const TensorView& p = get(n.packed, "");
+  const TensorView& c = get(n.codebook, fmt::format(" ({} is present)", n.packed).c_str());
   std::vector<std::int64_t> grid;
   if (one.stacked) grid.push_back(one.experts);
   grid.push_back(one.tiles_n());
@@ -219,12 +232,12 @@ void Checkpoint::read_lutb(const std::string& weight_name, const LutbShape& one,
   };
   auto check = [&](const TensorView& v, DType dt, const std::vector<std::int64_t>& shape) {
     if (v.dtype != dt)
-      throw CheckpointError(fmt::format("checkpoint {}: tensor {} has dtype {}, expected {} (spec 2.2)", dir_.string(),
-                                        v.name, dtype_name(v.dtype), dtype_name(dt)));
+      throw CheckpointError(fmt::format("{}: tensor {} ({}) has dtype {}, expected {} (spec 2.2)", file_of(v.name),
+                                        v.name, who, dtype_name(v.dtype), dtype_name(dt)));
     if (v.shape != shape)
-      throw CheckpointError(fmt::format("checkpoint {}: tensor {} has shape {}, expected {} for logical shape [{}{}, {}] "
+      throw CheckpointError(fmt::format("{}: tensor {} ({}) has shape {}, expected {} for logical shape [{}{}, {}] "
                                         "(spec 2.2)",
-                                        dir_.string(), v.name, detail::shape_str(v.shape), detail::shape_str(shape),
+                                        file_of(v.name), v.name, who, detail::shape_str(v.shape), detail::shape_str(shape),
                                         one.stacked ? fmt::format("{}, ", one.experts) : "", one.rows, one.cols));
   };
   // quantization_config.logical_shapes must agree with the shape config.json gives the tensor
@@ -234,29 +247,67 @@ void Checkpoint::read_lutb(const std::string& weight_name, const LutbShape& one,
     const std::vector<std::int64_t> logical =
         one.stacked ? std::vector<std::int64_t>{one.experts, one.rows, one.cols} : std::vector<std::int64_t>{one.rows, one.cols};
     if (ls != quant_->logical_shapes.end() && ls->second != logical)
-      throw CheckpointError(fmt::format("checkpoint {}: config.json key 'quantization_config.logical_shapes.{}' is {}, "
-                                        "but hidden_size {} and the expert width {} give {}",
-                                        dir_.string(), weight_name, detail::shape_str(ls->second),
+      throw CheckpointError(fmt::format("checkpoint {}: config.json key 'quantization_config.logical_shapes.{}' ({}) is "
+                                        "{}, but hidden_size {} and the expert width {} give {}",
+                                        dir_.string(), weight_name, who, detail::shape_str(ls->second),
                                         config_.hidden_size, config_.moe_intermediate_size, detail::shape_str(logical)));
   }
   check(p, DType::U8, with(kPackedBytes));
   check(c, DType::F8_E4M3, with(kCodebookSize));
   const std::int64_t tiles = one.tiles();
+  // The tile (in the stored tensor's own grid) named by a data error.
+  auto tile_at = [&](std::int64_t t) {
+    const std::int64_t tn = one.tiles_n(), tk = one.tiles_k(), per = tn * tk;
+    const std::int64_t e = t / per, r = t % per;
+    return one.stacked ? fmt::format("tile [{}, {}, {}] (expert {}, tile row {}, tile column {})", e, r / tk, r % tk, e,
+                                     r / tk, r % tk)
+                       : fmt::format("tile [{}, {}] (tile row {}, tile column {})", r / tk, r % tk, r / tk, r % tk);
+  };
+  const auto* cb = static_cast<const std::uint8_t*>(c.data);
+  for (std::int64_t t = 0; t < tiles; ++t)
+    for (int j = 0; j < kCodebookSize; ++j)
+      if (e4m3_is_nan(cb[t * kCodebookSize + j]))
+        throw FormatError(fmt::format("{}: tensor {} ({}): {} has a NaN codebook entry (entry {}, byte 0x{:02X}); "
+                                      "E4M3 codebook bytes 0x7F and 0xFF are NaN and invalid in LUT-B (spec 2)",
+                                      file_of(c.name), c.name, who, tile_at(t), j, cb[t * kCodebookSize + j]));
   std::memcpy(out.packed.data() + tile_offset * kPackedBytes, p.data, static_cast<std::size_t>(tiles) * kPackedBytes);
   std::memcpy(out.codebook.data() + tile_offset * kCodebookSize, c.data, static_cast<std::size_t>(tiles) * kCodebookSize);
   detail::release_pages(p.data, p.nbytes);
   detail::release_pages(c.data, c.nbytes);
   if (st_->contains(n.scale)) {
-    const TensorView& s = tensor(n.scale);
+    const TensorView& s = st_->get(n.scale);
     check(s, DType::U8, grid);
+    const auto* sc = static_cast<const std::uint8_t*>(s.data);
+    for (std::int64_t t = 0; t < tiles; ++t)
+      if (sc[t] == kUE8M0NaN)
+        throw FormatError(fmt::format("{}: tensor {} ({}): {} has scale byte 255, which is UE8M0 NaN and invalid in "
+                                      "LUT-B (spec 2)",
+                                      file_of(s.name), s.name, who, tile_at(t)));
     std::memcpy(out.scale.data() + tile_offset, s.data, static_cast<std::size_t>(tiles));
   } else if (quant_ && quant_->compressed_tensors) {
     std::memset(out.scale.data() + tile_offset, kUE8M0One, static_cast<std::size_t>(tiles));  // spec 2.2
   } else {
-    throw CheckpointError(fmt::format("checkpoint {}: tensor {} not found (only compressed-tensors \"lut-b\" "
-                                      "checkpoints may omit weight_scale)",
-                                      dir_.string(), n.scale));
+    throw CheckpointError(fmt::format("{}: tensor {} ({}) not found, but {} is there: only compressed-tensors \"lut-b\" "
+                                      "checkpoints may omit weight_scale",
+                                      file_of(n.packed), n.scale, who, n.packed));
   }
+}
+
+// Per-expert LUT-B gate and up cannot be joined into the [E, 2I, H] stack the MoE kernels run when
+// I % 8 != 0: each is padded to whole 8-row tiles on its own (new-user QA session 9: the error named
+// a library function, not the file, the tensor or what to do).
+[[noreturn]] void Checkpoint::throw_unstackable(std::int64_t L) const {
+  const std::int64_t I = config_.moe_intermediate_size;
+  const std::string g = lutb_names(expert_weight_name(config_, L, 0, Proj::gate)).packed;
+  const std::string u = lutb_names(expert_weight_name(config_, L, 0, Proj::up)).packed;
+  throw FormatError(fmt::format(
+      "{}: tensor {} (layer {}): this checkpoint stores each expert's gate and up projections as separate LUT-B "
+      "tensors ({}, ...), and the expert width moe_intermediate_size {} of {} is not a multiple of 8, so each is "
+      "padded to {} rows of whole 8-row tiles; lutb runs an expert's gate and up as one [2I, H] = [{}, {}] LUT-B "
+      "matrix, whose tiles would straddle gate and up, so the stored tiles cannot be used. Quantise the BF16 "
+      "checkpoint with stacked experts instead (gate_up_proj [E, 2I, H]; `lutb synth --stacked` writes that layout), "
+      "or run the BF16 checkpoint with --quant lutb, which fits the stacked layout when it loads",
+      file_of(g), g, L, u, I, (dir_ / "config.json").string(), (I + 7) / 8 * 8, 2 * I, config_.hidden_size));
 }
 
 LutbTensor Checkpoint::lutb_projection(std::int64_t L, Proj p) const {
@@ -272,19 +323,20 @@ LutbTensor Checkpoint::lutb_projection(std::int64_t L, Proj p) const {
     if (down) {
       const std::string dn = find_stacked(L, false, "_packed");
       if (dn.empty())
-        throw CheckpointError(fmt::format("checkpoint {}: tensor {} not found", dir_.string(),
-                                          lutb_names(stacked_down_name(config_, L)).packed));
-      read_lutb(dn, shape, out, 0);
+        throw CheckpointError(fmt::format("{}: tensor {} (layer {}) not found, but {} is there", dir_.string(),
+                                          lutb_names(stacked_down_name(config_, L)).packed, L,
+                                          lutb_names(gu).packed));
+      read_lutb(dn, shape, out, 0, L);
       return out;
     }
     if (I % kTileRows != 0)
-      throw FormatError(fmt::format("checkpoint {}: {} is a stacked LUT-B gate_up tensor with moe_intermediate_size "
-                                    "{} not a multiple of 8: its tiles straddle gate and up, so the {} projection "
-                                    "cannot be cut out; use lutb_experts()",
-                                    dir_.string(), gu, I, proj_name(p)));
+      throw FormatError(fmt::format("{}: tensor {} (layer {}) is a stacked LUT-B gate_up tensor and the expert width "
+                                    "moe_intermediate_size {} is not a multiple of 8: its tiles straddle gate and up, "
+                                    "so the {} projection cannot be read on its own (the whole gate_up stack can)",
+                                    file_of(lutb_names(gu).packed), lutb_names(gu).packed, L, I, proj_name(p)));
     ExpertsLutb all;
     all.w13 = LutbTensor(LutbShape{E, 2 * I, H, true});
-    read_lutb(gu, all.w13.shape, all.w13, 0);
+    read_lutb(gu, all.w13.shape, all.w13, 0, L);
     const std::int64_t per = shape.tiles_per_expert(), per13 = all.w13.shape.tiles_per_expert();
     const std::int64_t off = p == Proj::up ? per : 0;
     for (std::int64_t e = 0; e < E; ++e) {
@@ -294,12 +346,10 @@ LutbTensor Checkpoint::lutb_projection(std::int64_t L, Proj p) const {
                   all.w13.codebook.data() + (e * per13 + off) * kCodebookSize, static_cast<std::size_t>(per) * kCodebookSize);
       std::memcpy(out.scale.data() + e * per, all.w13.scale.data() + e * per13 + off, static_cast<std::size_t>(per));
     }
-    validate(out.view(), fmt::format("{} layer {} {}", dir_.string(), L, proj_name(p)));
     return out;
   }
   LutbShape one{1, shape.rows, shape.cols, false};
-  for (std::int64_t e = 0; e < E; ++e) read_lutb(expert_weight_name(config_, L, e, p), one, out, e * one.tiles());
-  validate(out.view(), fmt::format("{} layer {} {}", dir_.string(), L, proj_name(p)));
+  for (std::int64_t e = 0; e < E; ++e) read_lutb(expert_weight_name(config_, L, e, p), one, out, e * one.tiles(), L, e);
   return out;
 }
 
@@ -308,6 +358,8 @@ ExpertsLutb Checkpoint::lutb_experts(std::int64_t L, const FitOptions& fit, FitS
   const std::int64_t E = config_.num_experts, H = config_.hidden_size, I = config_.moe_intermediate_size;
   ExpertsLutb r;
   if (!experts_lutb(L)) {
+    if (fit.threads < 0)
+      throw std::invalid_argument(fmt::format("FitOptions::threads {}: must be >= 0 (0 = all cores)", fit.threads));
     // The online method: fit the source stacks as w13 [E, 2I, H] and w2 [E, H, I].
     ExpertsSource s = experts_source(L);
     const std::string base = moe_prefix(config_, L);
@@ -323,22 +375,16 @@ ExpertsLutb Checkpoint::lutb_experts(std::int64_t L, const FitOptions& fit, FitS
   const std::string gu = find_stacked(L, true, "_packed");
   if (!gu.empty()) {
     r.w13 = LutbTensor(LutbShape{E, 2 * I, H, true});
-    read_lutb(gu, r.w13.shape, r.w13, 0);
-    validate(r.w13.view(), gu);
+    read_lutb(gu, r.w13.shape, r.w13, 0, L);
   } else {
-    if (I % kTileRows != 0)
-      throw FormatError(fmt::format("checkpoint {}: layer {}: moe_intermediate_size {} is not a multiple of 8, so gate "
-                                    "and up (stored separately, each padded to {} rows) cannot be stacked into one "
-                                    "w13 [E, 2I, H] without tiles straddling them; use lutb_projection()",
-                                    dir_.string(), L, I, (I + 7) / 8 * 8));
+    if (I % kTileRows != 0) throw_unstackable(L);
     r.w13 = LutbTensor(LutbShape{E, 2 * I, H, true});
     LutbShape one{1, I, H, false};
     for (std::int64_t e = 0; e < E; ++e) {
       const std::int64_t base = e * r.w13.shape.tiles_per_expert();
-      read_lutb(expert_weight_name(config_, L, e, Proj::gate), one, r.w13, base);
-      read_lutb(expert_weight_name(config_, L, e, Proj::up), one, r.w13, base + one.tiles());
+      read_lutb(expert_weight_name(config_, L, e, Proj::gate), one, r.w13, base, L, e);
+      read_lutb(expert_weight_name(config_, L, e, Proj::up), one, r.w13, base + one.tiles(), L, e);
     }
-    validate(r.w13.view(), moe_prefix(config_, L) + " w13");
   }
   r.w2 = lutb_projection(L, Proj::down);
   return r;

@@ -232,6 +232,10 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
   const fs::path out_dir = out_arg.has_filename() ? out_arg : out_arg.parent_path();  // "out/" -> "out"
   QuantizeSummary sum;
   sum.fitter = resolved_fitter(opt.fit);
+  if (opt.fit.threads < 0)
+    throw std::invalid_argument(fmt::format("quantize: FitOptions::threads {}: must be >= 0 (0 = all cores); nothing "
+                                            "written",
+                                            opt.fit.threads));
   if (out_dir.empty()) throw CheckpointError("quantize: no output directory given");
   if (same_path(in_dir, out_dir))
     throw CheckpointError(fmt::format("{}: the output directory is the input checkpoint", out_dir.string()));
@@ -255,10 +259,27 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
   std::uint64_t total_bytes = 0;
   std::map<std::string, std::vector<std::int64_t>> logical_shapes;
   std::map<std::int64_t, LayerExperts> found;
+  // Layers config.json declares: num_hidden_layers decoder layers, plus DeepSeek-V3's multi-token
+  // prediction layers (num_nextn_predict_layers, stored after them as model.layers.N...).
+  std::int64_t extra_ok = 0;
+  if (const auto it = cfg.raw.find("num_nextn_predict_layers");
+      it != cfg.raw.end() && it->is_number_integer() && it->get<std::int64_t>() > 0 && it->get<std::int64_t>() < 1024)
+    extra_ok = it->get<std::int64_t>();
+  const std::int64_t layer_end = cfg.num_hidden_layers + extra_ok;
   for (std::size_t f = 0; f < files.size(); ++f) {
     for (const auto& name : files[f]->names()) {
       const TensorView& v = files[f]->get(name);
       Planned p{name, false, {}};
+      // A tensor of a layer config.json does not declare (new-user QA session 9: quantised, or
+      // copied, as if it belonged to the model).
+      if (const std::int64_t L = layer_of(name); L >= layer_end)
+        throw CheckpointError(fmt::format("{}: tensor {} belongs to layer {}, but {} declares num_hidden_layers {}{} "
+                                          "(layers 0..{}): the checkpoint has layers the config does not; nothing "
+                                          "written",
+                                          files[f]->path().string(), name, L, (in_dir / "config.json").string(),
+                                          cfg.num_hidden_layers,
+                                          extra_ok ? fmt::format(" and num_nextn_predict_layers {}", extra_ok) : "",
+                                          layer_end - 1));
       if (name.find(".experts.") != std::string::npos && name.size() > 4 && name.compare(name.size() - 4, 4, "bias") == 0 &&
           cfg.is_moe_layer(layer_of(name)))
         throw CheckpointError(fmt::format("checkpoint {}: routed experts have a bias ({}): LUT-B online MoE quantization "
@@ -268,6 +289,16 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
       if (std::regex_match(name, m, pattern) && index_of(m[1].str()) < 0)
         throw CheckpointError(fmt::format("{}: tensor {} has a layer index that does not fit 63 bits; nothing written",
                                           files[f]->path().string(), name));
+      // Routed experts in a layer config.json makes dense (first_k_dense_replace, mlp_only_layers,
+      // decoder_sparse_step, moe_layer_freq) were copied unquantised (new-user QA session 9).
+      if (std::regex_match(name, m, pattern) && !cfg.is_moe_layer(index_of(m[1].str()))) {
+        const auto ml = cfg.moe_layers();
+        throw CheckpointError(fmt::format(
+            "{}: tensor {} is a routed expert of layer {}, but {} makes layer {} a dense layer (its MoE layers: {}); "
+            "the config and the weights disagree; nothing written",
+            files[f]->path().string(), name, m[1].str(), (in_dir / "config.json").string(), m[1].str(),
+            ml.empty() ? std::string("none") : fmt::format("{}", fmt::join(ml, ", "))));
+      }
       if (std::regex_match(name, m, pattern) && cfg.is_moe_layer(index_of(m[1].str()))) {
         const bool stacked = name.find("_proj.weight") == std::string::npos && name.find(".weight") == std::string::npos;
         if (!dtype_is_float_source(v.dtype))
@@ -440,6 +471,10 @@ QuantizeSummary quantize_file(const fs::path& in, const fs::path& out, const std
   const double t0 = detail::now_seconds();
   QuantizeSummary sum;
   sum.fitter = resolved_fitter(opt.fit);
+  if (opt.fit.threads < 0)
+    throw std::invalid_argument(fmt::format("quantize: FitOptions::threads {}: must be >= 0 (0 = all cores); nothing "
+                                            "written",
+                                            opt.fit.threads));
   if (same_path(in, out)) throw CheckpointError(fmt::format("{}: the output file is the input file", out.string()));
   detail::check_output_location(in, out);
   detail::check_replaceable(out, /*want_directory=*/false, opt.force);

@@ -50,6 +50,12 @@ nlohmann::json real_config(ModelFamily f) {
                   {"routed_scaling_factor", 2.5}, {"scoring_func", "sigmoid"}, {"topk_method", "noaux_tc"},
                   {"norm_topk_prob", true}, {"first_k_dense_replace", 0}, {"moe_layer_freq", 1},
                   {"num_attention_heads", 128}, {"kv_lora_rank", 512}, {"q_lora_rank", 1536}, {"rms_norm_eps", 1e-6},
+                  // The attention keys lutb moe / eval parse (missing, lutb moe refused synth's
+                  // DeepSeek checkpoints: "key 'qk_nope_head_dim': required but missing"; QA session 9).
+                  {"qk_nope_head_dim", 128}, {"qk_rope_head_dim", 64}, {"v_head_dim", 128},
+                  {"max_position_embeddings", 163840}, {"rope_theta", 10000},
+                  {"rope_scaling", {{"type", "yarn"}, {"factor", 40}, {"original_max_position_embeddings", 4096},
+                                    {"beta_fast", 32}, {"beta_slow", 1}, {"mscale", 1.0}, {"mscale_all_dim", 1.0}}},
                   {"vocab_size", 129280}, {"tie_word_embeddings", false}, {"hidden_act", "silu"}};
     case ModelFamily::deepseek_v2:
       return json{{"architectures", {"DeepseekV2ForCausalLM"}}, {"model_type", "deepseek_v2"}, {"hidden_size", 2048},
@@ -58,6 +64,10 @@ nlohmann::json real_config(ModelFamily f) {
                   {"routed_scaling_factor", 1.0}, {"scoring_func", "softmax"}, {"topk_method", "greedy"},
                   {"norm_topk_prob", false}, {"first_k_dense_replace", 0}, {"moe_layer_freq", 1},
                   {"num_attention_heads", 16}, {"kv_lora_rank", 512}, {"rms_norm_eps", 1e-6}, {"vocab_size", 102400},
+                  {"qk_nope_head_dim", 128}, {"qk_rope_head_dim", 64}, {"v_head_dim", 128},
+                  {"max_position_embeddings", 163840}, {"rope_theta", 10000},
+                  {"rope_scaling", {{"type", "yarn"}, {"factor", 40}, {"original_max_position_embeddings", 4096},
+                                    {"beta_fast", 32}, {"beta_slow", 1}, {"mscale", 0.707}, {"mscale_all_dim", 0.707}}},
                   {"tie_word_embeddings", false}, {"hidden_act", "silu"}};
     case ModelFamily::olmoe:
       return json{{"architectures", {"OlmoeForCausalLM"}}, {"model_type", "olmoe"}, {"hidden_size", 2048},
@@ -282,10 +292,27 @@ ModelConfig synth_config(const SynthOptions& opt) {
   if (opt.num_experts > 0) {
     for (const char* k : {"num_experts", "num_local_experts", "n_routed_experts"})
       if (j.contains(k)) j[k] = opt.num_experts;
-    if (j["num_experts_per_tok"].get<std::int64_t>() > opt.num_experts) j["num_experts_per_tok"] = opt.num_experts;
-    if (j.contains("n_group") && opt.num_experts % j["n_group"].get<std::int64_t>() != 0) {
-      j["n_group"] = 1;
-      j["topk_group"] = 1;
+    const std::int64_t E = opt.num_experts;
+    if (j["num_experts_per_tok"].get<std::int64_t>() > E) j["num_experts_per_tok"] = E;
+    if (j.contains("n_group")) {
+      // Group-limited routing stays consistent for any E (new-user QA session 9: --experts 8 kept
+      // DeepSeek-V3's 8 groups, i.e. groups of one expert, 4 kept groups and top-8, which no router
+      // can satisfy, and sigmoid scoring ranks a group by its 2 best experts). n_group: the largest
+      // divisor of E up to the family's value that leaves at least 2 experts per group; topk_group:
+      // the family's value, capped at n_group and raised until the kept groups hold top-k experts.
+      const std::int64_t k = j["num_experts_per_tok"].get<std::int64_t>();
+      const bool sigmoid = j.value("scoring_func", std::string()) == "sigmoid";
+      if (sigmoid && E < 2)
+        throw std::invalid_argument(fmt::format(
+            "synth: --experts {}: {} ranks expert groups by the sum of their 2 best experts (sigmoid scoring), so it "
+            "needs at least 2 routed experts",
+            E, family_name(opt.family)));
+      std::int64_t g = std::min<std::int64_t>(j["n_group"].get<std::int64_t>(), E);
+      while (g > 1 && (E % g != 0 || E / g < 2)) --g;
+      std::int64_t tg = std::min<std::int64_t>(j["topk_group"].get<std::int64_t>(), g);
+      while (tg < g && tg * (E / g) < k) ++tg;
+      j["n_group"] = g;
+      j["topk_group"] = tg;
     }
   }
   return parse_model_config(j, fmt::format("synthetic {}", family_name(opt.family)));

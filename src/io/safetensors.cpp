@@ -14,7 +14,9 @@
 #include <cstring>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <numeric>
+#include <regex>
 #include <set>
 #include <sstream>
 #include <system_error>
@@ -398,12 +400,57 @@ SafetensorsCollection SafetensorsCollection::open_dir(const fs::path& dir) {
     c.source_ = dir;
     return c;
   }
-  std::vector<fs::path> files;
-  for (const auto& e : fs::directory_iterator(dir))
-    if (e.is_regular_file() && e.path().extension() == ".safetensors") files.push_back(e.path());
-  if (files.empty())
-    fail(dir.string(), "no model.safetensors.index.json, model.safetensors or *.safetensors file in the directory");
+  // Neither an index nor model.safetensors: every *.safetensors file of the folder is read as the
+  // weights, except the data files lutb reads beside a model (val_tokens.safetensors,
+  // moe_activations.safetensors) and Mistral's consolidated*.safetensors (the same weights under
+  // other names). Those share tensor names ("input_ids"): a folder that had lost its
+  // model.safetensors failed with "tensor 'input_ids' appears in both ..." (new-user QA session 9).
+  std::vector<fs::path> files, data_files;
+  std::vector<std::string> others;  // the folder's other entries, named in the error
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string fname = e.path().filename().string();
+    if (!(e.is_regular_file() && e.path().extension() == ".safetensors")) {
+      others.push_back(fname);
+      continue;
+    }
+    if (fname == "val_tokens.safetensors" || fname == "moe_activations.safetensors" || fname.rfind("consolidated", 0) == 0)
+      data_files.push_back(e.path());
+    else
+      files.push_back(e.path());
+  }
   std::sort(files.begin(), files.end());
+  std::sort(data_files.begin(), data_files.end());
+  std::sort(others.begin(), others.end());
+  if (files.empty()) {
+    std::string found;
+    for (const auto& p : data_files) found += (found.empty() ? "" : ", ") + p.filename().string();
+    for (const auto& o : others) found += (found.empty() ? "" : ", ") + o;
+    fail(dir.string(),
+         fmt::format("no model weights: the folder has no model.safetensors.index.json (sharded checkpoint), no "
+                     "model.safetensors and no other *.safetensors weight file{}{}",
+                     data_files.empty() ? "" : " (val_tokens.safetensors, moe_activations.safetensors and consolidated*.safetensors are not read as weights)",
+                     found.empty() ? "; it is empty" : "; it holds only: " + found));
+  }
+  // Hugging Face shards without their index: all N of model-XXXXX-of-NNNNN must be there.
+  {
+    static const std::regex shard_re(R"(^(.*)-(\d{5})-of-(\d{5})\.safetensors$)");
+    std::map<std::pair<std::string, std::string>, std::set<std::string>> sets;  // (stem, N) -> indices present
+    for (const auto& p : files) {
+      std::smatch m;
+      const std::string fname = p.filename().string();
+      if (std::regex_match(fname, m, shard_re)) sets[{m[1].str(), m[3].str()}].insert(m[2].str());
+    }
+    for (const auto& [key, have] : sets) {
+      const int n = std::stoi(key.second);
+      for (int i = 1; i <= n; ++i) {
+        const std::string want = fmt::format("{}-{:05d}-of-{}.safetensors", key.first, i, key.second);
+        if (!have.count(fmt::format("{:05d}", i)))
+          fail(dir.string(), fmt::format("shard {} is missing (the folder has {} of the {} shards {}-NNNNN-of-{}"
+                                         ".safetensors and no model.safetensors.index.json that lists them)",
+                                         want, have.size(), n, key.first, key.second));
+      }
+    }
+  }
   SafetensorsCollection c;
   c.source_ = dir;
   for (const auto& p : files) {
@@ -411,8 +458,12 @@ SafetensorsCollection SafetensorsCollection::open_dir(const fs::path& dir) {
     for (const auto& n : c.files_.back()->names()) {
       const auto [it, inserted] = c.where_.emplace(n, c.files_.size() - 1);
       if (!inserted)
-        fail(dir.string(), fmt::format("tensor '{}' appears in both {} and {}", n, c.files_[it->second]->path().string(),
-                                       p.string()));
+        fail(dir.string(),
+             fmt::format("tensor '{}' appears in both {} and {}: the folder has no model.safetensors and no "
+                         "model.safetensors.index.json, so every *.safetensors file in it is read as part of the "
+                         "weights; add the index that says which file holds each tensor, or move the file that is "
+                         "not part of the checkpoint out of the folder",
+                         n, c.files_[it->second]->path().string(), p.string()));
     }
   }
   return c;

@@ -92,6 +92,8 @@ LutBOnlineMoEMethod::LutBOnlineMoEMethod(MoeConfig cfg, OnlineOptions options)
         "moe_backend='{}' is not supported for LUT-B MoE; expected 'auto' or 'emulation'.", cfg_.moe_backend));
   cfg_.finalize();
   if (!opt_.fit.fitter.empty() && !opt_.fit_function) check_fitter_name(opt_.fit.fitter);
+  if (opt_.fit.threads < 0)
+    throw std::invalid_argument(fmt::format("FitOptions::threads {}: must be >= 0 (0 = all cores)", opt_.fit.threads));
 
   // Backend selection (the seed: LUT_B_SM107_TILE_K = LUT_B_SM107_TILE_N = 128).
   const bool native_shape = cfg_.hidden_size % 128 == 0 && cfg_.intermediate_size_per_partition % 128 == 0;

@@ -714,7 +714,7 @@ TEST(QuantizeInput, LogicalShapesMustAgreeWithConfig) {
   const Checkpoint ck(t.path / "q");
   EXPECT_EQ(error_of<CheckpointError>([&] { ck.lutb_projection(0, Proj::gate); }),
             "checkpoint " + (t.path / "q").string() + ": config.json key 'quantization_config.logical_shapes." + gate +
-                "' is [64, 96], but hidden_size 100 and the expert width 64 give [64, 100]");
+                "' (layer 0, expert 1) is [64, 96], but hidden_size 100 and the expert width 64 give [64, 100]");
   EXPECT_NE(error_of<CheckpointError>([&] { ck.lutb_experts(0); }).find("is [64, 96]"), std::string::npos);
 }
 

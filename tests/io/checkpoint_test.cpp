@@ -353,7 +353,10 @@ TEST(Quantize, PerExpertPaddedIntermediate) {
   EXPECT_EQ(q.quant_config()->logical_shapes.at("model.layers.0.mlp.experts.1.gate_proj.weight"),
             (std::vector<std::int64_t>{12, 64}));
   // gate and up are padded separately to 16 rows: a stacked w13 [E, 24, 64] would need straddling tiles.
-  expect_error<FormatError>([&] { q.lutb_experts(0); }, {"not a multiple of 8", "lutb_projection"});
+  // (The message names the file, the tensor and the remedies, not a library function: QA session 9.)
+  expect_error<FormatError>([&] { q.lutb_experts(0); },
+                            {"model.safetensors: tensor model.layers.0.mlp.experts.0.gate_proj.weight_packed (layer 0)",
+                             "not a multiple of 8", "--quant lutb"});
   const LutbTensor g = q.lutb_projection(0, Proj::gate);
   EXPECT_EQ(g.shape.rows, 12);
   EXPECT_EQ(g.shape.experts, 2);
