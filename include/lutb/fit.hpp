@@ -57,9 +57,9 @@ struct Interrupted : std::runtime_error {
 struct FitOptions {
   std::string fitter;     // a name from fitter_names(); empty = the default fitter
   /// OpenMP threads of the fit: 0 = all cores (omp_get_max_threads()), N >= 1 = N threads (1 =
-  /// single-threaded); the results never depend on it. Negative values are invalid:
+  /// single-threaded); the results never depend on it. Negative values are invalid: quantize(),
   /// quantize_checkpoint(), Checkpoint::lutb_experts() (online fit) and LutBOnlineMoEMethod throw
-  /// std::invalid_argument for them; quantize() itself treats them as 0.
+  /// std::invalid_argument for them.
   int threads = 0;
   int forced_scale = -1;  // 3..246 forces this scale byte on every tile (tests, research); -1 = free.
                           // Only "optimal" and "binned-dp" have a scale: the Lloyd fitters reject it.

@@ -128,6 +128,9 @@ FitStats quantize(const void* src, DType src_type, const LutbShape& shape, LutbT
     throw std::invalid_argument("quantize: tensor " + name + " has an invalid shape");
   if (shape.rows > 0 && shape.cols > 0 && src == nullptr)
     throw std::invalid_argument("quantize: tensor " + name + ": null source");
+  if (opt.threads < 0)
+    throw std::invalid_argument("quantize: tensor " + name + ": FitOptions::threads " + std::to_string(opt.threads) +
+                                ": must be >= 0 (0 = all cores)");
 
   const std::int64_t tiles = shape.tiles();
   const std::int64_t tpe = shape.tiles_per_expert();

@@ -332,6 +332,10 @@ TEST(NewUserErrors, ExpertMapIsLocalAndNegativeThreads) {
   oo.fit.threads = -3;
   EXPECT_EQ(error_of<std::invalid_argument>([&] { moe::LutBOnlineMoEMethod(mc, oo); }),
             "FitOptions::threads -3: must be >= 0 (0 = all cores)");
+  // lutb::quantize itself (it used to treat a negative count as 0).
+  const std::vector<float> w(8 * 64, 0.25f);
+  EXPECT_EQ(error_of<std::invalid_argument>([&] { (void)quantize(w.data(), LutbShape{1, 8, 64, false}, f, nullptr, "w"); }),
+            "quantize: tensor w: FitOptions::threads -1: must be >= 0 (0 = all cores)");
 }
 
 }  // namespace
