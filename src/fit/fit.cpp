@@ -4,6 +4,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cstring>
 #include <atomic>
 #include <cmath>
 #include <cstdio>
@@ -88,9 +89,14 @@ void gather(const void* src, DType type, std::int64_t rows, std::int64_t cols, s
   for (int r = 0; r < kTileRows; ++r) {
     const std::int64_t row = tn * kTileRows + r, c0 = tk * kTileCols;
     const std::int64_t nc = row < rows ? std::clamp<std::int64_t>(cols - c0, 0, kTileCols) : 0;
-    const std::uint16_t* s = static_cast<const std::uint16_t*>(src) + (nc > 0 ? row * cols + c0 : 0);
+    // Byte addressing with memcpy loads: a safetensors tensor's data need not be 2-byte aligned.
+    const unsigned char* s = static_cast<const unsigned char*>(src) + 2 * (nc > 0 ? row * cols + c0 : 0);
     float* o = out + r * kTileCols;
-    for (std::int64_t c = 0; c < nc; ++c) o[c] = fp16_to_float(s[c]);
+    for (std::int64_t c = 0; c < nc; ++c) {
+      std::uint16_t h;
+      std::memcpy(&h, s + 2 * c, 2);
+      o[c] = fp16_to_float(h);
+    }
     for (std::int64_t c = nc; c < kTileCols; ++c) o[c] = 0.0f;
   }
 }

@@ -40,19 +40,32 @@ namespace detail {
 void convert_to_f32(const void* src, DType t, float* out, std::int64_t n) {
   switch (t) {
     case DType::F32: std::memcpy(out, src, static_cast<std::size_t>(n) * 4); return;
+    // memcpy loads: a safetensors tensor's data need not be aligned to its element size.
     case DType::BF16: {
-      const auto* p = static_cast<const std::uint16_t*>(src);
-      for (std::int64_t i = 0; i < n; ++i) out[i] = bf16_to_float(p[i]);
+      const auto* p = static_cast<const unsigned char*>(src);
+      for (std::int64_t i = 0; i < n; ++i) {
+        std::uint16_t v;
+        std::memcpy(&v, p + 2 * i, 2);
+        out[i] = bf16_to_float(v);
+      }
       return;
     }
     case DType::F16: {
-      const auto* p = static_cast<const std::uint16_t*>(src);
-      for (std::int64_t i = 0; i < n; ++i) out[i] = fp16_to_float(p[i]);
+      const auto* p = static_cast<const unsigned char*>(src);
+      for (std::int64_t i = 0; i < n; ++i) {
+        std::uint16_t v;
+        std::memcpy(&v, p + 2 * i, 2);
+        out[i] = fp16_to_float(v);
+      }
       return;
     }
     case DType::F64: {
-      const auto* p = static_cast<const double*>(src);
-      for (std::int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(p[i]);
+      const auto* p = static_cast<const unsigned char*>(src);
+      for (std::int64_t i = 0; i < n; ++i) {
+        double v;
+        std::memcpy(&v, p + 8 * i, 8);
+        out[i] = static_cast<float>(v);
+      }
       return;
     }
     default: throw std::invalid_argument(fmt::format("convert_to_f32: {} is not a float dtype", dtype_name(t)));

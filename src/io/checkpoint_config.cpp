@@ -211,6 +211,8 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& where
 
 ModelConfig load_model_config(const std::filesystem::path& p) {
   std::filesystem::path file = std::filesystem::is_directory(p) ? p / "config.json" : p;
+  if (std::filesystem::is_directory(file))  // reading a folder fails deep inside the stream
+    throw ConfigError(fmt::format("{}: is a directory; the checkpoint's config.json must be a file", file.string()));
   std::ifstream in(file);
   if (!in) {
     if (std::filesystem::is_directory(p))

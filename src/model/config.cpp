@@ -123,7 +123,13 @@ RopeTable make_rope_table(const RopeConfig& r) {
 }
 
 TransformerConfig TransformerConfig::load(const std::filesystem::path& dir) {
+  if (!std::filesystem::is_directory(dir))
+    throw ModelError(fmt::format("{}: {} (a model is a Hugging Face checkpoint directory holding config.json and "
+                                 "*.safetensors)",
+                                 dir.string(), std::filesystem::exists(dir) ? "not a directory" : "no such directory"));
   const auto path = dir / "config.json";
+  if (std::filesystem::is_directory(path))  // reading a folder fails deep inside the stream
+    throw ModelError(fmt::format("{}: is a directory; the checkpoint's config.json must be a file", path.string()));
   std::ifstream in(path);
   if (!in) throw ModelError(fmt::format("{}: cannot open (not a Hugging Face checkpoint directory?)", path.string()));
   json j;

@@ -100,7 +100,7 @@ TEST(QuantizeInput, HuggingFaceCacheSymlinksLeaveTheSourcesIntact) {
   }
   fs::create_directory_symlink(t.path / "extra", snap / "linked_dir");
   ASSERT_GE(before.size(), 3u);
-  for (const fs::path out : {t.path / "cache" / "snapshots" / "rev1-lutb", t.path / "out"}) {
+  for (const fs::path& out : {t.path / "cache" / "snapshots" / "rev1-lutb", t.path / "out"}) {
     const QuantizeSummary sum = quantize_checkpoint(snap, out, quiet());
     for (const auto& [name, bytes] : before) {
       EXPECT_EQ(slurp(blobs / ("sha-" + name)), bytes) << "source blob of " << name << " changed";
@@ -716,6 +716,62 @@ TEST(QuantizeInput, LogicalShapesMustAgreeWithConfig) {
             "checkpoint " + (t.path / "q").string() + ": config.json key 'quantization_config.logical_shapes." + gate +
                 "' (layer 0, expert 1) is [64, 96], but hidden_size 100 and the expert width 64 give [64, 100]");
   EXPECT_NE(error_of<CheckpointError>([&] { ck.lutb_experts(0); }).find("is [64, 96]"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace lutb
+
+namespace lutb {
+namespace {
+
+// Regression (new-user test, session 10): the safetensors format does not align tensor data, and
+// the F16 fit path and the F64 conversion read it through typed pointers (a misaligned load, which
+// UBSan aborts on in the asan preset). A file whose F16 and F64 tensors start at odd addresses must
+// quantise to the same bytes as the same values in FP32.
+TEST(QuantizeFile, MisalignedF16AndF64TensorData) {
+  test::TempDir t;
+  constexpr int kN = 8, kK = 64, kNum = kN * kK;
+  std::vector<float> v(kNum);
+  for (int i = 0; i < kNum; ++i) v[i] = fp16_to_float(fp16_from_float(0.001f * static_cast<float>(i % 97) - 0.05f));
+  std::string data(1, '\x07');  // one U8 byte first: every later tensor starts at an odd offset
+  for (int i = 0; i < kNum; ++i) {
+    const std::uint16_t h = fp16_from_float(v[i]);
+    data.append(reinterpret_cast<const char*>(&h), 2);
+  }
+  for (int i = 0; i < kNum; ++i) {
+    const double d = v[i];
+    data.append(reinterpret_cast<const char*>(&d), 8);
+  }
+  std::string header = R"({"pad":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},)"
+                       R"("a.weight":{"dtype":"F16","shape":[8,64],"data_offsets":[1,1025]},)"
+                       R"("b.weight":{"dtype":"F64","shape":[8,64],"data_offsets":[1025,5121]}})";
+  while ((8 + header.size()) % 8 != 0) header += ' ';  // the data section starts 8-aligned
+  const std::uint64_t hlen = header.size();
+  const fs::path in = t.path / "odd.safetensors", out = t.path / "odd_q.safetensors";
+  {
+    std::ofstream f(in, std::ios::binary);
+    f.write(reinterpret_cast<const char*>(&hlen), 8);
+    f << header << data;
+  }
+  {
+    const SafetensorsFile sf(in);
+    ASSERT_EQ(reinterpret_cast<std::uintptr_t>(sf.get("a.weight").data) % 2, 1u);  // the case under test
+    ASSERT_EQ(reinterpret_cast<std::uintptr_t>(sf.get("b.weight").data) % 8, 1u);
+  }
+  quantize_file(in, out, "weight$", quiet());
+  FitOptions fo;
+  fo.threads = 1;
+  const LutbTensor ref = quantize(v.data(), LutbShape{1, kN, kK, false}, fo, nullptr, "ref");
+  const SafetensorsFile q(out);
+  for (const char* name : {"a.weight", "b.weight"}) {
+    SCOPED_TRACE(name);
+    const TensorView& p = q.get(std::string(name) + "_packed");
+    const TensorView& c = q.get(std::string(name) + "_codebook");
+    const TensorView& s = q.get(std::string(name) + "_scale");
+    EXPECT_EQ(std::vector<std::uint8_t>(p.data, p.data + p.nbytes), ref.packed);
+    EXPECT_EQ(std::vector<std::uint8_t>(c.data, c.data + c.nbytes), ref.codebook);
+    EXPECT_EQ(std::vector<std::uint8_t>(s.data, s.data + s.nbytes), ref.scale);
+  }
 }
 
 }  // namespace

@@ -2,6 +2,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 
 #include "lutb/checkpoint.hpp"
 #include "lutb/model.hpp"
@@ -92,6 +94,35 @@ TEST(TransformerConfigTest, Errors) {
   EXPECT_THROW(TransformerConfig::from_json(j, "x"), ModelError);
   lutb::test::TempDir tmp;
   EXPECT_THROW(TransformerConfig::load(tmp.path), ModelError);  // no config.json
+}
+
+// Regression (new-user test, session 10): a config.json that is a directory failed with the stream's
+// "basic_filebuf::underflow error reading the file: Is a directory" (no file named), and a model
+// path that is a file gave "FILE/config.json: cannot open". Both now say what is wrong with which path.
+TEST(TransformerConfigTest, PathErrorsNameThePathAndTheProblem) {
+  lutb::test::TempDir tmp;
+  std::filesystem::create_directory(tmp.path / "config.json");
+  auto message = [](auto&& f) {
+    try {
+      f();
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(message([&] { (void)TransformerConfig::load(tmp.path); }),
+            (tmp.path / "config.json").string() + ": is a directory; the checkpoint's config.json must be a file");
+  EXPECT_EQ(message([&] { (void)lutb::load_model_config(tmp.path); }),
+            (tmp.path / "config.json").string() + ": is a directory; the checkpoint's config.json must be a file");
+  std::ofstream(tmp.path / "good.safetensors") << "x";
+  EXPECT_EQ(message([&] { (void)TransformerConfig::load(tmp.path / "good.safetensors"); }),
+            (tmp.path / "good.safetensors").string() +
+                ": not a directory (a model is a Hugging Face checkpoint directory holding config.json and "
+                "*.safetensors)");
+  EXPECT_EQ(message([&] { (void)TransformerConfig::load(tmp.path / "nope"); }),
+            (tmp.path / "nope").string() +
+                ": no such directory (a model is a Hugging Face checkpoint directory holding config.json and "
+                "*.safetensors)");
 }
 
 // Regression (QA 2026-11-30): the quantize path (lutb::parse_model_config) and the eval path
