@@ -386,8 +386,13 @@ struct QuantizeSummary {
   std::uint64_t peak_rss_bytes = 0;    // VmHWM of this process at the end (/proc/self/status)
   /// Files of the input checkpoint directory that were not copied because they hold the weights in
   /// another format (see quantize_checkpoint), and symlinked folders (listed with a trailing '/'),
-  /// relative paths, sorted. Empty for quantize_file.
+  /// relative paths, sorted; and the folders .cache/, .huggingface/ (download caches) and .git/,
+/// at any depth, listed with a trailing '/'. Empty for quantize_file.
   std::vector<std::string> skipped_files;
+  /// Things the caller should tell the user about a checkpoint that was written nonetheless (e.g. a
+  /// per-expert LUT-B checkpoint whose expert width is not a multiple of 8: valid (spec 2.2), but
+  /// lutb eval / moe cannot run it). `lutb quantize` prints them on stderr. Empty for quantize_file.
+  std::vector<std::string> warnings;
   /// Bits per weight of the quantised tensors: 8 * bytes_after / weights (3.140625 unpadded).
   double bits_per_weight() const { return weights ? 8.0 * static_cast<double>(bytes_after) / weights : 0.0; }
 };
@@ -406,7 +411,8 @@ std::string format_summary(const QuantizeSummary& s);
 ///   hold the (unquantised) weights in another form are not copied but listed in
 ///   QuantizeSummary::skipped_files: pytorch_model*.bin, consolidated*.{pth,pt,safetensors}
 ///   (Meta / Mistral originals), tf_model*.h5, flax_model*.msgpack, the index files of those, and
-///   *.gguf (a framework reading them would silently load the unquantised weights). Other files,
+///   *.gguf (a framework reading them would silently load the unquantised weights), and the folders
+///   .cache/, .huggingface/ and .git/ (download caches, version control). Other files,
 ///   other *.safetensors data (val_tokens, activations) included, are copied; the flag of
 ///   QuantizeOptions::interrupt is polled per MB while they are.
 /// - Streaming: tensors are processed one at a time from the memory-mapped source; the source pages
@@ -419,12 +425,13 @@ std::string format_summary(const QuantizeSummary& s);
 ///   any error the temporary directory is removed and out_dir is untouched. An out_dir that appears
 ///   during the run is not replaced without force (CheckpointError "appeared while the output was
 ///   being written"), and with force the rules above are applied to it again.
-/// Errors: CheckpointError when out_dir exists (without force), equals in_dir, or in_dir is already
-/// LUT-B, when a routed-expert tensor's shape or expert index contradicts config.json, when a MoE
+/// Errors: CheckpointError when out_dir exists (without force), equals in_dir, is named *.safetensors,
+/// or in_dir is already LUT-B, when a routed-expert tensor's shape or expert index contradicts config.json, when a MoE
 /// layer's routed experts are incomplete (a MoE layer below num_hidden_layers without them, or
 /// one missing any expert's projection or one of the stacked pair), or when a MoE layer's routed experts have a bias tensor ("... LUT-B online MoE
 /// quantization does not support bias.", spec 6); ConfigError / SafetensorsError for bad input; std::invalid_argument naming the tensor and
-/// tile for NaN/Inf weights (from the fitter); CheckpointError for a non-float expert tensor.
+/// tile for NaN/Inf weights and magnitudes needing a scale byte above 246 (from the fitter, prefixed
+/// with the source file); CheckpointError for a non-float expert tensor.
 QuantizeSummary quantize_checkpoint(const std::filesystem::path& in_dir, const std::filesystem::path& out_dir,
                                     const QuantizeOptions& opt = {});
 

@@ -33,8 +33,9 @@ nlohmann::json number_or_null(double v) { return std::isfinite(v) ? nlohmann::js
 
 void run_eval(const EvalArgs& a) {
   ensure_runtime_env();
-  model::set_threads(a.threads);
-  const model::MoeOptions mo = a.quant.resolve(a.model_dir, a.threads);
+  const int threads = effective_threads(a.threads);
+  model::set_threads(threads);
+  const model::MoeOptions mo = a.quant.resolve(a.model_dir, threads);
   // The config and the tokens first, so that a bad file fails before the weights load; every
   // message names its file.
   const model::TransformerConfig config = model::TransformerConfig::load(a.model_dir);
@@ -137,13 +138,20 @@ void add_eval(CLI::App& app) {
   auto* cmd = app.add_subcommand("eval", "Held-out loss of a MoE language model on the CPU (spec section 8)");
   cmd->add_option("model_dir", args->model_dir, "Hugging Face checkpoint directory (BF16 or LUT-B)")->required();
   args->quant.add_to(cmd);
-  cmd->add_option("--tokens", args->tokens, "safetensors file with input_ids (default MODEL_DIR/val_tokens.safetensors)");
+  auto* tokens_opt =
+      cmd->add_option("--tokens", args->tokens, "safetensors file with input_ids (default MODEL_DIR/val_tokens.safetensors)");
   cmd->add_flag("--json", args->json, "print one JSON object as the last line of stdout");
-  cmd->add_option("--threads", args->threads, "threads (default: all cores)")->check(ThreadCount());
+  cmd->add_option("--threads", args->threads,
+                  "threads (default: all cores; more than the processors available are reduced to that number, "
+                  "with a note)")
+      ->check(ThreadCount());
   cmd->add_option("--max-windows", args->max_windows, "evaluate only the first N windows (0 = all)")
       ->check(IntRange<std::int64_t>(0, std::numeric_limits<std::int64_t>::max()));
   cmd->add_option("--batch", args->batch, "windows per forward pass (changes only the FP32 summation order: results agree to ~1e-5)")->check(IntRange<std::int64_t>(1, 4096));
-  cmd->callback([args] { run_eval(*args); });
+  cmd->callback([args, tokens_opt] {
+    check_not_empty(tokens_opt, args->tokens, "tokens file name");
+    run_eval(*args);
+  });
 }
 
 }  // namespace lutb::cli

@@ -14,6 +14,7 @@
 #include <CLI/CLI.hpp>
 #include <fmt/core.h>
 
+#include "cli/validators.hpp"
 #include "lutb/checkpoint.hpp"
 #include "lutb/fit.hpp"
 #include "lutb/model.hpp"
@@ -62,6 +63,7 @@ struct ModelQuantArgs {
   std::string activations;  // empty = mxfp8 with LUT-B weights, bf16 otherwise
   std::string fitter;       // empty = the default fitter
   std::string kernel = "fast";
+  const CLI::Option* fitter_opt = nullptr;  // to tell `--fitter ""` from no --fitter
 
   /// Registers --quant, `act_flag` (--activations for eval, --act-format for moe), --fitter, --kernel.
   void add_to(CLI::App* cmd, const std::string& act_flag = "--activations") {
@@ -71,12 +73,13 @@ struct ModelQuantArgs {
     cmd->add_option(act_flag, activations, "activations entering the expert GEMMs: bf16 or mxfp8 "
                                            "(default mxfp8 with LUT-B weights, bf16 otherwise)")
         ->check(CLI::IsMember({"bf16", "mxfp8"}));
-    cmd->add_option("--fitter", fitter, "LUT-B fitter for the online method (default: the default fitter)");
+    fitter_opt = cmd->add_option("--fitter", fitter, "LUT-B fitter for the online method (default: the default fitter)");
     cmd->add_option("--kernel", kernel, "LUT-B emulation kernel: fast, reference, dequantized")
         ->check(CLI::IsMember({"fast", "reference", "dequantized"}));
   }
 
   model::MoeOptions resolve(const std::string& model_dir, int threads) const {
+    if (fitter_opt != nullptr && fitter_opt->count() > 0 && fitter.empty()) check_fitter_option(fitter_opt, fitter);
     model::MoeOptions o;
     std::string q = quant;
     bool lutb_ckpt = false;

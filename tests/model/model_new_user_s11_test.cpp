@@ -1,0 +1,114 @@
+// Defects a new user found in session 11 in the model layer (each test failed on the code before its
+// fix): quantising the experts of a BF16 checkpoint on the fly (`lutb eval / moe --quant lutb`)
+// reported a bad weight in the fused stack ("quantize: tensor w2_weight, expert 3, tile (0, 1): NaN
+// at row 5 col 70"), naming neither the file, the layer nor the stored tensor; and a stored scale
+// byte whose weights overflow FP32 gave a NaN loss naming no tensor.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "lutb/checkpoint.hpp"
+#include "lutb/model.hpp"
+#include "model/model_test_util.hpp"
+#include "support/test_support.hpp"
+
+namespace lutb {
+namespace {
+
+namespace fs = std::filesystem;
+using test::TempDir;
+
+SynthOptions small(bool stacked) {
+  SynthOptions o;
+  o.family = ModelFamily::qwen3_moe;
+  o.layers = 1;
+  o.hidden_size = 128;
+  o.moe_intermediate_size = 64;
+  o.num_experts = 4;
+  o.stacked = stacked;
+  o.progress = false;
+  return o;
+}
+
+// Overwrites 2 bytes at element `index` of BF16 tensor `name` in safetensors file `file`.
+void poke_bf16(const fs::path& file, const std::string& name, std::size_t index, std::uint16_t value) {
+  std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+  std::uint64_t hn = 0;
+  f.read(reinterpret_cast<char*>(&hn), 8);
+  std::string header(hn, '\0');
+  f.read(header.data(), static_cast<std::streamsize>(hn));
+  const auto j = nlohmann::json::parse(header);
+  f.seekp(static_cast<std::streamoff>(8 + hn + j.at(name).at("data_offsets")[0].get<std::uint64_t>() + 2 * index));
+  f.write(reinterpret_cast<const char*>(&value), 2);
+}
+
+std::string build_error(const fs::path& dir, model::Quant q) {
+  model::MoeOptions o;
+  o.quant = q;
+  try {
+    model::CheckpointMoe moe(dir, o);
+    moe.build(0);
+  } catch (const model::ModelError& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    return std::string("wrong exception type: ") + e.what();
+  }
+  return "no exception";
+}
+
+TEST(NewUserS11, OnTheFlyQuantisationNamesTheStoredTensor) {
+  TempDir t;
+  synthesize_checkpoint(t.path / "pe", small(false));
+  const fs::path file = t.path / "pe" / "model.safetensors";
+  // Per-expert: expert 1's up_proj [64, 128], row 5 col 7 (row 69 of the fused [2I, H] stack).
+  poke_bf16(file, "model.layers.0.mlp.experts.1.up_proj.weight", 5 * 128 + 7, 0x7fc0);
+  EXPECT_EQ(build_error(t.path / "pe", model::Quant::Lutb),
+            file.string() +
+                ": tensor model.layers.0.mlp.experts.1.up_proj.weight (layer 0, expert 1), row 5 col 7: NaN; a "
+                "non-finite weight cannot be quantised to LUT-B (spec 2.1)");
+  EXPECT_EQ(build_error(t.path / "pe", model::Quant::Int3G128),
+            file.string() +
+                ": tensor model.layers.0.mlp.experts.1.up_proj.weight (layer 0, expert 1), row 5 col 7: NaN; a "
+                "non-finite weight cannot be quantised to int3-g128");
+  EXPECT_EQ(build_error(t.path / "pe", model::Quant::None), "no exception");  // the BF16 reference runs as stored
+
+  // Stacked: expert 2's gate_up_proj rows, -Inf in the up half; and a magnitude too large for LUT-B
+  // in down_proj.
+  synthesize_checkpoint(t.path / "st", small(true));
+  const fs::path sf = t.path / "st" / "model.safetensors";
+  poke_bf16(sf, "model.layers.0.mlp.experts.down_proj", 3 * 128 * 64 + 100 * 64 + 9, 0x7f7f);  // 3.39e38
+  EXPECT_EQ(build_error(t.path / "st", model::Quant::Lutb),
+            sf.string() +
+                ": tensor model.layers.0.mlp.experts.down_proj (layer 0, expert 3), row 100 col 9: magnitude "
+                "3.3895314e+38 needs a scale byte above 246 (spec section 2); it cannot be quantised to LUT-B");
+  poke_bf16(sf, "model.layers.0.mlp.experts.gate_up_proj", 2 * 128 * 128 + 70 * 128 + 3, 0xff80);
+  EXPECT_EQ(build_error(t.path / "st", model::Quant::Mxfp4),
+            sf.string() +
+                ": tensor model.layers.0.mlp.experts.gate_up_proj (layer 0, expert 2), row 70 col 3: -Inf; a "
+                "non-finite weight cannot be quantised to mxfp4");
+}
+
+// `lutb eval` on a LUT-B checkpoint whose stored scale bytes make the weights overflow FP32: the
+// loader names the tensor and the tile (it printed "non-finite loss" naming no tensor).
+TEST(NewUserS11, EvalOnOverflowingStoredScalesNamesTheTensor) {
+  LUTB_MODEL_OR_SKIP(dir, "tiny-mixtral");
+  TempDir t;
+  const fs::path q = t.path / "q";
+  test::CliResult r = test::run_cli("quantize " + test::quote(dir) + " -o " + test::quote(q) + " --no-progress");
+  ASSERT_EQ(r.status, 0) << r.err;
+  const std::string s = "model.layers.0.block_sparse_moe.experts.5.w2.weight_scale";
+  poke_bf16(q / "model.safetensors", s, 0, 0xFEFE);  // tiles [0, 0] and [0, 1]: scale byte 254
+  r = test::run_cli("eval " + test::quote(q) + " --max-windows 1");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.err.find((q / "model.safetensors").string() + ": tensor " + s +
+                       " (layer 0, expert 5): tile [0, 0] (tile row 0, tile column 0) has scale byte 254"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.out.find("val loss"), std::string::npos) << r.out;
+}
+
+}  // namespace
+}  // namespace lutb
