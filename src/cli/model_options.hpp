@@ -65,7 +65,8 @@ struct ModelQuantArgs {
   std::string kernel = "fast";
   const CLI::Option* fitter_opt = nullptr;  // to tell `--fitter ""` from no --fitter
 
-  /// Registers --quant, `act_flag` (--activations for eval, --act-format for moe), --fitter, --kernel.
+  /// Registers --quant, `act_flag` (--activations or --act-format for eval, --act-format for moe),
+  /// --fitter, --kernel.
   void add_to(CLI::App* cmd, const std::string& act_flag = "--activations") {
     cmd->add_option("--quant", quant, "routed experts: none (BF16), lutb, int3-g128, mxfp4 "
                                       "(default: lutb for a LUT-B checkpoint, none otherwise)")

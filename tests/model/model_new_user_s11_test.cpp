@@ -110,5 +110,42 @@ TEST(NewUserS11, EvalOnOverflowingStoredScalesNamesTheTensor) {
   EXPECT_EQ(r.out.find("val loss"), std::string::npos) << r.out;
 }
 
+// A BF16 checkpoint with NaN weights: `lutb eval` said "non-finite loss" naming no tensor (the
+// quantisation statistics that name one exist only for --quant lutb / int3-g128 / mxfp4).
+TEST(NewUserS11, NonFiniteLossNamesTheStoredTensor) {
+  LUTB_MODEL_OR_SKIP(dir, "tiny-mixtral");
+  TempDir t;
+  const fs::path m = t.path / "m";
+  fs::create_directories(m);
+  for (const char* f : {"config.json", "model.safetensors", "val_tokens.safetensors"}) {
+    fs::copy_file(dir / f, m / f);
+    fs::permissions(m / f, fs::perms::owner_read | fs::perms::owner_write);
+  }
+  for (int e = 0; e < 8; ++e)
+    poke_bf16(m / "model.safetensors", "model.layers.1.block_sparse_moe.experts." + std::to_string(e) + ".w2.weight", 0,
+              0x7fc0);
+  const test::CliResult r = test::run_cli("eval " + test::quote(m) + " --max-windows 1");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.err.find(m.string() + ": non-finite loss (nan) over 255 predicted tokens: a weight, scale or activation "
+                                    "overflowed or is NaN; " +
+                       (m / "model.safetensors").string() +
+                       " holds NaN in tensor model.layers.1.block_sparse_moe.experts.0.w2.weight at [0, 0]; the "
+                       "checkpoint's tensors are likely corrupt"),
+            std::string::npos)
+      << r.err;
+}
+
+// `lutb eval ... --act-format mxfp8` (the flag `lutb moe` uses for the format) failed with "The
+// following arguments were not expected: mxfp8 --act-format"; eval takes it as --activations.
+TEST(NewUserS11, EvalTakesActFormatLikeMoe) {
+  LUTB_MODEL_OR_SKIP(dir, "tiny-mixtral");
+  const test::CliResult a = test::run_cli("eval " + test::quote(dir) + " --act-format mxfp8 --max-windows 1 --json");
+  ASSERT_EQ(a.status, 0) << a.err;
+  const test::CliResult b = test::run_cli("eval " + test::quote(dir) + " --activations mxfp8 --max-windows 1 --json");
+  ASSERT_EQ(b.status, 0) << b.err;
+  EXPECT_EQ(a.json()["activations"], "mxfp8");
+  EXPECT_EQ(a.json()["val_loss"], b.json()["val_loss"]);
+}
+
 }  // namespace
 }  // namespace lutb
