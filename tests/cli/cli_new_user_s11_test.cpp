@@ -70,6 +70,10 @@ TEST(CliNewUserS11, EmptyValuesAreRefused) {
       {"eval " + q(t.path / "in") + " --tokens ''", "--tokens: an empty tokens file name was given"},
       {"moe " + q(t.path / "in") + " --layer 0 --activations ''", "--activations: an empty activations file name was given"},
       {"--experts 2 --tokens 4 --work-dir ''", "--work-dir: an empty directory name was given"},
+      // Not empty, but the same kind: the value as typed ("--nu inf" was printed for 1e400), and the
+      // library's bound (1e7 passed the command line's check and failed in the library).
+      {kSynth + "--nu 1e400 -o " + q(t.path / "s"), "--nu 1e400: must be a number in (2, 1e6]"},
+      {kSynth + "--nu 1e7 -o " + q(t.path / "s"), "--nu 1e7: must be a number in (2, 1e6]"},
   };
   for (const auto& c : cases) {
     const CliOut r = run(c.args);
@@ -79,6 +83,7 @@ TEST(CliNewUserS11, EmptyValuesAreRefused) {
   }
   EXPECT_FALSE(fs::exists(t.path / "o"));
   EXPECT_FALSE(fs::exists(t.path / "w"));
+  EXPECT_FALSE(fs::exists(t.path / "s"));
 }
 
 TEST(CliNewUserS11, ThreadsAboveTheProcessorsAreReducedWithANote) {
