@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <functional>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -133,6 +134,57 @@ TEST(NewUserS11, NonFiniteLossNamesTheStoredTensor) {
                        "checkpoint's tensors are likely corrupt"),
             std::string::npos)
       << r.err;
+}
+
+// config.json values that made `lutb eval` fail later without naming the file or the key ("rope
+// dimension 0 must be even and positive") or compute a NaN loss (a negative rms_norm_eps), and
+// rope types it would have refused only when building the table.
+TEST(NewUserS11, ConfigRopeAndNormValuesNameTheKey) {
+  const nlohmann::json base = {{"model_type", "qwen3_moe"},
+                               {"hidden_size", 256},
+                               {"num_hidden_layers", 2},
+                               {"vocab_size", 64},
+                               {"num_attention_heads", 4},
+                               {"num_key_value_heads", 2},
+                               {"head_dim", 64},
+                               {"num_experts", 4},
+                               {"num_experts_per_tok", 2},
+                               {"moe_intermediate_size", 64},
+                               {"max_position_embeddings", 512},
+                               {"rms_norm_eps", 1e-6},
+                               {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", 10000.0}}}};
+  EXPECT_NO_THROW(model::TransformerConfig::from_json(base, "c.json"));
+  auto err = [&](const std::function<void(nlohmann::json&)>& edit) {
+    nlohmann::json j = base;
+    edit(j);
+    try {
+      model::TransformerConfig::from_json(j, "c.json");
+    } catch (const model::ModelError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no exception");
+  };
+  EXPECT_EQ(err([](nlohmann::json& j) { j["head_dim"] = 0; }),
+            "c.json: key 'head_dim': head_dim 0 x partial_rotary_factor 1 gives a rotary dimension of 0; it must be "
+            "even and positive");
+  EXPECT_EQ(err([](nlohmann::json& j) { j["rms_norm_eps"] = -1; }),
+            "c.json: key 'rms_norm_eps': must be a finite number >= 0, got -1");
+  EXPECT_EQ(err([](nlohmann::json& j) { j["rope_parameters"]["rope_type"] = "dynamic"; }),
+            "c.json: key 'rope_parameters.rope_type': \"dynamic\" is not supported (default, linear, yarn)");
+  EXPECT_EQ(err([](nlohmann::json& j) {
+              j["rope_parameters"]["rope_type"] = "linear";
+              j["rope_parameters"]["factor"] = 0;
+            }),
+            "c.json: key 'rope_parameters.factor': must be a positive finite number for rope_type \"linear\", got 0");
+  EXPECT_EQ(err([](nlohmann::json& j) { j["rope_parameters"]["rope_theta"] = -5; }),
+            "c.json: key 'rope_parameters.rope_theta': must be a positive finite number, got -5");
+  EXPECT_EQ(err([](nlohmann::json& j) {
+              j["rope_parameters"]["rope_type"] = "yarn";
+              j["rope_parameters"]["factor"] = 4;
+              j.erase("max_position_embeddings");
+            }),
+            "c.json: key 'rope_parameters.original_max_position_embeddings': required for rope_type \"yarn\" (or "
+            "max_position_embeddings), and positive");
 }
 
 // `lutb eval ... --act-format mxfp8` (the flag `lutb moe` uses for the format) failed with "The
