@@ -314,8 +314,15 @@ class Checkpoint {
   /// quantization_config.logical_shapes entry) or FormatError (a NaN codebook byte 0x7F/0xFF, a
   /// scale byte 255), each naming the file that holds the tensor, the tensor as stored, the layer
   /// (and expert) and, for data errors, the tile in that tensor's grid; std::invalid_argument for
-  /// fit.threads < 0 (online fit only).
+  /// fit.threads < 0 (online fit only), and for a source weight the fit cannot take (NaN, +-Inf,
+  /// or a magnitude needing a scale byte above 246), naming it as expert_location() does.
   ExpertsLutb lutb_experts(std::int64_t layer, const FitOptions& fit = {}, FitStats* stats = nullptr) const;
+  /// Where element (expert, row, col) of layer L's fused w13 [E, 2I, H] (`w13` true; gate rows, then
+  /// up rows) or w2 [E, H, I] stack is stored, for messages: "FILE: tensor NAME (layer L, expert E),
+  /// row R col C", in the stored tensor's own rows (per-expert gate / up / down, or the stacked
+  /// gate_up_proj / down_proj).
+  std::string expert_location(std::int64_t layer, bool w13, std::int64_t expert, std::int64_t row,
+                              std::int64_t col) const;
   /// One stored LUT-B projection stacked over experts: gate/up [E, I, H] or down [E, H, I] (any I
   /// for per-expert tensors). Throws CheckpointError when the layer is not stored as LUT-B,
   /// FormatError for gate/up of a stacked gate_up tensor with I % 8 != 0 (its tiles straddle gate

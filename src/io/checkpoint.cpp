@@ -1,5 +1,6 @@
 // Checkpoint: loading a Hugging Face MoE checkpoint's layers (spec section 7) and stored LUT-B
 // experts (spec section 2.2).
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -403,6 +404,45 @@ LutbTensor Checkpoint::lutb_projection(std::int64_t L, Proj p) const {
   return out;
 }
 
+std::string Checkpoint::expert_location(std::int64_t L, bool w13, std::int64_t expert, std::int64_t row,
+                                        std::int64_t col) const {
+  const std::int64_t I = config_.moe_intermediate_size;
+  std::string name = find_stacked(L, w13, "");
+  if (name.empty()) {
+    const Proj p = !w13 ? Proj::down : (row < I ? Proj::gate : Proj::up);
+    if (p == Proj::up) row -= I;
+    name = expert_weight_name(config_, L, expert, p);
+  }
+  return fmt::format("{}: tensor {} (layer {}, expert {}), row {} col {}", file_of(name), name, L, expert, row, col);
+}
+
+namespace {
+// The first source weight of a fused expert stack the LUT-B fit refuses (NaN, +-Inf, or a magnitude
+// whose tile would need a scale byte above 246, spec 2), located with Checkpoint::expert_location,
+// as std::invalid_argument. The fit reported "quantize: tensor model.layers.0.mlp w13, expert 1,
+// tile (8, 0): NaN at row 69 col 7": a fused stack, no file (new-user QA session 11).
+void check_fittable(const Checkpoint& ck, std::int64_t L, bool w13, const DenseStack& s) {
+  const std::int64_t n = s.numel(), per = s.rows * s.cols;
+  std::vector<float> v(static_cast<std::size_t>(std::min<std::int64_t>(n, per)));
+  for (std::int64_t e = 0; e * per < n; ++e) {
+    detail::convert_to_f32(s.data.data() + static_cast<std::size_t>(e * per) * dtype_size(s.dtype), s.dtype, v.data(),
+                           per);
+    for (std::int64_t i = 0; i < per; ++i) {
+      const float x = v[static_cast<std::size_t>(i)];
+      std::string what;
+      if (!std::isfinite(x))
+        what = std::string(std::isnan(x) ? "NaN" : (x > 0 ? "+Inf" : "-Inf")) +
+               "; a non-finite weight cannot be quantised to LUT-B (spec 2.1)";
+      else if (x != 0.0f && ue8m0_rceil(std::fabs(x)) > 246)
+        what = fmt::format("magnitude {} needs a scale byte above 246 (spec section 2); it cannot be quantised to LUT-B",
+                           std::fabs(x));
+      if (!what.empty())
+        throw std::invalid_argument(fmt::format("{}: {}", ck.expert_location(L, w13, e, i / s.cols, i % s.cols), what));
+    }
+  }
+}
+}  // namespace
+
 ExpertsLutb Checkpoint::lutb_experts(std::int64_t L, const FitOptions& fit, FitStats* stats) const {
   check_moe_layer(L);
   const std::int64_t E = config_.num_experts, H = config_.hidden_size, I = config_.moe_intermediate_size;
@@ -412,6 +452,8 @@ ExpertsLutb Checkpoint::lutb_experts(std::int64_t L, const FitOptions& fit, FitS
       throw std::invalid_argument(fmt::format("FitOptions::threads {}: must be >= 0 (0 = all cores)", fit.threads));
     // The online method: fit the source stacks as w13 [E, 2I, H] and w2 [E, H, I].
     ExpertsSource s = experts_source(L);
+    check_fittable(*this, L, true, s.w13);
+    check_fittable(*this, L, false, s.w2);
     const std::string base = moe_prefix(config_, L);
     FitStats a = quantize(s.w13.ptr(), s.w13.dtype, LutbShape{E, 2 * I, H, true}, r.w13, fit, base + " w13");
     s.w13.data = {};

@@ -55,25 +55,7 @@ class CheckpointExperts final : public ExpertSource {
   }
 
   std::string locate(int layer, bool w13, std::int64_t expert, std::int64_t row, std::int64_t col) const override {
-    const ModelConfig& c = ck_.config();
-    const std::int64_t I = c.moe_intermediate_size;
-    std::string name;
-    if (ck_.experts_stacked(layer)) {
-      // The stacked names (Mixtral checkpoints saved by transformers 5 use "mlp" for "block_sparse_moe").
-      std::vector<std::string> cands = {w13 ? stacked_gate_up_name(c, layer) : stacked_down_name(c, layer)};
-      if (c.family == ModelFamily::mixtral)
-        cands.push_back(fmt::format("model.layers.{}.mlp.experts.{}", layer, w13 ? "gate_up_proj" : "down_proj"));
-      name = cands.front();
-      for (const auto& n : cands)
-        if (ck_.contains(n)) name = n;
-    } else {
-      const Proj p = !w13 ? Proj::down : (row < I ? Proj::gate : Proj::up);
-      if (p == Proj::up) row -= I;
-      name = expert_weight_name(c, layer, expert, p);
-    }
-    const std::string file =
-        ck_.contains(name) ? ck_.tensors().file_of(name).path().string() : ck_.dir().string();
-    return fmt::format("{}: tensor {} (layer {}, expert {}), row {} col {}", file, name, layer, expert, row, col);
+    return ck_.expert_location(layer, w13, expert, row, col);
   }
 
  private:

@@ -105,6 +105,28 @@ TEST(NewUserS11, FitErrorsNameTheSourceFile) {
   EXPECT_FALSE(fs::exists(t.path / "out.safetensors"));
 }
 
+// Finding: the online fit of Checkpoint::lutb_experts(L, fit) on a BF16 checkpoint reported a bad
+// weight in the fused stack ("quantize: tensor model.layers.0.mlp w13, expert 1, tile (8, 0): NaN
+// at row 69 col 7"): no file, no stored tensor.
+TEST(NewUserS11, OnlineFitOfACheckpointNamesTheStoredTensor) {
+  TempDir t;
+  synthesize_checkpoint(t.path / "in", small());
+  const fs::path file = t.path / "in" / "model.safetensors";
+  const std::uint16_t nan = 0x7fc0, big = 0x7f7f;  // NaN; 3.3895314e+38 (needs a scale byte above 246)
+  poke(file, "model.layers.0.mlp.experts.3.down_proj.weight", (7 * 64 + 9) * 2, &big, 2);
+  EXPECT_EQ(error_of<std::invalid_argument>([&] { Checkpoint(t.path / "in").lutb_experts(0); }),
+            file.string() +
+                ": tensor model.layers.0.mlp.experts.3.down_proj.weight (layer 0, expert 3), row 7 col 9: magnitude "
+                "3.3895314e+38 needs a scale byte above 246 (spec section 2); it cannot be quantised to LUT-B");
+  poke(file, "model.layers.0.mlp.experts.1.up_proj.weight", (5 * 128 + 7) * 2, &nan, 2);  // w13 row 69
+  EXPECT_EQ(error_of<std::invalid_argument>([&] { Checkpoint(t.path / "in").lutb_experts(0); }),
+            file.string() +
+                ": tensor model.layers.0.mlp.experts.1.up_proj.weight (layer 0, expert 1), row 5 col 7: NaN; a "
+                "non-finite weight cannot be quantised to LUT-B (spec 2.1)");
+  EXPECT_EQ(Checkpoint(t.path / "in").expert_location(0, true, 2, 3, 4),
+            file.string() + ": tensor model.layers.0.mlp.experts.2.gate_proj.weight (layer 0, expert 2), row 3 col 4");
+}
+
 // Finding: an F64 weight beyond the FP32 range became +Inf when narrowed for the fitter and was
 // reported as "+Inf at row 9 col 70"; a huge FP32-range magnitude printed 39 digits and ".000000".
 TEST(NewUserS11, F64BeyondFp32IsReportedWithItsMagnitude) {
