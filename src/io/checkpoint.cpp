@@ -230,10 +230,11 @@ ExpertsSource Checkpoint::experts_source(std::int64_t L) const {
   s.w2.data.resize(static_cast<std::size_t>(s.w2.numel()) * es);
   for (std::int64_t e = 0; e < E; ++e) {
     std::uint8_t* w13 = s.w13.data.data() + static_cast<std::size_t>(e * 2 * I * H) * es;
-    copy_float(dir_, file_of(expert_weight_name(config_, L, e, Proj::gate)), tensor(expert_weight_name(config_, L, e, Proj::gate)), {I, H}, dt, w13);
-    copy_float(dir_, file_of(expert_weight_name(config_, L, e, Proj::up)), tensor(expert_weight_name(config_, L, e, Proj::up)), {I, H}, dt, w13 + static_cast<std::size_t>(I * H) * es);
-    copy_float(dir_, file_of(expert_weight_name(config_, L, e, Proj::down)), tensor(expert_weight_name(config_, L, e, Proj::down)), {H, I}, dt,
-               s.w2.data.data() + static_cast<std::size_t>(e * H * I) * es);
+    const std::string g = expert_weight_name(config_, L, e, Proj::gate), u = expert_weight_name(config_, L, e, Proj::up),
+                      d = expert_weight_name(config_, L, e, Proj::down);
+    copy_float(dir_, file_of(g), tensor(g), {I, H}, dt, w13);
+    copy_float(dir_, file_of(u), tensor(u), {I, H}, dt, w13 + static_cast<std::size_t>(I * H) * es);
+    copy_float(dir_, file_of(d), tensor(d), {H, I}, dt, s.w2.data.data() + static_cast<std::size_t>(e * H * I) * es);
   }
   return s;
 }

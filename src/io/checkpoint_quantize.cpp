@@ -102,11 +102,11 @@ void check_f64_range(const fs::path& file, const Planned& p, const TensorView& v
                        col = i % p.shape.cols;
     char buf[32];
     const auto r = std::to_chars(buf, buf + sizeof(buf), std::fabs(x));
-    throw std::invalid_argument(fmt::format("{}: tensor {}{}, tile ({}, {}): magnitude {} at row {} col {} needs a scale byte "
-                                      "above 246 (spec section 2; it is beyond the FP32 range, the fitters read F64 "
-                                      "weights as F32); nothing written",
-                                      file.string(), p.name, p.shape.stacked ? fmt::format(", expert {}", e) : "",
-                                      row / kTileRows, col / kTileCols, std::string_view(buf, r.ptr - buf), row, col));
+    throw std::invalid_argument(fmt::format(
+        "{}: tensor {}{}, tile ({}, {}): magnitude {} at row {} col {} needs a scale byte above 246 (spec section 2; "
+        "it is beyond the FP32 range, the fitters read F64 weights as F32); nothing written",
+        file.string(), p.name, p.shape.stacked ? fmt::format(", expert {}", e) : "", row / kTileRows, col / kTileCols,
+        std::string_view(buf, static_cast<std::size_t>(r.ptr - buf)), row, col));
   }
 }
 
