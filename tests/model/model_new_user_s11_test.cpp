@@ -187,6 +187,26 @@ TEST(NewUserS11, ConfigRopeAndNormValuesNameTheKey) {
             "max_position_embeddings), and positive");
 }
 
+// `--kernel reference` with BF16 (or INT3 / MXFP4) experts was silently ignored, unlike --fitter.
+TEST(NewUserS11, KernelWithoutLutbExpertsIsAnError) {
+  LUTB_MODEL_OR_SKIP(dir, "tiny-mixtral");
+  test::CliResult r = test::run_cli("eval " + test::quote(dir) + " --kernel reference --max-windows 1");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.err.find("lutb: error: --kernel reference only applies to LUT-B experts (--quant lutb, or a LUT-B "
+                       "checkpoint); the experts here are --quant none"),
+            std::string::npos)
+      << r.err;
+  r = test::run_cli("moe " + test::quote(dir) + " --layer 0 --quant mxfp4 --kernel fast --activations " +
+                    test::quote(dir / "moe_activations.safetensors"));
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.err.find("--kernel fast only applies to LUT-B experts (--quant lutb, or a LUT-B checkpoint); the "
+                       "experts here are --quant mxfp4"),
+            std::string::npos)
+      << r.err;
+  r = test::run_cli("eval " + test::quote(dir) + " --quant lutb --kernel reference --max-windows 1");
+  EXPECT_EQ(r.status, 0) << r.err;
+}
+
 // `lutb eval ... --act-format mxfp8` (the flag `lutb moe` uses for the format) failed with "The
 // following arguments were not expected: mxfp8 --act-format"; eval takes it as --activations.
 TEST(NewUserS11, EvalTakesActFormatLikeMoe) {
