@@ -396,9 +396,11 @@ struct QuantizeSummary {
   /// relative paths, sorted; and the folders .cache/, .huggingface/ (download caches) and .git/,
 /// at any depth, listed with a trailing '/'. Empty for quantize_file.
   std::vector<std::string> skipped_files;
-  /// Things the caller should tell the user about a checkpoint that was written nonetheless (e.g. a
-  /// per-expert LUT-B checkpoint whose expert width is not a multiple of 8: valid (spec 2.2), but
-  /// lutb eval / moe cannot run it). `lutb quantize` prints them on stderr. Empty for quantize_file.
+  /// Things the caller should tell the user about a checkpoint that was written nonetheless: a
+  /// per-expert LUT-B checkpoint whose expert width is not a multiple of 8 (valid, spec 2.2, but
+  /// lutb eval / moe cannot run it); a copied *.safetensors file holding tensors of the checkpoint
+  /// (unquantised weights in the output). `lutb quantize` prints them on stderr. Empty for
+  /// quantize_file.
   std::vector<std::string> warnings;
   /// Bits per weight of the quantised tensors: 8 * bytes_after / weights (3.140625 unpadded).
   double bits_per_weight() const { return weights ? 8.0 * static_cast<double>(bytes_after) / weights : 0.0; }

@@ -512,6 +512,25 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
       continue;
     }
     detail::check_interrupt(opt.interrupt, out_dir);
+    // Another safetensors file (captured activations, tokens) is copied; one holding tensors of this
+    // checkpoint (a stray shard, a copy of model.safetensors) puts unquantised routed experts into
+    // the LUT-B checkpoint: still copied (it is the user's data), with a warning (new-user QA
+    // session 11: nothing was said).
+    if (rel.extension() == ".safetensors") {
+      try {
+        const SafetensorsFile other(it->path());
+        for (const auto& n : other.names())
+          if (ck.contains(n) || std::regex_match(n, pattern)) {
+            sum.warnings.push_back(fmt::format(
+                "{}: copied {} unquantised: it holds tensor {}{} (a stray shard or a copy of the weights?); delete it "
+                "from the output if the checkpoint's loader would read it",
+                out_dir.string(), fname, n, ck.contains(n) ? " of this checkpoint" : ", a routed expert"));
+            break;
+          }
+      } catch (const std::exception&) {
+        // not a readable safetensors file: copied as any other file
+      }
+    }
     // Contents only: the output gets this process's default permissions, not the source's (a
     // read-only source made the copies read-only; QA 2026-11-30).
     detail::copy_file_contents(it->path(), tmp / rel, opt.interrupt, out_dir);

@@ -256,5 +256,24 @@ TEST(NewUserS11, PerExpertWidthNotAMultipleOf8Warns) {
   EXPECT_TRUE(quantize_checkpoint(t.path / "w64", t.path / "w64_out", quiet()).warnings.empty());
 }
 
+// Finding: a stray copy of the BF16 weights beside the checkpoint's own file (an unlisted shard,
+// "model_backup.safetensors") was copied into the LUT-B checkpoint without a word.
+TEST(NewUserS11, CopiedSafetensorsHoldingTheWeightsWarn) {
+  TempDir t;
+  synthesize_checkpoint(t.path / "in", small());
+  fs::create_directories(t.path / "in" / "old");
+  fs::copy_file(t.path / "in" / "model.safetensors", t.path / "in" / "old" / "model_backup.safetensors");
+  write_safetensors(t.path / "in" / "acts.safetensors",
+                    {{"layers.0.moe_input", OwnedTensor{DType::F32, {1, 2}, std::vector<std::uint8_t>(8, 0)}}});
+  const QuantizeSummary s = quantize_checkpoint(t.path / "in", t.path / "out", quiet());
+  ASSERT_EQ(s.warnings.size(), 1u);
+  EXPECT_TRUE(has(s.warnings[0], (t.path / "out").string() +
+                                     ": copied old/model_backup.safetensors unquantised: it holds tensor model.layers.0."))
+      << s.warnings[0];
+  EXPECT_TRUE(has(s.warnings[0], " of this checkpoint (a stray shard or a copy of the weights?)")) << s.warnings[0];
+  EXPECT_TRUE(fs::exists(t.path / "out" / "old" / "model_backup.safetensors"));  // still the user's data
+  EXPECT_TRUE(fs::exists(t.path / "out" / "acts.safetensors"));
+}
+
 }  // namespace
 }  // namespace lutb
