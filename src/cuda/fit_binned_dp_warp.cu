@@ -37,6 +37,10 @@
 //  - encoding: each lane assigns its 16 values (the CPU's midpoint rule, ties to the lower index);
 //    the per-tile sse and sum of squares are double sums in flat order, so they are accumulated in
 //    exactly that order (lane 0 and lane 1 at once), and only when needed.
+//  - fit_pair_kernel (binned-dp, an experiment selected by launch_warp_tiles, not the default): two
+//    tiles per warp, their DP and refinement at once on the two half-warps (the same functions with
+//    G = 16 lanes per tile, every collective masked to the half); same bytes, slower on the H200
+//    because a warp then holds two tiles' shared memory (docs/perf/fit-gpu.md, fit11).
 // Keep in step with src/fit: tests/cuda/fit_gpu_test.cpp compares the bytes with the CPU's.
 #include <cuda_runtime.h>
 
@@ -290,11 +294,12 @@ __device__ __forceinline__ void descend(int k, int m, int c, int L, int& jlo, in
 }
 
 // One layer k of dp.cpp Dp::solve (cur[j], opt row of layer k for j in [k, m]), level by level.
-// `optk` is the layer's opt row, `lower` the previous layer's (null for k = 2). Levels of at most 32
-// nodes run from a node list carrying each node's start range (what dp.cpp passes down), a group
-// of lanes per node; a level of more than 32 nodes (optimal's deeper trees only) and all below it
-// enumerate the nodes from the tree's shape (descend) and read the start ranges from optk, a lane
-// per node.
+// `optk` is the layer's opt row, `lower` the previous layer's (null for k = 2). Levels of at most G
+// nodes (G = the tile's lanes, 32 or 16) run from a node list carrying each node's start range (what
+// dp.cpp passes down), a group of lanes per node; a level of more than G nodes (optimal's deeper
+// trees only: binned-dp has m <= 46 bin edges, at most 7 + 31 + 7 + 1, so at most 16 nodes a level)
+// and all below it enumerate the nodes from the tree's shape (descend) and read the start ranges
+// from optk, a lane per node.
 template <int U, int G = 32, class S, class Cost>
 __device__ void dp_layer(S& s, int lane, int k, int m, const double* prev, double* cur, std::int16_t* optk,
                          const std::int16_t* lower, const Cost& cost) {
@@ -390,7 +395,7 @@ __device__ __forceinline__ void prescale(Smem<Opt>& s, int lane, int n, int from
 
 // dp.cpp dp_fit over m + 1 positions: the bin edges s.pos[0..m] (binned-dp) or every distinct value
 // (optimal, m = n). Leaves s.K, s.entries, s.bounds and (optimal) s.cost = the DP minimum / inv^2.
-// G: the lanes of the tile (32, or the half-warp of fit_pair_kernel, binned-dp only); `lane` is
+// G: the lanes of the tile (32, or the half-warp of fit_pair_kernel, binned-dp only); `lane_w` is
 // the warp lane.
 template <int U, int Ar, bool Opt, int G = 32>
 __device__ void dp_fit_warp(Smem<Opt>& s, int lane_w, int m, int scale) {
