@@ -137,8 +137,7 @@ int main(int argc, char** argv) {
   // best of 3 after a warm-up, and whether bytes and per-tile sums equal `ref`'s (whole stack).
   // tpw: 1, 2 (DP and refinement on the half-warps), 3 (= 2 with the refinement on all lanes), 4 (= 1
   // with its resident warps per SM capped at the 2-tile kernel's by kPad bytes of dynamic shared
-  // memory per block), 5 (1 tile per warp, DP levels with a group of lanes per node: before fit11),
-  // 6 (1 tile per warp, DP levels' evaluations spread evenly over the lanes).
+  // memory per block).
   constexpr int kPad = 24576;
   auto time_tiles = [&](int tpw, const lutb::cuda::DeviceFitOut* ref) {
     lutb::cuda::fit_internal::KernelArgs ka{d_w, 1, N, K, s.tiles_n(), s.tiles_k(), tiles, 0, out[3], -1, d_err};
@@ -147,7 +146,6 @@ int main(int argc, char** argv) {
       ok(cudaMemset(d_err, 0xff, 8));
       ok(cudaEventRecord(a));
       if (tpw == 4) lutb::cuda::fit_internal::launch_warp_padded(ka, kPad, nullptr);
-      else if (tpw >= 5) lutb::cuda::fit_internal::launch_warp_even(ka, tpw == 6, nullptr);
       else lutb::cuda::fit_internal::launch_warp_tiles(ka, tpw == 1 ? 1 : 2, nullptr, tpw == 2);
       ok(cudaEventRecord(b));
       ok(cudaEventSynchronize(b));
@@ -159,10 +157,11 @@ int main(int argc, char** argv) {
     return best * 1e-3;
   };
   if (const char* po = std::getenv("LUTB_BENCH_PROFILE_ONLY"); po != nullptr && std::string(po) == "1") {
-    time_tiles(5, nullptr);
-    time_tiles(6, nullptr);
+    time_tiles(1, nullptr);
+    time_tiles(2, nullptr);
+    time_tiles(3, nullptr);
     ok(cudaDeviceSynchronize());
-    std::printf("profile-only: one launch each of the binned-dp kernel with both DP level layouts, %lld tiles\n",
+    std::printf("profile-only: one launch each of the 1- and 2-tiles-per-warp binned-dp kernels, %lld tiles\n",
                 static_cast<long long>(tiles));
     return 0;
   }
@@ -186,15 +185,10 @@ int main(int argc, char** argv) {
   // fit11: 1 tile per warp (the default) against 2 (the DP and refinement of two tiles on the
   // half-warps), alternated twice in this run: 1, 2, 1, 2; the 2-tile kernel's bytes and sums ==
   // the default's (whole stack).
-  // fit11 run 2: DP levels with a group of lanes per node (before) against the evaluations spread
-  // evenly, alternated twice. (Run 1's 1-tile / 2-tile / capped comparison: LUTB_BENCH_FIT11_TILES=1.)
-  const char* tiles_env = std::getenv("LUTB_BENCH_FIT11_TILES");
-  const bool run_tiles = tiles_env != nullptr && std::string(tiles_env) == "1";
-  double t_tiles[2][6] = {};  // [repetition][variant - 1]
+  double t_tiles[2][4] = {};  // [repetition][variant - 1]
   bool same_tiles = true;
   for (int r = 0; r < 2; ++r)
-    for (int tpw : {1, 2, 3, 4, 5, 6}) {
-      if (tpw <= 4 && !run_tiles) continue;
+    for (int tpw : {1, 2, 3, 4}) {
       t_tiles[r][tpw - 1] = time_tiles(tpw, &out[0]);
       same_tiles = same_tiles && same_out(out[3], out[0]);
     }
@@ -357,17 +351,6 @@ int main(int argc, char** argv) {
   row("GPU warp-per-tile kernel (new), bytes only", t_warp_nostats);
   for (int r = 0; r < 2; ++r) {
     char what[200];
-    for (int v = 4; v < 6; ++v) {
-      std::snprintf(what, sizeof what, "fit11 alternation %d: 1 tile per warp, DP levels %s, with per-tile sums", r + 1,
-                    v == 4 ? "with a group of 32/nodes lanes per node (**before fit11**)"
-                           : "with the evaluations **spread evenly** over the lanes");
-      row(what, t_tiles[r][v]);
-    }
-  }
-  std::printf("| fit11: time of even DP levels / group levels, alternation 1 and 2 | %.3f / %.3f | | | | |\n",
-              t_tiles[0][5] / t_tiles[0][4], t_tiles[1][5] / t_tiles[1][4]);
-  for (int r = 0; r < 2 && run_tiles; ++r) {
-    char what[200];
     static const char* const kTiles[4] = {
         "**1 tile per warp** (the default kernel)", "**2 tiles per warp** (DP + refinement on half-warps)",
         "2 tiles per warp, DP on half-warps, refinement on all lanes",
@@ -377,7 +360,6 @@ int main(int argc, char** argv) {
       row(what, t_tiles[r][v]);
     }
   }
-  if (run_tiles) {
   std::printf("| fit11: time / 1 tile per warp's, alternation 1 and 2: 2 tiles per warp | %.3f / %.3f | | | | |\n",
               t_tiles[0][1] / t_tiles[0][0], t_tiles[1][1] / t_tiles[1][0]);
   std::printf("| fit11: same, 2 tiles per warp (refinement on all lanes) | %.3f / %.3f | | | | |\n",
@@ -388,7 +370,6 @@ int main(int argc, char** argv) {
               "refinement on all lanes / 1 tile capped | %d / %d / %d / %d |\n",
               lutb::cuda::fit_internal::resident_warps_per_sm(0), lutb::cuda::fit_internal::resident_warps_per_sm(1),
               lutb::cuda::fit_internal::resident_warps_per_sm(2), lutb::cuda::fit_internal::resident_warps_per_sm(0, kPad));
-  }
   row("GPU warp kernel variant: DP scans 2 evaluations at a time, with per-tile sums", t_unroll[0][2]);
   row("GPU warp kernel variant: DP scans 4 evaluations at a time, with per-tile sums", t_unroll[0][4]);
   row("GPU **optimal**, warp-per-tile kernel (default: 4 evaluations at a time), with per-tile sums", t_opt);
@@ -446,7 +427,7 @@ int main(int argc, char** argv) {
   std::printf("| warp kernel arithmetic variants (binned-dp 0, 1, 2; optimal 0, 2) == defaults: bytes and sums, whole stack "
               "| %s |\n",
               same_arith ? "yes" : "NO");
-  std::printf("| fit11 variants (DP level layouts; with LUTB_BENCH_FIT11_TILES=1 also 2 tiles per warp, 1 tile capped) == default: bytes and sums, whole stack | %s |\n",
+  std::printf("| fit11 variants (2 tiles per warp, both kinds; 1 tile capped) == default: bytes and sums, whole stack | %s |\n",
               same_tiles ? "yes" : "NO");
   std::printf("| expert 0 bytes GPU == CPU, binned-dp | %s |\n", same ? "yes" : "NO");
   std::printf("| expert 0 bytes GPU == CPU, optimal | %s |\n", same_opt ? "yes" : "NO");

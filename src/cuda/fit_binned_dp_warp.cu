@@ -76,11 +76,6 @@ constexpr int kWin = 2 * kWindow + 1;
 constexpr int kMaxPos = kBins + 2 * kTail + 2;  // binned_dp.cpp's pos[] size: m < kMaxPos
 constexpr int kOptRows = kCodebookSize - 2;     // opt rows of layers 2..7 (row k - 2)
 constexpr int kProfSlots = kProfPhases + 4;      // phases, then tiles, sum n, sum m, refine rounds
-// Even DP levels: the evaluations of one level stored at once. A level's ranges [lo, hi] lie inside
-// its nodes' bounds [ilo, ihi], which tile [k - 1, m - 1] sharing only end points, so a level has at
-// most m + 32 <= 78 evaluations (rounding-level ties can break the tiling: a larger level then takes
-// the lane-per-node scan).
-constexpr int kEvenCap = 80;
 // Cost evaluations issued together in the DP scans (scan_min), per fitter, as measured on the H200
 // (docs/perf/fit-gpu.md, gpufit3 run 2): binned-dp's scans are 1-3 evaluations long, 2 at a time
 // was no faster and 4 6 % slower; optimal's are longer, 4 at a time was 5 % faster than 2 and 10 %
@@ -100,9 +95,6 @@ inline constexpr int kUnroll = Opt ? 4 : 1;
 //      far inside the normal range; hence p[j] * inv - p[i] * inv == (p[j] * inv) - (p[i] * inv)
 //      read from the scaled array, bit for bit.
 inline constexpr int kArith = kWarpArithDefault;
-// binned-dp's DP levels with their evaluations spread evenly over the lanes (dp_layer's Even):
-// the default (fit11); false = a group of 32 / nodes lanes per node (before fit11).
-inline constexpr bool kEvenLevels = kWarpEvenLevelsDefault;
 
 // The table of (count, RN(1/count)) for div_by_count, count = 0..512 (row 0 unused), read through
 // the read-only data cache: the same literals as the host's fit_detail::kCountRecip.
@@ -148,10 +140,6 @@ struct DpTables {
   double buf[2][kMaxPos];
   std::int16_t opt[kOptRows][kMaxPos];
   Node nodes[2][32];  // the nodes of one tree level (at most 32: m - 1 <= 48 end positions)
-  // Even DP levels (kEvenLevels): per node of the level, its first evaluation's index, start and
-  // end position (packed), and the level's run values in evaluation order.
-  int lvl[32];
-  double vals[kEvenCap];
 };
 template <>
 struct DpTables<true> {
@@ -312,10 +300,9 @@ __device__ __forceinline__ void descend(int k, int m, int c, int L, int& jlo, in
 // trees only: binned-dp has m <= 46 bin edges, at most 7 + 31 + 7 + 1, so at most 16 nodes a level)
 // and all below it enumerate the nodes from the tree's shape (descend) and read the start ranges
 // from optk, a lane per node.
-template <int U, int G = 32, bool Even = false, class S, class Cost>
+template <int U, int G = 32, class S, class Cost>
 __device__ void dp_layer(S& s, int lane, int k, int m, const double* prev, double* cur, std::int16_t* optk,
                          const std::int16_t* lower, const Cost& cost) {
-  static_assert(!Even || G == 32);
   constexpr int kLg = G == 32 ? 5 : 4;
   const unsigned gm = grp_mask<G>(lane);
   const int gl = lane & (G - 1);  // lane within the tile's lanes
@@ -331,72 +318,23 @@ __device__ void dp_layer(S& s, int lane, int k, int m, const double* prev, doubl
   int count = 1, L = 0;
   __syncwarp(gm);
   while (count > 0 && count <= G) {
-    bool valid, leader;
+    int lg = 0;
+    while ((1 << lg) < count) ++lg;
+    const int gs = G >> lg;  // lanes per node
+    const int g = gl >> (kLg - lg), sub = gl & (gs - 1);
+    const bool valid = g < count;
     Node nd{0, -1, 0, 0};
     int j = 0, lo = 0, hi = -1;
+    if (valid) {
+      nd = nb[g];
+      j = (nd.jlo + nd.jhi) >> 1;
+      clamp_range(j, nd.ilo, nd.ihi, lo, hi);
+    }
     double bv = inf();
     int bi = INT_MAX;
-    if constexpr (Even) {
-      // A lane per node (lane g holds node g); the level's evaluations spread evenly over all 32
-      // lanes (evaluation e of node g is i = lo_g + e - off_g), stored, then each node's lane takes
-      // the leftmost minimum of its own values in increasing i with the CPU's strict "<".
-      valid = leader = lane < count;
-      if (valid) {
-        nd = nb[lane];
-        j = (nd.jlo + nd.jhi) >> 1;
-        clamp_range(j, nd.ilo, nd.ihi, lo, hi);
-      }
-      const int r = valid ? hi - lo + 1 : 0;  // (>= 1: clamp_range leaves lo <= hi)
-      int incl = r;
-      for (int off = 1; off < 32; off <<= 1) {
-        const int t = __shfl_up_sync(kFull, incl, off);
-        if (lane >= off) incl += t;
-      }
-      const int total = __shfl_sync(kFull, incl, 31), off0 = incl - r;
-      bi = lo;
-      if (total <= kEvenCap) {
-        if (valid) s.dp.lvl[lane] = off0 | (lo << 8) | (j << 16);
-        __syncwarp();
-        for (int base = 0; base < total; base += 32) {
-          // Node of evaluation e = base + lane: the nodes starting at or before e.
-          const bool starts_here = valid && off0 >= base && off0 < base + 32;
-          const unsigned starts = __reduce_or_sync(kFull, starts_here ? 1u << (off0 - base) : 0u);
-          const int before = static_cast<int>(__reduce_add_sync(kFull, valid && off0 < base ? 1u : 0u));
-          const int e = base + lane;
-          if (e < total) {
-            const int g = before + __popc(starts & (0xffffffffu >> (31 - lane))) - 1;
-            const int info = s.dp.lvl[g];
-            const int gj = info >> 16, i = ((info >> 8) & 0xff) + e - (info & 0xff);
-            s.dp.vals[e] = prev[i] + cost(i, gj);
-          }
-        }
-        __syncwarp();
-        if (valid)
-          for (int t = 0; t < r; ++t) {
-            const double v = s.dp.vals[off0 + t];
-            if (v < bv) {  // (every value is finite: the first comparison takes it, as the CPU's start)
-              bv = v;
-              bi = lo + t;
-            }
-          }
-      } else if (valid) {
-        scan_min<U>(prev, lo, hi, 1, j, cost, bv, bi);
-      }
-    } else {
-      int lg = 0;
-      while ((1 << lg) < count) ++lg;
-      const int gs = G >> lg;  // lanes per node
-      const int g = gl >> (kLg - lg), sub = gl & (gs - 1);
-      valid = g < count;
-      if (valid) {
-        nd = nb[g];
-        j = (nd.jlo + nd.jhi) >> 1;
-        clamp_range(j, nd.ilo, nd.ihi, lo, hi);
-      }
-      scan_min<U>(prev, lo + sub, hi, gs, j, cost, bv, bi);
-      group_argmin(bv, bi, gs, gm);
-      leader = valid && sub == 0;
-    }
+    scan_min<U>(prev, lo + sub, hi, gs, j, cost, bv, bi);
+    group_argmin(bv, bi, gs, gm);
+    const bool leader = valid && sub == 0;
     bool hasl = false, hasr = false;
     if (leader) {
       cur[j] = bv;
@@ -459,10 +397,9 @@ __device__ __forceinline__ void prescale(Smem<Opt>& s, int lane, int n, int from
 // (optimal, m = n). Leaves s.K, s.entries, s.bounds and (optimal) s.cost = the DP minimum / inv^2.
 // G: the lanes of the tile (32, or the half-warp of fit_pair_kernel, binned-dp only); `lane_w` is
 // the warp lane.
-template <int U, int Ar, bool Opt, int G = 32, bool Even = false>
+template <int U, int Ar, bool Opt, int G = 32>
 __device__ void dp_fit_warp(Smem<Opt>& s, int lane_w, int m, int scale) {
   static_assert(G == 32 || !Opt);
-  static_assert(!Even || (G == 32 && !Opt));
   const unsigned gm = grp_mask<G>(lane_w);
   const int lane = lane_w & (G - 1);  // lane within the tile's lanes
   const double inv = pow2(127 - scale);
@@ -497,7 +434,7 @@ __device__ void dp_fit_warp(Smem<Opt>& s, int lane_w, int m, int scale) {
     for (int j = 1 + lane; j <= m; j += G) prev[j] = cost(0, j);
     __syncwarp(gm);
     for (int k = 2; k < K; ++k) {
-      dp_layer<U, G, Even>(s, lane_w, k, m, prev, cur, s.dp.opt[k - 2], k > 2 ? s.dp.opt[k - 3] : nullptr, cost);
+      dp_layer<U, G>(s, lane_w, k, m, prev, cur, s.dp.opt[k - 2], k > 2 ? s.dp.opt[k - 3] : nullptr, cost);
       __syncwarp(gm);
       double* t = prev;
       prev = cur;
@@ -998,7 +935,7 @@ __device__ __forceinline__ bool fit_front_b(Smem<Opt>& s, int lane, const Kernel
   return true;
 }
 
-template <bool P, bool Opt, int U, int Ar, bool Ev>
+template <bool P, bool Opt, int U, int Ar>
 __device__ __forceinline__ void fit_one(Smem<Opt>& s, int lane, const KernelArgs& a, std::int64_t lt, Prof& pr) {
   float x[kIpt];
   float am;
@@ -1010,7 +947,7 @@ __device__ __forceinline__ void fit_one(Smem<Opt>& s, int lane, const KernelArgs
   phase<P>(pr, lane, 2);
   if (!fit_front_b<P, Opt, Ar>(s, lane, a, lt, pr, x, am, n, m, sc)) return;
   const TileOut o = tile_out(a, lt);
-  dp_fit_warp<U, Ar, Opt, 32, Ev && !Opt>(s, lane, m, sc);
+  dp_fit_warp<U, Ar>(s, lane, m, sc);
   phase<P>(pr, lane, 4);
   int rounds = 0;  // refinement rounds (binned-dp), scales evaluated below the first (optimal)
   if constexpr (Opt) {
@@ -1051,7 +988,7 @@ __device__ __forceinline__ void fit_one(Smem<Opt>& s, int lane, const KernelArgs
   }
 }
 
-template <bool P, bool Opt, int U, int Ar, bool Ev = kEvenLevels && !Opt>
+template <bool P, bool Opt, int U, int Ar>
 __global__ void __launch_bounds__(32 * Cfg<Opt>::kWarps) fit_warp_kernel(KernelArgs a, unsigned long long* prof) {
   constexpr int kWarps = Cfg<Opt>::kWarps;
   __shared__ Smem<Opt> sm[kWarps];
@@ -1059,7 +996,7 @@ __global__ void __launch_bounds__(32 * Cfg<Opt>::kWarps) fit_warp_kernel(KernelA
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * kWarps;
   Prof pr;
   for (std::int64_t lt = static_cast<std::int64_t>(blockIdx.x) * kWarps + w; lt < a.tiles; lt += stride) {
-    fit_one<P, Opt, U, Ar, Ev>(sm[w], lane, a, lt, pr);
+    fit_one<P, Opt, U, Ar>(sm[w], lane, a, lt, pr);
     __syncwarp();
   }
   if constexpr (P) {
@@ -1213,17 +1150,6 @@ int resident_warps_per_sm(int which, int pad_bytes) {
   if (which == 1) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fit_pair_kernel<kUnroll<false>, kArith, true>, 32, 0);
   else e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fit_pair_kernel<kUnroll<false>, kArith, false>, 32, 0);
   return e == cudaSuccess ? blocks : -1;
-}
-
-void launch_warp_even(const KernelArgs& a, bool even, cudaStream_t stream) {
-  if (a.optimal || a.check_only) throw std::invalid_argument("launch_warp_even: binned-dp fits only");
-  if (a.tiles == 0) return;
-  constexpr int kWarps = Cfg<false>::kWarps;
-  const std::int64_t blocks = std::min<std::int64_t>((a.tiles + kWarps - 1) / kWarps, std::int64_t{1} << 22);
-  if (even) fit_warp_kernel<false, false, kUnroll<false>, kArith, true><<<static_cast<unsigned>(blocks), 32 * kWarps, 0, stream>>>(a, nullptr);
-  else fit_warp_kernel<false, false, kUnroll<false>, kArith, false><<<static_cast<unsigned>(blocks), 32 * kWarps, 0, stream>>>(a, nullptr);
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) throw std::runtime_error(std::string("launch_warp_even: ") + cudaGetErrorString(e));
 }
 
 void launch_warp_padded(const KernelArgs& a, int pad_bytes, cudaStream_t stream) {

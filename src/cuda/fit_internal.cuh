@@ -80,13 +80,6 @@ void launch_warp_padded(const KernelArgs& a, int pad_bytes, cudaStream_t stream)
 /// warp, 2 two tiles per warp with the refinement on all lanes.
 int resident_warps_per_sm(int which, int pad_bytes = 0);
 
-/// binned-dp's DP tree levels (fit11): true = each level's cost evaluations spread evenly over the
-/// 32 lanes and each node's leftmost minimum taken by its own lane from the stored values; false =
-/// a group of 32 / nodes lanes per node, each scanning a strided part of the node's range, combined
-/// by shuffles (before fit11). Same bytes (tested); `launch_warp_even` runs either.
-inline constexpr bool kWarpEvenLevelsDefault = true;
-void launch_warp_even(const KernelArgs& a, bool even, cudaStream_t stream);
-
 /// Error word of a failing tile: (tile << 12) | (code << 9) | position (decode_fit_error).
 __host__ __device__ inline unsigned long long error_word(std::int64_t tile, int code, int pos) {
   return (static_cast<unsigned long long>(tile) << 12) | (static_cast<unsigned long long>(code) << 9) |

@@ -349,18 +349,13 @@ TEST(FitGpu, ScanVariantsSameBytes) {
   cudaFree(d_err);
 }
 
-// A binned-dp launch variant (`launch`: fit_internal::launch_warp_tiles(a, 2), two tiles per warp
-// with the DP and the refinement of two tiles at once, 16 lanes each; or launch_warp_even, the DP
-// levels' two lane layouts) on `src` ([e, n, k], F32 or BF16): the CPU's packed bytes, codebooks,
-// scales, per-tile sums (sse and sum of squares added in tile order == FitStats) and no error word;
-// with `sums` false, the bytes without the per-tile sums. Returns the number of tiles.
-using Launch = void (*)(const cuda::fit_internal::KernelArgs&);
-void launch_two_tiles(const cuda::fit_internal::KernelArgs& a) { cuda::fit_internal::launch_warp_tiles(a, 2, nullptr); }
-void launch_group_levels(const cuda::fit_internal::KernelArgs& a) { cuda::fit_internal::launch_warp_even(a, false, nullptr); }
-void launch_even_levels(const cuda::fit_internal::KernelArgs& a) { cuda::fit_internal::launch_warp_even(a, true, nullptr); }
-
+// The binned-dp kernel with two tiles per warp (fit_internal::launch_warp_tiles(a, 2): the DP and
+// the refinement of two tiles at once, 16 lanes each) on `src` ([e, n, k], F32 or BF16): the CPU's
+// packed bytes, codebooks, scales, per-tile sums (sse and sum of squares added in tile order ==
+// FitStats) and no error word; with `sums` false, the bytes without the per-tile sums. Returns the
+// number of tiles.
 std::int64_t expect_two_tiles_same(const void* src, DType type, const LutbShape& s, int forced_scale = -1,
-                                   bool sums = true, Launch launch = launch_two_tiles) {
+                                   bool sums = true) {
   FitOptions fo;
   fo.forced_scale = forced_scale;
   LutbTensor cpu;
@@ -385,7 +380,7 @@ std::int64_t expect_two_tiles_same(const void* src, DType type, const LutbShape&
                                                        d_out + n * (kPackedBytes + kCodebookSize),
                                                        sums ? d_sums : nullptr, sums ? d_sums + n : nullptr},
                                     forced_scale, d_err};
-  launch(ka);
+  cuda::fit_internal::launch_warp_tiles(ka, 2, nullptr);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   std::vector<std::uint8_t> h(n * (kPackedBytes + kCodebookSize + 1));
   std::vector<double> hs(2 * n);
@@ -405,7 +400,7 @@ std::int64_t expect_two_tiles_same(const void* src, DType type, const LutbShape&
                     kCodebookSize) != 0 ||
         h[n * (kPackedBytes + kCodebookSize) + t] != cpu.scale[t])
       bad = static_cast<std::int64_t>(t);
-  EXPECT_EQ(bad, -1) << "bytes differ first at tile " << bad;
+  EXPECT_EQ(bad, -1) << "two tiles per warp: bytes differ first at tile " << bad;
   if (sums) {
     FitStats sg;
     for (std::size_t t = 0; t < n; ++t) {
@@ -532,52 +527,6 @@ TEST(FitGpu, TwoTilesPerWarpRandom) {
       EXPECT_GT(expect_two_tiles_same(v.data(), DType::F32, s), 0);
     }
   }
-}
-
-// binned-dp's DP levels in both lane layouts (fit_internal::launch_warp_even: each level's
-// evaluations spread evenly over the lanes, fit11's default, or a group of lanes per node, the
-// layout before) write the CPU's bytes and sums: edge tiles (F32, BF16), forced scales, mixed
-// tiles, random Gaussian / Student-t(3) / Laplace stacks incl. FP32 [2, 128, 1024] (512 distinct
-// values per tile: the most bin edges) and padded shapes, without the per-tile sums once.
-TEST(FitGpu, DpLevelLayoutsSameBytes) {
-  LUTB_GPU_OR_SKIP();
-  std::int64_t ne = 0;
-  const std::vector<float> edges = edge_tiles(ne);
-  const auto eb = to_bf16(edges);
-  const auto small = random_values(8 * 64 * 5, Dist::kStudentT3, 0.02f, 9);
-  std::mt19937 g(79);
-  std::uniform_real_distribution<float> ud(-30.0f, 2.0f);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  std::bernoulli_distribution sign(0.5), sparse(0.1);
-  const int nm = 48;
-  std::vector<float> mixed(static_cast<std::size_t>(8 * 64 * nm));
-  for (int t = 0; t < nm; ++t)
-    for (int f = 0; f < 512; ++f) {
-      float v;
-      if (t % 3 == 0) v = (sign(g) ? 1.0f : -1.0f) * std::exp2(ud(g));
-      else if (t % 3 == 1) v = sparse(g) ? 0.05f * nd(g) : 0.0f;
-      else v = 0.001f * static_cast<float>((f * 37) % (33 + t % 32)) - 0.02f;
-      mixed[static_cast<std::size_t>((f / 64) * 64 * nm + t * 64 + f % 64)] = v;
-    }
-  for (const Launch launch : {launch_group_levels, launch_even_levels}) {
-    SCOPED_TRACE(launch == launch_even_levels ? "even levels" : "a group of lanes per node");
-    EXPECT_EQ(expect_two_tiles_same(edges.data(), DType::F32, stack(1, 8, 64 * ne), -1, true, launch), ne);
-    EXPECT_EQ(expect_two_tiles_same(eb.data(), DType::BF16, stack(1, 8, 64 * ne), -1, true, launch), ne);
-    for (int fs : {3, 100, 127, 246}) expect_two_tiles_same(small.data(), DType::F32, stack(1, 8, 320), fs, true, launch);
-    EXPECT_EQ(expect_two_tiles_same(mixed.data(), DType::F32, stack(1, 8, 64 * nm), -1, true, launch), nm);
-    for (const Dist d : {Dist::kGauss, Dist::kStudentT3, Dist::kLaplace}) {
-      const auto v = random_values(2 * 128 * 1024, d, 0.02f, 500 + static_cast<std::uint32_t>(d));
-      EXPECT_EQ(expect_two_tiles_same(v.data(), DType::F32, stack(2, 128, 1024), -1, true, launch), 512);
-      const auto b = to_bf16(random_values(2 * 64 * 512, d, 0.02f, 600 + static_cast<std::uint32_t>(d)));
-      EXPECT_EQ(expect_two_tiles_same(b.data(), DType::BF16, stack(2, 64, 512), -1, d != Dist::kGauss, launch), 128);
-      const auto pv = random_values(3 * 21 * 200, d, 0.02f, 700 + static_cast<std::uint32_t>(d));
-      EXPECT_EQ(expect_two_tiles_same(pv.data(), DType::F32, stack(3, 21, 200), -1, true, launch), 3 * 3 * 4);
-    }
-  }
-  cuda::fit_internal::KernelArgs ka{};
-  ka.tiles = 1;
-  ka.optimal = true;
-  EXPECT_THROW(cuda::fit_internal::launch_warp_even(ka, true, nullptr), std::invalid_argument);
 }
 
 // Heavy mixtures: log-uniform magnitudes over many binades (FP32 sums that round), sparse tiles
