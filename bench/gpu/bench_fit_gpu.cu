@@ -8,6 +8,8 @@
 // thread on the whole stack; GPU == CPU on expert 0 for both fitters.
 //
 //   bench_fit_gpu [E N K] [student]
+// With LUTB_BENCH_PROFILE_ONLY=1: only one launch each of the default binned-dp kernel and the
+// two-tiles-per-warp kernel over the stack (with per-tile sums), for a profiler (ncu), then exit.
 // Weights: i.i.d. Gaussian (sigma 0.02) rounded to BF16, or Student-t(3)-like with "student" (a
 // Gaussian divided by sqrt of a chi-square(3)/3 built from three more Gaussians).
 // Output: markdown lines with seconds, weights/s, the ratio to the thread kernel and the implied
@@ -131,6 +133,38 @@ int main(int argc, char** argv) {
     }
     return best * 1e-3;
   };
+  // binned-dp with 1 (default) or 2 tiles per warp (fit_internal::launch_warp_tiles) into out[3]:
+  // best of 3 after a warm-up, and whether bytes and per-tile sums equal `ref`'s (whole stack).
+  // tpw: 1, 2 (DP and refinement on the half-warps), 3 (= 2 with the refinement on all lanes), 4 (= 1
+  // with its resident warps per SM capped at the 2-tile kernel's by kPad bytes of dynamic shared
+  // memory per block).
+  constexpr int kPad = 24576;
+  auto time_tiles = [&](int tpw, const lutb::cuda::DeviceFitOut* ref) {
+    lutb::cuda::fit_internal::KernelArgs ka{d_w, 1, N, K, s.tiles_n(), s.tiles_k(), tiles, 0, out[3], -1, d_err};
+    float best = 1e30f;
+    for (int rep = 0; rep < 4; ++rep) {  // first = warm-up
+      ok(cudaMemset(d_err, 0xff, 8));
+      ok(cudaEventRecord(a));
+      if (tpw == 4) lutb::cuda::fit_internal::launch_warp_padded(ka, kPad, nullptr);
+      else lutb::cuda::fit_internal::launch_warp_tiles(ka, tpw == 1 ? 1 : 2, nullptr, tpw == 2);
+      ok(cudaEventRecord(b));
+      ok(cudaEventSynchronize(b));
+      float ms = 0;
+      ok(cudaEventElapsedTime(&ms, a, b));
+      if (rep > 0) best = std::min(best, ms);
+      if (ref == nullptr) break;  // (profile only: one launch)
+    }
+    return best * 1e-3;
+  };
+  if (const char* po = std::getenv("LUTB_BENCH_PROFILE_ONLY"); po != nullptr && std::string(po) == "1") {
+    time_tiles(1, nullptr);
+    time_tiles(2, nullptr);
+    time_tiles(3, nullptr);
+    ok(cudaDeviceSynchronize());
+    std::printf("profile-only: one launch each of the 1- and 2-tiles-per-warp binned-dp kernels, %lld tiles\n",
+                static_cast<long long>(tiles));
+    return 0;
+  }
   const double t_thread = time_kernel(lutb::cuda::GpuFitKernel::Thread, out[1]);
   lutb::cuda::DeviceFitOut nostats = out[0];
   nostats.sse = nostats.sum_sq = nullptr;
@@ -148,6 +182,16 @@ int main(int argc, char** argv) {
            host(x.codebook, nt * 8) == host(y.codebook, nt * 8) && host(x.scale, nt) == host(y.scale, nt) &&
            host(x.sse, nt * 8) == host(y.sse, nt * 8) && host(x.sum_sq, nt * 8) == host(y.sum_sq, nt * 8);
   };
+  // fit11: 1 tile per warp (the default) against 2 (the DP and refinement of two tiles on the
+  // half-warps), alternated twice in this run: 1, 2, 1, 2; the 2-tile kernel's bytes and sums ==
+  // the default's (whole stack).
+  double t_tiles[2][4] = {};  // [repetition][variant - 1]
+  bool same_tiles = true;
+  for (int r = 0; r < 2; ++r)
+    for (int tpw : {1, 2, 3, 4}) {
+      t_tiles[r][tpw - 1] = time_tiles(tpw, &out[0]);
+      same_tiles = same_tiles && same_out(out[3], out[0]);
+    }
   // Warp kernel variants: cost evaluations issued together in the DP scans (default: binned-dp 1,
   // optimal 4), same run, same bytes as the default's (whole stack, bytes and per-tile sums).
   constexpr int kDefArith = lutb::cuda::fit_internal::kWarpArithDefault;
@@ -305,6 +349,27 @@ int main(int argc, char** argv) {
   row("GPU warp kernel variant: arithmetic 1, table division, with per-tile sums", t_arith[0][1]);
   row("GPU warp kernel variant: arithmetic 2, table division + e4m3_nearest_fast, with per-tile sums", t_arith[0][2]);
   row("GPU warp-per-tile kernel (new), bytes only", t_warp_nostats);
+  for (int r = 0; r < 2; ++r) {
+    char what[200];
+    static const char* const kTiles[4] = {
+        "**1 tile per warp** (the default kernel)", "**2 tiles per warp** (DP + refinement on half-warps)",
+        "2 tiles per warp, DP on half-warps, refinement on all lanes",
+        "1 tile per warp, resident warps per SM capped like the 2-tile kernel's"};
+    for (int v = 0; v < 4; ++v) {
+      std::snprintf(what, sizeof what, "fit11 alternation %d: %s, with per-tile sums", r + 1, kTiles[v]);
+      row(what, t_tiles[r][v]);
+    }
+  }
+  std::printf("| fit11: time / 1 tile per warp's, alternation 1 and 2: 2 tiles per warp | %.3f / %.3f | | | | |\n",
+              t_tiles[0][1] / t_tiles[0][0], t_tiles[1][1] / t_tiles[1][0]);
+  std::printf("| fit11: same, 2 tiles per warp (refinement on all lanes) | %.3f / %.3f | | | | |\n",
+              t_tiles[0][2] / t_tiles[0][0], t_tiles[1][2] / t_tiles[1][0]);
+  std::printf("| fit11: same, 1 tile per warp capped like the 2-tile kernel | %.3f / %.3f | | | | |\n",
+              t_tiles[0][3] / t_tiles[0][0], t_tiles[1][3] / t_tiles[1][0]);
+  std::printf("| fit11: resident warps per SM (occupancy calculator): 1 tile per warp / 2 tiles / 2 tiles, "
+              "refinement on all lanes / 1 tile capped | %d / %d / %d / %d |\n",
+              lutb::cuda::fit_internal::resident_warps_per_sm(0), lutb::cuda::fit_internal::resident_warps_per_sm(1),
+              lutb::cuda::fit_internal::resident_warps_per_sm(2), lutb::cuda::fit_internal::resident_warps_per_sm(0, kPad));
   row("GPU warp kernel variant: DP scans 2 evaluations at a time, with per-tile sums", t_unroll[0][2]);
   row("GPU warp kernel variant: DP scans 4 evaluations at a time, with per-tile sums", t_unroll[0][4]);
   row("GPU **optimal**, warp-per-tile kernel (default: 4 evaluations at a time), with per-tile sums", t_opt);
@@ -362,7 +427,9 @@ int main(int argc, char** argv) {
   std::printf("| warp kernel arithmetic variants (binned-dp 0, 1, 2; optimal 0, 2) == defaults: bytes and sums, whole stack "
               "| %s |\n",
               same_arith ? "yes" : "NO");
+  std::printf("| fit11 variants (2 tiles per warp, both kinds; 1 tile capped) == default: bytes and sums, whole stack | %s |\n",
+              same_tiles ? "yes" : "NO");
   std::printf("| expert 0 bytes GPU == CPU, binned-dp | %s |\n", same ? "yes" : "NO");
   std::printf("| expert 0 bytes GPU == CPU, optimal | %s |\n", same_opt ? "yes" : "NO");
-  return same && same_opt && same_kernels && same_unroll && same_arith ? 0 : 2;
+  return same && same_opt && same_kernels && same_unroll && same_arith && same_tiles ? 0 : 2;
 }

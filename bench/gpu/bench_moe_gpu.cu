@@ -2,8 +2,10 @@
 // skeleton, same routing, same run; plus the device's measured read bandwidth and cuBLAS BF16 dense
 // throughput. Prints a markdown table (docs/perf/moe-gpu.md is this output).
 //
-// Usage: bench_moe_gpu [--quick] [--shape NAME] [--tokens T]
-//   (NAME: deepseek-v3, qwen3-235b, qwen3-30b, mixtral-8x7b; --tokens runs that one batch size only)
+// Usage: bench_moe_gpu [--quick] [--shape NAME] [--tokens T] [--variants LIST]
+//   (NAME: deepseek-v3, qwen3-235b, qwen3-30b, mixtral-8x7b; --tokens T or T1,T2,...: only those batch sizes;
+//   --variants, e.g. 0,7: only those forwards of the `make` switch, a compact row, no cuBLAS: for
+//   quick A/B runs of kernel changes)
 // Each forward (routing kernel excluded; the routing is precomputed by route_softmax_topk /
 // route_deepseek on random logits) is captured in a CUDA graph; R = 8 different routings are cycled
 // so that the experts touched change from call to call (weights of one call are not in L2 for the
@@ -180,12 +182,30 @@ struct Shape {
 int main(int argc, char** argv) {
   bool quick = false;
   std::string only;
-  long long only_T = 0;
+  std::vector<long long> only_Ts;
+  std::vector<int> variants;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--quick")) quick = true;
     else if (!std::strcmp(argv[i], "--shape") && i + 1 < argc) only = argv[++i];
-    else if (!std::strcmp(argv[i], "--tokens") && i + 1 < argc) only_T = std::atoll(argv[++i]);
+    else if (!std::strcmp(argv[i], "--tokens") && i + 1 < argc) {  // one batch size or a list "1,16"
+      for (const char* c = argv[++i]; *c;) {
+        char* end = nullptr;
+        const long long t = std::strtoll(c, &end, 10);
+        if (end == c) break;
+        if (t > 0) only_Ts.push_back(t);
+        c = *end == ',' ? end + 1 : end;
+      }
+    }
+    else if (!std::strcmp(argv[i], "--variants") && i + 1 < argc) {
+      // Quick A/B rows: only these variants (numbers of the `make` switch below, e.g. "0,7"), a
+      // compact row, no cuBLAS runs.
+      for (const char* c = argv[++i]; *c; ++c)
+        if (*c >= '0' && *c <= '9') variants.push_back(*c - '0');
+    }
   }
+  const bool compact = !variants.empty();
+  if (!compact)
+    for (int v = 0; v < 10; ++v) variants.push_back(v);
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
   std::printf("# device: %s, %d SMs, L2 %d MB, %.1f GB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20,
@@ -206,7 +226,7 @@ int main(int argc, char** argv) {
   std::printf("# measured read bandwidth %.0f GB/s (8 GiB read kernel); D2D copy %.0f GB/s (read + write)\n",
               read_bw / 1e9, copy_bw / 1e9);
   // ---- cuBLAS BF16 dense
-  {
+  if (!compact) {
     const int n = 8192;
     void *A, *B, *C;
     CK(cudaMalloc(&A, 2ull * n * n));
@@ -239,10 +259,18 @@ int main(int argc, char** argv) {
                           {"mixtral-8x7b", 8, 4096, 14336, 2, false}};
   std::vector<long long> Ts = {1, 4, 16, 64, 256, 1024, 4096};
   if (quick) Ts = {1, 16, 256, 4096};
-  if (only_T > 0) Ts = {only_T};
+  if (!only_Ts.empty()) Ts = only_Ts;
   const int R = 8;
+  if (compact) {
+    std::printf("\n| shape | T | experts touched |");
+    for (int v : variants) std::printf(" variant %d us |", v);
+    std::printf(" variant %d %% of read BW |\n|---|---|---|", variants[0]);
+    for (size_t j = 0; j <= variants.size(); ++j) std::printf("---|");
+    std::printf("\n");
+  } else
   std::printf("\n| shape | T | experts touched | LUT-B us | LUT-B byte-dec us | LUT-B decode (swap-AB) us | swap-AB fp8-mma us | LUT-B prefill us | decode-m16 us | BF16 us (best of decode, prefill) | BF16 best | speed-up | LUT-B GB/s | %% of read BW | BF16 GB/s | %% of read BW | LUT-B TFLOP/s | BF16 TFLOP/s | LUT-B no-PDL us | BF16 best no-PDL us | cuBLAS grouped BF16 GEMMs us (T >= 256) | LUT-B vs cuBLAS |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  if (!compact)
+    std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const Shape& s : shapes) {
     if (!only.empty() && only != s.name) continue;
     const long long E = s.E, H = s.H, I = s.I;
@@ -350,7 +378,7 @@ int main(int argc, char** argv) {
         CK(cudaGraphDestroy(g));
         return ge;
       };
-      for (int v = 0; v < 10; ++v) {
+      for (int v : variants) {
         std::vector<cudaGraphExec_t> gs;
         for (int r = 0; r < R; ++r) gs.push_back(make(v, r));
         for (int r = 0; r < R; ++r) CK(cudaGraphLaunch(gs[r], st));
@@ -359,7 +387,7 @@ int main(int argc, char** argv) {
         // Warm-up before the first row of a shape: right after the weights are written, the first
         // variant measured 5-17 % slower at T = 1 than the same configuration measured later in the
         // row (device run 2026-11-30d-run3, docs/perf/moe-gpu.md). ~200 ms of the same graphs first.
-        if (v == 0 && T == Ts.front()) {
+        if (v == variants.front() && T == Ts.front()) {
           cudaEvent_t a, b;
           CK(cudaEventCreate(&a));
           CK(cudaEventCreate(&b));
@@ -394,6 +422,13 @@ int main(int argc, char** argv) {
         for (auto g : gs) CK(cudaGraphExecDestroy(g));
         CK(cudaEventDestroy(a));
         CK(cudaEventDestroy(b));
+      }
+      if (compact) {
+        std::printf("| %s | %lld | %.1f |", s.name, T, touched);
+        for (int v : variants) std::printf(" %.1f |", ms[v] * 1e3);
+        std::printf(" %.0f%% |\n", 100.0 * touched * lutb_expert / (ms[variants[0]] * 1e-3) / read_bw);
+        std::fflush(stdout);
+        continue;
       }
       const double lut_s = ms[0] * 1e-3, bf_s = std::min(ms[4], ms[5]) * 1e-3;
       const double flops = 6.0 * T * s.k * H * I;

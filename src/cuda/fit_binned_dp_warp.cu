@@ -37,6 +37,10 @@
 //  - encoding: each lane assigns its 16 values (the CPU's midpoint rule, ties to the lower index);
 //    the per-tile sse and sum of squares are double sums in flat order, so they are accumulated in
 //    exactly that order (lane 0 and lane 1 at once), and only when needed.
+//  - fit_pair_kernel (binned-dp, an experiment selected by launch_warp_tiles, not the default): two
+//    tiles per warp, their DP and refinement at once on the two half-warps (the same functions with
+//    G = 16 lanes per tile, every collective masked to the half); same bytes, slower on the H200
+//    because a warp then holds two tiles' shared memory (docs/perf/fit-gpu.md, fit11).
 // Keep in step with src/fit: tests/cuda/fit_gpu_test.cpp compares the bytes with the CPU's.
 #include <cuda_runtime.h>
 
@@ -193,11 +197,22 @@ __device__ __forceinline__ void keep_min(double& bv, int& bi, double ov, int oi)
   }
 }
 
-// Leftmost minimum over groups of `gs` lanes (gs a power of two, groups aligned).
-__device__ __forceinline__ void group_argmin(double& bv, int& bi, int gs) {
+// The lanes of a tile: the whole warp (G = 32, one tile per warp) or, in the DP phase of the
+// two-tiles-per-warp kernel (fit_pair_kernel), the half-warp (G = 16) that holds the tile. Every
+// warp collective of the DP and the refinement uses this mask, so the two halves may diverge.
+template <int G>
+__device__ __forceinline__ unsigned grp_mask(int lane) {
+  static_assert(G == 32 || G == 16);
+  if constexpr (G == 32) return kFull;
+  else return 0xffffu << (lane & 16);
+}
+
+// Leftmost minimum over groups of `gs` lanes (gs a power of two, groups aligned, inside the lanes
+// `gm` of one tile).
+__device__ __forceinline__ void group_argmin(double& bv, int& bi, int gs, unsigned gm = kFull) {
   for (int off = gs >> 1; off > 0; off >>= 1) {
-    const double ov = __shfl_xor_sync(kFull, bv, off);
-    const int oi = __shfl_xor_sync(kFull, bi, off);
+    const double ov = __shfl_xor_sync(gm, bv, off);
+    const int oi = __shfl_xor_sync(gm, bi, off);
     keep_min(bv, bi, ov, oi);
   }
 }
@@ -279,14 +294,18 @@ __device__ __forceinline__ void descend(int k, int m, int c, int L, int& jlo, in
 }
 
 // One layer k of dp.cpp Dp::solve (cur[j], opt row of layer k for j in [k, m]), level by level.
-// `optk` is the layer's opt row, `lower` the previous layer's (null for k = 2). Levels of at most 32
-// nodes run from a node list carrying each node's start range (what dp.cpp passes down), a group
-// of lanes per node; a level of more than 32 nodes (optimal's deeper trees only) and all below it
-// enumerate the nodes from the tree's shape (descend) and read the start ranges from optk, a lane
-// per node.
-template <int U, class S, class Cost>
+// `optk` is the layer's opt row, `lower` the previous layer's (null for k = 2). Levels of at most G
+// nodes (G = the tile's lanes, 32 or 16) run from a node list carrying each node's start range (what
+// dp.cpp passes down), a group of lanes per node; a level of more than G nodes (optimal's deeper
+// trees only: binned-dp has m <= 46 bin edges, at most 7 + 31 + 7 + 1, so at most 16 nodes a level)
+// and all below it enumerate the nodes from the tree's shape (descend) and read the start ranges
+// from optk, a lane per node.
+template <int U, int G = 32, class S, class Cost>
 __device__ void dp_layer(S& s, int lane, int k, int m, const double* prev, double* cur, std::int16_t* optk,
                          const std::int16_t* lower, const Cost& cost) {
+  constexpr int kLg = G == 32 ? 5 : 4;
+  const unsigned gm = grp_mask<G>(lane);
+  const int gl = lane & (G - 1);  // lane within the tile's lanes
   auto clamp_range = [&](int j, int ilo, int ihi, int& lo, int& hi) {
     lo = max(max(ilo, k - 1), lower ? static_cast<int>(lower[j]) : 0);
     hi = min(ihi, j - 1);
@@ -294,15 +313,15 @@ __device__ void dp_layer(S& s, int lane, int k, int m, const double* prev, doubl
   };
   Node* nb = s.dp.nodes[0];
   Node* nn = s.dp.nodes[1];
-  if (lane == 0) nb[0] = Node{static_cast<short>(k), static_cast<short>(m), static_cast<short>(k - 1),
-                              static_cast<short>(m - 1)};
+  if (gl == 0) nb[0] = Node{static_cast<short>(k), static_cast<short>(m), static_cast<short>(k - 1),
+                            static_cast<short>(m - 1)};
   int count = 1, L = 0;
-  __syncwarp();
-  while (count > 0 && count <= 32) {
+  __syncwarp(gm);
+  while (count > 0 && count <= G) {
     int lg = 0;
     while ((1 << lg) < count) ++lg;
-    const int gs = 32 >> lg;  // lanes per node
-    const int g = lane >> (5 - lg), sub = lane & (gs - 1);
+    const int gs = G >> lg;  // lanes per node
+    const int g = gl >> (kLg - lg), sub = gl & (gs - 1);
     const bool valid = g < count;
     Node nd{0, -1, 0, 0};
     int j = 0, lo = 0, hi = -1;
@@ -314,7 +333,7 @@ __device__ void dp_layer(S& s, int lane, int k, int m, const double* prev, doubl
     double bv = inf();
     int bi = INT_MAX;
     scan_min<U>(prev, lo + sub, hi, gs, j, cost, bv, bi);
-    group_argmin(bv, bi, gs);
+    group_argmin(bv, bi, gs, gm);
     const bool leader = valid && sub == 0;
     bool hasl = false, hasr = false;
     if (leader) {
@@ -323,9 +342,9 @@ __device__ void dp_layer(S& s, int lane, int k, int m, const double* prev, doubl
       hasl = nd.jlo <= j - 1;
       hasr = j + 1 <= nd.jhi;
     }
-    const unsigned ml = __ballot_sync(kFull, hasl), mr = __ballot_sync(kFull, hasr);
+    const unsigned ml = __ballot_sync(gm, hasl) & gm, mr = __ballot_sync(gm, hasr) & gm;
     const int next = __popc(ml) + __popc(mr);
-    if (leader && next <= 32) {
+    if (leader && next <= G) {
       const unsigned lt = (1u << lane) - 1u;
       int p = __popc(ml & lt) + __popc(mr & lt);
       if (hasl) nn[p++] = Node{nd.jlo, static_cast<short>(j - 1), nd.ilo, static_cast<short>(bi)};
@@ -333,15 +352,15 @@ __device__ void dp_layer(S& s, int lane, int k, int m, const double* prev, doubl
     }
     count = next;
     ++L;
-    __syncwarp();
+    __syncwarp(gm);
     Node* t = nb;
     nb = nn;
     nn = t;
   }
   if (count == 0) return;
-  for (;; ++L) {  // levels of more than 32 nodes: a lane per node, the CPU's scan order
+  for (;; ++L) {  // levels of more than G nodes: a lane per node, the CPU's scan order
     bool any = false;
-    for (int c = lane; c < (1 << L); c += 32) {
+    for (int c = gl; c < (1 << L); c += G) {
       int jlo, jhi;
       descend(k, m, c, L, jlo, jhi);
       if (jlo > jhi) continue;
@@ -357,8 +376,8 @@ __device__ void dp_layer(S& s, int lane, int k, int m, const double* prev, doubl
       cur[j] = bv;
       optk[j] = static_cast<std::int16_t>(bi);
     }
-    if (!__any_sync(kFull, any)) break;
-    __syncwarp();
+    if ((__ballot_sync(gm, any) & gm) == 0u) break;
+    __syncwarp(gm);
   }
 }
 
@@ -376,19 +395,24 @@ __device__ __forceinline__ void prescale(Smem<Opt>& s, int lane, int n, int from
 
 // dp.cpp dp_fit over m + 1 positions: the bin edges s.pos[0..m] (binned-dp) or every distinct value
 // (optimal, m = n). Leaves s.K, s.entries, s.bounds and (optimal) s.cost = the DP minimum / inv^2.
-template <int U, int Ar, bool Opt>
-__device__ void dp_fit_warp(Smem<Opt>& s, int lane, int m, int scale) {
+// G: the lanes of the tile (32, or the half-warp of fit_pair_kernel, binned-dp only); `lane_w` is
+// the warp lane.
+template <int U, int Ar, bool Opt, int G = 32>
+__device__ void dp_fit_warp(Smem<Opt>& s, int lane_w, int m, int scale) {
+  static_assert(G == 32 || !Opt);
+  const unsigned gm = grp_mask<G>(lane_w);
+  const int lane = lane_w & (G - 1);  // lane within the tile's lanes
   const double inv = pow2(127 - scale);
   const double inv2 = inv * inv;
   if constexpr (!Opt) {
-    for (int i = lane; i <= m; i += 32) {
+    for (int i = lane; i <= m; i += G) {
       const int p = s.pos[i];
       s.dp.cd[i] = static_cast<double>(s.cnt[p]);
       s.dp.ci[i] = static_cast<std::int16_t>(s.cnt[p]);
       s.dp.s1[i] = Ar >= 3 ? s.p[0][p] : s.p[0][p] * inv;
       s.dp.s2[i] = Ar >= 3 ? s.p[1][p] : s.p[1][p] * inv2;
     }
-    __syncwarp();
+    __syncwarp(gm);
   }
   auto cost = [&](int i, int j) {
     if constexpr (Opt) return cost_full<Ar>(s, i, j, inv, inv2);
@@ -407,11 +431,11 @@ __device__ void dp_fit_warp(Smem<Opt>& s, int lane, int m, int scale) {
   } else {
     double* prev = s.dp.buf[0];
     double* cur = s.dp.buf[1];
-    for (int j = 1 + lane; j <= m; j += 32) prev[j] = cost(0, j);
-    __syncwarp();
+    for (int j = 1 + lane; j <= m; j += G) prev[j] = cost(0, j);
+    __syncwarp(gm);
     for (int k = 2; k < K; ++k) {
-      dp_layer<U>(s, lane, k, m, prev, cur, s.dp.opt[k - 2], k > 2 ? s.dp.opt[k - 3] : nullptr, cost);
-      __syncwarp();
+      dp_layer<U, G>(s, lane_w, k, m, prev, cur, s.dp.opt[k - 2], k > 2 ? s.dp.opt[k - 3] : nullptr, cost);
+      __syncwarp(gm);
       double* t = prev;
       prev = cur;
       cur = t;
@@ -419,8 +443,8 @@ __device__ void dp_fit_warp(Smem<Opt>& s, int lane, int m, int scale) {
     const int start = K > 2 ? s.dp.opt[K - 3][m] : K - 1;
     double bv = inf();
     int bi = INT_MAX;
-    scan_min<U>(prev, start + lane, m - 1, 32, m, cost, bv, bi);
-    group_argmin(bv, bi, 32);
+    scan_min<U>(prev, start + lane, m - 1, G, m, cost, bv, bi);
+    group_argmin(bv, bi, G, gm);
     if (lane == 0) {
       s.seg[K] = m;
       s.seg[K - 1] = bi;
@@ -429,7 +453,7 @@ __device__ void dp_fit_warp(Smem<Opt>& s, int lane, int m, int scale) {
       if constexpr (Opt) s.cost = bv / inv2;
     }
   }
-  __syncwarp();
+  __syncwarp(gm);
   if constexpr (Opt) {
     if (lane <= K) s.bounds[lane] = s.seg[lane];
     if (lane < K) {
@@ -445,12 +469,14 @@ __device__ void dp_fit_warp(Smem<Opt>& s, int lane, int m, int scale) {
     }
   }
   if (lane == 0) s.K = K;
-  __syncwarp();
+  __syncwarp(gm);
 }
 
 // dp.cpp dp_refine with w = kWindow, rounds = kRounds, over n distinct values (binned-dp).
-template <int Ar>
-__device__ int dp_refine_warp(Smem<false>& s, int lane, int n, int scale) {
+template <int Ar, int G = 32>
+__device__ int dp_refine_warp(Smem<false>& s, int lane_w, int n, int scale) {
+  const unsigned gm = grp_mask<G>(lane_w);
+  const int lane = lane_w & (G - 1);  // lane within the tile's lanes
   const int K = s.K;
   const int m = n;
   if (K < 2 || K >= m) return 0;
@@ -465,20 +491,20 @@ __device__ int dp_refine_warp(Smem<false>& s, int lane, int n, int scale) {
       s.lo[lane] = max(b - s.wk[lane], lane);
       s.hi[lane] = min(b + s.wk[lane], m - (K - lane));
     }
-    __syncwarp();
+    __syncwarp(gm);
     {
       const int l1 = s.lo[1], h1 = s.hi[1];
-      for (int j = l1 + lane; j <= h1; j += 32) s.rf.F[1][j - l1] = cost_full<Ar>(s, 0, j, inv, inv2);
+      for (int j = l1 + lane; j <= h1; j += G) s.rf.F[1][j - l1] = cost_full<Ar>(s, 0, j, inv, inv2);
     }
-    __syncwarp();
+    __syncwarp(gm);
     for (int k = 2; k <= K; ++k) {
       const int jl = k < K ? s.lo[k] : m, jh = k < K ? s.hi[k] : m;
       const int il = s.lo[k - 1], ihm = s.hi[k - 1];
       const int nj = jh - jl + 1, ni = ihm - il + 1;
       const int tot = nj * ni;
-      for (int idx = lane; idx < tot; idx += 64) {  // two independent evaluations per lane and pass
+      for (int idx = lane; idx < tot; idx += 2 * G) {  // two independent evaluations per lane and pass
         const int jj = idx / ni, ii = idx - jj * ni;
-        const int idx2 = idx + 32;
+        const int idx2 = idx + G;
         const int jj2 = idx2 / ni, ii2 = idx2 - jj2 * ni;
         const bool ok1 = il + ii <= jl + jj - 1;
         const bool ok2 = idx2 < tot && il + ii2 <= jl + jj2 - 1;
@@ -488,22 +514,23 @@ __device__ int dp_refine_warp(Smem<false>& s, int lane, int n, int scale) {
         if (ok1) s.rf.V[jj][ii] = v1;
         if (ok2) s.rf.V[jj2][ii2] = v2;
       }
-      __syncwarp();
-      if (lane < nj) {
-        const int j = jl + lane, ih = min(ihm, j - 1);
+      __syncwarp(gm);
+      for (int jj = lane; jj < nj; jj += G) {  // (nj <= 17: one pass for G = 32)
+        const int j = jl + jj, ih = min(ihm, j - 1);
         double best = inf();
         int bi = il;
         for (int i = il; i <= ih; ++i) {
-          const double v = s.rf.V[lane][i - il];
+          const double v = s.rf.V[jj][i - il];
           if (v < best) {
             best = v;
             bi = i;
           }
         }
-        s.rf.F[k][lane] = best;
-        s.rf.arg[k][lane] = static_cast<std::int16_t>(bi);
+        s.rf.F[k][jj] = best;
+        s.rf.arg[k][jj] = static_cast<std::int16_t>(bi);
+        if constexpr (G == 32) break;
       }
-      __syncwarp();
+      __syncwarp(gm);
     }
     if (lane == 0) {
       int* nb = s.seg;  // (free here: dp_fit_warp's boundaries are in s.bounds)
@@ -519,7 +546,7 @@ __device__ int dp_refine_warp(Smem<false>& s, int lane, int n, int scale) {
       }
       s.edge = edge;
     }
-    __syncwarp();
+    __syncwarp(gm);
     if (!s.edge) break;
   }
   if (lane < K) {
@@ -527,7 +554,7 @@ __device__ int dp_refine_warp(Smem<false>& s, int lane, int n, int scale) {
     s.entries[lane] = run_entry(Ar >= 3 ? s.p[0][j] - s.p[0][i] : s.p[0][j] * inv - s.p[0][i] * inv,
                                 static_cast<double>(s.cnt[j]) - static_cast<double>(s.cnt[i]));
   }
-  __syncwarp();
+  __syncwarp(gm);
   return rounds;
 }
 
@@ -560,9 +587,11 @@ struct TileOut {
 // tile's sse (the CPU's flat-order double sum) when `need_sse` or the caller wants the per-tile
 // sums, returns it to every lane (0 when not computed), and writes the outputs only when
 // !need_sse or sse < write_below (optimal's scale search: strictly better than the best so far).
+// First part (all lanes): the codebook, every value's index into w, and, when `sums`, the terms of
+// the two flat-order sums into the scratch rows 1..512 (row 0 sse, row 1 sum of squares).
 template <bool Opt>
-__device__ double encode_warp(Smem<Opt>& s, int lane, const float (&x)[kIpt], int scale, int n_entries,
-                              const TileOut& o, bool need_sse, double write_below) {
+__device__ __forceinline__ void encode_assign(Smem<Opt>& s, int lane, const float (&x)[kIpt], int scale, int n_entries,
+                                              bool sums, std::uint32_t (&w)[2]) {
   if (lane == 0) {  // codebook ascending, duplicates dropped, padded with the largest entry
     float* vals = s.cbv;  // (sorted in shared memory: no per-thread local arrays)
     std::uint8_t* bytes = s.cbb;
@@ -608,7 +637,7 @@ __device__ double encode_warp(Smem<Opt>& s, int lane, const float (&x)[kIpt], in
   for (int j = 1; j < kCodebookSize; ++j)
     mid[j] = cb[j] != cb[j - 1] ? 0.5f * cb[j - 1] + 0.5f * cb[j] : __int_as_float(0x7f800000);
   // Value of the run of slot j is cb[j] (every slot of a run holds the same value).
-  std::uint32_t w[2] = {0u, 0u};
+  w[0] = w[1] = 0u;
   double dsq[kIpt], xsq[kIpt];
 #pragma unroll
   for (int q = 0; q < kIpt; ++q) {
@@ -627,23 +656,22 @@ __device__ double encode_warp(Smem<Opt>& s, int lane, const float (&x)[kIpt], in
     const double xd = static_cast<double>(xv);
     xsq[q] = xd * xd;
   }
-  const bool sums = need_sse || o.sse || o.ssq;
-  double sse = 0.0, ssq = 0.0;
-  if (sums) {  // flat-order double sums in the scratch rows, lane 0 sse and lane 1 sum of squares
+  if (sums) {  // the terms of the flat-order double sums into the scratch rows
     double(*scr)[kN + 1] = s.scratch();
 #pragma unroll
     for (int q = 0; q < kIpt; ++q) {
       scr[0][kIpt * lane + q + 1] = dsq[q];
       scr[1][kIpt * lane + q + 1] = xsq[q];
     }
-    __syncwarp();
-    if (lane < 2 && (lane == 0 || o.ssq)) running_sum(scr[lane], kN);
-    __syncwarp();
-    sse = scr[0][kN];
-    ssq = scr[1][kN];
-    __syncwarp();  // (the scratch is reused by the caller's next step)
   }
-  if (!need_sse || sse < write_below) {
+}
+
+// Last part (all lanes): writes the packed indices w, the codebook and the scale, and sse / ssq
+// where o asks for them.
+template <bool Opt>
+__device__ __forceinline__ void encode_write(const Smem<Opt>& s, int lane, const std::uint32_t (&w)[2], int scale,
+                                             const TileOut& o, double sse, double ssq) {
+  {
     // Lane L holds flat positions 16L..16L+15: bytes 6L..6L+5 of the packed stream.
 #pragma unroll
     for (int b = 0; b < 3; ++b) {
@@ -657,6 +685,25 @@ __device__ double encode_warp(Smem<Opt>& s, int lane, const float (&x)[kIpt], in
       if (o.ssq) *o.ssq = ssq;
     }
   }
+}
+
+template <bool Opt>
+__device__ double encode_warp(Smem<Opt>& s, int lane, const float (&x)[kIpt], int scale, int n_entries,
+                              const TileOut& o, bool need_sse, double write_below) {
+  const bool sums = need_sse || o.sse || o.ssq;
+  std::uint32_t w[2];
+  encode_assign(s, lane, x, scale, n_entries, sums, w);
+  double sse = 0.0, ssq = 0.0;
+  if (sums) {  // flat-order double sums in the scratch rows, lane 0 sse and lane 1 sum of squares
+    double(*scr)[kN + 1] = s.scratch();
+    __syncwarp();
+    if (lane < 2 && (lane == 0 || o.ssq)) running_sum(scr[lane], kN);
+    __syncwarp();
+    sse = scr[0][kN];
+    ssq = scr[1][kN];
+    __syncwarp();  // (the scratch is reused by the caller's next step)
+  }
+  if (!need_sse || sse < write_below) encode_write(s, lane, w, scale, o, sse, ssq);
   __syncwarp();
   return sse;
 }
@@ -726,12 +773,21 @@ __device__ __forceinline__ void phase(Prof& pr, int lane, int i) {
   }
 }
 
-template <bool P, bool Opt, int U, int Ar>
-__device__ __forceinline__ void fit_one(Smem<Opt>& s, int lane, const KernelArgs& a, std::int64_t lt, Prof& pr) {
+__device__ __forceinline__ TileOut tile_out(const KernelArgs& a, std::int64_t lt) {
+  return TileOut{a.out.packed + lt * kPackedBytes, a.out.codebook + lt * kCodebookSize, a.out.scale + lt,
+                 a.out.sse ? a.out.sse + lt : nullptr, a.out.sum_sq ? a.out.sum_sq + lt : nullptr};
+}
+
+// First part of a tile's fit, the whole warp: load + check (a failing tile sets the error word),
+// build_sorted (sort, de-duplication, the terms c * x and c * x^2 of every distinct value into
+// s.p[.][1..n]). Returns false when the tile is done (error, or a.check_only); else n = the number
+// of distinct values and am = the largest magnitude. The running sums are the caller's.
+template <bool P, bool Opt>
+__device__ __forceinline__ bool fit_front_a(Smem<Opt>& s, int lane, const KernelArgs& a, std::int64_t lt, Prof& pr,
+                                            float (&x)[kIpt], float& am_out, int& n_out) {
   if constexpr (P) {
     if (lane == 0) pr.t = clock64();
   }
-  float x[kIpt];
   load_tile(a, lt, lane, x);
   // fit.cpp check_tile: the first non-finite value in flat order, else the magnitude.
   int badq = -1, mycode = 0;
@@ -756,9 +812,9 @@ __device__ __forceinline__ void fit_one(Smem<Opt>& s, int lane, const KernelArgs
   }
   if (code != 0) {
     if (lane == 0) atomicMin(a.err, error_word(a.t_base + lt, code, where));
-    return;
+    return false;
   }
-  if (a.check_only) return;
+  if (a.check_only) return false;
   phase<P>(pr, lane, 0);
 
   // tile_common.cpp build_sorted.
@@ -811,10 +867,17 @@ __device__ __forceinline__ void fit_one(Smem<Opt>& s, int lane, const KernelArgs
     s.p[1][d + 1] = c * (xd * xd);
   }
   __syncwarp();
-  if (lane < 2) running_sum(s.p[lane], n);
-  // (binned-dp: the other lanes go on to the bin edges, which read only cnt and sync before the DP)
-  if constexpr (P || Opt) __syncwarp();
-  phase<P>(pr, lane, 2);
+  am_out = am;
+  n_out = n;
+  return true;
+}
+
+// Second part, the whole warp, after the running sums (s.p, s.cnt complete): bin edges
+// (binned-dp), the scale; all-zero tiles are encoded here. Returns true when the DP must run, with
+// m = the DP's positions (bin edges, or n) and sc = the scale (prefix sums already scaled to it).
+template <bool P, bool Opt, int Ar>
+__device__ __forceinline__ bool fit_front_b(Smem<Opt>& s, int lane, const KernelArgs& a, std::int64_t lt, Prof& pr,
+                                            const float (&x)[kIpt], float am, int n, int& m_out, int& sc_out) {
   int m = n;
   if constexpr (!Opt) {
     // binned_dp.cpp: bin edges.
@@ -854,21 +917,36 @@ __device__ __forceinline__ void fit_one(Smem<Opt>& s, int lane, const KernelArgs
     m = n <= kBins ? n : s.m;
   }
   phase<P>(pr, lane, 3);
-  const TileOut o{a.out.packed + lt * kPackedBytes, a.out.codebook + lt * kCodebookSize, a.out.scale + lt,
-                  a.out.sse ? a.out.sse + lt : nullptr, a.out.sum_sq ? a.out.sum_sq + lt : nullptr};
   int sc;
   if (a.forced_scale >= 0) {
     sc = a.forced_scale;
   } else if (am == 0.0f) {
     if (lane == 0) s.entries[0] = 0x00;
     __syncwarp();
-    encode_warp(s, lane, x, 127, 1, o, false, 0.0);
+    encode_warp(s, lane, x, 127, 1, tile_out(a, lt), false, 0.0);
     phase<P>(pr, lane, 6);
-    return;
+    return false;
   } else {
     sc = max(static_cast<int>(ue8m0_rceil(am)), kMinScale);
   }
   if constexpr (Ar >= 3) prescale(s, lane, n, 127, sc);
+  m_out = m;
+  sc_out = sc;
+  return true;
+}
+
+template <bool P, bool Opt, int U, int Ar>
+__device__ __forceinline__ void fit_one(Smem<Opt>& s, int lane, const KernelArgs& a, std::int64_t lt, Prof& pr) {
+  float x[kIpt];
+  float am;
+  int n, m, sc;
+  if (!fit_front_a<P, Opt>(s, lane, a, lt, pr, x, am, n)) return;
+  if (lane < 2) running_sum(s.p[lane], n);
+  // (binned-dp: the other lanes go on to the bin edges, which read only cnt and sync before the DP)
+  if constexpr (P || Opt) __syncwarp();
+  phase<P>(pr, lane, 2);
+  if (!fit_front_b<P, Opt, Ar>(s, lane, a, lt, pr, x, am, n, m, sc)) return;
+  const TileOut o = tile_out(a, lt);
   dp_fit_warp<U, Ar>(s, lane, m, sc);
   phase<P>(pr, lane, 4);
   int rounds = 0;  // refinement rounds (binned-dp), scales evaluated below the first (optimal)
@@ -924,6 +1002,68 @@ __global__ void __launch_bounds__(32 * Cfg<Opt>::kWarps) fit_warp_kernel(KernelA
   if constexpr (P) {
     if (lane == 0)
       for (int i = 0; i < kProfSlots; ++i) atomicAdd(prof + i, static_cast<unsigned long long>(pr.c[i]));
+  }
+}
+
+// Binned-dp with TWO tiles per warp in the DP phase (issue 6, fit11): the warp runs the first part
+// of both tiles (load, check, sort, de-duplication, terms) one after the other with all 32 lanes,
+// their running sums at once (lanes 0-1 and 16-17), the bin edges and scales one after the other;
+// then the DP (dp_fit_warp) and the refinement (dp_refine_warp) of tile 0 on lanes 0-15 and of
+// tile 1 on lanes 16-31 at the same time (G = 16: every collective masked to the half, so the
+// halves may diverge), and the two encodings with all lanes. Idle lanes of the level-by-level DP
+// get the other tile's independent work; no comparison changes its order, so the bytes are the
+// one-tile kernel's (tested against the CPU). Shared memory: two Smem per warp, one warp per block.
+// PairRefine false: only the DP on the half-warps, each refinement then with all 32 lanes (for the
+// benchmark's comparison).
+template <int U, int Ar, bool PairRefine>
+__global__ void __launch_bounds__(32) fit_pair_kernel(KernelArgs a) {
+  __shared__ Smem<false> sm[2];
+  const int lane = threadIdx.x & 31, half = lane >> 4, hl = lane & 15;
+  const std::int64_t stride = 2 * static_cast<std::int64_t>(gridDim.x);
+  Prof pr;
+  for (std::int64_t l0 = 2 * static_cast<std::int64_t>(blockIdx.x); l0 < a.tiles; l0 += stride) {
+    const bool two = l0 + 1 < a.tiles;
+    float x0[kIpt], x1[kIpt];
+    float am0 = 0.0f, am1 = 0.0f;
+    int n0 = 0, n1 = 0, m0 = 0, m1 = 0, sc0 = 0, sc1 = 0;
+    bool d0 = fit_front_a<false, false>(sm[0], lane, a, l0, pr, x0, am0, n0);
+    bool d1 = two && fit_front_a<false, false>(sm[1], lane, a, l0 + 1, pr, x1, am1, n1);
+    if (hl < 2 && (half ? d1 : d0)) running_sum(sm[half].p[hl], half ? n1 : n0);
+    __syncwarp();
+    d0 = d0 && fit_front_b<false, false, Ar>(sm[0], lane, a, l0, pr, x0, am0, n0, m0, sc0);
+    d1 = d1 && fit_front_b<false, false, Ar>(sm[1], lane, a, l0 + 1, pr, x1, am1, n1, m1, sc1);
+    if (half ? d1 : d0) {
+      Smem<false>& s = sm[half];
+      const int n = half ? n1 : n0, m = half ? m1 : m0, sc = half ? sc1 : sc0;
+      dp_fit_warp<U, Ar, false, 16>(s, lane, m, sc);
+      if constexpr (PairRefine) {
+        if (m != n) dp_refine_warp<Ar, 16>(s, lane, n, sc);
+      }
+    }
+    __syncwarp();
+    if constexpr (!PairRefine) {
+      if (d0 && m0 != n0) dp_refine_warp<Ar>(sm[0], lane, n0, sc0);
+      if (d1 && m1 != n1) dp_refine_warp<Ar>(sm[1], lane, n1, sc1);
+    }
+    // Encoding: the assignments one after the other, the flat-order sums of both tiles at once
+    // (lanes 0-1 tile 0, lanes 16-17 tile 1), then the writes.
+    const bool sums = a.out.sse || a.out.sum_sq;
+    std::uint32_t w0[2], w1[2];
+    if (d0) encode_assign(sm[0], lane, x0, sc0, sm[0].K, sums, w0);
+    if (d1) encode_assign(sm[1], lane, x1, sc1, sm[1].K, sums, w1);
+    double sse0 = 0.0, ssq0 = 0.0, sse1 = 0.0, ssq1 = 0.0;
+    if (sums) {
+      __syncwarp();
+      if (hl < 2 && (half ? d1 : d0) && (hl == 0 || a.out.sum_sq)) running_sum(sm[half].scratch()[hl], kN);
+      __syncwarp();
+      sse0 = sm[0].p[0][kN];
+      ssq0 = sm[0].p[1][kN];
+      sse1 = sm[1].p[0][kN];
+      ssq1 = sm[1].p[1][kN];
+    }
+    if (d0) encode_write(sm[0], lane, w0, sc0, tile_out(a, l0), sse0, ssq0);
+    if (d1) encode_write(sm[1], lane, w1, sc1, tile_out(a, l0 + 1), sse1, ssq1);
+    __syncwarp();
   }
 }
 
@@ -983,6 +1123,48 @@ void launch_warp_variant(const KernelArgs& a, int unroll, int arith, cudaStream_
     else if (arith == 1) launch_t<false, false, kUnroll<false>, 1>(a, nullptr, stream, who);
     else launch_t<false, false, kUnroll<false>, 2>(a, nullptr, stream, who);
   }
+}
+
+void launch_warp_tiles(const KernelArgs& a, int tiles_per_warp, cudaStream_t stream, bool pair_refine) {
+  if (tiles_per_warp != 1 && tiles_per_warp != 2)
+    throw std::invalid_argument("launch_warp_tiles: tiles_per_warp must be 1 or 2, not " + std::to_string(tiles_per_warp));
+  if (a.tiles == 0) return;
+  if (tiles_per_warp == 1 || a.check_only) return launch_warp(a, stream);
+  if (a.optimal) throw std::invalid_argument("launch_warp_tiles: 2 tiles per warp is implemented for binned-dp only");
+  const std::int64_t blocks = std::min<std::int64_t>((a.tiles + 1) / 2, std::int64_t{1} << 22);
+  if (pair_refine) fit_pair_kernel<kUnroll<false>, kArith, true><<<static_cast<unsigned>(blocks), 32, 0, stream>>>(a);
+  else fit_pair_kernel<kUnroll<false>, kArith, false><<<static_cast<unsigned>(blocks), 32, 0, stream>>>(a);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) throw std::runtime_error(std::string("quantize_gpu: kernel launch: ") + cudaGetErrorString(e));
+}
+
+int resident_warps_per_sm(int which, int pad_bytes) {
+  int blocks = 0;
+  cudaError_t e = cudaSuccess;
+  if (which == 0) {
+    auto* k = fit_warp_kernel<false, false, kUnroll<false>, kArith>;
+    e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, pad_bytes);
+    if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, k, 32 * Cfg<false>::kWarps, pad_bytes);
+    return e == cudaSuccess ? blocks * Cfg<false>::kWarps : -1;
+  }
+  if (which == 1) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fit_pair_kernel<kUnroll<false>, kArith, true>, 32, 0);
+  else e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fit_pair_kernel<kUnroll<false>, kArith, false>, 32, 0);
+  return e == cudaSuccess ? blocks : -1;
+}
+
+void launch_warp_padded(const KernelArgs& a, int pad_bytes, cudaStream_t stream) {
+  if (a.optimal || a.check_only || pad_bytes < 0)
+    throw std::invalid_argument("launch_warp_padded: binned-dp fits only, pad_bytes >= 0");
+  if (a.tiles == 0) return;
+  constexpr int kWarps = Cfg<false>::kWarps;
+  auto* k = fit_warp_kernel<false, false, kUnroll<false>, kArith>;
+  cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, pad_bytes);
+  if (e == cudaSuccess) {
+    const std::int64_t blocks = std::min<std::int64_t>((a.tiles + kWarps - 1) / kWarps, std::int64_t{1} << 22);
+    k<<<static_cast<unsigned>(blocks), 32 * kWarps, static_cast<std::size_t>(pad_bytes), stream>>>(a, nullptr);
+    e = cudaGetLastError();
+  }
+  if (e != cudaSuccess) throw std::runtime_error(std::string("launch_warp_padded: ") + cudaGetErrorString(e));
 }
 
 void launch_warp_unrolled(const KernelArgs& a, int unroll, cudaStream_t stream) {

@@ -62,6 +62,24 @@ void launch_warp_unrolled(const KernelArgs& a, int unroll, cudaStream_t stream);
 /// comparisons.
 void launch_warp_variant(const KernelArgs& a, int unroll, int arith, cudaStream_t stream);
 
+/// Tiles per warp of the binned-dp warp kernel: 1 (fit_warp_kernel, the default) or 2
+/// (fit_pair_kernel: the DP and, with pair_refine, the refinement of two tiles at once, 16 lanes
+/// each). Same bytes and per-tile sums (tested); `launch_warp_tiles` selects either, for the tests
+/// and the benchmark's same-run comparison. Optimal accepts 1 only (std::invalid_argument
+/// otherwise); check-only launches always run the one-tile kernel.
+inline constexpr int kWarpTilesDefault = 1;
+void launch_warp_tiles(const KernelArgs& a, int tiles_per_warp, cudaStream_t stream, bool pair_refine = true);
+
+/// The default binned-dp warp kernel with `pad_bytes` of unused dynamic shared memory per block
+/// (2 warps), which caps the resident warps per SM (24576: 8 instead of 16, as many as the
+/// two-tiles-per-warp kernel gets): the benchmark's measure of what the warps per SM alone are
+/// worth. Same bytes as launch_warp.
+void launch_warp_padded(const KernelArgs& a, int pad_bytes, cudaStream_t stream);
+/// Resident warps per SM by the occupancy calculator (-1 on a CUDA error): `which` 0 the default
+/// binned-dp kernel with `pad_bytes` (launch_warp_padded; 0 = as launch_warp), 1 two tiles per
+/// warp, 2 two tiles per warp with the refinement on all lanes.
+int resident_warps_per_sm(int which, int pad_bytes = 0);
+
 /// Error word of a failing tile: (tile << 12) | (code << 9) | position (decode_fit_error).
 __host__ __device__ inline unsigned long long error_word(std::int64_t tile, int code, int pos) {
   return (static_cast<unsigned long long>(tile) << 12) | (static_cast<unsigned long long>(code) << 9) |

@@ -67,6 +67,18 @@ __device__ __forceinline__ void e4m3x4_to_f16x2x2(unsigned p, unsigned& lo, unsi
 #endif
 }
 
+/// PRMT (default mode) with the selector used as given: byte n of the result is byte sel[4n+2:4n]
+/// of {b, a}. The caller guarantees that bit 3 of every nibble of sel[15:0] is 0 (bit 3 would ask
+/// for sign replication) and that bits 16..31 may hold anything (PRMT reads only sel[15:0]).
+/// __byte_perm's contract ignores bit 3, so the compiler clears it with an extra LOP3 per call
+/// unless it can prove it zero; the swap-AB decoder's selectors are zero there by construction
+/// (moe_swapab.cuh), which saves 2 ALU instructions per strip and K-tile (ncu SASS, 2026-11-30).
+__device__ __forceinline__ unsigned prmt_raw(unsigned a, unsigned b, unsigned sel) {
+  unsigned d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
 /// Decodes 8 indices given as two PRMT selectors (lane-major order, lutb/cuda/lane_major.hpp: sa =
 /// columns +0..3, sb = +4..7 of the lane's 8 columns of one MXFP8 block) against codebook bytes
 /// cb_lo (entries 0..3) and cb_hi (4..7) into four FP16x2 registers.

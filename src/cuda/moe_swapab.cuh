@@ -350,7 +350,9 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
         const int i = 2 * m + ab;
         const unsigned x = *reinterpret_cast<const unsigned*>(st + i * 192 + 4 * lane);
         const unsigned y = *reinterpret_cast<const unsigned short*>(st + i * 192 + 128 + 2 * lane);
-        const unsigned xm = x & 0x77777777u;  // PRMT reads only the low 16 selector bits
+        // Selectors for prmt_raw: bit 3 of every nibble of bits 0..15 is 0 (xm and y & 0x7777 by the
+        // masks; sel[3] by construction below), bits 16..31 are ignored.
+        const unsigned xm = x & 0x77777777u;
         sel[ab][0] = xm;
         sel[ab][1] = xm >> 16;
         sel[ab][2] = y & 0x7777u;
@@ -367,16 +369,16 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
         if constexpr (kDec == kDecFp8) {
           // m16n8k32 E4M3: {row g k 4t..4t+3, row g+8 same, row g k 16+4t.., row g+8 same} =
           // {strip a cols 8t+0..3, strip b cols 8t+0..3, strip a cols 8t+4..7, strip b cols 8t+4..7}.
-          a0[0] = __byte_perm(cb.x, cb.y, sel[0][2 * blk]);
-          a0[1] = __byte_perm(cb.z, cb.w, sel[1][2 * blk]);
-          a0[2] = __byte_perm(cb.x, cb.y, sel[0][2 * blk + 1]);
-          a0[3] = __byte_perm(cb.z, cb.w, sel[1][2 * blk + 1]);
+          a0[0] = prmt_raw(cb.x, cb.y, sel[0][2 * blk]);
+          a0[1] = prmt_raw(cb.z, cb.w, sel[1][2 * blk]);
+          a0[2] = prmt_raw(cb.x, cb.y, sel[0][2 * blk + 1]);
+          a0[3] = prmt_raw(cb.z, cb.w, sel[1][2 * blk + 1]);
         } else {
-          unsigned pa = __byte_perm(cb.x, cb.y, sel[0][2 * blk]), pb = __byte_perm(cb.z, cb.w, sel[1][2 * blk]);
+          unsigned pa = prmt_raw(cb.x, cb.y, sel[0][2 * blk]), pb = prmt_raw(cb.z, cb.w, sel[1][2 * blk]);
           bytes_to_f16<kDec == kDecCvt>(pa, a0[0], a0[2]);
           bytes_to_f16<kDec == kDecCvt>(pb, a0[1], a0[3]);
-          pa = __byte_perm(cb.x, cb.y, sel[0][2 * blk + 1]);
-          pb = __byte_perm(cb.z, cb.w, sel[1][2 * blk + 1]);
+          pa = prmt_raw(cb.x, cb.y, sel[0][2 * blk + 1]);
+          pb = prmt_raw(cb.z, cb.w, sel[1][2 * blk + 1]);
           bytes_to_f16<kDec == kDecCvt>(pa, a1[0], a1[2]);
           bytes_to_f16<kDec == kDecCvt>(pb, a1[1], a1[3]);
         }

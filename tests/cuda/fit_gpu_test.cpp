@@ -349,6 +349,186 @@ TEST(FitGpu, ScanVariantsSameBytes) {
   cudaFree(d_err);
 }
 
+// The binned-dp kernel with two tiles per warp (fit_internal::launch_warp_tiles(a, 2): the DP and
+// the refinement of two tiles at once, 16 lanes each) on `src` ([e, n, k], F32 or BF16): the CPU's
+// packed bytes, codebooks, scales, per-tile sums (sse and sum of squares added in tile order ==
+// FitStats) and no error word; with `sums` false, the bytes without the per-tile sums. Returns the
+// number of tiles.
+std::int64_t expect_two_tiles_same(const void* src, DType type, const LutbShape& s, int forced_scale = -1,
+                                   bool sums = true) {
+  FitOptions fo;
+  fo.forced_scale = forced_scale;
+  LutbTensor cpu;
+  const FitStats sc = quantize(src, type, s, cpu, fo, "t");
+  const std::size_t n = static_cast<std::size_t>(s.tiles());
+  const std::size_t bytes = static_cast<std::size_t>(s.experts * s.rows * s.cols) * (type == DType::F32 ? 4 : 2);
+  void* d_src = nullptr;
+  std::uint8_t* d_out = nullptr;
+  double* d_sums = nullptr;
+  unsigned long long* d_err = nullptr;
+  EXPECT_EQ(cudaMalloc(&d_src, bytes), cudaSuccess);
+  EXPECT_EQ(cudaMalloc(&d_out, n * (kPackedBytes + kCodebookSize + 1)), cudaSuccess);
+  EXPECT_EQ(cudaMalloc(&d_sums, n * 16), cudaSuccess);
+  EXPECT_EQ(cudaMalloc(&d_err, 8), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(d_src, src, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  EXPECT_EQ(cudaMemset(d_out, 0, n * (kPackedBytes + kCodebookSize + 1)), cudaSuccess);
+  EXPECT_EQ(cudaMemset(d_sums, 0, n * 16), cudaSuccess);
+  EXPECT_EQ(cudaMemset(d_err, 0xff, 8), cudaSuccess);
+  cuda::fit_internal::KernelArgs ka{d_src, type == DType::F32 ? 0 : 1, s.rows, s.cols, s.tiles_n(), s.tiles_k(),
+                                    s.tiles(), 0,
+                                    cuda::DeviceFitOut{d_out, d_out + n * kPackedBytes,
+                                                       d_out + n * (kPackedBytes + kCodebookSize),
+                                                       sums ? d_sums : nullptr, sums ? d_sums + n : nullptr},
+                                    forced_scale, d_err};
+  cuda::fit_internal::launch_warp_tiles(ka, 2, nullptr);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::vector<std::uint8_t> h(n * (kPackedBytes + kCodebookSize + 1));
+  std::vector<double> hs(2 * n);
+  unsigned long long word = 0;
+  EXPECT_EQ(cudaMemcpy(h.data(), d_out, h.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(hs.data(), d_sums, n * 16, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(&word, d_err, 8, cudaMemcpyDeviceToHost), cudaSuccess);
+  cudaFree(d_src);
+  cudaFree(d_out);
+  cudaFree(d_sums);
+  cudaFree(d_err);
+  EXPECT_EQ(cuda::decode_fit_error(word).code, 0);
+  std::int64_t bad = -1;
+  for (std::size_t t = 0; t < n && bad < 0; ++t)
+    if (std::memcmp(h.data() + t * kPackedBytes, cpu.packed.data() + t * kPackedBytes, kPackedBytes) != 0 ||
+        std::memcmp(h.data() + n * kPackedBytes + t * kCodebookSize, cpu.codebook.data() + t * kCodebookSize,
+                    kCodebookSize) != 0 ||
+        h[n * (kPackedBytes + kCodebookSize) + t] != cpu.scale[t])
+      bad = static_cast<std::int64_t>(t);
+  EXPECT_EQ(bad, -1) << "two tiles per warp: bytes differ first at tile " << bad;
+  if (sums) {
+    FitStats sg;
+    for (std::size_t t = 0; t < n; ++t) {
+      sg.sse += hs[t];
+      sg.sum_sq += hs[n + t];
+    }
+    EXPECT_EQ(sg.sse, sc.sse);
+    EXPECT_EQ(sg.sum_sq, sc.sum_sq);
+  } else {
+    EXPECT_TRUE(std::all_of(hs.begin(), hs.end(), [](double x) { return x == 0.0; }));  // nothing written
+  }
+  return static_cast<std::int64_t>(n);
+}
+
+// Two tiles per warp (the DP phase on half-warps) writes the CPU's bytes and sums: the edge tiles
+// (an odd count: the last warp has one tile), F32 and BF16, forced scales, mixed tiles, one padded
+// tile alone; the error word of a NaN / -Inf tile in either position of a pair equals the one-tile
+// kernel's; optimal and other widths are refused. (Random stacks: TwoTilesPerWarpRandom.)
+TEST(FitGpu, TwoTilesPerWarpEdgeTiles) {
+  LUTB_GPU_OR_SKIP();
+  std::int64_t ne0 = 0;
+  const std::vector<float> e0 = edge_tiles(ne0);
+  // An odd count (the last warp has one tile): the edge tiles, plus one Student-t tile when even.
+  const std::int64_t ne = ne0 | 1;
+  std::vector<float> edges(static_cast<std::size_t>(8 * 64 * ne));
+  const auto extra = random_values(512, Dist::kStudentT3, 0.02f, 3);
+  for (int r = 0; r < 8; ++r)
+    for (std::int64_t c = 0; c < 64 * ne; ++c)
+      edges[static_cast<std::size_t>(r * 64 * ne + c)] = c < 64 * ne0 ? e0[static_cast<std::size_t>(r * 64 * ne0 + c)]
+                                                                      : extra[static_cast<std::size_t>(r * 64 + c % 64)];
+  EXPECT_EQ(expect_two_tiles_same(edges.data(), DType::F32, stack(1, 8, 64 * ne)), ne);
+  const auto eb = to_bf16(edges);
+  EXPECT_EQ(expect_two_tiles_same(eb.data(), DType::BF16, stack(1, 8, 64 * ne)), ne);
+  const auto small = random_values(8 * 64 * 5, Dist::kStudentT3, 0.02f, 9);
+  for (int fs : {3, 100, 120, 127, 246}) {
+    SCOPED_TRACE("forced scale " + std::to_string(fs));
+    expect_two_tiles_same(small.data(), DType::F32, stack(1, 8, 320), fs);
+  }
+  {
+    const auto one = to_bf16(random_values(5 * 33, Dist::kGauss, 0.02f, 4));  // [1, 5, 33]: one padded tile
+    EXPECT_EQ(expect_two_tiles_same(one.data(), DType::BF16, stack(1, 5, 33)), 1);
+  }
+  {  // mixed tiles: log-uniform magnitudes over 32 binades, sparse tiles, 33..64 distinct values
+    std::mt19937 g(78);
+    std::uniform_real_distribution<float> ud(-30.0f, 2.0f);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    std::bernoulli_distribution sign(0.5), sparse(0.1);
+    const int nt = 63;
+    std::vector<float> m(static_cast<std::size_t>(8 * 64 * nt));
+    for (int t = 0; t < nt; ++t)
+      for (int f = 0; f < 512; ++f) {
+        float v;
+        if (t % 3 == 0) v = (sign(g) ? 1.0f : -1.0f) * std::exp2(ud(g));
+        else if (t % 3 == 1) v = sparse(g) ? 0.05f * nd(g) : 0.0f;
+        else v = 0.001f * static_cast<float>((f * 37) % (33 + t % 32)) - 0.02f;
+        m[static_cast<std::size_t>((f / 64) * 64 * nt + t * 64 + f % 64)] = v;
+      }
+    EXPECT_EQ(expect_two_tiles_same(m.data(), DType::F32, stack(1, 8, 64 * nt)), nt);
+  }
+  // Error words: a NaN in tile 2 (first of a pair) or tile 3 (second), and -Inf in both.
+  for (int which = 0; which < 3; ++which) {
+    SCOPED_TRACE("error case " + std::to_string(which));
+    auto v = random_values(8 * 64 * 6, Dist::kGauss, 0.02f, 12);
+    if (which != 1) v[static_cast<std::size_t>(3 * 64 * 6 + 2 * 64 + 17)] = std::numeric_limits<float>::quiet_NaN();
+    if (which != 0) v[static_cast<std::size_t>(5 * 64 * 6 + 3 * 64 + 60)] = -std::numeric_limits<float>::infinity();
+    float* d_src = nullptr;
+    std::uint8_t* d_out = nullptr;
+    unsigned long long* d_err = nullptr;
+    ASSERT_EQ(cudaMalloc(&d_src, v.size() * 4), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&d_out, 6 * (kPackedBytes + kCodebookSize + 1)), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&d_err, 8), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(d_src, v.data(), v.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    unsigned long long words[2] = {};
+    for (int tpw : {1, 2}) {
+      cuda::fit_internal::KernelArgs ka{d_src, 0, 8, 64 * 6, 1, 6, 6, 0,
+                                        cuda::DeviceFitOut{d_out, d_out + 6 * kPackedBytes,
+                                                           d_out + 6 * (kPackedBytes + kCodebookSize), nullptr, nullptr},
+                                        -1, d_err};
+      ASSERT_EQ(cudaMemset(d_err, 0xff, 8), cudaSuccess);
+      cuda::fit_internal::launch_warp_tiles(ka, tpw, nullptr);
+      ASSERT_EQ(cudaMemcpy(&words[tpw - 1], d_err, 8, cudaMemcpyDeviceToHost), cudaSuccess);
+    }
+    const cuda::GpuFitError e = cuda::decode_fit_error(words[1]);
+    EXPECT_EQ(words[1], words[0]);
+    EXPECT_EQ(e.tile, which == 1 ? 3 : 2);
+    EXPECT_EQ(e.code, which == 1 ? 3 : 1);  // 1 NaN, 3 -Inf
+    cudaFree(d_src);
+    cudaFree(d_out);
+    cudaFree(d_err);
+  }
+  cuda::fit_internal::KernelArgs ka{};
+  ka.tiles = 1;
+  ka.optimal = true;
+  EXPECT_THROW(cuda::fit_internal::launch_warp_tiles(ka, 2, nullptr), std::invalid_argument);
+  ka.optimal = false;
+  EXPECT_THROW(cuda::fit_internal::launch_warp_tiles(ka, 4, nullptr), std::invalid_argument);
+}
+
+// Two tiles per warp on random Gaussian / Student-t(3) / Laplace stacks: BF16 [2, 64, 512] (also
+// without the per-tile sums), FP32 [2, 128, 1024] (512 distinct values per tile: the most bin
+// edges, the widest DP tree levels), padded [3, 21, 200], [1, 13, 70], [1, 5, 33].
+TEST(FitGpu, TwoTilesPerWarpRandom) {
+  LUTB_GPU_OR_SKIP();
+  struct Case {
+    Dist d;
+    std::int64_t e, n, k;
+    bool bf16;
+  };
+  for (const Case& c : {Case{Dist::kGauss, 2, 64, 512, true}, Case{Dist::kStudentT3, 2, 64, 512, true},
+                        Case{Dist::kLaplace, 2, 64, 512, true}, Case{Dist::kStudentT3, 2, 128, 1024, false},
+                        Case{Dist::kGauss, 2, 128, 1024, false}, Case{Dist::kGauss, 3, 21, 200, false},
+                        Case{Dist::kStudentT3, 3, 21, 200, true}, Case{Dist::kLaplace, 1, 13, 70, false},
+                        Case{Dist::kGauss, 1, 5, 33, true}}) {
+    SCOPED_TRACE("dist " + std::to_string(static_cast<int>(c.d)) + " [" + std::to_string(c.e) + ", " +
+                 std::to_string(c.n) + ", " + std::to_string(c.k) + "]" + (c.bf16 ? " BF16" : " F32"));
+    const LutbShape s = stack(c.e, c.n, c.k);
+    const auto v = random_values(static_cast<std::size_t>(c.e * c.n * c.k), c.d, 0.02f,
+                                 static_cast<std::uint32_t>(101 * c.n + c.k + static_cast<int>(c.d)));
+    if (c.bf16) {
+      const auto b = to_bf16(v);
+      EXPECT_GT(expect_two_tiles_same(b.data(), DType::BF16, s), 0);
+      if (c.n == 64 && c.d == Dist::kGauss) EXPECT_GT(expect_two_tiles_same(b.data(), DType::BF16, s, -1, false), 0);
+    } else {
+      EXPECT_GT(expect_two_tiles_same(v.data(), DType::F32, s), 0);
+    }
+  }
+}
+
 // Heavy mixtures: log-uniform magnitudes over many binades (FP32 sums that round), sparse tiles
 // (a few values and many zeros), and tiles with exactly 33..64 distinct values.
 void mixed_tiles_case(const std::string& fitter) {

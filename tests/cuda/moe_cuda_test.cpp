@@ -178,15 +178,21 @@ TEST_P(MoeRandom, MatchesHostReferenceAllStrategiesAndDecoders) {
 }
 
 // Swap-AB token blocks (decode_token_blocks): 1 for the first two cases and the last, 2 for the
-// others (the third and fourth also need several 16-token tiles per expert). The last has few CTAs
-// (128 in GEMM1, 64 in GEMM2) of 64 K-tiles each: swap_warps gives them 16-warp CTAs.
+// others (the third and fourth also need several 16-token tiles per expert). The sixth has few CTAs
+// (128 in GEMM1, 64 in GEMM2) of 64 K-tiles each: swap_warps gives them 16-warp CTAs; the last two
+// give each warp 40 (GEMM1) and 36 (GEMM2) K-tiles.
 INSTANTIATE_TEST_SUITE_P(Shapes, MoeRandom,
                          ::testing::Values(Case{8, 256, 128, 1, 2, false},      // one token
                                            Case{16, 200, 72, 13, 4, false},     // padded H (K and N) and I
                                            Case{32, 512, 256, 100, 8, true},    // empty experts, several tiles
                                            Case{4, 128, 64, 70, 2, false},      // > 64 rows per expert
                                            Case{8, 320, 96, 40, 2, false},      // odd K-tiles, padded I groups
-                                           Case{2, 4096, 4096, 1, 1, false}),   // few CTAs, long K (16-warp CTAs)
+                                           Case{2, 4096, 4096, 1, 1, false},    // few CTAs, long K (16-warp CTAs)
+                                           // 40 (GEMM1) and 36 (GEMM2) K-tiles per warp of 16-warp CTAs:
+                                           // the cp.async ring wraps 6-7 times per warp; GEMM2 with one-
+                                           // and two-token tiles.
+                                           Case{1, 40960, 64, 1, 1, false},
+                                           Case{2, 64, 36864, 3, 1, false}),
                          [](const ::testing::TestParamInfo<Case>& i) {
                            const Case& c = i.param;
                            return "E" + std::to_string(c.E) + "_H" + std::to_string(c.H) + "_I" + std::to_string(c.I) +

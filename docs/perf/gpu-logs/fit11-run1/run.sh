@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# fit11's device run (one call): builds the GPU fitter as scripts/gpu_run.sh's "fit" mode does
+# (sm_90a, src/cuda/fit_*.cu with -fmad=false, src/fit with -ffp-contract=off), runs the fitter
+# and online-method GPU tests, compute-sanitizer (memcheck, racecheck, synccheck) on the edge
+# cases of both kernels (1 and 2 tiles per warp) and optimal, the benchmark (Gaussian and
+# Student-t, [8, 4096, 7168]; 1 vs 2 tiles per warp alternated twice), and Nsight Compute's
+# source-level counters (SourceCounters, WarpStateStats) of one launch each of the 1- and
+# 2-tile kernels on expert 0, exported as CSV (per SASS instruction and per CUDA line).
+# Usage, from the staged folder (scripts/gpu_stage.sh DEST; cp this file to DEST/run_fit11.sh):
+#   OUT=... bash run_fit11.sh
+set -uo pipefail
+ROOT=$(pwd)
+B=$ROOT/build/gpu
+mkdir -p "$B/obj"
+OUT=${OUT:-$B/out}
+mkdir -p "$OUT"
+GTEST_DIR=$ROOT/deps/googletest
+JSON_INC=$ROOT/deps/include
+DEPS_INC=$ROOT/deps/include
+DEPS_LIB=$ROOT/deps/lib
+export LUTB_SHARED_DIR=$ROOT/shared
+FA="-gencode=arch=compute_90a,code=sm_90a"
+FCU="-std=c++20 -O3 --expt-relaxed-constexpr -lineinfo $FA -Iinclude -Isrc"
+CXXFLAGS="-std=c++20 -O2 -fopenmp -DFMT_HEADER_ONLY -Iinclude -Isrc -Itests -I$JSON_INC -I$DEPS_INC -isystem $GTEST_DIR/include -I$(dirname "$(command -v nvcc)")/../include"
+t0=$(date +%s)
+{
+  pids=()
+  for f in src/cuda/fit_*.cu; do nvcc $FCU -fmad=false -c "$f" -o "$B/obj/f_$(basename "$f" .cu).o" & pids+=($!); done
+  nvcc $FCU -c src/cuda/lane_major.cu -o "$B/obj/fl_lane_major.o" & pids+=($!)
+  nvcc $FCU -c bench/gpu/bench_fit_gpu.cu -o "$B/obj/fb_bench_fit_gpu.o" & pids+=($!)
+  g++ -std=c++17 -O2 -isystem "$GTEST_DIR/include" -I"$GTEST_DIR" -c "$GTEST_DIR/src/gtest-all.cc" -o "$B/obj/gtest-all.o" & pids+=($!)
+  g++ -std=c++17 -O2 -isystem "$GTEST_DIR/include" -I"$GTEST_DIR" -c "$GTEST_DIR/src/gtest_main.cc" -o "$B/obj/gtest_main.o" & pids+=($!)
+  for f in src/core/*.cpp src/fit/*.cpp src/io/safetensors*.cpp; do
+    g++ $CXXFLAGS -O3 -ffp-contract=off -c "$f" -o "$B/obj/fc_$(basename "$(dirname "$f")")_$(basename "$f" .cpp).o" & pids+=($!)
+  done
+  for f in tests/cuda/fit_gpu_test.cpp tests/cuda/online_gpu_test.cpp tests/support/test_support.cpp; do
+    g++ $CXXFLAGS -DLUTB_SOURCE_DIR="\"$ROOT\"" -c "$f" -o "$B/obj/ft_$(basename "$f" .cpp).o" & pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p"; done
+  nvcc $FA -o "$B/lutb_fit_gpu_tests" "$B"/obj/ft_*.o "$B"/obj/f_fit_*.o "$B/obj/fl_lane_major.o" "$B"/obj/fc_*.o "$B/obj/gtest-all.o" "$B/obj/gtest_main.o" \
+    -Xcompiler -fopenmp -L"$DEPS_LIB" -lhwy -lpthread -Xlinker -rpath="$DEPS_LIB"
+  nvcc $FA -o "$B/bench_fit_gpu" "$B/obj/fb_bench_fit_gpu.o" "$B"/obj/f_fit_*.o "$B/obj/fl_lane_major.o" "$B"/obj/fc_*.o \
+    -Xcompiler -fopenmp -L"$DEPS_LIB" -lhwy -lpthread -Xlinker -rpath="$DEPS_LIB"
+} > "$OUT/build_fit.log" 2>&1
+echo "build: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/build_fit.log"
+[ -x "$B/bench_fit_gpu" ] || { tail -40 "$OUT/build_fit.log"; exit 1; }
+export LD_LIBRARY_PATH="$DEPS_LIB:${LD_LIBRARY_PATH:-}"
+{ date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv; nproc; } > "$OUT/gpu.txt" 2>&1
+"$B/lutb_fit_gpu_tests" > "$OUT/fit_tests.log" 2>&1
+tail -3 "$OUT/fit_tests.log"; grep -E "FAILED|Failure" "$OUT/fit_tests.log" | head -20
+echo "tests done: $(( $(date +%s) - t0 )) s"
+S='FitGpu.EdgeTiles:FitGpu.TwoTilesPerWarpEdgeTiles:FitGpuOptimal.EdgeTiles'
+{
+  compute-sanitizer --tool memcheck --error-exitcode 9 "$B/lutb_fit_gpu_tests" \
+    --gtest_filter="$S:FitGpu.ErrorsMatchCpu:FitGpu.DeviceEntryWithoutStats:FitGpu.ScanVariantsSameBytes:FitGpuOptimal.ScaleSearchBelowRceil" 2>&1 | tail -8
+  echo "memcheck rc=${PIPESTATUS[0]}"
+  compute-sanitizer --tool racecheck --error-exitcode 9 "$B/lutb_fit_gpu_tests" --gtest_filter="$S" 2>&1 | tail -6
+  echo "racecheck rc=${PIPESTATUS[0]}"
+  compute-sanitizer --tool synccheck --error-exitcode 9 "$B/lutb_fit_gpu_tests" --gtest_filter="$S" 2>&1 | tail -4
+  echo "synccheck rc=${PIPESTATUS[0]}"
+} > "$OUT/fit_sanitizer.log" 2>&1
+grep -E "rc=|ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/fit_sanitizer.log"
+echo "sanitizers done: $(( $(date +%s) - t0 )) s"
+{ "$B/bench_fit_gpu" 8 4096 7168; echo; "$B/bench_fit_gpu" 8 4096 7168 student; } > "$OUT/bench_fit_gpu.md" 2>&1
+grep -E "fit11|== |tiles per warp" "$OUT/bench_fit_gpu.md"
+echo "bench done: $(( $(date +%s) - t0 )) s"
+LUTB_BENCH_PROFILE_ONLY=1 timeout 200 ncu --clock-control none --kernel-name-base mangled \
+  --kernel-name regex:'fit_(warp|pair)_kernel' --launch-count 3 \
+  --section SourceCounters --section WarpStateStats --section LaunchStats --section Occupancy \
+  --section SpeedOfLight --section InstructionStats --section SchedulerStats \
+  -o "$B/fit11" "$B/bench_fit_gpu" 1 4096 7168 > "$OUT/ncu_details.txt" 2>&1
+echo "ncu rc=$? at $(( $(date +%s) - t0 )) s"
+if [ -f "$B/fit11.ncu-rep" ]; then
+  ncu -i "$B/fit11.ncu-rep" --page details >> "$OUT/ncu_details.txt" 2>&1
+  ncu -i "$B/fit11.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip -c > "$OUT/ncu_source_sass.csv.gz"
+  ncu -i "$B/fit11.ncu-rep" --page source --csv --print-source cuda 2>&1 | gzip -c > "$OUT/ncu_source_cuda.csv.gz"
+  ls -la "$OUT"
+fi
+echo "all done: $(( $(date +%s) - t0 )) s"
