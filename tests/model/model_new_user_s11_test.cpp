@@ -134,6 +134,16 @@ TEST(NewUserS11, NonFiniteLossNamesTheStoredTensor) {
                        "checkpoint's tensors are likely corrupt"),
             std::string::npos)
       << r.err;
+  // `lutb moe` on that layer: the error named the layer only ("layer 1: 512 of 98304 outputs are NaN
+  // or infinite"), not the checkpoint or the inputs.
+  const fs::path acts = dir / "moe_activations.safetensors";
+  const test::CliResult m2 = test::run_cli("moe " + test::quote(m) + " --layer 1 --activations " + test::quote(acts));
+  EXPECT_EQ(m2.status, 1);
+  EXPECT_NE(m2.err.find("lutb: error: " + m.string() + ": layer 1: "), std::string::npos) << m2.err;
+  EXPECT_NE(m2.err.find(" outputs are NaN or infinite (on the inputs of " + acts.string() +
+                        "): a weight, scale or input of the layer is NaN or overflowed"),
+            std::string::npos)
+      << m2.err;
 }
 
 // config.json values that made `lutb eval` fail later without naming the file or the key ("rope
