@@ -314,8 +314,15 @@ class Checkpoint {
   /// quantization_config.logical_shapes entry) or FormatError (a NaN codebook byte 0x7F/0xFF, a
   /// scale byte 255), each naming the file that holds the tensor, the tensor as stored, the layer
   /// (and expert) and, for data errors, the tile in that tensor's grid; std::invalid_argument for
-  /// fit.threads < 0 (online fit only).
+  /// fit.threads < 0 (online fit only), and for a source weight the fit cannot take (NaN, +-Inf,
+  /// or a magnitude needing a scale byte above 246), naming it as expert_location() does.
   ExpertsLutb lutb_experts(std::int64_t layer, const FitOptions& fit = {}, FitStats* stats = nullptr) const;
+  /// Where element (expert, row, col) of layer L's fused w13 [E, 2I, H] (`w13` true; gate rows, then
+  /// up rows) or w2 [E, H, I] stack is stored, for messages: "FILE: tensor NAME (layer L, expert E),
+  /// row R col C", in the stored tensor's own rows (per-expert gate / up / down, or the stacked
+  /// gate_up_proj / down_proj).
+  std::string expert_location(std::int64_t layer, bool w13, std::int64_t expert, std::int64_t row,
+                              std::int64_t col) const;
   /// One stored LUT-B projection stacked over experts: gate/up [E, I, H] or down [E, H, I] (any I
   /// for per-expert tensors). Throws CheckpointError when the layer is not stored as LUT-B,
   /// FormatError for gate/up of a stacked gate_up tensor with I % 8 != 0 (its tiles straddle gate
@@ -386,8 +393,15 @@ struct QuantizeSummary {
   std::uint64_t peak_rss_bytes = 0;    // VmHWM of this process at the end (/proc/self/status)
   /// Files of the input checkpoint directory that were not copied because they hold the weights in
   /// another format (see quantize_checkpoint), and symlinked folders (listed with a trailing '/'),
-  /// relative paths, sorted. Empty for quantize_file.
+  /// relative paths, sorted; and the folders .cache/, .huggingface/ (download caches) and .git/,
+/// at any depth, listed with a trailing '/'. Empty for quantize_file.
   std::vector<std::string> skipped_files;
+  /// Things the caller should tell the user about a checkpoint that was written nonetheless: a
+  /// per-expert LUT-B checkpoint whose expert width is not a multiple of 8 (valid, spec 2.2, but
+  /// lutb eval / moe cannot run it); a copied *.safetensors file holding tensors of the checkpoint
+  /// (unquantised weights in the output). `lutb quantize` prints them on stderr. Empty for
+  /// quantize_file.
+  std::vector<std::string> warnings;
   /// Bits per weight of the quantised tensors: 8 * bytes_after / weights (3.140625 unpadded).
   double bits_per_weight() const { return weights ? 8.0 * static_cast<double>(bytes_after) / weights : 0.0; }
 };
@@ -406,7 +420,8 @@ std::string format_summary(const QuantizeSummary& s);
 ///   hold the (unquantised) weights in another form are not copied but listed in
 ///   QuantizeSummary::skipped_files: pytorch_model*.bin, consolidated*.{pth,pt,safetensors}
 ///   (Meta / Mistral originals), tf_model*.h5, flax_model*.msgpack, the index files of those, and
-///   *.gguf (a framework reading them would silently load the unquantised weights). Other files,
+///   *.gguf (a framework reading them would silently load the unquantised weights), and the folders
+///   .cache/, .huggingface/ and .git/ (download caches, version control). Other files,
 ///   other *.safetensors data (val_tokens, activations) included, are copied; the flag of
 ///   QuantizeOptions::interrupt is polled per MB while they are.
 /// - Streaming: tensors are processed one at a time from the memory-mapped source; the source pages
@@ -419,12 +434,13 @@ std::string format_summary(const QuantizeSummary& s);
 ///   any error the temporary directory is removed and out_dir is untouched. An out_dir that appears
 ///   during the run is not replaced without force (CheckpointError "appeared while the output was
 ///   being written"), and with force the rules above are applied to it again.
-/// Errors: CheckpointError when out_dir exists (without force), equals in_dir, or in_dir is already
-/// LUT-B, when a routed-expert tensor's shape or expert index contradicts config.json, when a MoE
+/// Errors: CheckpointError when out_dir exists (without force), equals in_dir, is named *.safetensors,
+/// or in_dir is already LUT-B, when a routed-expert tensor's shape or expert index contradicts config.json, when a MoE
 /// layer's routed experts are incomplete (a MoE layer below num_hidden_layers without them, or
 /// one missing any expert's projection or one of the stacked pair), or when a MoE layer's routed experts have a bias tensor ("... LUT-B online MoE
 /// quantization does not support bias.", spec 6); ConfigError / SafetensorsError for bad input; std::invalid_argument naming the tensor and
-/// tile for NaN/Inf weights (from the fitter); CheckpointError for a non-float expert tensor.
+/// tile for NaN/Inf weights and magnitudes needing a scale byte above 246 (from the fitter, prefixed
+/// with the source file); CheckpointError for a non-float expert tensor.
 QuantizeSummary quantize_checkpoint(const std::filesystem::path& in_dir, const std::filesystem::path& out_dir,
                                     const QuantizeOptions& opt = {});
 

@@ -293,15 +293,20 @@ void add_default_job(CLI::App& app) {
   app.add_option("--experts", a->experts,
                  "default job: routed experts (0 or default: 128, Qwen3-30B-A3B's; fewer for a quick run)")
       ->group(g)->check(IntRange<std::int64_t>(0, 4096));
-  app.add_option("--fitter", a->fitter, "default job: fitter (default " + default_fitter() + ")")->group(g);
+  auto* fitter_opt =
+      app.add_option("--fitter", a->fitter, "default job: fitter (default " + default_fitter() + ")")->group(g);
   app.add_option("--seed", a->seed, "default job: token seed")
       ->group(g)->check(IntRange<std::uint64_t>(0, std::numeric_limits<std::uint64_t>::max()));
-  app.add_option("--work-dir", a->work_dir, "default job: directory for the two checkpoints (default a temporary one); missing parent directories are "
-                 "created and, unless --keep, removed again; Ctrl-C/SIGTERM remove what the run wrote there")->group(g);
+  auto* work_opt = app.add_option("--work-dir", a->work_dir, "default job: directory for the two checkpoints (default a temporary one); missing parent directories are "
+                 "created and, unless --keep, removed again; Ctrl-C/SIGTERM remove what the run wrote there")
+      ->group(g);
   app.add_flag("--keep", a->keep, "default job: keep the checkpoints")->group(g);
   app.add_flag("--json", a->json, "default job: print a JSON summary as the last line")->group(g);
-  app.callback([&app, a] {
-    if (app.get_subcommands().empty()) run_default_job(*a);
+  app.callback([&app, a, fitter_opt, work_opt] {
+    if (!app.get_subcommands().empty()) return;
+    check_fitter_option(fitter_opt, a->fitter);
+    check_not_empty(work_opt, a->work_dir, "directory name");
+    run_default_job(*a);
   });
 }
 

@@ -8,6 +8,7 @@
 #include <string>
 
 #include <fmt/core.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.hpp"
@@ -15,6 +16,7 @@
 #include "cli/model_options.hpp"
 #include "lutb/fit.hpp"
 #include "lutb/model.hpp"
+#include "lutb/safetensors.hpp"
 
 namespace lutb::cli {
 namespace {
@@ -31,10 +33,41 @@ struct EvalArgs {
 
 nlohmann::json number_or_null(double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(nullptr); }
 
+// After a non-finite loss: the first stored float tensor (in file and name order) holding a NaN or
+// an infinity, as "; FILE holds NaN in tensor NAME at [i, j]", or "" when every stored value is
+// finite (the overflow happened in the computation). Without it, a BF16 checkpoint with a NaN
+// weight gave "non-finite loss" naming no tensor (new-user QA session 11).
+std::string first_non_finite_stored(const std::string& model_dir) {
+  try {
+    const SafetensorsCollection c = SafetensorsCollection::open_dir(model_dir);
+    for (const auto& f : c.files())
+      for (const auto& name : f->names()) {
+        const TensorView& v = f->get(name);
+        if (v.dtype != DType::BF16 && v.dtype != DType::F16 && v.dtype != DType::F32 && v.dtype != DType::F64) continue;
+        const std::vector<float> x = v.to_float();
+        for (std::size_t i = 0; i < x.size(); ++i) {
+          if (std::isfinite(x[i])) continue;
+          std::vector<std::int64_t> at(v.shape.size());
+          auto r = static_cast<std::int64_t>(i);
+          for (std::size_t d = v.shape.size(); d-- > 0;) {
+            at[d] = r % v.shape[d];
+            r /= v.shape[d];
+          }
+          return fmt::format("; {} holds {} in tensor {} at [{}]", f->path().string(),
+                             std::isnan(x[i]) ? "NaN" : (x[i] > 0 ? "+Inf" : "-Inf"), name, fmt::join(at, ", "));
+        }
+      }
+  } catch (const std::exception&) {
+    // the loader read these files already; nothing more to add
+  }
+  return {};
+}
+
 void run_eval(const EvalArgs& a) {
   ensure_runtime_env();
-  model::set_threads(a.threads);
-  const model::MoeOptions mo = a.quant.resolve(a.model_dir, a.threads);
+  const int threads = effective_threads(a.threads);
+  model::set_threads(threads);
+  const model::MoeOptions mo = a.quant.resolve(a.model_dir, threads);
   // The config and the tokens first, so that a bad file fails before the weights load; every
   // message names its file.
   const model::TransformerConfig config = model::TransformerConfig::load(a.model_dir);
@@ -72,6 +105,7 @@ void run_eval(const EvalArgs& a) {
         where = fmt::format("; the first tensor with non-finite values is {} (layer {})", s.name, s.layer);
         break;
       }
+    if (where.empty()) where = first_non_finite_stored(a.model_dir);
     throw model::ModelError(fmt::format(
         "{}: non-finite loss ({}) over {} predicted tokens: a weight, scale or activation overflowed or is NaN{}; "
         "the checkpoint's tensors are likely corrupt",
@@ -136,14 +170,24 @@ void add_eval(CLI::App& app) {
   auto args = std::make_shared<EvalArgs>();
   auto* cmd = app.add_subcommand("eval", "Held-out loss of a MoE language model on the CPU (spec section 8)");
   cmd->add_option("model_dir", args->model_dir, "Hugging Face checkpoint directory (BF16 or LUT-B)")->required();
-  args->quant.add_to(cmd);
-  cmd->add_option("--tokens", args->tokens, "safetensors file with input_ids (default MODEL_DIR/val_tokens.safetensors)");
+  // --act-format too: `lutb moe` names the format so (its --activations is the captured-inputs
+  // file), and `lutb eval ... --act-format mxfp8` failed with "arguments were not expected"
+  // (new-user QA session 11).
+  args->quant.add_to(cmd, "--activations,--act-format");
+  auto* tokens_opt =
+      cmd->add_option("--tokens", args->tokens, "safetensors file with input_ids (default MODEL_DIR/val_tokens.safetensors)");
   cmd->add_flag("--json", args->json, "print one JSON object as the last line of stdout");
-  cmd->add_option("--threads", args->threads, "threads (default: all cores)")->check(ThreadCount());
+  cmd->add_option("--threads", args->threads,
+                  "threads (default: all cores; more than the processors available are reduced to that number, "
+                  "with a note)")
+      ->check(ThreadCount());
   cmd->add_option("--max-windows", args->max_windows, "evaluate only the first N windows (0 = all)")
       ->check(IntRange<std::int64_t>(0, std::numeric_limits<std::int64_t>::max()));
   cmd->add_option("--batch", args->batch, "windows per forward pass (changes only the FP32 summation order: results agree to ~1e-5)")->check(IntRange<std::int64_t>(1, 4096));
-  cmd->callback([args] { run_eval(*args); });
+  cmd->callback([args, tokens_opt] {
+    check_not_empty(tokens_opt, args->tokens, "tokens file name");
+    run_eval(*args);
+  });
 }
 
 }  // namespace lutb::cli

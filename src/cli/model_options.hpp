@@ -14,6 +14,7 @@
 #include <CLI/CLI.hpp>
 #include <fmt/core.h>
 
+#include "cli/validators.hpp"
 #include "lutb/checkpoint.hpp"
 #include "lutb/fit.hpp"
 #include "lutb/model.hpp"
@@ -62,8 +63,11 @@ struct ModelQuantArgs {
   std::string activations;  // empty = mxfp8 with LUT-B weights, bf16 otherwise
   std::string fitter;       // empty = the default fitter
   std::string kernel = "fast";
+  const CLI::Option* fitter_opt = nullptr;  // to tell `--fitter ""` from no --fitter
+  const CLI::Option* kernel_opt = nullptr;  // to tell a given --kernel from the default
 
-  /// Registers --quant, `act_flag` (--activations for eval, --act-format for moe), --fitter, --kernel.
+  /// Registers --quant, `act_flag` (--activations or --act-format for eval, --act-format for moe),
+  /// --fitter, --kernel.
   void add_to(CLI::App* cmd, const std::string& act_flag = "--activations") {
     cmd->add_option("--quant", quant, "routed experts: none (BF16), lutb, int3-g128, mxfp4 "
                                       "(default: lutb for a LUT-B checkpoint, none otherwise)")
@@ -71,12 +75,13 @@ struct ModelQuantArgs {
     cmd->add_option(act_flag, activations, "activations entering the expert GEMMs: bf16 or mxfp8 "
                                            "(default mxfp8 with LUT-B weights, bf16 otherwise)")
         ->check(CLI::IsMember({"bf16", "mxfp8"}));
-    cmd->add_option("--fitter", fitter, "LUT-B fitter for the online method (default: the default fitter)");
-    cmd->add_option("--kernel", kernel, "LUT-B emulation kernel: fast, reference, dequantized")
-        ->check(CLI::IsMember({"fast", "reference", "dequantized"}));
+    fitter_opt = cmd->add_option("--fitter", fitter, "LUT-B fitter for the online method (default: the default fitter)");
+    kernel_opt = cmd->add_option("--kernel", kernel, "LUT-B emulation kernel: fast, reference, dequantized")
+                     ->check(CLI::IsMember({"fast", "reference", "dequantized"}));
   }
 
   model::MoeOptions resolve(const std::string& model_dir, int threads) const {
+    if (fitter_opt != nullptr && fitter_opt->count() > 0 && fitter.empty()) check_fitter_option(fitter_opt, fitter);
     model::MoeOptions o;
     std::string q = quant;
     bool lutb_ckpt = false;
@@ -99,6 +104,12 @@ struct ModelQuantArgs {
     if (!fitter.empty() && o.quant != model::Quant::Lutb)
       throw std::invalid_argument(fmt::format("--fitter {} only applies to --quant lutb", fitter));
     if (!fitter.empty()) check_fitter_name(fitter);
+    // Like --fitter: a LUT-B emulation kernel asked for with BF16 / INT3 / MXFP4 experts was silently
+    // ignored (new-user QA session 11).
+    if (kernel_opt != nullptr && kernel_opt->count() > 0 && o.quant != model::Quant::Lutb)
+      throw std::invalid_argument(fmt::format("--kernel {} only applies to LUT-B experts (--quant lutb, or a LUT-B "
+                                              "checkpoint); the experts here are --quant {}",
+                                              kernel, q));
     o.fit.fitter = fitter.empty() ? default_fitter() : fitter;
     o.fit.threads = threads;
     o.kernel = kernel == "reference" ? moe::EmulationKernel::Reference

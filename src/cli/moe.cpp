@@ -43,8 +43,9 @@ std::vector<float> captured(const SafetensorsFile& f, const std::string& name, s
 
 void run_moe(const MoeArgs& a) {
   ensure_runtime_env();
-  model::set_threads(a.threads);
-  const model::MoeOptions mo = a.quant.resolve(a.model_dir, a.threads);
+  const int threads = effective_threads(a.threads);
+  model::set_threads(threads);
+  const model::MoeOptions mo = a.quant.resolve(a.model_dir, threads);
   if (!std::filesystem::exists(a.activations_file)) {
     if (a.activations_file == "mxfp8" || a.activations_file == "bf16")  // eval's --activations takes a format
       throw std::invalid_argument(fmt::format("--activations {}: --activations takes a file for `moe` (captured MoE "
@@ -108,7 +109,9 @@ void run_moe(const MoeArgs& a) {
   }
   std::fflush(stdout);
   if (non_finite > 0)
-    throw std::runtime_error(fmt::format("layer {}: {} of {} outputs are NaN or infinite", a.layer, non_finite, out.size()));
+    throw std::runtime_error(fmt::format("{}: layer {}: {} of {} outputs are NaN or infinite (on the inputs of {}): a "
+                                         "weight, scale or input of the layer is NaN or overflowed",
+                                         a.model_dir, a.layer, non_finite, out.size(), a.activations_file));
 }
 
 }  // namespace
@@ -118,13 +121,19 @@ void add_moe(CLI::App& app) {
   auto* cmd = app.add_subcommand("moe", "Run one MoE block on captured inputs and compare with the captured outputs");
   cmd->add_option("model_dir", args->model_dir, "Hugging Face checkpoint directory (BF16 or LUT-B)")->required();
   cmd->add_option("--layer", args->layer, "sparse layer index")->required()->check(IntRange<int>(0, std::numeric_limits<int>::max()));
-  cmd->add_option("--activations", args->activations_file,
+  auto* acts_opt = cmd->add_option("--activations", args->activations_file,
                   "safetensors file with layers.L.moe_input and layers.L.moe_output [tokens, hidden]")
       ->required();
   args->quant.add_to(cmd, "--act-format");
   cmd->add_flag("--json", args->json, "print one JSON object as the last line of stdout");
-  cmd->add_option("--threads", args->threads, "threads (default: all cores)")->check(ThreadCount());
-  cmd->callback([args] { run_moe(*args); });
+  cmd->add_option("--threads", args->threads,
+                  "threads (default: all cores; more than the processors available are reduced to that number, "
+                  "with a note)")
+      ->check(ThreadCount());
+  cmd->callback([args, acts_opt] {
+    check_not_empty(acts_opt, args->activations_file, "activations file name");
+    run_moe(*args);
+  });
 }
 
 }  // namespace lutb::cli

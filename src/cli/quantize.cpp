@@ -1,6 +1,7 @@
 // `lutb quantize`: a Hugging Face MoE checkpoint directory -> LUT-B checkpoint (spec 2.2), or the
 // tensors of one safetensors file -> X_packed / X_codebook / X_scale.
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <memory>
 #include <stdexcept>
@@ -39,7 +40,8 @@ nlohmann::json summary_json(const QuantizeSummary& s, const std::string& in, con
           {"sqnr_db", std::isfinite(sqnr) ? nlohmann::json(sqnr) : nlohmann::json(nullptr)},
           {"seconds", s.seconds},
           {"peak_rss_bytes", s.peak_rss_bytes},
-          {"skipped_files", s.skipped_files}};
+          {"skipped_files", s.skipped_files},
+          {"warnings", s.warnings}};
 }
 }  // namespace
 
@@ -58,26 +60,30 @@ void add_quantize(CLI::App& app) {
       "process id unknown here may be a live run on another host sharing the filesystem).");
   cmd->add_option("input", args->input, "checkpoint directory or .safetensors file")->required();
   cmd->add_option("-o,--output", args->output, "output directory (checkpoint) or file (.safetensors)")->required();
-  cmd->add_option("--fitter", args->fitter, "fitter: " + [] {
+  auto* fitter_opt = cmd->add_option("--fitter", args->fitter, "fitter: " + [] {
     std::string s;
     for (const auto& n : fitter_names()) s += (s.empty() ? "" : ", ") + n;
     return s + " (default " + default_fitter() + ")";
   }());
-  cmd->add_option("--threads", args->threads, "threads (0 = all cores)")->check(ThreadCount());
+  cmd->add_option("--threads", args->threads,
+                  "threads (0 = all cores; more than the processors available are reduced to that number, with a "
+                  "note)")
+      ->check(ThreadCount());
   auto* m = cmd->add_option("--match", args->match, "file mode: quantise tensors whose name matches this regex");
   auto* a = cmd->add_flag("--all", args->all, "file mode: quantise every 2-D/3-D float tensor (the default)");
   m->excludes(a);
   cmd->add_flag("--force", args->force, "replace an existing output (built aside, swapped in at the end)");
   cmd->add_flag("--no-progress", args->no_progress, "no progress bar on stderr");
   cmd->add_flag("--json", args->json, "print a JSON summary as the last line of stdout");
-  cmd->callback([args] {
+  cmd->callback([args, fitter_opt] {
     namespace fs = std::filesystem;
+    check_fitter_option(fitter_opt, args->fitter);
     InterruptGuard on_signal;
     warn_stale_temporaries(args->output);
     QuantizeOptions opt;
     opt.interrupt = interrupt_flag();
     opt.fit.fitter = args->fitter;
-    opt.fit.threads = args->threads;
+    opt.fit.threads = effective_threads(args->threads);
     opt.force = args->force;
     opt.progress = !args->no_progress;
     QuantizeSummary s;
@@ -91,6 +97,8 @@ void add_quantize(CLI::App& app) {
       throw std::invalid_argument(fmt::format("{}: no such checkpoint directory or file", args->input));
     }
     fmt::print("lutb quantize: {} -> {}\n{}", args->input, args->output, format_summary(s));
+    std::fflush(stdout);
+    for (const auto& w : s.warnings) fmt::print(stderr, "lutb: warning: {}\n", w);
     if (args->json) fmt::print("{}\n", summary_json(s, args->input, args->output).dump());
   });
 }

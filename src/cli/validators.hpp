@@ -1,15 +1,20 @@
 // Option validators of the lutb command line.
 #pragma once
 
+#include <sched.h>
+
 #include <charconv>
 #include <cstdint>
 #include <limits>
 #include <string>
 #include <system_error>
+#include <thread>
 #include <type_traits>
 
 #include <CLI/CLI.hpp>
 #include <fmt/core.h>
+
+#include "lutb/fit.hpp"
 
 namespace lutb::cli {
 
@@ -47,7 +52,52 @@ CLI::Validator IntRange(T lo, T hi) {
       fmt::format("{}..{}", lo, hi));  // help: "--threads INT:0..4096"
 }
 
-/// Thread counts: 0 (all cores) .. 4096.
+/// Thread counts: 0 (all cores) .. 4096; see effective_threads for more than the machine has.
 inline CLI::Validator ThreadCount() { return IntRange<int>(0, 4096); }
+
+/// Processors this process may run on (its affinity mask: what taskset / cgroup cpusets allow).
+inline int available_processors() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
+  const unsigned n = std::thread::hardware_concurrency();
+  return n > 0 ? static_cast<int>(n) : 1;
+}
+
+/// --threads as used: 0 stays 0 (all processors); more threads than available processors are
+/// reduced to that number with a note on stderr (new-user QA session 11: `--threads 4096` on 2
+/// cores was accepted silently and made `lutb eval` 100x slower: oversubscribed OpenMP threads).
+inline int effective_threads(int requested) {
+  const int n = available_processors();
+  if (requested <= n) return requested;
+  fmt::print(stderr, "lutb: --threads {} is more than the {} processor{} available to this process; using {}\n",
+             requested, n, n == 1 ? "" : "s", n);
+  return n;
+}
+
+/// A --fitter given on the command line (`opt` was used): an empty name is refused (new-user QA
+/// session 11: `--fitter ""` was taken as "not given", the default fitter), an unknown one too, as
+/// std::invalid_argument "--fitter: ..." (exit status 1, before any work).
+inline void check_fitter_option(const CLI::Option* opt, const std::string& name) {
+  if (opt == nullptr || opt->count() == 0) return;
+  if (name.empty()) {
+    std::string msg = "--fitter: the fitter name is empty; allowed:";
+    for (const auto& n : fitter_names()) msg += " " + n;
+    throw std::invalid_argument(msg + " (leave --fitter out for the default, " + default_fitter() + ")");
+  }
+  try {
+    check_fitter_name(name);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(fmt::format("--fitter: {}", e.what()));
+  }
+}
+
+/// A file or directory option given on the command line with an empty value (`--tokens ""`) was
+/// taken as "not given" and its default used silently (new-user QA session 11): refused, naming
+/// the option.
+inline void check_not_empty(const CLI::Option* opt, const std::string& value, const char* what) {
+  if (opt != nullptr && opt->count() > 0 && value.empty())
+    throw std::invalid_argument(fmt::format("{}: an empty {} was given", opt->get_name(), what));
+}
 
 }  // namespace lutb::cli

@@ -20,6 +20,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
@@ -712,7 +713,9 @@ FitStats quantize_gpu(const void* src, DType src_type, const LutbShape& shape, L
             for (std::int64_t c = tk * kTileCols; c < std::min(shape.cols, (tk + 1) * kTileCols); ++c)
               amax = std::max(amax, std::fabs(host_load(src, src_type, (e * shape.rows + row) * shape.cols + c)));
           }
-          what = "magnitude " + std::to_string(amax) + " needs a scale byte above 246 (spec section 2)";
+          char buf[32];  // shortest round-trip decimal, as the CPU message (src/fit/fit.cpp check_tile)
+          const auto r = std::to_chars(buf, buf + sizeof(buf), amax);
+          what = "magnitude " + std::string(buf, r.ptr) + " needs a scale byte above 246 (spec section 2)";
         }
         out = LutbTensor();
         throw std::invalid_argument("quantize_gpu: " + where + ": " + what);

@@ -4,6 +4,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cstring>
 #include <atomic>
 #include <cmath>
@@ -55,8 +56,14 @@ std::string check_tile(const float* x) {
              position(f);
     amax = std::max(amax, std::fabs(x[f]));
   }
-  if (amax != 0.0f && rceil_scale(amax) > kMaxScale)
-    return "magnitude " + std::to_string(amax) + " needs a scale byte above 246 (spec section 2)";
+  // The shortest decimal that reads back as amax ("3.3e+38"; std::to_string printed
+  // "329999996548271212625250308919809540096.000000", new-user QA session 11). The GPU fitter's
+  // message (src/cuda/fit_binned_dp.cu) formats it the same way: the tests compare them.
+  if (amax != 0.0f && rceil_scale(amax) > kMaxScale) {
+    char buf[32];
+    const auto r = std::to_chars(buf, buf + sizeof(buf), amax);
+    return "magnitude " + std::string(buf, r.ptr) + " needs a scale byte above 246 (spec section 2)";
+  }
   return {};
 }
 

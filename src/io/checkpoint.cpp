@@ -1,5 +1,7 @@
 // Checkpoint: loading a Hugging Face MoE checkpoint's layers (spec section 7) and stored LUT-B
 // experts (spec section 2.2).
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -101,8 +103,8 @@ const TensorView& Checkpoint::tensor(const std::string& name) const {
 namespace {
 
 // Copies a float tensor into dst (of dtype `to`), checking its shape. F64 sources are narrowed to F32.
-void copy_float(const std::filesystem::path& dir, const TensorView& v, const std::vector<std::int64_t>& expected,
-                DType to, std::uint8_t* dst) {
+void copy_float(const std::filesystem::path& dir, const std::string& file, const TensorView& v,
+                const std::vector<std::int64_t>& expected, DType to, std::uint8_t* dst) {
   if (!dtype_is_float_source(v.dtype))
     throw CheckpointError(fmt::format("checkpoint {}: tensor {} has dtype {}, expected a float weight (BF16, F16, F32)",
                                       dir.string(), v.name, dtype_name(v.dtype)));
@@ -118,6 +120,26 @@ void copy_float(const std::filesystem::path& dir, const TensorView& v, const std
     throw CheckpointError(fmt::format("checkpoint {}: tensor {} has dtype {} but the other experts of the stack are {}",
                                       dir.string(), v.name, dtype_name(v.dtype), dtype_name(to)));
   detail::convert_to_f32(v.data, v.dtype, reinterpret_cast<float*>(dst), v.numel());
+  // An F64 value beyond the FP32 range became +-Inf silently (new-user QA session 11): refused with
+  // its real magnitude and place.
+  if (v.dtype == DType::F64) {
+    const auto* f = reinterpret_cast<const float*>(dst);
+    for (std::int64_t i = 0; i < v.numel(); ++i) {
+      if (std::isfinite(f[i])) continue;
+      double x;
+      std::memcpy(&x, v.data + 8 * i, 8);
+      if (!std::isfinite(x)) continue;  // NaN / Inf stored as such
+      std::vector<std::int64_t> at(v.shape.size());
+      std::int64_t r = i;
+      for (std::size_t d = v.shape.size(); d-- > 0;) {
+        at[d] = r % v.shape[d];
+        r /= v.shape[d];
+      }
+      throw CheckpointError(fmt::format("{}: tensor {} (F64) holds {} at {}, beyond the FP32 range lutb computes in "
+                                        "(largest magnitude about 3.4e+38)",
+                                        file, v.name, x, detail::shape_str(at)));
+    }
+  }
   detail::release_pages(v.data, v.nbytes);
 }
 
@@ -140,7 +162,7 @@ DenseStack Checkpoint::dense(const std::string& name) const {
                                       detail::shape_str(v.shape)));
   }
   d.data.resize(static_cast<std::size_t>(d.numel()) * dtype_size(d.dtype));
-  copy_float(dir_, v, v.shape, d.dtype, d.data.data());
+  copy_float(dir_, file_of(v.name), v, v.shape, d.dtype, d.data.data());
   return d;
 }
 
@@ -196,8 +218,8 @@ ExpertsSource Checkpoint::experts_source(std::int64_t L) const {
     s.w2.dtype = stack_dtype(a.dtype);
     s.w13.data.resize(static_cast<std::size_t>(s.w13.numel()) * dtype_size(s.w13.dtype));
     s.w2.data.resize(static_cast<std::size_t>(s.w2.numel()) * dtype_size(s.w2.dtype));
-    copy_float(dir_, a, {E, 2 * I, H}, s.w13.dtype, s.w13.data.data());
-    copy_float(dir_, b, {E, H, I}, s.w2.dtype, s.w2.data.data());
+    copy_float(dir_, file_of(a.name), a, {E, 2 * I, H}, s.w13.dtype, s.w13.data.data());
+    copy_float(dir_, file_of(b.name), b, {E, H, I}, s.w2.dtype, s.w2.data.data());
     return s;
   }
   const TensorView& first = tensor(expert_weight_name(config_, L, 0, Proj::gate));
@@ -208,10 +230,11 @@ ExpertsSource Checkpoint::experts_source(std::int64_t L) const {
   s.w2.data.resize(static_cast<std::size_t>(s.w2.numel()) * es);
   for (std::int64_t e = 0; e < E; ++e) {
     std::uint8_t* w13 = s.w13.data.data() + static_cast<std::size_t>(e * 2 * I * H) * es;
-    copy_float(dir_, tensor(expert_weight_name(config_, L, e, Proj::gate)), {I, H}, dt, w13);
-    copy_float(dir_, tensor(expert_weight_name(config_, L, e, Proj::up)), {I, H}, dt, w13 + static_cast<std::size_t>(I * H) * es);
-    copy_float(dir_, tensor(expert_weight_name(config_, L, e, Proj::down)), {H, I}, dt,
-               s.w2.data.data() + static_cast<std::size_t>(e * H * I) * es);
+    const std::string g = expert_weight_name(config_, L, e, Proj::gate), u = expert_weight_name(config_, L, e, Proj::up),
+                      d = expert_weight_name(config_, L, e, Proj::down);
+    copy_float(dir_, file_of(g), tensor(g), {I, H}, dt, w13);
+    copy_float(dir_, file_of(u), tensor(u), {I, H}, dt, w13 + static_cast<std::size_t>(I * H) * es);
+    copy_float(dir_, file_of(d), tensor(d), {H, I}, dt, s.w2.data.data() + static_cast<std::size_t>(e * H * I) * es);
   }
   return s;
 }
@@ -296,6 +319,22 @@ void Checkpoint::read_lutb(const std::string& weight_name, const LutbShape& one,
         throw FormatError(fmt::format("{}: tensor {} ({}): {} has scale byte 255, which is UE8M0 NaN and invalid in "
                                       "LUT-B (spec 2)",
                                       file_of(s.name), s.name, who, tile_at(t)));
+    // A scale byte above 246 is valid UE8M0, but with a large codebook entry the weight
+    // e4m3 * 2^(s - 127) is beyond FP32 (>= 2^128): it decoded to Inf and `lutb eval` reported a
+    // NaN loss naming no tensor (new-user QA session 11). Such a tile is refused here, by name.
+    for (std::int64_t t = 0; t < tiles; ++t) {
+      if (sc[t] <= 246) continue;  // spec 2: every value of scale bytes up to 246 is exact in FP32
+      for (int j = 0; j < kCodebookSize; ++j) {
+        const std::uint8_t b = cb[t * kCodebookSize + j];
+        const double w = std::ldexp(std::fabs(static_cast<double>(e4m3_to_float(b))), sc[t] - 127);
+        if (w >= 0x1p128)
+          throw FormatError(fmt::format(
+              "{}: tensor {} ({}): {} has scale byte {}, and its codebook entry {} (byte 0x{:02X}, {}) times 2^{} "
+              "is beyond the FP32 range: the weights would be infinite (fitters write scale bytes 3..246, spec 2); "
+              "the checkpoint is corrupt",
+              file_of(s.name), s.name, who, tile_at(t), sc[t], j, b, e4m3_to_float(b), sc[t] - 127));
+      }
+    }
     std::memcpy(out.scale.data() + tile_offset, s.data, static_cast<std::size_t>(tiles));
   } else if (quant_ && quant_->compressed_tensors) {
     std::memset(out.scale.data() + tile_offset, kUE8M0One, static_cast<std::size_t>(tiles));  // spec 2.2
@@ -366,6 +405,45 @@ LutbTensor Checkpoint::lutb_projection(std::int64_t L, Proj p) const {
   return out;
 }
 
+std::string Checkpoint::expert_location(std::int64_t L, bool w13, std::int64_t expert, std::int64_t row,
+                                        std::int64_t col) const {
+  const std::int64_t I = config_.moe_intermediate_size;
+  std::string name = find_stacked(L, w13, "");
+  if (name.empty()) {
+    const Proj p = !w13 ? Proj::down : (row < I ? Proj::gate : Proj::up);
+    if (p == Proj::up) row -= I;
+    name = expert_weight_name(config_, L, expert, p);
+  }
+  return fmt::format("{}: tensor {} (layer {}, expert {}), row {} col {}", file_of(name), name, L, expert, row, col);
+}
+
+namespace {
+// The first source weight of a fused expert stack the LUT-B fit refuses (NaN, +-Inf, or a magnitude
+// whose tile would need a scale byte above 246, spec 2), located with Checkpoint::expert_location,
+// as std::invalid_argument. The fit reported "quantize: tensor model.layers.0.mlp w13, expert 1,
+// tile (8, 0): NaN at row 69 col 7": a fused stack, no file (new-user QA session 11).
+void check_fittable(const Checkpoint& ck, std::int64_t L, bool w13, const DenseStack& s) {
+  const std::int64_t n = s.numel(), per = s.rows * s.cols;
+  std::vector<float> v(static_cast<std::size_t>(std::min<std::int64_t>(n, per)));
+  for (std::int64_t e = 0; e * per < n; ++e) {
+    detail::convert_to_f32(s.data.data() + static_cast<std::size_t>(e * per) * dtype_size(s.dtype), s.dtype, v.data(),
+                           per);
+    for (std::int64_t i = 0; i < per; ++i) {
+      const float x = v[static_cast<std::size_t>(i)];
+      std::string what;
+      if (!std::isfinite(x))
+        what = std::string(std::isnan(x) ? "NaN" : (x > 0 ? "+Inf" : "-Inf")) +
+               "; a non-finite weight cannot be quantised to LUT-B (spec 2.1)";
+      else if (x != 0.0f && ue8m0_rceil(std::fabs(x)) > 246)
+        what = fmt::format("magnitude {} needs a scale byte above 246 (spec section 2); it cannot be quantised to LUT-B",
+                           std::fabs(x));
+      if (!what.empty())
+        throw std::invalid_argument(fmt::format("{}: {}", ck.expert_location(L, w13, e, i / s.cols, i % s.cols), what));
+    }
+  }
+}
+}  // namespace
+
 ExpertsLutb Checkpoint::lutb_experts(std::int64_t L, const FitOptions& fit, FitStats* stats) const {
   check_moe_layer(L);
   const std::int64_t E = config_.num_experts, H = config_.hidden_size, I = config_.moe_intermediate_size;
@@ -375,6 +453,8 @@ ExpertsLutb Checkpoint::lutb_experts(std::int64_t L, const FitOptions& fit, FitS
       throw std::invalid_argument(fmt::format("FitOptions::threads {}: must be >= 0 (0 = all cores)", fit.threads));
     // The online method: fit the source stacks as w13 [E, 2I, H] and w2 [E, H, I].
     ExpertsSource s = experts_source(L);
+    check_fittable(*this, L, true, s.w13);
+    check_fittable(*this, L, false, s.w2);
     const std::string base = moe_prefix(config_, L);
     FitStats a = quantize(s.w13.ptr(), s.w13.dtype, LutbShape{E, 2 * I, H, true}, r.w13, fit, base + " w13");
     s.w13.data = {};

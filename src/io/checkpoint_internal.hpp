@@ -46,6 +46,12 @@ double now_seconds();
 /// CheckpointError naming both paths.
 void check_output_location(const std::filesystem::path& in, const std::filesystem::path& out);
 
+/// Refuses a checkpoint-directory output named "*.safetensors" (a trailing separator ignored): it
+/// was written as a folder that every reader takes for one file (new-user QA session 11: `lutb
+/// quantize MODEL_DIR -o q.safetensors`, `lutb synth -o s.safetensors`). Throws CheckpointError
+/// naming the path; `what` is the command ("quantize", "synth") for the remedy.
+void check_directory_output_name(const std::filesystem::path& out_dir, const char* what);
+
 /// Refuses to replace an existing `target` of the other kind: a directory output never replaces a
 /// file and a file output never replaces a directory, even with --force. With `force` it also
 /// refuses a target that does not look like this tool's output: the current directory or an

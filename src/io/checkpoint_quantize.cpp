@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -86,11 +87,34 @@ void declare(SafetensorsWriter& w, const Planned& p, const TensorView& v, Quanti
   s.output_bytes += b;
 }
 
+// An F64 weight whose magnitude is beyond the FP32 range (the fitters read F64 as F32, where it
+// became +-Inf and was reported as "+Inf at row R col C": new-user QA session 11) is reported with its
+// real magnitude, like a tile of too large FP32 values. Checked before narrowing; `file` names the
+// source file. Any such value is reported, wherever it is: its tile needs a scale byte above 246.
+void check_f64_range(const fs::path& file, const Planned& p, const TensorView& v) {
+  const auto* b = static_cast<const unsigned char*>(v.data);
+  const std::int64_t n = v.numel();
+  for (std::int64_t i = 0; i < n; ++i) {
+    double x;
+    std::memcpy(&x, b + 8 * i, 8);
+    if (!std::isfinite(x) || std::isfinite(static_cast<float>(x))) continue;
+    const std::int64_t per = p.shape.rows * p.shape.cols, e = i / per, row = (i % per) / p.shape.cols,
+                       col = i % p.shape.cols;
+    char buf[32];
+    const auto r = std::to_chars(buf, buf + sizeof(buf), std::fabs(x));
+    throw std::invalid_argument(fmt::format(
+        "{}: tensor {}{}, tile ({}, {}): magnitude {} at row {} col {} needs a scale byte above 246 (spec section 2; "
+        "it is beyond the FP32 range, the fitters read F64 weights as F32); nothing written",
+        file.string(), p.name, p.shape.stacked ? fmt::format(", expert {}", e) : "", row / kTileRows, col / kTileCols,
+        std::string_view(buf, static_cast<std::size_t>(r.ptr - buf)), row, col));
+  }
+}
+
 // Writes the output tensors of one plan entry (quantising when planned), then releases the source pages.
 // Polls `stop` (see QuantizeOptions::interrupt) before the tensor, between copy chunks and, through
-// the fitter, before every tile.
+// the fitter, before every tile. `file` is the source file, for the messages.
 void emit(SafetensorsWriter& w, const Planned& p, const TensorView& v, const FitOptions& fit, QuantizeSummary& s,
-          detail::Progress& prog, const InterruptFlag* stop, const fs::path& target) {
+          detail::Progress& prog, const InterruptFlag* stop, const fs::path& target, const fs::path& file) {
   detail::check_interrupt(stop, target);
   if (!p.quantize) {
     for (std::size_t off = 0; off < v.nbytes; off += kCopyChunk) {
@@ -109,6 +133,7 @@ void emit(SafetensorsWriter& w, const Planned& p, const TensorView& v, const Fit
   // The fit itself polls the flag before every tile (a large tensor takes seconds to minutes).
   FitOptions fo = fit;
   if (!fo.interrupt) fo.interrupt = stop;
+  if (v.dtype == DType::F64) check_f64_range(file, p, v);
   try {
     if (v.dtype == DType::F64) {  // fitters take F32/BF16/F16: narrow F64 first
       std::vector<float> f(static_cast<std::size_t>(v.numel()));
@@ -125,6 +150,13 @@ void emit(SafetensorsWriter& w, const Planned& p, const TensorView& v, const Fit
                                   target.string(), e.signal, strsignal(e.signal), p.name, e.tiles_done, e.tiles_total,
                                   target.string()),
                       e.tiles_done, e.tiles_total);
+  } catch (const std::invalid_argument& e) {
+    // A data error of the fit (NaN / Inf / a magnitude needing a scale byte above 246, spec 2.1):
+    // "quantize: tensor T, expert E, tile (..): NaN at row R col C". The message named no file
+    // (new-user QA session 11); the caller's guard removes the temporary output as this unwinds.
+    std::string m = e.what();
+    if (m.rfind("quantize: ", 0) == 0) m.erase(0, 10);
+    throw std::invalid_argument(fmt::format("{}: {}; nothing written", file.string(), m));
   }
   detail::release_pages(v.data, v.nbytes);
   w.write(out.packed.data(), out.packed.size());
@@ -237,6 +269,7 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
                                             "written",
                                             opt.fit.threads));
   if (out_dir.empty()) throw CheckpointError("quantize: no output directory given");
+  detail::check_directory_output_name(out_dir, "quantize");
   if (same_path(in_dir, out_dir))
     throw CheckpointError(fmt::format("{}: the output directory is the input checkpoint", out_dir.string()));
   detail::check_output_location(in_dir, out_dir);
@@ -354,6 +387,23 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
                                       stacked_gate_up_name(cfg, first)));
   }
   check_experts_complete(in_dir, cfg, found);
+  // Per-expert gate / up of width I % 8 != 0 are valid LUT-B tensors (spec 2.2: each padded to
+  // whole 8-row tiles), but lutb runs an expert's gate and up as one [2I, H] matrix of 8-row tiles,
+  // which the padded tiles cannot form (Checkpoint::lutb_experts refuses them). The checkpoint was
+  // written without a word (new-user QA session 11); it still is, with a warning and the remedies.
+  if (cfg.moe_intermediate_size % 8 != 0)
+    for (const auto& [L, x] : found)
+      if (!x.per_expert.empty()) {
+        sum.warnings.push_back(fmt::format(
+            "{}: the expert width moe_intermediate_size {} of {} is not a multiple of 8 and the experts are stored "
+            "per expert (e.g. {}): each LUT-B gate and up tensor is padded to {} rows, a valid LUT-B checkpoint "
+            "(spec 2.2), but lutb eval and lutb moe cannot run it (they run an expert's gate and up as one [2I, H] "
+            "matrix of 8-row tiles). To run LUT-B weights of this model with lutb, quantise a checkpoint with stacked "
+            "experts (gate_up_proj [E, 2I, H]) or run the BF16 checkpoint with --quant lutb",
+            out_dir.string(), cfg.moe_intermediate_size, (in_dir / "config.json").string(),
+            expert_weight_name(cfg, L, 0, Proj::gate), (cfg.moe_intermediate_size + 7) / 8 * 8));
+        break;
+      }
 
   const fs::path tmp = detail::temp_sibling(out_dir);
   std::error_code ec;
@@ -380,7 +430,8 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
         weight_map[p.name] = shard;
       }
     }
-    for (const auto& p : plan[f]) emit(w, p, files[f]->get(p.name), opt.fit, sum, prog, opt.interrupt, out_dir);
+    for (const auto& p : plan[f])
+      emit(w, p, files[f]->get(p.name), opt.fit, sum, prog, opt.interrupt, out_dir, files[f]->path());
     w.commit();
   }
   prog.finish();
@@ -441,6 +492,15 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
         sum.skipped_files.push_back(rel.string() + "/");
         continue;
       }
+      // The download cache of `huggingface-cli download --local-dir` (.cache/huggingface/, older
+      // versions .huggingface/: the source files' hashes and locks) and version control (.git/,
+      // whose LFS store holds the unquantised weights again) describe the source repository, not
+      // this output: left out and listed (new-user QA session 11: they were copied).
+      if (const std::string d = rel.filename().string(); d == ".cache" || d == ".huggingface" || d == ".git") {
+        sum.skipped_files.push_back(rel.string() + "/");
+        it.disable_recursion_pending();
+        continue;
+      }
       fs::create_directories(tmp / rel);
       continue;
     }
@@ -452,6 +512,25 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
       continue;
     }
     detail::check_interrupt(opt.interrupt, out_dir);
+    // Another safetensors file (captured activations, tokens) is copied; one holding tensors of this
+    // checkpoint (a stray shard, a copy of model.safetensors) puts unquantised routed experts into
+    // the LUT-B checkpoint: still copied (it is the user's data), with a warning (new-user QA
+    // session 11: nothing was said).
+    if (rel.extension() == ".safetensors") {
+      try {
+        const SafetensorsFile other(it->path());
+        for (const auto& n : other.names())
+          if (ck.contains(n) || std::regex_match(n, pattern)) {
+            sum.warnings.push_back(fmt::format(
+                "{}: copied {} unquantised: it holds tensor {}{} (a stray shard or a copy of the weights?); delete it "
+                "from the output if the checkpoint's loader would read it",
+                out_dir.string(), fname, n, ck.contains(n) ? " of this checkpoint" : ", a routed expert"));
+            break;
+          }
+      } catch (const std::exception&) {
+        // not a readable safetensors file: copied as any other file
+      }
+    }
     // Contents only: the output gets this process's default permissions, not the source's (a
     // read-only source made the copies read-only; QA 2026-11-30).
     detail::copy_file_contents(it->path(), tmp / rel, opt.interrupt, out_dir);
@@ -543,7 +622,7 @@ QuantizeSummary quantize_file(const fs::path& in, const fs::path& out, const std
     detail::Progress prog("quantize", total, opt.progress);
     SafetensorsWriter w(tmp, meta);
     for (const auto& p : plan) declare(w, p, file.get(p.name), sum);
-    for (const auto& p : plan) emit(w, p, file.get(p.name), opt.fit, sum, prog, opt.interrupt, out);
+    for (const auto& p : plan) emit(w, p, file.get(p.name), opt.fit, sum, prog, opt.interrupt, out, in);
     w.commit();
     prog.finish();
   }

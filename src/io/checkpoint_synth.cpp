@@ -330,6 +330,7 @@ std::uint64_t synthesize_checkpoint(const fs::path& out_dir, const SynthOptions&
   // An empty path wrote the whole checkpoint to ".tmp.PID" in the current directory, then failed to
   // rename it to "" with a bare filesystem error (QA session 9).
   if (out_dir.empty()) throw CheckpointError("synth: no output directory given; nothing written");
+  detail::check_directory_output_name(out_dir, "synth");
   detail::check_replaceable(out_dir, /*want_directory=*/true, opt.force);
   if (fs::exists(out_dir) && !opt.force)
     throw CheckpointError(fmt::format("{}: output directory exists (use --force to replace it); nothing written",

@@ -109,6 +109,18 @@ bool checkpoint_entry_name(const std::string& name) {
 }
 }  // namespace
 
+void check_directory_output_name(const std::filesystem::path& out_dir, const char* what) {
+  const fs::path name = out_dir.has_filename() ? out_dir.filename() : out_dir.parent_path().filename();
+  if (name.extension() != ".safetensors") return;
+  const std::string remedy =
+      std::string(what) == "quantize"
+          ? "to quantise the tensors of one file, give that .safetensors file as the input"
+          : "a checkpoint is a folder of config.json and *.safetensors files";
+  throw CheckpointError(fmt::format("{}: a checkpoint directory must not be named *.safetensors (readers take that "
+                                    "name for one safetensors file; {}); nothing written",
+                                    out_dir.string(), remedy));
+}
+
 void check_output_location(const std::filesystem::path& in, const std::filesystem::path& out) {
   if (path_within(out, in))
     throw CheckpointError(fmt::format("{}: the output lies inside (or is) the input {}; choose a path outside it",
@@ -355,7 +367,8 @@ std::string format_summary(const QuantizeSummary& s) {
   out += fmt::format("time                 {:.2f} s\n", s.seconds);
   out += fmt::format("peak RSS             {:.1f} MB\n", mb(s.peak_rss_bytes));
   if (!s.skipped_files.empty())
-    out += fmt::format("not copied           {} (the unquantised weights in another format)\n",
+    out += fmt::format("not copied           {} (the unquantised weights in another format, symlinked folders, "
+                       "download caches, version control)\n",
                        fmt::join(s.skipped_files, ", "));
   return out;
 }

@@ -172,6 +172,9 @@ TransformerConfig TransformerConfig::from_json(const json& j, const std::string&
   if (c.num_heads % c.num_kv_heads != 0)
     key_error(where, "num_key_value_heads",
               fmt::format("{} must divide num_attention_heads ({})", c.num_kv_heads, c.num_heads));
+  // A negative epsilon gave a NaN loss (sqrt of a negative mean square; new-user QA session 11).
+  if (!(std::isfinite(c.rms_norm_eps) && c.rms_norm_eps >= 0))
+    key_error(where, "rms_norm_eps", fmt::format("must be a finite number >= 0, got {}", c.rms_norm_eps));
 
   // Rotary parameters: transformers 5 rope_parameters, else transformers 4 rope_theta + rope_scaling.
   json rp = json::object();
@@ -220,6 +223,26 @@ TransformerConfig TransformerConfig::from_json(const json& j, const std::string&
     r.dim = static_cast<int>(c.head_dim * partial);
     c.attention_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.head_dim)));
   }
+
+  // The rotary table's inputs, checked here so that an error names config.json and the key (they
+  // were "rope dimension 0 must be even and positive", naming nothing: new-user QA session 11).
+  if (r.dim <= 0 || r.dim % 2 != 0) {
+    const std::string key = deepseek ? "qk_rope_head_dim" : (partial != 1.0 ? in_rp("partial_rotary_factor") : "head_dim");
+    key_error(where, key,
+              deepseek ? fmt::format("gives a rotary dimension of {}; it must be even and positive", r.dim)
+                       : fmt::format("head_dim {} x partial_rotary_factor {} gives a rotary dimension of {}; it must be "
+                                     "even and positive",
+                                     c.head_dim, partial, r.dim));
+  }
+  if (!(std::isfinite(r.theta) && r.theta > 0))
+    key_error(where, in_rp("rope_theta"), fmt::format("must be a positive finite number, got {}", r.theta));
+  if (r.type != "default" && r.type != "linear" && r.type != "yarn")
+    key_error(where, in_rp("rope_type"), fmt::format("\"{}\" is not supported (default, linear, yarn)", r.type));
+  if (r.type != "default" && !(std::isfinite(r.factor) && r.factor > 0))
+    key_error(where, in_rp("factor"), fmt::format("must be a positive finite number for rope_type \"{}\", got {}", r.type, r.factor));
+  if (r.type == "yarn" && !(r.original_max_position > 0))
+    key_error(where, in_rp("original_max_position_embeddings"),
+              "required for rope_type \"yarn\" (or max_position_embeddings), and positive");
 
   // Sliding-window attention: Mixtral "sliding_window"; Qwen2/3-MoE only with use_sliding_window.
   if (c.family == "mixtral") c.sliding_window = get_or<int>(j, "sliding_window", 0, where);

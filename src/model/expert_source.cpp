@@ -54,6 +54,10 @@ class CheckpointExperts final : public ExpertSource {
     return {std::move(e.w13), std::move(e.w2)};
   }
 
+  std::string locate(int layer, bool w13, std::int64_t expert, std::int64_t row, std::int64_t col) const override {
+    return ck_.expert_location(layer, w13, expert, row, col);
+  }
+
  private:
   Checkpoint ck_;
 };

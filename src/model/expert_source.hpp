@@ -37,6 +37,10 @@ class ExpertSource {
   virtual std::pair<std::vector<std::uint16_t>, std::vector<std::uint16_t>> bf16_stacks(int layer) const = 0;
   /// Stored LUT-B w13 and w2. Throws on a BF16 checkpoint.
   virtual std::pair<LutbTensor, LutbTensor> lutb_stacks(int layer) const = 0;
+  /// Where element (expert, row, col) of layer `layer`'s w13 (`w13` true) or w2 stack is stored:
+  /// "FILE: tensor NAME (layer L, expert E), row R col C" in the stored tensor's own coordinates
+  /// (per-expert gate / up / down, or the stacked tensors), for error messages.
+  virtual std::string locate(int layer, bool w13, std::int64_t expert, std::int64_t row, std::int64_t col) const = 0;
 };
 
 /// Quantise-dequantise a BF16 weight [rows][cols] in place with a baseline format (INT3 g128 or

@@ -36,6 +36,34 @@ double ExpertTensorStats::sqnr_db() const {
 
 namespace {
 
+/// Refuses BF16 expert weights that `q` cannot quantise before fitting them, naming the stored
+/// tensor, its file and the element: NaN / Inf for every format, and for LUT-B a magnitude that
+/// needs a tile scale byte above 246 (spec 2). The fitter reported the fused stack instead
+/// ("quantize: tensor w2_weight, expert 3, tile (0, 1): NaN at row 5 col 70": no file, layer or
+/// stored tensor; new-user QA session 11).
+void check_quantizable(const ExpertSource& src, int layer, Quant q, const std::vector<std::uint16_t>& w, bool w13,
+                       std::int64_t rows, std::int64_t cols) {
+  const std::int64_t per = rows * cols;
+  for (std::size_t i = 0; i < w.size(); ++i) {
+    const std::uint16_t b = w[i];
+    std::string what;
+    if ((b & 0x7f80u) == 0x7f80u) {
+      what = (b & 0x7fu) ? "NaN" : ((b & 0x8000u) ? "-Inf" : "+Inf");
+    } else if (q == Quant::Lutb) {
+      const float v = std::fabs(bf16_to_float(b));
+      if (v != 0.0f && ue8m0_rceil(v) > 246) what = fmt::format("magnitude {}", v);
+    }
+    if (what.empty()) continue;
+    const auto at = static_cast<std::int64_t>(i);
+    const std::string fmt_name = q == Quant::Lutb ? "LUT-B" : quant_name(q);
+    const std::string why = what.rfind("magnitude", 0) == 0
+                                ? " needs a scale byte above 246 (spec section 2); it cannot be quantised to " + fmt_name
+                                : "; a non-finite weight cannot be quantised to " + fmt_name +
+                                      (q == Quant::Lutb ? " (spec 2.1)" : "");
+    throw ModelError(fmt::format("{}: {}{}", src.locate(layer, w13, at / per, (at % per) / cols, at % cols), what, why));
+  }
+}
+
 /// DeepSeek-V2 "group_limited_greedy" (transformers modeling_deepseek_v2 DeepseekV2Moe.route_tokens):
 /// softmax scores; group score = the max of its experts; keep topk_group groups; top-k of the
 /// scores inside them; weights = scores (renormalised when norm_topk_prob) * routed_scaling_factor.
@@ -249,6 +277,10 @@ std::unique_ptr<MoeBlock> CheckpointMoe::build(int layer) {
     m.weights += n13 + n2;
   } else {
     auto [w13, w2] = m.src->bf16_stacks(layer);
+    if (m.opt.quant != Quant::None) {
+      check_quantizable(*m.src, layer, m.opt.quant, w13, true, 2 * I, H);
+      check_quantizable(*m.src, layer, m.opt.quant, w2, false, H, I);
+    }
     m.source_bytes += (w13.size() + w2.size()) * 2;
     m.weights += n13 + n2;
     switch (m.opt.quant) {

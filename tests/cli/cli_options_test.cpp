@@ -89,8 +89,8 @@ TEST(CliOptions, SynthRejectsBadSizesAndChecksFreeSpace) {
       {base + " --moe-intermediate-size 1000000", "--moe-intermediate-size: 1000000 is outside the valid range 1..65536"},
       {base + " --experts 0", "--experts: 0 is outside the valid range 1..4096"},
       {base + " --experts 1e3", "--experts: 1e3 is not an integer (valid range 1..4096)"},
-      {base + " --nu 2", "--nu 2: must be a finite number > 2"},
-      {base + " --nu inf", "--nu inf: must be a finite number > 2"},
+      {base + " --nu 2", "--nu 2: must be a number in (2, 1e6]"},
+      {base + " --nu inf", "--nu inf: must be a number in (2, 1e6]"},
   };
   for (const auto& c : cases) {
     const CliOut r = run(c.args);

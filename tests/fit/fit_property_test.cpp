@@ -209,6 +209,31 @@ TEST(FitProperty, NonFiniteValuesNameTheTile) {
   }
 }
 
+// Regression (new-user QA session 11): a magnitude needing a scale byte above 246 was printed by
+// std::to_string: "magnitude 329999996548271212625250308919809540096.000000 needs ...". Now the
+// shortest decimal that reads back as the value (the GPU fitter's message is the same).
+TEST(FitProperty, TooLargeMagnitudeIsReadable) {
+  std::vector<float> x(512, 0.01f);
+  x[2 * 64 + 5] = -3.3e38f;
+  try {
+    fit_tile(x.data());
+    FAIL() << "no throw";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_EQ(std::string(e.what()), "fit_tile: magnitude 3.3e+38 needs a scale byte above 246 (spec section 2)");
+  }
+  const LutbShape shape{1, 16, 128, false};
+  std::vector<float> w(16 * 128, 0.02f);
+  w[9 * 128 + 70] = std::numeric_limits<float>::max();
+  LutbTensor out;
+  try {
+    quantize(w.data(), DType::F32, shape, out, {}, "w");
+    FAIL() << "no throw";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "quantize: tensor w, tile (1, 1): magnitude 3.4028235e+38 needs a scale byte above 246 (spec section 2)");
+  }
+}
+
 TEST(FitProperty, BulkIsDeterministicAcrossThreadsAndMatchesFitTile) {
   std::mt19937_64 rng(17);
   const LutbShape shape{3, 20, 150, true};  // padded: 24 x 192, 3 x 3 tiles per expert
