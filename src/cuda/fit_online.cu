@@ -2,6 +2,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <mutex>
@@ -89,7 +90,9 @@ std::string describe_error(const Tensor& t, std::int64_t expert, const GpuFitErr
          "cudaMemcpy");
       for (std::uint16_t v : h) amax = std::max(amax, std::fabs(dtype == DType::BF16 ? bf16_to_float(v) : fp16_to_float(v)));
     }
-    what = "magnitude " + std::to_string(amax) + " needs a scale byte above 246 (spec section 2)";
+    char buf[32];  // shortest round-trip decimal, as the CPU message (src/fit/fit.cpp check_tile)
+    const auto r = std::to_chars(buf, buf + sizeof(buf), amax);
+    what = "magnitude " + std::string(buf, r.ptr) + " needs a scale byte above 246 (spec section 2)";
   }
   return std::string(kWho) + ": " + where + ": " + what;
 }

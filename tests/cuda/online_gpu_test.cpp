@@ -434,6 +434,36 @@ TEST(OnlineGpu, ErrorsBeforeAnythingIsReleased) {
   EXPECT_NE(msg_of(good, o).find("forced_scale 2 is outside"), std::string::npos);
 }
 
+// A weight too large for any scale byte <= 246 (BF16 0x7f78 = 3.3e38): the online method's message
+// equals the CPU fitter's, magnitude printed as the shortest round-trip decimal (both sides use
+// std::to_chars since session 11; std::to_string printed 39 digits and ".000000").
+TEST(OnlineGpu, TooLargeMagnitudeMatchesCpu) {
+  LUTB_GPU_OR_SKIP();
+  HostLayer l = random_layer(2, 128, 64, DType::BF16, 7);
+  l.w2[static_cast<std::size_t>(1 * 128 * 64 + 3 * 64 + 10)] = 0x7f78;
+  std::string cpu_msg;
+  LutbTensor t;
+  try {
+    quantize(l.w2.data(), DType::BF16, stack(2, 128, 64), t, FitOptions{}, "w2_weight");
+  } catch (const std::invalid_argument& e) {
+    cpu_msg = e.what();
+  }
+  ASSERT_EQ(cpu_msg.rfind("quantize: ", 0), 0u) << cpu_msg;
+  EXPECT_NE(cpu_msg.find("magnitude 3.29"), std::string::npos) << cpu_msg;
+  EXPECT_NE(cpu_msg.find("e+38 needs a scale byte above 246"), std::string::npos) << cpu_msg;
+  DeviceSource d;
+  cuda::DeviceExpertSource src;
+  upload(l, false, d, src);
+  cuda::DeviceLutbLayer out;
+  std::string msg;
+  try {
+    cuda::quantize_experts_online(src, out);
+  } catch (const std::invalid_argument& e) {
+    msg = e.what();
+  }
+  EXPECT_EQ(msg, "quantize_experts_online: " + cpu_msg.substr(10));
+}
+
 TEST(OnlineGpu, SelectionLoggedOnce) {
   LUTB_GPU_OR_SKIP();
   std::vector<std::string> msgs;
