@@ -229,5 +229,41 @@ TEST(NewUserS11, EvalTakesActFormatLikeMoe) {
   EXPECT_EQ(a.json()["val_loss"], b.json()["val_loss"]);
 }
 
+// `lutb eval` of a checkpoint with more layers than config.json declares reported the loss of the
+// shorter model and ignored the rest without a word (lutb quantize refuses the same checkpoint).
+TEST(NewUserS11, LoadRefusesLayersTheConfigDoesNotDeclare) {
+  LUTB_MODEL_OR_SKIP(src, "tiny-mixtral");
+  TempDir t;
+  const fs::path dir = t.path / "m";
+  fs::copy(src, dir, fs::copy_options::recursive);
+  nlohmann::json cfg;
+  std::ifstream(dir / "config.json") >> cfg;
+  const int layers = cfg.at("num_hidden_layers").get<int>();
+  ASSERT_GE(layers, 2);
+  cfg["num_hidden_layers"] = layers - 1;
+  std::ofstream(dir / "config.json") << cfg.dump(2);
+  std::string err = "no exception";
+  try {
+    model::CheckpointMoe moe(dir, model::MoeOptions{});
+    model::LanguageModel::load(dir, moe.factory());
+  } catch (const model::ModelError& e) {
+    err = e.what();
+  }
+  const std::string want = "model.safetensors: tensor model.layers." + std::to_string(layers - 1) + ".";
+  EXPECT_NE(err.find(want), std::string::npos) << err;
+  EXPECT_NE(err.find("belongs to layer " + std::to_string(layers - 1) + ", but " + (dir / "config.json").string() +
+                     " declares num_hidden_layers " + std::to_string(layers - 1) + " (layers 0.." +
+                     std::to_string(layers - 2) + ")"),
+            std::string::npos)
+      << err;
+  const test::CliResult r = test::run_cli("eval " + test::quote(dir) + " --max-windows 1");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.err.find("belongs to layer " + std::to_string(layers - 1)), std::string::npos) << r.err;
+  // The unmodified model loads (the check does not trip on declared layers).
+  std::ofstream(dir / "config.json") << nlohmann::json::parse(std::ifstream(src / "config.json")).dump(2);
+  model::CheckpointMoe moe(dir, model::MoeOptions{});
+  EXPECT_NO_THROW(model::LanguageModel::load(dir, moe.factory()));
+}
+
 }  // namespace
 }  // namespace lutb
