@@ -75,10 +75,23 @@ void launch_warp_tiles(const KernelArgs& a, int tiles_per_warp, cudaStream_t str
 /// two-tiles-per-warp kernel gets): the benchmark's measure of what the warps per SM alone are
 /// worth. Same bytes as launch_warp.
 void launch_warp_padded(const KernelArgs& a, int pad_bytes, cudaStream_t stream);
-/// Resident warps per SM by the occupancy calculator (-1 on a CUDA error): `which` 0 the default
-/// binned-dp kernel with `pad_bytes` (launch_warp_padded; 0 = as launch_warp), 1 two tiles per
-/// warp, 2 two tiles per warp with the refinement on all lanes.
+/// Resident warps per SM by the occupancy calculator (-1 on a CUDA error): `which` 0 the binned-dp
+/// one-tile kernel with the fit11 layout (launch_warp_layout 0) and `pad_bytes` (launch_warp_padded),
+/// 1 two tiles per warp, 2 two tiles per warp with the refinement on all lanes, 3 and 4 the compact
+/// layout (launch_warp_layout 1 and 2).
 int resident_warps_per_sm(int which, int pad_bytes = 0);
+
+/// Shared-memory layout of the binned-dp one-tile warp kernel (fit12; src/cuda/fit_binned_dp_warp.cu):
+///   0: fit11's (prefix sums p[2][513] in shared memory, ~13.7 KB per warp, 2-warp blocks, 98
+///      registers: 16 resident warps per SM on an H200);
+///   1: compact (prefix sums only at the bin edges, the refinement windows' sums re-derived per
+///      round, chunked running and flat-order sums; ~9.3 KB per warp, 4-warp blocks), compiled for
+///      20 resident warps per SM (<= 96 registers);
+///   2: the compact layout compiled for 24 resident warps per SM (<= 80 registers).
+/// Same bytes and per-tile sums (tested); launch_warp uses kWarpLayoutDefault for binned-dp fits.
+/// Optimal fits and check-only launches ignore the layout (launch_warp).
+inline constexpr int kWarpLayoutDefault = 1;
+void launch_warp_layout(const KernelArgs& a, int layout, cudaStream_t stream);
 
 /// Error word of a failing tile: (tile << 12) | (code << 9) | position (decode_fit_error).
 __host__ __device__ inline unsigned long long error_word(std::int64_t tile, int code, int pos) {
