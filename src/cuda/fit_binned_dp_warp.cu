@@ -1121,10 +1121,10 @@ struct SmemC {
   double2 sp[kMaxPos];             // prefix sums (x, x^2) at the bin edges, scaled to the tile's scale
   float u[kN];                     // distinct values, ascending (+0 for zero)
   std::uint16_t cnt[kN + 1];       // prefix counts
-  int pos[kMaxPos];                // bin edges
+  std::int16_t pos[kMaxPos];       // bin edges
   int seg[kCodebookSize + 1];
   int bounds[kCodebookSize + 1];
-  int lo[kCodebookSize], hi[kCodebookSize], wk[kCodebookSize];
+  std::int16_t lo[kCodebookSize], hi[kCodebookSize], wk[kCodebookSize];
   float cbv[kCodebookSize];
   std::uint8_t entries[kCodebookSize];
   std::uint8_t cbb[kCodebookSize];
@@ -1133,13 +1133,11 @@ struct SmemC {
   __device__ float* uv() { return u; }
 };
 
-// The blocks of the compact kernel: 4 warps (static shared memory under 48 KiB per block).
-constexpr int kCompactWarps = 4;
 
 // binned_dp.cpp's bin edges into s.pos[0..m] (the default layout's code, fit_front_b); returns m.
 __device__ __forceinline__ int bin_edges_c(SmemC& s, int lane, int n) {
   if (n <= kBins) {
-    if (lane <= n) s.pos[lane] = lane;
+    if (lane <= n) s.pos[lane] = static_cast<std::int16_t>(lane);
     if (n == 32 && lane == 0) s.pos[32] = 32;
     __syncwarp();
     return n;
@@ -1160,7 +1158,7 @@ __device__ __forceinline__ int bin_edges_c(SmemC& s, int lane, int n) {
     int mm = 0, i = 0;
     s.pos[0] = 0;
     auto push = [&](int e) {
-      if (e > s.pos[mm] && e < n) s.pos[++mm] = e;
+      if (e > s.pos[mm] && e < n) s.pos[++mm] = static_cast<std::int16_t>(e);
     };
     for (; i < s.lb[0]; ++i) push(i);
     for (int b = 1; b < kBins; ++b) {
@@ -1168,7 +1166,7 @@ __device__ __forceinline__ int bin_edges_c(SmemC& s, int lane, int n) {
       push(i);
     }
     for (i = max(i, lb_end); i < n; ++i) push(i);
-    s.pos[++mm] = n;
+    s.pos[++mm] = static_cast<std::int16_t>(n);
     s.m = mm;
   }
   __syncwarp();
@@ -1333,8 +1331,8 @@ __device__ int dp_refine_c(SmemC& s, int lane, int n, int me, int scale) {
     ++rounds;
     if (lane >= 1 && lane < K) {
       const int b = s.bounds[lane];
-      s.lo[lane] = max(b - s.wk[lane], lane);
-      s.hi[lane] = min(b + s.wk[lane], m - (K - lane));
+      s.lo[lane] = static_cast<std::int16_t>(max(b - s.wk[lane], lane));
+      s.hi[lane] = static_cast<std::int16_t>(min(b + s.wk[lane], m - (K - lane)));
     }
     __syncwarp();
     window_sums_c(s, lane, K, me, scale);
@@ -1476,6 +1474,9 @@ __device__ void encode_c(SmemC& s, int lane, const float (&x)[kIpt], int scale, 
   __syncwarp();
 }
 
+// Reload: the tile's values are read again from global memory for the encoding instead of being
+// kept in 16 registers over the DP and the refinement.
+template <bool Reload>
 __device__ __forceinline__ void fit_one_c(SmemC& s, int lane, const KernelArgs& a, std::int64_t lt) {
   float x[kIpt];
   float am;
@@ -1498,26 +1499,27 @@ __device__ __forceinline__ void fit_one_c(SmemC& s, int lane, const KernelArgs& 
   edge_sums_c(s, lane, n, me, f, f * f);
   dp_fit_c(s, lane, me);
   if (me != n) dp_refine_c(s, lane, n, me, sc);
+  if constexpr (Reload) load_tile(a, lt, lane, x);  // (the same values, read again: x is dead over the DP)
   encode_c(s, lane, x, sc, s.K, tile_out(a, lt));
 }
 
-// MinWarps: the resident warps per SM asked of the compiler (__launch_bounds__: 20 -> <= 96
-// registers, 24 -> <= 80).
-template <int MinWarps>
-__global__ void __launch_bounds__(32 * kCompactWarps, MinWarps / kCompactWarps) fit_compact_kernel(KernelArgs a) {
-  __shared__ SmemC sm[kCompactWarps];
+// W warps per block (2 or 4: static shared memory under 48 KiB); MinWarps: the resident warps per
+// SM asked of the compiler (__launch_bounds__: 20 -> <= 96 registers, 24 -> <= 80).
+template <int W, int MinWarps, bool Reload>
+__global__ void __launch_bounds__(32 * W, MinWarps / W) fit_compact_kernel(KernelArgs a) {
+  __shared__ SmemC sm[W];
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * kCompactWarps;
-  for (std::int64_t lt = static_cast<std::int64_t>(blockIdx.x) * kCompactWarps + w; lt < a.tiles; lt += stride) {
-    fit_one_c(sm[w], lane, a, lt);
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * W;
+  for (std::int64_t lt = static_cast<std::int64_t>(blockIdx.x) * W + w; lt < a.tiles; lt += stride) {
+    fit_one_c<Reload>(sm[w], lane, a, lt);
     __syncwarp();
   }
 }
 
-template <int MinWarps>
+template <int W, int MinWarps, bool Reload>
 void launch_compact(const KernelArgs& a, cudaStream_t stream) {
-  const std::int64_t blocks = std::min<std::int64_t>((a.tiles + kCompactWarps - 1) / kCompactWarps, std::int64_t{1} << 22);
-  fit_compact_kernel<MinWarps><<<static_cast<unsigned>(blocks), 32 * kCompactWarps, 0, stream>>>(a);
+  const std::int64_t blocks = std::min<std::int64_t>((a.tiles + W - 1) / W, std::int64_t{1} << 22);
+  fit_compact_kernel<W, MinWarps, Reload><<<static_cast<unsigned>(blocks), 32 * W, 0, stream>>>(a);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) throw std::runtime_error(std::string("quantize_gpu: kernel launch: ") + cudaGetErrorString(e));
 }
@@ -1542,13 +1544,15 @@ void launch_warp(const KernelArgs& a, cudaStream_t stream) {
 }
 
 void launch_warp_layout(const KernelArgs& a, int layout, cudaStream_t stream) {
-  if (layout < 0 || layout > 2)
-    throw std::invalid_argument("launch_warp_layout: layout must be 0, 1 or 2, not " + std::to_string(layout));
+  if (layout < 0 || layout > 4)
+    throw std::invalid_argument("launch_warp_layout: layout must be 0..4, not " + std::to_string(layout));
   if (a.tiles == 0) return;
   if (a.optimal || a.check_only) return launch_warp(a, stream);
   if (layout == 0) launch_t<false, false>(a, nullptr, stream, "quantize_gpu: kernel launch: ");
-  else if (layout == 1) launch_compact<20>(a, stream);
-  else launch_compact<24>(a, stream);
+  else if (layout == 1) launch_compact<4, 20, false>(a, stream);
+  else if (layout == 2) launch_compact<4, 24, false>(a, stream);
+  else if (layout == 3) launch_compact<2, 20, false>(a, stream);
+  else launch_compact<2, 24, true>(a, stream);
 }
 
 void launch_warp_profiled(const KernelArgs& a, unsigned long long* d_prof, cudaStream_t stream, int arith) {
@@ -1613,10 +1617,14 @@ int resident_warps_per_sm(int which, int pad_bytes) {
     if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, k, 32 * Cfg<false>::kWarps, pad_bytes);
     return e == cudaSuccess ? blocks * Cfg<false>::kWarps : -1;
   }
-  if (which == 3 || which == 4) {
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, which == 3 ? fit_compact_kernel<20> : fit_compact_kernel<24>,
-                                                      32 * kCompactWarps, 0);
-    return e == cudaSuccess ? blocks * kCompactWarps : -1;
+  if (which >= 3 && which <= 6) {  // launch_warp_layout 1..4
+    const int W = which <= 4 ? 4 : 2;
+    auto* k = which == 3 ? fit_compact_kernel<4, 20, false>
+              : which == 4 ? fit_compact_kernel<4, 24, false>
+              : which == 5 ? fit_compact_kernel<2, 20, false>
+                           : fit_compact_kernel<2, 24, true>;
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, k, 32 * W, 0);
+    return e == cudaSuccess ? blocks * W : -1;
   }
   if (which == 1) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fit_pair_kernel<kUnroll<false>, kArith, true>, 32, 0);
   else e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fit_pair_kernel<kUnroll<false>, kArith, false>, 32, 0);

@@ -534,9 +534,10 @@ TEST(FitGpu, TwoTilesPerWarpRandom) {
 }
 
 // The one-tile binned-dp kernel's shared-memory layouts (fit12, fit_internal::launch_warp_layout):
-// 0 fit11's (prefix sums in shared memory), 1 and 2 the compact one (prefix sums at the bin edges,
-// the refinement windows' sums re-derived per round, chunked running and flat-order sums) compiled
-// for 20 and 24 resident warps per SM. Each writes the CPU's bytes and sums: the edge tiles F32 and
+// 0 fit11's (prefix sums in shared memory), 1..4 the compact one (prefix sums at the bin edges,
+// the refinement windows' sums re-derived per round, chunked running and flat-order sums) in 4- and
+// 2-warp blocks compiled for 20 and 24 resident warps per SM (4: the values read again for the
+// encoding). Each writes the CPU's bytes and sums: the edge tiles F32 and
 // BF16 (also without the sums), forced scales 3..246, mixed tiles (log-uniform over 32 binades,
 // sparse, 33..64 distinct values), one padded tile, random Gaussian / Student-t(3) / Laplace BF16
 // [2, 64, 512], FP32 [2, 128, 1024] (512 distinct values: the most bin edges and refinement
@@ -565,7 +566,7 @@ TEST(FitGpu, LayoutsSameBytes) {
         mixed[static_cast<std::size_t>((f / 64) * 64 * nmix + t * 64 + f % 64)] = v;
       }
   }
-  for (int layout : {0, 1, 2}) {
+  for (int layout : {0, 1, 2, 3, 4}) {
     SCOPED_TRACE("layout " + std::to_string(layout));
     EXPECT_EQ(expect_two_tiles_same(edges.data(), DType::F32, stack(1, 8, 64 * ne), -1, true, layout), ne);
     EXPECT_EQ(expect_two_tiles_same(eb.data(), DType::BF16, stack(1, 8, 64 * ne), -1, true, layout), ne);
@@ -604,8 +605,8 @@ TEST(FitGpu, LayoutsSameBytes) {
     ASSERT_EQ(cudaMalloc(&d_out, 6 * (kPackedBytes + kCodebookSize + 1)), cudaSuccess);
     ASSERT_EQ(cudaMalloc(&d_err, 8), cudaSuccess);
     ASSERT_EQ(cudaMemcpy(d_src, v.data(), v.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
-    unsigned long long words[3] = {};
-    for (int layout : {0, 1, 2}) {
+    unsigned long long words[5] = {};
+    for (int layout : {0, 1, 2, 3, 4}) {
       cuda::fit_internal::KernelArgs ka{d_src, 0, 8, 64 * 6, 1, 6, 6, 0,
                                         cuda::DeviceFitOut{d_out, d_out + 6 * kPackedBytes,
                                                            d_out + 6 * (kPackedBytes + kCodebookSize), nullptr, nullptr},
@@ -614,8 +615,7 @@ TEST(FitGpu, LayoutsSameBytes) {
       cuda::fit_internal::launch_warp_layout(ka, layout, nullptr);
       ASSERT_EQ(cudaMemcpy(&words[layout], d_err, 8, cudaMemcpyDeviceToHost), cudaSuccess);
     }
-    EXPECT_EQ(words[1], words[0]);
-    EXPECT_EQ(words[2], words[0]);
+    for (int layout = 1; layout < 5; ++layout) EXPECT_EQ(words[layout], words[0]) << "layout " << layout;
     EXPECT_EQ(cuda::decode_fit_error(words[0]).tile, 2);
     EXPECT_EQ(cuda::decode_fit_error(words[0]).code, 1);
     cudaFree(d_src);
@@ -624,7 +624,7 @@ TEST(FitGpu, LayoutsSameBytes) {
   }
   cuda::fit_internal::KernelArgs ka{};
   ka.tiles = 1;
-  EXPECT_THROW(cuda::fit_internal::launch_warp_layout(ka, 3, nullptr), std::invalid_argument);
+  EXPECT_THROW(cuda::fit_internal::launch_warp_layout(ka, 5, nullptr), std::invalid_argument);
   EXPECT_THROW(cuda::fit_internal::launch_warp_layout(ka, -1, nullptr), std::invalid_argument);
 }
 
