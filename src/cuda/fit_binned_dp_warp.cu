@@ -37,6 +37,11 @@
 //  - encoding: each lane assigns its 16 values (the CPU's midpoint rule, ties to the lower index);
 //    the per-tile sse and sum of squares are double sums in flat order, so they are accumulated in
 //    exactly that order (lane 0 and lane 1 at once), and only when needed.
+//  - fit_compact_kernel (binned-dp, fit12; the default when the per-tile sums are written): the same
+//    fit with a compact shared-memory layout (9.2 KB instead of 13.7 KB per warp, 20 resident warps
+//    per SM instead of 16): the prefix sums only at the bin edges, the refinement windows' sums
+//    re-derived per round in the CPU's order, the running and flat-order sums through a chunk
+//    (details at fit_compact_kernel).
 //  - fit_pair_kernel (binned-dp, an experiment selected by launch_warp_tiles, not the default): two
 //    tiles per warp, their DP and refinement at once on the two half-warps (the same functions with
 //    G = 16 lanes per tile, every collective masked to the half); same bytes, slower on the H200
@@ -1080,7 +1085,7 @@ __global__ void __launch_bounds__(32) fit_pair_kernel(KernelArgs a) {
 // ---------------------------------------------------------------------------------------------
 // fit12: the COMPACT shared-memory layout of the binned-dp warp kernel (fit_compact_kernel), made
 // to raise the resident warps per SM (the kernel is latency-bound per warp: docs/perf/fit-gpu.md,
-// fit11). The default layout keeps the prefix sums p[2][513] (8.2 KB of its 13.7 KB per warp) for
+// fit11). Layout 0 (Smem) keeps the prefix sums p[2][513] (8.2 KB of its 13.7 KB per warp) for
 // the refinement and the encoding's flat-order sums. This one keeps only what the DP needs:
 //  - the running sums (the CPU's order, lanes 0 and 1) go through a 256-position chunk in the
 //    union (terms in, prefix sums out); after each chunk all lanes copy the prefix sums at the bin
@@ -1090,14 +1095,19 @@ __global__ void __launch_bounds__(32) fit_pair_kernel(KernelArgs a) {
 //    window and sum (at most 14) starts from the raw prefix sum at the nearest bin edge at or below
 //    the window (sp / scale, exact) and adds the terms c * x (c * (x * x)) of the distinct values
 //    u[], cnt[] one by one, exactly as build_sorted does, storing each sum times the scale (so
-//    every value is the bit pattern that the default layout reads from its prescaled p[]); the
+//    every value is the bit pattern that layout 0 reads from its prescaled p[]); the
 //    window tables g[row][slot] (and the counts, cnt + lo) feed the evaluation loop through row
 //    pointers computed per layer, so the loop has no extra index work;
 //  - the refinement's F table keeps two rows (k - 1 and k), its arg rows k = 2..K;
 //  - the encoding's two flat-order sums run over two 256-position halves of the same chunk (lanes
 //    0-15, then 16-31, write their terms), the additions in flat order, so the same bits.
-// Every comparison and every double operation is the default layout's in the same order (same
-// bytes, tested). ~9.3 KB per warp: 4-warp blocks, 24 warps per SM with <= 80 registers.
+// Every comparison and every double operation is layout 0's in the same order (same bytes,
+// tested). Why the values agree bit for bit: a prefix sum at a bin edge is the running sum itself,
+// times the scale factor (exact: a power of two, every value in the normal range, see kArith); a
+// re-derived window sum starts from that raw sum (the scaled one times 2^(s - 127), exact again)
+// and adds the same terms in the same order as build_sorted, so it is the running sum's value at
+// that position. 9,168 B per warp: 24 warps per SM fit in shared memory, 20 in registers without
+// spilling (96; 24 need 80, where ptxas spills: layouts 2 and 4 of launch_warp_layout).
 constexpr int kChunk = 256;
 struct SmemC {
   static constexpr bool kCompact = true;
@@ -1539,8 +1549,8 @@ void launch_warp(const KernelArgs& a, cudaStream_t stream) {
   if (a.tiles == 0) return;
   // (the tile check alone is the same code in both instantiations: the smaller one runs it)
   if (a.optimal && !a.check_only) launch_t<false, true>(a, nullptr, stream, "quantize_gpu: kernel launch: ");
-  else if (a.check_only || kWarpLayoutDefault == 0) launch_t<false, false>(a, nullptr, stream, "quantize_gpu: kernel launch: ");
-  else launch_warp_layout(a, kWarpLayoutDefault, stream);
+  else if (a.check_only) launch_t<false, false>(a, nullptr, stream, "quantize_gpu: kernel launch: ");
+  else launch_warp_layout(a, a.out.sse || a.out.sum_sq ? kWarpLayoutDefault : kWarpLayoutBytesOnly, stream);
 }
 
 void launch_warp_layout(const KernelArgs& a, int layout, cudaStream_t stream) {

@@ -91,9 +91,13 @@ int resident_warps_per_sm(int which, int pad_bytes = 0);
 ///   3: 2-warp blocks, 20 warps per SM (96 registers, no local memory);
 ///   4: 2-warp blocks, 24 warps per SM, the tile's values read again from global memory for the
 ///      encoding instead of kept in registers (80 registers; spills ~44 B).
-/// Same bytes and per-tile sums (tested); launch_warp uses kWarpLayoutDefault for binned-dp fits.
-/// Optimal fits and check-only launches ignore the layout (launch_warp).
-inline constexpr int kWarpLayoutDefault = 3;
+/// Same bytes and per-tile sums (tested). launch_warp takes kWarpLayoutDefault for binned-dp fits
+/// that write the per-tile sums (quantize_gpu, the online method) and kWarpLayoutBytesOnly for those
+/// that do not (fit_device with null sse and sum_sq): the fastest layout without local memory in
+/// each case on the H200 (docs/perf/fit-gpu.md, fit12: with the sums layout 1 is 3-6 % faster than
+/// 0, bytes only 4-6 % slower). Optimal fits and check-only launches ignore the layout.
+inline constexpr int kWarpLayoutDefault = 1;
+inline constexpr int kWarpLayoutBytesOnly = 0;
 void launch_warp_layout(const KernelArgs& a, int layout, cudaStream_t stream);
 
 /// Error word of a failing tile: (tile << 12) | (code << 9) | position (decode_fit_error).
