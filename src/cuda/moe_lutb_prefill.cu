@@ -40,7 +40,7 @@ void launch_cfg(const kern::LutbW& w13, const kern::LutbW& w2, const kern::Routi
   namespace pf = kern::prefill;
   // The dynamic shared memory (77-109 KB) needs the opt-in above 48 KB: once per device and
   // configuration (not a stream operation, so also fine when the first call is being captured).
-  static bool smem_opt_in[64] = {};
+  static bool smem_opt_in[64] = {};  // per template instantiation
   int dev = 0;
   detail::check(cudaGetDevice(&dev), "cudaGetDevice");
   if (dev >= 64 || !smem_opt_in[dev]) {
@@ -72,7 +72,7 @@ PrefillTile prefill_tile(std::int64_t pairs, std::int64_t experts) {
   return pairs >= kPrefillTile128MinPairs * touched ? PrefillTile::M128 : PrefillTile::M64;
 }
 
-int prefill_tile_rows(PrefillTile t) { return t == PrefillTile::M64 ? 64 : 128; }
+int prefill_tile_rows(PrefillTile t) { return t == PrefillTile::M64 || t == PrefillTile::M64Old ? 64 : 128; }
 
 namespace detail {
 
@@ -96,6 +96,11 @@ void launch_lutb_prefill_gemms(const DeviceMoeWeights& w, const kern::Routing& r
   const kern::LutbW w2{w.w2.packed, w.w2.codebook, w.w2.scale, w.w2.shape.tiles_n(), w.w2.shape.tiles_k(),
                        w.w2.shape.tiles()};
   switch (tile) {
+    case PrefillTile::M64Old:
+      launch_cfg<pf::Cfg64Old>(w13, w2, r, ws, slots, I, H, Hp, Ip, stream,
+                               "sm80_lutb_mxfp8_moe_gemm1_prefill_bf16fold_s10",
+                               "sm80_lutb_mxfp8_moe_gemm2_prefill_bf16fold_s10");
+      break;
     case PrefillTile::M64:
       launch_cfg<pf::Cfg64>(w13, w2, r, ws, slots, I, H, Hp, Ip, stream, "sm80_lutb_mxfp8_moe_gemm1_prefill_bf16fold",
                             "sm80_lutb_mxfp8_moe_gemm2_prefill_bf16fold");

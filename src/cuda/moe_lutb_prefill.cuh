@@ -23,7 +23,6 @@ namespace lutb::cuda::kern::prefill {
 
 constexpr int kBN = 128;                // weight rows per CTA
 constexpr int kStrips = kBN / 8;        // LUT-B row-strips per CTA
-constexpr int kStages = 4;              // cp.async ring depth (K-tiles)
 constexpr int kRawPacked = kStrips * 192;
 constexpr int kRawBytes = kRawPacked + kStrips * 8;
 constexpr int kBBytes = kBN * 128;      // one decoded B K-tile: 128 rows x 64 BF16
@@ -34,14 +33,23 @@ constexpr int kTabBytes = kStrips * 16; // per strip 8 lo + 8 hi bytes
 // sums kPromoteTiles K-tiles (128 columns, 8 mma steps) on the tensor cores, then adds that partial
 // sum to FP32 registers with ordinary round-to-nearest adds (DeepGEMM's "promotion").
 constexpr int kPromoteTiles = 2;
+// Scale bytes of the CTA's 16 strips for the whole K held in shared memory (loaded once per CTA)
+// when tiles_k <= kMaxScaleTiles; above that, each lane loads its strip's byte one K-tile ahead.
+constexpr int kMaxScaleTiles = 256;
 
 /// CTA tile configuration: BM token rows (= the grouping's tile rows) x 128 weight rows; WM warps
-/// along the tokens x 4 along the weight rows (warp tile (BM/WM) x 32).
-///   Cfg<64, 2>:  256 threads, warp tile 32 x 32, 2 CTAs per SM (the session-10 kernel).
-///   Cfg<128, 4>: 512 threads, warp tile 32 x 32, 1 CTA per SM (each decoded tile feeds 128 tokens).
-///   Cfg<128, 2>: 256 threads, warp tile 64 x 32, 1 CTA per SM (also half the ldmatrix per mma).
-template <int BM, int WM>
+/// along the tokens x 4 along the weight rows (warp tile (BM/WM) x 32); S: cp.async ring depth in
+/// K-tiles (the copy of K-tile kt is issued S - 2 iterations before its decode); SC: scale bytes
+/// staged in shared memory once per CTA (else loaded by the decoding lanes one K-tile ahead, which
+/// put a global-memory latency on every K-tile's critical path).
+///   Cfg<64, 2, 4, false>: the session-10 kernel (256 threads, 32 x 32 warp tiles, 2 CTAs per SM).
+///   Cfg<64, 2, 6, true>:  the same tile, deeper ring, scales in shared memory.
+///   Cfg<128, 4, 6, true>: 512 threads, warp tile 32 x 32, 1 CTA per SM (each decoded tile feeds 128 tokens).
+///   Cfg<128, 2, 6, true>: 256 threads, warp tile 64 x 32, 1 CTA per SM (also half the ldmatrix per mma).
+template <int BM, int WM, int S, bool SC>
 struct Cfg {
+  static constexpr int kStages = S;
+  static constexpr bool kScaleSmem = SC;
   static constexpr int kBM = BM;
   static constexpr int kWM = WM;
   static constexpr int kWarps = 4 * WM;
@@ -52,15 +60,17 @@ struct Cfg {
   static constexpr int kAQ = BM * 8 / kThreads;    // A 16-byte chunks per thread per stage
   static constexpr int kABytes = BM * 128;         // one A K-tile: BM rows x 64 BF16
   static constexpr int kStageBytes = kABytes + kRawBytes;
-  static constexpr int kSmemBytes = kStages * kStageBytes + 2 * kBBytes + kTabBytes;
+  static constexpr int kScaleOff = kStages * kStageBytes + 2 * kBBytes + kTabBytes;
+  static constexpr int kSmemBytes = kScaleOff + (SC ? kStrips * kMaxScaleTiles : 0);
   static constexpr int kMinBlocks = (BM == 64) ? 2 : 1;
   static_assert(kStageBytes % 16 == 0 && kBBytes % 16 == 0, "16-byte aligned smem regions");
   static_assert(kStrips * 13 <= kThreads, "one copy round per stage for the raw tiles");
   static_assert(kAQ * kThreads == BM * 8 && kSPW * kWarps == kStrips && kMI * 16 * WM == BM, "tiling");
 };
-using Cfg64 = Cfg<64, 2>;
-using Cfg128 = Cfg<128, 4>;
-using Cfg128W = Cfg<128, 2>;
+using Cfg64Old = Cfg<64, 2, 4, false>;
+using Cfg64 = Cfg<64, 2, 6, true>;
+using Cfg128 = Cfg<128, 4, 6, true>;
+using Cfg128W = Cfg<128, 2, 6, true>;
 
 __device__ __forceinline__ void cp16_zfill(unsigned s, const void* g, bool ok) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(g), "r"(ok ? 16 : 0) : "memory");
@@ -118,7 +128,8 @@ __device__ __forceinline__ void mma_bf16_zero_c(float (&d)[4], const unsigned (&
 template <class C, bool kGemm1>
 __device__ __forceinline__ void cta_gemm(const LutbW& w, long long e, long long I, const uint16_t* const (&arow)[C::kAQ],
                                          const uint16_t* a_base, unsigned char* smem, float (&acc)[C::kMI][4][4]) {
-  constexpr int kMI = C::kMI, kSPW = C::kSPW, kABytes = C::kABytes, kStageBytes = C::kStageBytes;
+  constexpr int kMI = C::kMI, kSPW = C::kSPW, kABytes = C::kABytes, kStageBytes = C::kStageBytes,
+                kStages = C::kStages;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int wm = warp % C::kWM, wn = warp / C::kWM;
   const long long tiles_k = w.tiles_k;
@@ -192,14 +203,22 @@ __device__ __forceinline__ void cta_gemm(const LutbW& w, long long e, long long 
     strip_of<kGemm1>(kSPW * warp + tab_s, w.tiles_n, I, strip, ok);
     if (ok) sc_ptr = w.scale + (e * w.tiles_n + strip) * tiles_k;
   }
-  auto load_scale = [&](long long kt) -> unsigned { return (sc_ptr && kt < tiles_k) ? __ldg(sc_ptr + kt) : 0u; };
+  // Scales in shared memory (C::kScaleSmem and tiles_k <= kMaxScaleTiles): [strip slot][kt].
+  const bool sc_smem = C::kScaleSmem && tiles_k <= kMaxScaleTiles;
+  unsigned char* const sc_s = smem + C::kScaleOff;
+  const unsigned char* const sc_row = sc_s + (kSPW * warp + tab_s) * kMaxScaleTiles;
+  auto load_scale = [&](long long kt) -> unsigned {
+    return (!sc_smem && sc_ptr && kt < tiles_k) ? __ldg(sc_ptr + kt) : 0u;
+  };
   const int g = lane >> 2, t = lane & 3;
 
   auto decode = [&](long long kt, unsigned sw) {
     const unsigned char* st = smem + (kt % kStages) * kStageBytes;
     if (lane < 8 * kSPW) {
       unsigned short v = 0;  // invalid strips decode to zeros
-      if (sc_ptr) v = scaled_bf16(e4m3_to_float(st[kABytes + kRawPacked + (kSPW * warp + tab_s) * 8 + tab_j]), sw);
+      if (sc_ptr)
+        v = scaled_bf16(e4m3_to_float(st[kABytes + kRawPacked + (kSPW * warp + tab_s) * 8 + tab_j]),
+                        sc_smem ? static_cast<unsigned>(sc_row[kt]) : sw);
       tab[tab_s * 16 + tab_j] = static_cast<unsigned char>(v & 0xff);
       tab[tab_s * 16 + 8 + tab_j] = static_cast<unsigned char>(v >> 8);
     }
@@ -242,6 +261,18 @@ __device__ __forceinline__ void cta_gemm(const LutbW& w, long long e, long long 
   // ---- prologue
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) issue(s);
+  if (sc_smem) {
+    // The 16 strips' scale bytes for every K-tile, once per CTA (overlaps the ring's first copies).
+    const int n = kStrips * static_cast<int>(tiles_k);
+#pragma unroll 4
+    for (int i = tid; i < n; i += C::kThreads) {
+      const int sl = i / static_cast<int>(tiles_k), kk = i - sl * static_cast<int>(tiles_k);
+      long long strip;
+      bool ok;
+      strip_of<kGemm1>(sl, w.tiles_n, I, strip, ok);
+      sc_s[sl * kMaxScaleTiles + kk] = ok ? __ldg(w.scale + (e * w.tiles_n + strip) * tiles_k + kk) : 0;
+    }
+  }
   unsigned sw_next = load_scale(0);
   cp_wait<kStages - 2>();
   __syncthreads();

@@ -35,11 +35,13 @@ namespace lutb::cuda {
 
 /// CTA token tile of the prefill GEMMs (src/cuda/moe_lutb_prefill.cuh, Cfg*). The grouping must be
 /// made with prefill_tile_rows(tile) rows per token tile.
-///   M64:   64 token rows, 8 warps (warp tile 32 x 32), 2 CTAs per SM (the session-10 kernel);
+///   M64Old: the session-10 kernel, kept for A/B measurements: 64 token rows, 8 warps (warp tile
+///          32 x 32), 2 CTAs per SM, 4-deep cp.async ring, scale bytes loaded one K-tile ahead;
+///   M64:   the same tile with a 6-deep ring and the scale bytes in shared memory;
 ///   M128:  128 token rows, 16 warps (warp tile 32 x 32), 1 CTA per SM: every decoded weight tile
 ///          feeds 128 tokens (half the decode work per FLOP);
 ///   M128W: 128 token rows, 8 warps (warp tile 64 x 32), 1 CTA per SM (kept for A/B measurements).
-enum class PrefillTile { Auto, M64, M128, M128W };
+enum class PrefillTile { Auto, M64, M128, M128W, M64Old };
 
 /// M128 from this many (token, expert) pairs per touched expert on average (prefill_tile).
 inline constexpr std::int64_t kPrefillTile128MinPairs = 96;
@@ -48,7 +50,7 @@ inline constexpr std::int64_t kPrefillTile128MinPairs = 96;
 /// number of pairs per touched expert, pairs / min(E, pairs), is at least kPrefillTile128MinPairs,
 /// else M64; or the value forced by set_prefill_tile (benchmarks' A/B). Never Auto.
 PrefillTile prefill_tile(std::int64_t pairs, std::int64_t experts);
-/// Token rows per CTA (= the grouping's tile rows) of a resolved tile (M64: 64, M128*: 128).
+/// Token rows per CTA (= the grouping's tile rows) of a resolved tile (M64*: 64, M128*: 128).
 int prefill_tile_rows(PrefillTile t);
 /// Forces the prefill tile for every later call in this process (Auto: the heuristic again).
 /// For benchmarks and tests; not thread-safe against concurrent forwards.

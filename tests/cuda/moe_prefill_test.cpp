@@ -176,12 +176,13 @@ void expect_matches(const std::vector<std::uint16_t>& got, const std::vector<std
 }
 
 const cuda::PrefillTile kAllTiles[] = {cuda::PrefillTile::Auto, cuda::PrefillTile::M64, cuda::PrefillTile::M128,
-                                       cuda::PrefillTile::M128W};
+                                       cuda::PrefillTile::M128W, cuda::PrefillTile::M64Old};
 const char* tile_name(cuda::PrefillTile t) {
   switch (t) {
     case cuda::PrefillTile::M64: return "M64";
     case cuda::PrefillTile::M128: return "M128";
     case cuda::PrefillTile::M128W: return "M128W";
+    case cuda::PrefillTile::M64Old: return "M64Old";
     default: return "Auto";
   }
 }
@@ -264,7 +265,10 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"m128_empty_experts", 16, 512, 256, 700, 4, true, 0},
                       // DeepSeek-V3 layer shape (H=7168, I=2048, k=8) at >= 128 pairs per expert:
                       // E=8 experts, T=160 -> every expert gets all 160 tokens.
-                      Case{"deepseek_v3_shape_m128", 8, 7168, 2048, 160, 8, false, 3}),
+                      Case{"deepseek_v3_shape_m128", 8, 7168, 2048, 160, 8, false, 3},
+                      // GEMM1 K = 16448 = 257 K-tiles > kMaxScaleTiles: the per-lane scale loads
+                      // instead of the shared-memory scale rows (GEMM2 with K = 64 uses those).
+                      Case{"long_k_scale_fallback", 2, 16448, 64, 40, 1, false, 0}),
     [](const ::testing::TestParamInfo<Case>& i) { return std::string(i.param.name); });
 
 TEST(PrefillCuda, SkewedRouting1To300TokensPerExpert) {
@@ -371,6 +375,7 @@ TEST(PrefillCuda, TileHeuristicPicks128RowsFrom96PairsPerExpert) {
   EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::M64), 64);
   EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::M128), 128);
   EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::M128W), 128);
+  EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::M64Old), 64);
   {
     ForcedTile forced(PrefillTile::M128W);
     EXPECT_EQ(cuda::prefill_tile(1, 8), PrefillTile::M128W);
