@@ -5,7 +5,7 @@
 // two GEMMs only, on routing 0's per-expert counts), same routing, same run.
 // Prints a markdown table (docs/perf/moe-gpu-prefill.md).
 //
-// Usage: bench_moe_prefill [--shape NAME] [--T N]   (default T in {256, 1024, 4096}, the 4 shapes)
+// Usage: bench_moe_prefill [--shape NAME] [--T N[,N...]]   (default T in {256, 1024, 4096}, the 4 shapes)
 // Method as bench_moe_gpu: the whole forward (routing precomputed by route_softmax_topk /
 // route_deepseek on random N(0,1) logits) captured in a CUDA graph; R = 8 routings cycled; the time
 // is the median over 7 batches of the mean per call. TFLOP/s = 6 * T * k * H * I / time.
@@ -177,7 +177,15 @@ int main(int argc, char** argv) {
   std::vector<long long> Ts = {256, 1024, 4096};
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--shape") && i + 1 < argc) only = argv[++i];
-    else if (!std::strcmp(argv[i], "--T") && i + 1 < argc) Ts = {std::atoll(argv[++i])};
+    else if (!std::strcmp(argv[i], "--T") && i + 1 < argc) {  // N or a list N,M,...
+      Ts.clear();
+      std::string list = argv[++i];
+      for (std::size_t at = 0; at < list.size();) {
+        const std::size_t comma = std::min(list.find(',', at), list.size());
+        Ts.push_back(std::atoll(list.substr(at, comma - at).c_str()));
+        at = comma + 1;
+      }
+    }
   }
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));

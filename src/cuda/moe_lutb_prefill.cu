@@ -69,7 +69,8 @@ void set_prefill_tile(PrefillTile t) { g_tile = t; }
 PrefillTile prefill_tile(std::int64_t pairs, std::int64_t experts) {
   if (g_tile != PrefillTile::Auto) return g_tile;
   const std::int64_t touched = std::max<std::int64_t>(1, std::min(pairs, experts));
-  return pairs >= kPrefillTile128MinPairs * touched ? PrefillTile::M128 : PrefillTile::M64;
+  return kPrefillTile128MinPairs > 0 && pairs >= kPrefillTile128MinPairs * touched ? PrefillTile::M128
+                                                                                     : PrefillTile::M64;
 }
 
 int prefill_tile_rows(PrefillTile t) { return t == PrefillTile::M64 || t == PrefillTile::M64Old ? 64 : 128; }

@@ -33,23 +33,19 @@ constexpr int kTabBytes = kStrips * 16; // per strip 8 lo + 8 hi bytes
 // sums kPromoteTiles K-tiles (128 columns, 8 mma steps) on the tensor cores, then adds that partial
 // sum to FP32 registers with ordinary round-to-nearest adds (DeepGEMM's "promotion").
 constexpr int kPromoteTiles = 2;
-// Scale bytes of the CTA's 16 strips for the whole K held in shared memory (loaded once per CTA)
-// when tiles_k <= kMaxScaleTiles; above that, each lane loads its strip's byte one K-tile ahead.
-constexpr int kMaxScaleTiles = 256;
 
 /// CTA tile configuration: BM token rows (= the grouping's tile rows) x 128 weight rows; WM warps
 /// along the tokens x 4 along the weight rows (warp tile (BM/WM) x 32); S: cp.async ring depth in
-/// K-tiles (the copy of K-tile kt is issued S - 2 iterations before its decode); SC: scale bytes
-/// staged in shared memory once per CTA (else loaded by the decoding lanes one K-tile ahead, which
-/// put a global-memory latency on every K-tile's critical path).
+/// K-tiles; IL: the decode of K-tile kt+1 interleaved strip by strip between the mma steps of K-tile
+/// kt (else all of it before them, as in session 10).
 ///   Cfg<64, 2, 4, false>: the session-10 kernel (256 threads, 32 x 32 warp tiles, 2 CTAs per SM).
-///   Cfg<64, 2, 6, true>:  the same tile, deeper ring, scales in shared memory.
-///   Cfg<128, 4, 6, true>: 512 threads, warp tile 32 x 32, 1 CTA per SM (each decoded tile feeds 128 tokens).
-///   Cfg<128, 2, 6, true>: 256 threads, warp tile 64 x 32, 1 CTA per SM (also half the ldmatrix per mma).
-template <int BM, int WM, int S, bool SC>
+///   Cfg<64, 2, 4, true>:  the same tile, decode interleaved with the mma.
+///   Cfg<128, 4, 4, true>: 512 threads, warp tile 32 x 32, 1 CTA per SM (each decoded tile feeds 128 tokens).
+///   Cfg<128, 2, 4, true>: 256 threads, warp tile 64 x 32, 1 CTA per SM (also half the ldmatrix per mma).
+template <int BM, int WM, int S, bool IL>
 struct Cfg {
   static constexpr int kStages = S;
-  static constexpr bool kScaleSmem = SC;
+  static constexpr bool kInterleave = IL;
   static constexpr int kBM = BM;
   static constexpr int kWM = WM;
   static constexpr int kWarps = 4 * WM;
@@ -60,17 +56,16 @@ struct Cfg {
   static constexpr int kAQ = BM * 8 / kThreads;    // A 16-byte chunks per thread per stage
   static constexpr int kABytes = BM * 128;         // one A K-tile: BM rows x 64 BF16
   static constexpr int kStageBytes = kABytes + kRawBytes;
-  static constexpr int kScaleOff = kStages * kStageBytes + 2 * kBBytes + kTabBytes;
-  static constexpr int kSmemBytes = kScaleOff + (SC ? kStrips * kMaxScaleTiles : 0);
+  static constexpr int kSmemBytes = kStages * kStageBytes + 2 * kBBytes + kTabBytes;
   static constexpr int kMinBlocks = (BM == 64) ? 2 : 1;
   static_assert(kStageBytes % 16 == 0 && kBBytes % 16 == 0, "16-byte aligned smem regions");
   static_assert(kStrips * 13 <= kThreads, "one copy round per stage for the raw tiles");
   static_assert(kAQ * kThreads == BM * 8 && kSPW * kWarps == kStrips && kMI * 16 * WM == BM, "tiling");
 };
 using Cfg64Old = Cfg<64, 2, 4, false>;
-using Cfg64 = Cfg<64, 2, 6, true>;
-using Cfg128 = Cfg<128, 4, 6, true>;
-using Cfg128W = Cfg<128, 2, 6, true>;
+using Cfg64 = Cfg<64, 2, 4, true>;
+using Cfg128 = Cfg<128, 4, 4, true>;
+using Cfg128W = Cfg<128, 2, 4, true>;
 
 __device__ __forceinline__ void cp16_zfill(unsigned s, const void* g, bool ok) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(g), "r"(ok ? 16 : 0) : "memory");
@@ -203,29 +198,24 @@ __device__ __forceinline__ void cta_gemm(const LutbW& w, long long e, long long 
     strip_of<kGemm1>(kSPW * warp + tab_s, w.tiles_n, I, strip, ok);
     if (ok) sc_ptr = w.scale + (e * w.tiles_n + strip) * tiles_k;
   }
-  // Scales in shared memory (C::kScaleSmem and tiles_k <= kMaxScaleTiles): [strip slot][kt].
-  const bool sc_smem = C::kScaleSmem && tiles_k <= kMaxScaleTiles;
-  unsigned char* const sc_s = smem + C::kScaleOff;
-  const unsigned char* const sc_row = sc_s + (kSPW * warp + tab_s) * kMaxScaleTiles;
-  auto load_scale = [&](long long kt) -> unsigned {
-    return (!sc_smem && sc_ptr && kt < tiles_k) ? __ldg(sc_ptr + kt) : 0u;
-  };
+  auto load_scale = [&](long long kt) -> unsigned { return (sc_ptr && kt < tiles_k) ? __ldg(sc_ptr + kt) : 0u; };
   const int g = lane >> 2, t = lane & 3;
 
-  auto decode = [&](long long kt, unsigned sw) {
+  // Decode of K-tile kt in two parts: the warp's scaled lo/hi byte tables, then strip s of the warp.
+  auto decode_tab = [&](long long kt, unsigned sw) {
     const unsigned char* st = smem + (kt % kStages) * kStageBytes;
     if (lane < 8 * kSPW) {
       unsigned short v = 0;  // invalid strips decode to zeros
-      if (sc_ptr)
-        v = scaled_bf16(e4m3_to_float(st[kABytes + kRawPacked + (kSPW * warp + tab_s) * 8 + tab_j]),
-                        sc_smem ? static_cast<unsigned>(sc_row[kt]) : sw);
+      if (sc_ptr) v = scaled_bf16(e4m3_to_float(st[kABytes + kRawPacked + (kSPW * warp + tab_s) * 8 + tab_j]), sw);
       tab[tab_s * 16 + tab_j] = static_cast<unsigned char>(v & 0xff);
       tab[tab_s * 16 + 8 + tab_j] = static_cast<unsigned char>(v >> 8);
     }
     __syncwarp();
+  };
+  auto decode_strip = [&](long long kt, int s) {
+    const unsigned char* st = smem + (kt % kStages) * kStageBytes;
     unsigned char* bdst = bsm + (kt & 1) * kBBytes;
-#pragma unroll
-    for (int s = 0; s < kSPW; ++s) {
+    {
       const int sl = kSPW * warp + s;
       const unsigned char* raw = st + kABytes + sl * 192;
       const std::uint32_t X = *reinterpret_cast<const std::uint32_t*>(raw + 4 * lane);
@@ -248,6 +238,11 @@ __device__ __forceinline__ void cta_gemm(const LutbW& w, long long e, long long 
       *reinterpret_cast<uint4*>(bdst + row * 128 + (((4 + t) ^ g) << 4)) = make_uint4(o[4], o[5], o[6], o[7]);
     }
   };
+  auto decode = [&](long long kt, unsigned sw) {
+    decode_tab(kt, sw);
+#pragma unroll
+    for (int s = 0; s < kSPW; ++s) decode_strip(kt, s);
+  };
 
   // ---- ldmatrix lane addresses (row part; the chunk part depends on ks)
   const int lq = lane >> 3, r8 = lane & 7;
@@ -261,18 +256,6 @@ __device__ __forceinline__ void cta_gemm(const LutbW& w, long long e, long long 
   // ---- prologue
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) issue(s);
-  if (sc_smem) {
-    // The 16 strips' scale bytes for every K-tile, once per CTA (overlaps the ring's first copies).
-    const int n = kStrips * static_cast<int>(tiles_k);
-#pragma unroll 4
-    for (int i = tid; i < n; i += C::kThreads) {
-      const int sl = i / static_cast<int>(tiles_k), kk = i - sl * static_cast<int>(tiles_k);
-      long long strip;
-      bool ok;
-      strip_of<kGemm1>(sl, w.tiles_n, I, strip, ok);
-      sc_s[sl * kMaxScaleTiles + kk] = ok ? __ldg(w.scale + (e * w.tiles_n + strip) * tiles_k + kk) : 0;
-    }
-  }
   unsigned sw_next = load_scale(0);
   cp_wait<kStages - 2>();
   __syncthreads();
@@ -283,10 +266,12 @@ __device__ __forceinline__ void cta_gemm(const LutbW& w, long long e, long long 
     cp_wait<kStages - 3>();
     __syncthreads();
     issue(kt + kStages - 1);
-    if (kt + 1 < tiles_k) {
-      const unsigned sw = sw_next;
+    const bool more = kt + 1 < tiles_k;
+    unsigned sw = 0;
+    if (more) {
+      sw = sw_next;
       sw_next = load_scale(kt + 2);
-      decode(kt + 1, sw);
+      if constexpr (!C::kInterleave) decode(kt + 1, sw);
     }
     const bool fresh = kt % kPromoteTiles == 0;
     const unsigned a_s = smem_s + static_cast<unsigned>(kt % kStages) * kStageBytes;
@@ -308,6 +293,14 @@ __device__ __forceinline__ void cta_gemm(const LutbW& w, long long e, long long 
           if (ks == 0 && fresh) mma_bf16_zero_c(part[mi][j], af[mi], bf[j][0], bf[j][1]);
           else mma16816<true>(part[mi][j], af[mi], bf[j][0], bf[j][1]);
         }
+      // Interleaved decode of K-tile kt+1 (into the other B buffer): the tables after step 0's mma
+      // were issued, strip s after step s's, so the tensor cores work while the warp decodes.
+      if constexpr (C::kInterleave) {
+        if (more) {
+          if (ks == 0) decode_tab(kt + 1, sw);
+          if (ks < kSPW) decode_strip(kt + 1, ks);
+        }
+      }
     }
     if (kt % kPromoteTiles == kPromoteTiles - 1 || kt + 1 == tiles_k) {
 #pragma unroll

@@ -362,16 +362,15 @@ TEST(PrefillCuda, HeuristicThresholdIs24PairsPerTouchedExpert) {
   EXPECT_EQ(cuda::decode_token_blocks(256, 8, 128), 2);   // 16: two 16-token tiles per expert
 }
 
-TEST(PrefillCuda, TileHeuristicPicks128RowsFrom96PairsPerExpert) {
+TEST(PrefillCuda, TileHeuristicKeeps64RowTilesUnlessForced) {
   using cuda::PrefillTile;
-  EXPECT_EQ(cuda::prefill_tile(1024 * 8, 256), PrefillTile::M64);   // DeepSeek-V3, T = 1024: 32 pairs per expert
-  EXPECT_EQ(cuda::prefill_tile(1024 * 8, 128), PrefillTile::M64);   // Qwen3, T = 1024: 64
-  EXPECT_EQ(cuda::prefill_tile(1536 * 8, 128), PrefillTile::M128);  // 96
-  EXPECT_EQ(cuda::prefill_tile(4096 * 8, 256), PrefillTile::M128);  // DeepSeek-V3, T = 4096: 128
-  EXPECT_EQ(cuda::prefill_tile(4096 * 8, 128), PrefillTile::M128);  // Qwen3, T = 4096: 256
-  EXPECT_EQ(cuda::prefill_tile(256 * 2, 8), PrefillTile::M64);      // Mixtral, T = 256: 64
-  EXPECT_EQ(cuda::prefill_tile(1024 * 2, 8), PrefillTile::M128);    // Mixtral, T = 1024: 256
-  EXPECT_EQ(cuda::prefill_tile(100, 1024), PrefillTile::M64);       // 100 pairs over at most 100 experts: 1 each
+  // M128 measured slower on every shape (kPrefillTile128MinPairs = 0): the 64-row tile at every size.
+  static_assert(cuda::kPrefillTile128MinPairs == 0);
+  EXPECT_EQ(cuda::prefill_tile(1024 * 8, 256), PrefillTile::M64);  // DeepSeek-V3, T = 1024: 32 pairs per expert
+  EXPECT_EQ(cuda::prefill_tile(4096 * 8, 256), PrefillTile::M64);  // DeepSeek-V3, T = 4096: 128
+  EXPECT_EQ(cuda::prefill_tile(4096 * 8, 128), PrefillTile::M64);  // Qwen3, T = 4096: 256
+  EXPECT_EQ(cuda::prefill_tile(4096 * 2, 8), PrefillTile::M64);    // Mixtral, T = 4096: 1024
+  EXPECT_EQ(cuda::prefill_tile(100, 1024), PrefillTile::M64);
   EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::M64), 64);
   EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::M128), 128);
   EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::M128W), 128);
