@@ -1,6 +1,6 @@
 // bench/gpu/bench_moe_prefill.cu: the large-batch (prefill) LUT-B path (src/cuda/moe_prefill.hpp)
-// with each CTA tile (the heuristic's choice, and M64 = the session-10 kernel, M128, M128W forced by
-// set_prefill_tile), against the BF16 baseline on the same kernel skeleton (moe_forward_bf16, the
+// with each CTA tile (the heuristic's choice, and M64 = the session-10 kernel, M64IL, M128, M128W
+// forced by set_prefill_tile), against the BF16 baseline on the same kernel skeleton (moe_forward_bf16, the
 // better of its decode and prefill strategies) and cuBLAS grouped BF16 GEMMs (as bench_moe_gpu: the
 // two GEMMs only, on routing 0's per-expert counts), same routing, same run.
 // Prints a markdown table (docs/perf/moe-gpu-prefill.md).
@@ -196,9 +196,9 @@ int main(int argc, char** argv) {
                           {"qwen3-30b", 128, 2048, 768, 8, false},
                           {"mixtral-8x7b", 8, 4096, 14336, 2, false}};
   const int R = 8;
-  std::printf("\n| shape | T | experts touched | auto tile | auto us | old kernel (M64Old) us | M64 us | M128 us | M128W us | "
-              "BF16 us (best) | cuBLAS grouped us | auto TFLOP/s | old TFLOP/s | M64 TFLOP/s | M128 TFLOP/s | M128W TFLOP/s | "
-              "BF16 TFLOP/s | cuBLAS TFLOP/s | auto / old | auto / BF16 | auto / cuBLAS | GEMMs alone us (auto tile) |\n");
+  std::printf("\n| shape | T | experts touched | auto tile | auto us | M64 (session 10) us | M64IL us | M128 us | M128W us | "
+              "BF16 us (best) | cuBLAS grouped us | auto TFLOP/s | M64 TFLOP/s | M64IL TFLOP/s | M128 TFLOP/s | M128W TFLOP/s | "
+              "BF16 TFLOP/s | cuBLAS TFLOP/s | auto / M64 | auto / BF16 | auto / cuBLAS | GEMMs alone us (auto tile) |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   cublasHandle_t cublas;
   cublasCreate(&cublas);
@@ -274,8 +274,8 @@ int main(int argc, char** argv) {
         switch (variant) {
           case 0: cuda::moe_forward_lutb_prefill(w, xr, T, s.k, id, wt, out, ws, wsb, st); break;
           case 1: case 2: case 3: case 7:
-            cuda::set_prefill_tile(variant == 1 ? PrefillTile::M64Old : variant == 2 ? PrefillTile::M128
-                                   : variant == 3 ? PrefillTile::M128W : PrefillTile::M64);
+            cuda::set_prefill_tile(variant == 1 ? PrefillTile::M64 : variant == 2 ? PrefillTile::M128
+                                   : variant == 3 ? PrefillTile::M128W : PrefillTile::M64IL);
             cuda::moe_forward_lutb_prefill(w, xr, T, s.k, id, wt, out, ws, wsb, st);
             cuda::set_prefill_tile(PrefillTile::Auto);
             break;
@@ -299,7 +299,7 @@ int main(int argc, char** argv) {
       };
       // One uncaptured call per tile first (per-device kernel attributes are set there), then the
       // GEMMs-alone setup.
-      for (auto t : {cuda::PrefillTile::M64Old, cuda::PrefillTile::M64, cuda::PrefillTile::M128, cuda::PrefillTile::M128W,
+      for (auto t : {cuda::PrefillTile::M64, cuda::PrefillTile::M64IL, cuda::PrefillTile::M128, cuda::PrefillTile::M128W,
                      cuda::PrefillTile::Auto}) {
         cuda::set_prefill_tile(t);
         cuda::moe_forward_lutb_prefill(w, x, T, s.k, ids, wts, out, ws, wsb, st);
@@ -343,7 +343,7 @@ int main(int argc, char** argv) {
       const cuda::PrefillTile at = cuda::prefill_tile(T * s.k, E);
       std::printf("| %s | %lld | %.1f | %s | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | "
                   "%.1f | %.1f | %.2fx | %.2fx | %.2fx | %.1f |\n",
-                  s.name, T, touched, at == cuda::PrefillTile::M64 ? "M64" : at == cuda::PrefillTile::M128 ? "M128" : "M128W",
+                  s.name, T, touched, at == cuda::PrefillTile::M64 ? "M64" : at == cuda::PrefillTile::M64IL ? "M64IL" : at == cuda::PrefillTile::M128 ? "M128" : "M128W",
                   ms[0] * 1e3, ms[1] * 1e3, ms[7] * 1e3, ms[2] * 1e3, ms[3] * 1e3, bf * 1e3, cub_ms * 1e3, tf(ms[0]),
                   tf(ms[1]), tf(ms[7]), tf(ms[2]), tf(ms[3]), tf(bf), tf(cub_ms), ms[1] / ms[0], bf / ms[0], cub_ms / ms[0],
                   ms[6] * 1e3);

@@ -73,7 +73,7 @@ PrefillTile prefill_tile(std::int64_t pairs, std::int64_t experts) {
                                                                                      : PrefillTile::M64;
 }
 
-int prefill_tile_rows(PrefillTile t) { return t == PrefillTile::M64 || t == PrefillTile::M64Old ? 64 : 128; }
+int prefill_tile_rows(PrefillTile t) { return t == PrefillTile::M64 || t == PrefillTile::M64IL ? 64 : 128; }
 
 namespace detail {
 
@@ -97,14 +97,14 @@ void launch_lutb_prefill_gemms(const DeviceMoeWeights& w, const kern::Routing& r
   const kern::LutbW w2{w.w2.packed, w.w2.codebook, w.w2.scale, w.w2.shape.tiles_n(), w.w2.shape.tiles_k(),
                        w.w2.shape.tiles()};
   switch (tile) {
-    case PrefillTile::M64Old:
-      launch_cfg<pf::Cfg64Old>(w13, w2, r, ws, slots, I, H, Hp, Ip, stream,
-                               "sm80_lutb_mxfp8_moe_gemm1_prefill_bf16fold_s10",
-                               "sm80_lutb_mxfp8_moe_gemm2_prefill_bf16fold_s10");
-      break;
     case PrefillTile::M64:
       launch_cfg<pf::Cfg64>(w13, w2, r, ws, slots, I, H, Hp, Ip, stream, "sm80_lutb_mxfp8_moe_gemm1_prefill_bf16fold",
                             "sm80_lutb_mxfp8_moe_gemm2_prefill_bf16fold");
+      break;
+    case PrefillTile::M64IL:
+      launch_cfg<pf::Cfg64IL>(w13, w2, r, ws, slots, I, H, Hp, Ip, stream,
+                              "sm80_lutb_mxfp8_moe_gemm1_prefill_bf16fold_il",
+                              "sm80_lutb_mxfp8_moe_gemm2_prefill_bf16fold_il");
       break;
     case PrefillTile::M128W:
       launch_cfg<pf::Cfg128W>(w13, w2, r, ws, slots, I, H, Hp, Ip, stream,

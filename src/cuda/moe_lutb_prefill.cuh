@@ -1,12 +1,14 @@
 // src/cuda/moe_lutb_prefill.cuh: kernels of the large-batch (prefill) LUT-B GEMM path
 // (moe_prefill.hpp says what and why; moe_lutb_prefill.cu launches them).
 //
-// CTA = 256 threads (8 warps, 2 along tokens x 4 along weight rows, warp tile 32 x 32), tile
-// 64 token rows (one token tile of the grouping, one expert) x 128 weight rows (16 LUT-B
-// row-strips) x K-tiles of 64 columns (one LUT-B tile column).
+// CTA tile (Cfg below; M64, the default, is the session-10 kernel): 256 threads (8 warps, 2 along
+// tokens x 4 along weight rows, warp tile 32 x 32), 64 token rows (one token tile of the grouping,
+// one expert) x 128 weight rows (16 LUT-B row-strips) x K-tiles of 64 columns (one LUT-B tile
+// column). The other configurations (128 token rows; decode interleaved with the mma) follow the
+// same scheme with BM rows and 4*WM warps.
 //
 // Per K-tile kt, in shared memory:
-//   stage ring (kStages deep, cp.async): A tile [64 rows][64 BF16] (128-byte rows, 16-byte chunk c
+//   stage ring (kStages deep, cp.async): A tile [BM rows][64 BF16] (128-byte rows, 16-byte chunk c
 //     of row r stored at chunk c ^ (r & 7)) + the 16 strips' raw tiles (192 lane-major index
 //     bytes each) + their 16 codebooks (8 bytes each). Scale bytes go through registers.
 //   B buffers (double): [128 rows][64 BF16], same swizzle, decoded from the raw tiles.
@@ -38,8 +40,8 @@ constexpr int kPromoteTiles = 2;
 /// along the tokens x 4 along the weight rows (warp tile (BM/WM) x 32); S: cp.async ring depth in
 /// K-tiles; IL: the decode of K-tile kt+1 interleaved strip by strip between the mma steps of K-tile
 /// kt (else all of it before them, as in session 10).
-///   Cfg<64, 2, 4, false>: the session-10 kernel (256 threads, 32 x 32 warp tiles, 2 CTAs per SM).
-///   Cfg<64, 2, 4, true>:  the same tile, decode interleaved with the mma.
+///   Cfg<64, 2, 4, false>: the session-10 kernel (256 threads, 32 x 32 warp tiles, 2 CTAs per SM), M64.
+///   Cfg<64, 2, 4, true>:  the same tile, decode interleaved with the mma (M64IL).
 ///   Cfg<128, 4, 4, true>: 512 threads, warp tile 32 x 32, 1 CTA per SM (each decoded tile feeds 128 tokens).
 ///   Cfg<128, 2, 4, true>: 256 threads, warp tile 64 x 32, 1 CTA per SM (also half the ldmatrix per mma).
 template <int BM, int WM, int S, bool IL>
@@ -62,8 +64,8 @@ struct Cfg {
   static_assert(kStrips * 13 <= kThreads, "one copy round per stage for the raw tiles");
   static_assert(kAQ * kThreads == BM * 8 && kSPW * kWarps == kStrips && kMI * 16 * WM == BM, "tiling");
 };
-using Cfg64Old = Cfg<64, 2, 4, false>;
-using Cfg64 = Cfg<64, 2, 4, true>;
+using Cfg64 = Cfg<64, 2, 4, false>;
+using Cfg64IL = Cfg<64, 2, 4, true>;
 using Cfg128 = Cfg<128, 4, 4, true>;
 using Cfg128W = Cfg<128, 2, 4, true>;
 

@@ -35,17 +35,20 @@ namespace lutb::cuda {
 
 /// CTA token tile of the prefill GEMMs (src/cuda/moe_lutb_prefill.cuh, Cfg*). The grouping must be
 /// made with prefill_tile_rows(tile) rows per token tile.
-///   M64Old: the session-10 kernel, kept for A/B measurements: 64 token rows, 8 warps (warp tile
-///          32 x 32), 2 CTAs per SM, each K-tile's weights decoded before its mma steps;
-///   M64:   the same tile with the decode of the next K-tile interleaved between the mma steps;
-///   M128:  128 token rows, 16 warps (warp tile 32 x 32), 1 CTA per SM: every decoded weight tile
-///          feeds 128 tokens (half the decode work per FLOP);
-///   M128W: 128 token rows, 8 warps (warp tile 64 x 32), 1 CTA per SM (kept for A/B measurements).
-enum class PrefillTile { Auto, M64, M128, M128W, M64Old };
+///   M64:   the session-10 kernel and the heuristic's choice at every size: 64 token rows, 8 warps
+///          (warp tile 32 x 32), 2 CTAs per SM, each K-tile's weights decoded before its mma steps;
+///   M64IL: the same tile with the decode of the next K-tile interleaved between the mma steps
+///          (kept for A/B measurements: 3-5 % slower, session 12);
+///   M128:  128 token rows, 16 warps (warp tile 32 x 32), 1 CTA per SM, decode interleaved: every
+///          decoded weight tile feeds 128 tokens (half the decode work per FLOP);
+///   M128W: 128 token rows, 8 warps (warp tile 64 x 32), 1 CTA per SM, decode interleaved.
+/// M64IL, M128 and M128W were slower than M64 on the H200 (docs/perf/moe-gpu-prefill.md, session
+/// 12) and are kept, tested, for the next attempts (set_prefill_tile).
+enum class PrefillTile { Auto, M64, M64IL, M128, M128W };
 
 /// M128 from this many (token, expert) pairs per touched expert on average (prefill_tile); 0: never.
 /// 0 since the H200 runs of 2026-11-30 (docs/perf/moe-gpu-prefill.md, session 12): M128 and M128W
-/// were 3-25 % slower than the 64-row tile on all four model shapes at T = 1024 and 4096.
+/// were 0-47 % slower than M64 on all four model shapes at T = 1024 and 4096.
 inline constexpr std::int64_t kPrefillTile128MinPairs = 0;
 
 /// The tile the prefill path uses for `pairs` = T*k pairs over `experts` experts: M128 when

@@ -175,14 +175,14 @@ void expect_matches(const std::vector<std::uint16_t>& got, const std::vector<std
   EXPECT_GT(r.exact, r.n * 8 / 10) << "bit-equal BF16 outputs (FP32 order only differs); rel L2 " << r.rel_l2;
 }
 
-const cuda::PrefillTile kAllTiles[] = {cuda::PrefillTile::Auto, cuda::PrefillTile::M64, cuda::PrefillTile::M128,
-                                       cuda::PrefillTile::M128W, cuda::PrefillTile::M64Old};
+const cuda::PrefillTile kAllTiles[] = {cuda::PrefillTile::Auto, cuda::PrefillTile::M64, cuda::PrefillTile::M64IL,
+                                       cuda::PrefillTile::M128, cuda::PrefillTile::M128W};
 const char* tile_name(cuda::PrefillTile t) {
   switch (t) {
-    case cuda::PrefillTile::M64: return "M64";
+    case cuda::PrefillTile::M64IL: return "M64IL";
     case cuda::PrefillTile::M128: return "M128";
     case cuda::PrefillTile::M128W: return "M128W";
-    case cuda::PrefillTile::M64Old: return "M64Old";
+    case cuda::PrefillTile::M64: return "M64";
     default: return "Auto";
   }
 }
@@ -372,9 +372,9 @@ TEST(PrefillCuda, TileHeuristicKeeps64RowTilesUnlessForced) {
   EXPECT_EQ(cuda::prefill_tile(4096 * 2, 8), PrefillTile::M64);    // Mixtral, T = 4096: 1024
   EXPECT_EQ(cuda::prefill_tile(100, 1024), PrefillTile::M64);
   EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::M64), 64);
+  EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::M64IL), 64);
   EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::M128), 128);
   EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::M128W), 128);
-  EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::M64Old), 64);
   {
     ForcedTile forced(PrefillTile::M128W);
     EXPECT_EQ(cuda::prefill_tile(1, 8), PrefillTile::M128W);
