@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <memory>
 #include <stdexcept>
+#include <regex>
 #include <string>
 
 #include <fmt/core.h>
@@ -78,6 +79,16 @@ void add_quantize(CLI::App& app) {
   cmd->callback([args, fitter_opt] {
     namespace fs = std::filesystem;
     check_fitter_option(fitter_opt, args->fitter);
+    // Every argument is checked before the file system is looked at: with an existing output and a
+    // bad --match, the user was told about the output first, fixed it, and only then learnt that the
+    // regex was invalid (new-user QA, session 12).
+    if (!args->match.empty()) {
+      try {
+        (void)std::regex(args->match);
+      } catch (const std::regex_error& e) {
+        throw std::invalid_argument(fmt::format("--match \"{}\": invalid regular expression: {}", args->match, e.what()));
+      }
+    }
     InterruptGuard on_signal;
     warn_stale_temporaries(args->output);
     QuantizeOptions opt;

@@ -554,6 +554,16 @@ QuantizeSummary quantize_file(const fs::path& in, const fs::path& out, const std
     throw std::invalid_argument(fmt::format("quantize: FitOptions::threads {}: must be >= 0 (0 = all cores); nothing "
                                             "written",
                                             opt.fit.threads));
+  // The arguments before the file system: an invalid --match was reported only after the checks of
+  // the output (new-user QA, session 12).
+  std::regex re;
+  if (!match.empty()) {
+    try {
+      re = std::regex(match);
+    } catch (const std::regex_error& e) {
+      throw std::invalid_argument(fmt::format("--match \"{}\": invalid regular expression: {}", match, e.what()));
+    }
+  }
   if (same_path(in, out)) throw CheckpointError(fmt::format("{}: the output file is the input file", out.string()));
   detail::check_output_location(in, out);
   detail::check_replaceable(out, /*want_directory=*/false, opt.force);
@@ -565,14 +575,6 @@ QuantizeSummary quantize_file(const fs::path& in, const fs::path& out, const std
     throw CheckpointError(fmt::format("{}: the output of one quantised file must be named *.safetensors (to write a "
                                       "checkpoint directory, give the input checkpoint directory); nothing written",
                                       out.string()));
-  std::regex re;
-  if (!match.empty()) {
-    try {
-      re = std::regex(match);
-    } catch (const std::regex_error& e) {
-      throw std::invalid_argument(fmt::format("--match \"{}\": invalid regular expression: {}", match, e.what()));
-    }
-  }
   SafetensorsFile file(in);
   std::vector<Planned> plan;
   std::map<std::string, std::string> meta = file.metadata();
