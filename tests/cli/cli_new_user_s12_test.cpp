@@ -11,6 +11,7 @@
 #include <string>
 
 #include <fmt/core.h>
+#include <nlohmann/json.hpp>
 
 #include "support/test_support.hpp"
 
@@ -53,6 +54,38 @@ TEST(CliNewUserS12, InvalidMatchComesFirst) {
     EXPECT_EQ(r.code, 1) << r.out;
     EXPECT_TRUE(has(r, "lutb: error: --match \"(\": invalid regular expression")) << r.out;
   }
+}
+
+// Finding 4: the model folders ship their captured activations as MODEL_DIR/moe_activations.safetensors,
+// but `lutb moe MODEL_DIR --layer 0` failed with "--activations is required".
+TEST(CliNewUserS12, MoeDefaultsToTheFoldersActivations) {
+  LUTB_MODEL_OR_SKIP(m, "tiny-qwen3-moe");
+  const CliOut def = run("moe " + q(m) + " --layer 1 --json --threads 1");
+  ASSERT_EQ(def.code, 0) << def.out;
+  const CliOut given = run("moe " + q(m) + " --layer 1 --json --threads 1 --activations " +
+                           q(m / "moe_activations.safetensors"));
+  ASSERT_EQ(given.code, 0) << given.out;
+  const auto last_json = [](const std::string& s) {
+    const std::size_t b = s.rfind("\n{");
+    return nlohmann::json::parse(s.substr(b + 1));
+  };
+  const auto jd = last_json(def.out), jg = last_json(given.out);
+  EXPECT_EQ(jd["activations_file"], (m / "moe_activations.safetensors").string());
+  EXPECT_EQ(jd["tokens"], jg["tokens"]);
+  EXPECT_GT(jd["tokens"].get<int>(), 0);
+  EXPECT_EQ(jd["rel_l2"], jg["rel_l2"]);
+  EXPECT_LT(jd["rel_l2"].get<double>(), 1e-2);  // BF16 experts on their own captured inputs
+
+  // A folder without the file: the option and the default are named.
+  test::TempDir t;
+  ASSERT_EQ(run(kSynth + "-o " + q(t.path / "s")).code, 0);
+  const CliOut r = run("moe " + q(t.path / "s") + " --layer 0");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(has(r, "lutb: error: --activations not given and " + (t.path / "s").string() +
+                         " holds no moe_activations.safetensors (the captured MoE inputs and outputs); give the file "
+                         "with --activations FILE"))
+      << r.out;
+  EXPECT_TRUE(has(run("moe --help"), "(default MODEL_DIR/moe_activations.safetensors when it exists)"));
 }
 
 }  // namespace
