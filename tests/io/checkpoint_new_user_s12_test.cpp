@@ -72,5 +72,43 @@ TEST(NewUserS12, InvalidMatchIsReportedBeforeTheOutput) {
   EXPECT_EQ(s, "old");
 }
 
+// Finding 6: an output given as a symbolic link was refused as "exists and is not a directory" (a link
+// to a folder that plainly exists, or a dangling link) or "not a regular .safetensors file".
+TEST(NewUserS12, OutputGivenAsASymlinkIsNamedAsOne) {
+  TempDir t;
+  synthesize_checkpoint(t.path / "in", small());
+  fs::create_directory(t.path / "real");
+  fs::create_directory_symlink(t.path / "real", t.path / "link");
+  fs::create_symlink(t.path / "nowhere", t.path / "dangling");
+  const std::string tail =
+      "; lutb does not write through a link (the output is renamed into place, which would replace the link, not its "
+      "target): give the target itself as the output";
+  for (const bool force : {false, true}) {
+    QuantizeOptions o = quiet();
+    o.force = force;
+    EXPECT_EQ(error_of<CheckpointError>([&] { quantize_checkpoint(t.path / "in", t.path / "link", o); }),
+              (t.path / "link").string() + ": is a symbolic link (to " + (t.path / "real").string() + ")" + tail + " (" +
+                  (t.path / "real").string() + "), or remove the link; nothing written");
+    EXPECT_EQ(error_of<CheckpointError>([&] { quantize_checkpoint(t.path / "in", t.path / "dangling", o); }),
+              (t.path / "dangling").string() + ": is a symbolic link (to " + (t.path / "nowhere").string() +
+                  ", which does not exist)" + tail + ", or remove the link; nothing written");
+    SynthOptions so = small();
+    so.force = force;
+    EXPECT_TRUE(has(error_of<CheckpointError>([&] { synthesize_checkpoint(t.path / "link", so); }),
+                    ": is a symbolic link (to "));
+  }
+  // File mode: a link to a .safetensors file, with --force.
+  std::ofstream(t.path / "old.safetensors") << "x";
+  fs::create_symlink("old.safetensors", t.path / "flink.safetensors");
+  QuantizeOptions o = quiet();
+  o.force = true;
+  EXPECT_EQ(error_of<CheckpointError>(
+                [&] { quantize_file(t.path / "in" / "model.safetensors", t.path / "flink.safetensors", "", o); }),
+            (t.path / "flink.safetensors").string() + ": is a symbolic link (to old.safetensors)" + tail + " (" +
+                (t.path / "old.safetensors").string() + "), or remove the link; nothing written");
+  EXPECT_TRUE(fs::is_empty(t.path / "real"));
+  EXPECT_TRUE(fs::is_symlink(t.path / "flink.safetensors"));
+}
+
 }  // namespace
 }  // namespace lutb
