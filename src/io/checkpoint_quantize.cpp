@@ -281,9 +281,10 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
   Checkpoint ck(in_dir);
   const ModelConfig& cfg = ck.config();
   if (ck.is_lutb())
-    throw CheckpointError(fmt::format("{}: the checkpoint is already LUT-B (config.json has a LUT-B "
-                                      "quantization_config)",
-                                      in_dir.string()));
+    throw CheckpointError(fmt::format("{}: the checkpoint is already LUT-B ({} has a LUT-B quantization_config); "
+                                      "nothing to do: to quantise again (e.g. with another --fitter), start from the "
+                                      "original BF16 checkpoint; nothing written",
+                                      in_dir.string(), (in_dir / "config.json").string()));
   const std::regex pattern(routed_expert_pattern(cfg));
 
   // Plan: which tensors of which shard are quantised. Everything is checked before writing.
@@ -576,6 +577,29 @@ QuantizeSummary quantize_file(const fs::path& in, const fs::path& out, const std
                                       "checkpoint directory, give the input checkpoint directory); nothing written",
                                       out.string()));
   SafetensorsFile file(in);
+  // LUT-B tensors already in the file (X_packed U8 beside X_codebook): quantising them again was
+  // refused as "U8 [..]: only 2-D or 3-D float tensors can be quantised" or "no 2-D or 3-D float
+  // tensor to quantise", and --all quantised the float tensors a LUT-B checkpoint keeps unquantised
+  // (router, attention) without a word (new-user QA, session 12). `lutb_part` maps each of their
+  // tensor names to the quantised weight's name X.
+  std::map<std::string, std::string> lutb_part;
+  std::string first_lutb;
+  for (const auto& name : file.names()) {
+    static constexpr std::string_view kPacked = "_packed";
+    if (name.size() <= kPacked.size() || name.compare(name.size() - kPacked.size(), kPacked.size(), kPacked) != 0) continue;
+    const std::string base = name.substr(0, name.size() - kPacked.size());
+    const LutbNames n = lutb_names(base);
+    if (n.packed != name || file.get(name).dtype != DType::U8 || !file.contains(n.codebook)) continue;
+    for (const auto* x : {&n.packed, &n.codebook, &n.scale}) lutb_part[*x] = base;
+    if (first_lutb.empty() || base < first_lutb) first_lutb = base;  // the first by name: stable messages
+  }
+  const std::size_t lutb_count = static_cast<std::size_t>(std::count_if(
+      lutb_part.begin(), lutb_part.end(), [](const auto& kv) { return kv.first == lutb_names(kv.second).packed; }));
+  const std::string lutb_example =
+      first_lutb.empty() ? std::string()
+                         : fmt::format("{} with {} and {}{}", lutb_names(first_lutb).packed,
+                                       lutb_names(first_lutb).codebook, lutb_names(first_lutb).scale,
+                                       lutb_count > 1 ? fmt::format(", and {} more LUT-B weights", lutb_count - 1) : "");
   std::vector<Planned> plan;
   std::map<std::string, std::string> meta = file.metadata();
   std::uint64_t total = 0;
@@ -585,6 +609,13 @@ QuantizeSummary quantize_file(const fs::path& in, const fs::path& out, const std
     if (match.empty()) {
       p.quantize = quantizable(v);
     } else if (std::regex_search(name, re)) {
+      if (const auto it = lutb_part.find(name); it != lutb_part.end())
+        throw CheckpointError(fmt::format(
+            "{}: tensor {} matches --match \"{}\" but is already LUT-B (part of the quantised weight {}: {}, {}, {}) "
+            "and cannot be quantised again; to quantise {} anew (e.g. with another --fitter), start from the original "
+            "float file; to quantise other tensors, narrow --match; nothing written",
+            in.string(), name, match, it->second, lutb_names(it->second).packed, lutb_names(it->second).codebook,
+            lutb_names(it->second).scale, it->second));
       if (!quantizable(v))
         throw CheckpointError(fmt::format("{}: tensor {} matches --match \"{}\" but is {} {}; only 2-D [N, K] or 3-D "
                                           "[E, N, K] BF16/F16/F32 tensors can be quantised",
@@ -603,6 +634,20 @@ QuantizeSummary quantize_file(const fs::path& in, const fs::path& out, const std
     total += v.nbytes;
     sum.input_bytes += v.nbytes;
     plan.push_back(std::move(p));
+  }
+  if (match.empty() && !first_lutb.empty()) {
+    const auto n = std::count_if(plan.begin(), plan.end(), [](const Planned& p) { return p.quantize; });
+    const auto first = std::find_if(plan.begin(), plan.end(), [](const Planned& p) { return p.quantize; });
+    if (n == 0)
+      throw CheckpointError(fmt::format("{}: the file is already LUT-B ({}) and holds no float tensor left to quantise; "
+                                        "nothing to do: to quantise anew (e.g. with another --fitter), start from the "
+                                        "original float file; nothing written",
+                                        in.string(), lutb_example));
+    throw CheckpointError(fmt::format(
+        "{}: the file already holds LUT-B tensors ({}); --all (the default without --match) would quantise its {} "
+        "remaining float tensor{} too (e.g. {}), which a LUT-B checkpoint keeps unquantised. To quantise some of them, "
+        "name them with --match REGEX; to quantise anew, start from the original float file; nothing written",
+        in.string(), lutb_example, n, n == 1 ? "" : "s", first->name));
   }
   if (std::none_of(plan.begin(), plan.end(), [](const Planned& p) { return p.quantize; }))
     throw CheckpointError(match.empty()

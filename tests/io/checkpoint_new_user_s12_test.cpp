@@ -110,5 +110,46 @@ TEST(NewUserS12, OutputGivenAsASymlinkIsNamedAsOne) {
   EXPECT_TRUE(fs::is_symlink(t.path / "flink.safetensors"));
 }
 
+// Finding 5: re-quantising a LUT-B file in file mode was refused vaguely ("U8 [..]: only 2-D or 3-D
+// float tensors can be quantised", "no 2-D or 3-D float tensor to quantise"), and --all quantised the
+// router a LUT-B checkpoint keeps unquantised without a word.
+TEST(NewUserS12, RequantisingALutbFileSaysItIsLutb) {
+  TempDir t;
+  synthesize_checkpoint(t.path / "in", small());
+  quantize_checkpoint(t.path / "in", t.path / "q", quiet());
+  const fs::path f = t.path / "q" / "model.safetensors";
+  const std::string x0 = "model.layers.0.mlp.experts.0.down_proj.weight";
+  const std::string example =
+      x0 + "_packed with " + x0 + "_codebook and " + x0 + "_scale, and 11 more LUT-B weights";
+  EXPECT_EQ(error_of<CheckpointError>([&] { quantize_file(f, t.path / "a.safetensors", "", quiet()); }),
+            f.string() + ": the file already holds LUT-B tensors (" + example +
+                "); --all (the default without --match) would quantise its 1 remaining float tensor too (e.g. "
+                "model.layers.0.mlp.gate.weight), which a LUT-B checkpoint keeps unquantised. To quantise some of "
+                "them, name them with --match REGEX; to quantise anew, start from the original float file; nothing "
+                "written");
+  const std::string x1 = "model.layers.0.mlp.experts.1.down_proj.weight";
+  EXPECT_EQ(error_of<CheckpointError>([&] { quantize_file(f, t.path / "a.safetensors", "experts\\.1\\.down", quiet()); }),
+            f.string() + ": tensor " + x1 + "_packed matches --match \"experts\\.1\\.down\" but is already LUT-B (part of "
+                "the quantised weight " + x1 + ": " + x1 + "_packed, " + x1 + "_codebook, " + x1 +
+                "_scale) and cannot be quantised again; to quantise " + x1 +
+                " anew (e.g. with another --fitter), start from the original float file; to quantise other tensors, "
+                "narrow --match; nothing written");
+  EXPECT_FALSE(fs::exists(t.path / "a.safetensors"));
+  // Naming the float tensors is allowed; the result holds nothing but LUT-B tensors, and is then
+  // refused as such.
+  quantize_file(f, t.path / "b.safetensors", "gate\\.weight$", quiet());
+  EXPECT_TRUE(SafetensorsFile(t.path / "b.safetensors").contains("model.layers.0.mlp.gate.weight_packed"));
+  EXPECT_EQ(error_of<CheckpointError>([&] { quantize_file(t.path / "b.safetensors", t.path / "c.safetensors", "", quiet()); }),
+            (t.path / "b.safetensors").string() + ": the file is already LUT-B (" + x0 + "_packed with " + x0 +
+                "_codebook and " + x0 +
+                "_scale, and 12 more LUT-B weights) and holds no float tensor left to quantise; nothing to do: to "
+                "quantise anew (e.g. with another --fitter), start from the original float file; nothing written");
+  // Checkpoint mode says what to do too.
+  EXPECT_EQ(error_of<CheckpointError>([&] { quantize_checkpoint(t.path / "q", t.path / "qq", quiet()); }),
+            (t.path / "q").string() + ": the checkpoint is already LUT-B (" + (t.path / "q" / "config.json").string() +
+                " has a LUT-B quantization_config); nothing to do: to quantise again (e.g. with another --fitter), "
+                "start from the original BF16 checkpoint; nothing written");
+}
+
 }  // namespace
 }  // namespace lutb
