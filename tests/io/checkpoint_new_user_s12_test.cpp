@@ -151,5 +151,47 @@ TEST(NewUserS12, RequantisingALutbFileSaysItIsLutb) {
                 "start from the original BF16 checkpoint; nothing written");
 }
 
+// Finding 3: DeepSeek's topk_method was not checked (a typo was routed as noaux_tc or greedy without a
+// word) and a negative routed_scaling_factor was accepted (every expert output's sign flipped).
+TEST(NewUserS12, DeepseekRoutingKeysAreChecked) {
+  SynthOptions o = small();
+  o.family = ModelFamily::deepseek_v3;
+  const nlohmann::json base = synth_config(o).raw;
+  ASSERT_EQ(base.at("topk_method"), "noaux_tc");
+  const auto with = [&](const nlohmann::json& patch) {
+    nlohmann::json j = base;
+    j.merge_patch(patch);
+    return error_of<ConfigError>([&] { parse_model_config(j, "m/config.json"); });
+  };
+  const std::string accepted =
+      "(accepted: \"noaux_tc\" with scoring_func \"sigmoid\"; \"greedy\" or \"group_limited_greedy\" with scoring_func "
+      "\"softmax\")";
+  EXPECT_EQ(with({{"topk_method", "noaux-tc"}}), "m/config.json: key 'topk_method': \"noaux-tc\" is not supported " + accepted);
+  EXPECT_EQ(with({{"model_type", "deepseek_v2"}, {"topk_method", "group_limited"}}),
+            "m/config.json: key 'topk_method': \"group_limited\" is not supported " + accepted);
+  EXPECT_EQ(with({{"topk_method", "greedy"}}),
+            "m/config.json: key 'topk_method': \"greedy\" with scoring_func \"sigmoid\" is not supported (accepted: "
+            "\"noaux_tc\" with sigmoid scores; the scoring_func default is \"sigmoid\" for deepseek_v3)");
+  EXPECT_EQ(with({{"topk_method", "noaux_tc"}, {"scoring_func", "softmax"}}),
+            "m/config.json: key 'topk_method': \"noaux_tc\" with scoring_func \"softmax\" is not supported (accepted: "
+            "\"greedy\" or \"group_limited_greedy\" with softmax scores; the scoring_func default is \"sigmoid\" for "
+            "deepseek_v3)");
+  // What the routing implements is accepted.
+  EXPECT_EQ(with({{"topk_method", "noaux_tc"}}), "no exception");
+  EXPECT_EQ(with({{"topk_method", "greedy"}, {"scoring_func", "softmax"}}), "no exception");
+  EXPECT_EQ(with({{"model_type", "deepseek_v2"}, {"topk_method", "group_limited_greedy"}, {"scoring_func", nullptr}}),
+            "no exception");
+  // routed_scaling_factor: finite and > 0.
+  EXPECT_EQ(with({{"routed_scaling_factor", -2.5}}),
+            "m/config.json: key 'routed_scaling_factor': must be a finite number > 0, got -2.5");
+  EXPECT_EQ(with({{"routed_scaling_factor", 0}}),
+            "m/config.json: key 'routed_scaling_factor': must be a finite number > 0, got 0");
+  EXPECT_EQ(with({{"routed_scaling_factor", std::numeric_limits<double>::infinity()}}),
+            "m/config.json: key 'routed_scaling_factor': must be a finite number > 0, got inf");
+  nlohmann::json ok = base;
+  ok["routed_scaling_factor"] = 2.5;
+  EXPECT_EQ(parse_model_config(ok, "m/config.json").routed_scaling_factor, 2.5);
+}
+
 }  // namespace
 }  // namespace lutb
