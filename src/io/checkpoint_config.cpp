@@ -197,6 +197,24 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& where
     detail::throw_config_key(where, "n_group", fmt::format("must divide the experts count {}, got {}", c.num_experts, c.n_group));
   if (c.topk_group <= 0 || c.topk_group > c.n_group)
     detail::throw_config_key(where, "topk_group", fmt::format("must be in 1..n_group ({}), got {}", c.n_group, c.topk_group));
+  // The group selection (sigmoid / noaux_tc, group_limited_greedy) needs enough experts in the kept
+  // groups. These were refused only when a layer was built, as "router of deepseek_v3: RouterConfig:
+  // top_k=5 exceeds ...", naming neither config.json nor its keys (new-user QA, session 12).
+  if (c.scoring_func == ScoringFunc::sigmoid || c.topk_method == "group_limited_greedy") {
+    const std::int64_t per = c.num_experts / c.n_group;
+    if (c.scoring_func == ScoringFunc::sigmoid && per < 2)
+      detail::throw_config_key(where, "n_group",
+                               fmt::format("{} groups of the {} experts leave {} expert per group; sigmoid (noaux_tc) "
+                                           "routing scores each group by the sum of its top 2 experts, so a group "
+                                           "needs at least 2",
+                                           c.n_group, c.num_experts, per));
+    if (c.num_experts_per_tok > c.topk_group * per)
+      detail::throw_config_key(where, "num_experts_per_tok",
+                               fmt::format("{} exceeds the {} experts of the groups the router keeps (topk_group {} x "
+                                           "{} experts per group: {} experts in n_group {})",
+                                           c.num_experts_per_tok, c.topk_group * per, c.topk_group, per, c.num_experts,
+                                           c.n_group));
+  }
   c.routed_scaling_factor = opt_num(j, "routed_scaling_factor", where).value_or(1.0);
   // It multiplies the routing weights: a negative one flipped the sign of every expert's output
   // without a word (new-user QA, session 12); zero switches the experts off.

@@ -88,5 +88,54 @@ TEST(CliNewUserS12, MoeDefaultsToTheFoldersActivations) {
   EXPECT_TRUE(has(run("moe --help"), "(default MODEL_DIR/moe_activations.safetensors when it exists)"));
 }
 
+// A folder of symbolic links to the files of shared model `model`, with config.json patched.
+fs::path patched_model(const fs::path& dir, const fs::path& model, const nlohmann::json& patch) {
+  fs::create_directories(dir);
+  for (const auto& e : fs::directory_iterator(model))
+    if (e.path().filename() != "config.json") fs::create_symlink(e.path(), dir / e.path().filename());
+  nlohmann::json j;
+  std::ifstream(model / "config.json") >> j;
+  j.merge_patch(patch);
+  std::ofstream(dir / "config.json") << j.dump(2);
+  return dir;
+}
+
+// Finding 2: config errors of eval and moe that named neither config.json nor the key: the grouped
+// router ("router of deepseek_v3: RouterConfig: top_k=5 ..."), the sliding window ("mixtral:
+// sliding-window attention ..."), and a dense layer given to lutb moe.
+TEST(CliNewUserS12, ConfigErrorsNameTheFileAndKey) {
+  LUTB_MODEL_OR_SKIP(ds, "tiny-deepseek-v3");
+  LUTB_MODEL_OR_SKIP(mx, "tiny-mixtral");
+  test::TempDir t;
+  const fs::path d1 = patched_model(t.path / "ds", ds, {{"topk_group", 1}, {"num_experts_per_tok", 5}});
+  for (const std::string cmd : {"eval " + q(d1) + " --max-windows 1", "moe " + q(d1) + " --layer 1"}) {
+    const CliOut r = run(cmd);
+    EXPECT_EQ(r.code, 1) << r.out;
+    EXPECT_TRUE(has(r, "lutb: error: " + (d1 / "config.json").string() +
+                           ": key 'num_experts_per_tok': 5 exceeds the 4 experts of the groups the router keeps "
+                           "(topk_group 1 x 4 experts per group: 16 experts in n_group 4)"))
+        << r.out;
+  }
+  const fs::path d2 = patched_model(t.path / "mx", mx, {{"sliding_window", 128}});
+  const CliOut r2 = run("eval " + q(d2) + " --max-windows 1");
+  EXPECT_EQ(r2.code, 1) << r2.out;
+  EXPECT_TRUE(has(r2, "lutb: error: " + (d2 / "config.json").string() +
+                          ": key 'sliding_window': mixtral sets sliding-window attention with a window of 128 tokens, "
+                          "which lutb does not implement, and the sequences here are 256 tokens long"))
+      << r2.out;
+  const CliOut r3 = run("moe " + q(ds) + " --layer 0");
+  EXPECT_EQ(r3.code, 1) << r3.out;
+  EXPECT_TRUE(has(r3, "lutb: error: " + ds.string() + ": layer 0 is a dense (non-MoE) layer per " +
+                          (ds / "config.json").string() + " (its MoE layers: 1, 2, 3)"))
+      << r3.out;
+  // DeepSeek topk_method and routed_scaling_factor (finding 3), through the command line.
+  const fs::path d3 = patched_model(t.path / "ds3", ds, {{"routed_scaling_factor", -2.5}});
+  const CliOut r4 = run("eval " + q(d3) + " --max-windows 1");
+  EXPECT_EQ(r4.code, 1) << r4.out;
+  EXPECT_TRUE(has(r4, "lutb: error: " + (d3 / "config.json").string() +
+                          ": key 'routed_scaling_factor': must be a finite number > 0, got -2.5"))
+      << r4.out;
+}
+
 }  // namespace
 }  // namespace lutb

@@ -193,5 +193,34 @@ TEST(NewUserS12, DeepseekRoutingKeysAreChecked) {
   EXPECT_EQ(parse_model_config(ok, "m/config.json").routed_scaling_factor, 2.5);
 }
 
+// Finding 2: grouped-routing faults were refused only when a layer was built, as "router of
+// deepseek_v3: RouterConfig: top_k=5 exceeds ...", naming neither config.json nor a key.
+TEST(NewUserS12, GroupedRoutingKeysNameTheFileAndKey) {
+  SynthOptions o = small();
+  o.family = ModelFamily::deepseek_v3;
+  nlohmann::json j = synth_config(o).raw;  // 4 experts
+  j["n_group"] = 2;
+  j["topk_group"] = 1;
+  j["num_experts_per_tok"] = 3;
+  EXPECT_EQ(error_of<ConfigError>([&] { parse_model_config(j, "m/config.json"); }),
+            "m/config.json: key 'num_experts_per_tok': 3 exceeds the 2 experts of the groups the router keeps "
+            "(topk_group 1 x 2 experts per group: 4 experts in n_group 2)");
+  j["num_experts_per_tok"] = 2;
+  EXPECT_EQ(parse_model_config(j, "m/config.json").n_group, 2);
+  j["n_group"] = 4;
+  EXPECT_EQ(error_of<ConfigError>([&] { parse_model_config(j, "m/config.json"); }),
+            "m/config.json: key 'n_group': 4 groups of the 4 experts leave 1 expert per group; sigmoid (noaux_tc) "
+            "routing scores each group by the sum of its top 2 experts, so a group needs at least 2");
+  // Softmax greedy routing does not use the groups: accepted as before.
+  j["scoring_func"] = "softmax";
+  j["topk_method"] = "greedy";
+  j["num_experts_per_tok"] = 3;
+  EXPECT_EQ(parse_model_config(j, "m/config.json").num_experts_per_tok, 3);
+  j["topk_method"] = "group_limited_greedy";
+  j["n_group"] = 2;
+  EXPECT_TRUE(has(error_of<ConfigError>([&] { parse_model_config(j, "m/config.json"); }),
+                  "m/config.json: key 'num_experts_per_tok': 3 exceeds the 2 experts"));
+}
+
 }  // namespace
 }  // namespace lutb
