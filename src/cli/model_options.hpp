@@ -15,10 +15,12 @@
 #include <fmt/core.h>
 
 #include "cli/validators.hpp"
+#include "io/tensor_names.hpp"
 #include "lutb/checkpoint.hpp"
 #include "lutb/fit.hpp"
 #include "lutb/model.hpp"
 #include "lutb/moe.hpp"
+#include "lutb/safetensors.hpp"
 
 namespace lutb::cli {
 
@@ -54,6 +56,16 @@ inline void ensure_runtime_env() {
   ::execv("/proc/self/exe", argv.data());
   if (need_blas) ::unsetenv("OPENBLAS_CORETYPE");  // exec failed: carry on as we are
   if (need_omp) ::unsetenv("OMP_WAIT_POLICY");
+}
+
+/// Warns on stderr about the tensors of `model_dir` that are not tensors of the model its config.json
+/// describes, and refuses a misspelt expert tensor (detail::check_tensor_names, the check `lutb
+/// quantize` applies): `lutb eval` ignored both without a word (new-user QA, session 12).
+inline void check_model_tensor_names(const std::string& model_dir, const lutb::ModelConfig& cfg, const char* command) {
+  const SafetensorsCollection st = SafetensorsCollection::open_dir(model_dir);
+  for (const auto& w : detail::check_tensor_names(cfg, st, std::filesystem::path(model_dir) / "config.json",
+                                                  fmt::format("lutb {} does not read it", command), ""))
+    fmt::print(stderr, "lutb: warning: {}\n", w);
 }
 
 inline std::string activation_name(moe::ActivationFormat a) { return a == moe::ActivationFormat::MXFP8 ? "mxfp8" : "bf16"; }

@@ -62,6 +62,7 @@ void run_moe(const MoeArgs& a) {
   }
   model::CheckpointMoe moe(a.model_dir, mo);
   const auto& cfg = moe.config();
+  check_model_tensor_names(a.model_dir, cfg.moe, "moe");
   if (a.layer < 0 || a.layer >= cfg.num_layers)
     throw std::runtime_error(fmt::format("--layer {} is out of range: {} has layers 0..{}", a.layer, a.model_dir, cfg.num_layers - 1));
   std::unique_ptr<model::MoeBlock> block = moe.build(a.layer);

@@ -16,6 +16,7 @@
 #include <fmt/ranges.h>
 
 #include "io/checkpoint_internal.hpp"
+#include "io/tensor_names.hpp"
 #include "lutb/checkpoint.hpp"
 
 namespace lutb {
@@ -388,6 +389,13 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
                                       stacked_gate_up_name(cfg, first)));
   }
   check_experts_complete(in_dir, cfg, found);
+  // Tensors the model does not have: a misspelt expert name is refused (it would be copied
+  // unquantised, and the loaders would not read it); any other stray tensor is copied with a warning
+  // (new-user QA, session 12: both were copied without a word). lutb eval and lutb moe apply the same
+  // check.
+  for (auto& w : detail::check_tensor_names(cfg, ck.tensors(), in_dir / "config.json", "copied unquantised",
+                                            "; nothing written"))
+    sum.warnings.push_back(std::move(w));
   // Per-expert gate / up of width I % 8 != 0 are valid LUT-B tensors (spec 2.2: each padded to
   // whole 8-row tiles), but lutb runs an expert's gate and up as one [2I, H] matrix of 8-row tiles,
   // which the padded tiles cannot form (Checkpoint::lutb_experts refuses them). The checkpoint was

@@ -9,10 +9,13 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <fmt/core.h>
 #include <nlohmann/json.hpp>
 
+#include "lutb/safetensors.hpp"
 #include "support/test_support.hpp"
 
 namespace lutb {
@@ -95,7 +98,7 @@ fs::path patched_model(const fs::path& dir, const fs::path& model, const nlohman
     if (e.path().filename() != "config.json") fs::create_symlink(e.path(), dir / e.path().filename());
   nlohmann::json j;
   std::ifstream(model / "config.json") >> j;
-  j.merge_patch(patch);
+  if (patch.is_object()) j.merge_patch(patch);
   std::ofstream(dir / "config.json") << j.dump(2);
   return dir;
 }
@@ -135,6 +138,65 @@ TEST(CliNewUserS12, ConfigErrorsNameTheFileAndKey) {
   EXPECT_TRUE(has(r4, "lutb: error: " + (d3 / "config.json").string() +
                           ": key 'routed_scaling_factor': must be a finite number > 0, got -2.5"))
       << r4.out;
+}
+
+// Finding 1: lutb eval ignored tensors the model does not have without a word, a misspelt expert
+// tensor or one beyond the experts count included; lutb quantize copied them silently. The real
+// models raise no warning.
+TEST(CliNewUserS12, StrayAndMisspeltTensorsAreReported) {
+  LUTB_MODEL_OR_SKIP(qw, "tiny-qwen3-moe");
+  for (const char* m : {"tiny-qwen3-moe", "tiny-mixtral", "tiny-deepseek-v3"}) {
+    LUTB_MODEL_OR_SKIP(d, m);
+    const CliOut r = run("eval " + q(d) + " --max-windows 1 --threads 1");
+    EXPECT_EQ(r.code, 0) << r.out;
+    EXPECT_FALSE(has(r, "warning")) << r.out;
+  }
+  test::TempDir t;
+  // A synthetic checkpoint of the shared model's shapes, with tensors it does not have added by the
+  // library's writer (BF16 [2, 2]).
+  const fs::path d = patched_model(t.path / "m", qw, nlohmann::json::object());
+  fs::remove(d / "model.safetensors");
+  {
+    // Copy model.safetensors with two stray tensors.
+    std::vector<std::pair<std::string, OwnedTensor>> ts;
+    SafetensorsFile f(qw / "model.safetensors");
+    for (const auto& n : f.names()) {
+      const TensorView& v = f.get(n);
+      ts.push_back({n, OwnedTensor{v.dtype, v.shape, std::vector<std::uint8_t>(v.data, v.data + v.nbytes)}});
+    }
+    ts.push_back({"model.extra.weight", OwnedTensor{DType::BF16, {2, 2}, std::vector<std::uint8_t>(8, 0)}});
+    write_safetensors(d / "model.safetensors", ts);
+    ts.push_back({"model.layers.2.mlp.experts.16.down_proj.weight",
+                  OwnedTensor{DType::BF16, {2, 2}, std::vector<std::uint8_t>(8, 0)}});
+    fs::create_directories(t.path / "bad");
+    for (const auto& e : fs::directory_iterator(d))
+      if (e.path().filename() != "model.safetensors") fs::copy(e.path(), t.path / "bad" / e.path().filename());
+    write_safetensors(t.path / "bad" / "model.safetensors", ts);
+  }
+  const std::string warn = "lutb: warning: " + (d / "model.safetensors").string() +
+                           ": tensor model.extra.weight is not a tensor of the qwen3_moe model " +
+                           (d / "config.json").string() + " describes; ";
+  const CliOut e = run("eval " + q(d) + " --max-windows 1 --threads 1");
+  EXPECT_EQ(e.code, 0) << e.out;
+  EXPECT_TRUE(has(e, warn + "lutb eval does not read it\n")) << e.out;
+  EXPECT_TRUE(has(e, "val loss     ")) << e.out;
+  const CliOut m = run("moe " + q(d) + " --layer 1 --threads 1");
+  EXPECT_EQ(m.code, 0) << m.out;
+  EXPECT_TRUE(has(m, warn + "lutb moe does not read it\n")) << m.out;
+  const CliOut qz = run("quantize " + q(d) + " -o " + q(t.path / "q") + " --no-progress");
+  EXPECT_EQ(qz.code, 0) << qz.out;
+  EXPECT_TRUE(has(qz, warn + "copied unquantised\n")) << qz.out;
+
+  const std::string err = "lutb: error: " + (t.path / "bad" / "model.safetensors").string() +
+                          ": tensor model.layers.2.mlp.experts.16.down_proj.weight names expert 16, but " +
+                          (t.path / "bad" / "config.json").string() +
+                          " declares 16 experts (0..15); lutb would not read it: rename or remove it";
+  const CliOut be = run("eval " + q(t.path / "bad") + " --max-windows 1 --threads 1");
+  EXPECT_EQ(be.code, 1) << be.out;
+  EXPECT_TRUE(has(be, err + "\n")) << be.out;
+  const CliOut bm = run("moe " + q(t.path / "bad") + " --layer 1 --threads 1");
+  EXPECT_EQ(bm.code, 1) << bm.out;
+  EXPECT_TRUE(has(bm, err + "\n")) << bm.out;
 }
 
 }  // namespace

@@ -55,6 +55,20 @@ std::string error_of(F&& f) {
 
 bool has(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
+// Rewrites `file` with BF16 [2, 2] zero tensors `extra` added.
+void add_tensors(const fs::path& file, const std::vector<std::string>& extra) {
+  std::vector<std::pair<std::string, OwnedTensor>> ts;
+  {
+    SafetensorsFile f(file);
+    for (const auto& n : f.names()) {
+      const TensorView& v = f.get(n);
+      ts.push_back({n, OwnedTensor{v.dtype, v.shape, std::vector<std::uint8_t>(v.data, v.data + v.nbytes)}});
+    }
+  }
+  for (const auto& n : extra) ts.push_back({n, OwnedTensor{DType::BF16, {2, 2}, std::vector<std::uint8_t>(8, 0)}});
+  write_safetensors(file, ts);
+}
+
 // Finding 7: with an existing output and an invalid --match, quantize_file reported the output
 // first; the user removed it and only then learnt that the regex was invalid.
 TEST(NewUserS12, InvalidMatchIsReportedBeforeTheOutput) {
@@ -220,6 +234,57 @@ TEST(NewUserS12, GroupedRoutingKeysNameTheFileAndKey) {
   j["n_group"] = 2;
   EXPECT_TRUE(has(error_of<ConfigError>([&] { parse_model_config(j, "m/config.json"); }),
                   "m/config.json: key 'num_experts_per_tok': 3 exceeds the 2 experts"));
+}
+
+// Finding 1: tensors that are not tensors of the model were copied by lutb quantize without a word,
+// a misspelt routed-expert name included (copied unquantised, and never read by the loaders).
+TEST(NewUserS12, QuantizeWarnsAboutStrayTensorsAndRefusesMisspeltExperts) {
+  TempDir t;
+  synthesize_checkpoint(t.path / "in", small());
+  const fs::path f = t.path / "in" / "model.safetensors";
+  const std::string cfg = (t.path / "in" / "config.json").string();
+  add_tensors(f, {"model.extra.weight", "model.layers.0.self_attn.q_prj.weight", "model.layers.0.mlp.gate_proj.weight",
+                  "model.layers.0.self_attn.rotary_emb.inv_freq"});
+  const QuantizeSummary s = quantize_checkpoint(t.path / "in", t.path / "out", quiet());
+  const std::string head = f.string() + ": tensor ";
+  const std::string tail = " is not a tensor of the qwen3_moe model " + cfg + " describes";
+  EXPECT_EQ(s.warnings, (std::vector<std::string>{
+                            head + "model.extra.weight" + tail + "; copied unquantised",
+                            head + "model.layers.0.mlp.gate_proj.weight" + tail + " (a dense MLP weight, but " + cfg +
+                                " makes layer 0 a MoE layer); copied unquantised",
+                            head + "model.layers.0.self_attn.q_prj.weight" + tail + "; copied unquantised"}));
+  EXPECT_TRUE(SafetensorsFile(t.path / "out" / "model.safetensors").contains("model.extra.weight"));
+
+  // Beyond 5, one line counts the rest.
+  add_tensors(f, {"a.0", "a.1", "a.2", "a.3"});
+  const QuantizeSummary s7 = quantize_checkpoint(t.path / "in", t.path / "out7", quiet());
+  ASSERT_EQ(s7.warnings.size(), 6u);
+  EXPECT_EQ(s7.warnings[0], head + "a.0" + tail + "; copied unquantised");
+  EXPECT_EQ(s7.warnings[5], "2 more tensors are not tensors of the qwen3_moe model " + cfg +
+                                " describes (the first 5 are listed above); copied unquantised");
+
+  // A misspelt expert tensor is refused, naming what was expected.
+  synthesize_checkpoint(t.path / "in2", small());
+  const fs::path f2 = t.path / "in2" / "model.safetensors";
+  add_tensors(f2, {"model.layers.0.mlp.experts.1.gate_prj.weight"});
+  EXPECT_EQ(error_of<CheckpointError>([&] { quantize_checkpoint(t.path / "in2", t.path / "out2", quiet()); }),
+            f2.string() +
+                ": tensor model.layers.0.mlp.experts.1.gate_prj.weight is named like an expert tensor of MoE layer 0 "
+                "but is not one the model has (expected per expert model.layers.0.mlp.experts.0.gate_proj.weight for "
+                "experts 0..3 and gate, up, down, or stacked model.layers.0.mlp.experts.gate_up_proj and "
+                "model.layers.0.mlp.experts.down_proj; a misspelt name?); lutb would not read it: rename or remove "
+                "it; nothing written");
+  EXPECT_FALSE(fs::exists(t.path / "out2"));
+  // LUT-B tensors in a checkpoint whose config.json is not LUT-B.
+  synthesize_checkpoint(t.path / "in3", small());
+  const fs::path f3 = t.path / "in3" / "model.safetensors";
+  add_tensors(f3, {"model.layers.0.mlp.experts.2.up_proj.weight_packed"});
+  EXPECT_EQ(error_of<CheckpointError>([&] { quantize_checkpoint(t.path / "in3", t.path / "out3", quiet()); }),
+            f3.string() +
+                ": tensor model.layers.0.mlp.experts.2.up_proj.weight_packed is a LUT-B tensor of a routed expert, but " +
+                (t.path / "in3" / "config.json").string() +
+                " has no LUT-B quantization_config (a BF16 checkpoint's experts are float tensors); lutb would not "
+                "read it: rename or remove it; nothing written");
 }
 
 }  // namespace
