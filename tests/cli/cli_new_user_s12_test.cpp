@@ -199,5 +199,24 @@ TEST(CliNewUserS12, StrayAndMisspeltTensorsAreReported) {
   EXPECT_TRUE(has(bm, err + "\n")) << bm.out;
 }
 
+// Finding 8: --kernel reference and the default kernel give losses that differ in the 6th significant
+// digit; a new user took it for a bug. The help says why (FP32 summation order, spec section 4), and
+// the difference stays at FP32-rounding level.
+TEST(CliNewUserS12, KernelsAgreeToFp32RoundingAndTheHelpSaysSo) {
+  for (const char* cmd : {"eval", "moe"})
+    EXPECT_TRUE(has(run(std::string(cmd) + " --help"),
+                    "only the order of the FP32 additions differs (spec section 4), so results agree to FP32 rounding"));
+  LUTB_MODEL_OR_SKIP(m, "tiny-qwen3-moe");
+  const auto loss = [&](const std::string& kernel) {
+    const CliOut r = run("eval " + q(m) + " --quant lutb --max-windows 2 --threads 2 --json --kernel " + kernel);
+    EXPECT_EQ(r.code, 0) << r.out;
+    return nlohmann::json::parse(r.out.substr(r.out.rfind("\n{") + 1))["val_loss"].get<double>();
+  };
+  const double fast = loss("fast"), ref = loss("reference");
+  EXPECT_GT(fast, 3.0);
+  EXPECT_LT(fast, 5.0);
+  EXPECT_NEAR(fast, ref, 1e-4 * fast);
+}
+
 }  // namespace
 }  // namespace lutb
