@@ -612,6 +612,7 @@ QuantizeSummary quantize_file(const fs::path& in, const fs::path& out, const std
   std::map<std::string, std::string> meta = file.metadata();
   std::uint64_t total = 0;
   for (const auto& name : file.names()) {
+    detail::check_interrupt(opt.interrupt, out);  // matching a slow --match over many names
     const TensorView& v = file.get(name);
     Planned p{name, false, {}};
     if (match.empty()) {

@@ -2,13 +2,18 @@
 // test failed on the code before its fix.
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
+#include <signal.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <array>
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -216,6 +221,47 @@ TEST(CliNewUserS12, KernelsAgreeToFp32RoundingAndTheHelpSaysSo) {
   EXPECT_GT(fast, 3.0);
   EXPECT_LT(fast, 5.0);
   EXPECT_NEAR(fast, ref, 1e-4 * fast);
+}
+
+// Finding 10: a --match with nested repetition takes exponential time on a long tensor name
+// (std::regex backtracks), and a first Ctrl-C did not stop it: the handler only set a flag that the
+// matching never reads. The names are now matched before the handler is installed.
+TEST(CliNewUserS12, OneCtrlCStopsACatastrophicMatch) {
+  test::TempDir t;
+  const fs::path f = t.path / "long.safetensors";
+  // (a|aa)*c against 60 a's: about 10^12 backtracking steps, hours.
+  write_safetensors(f, {{"model." + std::string(60, 'a'),
+                         OwnedTensor{DType::BF16, {8, 64}, std::vector<std::uint8_t>(8 * 64 * 2, 0)}}});
+  const fs::path log = t.path / "log.txt";
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    for (int s : {SIGINT, SIGTERM, SIGHUP}) ::signal(s, SIG_DFL);  // as from an interactive shell
+    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ::dup2(fd, 1);
+    ::dup2(fd, 2);
+    ::execl(LUTB_CLI_PATH, LUTB_CLI_PATH, "quantize", f.c_str(), "-o", (t.path / "o.safetensors").c_str(), "--match",
+            "(a|aa)*c", "--no-progress", static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  ASSERT_GT(pid, 0);
+  std::this_thread::sleep_for(std::chrono::seconds(1));  // well into the matching
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, WNOHANG), 0) << "quantize ended before the signal";
+  ::kill(pid, SIGINT);
+  // One signal must end it; the bound only keeps a failing run from hanging the suite.
+  bool ended = false;
+  for (int i = 0; i < 300 && !ended; ++i) {
+    ended = ::waitpid(pid, &status, WNOHANG) == pid;
+    if (!ended) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  if (!ended) {
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, &status, 0);
+  }
+  EXPECT_TRUE(ended) << "one SIGINT did not stop quantize within 30 s";
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGINT) << "status " << status;
+  EXPECT_FALSE(fs::exists(t.path / "o.safetensors"));
+  EXPECT_TRUE(has(run("quantize --help"), "a pattern with nested repetition such as (a|aa)*c can take exponential time"));
 }
 
 }  // namespace
