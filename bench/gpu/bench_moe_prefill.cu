@@ -1,12 +1,15 @@
 // bench/gpu/bench_moe_prefill.cu: the large-batch (prefill) LUT-B path (src/cuda/moe_prefill.hpp)
-// against the default LUT-B forward (moe_forward) and the BF16 baseline on the same kernel skeleton
-// (moe_forward_bf16, the better of its decode and prefill strategies), same routing, same run.
+// with each CTA tile (the heuristic's choice, and M64 = the session-10 kernel, M64IL, M128, M128W
+// forced by set_prefill_tile), against the BF16 baseline on the same kernel skeleton (moe_forward_bf16, the
+// better of its decode and prefill strategies) and cuBLAS grouped BF16 GEMMs (as bench_moe_gpu: the
+// two GEMMs only, on routing 0's per-expert counts), same routing, same run.
 // Prints a markdown table (docs/perf/moe-gpu-prefill.md).
 //
-// Usage: bench_moe_prefill [--shape NAME] [--T N]   (default T in {256, 1024, 4096}, the 4 shapes)
+// Usage: bench_moe_prefill [--shape NAME] [--T N[,N...]]   (default T in {256, 1024, 4096}, the 4 shapes)
 // Method as bench_moe_gpu: the whole forward (routing precomputed by route_softmax_topk /
 // route_deepseek on random N(0,1) logits) captured in a CUDA graph; R = 8 routings cycled; the time
 // is the median over 7 batches of the mean per call. TFLOP/s = 6 * T * k * H * I / time.
+#include <cublas_v2.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -66,6 +69,102 @@ void fill(void* p, unsigned long long n, int kind, unsigned seed) {
 }
 
 
+/// Median over 7 repetitions of the mean time of `iters` calls of f(i) on `stream`, in ms.
+template <class F>
+float time_ms(F&& f, int iters, cudaStream_t stream = nullptr) {
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  std::vector<float> v;
+  for (int rep = 0; rep < 7; ++rep) {
+    CK(cudaEventRecord(a, stream));
+    for (int i = 0; i < iters; ++i) f(i);
+    CK(cudaEventRecord(b, stream));
+    CK(cudaEventSynchronize(b));
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    v.push_back(ms / iters);
+  }
+  std::sort(v.begin(), v.end());
+  CK(cudaEventDestroy(a));
+  CK(cudaEventDestroy(b));
+  return v[v.size() / 2];
+}
+
+/// cuBLAS grouped BF16 GEMMs of one MoE layer (the large-T baseline): per touched expert e with n_e
+/// routed tokens, GEMM1 [n_e, H] x w13_e^T -> [n_e, 2I] and GEMM2 [n_e, I] x w2_e^T -> [n_e, H], each
+/// as ONE cublasGemmGroupedBatchedEx call (one group per expert), BF16 in and out, FP32 compute.
+/// Only the two GEMMs are timed (no gather, activation, quantisation or reduction), so this is a
+/// lower bound on a cuBLAS-based BF16 MoE layer. Returns the median ms.
+float cublas_grouped_ms(cublasHandle_t h, const std::vector<int>& ids, long long E, long long H, long long I,
+                        const unsigned short* w13, const unsigned short* w2, cudaStream_t st) {
+  std::vector<int> cnt(E, 0);
+  for (int e : ids) cnt[e]++;
+  std::vector<int> m1, n1, k1, lda1, ldb1, ldc1, m2, n2, k2, lda2, ldb2, ldc2, gs;
+  std::vector<cublasOperation_t> ta, tb;
+  std::vector<float> one, zero;
+  std::vector<const void*> A1, B1, A2, B2;
+  std::vector<void*> C1, C2;
+  long long P = 0;
+  for (long long e = 0; e < E; ++e) P += cnt[e];
+  void *x, *h1, *hh, *y;
+  CK(cudaMalloc(&x, 2ull * P * H));
+  CK(cudaMalloc(&h1, 4ull * P * I));
+  CK(cudaMalloc(&hh, 2ull * P * I));
+  CK(cudaMalloc(&y, 2ull * P * H));
+  fill(x, 1ull * P * H, 5, 31);
+  fill(hh, 1ull * P * I, 5, 32);
+  long long off = 0;
+  for (long long e = 0; e < E; ++e) {
+    if (!cnt[e]) continue;
+    const int n = cnt[e];
+    // Column-major views of row-major data: GEMM1 C (2I x n) = (w13_e as H x 2I)^T * (x_e as H x n).
+    m1.push_back(static_cast<int>(2 * I)); n1.push_back(n); k1.push_back(static_cast<int>(H));
+    lda1.push_back(static_cast<int>(H)); ldb1.push_back(static_cast<int>(H)); ldc1.push_back(static_cast<int>(2 * I));
+    A1.push_back(w13 + e * 2 * I * H); B1.push_back(static_cast<unsigned short*>(x) + off * H);
+    C1.push_back(static_cast<unsigned short*>(h1) + off * 2 * I);
+    // GEMM2 C (H x n) = (w2_e as I x H)^T * (h_e as I x n).
+    m2.push_back(static_cast<int>(H)); n2.push_back(n); k2.push_back(static_cast<int>(I));
+    lda2.push_back(static_cast<int>(I)); ldb2.push_back(static_cast<int>(I)); ldc2.push_back(static_cast<int>(H));
+    A2.push_back(w2 + e * H * I); B2.push_back(static_cast<unsigned short*>(hh) + off * I);
+    C2.push_back(static_cast<unsigned short*>(y) + off * H);
+    ta.push_back(CUBLAS_OP_T); tb.push_back(CUBLAS_OP_N); one.push_back(1.0f); zero.push_back(0.0f); gs.push_back(1);
+    off += n;
+  }
+  const int G = static_cast<int>(gs.size());
+  auto dev_ptrs = [&](const auto& v) {
+    void** d = nullptr;
+    CK(cudaMalloc(&d, sizeof(void*) * v.size()));
+    CK(cudaMemcpy(d, v.data(), sizeof(void*) * v.size(), cudaMemcpyHostToDevice));
+    return d;
+  };
+  void **dA1 = dev_ptrs(A1), **dB1 = dev_ptrs(B1), **dC1 = dev_ptrs(C1), **dA2 = dev_ptrs(A2), **dB2 = dev_ptrs(B2),
+       **dC2 = dev_ptrs(C2);
+  cublasSetStream(h, st);
+  auto run = [&](int) {
+    cublasStatus_t r1 = cublasGemmGroupedBatchedEx(h, ta.data(), tb.data(), m1.data(), n1.data(), k1.data(), one.data(),
+                                                   dA1, CUDA_R_16BF, lda1.data(), dB1, CUDA_R_16BF, ldb1.data(),
+                                                   zero.data(), dC1, CUDA_R_16BF, ldc1.data(), G, gs.data(),
+                                                   CUBLAS_COMPUTE_32F);
+    cublasStatus_t r2 = cublasGemmGroupedBatchedEx(h, ta.data(), tb.data(), m2.data(), n2.data(), k2.data(), one.data(),
+                                                   dA2, CUDA_R_16BF, lda2.data(), dB2, CUDA_R_16BF, ldb2.data(),
+                                                   zero.data(), dC2, CUDA_R_16BF, ldc2.data(), G, gs.data(),
+                                                   CUBLAS_COMPUTE_32F);
+    if (r1 != CUBLAS_STATUS_SUCCESS || r2 != CUBLAS_STATUS_SUCCESS) {
+      std::fprintf(stderr, "cublasGemmGroupedBatchedEx failed: %d %d\n", static_cast<int>(r1), static_cast<int>(r2));
+      std::exit(1);
+    }
+  };
+  run(0);
+  CK(cudaStreamSynchronize(st));
+  const float ms = time_ms(run, 3, st);
+  for (void* q : {x, h1, hh, y}) CK(cudaFree(q));
+  for (void** q : {dA1, dB1, dC1, dA2, dB2, dC2}) CK(cudaFree(q));
+  cublasSetStream(h, nullptr);
+  return ms;
+}
+
+
 struct Shape {
   const char* name;
   long long E, H, I;
@@ -78,7 +177,15 @@ int main(int argc, char** argv) {
   std::vector<long long> Ts = {256, 1024, 4096};
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--shape") && i + 1 < argc) only = argv[++i];
-    else if (!std::strcmp(argv[i], "--T") && i + 1 < argc) Ts = {std::atoll(argv[++i])};
+    else if (!std::strcmp(argv[i], "--T") && i + 1 < argc) {  // N or a list N,M,...
+      Ts.clear();
+      std::string list = argv[++i];
+      for (std::size_t at = 0; at < list.size();) {
+        const std::size_t comma = std::min(list.find(',', at), list.size());
+        Ts.push_back(std::atoll(list.substr(at, comma - at).c_str()));
+        at = comma + 1;
+      }
+    }
   }
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
@@ -89,10 +196,12 @@ int main(int argc, char** argv) {
                           {"qwen3-30b", 128, 2048, 768, 8, false},
                           {"mixtral-8x7b", 8, 4096, 14336, 2, false}};
   const int R = 8;
-  std::printf("\n| shape | T | experts touched | LUT-B prefill us | LUT-B default us | BF16 us (best) | BF16 best | "
-              "prefill TFLOP/s | default TFLOP/s | BF16 TFLOP/s | prefill / BF16 throughput | default / BF16 | prefill speed-up over default | "
-              "prefill GEMMs alone us | GEMMs alone TFLOP/s |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("\n| shape | T | experts touched | auto tile | auto us | M64 (session 10) us | M64IL us | M128 us | M128W us | "
+              "BF16 us (best) | cuBLAS grouped us | auto TFLOP/s | M64 TFLOP/s | M64IL TFLOP/s | M128 TFLOP/s | M128W TFLOP/s | "
+              "BF16 TFLOP/s | cuBLAS TFLOP/s | auto / M64 | auto / BF16 | auto / cuBLAS | GEMMs alone us (auto tile) |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  cublasHandle_t cublas;
+  cublasCreate(&cublas);
   for (const Shape& s : shapes) {
     if (!only.empty() && only != s.name) continue;
     const long long E = s.E, H = s.H, I = s.I;
@@ -140,6 +249,7 @@ int main(int argc, char** argv) {
     CK(cudaStreamCreate(&st));
     for (long long T : Ts) {
       double touched_sum = 0;
+      std::vector<int> ids0;  // routing 0 on the host (the cuBLAS baseline's per-expert token counts)
       for (int r = 0; r < R; ++r) {
         float* lg = logits + 1ull * r * Tmax * E;
         int* id = ids + 1ull * r * Tmax * s.k;
@@ -150,6 +260,7 @@ int main(int argc, char** argv) {
         CK(cudaMemcpyAsync(h.data(), id, 4ull * T * s.k, cudaMemcpyDeviceToHost, st));
         CK(cudaStreamSynchronize(st));
         touched_sum += std::set<int>(h.begin(), h.end()).size();
+        if (r == 0) ids0 = h;
       }
       const double touched = touched_sum / R;
       auto make = [&](int variant, int r) {
@@ -159,19 +270,25 @@ int main(int argc, char** argv) {
         cudaGraph_t g;
         cudaGraphExec_t ge;
         CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+        using cuda::PrefillTile;
         switch (variant) {
           case 0: cuda::moe_forward_lutb_prefill(w, xr, T, s.k, id, wt, out, ws, wsb, st); break;
-          case 1: cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st); break;
-          case 2: cuda::moe_forward_bf16(wb, xr, T, s.k, id, wt, out, ws, wsb, st, cuda::MoeStrategy::Decode); break;
-          case 3: cuda::moe_forward_bf16(wb, xr, T, s.k, id, wt, out, ws, wsb, st, cuda::MoeStrategy::Prefill); break;
-          case 4: {
+          case 1: case 2: case 3: case 7:
+            cuda::set_prefill_tile(variant == 1 ? PrefillTile::M64 : variant == 2 ? PrefillTile::M128
+                                   : variant == 3 ? PrefillTile::M128W : PrefillTile::M64IL);
+            cuda::moe_forward_lutb_prefill(w, xr, T, s.k, id, wt, out, ws, wsb, st);
+            cuda::set_prefill_tile(PrefillTile::Auto);
+            break;
+          case 4: cuda::moe_forward_bf16(wb, xr, T, s.k, id, wt, out, ws, wsb, st, cuda::MoeStrategy::Decode); break;
+          case 5: cuda::moe_forward_bf16(wb, xr, T, s.k, id, wt, out, ws, wsb, st, cuda::MoeStrategy::Prefill); break;
+          case 6: {
             // The prefill GEMMs alone (xa -> BF16, GEMM1, GEMM2) on routing 0's grouping, made
             // before the capture (repeated in-place conversions leave garbage values in xa: the
             // time does not depend on them).
             const cuda::detail::Workspace wsp = cuda::detail::carve(ws, T, s.k, E, H, I);
             const cuda::kern::Routing rr{ids, wts, wsp.sorted, wsp.tile_expert, wsp.tile_start, wsp.tile_count,
                                          wsp.num_tiles, s.k};
-            cuda::detail::launch_lutb_prefill_gemms(w, rr, wsp, T * s.k, st);
+            cuda::detail::launch_lutb_prefill_gemms(w, rr, wsp, T * s.k, cuda::prefill_tile(T * s.k, E), st);
             break;
           }
         }
@@ -180,16 +297,21 @@ int main(int argc, char** argv) {
         CK(cudaGraphDestroy(g));
         return ge;
       };
-      // One uncaptured call first (per-device kernel attributes are set there), then the GEMMs-alone setup.
-      cuda::moe_forward_lutb_prefill(w, x, T, s.k, ids, wts, out, ws, wsb, st);
+      // One uncaptured call per tile first (per-device kernel attributes are set there), then the
+      // GEMMs-alone setup.
+      for (auto t : {cuda::PrefillTile::M64, cuda::PrefillTile::M64IL, cuda::PrefillTile::M128, cuda::PrefillTile::M128W,
+                     cuda::PrefillTile::Auto}) {
+        cuda::set_prefill_tile(t);
+        cuda::moe_forward_lutb_prefill(w, x, T, s.k, ids, wts, out, ws, wsb, st);
+      }
       CK(cudaStreamSynchronize(st));
       {
         const cuda::detail::Workspace wsp = cuda::detail::carve(ws, T, s.k, E, H, I);
-        cuda::detail::launch_group(ids, T * s.k, E, cuda::kPrefillTileRows, wsp, st);
+        cuda::detail::launch_group(ids, T * s.k, E, cuda::prefill_tile_rows(cuda::prefill_tile(T * s.k, E)), wsp, st);
         cuda::detail::launch_quantize_x(x, T, H, w.w13.shape.padded_cols(), false, wsp.xa, nullptr, wsp.xs, nullptr, st);
       }
-      float ms[5];
-      for (int v : {4, 0, 1, 2, 3}) {
+      float ms[8];
+      for (int v : {6, 0, 1, 7, 2, 3, 4, 5}) {
         std::vector<cudaGraphExec_t> gs;
         for (int r = 0; r < R; ++r) gs.push_back(make(v, r));
         for (int r = 0; r < R; ++r) CK(cudaGraphLaunch(gs[r], st));
@@ -214,12 +336,17 @@ int main(int argc, char** argv) {
         CK(cudaEventDestroy(a));
         CK(cudaEventDestroy(b));
       }
-      const double pf_s = ms[0] * 1e-3, def_s = ms[1] * 1e-3, bf_s = std::min(ms[2], ms[3]) * 1e-3;
+      const float cub_ms = cublas_grouped_ms(cublas, ids0, E, H, I, b13, b2, st);
       const double flops = 6.0 * T * s.k * H * I;
-      std::printf("| %s | %lld | %.1f | %.1f | %.1f | %.1f | %s | %.1f | %.1f | %.1f | %.2fx | %.2fx | %.2fx | %.1f | %.1f |\n",
-                  s.name, T, touched, pf_s * 1e6, def_s * 1e6, bf_s * 1e6, ms[2] <= ms[3] ? "decode" : "prefill",
-                  flops / pf_s / 1e12, flops / def_s / 1e12, flops / bf_s / 1e12, bf_s / pf_s, bf_s / def_s, def_s / pf_s,
-                  ms[4] * 1e3, flops / (ms[4] * 1e-3) / 1e12);
+      auto tf = [&](double m) { return flops / (m * 1e-3) / 1e12; };
+      const double bf = std::min(ms[4], ms[5]);
+      const cuda::PrefillTile at = cuda::prefill_tile(T * s.k, E);
+      std::printf("| %s | %lld | %.1f | %s | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | "
+                  "%.1f | %.1f | %.2fx | %.2fx | %.2fx | %.1f |\n",
+                  s.name, T, touched, at == cuda::PrefillTile::M64 ? "M64" : at == cuda::PrefillTile::M64IL ? "M64IL" : at == cuda::PrefillTile::M128 ? "M128" : "M128W",
+                  ms[0] * 1e3, ms[1] * 1e3, ms[7] * 1e3, ms[2] * 1e3, ms[3] * 1e3, bf * 1e3, cub_ms * 1e3, tf(ms[0]),
+                  tf(ms[1]), tf(ms[7]), tf(ms[2]), tf(ms[3]), tf(bf), tf(cub_ms), ms[1] / ms[0], bf / ms[0], cub_ms / ms[0],
+                  ms[6] * 1e3);
       std::fflush(stdout);
     }
     CK(cudaStreamDestroy(st));
@@ -227,5 +354,6 @@ int main(int argc, char** argv) {
                     (void*)x, (void*)out, (void*)logits, (void*)bias, (void*)wts, (void*)ids})
       CK(cudaFree(p));
   }
+  cublasDestroy(cublas);
   return 0;
 }

@@ -84,6 +84,7 @@ void run_eval(const EvalArgs& a) {
     if (tokens[i] < 0 || tokens[i] >= config.vocab_size)
       throw model::ModelError(fmt::format("{}: input_ids[{}] = {} is outside the vocabulary [0, {}) of {}",
                                           tokens_path.string(), i, tokens[i], config.vocab_size, a.model_dir));
+  check_model_tensor_names(a.model_dir, config.moe, "eval");
   const auto t0 = std::chrono::steady_clock::now();
   model::CheckpointMoe moe(a.model_dir, mo);
   model::LanguageModel lm = model::LanguageModel::load(a.model_dir, moe.factory());

@@ -15,10 +15,12 @@
 #include <fmt/core.h>
 
 #include "cli/validators.hpp"
+#include "io/tensor_names.hpp"
 #include "lutb/checkpoint.hpp"
 #include "lutb/fit.hpp"
 #include "lutb/model.hpp"
 #include "lutb/moe.hpp"
+#include "lutb/safetensors.hpp"
 
 namespace lutb::cli {
 
@@ -56,6 +58,16 @@ inline void ensure_runtime_env() {
   if (need_omp) ::unsetenv("OMP_WAIT_POLICY");
 }
 
+/// Warns on stderr about the tensors of `model_dir` that are not tensors of the model its config.json
+/// describes, and refuses a misspelt expert tensor (detail::check_tensor_names, the check `lutb
+/// quantize` applies): `lutb eval` ignored both without a word (new-user QA, session 12).
+inline void check_model_tensor_names(const std::string& model_dir, const lutb::ModelConfig& cfg, const char* command) {
+  const SafetensorsCollection st = SafetensorsCollection::open_dir(model_dir);
+  for (const auto& w : detail::check_tensor_names(cfg, st, std::filesystem::path(model_dir) / "config.json",
+                                                  fmt::format("lutb {} does not read it", command), ""))
+    fmt::print(stderr, "lutb: warning: {}\n", w);
+}
+
 inline std::string activation_name(moe::ActivationFormat a) { return a == moe::ActivationFormat::MXFP8 ? "mxfp8" : "bf16"; }
 
 struct ModelQuantArgs {
@@ -76,7 +88,14 @@ struct ModelQuantArgs {
                                            "(default mxfp8 with LUT-B weights, bf16 otherwise)")
         ->check(CLI::IsMember({"bf16", "mxfp8"}));
     fitter_opt = cmd->add_option("--fitter", fitter, "LUT-B fitter for the online method (default: the default fitter)");
-    kernel_opt = cmd->add_option("--kernel", kernel, "LUT-B emulation kernel: fast, reference, dequantized")
+    // The kernels compute the same values (spec section 4) and differ only in the order of their FP32
+    // additions: the loss of --kernel reference differed from the default's in the 6th significant
+    // digit and a new user took it for a bug (QA, session 12).
+    kernel_opt = cmd->add_option("--kernel", kernel,
+                                 "LUT-B emulation kernel: fast (default), reference (the plain loops of spec section "
+                                 "4), dequantized. All three compute the same MXFP8 x LUT-B products; only the order "
+                                 "of the FP32 additions differs (spec section 4), so results agree to FP32 rounding: "
+                                 "losses typically differ in the 5th-6th significant digit (e.g. 3.864144 vs 3.864123)")
                      ->check(CLI::IsMember({"fast", "reference", "dequantized"}));
   }
 

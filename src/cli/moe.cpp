@@ -31,6 +31,9 @@ struct MoeArgs {
   int threads = 0;
 };
 
+// The captured-activations file of the model folders in ../shared/models (beside val_tokens.safetensors).
+constexpr const char* kDefaultActivations = "moe_activations.safetensors";
+
 std::vector<float> captured(const SafetensorsFile& f, const std::string& name, std::int64_t H) {
   if (!f.contains(name))
     throw std::runtime_error(fmt::format("{}: no tensor {} (captured MoE activations of that layer)", f.path().string(), name));
@@ -46,6 +49,10 @@ void run_moe(const MoeArgs& a) {
   const int threads = effective_threads(a.threads);
   model::set_threads(threads);
   const model::MoeOptions mo = a.quant.resolve(a.model_dir, threads);
+  if (a.activations_file.empty())
+    throw std::invalid_argument(fmt::format("--activations not given and {} holds no {} (the captured MoE inputs and "
+                                            "outputs); give the file with --activations FILE",
+                                            a.model_dir, kDefaultActivations));
   if (!std::filesystem::exists(a.activations_file)) {
     if (a.activations_file == "mxfp8" || a.activations_file == "bf16")  // eval's --activations takes a format
       throw std::invalid_argument(fmt::format("--activations {}: --activations takes a file for `moe` (captured MoE "
@@ -55,6 +62,7 @@ void run_moe(const MoeArgs& a) {
   }
   model::CheckpointMoe moe(a.model_dir, mo);
   const auto& cfg = moe.config();
+  check_model_tensor_names(a.model_dir, cfg.moe, "moe");
   if (a.layer < 0 || a.layer >= cfg.num_layers)
     throw std::runtime_error(fmt::format("--layer {} is out of range: {} has layers 0..{}", a.layer, a.model_dir, cfg.num_layers - 1));
   std::unique_ptr<model::MoeBlock> block = moe.build(a.layer);
@@ -121,9 +129,12 @@ void add_moe(CLI::App& app) {
   auto* cmd = app.add_subcommand("moe", "Run one MoE block on captured inputs and compare with the captured outputs");
   cmd->add_option("model_dir", args->model_dir, "Hugging Face checkpoint directory (BF16 or LUT-B)")->required();
   cmd->add_option("--layer", args->layer, "sparse layer index")->required()->check(IntRange<int>(0, std::numeric_limits<int>::max()));
+  // Not required: the model folders ship their captured activations as MODEL_DIR/moe_activations.safetensors,
+  // and `lutb moe MODEL_DIR --layer 0` refused to run without naming it (new-user QA, session 12).
   auto* acts_opt = cmd->add_option("--activations", args->activations_file,
-                  "safetensors file with layers.L.moe_input and layers.L.moe_output [tokens, hidden]")
-      ->required();
+                                   fmt::format("safetensors file with layers.L.moe_input and layers.L.moe_output "
+                                               "[tokens, hidden] (default MODEL_DIR/{} when it exists)",
+                                               kDefaultActivations));
   args->quant.add_to(cmd, "--act-format");
   cmd->add_flag("--json", args->json, "print one JSON object as the last line of stdout");
   cmd->add_option("--threads", args->threads,
@@ -132,6 +143,10 @@ void add_moe(CLI::App& app) {
       ->check(ThreadCount());
   cmd->callback([args, acts_opt] {
     check_not_empty(acts_opt, args->activations_file, "activations file name");
+    if (acts_opt->count() == 0) {
+      const std::filesystem::path d = std::filesystem::path(args->model_dir) / kDefaultActivations;
+      if (std::filesystem::is_regular_file(d)) args->activations_file = d.string();
+    }
     run_moe(*args);
   });
 }

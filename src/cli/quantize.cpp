@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <memory>
 #include <stdexcept>
+#include <regex>
 #include <string>
 
 #include <fmt/core.h>
@@ -14,6 +15,7 @@
 #include "cli/interrupt.hpp"
 #include "cli/validators.hpp"
 #include "lutb/checkpoint.hpp"
+#include "lutb/safetensors.hpp"
 
 namespace lutb::cli {
 
@@ -69,7 +71,10 @@ void add_quantize(CLI::App& app) {
                   "threads (0 = all cores; more than the processors available are reduced to that number, with a "
                   "note)")
       ->check(ThreadCount());
-  auto* m = cmd->add_option("--match", args->match, "file mode: quantise tensors whose name matches this regex");
+  auto* m = cmd->add_option("--match", args->match,
+                            "file mode: quantise tensors whose name matches this regex (ECMAScript, searched anywhere "
+                            "in the name; a pattern with nested repetition such as (a|aa)*c can take exponential time "
+                            "on long names: Ctrl-C stops it)");
   auto* a = cmd->add_flag("--all", args->all, "file mode: quantise every 2-D/3-D float tensor (the default)");
   m->excludes(a);
   cmd->add_flag("--force", args->force, "replace an existing output (built aside, swapped in at the end)");
@@ -78,6 +83,29 @@ void add_quantize(CLI::App& app) {
   cmd->callback([args, fitter_opt] {
     namespace fs = std::filesystem;
     check_fitter_option(fitter_opt, args->fitter);
+    // Every argument is checked before the file system is looked at: with an existing output and a
+    // bad --match, the user was told about the output first, fixed it, and only then learnt that the
+    // regex was invalid (new-user QA, session 12).
+    if (!args->match.empty()) {
+      try {
+        (void)std::regex(args->match);
+      } catch (const std::regex_error& e) {
+        throw std::invalid_argument(fmt::format("--match \"{}\": invalid regular expression: {}", args->match, e.what()));
+      }
+    }
+    // std::regex backtracks: a pattern with nested repetition such as (a|aa)*c takes exponential time
+    // on a long tensor name, and once the guard below is installed a first Ctrl-C only sets a flag
+    // the matching never reads, so it took a second Ctrl-C (new-user QA, session 12). The names are
+    // matched once before the guard, while a signal still ends the process at once (nothing has been
+    // written yet); errors are left to quantize_file, which reports them in its order.
+    if (!args->match.empty() && fs::is_regular_file(args->input)) {
+      try {
+        const std::regex re(args->match);
+        const SafetensorsFile f(args->input);
+        for (const auto& n : f.names()) (void)std::regex_search(n, re);
+      } catch (const std::exception&) {
+      }
+    }
     InterruptGuard on_signal;
     warn_stale_temporaries(args->output);
     QuantizeOptions opt;

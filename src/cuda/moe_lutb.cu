@@ -190,11 +190,12 @@ void moe_forward(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t
     else if (dec == kern::kDecCvt) go(std::integral_constant<int, kern::kDecCvt>{});
     else go(std::integral_constant<int, kern::kDecByte>{});
   } else if (s == MoeStrategy::Prefill) {
-    // CTA-tiled prefill GEMMs (moe_prefill.hpp): 64-token tiles, weights decoded once per CTA.
-    detail::launch_group(topk_ids, P, E, kPrefillTileRows, ws, stream);
+    // CTA-tiled prefill GEMMs (moe_prefill.hpp): 64- or 128-token tiles, weights decoded once per CTA.
+    const PrefillTile tile = prefill_tile(P, E);
+    detail::launch_group(topk_ids, P, E, prefill_tile_rows(tile), ws, stream);
     detail::launch_quantize_x(x, tokens, H, w.w13.shape.padded_cols(), /*swap=*/false, ws.xa, nullptr, ws.xs, nullptr,
                               stream);
-    detail::launch_lutb_prefill_gemms(w, r, ws, P, stream);
+    detail::launch_lutb_prefill_gemms(w, r, ws, P, tile, stream);
   } else {
     // DecodeM16: tokens as the M operand, one m16 token tile per warp.
     const bool cvt = detail::use_cvt_decoder(1);

@@ -1,6 +1,7 @@
 // src/cuda/moe_lutb_prefill.cu: launches of the large-batch (prefill) LUT-B GEMM path
 // (moe_prefill.hpp) and a complete forward built on it (moe_forward_lutb_prefill). Kernel names
 // follow the DeepGEMM habit: sm80_lutb_mxfp8_moe_{gemm1,gemm2}_prefill_bf16fold.
+#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -29,15 +30,61 @@ void check_stack(const DeviceLutb& d, std::int64_t E, std::int64_t N, std::int64
 
 }  // namespace
 
+namespace {
+
+/// GEMM1 and GEMM2 with CTA configuration C (moe_lutb_prefill.cuh); grouping made with C::kBM rows.
+template <class C>
+void launch_cfg(const kern::LutbW& w13, const kern::LutbW& w2, const kern::Routing& r, const detail::Workspace& ws,
+                std::int64_t slots, std::int64_t I, std::int64_t H, std::int64_t Hp, std::int64_t Ip,
+                cudaStream_t stream, const char* name1, const char* name2) {
+  namespace pf = kern::prefill;
+  // The dynamic shared memory (77-109 KB) needs the opt-in above 48 KB: once per device and
+  // configuration (not a stream operation, so also fine when the first call is being captured).
+  static bool smem_opt_in[64] = {};  // per template instantiation
+  int dev = 0;
+  detail::check(cudaGetDevice(&dev), "cudaGetDevice");
+  if (dev >= 64 || !smem_opt_in[dev]) {
+    detail::check(cudaFuncSetAttribute(pf::prefill_gemm1_kernel<C>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               C::kSmemBytes),
+          "cudaFuncSetAttribute(prefill_gemm1)");
+    detail::check(cudaFuncSetAttribute(pf::prefill_gemm2_kernel<C>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               C::kSmemBytes),
+          "cudaFuncSetAttribute(prefill_gemm2)");
+    if (dev < 64) smem_opt_in[dev] = true;
+  }
+  const dim3 g1(static_cast<unsigned>(Ip / 64), static_cast<unsigned>(slots));
+  detail::launch_kernel(name1, true, pf::prefill_gemm1_kernel<C>, g1, dim3(C::kThreads), C::kSmemBytes, stream, w13, ws.xa,
+                static_cast<long long>(Hp), r, static_cast<long long>(I), static_cast<long long>(Ip), ws.hq);
+  const dim3 g2(static_cast<unsigned>(detail::ceil_div(w2.tiles_n, pf::kStrips)), static_cast<unsigned>(slots));
+  detail::launch_kernel(name2, true, pf::prefill_gemm2_kernel<C>, g2, dim3(C::kThreads), C::kSmemBytes, stream, w2, ws.hq,
+                static_cast<long long>(Ip), r, static_cast<long long>(H), ws.y);
+}
+
+PrefillTile g_tile = PrefillTile::Auto;
+
+}  // namespace
+
+void set_prefill_tile(PrefillTile t) { g_tile = t; }
+
+PrefillTile prefill_tile(std::int64_t pairs, std::int64_t experts) {
+  if (g_tile != PrefillTile::Auto) return g_tile;
+  const std::int64_t touched = std::max<std::int64_t>(1, std::min(pairs, experts));
+  return kPrefillTile128MinPairs > 0 && pairs >= kPrefillTile128MinPairs * touched ? PrefillTile::M128
+                                                                                     : PrefillTile::M64;
+}
+
+int prefill_tile_rows(PrefillTile t) { return t == PrefillTile::M64 || t == PrefillTile::M64IL ? 64 : 128; }
+
 namespace detail {
 
 void launch_lutb_prefill_gemms(const DeviceMoeWeights& w, const kern::Routing& r, const Workspace& ws, std::int64_t P,
-                               cudaStream_t stream) {
+                               PrefillTile tile, cudaStream_t stream) {
   namespace pf = kern::prefill;
   const std::int64_t I = w.intermediate, H = w.hidden;
   const std::int64_t Hp = w.w13.shape.padded_cols(), Ip = w.w2.shape.padded_cols();
   const std::int64_t T = P / r.top_k;
-  const std::int64_t slots = max_tiles(P, w.experts, kPrefillTileRows);
+  if (tile == PrefillTile::Auto) throw std::invalid_argument("launch_lutb_prefill_gemms: resolve the tile first");
+  const std::int64_t slots = max_tiles(P, w.experts, prefill_tile_rows(tile));
   if (P <= 0) return;
   // a = mxfp8_qdq(x) as BF16, in place over xa.
   const std::int64_t n8 = T * Hp / 8;
@@ -49,25 +96,27 @@ void launch_lutb_prefill_gemms(const DeviceMoeWeights& w, const kern::Routing& r
                         w.w13.shape.tiles()};
   const kern::LutbW w2{w.w2.packed, w.w2.codebook, w.w2.scale, w.w2.shape.tiles_n(), w.w2.shape.tiles_k(),
                        w.w2.shape.tiles()};
-  // The dynamic shared memory (77 KB) needs the opt-in above 48 KB: once per device (not a stream
-  // operation, so also fine when the first call is being captured into a graph).
-  static bool smem_opt_in[64] = {};
-  int dev = 0;
-  check(cudaGetDevice(&dev), "cudaGetDevice");
-  if (dev >= 64 || !smem_opt_in[dev]) {
-    check(cudaFuncSetAttribute(pf::prefill_gemm1_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, pf::kSmemBytes),
-          "cudaFuncSetAttribute(prefill_gemm1)");
-    check(cudaFuncSetAttribute(pf::prefill_gemm2_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, pf::kSmemBytes),
-          "cudaFuncSetAttribute(prefill_gemm2)");
-    if (dev < 64) smem_opt_in[dev] = true;
+  switch (tile) {
+    case PrefillTile::M64:
+      launch_cfg<pf::Cfg64>(w13, w2, r, ws, slots, I, H, Hp, Ip, stream, "sm80_lutb_mxfp8_moe_gemm1_prefill_bf16fold",
+                            "sm80_lutb_mxfp8_moe_gemm2_prefill_bf16fold");
+      break;
+    case PrefillTile::M64IL:
+      launch_cfg<pf::Cfg64IL>(w13, w2, r, ws, slots, I, H, Hp, Ip, stream,
+                              "sm80_lutb_mxfp8_moe_gemm1_prefill_bf16fold_il",
+                              "sm80_lutb_mxfp8_moe_gemm2_prefill_bf16fold_il");
+      break;
+    case PrefillTile::M128W:
+      launch_cfg<pf::Cfg128W>(w13, w2, r, ws, slots, I, H, Hp, Ip, stream,
+                              "sm80_lutb_mxfp8_moe_gemm1_prefill_bf16fold_m128w",
+                              "sm80_lutb_mxfp8_moe_gemm2_prefill_bf16fold_m128w");
+      break;
+    default:
+      launch_cfg<pf::Cfg128>(w13, w2, r, ws, slots, I, H, Hp, Ip, stream,
+                             "sm80_lutb_mxfp8_moe_gemm1_prefill_bf16fold_m128",
+                             "sm80_lutb_mxfp8_moe_gemm2_prefill_bf16fold_m128");
+      break;
   }
-  const dim3 g1(static_cast<unsigned>(Ip / 64), static_cast<unsigned>(slots));
-  launch_kernel("sm80_lutb_mxfp8_moe_gemm1_prefill_bf16fold", true, pf::prefill_gemm1_kernel, g1, dim3(pf::kThreads),
-                pf::kSmemBytes, stream, w13, ws.xa, static_cast<long long>(Hp), r, static_cast<long long>(I),
-                static_cast<long long>(Ip), ws.hq);
-  const dim3 g2(static_cast<unsigned>(ceil_div(w2.tiles_n, pf::kStrips)), static_cast<unsigned>(slots));
-  launch_kernel("sm80_lutb_mxfp8_moe_gemm2_prefill_bf16fold", true, pf::prefill_gemm2_kernel, g2, dim3(pf::kThreads),
-                pf::kSmemBytes, stream, w2, ws.hq, static_cast<long long>(Ip), r, static_cast<long long>(H), ws.y);
 }
 
 }  // namespace detail
@@ -90,12 +139,13 @@ void moe_forward_lutb_prefill(const DeviceMoeWeights& w, const std::uint16_t* x,
     throw std::invalid_argument("moe_forward_lutb_prefill: workspace of " + std::to_string(workspace_bytes) +
                                 " bytes, need " + std::to_string(ws.bytes));
   const std::int64_t P = tokens * top_k;
-  detail::launch_group(topk_ids, P, E, kPrefillTileRows, ws, stream);
+  const PrefillTile tile = prefill_tile(P, E);
+  detail::launch_group(topk_ids, P, E, prefill_tile_rows(tile), ws, stream);
   detail::launch_quantize_x(x, tokens, H, w.w13.shape.padded_cols(), /*swap=*/false, ws.xa, nullptr, ws.xs, nullptr,
                             stream);
   const kern::Routing r{topk_ids, topk_weights, ws.sorted, ws.tile_expert, ws.tile_start, ws.tile_count, ws.num_tiles,
                         top_k};
-  detail::launch_lutb_prefill_gemms(w, r, ws, P, stream);
+  detail::launch_lutb_prefill_gemms(w, r, ws, P, tile, stream);
   detail::launch_reduce(topk_ids, topk_weights, ws.y, tokens, top_k, E, H, out, stream);
 }
 

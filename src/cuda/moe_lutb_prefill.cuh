@@ -1,12 +1,14 @@
 // src/cuda/moe_lutb_prefill.cuh: kernels of the large-batch (prefill) LUT-B GEMM path
 // (moe_prefill.hpp says what and why; moe_lutb_prefill.cu launches them).
 //
-// CTA = 256 threads (8 warps, 2 along tokens x 4 along weight rows, warp tile 32 x 32), tile
-// 64 token rows (one token tile of the grouping, one expert) x 128 weight rows (16 LUT-B
-// row-strips) x K-tiles of 64 columns (one LUT-B tile column).
+// CTA tile (Cfg below; M64, the default, is the session-10 kernel): 256 threads (8 warps, 2 along
+// tokens x 4 along weight rows, warp tile 32 x 32), 64 token rows (one token tile of the grouping,
+// one expert) x 128 weight rows (16 LUT-B row-strips) x K-tiles of 64 columns (one LUT-B tile
+// column). The other configurations (128 token rows; decode interleaved with the mma) follow the
+// same scheme with BM rows and 4*WM warps.
 //
 // Per K-tile kt, in shared memory:
-//   stage ring (kStages deep, cp.async): A tile [64 rows][64 BF16] (128-byte rows, 16-byte chunk c
+//   stage ring (kStages deep, cp.async): A tile [BM rows][64 BF16] (128-byte rows, 16-byte chunk c
 //     of row r stored at chunk c ^ (r & 7)) + the 16 strips' raw tiles (192 lane-major index
 //     bytes each) + their 16 codebooks (8 bytes each). Scale bytes go through registers.
 //   B buffers (double): [128 rows][64 BF16], same swizzle, decoded from the raw tiles.
@@ -21,27 +23,51 @@
 
 namespace lutb::cuda::kern::prefill {
 
-constexpr int kBM = 64;                 // token rows per CTA (= grouping tile rows)
 constexpr int kBN = 128;                // weight rows per CTA
 constexpr int kStrips = kBN / 8;        // LUT-B row-strips per CTA
-constexpr int kThreads = 256;           // 8 warps
-constexpr int kStages = 4;              // cp.async ring depth (K-tiles)
-constexpr int kABytes = kBM * 128;      // one A K-tile: 64 rows x 64 BF16
 constexpr int kRawPacked = kStrips * 192;
 constexpr int kRawBytes = kRawPacked + kStrips * 8;
-constexpr int kStageBytes = kABytes + kRawBytes;
 constexpr int kBBytes = kBN * 128;      // one decoded B K-tile: 128 rows x 64 BF16
-constexpr int kTabBytes = 8 * 2 * 16;   // per warp, 2 strips x (8 lo + 8 hi bytes)
-constexpr int kSmemBytes = kStages * kStageBytes + 2 * kBBytes + kTabBytes;
+constexpr int kTabBytes = kStrips * 16; // per strip 8 lo + 8 hi bytes
 // The tensor cores sum into their FP32 accumulator with truncation (products aligned to the largest
 // exponent, shifted-out bits dropped), not FP32 round-to-nearest: over a whole K = 7168 that bias
 // builds up (measured: rel. L2 2.2e-3 to the reference at the DeepSeek-V3 shape). So each warp
 // sums kPromoteTiles K-tiles (128 columns, 8 mma steps) on the tensor cores, then adds that partial
 // sum to FP32 registers with ordinary round-to-nearest adds (DeepGEMM's "promotion").
 constexpr int kPromoteTiles = 2;
-static_assert(kStageBytes % 16 == 0 && kBBytes % 16 == 0, "16-byte aligned smem regions");
-static_assert(kStrips * 12 + kStrips <= kThreads, "one copy round per stage for the raw tiles");
-static_assert(kBM * 8 == 2 * kThreads, "two A chunks per thread per stage");
+
+/// CTA tile configuration: BM token rows (= the grouping's tile rows) x 128 weight rows; WM warps
+/// along the tokens x 4 along the weight rows (warp tile (BM/WM) x 32); S: cp.async ring depth in
+/// K-tiles; IL: the decode of K-tile kt+1 interleaved strip by strip between the mma steps of K-tile
+/// kt (else all of it before them, as in session 10).
+///   Cfg<64, 2, 4, false>: the session-10 kernel (256 threads, 32 x 32 warp tiles, 2 CTAs per SM), M64.
+///   Cfg<64, 2, 4, true>:  the same tile, decode interleaved with the mma (M64IL).
+///   Cfg<128, 4, 4, true>: 512 threads, warp tile 32 x 32, 1 CTA per SM (each decoded tile feeds 128 tokens).
+///   Cfg<128, 2, 4, true>: 256 threads, warp tile 64 x 32, 1 CTA per SM (also half the ldmatrix per mma).
+template <int BM, int WM, int S, bool IL>
+struct Cfg {
+  static constexpr int kStages = S;
+  static constexpr bool kInterleave = IL;
+  static constexpr int kBM = BM;
+  static constexpr int kWM = WM;
+  static constexpr int kWarps = 4 * WM;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kMI = BM / (16 * WM);       // m16 tiles per warp
+  static constexpr int kWTM = 16 * kMI;            // warp tile rows
+  static constexpr int kSPW = kStrips / kWarps;    // strips each warp decodes
+  static constexpr int kAQ = BM * 8 / kThreads;    // A 16-byte chunks per thread per stage
+  static constexpr int kABytes = BM * 128;         // one A K-tile: BM rows x 64 BF16
+  static constexpr int kStageBytes = kABytes + kRawBytes;
+  static constexpr int kSmemBytes = kStages * kStageBytes + 2 * kBBytes + kTabBytes;
+  static constexpr int kMinBlocks = (BM == 64) ? 2 : 1;
+  static_assert(kStageBytes % 16 == 0 && kBBytes % 16 == 0, "16-byte aligned smem regions");
+  static_assert(kStrips * 13 <= kThreads, "one copy round per stage for the raw tiles");
+  static_assert(kAQ * kThreads == BM * 8 && kSPW * kWarps == kStrips && kMI * 16 * WM == BM, "tiling");
+};
+using Cfg64 = Cfg<64, 2, 4, false>;
+using Cfg64IL = Cfg<64, 2, 4, true>;
+using Cfg128 = Cfg<128, 4, 4, true>;
+using Cfg128W = Cfg<128, 2, 4, true>;
 
 __device__ __forceinline__ void cp16_zfill(unsigned s, const void* g, bool ok) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(g), "r"(ok ? 16 : 0) : "memory");
@@ -92,23 +118,26 @@ __device__ __forceinline__ void mma_bf16_zero_c(float (&d)[4], const unsigned (&
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.0f), "f"(0.0f), "f"(0.0f), "f"(0.0f));
 }
 
-/// The CTA's GEMM over K = 64 * w.tiles_k: acc[mi][j][4] for token rows 32wm + 16mi + {g, g+8} and
-/// weight rows (Bs rows) 32wn + 8j + {2t, 2t+1}. a: BF16 rows [*, a_cols]; arow: per A chunk copy of
-/// this thread (rows tid/8 and tid/8 + 32) the source row or null (zero fill).
-template <bool kGemm1>
-__device__ __forceinline__ void cta_gemm(const LutbW& w, long long e, long long I, const uint16_t* const (&arow)[2],
-                                         const uint16_t* a_base, unsigned char* smem, float (&acc)[2][4][4]) {
+/// The CTA's GEMM over K = 64 * w.tiles_k: acc[mi][j][4] for token rows kWTM*wm + 16mi + {g, g+8}
+/// and weight rows (Bs rows) 32wn + 8j + {2t, 2t+1} (wm = warp % kWM, wn = warp / kWM). a: BF16 rows
+/// [*, a_cols]; arow: per A chunk copy q of this thread (row tid/8 + q*kThreads/8) the source row or
+/// null (zero fill).
+template <class C, bool kGemm1>
+__device__ __forceinline__ void cta_gemm(const LutbW& w, long long e, long long I, const uint16_t* const (&arow)[C::kAQ],
+                                         const uint16_t* a_base, unsigned char* smem, float (&acc)[C::kMI][4][4]) {
+  constexpr int kMI = C::kMI, kSPW = C::kSPW, kABytes = C::kABytes, kStageBytes = C::kStageBytes,
+                kStages = C::kStages;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int wm = warp & 1, wn = warp >> 1;
+  const int wm = warp % C::kWM, wn = warp / C::kWM;
   const long long tiles_k = w.tiles_k;
   const unsigned smem_s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   unsigned char* const bsm = smem + kStages * kStageBytes;
-  unsigned char* const tab = bsm + 2 * kBBytes + warp * 32;  // [strip s][lo/hi][8]
+  unsigned char* const tab = bsm + 2 * kBBytes + warp * kSPW * 16;  // [strip s][lo/hi][8]
   const unsigned bsm_s = smem_s + kStages * kStageBytes;
 
-  float part[2][4][4];  // tensor-core partial sum of the current kPromoteTiles K-tiles
+  float part[kMI][4][4];  // tensor-core partial sum of the current kPromoteTiles K-tiles
 #pragma unroll
-  for (int mi = 0; mi < 2; ++mi)
+  for (int mi = 0; mi < kMI; ++mi)
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -139,19 +168,19 @@ __device__ __forceinline__ void cta_gemm(const LutbW& w, long long e, long long 
       }
     }
   }
-  // A: chunk c = tid & 7 of rows tid/8 and tid/8 + 32.
+  // A: chunk c = tid & 7 of rows tid/8 + q * kThreads/8.
   const int a_chunk = tid & 7;
-  int a_dst[2];
+  int a_dst[C::kAQ];
 #pragma unroll
-  for (int q = 0; q < 2; ++q) {
-    const int row = (tid >> 3) + 32 * q;
+  for (int q = 0; q < C::kAQ; ++q) {
+    const int row = (tid >> 3) + (C::kThreads / 8) * q;
     a_dst[q] = row * 128 + ((a_chunk ^ (row & 7)) << 4);
   }
   auto issue = [&](long long kt) {
     if (kt < tiles_k) {
       const unsigned st = smem_s + static_cast<unsigned>(kt % kStages) * kStageBytes;
 #pragma unroll
-      for (int q = 0; q < 2; ++q) {
+      for (int q = 0; q < C::kAQ; ++q) {
         const uint16_t* src = arow[q] ? arow[q] + kt * 64 + a_chunk * 8 : a_base;
         cp16_zfill(st + a_dst[q], src, arow[q] != nullptr);
       }
@@ -161,32 +190,35 @@ __device__ __forceinline__ void cta_gemm(const LutbW& w, long long e, long long 
     cp_commit();
   };
 
-  // ---- decoder role: warp decodes strips 2*warp and 2*warp+1; lanes 0..15 build their tables
-  // (lane: strip s = (lane >> 3) & 1, entry lane & 7) from the codebook byte and the scale byte.
-  const int tab_s = (lane >> 3) & 1, tab_j = lane & 7;
+  // ---- decoder role: warp decodes strips kSPW*warp .. +kSPW-1; lanes 0..8*kSPW-1 build their
+  // tables (lane: strip s = lane >> 3, entry lane & 7) from the codebook byte and the scale byte.
+  const int tab_s = (lane >> 3) % kSPW, tab_j = lane & 7;
   const unsigned char* sc_ptr = nullptr;
   {
     long long strip;
     bool ok;
-    strip_of<kGemm1>(2 * warp + tab_s, w.tiles_n, I, strip, ok);
+    strip_of<kGemm1>(kSPW * warp + tab_s, w.tiles_n, I, strip, ok);
     if (ok) sc_ptr = w.scale + (e * w.tiles_n + strip) * tiles_k;
   }
   auto load_scale = [&](long long kt) -> unsigned { return (sc_ptr && kt < tiles_k) ? __ldg(sc_ptr + kt) : 0u; };
   const int g = lane >> 2, t = lane & 3;
 
-  auto decode = [&](long long kt, unsigned sw) {
+  // Decode of K-tile kt in two parts: the warp's scaled lo/hi byte tables, then strip s of the warp.
+  auto decode_tab = [&](long long kt, unsigned sw) {
     const unsigned char* st = smem + (kt % kStages) * kStageBytes;
-    if (lane < 16) {
+    if (lane < 8 * kSPW) {
       unsigned short v = 0;  // invalid strips decode to zeros
-      if (sc_ptr) v = scaled_bf16(e4m3_to_float(st[kABytes + kRawPacked + (2 * warp + tab_s) * 8 + tab_j]), sw);
+      if (sc_ptr) v = scaled_bf16(e4m3_to_float(st[kABytes + kRawPacked + (kSPW * warp + tab_s) * 8 + tab_j]), sw);
       tab[tab_s * 16 + tab_j] = static_cast<unsigned char>(v & 0xff);
       tab[tab_s * 16 + 8 + tab_j] = static_cast<unsigned char>(v >> 8);
     }
     __syncwarp();
+  };
+  auto decode_strip = [&](long long kt, int s) {
+    const unsigned char* st = smem + (kt % kStages) * kStageBytes;
     unsigned char* bdst = bsm + (kt & 1) * kBBytes;
-#pragma unroll
-    for (int s = 0; s < 2; ++s) {
-      const int sl = 2 * warp + s;
+    {
+      const int sl = kSPW * warp + s;
       const unsigned char* raw = st + kABytes + sl * 192;
       const std::uint32_t X = *reinterpret_cast<const std::uint32_t*>(raw + 4 * lane);
       const std::uint32_t Y = *reinterpret_cast<const unsigned short*>(raw + 128 + 2 * lane);
@@ -208,12 +240,17 @@ __device__ __forceinline__ void cta_gemm(const LutbW& w, long long e, long long 
       *reinterpret_cast<uint4*>(bdst + row * 128 + (((4 + t) ^ g) << 4)) = make_uint4(o[4], o[5], o[6], o[7]);
     }
   };
+  auto decode = [&](long long kt, unsigned sw) {
+    decode_tab(kt, sw);
+#pragma unroll
+    for (int s = 0; s < kSPW; ++s) decode_strip(kt, s);
+  };
 
   // ---- ldmatrix lane addresses (row part; the chunk part depends on ks)
   const int lq = lane >> 3, r8 = lane & 7;
-  unsigned a_row_off[2], b_row_off[2];
+  unsigned a_row_off[kMI], b_row_off[2];
 #pragma unroll
-  for (int mi = 0; mi < 2; ++mi) a_row_off[mi] = (32 * wm + 16 * mi + (lq & 1) * 8 + r8) * 128;
+  for (int mi = 0; mi < kMI; ++mi) a_row_off[mi] = (C::kWTM * wm + 16 * mi + (lq & 1) * 8 + r8) * 128;
 #pragma unroll
   for (int jp = 0; jp < 2; ++jp) b_row_off[jp] = (32 * wn + 8 * (2 * jp + (lq >> 1)) + r8) * 128;
   const int a_khalf = lq >> 1, b_khalf = lq & 1;
@@ -231,35 +268,45 @@ __device__ __forceinline__ void cta_gemm(const LutbW& w, long long e, long long 
     cp_wait<kStages - 3>();
     __syncthreads();
     issue(kt + kStages - 1);
-    if (kt + 1 < tiles_k) {
-      const unsigned sw = sw_next;
+    const bool more = kt + 1 < tiles_k;
+    unsigned sw = 0;
+    if (more) {
+      sw = sw_next;
       sw_next = load_scale(kt + 2);
-      decode(kt + 1, sw);
+      if constexpr (!C::kInterleave) decode(kt + 1, sw);
     }
     const bool fresh = kt % kPromoteTiles == 0;
     const unsigned a_s = smem_s + static_cast<unsigned>(kt % kStages) * kStageBytes;
     const unsigned b_s = bsm_s + static_cast<unsigned>(kt & 1) * kBBytes;
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
-      unsigned af[2][4], bf[4][2];
+      unsigned af[kMI][4], bf[4][2];
 #pragma unroll
-      for (int mi = 0; mi < 2; ++mi)
+      for (int mi = 0; mi < kMI; ++mi)
         ldsm_x4(a_s + a_row_off[mi] + (((2 * ks + a_khalf) ^ r8) << 4), af[mi][0], af[mi][1], af[mi][2], af[mi][3]);
 #pragma unroll
       for (int jp = 0; jp < 2; ++jp)
         ldsm_x4(b_s + b_row_off[jp] + (((2 * ks + b_khalf) ^ r8) << 4), bf[2 * jp][0], bf[2 * jp][1],
                 bf[2 * jp + 1][0], bf[2 * jp + 1][1]);
 #pragma unroll
-      for (int mi = 0; mi < 2; ++mi)
+      for (int mi = 0; mi < kMI; ++mi)
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           if (ks == 0 && fresh) mma_bf16_zero_c(part[mi][j], af[mi], bf[j][0], bf[j][1]);
           else mma16816<true>(part[mi][j], af[mi], bf[j][0], bf[j][1]);
         }
+      // Interleaved decode of K-tile kt+1 (into the other B buffer): the tables after step 0's mma
+      // were issued, strip s after step s's, so the tensor cores work while the warp decodes.
+      if constexpr (C::kInterleave) {
+        if (more) {
+          if (ks == 0) decode_tab(kt + 1, sw);
+          if (ks < kSPW) decode_strip(kt + 1, ks);
+        }
+      }
     }
     if (kt % kPromoteTiles == kPromoteTiles - 1 || kt + 1 == tiles_k) {
 #pragma unroll
-      for (int mi = 0; mi < 2; ++mi)
+      for (int mi = 0; mi < kMI; ++mi)
 #pragma unroll
         for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -297,34 +344,36 @@ __global__ void __launch_bounds__(256)
 
 /// GEMM1 + SiLU*up + MXFP8 of h. grid (Ip/64, token-tile slots). a = xa as BF16 [T, Hp];
 /// hq [P, Ip] receives BF16 mxfp8_qdq(bf16(silu(g) * u)) (zeros in the padded columns I..Ip-1).
-__global__ void __launch_bounds__(kThreads, 2)
+template <class C>
+__global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
     prefill_gemm1_kernel(LutbW w, const uint16_t* __restrict__ a, long long Hp, Routing r, long long I, long long Ip,
                          uint16_t* __restrict__ hq) {
+  constexpr int kMI = C::kMI;
   pdl_wait();
   pdl_trigger();
   if (static_cast<int>(blockIdx.y) >= *r.num_tiles) return;
   const int slot = blockIdx.y;
   const long long e = r.tile_expert[slot];
   const int start = r.tile_start[slot], count = r.tile_count[slot];
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wm = warp & 1, wn = warp >> 1;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wm = warp % C::kWM, wn = warp / C::kWM;
   const int g = lane >> 2, t = lane & 3;
-  const uint16_t* arow[2];
+  const uint16_t* arow[C::kAQ];
 #pragma unroll
-  for (int q = 0; q < 2; ++q) {
-    const int p = pair_of(r, start, count, (tid >> 3) + 32 * q);
+  for (int q = 0; q < C::kAQ; ++q) {
+    const int p = pair_of(r, start, count, (tid >> 3) + (C::kThreads / 8) * q);
     arow[q] = p >= 0 ? a + static_cast<long long>(p / r.top_k) * Hp : nullptr;
   }
   extern __shared__ __align__(16) unsigned char smem[];
-  float acc[2][4][4];
-  cta_gemm<true>(w, e, I, arow, a, smem, acc);
+  float acc[kMI][4][4];
+  cta_gemm<C, true>(w, e, I, arow, a, smem, acc);
 
-  // h = bf16(silu(g) * u); accumulator (mi, j, 2h + c): token row 32wm + 16mi + 8h + g,
+  // h = bf16(silu(g) * u); accumulator (mi, j, 2h + c): token row kWTM*wm + 16mi + 8h + g,
   // I-column col0 + 16wn + 8j + 2t + c (j = 0, 1: gate; j + 2: up).
   const long long col0 = 64ll * blockIdx.x + 16 * wn;
-  float hv[2][2][2][2];  // [mi][h][j][c]
-  float amax[2][2];
+  float hv[kMI][2][2][2];  // [mi][h][j][c]
+  float amax[kMI][2];
 #pragma unroll
-  for (int mi = 0; mi < 2; ++mi)
+  for (int mi = 0; mi < kMI; ++mi)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float am = 0.0f;
@@ -346,19 +395,19 @@ __global__ void __launch_bounds__(kThreads, 2)
       amax[mi][h] = am;
     }
   // A 32-column MXFP8 block of h = warps wn and wn ^ 1 (16 columns each).
-  __shared__ float amax_s[4][kBM];
+  __shared__ float amax_s[4][C::kBM];
   if (t == 0) {
 #pragma unroll
-    for (int mi = 0; mi < 2; ++mi)
+    for (int mi = 0; mi < kMI; ++mi)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) amax_s[wn][32 * wm + 16 * mi + 8 * h + g] = amax[mi][h];
+      for (int h = 0; h < 2; ++h) amax_s[wn][C::kWTM * wm + 16 * mi + 8 * h + g] = amax[mi][h];
   }
   __syncthreads();
 #pragma unroll
-  for (int mi = 0; mi < 2; ++mi)
+  for (int mi = 0; mi < kMI; ++mi)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int row = 32 * wm + 16 * mi + 8 * h + g;
+      const int row = C::kWTM * wm + 16 * mi + 8 * h + g;
       const int p = pair_of(r, start, count, row);
       if (p < 0) continue;
       const unsigned char b = mx_block_scale(fmaxf(amax_s[wn][row], amax_s[wn ^ 1][row]), MxScaleRule::Rceil);
@@ -376,32 +425,34 @@ __global__ void __launch_bounds__(kThreads, 2)
 }
 
 /// GEMM2: y[p, n] = h[p] . w2[e, n] (FP32) for n < H. grid (ceil(H/8 / 16), token-tile slots).
-__global__ void __launch_bounds__(kThreads, 2)
+template <class C>
+__global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
     prefill_gemm2_kernel(LutbW w, const uint16_t* __restrict__ hq, long long Ip, Routing r, long long H,
                          float* __restrict__ y) {
+  constexpr int kMI = C::kMI;
   pdl_wait();
   pdl_trigger();
   if (static_cast<int>(blockIdx.y) >= *r.num_tiles) return;
   const int slot = blockIdx.y;
   const long long e = r.tile_expert[slot];
   const int start = r.tile_start[slot], count = r.tile_count[slot];
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wm = warp & 1, wn = warp >> 1;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wm = warp % C::kWM, wn = warp / C::kWM;
   const int g = lane >> 2, t = lane & 3;
-  const uint16_t* arow[2];
+  const uint16_t* arow[C::kAQ];
 #pragma unroll
-  for (int q = 0; q < 2; ++q) {
-    const int p = pair_of(r, start, count, (tid >> 3) + 32 * q);
+  for (int q = 0; q < C::kAQ; ++q) {
+    const int p = pair_of(r, start, count, (tid >> 3) + (C::kThreads / 8) * q);
     arow[q] = p >= 0 ? hq + static_cast<long long>(p) * Ip : nullptr;
   }
   extern __shared__ __align__(16) unsigned char smem[];
-  float acc[2][4][4];
-  cta_gemm<false>(w, e, 0, arow, hq, smem, acc);
+  float acc[kMI][4][4];
+  cta_gemm<C, false>(w, e, 0, arow, hq, smem, acc);
   const long long n0 = static_cast<long long>(kBN) * blockIdx.x + 32 * wn + 2 * t;
 #pragma unroll
-  for (int mi = 0; mi < 2; ++mi)
+  for (int mi = 0; mi < kMI; ++mi)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int p = pair_of(r, start, count, 32 * wm + 16 * mi + 8 * h + g);
+      const int p = pair_of(r, start, count, C::kWTM * wm + 16 * mi + 8 * h + g);
       if (p < 0) continue;
       float* dst = y + static_cast<long long>(p) * H;
 #pragma unroll

@@ -2,8 +2,9 @@
 //
 // What it is: GEMM1 (+ SiLU*up + MXFP8 of h) and GEMM2 of spec section 4 as CTA-tiled BF16
 // tensor-core GEMMs (mma.sync.m16n8k16, FP32 accumulators, ldmatrix from swizzled shared memory).
-// A CTA owns 64 token rows of one expert (one token tile of the grouping) x 128 weight rows; every
-// LUT-B tile it needs is decoded ONCE per CTA into shared memory and then feeds all 64 tokens.
+// A CTA owns 64 or 128 token rows of one expert (one token tile of the grouping; PrefillTile) x 128
+// weight rows; every LUT-B tile it needs is decoded ONCE per CTA into shared memory and then feeds
+// all of its tokens.
 //
 // Numerics (spec section 4, exact): both power-of-two scales are folded into BF16 operands.
 //   weights:     BF16(e4m3(codebook[i]) * 2^(s-127)), exact for every scale byte 3..246 (spec 2:
@@ -32,8 +33,33 @@
 
 namespace lutb::cuda {
 
-/// Token rows per CTA of the prefill path = the tile_rows its grouping must be made with.
-inline constexpr int kPrefillTileRows = 64;
+/// CTA token tile of the prefill GEMMs (src/cuda/moe_lutb_prefill.cuh, Cfg*). The grouping must be
+/// made with prefill_tile_rows(tile) rows per token tile.
+///   M64:   the session-10 kernel and the heuristic's choice at every size: 64 token rows, 8 warps
+///          (warp tile 32 x 32), 2 CTAs per SM, each K-tile's weights decoded before its mma steps;
+///   M64IL: the same tile with the decode of the next K-tile interleaved between the mma steps
+///          (kept for A/B measurements: 3-5 % slower, session 12);
+///   M128:  128 token rows, 16 warps (warp tile 32 x 32), 1 CTA per SM, decode interleaved: every
+///          decoded weight tile feeds 128 tokens (half the decode work per FLOP);
+///   M128W: 128 token rows, 8 warps (warp tile 64 x 32), 1 CTA per SM, decode interleaved.
+/// M64IL, M128 and M128W were slower than M64 on the H200 (docs/perf/moe-gpu-prefill.md, session
+/// 12) and are kept, tested, for the next attempts (set_prefill_tile).
+enum class PrefillTile { Auto, M64, M64IL, M128, M128W };
+
+/// M128 from this many (token, expert) pairs per touched expert on average (prefill_tile); 0: never.
+/// 0 since the H200 runs of 2026-11-30 (docs/perf/moe-gpu-prefill.md, session 12): M128 and M128W
+/// were 0-47 % slower than M64 on all four model shapes at T = 1024 and 4096.
+inline constexpr std::int64_t kPrefillTile128MinPairs = 0;
+
+/// The tile the prefill path uses for `pairs` = T*k pairs over `experts` experts: M128 when
+/// kPrefillTile128MinPairs > 0 and the mean number of pairs per touched expert, pairs / min(E, pairs),
+/// is at least that, else M64; or the value forced by set_prefill_tile (benchmarks' A/B). Never Auto.
+PrefillTile prefill_tile(std::int64_t pairs, std::int64_t experts);
+/// Token rows per CTA (= the grouping's tile rows) of a resolved tile (M64*: 64, M128*: 128).
+int prefill_tile_rows(PrefillTile t);
+/// Forces the prefill tile for every later call in this process (Auto: the heuristic again).
+/// For benchmarks and tests; not thread-safe against concurrent forwards.
+void set_prefill_tile(PrefillTile t);
 
 /// Heuristic for the dispatcher: true when the prefill GEMMs are expected to beat the decode
 /// kernels, i.e. when the mean number of (token, expert) pairs per touched expert,
@@ -50,7 +76,8 @@ inline bool prefer_lutb_prefill(std::int64_t tokens, int top_k, std::int64_t exp
 
 /// A complete MoE forward (same contract, arguments and workspace rule as moe_forward in
 /// lutb/cuda/moe.hpp) that runs the prefill GEMMs at any batch: MXFP8 of x (natural column order),
-/// grouping into 64-row token tiles, launch_lutb_prefill_gemms, weighted top-k reduction.
+/// grouping into token tiles of prefill_tile_rows(prefill_tile(T*k, E)) rows, launch_lutb_prefill_gemms,
+/// weighted top-k reduction.
 /// Weights in lane-major order. No host synchronisation (CUDA-graph friendly).
 /// Throws std::invalid_argument on bad arguments (before any launch).
 void moe_forward_lutb_prefill(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t tokens, int top_k,
@@ -67,13 +94,14 @@ namespace lutb::cuda::detail {
 /// The prefill GEMMs on the workspace of the existing forward (moe_internal.hpp), for the
 /// dispatcher. Preconditions (the caller's steps before it):
 ///   - ws.xa/ws.xs: launch_quantize_x(x, T, H, Hp, /*swap=*/false, ...) (natural column order);
-///   - ws.sorted/tile_*: launch_group(ids, P, E, kPrefillTileRows, ws, stream);
+///   - tile = prefill_tile(P, E) (or any resolved tile, not Auto);
+///   - ws.sorted/tile_*: launch_group(ids, P, E, prefill_tile_rows(tile), ws, stream);
 ///   - r: the Routing over that grouping (r.top_k = k), P = T * k.
 /// Effects: ws.xa is converted IN PLACE to BF16 a = mxfp8_qdq(x) (xa is not read afterwards by
 /// anything else); ws.hq receives h = mxfp8_qdq(bf16(silu(g)*u)) as BF16 [P, Ip] (ws.hs unused);
 /// ws.y receives y [P, H] FP32 for every valid pair. Then launch_reduce as usual.
 void launch_lutb_prefill_gemms(const DeviceMoeWeights& w, const kern::Routing& r, const Workspace& ws, std::int64_t P,
-                               cudaStream_t stream);
+                               PrefillTile tile, cudaStream_t stream);
 
 }  // namespace lutb::cuda::detail
 #endif

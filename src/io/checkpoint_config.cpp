@@ -1,5 +1,6 @@
 // config.json parsing, tensor naming and quantization_config parsing (spec sections 2.2 and 7).
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <fstream>
@@ -166,14 +167,60 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& where
   if (sf == "softmax") c.scoring_func = ScoringFunc::softmax;
   else if (sf == "sigmoid") c.scoring_func = ScoringFunc::sigmoid;
   else detail::throw_config_key(where, "scoring_func", fmt::format("\"{}\" is not supported (softmax, sigmoid)", sf));
-  if (is_deepseek(c.family)) c.topk_method = opt_str(j, "topk_method", where).value_or(ds3 ? "noaux_tc" : "greedy");
+  if (is_deepseek(c.family)) {
+    c.topk_method = opt_str(j, "topk_method", where).value_or(ds3 ? "noaux_tc" : "greedy");
+    // Only the methods lutb's routing implements (src/model/moe_block.cpp, spec 5): sigmoid scores
+    // with the noaux_tc group selection; softmax scores with greedy or group_limited_greedy. Any other
+    // value (a typo included) was accepted and routed as one of them without a word (new-user QA,
+    // session 12).
+    const bool sigmoid = c.scoring_func == ScoringFunc::sigmoid;
+    const auto& m = c.topk_method;
+    const bool known = m == "noaux_tc" || m == "greedy" || m == "group_limited_greedy";
+    if (!known)
+      detail::throw_config_key(where, "topk_method",
+                               fmt::format("\"{}\" is not supported (accepted: \"noaux_tc\" with scoring_func "
+                                           "\"sigmoid\"; \"greedy\" or \"group_limited_greedy\" with scoring_func "
+                                           "\"softmax\")",
+                                           m));
+    if (sigmoid != (m == "noaux_tc"))
+      detail::throw_config_key(
+          where, "topk_method",
+          fmt::format("\"{}\" with scoring_func \"{}\" is not supported (accepted: {}; the scoring_func default is "
+                      "\"{}\" for {})",
+                      m, sigmoid ? "sigmoid" : "softmax",
+                      sigmoid ? "\"noaux_tc\" with sigmoid scores" : "\"greedy\" or \"group_limited_greedy\" with softmax scores",
+                      ds3 ? "sigmoid" : "softmax", c.model_type));
+  }
   c.n_group = opt_int(j, "n_group", where).value_or(1);
   c.topk_group = opt_int(j, "topk_group", where).value_or(1);
   if (c.n_group <= 0 || c.num_experts % c.n_group != 0)
     detail::throw_config_key(where, "n_group", fmt::format("must divide the experts count {}, got {}", c.num_experts, c.n_group));
   if (c.topk_group <= 0 || c.topk_group > c.n_group)
     detail::throw_config_key(where, "topk_group", fmt::format("must be in 1..n_group ({}), got {}", c.n_group, c.topk_group));
+  // The group selection (sigmoid / noaux_tc, group_limited_greedy) needs enough experts in the kept
+  // groups. These were refused only when a layer was built, as "router of deepseek_v3: RouterConfig:
+  // top_k=5 exceeds ...", naming neither config.json nor its keys (new-user QA, session 12).
+  if (c.scoring_func == ScoringFunc::sigmoid || c.topk_method == "group_limited_greedy") {
+    const std::int64_t per = c.num_experts / c.n_group;
+    if (c.scoring_func == ScoringFunc::sigmoid && per < 2)
+      detail::throw_config_key(where, "n_group",
+                               fmt::format("{} groups of the {} experts leave {} expert per group; sigmoid (noaux_tc) "
+                                           "routing scores each group by the sum of its top 2 experts, so a group "
+                                           "needs at least 2",
+                                           c.n_group, c.num_experts, per));
+    if (c.num_experts_per_tok > c.topk_group * per)
+      detail::throw_config_key(where, "num_experts_per_tok",
+                               fmt::format("{} exceeds the {} experts of the groups the router keeps (topk_group {} x "
+                                           "{} experts per group: {} experts in n_group {})",
+                                           c.num_experts_per_tok, c.topk_group * per, c.topk_group, per, c.num_experts,
+                                           c.n_group));
+  }
   c.routed_scaling_factor = opt_num(j, "routed_scaling_factor", where).value_or(1.0);
+  // It multiplies the routing weights: a negative one flipped the sign of every expert's output
+  // without a word (new-user QA, session 12); zero switches the experts off.
+  if (!(std::isfinite(c.routed_scaling_factor) && c.routed_scaling_factor > 0))
+    detail::throw_config_key(where, "routed_scaling_factor",
+                             fmt::format("must be a finite number > 0, got {}", c.routed_scaling_factor));
 
   // Shared experts.
   if (is_deepseek(c.family)) {

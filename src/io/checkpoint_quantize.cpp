@@ -16,6 +16,7 @@
 #include <fmt/ranges.h>
 
 #include "io/checkpoint_internal.hpp"
+#include "io/tensor_names.hpp"
 #include "lutb/checkpoint.hpp"
 
 namespace lutb {
@@ -281,9 +282,10 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
   Checkpoint ck(in_dir);
   const ModelConfig& cfg = ck.config();
   if (ck.is_lutb())
-    throw CheckpointError(fmt::format("{}: the checkpoint is already LUT-B (config.json has a LUT-B "
-                                      "quantization_config)",
-                                      in_dir.string()));
+    throw CheckpointError(fmt::format("{}: the checkpoint is already LUT-B ({} has a LUT-B quantization_config); "
+                                      "nothing to do: to quantise again (e.g. with another --fitter), start from the "
+                                      "original BF16 checkpoint; nothing written",
+                                      in_dir.string(), (in_dir / "config.json").string()));
   const std::regex pattern(routed_expert_pattern(cfg));
 
   // Plan: which tensors of which shard are quantised. Everything is checked before writing.
@@ -387,6 +389,13 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
                                       stacked_gate_up_name(cfg, first)));
   }
   check_experts_complete(in_dir, cfg, found);
+  // Tensors the model does not have: a misspelt expert name is refused (it would be copied
+  // unquantised, and the loaders would not read it); any other stray tensor is copied with a warning
+  // (new-user QA, session 12: both were copied without a word). lutb eval and lutb moe apply the same
+  // check.
+  for (auto& w : detail::check_tensor_names(cfg, ck.tensors(), in_dir / "config.json", "copied unquantised",
+                                            "; nothing written"))
+    sum.warnings.push_back(std::move(w));
   // Per-expert gate / up of width I % 8 != 0 are valid LUT-B tensors (spec 2.2: each padded to
   // whole 8-row tiles), but lutb runs an expert's gate and up as one [2I, H] matrix of 8-row tiles,
   // which the padded tiles cannot form (Checkpoint::lutb_experts refuses them). The checkpoint was
@@ -554,6 +563,16 @@ QuantizeSummary quantize_file(const fs::path& in, const fs::path& out, const std
     throw std::invalid_argument(fmt::format("quantize: FitOptions::threads {}: must be >= 0 (0 = all cores); nothing "
                                             "written",
                                             opt.fit.threads));
+  // The arguments before the file system: an invalid --match was reported only after the checks of
+  // the output (new-user QA, session 12).
+  std::regex re;
+  if (!match.empty()) {
+    try {
+      re = std::regex(match);
+    } catch (const std::regex_error& e) {
+      throw std::invalid_argument(fmt::format("--match \"{}\": invalid regular expression: {}", match, e.what()));
+    }
+  }
   if (same_path(in, out)) throw CheckpointError(fmt::format("{}: the output file is the input file", out.string()));
   detail::check_output_location(in, out);
   detail::check_replaceable(out, /*want_directory=*/false, opt.force);
@@ -565,24 +584,47 @@ QuantizeSummary quantize_file(const fs::path& in, const fs::path& out, const std
     throw CheckpointError(fmt::format("{}: the output of one quantised file must be named *.safetensors (to write a "
                                       "checkpoint directory, give the input checkpoint directory); nothing written",
                                       out.string()));
-  std::regex re;
-  if (!match.empty()) {
-    try {
-      re = std::regex(match);
-    } catch (const std::regex_error& e) {
-      throw std::invalid_argument(fmt::format("--match \"{}\": invalid regular expression: {}", match, e.what()));
-    }
-  }
   SafetensorsFile file(in);
+  // LUT-B tensors already in the file (X_packed U8 beside X_codebook): quantising them again was
+  // refused as "U8 [..]: only 2-D or 3-D float tensors can be quantised" or "no 2-D or 3-D float
+  // tensor to quantise", and --all quantised the float tensors a LUT-B checkpoint keeps unquantised
+  // (router, attention) without a word (new-user QA, session 12). `lutb_part` maps each of their
+  // tensor names to the quantised weight's name X.
+  std::map<std::string, std::string> lutb_part;
+  std::string first_lutb;
+  for (const auto& name : file.names()) {
+    static constexpr std::string_view kPacked = "_packed";
+    if (name.size() <= kPacked.size() || name.compare(name.size() - kPacked.size(), kPacked.size(), kPacked) != 0) continue;
+    const std::string base = name.substr(0, name.size() - kPacked.size());
+    const LutbNames n = lutb_names(base);
+    if (n.packed != name || file.get(name).dtype != DType::U8 || !file.contains(n.codebook)) continue;
+    for (const auto* x : {&n.packed, &n.codebook, &n.scale}) lutb_part[*x] = base;
+    if (first_lutb.empty() || base < first_lutb) first_lutb = base;  // the first by name: stable messages
+  }
+  const std::size_t lutb_count = static_cast<std::size_t>(std::count_if(
+      lutb_part.begin(), lutb_part.end(), [](const auto& kv) { return kv.first == lutb_names(kv.second).packed; }));
+  const std::string lutb_example =
+      first_lutb.empty() ? std::string()
+                         : fmt::format("{} with {} and {}{}", lutb_names(first_lutb).packed,
+                                       lutb_names(first_lutb).codebook, lutb_names(first_lutb).scale,
+                                       lutb_count > 1 ? fmt::format(", and {} more LUT-B weights", lutb_count - 1) : "");
   std::vector<Planned> plan;
   std::map<std::string, std::string> meta = file.metadata();
   std::uint64_t total = 0;
   for (const auto& name : file.names()) {
+    detail::check_interrupt(opt.interrupt, out);  // matching a slow --match over many names
     const TensorView& v = file.get(name);
     Planned p{name, false, {}};
     if (match.empty()) {
       p.quantize = quantizable(v);
     } else if (std::regex_search(name, re)) {
+      if (const auto it = lutb_part.find(name); it != lutb_part.end())
+        throw CheckpointError(fmt::format(
+            "{}: tensor {} matches --match \"{}\" but is already LUT-B (part of the quantised weight {}: {}, {}, {}) "
+            "and cannot be quantised again; to quantise {} anew (e.g. with another --fitter), start from the original "
+            "float file; to quantise other tensors, narrow --match; nothing written",
+            in.string(), name, match, it->second, lutb_names(it->second).packed, lutb_names(it->second).codebook,
+            lutb_names(it->second).scale, it->second));
       if (!quantizable(v))
         throw CheckpointError(fmt::format("{}: tensor {} matches --match \"{}\" but is {} {}; only 2-D [N, K] or 3-D "
                                           "[E, N, K] BF16/F16/F32 tensors can be quantised",
@@ -601,6 +643,20 @@ QuantizeSummary quantize_file(const fs::path& in, const fs::path& out, const std
     total += v.nbytes;
     sum.input_bytes += v.nbytes;
     plan.push_back(std::move(p));
+  }
+  if (match.empty() && !first_lutb.empty()) {
+    const auto n = std::count_if(plan.begin(), plan.end(), [](const Planned& p) { return p.quantize; });
+    const auto first = std::find_if(plan.begin(), plan.end(), [](const Planned& p) { return p.quantize; });
+    if (n == 0)
+      throw CheckpointError(fmt::format("{}: the file is already LUT-B ({}) and holds no float tensor left to quantise; "
+                                        "nothing to do: to quantise anew (e.g. with another --fitter), start from the "
+                                        "original float file; nothing written",
+                                        in.string(), lutb_example));
+    throw CheckpointError(fmt::format(
+        "{}: the file already holds LUT-B tensors ({}); --all (the default without --match) would quantise its {} "
+        "remaining float tensor{} too (e.g. {}), which a LUT-B checkpoint keeps unquantised. To quantise some of them, "
+        "name them with --match REGEX; to quantise anew, start from the original float file; nothing written",
+        in.string(), lutb_example, n, n == 1 ? "" : "s", first->name));
   }
   if (std::none_of(plan.begin(), plan.end(), [](const Planned& p) { return p.quantize; }))
     throw CheckpointError(match.empty()

@@ -154,6 +154,22 @@ void check_replaceable(const std::filesystem::path& target, bool want_directory,
   std::error_code ec;
   const auto st = std::filesystem::symlink_status(target, ec);
   if (ec || !std::filesystem::exists(st)) return;
+  // An output given as a symbolic link: the output is renamed into place, which would replace the
+  // link itself, never what it points to. It was refused as "exists and is not a directory" (a link
+  // to a folder, or a dangling one) or "not a regular .safetensors file", which left the user
+  // looking at a folder that plainly exists (new-user QA, session 12): say what it is and what to do.
+  if (std::filesystem::is_symlink(st)) {
+    const auto to = std::filesystem::read_symlink(target, ec);
+    std::error_code rec;
+    const auto resolved = std::filesystem::weakly_canonical(std::filesystem::absolute(target), rec);
+    const bool dangling = !std::filesystem::exists(std::filesystem::status(target, rec));
+    throw CheckpointError(fmt::format(
+        "{}: is a symbolic link (to {}{}); lutb does not write through a link (the output is renamed into place, "
+        "which would replace the link, not its target): give the target itself as the output{}, or remove the "
+        "link; nothing written",
+        target.string(), ec ? std::string("?") : to.string(), dangling ? ", which does not exist" : "",
+        rec ? std::string() : fmt::format(" ({})", resolved.string())));
+  }
   const bool is_dir = std::filesystem::is_directory(st);
   if (want_directory && !is_dir)
     throw CheckpointError(fmt::format(

@@ -9,6 +9,7 @@
 #include <fmt/core.h>
 #include <fmt/ranges.h>
 
+#include "io/config_json.hpp"
 #include "lutb/model.hpp"
 #include "lutb/safetensors.hpp"
 #include "model/layers.hpp"
@@ -182,8 +183,11 @@ LanguageModel LanguageModel::load(const std::filesystem::path& dir, const MoeFac
 void LanguageModel::Impl::attention(const Layer& L, const float* h, std::int64_t B, std::int64_t T, float* out) const {
   const TransformerConfig& c = cfg;
   if (c.sliding_window > 0 && T > c.sliding_window)
-    throw ModelError(fmt::format("{}: sliding-window attention (window {}) is not implemented and sequences of {} tokens "
-                                 "exceed the window", c.family, c.sliding_window, T));
+    throw ModelError(detail::config_key_message(  // named the family only (new-user QA, session 12)
+        c.moe.source, "sliding_window",
+        fmt::format("{} sets sliding-window attention with a window of {} tokens, which lutb does not implement, and "
+                    "the sequences here are {} tokens long",
+                    c.family, c.sliding_window, T)));
   const std::int64_t BT = B * T, nh = c.num_heads;
   std::vector<std::int32_t> pos(static_cast<std::size_t>(T));
   std::iota(pos.begin(), pos.end(), 0);

@@ -5,7 +5,9 @@
 #include <numeric>
 
 #include <fmt/core.h>
+#include <fmt/ranges.h>
 
+#include "io/config_json.hpp"
 #include "lutb/model.hpp"
 #include "lutb/numerics.hpp"
 #include "lutb/safetensors.hpp"
@@ -199,22 +201,27 @@ moe::RouterConfig router_config(const TransformerConfig& tc, bool* group_limited
       *group_limited_greedy = true;
       rc.n_group = static_cast<int>(c.n_group);
       rc.topk_group = static_cast<int>(c.topk_group);
-    } else if (!c.topk_method.empty() && c.topk_method != "greedy") {
-      throw ModelError(fmt::format("deepseek_v2: topk_method \"{}\" is not supported (greedy, group_limited_greedy)",
-                                   c.topk_method));
+    } else if (!c.topk_method.empty() && c.topk_method != "greedy") {  // refused by the config parser already
+      throw ModelError(detail::config_key_message(
+          c.source, "topk_method",
+          fmt::format("\"{}\" is not supported for deepseek_v2 (greedy, group_limited_greedy)", c.topk_method)));
     }
   } else if (c.topk_method == "group_limited_greedy") {
     *group_limited_greedy = true;
     rc.n_group = static_cast<int>(c.n_group);
     rc.topk_group = static_cast<int>(c.topk_group);
-  } else if (!c.topk_method.empty() && c.topk_method != "greedy") {
-    throw ModelError(fmt::format("{}: topk_method \"{}\" with softmax scoring is not supported (greedy, "
-                                 "group_limited_greedy)", tc.family, c.topk_method));
+  } else if (!c.topk_method.empty() && c.topk_method != "greedy") {  // refused by the config parser already
+    throw ModelError(detail::config_key_message(
+        c.source, "topk_method",
+        fmt::format("\"{}\" with softmax scoring is not supported (greedy, group_limited_greedy)", c.topk_method)));
   }
   try {
     rc.validate();
   } catch (const std::exception& e) {
-    throw ModelError(fmt::format("router of {}: {}", tc.family, e.what()));
+    // The config parser checks what this validates, naming the keys; a remaining fault names the file.
+    throw ModelError(fmt::format("{}: the routing keys (num_experts_per_tok, n_group, topk_group, "
+                                 "routed_scaling_factor) describe a router lutb cannot run: {}",
+                                 c.source, e.what()));
   }
   return rc;
 }
@@ -226,8 +233,13 @@ std::unique_ptr<MoeBlock> CheckpointMoe::build(int layer) {
   const TransformerConfig& c = m.cfg;
   if (layer < 0 || layer >= c.num_layers)
     throw ModelError(fmt::format("{}: layer {} is out of range (the model has {} layers)", m.dir.string(), layer, c.num_layers));
-  if (!c.sparse_layer[layer])
-    throw ModelError(fmt::format("{}: layer {} is a dense (non-MoE) layer", m.dir.string(), layer));
+  if (!c.sparse_layer[layer]) {
+    std::vector<int> sparse;
+    for (int l = 0; l < c.num_layers; ++l)
+      if (c.sparse_layer[l]) sparse.push_back(l);
+    throw ModelError(fmt::format("{}: layer {} is a dense (non-MoE) layer per {} (its MoE layers: {})", m.dir.string(),
+                                 layer, c.moe.source, sparse.empty() ? "none" : fmt::format("{}", fmt::join(sparse, ", "))));
+  }
   bool glg = false;
   const moe::RouterConfig rc = router_config(c, &glg);
   RouterWeights router = m.src->router(layer);

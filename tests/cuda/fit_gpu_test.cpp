@@ -125,6 +125,15 @@ void PrintTo(const RandomCase& c, std::ostream* os) {
       << ", " << c.k << "] " << (c.bf16 ? "BF16" : "F32");
 }
 
+// Test names (ctest lists them): "gauss_2x64x512_bf16" instead of the index "/3" (new-user QA,
+// session 12). The fitter is the instantiation's prefix (Shapes: binned-dp, Optimal: optimal).
+std::string case_name(const ::testing::TestParamInfo<RandomCase>& i) {
+  static const char* const kNames[] = {"gauss", "student_t3", "laplace"};
+  const RandomCase& c = i.param;
+  return std::string(kNames[static_cast<int>(c.dist)]) + "_" + std::to_string(c.e) + "x" + std::to_string(c.n) + "x" +
+         std::to_string(c.k) + (c.bf16 ? "_bf16" : "_f32");
+}
+
 class FitGpuRandom : public ::testing::TestWithParam<RandomCase> {};
 
 TEST_P(FitGpuRandom, SameBytesAsCpu) {
@@ -155,7 +164,8 @@ INSTANTIATE_TEST_SUITE_P(Shapes, FitGpuRandom,
                                            // deepest DP trees), many tiles
                                            RandomCase{Dist::kStudentT3, 2, 128, 1024, false},
                                            RandomCase{Dist::kLaplace, 2, 128, 1024, false},
-                                           RandomCase{Dist::kGauss, 4, 128, 1024, true}));
+                                           RandomCase{Dist::kGauss, 4, 128, 1024, true}),
+                         case_name);
 
 // The optimal fitter; sizes keep the CPU optimal fitter (~2 M weights/s per core) fast.
 INSTANTIATE_TEST_SUITE_P(Optimal, FitGpuRandom,
@@ -167,7 +177,8 @@ INSTANTIATE_TEST_SUITE_P(Optimal, FitGpuRandom,
                                            RandomCase{Dist::kGauss, 1, 5, 33, true, true},     // one padded tile
                                            // FP32: 512 distinct values per tile (DP trees 9 levels deep)
                                            RandomCase{Dist::kGauss, 1, 64, 1024, false, true},
-                                           RandomCase{Dist::kStudentT3, 1, 64, 1024, false, true}));
+                                           RandomCase{Dist::kStudentT3, 1, 64, 1024, false, true}),
+                         case_name);
 
 // The edge-case tiles, one 8 x 64 tile per pattern side by side along K: [8, 64 * count] FP32.
 std::vector<float> edge_tiles(std::int64_t& count) {

@@ -175,6 +175,25 @@ void expect_matches(const std::vector<std::uint16_t>& got, const std::vector<std
   EXPECT_GT(r.exact, r.n * 8 / 10) << "bit-equal BF16 outputs (FP32 order only differs); rel L2 " << r.rel_l2;
 }
 
+const cuda::PrefillTile kAllTiles[] = {cuda::PrefillTile::Auto, cuda::PrefillTile::M64, cuda::PrefillTile::M64IL,
+                                       cuda::PrefillTile::M128, cuda::PrefillTile::M128W};
+const char* tile_name(cuda::PrefillTile t) {
+  switch (t) {
+    case cuda::PrefillTile::M64IL: return "M64IL";
+    case cuda::PrefillTile::M128: return "M128";
+    case cuda::PrefillTile::M128W: return "M128W";
+    case cuda::PrefillTile::M64: return "M64";
+    default: return "Auto";
+  }
+}
+/// Forces the prefill CTA tile for the scope (set_prefill_tile), back to the heuristic afterwards.
+struct ForcedTile {
+  explicit ForcedTile(cuda::PrefillTile t) { cuda::set_prefill_tile(t); }
+  ~ForcedTile() { cuda::set_prefill_tile(cuda::PrefillTile::Auto); }
+  ForcedTile(const ForcedTile&) = delete;
+  ForcedTile& operator=(const ForcedTile&) = delete;
+};
+
 struct Case {
   const char* name;
   std::int64_t E, H, I, T;
@@ -204,7 +223,6 @@ TEST_P(PrefillRandom, MatchesHostReference) {
   random_routing(c.T, c.k, allowed, rng, ids, wts);
   DevLutbLM d13(w13), d2(w2);
   const cuda::DeviceMoeWeights w{c.E, c.H, c.I, d13.view, d2.view};
-  const auto got = run_prefill(w, x, c.T, c.k, ids, wts);
   std::vector<std::int64_t> rows;
   if (c.check_tokens == 0) {
     for (std::int64_t t = 0; t < c.T; ++t) rows.push_back(t);
@@ -213,12 +231,20 @@ TEST_P(PrefillRandom, MatchesHostReference) {
   }
   const auto ref = moe_reference(w13, w2, c.H, c.I, take_rows(x, c.H, rows), static_cast<std::int64_t>(rows.size()),
                                  c.k, take_rows(ids, c.k, rows), take_rows(wts, c.k, rows));
-  expect_matches(take_rows(got, c.H, rows), ref);
-  if (c.check_tokens != 0) {
-    // Every row written and finite (the sampled check covers the values).
-    std::int64_t bad = 0;
-    for (auto v : got) bad += std::isnan(bf16_to_float(v));
-    EXPECT_EQ(bad, 0) << "unwritten or NaN outputs outside the sampled rows";
+  // Every CTA tile configuration (the heuristic's choice and each forced one) against the same reference.
+  std::vector<std::uint16_t> first;
+  for (const cuda::PrefillTile tile : kAllTiles) {
+    SCOPED_TRACE(tile_name(tile));
+    std::cout << "  tile " << tile_name(tile) << "\n";
+    ForcedTile forced(tile);
+    const auto got = run_prefill(w, x, c.T, c.k, ids, wts);
+    expect_matches(take_rows(got, c.H, rows), ref);
+    if (c.check_tokens != 0) {
+      // Every row written and finite (the sampled check covers the values).
+      std::int64_t bad = 0;
+      for (auto v : got) bad += std::isnan(bf16_to_float(v));
+      EXPECT_EQ(bad, 0) << "unwritten or NaN outputs outside the sampled rows";
+    }
   }
 }
 
@@ -231,7 +257,18 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"padded_many_rows", 3, 328, 136, 250, 2, false, 0},  // > 2 token tiles, ragged edges
                       Case{"deepseek_v3_shape", 12, 7168, 2048, 96, 8, false, 2},
                       Case{"qwen3_235b_shape", 16, 4096, 1536, 160, 8, false, 3},
-                      Case{"qwen3_30b_shape", 32, 2048, 768, 256, 8, false, 8}),
+                      Case{"qwen3_30b_shape", 32, 2048, 768, 256, 8, false, 8},
+                      // >= 128 pairs per expert (the heuristic picks M128): full 128-row tiles and a
+                      // ragged last tile per expert, H and I padded in K and N.
+                      Case{"m128_ragged", 4, 328, 136, 600, 2, false, 0},
+                      // 128-row tiles with odd experts empty (E=16, 8 used, k=4: 4 * 700 / 8 = 350 pairs each).
+                      Case{"m128_empty_experts", 16, 512, 256, 700, 4, true, 0},
+                      // DeepSeek-V3 layer shape (H=7168, I=2048, k=8) at >= 128 pairs per expert:
+                      // E=8 experts, T=160 -> every expert gets all 160 tokens.
+                      Case{"deepseek_v3_shape_m128", 8, 7168, 2048, 160, 8, false, 3},
+                      // GEMM1 K = 16448 = 257 K-tiles > kMaxScaleTiles: the per-lane scale loads
+                      // instead of the shared-memory scale rows (GEMM2 with K = 64 uses those).
+                      Case{"long_k_scale_fallback", 2, 16448, 64, 40, 1, false, 0}),
     [](const ::testing::TestParamInfo<Case>& i) { return std::string(i.param.name); });
 
 TEST(PrefillCuda, SkewedRouting1To300TokensPerExpert) {
@@ -256,8 +293,12 @@ TEST(PrefillCuda, SkewedRouting1To300TokensPerExpert) {
     for (int j = 0; j < k; ++j) wts[t * k + j] = u(rng);
   }
   DevLutbLM d13(w13), d2(w2);
-  const auto got = run_prefill({E, H, I, d13.view, d2.view}, x, T, k, ids, wts);
-  expect_matches(got, moe_reference(w13, w2, H, I, x, T, k, ids, wts));
+  const auto ref = moe_reference(w13, w2, H, I, x, T, k, ids, wts);
+  for (const cuda::PrefillTile tile : kAllTiles) {  // 300 rows: 2 full 128-row tiles + 44, or 4 x 64 + 44
+    SCOPED_TRACE(tile_name(tile));
+    ForcedTile forced(tile);
+    expect_matches(run_prefill({E, H, I, d13.view, d2.view}, x, T, k, ids, wts), ref);
+  }
 }
 
 TEST(PrefillCuda, InvalidExpertIdWritesNanRowOnly) {
@@ -319,6 +360,26 @@ TEST(PrefillCuda, HeuristicThresholdIs24PairsPerTouchedExpert) {
   EXPECT_EQ(cuda::decode_token_blocks(1, 8, 256), 1);
   EXPECT_EQ(cuda::decode_token_blocks(256, 8, 256), 2);   // 8 pairs per expert
   EXPECT_EQ(cuda::decode_token_blocks(256, 8, 128), 2);   // 16: two 16-token tiles per expert
+}
+
+TEST(PrefillCuda, TileHeuristicKeeps64RowTilesUnlessForced) {
+  using cuda::PrefillTile;
+  // M128 measured slower on every shape (kPrefillTile128MinPairs = 0): the 64-row tile at every size.
+  static_assert(cuda::kPrefillTile128MinPairs == 0);
+  EXPECT_EQ(cuda::prefill_tile(1024 * 8, 256), PrefillTile::M64);  // DeepSeek-V3, T = 1024: 32 pairs per expert
+  EXPECT_EQ(cuda::prefill_tile(4096 * 8, 256), PrefillTile::M64);  // DeepSeek-V3, T = 4096: 128
+  EXPECT_EQ(cuda::prefill_tile(4096 * 8, 128), PrefillTile::M64);  // Qwen3, T = 4096: 256
+  EXPECT_EQ(cuda::prefill_tile(4096 * 2, 8), PrefillTile::M64);    // Mixtral, T = 4096: 1024
+  EXPECT_EQ(cuda::prefill_tile(100, 1024), PrefillTile::M64);
+  EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::M64), 64);
+  EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::M64IL), 64);
+  EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::M128), 128);
+  EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::M128W), 128);
+  {
+    ForcedTile forced(PrefillTile::M128W);
+    EXPECT_EQ(cuda::prefill_tile(1, 8), PrefillTile::M128W);
+  }
+  EXPECT_EQ(cuda::prefill_tile(1, 8), PrefillTile::M64);  // back to the heuristic
 }
 
 TEST(PrefillCuda, BadArgumentsThrowBeforeAnyLaunch) {
