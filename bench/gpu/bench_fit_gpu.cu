@@ -9,7 +9,8 @@
 //
 //   bench_fit_gpu [E N K] [student]
 // With LUTB_BENCH_PROFILE_ONLY=1: only one launch each of the default binned-dp kernel and the
-// two-tiles-per-warp kernel over the stack (with per-tile sums), for a profiler (ncu), then exit.
+// two-tiles-per-warp kernel over the stack (with per-tile sums), for a profiler (ncu), then exit;
+// =2: one launch each of the binned-dp shared-memory layouts 0..4 (fit12).
 // Weights: i.i.d. Gaussian (sigma 0.02) rounded to BF16, or Student-t(3)-like with "student" (a
 // Gaussian divided by sqrt of a chi-square(3)/3 built from three more Gaussians).
 // Output: markdown lines with seconds, weights/s, the ratio to the thread kernel and the implied
@@ -156,6 +157,15 @@ int main(int argc, char** argv) {
     }
     return best * 1e-3;
   };
+  if (const char* po = std::getenv("LUTB_BENCH_PROFILE_ONLY"); po != nullptr && std::string(po) == "2") {
+    for (int layout = 0; layout < 5; ++layout) {  // fit12: one launch per layout, with per-tile sums
+      lutb::cuda::fit_internal::KernelArgs ka{d_w, 1, N, K, s.tiles_n(), s.tiles_k(), tiles, 0, out[3], -1, d_err};
+      lutb::cuda::fit_internal::launch_warp_layout(ka, layout, nullptr);
+    }
+    ok(cudaDeviceSynchronize());
+    std::printf("profile-only: one launch each of the binned-dp layouts 0..4, %lld tiles\n", static_cast<long long>(tiles));
+    return 0;
+  }
   if (const char* po = std::getenv("LUTB_BENCH_PROFILE_ONLY"); po != nullptr && std::string(po) == "1") {
     time_tiles(1, nullptr);
     time_tiles(2, nullptr);
@@ -192,6 +202,38 @@ int main(int argc, char** argv) {
       t_tiles[r][tpw - 1] = time_tiles(tpw, &out[0]);
       same_tiles = same_tiles && same_out(out[3], out[0]);
     }
+  // fit12: the one-tile binned-dp kernel's shared-memory layouts (fit_internal::launch_warp_layout: 0
+  // fit11's, 1..4 compact: 4-warp blocks for 20 / 24 warps per SM, 2-warp blocks for 20 / 24),
+  // alternated twice in this run (0..4, 0..4), with the per-tile sums; then bytes only (0, 1, 3
+  // twice); bytes and per-tile sums == the default's (whole stack).
+  auto time_layout = [&](int layout, bool sums) {
+    lutb::cuda::DeviceFitOut o3 = out[3];
+    if (!sums) o3.sse = o3.sum_sq = nullptr;
+    lutb::cuda::fit_internal::KernelArgs ka{d_w, 1, N, K, s.tiles_n(), s.tiles_k(), tiles, 0, o3, -1, d_err};
+    float best = 1e30f;
+    for (int rep = 0; rep < 4; ++rep) {  // first = warm-up
+      ok(cudaMemset(d_err, 0xff, 8));
+      ok(cudaEventRecord(a));
+      lutb::cuda::fit_internal::launch_warp_layout(ka, layout, nullptr);
+      ok(cudaEventRecord(b));
+      ok(cudaEventSynchronize(b));
+      float ms = 0;
+      ok(cudaEventElapsedTime(&ms, a, b));
+      if (rep > 0) best = std::min(best, ms);
+    }
+    return best * 1e-3;
+  };
+  constexpr int kLayouts = 5;
+  double t_layout[2][kLayouts] = {}, t_layout_nosums[2][kLayouts] = {};  // [repetition][layout]
+  bool same_layout = true;
+  for (int r = 0; r < 2; ++r)
+    for (int layout = 0; layout < kLayouts; ++layout) {
+      t_layout[r][layout] = time_layout(layout, true);
+      same_layout = same_layout && same_out(out[3], out[0]);
+    }
+  for (int r = 0; r < 2; ++r)
+    for (int layout : {0, 1, 3}) t_layout_nosums[r][layout] = time_layout(layout, false);
+  same_layout = same_layout && host(out[3].packed, nt * lutb::kPackedBytes) == host(out[0].packed, nt * lutb::kPackedBytes);
   // Warp kernel variants: cost evaluations issued together in the DP scans (default: binned-dp 1,
   // optimal 4), same run, same bytes as the default's (whole stack, bytes and per-tile sums).
   constexpr int kDefArith = lutb::cuda::fit_internal::kWarpArithDefault;
@@ -370,6 +412,35 @@ int main(int argc, char** argv) {
               "refinement on all lanes / 1 tile capped | %d / %d / %d / %d |\n",
               lutb::cuda::fit_internal::resident_warps_per_sm(0), lutb::cuda::fit_internal::resident_warps_per_sm(1),
               lutb::cuda::fit_internal::resident_warps_per_sm(2), lutb::cuda::fit_internal::resident_warps_per_sm(0, kPad));
+  static const char* const kLayoutName[kLayouts] = {
+      "layout 0 (fit11's: prefix sums in shared memory, 2-warp blocks, 98 registers)",
+      "layout 1 (compact, 4-warp blocks, <= 96 registers: 20 warps per SM)",
+      "layout 2 (compact, 4-warp blocks, <= 80 registers (spills): 24 warps per SM)",
+      "layout 3 (compact, 2-warp blocks, <= 96 registers: 20 warps per SM)",
+      "layout 4 (compact, 2-warp blocks, <= 80 registers (spills), values reloaded for the encoding: 24 warps per SM)"};
+  for (int r = 0; r < 2; ++r)
+    for (int v = 0; v < kLayouts; ++v) {
+      char what[240];
+      std::snprintf(what, sizeof what, "fit12 alternation %d: %s, with per-tile sums", r + 1, kLayoutName[v]);
+      row(what, t_layout[r][v]);
+    }
+  for (int r = 0; r < 2; ++r)
+    for (int v : {0, 1, 3}) {
+      char what[240];
+      std::snprintf(what, sizeof what, "fit12 alternation %d: %s, bytes only", r + 1, kLayoutName[v]);
+      row(what, t_layout_nosums[r][v]);
+    }
+  for (int v = 1; v < kLayouts; ++v)
+    std::printf("| fit12: time / layout 0's, alternation 1 and 2, with sums: layout %d | %.3f / %.3f | | | | |\n", v,
+                t_layout[0][v] / t_layout[0][0], t_layout[1][v] / t_layout[1][0]);
+  for (int v : {1, 3})
+    std::printf("| fit12: time / layout 0's, alternation 1 and 2, bytes only: layout %d | %.3f / %.3f | | | | |\n", v,
+                t_layout_nosums[0][v] / t_layout_nosums[0][0], t_layout_nosums[1][v] / t_layout_nosums[1][0]);
+  std::printf("| fit12: resident warps per SM (occupancy calculator): layout 0 / 1 / 2 / 3 / 4 | %d / %d / %d / %d / %d | "
+              "default layout: %d |\n",
+              lutb::cuda::fit_internal::resident_warps_per_sm(0), lutb::cuda::fit_internal::resident_warps_per_sm(3),
+              lutb::cuda::fit_internal::resident_warps_per_sm(4), lutb::cuda::fit_internal::resident_warps_per_sm(5),
+              lutb::cuda::fit_internal::resident_warps_per_sm(6), lutb::cuda::fit_internal::kWarpLayoutDefault);
   row("GPU warp kernel variant: DP scans 2 evaluations at a time, with per-tile sums", t_unroll[0][2]);
   row("GPU warp kernel variant: DP scans 4 evaluations at a time, with per-tile sums", t_unroll[0][4]);
   row("GPU **optimal**, warp-per-tile kernel (default: 4 evaluations at a time), with per-tile sums", t_opt);
@@ -429,7 +500,9 @@ int main(int argc, char** argv) {
               same_arith ? "yes" : "NO");
   std::printf("| fit11 variants (2 tiles per warp, both kinds; 1 tile capped) == default: bytes and sums, whole stack | %s |\n",
               same_tiles ? "yes" : "NO");
+  std::printf("| fit12 layouts 0..4 == default: bytes and sums (bytes only: bytes), whole stack | %s |\n",
+              same_layout ? "yes" : "NO");
   std::printf("| expert 0 bytes GPU == CPU, binned-dp | %s |\n", same ? "yes" : "NO");
   std::printf("| expert 0 bytes GPU == CPU, optimal | %s |\n", same_opt ? "yes" : "NO");
-  return same && same_opt && same_kernels && same_unroll && same_arith && same_tiles ? 0 : 2;
+  return same && same_opt && same_kernels && same_unroll && same_arith && same_tiles && same_layout ? 0 : 2;
 }

@@ -37,6 +37,11 @@
 //  - encoding: each lane assigns its 16 values (the CPU's midpoint rule, ties to the lower index);
 //    the per-tile sse and sum of squares are double sums in flat order, so they are accumulated in
 //    exactly that order (lane 0 and lane 1 at once), and only when needed.
+//  - fit_compact_kernel (binned-dp, fit12; the default when the per-tile sums are written): the same
+//    fit with a compact shared-memory layout (9.2 KB instead of 13.7 KB per warp, 20 resident warps
+//    per SM instead of 16): the prefix sums only at the bin edges, the refinement windows' sums
+//    re-derived per round in the CPU's order, the running and flat-order sums through a chunk
+//    (details at fit_compact_kernel).
 //  - fit_pair_kernel (binned-dp, an experiment selected by launch_warp_tiles, not the default): two
 //    tiles per warp, their DP and refinement at once on the two half-warps (the same functions with
 //    G = 16 lanes per tile, every collective masked to the half); same bytes, slower on the H200
@@ -152,6 +157,7 @@ struct DpTables<true> {
 // after the other.
 template <bool Opt>
 struct Smem {
+  static constexpr bool kCompact = false;
   union {
     WarpSort::TempStorage sort;
     float u[Opt ? 1 : kN];  // binned-dp: distinct values, ascending (+0 for zero); dead after the prefix sums
@@ -589,10 +595,11 @@ struct TileOut {
 // !need_sse or sse < write_below (optimal's scale search: strictly better than the best so far).
 // First part (all lanes): the codebook, every value's index into w, and, when `sums`, the terms of
 // the two flat-order sums into the scratch rows 1..512 (row 0 sse, row 1 sum of squares).
-template <bool Opt>
-__device__ __forceinline__ void encode_assign(Smem<Opt>& s, int lane, const float (&x)[kIpt], int scale, int n_entries,
-                                              bool sums, std::uint32_t (&w)[2]) {
-  if (lane == 0) {  // codebook ascending, duplicates dropped, padded with the largest entry
+// tile_common.cpp encode_tile's codebook (lane 0): ascending, duplicates dropped, padded with the
+// largest entry, into s.cbv (dequantised) and s.cbb (bytes).
+template <class S>
+__device__ __forceinline__ void build_codebook(S& s, int scale, int n_entries) {
+  {
     float* vals = s.cbv;  // (sorted in shared memory: no per-thread local arrays)
     std::uint8_t* bytes = s.cbb;
     int m = 0;
@@ -624,6 +631,12 @@ __device__ __forceinline__ void encode_assign(Smem<Opt>& s, int lane, const floa
     }
     for (int j = 0; j < kCodebookSize; ++j) vals[j] = ldexp_ue8m0(vals[j], static_cast<std::uint8_t>(scale));
   }
+}
+
+template <bool Opt>
+__device__ __forceinline__ void encode_assign(Smem<Opt>& s, int lane, const float (&x)[kIpt], int scale, int n_entries,
+                                              bool sums, std::uint32_t (&w)[2]) {
+  if (lane == 0) build_codebook(s, scale, n_entries);
   __syncwarp();
   // assign_sse: run boundaries where the dequantised value changes; a value goes to run r when it
   // is strictly above the midpoint 0.5*u_{r-1} + 0.5*u_r (ties stay with the lower index); the
@@ -782,8 +795,8 @@ __device__ __forceinline__ TileOut tile_out(const KernelArgs& a, std::int64_t lt
 // build_sorted (sort, de-duplication, the terms c * x and c * x^2 of every distinct value into
 // s.p[.][1..n]). Returns false when the tile is done (error, or a.check_only); else n = the number
 // of distinct values and am = the largest magnitude. The running sums are the caller's.
-template <bool P, bool Opt>
-__device__ __forceinline__ bool fit_front_a(Smem<Opt>& s, int lane, const KernelArgs& a, std::int64_t lt, Prof& pr,
+template <bool P, bool Opt, class S>
+__device__ __forceinline__ bool fit_front_a(S& s, int lane, const KernelArgs& a, std::int64_t lt, Prof& pr,
                                             float (&x)[kIpt], float& am_out, int& n_out) {
   if constexpr (P) {
     if (lane == 0) pr.t = clock64();
@@ -858,15 +871,17 @@ __device__ __forceinline__ bool fit_front_a(Smem<Opt>& s, int lane, const Kernel
   __syncwarp();
   phase<P>(pr, lane, 1);
   const int n = s.m;
-  // The terms c * x and c * x^2 of every distinct value (independent: all lanes), then the running
-  // sums in the CPU's order (lane 0 sum x, lane 1 sum x^2), loads batched ahead of the adds.
-  for (int d = lane; d < n; d += 32) {
-    const double c = static_cast<double>(s.cnt[d + 1] - s.cnt[d]);
-    const double xd = static_cast<double>(u[d]);
-    s.p[0][d + 1] = c * xd;
-    s.p[1][d + 1] = c * (xd * xd);
+  if constexpr (!S::kCompact) {
+    // The terms c * x and c * x^2 of every distinct value (independent: all lanes), then the running
+    // sums in the CPU's order (lane 0 sum x, lane 1 sum x^2), loads batched ahead of the adds.
+    for (int d = lane; d < n; d += 32) {
+      const double c = static_cast<double>(s.cnt[d + 1] - s.cnt[d]);
+      const double xd = static_cast<double>(u[d]);
+      s.p[0][d + 1] = c * xd;
+      s.p[1][d + 1] = c * (xd * xd);
+    }
+    __syncwarp();
   }
-  __syncwarp();
   am_out = am;
   n_out = n;
   return true;
@@ -1067,6 +1082,458 @@ __global__ void __launch_bounds__(32) fit_pair_kernel(KernelArgs a) {
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// fit12: the COMPACT shared-memory layout of the binned-dp warp kernel (fit_compact_kernel), made
+// to raise the resident warps per SM (the kernel is latency-bound per warp: docs/perf/fit-gpu.md,
+// fit11). Layout 0 (Smem) keeps the prefix sums p[2][513] (8.2 KB of its 13.7 KB per warp) for
+// the refinement and the encoding's flat-order sums. This one keeps only what the DP needs:
+//  - the running sums (the CPU's order, lanes 0 and 1) go through a 256-position chunk in the
+//    union (terms in, prefix sums out); after each chunk all lanes copy the prefix sums at the bin
+//    edges (computed first: they need only the counts) into sp[] (x, x^2 together), scaled to the
+//    tile's scale (the exact products prescale forms);
+//  - per refinement round, the windows' prefix sums are RE-DERIVED in the CPU's order: a lane per
+//    window and sum (at most 14) starts from the raw prefix sum at the nearest bin edge at or below
+//    the window (sp / scale, exact) and adds the terms c * x (c * (x * x)) of the distinct values
+//    u[], cnt[] one by one, exactly as build_sorted does, storing each sum times the scale (so
+//    every value is the bit pattern that layout 0 reads from its prescaled p[]); the
+//    window tables g[row][slot] (and the counts, cnt + lo) feed the evaluation loop through row
+//    pointers computed per layer, so the loop has no extra index work;
+//  - the refinement's F table keeps two rows (k - 1 and k), its arg rows k = 2..K;
+//  - the encoding's two flat-order sums run over two 256-position halves of the same chunk (lanes
+//    0-15, then 16-31, write their terms), the additions in flat order, so the same bits.
+// Every comparison and every double operation is layout 0's in the same order (same bytes,
+// tested). Why the values agree bit for bit: a prefix sum at a bin edge is the running sum itself,
+// times the scale factor (exact: a power of two, every value in the normal range, see kArith); a
+// re-derived window sum starts from that raw sum (the scaled one times 2^(s - 127), exact again)
+// and adds the same terms in the same order as build_sorted, so it is the running sum's value at
+// that position. 9,168 B per warp: 24 warps per SM fit in shared memory, 20 in registers without
+// spilling (96; 24 need 80, where ptxas spills: layouts 2 and 4 of launch_warp_layout).
+constexpr int kChunk = 256;
+struct SmemC {
+  static constexpr bool kCompact = true;
+  union {
+    WarpSort::TempStorage sort;
+    int lb[32];                    // lower bounds of the bin targets
+    double chunk[2][kChunk];       // running sums' terms / prefix sums; encoding's flat-order terms
+    struct {
+      std::int16_t ci[kMaxPos];    // the counts at the bin edges
+      double buf[2][kMaxPos];
+      std::int16_t opt[kOptRows][kMaxPos];
+      Node nodes[2][32];
+    } dp;
+    struct {
+      double F[2][kWin];
+      double V[kWin][kWin];        // V[j - jl][i - il] = F[k-1][i - il] + cost(i, j)
+      double2 g[kCodebookSize][kWin];  // row k - 1: window k's prefix sums (x, x^2), scaled; window K = {n}
+      std::int16_t arg[kCodebookSize - 1][kWin];  // rows k = 2..K
+    } rf;
+  };
+  double2 sp[kMaxPos];             // prefix sums (x, x^2) at the bin edges, scaled to the tile's scale
+  float u[kN];                     // distinct values, ascending (+0 for zero)
+  std::uint16_t cnt[kN + 1];       // prefix counts
+  std::int16_t pos[kMaxPos];       // bin edges
+  int seg[kCodebookSize + 1];
+  int bounds[kCodebookSize + 1];
+  std::int16_t lo[kCodebookSize], hi[kCodebookSize], wk[kCodebookSize];
+  float cbv[kCodebookSize];
+  std::uint8_t entries[kCodebookSize];
+  std::uint8_t cbb[kCodebookSize];
+  int m, K, edge;
+
+  __device__ float* uv() { return u; }
+};
+
+
+// binned_dp.cpp's bin edges into s.pos[0..m] (the default layout's code, fit_front_b); returns m.
+__device__ __forceinline__ int bin_edges_c(SmemC& s, int lane, int n) {
+  if (n <= kBins) {
+    if (lane <= n) s.pos[lane] = static_cast<std::int16_t>(lane);
+    if (n == 32 && lane == 0) s.pos[32] = 32;
+    __syncwarp();
+    return n;
+  }
+  auto lower_bound = [&](int t) {
+    int lo = 0, hi = n;
+    while (lo < hi) {
+      const int mid = (lo + hi) >> 1;
+      if (s.cnt[mid] < t) lo = mid + 1;
+      else hi = mid;
+    }
+    return lo;
+  };
+  s.lb[lane] = lower_bound(lane == 0 ? kTail : lane * (kN / kBins));
+  const int lb_end = lower_bound(kN - kTail + 1);
+  __syncwarp();
+  if (lane == 0) {
+    int mm = 0, i = 0;
+    s.pos[0] = 0;
+    auto push = [&](int e) {
+      if (e > s.pos[mm] && e < n) s.pos[++mm] = static_cast<std::int16_t>(e);
+    };
+    for (; i < s.lb[0]; ++i) push(i);
+    for (int b = 1; b < kBins; ++b) {
+      i = max(i, s.lb[b]);
+      push(i);
+    }
+    for (i = max(i, lb_end); i < n; ++i) push(i);
+    s.pos[++mm] = static_cast<std::int16_t>(n);
+    s.m = mm;
+  }
+  __syncwarp();
+  return s.m;
+}
+
+// P[d] = acc + P[0] + ... + P[d] in place for d = 0..len-1 (a double running sum, in order, from
+// acc); returns the last sum.
+__device__ __forceinline__ double running_sum_from(double* P, int len, double acc) {
+  int d = 0;
+  for (; d + 7 < len; d += 8) {
+    double t[8];
+#pragma unroll
+    for (int r = 0; r < 8; ++r) t[r] = P[d + r];
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      acc = acc + t[r];
+      P[d + r] = acc;
+    }
+  }
+  for (; d < len; ++d) {
+    acc = acc + P[d];
+    P[d] = acc;
+  }
+  return acc;
+}
+
+// acc + P[0] + ... + P[len - 1] in order.
+__device__ __forceinline__ double sum_from(const double* P, int len, double acc) {
+  int d = 0;
+  for (; d + 7 < len; d += 8) {
+    double t[8];
+#pragma unroll
+    for (int r = 0; r < 8; ++r) t[r] = P[d + r];
+#pragma unroll
+    for (int r = 0; r < 8; ++r) acc = acc + t[r];
+  }
+  for (; d < len; ++d) acc = acc + P[d];
+  return acc;
+}
+
+// build_sorted's prefix sums (p[d + 1] = p[d] + c * x, p2[d + 1] = p2[d] + c * (x * x), in order)
+// at the bin edges s.pos[0..m], times f = 2^(127 - sc) (f2 = f^2) into s.sp: the values the
+// default layout's DP tables hold after prescale.
+__device__ __forceinline__ void edge_sums_c(SmemC& s, int lane, int n, int m, double f, double f2) {
+  double acc = 0.0;  // lane 0: sum of c * x; lane 1: sum of c * x^2
+  for (int c0 = 0; c0 < n; c0 += kChunk) {
+    const int len = min(kChunk, n - c0);
+    for (int d = lane; d < len; d += 32) {
+      const int dd = c0 + d;
+      const double c = static_cast<double>(s.cnt[dd + 1] - s.cnt[dd]);
+      const double xd = static_cast<double>(s.u[dd]);
+      s.chunk[0][d] = c * xd;
+      s.chunk[1][d] = c * (xd * xd);
+    }
+    __syncwarp();
+    if (lane < 2) acc = running_sum_from(s.chunk[lane], len, acc);  // chunk[.][d] = p[c0 + d + 1]
+    __syncwarp();
+    for (int e = lane; e <= m; e += 32) {
+      const int P = s.pos[e];
+      if (P > c0 && P <= c0 + len) s.sp[e] = make_double2(s.chunk[0][P - 1 - c0] * f, s.chunk[1][P - 1 - c0] * f2);
+      else if (P == 0 && c0 == 0) s.sp[e] = make_double2(0.0, 0.0);
+    }
+    __syncwarp();
+  }
+}
+
+// dp.cpp Dp::cost on the bin-edge tables of the compact layout.
+__device__ __forceinline__ double cost_bin_c(const SmemC& s, int i, int j) {
+  const double2 pj = s.sp[j], pi = s.sp[i];
+  return cost_of<3>(s.dp.ci[j] - s.dp.ci[i], pj.x - pi.x, pj.y - pi.y);
+}
+
+// dp_fit_warp for binned-dp on the compact layout (same operations, in the same order).
+__device__ void dp_fit_c(SmemC& s, int lane, int m) {
+  for (int i = lane; i <= m; i += 32) s.dp.ci[i] = static_cast<std::int16_t>(s.cnt[s.pos[i]]);
+  __syncwarp();
+  auto cost = [&](int i, int j) { return cost_bin_c(s, i, j); };
+  const int K = min(m, kCodebookSize);
+  if (K == m) {
+    if (lane <= m) s.seg[lane] = lane;
+  } else {
+    double* prev = s.dp.buf[0];
+    double* cur = s.dp.buf[1];
+    for (int j = 1 + lane; j <= m; j += 32) prev[j] = cost(0, j);
+    __syncwarp();
+    for (int k = 2; k < K; ++k) {
+      dp_layer<kUnroll<false>, 32>(s, lane, k, m, prev, cur, s.dp.opt[k - 2], k > 2 ? s.dp.opt[k - 3] : nullptr, cost);
+      __syncwarp();
+      double* t = prev;
+      prev = cur;
+      cur = t;
+    }
+    const int start = K > 2 ? s.dp.opt[K - 3][m] : K - 1;
+    double bv = inf();
+    int bi = INT_MAX;
+    scan_min<kUnroll<false>>(prev, start + lane, m - 1, 32, m, cost, bv, bi);
+    group_argmin(bv, bi, 32);
+    if (lane == 0) {
+      s.seg[K] = m;
+      s.seg[K - 1] = bi;
+      for (int k = K - 1; k >= 2; --k) s.seg[k - 1] = s.dp.opt[k - 2][s.seg[k]];
+      s.seg[0] = 0;
+    }
+  }
+  __syncwarp();
+  if (lane <= K) s.bounds[lane] = s.pos[s.seg[lane]];
+  if (lane < K) {
+    const int i = s.seg[lane], j = s.seg[lane + 1];
+    // (cd[j] - cd[i] of the default layout: the same exact integer)
+    s.entries[lane] = run_entry(s.sp[j].x - s.sp[i].x, static_cast<double>(s.dp.ci[j] - s.dp.ci[i]));
+  }
+  if (lane == 0) s.K = K;
+  __syncwarp();
+}
+
+// The windows' prefix sums of one refinement round (windows k = 1..K-1 in s.lo / s.hi): lane
+// 2 (k - 1) + w re-derives sum w (0: c * x, 1: c * x^2) over window k in build_sorted's order from
+// the nearest bin edge at or below s.lo[k] (its raw sum = sp / f, exact), storing each sum times f
+// (f2), i.e. p[.] * f as prescale forms it. Window K = {n} goes to row K - 1.
+__device__ __forceinline__ void window_sums_c(SmemC& s, int lane, int K, int me, int scale) {
+  if (lane < 2 * (K - 1)) {
+    const double f = pow2(127 - scale), f2 = f * f;  // (prescale's factors)
+    const double fi = pow2(scale - 127), fi2 = fi * fi;
+    const int k = 1 + (lane >> 1), w = lane & 1;
+    const int lo = s.lo[k], hi = s.hi[k];
+    int a = 0, b = me;  // the largest edge e with pos[e] <= lo (pos[0] = 0)
+    while (a < b) {
+      const int mid = (a + b + 1) >> 1;
+      if (s.pos[mid] <= lo) a = mid;
+      else b = mid - 1;
+    }
+    int q = s.pos[a];
+    const double sc = w ? f2 : f;
+    double acc = w ? s.sp[a].y * fi2 : s.sp[a].x * fi;  // the raw prefix sum at q
+    double* gw = reinterpret_cast<double*>(&s.rf.g[k - 1][0]) + w;
+    for (; q < lo; ++q) {
+      const double c = static_cast<double>(s.cnt[q + 1] - s.cnt[q]);
+      const double xd = static_cast<double>(s.u[q]);
+      acc = acc + (w ? c * (xd * xd) : c * xd);
+    }
+    gw[0] = acc * sc;
+    for (int t = 2; q < hi; ++q, t += 2) {
+      const double c = static_cast<double>(s.cnt[q + 1] - s.cnt[q]);
+      const double xd = static_cast<double>(s.u[q]);
+      acc = acc + (w ? c * (xd * xd) : c * xd);
+      gw[t] = acc * sc;
+    }
+  }
+  if (lane == 31) s.rf.g[K - 1][0] = s.sp[me];
+}
+
+// dp.cpp dp_refine on the compact layout (dp_refine_warp's operations in the same order; the
+// costs read the window tables).
+__device__ int dp_refine_c(SmemC& s, int lane, int n, int me, int scale) {
+  const int K = s.K;
+  const int m = n;
+  if (K < 2 || K >= m) return 0;
+  int rounds = 0;
+  if (lane >= 1 && lane < K) s.wk[lane] = kWindow;
+  for (int round = 0; round < kRounds; ++round) {
+    ++rounds;
+    if (lane >= 1 && lane < K) {
+      const int b = s.bounds[lane];
+      s.lo[lane] = static_cast<std::int16_t>(max(b - s.wk[lane], lane));
+      s.hi[lane] = static_cast<std::int16_t>(min(b + s.wk[lane], m - (K - lane)));
+    }
+    __syncwarp();
+    window_sums_c(s, lane, K, me, scale);
+    __syncwarp();
+    {
+      const int nj1 = s.hi[1] - s.lo[1] + 1;
+      for (int jj = lane; jj < nj1; jj += 32) {  // (cost(0, j): p[0] = 0, cnt[0] = 0)
+        const double2 pj = s.rf.g[0][jj];
+        s.rf.F[1][jj] = cost_of<3>(static_cast<int>(s.cnt[s.lo[1] + jj]) - 0, pj.x - 0.0, pj.y - 0.0);
+      }
+    }
+    __syncwarp();
+    for (int k = 2; k <= K; ++k) {
+      const int jl = k < K ? s.lo[k] : m, jh = k < K ? s.hi[k] : m;
+      const int il = s.lo[k - 1], ihm = s.hi[k - 1];
+      const int nj = jh - jl + 1, ni = ihm - il + 1;
+      const int tot = nj * ni;
+      const double2* gI = s.rf.g[k - 2];
+      const double2* gJ = gI + kWin;
+      const std::uint16_t* cJ = s.cnt + jl;
+      const std::uint16_t* cI = s.cnt + il;
+      const double* Fp = s.rf.F[(k - 1) & 1];
+      double* Fc = s.rf.F[k & 1];
+      for (int idx = lane; idx < tot; idx += 64) {  // two independent evaluations per lane and pass
+        const int jj = idx / ni, ii = idx - jj * ni;
+        const int idx2 = idx + 32;
+        const int jj2 = idx2 / ni, ii2 = idx2 - jj2 * ni;
+        const bool ok1 = il + ii <= jl + jj - 1;
+        const bool ok2 = idx2 < tot && il + ii2 <= jl + jj2 - 1;
+        // (a valid dummy run where a slot is unused, (lo[k-1], hi[k]): its value is not stored)
+        const int a1 = ok1 ? ii : 0, b1 = ok1 ? jj : nj - 1, a2 = ok2 ? ii2 : 0, b2 = ok2 ? jj2 : nj - 1;
+        const double2 pj1 = gJ[b1], pi1 = gI[a1], pj2 = gJ[b2], pi2 = gI[a2];
+        const double v1 = Fp[a1] + cost_of<3>(static_cast<int>(cJ[b1]) - static_cast<int>(cI[a1]), pj1.x - pi1.x, pj1.y - pi1.y);
+        const double v2 = Fp[a2] + cost_of<3>(static_cast<int>(cJ[b2]) - static_cast<int>(cI[a2]), pj2.x - pi2.x, pj2.y - pi2.y);
+        if (ok1) s.rf.V[jj][ii] = v1;
+        if (ok2) s.rf.V[jj2][ii2] = v2;
+      }
+      __syncwarp();
+      if (lane < nj) {  // (nj <= 17)
+        const int jj = lane;
+        const int j = jl + jj, ih = min(ihm, j - 1);
+        double best = inf();
+        int bi = il;
+        for (int i = il; i <= ih; ++i) {
+          const double v = s.rf.V[jj][i - il];
+          if (v < best) {
+            best = v;
+            bi = i;
+          }
+        }
+        Fc[jj] = best;
+        s.rf.arg[k - 2][jj] = static_cast<std::int16_t>(bi);
+      }
+      __syncwarp();
+    }
+    if (lane == 0) {
+      int* nb = s.seg;  // (free here: dp_fit_c's boundaries are in s.bounds)
+      nb[K] = m;
+      nb[0] = 0;
+      for (int k = K; k >= 2; --k) nb[k - 1] = s.rf.arg[k - 2][nb[k] - (k < K ? s.lo[k] : m)];
+      bool edge = false;
+      for (int k = 1; k < K; ++k) {
+        const bool e = (nb[k] == s.lo[k] && s.lo[k] > k) || (nb[k] == s.hi[k] && s.hi[k] < m - (K - k));
+        edge = edge || e;
+        s.wk[k] = e ? kWindow : kSettled;
+        s.bounds[k] = nb[k];
+      }
+      s.edge = edge;
+    }
+    __syncwarp();
+    if (!s.edge) break;
+  }
+  if (lane < K) {  // the bounds lie in this round's windows (0 and n at the ends)
+    const int i = s.bounds[lane], j = s.bounds[lane + 1];
+    const double pi = lane == 0 ? 0.0 : s.rf.g[lane - 1][i - s.lo[lane]].x;
+    const double pj = s.rf.g[lane][lane + 1 == K ? 0 : j - s.lo[lane + 1]].x;
+    s.entries[lane] = run_entry(pj - pi, static_cast<double>(s.cnt[j]) - static_cast<double>(s.cnt[i]));
+  }
+  __syncwarp();
+  return rounds;
+}
+
+// encode_warp (need_sse false) on the compact layout: the flat-order sums over two halves of the
+// chunk (flat positions 0..255 from lanes 0-15, then 256..511 from lanes 16-31), in order.
+__device__ void encode_c(SmemC& s, int lane, const float (&x)[kIpt], int scale, int n_entries, const TileOut& o) {
+  if (lane == 0) build_codebook(s, scale, n_entries);
+  __syncwarp();
+  float cb[kCodebookSize], mid[kCodebookSize];
+#pragma unroll
+  for (int j = 0; j < kCodebookSize; ++j) cb[j] = s.cbv[j];
+  mid[0] = __int_as_float(0x7f800000);
+#pragma unroll
+  for (int j = 1; j < kCodebookSize; ++j)
+    mid[j] = cb[j] != cb[j - 1] ? 0.5f * cb[j - 1] + 0.5f * cb[j] : __int_as_float(0x7f800000);
+  std::uint32_t w[2] = {0u, 0u};
+#pragma unroll
+  for (int q = 0; q < kIpt; ++q) {
+    const float xv = x[q];
+    int idx = 0;
+#pragma unroll
+    for (int j = 1; j < kCodebookSize; ++j)
+      if (xv > mid[j]) idx = j;
+    w[q >> 3] |= static_cast<std::uint32_t>(idx) << (3 * (q & 7));
+  }
+  double sse = 0.0, ssq = 0.0;
+  if (o.sse || o.ssq) {
+    double acc = 0.0;  // lane 0: sse, lane 1: sum of squares
+    for (int h = 0; h < 2; ++h) {
+      if ((lane >> 4) == h) {
+#pragma unroll
+        for (int q = 0; q < kIpt; ++q) {
+          // (the value of the run of slot idx is cb[idx], as encode_assign's val)
+          const float val = s.cbv[(w[q >> 3] >> (3 * (q & 7))) & 7u];
+          const double d = static_cast<double>(x[q]) - static_cast<double>(val);
+          const double xd = static_cast<double>(x[q]);
+          s.chunk[0][kIpt * (lane & 15) + q] = d * d;
+          s.chunk[1][kIpt * (lane & 15) + q] = xd * xd;
+        }
+      }
+      __syncwarp();
+      if (lane < 2 && (lane == 0 || o.ssq)) acc = sum_from(s.chunk[lane], kChunk, acc);
+      __syncwarp();
+    }
+    sse = __shfl_sync(kFull, acc, 0);
+    ssq = __shfl_sync(kFull, acc, 1);
+  }
+  // Lane L holds flat positions 16L..16L+15: bytes 6L..6L+5 of the packed stream.
+#pragma unroll
+  for (int b = 0; b < 3; ++b) {
+    o.packed[6 * lane + b] = static_cast<std::uint8_t>(w[0] >> (8 * b));
+    o.packed[6 * lane + 3 + b] = static_cast<std::uint8_t>(w[1] >> (8 * b));
+  }
+  if (lane < kCodebookSize) o.codebook[lane] = s.cbb[lane];
+  if (lane == 0) {
+    *o.scale = static_cast<std::uint8_t>(scale);
+    if (o.sse) *o.sse = sse;
+    if (o.ssq) *o.ssq = ssq;
+  }
+  __syncwarp();
+}
+
+// Reload: the tile's values are read again from global memory for the encoding instead of being
+// kept in 16 registers over the DP and the refinement.
+template <bool Reload>
+__device__ __forceinline__ void fit_one_c(SmemC& s, int lane, const KernelArgs& a, std::int64_t lt) {
+  float x[kIpt];
+  float am;
+  int n;
+  Prof pr;
+  if (!fit_front_a<false, false>(s, lane, a, lt, pr, x, am, n)) return;
+  int sc;
+  if (a.forced_scale >= 0) {
+    sc = a.forced_scale;
+  } else if (am == 0.0f) {
+    if (lane == 0) s.entries[0] = 0x00;
+    __syncwarp();
+    encode_c(s, lane, x, 127, 1, tile_out(a, lt));
+    return;
+  } else {
+    sc = max(static_cast<int>(ue8m0_rceil(am)), kMinScale);
+  }
+  const int me = bin_edges_c(s, lane, n);
+  const double f = pow2(127 - sc);
+  edge_sums_c(s, lane, n, me, f, f * f);
+  dp_fit_c(s, lane, me);
+  if (me != n) dp_refine_c(s, lane, n, me, sc);
+  if constexpr (Reload) load_tile(a, lt, lane, x);  // (the same values, read again: x is dead over the DP)
+  encode_c(s, lane, x, sc, s.K, tile_out(a, lt));
+}
+
+// W warps per block (2 or 4: static shared memory under 48 KiB); MinWarps: the resident warps per
+// SM asked of the compiler (__launch_bounds__: 20 -> <= 96 registers, 24 -> <= 80).
+template <int W, int MinWarps, bool Reload>
+__global__ void __launch_bounds__(32 * W, MinWarps / W) fit_compact_kernel(KernelArgs a) {
+  __shared__ SmemC sm[W];
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * W;
+  for (std::int64_t lt = static_cast<std::int64_t>(blockIdx.x) * W + w; lt < a.tiles; lt += stride) {
+    fit_one_c<Reload>(sm[w], lane, a, lt);
+    __syncwarp();
+  }
+}
+
+template <int W, int MinWarps, bool Reload>
+void launch_compact(const KernelArgs& a, cudaStream_t stream) {
+  const std::int64_t blocks = std::min<std::int64_t>((a.tiles + W - 1) / W, std::int64_t{1} << 22);
+  fit_compact_kernel<W, MinWarps, Reload><<<static_cast<unsigned>(blocks), 32 * W, 0, stream>>>(a);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) throw std::runtime_error(std::string("quantize_gpu: kernel launch: ") + cudaGetErrorString(e));
+}
+
 template <bool P, bool Opt, int U = kUnroll<Opt>, int Ar = kArith>
 void launch_t(const KernelArgs& a, unsigned long long* d_prof, cudaStream_t stream, const char* who) {
   constexpr int kWarps = Cfg<Opt>::kWarps;
@@ -1082,7 +1549,20 @@ void launch_warp(const KernelArgs& a, cudaStream_t stream) {
   if (a.tiles == 0) return;
   // (the tile check alone is the same code in both instantiations: the smaller one runs it)
   if (a.optimal && !a.check_only) launch_t<false, true>(a, nullptr, stream, "quantize_gpu: kernel launch: ");
-  else launch_t<false, false>(a, nullptr, stream, "quantize_gpu: kernel launch: ");
+  else if (a.check_only) launch_t<false, false>(a, nullptr, stream, "quantize_gpu: kernel launch: ");
+  else launch_warp_layout(a, a.out.sse || a.out.sum_sq ? kWarpLayoutDefault : kWarpLayoutBytesOnly, stream);
+}
+
+void launch_warp_layout(const KernelArgs& a, int layout, cudaStream_t stream) {
+  if (layout < 0 || layout > 4)
+    throw std::invalid_argument("launch_warp_layout: layout must be 0..4, not " + std::to_string(layout));
+  if (a.tiles == 0) return;
+  if (a.optimal || a.check_only) return launch_warp(a, stream);
+  if (layout == 0) launch_t<false, false>(a, nullptr, stream, "quantize_gpu: kernel launch: ");
+  else if (layout == 1) launch_compact<4, 20, false>(a, stream);
+  else if (layout == 2) launch_compact<4, 24, false>(a, stream);
+  else if (layout == 3) launch_compact<2, 20, false>(a, stream);
+  else launch_compact<2, 24, true>(a, stream);
 }
 
 void launch_warp_profiled(const KernelArgs& a, unsigned long long* d_prof, cudaStream_t stream, int arith) {
@@ -1146,6 +1626,15 @@ int resident_warps_per_sm(int which, int pad_bytes) {
     e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, pad_bytes);
     if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, k, 32 * Cfg<false>::kWarps, pad_bytes);
     return e == cudaSuccess ? blocks * Cfg<false>::kWarps : -1;
+  }
+  if (which >= 3 && which <= 6) {  // launch_warp_layout 1..4
+    const int W = which <= 4 ? 4 : 2;
+    auto* k = which == 3 ? fit_compact_kernel<4, 20, false>
+              : which == 4 ? fit_compact_kernel<4, 24, false>
+              : which == 5 ? fit_compact_kernel<2, 20, false>
+                           : fit_compact_kernel<2, 24, true>;
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, k, 32 * W, 0);
+    return e == cudaSuccess ? blocks * W : -1;
   }
   if (which == 1) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fit_pair_kernel<kUnroll<false>, kArith, true>, 32, 0);
   else e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fit_pair_kernel<kUnroll<false>, kArith, false>, 32, 0);

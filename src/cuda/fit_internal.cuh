@@ -75,10 +75,30 @@ void launch_warp_tiles(const KernelArgs& a, int tiles_per_warp, cudaStream_t str
 /// two-tiles-per-warp kernel gets): the benchmark's measure of what the warps per SM alone are
 /// worth. Same bytes as launch_warp.
 void launch_warp_padded(const KernelArgs& a, int pad_bytes, cudaStream_t stream);
-/// Resident warps per SM by the occupancy calculator (-1 on a CUDA error): `which` 0 the default
-/// binned-dp kernel with `pad_bytes` (launch_warp_padded; 0 = as launch_warp), 1 two tiles per
-/// warp, 2 two tiles per warp with the refinement on all lanes.
+/// Resident warps per SM by the occupancy calculator (-1 on a CUDA error): `which` 0 the binned-dp
+/// one-tile kernel with the fit11 layout (launch_warp_layout 0) and `pad_bytes` (launch_warp_padded),
+/// 1 two tiles per warp, 2 two tiles per warp with the refinement on all lanes, 3..6 the compact
+/// layouts (launch_warp_layout 1..4).
 int resident_warps_per_sm(int which, int pad_bytes = 0);
+
+/// Shared-memory layout of the binned-dp one-tile warp kernel (fit12; src/cuda/fit_binned_dp_warp.cu):
+///   0: fit11's (prefix sums p[2][513] in shared memory, ~13.7 KB per warp, 2-warp blocks, 98
+///      registers: 16 resident warps per SM on an H200);
+///   1..4: compact (prefix sums only at the bin edges, the refinement windows' sums re-derived per
+///      round, chunked running and flat-order sums; 9,168 B per warp):
+///   1: 4-warp blocks, compiled for 20 resident warps per SM (96 registers, no local memory);
+///   2: 4-warp blocks, 24 warps per SM (80 registers; ptxas spills ~124 B per thread to local memory);
+///   3: 2-warp blocks, 20 warps per SM (96 registers, no local memory);
+///   4: 2-warp blocks, 24 warps per SM, the tile's values read again from global memory for the
+///      encoding instead of kept in registers (80 registers; spills ~44 B).
+/// Same bytes and per-tile sums (tested). launch_warp takes kWarpLayoutDefault for binned-dp fits
+/// that write the per-tile sums (quantize_gpu, the online method) and kWarpLayoutBytesOnly for those
+/// that do not (fit_device with null sse and sum_sq): the fastest layout without local memory in
+/// each case on the H200 (docs/perf/fit-gpu.md, fit12: with the sums layout 1 is 3-6 % faster than
+/// 0, bytes only 4-6 % slower). Optimal fits and check-only launches ignore the layout.
+inline constexpr int kWarpLayoutDefault = 1;
+inline constexpr int kWarpLayoutBytesOnly = 0;
+void launch_warp_layout(const KernelArgs& a, int layout, cudaStream_t stream);
 
 /// Error word of a failing tile: (tile << 12) | (code << 9) | position (decode_fit_error).
 __host__ __device__ inline unsigned long long error_word(std::int64_t tile, int code, int pos) {

@@ -365,8 +365,10 @@ TEST(FitGpu, ScanVariantsSameBytes) {
 // packed bytes, codebooks, scales, per-tile sums (sse and sum of squares added in tile order ==
 // FitStats) and no error word; with `sums` false, the bytes without the per-tile sums. Returns the
 // number of tiles.
+// `layout` -1: two tiles per warp (launch_warp_tiles(a, 2)); 0..2: the one-tile kernel with that
+// shared-memory layout (launch_warp_layout, fit12).
 std::int64_t expect_two_tiles_same(const void* src, DType type, const LutbShape& s, int forced_scale = -1,
-                                   bool sums = true) {
+                                   bool sums = true, int layout = -1) {
   FitOptions fo;
   fo.forced_scale = forced_scale;
   LutbTensor cpu;
@@ -391,7 +393,8 @@ std::int64_t expect_two_tiles_same(const void* src, DType type, const LutbShape&
                                                        d_out + n * (kPackedBytes + kCodebookSize),
                                                        sums ? d_sums : nullptr, sums ? d_sums + n : nullptr},
                                     forced_scale, d_err};
-  cuda::fit_internal::launch_warp_tiles(ka, 2, nullptr);
+  if (layout < 0) cuda::fit_internal::launch_warp_tiles(ka, 2, nullptr);
+  else cuda::fit_internal::launch_warp_layout(ka, layout, nullptr);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   std::vector<std::uint8_t> h(n * (kPackedBytes + kCodebookSize + 1));
   std::vector<double> hs(2 * n);
@@ -411,7 +414,8 @@ std::int64_t expect_two_tiles_same(const void* src, DType type, const LutbShape&
                     kCodebookSize) != 0 ||
         h[n * (kPackedBytes + kCodebookSize) + t] != cpu.scale[t])
       bad = static_cast<std::int64_t>(t);
-  EXPECT_EQ(bad, -1) << "two tiles per warp: bytes differ first at tile " << bad;
+  EXPECT_EQ(bad, -1) << (layout < 0 ? "two tiles per warp" : "layout " + std::to_string(layout))
+                     << ": bytes differ first at tile " << bad;
   if (sums) {
     FitStats sg;
     for (std::size_t t = 0; t < n; ++t) {
@@ -538,6 +542,101 @@ TEST(FitGpu, TwoTilesPerWarpRandom) {
       EXPECT_GT(expect_two_tiles_same(v.data(), DType::F32, s), 0);
     }
   }
+}
+
+// The one-tile binned-dp kernel's shared-memory layouts (fit12, fit_internal::launch_warp_layout):
+// 0 fit11's (prefix sums in shared memory), 1..4 the compact one (prefix sums at the bin edges,
+// the refinement windows' sums re-derived per round, chunked running and flat-order sums) in 4- and
+// 2-warp blocks compiled for 20 and 24 resident warps per SM (4: the values read again for the
+// encoding). Each writes the CPU's bytes and sums: the edge tiles F32 and
+// BF16 (also without the sums), forced scales 3..246, mixed tiles (log-uniform over 32 binades,
+// sparse, 33..64 distinct values), one padded tile, random Gaussian / Student-t(3) / Laplace BF16
+// [2, 64, 512], FP32 [2, 128, 1024] (512 distinct values: the most bin edges and refinement
+// windows), padded [3, 21, 200] and [1, 13, 70]; the error word of a NaN / -Inf stack equals
+// layout 0's; other layouts are refused.
+TEST(FitGpu, LayoutsSameBytes) {
+  LUTB_GPU_OR_SKIP();
+  std::int64_t ne = 0;
+  const std::vector<float> edges = edge_tiles(ne);
+  const auto eb = to_bf16(edges);
+  const auto small = random_values(8 * 64 * 5, Dist::kStudentT3, 0.02f, 9);
+  std::vector<float> mixed;
+  const int nmix = 63;
+  {
+    std::mt19937 g(79);
+    std::uniform_real_distribution<float> ud(-30.0f, 2.0f);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    std::bernoulli_distribution sign(0.5), sparse(0.1);
+    mixed.resize(static_cast<std::size_t>(8 * 64 * nmix));
+    for (int t = 0; t < nmix; ++t)
+      for (int f = 0; f < 512; ++f) {
+        float v;
+        if (t % 3 == 0) v = (sign(g) ? 1.0f : -1.0f) * std::exp2(ud(g));
+        else if (t % 3 == 1) v = sparse(g) ? 0.05f * nd(g) : 0.0f;
+        else v = 0.001f * static_cast<float>((f * 37) % (33 + t % 32)) - 0.02f;
+        mixed[static_cast<std::size_t>((f / 64) * 64 * nmix + t * 64 + f % 64)] = v;
+      }
+  }
+  for (int layout : {0, 1, 2, 3, 4}) {
+    SCOPED_TRACE("layout " + std::to_string(layout));
+    EXPECT_EQ(expect_two_tiles_same(edges.data(), DType::F32, stack(1, 8, 64 * ne), -1, true, layout), ne);
+    EXPECT_EQ(expect_two_tiles_same(eb.data(), DType::BF16, stack(1, 8, 64 * ne), -1, true, layout), ne);
+    EXPECT_EQ(expect_two_tiles_same(eb.data(), DType::BF16, stack(1, 8, 64 * ne), -1, false, layout), ne);
+    for (int fs : {3, 100, 120, 127, 246}) {
+      SCOPED_TRACE("forced scale " + std::to_string(fs));
+      expect_two_tiles_same(small.data(), DType::F32, stack(1, 8, 320), fs, true, layout);
+    }
+    EXPECT_EQ(expect_two_tiles_same(mixed.data(), DType::F32, stack(1, 8, 64 * nmix), -1, true, layout), nmix);
+    struct Case {
+      Dist d;
+      std::int64_t e, n, k;
+      bool bf16;
+    };
+    for (const Case& c : {Case{Dist::kGauss, 2, 64, 512, true}, Case{Dist::kStudentT3, 2, 64, 512, true},
+                          Case{Dist::kLaplace, 2, 64, 512, true}, Case{Dist::kStudentT3, 2, 128, 1024, false},
+                          Case{Dist::kGauss, 2, 128, 1024, false}, Case{Dist::kGauss, 3, 21, 200, false},
+                          Case{Dist::kLaplace, 1, 13, 70, true}, Case{Dist::kGauss, 1, 5, 33, true}}) {
+      SCOPED_TRACE("dist " + std::to_string(static_cast<int>(c.d)) + " [" + std::to_string(c.e) + ", " +
+                   std::to_string(c.n) + ", " + std::to_string(c.k) + "]" + (c.bf16 ? " BF16" : " F32"));
+      const LutbShape s = stack(c.e, c.n, c.k);
+      const auto v = random_values(static_cast<std::size_t>(c.e * c.n * c.k), c.d, 0.02f,
+                                   static_cast<std::uint32_t>(103 * c.n + c.k + static_cast<int>(c.d)));
+      if (c.bf16) EXPECT_GT(expect_two_tiles_same(to_bf16(v).data(), DType::BF16, s, -1, true, layout), 0);
+      else EXPECT_GT(expect_two_tiles_same(v.data(), DType::F32, s, -1, true, layout), 0);
+    }
+  }
+  {  // error words: NaN in tile 2, -Inf in tile 3 of 6
+    auto v = random_values(8 * 64 * 6, Dist::kGauss, 0.02f, 13);
+    v[static_cast<std::size_t>(3 * 64 * 6 + 2 * 64 + 17)] = std::numeric_limits<float>::quiet_NaN();
+    v[static_cast<std::size_t>(5 * 64 * 6 + 3 * 64 + 60)] = -std::numeric_limits<float>::infinity();
+    float* d_src = nullptr;
+    std::uint8_t* d_out = nullptr;
+    unsigned long long* d_err = nullptr;
+    ASSERT_EQ(cudaMalloc(&d_src, v.size() * 4), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&d_out, 6 * (kPackedBytes + kCodebookSize + 1)), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&d_err, 8), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(d_src, v.data(), v.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    unsigned long long words[5] = {};
+    for (int layout : {0, 1, 2, 3, 4}) {
+      cuda::fit_internal::KernelArgs ka{d_src, 0, 8, 64 * 6, 1, 6, 6, 0,
+                                        cuda::DeviceFitOut{d_out, d_out + 6 * kPackedBytes,
+                                                           d_out + 6 * (kPackedBytes + kCodebookSize), nullptr, nullptr},
+                                        -1, d_err};
+      ASSERT_EQ(cudaMemset(d_err, 0xff, 8), cudaSuccess);
+      cuda::fit_internal::launch_warp_layout(ka, layout, nullptr);
+      ASSERT_EQ(cudaMemcpy(&words[layout], d_err, 8, cudaMemcpyDeviceToHost), cudaSuccess);
+    }
+    for (int layout = 1; layout < 5; ++layout) EXPECT_EQ(words[layout], words[0]) << "layout " << layout;
+    EXPECT_EQ(cuda::decode_fit_error(words[0]).tile, 2);
+    EXPECT_EQ(cuda::decode_fit_error(words[0]).code, 1);
+    cudaFree(d_src);
+    cudaFree(d_out);
+    cudaFree(d_err);
+  }
+  cuda::fit_internal::KernelArgs ka{};
+  ka.tiles = 1;
+  EXPECT_THROW(cuda::fit_internal::launch_warp_layout(ka, 5, nullptr), std::invalid_argument);
+  EXPECT_THROW(cuda::fit_internal::launch_warp_layout(ka, -1, nullptr), std::invalid_argument);
 }
 
 // Heavy mixtures: log-uniform magnitudes over many binades (FP32 sums that round), sparse tiles

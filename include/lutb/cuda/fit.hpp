@@ -6,7 +6,8 @@
 // Byte equality with lutb::quantize(..., FitOptions{fitter, forced_scale}) holds for every kernel
 // (GpuFitKernel below):
 //  - Warp (default, src/cuda/fit_binned_dp_warp.cu): one warp per 8x64 tile, tables in shared
-//    memory (binned-dp ~13.3 KiB per warp, optimal ~26 KiB; no local memory); one kernel source
+//    memory (binned-dp ~9.2 KiB per warp when the per-tile sums are written, else ~13.3 KiB;
+//    optimal ~26 KiB; no local memory); one kernel source
 //    templated on the fitter. The byte-deciding scalar arithmetic is the CPU fitter's own
 //    (src/fit/fit_scalar.hpp, compiled with -fmad=false here and -ffp-contract=off there); the
 //    sort, the DP levels, the refinement tables and the encoding are spread over the lanes in ways
@@ -52,7 +53,7 @@ GpuFitter gpu_fitter(std::string_view name);
 const char* gpu_fitter_name(GpuFitter f);
 
 /// Which kernel fits the tiles. Both give the CPU fitter's bytes.
-///   Warp (default): one warp per tile, per-warp tables in shared memory (~13 KiB), the sort, the
+///   Warp (default): one warp per tile, per-warp tables in shared memory (9-13 KiB), the sort, the
 ///     DP levels, the refinement tables and the encoding spread over the lanes
 ///     (src/cuda/fit_binned_dp_warp.cu); no local-memory reservation.
 ///   Thread: the first port, one thread per tile with ~19 KiB of local memory per thread
@@ -124,7 +125,7 @@ GpuFitError decode_fit_error(unsigned long long word);
 /// synchronisation. The bytes are lutb::quantize's with that fitter and forced_scale (-1 or
 /// 3..246). d_error (one unsigned long long of device memory) is set to all ones first and
 /// receives the smallest failing tile's word (decode_fit_error); outputs of failing tiles are left
-/// unwritten. With sse / sum_sq null the per-tile sums are not computed (binned-dp is then ~15 %
+/// unwritten. With sse / sum_sq null the per-tile sums are not computed (binned-dp is then ~10 %
 /// faster; optimal computes the tile error anyway for its scale search). Throws
 /// std::invalid_argument for bad arguments (optimal with GpuFitKernel::Thread included) and
 /// std::runtime_error when the launch fails.
