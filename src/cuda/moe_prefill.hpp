@@ -61,15 +61,11 @@ int prefill_tile_rows(PrefillTile t);
 /// For benchmarks and tests; not thread-safe against concurrent forwards.
 void set_prefill_tile(PrefillTile t);
 
-/// Heuristic for the dispatcher: true when the prefill GEMMs are expected to beat the decode
-/// kernels, i.e. when the mean number of (token, expert) pairs per touched expert,
-/// T*k / min(E, T*k), is at least 24. Measured on the H200 (docs/perf/moe-gpu-prefill.md,
-/// 2026-11-30, against the decode kernels of main 6e814f9): at 8 pairs per expert (DeepSeek-V3,
-/// T = 256) the 64-row token tiles are mostly empty and prefill is 0.67x the decode path; at 16
-/// (Qwen3, T = 256) they are even (0.96-1.03x over two runs); at 32 (DeepSeek-V3, T = 1024) prefill
-/// is 1.6x faster and at 64 or more 1.8-2.6x. 24 sits between the break-even and the first clear
-/// win. The dispatcher's rule is choose_strategy (lutb/cuda/moe.hpp, kPrefillMinTokensPerExpert);
-/// this is the same rule, kept for the prefill tests.
+/// Heuristic for the dispatcher: true when the prefill GEMMs are expected to beat the swap-AB
+/// decode kernels, i.e. when the mean number of (token, expert) pairs per touched expert,
+/// T*k / min(E, T*k), is at least kPrefillMinTokensPerExpert (36; the measurements are beside it in
+/// lutb/cuda/moe.hpp: the crossover lies between 32 and 40 on every benchmark shape). The
+/// dispatcher's rule is choose_strategy; this is the same rule, kept for the prefill tests.
 inline bool prefer_lutb_prefill(std::int64_t tokens, int top_k, std::int64_t experts) {
   return tokens > 0 && choose_strategy(tokens, top_k, experts, true) == MoeStrategy::Prefill;
 }

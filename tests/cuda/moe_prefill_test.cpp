@@ -344,22 +344,31 @@ TEST(PrefillCuda, NonFiniteActivationBlockGivesNanRowLikeTheReference) {
   expect_matches(take_rows(got, H, rows), take_rows(ref, H, rows));
 }
 
-TEST(PrefillCuda, HeuristicThresholdIs24PairsPerTouchedExpert) {
+// The measured crossover (include/lutb/cuda/moe.hpp, kPrefillMinTokensPerExpert): swap-AB decode up
+// to 32 pairs per touched expert, where it was 1.13-1.18x faster on the H200; prefill from 40, where
+// it was 1.01-1.19x faster; the benchmark shapes' batch sizes on either side.
+TEST(PrefillCuda, HeuristicThresholdIs36PairsPerTouchedExpert) {
+  EXPECT_EQ(cuda::kPrefillMinTokensPerExpert, 36.0);
   EXPECT_FALSE(cuda::prefer_lutb_prefill(256, 8, 256));   // DeepSeek-V3, T = 256: 8 pairs per expert
-  EXPECT_FALSE(cuda::prefer_lutb_prefill(256, 8, 128));   // Qwen3, T = 256: 16 (break-even)
-  EXPECT_TRUE(cuda::prefer_lutb_prefill(384, 8, 128));    // 24
-  EXPECT_TRUE(cuda::prefer_lutb_prefill(1024, 8, 256));   // 32
+  EXPECT_FALSE(cuda::prefer_lutb_prefill(1024, 8, 256));  // DeepSeek-V3, T = 1024: 32
+  EXPECT_FALSE(cuda::prefer_lutb_prefill(1136, 8, 256));  // 35.5
+  EXPECT_TRUE(cuda::prefer_lutb_prefill(1152, 8, 256));   // 36
+  EXPECT_TRUE(cuda::prefer_lutb_prefill(1280, 8, 256));   // 40
+  EXPECT_FALSE(cuda::prefer_lutb_prefill(512, 8, 128));   // Qwen3, T = 512: 32
+  EXPECT_TRUE(cuda::prefer_lutb_prefill(640, 8, 128));    // Qwen3, T = 640: 40
+  EXPECT_FALSE(cuda::prefer_lutb_prefill(128, 2, 8));     // Mixtral, T = 128: 32
+  EXPECT_TRUE(cuda::prefer_lutb_prefill(160, 2, 8));      // Mixtral, T = 160: 40
   EXPECT_FALSE(cuda::prefer_lutb_prefill(4, 2, 8));       // 8 pairs over 8 experts
-  EXPECT_TRUE(cuda::prefer_lutb_prefill(96, 2, 8));       // 24
   EXPECT_FALSE(cuda::prefer_lutb_prefill(0, 8, 256));
-  // The dispatcher (choose_strategy): swap-AB decode below 24 pairs per touched expert.
+  // The dispatcher (choose_strategy) applies the same rule.
   EXPECT_EQ(cuda::choose_strategy(1, 8, 256), cuda::MoeStrategy::Decode);
-  EXPECT_EQ(cuda::choose_strategy(256, 8, 128), cuda::MoeStrategy::Decode);
-  EXPECT_EQ(cuda::choose_strategy(384, 8, 128), cuda::MoeStrategy::Prefill);
+  EXPECT_EQ(cuda::choose_strategy(1024, 8, 256), cuda::MoeStrategy::Decode);
+  EXPECT_EQ(cuda::choose_strategy(640, 8, 128), cuda::MoeStrategy::Prefill);
   EXPECT_EQ(cuda::choose_strategy(4096, 8, 256), cuda::MoeStrategy::Prefill);
   EXPECT_EQ(cuda::decode_token_blocks(1, 8, 256), 1);
   EXPECT_EQ(cuda::decode_token_blocks(256, 8, 256), 2);   // 8 pairs per expert
   EXPECT_EQ(cuda::decode_token_blocks(256, 8, 128), 2);   // 16: two 16-token tiles per expert
+  EXPECT_EQ(cuda::decode_token_blocks(1024, 8, 256), 2);  // 32: the decode side of the threshold
 }
 
 TEST(PrefillCuda, TileHeuristicKeeps64RowTilesUnlessForced) {

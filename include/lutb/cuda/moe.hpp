@@ -116,12 +116,15 @@ void route_deepseek(const float* logits, const float* bias, std::int64_t tokens,
 enum class MoeStrategy : std::uint8_t { Auto, Decode, Prefill, DecodeM16 };
 
 /// LUT-B: the CTA-tiled Prefill kernels from this many tokens per touched expert
-/// (T*k / min(E, T*k)) on, the swap-AB Decode kernels below. Measured on the H200
-/// (docs/perf/moe-gpu.md, 2026-11-30 ~02:50 UTC): swap-AB is 1.4-3.0x faster than DecodeM16 at 1-4
-/// tokens per expert, 1.0-1.2x at 8-16 (Qwen3-30B T=256 0.97x) and 1.0-1.1x beyond, so Auto never
-/// picks DecodeM16; prefill breaks even near 16 tokens per expert and wins from 32
-/// (docs/perf/moe-gpu-prefill.md).
-inline constexpr double kPrefillMinTokensPerExpert = 24.0;
+/// (T*k / min(E, T*k)) on, the swap-AB Decode kernels below. Measured on the H200 (2026-11-30
+/// ~13:35 UTC, docs/perf/moe-gpu.md "Strategy threshold", log gpu-logs/main-2026-11-30f-run1/
+/// threshold_sweep.md; both strategies forced, twice, every shape): swap-AB Decode is 1.19-1.46x
+/// faster than Prefill at 24 tokens per expert and 1.13-1.18x at 32 (Qwen3-30B: even), Prefill is
+/// 1.01-1.19x faster at 40 and 1.16-1.35x at 48, on DeepSeek-V3, Qwen3-235B, Qwen3-30B and
+/// Mixtral alike: the crossover lies between 32 and 40 on every shape. (It was 24 until then,
+/// chosen against the older DecodeM16 kernel, which swap-AB replaced.) Auto never picks DecodeM16:
+/// swap-AB is 1.4-3.0x faster at 1-4 tokens per expert and 1.0-1.2x beyond.
+inline constexpr double kPrefillMinTokensPerExpert = 36.0;
 
 /// Heuristic, kept apart from the kernels.
 ///   BF16 weights (packed_weights = false): Prefill when the mean number of tokens per touched
