@@ -117,7 +117,7 @@ enum class MoeStrategy : std::uint8_t { Auto, Decode, Prefill, DecodeM16 };
 
 /// LUT-B: the CTA-tiled Prefill kernels from this many tokens per touched expert
 /// (T*k / min(E, T*k)) on, the swap-AB Decode kernels below. Measured on the H200 (2026-11-30
-/// ~13:35 UTC, docs/perf/moe-gpu.md "Strategy threshold", log gpu-logs/main-2026-11-30f-run1/
+/// ~13:20 UTC, docs/perf/moe-gpu.md "Strategy threshold", log gpu-logs/main-2026-11-30f-run1/
 /// threshold_sweep.md; both strategies forced, twice, every shape): swap-AB Decode is 1.19-1.46x
 /// faster than Prefill at 24 tokens per expert and 1.13-1.18x at 32 (Qwen3-30B: even), Prefill is
 /// 1.01-1.19x faster at 40 and 1.16-1.35x at 48, on DeepSeek-V3, Qwen3-235B, Qwen3-30B and
