@@ -143,7 +143,9 @@ struct ModelConfig {
 /// Parses a config.json object. `where` names its file in error messages. Throws ConfigError naming
 /// `where` and the key when a required key is missing or has the wrong type, when a size or count
 /// is negative or does not fit a 32-bit integer (what the model parser accepts), when the experts
-/// keys disagree, and, for an unsupported model_type, naming it and the supported ones.
+/// keys disagree, for an unsupported model_type, naming it and the supported ones, and for a
+/// quantization_config whose quant_method is neither LUT-B ("lut_b", or compressed-tensors "lut-b")
+/// nor absent (e.g. DeepSeek-V3's FP8 release, "fp8"): lutb reads only float or LUT-B weights.
 ModelConfig parse_model_config(const nlohmann::json& config, const std::string& where = "config.json");
 /// Reads and parses `path` (a config.json file or a checkpoint directory holding one).
 ModelConfig load_model_config(const std::filesystem::path& path);

@@ -253,6 +253,26 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& where
   c.rms_norm_eps = opt_num(j, "rms_norm_eps", where).value_or(c.family == ModelFamily::mixtral ? 1e-5 : 1e-6);
   c.tie_word_embeddings = opt_bool(j, "tie_word_embeddings", where).value_or(false);
   c.hidden_act = opt_str(j, "hidden_act", where).value_or("silu");
+
+  // A checkpoint quantised by another method stores its weights in that method's format: DeepSeek-V3's
+  // official release is FP8 (F8_E4M3 weights with weight_scale_inv block scales), which lutb would read
+  // without the scales (new-user finding, session 12: lutb eval gave 7.84 nats instead of 3.89, and
+  // lutb quantize wrote a "lut_b" config over the FP8 one). Only LUT-B or no quantization_config loads.
+  if (auto q = j.find("quantization_config"); q != j.end() && q->is_object()) {
+    const auto m = q->find("quant_method");
+    const std::string method = (m != q->end() && m->is_string()) ? m->get<std::string>() : std::string();
+    if (!method.empty() && method != "lut_b" && !parse_lutb_quant_config(j, where))
+      detail::throw_config_key(
+          where, "quantization_config.quant_method",
+          fmt::format("\"{}\" is not supported: lutb reads checkpoints whose weights are BF16, F16 or F32 (or "
+                      "LUT-B, quant_method \"lut_b\"){}; dequantise the checkpoint to BF16 first (if its weights "
+                      "already are BF16, remove quantization_config from {})",
+                      method,
+                      method == "fp8" ? ", and an FP8 checkpoint (such as DeepSeek-V3's release) stores F8_E4M3 "
+                                        "weights whose weight_scale_inv block scales lutb does not apply"
+                                      : "",
+                      where));
+  }
   return c;
 }
 

@@ -58,13 +58,16 @@ struct Loader {
   std::vector<float> tensor(const std::string& name, std::vector<std::int64_t> shape) const {
     if (!st.contains(name)) throw ModelError(fmt::format("{}: missing tensor {}", dir, name));
     const TensorView& t = st.get(name);
+    // Errors name the file that holds the tensor (new-user finding, session 12: they named the folder,
+    // and a dtype error repeated the tensor: "m: tensor X: tensor 'X': dtype I16 cannot be read ...").
+    const std::string file = st.file_of(name).path().string();
     if (t.shape != shape)
-      throw ModelError(fmt::format("{}: tensor {} has shape [{}], expected [{}]", dir, name, fmt::join(t.shape, ", "),
+      throw ModelError(fmt::format("{}: tensor {} has shape [{}], expected [{}]", file, name, fmt::join(t.shape, ", "),
                                    fmt::join(shape, ", ")));
     try {
       return t.to_float();
     } catch (const std::exception& e) {
-      throw ModelError(fmt::format("{}: tensor {}: {}", dir, name, e.what()));
+      throw ModelError(fmt::format("{}: {}", file, e.what()));  // e names the tensor and the dtype
     }
   }
   bool has(const std::string& name) const { return st.contains(name); }
