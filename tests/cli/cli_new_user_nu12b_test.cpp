@@ -1,0 +1,129 @@
+// Defects a fresh new user found in session 12 (helper nu12b), on copies of the tiny real models
+// damaged one tensor at a time. Each test failed on the code before its fix.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "model/model_test_util.hpp"
+#include "support/test_support.hpp"
+
+namespace lutb {
+namespace {
+
+namespace fs = std::filesystem;
+using test::TempDir;
+
+// A writable copy of a shared model folder (the files the commands read).
+fs::path copy_model(const fs::path& src, const fs::path& dst) {
+  fs::create_directories(dst);
+  for (const char* f : {"config.json", "model.safetensors", "val_tokens.safetensors", "moe_activations.safetensors"}) {
+    if (!fs::exists(src / f)) continue;
+    fs::copy_file(src / f, dst / f);
+    fs::permissions(dst / f, fs::perms::owner_read | fs::perms::owner_write);
+  }
+  return dst;
+}
+
+// Rewrites the header of a safetensors file in place (its length kept: padded with spaces).
+void edit_header(const fs::path& file, const std::function<void(nlohmann::json&)>& edit) {
+  std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+  std::uint64_t hn = 0;
+  f.read(reinterpret_cast<char*>(&hn), 8);
+  std::string header(hn, '\0');
+  f.read(header.data(), static_cast<std::streamsize>(hn));
+  auto j = nlohmann::json::parse(header);
+  edit(j);
+  std::string out = j.dump();
+  ASSERT_LE(out.size(), hn);
+  out.resize(hn, ' ');
+  f.seekp(8);
+  f.write(out.data(), static_cast<std::streamsize>(out.size()));
+}
+
+// Overwrites element `index` (of `bytes` bytes) of tensor `name` with `value`.
+void poke(const fs::path& file, const std::string& name, std::int64_t index, const void* value, std::size_t bytes) {
+  std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+  std::uint64_t hn = 0;
+  f.read(reinterpret_cast<char*>(&hn), 8);
+  std::string header(hn, '\0');
+  f.read(header.data(), static_cast<std::streamsize>(hn));
+  const auto j = nlohmann::json::parse(header);
+  const std::uint64_t off = 8 + hn + j.at(name).at("data_offsets")[0].get<std::uint64_t>() + index * bytes;
+  f.seekp(static_cast<std::streamoff>(off));
+  f.write(static_cast<const char*>(value), static_cast<std::streamsize>(bytes));
+}
+
+bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+// Item 1: lutb quantize copied broken non-expert tensors without a look; only lutb eval, after the
+// whole quantisation, refused them. Now refused before anything is written, with the loader's wording.
+class QuantizeChecksDenseTensors : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const auto src = test::model_dir("tiny-qwen3-moe");
+    if (!src) GTEST_SKIP() << "model tiny-qwen3-moe absent (../shared/models): skipping";
+    m = copy_model(*src, t.path / "m");
+    out = t.path / "out";
+  }
+  test::CliResult quantize() const {
+    return test::run_cli("quantize " + test::quote(m) + " -o " + test::quote(out) + " --no-progress --threads 1");
+  }
+  void expect_refused(const test::CliResult& r, const std::string& message) const {
+    EXPECT_EQ(r.status, 1) << r.err;
+    EXPECT_TRUE(contains(r.err, "lutb: error: " + message + "; nothing written")) << r.err;
+    EXPECT_FALSE(fs::exists(out));
+    for (const auto& e : fs::directory_iterator(t.path))  // no temporary left either
+      EXPECT_TRUE(e.path().filename() == "m") << e.path();
+  }
+  TempDir t;
+  fs::path m, out;
+};
+
+TEST_F(QuantizeChecksDenseTensors, RouterOfTheWrongShape) {
+  // Same byte count, so the file stays valid: [16, 256] stored as [32, 128].
+  edit_header(m / "model.safetensors",
+              [](nlohmann::json& j) { j["model.layers.1.mlp.gate.weight"]["shape"] = {32, 128}; });
+  expect_refused(quantize(), (m / "model.safetensors").string() +
+                                 ": tensor model.layers.1.mlp.gate.weight has shape [32, 128], expected [16, 256]");
+}
+
+TEST_F(QuantizeChecksDenseTensors, MissingEmbedding) {
+  edit_header(m / "model.safetensors", [](nlohmann::json& j) {
+    j["model.embed_tokens.weighX"] = j["model.embed_tokens.weight"];
+    j.erase("model.embed_tokens.weight");
+  });
+  expect_refused(quantize(), m.string() + ": missing tensor model.embed_tokens.weight");
+}
+
+TEST_F(QuantizeChecksDenseTensors, IntegerLayerNorm) {
+  edit_header(m / "model.safetensors",
+              [](nlohmann::json& j) { j["model.layers.0.input_layernorm.weight"]["dtype"] = "I16"; });
+  expect_refused(quantize(), (m / "model.safetensors").string() +
+                                 ": tensor 'model.layers.0.input_layernorm.weight': dtype I16 cannot be read as "
+                                 "floating point");
+}
+
+TEST_F(QuantizeChecksDenseTensors, NaNLayerNormFoundWhileCopying) {
+  const std::uint16_t nan = 0x7fc0;
+  poke(m / "model.safetensors", "model.layers.1.post_attention_layernorm.weight", 5, &nan, 2);
+  expect_refused(quantize(), (m / "model.safetensors").string() +
+                                 ": tensor model.layers.1.post_attention_layernorm.weight (BF16) holds NaN at [5]: lutb "
+                                 "eval and lutb moe cannot compute with a non-finite weight");
+}
+
+TEST_F(QuantizeChecksDenseTensors, UndamagedCopyStillQuantises) {
+  const test::CliResult r = quantize();
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_TRUE(fs::exists(out / "model.safetensors"));
+}
+
+}  // namespace
+}  // namespace lutb
