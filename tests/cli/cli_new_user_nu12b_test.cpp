@@ -125,5 +125,49 @@ TEST_F(QuantizeChecksDenseTensors, UndamagedCopyStillQuantises) {
   EXPECT_TRUE(fs::exists(out / "model.safetensors"));
 }
 
+// A tiny-mixtral copy, writable.
+struct Mixtral {
+  Mixtral() {
+    const auto src = test::model_dir("tiny-mixtral");
+    if (src) m = copy_model(*src, t.path / "m");
+  }
+  TempDir t;
+  fs::path m;
+  fs::path st() const { return m / "model.safetensors"; }
+};
+#define MIXTRAL_OR_SKIP(x) \
+  Mixtral x;               \
+  if (x.m.empty()) GTEST_SKIP() << "model tiny-mixtral absent (../shared/models): skipping"
+
+// Item 2: one BF16-max weight (3.39e38) in an expert: `lutb eval --quant none` failed with
+// "non-finite loss ... likely corrupt" naming no tensor. Now refused before the forward pass.
+TEST(NewUserNu12b, HugeExpertWeightNamedByEvalNone) {
+  MIXTRAL_OR_SKIP(x);
+  const std::uint16_t bf16_max = 0x7f7f;
+  const std::string w = "model.layers.1.block_sparse_moe.experts.2.w1.weight";
+  poke(x.st(), w, 5, &bf16_max, 2);
+  const test::CliResult r = test::run_cli("eval " + test::quote(x.m) + " --quant none --max-windows 1 --threads 1");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_TRUE(contains(r.err, "lutb: error: " + x.st().string() + ": tensor " + w +
+                                  " (layer 1, expert 2), row 0 col 5: magnitude 3.3895314e+38 is 2^64 or more"))
+      << r.err;
+  EXPECT_FALSE(contains(r.err, "non-finite loss")) << r.err;
+}
+
+// Item 2: a NaN in the captured activations: `lutb moe` printed "rel_l2 nan" and an error naming
+// neither the activations tensor nor the place.
+TEST(NewUserNu12b, NonFiniteActivationNamed) {
+  MIXTRAL_OR_SKIP(x);
+  const fs::path acts = x.m / "moe_activations.safetensors";
+  const std::uint16_t nan = 0x7fc0;
+  poke(acts, "layers.1.moe_input", 3 * 192 + 7, &nan, 2);
+  const test::CliResult r = test::run_cli("moe " + test::quote(x.m) + " --layer 1 --threads 1");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_TRUE(contains(r.err, "lutb: error: " + acts.string() +
+                                  ": tensor layers.1.moe_input holds NaN at row 3 col 7 (token 3, hidden unit 7)"))
+      << r.err;
+  EXPECT_FALSE(contains(r.out, "rel_l2")) << r.out;
+}
+
 }  // namespace
 }  // namespace lutb
