@@ -112,6 +112,41 @@ void check_f64_range(const fs::path& file, const Planned& p, const TensorView& v
   }
 }
 
+// After the fit refused a tile whose magnitude needs a scale byte above 246: the message as the F64
+// one above, with the row and column of the tile's largest magnitude (the fit's message named only
+// the tile: new-user QA, session 12; src/fit and the GPU fitters share that wording, so the place is
+// added here). Scans the tiles in the fit's order; "" when none is found.
+std::string scale_overflow_at(const fs::path& file, const Planned& p, const TensorView& v) {
+  const std::int64_t rows = p.shape.rows, cols = p.shape.cols, per = rows * cols;
+  const std::int64_t tn_n = (rows + kTileRows - 1) / kTileRows, tk_n = (cols + kTileCols - 1) / kTileCols;
+  const std::size_t es = dtype_size(v.dtype);
+  float x[kTileCols];
+  for (std::int64_t e = 0; e < p.shape.experts; ++e)
+    for (std::int64_t tn = 0; tn < tn_n; ++tn)
+      for (std::int64_t tk = 0; tk < tk_n; ++tk) {
+        float amax = 0.0f;
+        std::int64_t ar = -1, ac = -1;
+        for (std::int64_t r = tn * kTileRows; r < std::min(rows, (tn + 1) * kTileRows); ++r) {
+          const std::int64_t c0 = tk * kTileCols, nc = std::min(cols, c0 + kTileCols) - c0;
+          detail::convert_to_f32(v.data + static_cast<std::size_t>(e * per + r * cols + c0) * es, v.dtype, x, nc);
+          for (std::int64_t c = 0; c < nc; ++c)
+            if (std::fabs(x[c]) > amax) {
+              amax = std::fabs(x[c]);
+              ar = r;
+              ac = c0 + c;
+            }
+        }
+        if (ar < 0 || !std::isfinite(amax) || ue8m0_rceil(amax) <= 246) continue;
+        char buf[32];
+        const auto res = std::to_chars(buf, buf + sizeof(buf), amax);
+        return fmt::format("{}: tensor {}{}, tile ({}, {}): magnitude {} at row {} col {} needs a scale byte above 246 "
+                           "(spec section 2); nothing written",
+                           file.string(), p.name, p.shape.stacked ? fmt::format(", expert {}", e) : "", tn, tk,
+                           std::string_view(buf, static_cast<std::size_t>(res.ptr - buf)), ar, ac);
+      }
+  return {};
+}
+
 // Writes the output tensors of one plan entry (quantising when planned), then releases the source pages.
 // Polls `stop` (see QuantizeOptions::interrupt) before the tensor, between copy chunks and, through
 // the fitter, before every tile. `file` is the source file, for the messages.
@@ -214,6 +249,8 @@ void emit(SafetensorsWriter& w, const Planned& p, const TensorView& v, const Fit
     // (new-user QA session 11); the caller's guard removes the temporary output as this unwinds.
     std::string m = e.what();
     if (m.rfind("quantize: ", 0) == 0) m.erase(0, 10);
+    if (m.find("needs a scale byte above 246") != std::string::npos && m.find(" at row ") == std::string::npos)
+      if (std::string at = scale_overflow_at(file, p, v); !at.empty()) throw std::invalid_argument(at);
     throw std::invalid_argument(fmt::format("{}: {}; nothing written", file.string(), m));
   }
   detail::release_pages(v.data, v.nbytes);

@@ -65,7 +65,7 @@ struct Loader {
   std::vector<std::string>* checked = nullptr;
 
   std::vector<float> tensor(const std::string& name, std::vector<std::int64_t> shape) const {
-    if (!st.contains(name)) throw ModelError(fmt::format("{}: missing tensor {}", dir, name));
+    if (!st.contains(name)) throw ModelError(fmt::format("{}: missing tensor {}{}", dir, name, st.absent_note(name)));
     const TensorView& t = st.get(name);
     // Errors name the file that holds the tensor (new-user finding, session 12: they named the folder,
     // and a dtype error repeated the tensor: "m: tensor X: tensor 'X': dtype I16 cannot be read ...").
@@ -89,7 +89,7 @@ struct Loader {
   /// A tensor whose element count (not its exact shape) must be `n` (the router's correction bias,
   /// Qwen2-MoE's shared_expert_gate [1, H]); check-only mode.
   void check_numel(const std::string& name, std::int64_t n, const std::string& shape) const {
-    if (!st.contains(name)) throw ModelError(fmt::format("{}: missing tensor {}", dir, name));
+    if (!st.contains(name)) throw ModelError(fmt::format("{}: missing tensor {}{}", dir, name, st.absent_note(name)));
     const TensorView& t = st.get(name);
     if (t.numel() != n)
       throw ModelError(fmt::format("{}: tensor {} has shape [{}], expected {}", st.file_of(name).path().string(), name,

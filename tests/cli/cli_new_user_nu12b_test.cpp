@@ -12,6 +12,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "lutb/dtype.hpp"
+#include "lutb/numerics.hpp"
+#include "lutb/safetensors.hpp"
 #include "model/model_test_util.hpp"
 #include "support/test_support.hpp"
 
@@ -59,6 +62,38 @@ void poke(const fs::path& file, const std::string& name, std::int64_t index, con
   const std::uint64_t off = 8 + hn + j.at(name).at("data_offsets")[0].get<std::uint64_t>() + index * bytes;
   f.seekp(static_cast<std::streamoff>(off));
   f.write(static_cast<const char*>(value), static_cast<std::streamsize>(bytes));
+}
+
+// Rewrites a safetensors file: tensor `f32_name` (BF16) converted to F32, and `extra` tensors added.
+void rewrite(const fs::path& file, const std::string& f32_name, const std::vector<std::pair<std::string, std::vector<std::int64_t>>>& extra) {
+  const fs::path tmp = file.string() + ".new";
+  {
+    const SafetensorsFile in(file);
+    SafetensorsWriter w(tmp, in.metadata());
+    for (const auto& n : in.names()) {
+      const TensorView& v = in.get(n);
+      w.declare(n, n == f32_name ? DType::F32 : v.dtype, v.shape);
+    }
+    for (const auto& [n, shape] : extra) w.declare(n, DType::F32, shape);
+    for (const auto& n : in.names()) {
+      const TensorView& v = in.get(n);
+      if (n != f32_name) {
+        w.write(v.data, v.nbytes);
+        continue;
+      }
+      ASSERT_EQ(v.dtype, DType::BF16);
+      const std::vector<float> f = v.to_float();  // exact
+      w.write(f.data(), f.size() * sizeof(float));
+    }
+    for (const auto& [n, shape] : extra) {
+      std::int64_t k = 1;
+      for (auto d : shape) k *= d;
+      const std::vector<float> ones(static_cast<std::size_t>(k), 1.0f);
+      w.write(ones.data(), ones.size() * sizeof(float));
+    }
+    w.commit();
+  }
+  fs::rename(tmp, file);
 }
 
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
@@ -167,6 +202,60 @@ TEST(NewUserNu12b, NonFiniteActivationNamed) {
                                   ": tensor layers.1.moe_input holds NaN at row 3 col 7 (token 3, hidden unit 7)"))
       << r.err;
   EXPECT_FALSE(contains(r.out, "rel_l2")) << r.out;
+}
+
+// Item 3a: one F32 expert in an otherwise BF16 layer: quantize took it, eval refused it ("F32 but the
+// other experts of the stack are BF16"). eval now reads it (exactly: the loss equals the BF16 copy's).
+TEST(NewUserNu12b, MixedDtypeExpertsAccepted) {
+  MIXTRAL_OR_SKIP(x);
+  const test::CliResult before = test::run_cli("eval " + test::quote(x.m) + " --quant none --max-windows 1 --threads 1 --json");
+  ASSERT_EQ(before.status, 0) << before.err;
+  rewrite(x.st(), "model.layers.1.block_sparse_moe.experts.3.w2.weight", {});
+  ASSERT_EQ(SafetensorsFile(x.st()).get("model.layers.1.block_sparse_moe.experts.3.w2.weight").dtype, DType::F32);
+  const test::CliResult after = test::run_cli("eval " + test::quote(x.m) + " --quant none --max-windows 1 --threads 1 --json");
+  ASSERT_EQ(after.status, 0) << after.err;
+  EXPECT_EQ(after.json()["val_loss"].get<double>(), before.json()["val_loss"].get<double>());
+  const test::CliResult lutb = test::run_cli("eval " + test::quote(x.m) + " --quant lutb --max-windows 1 --threads 1 --json");
+  EXPECT_EQ(lutb.status, 0) << lutb.err;
+}
+
+// Item 3b: model.safetensors.index.json leaves out a tensor its shard holds: quantize (which reads the
+// shards) quantised it, eval said "tensor ... not found" without naming the index or the shard.
+TEST(NewUserNu12b, TensorLeftOutOfTheIndexNamesIndexAndShard) {
+  MIXTRAL_OR_SKIP(x);
+  const std::string left = "model.layers.1.block_sparse_moe.experts.3.w2.weight";
+  nlohmann::json map = nlohmann::json::object();
+  {
+    const SafetensorsFile f(x.st());
+    for (const auto& n : f.names())
+      if (n != left) map[n] = "model.safetensors";
+  }
+  std::ofstream(x.m / "model.safetensors.index.json") << nlohmann::json{{"metadata", nlohmann::json::object()}, {"weight_map", map}}.dump();
+  const test::CliResult r = test::run_cli("eval " + test::quote(x.m) + " --quant none --max-windows 1 --threads 1");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_TRUE(contains(r.err, "tensor " + left + " not found; " + x.st().string() + " holds it, but " +
+                                  (x.m / "model.safetensors.index.json").string() +
+                                  "'s weight_map does not list it (add it there)"))
+      << r.err;
+}
+
+// Item 3c: a BF16 weight whose tile needs a scale byte above 246: quantize named the tile only, the F64
+// case the row and column too.
+TEST(NewUserNu12b, ScaleOverflowNamesRowAndColumn) {
+  MIXTRAL_OR_SKIP(x);
+  const std::uint16_t bf16_max = 0x7f7f;
+  const std::string w = "model.layers.0.block_sparse_moe.experts.1.w2.weight";  // [192, 320]
+  ASSERT_EQ(SafetensorsFile(x.st()).get(w).shape, (std::vector<std::int64_t>{192, 320}));
+  poke(x.st(), w, 9 * 320 + 70, &bf16_max, 2);
+  const fs::path out = x.t.path / "q";
+  const test::CliResult r =
+      test::run_cli("quantize " + test::quote(x.m) + " -o " + test::quote(out) + " --no-progress --threads 1");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_TRUE(contains(r.err, "lutb: error: " + x.st().string() + ": tensor " + w +
+                                  ", tile (1, 1): magnitude 3.3895314e+38 at row 9 col 70 needs a scale byte above 246 "
+                                  "(spec section 2); nothing written"))
+      << r.err;
+  EXPECT_FALSE(fs::exists(out));
 }
 
 }  // namespace
