@@ -258,5 +258,24 @@ TEST(NewUserNu12b, ScaleOverflowNamesRowAndColumn) {
   EXPECT_FALSE(fs::exists(out));
 }
 
+// Item 4: an FP8 block scale (*.weight_scale_inv) in a checkpoint without quantization_config: the
+// F8_E4M3 weight was read without it. All three commands refuse it, naming the file and the tensor.
+TEST(NewUserNu12b, ForeignBlockScalesRefused) {
+  MIXTRAL_OR_SKIP(x);
+  const std::string s = "model.layers.0.self_attn.q_proj.weight_scale_inv";
+  rewrite(x.st(), "", {{s, {2, 2}}});
+  const std::string msg = x.st().string() + ": tensor " + s + " is the block scale of a weight quantised by another method";
+  const fs::path out = x.t.path / "q";
+  for (const std::string cmd : {"eval " + test::quote(x.m) + " --max-windows 1 --threads 1",
+                                "moe " + test::quote(x.m) + " --layer 1 --threads 1",
+                                "quantize " + test::quote(x.m) + " -o " + test::quote(out) + " --no-progress"}) {
+    const test::CliResult r = test::run_cli(cmd);
+    EXPECT_EQ(r.status, 1) << cmd;
+    EXPECT_TRUE(contains(r.err, "lutb: error: " + msg)) << cmd << "\n" << r.err;
+    EXPECT_TRUE(contains(r.err, "dequantise the checkpoint to BF16 first")) << r.err;
+  }
+  EXPECT_FALSE(fs::exists(out));
+}
+
 }  // namespace
 }  // namespace lutb
