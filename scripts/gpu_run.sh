@@ -12,6 +12,8 @@
 #     -ffp-contract=off, as CMake does) and bench/gpu/bench_fit_gpu.cu, then runs the tests,
 #     memcheck, racecheck and synccheck on small cases (both fitters) and the bench (binned-dp on
 #     the old and new kernel, optimal on the warp kernel, Gaussian and Student-t data).
+#   scripts/gpu_run.sh moebench 'CMD' ['CMD'...]
+#     builds only bench_moe_gpu (MoE sources, sm_90a) and runs each CMD with $BENCH = that binary.
 #   scripts/gpu_run.sh prefill [bench_moe_prefill args...]
 #     builds only the MoE CUDA sources (src/cuda/moe_*.cu, routing.cu, lane_major.cu), the prefill path's tests
 #     (tests/cuda/moe_prefill_test.cpp) and bench/gpu/bench_moe_prefill.cu, then runs those tests,
@@ -130,6 +132,26 @@ if [ "$WHAT" = prefill ]; then
     tail -12 | tee "$OUT/prefill_sanitizer.log" || true
   compute-sanitizer --tool racecheck --error-exitcode 9 "$B/lutb_prefill_tests" \
     --gtest_filter='Shapes/PrefillRandom.MatchesHostReference/padded_odd' 2>&1 | tail -8 | tee -a "$OUT/prefill_sanitizer.log" || true
+  exit 0
+fi
+
+# moebench: only the MoE CUDA sources and bench_moe_gpu, sm_90a only (~40 s on 16 cores instead of
+# the full build's ~100 s), then runs "$@" as a shell command with $BENCH pointing at the binary, e.g.
+#   scripts/gpu_run.sh moebench 'LUTB_SWAPAB_NB=1 $BENCH --shape qwen3-30b --tokens 64,128 --variants 1'
+# For short A/B measurements of heuristics and knobs; correctness stays with the full build's tests.
+if [ "$WHAT" = moebench ]; then
+  FA="-gencode=arch=compute_90a,code=sm_90a"
+  MCU="${CUFLAGS/$ARCH/$FA}"
+  mkdir -p "$B/mb"
+  pids=()
+  for f in src/cuda/moe_*.cu src/cuda/routing.cu src/cuda/lane_major.cu bench/gpu/bench_moe_gpu.cu; do
+    $NVCC $MCU -c "$f" -o "$B/mb/$(basename "$f" .cu).o" & pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p"; done
+  $NVCC $FA -o "$B/bench_moe_gpu_sm90" "$B"/mb/*.o -lcublas
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv | tee "$OUT/gpu.txt" || true
+  export BENCH="$B/bench_moe_gpu_sm90"
+  for cmd in "$@"; do echo "## $cmd"; bash -c "$cmd"; done 2>&1 | tee "$OUT/moebench.md"
   exit 0
 fi
 

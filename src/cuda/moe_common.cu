@@ -145,7 +145,7 @@ MoeStrategy choose_strategy(std::int64_t tokens, int top_k, std::int64_t experts
 
 int decode_token_blocks(std::int64_t tokens, int top_k, std::int64_t experts) {
   const double a = tokens_per_expert(tokens, top_k, experts);
-  return a <= 6.0 ? 1 : 2;
+  return a <= kSwapOneBlockMaxTokensPerExpert ? 1 : 2;
 }
 
 std::size_t moe_workspace_bytes(std::int64_t max_tokens, int top_k, std::int64_t experts, std::int64_t hidden,

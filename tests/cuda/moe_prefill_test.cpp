@@ -366,8 +366,16 @@ TEST(PrefillCuda, HeuristicThresholdIs36PairsPerTouchedExpert) {
   EXPECT_EQ(cuda::choose_strategy(640, 8, 128), cuda::MoeStrategy::Prefill);
   EXPECT_EQ(cuda::choose_strategy(4096, 8, 256), cuda::MoeStrategy::Prefill);
   EXPECT_EQ(cuda::decode_token_blocks(1, 8, 256), 1);
-  EXPECT_EQ(cuda::decode_token_blocks(256, 8, 256), 2);   // 8 pairs per expert
+  // One 8-token block up to 10 tokens per expert (measured crossover between 8 and 12), two above.
+  EXPECT_EQ(cuda::kSwapOneBlockMaxTokensPerExpert, 10.0);
+  EXPECT_EQ(cuda::decode_token_blocks(192, 8, 256), 1);   // 6 pairs per expert
+  EXPECT_EQ(cuda::decode_token_blocks(256, 8, 256), 1);   // 8: one block was 1.10x faster
+  EXPECT_EQ(cuda::decode_token_blocks(320, 8, 256), 1);   // 10
+  EXPECT_EQ(cuda::decode_token_blocks(384, 8, 256), 2);   // 12: two blocks were 1.08x faster
+  EXPECT_EQ(cuda::decode_token_blocks(128, 8, 128), 1);   // Qwen3, 8
   EXPECT_EQ(cuda::decode_token_blocks(256, 8, 128), 2);   // 16: two 16-token tiles per expert
+  EXPECT_EQ(cuda::decode_token_blocks(32, 2, 8), 1);      // Mixtral, 8
+  EXPECT_EQ(cuda::decode_token_blocks(48, 2, 8), 2);      // Mixtral, 12
   EXPECT_EQ(cuda::decode_token_blocks(1024, 8, 256), 2);  // 32: the decode side of the threshold
 }
 

@@ -117,7 +117,7 @@ enum class MoeStrategy : std::uint8_t { Auto, Decode, Prefill, DecodeM16 };
 
 /// LUT-B: the CTA-tiled Prefill kernels from this many tokens per touched expert
 /// (T*k / min(E, T*k)) on, the swap-AB Decode kernels below. Measured on the H200 (2026-11-30
-/// ~13:20 UTC, docs/perf/moe-gpu.md "Strategy threshold", log gpu-logs/main-2026-11-30f-run1/
+/// ~13:20 UTC, docs/perf/moe-gpu.md "What changed in session 12", log gpu-logs/main-2026-11-30f-run1/
 /// threshold_sweep.md; both strategies forced, twice, every shape): swap-AB Decode is 1.19-1.46x
 /// faster than Prefill at 24 tokens per expert and 1.13-1.18x at 32 (Qwen3-30B: even), Prefill is
 /// 1.01-1.19x faster at 40 and 1.16-1.35x at 48, on DeepSeek-V3, Qwen3-235B, Qwen3-30B and
@@ -132,11 +132,20 @@ inline constexpr double kPrefillMinTokensPerExpert = 36.0;
 ///   LUT-B weights: Prefill from kPrefillMinTokensPerExpert tokens per touched expert, else Decode.
 MoeStrategy choose_strategy(std::int64_t tokens, int top_k, std::int64_t experts, bool packed_weights = true);
 
-/// Token n-blocks of 8 per tile of the swap-AB decode kernels (1 or 2) for a batch: 1 up to 6 mean
-/// tokens per touched expert, else 2 (experts with more tokens than a tile get several tiles;
-/// blocks past an expert's token count are skipped). 4 blocks (32-token tiles) needed 255 registers
-/// and spilled: at 16 tokens per expert they were 17-23 % slower than two 16-token tiles on the
-/// H200 (docs/perf/moe-gpu.md), so they were dropped.
+/// Swap-AB decode: one 8-token block per tile up to this many mean tokens per touched expert, two
+/// 8-token blocks (16-token tiles) above. Measured on the H200 (2026-11-30 ~13:36 UTC,
+/// docs/perf/moe-gpu.md "Also changed in session 12", log gpu-logs/main-2026-11-30f-run3/; both
+/// forced by LUTB_SWAPAB_NB): one block is 1.08-1.20x faster at 8 tokens per expert on all four
+/// benchmark shapes (1.17-1.40x at 4-6); at 12 two blocks win on DeepSeek-V3 (1.08x) and Mixtral
+/// (1.03x), tie on Qwen3-235B and lose on Qwen3-30B (0.91x); at 16 two blocks win on DeepSeek-V3
+/// (1.06x). The crossover lies between 8 and 12 (it was 6 until then, not swept).
+inline constexpr double kSwapOneBlockMaxTokensPerExpert = 10.0;
+
+/// Token n-blocks of 8 per tile of the swap-AB decode kernels (1 or 2) for a batch: 1 up to
+/// kSwapOneBlockMaxTokensPerExpert mean tokens per touched expert, else 2 (experts with more tokens
+/// than a tile get several tiles; blocks past an expert's token count are skipped). 4 blocks
+/// (32-token tiles) needed 255 registers and spilled: at 16 tokens per expert they were 17-23 %
+/// slower than two 16-token tiles on the H200 (docs/perf/moe-gpu.md), so they were dropped.
 int decode_token_blocks(std::int64_t tokens, int top_k, std::int64_t experts);
 
 /// Bytes of device workspace moe_forward needs for at most `max_tokens` tokens.
