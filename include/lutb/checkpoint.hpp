@@ -378,6 +378,15 @@ struct QuantizeOptions {
   /// nonzero the write stops within about one tile per thread, the temporary output is removed and
   /// Interrupted is thrown; the destination is left as it was. Null: never interrupted.
   const InterruptFlag* interrupt = nullptr;
+  /// quantize_checkpoint: called with the input directory after the routed experts and the names
+  /// have been checked and before anything is written; it checks the tensors the model reads other
+  /// than the routed experts (the CLI passes lutb::model::LanguageModel::check_tensors: presence,
+  /// shape, float dtype, with the loader's wording) and returns their names. Its exception is
+  /// rethrown with "; nothing written". The returned tensors are scanned for NaN / Inf while they are
+  /// copied (the copy reads every byte anyway); one stops the run, naming the file, the tensor and
+  /// the element, and the destination is left as it was. Null: no check (the library's io layer
+  /// does not know the model's dense tensors).
+  std::function<std::vector<std::string>(const std::filesystem::path&)> check_model;
 };
 
 /// Summary of a quantisation run.

@@ -270,6 +270,14 @@ class LanguageModel {
   /// expected and found shapes) or the safetensors reader's error.
   static LanguageModel load(const std::filesystem::path& dir, const MoeFactory& moe);
 
+  /// Checks, without reading their data, the tensors load() reads other than the routed experts
+  /// (embeddings, norms, attention, dense MLPs, lm_head, and of each MoE layer the router, DeepSeek's
+  /// correction bias and the shared experts) against config.json: present, of the shape the config
+  /// implies, of a float dtype. Throws ModelError with load()'s wording (naming the file and the
+  /// tensor); returns the names checked. For `lutb quantize`, which copies these tensors: a broken one
+  /// was found only by `lutb eval` after the whole quantisation (new-user QA, session 12).
+  static std::vector<std::string> check_tensors(const std::filesystem::path& dir);
+
   LanguageModel(LanguageModel&&) noexcept;
   LanguageModel& operator=(LanguageModel&&) noexcept;
   ~LanguageModel();

@@ -119,6 +119,11 @@ class SafetensorsCollection {
   /// The file that holds `name` (same error when absent).
   const SafetensorsFile& file_of(const std::string& name) const;
   const std::vector<std::unique_ptr<SafetensorsFile>>& files() const { return files_; }
+  /// For a name the collection does not expose: "" normally, but when an index leaves out a tensor
+  /// one of its shards holds, "; SHARD holds it, but INDEX's weight_map does not list it (add it
+  /// there)" (the tensor is invisible through the index, while `lutb quantize`, which reads the
+  /// shards, quantised it; new-user QA, session 12). For "not found" messages.
+  std::string absent_note(const std::string& name) const;
 
  private:
   std::filesystem::path source_;  // the file, directory or index named in errors

@@ -41,7 +41,17 @@ std::vector<float> captured(const SafetensorsFile& f, const std::string& name, s
   if (t.shape.size() != 2 || t.shape[1] != H)
     throw std::runtime_error(fmt::format("{}: tensor {} has shape [{}], expected [tokens, {}]", f.path().string(), name,
                                          fmt::join(t.shape, ", "), H));
-  return t.to_float();
+  std::vector<float> v = t.to_float();
+  // A NaN / Inf in the captured activations printed "rel_l2 nan" and then an error naming neither
+  // the tensor nor the place (new-user QA, session 12): checked before computing.
+  for (std::size_t i = 0; i < v.size(); ++i)
+    if (!std::isfinite(v[i]))
+      throw std::runtime_error(fmt::format("{}: tensor {} holds {} at row {} col {} (token {}, hidden unit {}): the "
+                                           "captured activations must be finite",
+                                           f.path().string(), name, std::isnan(v[i]) ? "NaN" : (v[i] > 0 ? "+Inf" : "-Inf"),
+                                           static_cast<std::int64_t>(i) / H, static_cast<std::int64_t>(i) % H,
+                                           static_cast<std::int64_t>(i) / H, static_cast<std::int64_t>(i) % H));
+  return v;
 }
 
 void run_moe(const MoeArgs& a) {

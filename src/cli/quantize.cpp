@@ -15,6 +15,7 @@
 #include "cli/interrupt.hpp"
 #include "cli/validators.hpp"
 #include "lutb/checkpoint.hpp"
+#include "lutb/model.hpp"
 #include "lutb/safetensors.hpp"
 
 namespace lutb::cli {
@@ -114,6 +115,25 @@ void add_quantize(CLI::App& app) {
     opt.fit.threads = effective_threads(args->threads);
     opt.force = args->force;
     opt.progress = !args->no_progress;
+    // The tensors lutb eval reads besides the routed experts, checked before anything is written (and
+    // scanned for NaN / Inf while copied). Not checked: a config.json lutb's model cannot run (a family
+    // feature it does not implement: the output is still a valid LUT-B checkpoint for other runtimes),
+    // and a checkpoint of routed experts only (lutb synth's, or a partial export: none of the embedding,
+    // the final norm and layer 0's input norm), which lutb eval cannot run anyway.
+    opt.check_model = [](const fs::path& dir) -> std::vector<std::string> {
+      try {
+        (void)model::TransformerConfig::load(dir);
+      } catch (const std::exception&) {
+        return {};
+      }
+      {
+        const auto st = SafetensorsCollection::open_dir(dir);
+        if (!st.contains("model.embed_tokens.weight") && !st.contains("model.norm.weight") &&
+            !st.contains("model.layers.0.input_layernorm.weight"))
+          return {};
+      }
+      return model::LanguageModel::check_tensors(dir);
+    };
     QuantizeSummary s;
     if (fs::is_directory(args->input)) {
       if (!args->match.empty() || args->all)

@@ -96,7 +96,7 @@ bool Checkpoint::contains(const std::string& name) const { return st_->contains(
 
 const TensorView& Checkpoint::tensor(const std::string& name) const {
   if (!st_->contains(name))
-    throw CheckpointError(fmt::format("checkpoint {}: tensor {} not found", dir_.string(), name));
+    throw CheckpointError(fmt::format("checkpoint {}: tensor {} not found{}", dir_.string(), name, st_->absent_note(name)));
   return st_->get(name);
 }
 
@@ -214,8 +214,10 @@ ExpertsSource Checkpoint::experts_source(std::int64_t L) const {
                                         dir_.string(), stacked_down_name(config_, L), gu));
     const TensorView& a = tensor(gu);
     const TensorView& b = tensor(dn);
-    s.w13.dtype = stack_dtype(a.dtype);
-    s.w2.dtype = stack_dtype(a.dtype);
+    // gate_up and down of different float dtypes: both read as F32 (see the per-expert case below).
+    const DType dt = a.dtype == b.dtype ? stack_dtype(a.dtype) : DType::F32;
+    s.w13.dtype = dt;
+    s.w2.dtype = dt;
     s.w13.data.resize(static_cast<std::size_t>(s.w13.numel()) * dtype_size(s.w13.dtype));
     s.w2.data.resize(static_cast<std::size_t>(s.w2.numel()) * dtype_size(s.w2.dtype));
     copy_float(dir_, file_of(a.name), a, {E, 2 * I, H}, s.w13.dtype, s.w13.data.data());
@@ -223,7 +225,17 @@ ExpertsSource Checkpoint::experts_source(std::int64_t L) const {
     return s;
   }
   const TensorView& first = tensor(expert_weight_name(config_, L, 0, Proj::gate));
-  const DType dt = stack_dtype(first.dtype);
+  // Experts of different float dtypes (one F32 expert among BF16 ones) are stacked as F32, each
+  // converted exactly: lutb quantize takes such a layer (it fits each tensor on its own) and eval
+  // refused it ("F32 but the other experts of the stack are BF16"; new-user QA, session 12). Only the
+  // headers are read here.
+  DType dt = stack_dtype(first.dtype);
+  for (std::int64_t e = 0; e < E && dt != DType::F32; ++e)
+    for (Proj p : {Proj::gate, Proj::up, Proj::down}) {
+      const std::string n = expert_weight_name(config_, L, e, p);
+      if (st_->contains(n) && dtype_is_float_source(st_->get(n).dtype) && stack_dtype(st_->get(n).dtype) != dt)
+        dt = DType::F32;
+    }
   const std::size_t es = dtype_size(dt);
   s.w13.dtype = s.w2.dtype = dt;
   s.w13.data.resize(static_cast<std::size_t>(s.w13.numel()) * es);
@@ -252,7 +264,8 @@ void Checkpoint::read_lutb(const std::string& weight_name, const LutbShape& one,
   const std::string who = expert >= 0 ? fmt::format("layer {}, expert {}", layer, expert) : fmt::format("layer {}", layer);
   auto get = [&](const std::string& name, const char* why) -> const TensorView& {
     if (!st_->contains(name))
-      throw CheckpointError(fmt::format("checkpoint {}: tensor {} ({}) not found{}", dir_.string(), name, who, why));
+      throw CheckpointError(
+          fmt::format("checkpoint {}: tensor {} ({}) not found{}{}", dir_.string(), name, who, why, st_->absent_note(name)));
     return st_->get(name);
   };
   const TensorView& p = get(n.packed, "");

@@ -18,6 +18,7 @@
 #include "io/checkpoint_internal.hpp"
 #include "io/tensor_names.hpp"
 #include "lutb/checkpoint.hpp"
+#include "lutb/numerics.hpp"
 
 namespace lutb {
 
@@ -111,16 +112,107 @@ void check_f64_range(const fs::path& file, const Planned& p, const TensorView& v
   }
 }
 
+// After the fit refused a tile whose magnitude needs a scale byte above 246: the message as the F64
+// one above, with the row and column of the tile's largest magnitude (the fit's message named only
+// the tile: new-user QA, session 12; src/fit and the GPU fitters share that wording, so the place is
+// added here). Scans the tiles in the fit's order; "" when none is found.
+std::string scale_overflow_at(const fs::path& file, const Planned& p, const TensorView& v) {
+  const std::int64_t rows = p.shape.rows, cols = p.shape.cols, per = rows * cols;
+  const std::int64_t tn_n = (rows + kTileRows - 1) / kTileRows, tk_n = (cols + kTileCols - 1) / kTileCols;
+  const std::size_t es = dtype_size(v.dtype);
+  float x[kTileCols];
+  for (std::int64_t e = 0; e < p.shape.experts; ++e)
+    for (std::int64_t tn = 0; tn < tn_n; ++tn)
+      for (std::int64_t tk = 0; tk < tk_n; ++tk) {
+        float amax = 0.0f;
+        std::int64_t ar = -1, ac = -1;
+        for (std::int64_t r = tn * kTileRows; r < std::min(rows, (tn + 1) * kTileRows); ++r) {
+          const std::int64_t c0 = tk * kTileCols, nc = std::min(cols, c0 + kTileCols) - c0;
+          detail::convert_to_f32(v.data + static_cast<std::size_t>(e * per + r * cols + c0) * es, v.dtype, x, nc);
+          for (std::int64_t c = 0; c < nc; ++c)
+            if (std::fabs(x[c]) > amax) {
+              amax = std::fabs(x[c]);
+              ar = r;
+              ac = c0 + c;
+            }
+        }
+        if (ar < 0 || !std::isfinite(amax) || ue8m0_rceil(amax) <= 246) continue;
+        char buf[32];
+        const auto res = std::to_chars(buf, buf + sizeof(buf), amax);
+        return fmt::format("{}: tensor {}{}, tile ({}, {}): magnitude {} at row {} col {} needs a scale byte above 246 "
+                           "(spec section 2); nothing written",
+                           file.string(), p.name, p.shape.stacked ? fmt::format(", expert {}", e) : "", tn, tk,
+                           std::string_view(buf, static_cast<std::size_t>(res.ptr - buf)), ar, ac);
+      }
+  return {};
+}
+
 // Writes the output tensors of one plan entry (quantising when planned), then releases the source pages.
 // Polls `stop` (see QuantizeOptions::interrupt) before the tensor, between copy chunks and, through
 // the fitter, before every tile. `file` is the source file, for the messages.
+// The first NaN / Inf among elements [first, first + count) of float tensor `v` (of a dtype
+// dtype_is_float_source accepts), refused naming the file, the tensor and the element: a copied tensor
+// the model reads (a norm, the router, ...) otherwise made lutb eval fail after the whole run.
+void check_finite(const fs::path& file, const TensorView& v, std::int64_t first, std::int64_t count) {
+  const auto* b = v.data;
+  for (std::int64_t i = first; i < first + count; ++i) {
+    bool bad = false;
+    switch (v.dtype) {
+      case DType::BF16:
+      case DType::F16: {
+        std::uint16_t x;
+        std::memcpy(&x, b + 2 * i, 2);
+        bad = v.dtype == DType::BF16 ? (x & 0x7f80u) == 0x7f80u : (x & 0x7c00u) == 0x7c00u;
+        break;
+      }
+      case DType::F32: {
+        float x;
+        std::memcpy(&x, b + 4 * i, 4);
+        bad = !std::isfinite(x);
+        break;
+      }
+      case DType::F64: {
+        double x;
+        std::memcpy(&x, b + 8 * i, 8);
+        bad = !std::isfinite(x);
+        break;
+      }
+      default: return;
+    }
+    if (!bad) continue;
+    std::vector<std::int64_t> at(v.shape.size());
+    std::int64_t r = i;
+    for (std::size_t d = v.shape.size(); d-- > 0;) {
+      at[d] = r % v.shape[d];
+      r /= v.shape[d];
+    }
+    double x = 0;
+    if (v.dtype == DType::F64) std::memcpy(&x, b + 8 * i, 8);
+    else if (v.dtype == DType::F32) { float f; std::memcpy(&f, b + 4 * i, 4); x = f; }
+    else {
+      std::uint16_t h;
+      std::memcpy(&h, b + 2 * i, 2);
+      x = v.dtype == DType::BF16 ? bf16_to_float(h) : fp16_to_float(h);
+    }
+    throw std::invalid_argument(fmt::format("{}: tensor {} ({}) holds {} at {}: lutb eval and lutb moe cannot compute "
+                                            "with a non-finite weight; nothing written",
+                                            file.string(), v.name, dtype_name(v.dtype),
+                                            std::isnan(x) ? "NaN" : (x > 0 ? "+Inf" : "-Inf"), detail::shape_str(at)));
+  }
+}
+
 void emit(SafetensorsWriter& w, const Planned& p, const TensorView& v, const FitOptions& fit, QuantizeSummary& s,
-          detail::Progress& prog, const InterruptFlag* stop, const fs::path& target, const fs::path& file) {
+          detail::Progress& prog, const InterruptFlag* stop, const fs::path& target, const fs::path& file,
+          bool scan_finite) {
   detail::check_interrupt(stop, target);
   if (!p.quantize) {
+    const std::size_t es = dtype_size(v.dtype);
+    scan_finite = scan_finite && dtype_is_float_source(v.dtype) && es > 0;
     for (std::size_t off = 0; off < v.nbytes; off += kCopyChunk) {
       if (off > 0) detail::check_interrupt(stop, target);
       const std::size_t n = std::min(kCopyChunk, v.nbytes - off);
+      if (scan_finite)  // kCopyChunk is a multiple of every element size
+        check_finite(file, v, static_cast<std::int64_t>(off / es), static_cast<std::int64_t>(n / es));
       w.write(v.data + off, n);
       detail::release_pages(v.data + off, n);
       prog.advance(n);
@@ -157,6 +249,8 @@ void emit(SafetensorsWriter& w, const Planned& p, const TensorView& v, const Fit
     // (new-user QA session 11); the caller's guard removes the temporary output as this unwinds.
     std::string m = e.what();
     if (m.rfind("quantize: ", 0) == 0) m.erase(0, 10);
+    if (m.find("needs a scale byte above 246") != std::string::npos && m.find(" at row ") == std::string::npos)
+      if (std::string at = scale_overflow_at(file, p, v); !at.empty()) throw std::invalid_argument(at);
     throw std::invalid_argument(fmt::format("{}: {}; nothing written", file.string(), m));
   }
   detail::release_pages(v.data, v.nbytes);
@@ -414,6 +508,20 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
         break;
       }
 
+  // The tensors the model reads besides the routed experts (see QuantizeOptions::check_model):
+  // a router of the wrong shape, a missing embedding or an integer norm were copied and refused only
+  // by lutb eval, after the whole run (new-user QA, session 12).
+  std::set<std::string> scan_finite;
+  if (opt.check_model) {
+    try {
+      for (auto& n : opt.check_model(in_dir)) scan_finite.insert(std::move(n));
+    } catch (const Interrupted&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw CheckpointError(fmt::format("{}; nothing written", e.what()));
+    }
+  }
+
   const fs::path tmp = detail::temp_sibling(out_dir);
   std::error_code ec;
   fs::remove_all(tmp, ec);
@@ -440,7 +548,8 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
       }
     }
     for (const auto& p : plan[f])
-      emit(w, p, files[f]->get(p.name), opt.fit, sum, prog, opt.interrupt, out_dir, files[f]->path());
+      emit(w, p, files[f]->get(p.name), opt.fit, sum, prog, opt.interrupt, out_dir, files[f]->path(),
+           scan_finite.count(p.name) > 0);
     w.commit();
   }
   prog.finish();
@@ -678,7 +787,7 @@ QuantizeSummary quantize_file(const fs::path& in, const fs::path& out, const std
     detail::Progress prog("quantize", total, opt.progress);
     SafetensorsWriter w(tmp, meta);
     for (const auto& p : plan) declare(w, p, file.get(p.name), sum);
-    for (const auto& p : plan) emit(w, p, file.get(p.name), opt.fit, sum, prog, opt.interrupt, out, in);
+    for (const auto& p : plan) emit(w, p, file.get(p.name), opt.fit, sum, prog, opt.interrupt, out, in, false);
     w.commit();
     prog.finish();
   }

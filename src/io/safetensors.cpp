@@ -480,11 +480,20 @@ bool SafetensorsCollection::contains(const std::string& name) const { return whe
 
 const SafetensorsFile& SafetensorsCollection::file_of(const std::string& name) const {
   const auto it = where_.find(name);
-  if (it == where_.end()) fail(source_.string(), fmt::format("no tensor named '{}'", name));
+  if (it == where_.end()) fail(source_.string(), fmt::format("no tensor named '{}'{}", name, absent_note(name)));
   return *files_[it->second];
 }
 
 const TensorView& SafetensorsCollection::get(const std::string& name) const { return file_of(name).get(name); }
+
+std::string SafetensorsCollection::absent_note(const std::string& name) const {
+  if (where_.count(name) || source_.filename() != "model.safetensors.index.json") return {};
+  for (const auto& f : files_)
+    if (f->contains(name))
+      return fmt::format("; {} holds it, but {}'s weight_map does not list it (add it there)", f->path().string(),
+                         source_.string());
+  return {};
+}
 
 // ---------------------------------------------------------------------------
 // Writer

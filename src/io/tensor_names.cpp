@@ -13,7 +13,7 @@ namespace lutb::detail {
 
 namespace {
 
-enum class Kind { Model, Extra, Unknown, Expert };
+enum class Kind { Model, Extra, Unknown, Expert, Scale };
 
 struct Verdict {
   Kind kind = Kind::Unknown;
@@ -118,6 +118,13 @@ Verdict moe_part(const Ctx& x, std::int64_t L, std::string_view prefix, std::str
 
 Verdict classify(const Ctx& x, const std::string& name) {
   const ModelConfig& c = x.c;
+  // Block scales of weights quantised by another method (FP8: DeepSeek-V3's release stores F8_E4M3
+  // weights with *.weight_scale_inv, compressed-tensors FP8 *.weight_scale). Without a
+  // quantization_config (refused when present, parse_model_config) the F8_E4M3 weight was read as
+  // plain floats, without its scale (new-user QA, session 12). A routed expert's *.weight_scale is
+  // refused below as a LUT-B tensor without a LUT-B config.
+  if (!x.lutb && (ends(name, ".weight_scale_inv") || (ends(name, ".weight_scale") && !contains(name, ".experts."))))
+    return {Kind::Scale, {}};
   if (name == "model.embed_tokens.weight" || name == "model.norm.weight" || name == "lm_head.weight")
     return {Kind::Model, {}};  // lm_head of a tied model: stored by some exporters, unused (as in transformers)
   if (ends(name, ".rotary_emb.inv_freq")) return {Kind::Extra, {}};  // recomputed from config.json
@@ -186,6 +193,13 @@ std::vector<std::string> check_tensor_names(const ModelConfig& cfg, const Safete
   std::vector<std::string> hints;
   for (const std::string& n : names) {
     const Verdict v = classify(x, n);
+    if (v.kind == Kind::Scale)
+      throw CheckpointError(fmt::format(
+          "{}: tensor {} is the block scale of a weight quantised by another method (an FP8 checkpoint, such as "
+          "DeepSeek-V3's release, stores F8_E4M3 weights with weight_scale_inv block scales), which lutb does not "
+          "apply: it would read the weight without its scale; {} has no LUT-B quantization_config: dequantise the "
+          "checkpoint to BF16 first{}",
+          st.file_of(n).path().string(), n, x.config, error_suffix));
     if (v.kind == Kind::Expert)
       throw CheckpointError(fmt::format("{}: tensor {} {}; lutb would not read it: rename or remove it{}", st.file_of(n).path().string(), n,
                                         v.why, error_suffix));

@@ -10,6 +10,7 @@
 #include <fmt/ranges.h>
 
 #include "io/config_json.hpp"
+#include "lutb/checkpoint.hpp"
 #include "lutb/model.hpp"
 #include "lutb/safetensors.hpp"
 #include "model/layers.hpp"
@@ -51,12 +52,20 @@ struct LanguageModel::Impl {
 
 namespace {
 
+// The dtypes TensorView::to_float reads (its error for any other is the loader's wording below).
+bool float_readable(DType t) {
+  return t == DType::F32 || t == DType::F64 || t == DType::F16 || t == DType::BF16 || t == DType::F8_E4M3;
+}
+
 struct Loader {
   const SafetensorsCollection& st;
   const std::string& dir;
+  /// Check-only mode (check_model_tensors, for lutb quantize): tensor() checks presence, shape and a
+  /// float dtype, records the name here and reads nothing (returns an empty vector).
+  std::vector<std::string>* checked = nullptr;
 
   std::vector<float> tensor(const std::string& name, std::vector<std::int64_t> shape) const {
-    if (!st.contains(name)) throw ModelError(fmt::format("{}: missing tensor {}", dir, name));
+    if (!st.contains(name)) throw ModelError(fmt::format("{}: missing tensor {}{}", dir, name, st.absent_note(name)));
     const TensorView& t = st.get(name);
     // Errors name the file that holds the tensor (new-user finding, session 12: they named the folder,
     // and a dtype error repeated the tensor: "m: tensor X: tensor 'X': dtype I16 cannot be read ...").
@@ -64,11 +73,28 @@ struct Loader {
     if (t.shape != shape)
       throw ModelError(fmt::format("{}: tensor {} has shape [{}], expected [{}]", file, name, fmt::join(t.shape, ", "),
                                    fmt::join(shape, ", ")));
+    if (checked) {
+      if (!float_readable(t.dtype))  // TensorView::to_float's wording
+        throw ModelError(fmt::format("{}: tensor '{}': dtype {} cannot be read as floating point", file, name,
+                                     dtype_name(t.dtype)));
+      checked->push_back(name);
+      return {};
+    }
     try {
       return t.to_float();
     } catch (const std::exception& e) {
       throw ModelError(fmt::format("{}: {}", file, e.what()));  // e names the tensor and the dtype
     }
+  }
+  /// A tensor whose element count (not its exact shape) must be `n` (the router's correction bias,
+  /// Qwen2-MoE's shared_expert_gate [1, H]); check-only mode.
+  void check_numel(const std::string& name, std::int64_t n, const std::string& shape) const {
+    if (!st.contains(name)) throw ModelError(fmt::format("{}: missing tensor {}{}", dir, name, st.absent_note(name)));
+    const TensorView& t = st.get(name);
+    if (t.numel() != n)
+      throw ModelError(fmt::format("{}: tensor {} has shape [{}], expected {}", st.file_of(name).path().string(), name,
+                                   fmt::join(t.shape, ", "), shape));
+    (void)tensor(name, t.shape);  // dtype, and recorded
   }
   bool has(const std::string& name) const { return st.contains(name); }
   Linear linear(const std::string& prefix, std::int64_t out, std::int64_t in, bool bias_optional = true) const {
@@ -88,6 +114,35 @@ struct Loader {
   }
 };
 
+/// The non-expert tensors of a MoE layer that CheckpointMoe reads through lutb::Checkpoint (router,
+/// DeepSeek-V3's correction bias, shared experts), checked with the loader's wording (check-only mode).
+void check_moe_dense(const Loader& ld, const TransformerConfig& tc, int l) {
+  const lutb::ModelConfig& c = tc.moe;
+  const std::int64_t E = c.num_experts, H = c.hidden_size;
+  std::string router = router_weight_name(c, l);
+  if (!ld.has(router) && c.family == ModelFamily::mixtral && ld.has(fmt::format("model.layers.{}.mlp.gate.weight", l)))
+    router = fmt::format("model.layers.{}.mlp.gate.weight", l);
+  (void)ld.tensor(router, {E, H});
+  const std::string bias = router_bias_name(c, l);
+  if (!bias.empty() && (ld.has(bias) || c.topk_method == "noaux_tc"))
+    ld.check_numel(bias, E, fmt::format("[{}]", E));
+  if (c.shared_expert_intermediate_size > 0) {
+    const std::int64_t S = c.shared_expert_intermediate_size;
+    const bool qwen2 = c.family == ModelFamily::qwen2_moe;
+    const std::string base = moe_prefix(c, l) + (qwen2 ? ".shared_expert" : ".shared_experts");
+    (void)ld.tensor(base + ".gate_proj.weight", {S, H});
+    (void)ld.tensor(base + ".up_proj.weight", {S, H});
+    (void)ld.tensor(base + ".down_proj.weight", {H, S});
+    if (qwen2) ld.check_numel(moe_prefix(c, l) + ".shared_expert_gate.weight", H, fmt::format("[1, {}]", H));
+  }
+}
+
+/// Loads (or, in check-only mode, checks) every tensor the model reads but the routed experts into
+/// LanguageModel::Impl `m` (a template: Impl is private to LanguageModel).
+template <class ModelImpl>
+void load_tensors(ModelImpl& m, const Loader& ld, const SafetensorsCollection& st, const std::filesystem::path& dir,
+                  const MoeFactory* moe);
+
 }  // namespace
 
 LanguageModel::LanguageModel(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -98,14 +153,33 @@ const TransformerConfig& LanguageModel::config() const { return impl_->cfg; }
 
 LanguageModel LanguageModel::load(const std::filesystem::path& dir, const MoeFactory& moe) {
   auto impl = std::make_unique<Impl>();
-  TransformerConfig& c = impl->cfg;
-  c = TransformerConfig::load(dir);
-  impl->rope = make_rope_table(c.rope);
+  impl->cfg = TransformerConfig::load(dir);
+  impl->rope = make_rope_table(impl->cfg.rope);
   const auto st = SafetensorsCollection::open_dir(dir);
   const std::string where = dir.string();
-  const Loader ld{st, where};
-  const std::int64_t H = c.hidden_size, V = c.vocab_size;
+  load_tensors(*impl, Loader{st, where}, st, dir, &moe);
+  return LanguageModel(std::move(impl));
+}
 
+std::vector<std::string> LanguageModel::check_tensors(const std::filesystem::path& dir) {
+  Impl m;
+  m.cfg = TransformerConfig::load(dir);
+  const auto st = SafetensorsCollection::open_dir(dir);
+  const std::string where = dir.string();
+  std::vector<std::string> names;
+  load_tensors(m, Loader{st, where, &names}, st, dir, nullptr);
+  return names;
+}
+
+namespace {
+
+template <class ModelImpl>
+void load_tensors(ModelImpl& m, const Loader& ld, const SafetensorsCollection& st, const std::filesystem::path& dir,
+                  const MoeFactory* moe) {
+  ModelImpl* impl = &m;
+  const TransformerConfig& c = m.cfg;
+  const std::string& where = ld.dir;
+  const std::int64_t H = c.hidden_size, V = c.vocab_size;
   // Tensors of layers config.json does not declare (num_hidden_layers, plus DeepSeek-V3's
   // num_nextn_predict_layers stored after them) would be skipped without a word, and the loss would
   // be that of a shorter model (new-user QA, session 11): refuse them, as lutb quantize does.
@@ -177,11 +251,16 @@ LanguageModel LanguageModel::load(const std::filesystem::path& dir, const MoeFac
       L.mlp = ld.mlp(p + "mlp", H, c.intermediate_size);
       continue;
     }
-    L.moe = moe(l);
+    if (!moe) {
+      check_moe_dense(ld, c, l);
+      continue;
+    }
+    L.moe = (*moe)(l);
     if (!L.moe) throw ModelError(fmt::format("{}: no MoE block was built for layer {}", where, l));
   }
-  return LanguageModel(std::move(impl));
 }
+
+}  // namespace
 
 void LanguageModel::Impl::attention(const Layer& L, const float* h, std::int64_t B, std::int64_t T, float* out) const {
   const TransformerConfig& c = cfg;

@@ -40,7 +40,8 @@ namespace {
 
 /// Refuses BF16 expert weights that `q` cannot quantise before fitting them, naming the stored
 /// tensor, its file and the element: NaN / Inf for every format, and for LUT-B a magnitude that
-/// needs a tile scale byte above 246 (spec 2). The fitter reported the fused stack instead
+/// needs a tile scale byte above 246 (spec 2). Quant::None: a magnitude of 2^64 or more, before the
+/// forward pass overflows on it. The fitter reported the fused stack instead
 /// ("quantize: tensor w2_weight, expert 3, tile (0, 1): NaN at row 5 col 70": no file, layer or
 /// stored tensor; new-user QA session 11).
 void check_quantizable(const ExpertSource& src, int layer, Quant q, const std::vector<std::uint16_t>& w, bool w13,
@@ -49,6 +50,18 @@ void check_quantizable(const ExpertSource& src, int layer, Quant q, const std::v
   for (std::size_t i = 0; i < w.size(); ++i) {
     const std::uint16_t b = w[i];
     std::string what;
+    if (q == Quant::None) {
+      // NaN / Inf are left to the forward pass (its error names the first stored non-finite tensor); a
+      // finite weight of 2^64 or more (BF16 exponent byte >= 191) overflowed it with "non-finite loss"
+      // naming no tensor (new-user QA, session 12: one BF16-max weight, 3.39e38, in an expert).
+      if ((b & 0x7f80u) == 0x7f80u || (b & 0x7f80u) < (191u << 7)) continue;
+      throw ModelError(fmt::format(
+          "{}: magnitude {} is 2^64 or more, far beyond any trained weight: the FP32 products and sums of the layer "
+          "overflow or lose every other term; the checkpoint's tensor is likely corrupt",
+          src.locate(layer, w13, static_cast<std::int64_t>(i) / per, (static_cast<std::int64_t>(i) % per) / cols,
+                     static_cast<std::int64_t>(i) % cols),
+          std::fabs(bf16_to_float(b))));
+    }
     if ((b & 0x7f80u) == 0x7f80u) {
       what = (b & 0x7fu) ? "NaN" : ((b & 0x8000u) ? "-Inf" : "+Inf");
     } else if (q == Quant::Lutb) {
@@ -289,10 +302,8 @@ std::unique_ptr<MoeBlock> CheckpointMoe::build(int layer) {
     m.weights += n13 + n2;
   } else {
     auto [w13, w2] = m.src->bf16_stacks(layer);
-    if (m.opt.quant != Quant::None) {
-      check_quantizable(*m.src, layer, m.opt.quant, w13, true, 2 * I, H);
-      check_quantizable(*m.src, layer, m.opt.quant, w2, false, H, I);
-    }
+    check_quantizable(*m.src, layer, m.opt.quant, w13, true, 2 * I, H);
+    check_quantizable(*m.src, layer, m.opt.quant, w2, false, H, I);
     m.source_bytes += (w13.size() + w2.size()) * 2;
     m.weights += n13 + n2;
     switch (m.opt.quant) {

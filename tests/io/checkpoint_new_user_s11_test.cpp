@@ -139,13 +139,14 @@ TEST(NewUserS11, F64BeyondFp32IsReportedWithItsMagnitude) {
             in.string() +
                 ": tensor w, expert 1, tile (1, 1): magnitude 1e+300 at row 9 col 70 needs a scale byte above 246 "
                 "(spec section 2; it is beyond the FP32 range, the fitters read F64 weights as F32); nothing written");
-  // Within the FP32 range but too large for a scale byte of 246: the fitter's message, readable.
+  // Within the FP32 range but too large for a scale byte of 246: the fitter's message, readable, with
+  // the row and column as above (session 12, helper nu12b: it named the tile only).
   v[1 * 16 * 128 + 9 * 128 + 70] = 3.3e38;
   write_safetensors(in, {{"w", OwnedTensor{DType::F64, {2, 16, 128}, f64_bytes(v)}}});
   EXPECT_EQ(error_of<std::invalid_argument>([&] { quantize_file(in, t.path / "o.safetensors", "", quiet()); }),
             in.string() +
-                ": tensor w, expert 1, tile (1, 1): magnitude 3.3e+38 needs a scale byte above 246 (spec section 2); "
-                "nothing written");
+                ": tensor w, expert 1, tile (1, 1): magnitude 3.3e+38 at row 9 col 70 needs a scale byte above 246 "
+                "(spec section 2); nothing written");
   EXPECT_FALSE(fs::exists(t.path / "o.safetensors"));
 
   // Loading F64 experts (lutb eval / moe read them as FP32): refused by name, not turned into Inf.
