@@ -161,12 +161,12 @@ if [ "$WHAT" = fit ]; then
   export LD_LIBRARY_PATH="$DEPS_LIB:${LD_LIBRARY_PATH:-}"
   "$B/lutb_fit_gpu_tests" 2>&1 | tee "$OUT/fit_tests.log" || true
   compute-sanitizer --tool memcheck --error-exitcode 9 "$B/lutb_fit_gpu_tests" \
-    --gtest_filter='FitGpu.EdgeTiles:FitGpu.ErrorsMatchCpu:FitGpu.DeviceEntryWithoutStats:FitGpu.ScanVariantsSameBytes:FitGpuOptimal.EdgeTiles:FitGpuOptimal.ScaleSearchBelowRceil:FitGpuOptimal.DeviceEntryWithoutStats:OnlineGpu.RandomLayer*:OnlineGpu.Errors*:OnlineGpu.LaneMajor*:OnlineGpu.Optimal*' 2>&1 |
+    --gtest_filter='FitGpu.EdgeTiles:FitGpu.FullRangeDpEdgeTiles:FitGpu.ErrorsMatchCpu:FitGpu.DeviceEntryWithoutStats:FitGpu.ScanVariantsSameBytes:FitGpuOptimal.EdgeTiles:FitGpuOptimal.ScaleSearchBelowRceil:FitGpuOptimal.DeviceEntryWithoutStats:OnlineGpu.RandomLayer*:OnlineGpu.Errors*:OnlineGpu.LaneMajor*:OnlineGpu.Optimal*' 2>&1 |
     tail -12 | tee "$OUT/fit_sanitizer.log" || true
   compute-sanitizer --tool racecheck --error-exitcode 9 "$B/lutb_fit_gpu_tests" \
-    --gtest_filter='FitGpu.EdgeTiles:FitGpuOptimal.EdgeTiles:FitGpuOptimal.ScaleSearchBelowRceil:OnlineGpu.LaneMajor*' 2>&1 |
+    --gtest_filter='FitGpu.EdgeTiles:FitGpu.FullRangeDpEdgeTiles:FitGpuOptimal.EdgeTiles:FitGpuOptimal.ScaleSearchBelowRceil:OnlineGpu.LaneMajor*' 2>&1 |
     tail -6 | tee -a "$OUT/fit_sanitizer.log" || true
-  compute-sanitizer --tool synccheck --error-exitcode 9 "$B/lutb_fit_gpu_tests" --gtest_filter='FitGpu.EdgeTiles:FitGpuOptimal.EdgeTiles' 2>&1 |
+  compute-sanitizer --tool synccheck --error-exitcode 9 "$B/lutb_fit_gpu_tests" --gtest_filter='FitGpu.EdgeTiles:FitGpu.FullRangeDpEdgeTiles:FitGpuOptimal.EdgeTiles' 2>&1 |
     tail -4 | tee -a "$OUT/fit_sanitizer.log" || true
   local_args=("$@")
   [ ${#local_args[@]} -ge 3 ] || local_args=(8 4096 7168)

@@ -218,8 +218,9 @@ int main(int argc, char** argv) {
       int layout, dp;
       bool sums;
     };
-    const V vs[] = {{1, 0, true}, {1, 1, true}, {1, 2, true}, {0, 0, true}, {0, 1, true}, {0, 2, true},
-                    {0, 0, false}, {0, 1, false}, {0, 2, false}, {1, 0, false}, {1, 1, false}, {1, 2, false}};
+    const V vs[] = {{1, 0, true},  {1, 1, true},  {1, 2, true},  {0, 0, true},  {0, 1, true},
+                    {0, 2, true},  {0, 4, true},  {0, 5, true},  {0, 0, false}, {0, 1, false},
+                    {0, 2, false}, {0, 4, false}, {0, 5, false}, {1, 0, false}, {1, 1, false}, {1, 2, false}};
     constexpr int kV = sizeof(vs) / sizeof(vs[0]);
     double t13[2][kV] = {};
     bool same_all = true;
@@ -256,14 +257,17 @@ int main(int argc, char** argv) {
     // Phase breakdown: the instrumented kernel (layout 0) with DP modes 0, 1, 2.
     unsigned long long* d_prof = nullptr;
     constexpr int kSlots13 = fi::kProfSlotsTotal;
-    unsigned long long prof13[3][kSlots13] = {};
+    constexpr int kPm = 4;
+    static const int kPmode[kPm] = {0, 1, 2, 4};
+    unsigned long long prof13[kPm][kSlots13] = {};
     ok(cudaMalloc(&d_prof, sizeof(prof13[0])));
-    for (int dp = 0; dp < 3; ++dp) {
-      ok(cudaMemset(d_prof, 0, sizeof(prof13[dp])));
+    for (int pm = 0; pm < kPm; ++pm) {
+      const int dp = kPmode[pm];
+      ok(cudaMemset(d_prof, 0, sizeof(prof13[pm])));
       fi::KernelArgs ka{d_w, 1, N, K, s.tiles_n(), s.tiles_k(), tiles, 0, out[3], -1, d_err};
       ok(cudaMemset(d_err, 0xff, 8));
       fi::launch_warp_profiled(ka, d_prof, nullptr, fi::kWarpArithDefault, dp);
-      ok(cudaMemcpy(prof13[dp], d_prof, sizeof(prof13[dp]), cudaMemcpyDeviceToHost));
+      ok(cudaMemcpy(prof13[pm], d_prof, sizeof(prof13[pm]), cudaMemcpyDeviceToHost));
       const bool eq = same13(out[3], out[0], true);
       if (!eq) std::printf("fit13: profiled DP mode %d: bytes or sums DIFFER from mode 0\n", dp);
       same_all = same_all && eq;
@@ -275,8 +279,10 @@ int main(int argc, char** argv) {
                 static_cast<long long>(K), static_cast<double>(weights), static_cast<long long>(tiles));
     std::printf("| fit13: binned-dp, layout, DP mode, sums | time alt. 1 / 2 | weights/s (best) | time / same layout's mode 0 "
                 "(alt. 1 / 2) | 654e9 weights | of 45e9/s |\n|---|---|---|---|---|---|\n");
-    static const char* const kDp[3] = {"0 divide and conquer (baseline)", "1 full range, every layer",
-                                       "2 full range from layer 3"};
+    static const char* const kDp[6] = {"0 divide and conquer (baseline)", "1 full range, every layer",
+                                       "2 full range from layer 3", "3",
+                                       "4 full range, every layer, 2 passes at a time",
+                                       "5 full range from layer 3, 2 passes at a time"};
     for (int v = 0; v < kV; ++v) {
       int base = v;
       for (int u = 0; u < kV; ++u)
@@ -295,30 +301,30 @@ int main(int argc, char** argv) {
                                        "binned DP (layers 1..K)", "refinement (window DP)",
                                        "encoding + per-tile sums (serial)"};
     constexpr int P = fi::kProfPhases;
-    std::printf("\n| phase (layout 0, instrumented: lane-0 clock64 cycles per tile) | DP mode 0 | DP mode 1 | DP mode 2 |\n"
-                "|---|---|---|---|\n");
-    double tot[3] = {};
-    for (int dp = 0; dp < 3; ++dp)
-      for (int i = 0; i < P; ++i) tot[dp] += static_cast<double>(prof13[dp][i]);
+    std::printf("\n| phase (layout 0, instrumented: lane-0 clock64 cycles per tile) | DP mode 0 | DP mode 1 | DP mode 2 | DP mode 4 "
+                "|\n|---|---|---|---|---|\n");
+    double tot[kPm] = {};
+    for (int pm = 0; pm < kPm; ++pm)
+      for (int i = 0; i < P; ++i) tot[pm] += static_cast<double>(prof13[pm][i]);
     for (int i = 0; i < P; ++i) {
       std::printf("| %s |", kPh[i]);
-      for (int dp = 0; dp < 3; ++dp)
-        std::printf(" %.0f (%.1f%%) |", static_cast<double>(prof13[dp][i]) / static_cast<double>(prof13[dp][P]),
-                    100.0 * static_cast<double>(prof13[dp][i]) / tot[dp]);
+      for (int pm = 0; pm < kPm; ++pm)
+        std::printf(" %.0f (%.1f%%) |", static_cast<double>(prof13[pm][i]) / static_cast<double>(prof13[pm][P]),
+                    100.0 * static_cast<double>(prof13[pm][i]) / tot[pm]);
       std::printf("\n");
     }
     std::printf("| total per tile |");
-    for (int dp = 0; dp < 3; ++dp) std::printf(" %.0f |", tot[dp] / static_cast<double>(prof13[dp][P]));
+    for (int pm = 0; pm < kPm; ++pm) std::printf(" %.0f |", tot[pm] / static_cast<double>(prof13[pm][P]));
     std::printf("\n| distinct values n / bin edges m / refinement rounds per tile |");
-    for (int dp = 0; dp < 3; ++dp) {
-      const double q = static_cast<double>(prof13[dp][P]);
-      std::printf(" %.1f / %.1f / %.2f |", static_cast<double>(prof13[dp][P + 1]) / q,
-                  static_cast<double>(prof13[dp][P + 2]) / q, static_cast<double>(prof13[dp][P + 3]) / q);
+    for (int pm = 0; pm < kPm; ++pm) {
+      const double q = static_cast<double>(prof13[pm][P]);
+      std::printf(" %.1f / %.1f / %.2f |", static_cast<double>(prof13[pm][P + 1]) / q,
+                  static_cast<double>(prof13[pm][P + 2]) / q, static_cast<double>(prof13[pm][P + 3]) / q);
     }
-    std::printf("\n| DP layers recomputed by the divide and conquer (non-monotone full-range minima), per tile |");
-    for (int dp = 0; dp < 3; ++dp)
-      std::printf(" %.5f (%llu) |", static_cast<double>(prof13[dp][P + 4]) / static_cast<double>(prof13[dp][P]),
-                  prof13[dp][P + 4]);
+    std::printf("\n| DP layers recomputed by the divide and conquer (non-monotone full-range minima), per tile (count) |");
+    for (int pm = 0; pm < kPm; ++pm)
+      std::printf(" %.5f (%llu) |", static_cast<double>(prof13[pm][P + 4]) / static_cast<double>(prof13[pm][P]),
+                  prof13[pm][P + 4]);
     std::printf("\n\n| every mode and layout == mode 0, layout 0: bytes and sums (bytes only: bytes), whole stack | %s |\n",
                 same_all ? "yes" : "NO");
     std::printf("| expert 0: GPU (mode 0 reference) == CPU binned-dp (%d threads, %.3f s): bytes and FitStats | %s |\n",

@@ -423,9 +423,14 @@ __device__ void dp_layer(S& s, int lane, int k, int m, const double* prev, doubl
 // each, all lanes busy, no per-level bookkeeping); a pair's row j from a bitmap of row starts
 // (popc), i = e + rb[j]; the leftmost minimum per row by a segmented (value, index) scan over the
 // lanes, a row continuing from the previous pass entering through lane 0 (its indices are lower).
-template <class S, class Cost>
+// PU: passes per loop iteration (1, or 2: both passes' cost evaluations and segmented scans are
+// independent and overlap; the row continuing from the previous pass is folded in after the scan,
+// into the lanes of the pass's first segment, which the (value, index) minimum allows: it is
+// associative and commutative).
+template <int PU, class S, class Cost>
 __device__ bool dp_layer_full(S& s, int lane, int k, int m, const double* prev, double* cur, std::int16_t* optk,
                               const std::int16_t* lower, const Cost& cost) {
+  static_assert(PU == 1 || PU == 2);
   FullScratch& fs = s.dp.full;
   // Rows (end positions) j0 = k + lane and j1 = k + 32 + lane (at most 48 rows: m <= 49).
   const int j0 = k + lane, j1 = k + 32 + lane;
@@ -442,7 +447,7 @@ __device__ bool dp_layer_full(S& s, int lane, int k, int m, const double* prev, 
   const int total0 = tot & 0xffff, total = total0 + (tot >> 16);
   const int off0 = (incl & 0xffff) - len0, off1 = total0 + (incl >> 16) - len1;
   const int maxlen = static_cast<int>(__reduce_max_sync(kFull, static_cast<unsigned>(max(len0, len1))));
-  for (int w = lane; w < kFullWords; w += 32) fs.bits[w] = 0u;
+  for (int w = lane; w < kFullWords; w += 32) fs.bits[w] = 0u;  // (total <= 1176: words 0..36, +1 read by PU 2)
   __syncwarp();
   if (len0 > 0) {
     atomicOr(&fs.bits[off0 >> 5], 1u << (off0 & 31));
@@ -454,32 +459,50 @@ __device__ bool dp_layer_full(S& s, int lane, int k, int m, const double* prev, 
   }
   __syncwarp();
   const unsigned upto = 0xffffffffu >> (31 - lane);  // bits 0..lane
-  double cv = 0.0;  // the running minimum (value, index) of the row continuing from the last pass
+  double cv = 0.0;  // the minimum (value, index) so far of the row continuing from the last pass
   int ci = 0;
   int rowbase = k - 1;  // rows started before this pass, + k - 1
-  for (int e0 = 0; e0 < total; e0 += 32) {
-    const unsigned word = fs.bits[e0 >> 5];
-    const int j = rowbase + __popc(word & upto);  // (past the last pair: m)
-    const int e = e0 + lane;
-    const bool valid = e < total;
-    const int i = valid ? e + fs.rb[j] : j - 1;  // (a valid dummy run past the last pair, not stored)
-    double bv = prev[i] + cost(i, j);
-    int bi = i;
-    if (!valid) bv = inf();
-    const int seg = 31 - __clz((word | 1u) & upto);  // this lane's row starts at lane seg (or before)
-    if (lane == 0 && e0 > 0 && !(word & 1u)) keep_min(bv, bi, cv, ci);
+  for (int e0 = 0; e0 < total; e0 += 32 * PU) {
+    unsigned word[PU];
+    int j[PU], i[PU], bi[PU], seg[PU];
+    bool valid[PU];
+    double bv[PU];
+#pragma unroll
+    for (int u = 0; u < PU; ++u) {
+      word[u] = fs.bits[(e0 >> 5) + u];
+      j[u] = rowbase + __popc(word[u] & upto);  // (past the last pair: m)
+      rowbase += __popc(word[u]);
+      const int e = e0 + 32 * u + lane;
+      valid[u] = e < total;
+      i[u] = valid[u] ? e + fs.rb[j[u]] : j[u] - 1;  // (a valid dummy run past the last pair, not stored)
+      seg[u] = 31 - __clz((word[u] | 1u) & upto);  // this lane's row starts at lane seg (or before)
+    }
+#pragma unroll
+    for (int u = 0; u < PU; ++u) {
+      bv[u] = prev[i[u]] + cost(i[u], j[u]);
+      bi[u] = i[u];
+      if (!valid[u]) bv[u] = inf();
+    }
     for (int d = 1; d < maxlen && d < 32; d <<= 1) {  // segmented inclusive (value, index) minimum
-      const double ov = __shfl_up_sync(kFull, bv, d);
-      const int oi = __shfl_up_sync(kFull, bi, d);
-      if (lane - d >= seg) keep_min(bv, bi, ov, oi);
+#pragma unroll
+      for (int u = 0; u < PU; ++u) {
+        const double ov = __shfl_up_sync(kFull, bv[u], d);
+        const int oi = __shfl_up_sync(kFull, bi[u], d);
+        if (lane - d >= seg[u]) keep_min(bv[u], bi[u], ov, oi);
+      }
     }
-    if (valid && i == j - 1) {  // the row's last pair: its minimum over R(j)
-      cur[j] = bv;
-      optk[j] = static_cast<std::int16_t>(bi);
+#pragma unroll
+    for (int u = 0; u < PU; ++u) {
+      // The row continuing from the previous pass (no row start at bit 0): its lanes are those of
+      // the first segment; the carried part has the lower indices.
+      if ((e0 > 0 || u > 0) && !(word[u] & 1u) && seg[u] == 0) keep_min(bv[u], bi[u], cv, ci);
+      if (valid[u] && i[u] == j[u] - 1) {  // the row's last pair: its minimum over R(j)
+        cur[j[u]] = bv[u];
+        optk[j[u]] = static_cast<std::int16_t>(bi[u]);
+      }
+      cv = __shfl_sync(kFull, bv[u], 31);
+      ci = __shfl_sync(kFull, bi[u], 31);
     }
-    cv = __shfl_sync(kFull, bv, 31);
-    ci = __shfl_sync(kFull, bi, 31);
-    rowbase += __popc(word);
   }
   __syncwarp();
   bool mono = true;
@@ -491,20 +514,22 @@ __device__ bool dp_layer_full(S& s, int lane, int k, int m, const double* prev, 
 // dp_fit's layers 2..K-1 by the DP mode Dm (fit13; launch_warp_dp): 0 dp_layer (the divide and
 // conquer level by level, fit12's kernels); 1 dp_layer_full for every layer; 2 dp_layer for layer
 // 2 (no lower row: its full range is the whole triangle), dp_layer_full from layer 3; 3 (tests
-// only) dp_layer_full and then ALWAYS dp_layer, the path a non-monotone layer takes. Returns 1 when
-// dp_layer reran a layer after dp_layer_full.
+// only) dp_layer_full and then ALWAYS dp_layer, the path a non-monotone layer takes; 4, 5: 1, 2
+// with two passes per iteration (PU = 2). Returns 1 when dp_layer reran a layer after
+// dp_layer_full.
 template <int Dm, int U, class S, class Cost>
 __device__ __forceinline__ int dp_layer_mode(S& s, int lane, int k, int m, const double* prev, double* cur,
                                              std::int16_t* optk, const std::int16_t* lower, const Cost& cost) {
+  static_assert(Dm >= 0 && Dm <= 5);
   if constexpr (Dm == 0) {
     dp_layer<U, 32>(s, lane, k, m, prev, cur, optk, lower, cost);
     return 0;
   } else {
-    if (Dm == 2 && k == 2) {
+    if ((Dm == 2 || Dm == 5) && k == 2) {
       dp_layer<U, 32>(s, lane, k, m, prev, cur, optk, lower, cost);
       return 0;
     }
-    const bool mono = dp_layer_full(s, lane, k, m, prev, cur, optk, lower, cost);
+    const bool mono = dp_layer_full<Dm >= 4 ? 2 : 1>(s, lane, k, m, prev, cur, optk, lower, cost);
     if (mono && Dm != 3) return 0;
     __syncwarp();
     dp_layer<U, 32>(s, lane, k, m, prev, cur, optk, lower, cost);
@@ -1692,22 +1717,29 @@ void launch_warp(const KernelArgs& a, cudaStream_t stream) {
 }
 
 void launch_warp_dp(const KernelArgs& a, int layout, int dp_mode, cudaStream_t stream) {
-  if (dp_mode < 0 || dp_mode > 3)
-    throw std::invalid_argument("launch_warp_dp: dp_mode must be 0..3, not " + std::to_string(dp_mode));
-  if (dp_mode != 0 && layout != 0 && layout != 1)
-    throw std::invalid_argument("launch_warp_dp: DP modes 1..3 exist for layouts 0 and 1 only, not layout " +
-                                std::to_string(layout));
+  if (dp_mode < 0 || dp_mode > 5)
+    throw std::invalid_argument("launch_warp_dp: dp_mode must be 0..5, not " + std::to_string(dp_mode));
+  if (dp_mode != 0 && layout != 0 && !(layout == 1 && dp_mode <= 3))
+    throw std::invalid_argument("launch_warp_dp: DP modes 1..5 exist for layout 0, 1..3 for layout 1, not mode " +
+                                std::to_string(dp_mode) + " on layout " + std::to_string(layout));
   if (a.tiles == 0) return;
   if (dp_mode == 0 || a.optimal || a.check_only) return launch_warp_layout(a, layout, stream);
   const char* who = "quantize_gpu: kernel launch: ";
+  constexpr int U = kUnroll<false>;
   if (layout == 0) {
-    if (dp_mode == 1) launch_t<false, false, kUnroll<false>, kArith, 1>(a, nullptr, stream, who);
-    else if (dp_mode == 2) launch_t<false, false, kUnroll<false>, kArith, 2>(a, nullptr, stream, who);
-    else launch_t<false, false, kUnroll<false>, kArith, 3>(a, nullptr, stream, who);
-  } else {
-    if (dp_mode == 1) launch_compact<4, 20, false, 1>(a, stream);
-    else if (dp_mode == 2) launch_compact<4, 20, false, 2>(a, stream);
-    else launch_compact<4, 20, false, 3>(a, stream);
+    switch (dp_mode) {
+      case 1: return launch_t<false, false, U, kArith, 1>(a, nullptr, stream, who);
+      case 2: return launch_t<false, false, U, kArith, 2>(a, nullptr, stream, who);
+      case 3: return launch_t<false, false, U, kArith, 3>(a, nullptr, stream, who);
+      case 4: return launch_t<false, false, U, kArith, 4>(a, nullptr, stream, who);
+      default: return launch_t<false, false, U, kArith, 5>(a, nullptr, stream, who);
+    }
+  }
+  // (layout 1 with modes 4, 5 is not built: ptxas spills there at its 96-register bound)
+  switch (dp_mode) {
+    case 1: return launch_compact<4, 20, false, 1>(a, stream);
+    case 2: return launch_compact<4, 20, false, 2>(a, stream);
+    default: return launch_compact<4, 20, false, 3>(a, stream);
   }
 }
 
@@ -1729,11 +1761,13 @@ void launch_warp_profiled(const KernelArgs& a, unsigned long long* d_prof, cudaS
   const char* who = "profile kernel launch: ";
   if (arith != kArith && !(arith == 0 && !a.optimal))
     throw std::invalid_argument("launch_warp_profiled: arith must be the default, or 0 for binned-dp");
-  if (dp_mode < 0 || dp_mode > 2 || (dp_mode != 0 && (a.optimal || arith != kArith)))
-    throw std::invalid_argument("launch_warp_profiled: dp_mode 1, 2 only for binned-dp with the default arithmetic");
+  if (dp_mode < 0 || dp_mode > 4 || dp_mode == 3 || (dp_mode != 0 && (a.optimal || arith != kArith)))
+    throw std::invalid_argument("launch_warp_profiled: dp_mode 1, 2, 4 only for binned-dp with the default arithmetic");
   if (a.optimal) launch_t<true, true>(a, d_prof, stream, who);
   else if (dp_mode == 1) launch_t<true, false, kUnroll<false>, kArith, 1>(a, d_prof, stream, who);
   else if (dp_mode == 2) launch_t<true, false, kUnroll<false>, kArith, 2>(a, d_prof, stream, who);
+  else if (dp_mode == 4) launch_t<true, false, kUnroll<false>, kArith, 4>(a, d_prof, stream, who);
+
   else if (arith == 0) launch_t<true, false, kUnroll<false>, 0>(a, d_prof, stream, who);
   else launch_t<true, false>(a, d_prof, stream, who);
 }

@@ -47,7 +47,7 @@ void launch_warp(const KernelArgs& a, cudaStream_t stream);
 /// Bytes written are those of launch_warp.
 /// `arith`: the default (kWarpArithDefault) or, for binned-dp, 0 (the cost evaluation with the IEEE
 /// division, for the benchmark's same-run comparison).
-/// `dp_mode` (binned-dp, default arithmetic): the DP mode of launch_warp_dp (0, 1 or 2), on layout 0.
+/// `dp_mode` (binned-dp, default arithmetic): the DP mode of launch_warp_dp (0, 1, 2 or 4), on layout 0.
 inline constexpr int kProfPhases = 7;
 inline constexpr int kProfSlotsTotal = kProfPhases + 5;
 void launch_warp_profiled(const KernelArgs& a, unsigned long long* d_prof, cudaStream_t stream,
@@ -109,9 +109,10 @@ void launch_warp_layout(const KernelArgs& a, int layout, cudaStream_t stream);
 /// of the layer, 32 a pass, a segmented argmin), falling back to 0 for a layer whose minima are not
 /// monotone in j (then, and only then, could they differ from the divide and conquer's; proof at
 /// dp_layer_full); 2 like 1 but layer 2 (no lower bound: the whole triangle) by 0; 3 (tests) like 1
-/// but every layer recomputed by 0 afterwards (the fallback path). Same bytes in every mode (tested).
-/// launch_warp_dp(a, layout, 0) == launch_warp_layout(a, layout); modes 1..3 exist for layouts 0
-/// and 1 (std::invalid_argument otherwise). launch_warp uses kWarpDpDefault with the layouts above.
+/// but every layer recomputed by 0 afterwards (the fallback path); 4, 5: 1, 2 with two passes of 32
+/// pairs per loop iteration (their evaluations and scans overlap). Same bytes in every mode (tested).
+/// launch_warp_dp(a, layout, 0) == launch_warp_layout(a, layout); modes 1..5 exist for layout 0,
+/// 1..3 for layout 1 (4 and 5 spill there; std::invalid_argument otherwise). launch_warp uses kWarpDpDefault with the layouts above.
 inline constexpr int kWarpDpDefault = 0;
 void launch_warp_dp(const KernelArgs& a, int layout, int dp_mode, cudaStream_t stream);
 
