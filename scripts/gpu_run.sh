@@ -166,15 +166,18 @@ if [ "$WHAT" = fit ]; then
     { "$B/bench_fit_gpu" "${local_args[@]:0:3}"; echo; "$B/bench_fit_gpu" "${local_args[@]:0:3}" student; } 2>&1 |
       tee "$OUT/bench_fit_gpu.md" || true
   }
-  # LUTB_FIT_BENCH_FIRST=1: the benchmark before the sanitizers (a short device lease keeps its figures)
+  # LUTB_FIT_BENCH_FIRST=1: the benchmark before the sanitizers (a short device lease keeps its figures);
+  # LUTB_FIT_SAN_FILTER=gtest-filter: the three sanitizers on those tests only.
   [ "${LUTB_FIT_BENCH_FIRST:-0}" = 1 ] && fit_bench "$@"
-  compute-sanitizer --tool memcheck --error-exitcode 9 "$B/lutb_fit_gpu_tests" \
-    --gtest_filter='FitGpu.EdgeTiles:FitGpu.FullRangeDpEdgeTiles:FitGpu.ErrorsMatchCpu:FitGpu.DeviceEntryWithoutStats:FitGpu.ScanVariantsSameBytes:FitGpuOptimal.EdgeTiles:FitGpuOptimal.ScaleSearchBelowRceil:FitGpuOptimal.DeviceEntryWithoutStats:OnlineGpu.RandomLayer*:OnlineGpu.Errors*:OnlineGpu.LaneMajor*:OnlineGpu.Optimal*' 2>&1 |
+  local_mf='FitGpu.EdgeTiles:FitGpu.FullRangeDpEdgeTiles:FitGpu.ErrorsMatchCpu:FitGpu.DeviceEntryWithoutStats:FitGpu.ScanVariantsSameBytes:FitGpuOptimal.EdgeTiles:FitGpuOptimal.ScaleSearchBelowRceil:FitGpuOptimal.DeviceEntryWithoutStats:OnlineGpu.RandomLayer*:OnlineGpu.Errors*:OnlineGpu.LaneMajor*:OnlineGpu.Optimal*'
+  local_rf='FitGpu.EdgeTiles:FitGpu.FullRangeDpEdgeTiles:FitGpuOptimal.EdgeTiles:FitGpuOptimal.ScaleSearchBelowRceil:OnlineGpu.LaneMajor*'
+  local_sf='FitGpu.EdgeTiles:FitGpu.FullRangeDpEdgeTiles:FitGpuOptimal.EdgeTiles'
+  if [ -n "${LUTB_FIT_SAN_FILTER:-}" ]; then local_mf=$LUTB_FIT_SAN_FILTER; local_rf=$LUTB_FIT_SAN_FILTER; local_sf=$LUTB_FIT_SAN_FILTER; fi
+  compute-sanitizer --tool memcheck --error-exitcode 9 "$B/lutb_fit_gpu_tests" --gtest_filter="$local_mf" 2>&1 |
     tail -12 | tee "$OUT/fit_sanitizer.log" || true
-  compute-sanitizer --tool racecheck --error-exitcode 9 "$B/lutb_fit_gpu_tests" \
-    --gtest_filter='FitGpu.EdgeTiles:FitGpu.FullRangeDpEdgeTiles:FitGpuOptimal.EdgeTiles:FitGpuOptimal.ScaleSearchBelowRceil:OnlineGpu.LaneMajor*' 2>&1 |
+  compute-sanitizer --tool racecheck --error-exitcode 9 "$B/lutb_fit_gpu_tests" --gtest_filter="$local_rf" 2>&1 |
     tail -6 | tee -a "$OUT/fit_sanitizer.log" || true
-  compute-sanitizer --tool synccheck --error-exitcode 9 "$B/lutb_fit_gpu_tests" --gtest_filter='FitGpu.EdgeTiles:FitGpu.FullRangeDpEdgeTiles:FitGpuOptimal.EdgeTiles' 2>&1 |
+  compute-sanitizer --tool synccheck --error-exitcode 9 "$B/lutb_fit_gpu_tests" --gtest_filter="$local_sf" 2>&1 |
     tail -4 | tee -a "$OUT/fit_sanitizer.log" || true
   [ "${LUTB_FIT_BENCH_FIRST:-0}" = 1 ] || fit_bench "$@"
   exit 0

@@ -12,7 +12,7 @@
 // two-tiles-per-warp kernel over the stack (with per-tile sums), for a profiler (ncu), then exit;
 // =2: one launch each of the binned-dp shared-memory layouts 0..4 (fit12).
 // With LUTB_BENCH_FIT13=1: only fit13's comparison (the binned DP's layers by the divide and conquer,
-// launch_warp_dp mode 0 = every kernel before fit13, against the full-range modes 1 and 2, on
+// launch_warp_dp mode 0 = every kernel before fit13, against the full-range modes 1, 2, 6, 7, on
 // layouts 0 and 1, with and without the per-tile sums, alternated twice in this process; whole-stack
 // bytes and sums == mode 0's; expert 0 == CPU; the phase breakdown of the instrumented kernel with
 // each mode), then exit.
@@ -218,9 +218,9 @@ int main(int argc, char** argv) {
       int layout, dp;
       bool sums;
     };
-    const V vs[] = {{1, 0, true},  {1, 1, true},  {1, 2, true},  {0, 0, true},  {0, 1, true},
-                    {0, 2, true},  {0, 4, true},  {0, 5, true},  {0, 0, false}, {0, 1, false},
-                    {0, 2, false}, {0, 4, false}, {0, 5, false}, {1, 0, false}, {1, 1, false}, {1, 2, false}};
+    const V vs[] = {{1, 0, true},  {1, 6, true},  {1, 7, true},  {0, 0, true},  {0, 6, true},  {0, 7, true},
+                    {0, 2, true},  {0, 0, false}, {0, 6, false}, {0, 7, false}, {1, 0, false}, {1, 6, false},
+                    {1, 7, false}};
     constexpr int kV = sizeof(vs) / sizeof(vs[0]);
     double t13[2][kV] = {};
     bool same_all = true;
@@ -257,8 +257,8 @@ int main(int argc, char** argv) {
     // Phase breakdown: the instrumented kernel (layout 0) with DP modes 0, 1, 2.
     unsigned long long* d_prof = nullptr;
     constexpr int kSlots13 = fi::kProfSlotsTotal;
-    constexpr int kPm = 4;
-    static const int kPmode[kPm] = {0, 1, 2, 4};
+    constexpr int kPm = 5;
+    static const int kPmode[kPm] = {0, 1, 2, 6, 7};
     unsigned long long prof13[kPm][kSlots13] = {};
     ok(cudaMalloc(&d_prof, sizeof(prof13[0])));
     for (int pm = 0; pm < kPm; ++pm) {
@@ -279,10 +279,11 @@ int main(int argc, char** argv) {
                 static_cast<long long>(K), static_cast<double>(weights), static_cast<long long>(tiles));
     std::printf("| fit13: binned-dp, layout, DP mode, sums | time alt. 1 / 2 | weights/s (best) | time / same layout's mode 0 "
                 "(alt. 1 / 2) | 654e9 weights | of 45e9/s |\n|---|---|---|---|---|---|\n");
-    static const char* const kDp[6] = {"0 divide and conquer (baseline)", "1 full range, every layer",
+    static const char* const kDp[8] = {"0 divide and conquer (baseline)", "1 full range, every layer",
                                        "2 full range from layer 3", "3",
-                                       "4 full range, every layer, 2 passes at a time",
-                                       "5 full range from layer 3, 2 passes at a time"};
+                                       "4 full range, every layer, 2 passes at a time", "5",
+                                       "6 full range, a chunk of pairs per lane, every layer",
+                                       "7 full range, a chunk of pairs per lane, from layer 3"};
     for (int v = 0; v < kV; ++v) {
       int base = v;
       for (int u = 0; u < kV; ++u)
@@ -301,8 +302,8 @@ int main(int argc, char** argv) {
                                        "binned DP (layers 1..K)", "refinement (window DP)",
                                        "encoding + per-tile sums (serial)"};
     constexpr int P = fi::kProfPhases;
-    std::printf("\n| phase (layout 0, instrumented: lane-0 clock64 cycles per tile) | DP mode 0 | DP mode 1 | DP mode 2 | DP mode 4 "
-                "|\n|---|---|---|---|---|\n");
+    std::printf("\n| phase (layout 0, instrumented: lane-0 clock64 cycles per tile) | DP mode 0 | DP mode 1 | DP mode 2 | DP mode 6 "
+                "| DP mode 7 |\n|---|---|---|---|---|---|\n");
     double tot[kPm] = {};
     for (int pm = 0; pm < kPm; ++pm)
       for (int i = 0; i < P; ++i) tot[pm] += static_cast<double>(prof13[pm][i]);

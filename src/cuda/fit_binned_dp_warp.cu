@@ -142,6 +142,7 @@ constexpr int kFullWords = 40;
 struct FullScratch {
   std::int16_t rb[kMaxPos];
   std::uint32_t bits[kFullWords];
+  std::int16_t roff[kMaxPos];  // dp_layer_chunk: the flat index of row j's first pair
 };
 
 // DP tables. binned-dp: prefix sums at the bin edges (scaled units), as dp.cpp's Dp. optimal: the
@@ -511,26 +512,156 @@ __device__ bool dp_layer_full(S& s, int lane, int k, int m, const double* prev, 
   return __all_sync(kFull, mono);
 }
 
+// fit13, second form: the same full-range minima g(j) (same proof, same fallback), but each lane
+// takes a CONTIGUOUS chunk of ceil(pairs / 32) of the layer's (j, i) pairs in j-major order and
+// scans it sequentially (the evaluations are independent: two are issued per step), keeping the
+// running (value, index) minimum of its current row with the CPU's strict "<" in increasing i; a
+// row that ends inside the chunk and started inside it is written directly. Rows that cross chunk
+// boundaries are combined once per layer: a lane's outgoing partial (the minimum of the row that
+// crosses its chunk's end) is its own partial, or, when its whole chunk lies inside a row that
+// started before it ("pass-through"), the incoming partial combined with its own; that recurrence is
+// one segmented (value, index) scan over the lanes (5 shuffle rounds); a lane whose first row started
+// before its chunk and ends inside it combines the incoming partial (lower indices) with its own
+// head minimum and writes the row. The (value, index) minimum is associative and commutative, so
+// every row's result is the leftmost minimum over R(j) (the CPU's scan), whatever the chunking.
+template <class S, class Cost>
+__device__ bool dp_layer_chunk(S& s, int lane, int k, int m, const double* prev, double* cur, std::int16_t* optk,
+                               const std::int16_t* lower, const Cost& cost) {
+  FullScratch& fs = s.dp.full;
+  const int j0 = k + lane, j1 = k + 32 + lane;
+  const int lo0 = j0 <= m ? max(k - 1, lower ? static_cast<int>(lower[j0]) : 0) : 0;
+  const int lo1 = j1 <= m ? max(k - 1, lower ? static_cast<int>(lower[j1]) : 0) : 0;
+  const int len0 = j0 <= m ? j0 - lo0 : 0, len1 = j1 <= m ? j1 - lo1 : 0;
+  int incl = len0 | (len1 << 16);
+  for (int off = 1; off < 32; off <<= 1) {
+    const int t = __shfl_up_sync(kFull, incl, off);
+    if (lane >= off) incl += t;
+  }
+  const int tot = __shfl_sync(kFull, incl, 31);
+  const int total0 = tot & 0xffff, total = total0 + (tot >> 16);
+  const int off0 = (incl & 0xffff) - len0, off1 = total0 + (incl >> 16) - len1;
+  if (len0 > 0) {
+    fs.roff[j0] = static_cast<std::int16_t>(off0);
+    fs.rb[j0] = static_cast<std::int16_t>(lo0 - off0);
+  }
+  if (len1 > 0) {
+    fs.roff[j1] = static_cast<std::int16_t>(off1);
+    fs.rb[j1] = static_cast<std::int16_t>(lo1 - off1);
+  }
+  __syncwarp();
+  const int C = (total + 31) >> 5;  // pairs per lane
+  const int c0 = min(lane * C, total), c1 = min(c0 + C, total);
+  // Row of pair c0: the last j in [k, m] with roff[j] <= c0.
+  int j = k;
+  if (c0 < c1) {
+    int a = k, b = m;
+    while (a < b) {
+      const int mid = (a + b + 1) >> 1;
+      if (fs.roff[mid] <= c0) a = mid;
+      else b = mid - 1;
+    }
+    j = a;
+  }
+  const int jh = j;  // my first row
+  const bool head_cont = c0 < c1 && fs.roff[j] < c0;  // my first row started in an earlier chunk
+  bool first = true;       // still in my first row
+  bool head_ends = false;  // (head_cont) my first row ends in my chunk
+  double hv = inf(), rv = inf();  // head minimum (head_cont rows), running minimum of the current row
+  int hi_ = INT_MAX, ri = INT_MAX;
+  int i = c0 < c1 ? c0 + fs.rb[j] : 0;
+  // Folds the pair (i, j) with value v into the current row; at the row's last pair (i = j - 1)
+  // writes it (or keeps it as the head minimum) and moves to the next row.
+  auto fold = [&](double v, int ii, int jj) {
+    if (v < rv) {  // (increasing i within a row: the CPU's strict "<")
+      rv = v;
+      ri = ii;
+    }
+    if (ii == jj - 1) {
+      if (first && head_cont) {
+        hv = rv;
+        hi_ = ri;
+        head_ends = true;
+      } else {
+        cur[jj] = rv;
+        optk[jj] = static_cast<std::int16_t>(ri);
+      }
+      first = false;
+      rv = inf();
+      ri = INT_MAX;
+    }
+  };
+  int e = c0;
+  for (; e + 1 < c1; e += 2) {  // two independent evaluations per step
+    const int ia = i, ja = j;
+    int ib, jb;
+    if (ia == ja - 1) {
+      jb = ja + 1;
+      ib = e + 1 + fs.rb[jb];
+    } else {
+      jb = ja;
+      ib = ia + 1;
+    }
+    const double va = prev[ia] + cost(ia, ja);
+    const double vb = prev[ib] + cost(ib, jb);
+    fold(va, ia, ja);
+    fold(vb, ib, jb);
+    if (ib == jb - 1) {
+      j = jb + 1;
+      i = (j <= m) ? e + 2 + fs.rb[j] : 0;
+    } else {
+      j = jb;
+      i = ib + 1;
+    }
+  }
+  if (e < c1) fold(prev[i] + cost(i, j), i, j);
+  // Outgoing partial (the row crossing my chunk's end): pass-through lanes combine the incoming one.
+  const bool pass = c0 < c1 && first && head_cont;  // my whole chunk inside a row begun before it
+  double ov = rv;  // (inf when my last row ended at c1 - 1, or an empty chunk)
+  int oi = ri;
+  const unsigned starts = __ballot_sync(kFull, !pass);  // (lane 0 never passes through: c0 = 0)
+  const int seg = 31 - __clz(starts & (0xffffffffu >> (31 - lane)));
+  for (int d = 1; d < 32; d <<= 1) {
+    const double pv = __shfl_up_sync(kFull, ov, d);
+    const int pi = __shfl_up_sync(kFull, oi, d);
+    if (lane - d >= seg) keep_min(ov, oi, pv, pi);
+  }
+  double inv_ = __shfl_up_sync(kFull, ov, 1);
+  int ini = __shfl_up_sync(kFull, oi, 1);
+  if (head_cont && head_ends) {  // my first row: the incoming partial (lower indices), then mine
+    keep_min(inv_, ini, hv, hi_);
+    cur[jh] = inv_;
+    optk[jh] = static_cast<std::int16_t>(ini);
+  }
+  __syncwarp();
+  bool mono = true;
+  if (j0 < m) mono = optk[j0] <= optk[j0 + 1];
+  if (j1 < m) mono = mono && optk[j1] <= optk[j1 + 1];
+  return __all_sync(kFull, mono);
+}
+
 // dp_fit's layers 2..K-1 by the DP mode Dm (fit13; launch_warp_dp): 0 dp_layer (the divide and
 // conquer level by level, fit12's kernels); 1 dp_layer_full for every layer; 2 dp_layer for layer
 // 2 (no lower row: its full range is the whole triangle), dp_layer_full from layer 3; 3 (tests
 // only) dp_layer_full and then ALWAYS dp_layer, the path a non-monotone layer takes; 4, 5: 1, 2
-// with two passes per iteration (PU = 2). Returns 1 when dp_layer reran a layer after
-// dp_layer_full.
+// with two passes per iteration (PU = 2); 6, 7: 1, 2 with dp_layer_chunk (a contiguous chunk of
+// pairs per lane) instead of dp_layer_full; 8 (tests only): 6, then ALWAYS dp_layer. Returns 1
+// when dp_layer reran a layer after the full-range form.
 template <int Dm, int U, class S, class Cost>
 __device__ __forceinline__ int dp_layer_mode(S& s, int lane, int k, int m, const double* prev, double* cur,
                                              std::int16_t* optk, const std::int16_t* lower, const Cost& cost) {
-  static_assert(Dm >= 0 && Dm <= 5);
+  static_assert(Dm >= 0 && Dm <= 8);
   if constexpr (Dm == 0) {
     dp_layer<U, 32>(s, lane, k, m, prev, cur, optk, lower, cost);
     return 0;
   } else {
-    if ((Dm == 2 || Dm == 5) && k == 2) {
+    if ((Dm == 2 || Dm == 5 || Dm == 7) && k == 2) {
       dp_layer<U, 32>(s, lane, k, m, prev, cur, optk, lower, cost);
       return 0;
     }
-    const bool mono = dp_layer_full<Dm >= 4 ? 2 : 1>(s, lane, k, m, prev, cur, optk, lower, cost);
-    if (mono && Dm != 3) return 0;
+    bool mono;
+    if constexpr (Dm >= 6) mono = dp_layer_chunk(s, lane, k, m, prev, cur, optk, lower, cost);
+    else mono = dp_layer_full<Dm >= 4 ? 2 : 1>(s, lane, k, m, prev, cur, optk, lower, cost);
+    if (mono && Dm != 3 && Dm != 8) return 0;
     __syncwarp();
     dp_layer<U, 32>(s, lane, k, m, prev, cur, optk, lower, cost);
     return 1;
@@ -1708,39 +1839,15 @@ void launch_t(const KernelArgs& a, unsigned long long* d_prof, cudaStream_t stre
 
 }  // namespace
 
+// fit_dp_modes.cu includes this file with LUTB_FIT_DP_MODES_TU defined, for the kernels and
+// launchers of fit13's DP modes (launch_warp_dp): a second translation unit, compiled in parallel.
+#ifndef LUTB_FIT_DP_MODES_TU
 void launch_warp(const KernelArgs& a, cudaStream_t stream) {
   if (a.tiles == 0) return;
   // (the tile check alone is the same code in both instantiations: the smaller one runs it)
   if (a.optimal && !a.check_only) launch_t<false, true>(a, nullptr, stream, "quantize_gpu: kernel launch: ");
   else if (a.check_only) launch_t<false, false>(a, nullptr, stream, "quantize_gpu: kernel launch: ");
   else launch_warp_dp(a, a.out.sse || a.out.sum_sq ? kWarpLayoutDefault : kWarpLayoutBytesOnly, kWarpDpDefault, stream);
-}
-
-void launch_warp_dp(const KernelArgs& a, int layout, int dp_mode, cudaStream_t stream) {
-  if (dp_mode < 0 || dp_mode > 5)
-    throw std::invalid_argument("launch_warp_dp: dp_mode must be 0..5, not " + std::to_string(dp_mode));
-  if (dp_mode != 0 && layout != 0 && !(layout == 1 && dp_mode <= 3))
-    throw std::invalid_argument("launch_warp_dp: DP modes 1..5 exist for layout 0, 1..3 for layout 1, not mode " +
-                                std::to_string(dp_mode) + " on layout " + std::to_string(layout));
-  if (a.tiles == 0) return;
-  if (dp_mode == 0 || a.optimal || a.check_only) return launch_warp_layout(a, layout, stream);
-  const char* who = "quantize_gpu: kernel launch: ";
-  constexpr int U = kUnroll<false>;
-  if (layout == 0) {
-    switch (dp_mode) {
-      case 1: return launch_t<false, false, U, kArith, 1>(a, nullptr, stream, who);
-      case 2: return launch_t<false, false, U, kArith, 2>(a, nullptr, stream, who);
-      case 3: return launch_t<false, false, U, kArith, 3>(a, nullptr, stream, who);
-      case 4: return launch_t<false, false, U, kArith, 4>(a, nullptr, stream, who);
-      default: return launch_t<false, false, U, kArith, 5>(a, nullptr, stream, who);
-    }
-  }
-  // (layout 1 with modes 4, 5 is not built: ptxas spills there at its 96-register bound)
-  switch (dp_mode) {
-    case 1: return launch_compact<4, 20, false, 1>(a, stream);
-    case 2: return launch_compact<4, 20, false, 2>(a, stream);
-    default: return launch_compact<4, 20, false, 3>(a, stream);
-  }
 }
 
 void launch_warp_layout(const KernelArgs& a, int layout, cudaStream_t stream) {
@@ -1761,13 +1868,12 @@ void launch_warp_profiled(const KernelArgs& a, unsigned long long* d_prof, cudaS
   const char* who = "profile kernel launch: ";
   if (arith != kArith && !(arith == 0 && !a.optimal))
     throw std::invalid_argument("launch_warp_profiled: arith must be the default, or 0 for binned-dp");
-  if (dp_mode < 0 || dp_mode > 4 || dp_mode == 3 || (dp_mode != 0 && (a.optimal || arith != kArith)))
-    throw std::invalid_argument("launch_warp_profiled: dp_mode 1, 2, 4 only for binned-dp with the default arithmetic");
+  if (dp_mode != 0) {
+    if (a.optimal || arith != kArith)
+      throw std::invalid_argument("launch_warp_profiled: dp_mode other than 0 only for binned-dp with the default arithmetic");
+    return launch_warp_profiled_dp(a, d_prof, dp_mode, stream);
+  }
   if (a.optimal) launch_t<true, true>(a, d_prof, stream, who);
-  else if (dp_mode == 1) launch_t<true, false, kUnroll<false>, kArith, 1>(a, d_prof, stream, who);
-  else if (dp_mode == 2) launch_t<true, false, kUnroll<false>, kArith, 2>(a, d_prof, stream, who);
-  else if (dp_mode == 4) launch_t<true, false, kUnroll<false>, kArith, 4>(a, d_prof, stream, who);
-
   else if (arith == 0) launch_t<true, false, kUnroll<false>, 0>(a, d_prof, stream, who);
   else launch_t<true, false>(a, d_prof, stream, who);
 }
@@ -1856,5 +1962,7 @@ void launch_warp_padded(const KernelArgs& a, int pad_bytes, cudaStream_t stream)
 void launch_warp_unrolled(const KernelArgs& a, int unroll, cudaStream_t stream) {
   launch_warp_variant(a, unroll, kArith, stream);
 }
+
+#endif  // LUTB_FIT_DP_MODES_TU
 
 }  // namespace lutb::cuda::fit_internal

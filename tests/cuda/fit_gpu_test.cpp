@@ -647,8 +647,8 @@ TEST(FitGpu, LayoutsSameBytes) {
 }
 
 // fit13: the binned DP's layers solved for every end position at once over the full start ranges
-// (fit_internal::launch_warp_dp modes 1, 2 and their two-passes-per-iteration forms 4, 5, layouts 0
-// and 1), and mode 3, where every layer is
+// (fit_internal::launch_warp_dp modes 1, 2, the two-passes-per-iteration form 4, the
+// chunk-per-lane forms 6, 7; layouts 0 and 1), and modes 3 and 8, where every layer is
 // solved that way and then ALWAYS recomputed by the divide and conquer (the path of a layer whose
 // minima are not monotone): the CPU's bytes and sums on every case of LayoutsSameBytes (edge tiles,
 // forced scales, mixed tiles, random Gaussian / Student-t(3) / Laplace, 512-distinct FP32 tiles with
@@ -656,8 +656,8 @@ TEST(FitGpu, LayoutsSameBytes) {
 TEST(FitGpu, FullRangeDpSameBytes) {
   LUTB_GPU_OR_SKIP();
   for (int layout : {0, 1})
-    for (int dp_mode : {1, 2, 3, 4, 5})
-      if (layout == 0 || dp_mode <= 3) layout_cases(layout, dp_mode);
+    for (int dp_mode : {1, 2, 3, 4, 6, 7, 8})
+      if (layout == 0 || dp_mode != 4) layout_cases(layout, dp_mode);
   {  // error words of a NaN / -Inf stack: those of the default DP
     auto v = random_values(8 * 64 * 6, Dist::kGauss, 0.02f, 13);
     v[static_cast<std::size_t>(3 * 64 * 6 + 2 * 64 + 17)] = std::numeric_limits<float>::quiet_NaN();
@@ -670,8 +670,8 @@ TEST(FitGpu, FullRangeDpSameBytes) {
     ASSERT_EQ(cudaMalloc(&d_err, 8), cudaSuccess);
     ASSERT_EQ(cudaMemcpy(d_src, v.data(), v.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
     for (int layout : {0, 1})
-      for (int dp_mode : {1, 2, 4, 5}) {
-        if (layout == 1 && dp_mode > 3) continue;
+      for (int dp_mode : {1, 2, 4, 6, 7}) {
+        if (layout == 1 && dp_mode == 4) continue;
         cuda::fit_internal::KernelArgs ka{d_src, 0, 8, 64 * 6, 1, 6, 6, 0,
                                           cuda::DeviceFitOut{d_out, d_out + 6 * kPackedBytes,
                                                              d_out + 6 * (kPackedBytes + kCodebookSize), nullptr, nullptr},
@@ -689,7 +689,8 @@ TEST(FitGpu, FullRangeDpSameBytes) {
   }
   cuda::fit_internal::KernelArgs ka{};
   ka.tiles = 1;
-  EXPECT_THROW(cuda::fit_internal::launch_warp_dp(ka, 0, 6, nullptr), std::invalid_argument);
+  EXPECT_THROW(cuda::fit_internal::launch_warp_dp(ka, 0, 9, nullptr), std::invalid_argument);
+  EXPECT_THROW(cuda::fit_internal::launch_warp_dp(ka, 0, 5, nullptr), std::invalid_argument);
   EXPECT_THROW(cuda::fit_internal::launch_warp_dp(ka, 1, -1, nullptr), std::invalid_argument);
   EXPECT_THROW(cuda::fit_internal::launch_warp_dp(ka, 2, 1, nullptr), std::invalid_argument);
   EXPECT_THROW(cuda::fit_internal::launch_warp_dp(ka, 1, 4, nullptr), std::invalid_argument);
@@ -697,15 +698,16 @@ TEST(FitGpu, FullRangeDpSameBytes) {
 
 // The same on a small stack for the sanitizers (memcheck, racecheck, synccheck): the edge tiles and
 // two 512-distinct FP32 tiles (the most bin edges: the most pairs per layer), DP modes 1, 3 (the
-// fallback path), 4 (two passes at a time) on layout 0, 1 and 3 on layout 1.
+// fallback path), 4 (two passes at a time), 6 (a chunk per lane), 8 (6 + the fallback) on layout
+// 0, all but 4 on layout 1.
 TEST(FitGpu, FullRangeDpEdgeTiles) {
   LUTB_GPU_OR_SKIP();
   std::int64_t ne = 0;
   const std::vector<float> edges = edge_tiles(ne);
   const auto wide = random_values(8 * 64 * 2, Dist::kStudentT3, 0.02f, 41);
   for (int layout : {0, 1})
-    for (int dp_mode : {1, 3, 4}) {
-      if (layout == 1 && dp_mode > 3) continue;
+    for (int dp_mode : {1, 3, 4, 6, 8}) {
+      if (layout == 1 && dp_mode == 4) continue;
       SCOPED_TRACE("layout " + std::to_string(layout) + ", DP mode " + std::to_string(dp_mode));
       EXPECT_EQ(expect_two_tiles_same(edges.data(), DType::F32, stack(1, 8, 64 * ne), -1, true, layout, dp_mode), ne);
       EXPECT_EQ(expect_two_tiles_same(wide.data(), DType::F32, stack(1, 8, 128), -1, true, layout, dp_mode), 2);
