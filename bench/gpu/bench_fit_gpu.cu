@@ -294,8 +294,8 @@ int main(int argc, char** argv) {
                   kDp[vs[v].dp], vs[v].sums ? "with per-tile sums" : "bytes only", t13[0][v], t13[1][v], rate,
                   t13[0][v] / t13[0][base], t13[1][v] / t13[1][base], 654e9 / rate, 100.0 * rate / 45e9);
     }
-    std::printf("| default selection (fit_internal.cuh): layout with sums %d, bytes only %d, DP mode %d | |\n",
-                fi::kWarpLayoutDefault, fi::kWarpLayoutBytesOnly, fi::kWarpDpDefault);
+    std::printf("| default selection (fit_internal.cuh): with sums layout %d DP mode %d, bytes only layout %d DP mode %d | |\n",
+                fi::kWarpLayoutDefault, fi::kWarpDpDefault, fi::kWarpLayoutBytesOnly, fi::kWarpDpBytesOnly);
     std::printf("| resident warps per SM: layout 0 / layout 1 | %d / %d |\n", fi::resident_warps_per_sm(0),
                 fi::resident_warps_per_sm(3));
     static const char* const kPh[7] = {"load + check", "sort + de-duplication", "prefix sums (serial)", "bin edges",

@@ -1847,7 +1847,8 @@ void launch_warp(const KernelArgs& a, cudaStream_t stream) {
   // (the tile check alone is the same code in both instantiations: the smaller one runs it)
   if (a.optimal && !a.check_only) launch_t<false, true>(a, nullptr, stream, "quantize_gpu: kernel launch: ");
   else if (a.check_only) launch_t<false, false>(a, nullptr, stream, "quantize_gpu: kernel launch: ");
-  else launch_warp_dp(a, a.out.sse || a.out.sum_sq ? kWarpLayoutDefault : kWarpLayoutBytesOnly, kWarpDpDefault, stream);
+  else if (a.out.sse || a.out.sum_sq) launch_warp_dp(a, kWarpLayoutDefault, kWarpDpDefault, stream);
+  else launch_warp_dp(a, kWarpLayoutBytesOnly, kWarpDpBytesOnly, stream);
 }
 
 void launch_warp_layout(const KernelArgs& a, int layout, cudaStream_t stream) {

@@ -115,9 +115,13 @@ void launch_warp_layout(const KernelArgs& a, int layout, cudaStream_t stream);
 /// 8 (tests): 6 then always 0. (Mode 5, 2 with two passes per iteration, was measured in fit13 run 1
 /// and removed.) Same bytes in every mode (tested). launch_warp_dp(a, layout, 0) ==
 /// launch_warp_layout(a, layout); modes 1..4, 6..8 exist for layout 0, 1..3, 6..8 for layout 1 (4
-/// spills there); std::invalid_argument otherwise. launch_warp uses kWarpDpDefault with the layouts
-/// above.
+/// spills there); std::invalid_argument otherwise. launch_warp uses kWarpDpDefault with
+/// kWarpLayoutDefault (fits with the per-tile sums) and kWarpDpBytesOnly with kWarpLayoutBytesOnly:
+/// measured on the H200 (docs/perf/fit-gpu.md, fit13 run 2, same run as mode 0): layout 0 with mode
+/// 6, bytes only, 0.977 / 0.995 of mode 0's time (Gaussian / Student-t), the fastest bytes-only
+/// kernel; with the sums layout 1 with mode 0 stays the fastest (layout 1 with mode 6 spills: 1.04x).
 inline constexpr int kWarpDpDefault = 0;
+inline constexpr int kWarpDpBytesOnly = 6;
 void launch_warp_dp(const KernelArgs& a, int layout, int dp_mode, cudaStream_t stream);
 /// launch_warp_profiled's DP modes 1, 2, 6, 7 (src/cuda/fit_dp_modes.cu).
 void launch_warp_profiled_dp(const KernelArgs& a, unsigned long long* d_prof, int dp_mode, cudaStream_t stream);
