@@ -42,6 +42,11 @@
 //    per SM instead of 16): the prefix sums only at the bin edges, the refinement windows' sums
 //    re-derived per round in the CPU's order, the running and flat-order sums through a chunk
 //    (details at fit_compact_kernel).
+//  - DP modes (fit13; dp_layer_mode, launch_warp_dp in fit_dp_modes.cu): each DP layer's minima for
+//    every end position at once over the full start ranges (dp_layer_full: 32 pairs per pass;
+//    dp_layer_chunk: a contiguous chunk of pairs per lane), equal to the divide and conquer's when
+//    they are monotone in j (proof at dp_layer_full; checked, the layer recomputed by dp_layer
+//    otherwise). Mode 6 (dp_layer_chunk) on fit_warp_kernel is the default of bytes-only fits.
 //  - fit_pair_kernel (binned-dp, an experiment selected by launch_warp_tiles, not the default): two
 //    tiles per warp, their DP and refinement at once on the two half-warps (the same functions with
 //    G = 16 lanes per tile, every collective masked to the half); same bytes, slower on the H200
