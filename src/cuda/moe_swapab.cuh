@@ -491,6 +491,79 @@ constexpr int swap_min_blocks(int nb) { return nb == 1 ? LUTB_SWAPAB_MINB1 : (nb
 #define LUTB_SWAPAB_BOUNDS(NB) __launch_bounds__(32 * swap_max_warps(NB), swap_min_blocks(NB))
 #endif
 
+/// GEMM1's epilogue in warp 0 (acc = the reduced sums of all 8 strips, mma.sync m16n8 layout per
+/// m16 tile m): SiLU*up, BF16, the MXFP8 block of h, written in the decoder's activation form.
+template <int kDec, int NB>
+__device__ __forceinline__ void swap_epilogue1(const SwapTokens<NB>& tk, int nblocks, const bool (&ok)[8],
+                                               const float (&acc)[4][NB][4], long long G, long long Ip, void* hq,
+                                               float* hsf) {
+  const int g = (threadIdx.x & 31) >> 2;
+  // Lane (g, t) holds gate (c0, c1) and up (c2, c3) of I-column 8(4G+m)+g for the tokens of
+  // accumulator columns 2t, 2t+1. The MXFP8 block of h is I-columns 32G..32G+31 = (m, g).
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    if (nb >= nblocks) continue;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      float hv[4];
+      float a = 0.0f;
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        const float gg = acc[m][nb][u], uu = acc[m][nb][2 + u];
+        const float v = ok[2 * m] ? (gg / (1.0f + expf(-gg))) * uu : 0.0f;
+        hv[m] = bf16_round(v);
+        a = fmaxf(a, fabsf(hv[m]));
+        if (!isfinite(hv[m])) a = INFINITY;
+      }
+      a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 4));
+      a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 8));
+      a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 16));
+      const unsigned char b = mx_block_scale(a, MxScaleRule::Rceil);
+      const int p = tk.pair_c[nb][u];
+      if (p < 0) continue;
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        // Padding I-columns (I..Ip-1) are written as zeros: GEMM2 reads all Ip columns.
+        const unsigned char q8 = (b == 255) ? 0 : mx_encode(hv[m], b);
+        const long long at = static_cast<long long>(p) * Ip + 8 * (4 * G + m);
+        if constexpr (kDec == kDecFp8) {
+          static_cast<unsigned char*>(hq)[at + g] = q8;
+        } else if constexpr (kDec == kDecWg) {  // the wgmma B order (wg_pos, moe_kernels.cuh)
+          static_cast<unsigned char*>(hq)[static_cast<long long>(p) * Ip + 32 * G + wg_pos(8 * m + g)] = q8;
+        } else {
+          static_cast<uint16_t*>(hq)[at + perm8(g, kDec == kDecByte)] = __half_as_ushort(__float2half_rn(e4m3_to_float(q8)));
+        }
+      }
+      if (g == 0) hsf[static_cast<long long>(p) * (Ip / 32) + G] = ue8m0_f(b);
+    }
+  }
+}
+
+/// GEMM2's epilogue in warp 0: the FP32 rows of y.
+template <int NB>
+__device__ __forceinline__ void swap_epilogue2(const SwapTokens<NB>& tk, int nblocks, const long long (&strip)[8],
+                                               const bool (&ok)[8], const float (&acc)[4][NB][4], float* y,
+                                               long long H) {
+  const int g = (threadIdx.x & 31) >> 2;
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    if (nb >= nblocks) continue;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int p = tk.pair_c[nb][u];
+      if (p < 0) continue;
+      float* dst = y + static_cast<long long>(p) * H;
+#pragma unroll
+      for (int m = 0; m < 4; ++m)
+#pragma unroll
+        for (int ab = 0; ab < 2; ++ab) {
+          const long long row = strip[2 * m + ab] * 8 + g;
+          if (ok[2 * m + ab] && row < H) dst[row] = acc[m][nb][2 * ab + u];
+        }
+    }
+  }
+}
+
 /// GEMM1 + SiLU*up + MXFP8 of h. Grid: (Ip/32 strip groups, token tile slots); blockDim.x =
 /// 32 * warps (K split across the warps). xa: [T, a_cols] FP16 E4M3 values in the decoder's column
 /// order, or E4M3 bytes (natural order) for kDecFp8. Output hq [P, Ip] in the same form, hs [P, Ip/32]
@@ -535,44 +608,7 @@ __global__ void LUTB_SWAPAB_BOUNDS(NB)
     swap_warp_gemm<kDec, NB, false>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
                                     swap_smem + warp * SwapRing::kWarpBytes, acc, PdlWaitAndTrigger{});
   if (!swap_reduce<NB>(swap_smem, acc)) return;
-
-  // Lane (g, t) holds gate (c0, c1) and up (c2, c3) of I-column 8(4G+m)+g for the tokens of
-  // accumulator columns 2t, 2t+1. The MXFP8 block of h is I-columns 32G..32G+31 = (m, g).
-#pragma unroll
-  for (int nb = 0; nb < NB; ++nb) {
-    if (nb >= nblocks) continue;
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      float hv[4];
-      float a = 0.0f;
-#pragma unroll
-      for (int m = 0; m < 4; ++m) {
-        const float gg = acc[m][nb][u], uu = acc[m][nb][2 + u];
-        const float v = ok[2 * m] ? (gg / (1.0f + expf(-gg))) * uu : 0.0f;
-        hv[m] = bf16_round(v);
-        a = fmaxf(a, fabsf(hv[m]));
-        if (!isfinite(hv[m])) a = INFINITY;
-      }
-      a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 4));
-      a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 8));
-      a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 16));
-      const unsigned char b = mx_block_scale(a, MxScaleRule::Rceil);
-      const int p = tk.pair_c[nb][u];
-      if (p < 0) continue;
-#pragma unroll
-      for (int m = 0; m < 4; ++m) {
-        // Padding I-columns (I..Ip-1) are written as zeros: GEMM2 reads all Ip columns.
-        const unsigned char q8 = (b == 255) ? 0 : mx_encode(hv[m], b);
-        const long long at = static_cast<long long>(p) * Ip + 8 * (4 * G + m);
-        if constexpr (kDec == kDecFp8) {
-          static_cast<unsigned char*>(hq)[at + g] = q8;
-        } else {
-          static_cast<uint16_t*>(hq)[at + perm8(g, kDec == kDecByte)] = __half_as_ushort(__float2half_rn(e4m3_to_float(q8)));
-        }
-      }
-      if (g == 0) hsf[static_cast<long long>(p) * (Ip / 32) + G] = ue8m0_f(b);
-    }
-  }
+  swap_epilogue1<kDec, NB>(tk, nblocks, ok, acc, G, Ip, hq, hsf);
 }
 
 /// GEMM2: y[p, n] = h[p] . w2[e, n]^T (FP32). Grid: (ceil(tiles_n/8) strip groups, slots).
@@ -614,23 +650,7 @@ __global__ void LUTB_SWAPAB_BOUNDS(NB)
     swap_warp_gemm<kDec, NB, false>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
                                     swap_smem + warp * SwapRing::kWarpBytes, acc, PdlWaitAndTrigger{});
   if (!swap_reduce<NB>(swap_smem, acc)) return;
-#pragma unroll
-  for (int nb = 0; nb < NB; ++nb) {
-    if (nb >= nblocks) continue;
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const int p = tk.pair_c[nb][u];
-      if (p < 0) continue;
-      float* dst = y + static_cast<long long>(p) * H;
-#pragma unroll
-      for (int m = 0; m < 4; ++m)
-#pragma unroll
-        for (int ab = 0; ab < 2; ++ab) {
-          const long long row = strip[2 * m + ab] * 8 + g;
-          if (ok[2 * m + ab] && row < H) dst[row] = acc[m][nb][2 * ab + u];
-        }
-    }
-  }
+  swap_epilogue2<NB>(tk, nblocks, strip, ok, acc, y, H);
 }
 
 }  // namespace lutb::cuda::kern

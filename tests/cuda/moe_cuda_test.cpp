@@ -163,7 +163,7 @@ TEST_P(MoeRandom, MatchesHostReferenceAllStrategiesAndDecoders) {
   random_routing(c.T, c.k, allowed, rng, ids, wts);
   const auto ref = moe_reference(w13, w2, c.H, c.I, x, c.T, c.k, ids, wts);
   for (auto dec : {cuda::WeightDecoder::Auto, cuda::WeightDecoder::BytePermute, cuda::WeightDecoder::Cvt,
-                   cuda::WeightDecoder::Fp8Mma}) {
+                   cuda::WeightDecoder::Fp8Mma, cuda::WeightDecoder::Fp8Wgmma}) {
     cuda::set_weight_decoder(dec);
     for (auto s : kAllStrategies) {
       const auto got = run_forward(w13, w2, c.E, c.H, c.I, x, c.T, c.k, ids, wts, s);
@@ -234,8 +234,12 @@ TEST(MoeCuda, DependentLaunchBitIdenticalBackToBack) {
     }
     const std::size_t wsb = cuda::moe_workspace_bytes(T, k, E, H, I);
     DevBuf<char> ws(wsb);
-    for (auto s : kAllStrategies) {
-      SCOPED_TRACE(::testing::Message() << "T " << T << " strategy " << strategy_name(s));
+    // The FP8 wgmma decoder (swap-AB Decode only) stages the activations with cp.async after its
+    // PDL wait: checked here too.
+    for (int pass = 0; pass < 4; ++pass) {
+      const auto s = pass < 3 ? kAllStrategies[pass] : cuda::MoeStrategy::Decode;
+      cuda::set_weight_decoder(pass < 3 ? cuda::WeightDecoder::Auto : cuda::WeightDecoder::Fp8Wgmma);
+      SCOPED_TRACE(::testing::Message() << "T " << T << " strategy " << strategy_name(s) << (pass == 3 ? " wgmma" : ""));
       std::vector<std::vector<std::uint16_t>> alone;
       cuda::set_dependent_launch(false);
       for (int r = 0; r < 3; ++r) {
@@ -259,6 +263,7 @@ TEST(MoeCuda, DependentLaunchBitIdenticalBackToBack) {
     }
   }
   cuda::set_dependent_launch(true);
+  cuda::set_weight_decoder(cuda::WeightDecoder::Auto);
   ck(cudaStreamDestroy(st), "stream");
 }
 
@@ -372,6 +377,12 @@ TEST(MoeCuda, GoldenLayer) {
     EXPECT_EQ(r.nan, 0);
     EXPECT_LT(r.rel_l2, 1e-3) << "GPU vs golden";
   }
+  cuda::set_weight_decoder(cuda::WeightDecoder::Fp8Wgmma);
+  const auto got = run_forward(w13, w2, E, H, I, x, T, k, ids, wts, cuda::MoeStrategy::Decode);
+  cuda::set_weight_decoder(cuda::WeightDecoder::Auto);
+  const Cmp r = compare_bf16(got, expect);
+  EXPECT_EQ(r.nan, 0);
+  EXPECT_LT(r.rel_l2, 1e-3) << "GPU (FP8 wgmma decoder) vs golden";
 }
 
 TEST(MoeCuda, InvalidExpertIdWritesNanRow) {
