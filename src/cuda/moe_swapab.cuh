@@ -577,7 +577,7 @@ __global__ void LUTB_SWAPAB_BOUNDS(NB)
   int e;
   SwapTokens<NB> tk;
   if (!swap_tile<NB>(r, blockIdx.y, e, tk)) return;
-  const int warp = threadIdx.x >> 5, nw = blockDim.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+  const int warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   const long long G = blockIdx.x;
   long long strip[8];
   bool ok[8];
@@ -620,7 +620,7 @@ __global__ void LUTB_SWAPAB_BOUNDS(NB)
   int e;
   SwapTokens<NB> tk;
   if (!swap_tile<NB>(r, blockIdx.y, e, tk)) return;
-  const int warp = threadIdx.x >> 5, nw = blockDim.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+  const int warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   const long long G = blockIdx.x;
   long long strip[8];
   bool ok[8];

@@ -32,8 +32,18 @@
 // Numerics (spec section 4): every wgmma has scale-d = 0, so its FP32 result is the tensor core's
 // sum of exactly one 32-column MXFP8 block of unscaled E4M3 products; it is multiplied by the
 // token's power-of-two block scale, summed over the K-tile's two blocks and multiplied by the
-// tile scale into the FP32 accumulator, as in the mma.sync decoders. Whether the FP8 tensor core
-// rounds inside the 32-product sum is measured (docs/perf/moe-gpu.md, "session 13").
+// tile scale into the FP32 accumulator, as in the mma.sync decoders. The FP8 tensor core DOES
+// round inside the 32-product sum: measured on the H200 (docs/perf/moe-gpu.md, "session 13"), the
+// forward's normalised error against the CPU emulation is 0.6-5.1e-3 (the mma.sync decoders: <= 8e-5)
+// and grows with K, so this decoder is outside the spec's "FP32 up to summation order".
+//
+// Measured (H200, 2026-11-30, same run as the default): 1.15-1.73x SLOWER than the default Cvt
+// decoder at T = 1..256 on all four benchmark shapes, so it is opt-in (WeightDecoder::Fp8Wgmma),
+// not Auto's choice. Likely reasons (no ncu profile was taken): each warp now owns 1024 weights per
+// K-tile instead of 4096, so the per-K-tile bookkeeping (copies, scale loads, waits, loop) is paid
+// four times as often per weight; every K-tile has a named barrier and an exposed wgmma round trip
+// (commit + wait_group 0 before the promotion); and at most 4 warpgroups split K, so the few-CTA,
+// long-K GEMMs (Mixtral T = 1: 1.73x slower) run 4x longer dependent chains per warp.
 #pragma once
 
 #include "moe_swapab.cuh"
@@ -68,9 +78,9 @@ constexpr int wg_smem_bytes(int groups) {
 }
 constexpr int kWgMaxGroups = 4;
 // Resident 512-thread CTAs per SM the compiler must allow with one token block: 2 caps the
-// registers at 64 (8 warpgroups per SM, the rule of wg_groups in moe_lutb.cu; ptxas spills 32
-// bytes, outside the K-loop); two token blocks get 1 (64 registers spilled ~350 bytes). A tuning
-// build may override it.
+// registers at 64 (8 warpgroups per SM, the rule of wg_groups in moe_lutb.cu; ptxas reports 32
+// bytes of spill stores, 16 bytes of stack); two token blocks get 1 (at 64 registers they spilled
+// ~350 bytes; ~110 registers without). A tuning build may override it.
 #ifndef LUTB_WG_MINB
 #define LUTB_WG_MINB 2
 #endif

@@ -170,8 +170,17 @@ TEST_P(MoeRandom, MatchesHostReferenceAllStrategiesAndDecoders) {
       const Cmp r = compare_bf16(got, ref);
       SCOPED_TRACE(::testing::Message() << "strategy " << strategy_name(s) << " decoder " << static_cast<int>(dec));
       EXPECT_EQ(r.nan, 0) << "unwritten or NaN outputs";
-      EXPECT_LT(r.rel_l2, 1e-3) << "exact " << r.exact << " of " << r.n;
-      EXPECT_GT(r.exact, r.n * 8 / 10) << "bit-equal BF16 outputs (FP32 order only differs)";
+      if (dec == cuda::WeightDecoder::Fp8Wgmma && s == cuda::MoeStrategy::Decode) {
+        // Hopper's FP8 tensor core rounds inside the 32-product block sum (measured on the H200,
+        // 2026-11-30, docs/perf/moe-gpu.md session 13: rel_l2 up to 2.8e-3 here, >= 82 % of the
+        // BF16 outputs bit-equal): outside the "FP32 up to summation order" contract, so the
+        // decoder is opt-in and gets its own bound. A wrong operand layout gives rel_l2 ~ 1.
+        EXPECT_LT(r.rel_l2, 1e-2) << "exact " << r.exact << " of " << r.n;
+        EXPECT_GT(r.exact, r.n * 6 / 10) << "bit-equal BF16 outputs";
+      } else {
+        EXPECT_LT(r.rel_l2, 1e-3) << "exact " << r.exact << " of " << r.n;
+        EXPECT_GT(r.exact, r.n * 8 / 10) << "bit-equal BF16 outputs (FP32 order only differs)";
+      }
     }
   }
   cuda::set_weight_decoder(cuda::WeightDecoder::Auto);
@@ -382,7 +391,7 @@ TEST(MoeCuda, GoldenLayer) {
   cuda::set_weight_decoder(cuda::WeightDecoder::Auto);
   const Cmp r = compare_bf16(got, expect);
   EXPECT_EQ(r.nan, 0);
-  EXPECT_LT(r.rel_l2, 1e-3) << "GPU (FP8 wgmma decoder) vs golden";
+  EXPECT_LT(r.rel_l2, 1e-2) << "GPU (FP8 wgmma decoder) vs golden (its own bound: see MoeRandom)";
 }
 
 TEST(MoeCuda, InvalidExpertIdWritesNanRow) {
