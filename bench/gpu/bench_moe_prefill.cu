@@ -1,6 +1,6 @@
 // bench/gpu/bench_moe_prefill.cu: the large-batch (prefill) LUT-B path (src/cuda/moe_prefill.hpp)
-// with each CTA tile (the heuristic's choice, and M64 = the session-10 kernel, M64IL, M128, M128W
-// forced by set_prefill_tile), against the BF16 baseline on the same kernel skeleton (moe_forward_bf16, the
+// with each CTA tile (the heuristic's choice, M64 = the session-10 kernel and, on sm_90, W64 = the
+// FP8 wgmma kernel of session 13, forced by set_prefill_tile), against the BF16 baseline on the same kernel skeleton (moe_forward_bf16, the
 // better of its decode and prefill strategies) and cuBLAS grouped BF16 GEMMs (as bench_moe_gpu: the
 // two GEMMs only, on routing 0's per-expert counts), same routing, same run.
 // Prints a markdown table (docs/perf/moe-gpu-prefill.md).
@@ -196,10 +196,12 @@ int main(int argc, char** argv) {
                           {"qwen3-30b", 128, 2048, 768, 8, false},
                           {"mixtral-8x7b", 8, 4096, 14336, 2, false}};
   const int R = 8;
-  std::printf("\n| shape | T | experts touched | auto tile | auto us | M64 (session 10) us | M64IL us | M128 us | M128W us | "
-              "BF16 us (best) | cuBLAS grouped us | auto TFLOP/s | M64 TFLOP/s | M64IL TFLOP/s | M128 TFLOP/s | M128W TFLOP/s | "
-              "BF16 TFLOP/s | cuBLAS TFLOP/s | auto / M64 | auto / BF16 | auto / cuBLAS | GEMMs alone us (auto tile) |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  const bool sm90 = prop.major == 9 && prop.minor == 0;  // W64 (FP8 wgmma) is built for sm_90a only
+  std::printf("\n| shape | T | experts touched | auto tile | auto us | M64 (session 10) us | W64 (FP8 wgmma) us | "
+              "BF16 us (best) | cuBLAS grouped us | auto TFLOP/s | M64 TFLOP/s | W64 TFLOP/s | BF16 TFLOP/s | "
+              "cuBLAS TFLOP/s | W64 / M64 | W64 / BF16 | W64 / cuBLAS | M64 / cuBLAS | auto / cuBLAS | "
+              "GEMMs alone us (auto tile) |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   cublasHandle_t cublas;
   cublasCreate(&cublas);
   for (const Shape& s : shapes) {
@@ -273,9 +275,10 @@ int main(int argc, char** argv) {
         using cuda::PrefillTile;
         switch (variant) {
           case 0: cuda::moe_forward_lutb_prefill(w, xr, T, s.k, id, wt, out, ws, wsb, st); break;
-          case 1: case 2: case 3: case 7:
+          case 1: case 2: case 3: case 7: case 8:
             cuda::set_prefill_tile(variant == 1 ? PrefillTile::M64 : variant == 2 ? PrefillTile::M128
-                                   : variant == 3 ? PrefillTile::M128W : PrefillTile::M64IL);
+                                   : variant == 3 ? PrefillTile::M128W : variant == 8 ? PrefillTile::W64
+                                   : PrefillTile::M64IL);
             cuda::moe_forward_lutb_prefill(w, xr, T, s.k, id, wt, out, ws, wsb, st);
             cuda::set_prefill_tile(PrefillTile::Auto);
             break;
@@ -299,8 +302,8 @@ int main(int argc, char** argv) {
       };
       // One uncaptured call per tile first (per-device kernel attributes are set there), then the
       // GEMMs-alone setup.
-      for (auto t : {cuda::PrefillTile::M64, cuda::PrefillTile::M64IL, cuda::PrefillTile::M128, cuda::PrefillTile::M128W,
-                     cuda::PrefillTile::Auto}) {
+      for (auto t : {cuda::PrefillTile::M64, cuda::PrefillTile::W64, cuda::PrefillTile::Auto}) {
+        if (t == cuda::PrefillTile::W64 && !sm90) continue;
         cuda::set_prefill_tile(t);
         cuda::moe_forward_lutb_prefill(w, x, T, s.k, ids, wts, out, ws, wsb, st);
       }
@@ -310,8 +313,11 @@ int main(int argc, char** argv) {
         cuda::detail::launch_group(ids, T * s.k, E, cuda::prefill_tile_rows(cuda::prefill_tile(T * s.k, E)), wsp, st);
         cuda::detail::launch_quantize_x(x, T, H, w.w13.shape.padded_cols(), false, wsp.xa, nullptr, wsp.xs, nullptr, st);
       }
-      float ms[8];
-      for (int v : {6, 0, 1, 7, 2, 3, 4, 5}) {
+      // Session 13: M64IL, M128 and M128W (variants 7, 2, 3) are no longer timed (session 12 measured
+      // them slower than M64); W64 (8) on sm_90 only.
+      float ms[9] = {};
+      for (int v : {6, 0, 1, 8, 4, 5}) {
+        if (v == 8 && !sm90) continue;
         std::vector<cudaGraphExec_t> gs;
         for (int r = 0; r < R; ++r) gs.push_back(make(v, r));
         for (int r = 0; r < R; ++r) CK(cudaGraphLaunch(gs[r], st));
@@ -341,11 +347,13 @@ int main(int argc, char** argv) {
       auto tf = [&](double m) { return flops / (m * 1e-3) / 1e12; };
       const double bf = std::min(ms[4], ms[5]);
       const cuda::PrefillTile at = cuda::prefill_tile(T * s.k, E);
-      std::printf("| %s | %lld | %.1f | %s | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | "
-                  "%.1f | %.1f | %.2fx | %.2fx | %.2fx | %.1f |\n",
-                  s.name, T, touched, at == cuda::PrefillTile::M64 ? "M64" : at == cuda::PrefillTile::M64IL ? "M64IL" : at == cuda::PrefillTile::M128 ? "M128" : "M128W",
-                  ms[0] * 1e3, ms[1] * 1e3, ms[7] * 1e3, ms[2] * 1e3, ms[3] * 1e3, bf * 1e3, cub_ms * 1e3, tf(ms[0]),
-                  tf(ms[1]), tf(ms[7]), tf(ms[2]), tf(ms[3]), tf(bf), tf(cub_ms), ms[1] / ms[0], bf / ms[0], cub_ms / ms[0],
+      const char* an = at == cuda::PrefillTile::M64 ? "M64" : at == cuda::PrefillTile::W64 ? "W64"
+                       : at == cuda::PrefillTile::M64IL ? "M64IL" : at == cuda::PrefillTile::M128 ? "M128" : "M128W";
+      std::printf("| %s | %lld | %.1f | %s | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | "
+                  "%.2fx | %.2fx | %.2fx | %.2fx | %.2fx | %.1f |\n",
+                  s.name, T, touched, an, ms[0] * 1e3, ms[1] * 1e3, ms[8] * 1e3, bf * 1e3, cub_ms * 1e3, tf(ms[0]),
+                  tf(ms[1]), ms[8] > 0 ? tf(ms[8]) : 0.0, tf(bf), tf(cub_ms), ms[8] > 0 ? ms[1] / ms[8] : 0.0,
+                  ms[8] > 0 ? bf / ms[8] : 0.0, ms[8] > 0 ? cub_ms / ms[8] : 0.0, cub_ms / ms[1], cub_ms / ms[0],
                   ms[6] * 1e3);
       std::fflush(stdout);
     }

@@ -10,6 +10,7 @@
 #include "lutb/cuda/moe.hpp"
 #include "moe_internal.hpp"
 #include "moe_lutb_prefill.cuh"
+#include "moe_lutb_prefill_sm90.cuh"
 #include "moe_prefill.hpp"
 
 namespace lutb::cuda {
@@ -62,6 +63,58 @@ void launch_cfg(const kern::LutbW& w13, const kern::LutbW& w2, const kern::Routi
 
 PrefillTile g_tile = PrefillTile::Auto;
 
+/// True when the current device is sm_90 (the W64 kernels are built for sm_90a only).
+bool device_is_sm90() {
+  static int cc[64] = {};
+  int dev = 0;
+  detail::check(cudaGetDevice(&dev), "cudaGetDevice");
+  int c = dev < 64 ? cc[dev] : 0;
+  if (c == 0) {
+    int major = 0, minor = 0;
+    detail::check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "cudaDeviceGetAttribute");
+    detail::check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev), "cudaDeviceGetAttribute");
+    c = 10 * major + minor;
+    if (dev < 64) cc[dev] = c;
+  }
+  return c == 90;
+}
+
+/// GEMM1 and GEMM2 of the sm_90a FP8 wgmma tile (moe_lutb_prefill_sm90.cuh); grouping made with 64
+/// rows. First converts xa/xs (quantize_x's FP16 E4M3 values and UE8M0 scales) to E4M3 bytes (ws.xq8)
+/// and FP32 scales (ws.xsf); h goes through ws.hq8 / ws.hsf.
+void launch_w64(const kern::LutbW& w13, const kern::LutbW& w2, const kern::Routing& r, const detail::Workspace& ws,
+                std::int64_t slots, std::int64_t T, std::int64_t I, std::int64_t H, std::int64_t Hp, std::int64_t Ip,
+                cudaStream_t stream) {
+  namespace p9 = kern::prefill90;
+  if (!device_is_sm90())
+    throw std::runtime_error("launch_lutb_prefill_gemms: PrefillTile::W64 (FP8 wgmma) needs an sm_90 device");
+  static bool smem_opt_in[64] = {};
+  int dev = 0;
+  detail::check(cudaGetDevice(&dev), "cudaGetDevice");
+  if (dev >= 64 || !smem_opt_in[dev]) {
+    detail::check(cudaFuncSetAttribute(p9::wgmma_gemm1_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       p9::kSmemBytes),
+                  "cudaFuncSetAttribute(wgmma_gemm1)");
+    detail::check(cudaFuncSetAttribute(p9::wgmma_gemm2_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       p9::kSmemBytes),
+                  "cudaFuncSetAttribute(wgmma_gemm2)");
+    if (dev < 64) smem_opt_in[dev] = true;
+  }
+  const std::int64_t n8 = T * Hp / 8;
+  detail::launch_kernel("sm90_lutb_moe_prefill_xa_to_fp8", true, p9::xa_to_fp8_kernel,
+                        dim3(static_cast<unsigned>(detail::ceil_div(n8, 256))), dim3(256), 0, stream, ws.xa, ws.xs,
+                        ws.xq8, ws.xsf, static_cast<long long>(n8));
+  const dim3 g1(static_cast<unsigned>(Ip / 64), static_cast<unsigned>(slots));
+  detail::launch_kernel("sm90_lutb_mxfp8_moe_gemm1_prefill_wgmma", true, p9::wgmma_gemm1_kernel, g1,
+                        dim3(p9::kThreads), p9::kSmemBytes, stream, w13, ws.xq8, ws.xsf, static_cast<long long>(Hp), r,
+                        static_cast<long long>(I), static_cast<long long>(Ip), ws.hq8, ws.hsf);
+  const dim3 g2(static_cast<unsigned>(detail::ceil_div(w2.tiles_n, kern::prefill::kStrips)),
+                static_cast<unsigned>(slots));
+  detail::launch_kernel("sm90_lutb_mxfp8_moe_gemm2_prefill_wgmma", true, p9::wgmma_gemm2_kernel, g2,
+                        dim3(p9::kThreads), p9::kSmemBytes, stream, w2, ws.hq8, ws.hsf, static_cast<long long>(Ip), r,
+                        static_cast<long long>(H), ws.y);
+}
+
 }  // namespace
 
 void set_prefill_tile(PrefillTile t) { g_tile = t; }
@@ -73,7 +126,9 @@ PrefillTile prefill_tile(std::int64_t pairs, std::int64_t experts) {
                                                                                      : PrefillTile::M64;
 }
 
-int prefill_tile_rows(PrefillTile t) { return t == PrefillTile::M64 || t == PrefillTile::M64IL ? 64 : 128; }
+int prefill_tile_rows(PrefillTile t) {
+  return t == PrefillTile::M64 || t == PrefillTile::M64IL || t == PrefillTile::W64 ? 64 : 128;
+}
 
 namespace detail {
 
@@ -86,16 +141,20 @@ void launch_lutb_prefill_gemms(const DeviceMoeWeights& w, const kern::Routing& r
   if (tile == PrefillTile::Auto) throw std::invalid_argument("launch_lutb_prefill_gemms: resolve the tile first");
   const std::int64_t slots = max_tiles(P, w.experts, prefill_tile_rows(tile));
   if (P <= 0) return;
+  const kern::LutbW w13{w.w13.packed, w.w13.codebook, w.w13.scale, w.w13.shape.tiles_n(), w.w13.shape.tiles_k(),
+                        w.w13.shape.tiles()};
+  const kern::LutbW w2{w.w2.packed, w.w2.codebook, w.w2.scale, w.w2.shape.tiles_n(), w.w2.shape.tiles_k(),
+                       w.w2.shape.tiles()};
+  if (tile == PrefillTile::W64) {
+    launch_w64(w13, w2, r, ws, slots, T, I, H, Hp, Ip, stream);
+    return;
+  }
   // a = mxfp8_qdq(x) as BF16, in place over xa.
   const std::int64_t n8 = T * Hp / 8;
   launch_kernel("sm80_lutb_moe_prefill_xa_to_bf16", true, pf::xa_to_bf16_kernel,
                 dim3(static_cast<unsigned>(ceil_div(n8, 256))), dim3(256), 0, stream, ws.xa, ws.xs,
                 static_cast<long long>(n8), static_cast<long long>(Hp));
 
-  const kern::LutbW w13{w.w13.packed, w.w13.codebook, w.w13.scale, w.w13.shape.tiles_n(), w.w13.shape.tiles_k(),
-                        w.w13.shape.tiles()};
-  const kern::LutbW w2{w.w2.packed, w.w2.codebook, w.w2.scale, w.w2.shape.tiles_n(), w.w2.shape.tiles_k(),
-                       w.w2.shape.tiles()};
   switch (tile) {
     case PrefillTile::M64:
       launch_cfg<pf::Cfg64>(w13, w2, r, ws, slots, I, H, Hp, Ip, stream, "sm80_lutb_mxfp8_moe_gemm1_prefill_bf16fold",

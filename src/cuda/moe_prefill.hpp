@@ -42,9 +42,13 @@ namespace lutb::cuda {
 ///   M128:  128 token rows, 16 warps (warp tile 32 x 32), 1 CTA per SM, decode interleaved: every
 ///          decoded weight tile feeds 128 tokens (half the decode work per FLOP);
 ///   M128W: 128 token rows, 8 warps (warp tile 64 x 32), 1 CTA per SM, decode interleaved.
+///   W64:   sm_90a only (session 13, moe_lutb_prefill_sm90.cuh): 64 token rows x 128 weight rows,
+///          2 warpgroups issuing FP8 wgmma (m64n64k32 .e4m3) on E4M3 operands (the decode is a pure
+///          codebook byte lookup), each 32-column MXFP8 block's partial sum promoted to FP32 with the
+///          block and tile scales (per-32 promotion). Throws std::runtime_error on other devices.
 /// M64IL, M128 and M128W were slower than M64 on the H200 (docs/perf/moe-gpu-prefill.md, session
 /// 12) and are kept, tested, for the next attempts (set_prefill_tile).
-enum class PrefillTile { Auto, M64, M64IL, M128, M128W };
+enum class PrefillTile { Auto, M64, M64IL, M128, M128W, W64 };
 
 /// M128 from this many (token, expert) pairs per touched expert on average (prefill_tile); 0: never.
 /// 0 since the H200 runs of 2026-11-30 (docs/perf/moe-gpu-prefill.md, session 12): M128 and M128W
@@ -55,7 +59,7 @@ inline constexpr std::int64_t kPrefillTile128MinPairs = 0;
 /// kPrefillTile128MinPairs > 0 and the mean number of pairs per touched expert, pairs / min(E, pairs),
 /// is at least that, else M64; or the value forced by set_prefill_tile (benchmarks' A/B). Never Auto.
 PrefillTile prefill_tile(std::int64_t pairs, std::int64_t experts);
-/// Token rows per CTA (= the grouping's tile rows) of a resolved tile (M64*: 64, M128*: 128).
+/// Token rows per CTA (= the grouping's tile rows) of a resolved tile (M64*, W64: 64; M128*: 128).
 int prefill_tile_rows(PrefillTile t);
 /// Forces the prefill tile for every later call in this process (Auto: the heuristic again).
 /// For benchmarks and tests; not thread-safe against concurrent forwards.

@@ -1,0 +1,386 @@
+// src/cuda/moe_lutb_prefill_sm90.cuh: the sm_90a prefill GEMMs on Hopper's FP8 tensor core
+// (wgmma.mma_async ... .f32.e4m3.e4m3), PrefillTile::W64 (moe_prefill.hpp; launched by
+// moe_lutb_prefill.cu).
+//
+// Why FP8: LUT-B weights ARE E4M3 codebook bytes, and the MXFP8 activations are E4M3 bytes with one
+// UE8M0 scale per 32 columns. Decoding a tile to the tensor core's operand is therefore a pure byte
+// lookup (4 PRMT per lane and tile row, no conversion), and wgmma's FP8 rate is twice BF16's.
+//
+// CTA (256 threads = 2 warpgroups, no producer warp): 64 token rows (one token tile of the
+// grouping, one expert) x 128 weight rows (16 LUT-B row-strips; warpgroup wg owns B rows
+// 64wg..64wg+63 = strips 8wg..8wg+7) x K-tiles of 64 columns (one LUT-B tile column).
+// Shared memory, all operands in wgmma's no-swizzle K-major layout (core matrix = 8 rows x 16 bytes,
+// 128 contiguous bytes; LBO = 128 = next 16 K-bytes, SBO = 512 = next 8 rows):
+//   stage ring (kStages deep, cp.async): A [64 rows][64 E4M3 bytes] (4 KB) + the 16 strips' raw
+//     lane-major tiles (192 bytes each) + their codebooks (8 bytes each);
+//   B buffers (double): [128 rows][64 E4M3 bytes], decoded from the raw tiles.
+// Iteration kt: wait for stage kt+1 (own copies), fence.proxy.async (the generic-proxy writes of
+// cp.async and of the decode become visible to wgmma), barrier, issue stage kt+kStages-1; each
+// warpgroup issues two m64n64k32 wgmmas (columns 0..31 and 32..63 of the K-tile = the two MXFP8
+// blocks) with scale-d = 0 into D0 and D1, commits; all warps decode K-tile kt+1 into the other B
+// buffer (two strips per warp) while the tensor cores run; wait; promote.
+//
+// Numerics (spec section 4): the tensor core sums the 32 exact E4M3 x E4M3 products of ONE MXFP8
+// block (its internal accumulation may round inside those 32 products; measured in
+// docs/perf/moe-gpu-prefill.md, session 13); each block's partial sum is scaled by the token's
+// block scale 2^(b_x-127) and the K-tile's two blocks summed in FP32, then multiplied by the tile
+// scale 2^(s_w-127) and added to the FP32 accumulator with round-to-nearest FMAs: the same order of
+// operations as the swap-AB decode kernels (moe_swapab.cuh), i.e. DeepGEMM's promotion per 32
+// columns instead of per 128.
+//
+// Inputs (moe_prefill.hpp): GEMM1 reads x as E4M3 bytes xq8 [T, Hp] with FP32 block scales xsf
+// [T, Hp/32] (made from xa/xs by xa_to_fp8_kernel); it writes h as E4M3 bytes hq8 [P, Ip] and
+// FP32 block scales hsf [P, Ip/32] (zeros / 2^-127 in the padded columns); GEMM2 reads those.
+#pragma once
+
+#include <cuda_fp8.h>
+
+#include "moe_lutb_prefill.cuh"
+
+namespace lutb::cuda::kern::prefill90 {
+
+using prefill::kBN;
+using prefill::kStrips;
+using prefill::strip_of;
+
+constexpr int kThreads = 256;
+constexpr int kBM = 64;
+constexpr int kStages = 4;
+constexpr int kABytes = kBM * 64;                           // 64 rows x 64 bytes
+constexpr int kRawOff = kABytes;                            // 16 x 192 lane-major index bytes
+constexpr int kCbOff = kRawOff + kStrips * 192;             // 16 x 8 codebook bytes
+constexpr int kStageBytes = kCbOff + kStrips * 8;           // 7296
+constexpr int kBBytes = kBN * 64;                           // 128 rows x 64 bytes
+constexpr int kSmemBytes = kStages * kStageBytes + 2 * kBBytes;
+static_assert(kStageBytes % 16 == 0 && kBBytes % 16 == 0, "16-byte aligned stages (no-swizzle descriptors need 16)");
+
+/// Byte offset of (row r, byte column c) of a [rows][64 bytes] operand in the no-swizzle K-major
+/// core-matrix layout: 8-row group r/8 at 512 bytes, 16-byte K chunk c/16 at 128 bytes, row r%8 at 16.
+__host__ __device__ constexpr int core_off(int r, int c) { return (r >> 3) * 512 + (c >> 4) * 128 + (r & 7) * 16 + (c & 15); }
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define LUTB_PREFILL_SM90 1
+#endif
+
+#ifdef LUTB_PREFILL_SM90
+/// wgmma shared-memory matrix descriptor, no swizzle, LBO 128 (K), SBO 512 (M/N).
+__device__ __forceinline__ unsigned long long smem_desc(unsigned addr) {
+  return static_cast<unsigned long long>((addr & 0x3FFFF) >> 4) | (static_cast<unsigned long long>(128 >> 4) << 16) |
+         (static_cast<unsigned long long>(512 >> 4) << 32);
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+/// Keeps the compiler from moving accesses of accumulator registers across wgmma issue / wait.
+__device__ __forceinline__ void reg_fence(float (&d)[32]) {
+#pragma unroll
+  for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+/// d = A[64 x 32] . B[64 x 32]^T (E4M3, FP32 out; scale-d = 0: the previous d is not added).
+__device__ __forceinline__ void wgmma_64x64x32_e4m3(float (&d)[32], unsigned long long da, unsigned long long db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db), "r"(0));
+}
+
+/// The CTA's GEMM over K = 64 * w.tiles_k. acc[4j + 2h + c] (wgmma D layout): token row
+/// 16*(warp%4) + g + 8h, B row 64*wg + 8j + 2t + c (wg = warp/4; B row 8*slot + i = row i of strip
+/// slot). arow: this thread's A copy source row (row tid/4, chunk tid%4) or null (zero fill);
+/// srow[h]: FP32 block-scale row of the thread's token row h, or null (row without a token).
+template <bool kGemm1>
+__device__ __forceinline__ void cta_gemm90(const LutbW& w, long long e, long long I, const unsigned char* arow,
+                                           const unsigned char* a_base, const float* const (&srow)[2],
+                                           unsigned char* smem, float (&acc)[32]) {
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
+  const long long tiles_k = w.tiles_k;
+  const unsigned smem_s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const unsigned bsm_s = smem_s + kStages * kStageBytes;
+  unsigned char* const bsm = smem + kStages * kStageBytes;
+
+  // ---- copy descriptors: A chunk (row tid/4, 16-byte chunk tid%4); raw: threads 0..191 one
+  // 16-byte chunk of a strip's tile, 192..207 a strip's codebook.
+  const int a_dst = core_off(tid >> 2, (tid & 3) * 16);
+  const unsigned char* raw_src = nullptr;
+  long long raw_step = 0;
+  int raw_dst = 0, raw_kind = 0;
+  if (tid < kStrips * 13) {
+    const int sl = tid < kStrips * 12 ? tid / 12 : tid - kStrips * 12;
+    long long strip;
+    bool ok;
+    strip_of<kGemm1>(sl, w.tiles_n, I, strip, ok);
+    if (ok) {
+      const long long tile0 = (e * w.tiles_n + strip) * tiles_k;
+      if (tid < kStrips * 12) {
+        raw_kind = 1;
+        raw_src = w.packed + tile0 * 192 + (tid % 12) * 16;
+        raw_step = 192;
+        raw_dst = kRawOff + sl * 192 + (tid % 12) * 16;
+      } else {
+        raw_kind = 2;
+        raw_src = w.codebook + tile0 * 8;
+        raw_step = 8;
+        raw_dst = kCbOff + sl * 8;
+      }
+    }
+  }
+  auto issue = [&](long long kt) {
+    if (kt < tiles_k) {
+      const unsigned st = smem_s + static_cast<unsigned>(kt % kStages) * kStageBytes;
+      prefill::cp16_zfill(st + a_dst, arow ? arow + kt * 64 + (tid & 3) * 16 : a_base, arow != nullptr);
+      if (raw_kind == 1) prefill::cp16_zfill(st + raw_dst, raw_src + kt * raw_step, true);
+      else if (raw_kind == 2) prefill::cp8(st + raw_dst, raw_src + kt * raw_step);
+    }
+    prefill::cp_commit();
+  };
+
+  // ---- decode: warp decodes slots 2*warp, 2*warp+1; lane L = 4g + t: row g, columns 8t..8t+7 and
+  // 32+8t..32+8t+7 (lutb/cuda/lane_major.hpp). Invalid strips get a zero codebook (zero weights,
+  // whatever stale index bytes the stage holds).
+  const int g = lane >> 2, t = lane & 3;
+  bool dec_ok[2];
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+    long long strip;
+    strip_of<kGemm1>(2 * warp + s, w.tiles_n, I, strip, dec_ok[s]);
+  }
+  auto decode = [&](long long kt) {
+    const unsigned char* st = smem + (kt % kStages) * kStageBytes;
+    unsigned char* bdst = bsm + (kt & 1) * kBBytes;
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      const int sl = 2 * warp + s;
+      const unsigned char* raw = st + kRawOff + sl * 192;
+      const std::uint32_t X = *reinterpret_cast<const std::uint32_t*>(raw + 4 * lane);
+      const std::uint32_t Y = *reinterpret_cast<const unsigned short*>(raw + 128 + 2 * lane);
+      uint2 cb = *reinterpret_cast<const uint2*>(st + kCbOff + sl * 8);
+      if (!dec_ok[s]) cb = make_uint2(0u, 0u);
+      std::uint32_t sel[4];
+      lane_selectors(X, Y, sel);
+      const int d0 = core_off(8 * sl + g, 8 * t);
+      *reinterpret_cast<uint2*>(bdst + d0) = make_uint2(__byte_perm(cb.x, cb.y, sel[0]), __byte_perm(cb.x, cb.y, sel[1]));
+      *reinterpret_cast<uint2*>(bdst + d0 + 256) =  // columns 32 + 8t..: 2 K chunks further
+          make_uint2(__byte_perm(cb.x, cb.y, sel[2]), __byte_perm(cb.x, cb.y, sel[3]));
+    }
+  };
+
+  // ---- tile scales: lane i (i = lane & 7) loads slot 8wg + i's scale byte; broadcast by shuffles.
+  const unsigned char* sc_ptr = nullptr;
+  {
+    long long strip;
+    bool ok;
+    strip_of<kGemm1>(8 * wg + (lane & 7), w.tiles_n, I, strip, ok);
+    if (ok) sc_ptr = w.scale + (e * w.tiles_n + strip) * tiles_k;
+  }
+  auto load_sw = [&](long long kt) -> unsigned { return (sc_ptr && kt < tiles_k) ? __ldg(sc_ptr + kt) : 256u; };
+  auto load_sa = [&](long long kt, float2 (&sa)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      sa[h] = (srow[h] && kt < tiles_k) ? __ldg(reinterpret_cast<const float2*>(srow[h]) + kt) : make_float2(0.f, 0.f);
+  };
+
+#pragma unroll
+  for (int i = 0; i < 32; ++i) acc[i] = 0.0f;
+  float d0[32], d1[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) d0[i] = d1[i] = 0.0f;
+
+  const unsigned long long da0 = smem_desc(smem_s), db0 = smem_desc(bsm_s + wg * (kBBytes / 2));
+
+  // ---- prologue
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) issue(s);
+  unsigned sw_next = load_sw(0);
+  float2 sa_next[2];
+  load_sa(0, sa_next);
+  prefill::cp_wait<kStages - 2>();
+  __syncthreads();
+  decode(0);
+
+  for (long long kt = 0; kt < tiles_k; ++kt) {
+    prefill::cp_wait<kStages - 3>();
+    fence_async_smem();
+    __syncthreads();
+    issue(kt + kStages - 1);
+    const unsigned sw_b = sw_next;
+    const float2 sa0 = sa_next[0], sa1 = sa_next[1];
+    sw_next = load_sw(kt + 1);
+    load_sa(kt + 1, sa_next);
+    // descriptors advance in 16-byte units: stage kt's A, buffer kt&1's B; +256 bytes = columns 32..63
+    const unsigned long long da = da0 + static_cast<unsigned long long>((kt % kStages) * kStageBytes >> 4);
+    const unsigned long long db = db0 + static_cast<unsigned long long>((kt & 1) * kBBytes >> 4);
+    reg_fence(d0);
+    reg_fence(d1);
+    wg_fence();
+    wgmma_64x64x32_e4m3(d0, da, db);
+    wgmma_64x64x32_e4m3(d1, da + (256 >> 4), db + (256 >> 4));
+    wg_commit();
+    if (kt + 1 < tiles_k) decode(kt + 1);
+    const float swf = sw_b == 256u ? 0.0f : ue8m0_f(sw_b);
+    wg_wait0();
+    reg_fence(d0);
+    reg_fence(d1);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float sj = __shfl_sync(0xffffffffu, swf, j);
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const float2 sa = (r >> 1) ? sa1 : sa0;
+        float v = d0[4 * j + r] * sa.x;
+        v = fmaf(d1[4 * j + r], sa.y, v);
+        acc[4 * j + r] = fmaf(v, sj, acc[4 * j + r]);
+      }
+    }
+  }
+  prefill::cp_wait<0>();
+}
+#endif  // LUTB_PREFILL_SM90
+
+/// xa (FP16 E4M3 values, natural column order) + xs (UE8M0) -> xq8 (E4M3 bytes) + xsf (FP32
+/// 2^(b-127)). n8 = T * Hp / 8 groups of 8 values; the scales by the first thread of each block.
+__global__ void __launch_bounds__(256)
+    xa_to_fp8_kernel(const uint16_t* __restrict__ xa, const unsigned char* __restrict__ xs,
+                     unsigned char* __restrict__ xq8, float* __restrict__ xsf, long long n8) {
+  pdl_wait();  // xa, xs come from the MXFP8 of x (PDL rules: moe_kernels.cuh)
+  pdl_trigger();
+  const long long i = static_cast<long long>(blockIdx.x) * 256 + threadIdx.x;
+  if (i >= n8) return;
+  const uint4 v = reinterpret_cast<const uint4*>(xa)[i];
+  const unsigned u[4] = {v.x, v.y, v.z, v.w};
+  unsigned o[2] = {0u, 0u};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    __half2_raw h2;
+    h2.x = static_cast<unsigned short>(u[k] & 0xffffu);
+    h2.y = static_cast<unsigned short>(u[k] >> 16);
+    // Exact: the FP16 values are E4M3 values (quantize_x).
+    const unsigned p = __nv_cvt_halfraw2_to_fp8x2(h2, __NV_SATFINITE, __NV_E4M3);
+    o[k >> 1] |= (p & 0xffffu) << (16 * (k & 1));
+  }
+  reinterpret_cast<uint2*>(xq8)[i] = make_uint2(o[0], o[1]);
+  if ((i & 3) == 0) xsf[i >> 2] = ue8m0_f(xs[i >> 2]);  // 32 values = 4 groups of 8 per block scale
+}
+
+/// GEMM1 + SiLU*up + MXFP8 of h. grid (Ip/64, token-tile slots). a8 = x as E4M3 bytes [T, Hp], asf its
+/// FP32 block scales [T, Hp/32]; hq8 [P, Ip] / hsf [P, Ip/32] receive h's E4M3 bytes and scales.
+__global__ void __launch_bounds__(kThreads, 2)
+    wgmma_gemm1_kernel(LutbW w, const unsigned char* __restrict__ a8, const float* __restrict__ asf, long long Hp,
+                       Routing r, long long I, long long Ip, unsigned char* __restrict__ hq8, float* __restrict__ hsf) {
+#ifdef LUTB_PREFILL_SM90
+  pdl_wait();
+  pdl_trigger();
+  if (static_cast<int>(blockIdx.y) >= *r.num_tiles) return;
+  const int slot = blockIdx.y;
+  const long long e = r.tile_expert[slot];
+  const int start = r.tile_start[slot], count = r.tile_count[slot];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2, wq = warp & 3;
+  const int g = lane >> 2, t = lane & 3;
+  const int pa = prefill::pair_of(r, start, count, tid >> 2);
+  const unsigned char* arow = pa >= 0 ? a8 + static_cast<long long>(pa / r.top_k) * Hp : nullptr;
+  int prow[2];
+  const float* srow[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    prow[h] = prefill::pair_of(r, start, count, 16 * wq + g + 8 * h);
+    srow[h] = prow[h] >= 0 ? asf + static_cast<long long>(prow[h] / r.top_k) * (Hp / 32) : nullptr;
+  }
+  extern __shared__ __align__(16) unsigned char smem[];
+  float acc[32];
+  cta_gemm90<true>(w, e, I, arow, a8, srow, smem, acc);
+
+  // Slot 8wg + j (prefill::strip_of): j = 0, 1 gate / 2, 3 up of I-columns c0 + 0..15, j = 4..7 the
+  // same for c0 + 16..31, c0 = 64 bx + 32 wg: the thread's 8 columns per row lie in ONE MXFP8 block
+  // of h (32 columns, the 4 lanes t of a row).
+  const long long c0 = 64ll * blockIdx.x + 32 * wg;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float hv[4][2];
+    float am = 0.0f;
+    bool bad = false;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {  // q -> gate j = (q & 1) + 4 (q >> 1)
+      const int j = (q & 1) + 4 * (q >> 1);
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const float gg = acc[4 * j + 2 * h + c], uu = acc[4 * (j + 2) + 2 * h + c];
+        const bool ok = c0 + 16 * (q >> 1) + 8 * (q & 1) + 2 * t + c < I;
+        const float v = ok ? bf16_round((gg / (1.0f + expf(-gg))) * uu) : 0.0f;
+        hv[q][c] = v;
+        am = fmaxf(am, fabsf(v));
+        bad = bad || !isfinite(v);
+      }
+    }
+    if (bad) am = INFINITY;
+    am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 1));
+    am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 2));
+    const int p = prow[h];
+    if (p < 0) continue;
+    const unsigned char b = mx_block_scale(am, MxScaleRule::Rceil);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      unsigned pk = 0;
+#pragma unroll
+      for (int c = 0; c < 2; ++c) pk |= static_cast<unsigned>(b == 255 ? 0 : mx_encode(hv[q][c], b)) << (8 * c);
+      *reinterpret_cast<unsigned short*>(hq8 + static_cast<long long>(p) * Ip + c0 + 16 * (q >> 1) + 8 * (q & 1) +
+                                         2 * t) = static_cast<unsigned short>(pk);
+    }
+    if (t == 0) hsf[static_cast<long long>(p) * (Ip / 32) + c0 / 32] = ue8m0_f(b);
+  }
+#else
+  __trap();  // sm_90a only (launch_lutb_prefill_gemms refuses other devices)
+#endif
+}
+
+/// GEMM2: y[p, n] = h[p] . w2[e, n] (FP32) for n < H. grid (ceil(H/8 / 16), token-tile slots).
+__global__ void __launch_bounds__(kThreads, 2)
+    wgmma_gemm2_kernel(LutbW w, const unsigned char* __restrict__ hq8, const float* __restrict__ hsf, long long Ip,
+                       Routing r, long long H, float* __restrict__ y) {
+#ifdef LUTB_PREFILL_SM90
+  pdl_wait();
+  pdl_trigger();
+  if (static_cast<int>(blockIdx.y) >= *r.num_tiles) return;
+  const int slot = blockIdx.y;
+  const long long e = r.tile_expert[slot];
+  const int start = r.tile_start[slot], count = r.tile_count[slot];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2, wq = warp & 3;
+  const int g = lane >> 2, t = lane & 3;
+  const int pa = prefill::pair_of(r, start, count, tid >> 2);
+  const unsigned char* arow = pa >= 0 ? hq8 + static_cast<long long>(pa) * Ip : nullptr;
+  int prow[2];
+  const float* srow[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    prow[h] = prefill::pair_of(r, start, count, 16 * wq + g + 8 * h);
+    srow[h] = prow[h] >= 0 ? hsf + static_cast<long long>(prow[h]) * (Ip / 32) : nullptr;
+  }
+  extern __shared__ __align__(16) unsigned char smem[];
+  float acc[32];
+  cta_gemm90<false>(w, e, 0, arow, hq8, srow, smem, acc);
+  const long long n0 = static_cast<long long>(kBN) * blockIdx.x + 64 * wg + 2 * t;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int p = prow[h];
+    if (p < 0) continue;
+    float* dst = y + static_cast<long long>(p) * H;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const long long n = n0 + 8 * j + c;
+        if (n < H) dst[n] = acc[4 * j + 2 * h + c];
+      }
+  }
+#else
+  __trap();
+#endif
+}
+
+}  // namespace lutb::cuda::kern::prefill90
