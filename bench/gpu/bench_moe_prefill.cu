@@ -197,11 +197,11 @@ int main(int argc, char** argv) {
                           {"mixtral-8x7b", 8, 4096, 14336, 2, false}};
   const int R = 8;
   const bool sm90 = prop.major == 9 && prop.minor == 0;  // W64 (FP8 wgmma) is built for sm_90a only
-  std::printf("\n| shape | T | experts touched | auto tile | auto us | M64 (session 10) us | W64 (FP8 wgmma) us | "
-              "BF16 us (best) | cuBLAS grouped us | auto TFLOP/s | M64 TFLOP/s | W64 TFLOP/s | BF16 TFLOP/s | "
-              "cuBLAS TFLOP/s | W64 / M64 | W64 / BF16 | W64 / cuBLAS | M64 / cuBLAS | auto / cuBLAS | "
-              "GEMMs alone us (auto tile) |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("\n| shape | T | experts touched | auto tile | auto us | M64 (session 10) us | WB64 us | WB64D us | "
+              "W64 (FP8) us | W64D (FP8) us | BF16 us (best) | cuBLAS grouped us | M64 TFLOP/s | WB64 TFLOP/s | "
+              "WB64D TFLOP/s | W64 TFLOP/s | W64D TFLOP/s | cuBLAS TFLOP/s | WB64 / M64 | WB64D / M64 | W64 / M64 | "
+              "W64D / M64 | M64 / cuBLAS | best wgmma / cuBLAS | auto / BF16 | GEMMs alone us (auto tile) |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   cublasHandle_t cublas;
   cublasCreate(&cublas);
   for (const Shape& s : shapes) {
@@ -275,10 +275,11 @@ int main(int argc, char** argv) {
         using cuda::PrefillTile;
         switch (variant) {
           case 0: cuda::moe_forward_lutb_prefill(w, xr, T, s.k, id, wt, out, ws, wsb, st); break;
-          case 1: case 2: case 3: case 7: case 8:
+          case 1: case 2: case 3: case 7: case 8: case 9: case 10: case 11:
             cuda::set_prefill_tile(variant == 1 ? PrefillTile::M64 : variant == 2 ? PrefillTile::M128
                                    : variant == 3 ? PrefillTile::M128W : variant == 8 ? PrefillTile::W64
-                                   : PrefillTile::M64IL);
+                                   : variant == 9 ? PrefillTile::WB64 : variant == 10 ? PrefillTile::W64D
+                                   : variant == 11 ? PrefillTile::WB64D : PrefillTile::M64IL);
             cuda::moe_forward_lutb_prefill(w, xr, T, s.k, id, wt, out, ws, wsb, st);
             cuda::set_prefill_tile(PrefillTile::Auto);
             break;
@@ -302,8 +303,9 @@ int main(int argc, char** argv) {
       };
       // One uncaptured call per tile first (per-device kernel attributes are set there), then the
       // GEMMs-alone setup.
-      for (auto t : {cuda::PrefillTile::M64, cuda::PrefillTile::W64, cuda::PrefillTile::Auto}) {
-        if (t == cuda::PrefillTile::W64 && !sm90) continue;
+      for (auto t : {cuda::PrefillTile::M64, cuda::PrefillTile::W64, cuda::PrefillTile::WB64, cuda::PrefillTile::W64D,
+                     cuda::PrefillTile::WB64D, cuda::PrefillTile::Auto}) {
+        if (t != cuda::PrefillTile::M64 && t != cuda::PrefillTile::Auto && !sm90) continue;
         cuda::set_prefill_tile(t);
         cuda::moe_forward_lutb_prefill(w, x, T, s.k, ids, wts, out, ws, wsb, st);
       }
@@ -314,10 +316,10 @@ int main(int argc, char** argv) {
         cuda::detail::launch_quantize_x(x, T, H, w.w13.shape.padded_cols(), false, wsp.xa, nullptr, wsp.xs, nullptr, st);
       }
       // Session 13: M64IL, M128 and M128W (variants 7, 2, 3) are no longer timed (session 12 measured
-      // them slower than M64); W64 (8) on sm_90 only.
-      float ms[9] = {};
-      for (int v : {6, 0, 1, 8, 4, 5}) {
-        if (v == 8 && !sm90) continue;
+      // them slower than M64); the wgmma tiles W64, WB64, W64D, WB64D (8..11) on sm_90 only.
+      float ms[12] = {};
+      for (int v : {6, 0, 1, 9, 11, 8, 10, 4, 5}) {
+        if (v >= 8 && !sm90) continue;
         std::vector<cudaGraphExec_t> gs;
         for (int r = 0; r < R; ++r) gs.push_back(make(v, r));
         for (int r = 0; r < R; ++r) CK(cudaGraphLaunch(gs[r], st));
@@ -347,14 +349,19 @@ int main(int argc, char** argv) {
       auto tf = [&](double m) { return flops / (m * 1e-3) / 1e12; };
       const double bf = std::min(ms[4], ms[5]);
       const cuda::PrefillTile at = cuda::prefill_tile(T * s.k, E);
-      const char* an = at == cuda::PrefillTile::M64 ? "M64" : at == cuda::PrefillTile::W64 ? "W64"
-                       : at == cuda::PrefillTile::M64IL ? "M64IL" : at == cuda::PrefillTile::M128 ? "M128" : "M128W";
-      std::printf("| %s | %lld | %.1f | %s | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | "
-                  "%.2fx | %.2fx | %.2fx | %.2fx | %.2fx | %.1f |\n",
-                  s.name, T, touched, an, ms[0] * 1e3, ms[1] * 1e3, ms[8] * 1e3, bf * 1e3, cub_ms * 1e3, tf(ms[0]),
-                  tf(ms[1]), ms[8] > 0 ? tf(ms[8]) : 0.0, tf(bf), tf(cub_ms), ms[8] > 0 ? ms[1] / ms[8] : 0.0,
-                  ms[8] > 0 ? bf / ms[8] : 0.0, ms[8] > 0 ? cub_ms / ms[8] : 0.0, cub_ms / ms[1], cub_ms / ms[0],
-                  ms[6] * 1e3);
+      const char* an = at == cuda::PrefillTile::M64 ? "M64" : at == cuda::PrefillTile::WB64 ? "WB64"
+                       : at == cuda::PrefillTile::WB64D ? "WB64D" : at == cuda::PrefillTile::W64 ? "W64"
+                       : at == cuda::PrefillTile::M64IL ? "M64IL" : at == cuda::PrefillTile::M128 ? "M128" : "other";
+      auto tq = [&](int v) { return ms[v] > 0 ? tf(ms[v]) : 0.0; };
+      auto vs = [&](int v) { return ms[v] > 0 ? ms[1] / ms[v] : 0.0; };
+      double best = 0;
+      for (int v : {8, 9, 10, 11})
+        if (ms[v] > 0 && (best == 0 || ms[v] < best)) best = ms[v];
+      std::printf("| %s | %lld | %.1f | %s | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | "
+                  "%.1f | %.1f | %.1f | %.2fx | %.2fx | %.2fx | %.2fx | %.2fx | %.2fx | %.2fx | %.1f |\n",
+                  s.name, T, touched, an, ms[0] * 1e3, ms[1] * 1e3, ms[9] * 1e3, ms[11] * 1e3, ms[8] * 1e3, ms[10] * 1e3,
+                  bf * 1e3, cub_ms * 1e3, tf(ms[1]), tq(9), tq(11), tq(8), tq(10), tf(cub_ms), vs(9), vs(11), vs(8),
+                  vs(10), cub_ms / ms[1], best > 0 ? cub_ms / best : 0.0, bf / ms[0], ms[6] * 1e3);
       std::fflush(stdout);
     }
     CK(cudaStreamDestroy(st));

@@ -79,40 +79,55 @@ bool device_is_sm90() {
   return c == 90;
 }
 
-/// GEMM1 and GEMM2 of the sm_90a FP8 wgmma tile (moe_lutb_prefill_sm90.cuh); grouping made with 64
-/// rows. First converts xa/xs (quantize_x's FP16 E4M3 values and UE8M0 scales) to E4M3 bytes (ws.xq8)
-/// and FP32 scales (ws.xsf); h goes through ws.hq8 / ws.hsf.
-void launch_w64(const kern::LutbW& w13, const kern::LutbW& w2, const kern::Routing& r, const detail::Workspace& ws,
+/// GEMM1 and GEMM2 of the sm_90a wgmma tiles (moe_lutb_prefill_sm90.cuh, configuration C); grouping
+/// made with 64 rows. FP8 (W64): first converts xa/xs (quantize_x's FP16 E4M3 values and UE8M0
+/// scales) to E4M3 bytes (ws.xq8) and FP32 scales (ws.xsf); h goes through ws.hq8 / ws.hsf.
+/// BF16 (WB64): xa -> BF16 a in place (as M64); h goes through ws.hq as BF16.
+template <class C>
+void launch_w90(const kern::LutbW& w13, const kern::LutbW& w2, const kern::Routing& r, const detail::Workspace& ws,
                 std::int64_t slots, std::int64_t T, std::int64_t I, std::int64_t H, std::int64_t Hp, std::int64_t Ip,
-                cudaStream_t stream) {
+                cudaStream_t stream, const char* name1, const char* name2) {
   namespace p9 = kern::prefill90;
   if (!device_is_sm90())
-    throw std::runtime_error("launch_lutb_prefill_gemms: PrefillTile::W64 (FP8 wgmma) needs an sm_90 device");
-  static bool smem_opt_in[64] = {};
+    throw std::runtime_error(std::string("launch_lutb_prefill_gemms: ") + name1 + " (wgmma) needs an sm_90 device");
+  static bool smem_opt_in[64] = {};  // per template instantiation
   int dev = 0;
   detail::check(cudaGetDevice(&dev), "cudaGetDevice");
   if (dev >= 64 || !smem_opt_in[dev]) {
-    detail::check(cudaFuncSetAttribute(p9::wgmma_gemm1_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       p9::kSmemBytes),
+    detail::check(cudaFuncSetAttribute(p9::wgmma_gemm1_kernel<C>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       C::kSmemBytes),
                   "cudaFuncSetAttribute(wgmma_gemm1)");
-    detail::check(cudaFuncSetAttribute(p9::wgmma_gemm2_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       p9::kSmemBytes),
+    detail::check(cudaFuncSetAttribute(p9::wgmma_gemm2_kernel<C>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       C::kSmemBytes),
                   "cudaFuncSetAttribute(wgmma_gemm2)");
     if (dev < 64) smem_opt_in[dev] = true;
   }
   const std::int64_t n8 = T * Hp / 8;
-  detail::launch_kernel("sm90_lutb_moe_prefill_xa_to_fp8", true, p9::xa_to_fp8_kernel,
-                        dim3(static_cast<unsigned>(detail::ceil_div(n8, 256))), dim3(256), 0, stream, ws.xa, ws.xs,
-                        ws.xq8, ws.xsf, static_cast<long long>(n8));
+  const dim3 cg(static_cast<unsigned>(detail::ceil_div(n8, 256)));
+  unsigned char *a, *h;
+  float *asf = nullptr, *hsf = nullptr;
+  if constexpr (C::kBf16) {
+    detail::launch_kernel("sm80_lutb_moe_prefill_xa_to_bf16", true, kern::prefill::xa_to_bf16_kernel, cg, dim3(256), 0,
+                          stream, ws.xa, ws.xs, static_cast<long long>(n8), static_cast<long long>(Hp));
+    a = reinterpret_cast<unsigned char*>(ws.xa);
+    h = reinterpret_cast<unsigned char*>(ws.hq);
+  } else {
+    detail::launch_kernel("sm90_lutb_moe_prefill_xa_to_fp8", true, p9::xa_to_fp8_kernel, cg, dim3(256), 0, stream,
+                          ws.xa, ws.xs, ws.xq8, ws.xsf, static_cast<long long>(n8));
+    a = ws.xq8;
+    h = ws.hq8;
+    asf = ws.xsf;
+    hsf = ws.hsf;
+  }
   const dim3 g1(static_cast<unsigned>(Ip / 64), static_cast<unsigned>(slots));
-  detail::launch_kernel("sm90_lutb_mxfp8_moe_gemm1_prefill_wgmma", true, p9::wgmma_gemm1_kernel, g1,
-                        dim3(p9::kThreads), p9::kSmemBytes, stream, w13, ws.xq8, ws.xsf, static_cast<long long>(Hp), r,
-                        static_cast<long long>(I), static_cast<long long>(Ip), ws.hq8, ws.hsf);
+  detail::launch_kernel(name1, true, p9::wgmma_gemm1_kernel<C>, g1, dim3(p9::kThreads), C::kSmemBytes, stream, w13,
+                        static_cast<const unsigned char*>(a), static_cast<const float*>(asf),
+                        static_cast<long long>(Hp), r, static_cast<long long>(I), static_cast<long long>(Ip), h, hsf);
   const dim3 g2(static_cast<unsigned>(detail::ceil_div(w2.tiles_n, kern::prefill::kStrips)),
                 static_cast<unsigned>(slots));
-  detail::launch_kernel("sm90_lutb_mxfp8_moe_gemm2_prefill_wgmma", true, p9::wgmma_gemm2_kernel, g2,
-                        dim3(p9::kThreads), p9::kSmemBytes, stream, w2, ws.hq8, ws.hsf, static_cast<long long>(Ip), r,
-                        static_cast<long long>(H), ws.y);
+  detail::launch_kernel(name2, true, p9::wgmma_gemm2_kernel<C>, g2, dim3(p9::kThreads), C::kSmemBytes, stream, w2,
+                        static_cast<const unsigned char*>(h), static_cast<const float*>(hsf),
+                        static_cast<long long>(Ip), r, static_cast<long long>(H), ws.y);
 }
 
 }  // namespace
@@ -127,7 +142,7 @@ PrefillTile prefill_tile(std::int64_t pairs, std::int64_t experts) {
 }
 
 int prefill_tile_rows(PrefillTile t) {
-  return t == PrefillTile::M64 || t == PrefillTile::M64IL || t == PrefillTile::W64 ? 64 : 128;
+  return t == PrefillTile::M128 || t == PrefillTile::M128W ? 128 : 64;
 }
 
 namespace detail {
@@ -146,7 +161,27 @@ void launch_lutb_prefill_gemms(const DeviceMoeWeights& w, const kern::Routing& r
   const kern::LutbW w2{w.w2.packed, w.w2.codebook, w.w2.scale, w.w2.shape.tiles_n(), w.w2.shape.tiles_k(),
                        w.w2.shape.tiles()};
   if (tile == PrefillTile::W64) {
-    launch_w64(w13, w2, r, ws, slots, T, I, H, Hp, Ip, stream);
+    launch_w90<kern::prefill90::Cfg90F8>(w13, w2, r, ws, slots, T, I, H, Hp, Ip, stream,
+                                          "sm90_lutb_mxfp8_moe_gemm1_prefill_wgmma_fp8",
+                                          "sm90_lutb_mxfp8_moe_gemm2_prefill_wgmma_fp8");
+    return;
+  }
+  if (tile == PrefillTile::W64D) {
+    launch_w90<kern::prefill90::Cfg90F8D>(w13, w2, r, ws, slots, T, I, H, Hp, Ip, stream,
+                                           "sm90_lutb_mxfp8_moe_gemm1_prefill_wgmma_fp8_s8",
+                                           "sm90_lutb_mxfp8_moe_gemm2_prefill_wgmma_fp8_s8");
+    return;
+  }
+  if (tile == PrefillTile::WB64) {
+    launch_w90<kern::prefill90::Cfg90Bf>(w13, w2, r, ws, slots, T, I, H, Hp, Ip, stream,
+                                          "sm90_lutb_mxfp8_moe_gemm1_prefill_wgmma_bf16fold",
+                                          "sm90_lutb_mxfp8_moe_gemm2_prefill_wgmma_bf16fold");
+    return;
+  }
+  if (tile == PrefillTile::WB64D) {
+    launch_w90<kern::prefill90::Cfg90BfD>(w13, w2, r, ws, slots, T, I, H, Hp, Ip, stream,
+                                           "sm90_lutb_mxfp8_moe_gemm1_prefill_wgmma_bf16fold_s6",
+                                           "sm90_lutb_mxfp8_moe_gemm2_prefill_wgmma_bf16fold_s6");
     return;
   }
   // a = mxfp8_qdq(x) as BF16, in place over xa.

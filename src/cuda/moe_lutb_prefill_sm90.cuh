@@ -45,28 +45,51 @@ using prefill::strip_of;
 
 constexpr int kThreads = 256;
 constexpr int kBM = 64;
-constexpr int kStages = 4;
-constexpr int kABytes = kBM * 64;                           // 64 rows x 64 bytes
-constexpr int kRawOff = kABytes;                            // 16 x 192 lane-major index bytes
-constexpr int kCbOff = kRawOff + kStrips * 192;             // 16 x 8 codebook bytes
-constexpr int kStageBytes = kCbOff + kStrips * 8;           // 7296
-constexpr int kBBytes = kBN * 64;                           // 128 rows x 64 bytes
-constexpr int kSmemBytes = kStages * kStageBytes + 2 * kBBytes;
-static_assert(kStageBytes % 16 == 0 && kBBytes % 16 == 0, "16-byte aligned stages (no-swizzle descriptors need 16)");
 
-/// Byte offset of (row r, byte column c) of a [rows][64 bytes] operand in the no-swizzle K-major
-/// core-matrix layout: 8-row group r/8 at 512 bytes, 16-byte K chunk c/16 at 128 bytes, row r%8 at 16.
-__host__ __device__ constexpr int core_off(int r, int c) { return (r >> 3) * 512 + (c >> 4) * 128 + (r & 7) * 16 + (c & 15); }
+/// Configuration: kBf16 = false: E4M3 operands, FP8 wgmma (m64n64k32 .e4m3, 2 per K-tile), per-32
+/// promotion with the block and tile scales (W64); kBf16 = true: BF16 operands with both scales
+/// folded in (exact, as the M64 kernel), BF16 wgmma (m64n64k16, 4 per K-tile, accumulating in the
+/// tensor core over kPromoteTiles K-tiles, then promoted with round-to-nearest adds) (WB64).
+/// S: cp.async ring depth in K-tiles.
+template <bool kBf16_, int S>
+struct Cfg90 {
+  static constexpr bool kBf16 = kBf16_;
+  static constexpr int kStages = S;
+  static constexpr int kRowBytes = kBf16 ? 128 : 64;          // one K-tile row: 64 columns
+  static constexpr int kSbo = 8 * kRowBytes;                   // next 8-row core-matrix group
+  static constexpr int kABytes = kBM * kRowBytes;
+  static constexpr int kAQ = kABytes / 16 / kThreads;          // A 16-byte chunks per thread per stage
+  static constexpr int kRawOff = kABytes;                      // 16 x 192 lane-major index bytes
+  static constexpr int kCbOff = kRawOff + kStrips * 192;       // 16 x 8 codebook bytes
+  static constexpr int kStageBytes = kCbOff + kStrips * 8;
+  static constexpr int kBBytes = kBN * kRowBytes;              // one decoded B K-tile
+  static constexpr int kTabOff = kStages * kStageBytes + 2 * kBBytes;  // BF16: per warp 2 x 16 table bytes
+  static constexpr int kSmemBytes = kTabOff + (kBf16 ? 8 * 2 * 16 : 0);
+  static_assert(kStageBytes % 16 == 0 && kBBytes % 16 == 0 && kAQ * kThreads * 16 == kABytes, "layout");
+};
+using Cfg90F8 = Cfg90<false, 4>;   // W64   (75 KB of shared memory with S = 8: W64D)
+using Cfg90F8D = Cfg90<false, 8>;  // W64D
+using Cfg90Bf = Cfg90<true, 4>;    // WB64  (78 KB)
+using Cfg90BfD = Cfg90<true, 6>;   // WB64D (101 KB: still 2 CTAs per SM)
+
+/// Byte offset of (row r, byte column c) of a [rows][RB bytes] operand in wgmma's no-swizzle
+/// K-major layout: core matrix = 8 rows x 16 bytes (128 contiguous bytes); 16-byte K chunk c/16 at
+/// 128 bytes (LBO), 8-row group r/8 at 8*RB bytes (SBO), row r%8 at 16.
+template <int RB>
+__host__ __device__ constexpr int core_off(int r, int c) {
+  return (r >> 3) * (8 * RB) + (c >> 4) * 128 + (r & 7) * 16 + (c & 15);
+}
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define LUTB_PREFILL_SM90 1
 #endif
 
 #ifdef LUTB_PREFILL_SM90
-/// wgmma shared-memory matrix descriptor, no swizzle, LBO 128 (K), SBO 512 (M/N).
+/// wgmma shared-memory matrix descriptor, no swizzle, LBO 128 (K), SBO (M/N).
+template <int SBO>
 __device__ __forceinline__ unsigned long long smem_desc(unsigned addr) {
   return static_cast<unsigned long long>((addr & 0x3FFFF) >> 4) | (static_cast<unsigned long long>(128 >> 4) << 16) |
-         (static_cast<unsigned long long>(512 >> 4) << 32);
+         (static_cast<unsigned long long>(SBO >> 4) << 32);
 }
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -78,37 +101,53 @@ __device__ __forceinline__ void reg_fence(float (&d)[32]) {
   for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+#define LUTB_WG_D32                                                                                               \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),   \
+      "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),    \
+      "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),   \
+      "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define LUTB_WG_REGS32 \
+  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}"
+
 /// d = A[64 x 32] . B[64 x 32]^T (E4M3, FP32 out; scale-d = 0: the previous d is not added).
 __device__ __forceinline__ void wgmma_64x64x32_e4m3(float (&d)[32], unsigned long long da, unsigned long long db) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
-        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
-        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
-        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 " LUTB_WG_REGS32 ", %32, %33, p, 1, 1;\n}\n"
+      : LUTB_WG_D32
       : "l"(da), "l"(db), "r"(0));
+}
+/// d (+)= A[64 x 16] . B[64 x 16]^T (BF16, FP32 accumulate; acc_in = 0: d is overwritten).
+__device__ __forceinline__ void wgmma_64x64x16_bf16(float (&d)[32], unsigned long long da, unsigned long long db,
+                                                    int acc_in) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " LUTB_WG_REGS32 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : LUTB_WG_D32
+      : "l"(da), "l"(db), "r"(acc_in));
 }
 
 /// The CTA's GEMM over K = 64 * w.tiles_k. acc[4j + 2h + c] (wgmma D layout): token row
 /// 16*(warp%4) + g + 8h, B row 64*wg + 8j + 2t + c (wg = warp/4; B row 8*slot + i = row i of strip
-/// slot). arow: this thread's A copy source row (row tid/4, chunk tid%4) or null (zero fill);
-/// srow[h]: FP32 block-scale row of the thread's token row h, or null (row without a token).
-template <bool kGemm1>
-__device__ __forceinline__ void cta_gemm90(const LutbW& w, long long e, long long I, const unsigned char* arow,
-                                           const unsigned char* a_base, const float* const (&srow)[2],
-                                           unsigned char* smem, float (&acc)[32]) {
+/// slot). arow[q]: this thread's A copy q source row (row (tid + 256q)/(RB/16)) or null (zero fill).
+/// FP8 only: srow[h]: FP32 block-scale row of the thread's token row h, or null (no token).
+template <class C, bool kGemm1>
+__device__ __forceinline__ void cta_gemm90(const LutbW& w, long long e, long long I,
+                                           const unsigned char* const (&arow)[C::kAQ], const unsigned char* a_base,
+                                           const float* const (&srow)[2], unsigned char* smem, float (&acc)[32]) {
+  constexpr int kStages = C::kStages, kStageBytes = C::kStageBytes, kBBytes = C::kBBytes, RB = C::kRowBytes;
+  constexpr int kChunks = RB / 16;  // A 16-byte chunks per row and K-tile
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
   const long long tiles_k = w.tiles_k;
   const unsigned smem_s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   const unsigned bsm_s = smem_s + kStages * kStageBytes;
   unsigned char* const bsm = smem + kStages * kStageBytes;
 
-  // ---- copy descriptors: A chunk (row tid/4, 16-byte chunk tid%4); raw: threads 0..191 one
-  // 16-byte chunk of a strip's tile, 192..207 a strip's codebook.
-  const int a_dst = core_off(tid >> 2, (tid & 3) * 16);
+  // ---- copy descriptors: A chunks (row (tid + 256q) / kChunks, chunk (tid % kChunks)); raw:
+  // threads 0..191 one 16-byte chunk of a strip's tile, 192..207 a strip's codebook.
+  int a_dst[C::kAQ];
+#pragma unroll
+  for (int q = 0; q < C::kAQ; ++q) a_dst[q] = core_off<RB>((tid + kThreads * q) / kChunks, (tid % kChunks) * 16);
   const unsigned char* raw_src = nullptr;
   long long raw_step = 0;
   int raw_dst = 0, raw_kind = 0;
@@ -123,28 +162,31 @@ __device__ __forceinline__ void cta_gemm90(const LutbW& w, long long e, long lon
         raw_kind = 1;
         raw_src = w.packed + tile0 * 192 + (tid % 12) * 16;
         raw_step = 192;
-        raw_dst = kRawOff + sl * 192 + (tid % 12) * 16;
+        raw_dst = C::kRawOff + sl * 192 + (tid % 12) * 16;
       } else {
         raw_kind = 2;
         raw_src = w.codebook + tile0 * 8;
         raw_step = 8;
-        raw_dst = kCbOff + sl * 8;
+        raw_dst = C::kCbOff + sl * 8;
       }
     }
   }
   auto issue = [&](long long kt) {
     if (kt < tiles_k) {
       const unsigned st = smem_s + static_cast<unsigned>(kt % kStages) * kStageBytes;
-      prefill::cp16_zfill(st + a_dst, arow ? arow + kt * 64 + (tid & 3) * 16 : a_base, arow != nullptr);
+#pragma unroll
+      for (int q = 0; q < C::kAQ; ++q)
+        prefill::cp16_zfill(st + a_dst[q], arow[q] ? arow[q] + kt * RB + (tid % kChunks) * 16 : a_base,
+                            arow[q] != nullptr);
       if (raw_kind == 1) prefill::cp16_zfill(st + raw_dst, raw_src + kt * raw_step, true);
       else if (raw_kind == 2) prefill::cp8(st + raw_dst, raw_src + kt * raw_step);
     }
     prefill::cp_commit();
   };
 
-  // ---- decode: warp decodes slots 2*warp, 2*warp+1; lane L = 4g + t: row g, columns 8t..8t+7 and
-  // 32+8t..32+8t+7 (lutb/cuda/lane_major.hpp). Invalid strips get a zero codebook (zero weights,
-  // whatever stale index bytes the stage holds).
+  // ---- decode: warp decodes slots 2*warp, 2*warp+1 (its own warpgroup's B rows); lane L = 4g + t:
+  // row g, columns 8t..8t+7 and 32+8t..32+8t+7 (lutb/cuda/lane_major.hpp). Invalid strips decode to
+  // zeros (zero codebook / table, whatever stale index bytes the stage holds).
   const int g = lane >> 2, t = lane & 3;
   bool dec_ok[2];
 #pragma unroll
@@ -152,29 +194,69 @@ __device__ __forceinline__ void cta_gemm90(const LutbW& w, long long e, long lon
     long long strip;
     strip_of<kGemm1>(2 * warp + s, w.tiles_n, I, strip, dec_ok[s]);
   }
-  auto decode = [&](long long kt) {
+  // BF16: lanes 0..15 build the scaled BF16 lo/hi byte tables (lane: strip s = lane >> 3, entry
+  // lane & 7) from the codebook byte and the tile's scale byte (loaded one K-tile ahead).
+  const unsigned char* tsc_ptr = nullptr;
+  if constexpr (C::kBf16) {
+    long long strip;
+    bool ok;
+    strip_of<kGemm1>(2 * warp + ((lane >> 3) & 1), w.tiles_n, I, strip, ok);
+    if (ok) tsc_ptr = w.scale + (e * w.tiles_n + strip) * tiles_k;
+  }
+  unsigned char* const tab = smem + C::kTabOff + warp * 32;
+  auto load_tsc = [&](long long kt) -> unsigned { return (tsc_ptr && kt < tiles_k) ? __ldg(tsc_ptr + kt) : 0u; };
+  auto decode = [&](long long kt, unsigned tsc) {
     const unsigned char* st = smem + (kt % kStages) * kStageBytes;
     unsigned char* bdst = bsm + (kt & 1) * kBBytes;
+    if constexpr (C::kBf16) {
+      if (lane < 16) {
+        const int s = lane >> 3, j = lane & 7;
+        unsigned short v = 0;
+        if (tsc_ptr) v = prefill::scaled_bf16(e4m3_to_float(st[C::kCbOff + (2 * warp + s) * 8 + j]), tsc);
+        tab[s * 16 + j] = static_cast<unsigned char>(v & 0xff);
+        tab[s * 16 + 8 + j] = static_cast<unsigned char>(v >> 8);
+      }
+      __syncwarp();
+    }
 #pragma unroll
     for (int s = 0; s < 2; ++s) {
       const int sl = 2 * warp + s;
-      const unsigned char* raw = st + kRawOff + sl * 192;
+      const unsigned char* raw = st + C::kRawOff + sl * 192;
       const std::uint32_t X = *reinterpret_cast<const std::uint32_t*>(raw + 4 * lane);
       const std::uint32_t Y = *reinterpret_cast<const unsigned short*>(raw + 128 + 2 * lane);
-      uint2 cb = *reinterpret_cast<const uint2*>(st + kCbOff + sl * 8);
-      if (!dec_ok[s]) cb = make_uint2(0u, 0u);
       std::uint32_t sel[4];
       lane_selectors(X, Y, sel);
-      const int d0 = core_off(8 * sl + g, 8 * t);
-      *reinterpret_cast<uint2*>(bdst + d0) = make_uint2(__byte_perm(cb.x, cb.y, sel[0]), __byte_perm(cb.x, cb.y, sel[1]));
-      *reinterpret_cast<uint2*>(bdst + d0 + 256) =  // columns 32 + 8t..: 2 K chunks further
-          make_uint2(__byte_perm(cb.x, cb.y, sel[2]), __byte_perm(cb.x, cb.y, sel[3]));
+      if constexpr (C::kBf16) {
+        const uint2 tl = *reinterpret_cast<const uint2*>(tab + s * 16);
+        const uint2 th = *reinterpret_cast<const uint2*>(tab + s * 16 + 8);
+        unsigned o[8];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const unsigned lo = __byte_perm(tl.x, tl.y, sel[q]);
+          const unsigned hi = __byte_perm(th.x, th.y, sel[q]);
+          o[2 * q] = __byte_perm(lo, hi, 0x5140);      // columns 4q' + 0, 1
+          o[2 * q + 1] = __byte_perm(lo, hi, 0x7362);  // columns 4q' + 2, 3
+        }
+        const int d0 = core_off<RB>(8 * sl + g, 16 * t);  // columns 8t..8t+7 = bytes 16t..16t+15
+        *reinterpret_cast<uint4*>(bdst + d0) = make_uint4(o[0], o[1], o[2], o[3]);
+        *reinterpret_cast<uint4*>(bdst + d0 + 4 * 128) = make_uint4(o[4], o[5], o[6], o[7]);  // columns 32 + 8t..
+      } else {
+        uint2 cb = *reinterpret_cast<const uint2*>(st + C::kCbOff + sl * 8);
+        if (!dec_ok[s]) cb = make_uint2(0u, 0u);
+        const int d0 = core_off<RB>(8 * sl + g, 8 * t);
+        *reinterpret_cast<uint2*>(bdst + d0) =
+            make_uint2(__byte_perm(cb.x, cb.y, sel[0]), __byte_perm(cb.x, cb.y, sel[1]));
+        *reinterpret_cast<uint2*>(bdst + d0 + 2 * 128) =  // columns 32 + 8t..: 2 K chunks further
+            make_uint2(__byte_perm(cb.x, cb.y, sel[2]), __byte_perm(cb.x, cb.y, sel[3]));
+      }
     }
+    if constexpr (C::kBf16) __syncwarp();  // the table is rewritten by the next decode
   };
 
-  // ---- tile scales: lane i (i = lane & 7) loads slot 8wg + i's scale byte; broadcast by shuffles.
+  // ---- FP8 promotion scales: tile scales (lane i = lane & 7 loads slot 8wg + i's byte; broadcast by
+  // shuffles) and the token rows' FP32 block scales, both one K-tile ahead.
   const unsigned char* sc_ptr = nullptr;
-  {
+  if constexpr (!C::kBf16) {
     long long strip;
     bool ok;
     strip_of<kGemm1>(8 * wg + (lane & 7), w.tiles_n, I, strip, ok);
@@ -189,54 +271,87 @@ __device__ __forceinline__ void cta_gemm90(const LutbW& w, long long e, long lon
 
 #pragma unroll
   for (int i = 0; i < 32; ++i) acc[i] = 0.0f;
-  float d0[32], d1[32];
+  float d0[32];
 #pragma unroll
-  for (int i = 0; i < 32; ++i) d0[i] = d1[i] = 0.0f;
+  for (int i = 0; i < 32; ++i) d0[i] = 0.0f;
+  float d1[C::kBf16 ? 1 : 32];
+  if constexpr (!C::kBf16) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) d1[i] = 0.0f;
+  }
 
-  const unsigned long long da0 = smem_desc(smem_s), db0 = smem_desc(bsm_s + wg * (kBBytes / 2));
+  const unsigned long long da0 = smem_desc<C::kSbo>(smem_s), db0 = smem_desc<C::kSbo>(bsm_s + wg * (kBBytes / 2));
 
   // ---- prologue
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) issue(s);
-  unsigned sw_next = load_sw(0);
-  float2 sa_next[2];
-  load_sa(0, sa_next);
+  unsigned sw_next = 256u, tsc_next = 0u;
+  float2 sa_next[2] = {make_float2(0.f, 0.f), make_float2(0.f, 0.f)};
+  if constexpr (C::kBf16) {
+    tsc_next = load_tsc(0);
+  } else {
+    sw_next = load_sw(0);
+    load_sa(0, sa_next);
+  }
   prefill::cp_wait<kStages - 2>();
   __syncthreads();
-  decode(0);
+  if constexpr (C::kBf16) {
+    decode(0, tsc_next);
+    tsc_next = load_tsc(1);
+  } else {
+    decode(0, 0u);
+  }
 
   for (long long kt = 0; kt < tiles_k; ++kt) {
     prefill::cp_wait<kStages - 3>();
     fence_async_smem();
     __syncthreads();
     issue(kt + kStages - 1);
-    const unsigned sw_b = sw_next;
-    const float2 sa0 = sa_next[0], sa1 = sa_next[1];
-    sw_next = load_sw(kt + 1);
-    load_sa(kt + 1, sa_next);
-    // descriptors advance in 16-byte units: stage kt's A, buffer kt&1's B; +256 bytes = columns 32..63
+    // descriptors advance in 16-byte units: stage kt's A, buffer kt&1's B; +256 bytes = 2 K chunks
     const unsigned long long da = da0 + static_cast<unsigned long long>((kt % kStages) * kStageBytes >> 4);
     const unsigned long long db = db0 + static_cast<unsigned long long>((kt & 1) * kBBytes >> 4);
-    reg_fence(d0);
-    reg_fence(d1);
-    wg_fence();
-    wgmma_64x64x32_e4m3(d0, da, db);
-    wgmma_64x64x32_e4m3(d1, da + (256 >> 4), db + (256 >> 4));
-    wg_commit();
-    if (kt + 1 < tiles_k) decode(kt + 1);
-    const float swf = sw_b == 256u ? 0.0f : ue8m0_f(sw_b);
-    wg_wait0();
-    reg_fence(d0);
-    reg_fence(d1);
+    if constexpr (C::kBf16) {
+      const bool fresh = kt % prefill::kPromoteTiles == 0;
+      const unsigned tsc = tsc_next;
+      tsc_next = load_tsc(kt + 2);
+      reg_fence(d0);
+      wg_fence();
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const float sj = __shfl_sync(0xffffffffu, swf, j);
+      for (int ks = 0; ks < 4; ++ks) wgmma_64x64x16_bf16(d0, da + 16 * ks, db + 16 * ks, (ks == 0 && fresh) ? 0 : 1);
+      wg_commit();
+      if (kt + 1 < tiles_k) decode(kt + 1, tsc);
+      wg_wait0();
+      reg_fence(d0);
+      if (kt % prefill::kPromoteTiles == prefill::kPromoteTiles - 1 || kt + 1 == tiles_k) {
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const float2 sa = (r >> 1) ? sa1 : sa0;
-        float v = d0[4 * j + r] * sa.x;
-        v = fmaf(d1[4 * j + r], sa.y, v);
-        acc[4 * j + r] = fmaf(v, sj, acc[4 * j + r]);
+        for (int i = 0; i < 32; ++i) acc[i] = __fadd_rn(acc[i], d0[i]);
+      }
+    } else {
+      const unsigned sw_b = sw_next;
+      const float2 sa0 = sa_next[0], sa1 = sa_next[1];
+      sw_next = load_sw(kt + 1);
+      load_sa(kt + 1, sa_next);
+      reg_fence(d0);
+      reg_fence(d1);
+      wg_fence();
+      wgmma_64x64x32_e4m3(d0, da, db);
+      wgmma_64x64x32_e4m3(d1, da + 16, db + 16);
+      wg_commit();
+      if (kt + 1 < tiles_k) decode(kt + 1, 0u);
+      const float swf = sw_b == 256u ? 0.0f : ue8m0_f(sw_b);
+      wg_wait0();
+      reg_fence(d0);
+      reg_fence(d1);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float sj = __shfl_sync(0xffffffffu, swf, j);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const float2 sa = (r >> 1) ? sa1 : sa0;
+          float v = d0[4 * j + r] * sa.x;
+          v = fmaf(d1[4 * j + r], sa.y, v);
+          acc[4 * j + r] = fmaf(v, sj, acc[4 * j + r]);
+        }
       }
     }
   }
@@ -269,12 +384,18 @@ __global__ void __launch_bounds__(256)
   if ((i & 3) == 0) xsf[i >> 2] = ue8m0_f(xs[i >> 2]);  // 32 values = 4 groups of 8 per block scale
 }
 
-/// GEMM1 + SiLU*up + MXFP8 of h. grid (Ip/64, token-tile slots). a8 = x as E4M3 bytes [T, Hp], asf its
-/// FP32 block scales [T, Hp/32]; hq8 [P, Ip] / hsf [P, Ip/32] receive h's E4M3 bytes and scales.
+/// GEMM1 + SiLU*up + MXFP8 of h. grid (Ip/64, token-tile slots).
+///   FP8 (W64):   a = x as E4M3 bytes [T, Hp] with FP32 block scales asf [T, Hp/32]; hq [P, Ip] receives
+///                h's E4M3 bytes and hsf [P, Ip/32] its FP32 block scales (2^(b-127), NaN for b = 255).
+///   BF16 (WB64): a = mxfp8_qdq(x) as BF16 [T, Hp] (asf unused); hq [P, Ip] receives BF16
+///                mxfp8_qdq(bf16(silu(g) * u)) (NaN for b = 255), hsf unused (as the M64 kernel).
+/// Padded columns I..Ip-1 get zeros.
+template <class C>
 __global__ void __launch_bounds__(kThreads, 2)
-    wgmma_gemm1_kernel(LutbW w, const unsigned char* __restrict__ a8, const float* __restrict__ asf, long long Hp,
-                       Routing r, long long I, long long Ip, unsigned char* __restrict__ hq8, float* __restrict__ hsf) {
+    wgmma_gemm1_kernel(LutbW w, const unsigned char* __restrict__ a, const float* __restrict__ asf, long long Hp,
+                       Routing r, long long I, long long Ip, unsigned char* __restrict__ hq, float* __restrict__ hsf) {
 #ifdef LUTB_PREFILL_SM90
+  constexpr int EB = C::kBf16 ? 2 : 1;  // operand bytes
   pdl_wait();
   pdl_trigger();
   if (static_cast<int>(blockIdx.y) >= *r.num_tiles) return;
@@ -283,18 +404,22 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int start = r.tile_start[slot], count = r.tile_count[slot];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2, wq = warp & 3;
   const int g = lane >> 2, t = lane & 3;
-  const int pa = prefill::pair_of(r, start, count, tid >> 2);
-  const unsigned char* arow = pa >= 0 ? a8 + static_cast<long long>(pa / r.top_k) * Hp : nullptr;
+  const unsigned char* arow[C::kAQ];
+#pragma unroll
+  for (int q = 0; q < C::kAQ; ++q) {
+    const int pa = prefill::pair_of(r, start, count, (tid + kThreads * q) / (C::kRowBytes / 16));
+    arow[q] = pa >= 0 ? a + static_cast<long long>(pa / r.top_k) * Hp * EB : nullptr;
+  }
   int prow[2];
   const float* srow[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     prow[h] = prefill::pair_of(r, start, count, 16 * wq + g + 8 * h);
-    srow[h] = prow[h] >= 0 ? asf + static_cast<long long>(prow[h] / r.top_k) * (Hp / 32) : nullptr;
+    srow[h] = (!C::kBf16 && prow[h] >= 0) ? asf + static_cast<long long>(prow[h] / r.top_k) * (Hp / 32) : nullptr;
   }
   extern __shared__ __align__(16) unsigned char smem[];
   float acc[32];
-  cta_gemm90<true>(w, e, I, arow, a8, srow, smem, acc);
+  cta_gemm90<C, true>(w, e, I, arow, a, srow, smem, acc);
 
   // Slot 8wg + j (prefill::strip_of): j = 0, 1 gate / 2, 3 up of I-columns c0 + 0..15, j = 4..7 the
   // same for c0 + 16..31, c0 = 64 bx + 32 wg: the thread's 8 columns per row lie in ONE MXFP8 block
@@ -326,13 +451,23 @@ __global__ void __launch_bounds__(kThreads, 2)
     const unsigned char b = mx_block_scale(am, MxScaleRule::Rceil);
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-      unsigned pk = 0;
+      const long long col = c0 + 16 * (q >> 1) + 8 * (q & 1) + 2 * t;
+      if constexpr (C::kBf16) {
+        unsigned pk = 0;
 #pragma unroll
-      for (int c = 0; c < 2; ++c) pk |= static_cast<unsigned>(b == 255 ? 0 : mx_encode(hv[q][c], b)) << (8 * c);
-      *reinterpret_cast<unsigned short*>(hq8 + static_cast<long long>(p) * Ip + c0 + 16 * (q >> 1) + 8 * (q & 1) +
-                                         2 * t) = static_cast<unsigned short>(pk);
+        for (int c = 0; c < 2; ++c) {
+          const float v = b == 255 ? __int_as_float(0x7fc00000) : mx_decode(mx_encode(hv[q][c], b), b);
+          pk |= static_cast<unsigned>(bf16_from_float(v)) << (16 * c);
+        }
+        *reinterpret_cast<unsigned*>(hq + (static_cast<long long>(p) * Ip + col) * 2) = pk;
+      } else {
+        unsigned pk = 0;
+#pragma unroll
+        for (int c = 0; c < 2; ++c) pk |= static_cast<unsigned>(b == 255 ? 0 : mx_encode(hv[q][c], b)) << (8 * c);
+        *reinterpret_cast<unsigned short*>(hq + static_cast<long long>(p) * Ip + col) = static_cast<unsigned short>(pk);
+      }
     }
-    if (t == 0) hsf[static_cast<long long>(p) * (Ip / 32) + c0 / 32] = ue8m0_f(b);
+    if (!C::kBf16 && t == 0) hsf[static_cast<long long>(p) * (Ip / 32) + c0 / 32] = ue8m0_f(b);
   }
 #else
   __trap();  // sm_90a only (launch_lutb_prefill_gemms refuses other devices)
@@ -340,10 +475,13 @@ __global__ void __launch_bounds__(kThreads, 2)
 }
 
 /// GEMM2: y[p, n] = h[p] . w2[e, n] (FP32) for n < H. grid (ceil(H/8 / 16), token-tile slots).
+/// hq/hsf as GEMM1 wrote them.
+template <class C>
 __global__ void __launch_bounds__(kThreads, 2)
-    wgmma_gemm2_kernel(LutbW w, const unsigned char* __restrict__ hq8, const float* __restrict__ hsf, long long Ip,
+    wgmma_gemm2_kernel(LutbW w, const unsigned char* __restrict__ hq, const float* __restrict__ hsf, long long Ip,
                        Routing r, long long H, float* __restrict__ y) {
 #ifdef LUTB_PREFILL_SM90
+  constexpr int EB = C::kBf16 ? 2 : 1;
   pdl_wait();
   pdl_trigger();
   if (static_cast<int>(blockIdx.y) >= *r.num_tiles) return;
@@ -352,18 +490,22 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int start = r.tile_start[slot], count = r.tile_count[slot];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2, wq = warp & 3;
   const int g = lane >> 2, t = lane & 3;
-  const int pa = prefill::pair_of(r, start, count, tid >> 2);
-  const unsigned char* arow = pa >= 0 ? hq8 + static_cast<long long>(pa) * Ip : nullptr;
+  const unsigned char* arow[C::kAQ];
+#pragma unroll
+  for (int q = 0; q < C::kAQ; ++q) {
+    const int pa = prefill::pair_of(r, start, count, (tid + kThreads * q) / (C::kRowBytes / 16));
+    arow[q] = pa >= 0 ? hq + static_cast<long long>(pa) * Ip * EB : nullptr;
+  }
   int prow[2];
   const float* srow[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     prow[h] = prefill::pair_of(r, start, count, 16 * wq + g + 8 * h);
-    srow[h] = prow[h] >= 0 ? hsf + static_cast<long long>(prow[h]) * (Ip / 32) : nullptr;
+    srow[h] = (!C::kBf16 && prow[h] >= 0) ? hsf + static_cast<long long>(prow[h]) * (Ip / 32) : nullptr;
   }
   extern __shared__ __align__(16) unsigned char smem[];
   float acc[32];
-  cta_gemm90<false>(w, e, 0, arow, hq8, srow, smem, acc);
+  cta_gemm90<C, false>(w, e, 0, arow, hq, srow, smem, acc);
   const long long n0 = static_cast<long long>(kBN) * blockIdx.x + 64 * wg + 2 * t;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {

@@ -167,12 +167,17 @@ V take_rows(const V& v, std::int64_t width, const std::vector<std::int64_t>& row
   return out;
 }
 
-void expect_matches(const std::vector<std::uint16_t>& got, const std::vector<std::uint16_t>& ref) {
+/// fp8: the experimental FP8-wgmma tiles (W64, W64D), whose tensor core rounds inside each 32-product
+/// block sum: they are held to the bounds MEASURED for them on the H200 (rel. L2 <= 4.2e-3, >= 64 %
+/// bit-equal, docs/perf/moe-gpu-prefill.md session 13) with margin, NOT to the contract's 1e-3 / 80 %,
+/// which is why no heuristic picks them. Every other tile is held to 1e-3 and 80 %.
+void expect_matches(const std::vector<std::uint16_t>& got, const std::vector<std::uint16_t>& ref, bool fp8 = false) {
   const Cmp r = compare_bf16(got, ref);
   std::cout << "  vs host reference: rel. L2 " << r.rel_l2 << ", bit-equal " << r.exact << " of " << r.n << "\n";
   EXPECT_EQ(r.nan, 0) << "unwritten or NaN outputs";
-  EXPECT_LT(r.rel_l2, 1e-3) << "exact " << r.exact << " of " << r.n;
-  EXPECT_GT(r.exact, r.n * 8 / 10) << "bit-equal BF16 outputs (FP32 order only differs); rel L2 " << r.rel_l2;
+  EXPECT_LT(r.rel_l2, fp8 ? 1e-2 : 1e-3) << "exact " << r.exact << " of " << r.n;
+  EXPECT_GT(r.exact, r.n * (fp8 ? 5 : 8) / 10) << "bit-equal BF16 outputs (FP32 order only differs); rel L2 "
+                                               << r.rel_l2;
 }
 
 bool device_is_sm90() {
@@ -182,17 +187,24 @@ bool device_is_sm90() {
          cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess && major == 9 &&
          minor == 0;
 }
-/// Every tile setting the device runs: the heuristic's, the four sm_80 tiles, and the FP8 wgmma
-/// tile W64 on sm_90 devices (its kernels are built for sm_90a only).
+/// Every tile setting the device runs: the heuristic's, the four sm_80 tiles, and on sm_90 devices
+/// the wgmma tiles (WB64, WB64D, W64, W64D; their kernels are built for sm_90a only).
 std::vector<cuda::PrefillTile> all_tiles() {
   std::vector<cuda::PrefillTile> v = {cuda::PrefillTile::Auto, cuda::PrefillTile::M64, cuda::PrefillTile::M64IL,
                                       cuda::PrefillTile::M128, cuda::PrefillTile::M128W};
-  if (device_is_sm90()) v.push_back(cuda::PrefillTile::W64);
+  if (device_is_sm90())
+    for (auto t : {cuda::PrefillTile::WB64, cuda::PrefillTile::WB64D, cuda::PrefillTile::W64, cuda::PrefillTile::W64D})
+      v.push_back(t);
   return v;
 }
+bool is_fp8(cuda::PrefillTile t) { return t == cuda::PrefillTile::W64 || t == cuda::PrefillTile::W64D; }
+bool is_wgmma(cuda::PrefillTile t) { return is_fp8(t) || t == cuda::PrefillTile::WB64 || t == cuda::PrefillTile::WB64D; }
 const char* tile_name(cuda::PrefillTile t) {
   switch (t) {
     case cuda::PrefillTile::W64: return "W64";
+    case cuda::PrefillTile::W64D: return "W64D";
+    case cuda::PrefillTile::WB64: return "WB64";
+    case cuda::PrefillTile::WB64D: return "WB64D";
     case cuda::PrefillTile::M64IL: return "M64IL";
     case cuda::PrefillTile::M128: return "M128";
     case cuda::PrefillTile::M128W: return "M128W";
@@ -252,14 +264,14 @@ TEST_P(PrefillRandom, MatchesHostReference) {
     std::cout << "  tile " << tile_name(tile) << "\n";
     ForcedTile forced(tile);
     const auto got = run_prefill(w, x, c.T, c.k, ids, wts);
-    expect_matches(take_rows(got, c.H, rows), ref);
+    expect_matches(take_rows(got, c.H, rows), ref, is_fp8(tile));
     if (tile == cuda::PrefillTile::M64) m64 = got;
-    if (tile == cuda::PrefillTile::W64 && !m64.empty()) {
-      // FP8 wgmma (per-32 promotion) against today's BF16-fold mma.sync kernel on the same inputs:
+    if (is_wgmma(tile) && !m64.empty()) {
+      // A wgmma tile against today's default (M64, BF16-fold mma.sync) on the same inputs, all rows:
       // reported, not asserted (both are asserted against the reference above).
       const Cmp d = compare_bf16(got, m64);
-      std::cout << "  W64 vs M64 (all rows): rel. L2 " << d.rel_l2 << ", bit-equal " << d.exact << " of " << d.n
-                << "\n";
+      std::cout << "  " << tile_name(tile) << " vs M64 (all rows): rel. L2 " << d.rel_l2 << ", bit-equal " << d.exact
+                << " of " << d.n << "\n";
     }
     if (c.check_tokens != 0) {
       // Every row written and finite (the sampled check covers the values).
@@ -319,7 +331,7 @@ TEST(PrefillCuda, SkewedRouting1To300TokensPerExpert) {
   for (const cuda::PrefillTile tile : all_tiles()) {  // 300 rows: 2 full 128-row tiles + 44, or 4 x 64 + 44
     SCOPED_TRACE(tile_name(tile));
     ForcedTile forced(tile);
-    expect_matches(run_prefill({E, H, I, d13.view, d2.view}, x, T, k, ids, wts), ref);
+    expect_matches(run_prefill({E, H, I, d13.view, d2.view}, x, T, k, ids, wts), ref, is_fp8(tile));
   }
 }
 
@@ -340,9 +352,11 @@ TEST(PrefillCuda, InvalidExpertIdWritesNanRowOnly) {
     const auto got = run_prefill({E, H, I, d13.view, d2.view}, x, T, k, ids, wts);
     for (std::int64_t c = 0; c < H; ++c) {
       EXPECT_TRUE(std::isnan(bf16_to_float(got[1 * H + c])));
-      EXPECT_EQ(got[0 * H + c], ref[0 * H + c]) << "column " << c;
+      if (!is_fp8(tile)) EXPECT_EQ(got[0 * H + c], ref[0 * H + c]) << "column " << c;
       EXPECT_FALSE(std::isnan(bf16_to_float(got[2 * H + c])));
     }
+    if (is_fp8(tile))  // FP8 tensor-core rounding (expect_matches): token 0 close, not bit-equal
+      expect_matches(take_rows(got, H, {0}), take_rows(ref, H, {0}), true);
   }
 }
 
@@ -370,7 +384,7 @@ TEST(PrefillCuda, NonFiniteActivationBlockGivesNanRowLikeTheReference) {
       EXPECT_TRUE(std::isnan(bf16_to_float(got[2 * H + c]))) << "column " << c;
     }
     const std::vector<std::int64_t> rows = {0, 1, 3, 4};
-    expect_matches(take_rows(got, H, rows), take_rows(ref, H, rows));
+    expect_matches(take_rows(got, H, rows), take_rows(ref, H, rows), is_fp8(tile));
   }
 }
 
