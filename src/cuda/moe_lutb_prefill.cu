@@ -119,15 +119,55 @@ void launch_w90(const kern::LutbW& w13, const kern::LutbW& w2, const kern::Routi
     asf = ws.xsf;
     hsf = ws.hsf;
   }
-  const dim3 g1(static_cast<unsigned>(Ip / 64), static_cast<unsigned>(slots));
+  auto grid = [&](std::int64_t nblocks) {
+    return C::kTokFast ? dim3(static_cast<unsigned>(slots), static_cast<unsigned>(nblocks))
+                       : dim3(static_cast<unsigned>(nblocks), static_cast<unsigned>(slots));
+  };
+  const dim3 g1 = grid(Ip / 64);
   detail::launch_kernel(name1, true, p9::wgmma_gemm1_kernel<C>, g1, dim3(p9::kThreads), C::kSmemBytes, stream, w13,
                         static_cast<const unsigned char*>(a), static_cast<const float*>(asf),
                         static_cast<long long>(Hp), r, static_cast<long long>(I), static_cast<long long>(Ip), h, hsf);
-  const dim3 g2(static_cast<unsigned>(detail::ceil_div(w2.tiles_n, kern::prefill::kStrips)),
-                static_cast<unsigned>(slots));
+  const dim3 g2 = grid(detail::ceil_div(w2.tiles_n, kern::prefill::kStrips));
   detail::launch_kernel(name2, true, p9::wgmma_gemm2_kernel<C>, g2, dim3(p9::kThreads), C::kSmemBytes, stream, w2,
                         static_cast<const unsigned char*>(h), static_cast<const float*>(hsf),
                         static_cast<long long>(Ip), r, static_cast<long long>(H), ws.y);
+}
+
+/// The warp-specialised BF16-fold tile (WS64, moe_lutb_prefill_sm90.cuh CfgWS); grouping made with 64 rows.
+void launch_ws(const kern::LutbW& w13, const kern::LutbW& w2, const kern::Routing& r, const detail::Workspace& ws,
+               std::int64_t slots, std::int64_t T, std::int64_t I, std::int64_t H, std::int64_t Hp, std::int64_t Ip,
+               cudaStream_t stream) {
+  namespace p9 = kern::prefill90;
+  if (!device_is_sm90())
+    throw std::runtime_error("launch_lutb_prefill_gemms: PrefillTile::WS64 (wgmma) needs an sm_90 device");
+  static bool smem_opt_in[64] = {};
+  int dev = 0;
+  detail::check(cudaGetDevice(&dev), "cudaGetDevice");
+  if (dev >= 64 || !smem_opt_in[dev]) {
+    detail::check(cudaFuncSetAttribute(p9::ws_gemm1_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       p9::CfgWS::kSmemBytes),
+                  "cudaFuncSetAttribute(ws_gemm1)");
+    detail::check(cudaFuncSetAttribute(p9::ws_gemm2_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       p9::CfgWS::kSmemBytes),
+                  "cudaFuncSetAttribute(ws_gemm2)");
+    if (dev < 64) smem_opt_in[dev] = true;
+  }
+  const std::int64_t n8 = T * Hp / 8;
+  detail::launch_kernel("sm80_lutb_moe_prefill_xa_to_bf16", true, kern::prefill::xa_to_bf16_kernel,
+                        dim3(static_cast<unsigned>(detail::ceil_div(n8, 256))), dim3(256), 0, stream, ws.xa, ws.xs,
+                        static_cast<long long>(n8), static_cast<long long>(Hp));
+  const unsigned char* a = reinterpret_cast<const unsigned char*>(ws.xa);
+  unsigned char* h = reinterpret_cast<unsigned char*>(ws.hq);
+  detail::launch_kernel("sm90_lutb_mxfp8_moe_gemm1_prefill_wgmma_bf16fold_ws", true, p9::ws_gemm1_kernel,
+                        dim3(static_cast<unsigned>(Ip / 64), static_cast<unsigned>(slots)),
+                        dim3(p9::CfgWS::kThreads), p9::CfgWS::kSmemBytes, stream, w13, a, static_cast<long long>(Hp),
+                        r, static_cast<long long>(I), static_cast<long long>(Ip), h);
+  detail::launch_kernel("sm90_lutb_mxfp8_moe_gemm2_prefill_wgmma_bf16fold_ws", true, p9::ws_gemm2_kernel,
+                        dim3(static_cast<unsigned>(detail::ceil_div(w2.tiles_n, kern::prefill::kStrips)),
+                             static_cast<unsigned>(slots)),
+                        dim3(p9::CfgWS::kThreads), p9::CfgWS::kSmemBytes, stream, w2,
+                        static_cast<const unsigned char*>(h), static_cast<long long>(Ip), r, static_cast<long long>(H),
+                        ws.y);
 }
 
 }  // namespace
@@ -176,6 +216,16 @@ void launch_lutb_prefill_gemms(const DeviceMoeWeights& w, const kern::Routing& r
     launch_w90<kern::prefill90::Cfg90Bf>(w13, w2, r, ws, slots, T, I, H, Hp, Ip, stream,
                                           "sm90_lutb_mxfp8_moe_gemm1_prefill_wgmma_bf16fold",
                                           "sm90_lutb_mxfp8_moe_gemm2_prefill_wgmma_bf16fold");
+    return;
+  }
+  if (tile == PrefillTile::WS64) {
+    launch_ws(w13, w2, r, ws, slots, T, I, H, Hp, Ip, stream);
+    return;
+  }
+  if (tile == PrefillTile::WB64T) {
+    launch_w90<kern::prefill90::Cfg90BfT>(w13, w2, r, ws, slots, T, I, H, Hp, Ip, stream,
+                                           "sm90_lutb_mxfp8_moe_gemm1_prefill_wgmma_bf16fold_tokfast",
+                                           "sm90_lutb_mxfp8_moe_gemm2_prefill_wgmma_bf16fold_tokfast");
     return;
   }
   if (tile == PrefillTile::WB64D) {

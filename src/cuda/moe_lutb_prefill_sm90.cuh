@@ -41,7 +41,27 @@ namespace lutb::cuda::kern::prefill90 {
 
 using prefill::kBN;
 using prefill::kStrips;
-using prefill::strip_of;
+
+/// The CTA's weight N-block and token-tile slot: grid (N-blocks, slots), or (slots, N-blocks) when
+/// C::kTokFast (consecutive CTAs then share the weight N-block: its tiles are read from DRAM once and
+/// reused from L2 by the expert's other token tiles running at the same time).
+template <class C>
+__device__ __forceinline__ int cta_nblock() { return C::kTokFast ? blockIdx.y : blockIdx.x; }
+template <class C>
+__device__ __forceinline__ int cta_slot() { return C::kTokFast ? blockIdx.x : blockIdx.y; }
+
+/// prefill::strip_of for N-block nb (slot sl 0..15 of the CTA -> global row-strip and validity).
+template <bool kGemm1>
+__device__ __forceinline__ void strip_of(int sl, int nb, long long tiles_n, long long I, long long& strip, bool& ok) {
+  if constexpr (kGemm1) {
+    const long long col = 64ll * nb + 16 * (sl >> 2) + 8 * (sl & 1);
+    ok = col < I;
+    strip = ((sl & 2) ? I / 8 : 0) + col / 8;
+  } else {
+    strip = static_cast<long long>(kStrips) * nb + sl;
+    ok = strip < tiles_n;
+  }
+}
 
 constexpr int kThreads = 256;
 constexpr int kBM = 64;
@@ -50,10 +70,11 @@ constexpr int kBM = 64;
 /// promotion with the block and tile scales (W64); kBf16 = true: BF16 operands with both scales
 /// folded in (exact, as the M64 kernel), BF16 wgmma (m64n64k16, 4 per K-tile, accumulating in the
 /// tensor core over kPromoteTiles K-tiles, then promoted with round-to-nearest adds) (WB64).
-/// S: cp.async ring depth in K-tiles.
-template <bool kBf16_, int S>
+/// S: cp.async ring depth in K-tiles. kTokFast: grid (slots, N-blocks) instead of (N-blocks, slots).
+template <bool kBf16_, int S, bool kTokFast_ = false>
 struct Cfg90 {
   static constexpr bool kBf16 = kBf16_;
+  static constexpr bool kTokFast = kTokFast_;
   static constexpr int kStages = S;
   static constexpr int kRowBytes = kBf16 ? 128 : 64;          // one K-tile row: 64 columns
   static constexpr int kSbo = 8 * kRowBytes;                   // next 8-row core-matrix group
@@ -71,6 +92,7 @@ using Cfg90F8 = Cfg90<false, 4>;   // W64   (75 KB of shared memory with S = 8: 
 using Cfg90F8D = Cfg90<false, 8>;  // W64D
 using Cfg90Bf = Cfg90<true, 4>;    // WB64  (78 KB)
 using Cfg90BfD = Cfg90<true, 6>;   // WB64D (101 KB: still 2 CTAs per SM)
+using Cfg90BfT = Cfg90<true, 4, true>;  // WB64T: WB64 with the token-tile slots along grid x
 
 /// Byte offset of (row r, byte column c) of a [rows][RB bytes] operand in wgmma's no-swizzle
 /// K-major layout: core matrix = 8 rows x 16 bytes (128 contiguous bytes); 16-byte K chunk c/16 at
@@ -138,6 +160,7 @@ __device__ __forceinline__ void cta_gemm90(const LutbW& w, long long e, long lon
   constexpr int kStages = C::kStages, kStageBytes = C::kStageBytes, kBBytes = C::kBBytes, RB = C::kRowBytes;
   constexpr int kChunks = RB / 16;  // A 16-byte chunks per row and K-tile
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
+  const int nb = cta_nblock<C>();
   const long long tiles_k = w.tiles_k;
   const unsigned smem_s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   const unsigned bsm_s = smem_s + kStages * kStageBytes;
@@ -155,7 +178,7 @@ __device__ __forceinline__ void cta_gemm90(const LutbW& w, long long e, long lon
     const int sl = tid < kStrips * 12 ? tid / 12 : tid - kStrips * 12;
     long long strip;
     bool ok;
-    strip_of<kGemm1>(sl, w.tiles_n, I, strip, ok);
+    strip_of<kGemm1>(sl, nb, w.tiles_n, I, strip, ok);
     if (ok) {
       const long long tile0 = (e * w.tiles_n + strip) * tiles_k;
       if (tid < kStrips * 12) {
@@ -192,7 +215,7 @@ __device__ __forceinline__ void cta_gemm90(const LutbW& w, long long e, long lon
 #pragma unroll
   for (int s = 0; s < 2; ++s) {
     long long strip;
-    strip_of<kGemm1>(2 * warp + s, w.tiles_n, I, strip, dec_ok[s]);
+    strip_of<kGemm1>(2 * warp + s, nb, w.tiles_n, I, strip, dec_ok[s]);
   }
   // BF16: lanes 0..15 build the scaled BF16 lo/hi byte tables (lane: strip s = lane >> 3, entry
   // lane & 7) from the codebook byte and the tile's scale byte (loaded one K-tile ahead).
@@ -200,7 +223,7 @@ __device__ __forceinline__ void cta_gemm90(const LutbW& w, long long e, long lon
   if constexpr (C::kBf16) {
     long long strip;
     bool ok;
-    strip_of<kGemm1>(2 * warp + ((lane >> 3) & 1), w.tiles_n, I, strip, ok);
+    strip_of<kGemm1>(2 * warp + ((lane >> 3) & 1), nb, w.tiles_n, I, strip, ok);
     if (ok) tsc_ptr = w.scale + (e * w.tiles_n + strip) * tiles_k;
   }
   unsigned char* const tab = smem + C::kTabOff + warp * 32;
@@ -259,7 +282,7 @@ __device__ __forceinline__ void cta_gemm90(const LutbW& w, long long e, long lon
   if constexpr (!C::kBf16) {
     long long strip;
     bool ok;
-    strip_of<kGemm1>(8 * wg + (lane & 7), w.tiles_n, I, strip, ok);
+    strip_of<kGemm1>(8 * wg + (lane & 7), nb, w.tiles_n, I, strip, ok);
     if (ok) sc_ptr = w.scale + (e * w.tiles_n + strip) * tiles_k;
   }
   auto load_sw = [&](long long kt) -> unsigned { return (sc_ptr && kt < tiles_k) ? __ldg(sc_ptr + kt) : 256u; };
@@ -359,72 +382,18 @@ __device__ __forceinline__ void cta_gemm90(const LutbW& w, long long e, long lon
 }
 #endif  // LUTB_PREFILL_SM90
 
-/// xa (FP16 E4M3 values, natural column order) + xs (UE8M0) -> xq8 (E4M3 bytes) + xsf (FP32
-/// 2^(b-127)). n8 = T * Hp / 8 groups of 8 values; the scales by the first thread of each block.
-__global__ void __launch_bounds__(256)
-    xa_to_fp8_kernel(const uint16_t* __restrict__ xa, const unsigned char* __restrict__ xs,
-                     unsigned char* __restrict__ xq8, float* __restrict__ xsf, long long n8) {
-  pdl_wait();  // xa, xs come from the MXFP8 of x (PDL rules: moe_kernels.cuh)
-  pdl_trigger();
-  const long long i = static_cast<long long>(blockIdx.x) * 256 + threadIdx.x;
-  if (i >= n8) return;
-  const uint4 v = reinterpret_cast<const uint4*>(xa)[i];
-  const unsigned u[4] = {v.x, v.y, v.z, v.w};
-  unsigned o[2] = {0u, 0u};
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    __half2_raw h2;
-    h2.x = static_cast<unsigned short>(u[k] & 0xffffu);
-    h2.y = static_cast<unsigned short>(u[k] >> 16);
-    // Exact: the FP16 values are E4M3 values (quantize_x).
-    const unsigned p = __nv_cvt_halfraw2_to_fp8x2(h2, __NV_SATFINITE, __NV_E4M3);
-    o[k >> 1] |= (p & 0xffffu) << (16 * (k & 1));
-  }
-  reinterpret_cast<uint2*>(xq8)[i] = make_uint2(o[0], o[1]);
-  if ((i & 3) == 0) xsf[i >> 2] = ue8m0_f(xs[i >> 2]);  // 32 values = 4 groups of 8 per block scale
-}
-
-/// GEMM1 + SiLU*up + MXFP8 of h. grid (Ip/64, token-tile slots).
-///   FP8 (W64):   a = x as E4M3 bytes [T, Hp] with FP32 block scales asf [T, Hp/32]; hq [P, Ip] receives
-///                h's E4M3 bytes and hsf [P, Ip/32] its FP32 block scales (2^(b-127), NaN for b = 255).
-///   BF16 (WB64): a = mxfp8_qdq(x) as BF16 [T, Hp] (asf unused); hq [P, Ip] receives BF16
-///                mxfp8_qdq(bf16(silu(g) * u)) (NaN for b = 255), hsf unused (as the M64 kernel).
-/// Padded columns I..Ip-1 get zeros.
-template <class C>
-__global__ void __launch_bounds__(kThreads, 2)
-    wgmma_gemm1_kernel(LutbW w, const unsigned char* __restrict__ a, const float* __restrict__ asf, long long Hp,
-                       Routing r, long long I, long long Ip, unsigned char* __restrict__ hq, float* __restrict__ hsf) {
 #ifdef LUTB_PREFILL_SM90
-  constexpr int EB = C::kBf16 ? 2 : 1;  // operand bytes
-  pdl_wait();
-  pdl_trigger();
-  if (static_cast<int>(blockIdx.y) >= *r.num_tiles) return;
-  const int slot = blockIdx.y;
-  const long long e = r.tile_expert[slot];
-  const int start = r.tile_start[slot], count = r.tile_count[slot];
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2, wq = warp & 3;
-  const int g = lane >> 2, t = lane & 3;
-  const unsigned char* arow[C::kAQ];
-#pragma unroll
-  for (int q = 0; q < C::kAQ; ++q) {
-    const int pa = prefill::pair_of(r, start, count, (tid + kThreads * q) / (C::kRowBytes / 16));
-    arow[q] = pa >= 0 ? a + static_cast<long long>(pa / r.top_k) * Hp * EB : nullptr;
-  }
-  int prow[2];
-  const float* srow[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    prow[h] = prefill::pair_of(r, start, count, 16 * wq + g + 8 * h);
-    srow[h] = (!C::kBf16 && prow[h] >= 0) ? asf + static_cast<long long>(prow[h] / r.top_k) * (Hp / 32) : nullptr;
-  }
-  extern __shared__ __align__(16) unsigned char smem[];
-  float acc[32];
-  cta_gemm90<C, true>(w, e, I, arow, a, srow, smem, acc);
-
+/// GEMM1 epilogue of one consumer warpgroup wg (B rows 64wg..64wg+63 = slots 8wg..8wg+7 of N-block nb):
+/// h = bf16(silu(gate) * up) -> MXFP8 (block amax over the 4 lanes of a row) -> hq (BF16 mxfp8_qdq(h)
+/// when kBf16, else E4M3 bytes + FP32 scales in hsf). prow[h]: pair of the thread's token row h or -1.
+template <bool kBf16>
+__device__ __forceinline__ void epilogue_gemm1(const float (&acc)[32], int nb, int wg, const int (&prow)[2], int t,
+                                               long long I, long long Ip, unsigned char* __restrict__ hq,
+                                               float* __restrict__ hsf) {
   // Slot 8wg + j (prefill::strip_of): j = 0, 1 gate / 2, 3 up of I-columns c0 + 0..15, j = 4..7 the
   // same for c0 + 16..31, c0 = 64 bx + 32 wg: the thread's 8 columns per row lie in ONE MXFP8 block
   // of h (32 columns, the 4 lanes t of a row).
-  const long long c0 = 64ll * blockIdx.x + 32 * wg;
+  const long long c0 = 64ll * nb + 32 * wg;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float hv[4][2];
@@ -452,7 +421,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       const long long col = c0 + 16 * (q >> 1) + 8 * (q & 1) + 2 * t;
-      if constexpr (C::kBf16) {
+      if constexpr (kBf16) {
         unsigned pk = 0;
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
@@ -467,15 +436,100 @@ __global__ void __launch_bounds__(kThreads, 2)
         *reinterpret_cast<unsigned short*>(hq + static_cast<long long>(p) * Ip + col) = static_cast<unsigned short>(pk);
       }
     }
-    if (!C::kBf16 && t == 0) hsf[static_cast<long long>(p) * (Ip / 32) + c0 / 32] = ue8m0_f(b);
+    if (!kBf16 && t == 0) hsf[static_cast<long long>(p) * (Ip / 32) + c0 / 32] = ue8m0_f(b);
   }
+}
+
+/// GEMM2 epilogue of consumer warpgroup wg: y[p, n] = acc for the thread's token rows and n < H.
+__device__ __forceinline__ void epilogue_gemm2(const float (&acc)[32], int nb, int wg, const int (&prow)[2], int t,
+                                               long long H, float* __restrict__ y) {
+  const long long n0 = static_cast<long long>(kBN) * nb + 64 * wg + 2 * t;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int p = prow[h];
+    if (p < 0) continue;
+    float* dst = y + static_cast<long long>(p) * H;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const long long n = n0 + 8 * j + c;
+        if (n < H) dst[n] = acc[4 * j + 2 * h + c];
+      }
+  }
+}
+#endif  // LUTB_PREFILL_SM90
+
+/// xa (FP16 E4M3 values, natural column order) + xs (UE8M0) -> xq8 (E4M3 bytes) + xsf (FP32
+/// 2^(b-127)). n8 = T * Hp / 8 groups of 8 values; the scales by the first thread of each block.
+__global__ void __launch_bounds__(256)
+    xa_to_fp8_kernel(const uint16_t* __restrict__ xa, const unsigned char* __restrict__ xs,
+                     unsigned char* __restrict__ xq8, float* __restrict__ xsf, long long n8) {
+  pdl_wait();  // xa, xs come from the MXFP8 of x (PDL rules: moe_kernels.cuh)
+  pdl_trigger();
+  const long long i = static_cast<long long>(blockIdx.x) * 256 + threadIdx.x;
+  if (i >= n8) return;
+  const uint4 v = reinterpret_cast<const uint4*>(xa)[i];
+  const unsigned u[4] = {v.x, v.y, v.z, v.w};
+  unsigned o[2] = {0u, 0u};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    __half2_raw h2;
+    h2.x = static_cast<unsigned short>(u[k] & 0xffffu);
+    h2.y = static_cast<unsigned short>(u[k] >> 16);
+    // Exact: the FP16 values are E4M3 values (quantize_x).
+    const unsigned p = __nv_cvt_halfraw2_to_fp8x2(h2, __NV_SATFINITE, __NV_E4M3);
+    o[k >> 1] |= (p & 0xffffu) << (16 * (k & 1));
+  }
+  reinterpret_cast<uint2*>(xq8)[i] = make_uint2(o[0], o[1]);
+  if ((i & 3) == 0) xsf[i >> 2] = ue8m0_f(xs[i >> 2]);  // 32 values = 4 groups of 8 per block scale
+}
+
+/// GEMM1 + SiLU*up + MXFP8 of h. grid (Ip/64, token-tile slots), swapped when C::kTokFast.
+///   FP8 (W64):   a = x as E4M3 bytes [T, Hp] with FP32 block scales asf [T, Hp/32]; hq [P, Ip] receives
+///                h's E4M3 bytes and hsf [P, Ip/32] its FP32 block scales (2^(b-127), NaN for b = 255).
+///   BF16 (WB64): a = mxfp8_qdq(x) as BF16 [T, Hp] (asf unused); hq [P, Ip] receives BF16
+///                mxfp8_qdq(bf16(silu(g) * u)) (NaN for b = 255), hsf unused (as the M64 kernel).
+/// Padded columns I..Ip-1 get zeros.
+template <class C>
+__global__ void __launch_bounds__(kThreads, 2)
+    wgmma_gemm1_kernel(LutbW w, const unsigned char* __restrict__ a, const float* __restrict__ asf, long long Hp,
+                       Routing r, long long I, long long Ip, unsigned char* __restrict__ hq, float* __restrict__ hsf) {
+#ifdef LUTB_PREFILL_SM90
+  constexpr int EB = C::kBf16 ? 2 : 1;  // operand bytes
+  pdl_wait();
+  pdl_trigger();
+  const int slot = cta_slot<C>();
+  if (slot >= *r.num_tiles) return;
+  const long long e = r.tile_expert[slot];
+  const int start = r.tile_start[slot], count = r.tile_count[slot];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2, wq = warp & 3;
+  const int g = lane >> 2, t = lane & 3;
+  const unsigned char* arow[C::kAQ];
+#pragma unroll
+  for (int q = 0; q < C::kAQ; ++q) {
+    const int pa = prefill::pair_of(r, start, count, (tid + kThreads * q) / (C::kRowBytes / 16));
+    arow[q] = pa >= 0 ? a + static_cast<long long>(pa / r.top_k) * Hp * EB : nullptr;
+  }
+  int prow[2];
+  const float* srow[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    prow[h] = prefill::pair_of(r, start, count, 16 * wq + g + 8 * h);
+    srow[h] = (!C::kBf16 && prow[h] >= 0) ? asf + static_cast<long long>(prow[h] / r.top_k) * (Hp / 32) : nullptr;
+  }
+  extern __shared__ __align__(16) unsigned char smem[];
+  float acc[32];
+  cta_gemm90<C, true>(w, e, I, arow, a, srow, smem, acc);
+
+  epilogue_gemm1<C::kBf16>(acc, cta_nblock<C>(), wg, prow, t, I, Ip, hq, hsf);
 #else
   __trap();  // sm_90a only (launch_lutb_prefill_gemms refuses other devices)
 #endif
 }
 
-/// GEMM2: y[p, n] = h[p] . w2[e, n] (FP32) for n < H. grid (ceil(H/8 / 16), token-tile slots).
-/// hq/hsf as GEMM1 wrote them.
+/// GEMM2: y[p, n] = h[p] . w2[e, n] (FP32) for n < H. grid (ceil(H/8 / 16), token-tile slots), swapped
+/// when C::kTokFast. hq/hsf as GEMM1 wrote them.
 template <class C>
 __global__ void __launch_bounds__(kThreads, 2)
     wgmma_gemm2_kernel(LutbW w, const unsigned char* __restrict__ hq, const float* __restrict__ hsf, long long Ip,
@@ -484,8 +538,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   constexpr int EB = C::kBf16 ? 2 : 1;
   pdl_wait();
   pdl_trigger();
-  if (static_cast<int>(blockIdx.y) >= *r.num_tiles) return;
-  const int slot = blockIdx.y;
+  const int slot = cta_slot<C>();
+  if (slot >= *r.num_tiles) return;
   const long long e = r.tile_expert[slot];
   const int start = r.tile_start[slot], count = r.tile_count[slot];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2, wq = warp & 3;
@@ -506,19 +560,305 @@ __global__ void __launch_bounds__(kThreads, 2)
   extern __shared__ __align__(16) unsigned char smem[];
   float acc[32];
   cta_gemm90<C, false>(w, e, 0, arow, hq, srow, smem, acc);
-  const long long n0 = static_cast<long long>(kBN) * blockIdx.x + 64 * wg + 2 * t;
+  epilogue_gemm2(acc, cta_nblock<C>(), wg, prow, t, H, y);
+#else
+  __trap();
+#endif
+}
+
+// ===========================================================================================
+// Warp-specialised BF16-fold variant (PrefillTile::WS64): 384 threads = warpgroup 0 the producer
+// (cp.async of the A rows and raw tiles kLook K-tiles ahead, decode into B, mbarrier "full"),
+// warpgroups 1, 2 the consumers (wait "full", 4 BF16 wgmma m64n64k16, wait, arrive "empty", promote
+// every kPromoteTiles K-tiles). No CTA-wide barrier in the K loop: the producer runs ahead by the
+// ring depth and the consumers only wait for data.
+// Shared memory: A ring [kSA][64 rows x 128 B], raw ring [kSA][3200 B], B ring [2][128 rows x 128 B],
+// per-producer-warp tables, mbarriers full[kSA], empty[kSA].
+// ===========================================================================================
+struct CfgWS {
+  static constexpr int kThreads = 384;
+  static constexpr int kSA = 6;    // A / raw ring depth (K-tiles)
+  static constexpr int kLook = 4;  // producer: copies issued kLook K-tiles before their decode (<= kSA - 2)
+  static constexpr int kRowBytes = 128;
+  static constexpr int kABytes = kBM * kRowBytes;       // 8 KB
+  static constexpr int kBBytes = kBN * kRowBytes;       // 16 KB
+  static constexpr int kRawBytes = kStrips * 200;       // 16 x (192 index + 8 codebook bytes)
+  static constexpr int kAOff = 0;
+  static constexpr int kBOff = kAOff + kSA * kABytes;
+  static constexpr int kRawOff = kBOff + 2 * kBBytes;
+  static constexpr int kTabOff = kRawOff + kSA * kRawBytes;
+  static constexpr int kBarOff = kTabOff + 4 * 4 * 16;  // 4 producer warps x 4 strips x 16 bytes
+  static constexpr int kSmemBytes = kBarOff + 2 * kSA * 8;
+  static_assert(kLook <= kSA - 2, "raw-slot reuse and a consumer stage need kLook <= kSA - 2");
+  static_assert(kBarOff % 8 == 0 && kRawBytes % 16 == 0, "alignment");
+};
+
+#ifdef LUTB_PREFILL_SM90
+__device__ __forceinline__ void mbar_init(unsigned addr, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(addr), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned addr) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(addr) : "memory");
+}
+/// Waits for the completion of the phase with parity `parity`; traps after 10 s (a broken pipeline
+/// then fails loudly instead of hanging; legitimate waits are microseconds, also under a sanitizer).
+__device__ __forceinline__ void mbar_wait(unsigned addr, unsigned parity) {
+  unsigned long long t0 = 0;
+  for (unsigned n = 0;; ++n) {
+    unsigned ok;
+    asm volatile(
+        "{\n.reg .pred P1;\nmbarrier.try_wait.parity.shared::cta.b64 P1, [%1], %2;\nselp.u32 %0, 1, 0, P1;\n}\n"
+        : "=r"(ok)
+        : "r"(addr), "r"(parity)
+        : "memory");
+    if (ok) return;
+    if ((n & 1023u) == 1023u) {
+      unsigned long long now;
+      asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(now));
+      if (t0 == 0) t0 = now;
+      else if (now - t0 > 10000000000ull) __trap();
+    }
+  }
+}
+__device__ __forceinline__ void named_bar_sync(int id, int n) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory"); }
+
+/// Producer warpgroup of the WS CTA (tid 0..127): see CfgWS.
+template <bool kGemm1>
+__device__ __forceinline__ void ws_producer(const LutbW& w, long long e, long long I, int nb,
+                                            const unsigned char* const (&arow)[4], const unsigned char* a_base,
+                                            unsigned char* smem, unsigned smem_s) {
+  using C = CfgWS;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const long long tiles_k = w.tiles_k;
+  // copies: A chunks q = 0..3 (row (tid + 128q) / 8, chunk tid % 8); raw copy indices ci = tid and
+  // tid + 128 (< 208): ci < 192 -> strip ci / 12, 16-byte chunk ci % 12; else codebook of strip ci - 192.
+  int a_dst[4];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int p = prow[h];
-    if (p < 0) continue;
-    float* dst = y + static_cast<long long>(p) * H;
+  for (int q = 0; q < 4; ++q) a_dst[q] = core_off<128>((tid + 128 * q) >> 3, (tid & 7) * 16);
+  const unsigned char* raw_src[2] = {nullptr, nullptr};
+  int raw_dst[2] = {0, 0}, raw_kind[2] = {0, 0};
+  long long raw_step[2] = {0, 0};
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+  for (int u = 0; u < 2; ++u) {
+    const int ci = tid + 128 * u;
+    if (ci >= kStrips * 13) continue;
+    const int sl = ci < kStrips * 12 ? ci / 12 : ci - kStrips * 12;
+    long long strip;
+    bool ok;
+    strip_of<kGemm1>(sl, nb, w.tiles_n, I, strip, ok);
+    if (!ok) continue;
+    const long long tile0 = (e * w.tiles_n + strip) * tiles_k;
+    if (ci < kStrips * 12) {
+      raw_kind[u] = 1;
+      raw_src[u] = w.packed + tile0 * 192 + (ci % 12) * 16;
+      raw_step[u] = 192;
+      raw_dst[u] = sl * 192 + (ci % 12) * 16;
+    } else {
+      raw_kind[u] = 2;
+      raw_src[u] = w.codebook + tile0 * 8;
+      raw_step[u] = 8;
+      raw_dst[u] = kStrips * 192 + sl * 8;
+    }
+  }
+  const unsigned full0 = smem_s + C::kBarOff, empty0 = full0 + 8 * C::kSA;
+  auto issue = [&](long long kt) {
+    const int sa = static_cast<int>(kt % C::kSA);
+    if (kt >= C::kSA) mbar_wait(empty0 + 8 * sa, static_cast<unsigned>((kt / C::kSA - 1) & 1));
+    const unsigned ast = smem_s + C::kAOff + sa * C::kABytes;
 #pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const long long n = n0 + 8 * j + c;
-        if (n < H) dst[n] = acc[4 * j + 2 * h + c];
+    for (int q = 0; q < 4; ++q)
+      prefill::cp16_zfill(ast + a_dst[q], arow[q] ? arow[q] + kt * 128 + (tid & 7) * 16 : a_base, arow[q] != nullptr);
+    const unsigned rst = smem_s + C::kRawOff + sa * C::kRawBytes;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      if (raw_kind[u] == 1) prefill::cp16_zfill(rst + raw_dst[u], raw_src[u] + kt * raw_step[u], true);
+      else if (raw_kind[u] == 2) prefill::cp8(rst + raw_dst[u], raw_src[u] + kt * raw_step[u]);
+    }
+  };
+  // decode: warp decodes slots 4*warp .. 4*warp+3; table lane: strip 4*warp + (lane >> 3), entry lane & 7.
+  const unsigned char* tsc_ptr = nullptr;
+  bool tab_ok;
+  {
+    long long strip;
+    strip_of<kGemm1>(4 * warp + (lane >> 3), nb, w.tiles_n, I, strip, tab_ok);
+    if (tab_ok) tsc_ptr = w.scale + (e * w.tiles_n + strip) * tiles_k;
+  }
+  auto load_tsc = [&](long long kt) -> unsigned { return (tsc_ptr && kt < tiles_k) ? __ldg(tsc_ptr + kt) : 0u; };
+  unsigned char* const tab = smem + C::kTabOff + warp * 64;
+  const int g = lane >> 2;
+  auto decode = [&](long long kd, unsigned tsc) {
+    const int sa = static_cast<int>(kd % C::kSA);
+    const unsigned char* raw = smem + C::kRawOff + sa * C::kRawBytes;
+    {
+      const int s = lane >> 3, j = lane & 7;
+      unsigned short v = 0;  // invalid strips decode to zeros
+      if (tsc_ptr) v = prefill::scaled_bf16(e4m3_to_float(raw[kStrips * 192 + (4 * warp + s) * 8 + j]), tsc);
+      tab[s * 16 + j] = static_cast<unsigned char>(v & 0xff);
+      tab[s * 16 + 8 + j] = static_cast<unsigned char>(v >> 8);
+    }
+    __syncwarp();
+    unsigned char* bdst = smem + C::kBOff + static_cast<int>(kd & 1) * C::kBBytes;
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const int sl = 4 * warp + s;
+      const unsigned char* rt = raw + sl * 192;
+      const std::uint32_t X = *reinterpret_cast<const std::uint32_t*>(rt + 4 * lane);
+      const std::uint32_t Y = *reinterpret_cast<const unsigned short*>(rt + 128 + 2 * lane);
+      std::uint32_t sel[4];
+      lane_selectors(X, Y, sel);
+      const uint2 tl = *reinterpret_cast<const uint2*>(tab + s * 16);
+      const uint2 th = *reinterpret_cast<const uint2*>(tab + s * 16 + 8);
+      unsigned o[8];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const unsigned lo = __byte_perm(tl.x, tl.y, sel[q]);
+        const unsigned hi = __byte_perm(th.x, th.y, sel[q]);
+        o[2 * q] = __byte_perm(lo, hi, 0x5140);
+        o[2 * q + 1] = __byte_perm(lo, hi, 0x7362);
       }
+      const int d0 = core_off<128>(8 * sl + g, 16 * (lane & 3));
+      *reinterpret_cast<uint4*>(bdst + d0) = make_uint4(o[0], o[1], o[2], o[3]);
+      *reinterpret_cast<uint4*>(bdst + d0 + 4 * 128) = make_uint4(o[4], o[5], o[6], o[7]);
+    }
+    __syncwarp();  // the table is rewritten by the next decode
+  };
+
+  unsigned tsc0 = load_tsc(0), tsc1 = load_tsc(1);
+  for (long long kt = 0; kt < tiles_k + C::kLook; ++kt) {
+    if (kt < tiles_k) issue(kt);
+    prefill::cp_commit();  // one group per iteration (possibly empty): group kd is complete below
+    const long long kd = kt - C::kLook;
+    if (kd >= 0) {
+      prefill::cp_wait<C::kLook>();
+      named_bar_sync(1, 128);  // every producer's copies of K-tile kd have landed
+      // B buffer kd & 1 was read by the consumers' K-tile kd - 2: wait for its release.
+      if (kd >= 2) {
+        const long long ko = kd - 2;
+        mbar_wait(empty0 + 8 * static_cast<int>(ko % C::kSA), static_cast<unsigned>((ko / C::kSA) & 1));
+      }
+      decode(kd, tsc0);
+      tsc0 = tsc1;
+      tsc1 = load_tsc(kd + 2);
+      fence_async_smem();  // this thread's cp.async A data and decoded B -> visible to wgmma
+      mbar_arrive(full0 + 8 * static_cast<int>(kd % C::kSA));
+    }
+  }
+  prefill::cp_wait<0>();
+}
+
+/// Consumer warpgroup cw (0, 1) of the WS CTA: acc as cta_gemm90 (B rows 64cw..64cw+63).
+__device__ __forceinline__ void ws_consumer(long long tiles_k, int cw, unsigned smem_s, float (&acc)[32]) {
+  using C = CfgWS;
+  const unsigned full0 = smem_s + C::kBarOff, empty0 = full0 + 8 * C::kSA;
+  const unsigned long long da0 = smem_desc<8 * C::kRowBytes>(smem_s + C::kAOff),
+                           db0 = smem_desc<8 * C::kRowBytes>(smem_s + C::kBOff + cw * (C::kBBytes / 2));
+#pragma unroll
+  for (int i = 0; i < 32; ++i) acc[i] = 0.0f;
+  float d[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) d[i] = 0.0f;
+  for (long long kt = 0; kt < tiles_k; ++kt) {
+    const int sa = static_cast<int>(kt % C::kSA);
+    mbar_wait(full0 + 8 * sa, static_cast<unsigned>((kt / C::kSA) & 1));
+    const unsigned long long da = da0 + static_cast<unsigned long long>((sa * C::kABytes) >> 4);
+    const unsigned long long db = db0 + static_cast<unsigned long long>((static_cast<int>(kt & 1) * C::kBBytes) >> 4);
+    const bool fresh = kt % prefill::kPromoteTiles == 0;
+    reg_fence(d);
+    wg_fence();
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) wgmma_64x64x16_bf16(d, da + 16 * ks, db + 16 * ks, (ks == 0 && fresh) ? 0 : 1);
+    wg_commit();
+    wg_wait0();
+    reg_fence(d);
+    mbar_arrive(empty0 + 8 * sa);
+    if (kt % prefill::kPromoteTiles == prefill::kPromoteTiles - 1 || kt + 1 == tiles_k) {
+#pragma unroll
+      for (int i = 0; i < 32; ++i) acc[i] = __fadd_rn(acc[i], d[i]);
+    }
+  }
+}
+
+/// Shared prologue of the WS kernels: barrier init (thread 0), then the role split.
+__device__ __forceinline__ void ws_init(unsigned smem_s) {
+  using C = CfgWS;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < C::kSA; ++i) {
+      mbar_init(smem_s + C::kBarOff + 8 * i, 128);                // full: the 128 producer threads
+      mbar_init(smem_s + C::kBarOff + 8 * (C::kSA + i), 256);     // empty: the 256 consumer threads
+    }
+  }
+  __syncthreads();
+}
+#endif  // LUTB_PREFILL_SM90
+
+/// WS GEMM1 (BF16 fold): as wgmma_gemm1_kernel<Cfg90Bf> (a = BF16 mxfp8_qdq(x), hq BF16), grid (Ip/64, slots).
+__global__ void __launch_bounds__(CfgWS::kThreads, 2)
+    ws_gemm1_kernel(LutbW w, const unsigned char* __restrict__ a, long long Hp, Routing r, long long I, long long Ip,
+                    unsigned char* __restrict__ hq) {
+#ifdef LUTB_PREFILL_SM90
+  pdl_wait();
+  pdl_trigger();
+  const int slot = blockIdx.y, nb = blockIdx.x;
+  if (slot >= *r.num_tiles) return;
+  const long long e = r.tile_expert[slot];
+  const int start = r.tile_start[slot], count = r.tile_count[slot];
+  extern __shared__ __align__(16) unsigned char smem[];
+  const unsigned smem_s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  ws_init(smem_s);
+  const int tid = threadIdx.x;
+  if (tid < 128) {
+    const unsigned char* arow[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int pa = prefill::pair_of(r, start, count, (tid + 128 * q) >> 3);
+      arow[q] = pa >= 0 ? a + static_cast<long long>(pa / r.top_k) * Hp * 2 : nullptr;
+    }
+    ws_producer<true>(w, e, I, nb, arow, a, smem, smem_s);
+  } else {
+    const int ct = tid - 128, cw = ct >> 7, wq = (ct >> 5) & 3, lane = ct & 31;
+    float acc[32];
+    ws_consumer(w.tiles_k, cw, smem_s, acc);
+    int prow[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) prow[h] = prefill::pair_of(r, start, count, 16 * wq + (lane >> 2) + 8 * h);
+    epilogue_gemm1<true>(acc, nb, cw, prow, lane & 3, I, Ip, hq, nullptr);
+  }
+#else
+  __trap();
+#endif
+}
+
+/// WS GEMM2 (BF16 fold): as wgmma_gemm2_kernel<Cfg90Bf>, grid (ceil(H/8 / 16), slots).
+__global__ void __launch_bounds__(CfgWS::kThreads, 2)
+    ws_gemm2_kernel(LutbW w, const unsigned char* __restrict__ hq, long long Ip, Routing r, long long H,
+                    float* __restrict__ y) {
+#ifdef LUTB_PREFILL_SM90
+  pdl_wait();
+  pdl_trigger();
+  const int slot = blockIdx.y, nb = blockIdx.x;
+  if (slot >= *r.num_tiles) return;
+  const long long e = r.tile_expert[slot];
+  const int start = r.tile_start[slot], count = r.tile_count[slot];
+  extern __shared__ __align__(16) unsigned char smem[];
+  const unsigned smem_s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  ws_init(smem_s);
+  const int tid = threadIdx.x;
+  if (tid < 128) {
+    const unsigned char* arow[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int pa = prefill::pair_of(r, start, count, (tid + 128 * q) >> 3);
+      arow[q] = pa >= 0 ? hq + static_cast<long long>(pa) * Ip * 2 : nullptr;
+    }
+    ws_producer<false>(w, e, 0, nb, arow, hq, smem, smem_s);
+  } else {
+    const int ct = tid - 128, cw = ct >> 7, wq = (ct >> 5) & 3, lane = ct & 31;
+    float acc[32];
+    ws_consumer(w.tiles_k, cw, smem_s, acc);
+    int prow[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) prow[h] = prefill::pair_of(r, start, count, 16 * wq + (lane >> 2) + 8 * h);
+    epilogue_gemm2(acc, nb, cw, prow, lane & 3, H, y);
   }
 #else
   __trap();

@@ -52,9 +52,13 @@ namespace lutb::cuda {
 ///   WB64:  sm_90a only (session 13): the same CTA and pipeline with BF16 operands (both scales folded
 ///          in, exact, as M64) and BF16 wgmma (m64n64k16), promotion every 2 K-tiles as M64.
 ///   W64D, WB64D: W64 / WB64 with a deeper cp.async ring (8 / 6 K-tiles instead of 4).
+///   WB64T: WB64 with the grid transposed (token tiles along x): CTAs running together share weights.
+///   WS64:  sm_90a only: WB64's tile and numerics, warp-specialised (a producer warpgroup copies and
+///          decodes 4 K-tiles ahead into a 6-deep ring, two consumer warpgroups only wait on mbarriers
+///          and issue wgmma; no CTA-wide barrier in the K loop).
 /// M64IL, M128 and M128W were slower than M64 on the H200 (docs/perf/moe-gpu-prefill.md, session
 /// 12) and are kept, tested, for the next attempts (set_prefill_tile).
-enum class PrefillTile { Auto, M64, M64IL, M128, M128W, W64, WB64, W64D, WB64D };
+enum class PrefillTile { Auto, M64, M64IL, M128, M128W, W64, WB64, W64D, WB64D, WB64T, WS64 };
 
 /// M128 from this many (token, expert) pairs per touched expert on average (prefill_tile); 0: never.
 /// 0 since the H200 runs of 2026-11-30 (docs/perf/moe-gpu-prefill.md, session 12): M128 and M128W
@@ -65,7 +69,7 @@ inline constexpr std::int64_t kPrefillTile128MinPairs = 0;
 /// kPrefillTile128MinPairs > 0 and the mean number of pairs per touched expert, pairs / min(E, pairs),
 /// is at least that, else M64; or the value forced by set_prefill_tile (benchmarks' A/B). Never Auto.
 PrefillTile prefill_tile(std::int64_t pairs, std::int64_t experts);
-/// Token rows per CTA (= the grouping's tile rows) of a resolved tile (M64*, W64, WB64: 64; M128*: 128).
+/// Token rows per CTA (= the grouping's tile rows) of a resolved tile (M64*, W64*, WB64*: 64; M128*: 128).
 int prefill_tile_rows(PrefillTile t);
 /// Forces the prefill tile for every later call in this process (Auto: the heuristic again).
 /// For benchmarks and tests; not thread-safe against concurrent forwards.

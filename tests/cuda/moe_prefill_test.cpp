@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <iostream>
 #include <random>
@@ -188,23 +189,38 @@ bool device_is_sm90() {
          minor == 0;
 }
 /// Every tile setting the device runs: the heuristic's, the four sm_80 tiles, and on sm_90 devices
-/// the wgmma tiles (WB64, WB64D, W64, W64D; their kernels are built for sm_90a only).
+/// the wgmma tiles (WB64, WB64D, WB64T, W64, W64D, WS64; their kernels are built for sm_90a only).
 std::vector<cuda::PrefillTile> all_tiles() {
   std::vector<cuda::PrefillTile> v = {cuda::PrefillTile::Auto, cuda::PrefillTile::M64, cuda::PrefillTile::M64IL,
                                       cuda::PrefillTile::M128, cuda::PrefillTile::M128W};
   if (device_is_sm90())
-    for (auto t : {cuda::PrefillTile::WB64, cuda::PrefillTile::WB64D, cuda::PrefillTile::W64, cuda::PrefillTile::W64D})
+    for (auto t : {cuda::PrefillTile::WB64, cuda::PrefillTile::WB64D, cuda::PrefillTile::WB64T, cuda::PrefillTile::W64,
+                   cuda::PrefillTile::W64D, cuda::PrefillTile::WS64})
       v.push_back(t);
+  // LUTB_PREFILL_TEST_WS=0: every tile but the warp-specialised WS64; =only: M64 and WS64 (a device
+  // run can then verify the other tiles in a process that a WS64 fault cannot take down).
+  const char* ws = std::getenv("LUTB_PREFILL_TEST_WS");
+  if (ws && std::string(ws) == "0") v.erase(std::remove(v.begin(), v.end(), cuda::PrefillTile::WS64), v.end());
+  if (ws && std::string(ws) == "only") {
+    const bool has = std::find(v.begin(), v.end(), cuda::PrefillTile::WS64) != v.end();
+    v = {cuda::PrefillTile::M64};
+    if (has) v.push_back(cuda::PrefillTile::WS64);
+  }
   return v;
 }
 bool is_fp8(cuda::PrefillTile t) { return t == cuda::PrefillTile::W64 || t == cuda::PrefillTile::W64D; }
-bool is_wgmma(cuda::PrefillTile t) { return is_fp8(t) || t == cuda::PrefillTile::WB64 || t == cuda::PrefillTile::WB64D; }
+bool is_wgmma(cuda::PrefillTile t) {
+  return is_fp8(t) || t == cuda::PrefillTile::WB64 || t == cuda::PrefillTile::WB64D || t == cuda::PrefillTile::WB64T ||
+         t == cuda::PrefillTile::WS64;
+}
 const char* tile_name(cuda::PrefillTile t) {
   switch (t) {
     case cuda::PrefillTile::W64: return "W64";
     case cuda::PrefillTile::W64D: return "W64D";
     case cuda::PrefillTile::WB64: return "WB64";
     case cuda::PrefillTile::WB64D: return "WB64D";
+    case cuda::PrefillTile::WB64T: return "WB64T";
+    case cuda::PrefillTile::WS64: return "WS64";
     case cuda::PrefillTile::M64IL: return "M64IL";
     case cuda::PrefillTile::M128: return "M128";
     case cuda::PrefillTile::M128W: return "M128W";
