@@ -1,6 +1,7 @@
 // src/cuda/moe_lutb_prefill.cu: launches of the large-batch (prefill) LUT-B GEMM path
 // (moe_prefill.hpp) and a complete forward built on it (moe_forward_lutb_prefill). Kernel names
-// follow the DeepGEMM habit: sm80_lutb_mxfp8_moe_{gemm1,gemm2}_prefill_bf16fold.
+// follow the DeepGEMM habit: sm80_lutb_mxfp8_moe_{gemm1,gemm2}_prefill_bf16fold, and for the sm_90a
+// wgmma tiles sm90_lutb_mxfp8_moe_{gemm1,gemm2}_prefill_wgmma_{fp8,bf16fold}[_s8|_s6|_tokfast|_ws].
 #include <algorithm>
 #include <cstdint>
 #include <stdexcept>

@@ -1,36 +1,45 @@
-// src/cuda/moe_lutb_prefill_sm90.cuh: the sm_90a prefill GEMMs on Hopper's FP8 tensor core
-// (wgmma.mma_async ... .f32.e4m3.e4m3), PrefillTile::W64 (moe_prefill.hpp; launched by
-// moe_lutb_prefill.cu).
+// src/cuda/moe_lutb_prefill_sm90.cuh: sm_90a prefill GEMMs on Hopper's wgmma (session 13), the
+// PrefillTile values W64, W64D (FP8), WB64, WB64D, WB64T (BF16 fold) and WS64 (BF16 fold,
+// warp-specialised) of moe_prefill.hpp, launched by moe_lutb_prefill.cu. None is the default: on
+// the H200 the FP8 tiles were 1-9 % faster than M64 but outside the tests' error bounds, the BF16
+// tiles exact but 12-18 % slower (docs/perf/moe-gpu-prefill.md, session 13, with the profile).
+// Everything device-side is compiled for sm_90a only (__CUDA_ARCH_FEAT_SM90_ALL; __trap otherwise).
 //
 // Why FP8: LUT-B weights ARE E4M3 codebook bytes, and the MXFP8 activations are E4M3 bytes with one
 // UE8M0 scale per 32 columns. Decoding a tile to the tensor core's operand is therefore a pure byte
 // lookup (4 PRMT per lane and tile row, no conversion), and wgmma's FP8 rate is twice BF16's.
 //
-// CTA (256 threads = 2 warpgroups, no producer warp): 64 token rows (one token tile of the
-// grouping, one expert) x 128 weight rows (16 LUT-B row-strips; warpgroup wg owns B rows
+// CTA of W64/WB64 (256 threads = 2 warpgroups, no producer warp): 64 token rows (one token tile of
+// the grouping, one expert) x 128 weight rows (16 LUT-B row-strips; warpgroup wg owns B rows
 // 64wg..64wg+63 = strips 8wg..8wg+7) x K-tiles of 64 columns (one LUT-B tile column).
 // Shared memory, all operands in wgmma's no-swizzle K-major layout (core matrix = 8 rows x 16 bytes,
-// 128 contiguous bytes; LBO = 128 = next 16 K-bytes, SBO = 512 = next 8 rows):
-//   stage ring (kStages deep, cp.async): A [64 rows][64 E4M3 bytes] (4 KB) + the 16 strips' raw
-//     lane-major tiles (192 bytes each) + their codebooks (8 bytes each);
-//   B buffers (double): [128 rows][64 E4M3 bytes], decoded from the raw tiles.
+// 128 contiguous bytes; LBO = 128 = next 16 K-bytes, SBO = 8 rows):
+//   stage ring (kStages deep, cp.async): A [64 rows][64 columns] (FP8: 4 KB, BF16: 8 KB) + the 16
+//     strips' raw lane-major tiles (192 bytes each) + their codebooks (8 bytes each);
+//   B buffers (double): [128 rows][64 columns], decoded from the raw tiles.
 // Iteration kt: wait for stage kt+1 (own copies), fence.proxy.async (the generic-proxy writes of
 // cp.async and of the decode become visible to wgmma), barrier, issue stage kt+kStages-1; each
-// warpgroup issues two m64n64k32 wgmmas (columns 0..31 and 32..63 of the K-tile = the two MXFP8
-// blocks) with scale-d = 0 into D0 and D1, commits; all warps decode K-tile kt+1 into the other B
-// buffer (two strips per warp) while the tensor cores run; wait; promote.
+// warpgroup issues its wgmmas (FP8: two m64n64k32, one per MXFP8 block, scale-d = 0 into D0 / D1;
+// BF16: four m64n64k16 accumulating over kPromoteTiles K-tiles), commits; all warps decode K-tile
+// kt+1 into the other B buffer (two strips per warp) while the tensor cores run; wait; promote.
+// Known weakness (session 13 profile): the BF16 A copy maps a quarter warp to the 8 chunks of ONE
+// 128-byte row, 128 bytes apart in this layout: an 8-way shared-memory bank conflict (the FP8 copy
+// is conflict-free). The 128B-swizzle layout (as M64's) is the planned fix.
 //
-// Numerics (spec section 4): the tensor core sums the 32 exact E4M3 x E4M3 products of ONE MXFP8
-// block (its internal accumulation may round inside those 32 products; measured in
-// docs/perf/moe-gpu-prefill.md, session 13); each block's partial sum is scaled by the token's
-// block scale 2^(b_x-127) and the K-tile's two blocks summed in FP32, then multiplied by the tile
-// scale 2^(s_w-127) and added to the FP32 accumulator with round-to-nearest FMAs: the same order of
+// Numerics (spec section 4). FP8: the tensor core sums the 32 exact E4M3 x E4M3 products of ONE
+// MXFP8 block, and it rounds inside that sum: measured rel. L2 1.2e-3..4.2e-3 to the reference,
+// which misses the contract's 1e-3. Each block's partial sum is scaled by the token's block scale
+// 2^(b_x-127) and the K-tile's two blocks summed in FP32, then multiplied by the tile scale
+// 2^(s_w-127) and added to the FP32 accumulator with round-to-nearest FMAs: the same order of
 // operations as the swap-AB decode kernels (moe_swapab.cuh), i.e. DeepGEMM's promotion per 32
-// columns instead of per 128.
+// columns instead of per 128. BF16 fold: exactly M64's numerics (both scales folded into exact BF16
+// operands, tensor-core sums over 128 columns, FP32 promotion); outputs bit-identical to M64 on
+// every test case.
 //
-// Inputs (moe_prefill.hpp): GEMM1 reads x as E4M3 bytes xq8 [T, Hp] with FP32 block scales xsf
+// Inputs (moe_prefill.hpp). FP8: GEMM1 reads x as E4M3 bytes xq8 [T, Hp] with FP32 block scales xsf
 // [T, Hp/32] (made from xa/xs by xa_to_fp8_kernel); it writes h as E4M3 bytes hq8 [P, Ip] and
 // FP32 block scales hsf [P, Ip/32] (zeros / 2^-127 in the padded columns); GEMM2 reads those.
+// BF16: as M64 (xa converted in place to BF16 a; h as BF16 mxfp8_qdq(h) in hq).
 #pragma once
 
 #include <cuda_fp8.h>

@@ -1,7 +1,8 @@
 // src/cuda/moe_prefill.hpp: the large-batch (prefill) LUT-B GEMM path of the fused MoE forward.
 //
 // What it is: GEMM1 (+ SiLU*up + MXFP8 of h) and GEMM2 of spec section 4 as CTA-tiled BF16
-// tensor-core GEMMs (mma.sync.m16n8k16, FP32 accumulators, ldmatrix from swizzled shared memory).
+// tensor-core GEMMs (mma.sync.m16n8k16, FP32 accumulators, ldmatrix from swizzled shared memory);
+// on sm_90 also wgmma variants (moe_lutb_prefill_sm90.cuh, PrefillTile W*), not the default.
 // A CTA owns 64 or 128 token rows of one expert (one token tile of the grouping; PrefillTile) x 128
 // weight rows; every LUT-B tile it needs is decoded ONCE per CTA into shared memory and then feeds
 // all of its tokens.
@@ -47,11 +48,14 @@ namespace lutb::cuda {
 ///          codebook byte lookup), each 32-column MXFP8 block's partial sum promoted to FP32 with the
 ///          block and tile scales (per-32 promotion). Throws std::runtime_error on other devices.
 ///          EXPERIMENTAL, NOT within the tests' error bounds: Hopper's FP8 tensor core rounds inside
-///          the 32-product sum (measured rel. L2 2.4-4.2e-3 to the reference, 64-92 % bit-equal BF16
-///          outputs, docs/perf/moe-gpu-prefill.md session 13); never chosen by the heuristic.
+///          the 32-product sum (measured rel. L2 1.2e-3..4.2e-3 to the reference, 65-96 % bit-equal
+///          BF16 outputs, docs/perf/moe-gpu-prefill.md session 13); 1-9 % faster than M64 on the
+///          H200; never chosen by the heuristic.
 ///   WB64:  sm_90a only (session 13): the same CTA and pipeline with BF16 operands (both scales folded
 ///          in, exact, as M64) and BF16 wgmma (m64n64k16), promotion every 2 K-tiles as M64.
 ///   W64D, WB64D: W64 / WB64 with a deeper cp.async ring (8 / 6 K-tiles instead of 4).
+///   The BF16-fold wgmma tiles (WB64*, WS64) give outputs bit-identical to M64 but were 0.82-0.88x
+///   of its throughput on the H200 (session 13); kept, tested, for the next attempt.
 ///   WB64T: WB64 with the grid transposed (token tiles along x): CTAs running together share weights.
 ///   WS64:  sm_90a only: WB64's tile and numerics, warp-specialised (a producer warpgroup copies and
 ///          decodes 4 K-tiles ahead into a 6-deep ring, two consumer warpgroups only wait on mbarriers
