@@ -452,6 +452,15 @@ TEST(PrefillCuda, TileHeuristicKeeps64RowTilesUnlessForced) {
   EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::M64IL), 64);
   EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::M128), 128);
   EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::M128W), 128);
+  // The sm_90 wgmma tiles (session 13) group 64-row token tiles; none is the heuristic's choice (the
+  // FP8 ones miss the error bounds, the BF16-fold ones were slower than M64 on the H200).
+  for (PrefillTile t : {PrefillTile::W64, PrefillTile::W64D, PrefillTile::WB64, PrefillTile::WB64D, PrefillTile::WB64T,
+                        PrefillTile::WS64})
+    EXPECT_EQ(cuda::prefill_tile_rows(t), 64);
+  {
+    ForcedTile forced(PrefillTile::WS64);
+    EXPECT_EQ(cuda::prefill_tile(4096 * 8, 128), PrefillTile::WS64);
+  }
   {
     ForcedTile forced(PrefillTile::M128W);
     EXPECT_EQ(cuda::prefill_tile(1, 8), PrefillTile::M128W);
