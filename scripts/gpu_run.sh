@@ -17,7 +17,8 @@
 #   scripts/gpu_run.sh prefill [bench_moe_prefill args...]
 #     builds only the MoE CUDA sources (src/cuda/moe_*.cu, routing.cu, lane_major.cu), the prefill path's tests
 #     (tests/cuda/moe_prefill_test.cpp) and bench/gpu/bench_moe_prefill.cu, then runs those tests,
-#     the benchmark, and compute-sanitizer memcheck + racecheck on small cases.
+#     the benchmark, and compute-sanitizer memcheck + racecheck on small cases (WS64 in separate
+#     processes; PREFILL_WS_BENCH / PREFILL_NCU add its benchmark and an Nsight Compute view, see below).
 # Environment:
 #   GTEST_DIR   googletest source tree (default: deps/googletest, else /usr/src/googletest/googletest)
 #   JSON_INC    folder holding nlohmann/json.hpp (default: deps/include, else /usr/include)
@@ -123,15 +124,32 @@ build_prefill() {
 
 if [ "$WHAT" = prefill ]; then
   build_prefill 2>&1 | tee "$OUT/build_prefill.log"
-  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv | tee "$OUT/gpu.txt" || true
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv | tee -a "$OUT/build_prefill.log" || true
   export LD_LIBRARY_PATH="$DEPS_LIB:${LD_LIBRARY_PATH:-}"
-  "$B/lutb_prefill_tests" 2>&1 | tee "$OUT/prefill_tests.log" || true
+  # The warp-specialised tile WS64 runs in separate processes (tests and bench), so that a fault in
+  # it cannot take down the other tiles' verification and figures.
+  LUTB_PREFILL_TEST_WS=0 "$B/lutb_prefill_tests" 2>&1 | tee "$OUT/prefill_tests.log" || true
   "$B/bench_moe_prefill" "$@" 2>&1 | tee "$OUT/bench_moe_prefill.md" || true
+  LUTB_PREFILL_TEST_WS=only "$B/lutb_prefill_tests" 2>&1 | tee "$OUT/prefill_tests_ws.log" || true
+  # PREFILL_WS_BENCH: arguments of a second benchmark process, e.g. "--lean --tiles WS64 --T 1024,4096"
+  if [ -n "${PREFILL_WS_BENCH:-}" ]; then
+    "$B/bench_moe_prefill" $PREFILL_WS_BENCH 2>&1 | tee "$OUT/bench_ws.md" || true
+  fi
   compute-sanitizer --tool memcheck --error-exitcode 9 "$B/lutb_prefill_tests" \
     --gtest_filter='Shapes/PrefillRandom.MatchesHostReference/padded_odd:Shapes/PrefillRandom.MatchesHostReference/m128_ragged:PrefillCuda.InvalidExpertIdWritesNanRowOnly' 2>&1 |
     tail -12 | tee "$OUT/prefill_sanitizer.log" || true
   compute-sanitizer --tool racecheck --error-exitcode 9 "$B/lutb_prefill_tests" \
     --gtest_filter='Shapes/PrefillRandom.MatchesHostReference/padded_odd' 2>&1 | tail -8 | tee -a "$OUT/prefill_sanitizer.log" || true
+  # PREFILL_NCU=N: Nsight Compute on the first N GEMM launches of one uncaptured forward per tile
+  # (bench --quick on Qwen3-30B, T = 4096, tiles M64 then $PREFILL_NCU_TILES), at most 45 s, and only
+  # when this script has run less than PREFILL_NCU_BEFORE seconds (default 170).
+  if [ -n "${PREFILL_NCU:-}" ] && command -v ncu > /dev/null && [ "$SECONDS" -lt "${PREFILL_NCU_BEFORE:-170}" ]; then
+    timeout 45 ncu --clock-control none -k regex:gemm --launch-count "$PREFILL_NCU" --section SpeedOfLight \
+      --section WarpStateStats --section SchedulerStats --section Occupancy \
+      "$B/bench_moe_prefill" --shape qwen3-30b --T 4096 --quick --tiles "${PREFILL_NCU_TILES:-WB64}" \
+      > "$OUT/prefill_ncu.txt" 2>&1 || true
+  fi
+  echo "gpu_run.sh prefill: ${SECONDS} s"
   exit 0
 fi
 

@@ -1,11 +1,15 @@
 // bench/gpu/bench_moe_prefill.cu: the large-batch (prefill) LUT-B path (src/cuda/moe_prefill.hpp)
-// with each CTA tile (the heuristic's choice, and M64 = the session-10 kernel, M64IL, M128, M128W
-// forced by set_prefill_tile), against the BF16 baseline on the same kernel skeleton (moe_forward_bf16, the
+// with each CTA tile (the heuristic's choice, M64 = the session-10 kernel and, on sm_90, W64 = the
+// FP8 wgmma kernel of session 13, forced by set_prefill_tile), against the BF16 baseline on the same kernel skeleton (moe_forward_bf16, the
 // better of its decode and prefill strategies) and cuBLAS grouped BF16 GEMMs (as bench_moe_gpu: the
 // two GEMMs only, on routing 0's per-expert counts), same routing, same run.
 // Prints a markdown table (docs/perf/moe-gpu-prefill.md).
 //
-// Usage: bench_moe_prefill [--shape NAME] [--T N[,N...]]   (default T in {256, 1024, 4096}, the 4 shapes)
+// Usage: bench_moe_prefill [--shape NAME] [--T N[,N...]] [--tiles A,B,..] [--lean] [--quick]
+//   default T in {256, 1024, 4096}, the 4 shapes; --tiles: the sm_90 wgmma tiles to run and time (names as
+//   PrefillTile: WB64, WB64D, WB64T, W64, W64D, WS64; default WB64,WB64D,WB64T,W64; M64 and the
+//   heuristic's tile always); --lean: no BF16 baselines, cuBLAS or GEMMs-alone column; --quick: one
+//   uncaptured forward per tile and no timing, for a profiler such as ncu)
 // Method as bench_moe_gpu: the whole forward (routing precomputed by route_softmax_topk /
 // route_deepseek on random N(0,1) logits) captured in a CUDA graph; R = 8 routings cycled; the time
 // is the median over 7 batches of the mean per call. TFLOP/s = 6 * T * k * H * I / time.
@@ -174,9 +178,14 @@ struct Shape {
 
 int main(int argc, char** argv) {
   std::string only;
+  bool quick = false, lean = false;
+  std::string tiles = "WB64,WB64D,WB64T,W64";  // the sm_90 wgmma tiles to time (--tiles)
   std::vector<long long> Ts = {256, 1024, 4096};
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--shape") && i + 1 < argc) only = argv[++i];
+    else if (!std::strcmp(argv[i], "--quick")) quick = true;
+    else if (!std::strcmp(argv[i], "--lean")) lean = true;
+    else if (!std::strcmp(argv[i], "--tiles") && i + 1 < argc) tiles = argv[++i];
     else if (!std::strcmp(argv[i], "--T") && i + 1 < argc) {  // N or a list N,M,...
       Ts.clear();
       std::string list = argv[++i];
@@ -196,10 +205,27 @@ int main(int argc, char** argv) {
                           {"qwen3-30b", 128, 2048, 768, 8, false},
                           {"mixtral-8x7b", 8, 4096, 14336, 2, false}};
   const int R = 8;
-  std::printf("\n| shape | T | experts touched | auto tile | auto us | M64 (session 10) us | M64IL us | M128 us | M128W us | "
-              "BF16 us (best) | cuBLAS grouped us | auto TFLOP/s | M64 TFLOP/s | M64IL TFLOP/s | M128 TFLOP/s | M128W TFLOP/s | "
-              "BF16 TFLOP/s | cuBLAS TFLOP/s | auto / M64 | auto / BF16 | auto / cuBLAS | GEMMs alone us (auto tile) |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  const bool sm90 = prop.major == 9 && prop.minor == 0;  // the wgmma tiles are built for sm_90a only
+  auto wanted = [&](const char* name) {  // a wgmma tile named in --tiles (and the device is sm_90)
+    const std::string list = "," + tiles + ",";
+    return sm90 && list.find("," + std::string(name) + ",") != std::string::npos;
+  };
+  struct WTile {
+    int variant;
+    cuda::PrefillTile tile;
+    const char* name;
+  };
+  const WTile wtiles[] = {{9, cuda::PrefillTile::WB64, "WB64"},   {11, cuda::PrefillTile::WB64D, "WB64D"},
+                          {12, cuda::PrefillTile::WB64T, "WB64T"}, {13, cuda::PrefillTile::WS64, "WS64"},
+                          {8, cuda::PrefillTile::W64, "W64"},     {10, cuda::PrefillTile::W64D, "W64D"}};
+  std::printf("\n| shape | T | experts touched | auto tile | auto us | M64 (session 10) us (TFLOP/s)");
+  for (const WTile& wt : wtiles)
+    if (wanted(wt.name)) std::printf(" | %s us (TFLOP/s, vs M64)", wt.name);
+  std::printf(" | BF16 us (best) | cuBLAS grouped us (TFLOP/s) | M64 / cuBLAS | best BF16-fold wgmma / cuBLAS | "
+              "auto / BF16 | GEMMs alone us (auto tile) |\n|---|---|---|---|---|---|");
+  for (const WTile& wt : wtiles)
+    if (wanted(wt.name)) std::printf("---|");
+  std::printf("---|---|---|---|---|---|\n");
   cublasHandle_t cublas;
   cublasCreate(&cublas);
   for (const Shape& s : shapes) {
@@ -273,9 +299,12 @@ int main(int argc, char** argv) {
         using cuda::PrefillTile;
         switch (variant) {
           case 0: cuda::moe_forward_lutb_prefill(w, xr, T, s.k, id, wt, out, ws, wsb, st); break;
-          case 1: case 2: case 3: case 7:
+          case 1: case 2: case 3: case 7: case 8: case 9: case 10: case 11: case 12: case 13:
             cuda::set_prefill_tile(variant == 1 ? PrefillTile::M64 : variant == 2 ? PrefillTile::M128
-                                   : variant == 3 ? PrefillTile::M128W : PrefillTile::M64IL);
+                                   : variant == 3 ? PrefillTile::M128W : variant == 8 ? PrefillTile::W64
+                                   : variant == 9 ? PrefillTile::WB64 : variant == 10 ? PrefillTile::W64D
+                                   : variant == 11 ? PrefillTile::WB64D : variant == 12 ? PrefillTile::WB64T
+                                   : variant == 13 ? PrefillTile::WS64 : PrefillTile::M64IL);
             cuda::moe_forward_lutb_prefill(w, xr, T, s.k, id, wt, out, ws, wsb, st);
             cuda::set_prefill_tile(PrefillTile::Auto);
             break;
@@ -299,19 +328,37 @@ int main(int argc, char** argv) {
       };
       // One uncaptured call per tile first (per-device kernel attributes are set there), then the
       // GEMMs-alone setup.
-      for (auto t : {cuda::PrefillTile::M64, cuda::PrefillTile::M64IL, cuda::PrefillTile::M128, cuda::PrefillTile::M128W,
-                     cuda::PrefillTile::Auto}) {
+      // (M64 first, then the --tiles in the table's order: a profiler's --launch-count N picks their GEMMs)
+      std::vector<cuda::PrefillTile> pre = {cuda::PrefillTile::M64};
+      for (const WTile& wt : wtiles)
+        if (wanted(wt.name)) pre.push_back(wt.tile);
+      pre.push_back(cuda::PrefillTile::Auto);
+      for (auto t : pre) {
         cuda::set_prefill_tile(t);
         cuda::moe_forward_lutb_prefill(w, x, T, s.k, ids, wts, out, ws, wsb, st);
       }
       CK(cudaStreamSynchronize(st));
+      if (quick) {  // --quick: only the uncaptured calls above (a profiler's view of each tile's kernels)
+        std::printf("# --quick: %s T = %lld, one uncaptured forward per tile\n", s.name, T);
+        continue;
+      }
       {
         const cuda::detail::Workspace wsp = cuda::detail::carve(ws, T, s.k, E, H, I);
         cuda::detail::launch_group(ids, T * s.k, E, cuda::prefill_tile_rows(cuda::prefill_tile(T * s.k, E)), wsp, st);
         cuda::detail::launch_quantize_x(x, T, H, w.w13.shape.padded_cols(), false, wsp.xa, nullptr, wsp.xs, nullptr, st);
       }
-      float ms[8];
-      for (int v : {6, 0, 1, 7, 2, 3, 4, 5}) {
+      // Session 13: M64IL, M128 and M128W (variants 7, 2, 3) are no longer timed (session 12 measured
+      // them slower than M64); the wgmma tiles (8..13) named in --tiles, on sm_90 only.
+      float ms[14] = {};
+      std::vector<int> vars = {0, 1};
+      if (!lean) vars.insert(vars.begin(), 6);
+      for (const WTile& wt : wtiles)
+        if (wanted(wt.name)) vars.push_back(wt.variant);
+      if (!lean) {
+        vars.push_back(4);
+        vars.push_back(5);
+      }
+      for (int v : vars) {
         std::vector<cudaGraphExec_t> gs;
         for (int r = 0; r < R; ++r) gs.push_back(make(v, r));
         for (int r = 0; r < R; ++r) CK(cudaGraphLaunch(gs[r], st));
@@ -336,16 +383,25 @@ int main(int argc, char** argv) {
         CK(cudaEventDestroy(a));
         CK(cudaEventDestroy(b));
       }
-      const float cub_ms = cublas_grouped_ms(cublas, ids0, E, H, I, b13, b2, st);
+      const float cub_ms = lean ? 0.0f : cublas_grouped_ms(cublas, ids0, E, H, I, b13, b2, st);
       const double flops = 6.0 * T * s.k * H * I;
-      auto tf = [&](double m) { return flops / (m * 1e-3) / 1e12; };
-      const double bf = std::min(ms[4], ms[5]);
+      auto tf = [&](double m) { return m > 0 ? flops / (m * 1e-3) / 1e12 : 0.0; };
+      const double bf = lean ? 0.0 : std::min(ms[4], ms[5]);
       const cuda::PrefillTile at = cuda::prefill_tile(T * s.k, E);
-      std::printf("| %s | %lld | %.1f | %s | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | "
-                  "%.1f | %.1f | %.2fx | %.2fx | %.2fx | %.1f |\n",
-                  s.name, T, touched, at == cuda::PrefillTile::M64 ? "M64" : at == cuda::PrefillTile::M64IL ? "M64IL" : at == cuda::PrefillTile::M128 ? "M128" : "M128W",
-                  ms[0] * 1e3, ms[1] * 1e3, ms[7] * 1e3, ms[2] * 1e3, ms[3] * 1e3, bf * 1e3, cub_ms * 1e3, tf(ms[0]),
-                  tf(ms[1]), tf(ms[7]), tf(ms[2]), tf(ms[3]), tf(bf), tf(cub_ms), ms[1] / ms[0], bf / ms[0], cub_ms / ms[0],
+      const char* an = at == cuda::PrefillTile::M64 ? "M64" : "other";
+      for (const WTile& wt : wtiles)
+        if (at == wt.tile) an = wt.name;
+      std::printf("| %s | %lld | %.1f | %s | %.1f | %.1f (%.1f)", s.name, T, touched, an, ms[0] * 1e3, ms[1] * 1e3,
+                  tf(ms[1]));
+      double best = 0;
+      for (const WTile& wt : wtiles) {
+        if (!wanted(wt.name)) continue;
+        const float m = ms[wt.variant];
+        std::printf(" | %.1f (%.1f, %.2fx)", m * 1e3, tf(m), m > 0 ? ms[1] / m : 0.0);
+        if (wt.variant != 8 && wt.variant != 10 && m > 0 && (best == 0 || m < best)) best = m;
+      }
+      std::printf(" | %.1f | %.1f (%.1f) | %.2fx | %.2fx | %.2fx | %.1f |\n", bf * 1e3, cub_ms * 1e3, tf(cub_ms),
+                  ms[1] > 0 ? cub_ms / ms[1] : 0.0, best > 0 ? cub_ms / best : 0.0, ms[0] > 0 ? bf / ms[0] : 0.0,
                   ms[6] * 1e3);
       std::fflush(stdout);
     }

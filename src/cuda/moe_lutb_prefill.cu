@@ -1,6 +1,7 @@
 // src/cuda/moe_lutb_prefill.cu: launches of the large-batch (prefill) LUT-B GEMM path
 // (moe_prefill.hpp) and a complete forward built on it (moe_forward_lutb_prefill). Kernel names
-// follow the DeepGEMM habit: sm80_lutb_mxfp8_moe_{gemm1,gemm2}_prefill_bf16fold.
+// follow the DeepGEMM habit: sm80_lutb_mxfp8_moe_{gemm1,gemm2}_prefill_bf16fold, and for the sm_90a
+// wgmma tiles sm90_lutb_mxfp8_moe_{gemm1,gemm2}_prefill_wgmma_{fp8,bf16fold}[_s8|_s6|_tokfast|_ws].
 #include <algorithm>
 #include <cstdint>
 #include <stdexcept>
@@ -10,6 +11,7 @@
 #include "lutb/cuda/moe.hpp"
 #include "moe_internal.hpp"
 #include "moe_lutb_prefill.cuh"
+#include "moe_lutb_prefill_sm90.cuh"
 #include "moe_prefill.hpp"
 
 namespace lutb::cuda {
@@ -62,6 +64,113 @@ void launch_cfg(const kern::LutbW& w13, const kern::LutbW& w2, const kern::Routi
 
 PrefillTile g_tile = PrefillTile::Auto;
 
+/// True when the current device is sm_90 (the W64 kernels are built for sm_90a only).
+bool device_is_sm90() {
+  static int cc[64] = {};
+  int dev = 0;
+  detail::check(cudaGetDevice(&dev), "cudaGetDevice");
+  int c = dev < 64 ? cc[dev] : 0;
+  if (c == 0) {
+    int major = 0, minor = 0;
+    detail::check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "cudaDeviceGetAttribute");
+    detail::check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev), "cudaDeviceGetAttribute");
+    c = 10 * major + minor;
+    if (dev < 64) cc[dev] = c;
+  }
+  return c == 90;
+}
+
+/// GEMM1 and GEMM2 of the sm_90a wgmma tiles (moe_lutb_prefill_sm90.cuh, configuration C); grouping
+/// made with 64 rows. FP8 (W64): first converts xa/xs (quantize_x's FP16 E4M3 values and UE8M0
+/// scales) to E4M3 bytes (ws.xq8) and FP32 scales (ws.xsf); h goes through ws.hq8 / ws.hsf.
+/// BF16 (WB64): xa -> BF16 a in place (as M64); h goes through ws.hq as BF16.
+template <class C>
+void launch_w90(const kern::LutbW& w13, const kern::LutbW& w2, const kern::Routing& r, const detail::Workspace& ws,
+                std::int64_t slots, std::int64_t T, std::int64_t I, std::int64_t H, std::int64_t Hp, std::int64_t Ip,
+                cudaStream_t stream, const char* name1, const char* name2) {
+  namespace p9 = kern::prefill90;
+  if (!device_is_sm90())
+    throw std::runtime_error(std::string("launch_lutb_prefill_gemms: ") + name1 + " (wgmma) needs an sm_90 device");
+  static bool smem_opt_in[64] = {};  // per template instantiation
+  int dev = 0;
+  detail::check(cudaGetDevice(&dev), "cudaGetDevice");
+  if (dev >= 64 || !smem_opt_in[dev]) {
+    detail::check(cudaFuncSetAttribute(p9::wgmma_gemm1_kernel<C>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       C::kSmemBytes),
+                  "cudaFuncSetAttribute(wgmma_gemm1)");
+    detail::check(cudaFuncSetAttribute(p9::wgmma_gemm2_kernel<C>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       C::kSmemBytes),
+                  "cudaFuncSetAttribute(wgmma_gemm2)");
+    if (dev < 64) smem_opt_in[dev] = true;
+  }
+  const std::int64_t n8 = T * Hp / 8;
+  const dim3 cg(static_cast<unsigned>(detail::ceil_div(n8, 256)));
+  unsigned char *a, *h;
+  float *asf = nullptr, *hsf = nullptr;
+  if constexpr (C::kBf16) {
+    detail::launch_kernel("sm80_lutb_moe_prefill_xa_to_bf16", true, kern::prefill::xa_to_bf16_kernel, cg, dim3(256), 0,
+                          stream, ws.xa, ws.xs, static_cast<long long>(n8), static_cast<long long>(Hp));
+    a = reinterpret_cast<unsigned char*>(ws.xa);
+    h = reinterpret_cast<unsigned char*>(ws.hq);
+  } else {
+    detail::launch_kernel("sm90_lutb_moe_prefill_xa_to_fp8", true, p9::xa_to_fp8_kernel, cg, dim3(256), 0, stream,
+                          ws.xa, ws.xs, ws.xq8, ws.xsf, static_cast<long long>(n8));
+    a = ws.xq8;
+    h = ws.hq8;
+    asf = ws.xsf;
+    hsf = ws.hsf;
+  }
+  auto grid = [&](std::int64_t nblocks) {
+    return C::kTokFast ? dim3(static_cast<unsigned>(slots), static_cast<unsigned>(nblocks))
+                       : dim3(static_cast<unsigned>(nblocks), static_cast<unsigned>(slots));
+  };
+  const dim3 g1 = grid(Ip / 64);
+  detail::launch_kernel(name1, true, p9::wgmma_gemm1_kernel<C>, g1, dim3(p9::kThreads), C::kSmemBytes, stream, w13,
+                        static_cast<const unsigned char*>(a), static_cast<const float*>(asf),
+                        static_cast<long long>(Hp), r, static_cast<long long>(I), static_cast<long long>(Ip), h, hsf);
+  const dim3 g2 = grid(detail::ceil_div(w2.tiles_n, kern::prefill::kStrips));
+  detail::launch_kernel(name2, true, p9::wgmma_gemm2_kernel<C>, g2, dim3(p9::kThreads), C::kSmemBytes, stream, w2,
+                        static_cast<const unsigned char*>(h), static_cast<const float*>(hsf),
+                        static_cast<long long>(Ip), r, static_cast<long long>(H), ws.y);
+}
+
+/// The warp-specialised BF16-fold tile (WS64, moe_lutb_prefill_sm90.cuh CfgWS); grouping made with 64 rows.
+void launch_ws(const kern::LutbW& w13, const kern::LutbW& w2, const kern::Routing& r, const detail::Workspace& ws,
+               std::int64_t slots, std::int64_t T, std::int64_t I, std::int64_t H, std::int64_t Hp, std::int64_t Ip,
+               cudaStream_t stream) {
+  namespace p9 = kern::prefill90;
+  if (!device_is_sm90())
+    throw std::runtime_error("launch_lutb_prefill_gemms: PrefillTile::WS64 (wgmma) needs an sm_90 device");
+  static bool smem_opt_in[64] = {};
+  int dev = 0;
+  detail::check(cudaGetDevice(&dev), "cudaGetDevice");
+  if (dev >= 64 || !smem_opt_in[dev]) {
+    detail::check(cudaFuncSetAttribute(p9::ws_gemm1_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       p9::CfgWS::kSmemBytes),
+                  "cudaFuncSetAttribute(ws_gemm1)");
+    detail::check(cudaFuncSetAttribute(p9::ws_gemm2_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       p9::CfgWS::kSmemBytes),
+                  "cudaFuncSetAttribute(ws_gemm2)");
+    if (dev < 64) smem_opt_in[dev] = true;
+  }
+  const std::int64_t n8 = T * Hp / 8;
+  detail::launch_kernel("sm80_lutb_moe_prefill_xa_to_bf16", true, kern::prefill::xa_to_bf16_kernel,
+                        dim3(static_cast<unsigned>(detail::ceil_div(n8, 256))), dim3(256), 0, stream, ws.xa, ws.xs,
+                        static_cast<long long>(n8), static_cast<long long>(Hp));
+  const unsigned char* a = reinterpret_cast<const unsigned char*>(ws.xa);
+  unsigned char* h = reinterpret_cast<unsigned char*>(ws.hq);
+  detail::launch_kernel("sm90_lutb_mxfp8_moe_gemm1_prefill_wgmma_bf16fold_ws", true, p9::ws_gemm1_kernel,
+                        dim3(static_cast<unsigned>(Ip / 64), static_cast<unsigned>(slots)),
+                        dim3(p9::CfgWS::kThreads), p9::CfgWS::kSmemBytes, stream, w13, a, static_cast<long long>(Hp),
+                        r, static_cast<long long>(I), static_cast<long long>(Ip), h);
+  detail::launch_kernel("sm90_lutb_mxfp8_moe_gemm2_prefill_wgmma_bf16fold_ws", true, p9::ws_gemm2_kernel,
+                        dim3(static_cast<unsigned>(detail::ceil_div(w2.tiles_n, kern::prefill::kStrips)),
+                             static_cast<unsigned>(slots)),
+                        dim3(p9::CfgWS::kThreads), p9::CfgWS::kSmemBytes, stream, w2,
+                        static_cast<const unsigned char*>(h), static_cast<long long>(Ip), r, static_cast<long long>(H),
+                        ws.y);
+}
+
 }  // namespace
 
 void set_prefill_tile(PrefillTile t) { g_tile = t; }
@@ -73,7 +182,9 @@ PrefillTile prefill_tile(std::int64_t pairs, std::int64_t experts) {
                                                                                      : PrefillTile::M64;
 }
 
-int prefill_tile_rows(PrefillTile t) { return t == PrefillTile::M64 || t == PrefillTile::M64IL ? 64 : 128; }
+int prefill_tile_rows(PrefillTile t) {
+  return t == PrefillTile::M128 || t == PrefillTile::M128W ? 128 : 64;
+}
 
 namespace detail {
 
@@ -86,16 +197,50 @@ void launch_lutb_prefill_gemms(const DeviceMoeWeights& w, const kern::Routing& r
   if (tile == PrefillTile::Auto) throw std::invalid_argument("launch_lutb_prefill_gemms: resolve the tile first");
   const std::int64_t slots = max_tiles(P, w.experts, prefill_tile_rows(tile));
   if (P <= 0) return;
+  const kern::LutbW w13{w.w13.packed, w.w13.codebook, w.w13.scale, w.w13.shape.tiles_n(), w.w13.shape.tiles_k(),
+                        w.w13.shape.tiles()};
+  const kern::LutbW w2{w.w2.packed, w.w2.codebook, w.w2.scale, w.w2.shape.tiles_n(), w.w2.shape.tiles_k(),
+                       w.w2.shape.tiles()};
+  if (tile == PrefillTile::W64) {
+    launch_w90<kern::prefill90::Cfg90F8>(w13, w2, r, ws, slots, T, I, H, Hp, Ip, stream,
+                                          "sm90_lutb_mxfp8_moe_gemm1_prefill_wgmma_fp8",
+                                          "sm90_lutb_mxfp8_moe_gemm2_prefill_wgmma_fp8");
+    return;
+  }
+  if (tile == PrefillTile::W64D) {
+    launch_w90<kern::prefill90::Cfg90F8D>(w13, w2, r, ws, slots, T, I, H, Hp, Ip, stream,
+                                           "sm90_lutb_mxfp8_moe_gemm1_prefill_wgmma_fp8_s8",
+                                           "sm90_lutb_mxfp8_moe_gemm2_prefill_wgmma_fp8_s8");
+    return;
+  }
+  if (tile == PrefillTile::WB64) {
+    launch_w90<kern::prefill90::Cfg90Bf>(w13, w2, r, ws, slots, T, I, H, Hp, Ip, stream,
+                                          "sm90_lutb_mxfp8_moe_gemm1_prefill_wgmma_bf16fold",
+                                          "sm90_lutb_mxfp8_moe_gemm2_prefill_wgmma_bf16fold");
+    return;
+  }
+  if (tile == PrefillTile::WS64) {
+    launch_ws(w13, w2, r, ws, slots, T, I, H, Hp, Ip, stream);
+    return;
+  }
+  if (tile == PrefillTile::WB64T) {
+    launch_w90<kern::prefill90::Cfg90BfT>(w13, w2, r, ws, slots, T, I, H, Hp, Ip, stream,
+                                           "sm90_lutb_mxfp8_moe_gemm1_prefill_wgmma_bf16fold_tokfast",
+                                           "sm90_lutb_mxfp8_moe_gemm2_prefill_wgmma_bf16fold_tokfast");
+    return;
+  }
+  if (tile == PrefillTile::WB64D) {
+    launch_w90<kern::prefill90::Cfg90BfD>(w13, w2, r, ws, slots, T, I, H, Hp, Ip, stream,
+                                           "sm90_lutb_mxfp8_moe_gemm1_prefill_wgmma_bf16fold_s6",
+                                           "sm90_lutb_mxfp8_moe_gemm2_prefill_wgmma_bf16fold_s6");
+    return;
+  }
   // a = mxfp8_qdq(x) as BF16, in place over xa.
   const std::int64_t n8 = T * Hp / 8;
   launch_kernel("sm80_lutb_moe_prefill_xa_to_bf16", true, pf::xa_to_bf16_kernel,
                 dim3(static_cast<unsigned>(ceil_div(n8, 256))), dim3(256), 0, stream, ws.xa, ws.xs,
                 static_cast<long long>(n8), static_cast<long long>(Hp));
 
-  const kern::LutbW w13{w.w13.packed, w.w13.codebook, w.w13.scale, w.w13.shape.tiles_n(), w.w13.shape.tiles_k(),
-                        w.w13.shape.tiles()};
-  const kern::LutbW w2{w.w2.packed, w.w2.codebook, w.w2.scale, w.w2.shape.tiles_n(), w.w2.shape.tiles_k(),
-                       w.w2.shape.tiles()};
   switch (tile) {
     case PrefillTile::M64:
       launch_cfg<pf::Cfg64>(w13, w2, r, ws, slots, I, H, Hp, Ip, stream, "sm80_lutb_mxfp8_moe_gemm1_prefill_bf16fold",

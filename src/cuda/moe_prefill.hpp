@@ -1,7 +1,8 @@
 // src/cuda/moe_prefill.hpp: the large-batch (prefill) LUT-B GEMM path of the fused MoE forward.
 //
 // What it is: GEMM1 (+ SiLU*up + MXFP8 of h) and GEMM2 of spec section 4 as CTA-tiled BF16
-// tensor-core GEMMs (mma.sync.m16n8k16, FP32 accumulators, ldmatrix from swizzled shared memory).
+// tensor-core GEMMs (mma.sync.m16n8k16, FP32 accumulators, ldmatrix from swizzled shared memory);
+// on sm_90 also wgmma variants (moe_lutb_prefill_sm90.cuh, PrefillTile W*), not the default.
 // A CTA owns 64 or 128 token rows of one expert (one token tile of the grouping; PrefillTile) x 128
 // weight rows; every LUT-B tile it needs is decoded ONCE per CTA into shared memory and then feeds
 // all of its tokens.
@@ -42,9 +43,26 @@ namespace lutb::cuda {
 ///   M128:  128 token rows, 16 warps (warp tile 32 x 32), 1 CTA per SM, decode interleaved: every
 ///          decoded weight tile feeds 128 tokens (half the decode work per FLOP);
 ///   M128W: 128 token rows, 8 warps (warp tile 64 x 32), 1 CTA per SM, decode interleaved.
+///   W64:   sm_90a only (session 13, moe_lutb_prefill_sm90.cuh): 64 token rows x 128 weight rows,
+///          2 warpgroups issuing FP8 wgmma (m64n64k32 .e4m3) on E4M3 operands (the decode is a pure
+///          codebook byte lookup), each 32-column MXFP8 block's partial sum promoted to FP32 with the
+///          block and tile scales (per-32 promotion). Throws std::runtime_error on other devices.
+///          EXPERIMENTAL, NOT within the tests' error bounds: Hopper's FP8 tensor core rounds inside
+///          the 32-product sum (measured rel. L2 1.2e-3..4.2e-3 to the reference, 65-96 % bit-equal
+///          BF16 outputs, docs/perf/moe-gpu-prefill.md session 13); 1-9 % faster than M64 on the
+///          H200; never chosen by the heuristic.
+///   WB64:  sm_90a only (session 13): the same CTA and pipeline with BF16 operands (both scales folded
+///          in, exact, as M64) and BF16 wgmma (m64n64k16), promotion every 2 K-tiles as M64.
+///   W64D, WB64D: W64 / WB64 with a deeper cp.async ring (8 / 6 K-tiles instead of 4).
+///   The BF16-fold wgmma tiles (WB64*, WS64) give outputs bit-identical to M64 but were 0.82-0.88x
+///   of its throughput on the H200 (session 13); kept, tested, for the next attempt.
+///   WB64T: WB64 with the grid transposed (token tiles along x): CTAs running together share weights.
+///   WS64:  sm_90a only: WB64's tile and numerics, warp-specialised (a producer warpgroup copies and
+///          decodes 4 K-tiles ahead into a 6-deep ring, two consumer warpgroups only wait on mbarriers
+///          and issue wgmma; no CTA-wide barrier in the K loop).
 /// M64IL, M128 and M128W were slower than M64 on the H200 (docs/perf/moe-gpu-prefill.md, session
 /// 12) and are kept, tested, for the next attempts (set_prefill_tile).
-enum class PrefillTile { Auto, M64, M64IL, M128, M128W };
+enum class PrefillTile { Auto, M64, M64IL, M128, M128W, W64, WB64, W64D, WB64D, WB64T, WS64 };
 
 /// M128 from this many (token, expert) pairs per touched expert on average (prefill_tile); 0: never.
 /// 0 since the H200 runs of 2026-11-30 (docs/perf/moe-gpu-prefill.md, session 12): M128 and M128W
@@ -55,7 +73,7 @@ inline constexpr std::int64_t kPrefillTile128MinPairs = 0;
 /// kPrefillTile128MinPairs > 0 and the mean number of pairs per touched expert, pairs / min(E, pairs),
 /// is at least that, else M64; or the value forced by set_prefill_tile (benchmarks' A/B). Never Auto.
 PrefillTile prefill_tile(std::int64_t pairs, std::int64_t experts);
-/// Token rows per CTA (= the grouping's tile rows) of a resolved tile (M64*: 64, M128*: 128).
+/// Token rows per CTA (= the grouping's tile rows) of a resolved tile (M64*, W64*, WB64*: 64; M128*: 128).
 int prefill_tile_rows(PrefillTile t);
 /// Forces the prefill tile for every later call in this process (Auto: the heuristic again).
 /// For benchmarks and tests; not thread-safe against concurrent forwards.

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <iostream>
 #include <random>
@@ -167,18 +168,59 @@ V take_rows(const V& v, std::int64_t width, const std::vector<std::int64_t>& row
   return out;
 }
 
-void expect_matches(const std::vector<std::uint16_t>& got, const std::vector<std::uint16_t>& ref) {
+/// fp8: the experimental FP8-wgmma tiles (W64, W64D), whose tensor core rounds inside each 32-product
+/// block sum: they are held to the bounds MEASURED for them on the H200 (rel. L2 <= 4.2e-3, >= 64 %
+/// bit-equal, docs/perf/moe-gpu-prefill.md session 13) with margin, NOT to the contract's 1e-3 / 80 %,
+/// which is why no heuristic picks them. Every other tile is held to 1e-3 and 80 %.
+void expect_matches(const std::vector<std::uint16_t>& got, const std::vector<std::uint16_t>& ref, bool fp8 = false) {
   const Cmp r = compare_bf16(got, ref);
   std::cout << "  vs host reference: rel. L2 " << r.rel_l2 << ", bit-equal " << r.exact << " of " << r.n << "\n";
   EXPECT_EQ(r.nan, 0) << "unwritten or NaN outputs";
-  EXPECT_LT(r.rel_l2, 1e-3) << "exact " << r.exact << " of " << r.n;
-  EXPECT_GT(r.exact, r.n * 8 / 10) << "bit-equal BF16 outputs (FP32 order only differs); rel L2 " << r.rel_l2;
+  EXPECT_LT(r.rel_l2, fp8 ? 1e-2 : 1e-3) << "exact " << r.exact << " of " << r.n;
+  EXPECT_GT(r.exact, r.n * (fp8 ? 5 : 8) / 10) << "bit-equal BF16 outputs (FP32 order only differs); rel L2 "
+                                               << r.rel_l2;
 }
 
-const cuda::PrefillTile kAllTiles[] = {cuda::PrefillTile::Auto, cuda::PrefillTile::M64, cuda::PrefillTile::M64IL,
-                                       cuda::PrefillTile::M128, cuda::PrefillTile::M128W};
+bool device_is_sm90() {
+  int dev = 0, major = 0, minor = 0;
+  return cudaGetDevice(&dev) == cudaSuccess &&
+         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+         cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess && major == 9 &&
+         minor == 0;
+}
+/// Every tile setting the device runs: the heuristic's, the four sm_80 tiles, and on sm_90 devices
+/// the wgmma tiles (WB64, WB64D, WB64T, W64, W64D, WS64; their kernels are built for sm_90a only).
+std::vector<cuda::PrefillTile> all_tiles() {
+  std::vector<cuda::PrefillTile> v = {cuda::PrefillTile::Auto, cuda::PrefillTile::M64, cuda::PrefillTile::M64IL,
+                                      cuda::PrefillTile::M128, cuda::PrefillTile::M128W};
+  if (device_is_sm90())
+    for (auto t : {cuda::PrefillTile::WB64, cuda::PrefillTile::WB64D, cuda::PrefillTile::WB64T, cuda::PrefillTile::W64,
+                   cuda::PrefillTile::W64D, cuda::PrefillTile::WS64})
+      v.push_back(t);
+  // LUTB_PREFILL_TEST_WS=0: every tile but the warp-specialised WS64; =only: M64 and WS64 (a device
+  // run can then verify the other tiles in a process that a WS64 fault cannot take down).
+  const char* ws = std::getenv("LUTB_PREFILL_TEST_WS");
+  if (ws && std::string(ws) == "0") v.erase(std::remove(v.begin(), v.end(), cuda::PrefillTile::WS64), v.end());
+  if (ws && std::string(ws) == "only") {
+    const bool has = std::find(v.begin(), v.end(), cuda::PrefillTile::WS64) != v.end();
+    v = {cuda::PrefillTile::M64};
+    if (has) v.push_back(cuda::PrefillTile::WS64);
+  }
+  return v;
+}
+bool is_fp8(cuda::PrefillTile t) { return t == cuda::PrefillTile::W64 || t == cuda::PrefillTile::W64D; }
+bool is_wgmma(cuda::PrefillTile t) {
+  return is_fp8(t) || t == cuda::PrefillTile::WB64 || t == cuda::PrefillTile::WB64D || t == cuda::PrefillTile::WB64T ||
+         t == cuda::PrefillTile::WS64;
+}
 const char* tile_name(cuda::PrefillTile t) {
   switch (t) {
+    case cuda::PrefillTile::W64: return "W64";
+    case cuda::PrefillTile::W64D: return "W64D";
+    case cuda::PrefillTile::WB64: return "WB64";
+    case cuda::PrefillTile::WB64D: return "WB64D";
+    case cuda::PrefillTile::WB64T: return "WB64T";
+    case cuda::PrefillTile::WS64: return "WS64";
     case cuda::PrefillTile::M64IL: return "M64IL";
     case cuda::PrefillTile::M128: return "M128";
     case cuda::PrefillTile::M128W: return "M128W";
@@ -232,13 +274,21 @@ TEST_P(PrefillRandom, MatchesHostReference) {
   const auto ref = moe_reference(w13, w2, c.H, c.I, take_rows(x, c.H, rows), static_cast<std::int64_t>(rows.size()),
                                  c.k, take_rows(ids, c.k, rows), take_rows(wts, c.k, rows));
   // Every CTA tile configuration (the heuristic's choice and each forced one) against the same reference.
-  std::vector<std::uint16_t> first;
-  for (const cuda::PrefillTile tile : kAllTiles) {
+  std::vector<std::uint16_t> m64;
+  for (const cuda::PrefillTile tile : all_tiles()) {
     SCOPED_TRACE(tile_name(tile));
     std::cout << "  tile " << tile_name(tile) << "\n";
     ForcedTile forced(tile);
     const auto got = run_prefill(w, x, c.T, c.k, ids, wts);
-    expect_matches(take_rows(got, c.H, rows), ref);
+    expect_matches(take_rows(got, c.H, rows), ref, is_fp8(tile));
+    if (tile == cuda::PrefillTile::M64) m64 = got;
+    if (is_wgmma(tile) && !m64.empty()) {
+      // A wgmma tile against today's default (M64, BF16-fold mma.sync) on the same inputs, all rows:
+      // reported, not asserted (both are asserted against the reference above).
+      const Cmp d = compare_bf16(got, m64);
+      std::cout << "  " << tile_name(tile) << " vs M64 (all rows): rel. L2 " << d.rel_l2 << ", bit-equal " << d.exact
+                << " of " << d.n << "\n";
+    }
     if (c.check_tokens != 0) {
       // Every row written and finite (the sampled check covers the values).
       std::int64_t bad = 0;
@@ -294,10 +344,10 @@ TEST(PrefillCuda, SkewedRouting1To300TokensPerExpert) {
   }
   DevLutbLM d13(w13), d2(w2);
   const auto ref = moe_reference(w13, w2, H, I, x, T, k, ids, wts);
-  for (const cuda::PrefillTile tile : kAllTiles) {  // 300 rows: 2 full 128-row tiles + 44, or 4 x 64 + 44
+  for (const cuda::PrefillTile tile : all_tiles()) {  // 300 rows: 2 full 128-row tiles + 44, or 4 x 64 + 44
     SCOPED_TRACE(tile_name(tile));
     ForcedTile forced(tile);
-    expect_matches(run_prefill({E, H, I, d13.view, d2.view}, x, T, k, ids, wts), ref);
+    expect_matches(run_prefill({E, H, I, d13.view, d2.view}, x, T, k, ids, wts), ref, is_fp8(tile));
   }
 }
 
@@ -311,12 +361,20 @@ TEST(PrefillCuda, InvalidExpertIdWritesNanRowOnly) {
   const std::vector<std::int32_t> ids = {0, 1, 2, 7, 3, 0};  // token 1 has an out-of-range id
   const std::vector<float> wts = {0.5f, 0.5f, 0.3f, 0.7f, 0.6f, 0.4f};
   DevLutbLM d13(w13), d2(w2);
-  const auto got = run_prefill({E, H, I, d13.view, d2.view}, x, T, k, ids, wts);
   const auto ref = moe_reference(w13, w2, H, I, x, T, k, ids, wts);
-  for (std::int64_t c = 0; c < H; ++c) {
-    EXPECT_TRUE(std::isnan(bf16_to_float(got[1 * H + c])));
-    EXPECT_EQ(got[0 * H + c], ref[0 * H + c]) << "column " << c;
-    EXPECT_FALSE(std::isnan(bf16_to_float(got[2 * H + c])));
+  for (const cuda::PrefillTile tile : all_tiles()) {
+    SCOPED_TRACE(tile_name(tile));
+    ForcedTile forced(tile);
+    const auto got = run_prefill({E, H, I, d13.view, d2.view}, x, T, k, ids, wts);
+    for (std::int64_t c = 0; c < H; ++c) {
+      EXPECT_TRUE(std::isnan(bf16_to_float(got[1 * H + c])));
+      if (!is_fp8(tile)) {
+        EXPECT_EQ(got[0 * H + c], ref[0 * H + c]) << "column " << c;
+      }
+      EXPECT_FALSE(std::isnan(bf16_to_float(got[2 * H + c])));
+    }
+    if (is_fp8(tile))  // FP8 tensor-core rounding (expect_matches): token 0 close, not bit-equal
+      expect_matches(take_rows(got, H, {0}), take_rows(ref, H, {0}), true);
   }
 }
 
@@ -334,14 +392,18 @@ TEST(PrefillCuda, NonFiniteActivationBlockGivesNanRowLikeTheReference) {
   std::vector<float> wts;
   random_routing(T, k, {0, 1, 2, 3}, rng, ids, wts);
   DevLutbLM d13(w13), d2(w2);
-  const auto got = run_prefill({E, H, I, d13.view, d2.view}, x, T, k, ids, wts);
   const auto ref = moe_reference(w13, w2, H, I, x, T, k, ids, wts);
-  for (std::int64_t c = 0; c < H; ++c) {
-    EXPECT_TRUE(std::isnan(bf16_to_float(ref[2 * H + c])));
-    EXPECT_TRUE(std::isnan(bf16_to_float(got[2 * H + c]))) << "column " << c;
+  for (const cuda::PrefillTile tile : all_tiles()) {
+    SCOPED_TRACE(tile_name(tile));
+    ForcedTile forced(tile);
+    const auto got = run_prefill({E, H, I, d13.view, d2.view}, x, T, k, ids, wts);
+    for (std::int64_t c = 0; c < H; ++c) {
+      EXPECT_TRUE(std::isnan(bf16_to_float(ref[2 * H + c])));
+      EXPECT_TRUE(std::isnan(bf16_to_float(got[2 * H + c]))) << "column " << c;
+    }
+    const std::vector<std::int64_t> rows = {0, 1, 3, 4};
+    expect_matches(take_rows(got, H, rows), take_rows(ref, H, rows), is_fp8(tile));
   }
-  const std::vector<std::int64_t> rows = {0, 1, 3, 4};
-  expect_matches(take_rows(got, H, rows), take_rows(ref, H, rows));
 }
 
 // The measured crossover (include/lutb/cuda/moe.hpp, kPrefillMinTokensPerExpert): swap-AB decode up
@@ -392,6 +454,15 @@ TEST(PrefillCuda, TileHeuristicKeeps64RowTilesUnlessForced) {
   EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::M64IL), 64);
   EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::M128), 128);
   EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::M128W), 128);
+  // The sm_90 wgmma tiles (session 13) group 64-row token tiles; none is the heuristic's choice (the
+  // FP8 ones miss the error bounds, the BF16-fold ones were slower than M64 on the H200).
+  for (PrefillTile t : {PrefillTile::W64, PrefillTile::W64D, PrefillTile::WB64, PrefillTile::WB64D, PrefillTile::WB64T,
+                        PrefillTile::WS64})
+    EXPECT_EQ(cuda::prefill_tile_rows(t), 64);
+  {
+    ForcedTile forced(PrefillTile::WS64);
+    EXPECT_EQ(cuda::prefill_tile(4096 * 8, 128), PrefillTile::WS64);
+  }
   {
     ForcedTile forced(PrefillTile::M128W);
     EXPECT_EQ(cuda::prefill_tile(1, 8), PrefillTile::M128W);
