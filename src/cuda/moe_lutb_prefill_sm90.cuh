@@ -1,8 +1,9 @@
 // src/cuda/moe_lutb_prefill_sm90.cuh: sm_90a prefill GEMMs on Hopper's wgmma (session 13), the
 // PrefillTile values W64, W64D (FP8), WB64, WB64D, WB64T (BF16 fold) and WS64 (BF16 fold,
-// warp-specialised) of moe_prefill.hpp, launched by moe_lutb_prefill.cu. None is the default: on
-// the H200 the FP8 tiles were 1-9 % faster than M64 but outside the tests' error bounds, the BF16
-// tiles exact but 12-18 % slower (docs/perf/moe-gpu-prefill.md, session 13, with the profile).
+// warp-specialised) of moe_prefill.hpp, launched by moe_lutb_prefill.cu. WB64 is the prefill default
+// on sm_90 (helper pf13b): with the BF16 operands in the 128B-swizzle layout it is 1.18-1.26x M64 on
+// the H200, bit-identical to it. The FP8 tiles are 1-9 % faster than M64 but outside the tests'
+// error bounds: never chosen (docs/perf/moe-gpu-prefill.md, session 13).
 // Everything device-side is compiled for sm_90a only (__CUDA_ARCH_FEAT_SM90_ALL; __trap otherwise).
 //
 // Why FP8: LUT-B weights ARE E4M3 codebook bytes, and the MXFP8 activations are E4M3 bytes with one
@@ -12,8 +13,10 @@
 // CTA of W64/WB64 (256 threads = 2 warpgroups, no producer warp): 64 token rows (one token tile of
 // the grouping, one expert) x 128 weight rows (16 LUT-B row-strips; warpgroup wg owns B rows
 // 64wg..64wg+63 = strips 8wg..8wg+7) x K-tiles of 64 columns (one LUT-B tile column).
-// Shared memory, all operands in wgmma's no-swizzle K-major layout (core matrix = 8 rows x 16 bytes,
-// 128 contiguous bytes; LBO = 128 = next 16 K-bytes, SBO = 8 rows):
+// Shared memory: BF16 operands in wgmma's 128B-swizzle K-major layout (sw128_off: 8-row x 128-byte
+// atoms, 16-byte chunk c of row r at chunk c ^ (r & 7); SBO = 1024; atoms 1024-aligned), FP8 operands
+// in the no-swizzle K-major layout (core_off: core matrix = 8 rows x 16 bytes, 128 contiguous bytes;
+// LBO = 128 = next 16 K-bytes, SBO = 8 rows):
 //   stage ring (kStages deep, cp.async): A [64 rows][64 columns] (FP8: 4 KB, BF16: 8 KB) + the 16
 //     strips' raw lane-major tiles (192 bytes each) + their codebooks (8 bytes each);
 //   B buffers (double): [128 rows][64 columns], decoded from the raw tiles.
@@ -22,9 +25,12 @@
 // warpgroup issues its wgmmas (FP8: two m64n64k32, one per MXFP8 block, scale-d = 0 into D0 / D1;
 // BF16: four m64n64k16 accumulating over kPromoteTiles K-tiles), commits; all warps decode K-tile
 // kt+1 into the other B buffer (two strips per warp) while the tensor cores run; wait; promote.
-// Known weakness (session 13 profile): the BF16 A copy maps a quarter warp to the 8 chunks of ONE
-// 128-byte row, 128 bytes apart in this layout: an 8-way shared-memory bank conflict (the FP8 copy
-// is conflict-free). The 128B-swizzle layout (as M64's) is the planned fix.
+// Bank conflicts (16-byte stores are served per quarter warp): pf13's BF16 tiles used the no-swizzle
+// layout, where the A copy (a quarter warp = the 8 chunks of ONE row, 128 bytes apart) was an 8-way
+// conflict and the decode's B stores (2 rows x 4 chunks) 4-way; they ran at 0.82-0.88x M64. In the
+// SW128 layout both are conflict-free (sw128_off, decode store order): 1.18-1.26x M64 (pf13b).
+// The FP8 tiles keep the no-swizzle layout: their A copy (2 rows x 4 chunks per quarter warp) is still
+// a 4-way conflict and their 8-byte B stores 2-way (not changed; W64 is outside the error bounds).
 //
 // Numerics (spec section 4). FP8: the tensor core sums the 32 exact E4M3 x E4M3 products of ONE
 // MXFP8 block, and it rounds inside that sum: measured rel. L2 1.2e-3..4.2e-3 to the reference,
