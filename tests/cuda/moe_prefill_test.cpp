@@ -283,7 +283,8 @@ TEST_P(PrefillRandom, MatchesHostReference) {
     expect_matches(take_rows(got, c.H, rows), ref, is_fp8(tile));
     if (tile == cuda::PrefillTile::M64) m64 = got;
     if (is_wgmma(tile) && !m64.empty()) {
-      // A wgmma tile against today's default (M64, BF16-fold mma.sync) on the same inputs, all rows.
+      // A wgmma tile against M64 (the sm_80 BF16-fold mma.sync kernel, the default off sm_90) on the
+      // same inputs, all rows.
       // The BF16-fold tiles (WB64, WB64D, WB64T, WS64) use M64's numerics (exact operands, tensor-core
       // sums over the same 128 columns, the same FP32 promotion): asserted bit-identical (measured so
       // in sessions 13's runs). FP8 tiles: reported only (asserted against the reference above).
