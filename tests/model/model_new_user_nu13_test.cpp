@@ -1,0 +1,75 @@
+// Defects a fresh new user found in session 13 (helper nu13) with unusual or corrupt config.json
+// values and captured activations. Each test failed on the code before its fix.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "lutb/checkpoint.hpp"
+#include "lutb/model.hpp"
+#include "lutb/safetensors.hpp"
+#include "model/model_test_util.hpp"
+#include "support/test_support.hpp"
+
+namespace lutb {
+namespace {
+
+namespace fs = std::filesystem;
+using test::TempDir;
+
+
+const nlohmann::json& qwen_base() {
+  static const nlohmann::json base = {{"model_type", "qwen3_moe"},
+                                      {"hidden_size", 256},
+                                      {"num_hidden_layers", 2},
+                                      {"vocab_size", 64},
+                                      {"num_attention_heads", 4},
+                                      {"num_key_value_heads", 2},
+                                      {"head_dim", 64},
+                                      {"num_experts", 4},
+                                      {"num_experts_per_tok", 2},
+                                      {"moe_intermediate_size", 64},
+                                      {"max_position_embeddings", 512},
+                                      {"rms_norm_eps", 1e-6},
+                                      {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", 10000.0}}}};
+  return base;
+}
+
+std::string config_error(const nlohmann::json& base, const std::function<void(nlohmann::json&)>& edit) {
+  nlohmann::json j = base;
+  edit(j);
+  try {
+    model::TransformerConfig::from_json(j, "c.json");
+  } catch (const model::ModelError& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    return std::string("wrong exception type: ") + e.what();
+  }
+  return "no exception";
+}
+
+// partial_rotary_factor 2 made the rotary dimension twice head_dim: the rotation wrote past each head,
+// and past the end of the query / key buffer for the last head (lutb eval aborted in free() with
+// "munmap_chunk(): invalid pointer"). Refused, naming the key.
+TEST(NewUserNu13, PartialRotaryFactorAboveOneRefused) {
+  EXPECT_EQ(config_error(qwen_base(), [](nlohmann::json& j) { j["rope_parameters"]["partial_rotary_factor"] = 2.0; }),
+            "c.json: key 'rope_parameters.partial_rotary_factor': must be in (0, 1] (the fraction of each head's 64 "
+            "dimensions that is rotated), got 2");
+  EXPECT_EQ(config_error(qwen_base(), [](nlohmann::json& j) { j["partial_rotary_factor"] = 1.5; }),
+            "c.json: key 'partial_rotary_factor': must be in (0, 1] (the fraction of each head's 64 dimensions that "
+            "is rotated), got 1.5");
+  EXPECT_EQ(config_error(qwen_base(), [](nlohmann::json& j) { j["partial_rotary_factor"] = -0.5; }),
+            "c.json: key 'partial_rotary_factor': must be in (0, 1] (the fraction of each head's 64 dimensions that "
+            "is rotated), got -0.5");
+  // A real partial rotation is still accepted: the first 32 of 64 dimensions.
+  nlohmann::json half = qwen_base();
+  half["partial_rotary_factor"] = 0.5;
+  EXPECT_EQ(model::TransformerConfig::from_json(half, "c.json").rope.dim, 32);
+}
+
+}  // namespace
+}  // namespace lutb
