@@ -257,6 +257,11 @@ TransformerConfig TransformerConfig::from_json(const json& j, const std::string&
   if (c.family == "mixtral") c.sliding_window = get_or<int>(j, "sliding_window", 0, where);
   if ((c.family == "qwen3_moe" || c.family == "qwen2_moe") && get_or<bool>(j, "use_sliding_window", false, where))
     c.sliding_window = get_or<int>(j, "sliding_window", 0, where);
+  // A negative window was taken as "no window" without a word (new-user QA, session 13); 0 or null
+  // mean none, as in transformers' configs.
+  if (c.sliding_window < 0)
+    key_error(where, "sliding_window",
+              fmt::format("must be a positive number of tokens (or 0 / null for none), got {}", c.sliding_window));
 
   // MoE layout and routing: the checkpoint module's parser (every spec-7 key variant).
   try {

@@ -71,5 +71,24 @@ TEST(NewUserNu13, PartialRotaryFactorAboveOneRefused) {
   EXPECT_EQ(model::TransformerConfig::from_json(half, "c.json").rope.dim, 32);
 }
 
+// A negative sliding window was read as "no window" without a word.
+TEST(NewUserNu13, NegativeSlidingWindowRefused) {
+  nlohmann::json mx = qwen_base();
+  mx["model_type"] = "mixtral";
+  mx.erase("moe_intermediate_size");
+  mx["intermediate_size"] = 64;
+  mx["num_local_experts"] = 4;
+  mx.erase("num_experts");
+  EXPECT_EQ(config_error(mx, [](nlohmann::json&) {}), "no exception");
+  EXPECT_EQ(config_error(mx, [](nlohmann::json& j) { j["sliding_window"] = -5; }),
+            "c.json: key 'sliding_window': must be a positive number of tokens (or 0 / null for none), got -5");
+  EXPECT_EQ(config_error(qwen_base(),
+                         [](nlohmann::json& j) {
+                           j["use_sliding_window"] = true;
+                           j["sliding_window"] = -1;
+                         }),
+            "c.json: key 'sliding_window': must be a positive number of tokens (or 0 / null for none), got -1");
+}
+
 }  // namespace
 }  // namespace lutb
