@@ -90,5 +90,22 @@ TEST(NewUserNu13, NegativeSlidingWindowRefused) {
             "c.json: key 'sliding_window': must be a positive number of tokens (or 0 / null for none), got -1");
 }
 
+// num_hidden_layers 2e9 on a 4-layer checkpoint: lutb eval ran for minutes and grew past 15 GB (per-layer
+// state for every declared layer) and lutb moe took 45 s, before any error.
+TEST(NewUserNu13, ImplausibleLayerCountRefused) {
+  nlohmann::json j = qwen_base();
+  j["num_hidden_layers"] = 2000000000;
+  try {
+    (void)parse_model_config(j, "c.json");
+    ADD_FAILURE() << "no exception";
+  } catch (const ConfigError& e) {
+    EXPECT_STREQ(e.what(),
+                 "c.json: key 'num_hidden_layers': 2000000000 is more than lutb supports (65536; published models "
+                 "have about a hundred): a corrupt config.json?");
+  }
+  j["num_hidden_layers"] = 65536;
+  EXPECT_NO_THROW((void)parse_model_config(j, "c.json"));
+}
+
 }  // namespace
 }  // namespace lutb
