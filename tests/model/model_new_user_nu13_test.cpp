@@ -107,5 +107,77 @@ TEST(NewUserNu13, ImplausibleLayerCountRefused) {
   EXPECT_NO_THROW((void)parse_model_config(j, "c.json"));
 }
 
+// Edits config.json of checkpoint folder `dir`.
+void edit_config(const fs::path& dir, const std::function<void(nlohmann::json&)>& edit) {
+  nlohmann::json j;
+  {
+    std::ifstream in(dir / "config.json");
+    j = nlohmann::json::parse(in);
+  }
+  edit(j);
+  std::ofstream(dir / "config.json") << j.dump(1);
+}
+
+std::string build_error(const fs::path& dir, model::Quant q) {
+  model::MoeOptions o;
+  o.quant = q;
+  o.fit.threads = 1;
+  try {
+    model::CheckpointMoe moe(dir, o);
+    moe.build(0);
+  } catch (const std::bad_alloc&) {
+    return "std::bad_alloc";
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "no exception";
+}
+
+// moe_intermediate_size 2e9 (a corrupt config.json) on a checkpoint of width 64: the expert stacks were
+// allocated at config.json's size before any tensor was looked at, and lutb eval / moe reported "out of
+// memory (an allocation failed)", naming nothing. The stored shapes are now checked first.
+TEST(NewUserNu13, HugeExpertWidthNamesTheTensorBeforeAllocating) {
+  TempDir t;
+  for (bool stacked : {false, true}) {
+    SynthOptions o;
+    o.family = ModelFamily::qwen3_moe;
+    o.layers = 1;
+    o.hidden_size = 128;
+    o.moe_intermediate_size = 64;
+    o.num_experts = 4;
+    o.stacked = stacked;
+    o.progress = false;
+    const fs::path bf = t.path / (stacked ? "bf_st" : "bf_pe"), lb = t.path / (stacked ? "lb_st" : "lb_pe");
+    synthesize_checkpoint(bf, o);
+    QuantizeOptions q;
+    q.progress = false;
+    q.fit.threads = 1;
+    quantize_checkpoint(bf, lb, q);
+    const auto huge = [](nlohmann::json& j) { j["moe_intermediate_size"] = 2000000000; };
+    edit_config(bf, huge);
+    edit_config(lb, huge);
+    const std::string file = (lb / "model.safetensors").string();
+    if (stacked) {
+      const std::string want = "checkpoint " + bf.string() +
+                               ": tensor model.layers.0.mlp.experts.gate_up_proj has shape [4, 128, 128], expected "
+                               "[4, 4000000000, 128]";
+      EXPECT_EQ(build_error(bf, model::Quant::None), want);
+      EXPECT_EQ(build_error(bf, model::Quant::Lutb), want);
+      EXPECT_EQ(build_error(lb, model::Quant::Lutb),
+                file + ": tensor model.layers.0.mlp.experts.gate_up_proj_packed (layer 0) has shape [4, 16, 2, 192], "
+                       "expected [4, 500000000, 2, 192] for logical shape [4, 4000000000, 128] (spec 2.2)");
+    } else {
+      const std::string want = "checkpoint " + bf.string() +
+                               ": tensor model.layers.0.mlp.experts.0.gate_proj.weight has shape [64, 128], expected "
+                               "[2000000000, 128]";
+      EXPECT_EQ(build_error(bf, model::Quant::None), want);
+      EXPECT_EQ(build_error(bf, model::Quant::Int3G128), want);
+      EXPECT_EQ(build_error(lb, model::Quant::Lutb),
+                file + ": tensor model.layers.0.mlp.experts.0.gate_proj.weight_packed (layer 0, expert 0) has shape "
+                       "[8, 2, 192], expected [250000000, 2, 192] for logical shape [2000000000, 128] (spec 2.2)");
+    }
+  }
+}
+
 }  // namespace
 }  // namespace lutb
