@@ -21,7 +21,6 @@ namespace {
 namespace fs = std::filesystem;
 using test::TempDir;
 
-
 const nlohmann::json& qwen_base() {
   static const nlohmann::json base = {{"model_type", "qwen3_moe"},
                                       {"hidden_size", 256},
@@ -177,6 +176,25 @@ TEST(NewUserNu13, HugeExpertWidthNamesTheTensorBeforeAllocating) {
                        "[8, 2, 192], expected [250000000, 2, 192] for logical shape [2000000000, 128] (spec 2.2)");
     }
   }
+}
+
+// Captured activations of no tokens ([0, H]): lutb moe printed "rel_l2 -nan ... cosine -nan" and exited
+// with status 0.
+TEST(NewUserNu13, MoeWithoutTokensRefused) {
+  const auto src = test::model_dir("tiny-qwen3-moe");
+  if (!src) GTEST_SKIP() << "model tiny-qwen3-moe absent (../shared/models): skipping";
+  TempDir t;
+  const fs::path acts = t.path / "acts.safetensors";
+  write_safetensors(acts, {{"layers.0.moe_input", OwnedTensor{DType::BF16, {0, 256}, {}}},
+                           {"layers.0.moe_output", OwnedTensor{DType::BF16, {0, 256}, {}}}});
+  const test::CliResult r =
+      test::run_cli("moe " + test::quote(*src) + " --layer 0 --threads 1 --activations " + test::quote(acts));
+  EXPECT_EQ(r.status, 1) << r.out << r.err;
+  EXPECT_NE(r.err.find("lutb: error: " + acts.string() +
+                       ": tensor layers.0.moe_input has shape [0, 256]: it holds no tokens to run the block on"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.out.find("nan"), std::string::npos) << r.out;
 }
 
 }  // namespace
