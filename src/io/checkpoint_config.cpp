@@ -260,6 +260,11 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& where
     detail::throw_config_key(where, "decoder_sparse_step", fmt::format("must be positive, got {}", c.decoder_sparse_step));
   if (c.moe_layer_freq <= 0)
     detail::throw_config_key(where, "moe_layer_freq", fmt::format("must be positive, got {}", c.moe_layer_freq));
+  // A negative count made layer 0, dense in the checkpoint, a MoE layer: the error named a missing router
+  // (new-user QA, session 13).
+  if (c.first_k_dense_replace < 0)
+    detail::throw_config_key(where, "first_k_dense_replace",
+                             fmt::format("must be >= 0 (the number of leading dense layers), got {}", c.first_k_dense_replace));
 
   c.rms_norm_eps = opt_num(j, "rms_norm_eps", where).value_or(c.family == ModelFamily::mixtral ? 1e-5 : 1e-6);
   c.tie_word_embeddings = opt_bool(j, "tie_word_embeddings", where).value_or(false);

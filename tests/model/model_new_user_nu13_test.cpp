@@ -106,6 +106,25 @@ TEST(NewUserNu13, ImplausibleLayerCountRefused) {
   EXPECT_NO_THROW((void)parse_model_config(j, "c.json"));
 }
 
+// DeepSeek's first_k_dense_replace -1 made layer 0, dense in the checkpoint, a MoE layer, and the error
+// read "checkpoint DIR: tensor model.layers.0.mlp.gate.weight not found", naming no key.
+TEST(NewUserNu13, NegativeFirstKDenseReplaceRefused) {
+  nlohmann::json j = qwen_base();
+  j["model_type"] = "deepseek_v3";
+  j.erase("num_experts");
+  j["n_routed_experts"] = 4;
+  j["first_k_dense_replace"] = -1;
+  try {
+    (void)parse_model_config(j, "c.json");
+    ADD_FAILURE() << "no exception";
+  } catch (const ConfigError& e) {
+    EXPECT_STREQ(e.what(),
+                 "c.json: key 'first_k_dense_replace': must be >= 0 (the number of leading dense layers), got -1");
+  }
+  j["first_k_dense_replace"] = 0;
+  EXPECT_TRUE(parse_model_config(j, "c.json").is_moe_layer(0));
+}
+
 // Edits config.json of checkpoint folder `dir`.
 void edit_config(const fs::path& dir, const std::function<void(nlohmann::json&)>& edit) {
   nlohmann::json j;
