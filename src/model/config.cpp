@@ -143,6 +143,9 @@ TransformerConfig TransformerConfig::load(const std::filesystem::path& dir) {
 
 TransformerConfig TransformerConfig::from_json(const json& j, const std::string& where) {
   static const std::set<std::string> kFamilies = {"qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3"};
+  // The checkpoint parser's wording (lutb quantize): a JSON array, number or null was reported by lutb
+  // eval / moe as "key 'model_type': required but missing" (new-user QA, session 13).
+  if (!j.is_object()) throw ModelError(fmt::format("{}: not a JSON object", where));
   TransformerConfig c;
   c.raw = j;
   c.family = require<std::string>(j, "model_type", where);

@@ -125,6 +125,13 @@ TEST(NewUserNu13, NegativeFirstKDenseReplaceRefused) {
   EXPECT_TRUE(parse_model_config(j, "c.json").is_moe_layer(0));
 }
 
+// A config.json that is valid JSON but not an object ([], 1, null): lutb eval / moe said "key 'model_type':
+// required but missing", lutb quantize "not a JSON object".
+TEST(NewUserNu13, ConfigThatIsNotAnObjectSaysSo) {
+  for (const nlohmann::json& j : {nlohmann::json::array(), nlohmann::json(1), nlohmann::json()})
+    EXPECT_EQ(config_error(j, [](nlohmann::json&) {}), "c.json: not a JSON object") << j.dump();
+}
+
 // Edits config.json of checkpoint folder `dir`.
 void edit_config(const fs::path& dir, const std::function<void(nlohmann::json&)>& edit) {
   nlohmann::json j;
