@@ -4,8 +4,8 @@
 //
 // Usage: bench_moe_gpu [--quick] [--shape NAME] [--tokens T] [--variants LIST]
 //   (NAME: deepseek-v3, qwen3-235b, qwen3-30b, mixtral-8x7b; --tokens T or T1,T2,...: only those batch sizes;
-//   --variants, e.g. 0,7: only those forwards of the `make` switch, a compact row, no cuBLAS: for
-//   quick A/B runs of kernel changes)
+//   --variants, e.g. 0,7 or 1,10: only those forwards of the `make` switch (0..10; 10 = the swap-AB
+//   decode on FP8 wgmma), a compact row, no cuBLAS: for quick A/B runs of kernel changes)
 // Each forward (routing kernel excluded; the routing is precomputed by route_softmax_topk /
 // route_deepseek on random logits) is captured in a CUDA graph; R = 8 different routings are cycled
 // so that the experts touched change from call to call (weights of one call are not in L2 for the
@@ -179,6 +179,8 @@ struct Shape {
   bool deepseek;
 };
 
+constexpr int kVariants = 11;  // forwards of the `make` switch below
+
 int main(int argc, char** argv) {
   bool quick = false;
   std::string only;
@@ -199,13 +201,21 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--variants") && i + 1 < argc) {
       // Quick A/B rows: only these variants (numbers of the `make` switch below, e.g. "0,7"), a
       // compact row, no cuBLAS runs.
-      for (const char* c = argv[++i]; *c; ++c)
-        if (*c >= '0' && *c <= '9') variants.push_back(*c - '0');
+      for (const char* c = argv[++i]; *c;) {
+        char* end = nullptr;
+        const long v = std::strtol(c, &end, 10);
+        if (end == c) {
+          ++c;
+          continue;
+        }
+        if (v >= 0 && v < kVariants) variants.push_back(static_cast<int>(v));
+        c = end;
+      }
     }
   }
   const bool compact = !variants.empty();
   if (!compact)
-    for (int v = 0; v < 10; ++v) variants.push_back(v);
+    for (int v = 0; v < kVariants; ++v) variants.push_back(v);
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
   std::printf("# device: %s, %d SMs, L2 %d MB, %.1f GB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20,
@@ -268,9 +278,9 @@ int main(int argc, char** argv) {
     for (size_t j = 0; j <= variants.size(); ++j) std::printf("---|");
     std::printf("\n");
   } else
-  std::printf("\n| shape | T | experts touched | LUT-B us | LUT-B byte-dec us | LUT-B decode (swap-AB) us | swap-AB fp8-mma us | LUT-B prefill us | decode-m16 us | BF16 us (best of decode, prefill) | BF16 best | speed-up | LUT-B GB/s | %% of read BW | BF16 GB/s | %% of read BW | LUT-B TFLOP/s | BF16 TFLOP/s | LUT-B no-PDL us | BF16 best no-PDL us | cuBLAS grouped BF16 GEMMs us (T >= 256) | LUT-B vs cuBLAS |\n");
+  std::printf("\n| shape | T | experts touched | LUT-B us | LUT-B byte-dec us | LUT-B decode (swap-AB) us | swap-AB fp8-mma us | swap-AB fp8-wgmma us | LUT-B prefill us | decode-m16 us | BF16 us (best of decode, prefill) | BF16 best | speed-up | LUT-B GB/s | %% of read BW | BF16 GB/s | %% of read BW | LUT-B TFLOP/s | BF16 TFLOP/s | LUT-B no-PDL us | BF16 best no-PDL us | cuBLAS grouped BF16 GEMMs us (T >= 256) | LUT-B vs cuBLAS |\n");
   if (!compact)
-    std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const Shape& s : shapes) {
     if (!only.empty() && only != s.name) continue;
     const long long E = s.E, H = s.H, I = s.I;
@@ -335,7 +345,7 @@ int main(int argc, char** argv) {
         if (r == 0) ids0 = h;
       }
       const double touched = touched_sum / R;
-      float ms[10] = {};  // per variant (variant 9 reads 4 and 5)
+      float ms[kVariants] = {};  // per variant (variant 9 reads 4 and 5)
       // Graphs: one per routing and variant.
       auto make = [&](int variant, int r) {
         const unsigned short* xr = x + 1ull * r * Tmax * H;
@@ -365,6 +375,11 @@ int main(int argc, char** argv) {
             cuda::set_dependent_launch(false);
             cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st);
             cuda::set_dependent_launch(true);
+            break;
+          case 10:  // swap-AB decode on FP8 wgmma (WeightDecoder::Fp8Wgmma, session 13)
+            cuda::set_weight_decoder(cuda::WeightDecoder::Fp8Wgmma);
+            cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st, cuda::MoeStrategy::Decode);
+            cuda::set_weight_decoder(cuda::WeightDecoder::Auto);
             break;
           case 9:
             cuda::set_dependent_launch(false);
@@ -439,8 +454,8 @@ int main(int argc, char** argv) {
         std::snprintf(cub, sizeof cub, "%.1f (%.0f TFLOP/s)", cub_ms * 1e3, flops / (cub_ms * 1e-3) / 1e12);
         std::snprintf(cubr, sizeof cubr, "%.2fx", cub_ms * 1e-3 / lut_s);
       }
-      std::printf("| %s | %lld | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %s | %.2fx | %.0f | %.0f%% | %.0f | %.0f%% | %.1f | %.1f | %.1f | %.1f | %s | %s |\n",
-                  s.name, T, touched, ms[0] * 1e3, ms[3] * 1e3, ms[1] * 1e3, ms[7] * 1e3, ms[2] * 1e3, ms[6] * 1e3, bf_s * 1e6, strat,
+      std::printf("| %s | %lld | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %s | %.2fx | %.0f | %.0f%% | %.0f | %.0f%% | %.1f | %.1f | %.1f | %.1f | %s | %s |\n",
+                  s.name, T, touched, ms[0] * 1e3, ms[3] * 1e3, ms[1] * 1e3, ms[7] * 1e3, ms[10] * 1e3, ms[2] * 1e3, ms[6] * 1e3, bf_s * 1e6, strat,
                   bf_s / lut_s, touched * lutb_expert / lut_s / 1e9, 100.0 * touched * lutb_expert / lut_s / read_bw,
                   touched * bf16_expert / bf_s / 1e9, 100.0 * touched * bf16_expert / bf_s / read_bw, flops / lut_s / 1e12,
                   flops / bf_s / 1e12, ms[8] * 1e3, ms[9] * 1e3, cub, cubr);

@@ -14,7 +14,8 @@ namespace {
 
 __global__ void __launch_bounds__(256)
     quantize_x_kernel(const uint16_t* __restrict__ x, long long H, long long Hp, bool swap, uint16_t* __restrict__ xa,
-                      unsigned char* __restrict__ xq8, unsigned char* __restrict__ xs, float* __restrict__ xsf) {
+                      unsigned char* __restrict__ xq8, unsigned char* __restrict__ xs, float* __restrict__ xsf,
+                      bool q8_wg) {
   // Reads only x (the caller's input) and writes buffers no kernel still running reads (the
   // forward's first kernel, the grouping, started after all earlier work), so it works first and
   // waits for the grouping at the end: the GEMM it triggers reads the grouping's routing.
@@ -31,7 +32,7 @@ __global__ void __launch_bounds__(256)
     const unsigned char q8 = (b == 255) ? 0 : mx_encode(v, b);
     xa[t * Hp + blk * 32 + (lane & ~7) + kern::perm8(lane & 7, swap)] =
         __half_as_ushort(__float2half_rn(e4m3_to_float(q8)));
-    if (xq8) xq8[t * Hp + col] = q8;
+    if (xq8) xq8[t * Hp + (q8_wg ? blk * 32 + kern::wg_pos(lane) : col)] = q8;
     if (lane == 0) xs[t * (Hp / 32) + blk] = b;
     if (xsf && lane == 0) xsf[t * (Hp / 32) + blk] = kern::ue8m0_f(b);
   }
@@ -227,6 +228,7 @@ bool use_cvt_decoder(int mt) {
 
 int swap_decoder() {
   if (g_decoder == WeightDecoder::BytePermute || !sm90_image()) return kern::kDecByte;
+  if (g_decoder == WeightDecoder::Fp8Wgmma) return kern::kDecWg;
   return g_decoder == WeightDecoder::Fp8Mma ? kern::kDecFp8 : kern::kDecCvt;
 }
 
@@ -243,10 +245,10 @@ bool pdl_enabled() {
 
 void launch_quantize_x(const std::uint16_t* x, std::int64_t T, std::int64_t H, std::int64_t Hp, bool swap,
                        std::uint16_t* xa, std::uint8_t* xq8, std::uint8_t* xs, float* xsf, cudaStream_t stream,
-                       bool first) {
+                       bool first, bool q8_wg) {
   const dim3 grid(static_cast<unsigned>(ceil_div(Hp / 32, 8)), static_cast<unsigned>(T));
   launch_kernel("quantize_x_kernel", !first, quantize_x_kernel, grid, dim3(256), 0, stream, x,
-                static_cast<long long>(H), static_cast<long long>(Hp), swap, xa, xq8, xs, xsf);
+                static_cast<long long>(H), static_cast<long long>(Hp), swap, xa, xq8, xs, xsf, q8_wg);
 }
 
 void launch_group(const int* ids, std::int64_t P, std::int64_t E, int tile_rows, const Workspace& ws,

@@ -78,9 +78,10 @@ void launch_kernel(const char* name, bool dependent, void (*kernel)(Params...), 
 /// (xsf, when not null). A dependent launch (it runs after launch_group), unless `first`: the
 /// forward's first kernel when there is no grouping (the swap-AB decode of one token), a normal
 /// launch that waits for all earlier work in the stream (the caller's writes of x included).
+/// `q8_wg`: xq8 in the wgmma decoder's order (kern::wg_pos inside each 32-column block) instead.
 void launch_quantize_x(const std::uint16_t* x, std::int64_t T, std::int64_t H, std::int64_t Hp, bool swap,
                        std::uint16_t* xa, std::uint8_t* xq8, std::uint8_t* xs, float* xsf, cudaStream_t stream,
-                       bool first = false);
+                       bool first = false, bool q8_wg = false);
 /// Groups the pairs p = t*k + j by expert into token tiles of `tile_rows` rows. The first kernel of
 /// every forward (never a dependent launch: it waits for all earlier work in the stream).
 void launch_group(const int* ids, std::int64_t pairs, std::int64_t experts, int tile_rows, const Workspace& ws,

@@ -31,7 +31,17 @@ constexpr int kWarps = 4;  // warps per CTA in the GEMM kernels
 /// Weight decoders of the swap-AB kernels (moe_swapab.cuh, template parameter kDec): the FP16 ones
 /// feed mma.m16n8k16.f16 (byte trick / sm_89+ cvt), kDecFp8 feeds the looked-up E4M3 bytes straight
 /// into mma.m16n8k32.e4m3 (sm_89+) with E4M3 activation bytes.
-constexpr int kDecByte = 0, kDecCvt = 1, kDecFp8 = 2;
+/// kDecWg (sm_90a only): the same E4M3 bytes as the register A operand of wgmma.m64nNk32.e4m3
+/// (moe_swapab_sm90.cuh), E4M3 activation bytes in shared memory in wg_pos order.
+constexpr int kDecByte = 0, kDecCvt = 1, kDecFp8 = 2, kDecWg = 3;
+
+/// Storage position, inside its 32-column MXFP8 block, of column c (0..31) in the activation
+/// bytes of the wgmma decoder: the k-slot at which the lane-major decode puts that column in the A
+/// fragment (columns 8t..8t+3 -> k-slots 4t..4t+3, 8t+4..8t+7 -> 16+4t..16+4t+3), so that the B
+/// operand is staged in shared memory with plain 16-byte copies in its natural K-major layout.
+__host__ __device__ __forceinline__ int wg_pos(int c) {
+  return (c & 7) < 4 ? 4 * (c >> 3) + (c & 3) : 16 + 4 * (c >> 3) + (c & 3);
+}
 
 /// Storage position, inside its group of 8, of logical column c (swap order 0,2,1,3,4,6,5,7).
 __host__ __device__ __forceinline__ int perm8(int c, bool swap) {

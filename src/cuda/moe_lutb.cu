@@ -17,6 +17,7 @@
 #include "moe_internal.hpp"
 #include "moe_prefill.hpp"
 #include "moe_swapab.cuh"
+#include "moe_swapab_sm90.cuh"
 
 namespace lutb::cuda {
 namespace {
@@ -89,6 +90,55 @@ void launch_swapab(const DeviceMoeWeights& w, const kern::Routing& r, const deta
                         dim3(32 * nw2), kern::swap_smem_bytes<NB>(nw2), stream, w2, static_cast<const void*>(hq),
                         static_cast<const float*>(ws.hsf), static_cast<long long>(Ip), r, static_cast<long long>(H),
                         ws.y, one_token_loop);
+}
+
+/// Warpgroups per CTA of the wgmma kernels (they split K like swap_warps' warps: one warpgroup
+/// does the work of one mma.sync warp): doubled from 1 up to kern::kWgMaxGroups while the
+/// expected warpgroups (`ctas` x the split) stay under `resident` per SM and each keeps at least 4
+/// K-tiles. Benchmarking knob: LUTB_WG_GROUPS = 1, 2 or 4 forces the split (read once).
+int wg_groups(std::int64_t ctas, std::int64_t tiles_k, int nb) {
+  static const int forced = [] {
+    const char* v = std::getenv("LUTB_WG_GROUPS");
+    return v ? std::atoi(v) : 0;
+  }();
+  if (forced == 1 || forced == 2 || forced == 4) return forced;
+  // Warpgroups per SM: 8 at the one-block kernels' 64 registers, 4 at the two-block ones' ~100.
+  const std::int64_t resident = nb == 1 ? 8 : 4;
+  int g = 1;
+  while (g < kern::kWgMaxGroups && ctas * g * 2 <= 132 * resident && tiles_k >= 8 * g) g *= 2;
+  return g;
+}
+
+template <int NB>
+void launch_swapab_wg(const DeviceMoeWeights& w, const kern::Routing& r, const detail::Workspace& ws, std::int64_t P,
+                      cudaStream_t stream) {
+  const std::int64_t H = w.hidden, I = w.intermediate;
+  const std::int64_t Hp = w.w13.shape.padded_cols(), Ip = w.w2.shape.padded_cols();
+  const std::int64_t slots = r.direct_pairs > 0 ? r.direct_pairs : detail::max_tiles(P, w.experts, 8 * NB);
+  const std::int64_t touched = std::min<std::int64_t>(w.experts, P);
+  const kern::LutbW w13{w.w13.packed, w.w13.codebook, w.w13.scale, w.w13.shape.tiles_n(), w.w13.shape.tiles_k(),
+                         w.w13.shape.tiles()};
+  const kern::LutbW w2{w.w2.packed, w.w2.codebook, w.w2.scale, w.w2.shape.tiles_n(), w.w2.shape.tiles_k(),
+                        w.w2.shape.tiles()};
+  const int most = kern::wg_smem_bytes<NB>(kern::kWgMaxGroups);
+  LUTB_CUDA_CHECK(cudaFuncSetAttribute(kern::swapab_wg_gemm1_kernel<NB>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       most));
+  LUTB_CUDA_CHECK(cudaFuncSetAttribute(kern::swapab_wg_gemm2_kernel<NB>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       most));
+  const std::int64_t groups1 = Ip / 32, groups2 = detail::ceil_div(w2.tiles_n, 8);
+  const int ng1 = wg_groups(touched * groups1, w13.tiles_k, NB);
+  const int ng2 = wg_groups(touched * groups2, w2.tiles_k, NB);
+  const dim3 g1(static_cast<unsigned>(groups1), static_cast<unsigned>(slots));
+  detail::launch_kernel("sm90_lutb_mxfp8_moe_gemm1_swapab_wgmma", true, kern::swapab_wg_gemm1_kernel<NB>, g1,
+                        dim3(128 * ng1), kern::wg_smem_bytes<NB>(ng1), stream, w13,
+                        static_cast<const unsigned char*>(ws.xq8), static_cast<const float*>(ws.xsf),
+                        static_cast<long long>(Hp), r, static_cast<long long>(I), static_cast<long long>(Ip),
+                        static_cast<unsigned char*>(ws.hq8), ws.hsf);
+  const dim3 g2(static_cast<unsigned>(groups2), static_cast<unsigned>(slots));
+  detail::launch_kernel("sm90_lutb_mxfp8_moe_gemm2_swapab_wgmma", true, kern::swapab_wg_gemm2_kernel<NB>, g2,
+                        dim3(128 * ng2), kern::wg_smem_bytes<NB>(ng2), stream, w2,
+                        static_cast<const unsigned char*>(ws.hq8), static_cast<const float*>(ws.hsf),
+                        static_cast<long long>(Ip), r, static_cast<long long>(H), ws.y);
 }
 
 template <bool kCvt, int MT>
@@ -179,14 +229,19 @@ void moe_forward(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t
     } else {
       detail::launch_group(topk_ids, P, E, 8 * nb, ws, stream);
     }
+    const bool q8 = dec == kern::kDecFp8 || dec == kern::kDecWg;  // E4M3 activation bytes
     detail::launch_quantize_x(x, tokens, H, w.w13.shape.padded_cols(), dec == kern::kDecByte, ws.xa,
-                              dec == kern::kDecFp8 ? ws.xq8 : nullptr, ws.xs, ws.xsf, stream, /*first=*/direct);
+                              q8 ? ws.xq8 : nullptr, ws.xs, ws.xsf, stream, /*first=*/direct,
+                              /*q8_wg=*/dec == kern::kDecWg);
     auto go = [&](auto dec_c) {
       constexpr int kD = decltype(dec_c)::value;
       if (nb == 1) launch_swapab<kD, 1>(w, r, ws, P, stream);
       else launch_swapab<kD, 2>(w, r, ws, P, stream);
     };
-    if (dec == kern::kDecFp8) go(std::integral_constant<int, kern::kDecFp8>{});
+    if (dec == kern::kDecWg) {
+      if (nb == 1) launch_swapab_wg<1>(w, r, ws, P, stream);
+      else launch_swapab_wg<2>(w, r, ws, P, stream);
+    } else if (dec == kern::kDecFp8) go(std::integral_constant<int, kern::kDecFp8>{});
     else if (dec == kern::kDecCvt) go(std::integral_constant<int, kern::kDecCvt>{});
     else go(std::integral_constant<int, kern::kDecByte>{});
   } else if (s == MoeStrategy::Prefill) {

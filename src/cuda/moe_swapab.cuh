@@ -491,51 +491,13 @@ constexpr int swap_min_blocks(int nb) { return nb == 1 ? LUTB_SWAPAB_MINB1 : (nb
 #define LUTB_SWAPAB_BOUNDS(NB) __launch_bounds__(32 * swap_max_warps(NB), swap_min_blocks(NB))
 #endif
 
-/// GEMM1 + SiLU*up + MXFP8 of h. Grid: (Ip/32 strip groups, token tile slots); blockDim.x =
-/// 32 * warps (K split across the warps). xa: [T, a_cols] FP16 E4M3 values in the decoder's column
-/// order, or E4M3 bytes (natural order) for kDecFp8. Output hq [P, Ip] in the same form, hs [P, Ip/32]
-/// UE8M0.
+/// GEMM1's epilogue in warp 0 (acc = the reduced sums of all 8 strips, mma.sync m16n8 layout per
+/// m16 tile m): SiLU*up, BF16, the MXFP8 block of h, written in the decoder's activation form.
 template <int kDec, int NB>
-__global__ void LUTB_SWAPAB_BOUNDS(NB)
-    swapab_gemm1_kernel(LutbW w, const void* __restrict__ xa, const float* __restrict__ xsf,
-                        long long a_cols, Routing r, long long I, long long Ip, void* __restrict__ hq,
-                        float* __restrict__ hsf, bool one_token_loop) {
-  constexpr long long kEl = kDec == kDecFp8 ? 1 : 2;  // bytes per activation element
-  int e;
-  SwapTokens<NB> tk;
-  if (!swap_tile<NB>(r, blockIdx.y, e, tk)) return;
-  const int warp = threadIdx.x >> 5, nw = blockDim.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
-  const long long G = blockIdx.x;
-  long long strip[8];
-  bool ok[8];
-  group_strips<true>(G, w.tiles_n, I / 8, strip, ok);
-  const void* arow[NB];
-  const float* srow[NB][2];
-  const long long sblocks = a_cols / 32;
-#pragma unroll
-  for (int nb = 0; nb < NB; ++nb) {
-    const int p = tk.pair_g[nb] >= 0 ? tk.pair_g[nb] : tk.first;
-    arow[nb] = static_cast<const unsigned char*>(xa) + static_cast<long long>(p / r.top_k) * a_cols * kEl;
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const int pc = tk.pair_c[nb][u] >= 0 ? tk.pair_c[nb][u] : tk.first;
-      srow[nb][u] = xsf + static_cast<long long>(pc / r.top_k) * sblocks;
-    }
-  }
-  const int nblocks = (tk.count + 7) / 8;
-  const long long per = (w.tiles_k + nw - 1) / nw;
-  const long long k0 = min(w.tiles_k, per * warp), k1 = min(w.tiles_k, k0 + per);
-  extern __shared__ __align__(16) unsigned char swap_smem[];
-  float acc[4][NB][4];
-  // One-token tiles take the lighter K-loop (CTA-uniform branch; NB = 1 only).
-  if (NB == 1 && one_token_loop && tk.count == 1)
-    swap_warp_gemm<kDec, NB, NB == 1>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
-                                      swap_smem + warp * SwapRing::kWarpBytes, acc, PdlWaitAndTrigger{});
-  else
-    swap_warp_gemm<kDec, NB, false>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
-                                    swap_smem + warp * SwapRing::kWarpBytes, acc, PdlWaitAndTrigger{});
-  if (!swap_reduce<NB>(swap_smem, acc)) return;
-
+__device__ __forceinline__ void swap_epilogue1(const SwapTokens<NB>& tk, int nblocks, const bool (&ok)[8],
+                                               const float (&acc)[4][NB][4], long long G, long long Ip, void* hq,
+                                               float* hsf) {
+  const int g = (threadIdx.x & 31) >> 2;
   // Lane (g, t) holds gate (c0, c1) and up (c2, c3) of I-column 8(4G+m)+g for the tokens of
   // accumulator columns 2t, 2t+1. The MXFP8 block of h is I-columns 32G..32G+31 = (m, g).
 #pragma unroll
@@ -566,6 +528,8 @@ __global__ void LUTB_SWAPAB_BOUNDS(NB)
         const long long at = static_cast<long long>(p) * Ip + 8 * (4 * G + m);
         if constexpr (kDec == kDecFp8) {
           static_cast<unsigned char*>(hq)[at + g] = q8;
+        } else if constexpr (kDec == kDecWg) {  // the wgmma B order (wg_pos, moe_kernels.cuh)
+          static_cast<unsigned char*>(hq)[static_cast<long long>(p) * Ip + 32 * G + wg_pos(8 * m + g)] = q8;
         } else {
           static_cast<uint16_t*>(hq)[at + perm8(g, kDec == kDecByte)] = __half_as_ushort(__float2half_rn(e4m3_to_float(q8)));
         }
@@ -573,6 +537,78 @@ __global__ void LUTB_SWAPAB_BOUNDS(NB)
       if (g == 0) hsf[static_cast<long long>(p) * (Ip / 32) + G] = ue8m0_f(b);
     }
   }
+}
+
+/// GEMM2's epilogue in warp 0: the FP32 rows of y.
+template <int NB>
+__device__ __forceinline__ void swap_epilogue2(const SwapTokens<NB>& tk, int nblocks, const long long (&strip)[8],
+                                               const bool (&ok)[8], const float (&acc)[4][NB][4], float* y,
+                                               long long H) {
+  const int g = (threadIdx.x & 31) >> 2;
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    if (nb >= nblocks) continue;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int p = tk.pair_c[nb][u];
+      if (p < 0) continue;
+      float* dst = y + static_cast<long long>(p) * H;
+#pragma unroll
+      for (int m = 0; m < 4; ++m)
+#pragma unroll
+        for (int ab = 0; ab < 2; ++ab) {
+          const long long row = strip[2 * m + ab] * 8 + g;
+          if (ok[2 * m + ab] && row < H) dst[row] = acc[m][nb][2 * ab + u];
+        }
+    }
+  }
+}
+
+/// GEMM1 + SiLU*up + MXFP8 of h. Grid: (Ip/32 strip groups, token tile slots); blockDim.x =
+/// 32 * warps (K split across the warps). xa: [T, a_cols] FP16 E4M3 values in the decoder's column
+/// order, or E4M3 bytes (natural order) for kDecFp8. Output hq [P, Ip] in the same form, hs [P, Ip/32]
+/// UE8M0.
+template <int kDec, int NB>
+__global__ void LUTB_SWAPAB_BOUNDS(NB)
+    swapab_gemm1_kernel(LutbW w, const void* __restrict__ xa, const float* __restrict__ xsf,
+                        long long a_cols, Routing r, long long I, long long Ip, void* __restrict__ hq,
+                        float* __restrict__ hsf, bool one_token_loop) {
+  constexpr long long kEl = kDec == kDecFp8 ? 1 : 2;  // bytes per activation element
+  int e;
+  SwapTokens<NB> tk;
+  if (!swap_tile<NB>(r, blockIdx.y, e, tk)) return;
+  const int warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  const long long G = blockIdx.x;
+  long long strip[8];
+  bool ok[8];
+  group_strips<true>(G, w.tiles_n, I / 8, strip, ok);
+  const void* arow[NB];
+  const float* srow[NB][2];
+  const long long sblocks = a_cols / 32;
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    const int p = tk.pair_g[nb] >= 0 ? tk.pair_g[nb] : tk.first;
+    arow[nb] = static_cast<const unsigned char*>(xa) + static_cast<long long>(p / r.top_k) * a_cols * kEl;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int pc = tk.pair_c[nb][u] >= 0 ? tk.pair_c[nb][u] : tk.first;
+      srow[nb][u] = xsf + static_cast<long long>(pc / r.top_k) * sblocks;
+    }
+  }
+  const int nblocks = (tk.count + 7) / 8;
+  const long long per = (w.tiles_k + nw - 1) / nw;
+  const long long k0 = min(w.tiles_k, per * warp), k1 = min(w.tiles_k, k0 + per);
+  extern __shared__ __align__(16) unsigned char swap_smem[];
+  float acc[4][NB][4];
+  // One-token tiles take the lighter K-loop (CTA-uniform branch; NB = 1 only).
+  if (NB == 1 && one_token_loop && tk.count == 1)
+    swap_warp_gemm<kDec, NB, NB == 1>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
+                                      swap_smem + warp * SwapRing::kWarpBytes, acc, PdlWaitAndTrigger{});
+  else
+    swap_warp_gemm<kDec, NB, false>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
+                                    swap_smem + warp * SwapRing::kWarpBytes, acc, PdlWaitAndTrigger{});
+  if (!swap_reduce<NB>(swap_smem, acc)) return;
+  swap_epilogue1<kDec, NB>(tk, nblocks, ok, acc, G, Ip, hq, hsf);
 }
 
 /// GEMM2: y[p, n] = h[p] . w2[e, n]^T (FP32). Grid: (ceil(tiles_n/8) strip groups, slots).
@@ -584,7 +620,7 @@ __global__ void LUTB_SWAPAB_BOUNDS(NB)
   int e;
   SwapTokens<NB> tk;
   if (!swap_tile<NB>(r, blockIdx.y, e, tk)) return;
-  const int warp = threadIdx.x >> 5, nw = blockDim.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+  const int warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   const long long G = blockIdx.x;
   long long strip[8];
   bool ok[8];
@@ -614,23 +650,7 @@ __global__ void LUTB_SWAPAB_BOUNDS(NB)
     swap_warp_gemm<kDec, NB, false>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
                                     swap_smem + warp * SwapRing::kWarpBytes, acc, PdlWaitAndTrigger{});
   if (!swap_reduce<NB>(swap_smem, acc)) return;
-#pragma unroll
-  for (int nb = 0; nb < NB; ++nb) {
-    if (nb >= nblocks) continue;
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const int p = tk.pair_c[nb][u];
-      if (p < 0) continue;
-      float* dst = y + static_cast<long long>(p) * H;
-#pragma unroll
-      for (int m = 0; m < 4; ++m)
-#pragma unroll
-        for (int ab = 0; ab < 2; ++ab) {
-          const long long row = strip[2 * m + ab] * 8 + g;
-          if (ok[2 * m + ab] && row < H) dst[row] = acc[m][nb][2 * ab + u];
-        }
-    }
-  }
+  swap_epilogue2<NB>(tk, nblocks, strip, ok, acc, y, H);
 }
 
 }  // namespace lutb::cuda::kern

@@ -163,15 +163,24 @@ TEST_P(MoeRandom, MatchesHostReferenceAllStrategiesAndDecoders) {
   random_routing(c.T, c.k, allowed, rng, ids, wts);
   const auto ref = moe_reference(w13, w2, c.H, c.I, x, c.T, c.k, ids, wts);
   for (auto dec : {cuda::WeightDecoder::Auto, cuda::WeightDecoder::BytePermute, cuda::WeightDecoder::Cvt,
-                   cuda::WeightDecoder::Fp8Mma}) {
+                   cuda::WeightDecoder::Fp8Mma, cuda::WeightDecoder::Fp8Wgmma}) {
     cuda::set_weight_decoder(dec);
     for (auto s : kAllStrategies) {
       const auto got = run_forward(w13, w2, c.E, c.H, c.I, x, c.T, c.k, ids, wts, s);
       const Cmp r = compare_bf16(got, ref);
       SCOPED_TRACE(::testing::Message() << "strategy " << strategy_name(s) << " decoder " << static_cast<int>(dec));
       EXPECT_EQ(r.nan, 0) << "unwritten or NaN outputs";
-      EXPECT_LT(r.rel_l2, 1e-3) << "exact " << r.exact << " of " << r.n;
-      EXPECT_GT(r.exact, r.n * 8 / 10) << "bit-equal BF16 outputs (FP32 order only differs)";
+      if (dec == cuda::WeightDecoder::Fp8Wgmma && s == cuda::MoeStrategy::Decode) {
+        // Hopper's FP8 tensor core rounds inside the 32-product block sum (measured on the H200,
+        // 2026-11-30, docs/perf/moe-gpu.md session 13: rel_l2 up to 2.8e-3 here, >= 82 % of the
+        // BF16 outputs bit-equal): outside the "FP32 up to summation order" contract, so the
+        // decoder is opt-in and gets its own bound. A wrong operand layout gives rel_l2 ~ 1.
+        EXPECT_LT(r.rel_l2, 1e-2) << "exact " << r.exact << " of " << r.n;
+        EXPECT_GT(r.exact, r.n * 6 / 10) << "bit-equal BF16 outputs";
+      } else {
+        EXPECT_LT(r.rel_l2, 1e-3) << "exact " << r.exact << " of " << r.n;
+        EXPECT_GT(r.exact, r.n * 8 / 10) << "bit-equal BF16 outputs (FP32 order only differs)";
+      }
     }
   }
   cuda::set_weight_decoder(cuda::WeightDecoder::Auto);
@@ -234,8 +243,12 @@ TEST(MoeCuda, DependentLaunchBitIdenticalBackToBack) {
     }
     const std::size_t wsb = cuda::moe_workspace_bytes(T, k, E, H, I);
     DevBuf<char> ws(wsb);
-    for (auto s : kAllStrategies) {
-      SCOPED_TRACE(::testing::Message() << "T " << T << " strategy " << strategy_name(s));
+    // The FP8 wgmma decoder (swap-AB Decode only) stages the activations with cp.async after its
+    // PDL wait: checked here too.
+    for (int pass = 0; pass < 4; ++pass) {
+      const auto s = pass < 3 ? kAllStrategies[pass] : cuda::MoeStrategy::Decode;
+      cuda::set_weight_decoder(pass < 3 ? cuda::WeightDecoder::Auto : cuda::WeightDecoder::Fp8Wgmma);
+      SCOPED_TRACE(::testing::Message() << "T " << T << " strategy " << strategy_name(s) << (pass == 3 ? " wgmma" : ""));
       std::vector<std::vector<std::uint16_t>> alone;
       cuda::set_dependent_launch(false);
       for (int r = 0; r < 3; ++r) {
@@ -259,6 +272,7 @@ TEST(MoeCuda, DependentLaunchBitIdenticalBackToBack) {
     }
   }
   cuda::set_dependent_launch(true);
+  cuda::set_weight_decoder(cuda::WeightDecoder::Auto);
   ck(cudaStreamDestroy(st), "stream");
 }
 
@@ -372,6 +386,12 @@ TEST(MoeCuda, GoldenLayer) {
     EXPECT_EQ(r.nan, 0);
     EXPECT_LT(r.rel_l2, 1e-3) << "GPU vs golden";
   }
+  cuda::set_weight_decoder(cuda::WeightDecoder::Fp8Wgmma);
+  const auto got = run_forward(w13, w2, E, H, I, x, T, k, ids, wts, cuda::MoeStrategy::Decode);
+  cuda::set_weight_decoder(cuda::WeightDecoder::Auto);
+  const Cmp r = compare_bf16(got, expect);
+  EXPECT_EQ(r.nan, 0);
+  EXPECT_LT(r.rel_l2, 1e-2) << "GPU (FP8 wgmma decoder) vs golden (its own bound: see MoeRandom)";
 }
 
 TEST(MoeCuda, InvalidExpertIdWritesNanRow) {

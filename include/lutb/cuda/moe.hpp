@@ -180,9 +180,23 @@ void moe_forward_bf16(const DeviceMoeWeightsBf16& w, const std::uint16_t* x, std
 ///        it is slower than Cvt there; kept for comparison and for GPUs with a native FP8 mma.sync.
 ///        The tensor core sums each 32-column MXFP8 block before the FP32 promotion, as in the FP16
 ///        decoders.
+///   Fp8Wgmma: swap-AB decode kernels only, sm_90a (else BytePermute): the same looked-up E4M3 bytes
+///        are the REGISTER A operand of Hopper's native FP8 wgmma.mma_async.m64n8k32.f32.e4m3.e4m3
+///        (src/cuda/moe_swapab_sm90.cuh, kernels sm90_lutb_mxfp8_moe_gemm{1,2}_swapab_wgmma): a
+///        warpgroup takes 64 weight rows (8 strips; warp w = m16 tile w) and a K range, the E4M3
+///        activations of the tile's 8 (16) tokens are the B operand in shared memory (staged per
+///        K-tile with the weights). One wgmma (scale-d = 0) per 32-column block and token block;
+///        its FP32 result is promoted by the token's block scale, and per K-tile by the tile scale,
+///        as in the other decoders. Numerics: the tensor core's sum of one block's 32 products
+///        rounds (Hopper's FP8 path keeps a limited number of bits, DeepSeek-V3 report 3.3.2):
+///        measured on the H200 against the CPU emulation, normalised error 0.6-5.1e-3 and 72-95 %
+///        of the BF16 outputs bit-equal (the other decoders: <= 8e-5, >= 99.9 %), outside the
+///        "FP32 up to summation order" above. Speed: 1.15-1.73x slower than Cvt at T = 1..256
+///        (docs/perf/moe-gpu.md, "session 13"), so Auto never picks it. The other kernels use
+///        Cvt's policy.
 ///   Auto (default): swap-AB kernels Cvt on sm_90, the m16 decode kernel Cvt on sm_90, the prefill
 ///        kernel BytePermute (docs/perf/moe-gpu.md).
-enum class WeightDecoder : std::uint8_t { Auto, BytePermute, Cvt, Fp8Mma };
+enum class WeightDecoder : std::uint8_t { Auto, BytePermute, Cvt, Fp8Mma, Fp8Wgmma };
 void set_weight_decoder(WeightDecoder d);
 
 /// Programmatic dependent launch (process-wide; for testing and benchmarking): on sm_90+ the
