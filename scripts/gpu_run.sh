@@ -6,7 +6,7 @@
 # compute-sanitizer (memcheck, racecheck) on the small cases, and the benchmark.
 #
 #   scripts/gpu_run.sh [tests|sanitize|bench|all] [bench args...]
-#   scripts/gpu_run.sh fit [bench_fit_gpu args...]
+#   scripts/gpu_run.sh fit [bench_fit_gpu args...]   (LUTB_FIT_BENCH_FIRST=1: the benchmark before the sanitizers)
 #     builds only the GPU fitter and the online method (src/cuda/fit_*.cu, -fmad=false), their test
 #     binary (tests/cuda/fit_gpu_test.cpp and online_gpu_test.cpp against src/fit compiled with
 #     -ffp-contract=off, as CMake does) and bench/gpu/bench_fit_gpu.cu, then runs the tests,
@@ -160,18 +160,26 @@ if [ "$WHAT" = fit ]; then
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv | tee "$OUT/gpu.txt" || true
   export LD_LIBRARY_PATH="$DEPS_LIB:${LD_LIBRARY_PATH:-}"
   "$B/lutb_fit_gpu_tests" 2>&1 | tee "$OUT/fit_tests.log" || true
-  compute-sanitizer --tool memcheck --error-exitcode 9 "$B/lutb_fit_gpu_tests" \
-    --gtest_filter='FitGpu.EdgeTiles:FitGpu.ErrorsMatchCpu:FitGpu.DeviceEntryWithoutStats:FitGpu.ScanVariantsSameBytes:FitGpuOptimal.EdgeTiles:FitGpuOptimal.ScaleSearchBelowRceil:FitGpuOptimal.DeviceEntryWithoutStats:OnlineGpu.RandomLayer*:OnlineGpu.Errors*:OnlineGpu.LaneMajor*:OnlineGpu.Optimal*' 2>&1 |
+  fit_bench() {
+    local local_args=("$@")
+    [ ${#local_args[@]} -ge 3 ] || local_args=(8 4096 7168)
+    { "$B/bench_fit_gpu" "${local_args[@]:0:3}"; echo; "$B/bench_fit_gpu" "${local_args[@]:0:3}" student; } 2>&1 |
+      tee "$OUT/bench_fit_gpu.md" || true
+  }
+  # LUTB_FIT_BENCH_FIRST=1: the benchmark before the sanitizers (a short device lease keeps its figures);
+  # LUTB_FIT_SAN_FILTER=gtest-filter: the three sanitizers on those tests only.
+  [ "${LUTB_FIT_BENCH_FIRST:-0}" = 1 ] && fit_bench "$@"
+  local_mf='FitGpu.EdgeTiles:FitGpu.FullRangeDpEdgeTiles:FitGpu.ErrorsMatchCpu:FitGpu.DeviceEntryWithoutStats:FitGpu.ScanVariantsSameBytes:FitGpuOptimal.EdgeTiles:FitGpuOptimal.ScaleSearchBelowRceil:FitGpuOptimal.DeviceEntryWithoutStats:OnlineGpu.RandomLayer*:OnlineGpu.Errors*:OnlineGpu.LaneMajor*:OnlineGpu.Optimal*'
+  local_rf='FitGpu.EdgeTiles:FitGpu.FullRangeDpEdgeTiles:FitGpuOptimal.EdgeTiles:FitGpuOptimal.ScaleSearchBelowRceil:OnlineGpu.LaneMajor*'
+  local_sf='FitGpu.EdgeTiles:FitGpu.FullRangeDpEdgeTiles:FitGpuOptimal.EdgeTiles'
+  if [ -n "${LUTB_FIT_SAN_FILTER:-}" ]; then local_mf=$LUTB_FIT_SAN_FILTER; local_rf=$LUTB_FIT_SAN_FILTER; local_sf=$LUTB_FIT_SAN_FILTER; fi
+  compute-sanitizer --tool memcheck --error-exitcode 9 "$B/lutb_fit_gpu_tests" --gtest_filter="$local_mf" 2>&1 |
     tail -12 | tee "$OUT/fit_sanitizer.log" || true
-  compute-sanitizer --tool racecheck --error-exitcode 9 "$B/lutb_fit_gpu_tests" \
-    --gtest_filter='FitGpu.EdgeTiles:FitGpuOptimal.EdgeTiles:FitGpuOptimal.ScaleSearchBelowRceil:OnlineGpu.LaneMajor*' 2>&1 |
+  compute-sanitizer --tool racecheck --error-exitcode 9 "$B/lutb_fit_gpu_tests" --gtest_filter="$local_rf" 2>&1 |
     tail -6 | tee -a "$OUT/fit_sanitizer.log" || true
-  compute-sanitizer --tool synccheck --error-exitcode 9 "$B/lutb_fit_gpu_tests" --gtest_filter='FitGpu.EdgeTiles:FitGpuOptimal.EdgeTiles' 2>&1 |
+  compute-sanitizer --tool synccheck --error-exitcode 9 "$B/lutb_fit_gpu_tests" --gtest_filter="$local_sf" 2>&1 |
     tail -4 | tee -a "$OUT/fit_sanitizer.log" || true
-  local_args=("$@")
-  [ ${#local_args[@]} -ge 3 ] || local_args=(8 4096 7168)
-  { "$B/bench_fit_gpu" "${local_args[@]:0:3}"; echo; "$B/bench_fit_gpu" "${local_args[@]:0:3}" student; } 2>&1 |
-    tee "$OUT/bench_fit_gpu.md" || true
+  [ "${LUTB_FIT_BENCH_FIRST:-0}" = 1 ] || fit_bench "$@"
   exit 0
 fi
 

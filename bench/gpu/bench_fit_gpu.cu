@@ -11,6 +11,11 @@
 // With LUTB_BENCH_PROFILE_ONLY=1: only one launch each of the default binned-dp kernel and the
 // two-tiles-per-warp kernel over the stack (with per-tile sums), for a profiler (ncu), then exit;
 // =2: one launch each of the binned-dp shared-memory layouts 0..4 (fit12).
+// With LUTB_BENCH_FIT13=1: only fit13's comparison (the binned DP's layers by the divide and conquer,
+// launch_warp_dp mode 0 = every kernel before fit13, against the full-range modes 1, 2, 6, 7, on
+// layouts 0 and 1, with and without the per-tile sums, alternated twice in this process; whole-stack
+// bytes and sums == mode 0's; expert 0 == CPU; the phase breakdown of the instrumented kernel with
+// each mode), then exit.
 // Weights: i.i.d. Gaussian (sigma 0.02) rounded to BF16, or Student-t(3)-like with "student" (a
 // Gaussian divided by sqrt of a chi-square(3)/3 built from three more Gaussians).
 // Output: markdown lines with seconds, weights/s, the ratio to the thread kernel and the implied
@@ -175,6 +180,158 @@ int main(int argc, char** argv) {
                 static_cast<long long>(tiles));
     return 0;
   }
+  if (const char* f13 = std::getenv("LUTB_BENCH_FIT13"); f13 != nullptr && std::string(f13) == "1") {
+    namespace fi = lutb::cuda::fit_internal;
+    auto hostv = [](const void* p, std::size_t n) {
+      std::vector<std::uint8_t> h(n);
+      ok(cudaMemcpy(h.data(), p, n, cudaMemcpyDeviceToHost));
+      return h;
+    };
+    auto same13 = [&](const lutb::cuda::DeviceFitOut& x, const lutb::cuda::DeviceFitOut& y, bool sums) {
+      return hostv(x.packed, nt * lutb::kPackedBytes) == hostv(y.packed, nt * lutb::kPackedBytes) &&
+             hostv(x.codebook, nt * 8) == hostv(y.codebook, nt * 8) && hostv(x.scale, nt) == hostv(y.scale, nt) &&
+             (!sums || (hostv(x.sse, nt * 8) == hostv(y.sse, nt * 8) && hostv(x.sum_sq, nt * 8) == hostv(y.sum_sq, nt * 8)));
+    };
+    auto time_dp = [&](int layout, int dp, bool sums, const lutb::cuda::DeviceFitOut& o) {
+      lutb::cuda::DeviceFitOut oo = o;
+      if (!sums) oo.sse = oo.sum_sq = nullptr;
+      fi::KernelArgs ka{d_w, 1, N, K, s.tiles_n(), s.tiles_k(), tiles, 0, oo, -1, d_err};
+      float best = 1e30f;
+      for (int rep = 0; rep < 4; ++rep) {  // first = warm-up
+        ok(cudaMemset(d_err, 0xff, 8));
+        ok(cudaEventRecord(a));
+        fi::launch_warp_dp(ka, layout, dp, nullptr);
+        ok(cudaEventRecord(b));
+        ok(cudaEventSynchronize(b));
+        float ms = 0;
+        ok(cudaEventElapsedTime(&ms, a, b));
+        if (rep > 0) best = std::min(best, ms);
+      }
+      unsigned long long err = 0;
+      ok(cudaMemcpy(&err, d_err, 8, cudaMemcpyDeviceToHost));
+      if (lutb::cuda::decode_fit_error(err).code != 0) std::printf("unexpected tile error\n");
+      return best * 1e-3;
+    };
+    // Reference: mode 0 (the divide and conquer), layout 0, with the per-tile sums, into out[0].
+    time_dp(0, 0, true, out[0]);
+    struct V {
+      int layout, dp;
+      bool sums;
+    };
+    const V vs[] = {{1, 0, true},  {1, 6, true},  {1, 7, true},  {0, 0, true},  {0, 6, true},  {0, 7, true},
+                    {0, 2, true},  {0, 0, false}, {0, 6, false}, {0, 7, false}, {1, 0, false}, {1, 6, false},
+                    {1, 7, false}};
+    constexpr int kV = sizeof(vs) / sizeof(vs[0]);
+    double t13[2][kV] = {};
+    bool same_all = true;
+    for (int r = 0; r < 2; ++r)
+      for (int v = 0; v < kV; ++v) {
+        t13[r][v] = time_dp(vs[v].layout, vs[v].dp, vs[v].sums, out[3]);
+        const bool eq = same13(out[3], out[0], vs[v].sums);
+        if (!eq) std::printf("fit13: layout %d DP mode %d sums %d: bytes or sums DIFFER from mode 0\n", vs[v].layout,
+                             vs[v].dp, vs[v].sums ? 1 : 0);
+        same_all = same_all && eq;
+      }
+    // Expert 0 == CPU (binned-dp), bytes and FitStats (the per-tile sums added in tile order).
+    const std::int64_t tpe = s.tiles_per_expert();
+    std::vector<std::uint16_t> h(static_cast<std::size_t>(N * K));
+    ok(cudaMemcpy(h.data(), d_w, h.size() * 2, cudaMemcpyDeviceToHost));
+    lutb::LutbTensor cpu;
+    lutb::FitOptions fo;
+    fo.fitter = "binned-dp";
+    const auto t0 = std::chrono::steady_clock::now();
+    const lutb::FitStats st = lutb::quantize(h.data(), lutb::DType::BF16, s1, cpu, fo, "w13");
+    const double cpu_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::vector<double> sse(static_cast<std::size_t>(tpe)), ssq(static_cast<std::size_t>(tpe));
+    ok(cudaMemcpy(sse.data(), out[0].sse, sse.size() * 8, cudaMemcpyDeviceToHost));
+    ok(cudaMemcpy(ssq.data(), out[0].sum_sq, ssq.size() * 8, cudaMemcpyDeviceToHost));
+    lutb::FitStats sg;
+    for (std::size_t t = 0; t < sse.size(); ++t) {
+      sg.sse += sse[t];
+      sg.sum_sq += ssq[t];
+    }
+    const bool same_cpu = cpu.packed == hostv(out[0].packed, static_cast<std::size_t>(tpe) * lutb::kPackedBytes) &&
+                          cpu.codebook == hostv(out[0].codebook, static_cast<std::size_t>(tpe) * 8) &&
+                          cpu.scale == hostv(out[0].scale, static_cast<std::size_t>(tpe)) && sg.sse == st.sse &&
+                          sg.sum_sq == st.sum_sq;
+    // Phase breakdown: the instrumented kernel (layout 0) with DP modes 0, 1, 2.
+    unsigned long long* d_prof = nullptr;
+    constexpr int kSlots13 = fi::kProfSlotsTotal;
+    constexpr int kPm = 5;
+    static const int kPmode[kPm] = {0, 1, 2, 6, 7};
+    unsigned long long prof13[kPm][kSlots13] = {};
+    ok(cudaMalloc(&d_prof, sizeof(prof13[0])));
+    for (int pm = 0; pm < kPm; ++pm) {
+      const int dp = kPmode[pm];
+      ok(cudaMemset(d_prof, 0, sizeof(prof13[pm])));
+      fi::KernelArgs ka{d_w, 1, N, K, s.tiles_n(), s.tiles_k(), tiles, 0, out[3], -1, d_err};
+      ok(cudaMemset(d_err, 0xff, 8));
+      fi::launch_warp_profiled(ka, d_prof, nullptr, fi::kWarpArithDefault, dp);
+      ok(cudaMemcpy(prof13[pm], d_prof, sizeof(prof13[pm]), cudaMemcpyDeviceToHost));
+      const bool eq = same13(out[3], out[0], true);
+      if (!eq) std::printf("fit13: profiled DP mode %d: bytes or sums DIFFER from mode 0\n", dp);
+      same_all = same_all && eq;
+    }
+    cudaFree(d_prof);
+    std::printf("| GPU | %s, %d SMs |\n", prop.name, prop.multiProcessorCount);
+    std::printf("| data | BF16 %s sigma 0.02, [%lld, %lld, %lld] = %.3g weights, %lld tiles |\n\n",
+                student ? "Student-t(3)-like" : "Gaussian", static_cast<long long>(E), static_cast<long long>(N),
+                static_cast<long long>(K), static_cast<double>(weights), static_cast<long long>(tiles));
+    std::printf("| fit13: binned-dp, layout, DP mode, sums | time alt. 1 / 2 | weights/s (best) | time / same layout's mode 0 "
+                "(alt. 1 / 2) | 654e9 weights | of 45e9/s |\n|---|---|---|---|---|---|\n");
+    static const char* const kDp[8] = {"0 divide and conquer (baseline)", "1 full range, every layer",
+                                       "2 full range from layer 3", "3",
+                                       "4 full range, every layer, 2 passes at a time", "5",
+                                       "6 full range, a chunk of pairs per lane, every layer",
+                                       "7 full range, a chunk of pairs per lane, from layer 3"};
+    for (int v = 0; v < kV; ++v) {
+      int base = v;
+      for (int u = 0; u < kV; ++u)
+        if (vs[u].layout == vs[v].layout && vs[u].sums == vs[v].sums && vs[u].dp == 0) base = u;
+      const double tb = std::min(t13[0][v], t13[1][v]);
+      const double rate = static_cast<double>(weights) / tb;
+      std::printf("| layout %d, DP mode %s, %s | %.4f / %.4f s | %.3g | %.3f / %.3f | %.0f s | %.1f%% |\n", vs[v].layout,
+                  kDp[vs[v].dp], vs[v].sums ? "with per-tile sums" : "bytes only", t13[0][v], t13[1][v], rate,
+                  t13[0][v] / t13[0][base], t13[1][v] / t13[1][base], 654e9 / rate, 100.0 * rate / 45e9);
+    }
+    std::printf("| default selection (fit_internal.cuh): with sums layout %d DP mode %d, bytes only layout %d DP mode %d | |\n",
+                fi::kWarpLayoutDefault, fi::kWarpDpDefault, fi::kWarpLayoutBytesOnly, fi::kWarpDpBytesOnly);
+    std::printf("| resident warps per SM: layout 0 / layout 1 | %d / %d |\n", fi::resident_warps_per_sm(0),
+                fi::resident_warps_per_sm(3));
+    static const char* const kPh[7] = {"load + check", "sort + de-duplication", "prefix sums (serial)", "bin edges",
+                                       "binned DP (layers 1..K)", "refinement (window DP)",
+                                       "encoding + per-tile sums (serial)"};
+    constexpr int P = fi::kProfPhases;
+    std::printf("\n| phase (layout 0, instrumented: lane-0 clock64 cycles per tile) | DP mode 0 | DP mode 1 | DP mode 2 | DP mode 6 "
+                "| DP mode 7 |\n|---|---|---|---|---|---|\n");
+    double tot[kPm] = {};
+    for (int pm = 0; pm < kPm; ++pm)
+      for (int i = 0; i < P; ++i) tot[pm] += static_cast<double>(prof13[pm][i]);
+    for (int i = 0; i < P; ++i) {
+      std::printf("| %s |", kPh[i]);
+      for (int pm = 0; pm < kPm; ++pm)
+        std::printf(" %.0f (%.1f%%) |", static_cast<double>(prof13[pm][i]) / static_cast<double>(prof13[pm][P]),
+                    100.0 * static_cast<double>(prof13[pm][i]) / tot[pm]);
+      std::printf("\n");
+    }
+    std::printf("| total per tile |");
+    for (int pm = 0; pm < kPm; ++pm) std::printf(" %.0f |", tot[pm] / static_cast<double>(prof13[pm][P]));
+    std::printf("\n| distinct values n / bin edges m / refinement rounds per tile |");
+    for (int pm = 0; pm < kPm; ++pm) {
+      const double q = static_cast<double>(prof13[pm][P]);
+      std::printf(" %.1f / %.1f / %.2f |", static_cast<double>(prof13[pm][P + 1]) / q,
+                  static_cast<double>(prof13[pm][P + 2]) / q, static_cast<double>(prof13[pm][P + 3]) / q);
+    }
+    std::printf("\n| DP layers recomputed by the divide and conquer (non-monotone full-range minima), per tile (count) |");
+    for (int pm = 0; pm < kPm; ++pm)
+      std::printf(" %.5f (%llu) |", static_cast<double>(prof13[pm][P + 4]) / static_cast<double>(prof13[pm][P]),
+                  prof13[pm][P + 4]);
+    std::printf("\n\n| every mode and layout == mode 0, layout 0: bytes and sums (bytes only: bytes), whole stack | %s |\n",
+                same_all ? "yes" : "NO");
+    std::printf("| expert 0: GPU (mode 0 reference) == CPU binned-dp (%d threads, %.3f s): bytes and FitStats | %s |\n",
+                omp_get_max_threads(), cpu_s, same_cpu ? "yes" : "NO");
+    return same_all && same_cpu ? 0 : 2;
+  }
   const double t_thread = time_kernel(lutb::cuda::GpuFitKernel::Thread, out[1]);
   lutb::cuda::DeviceFitOut nostats = out[0];
   nostats.sse = nostats.sum_sq = nullptr;
@@ -289,7 +446,7 @@ int main(int argc, char** argv) {
   // Where the warp kernel's time goes: per-phase clock64() cycles of lane 0, summed over warps
   // (an instrumented copy of the kernel; same bytes).
   unsigned long long* d_prof = nullptr;
-  constexpr int kSlots = lutb::cuda::fit_internal::kProfPhases + 4;
+  constexpr int kSlots = lutb::cuda::fit_internal::kProfSlotsTotal;
   unsigned long long prof[3][kSlots] = {};  // [0] binned-dp, [1] optimal, [2] binned-dp with arith 0
   ok(cudaMalloc(&d_prof, sizeof(prof[0])));
   for (int f = 0; f < 3; ++f) {

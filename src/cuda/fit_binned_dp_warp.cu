@@ -42,6 +42,11 @@
 //    per SM instead of 16): the prefix sums only at the bin edges, the refinement windows' sums
 //    re-derived per round in the CPU's order, the running and flat-order sums through a chunk
 //    (details at fit_compact_kernel).
+//  - DP modes (fit13; dp_layer_mode, launch_warp_dp in fit_dp_modes.cu): each DP layer's minima for
+//    every end position at once over the full start ranges (dp_layer_full: 32 pairs per pass;
+//    dp_layer_chunk: a contiguous chunk of pairs per lane), equal to the divide and conquer's when
+//    they are monotone in j (proof at dp_layer_full; checked, the layer recomputed by dp_layer
+//    otherwise). Mode 6 (dp_layer_chunk) on fit_warp_kernel is the default of bytes-only fits.
 //  - fit_pair_kernel (binned-dp, an experiment selected by launch_warp_tiles, not the default): two
 //    tiles per warp, their DP and refinement at once on the two half-warps (the same functions with
 //    G = 16 lanes per tile, every collective masked to the half); same bytes, slower on the H200
@@ -80,7 +85,7 @@ constexpr int kBins = 32, kTail = 8, kWindow = 8, kRounds = 4, kSettled = 3;  //
 constexpr int kWin = 2 * kWindow + 1;
 constexpr int kMaxPos = kBins + 2 * kTail + 2;  // binned_dp.cpp's pos[] size: m < kMaxPos
 constexpr int kOptRows = kCodebookSize - 2;     // opt rows of layers 2..7 (row k - 2)
-constexpr int kProfSlots = kProfPhases + 4;      // phases, then tiles, sum n, sum m, refine rounds
+constexpr int kProfSlots = kProfPhases + 5;      // phases, then tiles, sum n, sum m, refine rounds, DP layer reruns
 // Cost evaluations issued together in the DP scans (scan_min), per fitter, as measured on the H200
 // (docs/perf/fit-gpu.md, gpufit3 run 2): binned-dp's scans are 1-3 evaluations long, 2 at a time
 // was no faster and 4 6 % slower; optimal's are longer, 4 at a time was 5 % faster than 2 and 10 %
@@ -135,6 +140,16 @@ struct Node {
   short jlo, jhi, ilo, ihi;
 };
 
+// dp_layer_full's scratch (fit13): per end position j, i = e + rb[j] for the layer's flat pair
+// index e; a bit per flat index where a row (end position) starts. At most sum_{j=2..49} (j - 1) =
+// 1176 pairs a layer (m <= 49).
+constexpr int kFullWords = 40;
+struct FullScratch {
+  std::int16_t rb[kMaxPos];
+  std::uint32_t bits[kFullWords];
+  std::int16_t roff[kMaxPos];  // dp_layer_chunk: the flat index of row j's first pair
+};
+
 // DP tables. binned-dp: prefix sums at the bin edges (scaled units), as dp.cpp's Dp. optimal: the
 // positions are the distinct values themselves, so the costs read the prefix sums directly and
 // scale them on the fly (the same products dp.cpp stores), which saves 12 KiB per warp.
@@ -145,6 +160,7 @@ struct DpTables {
   double buf[2][kMaxPos];
   std::int16_t opt[kOptRows][kMaxPos];
   Node nodes[2][32];  // the nodes of one tree level (at most 32: m - 1 <= 48 end positions)
+  FullScratch full;   // dp_layer_full (fit13)
 };
 template <>
 struct DpTables<true> {
@@ -387,6 +403,277 @@ __device__ void dp_layer(S& s, int lane, int k, int m, const double* prev, doubl
   }
 }
 
+// fit13: one layer k of dp.cpp Dp::solve computed for EVERY end position at once, without the
+// divide and conquer's tree levels (binned-dp, G = 32 only). For each end position j in [k, m] it
+// takes g(j) = the leftmost minimum of prev[i] + cost(i, j) over the FULL range
+// R(j) = [max(k - 1, lower[j]), j - 1] (lower: the previous layer's opt row, none for k = 2), and
+// returns whether g is non-decreasing in j. When it is, g and the minima ARE what dp.cpp's (and
+// dp_layer's) divide and conquer computes, bit for bit:
+//   Claim. If g(j) <= g(j + 1) for all j in [k, m - 1], then every node j of dp.cpp's recursion
+//   scans a range containing g(j) and takes g(j) with the value prev[g(j)] + cost(g(j), j).
+//   Proof, by induction from the root down. A node j gets (ilo, ihi) = (the split point of its
+//   nearest ancestor to the left, or k - 1; that of its nearest ancestor to the right, or m - 1).
+//   By the induction hypothesis those split points are g(ja) for an ancestor ja < j and g(jb) for
+//   jb > j, so ilo <= g(j) <= ihi by monotonicity (k - 1 <= g(j) <= m - 1 trivially). The node scans
+//   [lo, hi] with lo = max(ilo, k - 1, lower[j]) <= g(j) (g(j) is in R(j)) and hi = min(ihi, j - 1)
+//   >= g(j) (so the "lo = min(lo, hi)" clamp does not act). [lo, hi] is a sub-range of R(j) that
+//   contains g(j): every i < g(j) in it has a value strictly above the minimum over R(j) (g(j) is
+//   the LEFTMOST minimum of R(j), and no value is NaN: every run is non-empty), every i > g(j) a
+//   value >= it, so the scan's strict "<" (the group argmin's (value, index) order) ends on g(j),
+//   with the same bits (the same expression prev[i] + cost(i, j) on the same inputs).           []
+// In exact arithmetic g is always monotone (the quadrangle inequality, dp.cpp's header); in
+// floating point a rounding-level violation is possible (on the H200 benchmark stack: 1.1 % of the
+// layers of Gaussian BF16 tiles, 0.16 % of Student-t(3) ones, docs/perf/fit-gpu.md fit13), and
+// then this returns false and the caller recomputes the layer with dp_layer (every cur[j] and
+// optk[j], j in [k, m], is overwritten there), so the bytes never depend on the check's outcome.
+// Work division: the layer's (j, i) pairs in j-major order, 32 consecutive pairs per pass (a lane
+// each, all lanes busy, no per-level bookkeeping); a pair's row j from a bitmap of row starts
+// (popc), i = e + rb[j]; the leftmost minimum per row by a segmented (value, index) scan over the
+// lanes, a row continuing from the previous pass entering through lane 0 (its indices are lower).
+// PU: passes per loop iteration (1, or 2: both passes' cost evaluations and segmented scans are
+// independent and overlap; the row continuing from the previous pass is folded in after the scan,
+// into the lanes of the pass's first segment, which the (value, index) minimum allows: it is
+// associative and commutative).
+template <int PU, class S, class Cost>
+__device__ bool dp_layer_full(S& s, int lane, int k, int m, const double* prev, double* cur, std::int16_t* optk,
+                              const std::int16_t* lower, const Cost& cost) {
+  static_assert(PU == 1 || PU == 2);
+  FullScratch& fs = s.dp.full;
+  // Rows (end positions) j0 = k + lane and j1 = k + 32 + lane (at most 48 rows: m <= 49).
+  const int j0 = k + lane, j1 = k + 32 + lane;
+  const int lo0 = j0 <= m ? max(k - 1, lower ? static_cast<int>(lower[j0]) : 0) : 0;
+  const int lo1 = j1 <= m ? max(k - 1, lower ? static_cast<int>(lower[j1]) : 0) : 0;
+  const int len0 = j0 <= m ? j0 - lo0 : 0, len1 = j1 <= m ? j1 - lo1 : 0;  // (>= 1: lower[j] <= j - 1)
+  // Row offsets: one inclusive scan of both lengths packed into one word (each sum < 2^16).
+  int incl = len0 | (len1 << 16);
+  for (int off = 1; off < 32; off <<= 1) {
+    const int t = __shfl_up_sync(kFull, incl, off);
+    if (lane >= off) incl += t;
+  }
+  const int tot = __shfl_sync(kFull, incl, 31);
+  const int total0 = tot & 0xffff, total = total0 + (tot >> 16);
+  const int off0 = (incl & 0xffff) - len0, off1 = total0 + (incl >> 16) - len1;
+  const int maxlen = static_cast<int>(__reduce_max_sync(kFull, static_cast<unsigned>(max(len0, len1))));
+  for (int w = lane; w < kFullWords; w += 32) fs.bits[w] = 0u;  // (total <= 1176: words 0..36, +1 read by PU 2)
+  __syncwarp();
+  if (len0 > 0) {
+    atomicOr(&fs.bits[off0 >> 5], 1u << (off0 & 31));
+    fs.rb[j0] = static_cast<std::int16_t>(lo0 - off0);
+  }
+  if (len1 > 0) {
+    atomicOr(&fs.bits[off1 >> 5], 1u << (off1 & 31));
+    fs.rb[j1] = static_cast<std::int16_t>(lo1 - off1);
+  }
+  __syncwarp();
+  const unsigned upto = 0xffffffffu >> (31 - lane);  // bits 0..lane
+  double cv = 0.0;  // the minimum (value, index) so far of the row continuing from the last pass
+  int ci = 0;
+  int rowbase = k - 1;  // rows started before this pass, + k - 1
+  for (int e0 = 0; e0 < total; e0 += 32 * PU) {
+    unsigned word[PU];
+    int j[PU], i[PU], bi[PU], seg[PU];
+    bool valid[PU];
+    double bv[PU];
+#pragma unroll
+    for (int u = 0; u < PU; ++u) {
+      word[u] = fs.bits[(e0 >> 5) + u];
+      j[u] = rowbase + __popc(word[u] & upto);  // (past the last pair: m)
+      rowbase += __popc(word[u]);
+      const int e = e0 + 32 * u + lane;
+      valid[u] = e < total;
+      i[u] = valid[u] ? e + fs.rb[j[u]] : j[u] - 1;  // (a valid dummy run past the last pair, not stored)
+      seg[u] = 31 - __clz((word[u] | 1u) & upto);  // this lane's row starts at lane seg (or before)
+    }
+#pragma unroll
+    for (int u = 0; u < PU; ++u) {
+      bv[u] = prev[i[u]] + cost(i[u], j[u]);
+      bi[u] = i[u];
+      if (!valid[u]) bv[u] = inf();
+    }
+    for (int d = 1; d < maxlen && d < 32; d <<= 1) {  // segmented inclusive (value, index) minimum
+#pragma unroll
+      for (int u = 0; u < PU; ++u) {
+        const double ov = __shfl_up_sync(kFull, bv[u], d);
+        const int oi = __shfl_up_sync(kFull, bi[u], d);
+        if (lane - d >= seg[u]) keep_min(bv[u], bi[u], ov, oi);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < PU; ++u) {
+      // The row continuing from the previous pass (no row start at bit 0): its lanes are those of
+      // the first segment; the carried part has the lower indices.
+      if ((e0 > 0 || u > 0) && !(word[u] & 1u) && seg[u] == 0) keep_min(bv[u], bi[u], cv, ci);
+      if (valid[u] && i[u] == j[u] - 1) {  // the row's last pair: its minimum over R(j)
+        cur[j[u]] = bv[u];
+        optk[j[u]] = static_cast<std::int16_t>(bi[u]);
+      }
+      cv = __shfl_sync(kFull, bv[u], 31);
+      ci = __shfl_sync(kFull, bi[u], 31);
+    }
+  }
+  __syncwarp();
+  bool mono = true;
+  if (j0 < m) mono = optk[j0] <= optk[j0 + 1];
+  if (j1 < m) mono = mono && optk[j1] <= optk[j1 + 1];
+  return __all_sync(kFull, mono);
+}
+
+// fit13, second form: the same full-range minima g(j) (same proof, same fallback), but each lane
+// takes a CONTIGUOUS chunk of ceil(pairs / 32) of the layer's (j, i) pairs in j-major order and
+// scans it sequentially (the evaluations are independent: two are issued per step), keeping the
+// running (value, index) minimum of its current row with the CPU's strict "<" in increasing i; a
+// row that ends inside the chunk and started inside it is written directly. Rows that cross chunk
+// boundaries are combined once per layer: a lane's outgoing partial (the minimum of the row that
+// crosses its chunk's end) is its own partial, or, when its whole chunk lies inside a row that
+// started before it ("pass-through"), the incoming partial combined with its own; that recurrence is
+// one segmented (value, index) scan over the lanes (5 shuffle rounds); a lane whose first row started
+// before its chunk and ends inside it combines the incoming partial (lower indices) with its own
+// head minimum and writes the row. The (value, index) minimum is associative and commutative, so
+// every row's result is the leftmost minimum over R(j) (the CPU's scan), whatever the chunking.
+template <class S, class Cost>
+__device__ bool dp_layer_chunk(S& s, int lane, int k, int m, const double* prev, double* cur, std::int16_t* optk,
+                               const std::int16_t* lower, const Cost& cost) {
+  FullScratch& fs = s.dp.full;
+  const int j0 = k + lane, j1 = k + 32 + lane;
+  const int lo0 = j0 <= m ? max(k - 1, lower ? static_cast<int>(lower[j0]) : 0) : 0;
+  const int lo1 = j1 <= m ? max(k - 1, lower ? static_cast<int>(lower[j1]) : 0) : 0;
+  const int len0 = j0 <= m ? j0 - lo0 : 0, len1 = j1 <= m ? j1 - lo1 : 0;
+  int incl = len0 | (len1 << 16);
+  for (int off = 1; off < 32; off <<= 1) {
+    const int t = __shfl_up_sync(kFull, incl, off);
+    if (lane >= off) incl += t;
+  }
+  const int tot = __shfl_sync(kFull, incl, 31);
+  const int total0 = tot & 0xffff, total = total0 + (tot >> 16);
+  const int off0 = (incl & 0xffff) - len0, off1 = total0 + (incl >> 16) - len1;
+  if (len0 > 0) {
+    fs.roff[j0] = static_cast<std::int16_t>(off0);
+    fs.rb[j0] = static_cast<std::int16_t>(lo0 - off0);
+  }
+  if (len1 > 0) {
+    fs.roff[j1] = static_cast<std::int16_t>(off1);
+    fs.rb[j1] = static_cast<std::int16_t>(lo1 - off1);
+  }
+  __syncwarp();
+  const int C = (total + 31) >> 5;  // pairs per lane
+  const int c0 = min(lane * C, total), c1 = min(c0 + C, total);
+  // Row of pair c0: the last j in [k, m] with roff[j] <= c0.
+  int j = k;
+  if (c0 < c1) {
+    int a = k, b = m;
+    while (a < b) {
+      const int mid = (a + b + 1) >> 1;
+      if (fs.roff[mid] <= c0) a = mid;
+      else b = mid - 1;
+    }
+    j = a;
+  }
+  const int jh = j;  // my first row
+  const bool head_cont = c0 < c1 && fs.roff[j] < c0;  // my first row started in an earlier chunk
+  bool first = true;       // still in my first row
+  bool head_ends = false;  // (head_cont) my first row ends in my chunk
+  double hv = inf(), rv = inf();  // head minimum (head_cont rows), running minimum of the current row
+  int hix = INT_MAX, ri = INT_MAX;
+  int i = c0 < c1 ? c0 + fs.rb[j] : 0;
+  // Folds the pair (i, j) with value v into the current row; at the row's last pair (i = j - 1)
+  // writes it (or keeps it as the head minimum) and moves to the next row.
+  auto fold = [&](double v, int ii, int jj) {
+    if (v < rv) {  // (increasing i within a row: the CPU's strict "<")
+      rv = v;
+      ri = ii;
+    }
+    if (ii == jj - 1) {
+      if (first && head_cont) {
+        hv = rv;
+        hix = ri;
+        head_ends = true;
+      } else {
+        cur[jj] = rv;
+        optk[jj] = static_cast<std::int16_t>(ri);
+      }
+      first = false;
+      rv = inf();
+      ri = INT_MAX;
+    }
+  };
+  int e = c0;
+  for (; e + 1 < c1; e += 2) {  // two independent evaluations per step
+    const int ia = i, ja = j;
+    int ib, jb;
+    if (ia == ja - 1) {
+      jb = ja + 1;
+      ib = e + 1 + fs.rb[jb];
+    } else {
+      jb = ja;
+      ib = ia + 1;
+    }
+    const double va = prev[ia] + cost(ia, ja);
+    const double vb = prev[ib] + cost(ib, jb);
+    fold(va, ia, ja);
+    fold(vb, ib, jb);
+    if (ib == jb - 1) {
+      j = jb + 1;
+      i = (j <= m) ? e + 2 + fs.rb[j] : 0;
+    } else {
+      j = jb;
+      i = ib + 1;
+    }
+  }
+  if (e < c1) fold(prev[i] + cost(i, j), i, j);
+  // Outgoing partial (the row crossing my chunk's end): pass-through lanes combine the incoming one.
+  const bool pass = c0 < c1 && first && head_cont;  // my whole chunk inside a row begun before it
+  double ov = rv;  // (inf when my last row ended at c1 - 1, or an empty chunk)
+  int oi = ri;
+  const unsigned starts = __ballot_sync(kFull, !pass);  // (lane 0 never passes through: c0 = 0)
+  const int seg = 31 - __clz(starts & (0xffffffffu >> (31 - lane)));
+  for (int d = 1; d < 32; d <<= 1) {
+    const double pv = __shfl_up_sync(kFull, ov, d);
+    const int pi = __shfl_up_sync(kFull, oi, d);
+    if (lane - d >= seg) keep_min(ov, oi, pv, pi);
+  }
+  double inval = __shfl_up_sync(kFull, ov, 1);  // the incoming partial: lane - 1's outgoing one
+  int inidx = __shfl_up_sync(kFull, oi, 1);
+  if (head_cont && head_ends) {  // my first row: the incoming partial (lower indices), then mine
+    keep_min(inval, inidx, hv, hix);
+    cur[jh] = inval;
+    optk[jh] = static_cast<std::int16_t>(inidx);
+  }
+  __syncwarp();
+  bool mono = true;
+  if (j0 < m) mono = optk[j0] <= optk[j0 + 1];
+  if (j1 < m) mono = mono && optk[j1] <= optk[j1 + 1];
+  return __all_sync(kFull, mono);
+}
+
+// dp_fit's layers 2..K-1 by the DP mode Dm (fit13; launch_warp_dp): 0 dp_layer (the divide and
+// conquer level by level, fit12's kernels); 1 dp_layer_full for every layer; 2 dp_layer for layer
+// 2 (no lower row: its full range is the whole triangle), dp_layer_full from layer 3; 3 (tests
+// only) dp_layer_full and then ALWAYS dp_layer, the path a non-monotone layer takes; 4, 5: 1, 2
+// with two passes per iteration (PU = 2); 6, 7: 1, 2 with dp_layer_chunk (a contiguous chunk of
+// pairs per lane) instead of dp_layer_full; 8 (tests only): 6, then ALWAYS dp_layer. Returns 1
+// when dp_layer reran a layer after the full-range form.
+template <int Dm, int U, class S, class Cost>
+__device__ __forceinline__ int dp_layer_mode(S& s, int lane, int k, int m, const double* prev, double* cur,
+                                             std::int16_t* optk, const std::int16_t* lower, const Cost& cost) {
+  static_assert(Dm >= 0 && Dm <= 8);
+  if constexpr (Dm == 0) {
+    dp_layer<U, 32>(s, lane, k, m, prev, cur, optk, lower, cost);
+    return 0;
+  } else {
+    if ((Dm == 2 || Dm == 5 || Dm == 7) && k == 2) {
+      dp_layer<U, 32>(s, lane, k, m, prev, cur, optk, lower, cost);
+      return 0;
+    }
+    bool mono;
+    if constexpr (Dm >= 6) mono = dp_layer_chunk(s, lane, k, m, prev, cur, optk, lower, cost);
+    else mono = dp_layer_full<Dm >= 4 ? 2 : 1>(s, lane, k, m, prev, cur, optk, lower, cost);
+    if (mono && Dm != 3 && Dm != 8) return 0;
+    __syncwarp();
+    dp_layer<U, 32>(s, lane, k, m, prev, cur, optk, lower, cost);
+    return 1;
+  }
+}
+
 // Arithmetic variant 3: the prefix sums, scaled to scale `from` (127: unscaled), rescaled to `to`
 // in place (exact, see kArith).
 template <bool Opt>
@@ -403,9 +690,13 @@ __device__ __forceinline__ void prescale(Smem<Opt>& s, int lane, int n, int from
 // (optimal, m = n). Leaves s.K, s.entries, s.bounds and (optimal) s.cost = the DP minimum / inv^2.
 // G: the lanes of the tile (32, or the half-warp of fit_pair_kernel, binned-dp only); `lane_w` is
 // the warp lane.
-template <int U, int Ar, bool Opt, int G = 32>
-__device__ void dp_fit_warp(Smem<Opt>& s, int lane_w, int m, int scale) {
+// Dm: the DP mode of the layers (dp_layer_mode; binned-dp with G = 32 only). Returns the layers
+// that dp_layer_full left to dp_layer (0 for Dm = 0).
+template <int U, int Ar, bool Opt, int G = 32, int Dm = 0>
+__device__ int dp_fit_warp(Smem<Opt>& s, int lane_w, int m, int scale) {
   static_assert(G == 32 || !Opt);
+  static_assert(Dm == 0 || (G == 32 && !Opt));
+  int reruns = 0;
   const unsigned gm = grp_mask<G>(lane_w);
   const int lane = lane_w & (G - 1);  // lane within the tile's lanes
   const double inv = pow2(127 - scale);
@@ -440,7 +731,10 @@ __device__ void dp_fit_warp(Smem<Opt>& s, int lane_w, int m, int scale) {
     for (int j = 1 + lane; j <= m; j += G) prev[j] = cost(0, j);
     __syncwarp(gm);
     for (int k = 2; k < K; ++k) {
-      dp_layer<U, G>(s, lane_w, k, m, prev, cur, s.dp.opt[k - 2], k > 2 ? s.dp.opt[k - 3] : nullptr, cost);
+      if constexpr (Dm == 0)
+        dp_layer<U, G>(s, lane_w, k, m, prev, cur, s.dp.opt[k - 2], k > 2 ? s.dp.opt[k - 3] : nullptr, cost);
+      else
+        reruns += dp_layer_mode<Dm, U>(s, lane_w, k, m, prev, cur, s.dp.opt[k - 2], k > 2 ? s.dp.opt[k - 3] : nullptr, cost);
       __syncwarp(gm);
       double* t = prev;
       prev = cur;
@@ -476,6 +770,7 @@ __device__ void dp_fit_warp(Smem<Opt>& s, int lane_w, int m, int scale) {
   }
   if (lane == 0) s.K = K;
   __syncwarp(gm);
+  return reruns;
 }
 
 // dp.cpp dp_refine with w = kWindow, rounds = kRounds, over n distinct values (binned-dp).
@@ -950,7 +1245,7 @@ __device__ __forceinline__ bool fit_front_b(Smem<Opt>& s, int lane, const Kernel
   return true;
 }
 
-template <bool P, bool Opt, int U, int Ar>
+template <bool P, bool Opt, int U, int Ar, int Dm = 0>
 __device__ __forceinline__ void fit_one(Smem<Opt>& s, int lane, const KernelArgs& a, std::int64_t lt, Prof& pr) {
   float x[kIpt];
   float am;
@@ -962,7 +1257,7 @@ __device__ __forceinline__ void fit_one(Smem<Opt>& s, int lane, const KernelArgs
   phase<P>(pr, lane, 2);
   if (!fit_front_b<P, Opt, Ar>(s, lane, a, lt, pr, x, am, n, m, sc)) return;
   const TileOut o = tile_out(a, lt);
-  dp_fit_warp<U, Ar>(s, lane, m, sc);
+  const int reruns = dp_fit_warp<U, Ar, Opt, 32, Dm>(s, lane, m, sc);
   phase<P>(pr, lane, 4);
   int rounds = 0;  // refinement rounds (binned-dp), scales evaluated below the first (optimal)
   if constexpr (Opt) {
@@ -1000,10 +1295,11 @@ __device__ __forceinline__ void fit_one(Smem<Opt>& s, int lane, const KernelArgs
     pr.c[kProfPhases + 1] += n;
     pr.c[kProfPhases + 2] += m;
     pr.c[kProfPhases + 3] += rounds;
+    pr.c[kProfPhases + 4] += reruns;
   }
 }
 
-template <bool P, bool Opt, int U, int Ar>
+template <bool P, bool Opt, int U, int Ar, int Dm = 0>
 __global__ void __launch_bounds__(32 * Cfg<Opt>::kWarps) fit_warp_kernel(KernelArgs a, unsigned long long* prof) {
   constexpr int kWarps = Cfg<Opt>::kWarps;
   __shared__ Smem<Opt> sm[kWarps];
@@ -1011,7 +1307,7 @@ __global__ void __launch_bounds__(32 * Cfg<Opt>::kWarps) fit_warp_kernel(KernelA
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * kWarps;
   Prof pr;
   for (std::int64_t lt = static_cast<std::int64_t>(blockIdx.x) * kWarps + w; lt < a.tiles; lt += stride) {
-    fit_one<P, Opt, U, Ar>(sm[w], lane, a, lt, pr);
+    fit_one<P, Opt, U, Ar, Dm>(sm[w], lane, a, lt, pr);
     __syncwarp();
   }
   if constexpr (P) {
@@ -1120,6 +1416,7 @@ struct SmemC {
       double buf[2][kMaxPos];
       std::int16_t opt[kOptRows][kMaxPos];
       Node nodes[2][32];
+      FullScratch full;  // dp_layer_full (fit13)
     } dp;
     struct {
       double F[2][kWin];
@@ -1251,7 +1548,9 @@ __device__ __forceinline__ double cost_bin_c(const SmemC& s, int i, int j) {
 }
 
 // dp_fit_warp for binned-dp on the compact layout (same operations, in the same order).
-__device__ void dp_fit_c(SmemC& s, int lane, int m) {
+template <int Dm>
+__device__ int dp_fit_c(SmemC& s, int lane, int m) {
+  int reruns = 0;
   for (int i = lane; i <= m; i += 32) s.dp.ci[i] = static_cast<std::int16_t>(s.cnt[s.pos[i]]);
   __syncwarp();
   auto cost = [&](int i, int j) { return cost_bin_c(s, i, j); };
@@ -1264,7 +1563,7 @@ __device__ void dp_fit_c(SmemC& s, int lane, int m) {
     for (int j = 1 + lane; j <= m; j += 32) prev[j] = cost(0, j);
     __syncwarp();
     for (int k = 2; k < K; ++k) {
-      dp_layer<kUnroll<false>, 32>(s, lane, k, m, prev, cur, s.dp.opt[k - 2], k > 2 ? s.dp.opt[k - 3] : nullptr, cost);
+      reruns += dp_layer_mode<Dm, kUnroll<false>>(s, lane, k, m, prev, cur, s.dp.opt[k - 2], k > 2 ? s.dp.opt[k - 3] : nullptr, cost);
       __syncwarp();
       double* t = prev;
       prev = cur;
@@ -1291,6 +1590,7 @@ __device__ void dp_fit_c(SmemC& s, int lane, int m) {
   }
   if (lane == 0) s.K = K;
   __syncwarp();
+  return reruns;
 }
 
 // The windows' prefix sums of one refinement round (windows k = 1..K-1 in s.lo / s.hi): lane
@@ -1486,7 +1786,7 @@ __device__ void encode_c(SmemC& s, int lane, const float (&x)[kIpt], int scale, 
 
 // Reload: the tile's values are read again from global memory for the encoding instead of being
 // kept in 16 registers over the DP and the refinement.
-template <bool Reload>
+template <bool Reload, int Dm>
 __device__ __forceinline__ void fit_one_c(SmemC& s, int lane, const KernelArgs& a, std::int64_t lt) {
   float x[kIpt];
   float am;
@@ -1507,7 +1807,7 @@ __device__ __forceinline__ void fit_one_c(SmemC& s, int lane, const KernelArgs& 
   const int me = bin_edges_c(s, lane, n);
   const double f = pow2(127 - sc);
   edge_sums_c(s, lane, n, me, f, f * f);
-  dp_fit_c(s, lane, me);
+  dp_fit_c<Dm>(s, lane, me);
   if (me != n) dp_refine_c(s, lane, n, me, sc);
   if constexpr (Reload) load_tile(a, lt, lane, x);  // (the same values, read again: x is dead over the DP)
   encode_c(s, lane, x, sc, s.K, tile_out(a, lt));
@@ -1515,42 +1815,46 @@ __device__ __forceinline__ void fit_one_c(SmemC& s, int lane, const KernelArgs& 
 
 // W warps per block (2 or 4: static shared memory under 48 KiB); MinWarps: the resident warps per
 // SM asked of the compiler (__launch_bounds__: 20 -> <= 96 registers, 24 -> <= 80).
-template <int W, int MinWarps, bool Reload>
+template <int W, int MinWarps, bool Reload, int Dm = 0>
 __global__ void __launch_bounds__(32 * W, MinWarps / W) fit_compact_kernel(KernelArgs a) {
   __shared__ SmemC sm[W];
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * W;
   for (std::int64_t lt = static_cast<std::int64_t>(blockIdx.x) * W + w; lt < a.tiles; lt += stride) {
-    fit_one_c<Reload>(sm[w], lane, a, lt);
+    fit_one_c<Reload, Dm>(sm[w], lane, a, lt);
     __syncwarp();
   }
 }
 
-template <int W, int MinWarps, bool Reload>
+template <int W, int MinWarps, bool Reload, int Dm = 0>
 void launch_compact(const KernelArgs& a, cudaStream_t stream) {
   const std::int64_t blocks = std::min<std::int64_t>((a.tiles + W - 1) / W, std::int64_t{1} << 22);
-  fit_compact_kernel<W, MinWarps, Reload><<<static_cast<unsigned>(blocks), 32 * W, 0, stream>>>(a);
+  fit_compact_kernel<W, MinWarps, Reload, Dm><<<static_cast<unsigned>(blocks), 32 * W, 0, stream>>>(a);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) throw std::runtime_error(std::string("quantize_gpu: kernel launch: ") + cudaGetErrorString(e));
 }
 
-template <bool P, bool Opt, int U = kUnroll<Opt>, int Ar = kArith>
+template <bool P, bool Opt, int U = kUnroll<Opt>, int Ar = kArith, int Dm = 0>
 void launch_t(const KernelArgs& a, unsigned long long* d_prof, cudaStream_t stream, const char* who) {
   constexpr int kWarps = Cfg<Opt>::kWarps;
   const std::int64_t blocks = std::min<std::int64_t>((a.tiles + kWarps - 1) / kWarps, std::int64_t{1} << 22);
-  fit_warp_kernel<P, Opt, U, Ar><<<static_cast<unsigned>(blocks), 32 * kWarps, 0, stream>>>(a, d_prof);
+  fit_warp_kernel<P, Opt, U, Ar, Dm><<<static_cast<unsigned>(blocks), 32 * kWarps, 0, stream>>>(a, d_prof);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) throw std::runtime_error(std::string(who) + cudaGetErrorString(e));
 }
 
 }  // namespace
 
+// fit_dp_modes.cu includes this file with LUTB_FIT_DP_MODES_TU defined, for the kernels and
+// launchers of fit13's DP modes (launch_warp_dp): a second translation unit, compiled in parallel.
+#ifndef LUTB_FIT_DP_MODES_TU
 void launch_warp(const KernelArgs& a, cudaStream_t stream) {
   if (a.tiles == 0) return;
   // (the tile check alone is the same code in both instantiations: the smaller one runs it)
   if (a.optimal && !a.check_only) launch_t<false, true>(a, nullptr, stream, "quantize_gpu: kernel launch: ");
   else if (a.check_only) launch_t<false, false>(a, nullptr, stream, "quantize_gpu: kernel launch: ");
-  else launch_warp_layout(a, a.out.sse || a.out.sum_sq ? kWarpLayoutDefault : kWarpLayoutBytesOnly, stream);
+  else if (a.out.sse || a.out.sum_sq) launch_warp_dp(a, kWarpLayoutDefault, kWarpDpDefault, stream);
+  else launch_warp_dp(a, kWarpLayoutBytesOnly, kWarpDpBytesOnly, stream);
 }
 
 void launch_warp_layout(const KernelArgs& a, int layout, cudaStream_t stream) {
@@ -1565,11 +1869,17 @@ void launch_warp_layout(const KernelArgs& a, int layout, cudaStream_t stream) {
   else launch_compact<2, 24, true>(a, stream);
 }
 
-void launch_warp_profiled(const KernelArgs& a, unsigned long long* d_prof, cudaStream_t stream, int arith) {
+void launch_warp_profiled(const KernelArgs& a, unsigned long long* d_prof, cudaStream_t stream, int arith,
+                          int dp_mode) {
   if (a.tiles == 0) return;
   const char* who = "profile kernel launch: ";
   if (arith != kArith && !(arith == 0 && !a.optimal))
     throw std::invalid_argument("launch_warp_profiled: arith must be the default, or 0 for binned-dp");
+  if (dp_mode != 0) {
+    if (a.optimal || arith != kArith)
+      throw std::invalid_argument("launch_warp_profiled: dp_mode other than 0 only for binned-dp with the default arithmetic");
+    return launch_warp_profiled_dp(a, d_prof, dp_mode, stream);
+  }
   if (a.optimal) launch_t<true, true>(a, d_prof, stream, who);
   else if (arith == 0) launch_t<true, false, kUnroll<false>, 0>(a, d_prof, stream, who);
   else launch_t<true, false>(a, d_prof, stream, who);
@@ -1659,5 +1969,7 @@ void launch_warp_padded(const KernelArgs& a, int pad_bytes, cudaStream_t stream)
 void launch_warp_unrolled(const KernelArgs& a, int unroll, cudaStream_t stream) {
   launch_warp_variant(a, unroll, kArith, stream);
 }
+
+#endif  // LUTB_FIT_DP_MODES_TU
 
 }  // namespace lutb::cuda::fit_internal

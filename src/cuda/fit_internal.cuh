@@ -36,19 +36,22 @@ inline constexpr int kWarpArithDefault = 3;
 void launch_warp(const KernelArgs& a, cudaStream_t stream);
 
 /// The same kernel with per-phase clock64() accounting (lane 0 of every warp), for the benchmark:
-/// d_prof[kProfPhases + 4] zeroed by the caller receives the summed cycles of the phases
+/// d_prof[kProfPhases + 5] zeroed by the caller receives the summed cycles of the phases
 ///   0 load + check, 1 sort + de-duplication, 2 prefix sums, 3 bin edges, 4 binned DP,
 ///   5 refinement, 6 encoding (+ per-tile sums),
-/// then the number of tiles, the sums of distinct values n, of bin edges m and of refinement rounds.
+/// then the number of tiles, the sums of distinct values n, of bin edges m and of refinement rounds,
+/// and the DP layers that dp_mode's full-range pass left to the divide and conquer (fit13).
 /// With a.optimal: 4 is the DP at the first scale, 5 the rest of the scale search including every
 /// candidate's encoding (6 then holds only forced-scale and all-zero tiles), m = n, and the last
 /// slot counts the scales evaluated below the first.
 /// Bytes written are those of launch_warp.
 /// `arith`: the default (kWarpArithDefault) or, for binned-dp, 0 (the cost evaluation with the IEEE
 /// division, for the benchmark's same-run comparison).
+/// `dp_mode` (binned-dp, default arithmetic): the DP mode of launch_warp_dp (0, 1, 2, 6 or 7), on layout 0.
 inline constexpr int kProfPhases = 7;
+inline constexpr int kProfSlotsTotal = kProfPhases + 5;
 void launch_warp_profiled(const KernelArgs& a, unsigned long long* d_prof, cudaStream_t stream,
-                          int arith = kWarpArithDefault);
+                          int arith = kWarpArithDefault, int dp_mode = 0);
 
 /// The warp kernel (a.optimal selects the fitter) with `unroll` (1, 2 or 4) cost evaluations issued
 /// together in the DP scans instead of the fitter's default (binned-dp 1, optimal 4), for the
@@ -99,6 +102,29 @@ int resident_warps_per_sm(int which, int pad_bytes = 0);
 inline constexpr int kWarpLayoutDefault = 1;
 inline constexpr int kWarpLayoutBytesOnly = 0;
 void launch_warp_layout(const KernelArgs& a, int layout, cudaStream_t stream);
+
+/// How the binned DP's layers 2..K-1 are solved (fit13; src/cuda/fit_binned_dp_warp.cu
+/// dp_layer_mode, launchers in fit_dp_modes.cu): 0 dp.cpp's divide and conquer level by level
+/// (dp_layer; every kernel before fit13); 1 every end position at once over its full start range
+/// (dp_layer_full: all (j, i) pairs of the layer, 32 a pass, a segmented argmin per pass), falling
+/// back to 0 for a layer whose minima are not monotone in j (then, and only then, could they differ
+/// from the divide and conquer's; proof at dp_layer_full); 2 like 1 but layer 2 (no lower bound:
+/// the whole triangle) by 0; 3 (tests) like 1 but every layer recomputed by 0 afterwards (the
+/// fallback path); 4: 1 with two passes per iteration; 6, 7: 1, 2 with dp_layer_chunk (a contiguous
+/// chunk of the layer's pairs per lane, scanned sequentially, one segmented combination per layer);
+/// 8 (tests): 6 then always 0. (Mode 5, 2 with two passes per iteration, was measured in fit13 run 1
+/// and removed.) Same bytes in every mode (tested). launch_warp_dp(a, layout, 0) ==
+/// launch_warp_layout(a, layout); modes 1..4, 6..8 exist for layout 0, 1..3, 6..8 for layout 1 (4
+/// spills there); std::invalid_argument otherwise. launch_warp uses kWarpDpDefault with
+/// kWarpLayoutDefault (fits with the per-tile sums) and kWarpDpBytesOnly with kWarpLayoutBytesOnly:
+/// measured on the H200 (docs/perf/fit-gpu.md, fit13 run 2, same run as mode 0): layout 0 with mode
+/// 6, bytes only, 0.977 / 0.995 of mode 0's time (Gaussian / Student-t), the fastest bytes-only
+/// kernel; with the sums layout 1 with mode 0 stays the fastest (layout 1 with mode 6 spills: 1.04x).
+inline constexpr int kWarpDpDefault = 0;
+inline constexpr int kWarpDpBytesOnly = 6;
+void launch_warp_dp(const KernelArgs& a, int layout, int dp_mode, cudaStream_t stream);
+/// launch_warp_profiled's DP modes 1, 2, 6, 7 (src/cuda/fit_dp_modes.cu).
+void launch_warp_profiled_dp(const KernelArgs& a, unsigned long long* d_prof, int dp_mode, cudaStream_t stream);
 
 /// Error word of a failing tile: (tile << 12) | (code << 9) | position (decode_fit_error).
 __host__ __device__ inline unsigned long long error_word(std::int64_t tile, int code, int pos) {

@@ -365,10 +365,10 @@ TEST(FitGpu, ScanVariantsSameBytes) {
 // packed bytes, codebooks, scales, per-tile sums (sse and sum of squares added in tile order ==
 // FitStats) and no error word; with `sums` false, the bytes without the per-tile sums. Returns the
 // number of tiles.
-// `layout` -1: two tiles per warp (launch_warp_tiles(a, 2)); 0..2: the one-tile kernel with that
-// shared-memory layout (launch_warp_layout, fit12).
+// `layout` -1: two tiles per warp (launch_warp_tiles(a, 2)); 0..4: the one-tile kernel with that
+// shared-memory layout (launch_warp_layout, fit12), with the DP mode `dp_mode` (launch_warp_dp, fit13).
 std::int64_t expect_two_tiles_same(const void* src, DType type, const LutbShape& s, int forced_scale = -1,
-                                   bool sums = true, int layout = -1) {
+                                   bool sums = true, int layout = -1, int dp_mode = 0) {
   FitOptions fo;
   fo.forced_scale = forced_scale;
   LutbTensor cpu;
@@ -394,6 +394,7 @@ std::int64_t expect_two_tiles_same(const void* src, DType type, const LutbShape&
                                                        sums ? d_sums : nullptr, sums ? d_sums + n : nullptr},
                                     forced_scale, d_err};
   if (layout < 0) cuda::fit_internal::launch_warp_tiles(ka, 2, nullptr);
+  else if (dp_mode != 0) cuda::fit_internal::launch_warp_dp(ka, layout, dp_mode, nullptr);
   else cuda::fit_internal::launch_warp_layout(ka, layout, nullptr);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   std::vector<std::uint8_t> h(n * (kPackedBytes + kCodebookSize + 1));
@@ -415,6 +416,7 @@ std::int64_t expect_two_tiles_same(const void* src, DType type, const LutbShape&
         h[n * (kPackedBytes + kCodebookSize) + t] != cpu.scale[t])
       bad = static_cast<std::int64_t>(t);
   EXPECT_EQ(bad, -1) << (layout < 0 ? "two tiles per warp" : "layout " + std::to_string(layout))
+                     << (dp_mode != 0 ? ", DP mode " + std::to_string(dp_mode) : std::string())
                      << ": bytes differ first at tile " << bad;
   if (sums) {
     FitStats sg;
@@ -554,8 +556,8 @@ TEST(FitGpu, TwoTilesPerWarpRandom) {
 // [2, 64, 512], FP32 [2, 128, 1024] (512 distinct values: the most bin edges and refinement
 // windows), padded [3, 21, 200] and [1, 13, 70]; the error word of a NaN / -Inf stack equals
 // layout 0's; other layouts are refused.
-TEST(FitGpu, LayoutsSameBytes) {
-  LUTB_GPU_OR_SKIP();
+// The cases of LayoutsSameBytes for one (layout, DP mode) pair.
+void layout_cases(int layout, int dp_mode) {
   std::int64_t ne = 0;
   const std::vector<float> edges = edge_tiles(ne);
   const auto eb = to_bf16(edges);
@@ -577,16 +579,16 @@ TEST(FitGpu, LayoutsSameBytes) {
         mixed[static_cast<std::size_t>((f / 64) * 64 * nmix + t * 64 + f % 64)] = v;
       }
   }
-  for (int layout : {0, 1, 2, 3, 4}) {
-    SCOPED_TRACE("layout " + std::to_string(layout));
-    EXPECT_EQ(expect_two_tiles_same(edges.data(), DType::F32, stack(1, 8, 64 * ne), -1, true, layout), ne);
-    EXPECT_EQ(expect_two_tiles_same(eb.data(), DType::BF16, stack(1, 8, 64 * ne), -1, true, layout), ne);
-    EXPECT_EQ(expect_two_tiles_same(eb.data(), DType::BF16, stack(1, 8, 64 * ne), -1, false, layout), ne);
+  {
+    SCOPED_TRACE("layout " + std::to_string(layout) + ", DP mode " + std::to_string(dp_mode));
+    EXPECT_EQ(expect_two_tiles_same(edges.data(), DType::F32, stack(1, 8, 64 * ne), -1, true, layout, dp_mode), ne);
+    EXPECT_EQ(expect_two_tiles_same(eb.data(), DType::BF16, stack(1, 8, 64 * ne), -1, true, layout, dp_mode), ne);
+    EXPECT_EQ(expect_two_tiles_same(eb.data(), DType::BF16, stack(1, 8, 64 * ne), -1, false, layout, dp_mode), ne);
     for (int fs : {3, 100, 120, 127, 246}) {
       SCOPED_TRACE("forced scale " + std::to_string(fs));
-      expect_two_tiles_same(small.data(), DType::F32, stack(1, 8, 320), fs, true, layout);
+      expect_two_tiles_same(small.data(), DType::F32, stack(1, 8, 320), fs, true, layout, dp_mode);
     }
-    EXPECT_EQ(expect_two_tiles_same(mixed.data(), DType::F32, stack(1, 8, 64 * nmix), -1, true, layout), nmix);
+    EXPECT_EQ(expect_two_tiles_same(mixed.data(), DType::F32, stack(1, 8, 64 * nmix), -1, true, layout, dp_mode), nmix);
     struct Case {
       Dist d;
       std::int64_t e, n, k;
@@ -601,10 +603,15 @@ TEST(FitGpu, LayoutsSameBytes) {
       const LutbShape s = stack(c.e, c.n, c.k);
       const auto v = random_values(static_cast<std::size_t>(c.e * c.n * c.k), c.d, 0.02f,
                                    static_cast<std::uint32_t>(103 * c.n + c.k + static_cast<int>(c.d)));
-      if (c.bf16) EXPECT_GT(expect_two_tiles_same(to_bf16(v).data(), DType::BF16, s, -1, true, layout), 0);
-      else EXPECT_GT(expect_two_tiles_same(v.data(), DType::F32, s, -1, true, layout), 0);
+      if (c.bf16) EXPECT_GT(expect_two_tiles_same(to_bf16(v).data(), DType::BF16, s, -1, true, layout, dp_mode), 0);
+      else EXPECT_GT(expect_two_tiles_same(v.data(), DType::F32, s, -1, true, layout, dp_mode), 0);
     }
   }
+}
+
+TEST(FitGpu, LayoutsSameBytes) {
+  LUTB_GPU_OR_SKIP();
+  for (int layout : {0, 1, 2, 3, 4}) layout_cases(layout, 0);
   {  // error words: NaN in tile 2, -Inf in tile 3 of 6
     auto v = random_values(8 * 64 * 6, Dist::kGauss, 0.02f, 13);
     v[static_cast<std::size_t>(3 * 64 * 6 + 2 * 64 + 17)] = std::numeric_limits<float>::quiet_NaN();
@@ -637,6 +644,74 @@ TEST(FitGpu, LayoutsSameBytes) {
   ka.tiles = 1;
   EXPECT_THROW(cuda::fit_internal::launch_warp_layout(ka, 5, nullptr), std::invalid_argument);
   EXPECT_THROW(cuda::fit_internal::launch_warp_layout(ka, -1, nullptr), std::invalid_argument);
+}
+
+// fit13: the binned DP's layers solved for every end position at once over the full start ranges
+// (fit_internal::launch_warp_dp modes 1, 2, the two-passes-per-iteration form 4, the
+// chunk-per-lane forms 6, 7; layouts 0 and 1), and modes 3 and 8, where every layer is
+// solved that way and then ALWAYS recomputed by the divide and conquer (the path of a layer whose
+// minima are not monotone): the CPU's bytes and sums on every case of LayoutsSameBytes (edge tiles,
+// forced scales, mixed tiles, random Gaussian / Student-t(3) / Laplace, 512-distinct FP32 tiles with
+// up to 49 bin edges, padded tiles). Mode 0 is launch_warp_layout itself; bad modes are refused.
+TEST(FitGpu, FullRangeDpSameBytes) {
+  LUTB_GPU_OR_SKIP();
+  for (int layout : {0, 1})
+    for (int dp_mode : {1, 2, 3, 4, 6, 7, 8})
+      if (layout == 0 || dp_mode != 4) layout_cases(layout, dp_mode);
+  {  // error words of a NaN / -Inf stack: those of the default DP
+    auto v = random_values(8 * 64 * 6, Dist::kGauss, 0.02f, 13);
+    v[static_cast<std::size_t>(3 * 64 * 6 + 2 * 64 + 17)] = std::numeric_limits<float>::quiet_NaN();
+    v[static_cast<std::size_t>(5 * 64 * 6 + 3 * 64 + 60)] = -std::numeric_limits<float>::infinity();
+    float* d_src = nullptr;
+    std::uint8_t* d_out = nullptr;
+    unsigned long long* d_err = nullptr;
+    ASSERT_EQ(cudaMalloc(&d_src, v.size() * 4), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&d_out, 6 * (kPackedBytes + kCodebookSize + 1)), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&d_err, 8), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(d_src, v.data(), v.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    for (int layout : {0, 1})
+      for (int dp_mode : {1, 2, 4, 6, 7}) {
+        if (layout == 1 && dp_mode == 4) continue;
+        cuda::fit_internal::KernelArgs ka{d_src, 0, 8, 64 * 6, 1, 6, 6, 0,
+                                          cuda::DeviceFitOut{d_out, d_out + 6 * kPackedBytes,
+                                                             d_out + 6 * (kPackedBytes + kCodebookSize), nullptr, nullptr},
+                                          -1, d_err};
+        unsigned long long word = 0;
+        ASSERT_EQ(cudaMemset(d_err, 0xff, 8), cudaSuccess);
+        cuda::fit_internal::launch_warp_dp(ka, layout, dp_mode, nullptr);
+        ASSERT_EQ(cudaMemcpy(&word, d_err, 8, cudaMemcpyDeviceToHost), cudaSuccess);
+        EXPECT_EQ(cuda::decode_fit_error(word).tile, 2) << "layout " << layout << ", DP mode " << dp_mode;
+        EXPECT_EQ(cuda::decode_fit_error(word).code, 1) << "layout " << layout << ", DP mode " << dp_mode;
+      }
+    cudaFree(d_src);
+    cudaFree(d_out);
+    cudaFree(d_err);
+  }
+  cuda::fit_internal::KernelArgs ka{};
+  ka.tiles = 1;
+  EXPECT_THROW(cuda::fit_internal::launch_warp_dp(ka, 0, 9, nullptr), std::invalid_argument);
+  EXPECT_THROW(cuda::fit_internal::launch_warp_dp(ka, 0, 5, nullptr), std::invalid_argument);
+  EXPECT_THROW(cuda::fit_internal::launch_warp_dp(ka, 1, -1, nullptr), std::invalid_argument);
+  EXPECT_THROW(cuda::fit_internal::launch_warp_dp(ka, 2, 1, nullptr), std::invalid_argument);
+  EXPECT_THROW(cuda::fit_internal::launch_warp_dp(ka, 1, 4, nullptr), std::invalid_argument);
+}
+
+// The same on a small stack for the sanitizers (memcheck, racecheck, synccheck): the edge tiles and
+// two 512-distinct FP32 tiles (the most bin edges: the most pairs per layer), DP modes 1, 3 (the
+// fallback path), 4 (two passes at a time), 6 (a chunk per lane), 8 (6 + the fallback) on layout
+// 0, all but 4 on layout 1.
+TEST(FitGpu, FullRangeDpEdgeTiles) {
+  LUTB_GPU_OR_SKIP();
+  std::int64_t ne = 0;
+  const std::vector<float> edges = edge_tiles(ne);
+  const auto wide = random_values(8 * 64 * 2, Dist::kStudentT3, 0.02f, 41);
+  for (int layout : {0, 1})
+    for (int dp_mode : {1, 3, 4, 6, 8}) {
+      if (layout == 1 && dp_mode == 4) continue;
+      SCOPED_TRACE("layout " + std::to_string(layout) + ", DP mode " + std::to_string(dp_mode));
+      EXPECT_EQ(expect_two_tiles_same(edges.data(), DType::F32, stack(1, 8, 64 * ne), -1, true, layout, dp_mode), ne);
+      EXPECT_EQ(expect_two_tiles_same(wide.data(), DType::F32, stack(1, 8, 128), -1, true, layout, dp_mode), 2);
+    }
 }
 
 // Heavy mixtures: log-uniform magnitudes over many binades (FP32 sums that round), sparse tiles
