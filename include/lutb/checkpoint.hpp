@@ -346,8 +346,13 @@ class Checkpoint {
   // Copies the stored LUT-B triple of `weight_name` (logical shape `one`) of layer `layer` (expert
   // `expert`, -1 for a stacked tensor) into out at tile_offset, checking dtypes, shapes, NaN
   // codebook bytes and scale 255; errors name the file, the stored tensor, the layer and the tile.
+  // `headers_only`: only the dtypes and shapes are checked and `out` is not touched (run before `out`
+  // is allocated at config.json's sizes).
   void read_lutb(const std::string& weight_name, const LutbShape& one, LutbTensor& out, std::int64_t tile_offset,
-                 std::int64_t layer, std::int64_t expert = -1) const;
+                 std::int64_t layer, std::int64_t expert = -1, bool headers_only = false) const;
+  // read_lutb(headers_only) of every stored LUT-B tensor of projection `p` of layer `layer` (Proj::gate
+  // for the gate and up stack).
+  void check_lutb_headers(std::int64_t layer, Proj p) const;
   // The file holding tensor `name` (the checkpoint folder when absent).
   std::string file_of(const std::string& name) const;
   // Throws FormatError: per-expert LUT-B gate/up of layer L cannot be stacked (I % 8 != 0).

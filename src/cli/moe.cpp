@@ -41,6 +41,11 @@ std::vector<float> captured(const SafetensorsFile& f, const std::string& name, s
   if (t.shape.size() != 2 || t.shape[1] != H)
     throw std::runtime_error(fmt::format("{}: tensor {} has shape [{}], expected [tokens, {}]", f.path().string(), name,
                                          fmt::join(t.shape, ", "), H));
+  // No tokens: the error printed as "rel_l2 -nan ... cosine -nan" with exit status 0 (new-user QA,
+  // session 13).
+  if (t.shape[0] == 0)
+    throw std::runtime_error(fmt::format("{}: tensor {} has shape [{}]: it holds no tokens to run the block on",
+                                         f.path().string(), name, fmt::join(t.shape, ", ")));
   std::vector<float> v = t.to_float();
   // A NaN / Inf in the captured activations printed "rel_l2 nan" and then an error naming neither
   // the tensor nor the place (new-user QA, session 12): checked before computing.

@@ -102,15 +102,20 @@ const TensorView& Checkpoint::tensor(const std::string& name) const {
 
 namespace {
 
-// Copies a float tensor into dst (of dtype `to`), checking its shape. F64 sources are narrowed to F32.
-void copy_float(const std::filesystem::path& dir, const std::string& file, const TensorView& v,
-                const std::vector<std::int64_t>& expected, DType to, std::uint8_t* dst) {
+// A float weight's dtype and shape, from its header only.
+void check_float_header(const std::filesystem::path& dir, const TensorView& v, const std::vector<std::int64_t>& expected) {
   if (!dtype_is_float_source(v.dtype))
     throw CheckpointError(fmt::format("checkpoint {}: tensor {} has dtype {}, expected a float weight (BF16, F16, F32)",
                                       dir.string(), v.name, dtype_name(v.dtype)));
   if (v.shape != expected)
     throw CheckpointError(fmt::format("checkpoint {}: tensor {} has shape {}, expected {}", dir.string(), v.name,
                                       detail::shape_str(v.shape), detail::shape_str(expected)));
+}
+
+// Copies a float tensor into dst (of dtype `to`), checking its shape. F64 sources are narrowed to F32.
+void copy_float(const std::filesystem::path& dir, const std::string& file, const TensorView& v,
+                const std::vector<std::int64_t>& expected, DType to, std::uint8_t* dst) {
+  check_float_header(dir, v, expected);
   if (v.dtype == to) {
     std::memcpy(dst, v.data, v.nbytes);
     detail::release_pages(v.data, v.nbytes);  // the copy is what we keep; drop the mapped pages from RSS
@@ -216,6 +221,8 @@ ExpertsSource Checkpoint::experts_source(std::int64_t L) const {
     const TensorView& b = tensor(dn);
     // gate_up and down of different float dtypes: both read as F32 (see the per-expert case below).
     const DType dt = a.dtype == b.dtype ? stack_dtype(a.dtype) : DType::F32;
+    check_float_header(dir_, a, {E, 2 * I, H});  // before the stacks are allocated at config.json's sizes
+    check_float_header(dir_, b, {E, H, I});
     s.w13.dtype = dt;
     s.w2.dtype = dt;
     s.w13.data.resize(static_cast<std::size_t>(s.w13.numel()) * dtype_size(s.w13.dtype));
@@ -236,6 +243,14 @@ ExpertsSource Checkpoint::experts_source(std::int64_t L) const {
       if (st_->contains(n) && dtype_is_float_source(st_->get(n).dtype) && stack_dtype(st_->get(n).dtype) != dt)
         dt = DType::F32;
     }
+  // Every expert's dtype and shape before the stacks are allocated at config.json's sizes: a corrupt
+  // moe_intermediate_size (2e9) ended in "out of memory (an allocation failed)", naming nothing
+  // (new-user QA, session 13).
+  for (std::int64_t e = 0; e < E; ++e) {
+    check_float_header(dir_, tensor(expert_weight_name(config_, L, e, Proj::gate)), {I, H});
+    check_float_header(dir_, tensor(expert_weight_name(config_, L, e, Proj::up)), {I, H});
+    check_float_header(dir_, tensor(expert_weight_name(config_, L, e, Proj::down)), {H, I});
+  }
   const std::size_t es = dtype_size(dt);
   s.w13.dtype = s.w2.dtype = dt;
   s.w13.data.resize(static_cast<std::size_t>(s.w13.numel()) * es);
@@ -259,7 +274,7 @@ std::string Checkpoint::file_of(const std::string& name) const {
 // per-expert tensors) and the reason (new-user QA session 9: they named the internal stacks "w13" /
 // "w2" and the checkpoint folder only).
 void Checkpoint::read_lutb(const std::string& weight_name, const LutbShape& one, LutbTensor& out,
-                           std::int64_t tile_offset, std::int64_t layer, std::int64_t expert) const {
+                           std::int64_t tile_offset, std::int64_t layer, std::int64_t expert, bool headers_only) const {
   const LutbNames n = lutb_names(weight_name);
   const std::string who = expert >= 0 ? fmt::format("layer {}, expert {}", layer, expert) : fmt::format("layer {}", layer);
   auto get = [&](const std::string& name, const char* why) -> const TensorView& {
@@ -303,6 +318,10 @@ void Checkpoint::read_lutb(const std::string& weight_name, const LutbShape& one,
   }
   check(p, DType::U8, with(kPackedBytes));
   check(c, DType::F8_E4M3, with(kCodebookSize));
+  if (headers_only) {
+    if (st_->contains(n.scale)) check(st_->get(n.scale), DType::U8, grid);
+    return;
+  }
   const std::int64_t tiles = one.tiles();
   // The tile (in the stored tensor's own grid) named by a data error.
   auto tile_at = [&](std::int64_t t) {
@@ -375,6 +394,22 @@ void Checkpoint::read_lutb(const std::string& weight_name, const LutbShape& one,
       file_of(g), g, L, u, I, (dir_ / "config.json").string(), (I + 7) / 8 * 8, 2 * I, config_.hidden_size));
 }
 
+void Checkpoint::check_lutb_headers(std::int64_t L, Proj p) const {
+  const std::int64_t E = config_.num_experts, H = config_.hidden_size, I = config_.moe_intermediate_size;
+  const bool down = p == Proj::down;
+  LutbTensor none;
+  const std::string st = find_stacked(L, !down, "_packed");
+  if (st.empty() && down && !find_stacked(L, true, "_packed").empty()) return;  // lutb_projection names what is missing
+  if (!st.empty()) {
+    read_lutb(st, LutbShape{E, down ? H : 2 * I, down ? I : H, true}, none, 0, L, -1, true);
+    return;
+  }
+  const LutbShape one{1, down ? H : I, down ? I : H, false};
+  for (std::int64_t e = 0; e < E; ++e)
+    for (Proj q : down ? std::vector<Proj>{Proj::down} : std::vector<Proj>{Proj::gate, Proj::up})
+      read_lutb(expert_weight_name(config_, L, e, q), one, none, 0, L, e, true);
+}
+
 LutbTensor Checkpoint::lutb_projection(std::int64_t L, Proj p) const {
   check_moe_layer(L);
   if (!experts_lutb(L))
@@ -382,6 +417,10 @@ LutbTensor Checkpoint::lutb_projection(std::int64_t L, Proj p) const {
   const std::int64_t E = config_.num_experts, H = config_.hidden_size, I = config_.moe_intermediate_size;
   const bool down = p == Proj::down;
   LutbShape shape{E, down ? H : I, down ? I : H, true};
+  // The stored shapes before anything is allocated at config.json's sizes: a corrupt
+  // moe_intermediate_size (2e9) ended in "out of memory (an allocation failed)", naming nothing
+  // (new-user QA, session 13).
+  check_lutb_headers(L, down ? Proj::down : Proj::gate);
   LutbTensor out(shape);
   const std::string gu = find_stacked(L, true, "_packed");
   if (!gu.empty()) {
@@ -479,6 +518,10 @@ ExpertsLutb Checkpoint::lutb_experts(std::int64_t L, const FitOptions& fit, FitS
     return r;
   }
   const std::string gu = find_stacked(L, true, "_packed");
+  // The stored shapes before anything is allocated at config.json's sizes (see lutb_projection).
+  if (gu.empty() && I % kTileRows != 0) throw_unstackable(L);
+  check_lutb_headers(L, Proj::gate);
+  check_lutb_headers(L, Proj::down);
   if (!gu.empty()) {
     r.w13 = LutbTensor(LutbShape{E, 2 * I, H, true});
     read_lutb(gu, r.w13.shape, r.w13, 0, L);

@@ -30,6 +30,8 @@ std::optional<std::int64_t> opt_int(const nlohmann::json& j, const char* key, co
 // Sizes and counts are bounded by what the model parser (src/model/config.cpp) accepts, a 32-bit
 // int: a larger value is a corrupt config (QA session 9: num_hidden_layers 10^12 was accepted by
 // lutb quantize, which iterates over the layers, and refused only by lutb eval).
+// Upper bound of num_hidden_layers (see parse_model_config).
+constexpr std::int64_t kMaxLayers = 65536;
 std::optional<std::int64_t> opt_size(const nlohmann::json& j, const char* key, const std::string& where) {
   const auto v = opt_int(j, key, where);
   if (v && *v > std::numeric_limits<std::int32_t>::max())
@@ -119,6 +121,15 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& where
 
   c.hidden_size = req_int(j, "hidden_size", where);
   c.num_hidden_layers = req_int(j, "num_hidden_layers", where);
+  // The parsers and the model keep per-layer state for every declared layer before they meet the
+  // checkpoint's first missing one: num_hidden_layers 2e9 on a 4-layer checkpoint made lutb eval run
+  // for minutes and grow past 15 GB, and lutb moe take 45 s, before any error (new-user QA, session
+  // 13). Published models have at most about a hundred layers.
+  if (c.num_hidden_layers > kMaxLayers)
+    detail::throw_config_key(where, "num_hidden_layers",
+                             fmt::format("{} is more than lutb supports ({}; published models have about a hundred): "
+                                         "a corrupt config.json?",
+                                         c.num_hidden_layers, kMaxLayers));
   c.vocab_size = req_int(j, "vocab_size", where);
   c.num_experts_per_tok = req_int(j, "num_experts_per_tok", where);
   c.intermediate_size = opt_size(j, "intermediate_size", where).value_or(0);
@@ -249,6 +260,11 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& where
     detail::throw_config_key(where, "decoder_sparse_step", fmt::format("must be positive, got {}", c.decoder_sparse_step));
   if (c.moe_layer_freq <= 0)
     detail::throw_config_key(where, "moe_layer_freq", fmt::format("must be positive, got {}", c.moe_layer_freq));
+  // A negative count made layer 0, dense in the checkpoint, a MoE layer: the error named a missing router
+  // (new-user QA, session 13).
+  if (c.first_k_dense_replace < 0)
+    detail::throw_config_key(where, "first_k_dense_replace",
+                             fmt::format("must be >= 0 (the number of leading dense layers), got {}", c.first_k_dense_replace));
 
   c.rms_norm_eps = opt_num(j, "rms_norm_eps", where).value_or(c.family == ModelFamily::mixtral ? 1e-5 : 1e-6);
   c.tie_word_embeddings = opt_bool(j, "tie_word_embeddings", where).value_or(false);

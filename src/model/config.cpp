@@ -143,6 +143,9 @@ TransformerConfig TransformerConfig::load(const std::filesystem::path& dir) {
 
 TransformerConfig TransformerConfig::from_json(const json& j, const std::string& where) {
   static const std::set<std::string> kFamilies = {"qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3"};
+  // The checkpoint parser's wording (lutb quantize): a JSON array, number or null was reported by lutb
+  // eval / moe as "key 'model_type': required but missing" (new-user QA, session 13).
+  if (!j.is_object()) throw ModelError(fmt::format("{}: not a JSON object", where));
   TransformerConfig c;
   c.raw = j;
   c.family = require<std::string>(j, "model_type", where);
@@ -199,6 +202,8 @@ TransformerConfig TransformerConfig::from_json(const json& j, const std::string&
   r.truncate = get_or<bool>(rp, "truncate", true, where, in_rp("truncate"));
   const double partial = get_or<double>(rp, "partial_rotary_factor", get_or<double>(j, "partial_rotary_factor", 1.0, where),
                                         where, in_rp("partial_rotary_factor"));
+  const std::string partial_key =
+      find(rp, "partial_rotary_factor") ? in_rp("partial_rotary_factor") : std::string("partial_rotary_factor");
 
   const bool deepseek = c.family == "deepseek_v2" || c.family == "deepseek_v3";
   if (deepseek) {
@@ -220,6 +225,13 @@ TransformerConfig TransformerConfig::from_json(const json& j, const std::string&
     }
     c.attention_scale = static_cast<float>(scale);
   } else {
+    // The rotary part of a head is its first head_dim x partial_rotary_factor values: a factor above
+    // 1 rotated values beyond the head (into the next head, and past the end of the buffer for the
+    // last one: a heap overflow that aborted in free(); new-user QA, session 13).
+    if (!(partial > 0.0 && partial <= 1.0))
+      key_error(where, partial_key,
+                fmt::format("must be in (0, 1] (the fraction of each head's {} dimensions that is rotated), got {}",
+                            c.head_dim, partial));
     r.dim = static_cast<int>(c.head_dim * partial);
     c.attention_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.head_dim)));
   }
@@ -227,7 +239,7 @@ TransformerConfig TransformerConfig::from_json(const json& j, const std::string&
   // The rotary table's inputs, checked here so that an error names config.json and the key (they
   // were "rope dimension 0 must be even and positive", naming nothing: new-user QA session 11).
   if (r.dim <= 0 || r.dim % 2 != 0) {
-    const std::string key = deepseek ? "qk_rope_head_dim" : (partial != 1.0 ? in_rp("partial_rotary_factor") : "head_dim");
+    const std::string key = deepseek ? "qk_rope_head_dim" : (partial != 1.0 ? partial_key : "head_dim");
     key_error(where, key,
               deepseek ? fmt::format("gives a rotary dimension of {}; it must be even and positive", r.dim)
                        : fmt::format("head_dim {} x partial_rotary_factor {} gives a rotary dimension of {}; it must be "
@@ -248,6 +260,11 @@ TransformerConfig TransformerConfig::from_json(const json& j, const std::string&
   if (c.family == "mixtral") c.sliding_window = get_or<int>(j, "sliding_window", 0, where);
   if ((c.family == "qwen3_moe" || c.family == "qwen2_moe") && get_or<bool>(j, "use_sliding_window", false, where))
     c.sliding_window = get_or<int>(j, "sliding_window", 0, where);
+  // A negative window was taken as "no window" without a word (new-user QA, session 13); 0 or null
+  // mean none, as in transformers' configs.
+  if (c.sliding_window < 0)
+    key_error(where, "sliding_window",
+              fmt::format("must be a positive number of tokens (or 0 / null for none), got {}", c.sliding_window));
 
   // MoE layout and routing: the checkpoint module's parser (every spec-7 key variant).
   try {

@@ -679,8 +679,8 @@ TEST(QuantizeInput, ConfigSizesBeyond32BitsAreRefused) {
               std::string("c.json: key '") + key + "': 1000000000000 does not fit a 32-bit integer");
   }
   nlohmann::json j = synth_config(small()).raw;
-  j["num_hidden_layers"] = 2147483647;  // the largest accepted
-  EXPECT_EQ(parse_model_config(j, "c.json").num_hidden_layers, 2147483647);
+  j["num_hidden_layers"] = 65536;  // the largest accepted (a larger count is refused as corrupt: NewUserNu13)
+  EXPECT_EQ(parse_model_config(j, "c.json").num_hidden_layers, 65536);
 }
 
 // Regression: `lutb quantize DIR/model.safetensors -o OUT_DIR` wrote a safetensors file named OUT_DIR.
