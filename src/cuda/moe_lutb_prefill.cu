@@ -175,11 +175,15 @@ void launch_ws(const kern::LutbW& w13, const kern::LutbW& w2, const kern::Routin
 
 void set_prefill_tile(PrefillTile t) { g_tile = t; }
 
+PrefillTile prefill_tile_for(std::int64_t pairs, std::int64_t experts, bool sm90) {
+  const std::int64_t touched = std::max<std::int64_t>(1, std::min(pairs, experts));
+  if (kPrefillTile128MinPairs > 0 && pairs >= kPrefillTile128MinPairs * touched) return PrefillTile::M128;
+  return sm90 ? PrefillTile::WB64 : PrefillTile::M64;
+}
+
 PrefillTile prefill_tile(std::int64_t pairs, std::int64_t experts) {
   if (g_tile != PrefillTile::Auto) return g_tile;
-  const std::int64_t touched = std::max<std::int64_t>(1, std::min(pairs, experts));
-  return kPrefillTile128MinPairs > 0 && pairs >= kPrefillTile128MinPairs * touched ? PrefillTile::M128
-                                                                                     : PrefillTile::M64;
+  return prefill_tile_for(pairs, experts, device_is_sm90());
 }
 
 int prefill_tile_rows(PrefillTile t) {

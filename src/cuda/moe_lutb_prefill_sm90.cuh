@@ -1,8 +1,9 @@
 // src/cuda/moe_lutb_prefill_sm90.cuh: sm_90a prefill GEMMs on Hopper's wgmma (session 13), the
 // PrefillTile values W64, W64D (FP8), WB64, WB64D, WB64T (BF16 fold) and WS64 (BF16 fold,
-// warp-specialised) of moe_prefill.hpp, launched by moe_lutb_prefill.cu. None is the default: on
-// the H200 the FP8 tiles were 1-9 % faster than M64 but outside the tests' error bounds, the BF16
-// tiles exact but 12-18 % slower (docs/perf/moe-gpu-prefill.md, session 13, with the profile).
+// warp-specialised) of moe_prefill.hpp, launched by moe_lutb_prefill.cu. WB64 is the prefill default
+// on sm_90 (helper pf13b): with the BF16 operands in the 128B-swizzle layout it is 1.18-1.26x M64 on
+// the H200, bit-identical to it. The FP8 tiles are 1-9 % faster than M64 but outside the tests'
+// error bounds: never chosen (docs/perf/moe-gpu-prefill.md, session 13).
 // Everything device-side is compiled for sm_90a only (__CUDA_ARCH_FEAT_SM90_ALL; __trap otherwise).
 //
 // Why FP8: LUT-B weights ARE E4M3 codebook bytes, and the MXFP8 activations are E4M3 bytes with one
@@ -12,8 +13,10 @@
 // CTA of W64/WB64 (256 threads = 2 warpgroups, no producer warp): 64 token rows (one token tile of
 // the grouping, one expert) x 128 weight rows (16 LUT-B row-strips; warpgroup wg owns B rows
 // 64wg..64wg+63 = strips 8wg..8wg+7) x K-tiles of 64 columns (one LUT-B tile column).
-// Shared memory, all operands in wgmma's no-swizzle K-major layout (core matrix = 8 rows x 16 bytes,
-// 128 contiguous bytes; LBO = 128 = next 16 K-bytes, SBO = 8 rows):
+// Shared memory: BF16 operands in wgmma's 128B-swizzle K-major layout (sw128_off: 8-row x 128-byte
+// atoms, 16-byte chunk c of row r at chunk c ^ (r & 7); SBO = 1024; atoms 1024-aligned), FP8 operands
+// in the no-swizzle K-major layout (core_off: core matrix = 8 rows x 16 bytes, 128 contiguous bytes;
+// LBO = 128 = next 16 K-bytes, SBO = 8 rows):
 //   stage ring (kStages deep, cp.async): A [64 rows][64 columns] (FP8: 4 KB, BF16: 8 KB) + the 16
 //     strips' raw lane-major tiles (192 bytes each) + their codebooks (8 bytes each);
 //   B buffers (double): [128 rows][64 columns], decoded from the raw tiles.
@@ -22,9 +25,12 @@
 // warpgroup issues its wgmmas (FP8: two m64n64k32, one per MXFP8 block, scale-d = 0 into D0 / D1;
 // BF16: four m64n64k16 accumulating over kPromoteTiles K-tiles), commits; all warps decode K-tile
 // kt+1 into the other B buffer (two strips per warp) while the tensor cores run; wait; promote.
-// Known weakness (session 13 profile): the BF16 A copy maps a quarter warp to the 8 chunks of ONE
-// 128-byte row, 128 bytes apart in this layout: an 8-way shared-memory bank conflict (the FP8 copy
-// is conflict-free). The 128B-swizzle layout (as M64's) is the planned fix.
+// Bank conflicts (16-byte stores are served per quarter warp): pf13's BF16 tiles used the no-swizzle
+// layout, where the A copy (a quarter warp = the 8 chunks of ONE row, 128 bytes apart) was an 8-way
+// conflict and the decode's B stores (2 rows x 4 chunks) 4-way; they ran at 0.82-0.88x M64. In the
+// SW128 layout both are conflict-free (sw128_off, decode store order): 1.18-1.26x M64 (pf13b).
+// The FP8 tiles keep the no-swizzle layout: their A copy (2 rows x 4 chunks per quarter warp) is still
+// a 4-way conflict and their 8-byte B stores 2-way (not changed; W64 is outside the error bounds).
 //
 // Numerics (spec section 4). FP8: the tensor core sums the 32 exact E4M3 x E4M3 products of ONE
 // MXFP8 block, and it rounds inside that sum: measured rel. L2 1.2e-3..4.2e-3 to the reference,
@@ -86,21 +92,26 @@ struct Cfg90 {
   static constexpr bool kTokFast = kTokFast_;
   static constexpr int kStages = S;
   static constexpr int kRowBytes = kBf16 ? 128 : 64;          // one K-tile row: 64 columns
-  static constexpr int kSbo = 8 * kRowBytes;                   // next 8-row core-matrix group
+  static constexpr int kSbo = 8 * kRowBytes;                   // next 8-row core-matrix group / SW128 atom
+  /// BF16: 128B-swizzle K-major operands (sw128_off; the 1024-byte atoms need 1024-aligned A and B
+  /// tiles, hence the stage size rounded up to 1024). FP8: no-swizzle (core_off<64>).
+  static constexpr bool kSw128 = kBf16;
   static constexpr int kABytes = kBM * kRowBytes;
   static constexpr int kAQ = kABytes / 16 / kThreads;          // A 16-byte chunks per thread per stage
   static constexpr int kRawOff = kABytes;                      // 16 x 192 lane-major index bytes
   static constexpr int kCbOff = kRawOff + kStrips * 192;       // 16 x 8 codebook bytes
-  static constexpr int kStageBytes = kCbOff + kStrips * 8;
+  static constexpr int kStageBytes = (kCbOff + kStrips * 8 + (kSw128 ? 1023 : 0)) / (kSw128 ? 1024 : 1) * (kSw128 ? 1024 : 1);
   static constexpr int kBBytes = kBN * kRowBytes;              // one decoded B K-tile
   static constexpr int kTabOff = kStages * kStageBytes + 2 * kBBytes;  // BF16: per warp 2 x 16 table bytes
   static constexpr int kSmemBytes = kTabOff + (kBf16 ? 8 * 2 * 16 : 0);
   static_assert(kStageBytes % 16 == 0 && kBBytes % 16 == 0 && kAQ * kThreads * 16 == kABytes, "layout");
+  static_assert(!kSw128 || (kStageBytes % 1024 == 0 && kBBytes % 2048 == 0 && kRowBytes == 128),
+                "SW128: every stage's A tile and each warpgroup's half of a B buffer start 1024-aligned");
 };
 using Cfg90F8 = Cfg90<false, 4>;   // W64   (75 KB of shared memory with S = 8: W64D)
 using Cfg90F8D = Cfg90<false, 8>;  // W64D
-using Cfg90Bf = Cfg90<true, 4>;    // WB64  (78 KB)
-using Cfg90BfD = Cfg90<true, 6>;   // WB64D (101 KB: still 2 CTAs per SM)
+using Cfg90Bf = Cfg90<true, 4>;    // WB64  (80.25 KB: stages padded to 12 KB for the SW128 alignment)
+using Cfg90BfD = Cfg90<true, 6>;   // WB64D (104.25 KB: still 2 CTAs per SM)
 using Cfg90BfT = Cfg90<true, 4, true>;  // WB64T: WB64 with the token-tile slots along grid x
 
 /// Byte offset of (row r, byte column c) of a [rows][RB bytes] operand in wgmma's no-swizzle
@@ -111,17 +122,56 @@ __host__ __device__ constexpr int core_off(int r, int c) {
   return (r >> 3) * (8 * RB) + (c >> 4) * 128 + (r & 7) * 16 + (c & 15);
 }
 
+/// Byte offset of (row r, byte column c) of a [rows][128 bytes] operand in wgmma's 128B-swizzle
+/// K-major layout (CUTLASS GMMA::Layout_K_SW128_Atom, Swizzle<3,4,3>; the layout M64's ldmatrix
+/// already reads): an atom is 8 rows x 128 bytes = 1024 contiguous bytes, row r at 128 r, and its
+/// 16-byte chunk c/16 stored at chunk (c/16) ^ (r & 7). The hardware applies the XOR to address bits
+/// [4:7) from bits [7:10) of the ABSOLUTE shared address, so an atom must start 1024-aligned (the
+/// descriptor's base offset is 0).
+///   Why: a 16-byte store is served per quarter warp (8 lanes, 128 bytes); it is conflict-free when
+///   the 8 lanes hit 8 different 16-byte bank groups = address bits [4:7). In the no-swizzle layout a
+///   row's 8 chunks are 128 bytes apart (all the same bank group: the A copy, 8 lanes = one row, was
+///   an 8-way conflict; the decode, 8 lanes = 2 rows x 4 chunks, 4-way). Here the 8 chunks of a row
+///   are 8 different bank groups (A copy: conflict-free), and see the decode for its store order.
+__host__ __device__ constexpr int sw128_off(int r, int c) {
+  return r * 128 + ((((c >> 4) ^ r) & 7) << 4) + (c & 15);
+}
+/// Operand offset of configuration C: SW128 for BF16, no-swizzle core matrices for FP8.
+template <class C>
+__host__ __device__ constexpr int op_off(int r, int c) {
+  if constexpr (C::kSw128) return sw128_off(r, c);
+  else return core_off<C::kRowBytes>(r, c);
+}
+static_assert(sw128_off(0, 16) == 16 && sw128_off(1, 0) == 128 + 16 && sw128_off(7, 112) == 7 * 128 &&
+                  sw128_off(9, 33) == 9 * 128 + 3 * 16 + 1,
+              "SW128 offsets");
+
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define LUTB_PREFILL_SM90 1
 #endif
 
 #ifdef LUTB_PREFILL_SM90
-/// wgmma shared-memory matrix descriptor, no swizzle, LBO 128 (K), SBO (M/N).
-template <int SBO>
+/// wgmma shared-memory matrix descriptor (PTX ISA "Matrix Descriptor Format"): bits [0,14) start
+/// address >> 4, [16,30) leading-dimension byte offset >> 4, [32,46) stride-dimension byte offset
+/// >> 4, [49,52) base offset, [62,64) layout (0 no swizzle, 1 128B, 2 64B, 3 32B swizzle).
+///   no swizzle (kSw = false): LBO 128 = the next 16-byte K chunk, SBO = the next 8-row group.
+///   128B swizzle (kSw = true): layout 1, SBO = 1024 = the next 8-row atom, LBO unused for K-major
+///   when one instruction's K (here 32 bytes) lies inside the 128-byte swizzle width (DeepGEMM's
+///   make_smem_desc sets 0, as here), base offset 0 (atoms 1024-aligned). The k16 step ks of a
+///   K-tile advances the start address by 32 ks bytes INSIDE the atom (as DeepGEMM's K loop does):
+///   the hardware forms start + 128 r + 16 j and then XORs bits [4:7) with bits [7:10), which is
+///   exactly sw128_off(r, 32 ks + 16 j).
+template <int SBO, bool kSw = false>
 __device__ __forceinline__ unsigned long long smem_desc(unsigned addr) {
-  return static_cast<unsigned long long>((addr & 0x3FFFF) >> 4) | (static_cast<unsigned long long>(128 >> 4) << 16) |
-         (static_cast<unsigned long long>(SBO >> 4) << 32);
+  static_assert(!kSw || SBO == 1024, "SW128 K-major: SBO = one 8 x 128-byte atom");
+  return static_cast<unsigned long long>((addr & 0x3FFFF) >> 4) |
+         (static_cast<unsigned long long>(kSw ? 0 : 128 >> 4) << 16) |
+         (static_cast<unsigned long long>(SBO >> 4) << 32) | (static_cast<unsigned long long>(kSw ? 1 : 0) << 62);
 }
+/// Descriptor step of k16 step ks inside a K-tile (16-byte units): no swizzle 2 chunks x LBO 128 =
+/// 256 bytes; SW128 32 bytes.
+template <bool kSw>
+constexpr unsigned long long kstep_desc(int ks) { return kSw ? 2ull * ks : 16ull * ks; }
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
@@ -179,7 +229,7 @@ __device__ __forceinline__ void cta_gemm90(const LutbW& w, long long e, long lon
   // threads 0..191 one 16-byte chunk of a strip's tile, 192..207 a strip's codebook.
   int a_dst[C::kAQ];
 #pragma unroll
-  for (int q = 0; q < C::kAQ; ++q) a_dst[q] = core_off<RB>((tid + kThreads * q) / kChunks, (tid % kChunks) * 16);
+  for (int q = 0; q < C::kAQ; ++q) a_dst[q] = op_off<C>((tid + kThreads * q) / kChunks, (tid % kChunks) * 16);
   const unsigned char* raw_src = nullptr;
   long long raw_step = 0;
   int raw_dst = 0, raw_kind = 0;
@@ -259,6 +309,19 @@ __device__ __forceinline__ void cta_gemm90(const LutbW& w, long long e, long lon
       std::uint32_t sel[4];
       lane_selectors(X, Y, sel);
       if constexpr (C::kBf16) {
+        // Store order (SW128): the lane holds row g, chunks t (selectors 0, 1) and 4 + t (2, 3). Lanes
+        // with odd g store chunk 4 + t first (selector pairs swapped): a quarter warp (g = 2i, 2i+1,
+        // t = 0..3) then writes physical chunks {t ^ 2i} and {(4 + t) ^ (2i+1)}, one of them
+        // {0..3} and the other {4..7}: 8 different bank groups per store, conflict-free (without
+        // the swap, {t ^ 2i} and {t ^ (2i+1)} overlap: 2-way, as in M64's decode).
+        const bool odd = g & 1;
+        if (odd) {
+          const std::uint32_t s0 = sel[0], s1 = sel[1];
+          sel[0] = sel[2];
+          sel[1] = sel[3];
+          sel[2] = s0;
+          sel[3] = s1;
+        }
         const uint2 tl = *reinterpret_cast<const uint2*>(tab + s * 16);
         const uint2 th = *reinterpret_cast<const uint2*>(tab + s * 16 + 8);
         unsigned o[8];
@@ -269,13 +332,15 @@ __device__ __forceinline__ void cta_gemm90(const LutbW& w, long long e, long lon
           o[2 * q] = __byte_perm(lo, hi, 0x5140);      // columns 4q' + 0, 1
           o[2 * q + 1] = __byte_perm(lo, hi, 0x7362);  // columns 4q' + 2, 3
         }
-        const int d0 = core_off<RB>(8 * sl + g, 16 * t);  // columns 8t..8t+7 = bytes 16t..16t+15
-        *reinterpret_cast<uint4*>(bdst + d0) = make_uint4(o[0], o[1], o[2], o[3]);
-        *reinterpret_cast<uint4*>(bdst + d0 + 4 * 128) = make_uint4(o[4], o[5], o[6], o[7]);  // columns 32 + 8t..
+        // columns 8t..8t+7 = bytes 16t.. (chunk t), columns 32 + 8t.. = chunk 4 + t; odd g: swapped
+        *reinterpret_cast<uint4*>(bdst + op_off<C>(8 * sl + g, 16 * (t + (odd ? 4 : 0)))) =
+            make_uint4(o[0], o[1], o[2], o[3]);
+        *reinterpret_cast<uint4*>(bdst + op_off<C>(8 * sl + g, 16 * (t + (odd ? 0 : 4)))) =
+            make_uint4(o[4], o[5], o[6], o[7]);
       } else {
         uint2 cb = *reinterpret_cast<const uint2*>(st + C::kCbOff + sl * 8);
         if (!dec_ok[s]) cb = make_uint2(0u, 0u);
-        const int d0 = core_off<RB>(8 * sl + g, 8 * t);
+        const int d0 = op_off<C>(8 * sl + g, 8 * t);
         *reinterpret_cast<uint2*>(bdst + d0) =
             make_uint2(__byte_perm(cb.x, cb.y, sel[0]), __byte_perm(cb.x, cb.y, sel[1]));
         *reinterpret_cast<uint2*>(bdst + d0 + 2 * 128) =  // columns 32 + 8t..: 2 K chunks further
@@ -312,7 +377,9 @@ __device__ __forceinline__ void cta_gemm90(const LutbW& w, long long e, long lon
     for (int i = 0; i < 32; ++i) d1[i] = 0.0f;
   }
 
-  const unsigned long long da0 = smem_desc<C::kSbo>(smem_s), db0 = smem_desc<C::kSbo>(bsm_s + wg * (kBBytes / 2));
+  const unsigned long long da0 = smem_desc<C::kSbo, C::kSw128>(smem_s),
+                           db0 = smem_desc<C::kSbo, C::kSw128>(bsm_s + wg * (kBBytes / 2));
+  if (C::kSw128 && (smem_s & 1023u)) __trap();  // the SW128 atoms need a 1024-aligned dynamic smem base
 
   // ---- prologue
 #pragma unroll
@@ -349,7 +416,9 @@ __device__ __forceinline__ void cta_gemm90(const LutbW& w, long long e, long lon
       reg_fence(d0);
       wg_fence();
 #pragma unroll
-      for (int ks = 0; ks < 4; ++ks) wgmma_64x64x16_bf16(d0, da + 16 * ks, db + 16 * ks, (ks == 0 && fresh) ? 0 : 1);
+      for (int ks = 0; ks < 4; ++ks)
+        wgmma_64x64x16_bf16(d0, da + kstep_desc<C::kSw128>(ks), db + kstep_desc<C::kSw128>(ks),
+                            (ks == 0 && fresh) ? 0 : 1);
       wg_commit();
       if (kt + 1 < tiles_k) decode(kt + 1, tsc);
       wg_wait0();
@@ -527,7 +596,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     prow[h] = prefill::pair_of(r, start, count, 16 * wq + g + 8 * h);
     srow[h] = (!C::kBf16 && prow[h] >= 0) ? asf + static_cast<long long>(prow[h] / r.top_k) * (Hp / 32) : nullptr;
   }
-  extern __shared__ __align__(16) unsigned char smem[];
+  extern __shared__ __align__(1024) unsigned char smem[];
   float acc[32];
   cta_gemm90<C, true>(w, e, I, arow, a, srow, smem, acc);
 
@@ -566,7 +635,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     prow[h] = prefill::pair_of(r, start, count, 16 * wq + g + 8 * h);
     srow[h] = (!C::kBf16 && prow[h] >= 0) ? hsf + static_cast<long long>(prow[h]) * (Ip / 32) : nullptr;
   }
-  extern __shared__ __align__(16) unsigned char smem[];
+  extern __shared__ __align__(1024) unsigned char smem[];
   float acc[32];
   cta_gemm90<C, false>(w, e, 0, arow, hq, srow, smem, acc);
   epilogue_gemm2(acc, cta_nblock<C>(), wg, prow, t, H, y);
@@ -600,6 +669,8 @@ struct CfgWS {
   static constexpr int kSmemBytes = kBarOff + 2 * kSA * 8;
   static_assert(kLook <= kSA - 2, "raw-slot reuse and a consumer stage need kLook <= kSA - 2");
   static_assert(kBarOff % 8 == 0 && kRawBytes % 16 == 0, "alignment");
+  static_assert(kAOff % 1024 == 0 && kABytes % 1024 == 0 && kBOff % 1024 == 0 && kBBytes % 2048 == 0,
+                "SW128 atoms 1024-aligned (A stages, each consumer's half of a B buffer)");
 };
 
 #ifdef LUTB_PREFILL_SM90
@@ -643,7 +714,7 @@ __device__ __forceinline__ void ws_producer(const LutbW& w, long long e, long lo
   // tid + 128 (< 208): ci < 192 -> strip ci / 12, 16-byte chunk ci % 12; else codebook of strip ci - 192.
   int a_dst[4];
 #pragma unroll
-  for (int q = 0; q < 4; ++q) a_dst[q] = core_off<128>((tid + 128 * q) >> 3, (tid & 7) * 16);
+  for (int q = 0; q < 4; ++q) a_dst[q] = sw128_off((tid + 128 * q) >> 3, (tid & 7) * 16);  // conflict-free
   const unsigned char* raw_src[2] = {nullptr, nullptr};
   int raw_dst[2] = {0, 0}, raw_kind[2] = {0, 0};
   long long raw_step[2] = {0, 0};
@@ -715,6 +786,14 @@ __device__ __forceinline__ void ws_producer(const LutbW& w, long long e, long lo
       const std::uint32_t Y = *reinterpret_cast<const unsigned short*>(rt + 128 + 2 * lane);
       std::uint32_t sel[4];
       lane_selectors(X, Y, sel);
+      const bool odd = g & 1;  // store order as cta_gemm90's decode: conflict-free in SW128
+      if (odd) {
+        const std::uint32_t s0 = sel[0], s1 = sel[1];
+        sel[0] = sel[2];
+        sel[1] = sel[3];
+        sel[2] = s0;
+        sel[3] = s1;
+      }
       const uint2 tl = *reinterpret_cast<const uint2*>(tab + s * 16);
       const uint2 th = *reinterpret_cast<const uint2*>(tab + s * 16 + 8);
       unsigned o[8];
@@ -725,9 +804,11 @@ __device__ __forceinline__ void ws_producer(const LutbW& w, long long e, long lo
         o[2 * q] = __byte_perm(lo, hi, 0x5140);
         o[2 * q + 1] = __byte_perm(lo, hi, 0x7362);
       }
-      const int d0 = core_off<128>(8 * sl + g, 16 * (lane & 3));
-      *reinterpret_cast<uint4*>(bdst + d0) = make_uint4(o[0], o[1], o[2], o[3]);
-      *reinterpret_cast<uint4*>(bdst + d0 + 4 * 128) = make_uint4(o[4], o[5], o[6], o[7]);
+      const int t = lane & 3;
+      *reinterpret_cast<uint4*>(bdst + sw128_off(8 * sl + g, 16 * (t + (odd ? 4 : 0)))) =
+          make_uint4(o[0], o[1], o[2], o[3]);
+      *reinterpret_cast<uint4*>(bdst + sw128_off(8 * sl + g, 16 * (t + (odd ? 0 : 4)))) =
+          make_uint4(o[4], o[5], o[6], o[7]);
     }
     __syncwarp();  // the table is rewritten by the next decode
   };
@@ -759,8 +840,8 @@ __device__ __forceinline__ void ws_producer(const LutbW& w, long long e, long lo
 __device__ __forceinline__ void ws_consumer(long long tiles_k, int cw, unsigned smem_s, float (&acc)[32]) {
   using C = CfgWS;
   const unsigned full0 = smem_s + C::kBarOff, empty0 = full0 + 8 * C::kSA;
-  const unsigned long long da0 = smem_desc<8 * C::kRowBytes>(smem_s + C::kAOff),
-                           db0 = smem_desc<8 * C::kRowBytes>(smem_s + C::kBOff + cw * (C::kBBytes / 2));
+  const unsigned long long da0 = smem_desc<8 * C::kRowBytes, true>(smem_s + C::kAOff),
+                           db0 = smem_desc<8 * C::kRowBytes, true>(smem_s + C::kBOff + cw * (C::kBBytes / 2));
 #pragma unroll
   for (int i = 0; i < 32; ++i) acc[i] = 0.0f;
   float d[32];
@@ -775,7 +856,8 @@ __device__ __forceinline__ void ws_consumer(long long tiles_k, int cw, unsigned 
     reg_fence(d);
     wg_fence();
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) wgmma_64x64x16_bf16(d, da + 16 * ks, db + 16 * ks, (ks == 0 && fresh) ? 0 : 1);
+    for (int ks = 0; ks < 4; ++ks)
+      wgmma_64x64x16_bf16(d, da + kstep_desc<true>(ks), db + kstep_desc<true>(ks), (ks == 0 && fresh) ? 0 : 1);
     wg_commit();
     wg_wait0();
     reg_fence(d);
@@ -790,6 +872,7 @@ __device__ __forceinline__ void ws_consumer(long long tiles_k, int cw, unsigned 
 /// Shared prologue of the WS kernels: barrier init (thread 0), then the role split.
 __device__ __forceinline__ void ws_init(unsigned smem_s) {
   using C = CfgWS;
+  if (smem_s & 1023u) __trap();  // the SW128 atoms need a 1024-aligned dynamic smem base
   if (threadIdx.x == 0) {
     for (int i = 0; i < C::kSA; ++i) {
       mbar_init(smem_s + C::kBarOff + 8 * i, 128);                // full: the 128 producer threads
@@ -811,7 +894,7 @@ __global__ void __launch_bounds__(CfgWS::kThreads, 2)
   if (slot >= *r.num_tiles) return;
   const long long e = r.tile_expert[slot];
   const int start = r.tile_start[slot], count = r.tile_count[slot];
-  extern __shared__ __align__(16) unsigned char smem[];
+  extern __shared__ __align__(1024) unsigned char smem[];
   const unsigned smem_s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   ws_init(smem_s);
   const int tid = threadIdx.x;
@@ -848,7 +931,7 @@ __global__ void __launch_bounds__(CfgWS::kThreads, 2)
   if (slot >= *r.num_tiles) return;
   const long long e = r.tile_expert[slot];
   const int start = r.tile_start[slot], count = r.tile_count[slot];
-  extern __shared__ __align__(16) unsigned char smem[];
+  extern __shared__ __align__(1024) unsigned char smem[];
   const unsigned smem_s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   ws_init(smem_s);
   const int tid = threadIdx.x;

@@ -36,8 +36,9 @@ namespace lutb::cuda {
 
 /// CTA token tile of the prefill GEMMs (src/cuda/moe_lutb_prefill.cuh, Cfg*). The grouping must be
 /// made with prefill_tile_rows(tile) rows per token tile.
-///   M64:   the session-10 kernel and the heuristic's choice at every size: 64 token rows, 8 warps
-///          (warp tile 32 x 32), 2 CTAs per SM, each K-tile's weights decoded before its mma steps;
+///   M64:   the session-10 kernel and the heuristic's choice at every size on devices other than
+///          sm_90: 64 token rows, 8 warps (warp tile 32 x 32), 2 CTAs per SM, each K-tile's weights
+///          decoded before its mma steps;
 ///   M64IL: the same tile with the decode of the next K-tile interleaved between the mma steps
 ///          (kept for A/B measurements: 3-5 % slower, session 12);
 ///   M128:  128 token rows, 16 warps (warp tile 32 x 32), 1 CTA per SM, decode interleaved: every
@@ -52,10 +53,14 @@ namespace lutb::cuda {
 ///          BF16 outputs, docs/perf/moe-gpu-prefill.md session 13); 1-9 % faster than M64 on the
 ///          H200; never chosen by the heuristic.
 ///   WB64:  sm_90a only (session 13): the same CTA and pipeline with BF16 operands (both scales folded
-///          in, exact, as M64) and BF16 wgmma (m64n64k16), promotion every 2 K-tiles as M64.
+///          in, exact, as M64) and BF16 wgmma (m64n64k16), promotion every 2 K-tiles as M64. THE
+///          HEURISTIC'S CHOICE ON sm_90 devices (helper pf13b): with its operands in the 128B-swizzle
+///          layout (no shared-memory bank conflicts) it is 1.18-1.26x M64's throughput on the H200 on
+///          all four model shapes at T = 1024 and 4096, with output bit-identical to M64 (asserted by
+///          the prefill tests; docs/perf/moe-gpu-prefill.md, session 13, pf13b).
 ///   W64D, WB64D: W64 / WB64 with a deeper cp.async ring (8 / 6 K-tiles instead of 4).
-///   The BF16-fold wgmma tiles (WB64*, WS64) give outputs bit-identical to M64 but were 0.82-0.88x
-///   of its throughput on the H200 (session 13); kept, tested, for the next attempt.
+///   The other BF16-fold wgmma tiles (WB64D, WB64T, WS64) are also bit-identical to M64; WB64T is
+///   within 1 % of WB64; WB64D takes 1-2 % and WS64 13-16 % longer than WB64 (pf13b run 1).
 ///   WB64T: WB64 with the grid transposed (token tiles along x): CTAs running together share weights.
 ///   WS64:  sm_90a only: WB64's tile and numerics, warp-specialised (a producer warpgroup copies and
 ///          decodes 4 K-tiles ahead into a 6-deep ring, two consumer warpgroups only wait on mbarriers
@@ -69,10 +74,14 @@ enum class PrefillTile { Auto, M64, M64IL, M128, M128W, W64, WB64, W64D, WB64D, 
 /// were 0-47 % slower than M64 on all four model shapes at T = 1024 and 4096.
 inline constexpr std::int64_t kPrefillTile128MinPairs = 0;
 
-/// The tile the prefill path uses for `pairs` = T*k pairs over `experts` experts: M128 when
-/// kPrefillTile128MinPairs > 0 and the mean number of pairs per touched expert, pairs / min(E, pairs),
-/// is at least that, else M64; or the value forced by set_prefill_tile (benchmarks' A/B). Never Auto.
+/// The tile the prefill path uses for `pairs` = T*k pairs over `experts` experts: the value forced by
+/// set_prefill_tile (benchmarks' A/B), else prefill_tile_for(pairs, experts, the current device is
+/// sm_90). Never Auto. Queries the current device (cached) unless a tile is forced.
 PrefillTile prefill_tile(std::int64_t pairs, std::int64_t experts);
+/// The heuristic itself (host only, no device query): M128 when kPrefillTile128MinPairs > 0 and the
+/// mean number of pairs per touched expert, pairs / min(E, pairs), is at least that; else WB64 on
+/// sm_90 (the wgmma kernels are built for sm_90a only) and M64 on every other device.
+PrefillTile prefill_tile_for(std::int64_t pairs, std::int64_t experts, bool sm90);
 /// Token rows per CTA (= the grouping's tile rows) of a resolved tile (M64*, W64*, WB64*: 64; M128*: 128).
 int prefill_tile_rows(PrefillTile t);
 /// Forces the prefill tile for every later call in this process (Auto: the heuristic again).
