@@ -138,9 +138,11 @@ double tokens_per_expert(std::int64_t tokens, int top_k, std::int64_t experts) {
 }
 }  // namespace
 
-MoeStrategy choose_strategy(std::int64_t tokens, int top_k, std::int64_t experts, bool packed_weights) {
+MoeStrategy choose_strategy(std::int64_t tokens, int top_k, std::int64_t experts, bool packed_weights,
+                            bool wgmma_prefill) {
   const double a = tokens_per_expert(tokens, top_k, experts);
-  if (packed_weights) return a >= kPrefillMinTokensPerExpert ? MoeStrategy::Prefill : MoeStrategy::Decode;
+  const double from = wgmma_prefill ? kPrefillMinTokensPerExpertWgmma : kPrefillMinTokensPerExpert;
+  if (packed_weights) return a >= from ? MoeStrategy::Prefill : MoeStrategy::Decode;
   return a >= 48.0 ? MoeStrategy::Prefill : MoeStrategy::Decode;
 }
 

@@ -199,7 +199,14 @@ void moe_forward(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t
     throw std::invalid_argument("moe_forward: workspace of " + std::to_string(workspace_bytes) + " bytes, need " +
                                 std::to_string(ws.bytes));
   const std::int64_t P = tokens * top_k;
-  MoeStrategy s = strategy == MoeStrategy::Auto ? choose_strategy(tokens, top_k, E, true) : strategy;
+  MoeStrategy s = strategy;
+  if (s == MoeStrategy::Auto) {
+    // The crossover depends on the prefill tile this device would run (kPrefillMinTokensPerExpert*).
+    const PrefillTile t = prefill_tile(P, E);
+    const bool wgmma = t == PrefillTile::WB64 || t == PrefillTile::WB64D || t == PrefillTile::WB64T ||
+                       t == PrefillTile::WS64 || t == PrefillTile::W64 || t == PrefillTile::W64D;
+    s = choose_strategy(tokens, top_k, E, true, wgmma);
+  }
   kern::Routing r{topk_ids, topk_weights, ws.sorted, ws.tile_expert, ws.tile_start, ws.tile_count, ws.num_tiles,
                   top_k};
   // The swap-AB kernels use 32-bit byte offsets inside one expert's stack.

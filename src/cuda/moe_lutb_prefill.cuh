@@ -1,7 +1,7 @@
 // src/cuda/moe_lutb_prefill.cuh: kernels of the large-batch (prefill) LUT-B GEMM path
 // (moe_prefill.hpp says what and why; moe_lutb_prefill.cu launches them).
 //
-// CTA tile (Cfg below; M64, the default, is the session-10 kernel): 256 threads (8 warps, 2 along
+// CTA tile (Cfg below; M64, the default off sm_90 (on sm_90 the wgmma tile WB64 of moe_lutb_prefill_sm90.cuh), is the session-10 kernel): 256 threads (8 warps, 2 along
 // tokens x 4 along weight rows, warp tile 32 x 32), 64 token rows (one token tile of the grouping,
 // one expert) x 128 weight rows (16 LUT-B row-strips) x K-tiles of 64 columns (one LUT-B tile
 // column). The other configurations (128 token rows; decode interleaved with the mma) follow the

@@ -90,11 +90,13 @@ void set_prefill_tile(PrefillTile t);
 
 /// Heuristic for the dispatcher: true when the prefill GEMMs are expected to beat the swap-AB
 /// decode kernels, i.e. when the mean number of (token, expert) pairs per touched expert,
-/// T*k / min(E, T*k), is at least kPrefillMinTokensPerExpert (36; the measurements are beside it in
-/// lutb/cuda/moe.hpp: the crossover lies between 32 and 40 on every benchmark shape). The
-/// dispatcher's rule is choose_strategy; this is the same rule, kept for the prefill tests.
-inline bool prefer_lutb_prefill(std::int64_t tokens, int top_k, std::int64_t experts) {
-  return tokens > 0 && choose_strategy(tokens, top_k, experts, true) == MoeStrategy::Prefill;
+/// T*k / min(E, T*k), is at least kPrefillMinTokensPerExpert (36, the mma.sync tile M64: the
+/// crossover lies between 32 and 40 on every benchmark shape) or, with wgmma_prefill (the sm_90a
+/// wgmma tiles), kPrefillMinTokensPerExpertWgmma (28: between 24 and 32); the measurements are
+/// beside them in lutb/cuda/moe.hpp. The dispatcher's rule is choose_strategy; this is the same
+/// rule, kept for the prefill tests.
+inline bool prefer_lutb_prefill(std::int64_t tokens, int top_k, std::int64_t experts, bool wgmma_prefill = false) {
+  return tokens > 0 && choose_strategy(tokens, top_k, experts, true, wgmma_prefill) == MoeStrategy::Prefill;
 }
 
 /// A complete MoE forward (same contract, arguments and workspace rule as moe_forward in

@@ -413,6 +413,27 @@ TEST(PrefillCuda, NonFiniteActivationBlockGivesNanRowLikeTheReference) {
 // The measured crossover (include/lutb/cuda/moe.hpp, kPrefillMinTokensPerExpert): swap-AB decode up
 // to 32 pairs per touched expert, where it was 1.13-1.18x faster on the H200; prefill from 40, where
 // it was 1.01-1.19x faster; the benchmark shapes' batch sizes on either side.
+// With the sm_90a wgmma prefill tile (session 13) the crossover moved down: swap-AB decode was
+// 1.11-1.15x faster at 24 pairs per touched expert on three shapes, prefill 1.07-1.23x faster at 32
+// on all four (include/lutb/cuda/moe.hpp, kPrefillMinTokensPerExpertWgmma).
+TEST(PrefillCuda, HeuristicThresholdIs28PairsPerTouchedExpertWithTheWgmmaTile) {
+  EXPECT_EQ(cuda::kPrefillMinTokensPerExpertWgmma, 28.0);
+  EXPECT_FALSE(cuda::prefer_lutb_prefill(768, 8, 256, true));   // DeepSeek-V3, T = 768: 24
+  EXPECT_FALSE(cuda::prefer_lutb_prefill(892, 8, 256, true));   // 27.9
+  EXPECT_TRUE(cuda::prefer_lutb_prefill(896, 8, 256, true));    // 28
+  EXPECT_TRUE(cuda::prefer_lutb_prefill(1024, 8, 256, true));   // DeepSeek-V3, T = 1024: 32
+  EXPECT_FALSE(cuda::prefer_lutb_prefill(384, 8, 128, true));   // Qwen3, T = 384: 24
+  EXPECT_TRUE(cuda::prefer_lutb_prefill(512, 8, 128, true));    // Qwen3, T = 512: 32
+  EXPECT_FALSE(cuda::prefer_lutb_prefill(96, 2, 8, true));      // Mixtral, T = 96: 24
+  EXPECT_TRUE(cuda::prefer_lutb_prefill(128, 2, 8, true));      // Mixtral, T = 128: 32
+  EXPECT_FALSE(cuda::prefer_lutb_prefill(0, 8, 256, true));
+  EXPECT_EQ(cuda::choose_strategy(1024, 8, 256, true, true), cuda::MoeStrategy::Prefill);
+  EXPECT_EQ(cuda::choose_strategy(1024, 8, 256, true, false), cuda::MoeStrategy::Decode);
+  EXPECT_EQ(cuda::choose_strategy(256, 8, 256, true, true), cuda::MoeStrategy::Decode);
+  // The BF16 baseline's rule does not depend on the LUT-B prefill tile.
+  EXPECT_EQ(cuda::choose_strategy(1024, 8, 256, false, true), cuda::MoeStrategy::Decode);
+}
+
 TEST(PrefillCuda, HeuristicThresholdIs36PairsPerTouchedExpert) {
   EXPECT_EQ(cuda::kPrefillMinTokensPerExpert, 36.0);
   EXPECT_FALSE(cuda::prefer_lutb_prefill(256, 8, 256));   // DeepSeek-V3, T = 256: 8 pairs per expert

@@ -126,11 +126,23 @@ enum class MoeStrategy : std::uint8_t { Auto, Decode, Prefill, DecodeM16 };
 /// swap-AB is 1.4-3.0x faster at 1-4 tokens per expert and 1.0-1.2x beyond.
 inline constexpr double kPrefillMinTokensPerExpert = 36.0;
 
-/// Heuristic, kept apart from the kernels.
+/// The same crossover when the prefill runs the sm_90a BF16-fold wgmma tile (WB64, the prefill
+/// default on Hopper since session 13, 1.18-1.26x the mma.sync tile's throughput). Measured on the
+/// H200 (2026-11-30 ~16:35 UTC, docs/perf/moe-gpu.md "Changed late in session 13", log
+/// gpu-logs/main-2026-11-30g-run2/; both strategies forced, one run): at 24 tokens per expert
+/// swap-AB Decode is 1.11-1.15x faster on DeepSeek-V3, Qwen3-235B and Mixtral (Qwen3-30B: Prefill
+/// 1.02x); at 32 Prefill is 1.07-1.23x faster on all four shapes. The crossover lies between 24
+/// and 32; 28 is its midpoint.
+inline constexpr double kPrefillMinTokensPerExpertWgmma = 28.0;
+
+/// Heuristic, kept apart from the kernels (host only; no device query).
 ///   BF16 weights (packed_weights = false): Prefill when the mean number of tokens per touched
 ///     expert reaches 48, else Decode.
-///   LUT-B weights: Prefill from kPrefillMinTokensPerExpert tokens per touched expert, else Decode.
-MoeStrategy choose_strategy(std::int64_t tokens, int top_k, std::int64_t experts, bool packed_weights = true);
+///   LUT-B weights: Prefill from kPrefillMinTokensPerExpert tokens per touched expert (from
+///     kPrefillMinTokensPerExpertWgmma when wgmma_prefill: the prefill would run the sm_90a wgmma
+///     tile), else Decode. moe_forward passes wgmma_prefill for the tile the current device uses.
+MoeStrategy choose_strategy(std::int64_t tokens, int top_k, std::int64_t experts, bool packed_weights = true,
+                            bool wgmma_prefill = false);
 
 /// Swap-AB decode: one 8-token block per tile up to this many mean tokens per touched expert, two
 /// 8-token blocks (16-token tiles) above. Measured on the H200 (2026-11-30 ~13:36 UTC,
