@@ -109,7 +109,9 @@ void route_deepseek(const float* logits, const float* bias, std::int64_t tokens,
 ///     baseline's Decode is its 16-token tile kernel.
 ///   Prefill: LUT-B: CTA-tiled GEMMs (src/cuda/moe_prefill.hpp): 64-token tiles, every weight tile
 ///     decoded once per CTA into shared memory as BF16 with both power-of-two scales folded in,
-///     ldmatrix + mma.sync. BF16 baseline: 4 m16 token tiles per warp.
+///     ldmatrix + mma.sync (tile M64), on sm_90a wgmma on the same exact BF16 operands (tile WB64,
+///     src/cuda/moe_lutb_prefill_sm90.cuh; bit-identical to M64). BF16 baseline: 4 m16 token tiles
+///     per warp.
 ///   DecodeM16: LUT-B with tokens as the M operand, one m16 token tile per warp (the previous
 ///     decode kernel, kept as the benchmark's same-run baseline; Auto does not pick it); the same
 ///     as Decode on the BF16 path.
