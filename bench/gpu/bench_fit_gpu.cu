@@ -183,10 +183,10 @@ int online_bench(const std::uint16_t* d_w13, std::int64_t E, std::int64_t N, std
     for (int t = 0; t < 2; ++t)
       lc::fit_device(srcs[t], lutb::DType::BF16, *shp[t], o[t], lc::GpuFitter::BinnedDp, -1, d_err, nullptr);
   });
-  // fit-gpu.md's "separate fit12's encoding from its occupancy" (onl14): layout 0 now sums the
-  // encoding's flat-order terms without storing the prefixes (as the compact layout 1 does); with
-  // the per-tile sums, against the default (layout 1) and layout 0 with DP mode 6, same run; bytes
-  // and sums of each == the default's.
+  // The shared-memory layouts with the per-tile sums on these two stacks: layout 0 and layout 0
+  // with DP mode 6 against the default (layout 1), same run; bytes and sums of each == the default's.
+  // (onl14-run1 measured layout 0 with its encoding sums computed without stored prefixes, as the
+  // compact layout's: 1.016-1.041x layout 1's time, so that variant was not kept; fit-gpu.md "onl14".)
   namespace fi = lc::fit_internal;
   auto host_of = [](const void* p, std::size_t n) {
     std::vector<std::uint8_t> h(n);
@@ -315,7 +315,7 @@ int online_bench(const std::uint16_t* d_w13, std::int64_t E, std::int64_t N, std
   };
   dev_row("fits alone: w13 + w2 stacks, one launch each, with per-tile sums", t_fit);
   dev_row("same, again after the layouts below", t_fit2);
-  dev_row("fits alone, layout 0 (encoding sums without stored prefixes, onl14), with per-tile sums", t_layout[0]);
+  dev_row("fits alone, layout 0 (fit11's), with per-tile sums", t_layout[0]);
   dev_row("fits alone, layout 1 (compact; the default with sums), with per-tile sums", t_layout[1]);
   dev_row("fits alone, layout 0 with DP mode 6, with per-tile sums", t_layout[2]);
   std::printf("| layout 0 / layout 1 time, with sums | %.3f | | |\n", t_layout[0] / t_layout[1]);

@@ -239,20 +239,6 @@ __device__ __forceinline__ void group_argmin(double& bv, int& bi, int gs, unsign
   }
 }
 
-// acc + P[0] + ... + P[len - 1] in order.
-__device__ __forceinline__ double sum_from(const double* P, int len, double acc) {
-  int d = 0;
-  for (; d + 7 < len; d += 8) {
-    double t[8];
-#pragma unroll
-    for (int r = 0; r < 8; ++r) t[r] = P[d + r];
-#pragma unroll
-    for (int r = 0; r < 8; ++r) acc = acc + t[r];
-  }
-  for (; d < len; ++d) acc = acc + P[d];
-  return acc;
-}
-
 // In place: P[0] = 0, P[d] = P[d-1] + P[d] for d = 1..n (a double running sum, in order).
 __device__ __forceinline__ void running_sum(double* P, int n) {
   P[0] = 0.0;
@@ -1017,14 +1003,12 @@ __device__ double encode_warp(Smem<Opt>& s, int lane, const float (&x)[kIpt], in
   encode_assign(s, lane, x, scale, n_entries, sums, w);
   double sse = 0.0, ssq = 0.0;
   if (sums) {  // flat-order double sums in the scratch rows, lane 0 sse and lane 1 sum of squares
-    // (onl14: the sums alone, as the compact layout's encode_c, instead of running_sum's stored
-    // prefixes: the same additions in the same order from 0.0, so the same bits.)
     double(*scr)[kN + 1] = s.scratch();
     __syncwarp();
-    double acc = 0.0;
-    if (lane < 2 && (lane == 0 || o.ssq)) acc = sum_from(scr[lane] + 1, kN, 0.0);
-    sse = __shfl_sync(kFull, acc, 0);
-    ssq = __shfl_sync(kFull, acc, 1);
+    if (lane < 2 && (lane == 0 || o.ssq)) running_sum(scr[lane], kN);
+    __syncwarp();
+    sse = scr[0][kN];
+    ssq = scr[1][kN];
     __syncwarp();  // (the scratch is reused by the caller's next step)
   }
   if (!need_sse || sse < write_below) encode_write(s, lane, w, scale, o, sse, ssq);
@@ -1525,6 +1509,20 @@ __device__ __forceinline__ double running_sum_from(double* P, int len, double ac
     acc = acc + P[d];
     P[d] = acc;
   }
+  return acc;
+}
+
+// acc + P[0] + ... + P[len - 1] in order.
+__device__ __forceinline__ double sum_from(const double* P, int len, double acc) {
+  int d = 0;
+  for (; d + 7 < len; d += 8) {
+    double t[8];
+#pragma unroll
+    for (int r = 0; r < 8; ++r) t[r] = P[d + r];
+#pragma unroll
+    for (int r = 0; r < 8; ++r) acc = acc + t[r];
+  }
+  for (; d < len; ++d) acc = acc + P[d];
   return acc;
 }
 
