@@ -304,7 +304,7 @@ TEST(OnlineGpu, TinyQwen3MoeLayer) {
   }
 }
 
-// Peak device memory: the source (until released) + the output + the chunk's temporaries, measured
+// Peak device memory: the source (until released) + the output + the temporaries (two chunks' per-tile sums), measured
 // with cudaMemGetInfo inside the release callback (before that chunk is freed), against a layer 16x
 // the chunk.
 TEST(OnlineGpu, MemoryBoundedByChunk) {
