@@ -304,9 +304,9 @@ TEST(OnlineGpu, TinyQwen3MoeLayer) {
   }
 }
 
-// Peak device memory: the source (until released) + the output + the temporaries (two chunks' per-tile sums), measured
-// with cudaMemGetInfo inside the release callback (before that chunk is freed), against a layer 16x
-// the chunk.
+// Peak device memory: the source (until released) + the output + the temporaries (two chunks'
+// per-tile sums), measured with cudaMemGetInfo inside the release callback (before that chunk is
+// freed), against a layer 16x the chunk.
 TEST(OnlineGpu, MemoryBoundedByChunk) {
   LUTB_GPU_OR_SKIP();
   const std::int64_t E = 16, H = 1024, I = 512;
