@@ -15,7 +15,7 @@
 //  - the backend selection reason is logged once per process (the seed's logger.info_once).
 //
 // Device memory: the output (3.140625 bits per weight, one allocation owned by DeviceLutbLayer) is
-// allocated once, after the check pass; the only temporaries are the per-tile error sums of two
+// allocated once (while the check pass runs, and freed again if it fails); the only temporaries are the per-tile error sums of two
 // chunks (16 bytes per 512 weights of the larger matrix of a chunk, double-buffered so that one
 // chunk's sums are copied to the host while the next chunk is fitted; only when stats are asked for;
 // GpuOnlineOptions::pipeline = false: one chunk) and three 8-byte error words. The fit kernel keeps
@@ -103,12 +103,14 @@ struct GpuOnlineOptions {
   bool lane_major = true;
   cudaStream_t stream = nullptr;
   /// true (the default, onl14): the pipelined method: the check pass on a memory-bound check kernel
-  /// (all launches queued, one synchronisation), then the chunks' fits queued back to back while the
-  /// host copies the previous chunk's per-tile sums on a second stream, adds them and releases it
-  /// (no host synchronisation between two fits; the release follows the chunk's completion through an
-  /// event); temporaries two chunks' per-tile sums. false: the method before onl14 (check pass on the
-  /// fit kernel, a host synchronisation after every fit and every chunk), kept for the benchmark's
-  /// same-run comparison. Same bytes, FitStats, releases and errors either way (tested).
+  /// (all launches queued; its result read once the first fit is queued behind it, before anything
+  /// is released), then the chunks' fits queued back to back while the host copies the previous
+  /// chunk's per-tile sums on a second stream, adds them and releases it (no host synchronisation
+  /// between two fits; the release follows the chunk's completion through an event); temporaries
+  /// two chunks' per-tile sums. false: the method before onl14 (check pass on the fit kernel, a host
+  /// synchronisation after every fit and every chunk), kept for the benchmark's same-run
+  /// comparison. Same bytes, FitStats, releases and errors either way (tested). On the H200 the
+  /// pipelined method took 0.916-0.924x the serial one's time (docs/perf/fit-gpu.md, "onl14").
   bool pipeline = true;
   /// Receives the once-per-process selection message; empty: stderr as "[lutb] message".
   std::function<void(const std::string&)> log;
