@@ -236,6 +236,31 @@ TransformerConfig TransformerConfig::from_json(const json& j, const std::string&
     c.attention_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.head_dim)));
   }
 
+  // Per-head widths: the rotary table (head_dim x partial_rotary_factor / 2 FP32 values, or
+  // qk_rope_head_dim / 2) is built before the attention tensors' shapes are compared with them, so a
+  // corrupt width of 2e9 allocated 4 GB and ran for a minute before the shape error (new-user QA,
+  // session 14). Published MoE models use 64-256 (DeepSeek's MLA: 64 + 128, v 128); the bound is far
+  // above any of them. A negative MLA width was reported as a tensor "expected [124, 64]".
+  {
+    constexpr int kMaxHeadWidth = 65536;
+    std::vector<std::pair<const char*, int>> widths;
+    if (deepseek) {
+      widths = {{"qk_nope_head_dim", c.qk_nope_head_dim}, {"qk_rope_head_dim", c.qk_rope_head_dim},
+                {"v_head_dim", c.v_head_dim}, {"kv_lora_rank", c.kv_lora_rank}};
+      if (c.q_lora_rank < 0)
+        key_error(where, "q_lora_rank", fmt::format("must be positive (or 0 / null for no query compression), got {}",
+                                                    c.q_lora_rank));
+    } else {
+      widths = {{"head_dim", c.head_dim}};
+    }
+    for (const auto& [key, v] : widths) {
+      if (v <= 0) key_error(where, key, fmt::format("must be positive, got {}", v));
+      if (v > kMaxHeadWidth)
+        key_error(where, key,
+                  fmt::format("{} is more than lutb supports ({}; published models use 64-256): a corrupt config.json?",
+                              v, kMaxHeadWidth));
+    }
+  }
   // The rotary table's inputs, checked here so that an error names config.json and the key (they
   // were "rope dimension 0 must be even and positive", naming nothing: new-user QA session 11).
   if (r.dim <= 0 || r.dim % 2 != 0) {
