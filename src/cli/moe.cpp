@@ -1,5 +1,6 @@
 // `lutb moe MODEL_DIR --layer L --activations FILE`: one sparse MoE block on captured inputs
 // (layers.L.moe_input) against the captured outputs (layers.L.moe_output).
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <stdexcept>
@@ -46,6 +47,13 @@ std::vector<float> captured(const SafetensorsFile& f, const std::string& name, s
   if (t.shape[0] == 0)
     throw std::runtime_error(fmt::format("{}: tensor {} has shape [{}]: it holds no tokens to run the block on",
                                          f.path().string(), name, fmt::join(t.shape, ", ")));
+  // Another dtype's message named the tensor but not the file ("tensor 'layers.0.moe_input': dtype I32
+  // cannot be read as floating point"; new-user QA, session 14).
+  if (t.dtype != DType::BF16 && t.dtype != DType::F16 && t.dtype != DType::F32 && t.dtype != DType::F64 &&
+      t.dtype != DType::F8_E4M3)
+    throw std::runtime_error(fmt::format("{}: tensor {} has dtype {}; captured activations must be floating point "
+                                         "(BF16, F16, F32, F64 or F8_E4M3)",
+                                         f.path().string(), name, dtype_name(t.dtype)));
   std::vector<float> v = t.to_float();
   // A NaN / Inf in the captured activations printed "rel_l2 nan" and then an error naming neither
   // the tensor nor the place (new-user QA, session 12): checked before computing.
@@ -89,6 +97,13 @@ void run_moe(const MoeArgs& a) {
     throw std::runtime_error(fmt::format("{}: layers.{}.moe_input and moe_output have different token counts",
                                          a.activations_file, a.layer));
   const std::int64_t T = static_cast<std::int64_t>(x.size()) / H;
+  // The error is relative to the captured outputs: all zero, it is undefined, and lutb moe printed
+  // "rel_l2 inf ... cosine -nan" with exit status 0 (new-user QA, session 14). A MoE block's output is
+  // never exactly zero on real inputs: such a file was captured wrongly.
+  if (std::all_of(ref.begin(), ref.end(), [](float v) { return v == 0.0f; }))
+    throw std::runtime_error(fmt::format("{}: tensor layers.{}.moe_output is all zero ({} tokens): the error relative "
+                                         "to it is undefined; were the outputs captured?",
+                                         a.activations_file, a.layer, T));
 
   std::vector<float> out(x.size());
   const auto t0 = std::chrono::steady_clock::now();

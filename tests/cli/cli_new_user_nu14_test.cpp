@@ -102,5 +102,51 @@ TEST(NewUserNu14, ImplausibleHeadWidthsRefused) {
   EXPECT_EQ(config_error(deepseek_base(), [](nlohmann::json& j) { j["q_lora_rank"] = nullptr; }), "no exception");
 }
 
+// Writes captured activations for layer 0 of a model of hidden size `H`.
+void write_acts(const fs::path& p, DType in_dtype, std::int64_t H, std::uint8_t out_fill) {
+  const std::int64_t T = 4;
+  OwnedTensor in{in_dtype, {T, H}, std::vector<std::uint8_t>(static_cast<std::size_t>(T * H * dtype_size(in_dtype)), 0)};
+  for (std::size_t i = 1; i < in.bytes.size(); i += 2) in.bytes[i] = 0x3F;  // BF16 1.0-ish values, or small integers
+  OwnedTensor out{DType::BF16, {T, H}, std::vector<std::uint8_t>(static_cast<std::size_t>(T * H * 2), out_fill)};
+  write_safetensors(p, {{"layers.0.moe_input", in}, {"layers.0.moe_output", out}});
+}
+
+// Captured activations of an integer dtype: the error named the tensor but not the file ("lutb: error:
+// tensor 'layers.0.moe_input': dtype I32 cannot be read as floating point").
+TEST(NewUserNu14, MoeIntegerActivationsNameTheFile) {
+  LUTB_MODEL_OR_SKIP(src, "tiny-qwen3-moe");
+  TempDir t;
+  const fs::path acts = t.path / "acts.safetensors";
+  write_acts(acts, DType::I16, 256, 0x3C);
+  const test::CliResult r =
+      test::run_cli("moe " + test::quote(src) + " --layer 0 --threads 1 --activations " + test::quote(acts));
+  EXPECT_EQ(r.status, 1) << r.out << r.err;
+  EXPECT_EQ(r.err, "lutb: error: " + acts.string() +
+                       ": tensor layers.0.moe_input has dtype I16; captured activations must be floating point (BF16, "
+                       "F16, F32, F64 or F8_E4M3)\n");
+}
+
+// Captured outputs that are all zero: lutb moe printed "rel_l2 inf ... cosine -nan" (JSON: null) and
+// exited with status 0.
+TEST(NewUserNu14, MoeAllZeroCapturedOutputsRefused) {
+  LUTB_MODEL_OR_SKIP(src, "tiny-qwen3-moe");
+  TempDir t;
+  const fs::path acts = t.path / "acts.safetensors";
+  write_acts(acts, DType::BF16, 256, 0x00);
+  const test::CliResult r = test::run_cli("moe " + test::quote(src) + " --layer 0 --threads 1 --json --activations " +
+                                          test::quote(acts));
+  EXPECT_EQ(r.status, 1) << r.out << r.err;
+  EXPECT_EQ(r.err, "lutb: error: " + acts.string() +
+                       ": tensor layers.0.moe_output is all zero (4 tokens): the error relative to it is undefined; "
+                       "were the outputs captured?\n");
+  EXPECT_EQ(r.out.find("inf"), std::string::npos) << r.out;
+  // Non-zero outputs still run (the same inputs, outputs of BF16 0x3C3C = 0.0115).
+  write_acts(acts, DType::BF16, 256, 0x3C);
+  const test::CliResult ok = test::run_cli("moe " + test::quote(src) + " --layer 0 --threads 1 --json --activations " +
+                                           test::quote(acts));
+  ASSERT_EQ(ok.status, 0) << ok.out << ok.err;
+  EXPECT_EQ(ok.json()["tokens"], 4);
+}
+
 }  // namespace
 }  // namespace lutb
