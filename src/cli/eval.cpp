@@ -33,36 +33,6 @@ struct EvalArgs {
 
 nlohmann::json number_or_null(double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(nullptr); }
 
-// After a non-finite loss: the first stored float tensor (in file and name order) holding a NaN or
-// an infinity, as "; FILE holds NaN in tensor NAME at [i, j]", or "" when every stored value is
-// finite (the overflow happened in the computation). Without it, a BF16 checkpoint with a NaN
-// weight gave "non-finite loss" naming no tensor (new-user QA session 11).
-std::string first_non_finite_stored(const std::string& model_dir) {
-  try {
-    const SafetensorsCollection c = SafetensorsCollection::open_dir(model_dir);
-    for (const auto& f : c.files())
-      for (const auto& name : f->names()) {
-        const TensorView& v = f->get(name);
-        if (v.dtype != DType::BF16 && v.dtype != DType::F16 && v.dtype != DType::F32 && v.dtype != DType::F64) continue;
-        const std::vector<float> x = v.to_float();
-        for (std::size_t i = 0; i < x.size(); ++i) {
-          if (std::isfinite(x[i])) continue;
-          std::vector<std::int64_t> at(v.shape.size());
-          auto r = static_cast<std::int64_t>(i);
-          for (std::size_t d = v.shape.size(); d-- > 0;) {
-            at[d] = r % v.shape[d];
-            r /= v.shape[d];
-          }
-          return fmt::format("; {} holds {} in tensor {} at [{}]", f->path().string(),
-                             std::isnan(x[i]) ? "NaN" : (x[i] > 0 ? "+Inf" : "-Inf"), name, fmt::join(at, ", "));
-        }
-      }
-  } catch (const std::exception&) {
-    // the loader read these files already; nothing more to add
-  }
-  return {};
-}
-
 void run_eval(const EvalArgs& a) {
   ensure_runtime_env();
   const int threads = effective_threads(a.threads);

@@ -1,6 +1,7 @@
 // Options shared by `lutb eval` and `lutb moe`: how the routed experts are held and computed.
 #pragma once
 
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <cstdlib>
@@ -13,6 +14,7 @@
 
 #include <CLI/CLI.hpp>
 #include <fmt/core.h>
+#include <fmt/ranges.h>
 
 #include "cli/validators.hpp"
 #include "io/tensor_names.hpp"
@@ -66,6 +68,38 @@ inline void check_model_tensor_names(const std::string& model_dir, const lutb::M
   for (const auto& w : detail::check_tensor_names(cfg, st, std::filesystem::path(model_dir) / "config.json",
                                                   fmt::format("lutb {} does not read it", command), ""))
     fmt::print(stderr, "lutb: warning: {}\n", w);
+}
+
+// After a non-finite loss: the first stored float tensor (in file and name order) holding a NaN or
+// an infinity, as "; FILE holds NaN in tensor NAME at [i, j]", or "" when every stored value is
+// finite (the overflow happened in the computation). Only tensors whose names start with `prefix`
+// (lutb moe: one layer's). Without it, a BF16 checkpoint with a NaN weight gave "non-finite loss"
+// naming no tensor (new-user QA session 11), and lutb moe "outputs are NaN or infinite" (session 14).
+inline std::string first_non_finite_stored(const std::string& model_dir, const std::string& prefix = {}) {
+  try {
+    const SafetensorsCollection c = SafetensorsCollection::open_dir(model_dir);
+    for (const auto& f : c.files())
+      for (const auto& name : f->names()) {
+        if (name.compare(0, prefix.size(), prefix) != 0) continue;
+        const TensorView& v = f->get(name);
+        if (v.dtype != DType::BF16 && v.dtype != DType::F16 && v.dtype != DType::F32 && v.dtype != DType::F64) continue;
+        const std::vector<float> x = v.to_float();
+        for (std::size_t i = 0; i < x.size(); ++i) {
+          if (std::isfinite(x[i])) continue;
+          std::vector<std::int64_t> at(v.shape.size());
+          auto r = static_cast<std::int64_t>(i);
+          for (std::size_t d = v.shape.size(); d-- > 0;) {
+            at[d] = r % v.shape[d];
+            r /= v.shape[d];
+          }
+          return fmt::format("; {} holds {} in tensor {} at [{}]", f->path().string(),
+                             std::isnan(x[i]) ? "NaN" : (x[i] > 0 ? "+Inf" : "-Inf"), name, fmt::join(at, ", "));
+        }
+      }
+  } catch (const std::exception&) {
+    // the loader read these files already; nothing more to add
+  }
+  return {};
 }
 
 inline std::string activation_name(moe::ActivationFormat a) { return a == moe::ActivationFormat::MXFP8 ? "mxfp8" : "bf16"; }

@@ -146,10 +146,21 @@ void run_moe(const MoeArgs& a) {
     fmt::print("{}\n", j.dump());
   }
   std::fflush(stdout);
-  if (non_finite > 0)
+  if (non_finite > 0) {
+    // Name the tensor, as lutb eval does: the first of the layer with a non-finite SQNR (stored LUT-B
+    // weights), else the first stored tensor of the layer holding NaN / Inf (new-user QA, session 14:
+    // an infinite router weight gave only "a weight, scale or input of the layer is NaN or overflowed").
+    std::string where;
+    for (const auto& s : moe.stats())
+      if (const double v = s.sqnr_db(); s.layer == a.layer && (std::isnan(v) || (std::isinf(v) && v < 0))) {
+        where = fmt::format("; the first tensor with non-finite values is {}", s.name);
+        break;
+      }
+    if (where.empty()) where = first_non_finite_stored(a.model_dir, moe_prefix(cfg.moe, a.layer) + ".");
     throw std::runtime_error(fmt::format("{}: layer {}: {} of {} outputs are NaN or infinite (on the inputs of {}): a "
-                                         "weight, scale or input of the layer is NaN or overflowed",
-                                         a.model_dir, a.layer, non_finite, out.size(), a.activations_file));
+                                         "weight, scale or input of the layer is NaN or overflowed{}",
+                                         a.model_dir, a.layer, non_finite, out.size(), a.activations_file, where));
+  }
 }
 
 }  // namespace

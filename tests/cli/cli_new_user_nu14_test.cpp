@@ -148,5 +148,41 @@ TEST(NewUserNu14, MoeAllZeroCapturedOutputsRefused) {
   EXPECT_EQ(ok.json()["tokens"], 4);
 }
 
+// Overwrites element `index` of BF16 tensor `name` in safetensors file `file` with the bits `bits`.
+void poke_bf16(const fs::path& file, const std::string& name, std::size_t index, std::uint16_t bits) {
+  std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+  std::uint64_t n = 0;
+  for (int i = 0; i < 8; ++i) n |= static_cast<std::uint64_t>(static_cast<unsigned char>(f.get())) << (8 * i);
+  std::string header(n, '\0');
+  f.read(header.data(), static_cast<std::streamsize>(n));
+  const auto begin = nlohmann::json::parse(header).at(name).at("data_offsets").at(0).get<std::uint64_t>();
+  f.seekp(static_cast<std::streamoff>(8 + n + begin + 2 * index));
+  const char b[2] = {static_cast<char>(bits & 0xFF), static_cast<char>(bits >> 8)};
+  f.write(b, 2);
+}
+
+// lutb moe on a layer whose router holds +Inf: "78592 of 131072 outputs are NaN or infinite (...): a
+// weight, scale or input of the layer is NaN or overflowed", naming no tensor (lutb eval names it).
+TEST(NewUserNu14, MoeNamesTheNonFiniteTensor) {
+  LUTB_MODEL_OR_SKIP(src, "tiny-qwen3-moe");
+  TempDir t;
+  const fs::path m = t.path / "m";
+  fs::create_directories(m);
+  for (const char* f : {"config.json", "model.safetensors", "moe_activations.safetensors"}) {
+    fs::copy_file(src / f, m / f);
+    fs::permissions(m / f, fs::perms::owner_read | fs::perms::owner_write);
+  }
+  poke_bf16(m / "model.safetensors", "model.layers.1.mlp.gate.weight", 5, 0x7F80);  // +Inf
+  // An input norm of the same layer holding NaN is not the MoE block's: not named.
+  poke_bf16(m / "model.safetensors", "model.layers.1.input_layernorm.weight", 0, 0x7FC0);
+  const test::CliResult r = test::run_cli("moe " + test::quote(m) + " --layer 1 --threads 1");
+  EXPECT_EQ(r.status, 1);
+  const std::string want = "a weight, scale or input of the layer is NaN or overflowed; " +
+                           (m / "model.safetensors").string() +
+                           " holds +Inf in tensor model.layers.1.mlp.gate.weight at [0, 5]\n";
+  ASSERT_GE(r.err.size(), want.size()) << r.err;
+  EXPECT_EQ(r.err.substr(r.err.size() - want.size()), want) << r.err;
+}
+
 }  // namespace
 }  // namespace lutb
