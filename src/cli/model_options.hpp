@@ -139,8 +139,12 @@ struct ModelQuantArgs {
     std::string q = quant;
     bool lutb_ckpt = false;
     try {
-      std::ifstream in(std::filesystem::path(model_dir) / "config.json");
-      if (in) lutb_ckpt = parse_lutb_quant_config(nlohmann::json::parse(in)).has_value();
+      // Only a regular file: a named pipe blocked here for ever (new-user QA, session 14); anything
+      // else is reported by the loader.
+      const std::filesystem::path config = std::filesystem::path(model_dir) / "config.json";
+      std::ifstream in;
+      if (std::filesystem::is_regular_file(config)) in.open(config);
+      if (in.is_open() && in) lutb_ckpt = parse_lutb_quant_config(nlohmann::json::parse(in)).has_value();
     } catch (const std::exception&) {
       // a broken config.json is reported by the loader with its file name
     }

@@ -296,6 +296,8 @@ ModelConfig load_model_config(const std::filesystem::path& p) {
   std::filesystem::path file = std::filesystem::is_directory(p) ? p / "config.json" : p;
   if (std::filesystem::is_directory(file))  // reading a folder fails deep inside the stream
     throw ConfigError(fmt::format("{}: is a directory; the checkpoint's config.json must be a file", file.string()));
+  if (const std::string kind = detail::non_regular_kind(file); !kind.empty())  // a FIFO blocked open() for ever
+    throw ConfigError(fmt::format("{}: is {}; the checkpoint's config.json must be a regular file", file.string(), kind));
   std::ifstream in(file);
   if (!in) {
     if (std::filesystem::is_directory(p))

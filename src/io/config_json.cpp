@@ -71,4 +71,19 @@ std::optional<std::string> config_string(const nlohmann::json& j, const char* ke
   return v->get<std::string>();
 }
 
+std::string non_regular_kind(const std::filesystem::path& p) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::file_status st = fs::status(p, ec);
+  if (ec || !fs::exists(st) || fs::is_regular_file(st)) return {};
+  switch (st.type()) {
+    case fs::file_type::fifo: return "a named pipe (FIFO)";
+    case fs::file_type::directory: return "a directory";
+    case fs::file_type::character: return "a character device";
+    case fs::file_type::block: return "a block device";
+    case fs::file_type::socket: return "a socket";
+    default: return "a special file";
+  }
+}
+
 }  // namespace lutb::detail

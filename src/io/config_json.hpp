@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <filesystem>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -23,6 +24,13 @@ std::string config_key_message(std::string_view where, std::string_view key, std
 [[noreturn]] void throw_config_key(std::string_view where, std::string_view key, std::string_view reason);
 /// A JSON value for a message: its dump, cut to 60 characters.
 std::string json_excerpt(const nlohmann::json& v);
+
+/// What `p` is when it exists but is not a regular file (symbolic links followed): "a named pipe
+/// (FIFO)", "a directory", "a character device", "a block device", "a socket" or "a special
+/// file"; "" for a regular file or a path that does not exist. Readers check it before opening: a
+/// named pipe blocks open() until a writer appears, and `lutb eval` / `quantize` hung on a
+/// config.json or model.safetensors that was one (new-user QA, session 14).
+std::string non_regular_kind(const std::filesystem::path& p);
 
 /// Readers: nullopt when `key` is absent or null; ConfigError in the format above when the value has
 /// the wrong type. `name` is the key as reported (defaults to `key`; give "rope_parameters.factor"

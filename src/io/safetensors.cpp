@@ -29,6 +29,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "io/config_json.hpp"
 #include "lutb/numerics.hpp"
 
 namespace lutb {
@@ -219,7 +220,10 @@ void SafetensorsFile::parse_header(const std::uint8_t* data, std::size_t file_si
 // ---------------------------------------------------------------------------
 SafetensorsFile::SafetensorsFile(const fs::path& path) : path_(path) {
   const std::string where = path.string();
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: open() of a named pipe blocks until a writer appears, and lutb hung on a
+  // model.safetensors or val_tokens.safetensors that was one, deaf to a first Ctrl-C (new-user QA,
+  // session 14). It is refused below as not a regular file; on a regular file the flag does nothing.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) fail(where, fmt::format("cannot open: {}", std::strerror(errno)));
   struct stat st {};
   if (::fstat(fd, &st) != 0) {
@@ -229,7 +233,9 @@ SafetensorsFile::SafetensorsFile(const fs::path& path) : path_(path) {
   }
   if (!S_ISREG(st.st_mode)) {
     ::close(fd);
-    fail(where, "not a regular file");
+    fail(where, S_ISFIFO(st.st_mode)  ? "is a named pipe (FIFO), not a regular file"
+                : S_ISDIR(st.st_mode) ? "is a directory, not a regular file"
+                                      : "not a regular file");
   }
   size_ = static_cast<std::size_t>(st.st_size);
   if (size_ < 8) {
@@ -351,6 +357,8 @@ SafetensorsCollection SafetensorsCollection::open_dir(const fs::path& dir) {
   if (fs::exists(index)) {
     SafetensorsCollection c;
     c.source_ = index;
+    if (const std::string kind = detail::non_regular_kind(index); !kind.empty())  // a FIFO blocked open() for ever
+      fail(index.string(), fmt::format("is {}; the index must be a regular file", kind));
     json j;
     {
       std::ifstream in(index);

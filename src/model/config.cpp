@@ -130,6 +130,8 @@ TransformerConfig TransformerConfig::load(const std::filesystem::path& dir) {
   const auto path = dir / "config.json";
   if (std::filesystem::is_directory(path))  // reading a folder fails deep inside the stream
     throw ModelError(fmt::format("{}: is a directory; the checkpoint's config.json must be a file", path.string()));
+  if (const std::string kind = detail::non_regular_kind(path); !kind.empty())  // a FIFO blocked open() for ever
+    throw ModelError(fmt::format("{}: is {}; the checkpoint's config.json must be a regular file", path.string(), kind));
   std::ifstream in(path);
   if (!in) throw ModelError(fmt::format("{}: cannot open (not a Hugging Face checkpoint directory?)", path.string()));
   json j;

@@ -184,5 +184,68 @@ TEST(NewUserNu14, MoeNamesTheNonFiniteTensor) {
   EXPECT_EQ(r.err.substr(r.err.size() - want.size()), want) << r.err;
 }
 
+// `PREFIX lutb ARGS` through the shell (PREFIX: environment assignments, `timeout ...`); stdout is
+// discarded, stderr captured.
+test::CliResult run_with(const std::string& prefix, const std::string& args) {
+  TempDir t;
+  const std::string err_file = (t.path / "err.txt").string();
+  const std::string cmd =
+      prefix + " '" + std::string(LUTB_CLI_PATH) + "' " + args + " >/dev/null 2>'" + err_file + "'";
+  const int st = std::system(cmd.c_str());
+  test::CliResult r;
+  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  std::ifstream e(err_file);
+  r.err.assign(std::istreambuf_iterator<char>(e), std::istreambuf_iterator<char>());
+  return r;
+}
+
+// Runs `fn` (which should refuse the named pipe `fifo`) with a deadline. A reader that blocks in
+// open() is released by opening the pipe for writing, so the test never hangs: it fails instead.
+std::string refused_without_waiting(const fs::path& fifo, const std::function<void()>& fn) {
+  auto fut = std::async(std::launch::async, [&]() -> std::string {
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      return e.what();
+    }
+    return "no exception";
+  });
+  if (fut.wait_for(std::chrono::seconds(20)) == std::future_status::ready) return fut.get();
+  const int w = ::open(fifo.c_str(), O_WRONLY | O_CLOEXEC);  // lets the blocked open() return
+  if (w >= 0) ::close(w);
+  return "blocked on the named pipe: " + fut.get();
+}
+
+// A named pipe as model.safetensors, config.json, the index or the tokens file: open() blocked until a
+// writer appeared, so lutb eval / moe / quantize hung (quantize also ignored a first SIGTERM: its
+// handler only sets a flag, and open() restarts). Refused as not a regular file.
+TEST(NewUserNu14, NamedPipesAreRefusedNotWaitedOn) {
+  TempDir t;
+  const fs::path dir = t.path / "m";
+  fs::create_directories(dir);
+  const fs::path weights = dir / "model.safetensors", config = dir / "config.json";
+  ASSERT_EQ(::mkfifo(weights.c_str(), 0644), 0);
+  ASSERT_EQ(::mkfifo(config.c_str(), 0644), 0);
+  EXPECT_EQ(refused_without_waiting(weights, [&] { SafetensorsFile f(weights); }),
+            weights.string() + ": is a named pipe (FIFO), not a regular file");
+  EXPECT_EQ(refused_without_waiting(config, [&] { (void)model::TransformerConfig::load(dir); }),
+            config.string() + ": is a named pipe (FIFO); the checkpoint's config.json must be a regular file");
+  EXPECT_EQ(refused_without_waiting(config, [&] { (void)load_model_config(dir); }),
+            config.string() + ": is a named pipe (FIFO); the checkpoint's config.json must be a regular file");
+  const fs::path index = dir / "model.safetensors.index.json";
+  ASSERT_EQ(::mkfifo(index.c_str(), 0644), 0);
+  EXPECT_EQ(refused_without_waiting(index, [&] { (void)SafetensorsCollection::open_dir(dir); }),
+            index.string() + ": is a named pipe (FIFO); the index must be a regular file");
+  EXPECT_EQ(detail::non_regular_kind(dir), "a directory");
+  EXPECT_EQ(detail::non_regular_kind(dir / "absent"), "");
+
+  // The CLI, end to end: lutb eval read config.json for --quant's default before the loader did.
+  // `timeout` kills a run that blocks (exit status 137), which the assertions report.
+  const test::CliResult r = run_with("timeout -s KILL 30", "eval " + test::quote(dir) + " --threads 1");
+  EXPECT_EQ(r.status, 1) << r.err;
+  EXPECT_EQ(r.err, "lutb: error: " + config.string() +
+                       ": is a named pipe (FIFO); the checkpoint's config.json must be a regular file\n");
+}
+
 }  // namespace
 }  // namespace lutb
