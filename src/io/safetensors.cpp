@@ -371,6 +371,10 @@ SafetensorsCollection SafetensorsCollection::open_dir(const fs::path& dir) {
     }
     if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
       fail(index.string(), "no 'weight_map' object");
+    // An empty map made every tensor "missing", naming neither the index nor the shards that hold
+    // them (new-user QA, session 14).
+    if (j["weight_map"].empty())
+      fail(index.string(), "'weight_map' is empty: it lists no tensor (an index must name the shard of every tensor)");
     std::map<std::string, std::size_t> shard_ix;
     for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
       if (!it.value().is_string()) fail(index.string(), fmt::format("weight_map entry '{}' is not a file name", it.key()));
@@ -379,14 +383,25 @@ SafetensorsCollection SafetensorsCollection::open_dir(const fs::path& dir) {
       if (shard.empty() || rel.is_absolute() || std::any_of(rel.begin(), rel.end(), [](const fs::path& p) { return p == ".."; }))
         fail(index.string(), fmt::format("weight_map entry '{}' names '{}', which is not a file inside {}", it.key(), shard,
                                          dir.string()));
-      auto s = shard_ix.find(shard);
+      // One file named two ways ("model-00001-of-00002.safetensors" and "./model-00001-of-00002.safetensors",
+      // which transformers reads alike) was opened twice and refused as "tensor X appears in both A and
+      // ./A" (new-user QA, session 14): shards are told apart by their normalised path.
+      const std::string key = rel.lexically_normal().string();
+      auto s = shard_ix.find(key);
       if (s == shard_ix.end()) {
         const fs::path p = dir / rel;
         if (!fs::exists(p))
           fail(index.string(), fmt::format("shard '{}' (holding tensor '{}') is missing: {} does not exist", shard, it.key(),
                                            p.string()));
-        c.files_.push_back(std::make_unique<SafetensorsFile>(p));
-        s = shard_ix.emplace(shard, c.files_.size() - 1).first;
+        // The index's entry beside the shard's own error: "s/.: is a directory" or "s/config.json: not a
+        // safetensors file" did not say that the index had named them (new-user QA, session 14).
+        try {
+          c.files_.push_back(std::make_unique<SafetensorsFile>(p));
+        } catch (const SafetensorsError& e) {
+          fail(index.string(), fmt::format("weight_map entry '{}' names shard '{}', which cannot be read: {}", it.key(),
+                                           shard, e.what()));
+        }
+        s = shard_ix.emplace(key, c.files_.size() - 1).first;
       }
       if (!c.files_[s->second]->contains(it.key()))
         fail(index.string(), fmt::format("tensor '{}' is listed in shard '{}' but that file does not hold it", it.key(), shard));

@@ -247,5 +247,55 @@ TEST(NewUserNu14, NamedPipesAreRefusedNotWaitedOn) {
                        ": is a named pipe (FIFO); the checkpoint's config.json must be a regular file\n");
 }
 
+// Writes a two-shard checkpoint folder whose index names shard 1 as `first_name` for tensor a and as
+// "model-00001-of-00002.safetensors" for tensor b.
+void write_sharded(const fs::path& dir, const std::string& first_name) {
+  fs::create_directories(dir);
+  const OwnedTensor x{DType::F32, {2}, std::vector<std::uint8_t>(8, 0)};
+  write_safetensors(dir / "model-00001-of-00002.safetensors", {{"a", x}, {"b", x}});
+  write_safetensors(dir / "model-00002-of-00002.safetensors", {{"c", x}});
+  const nlohmann::json index = {{"metadata", nlohmann::json::object()},
+                                {"weight_map",
+                                 {{"a", first_name},
+                                  {"b", "model-00001-of-00002.safetensors"},
+                                  {"c", "model-00002-of-00002.safetensors"}}}};
+  std::ofstream(dir / "model.safetensors.index.json") << index.dump();
+}
+
+std::string open_dir_error(const fs::path& dir) {
+  try {
+    (void)SafetensorsCollection::open_dir(dir);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "no exception";
+}
+
+// An index naming one shard two ways ("./model-00001-of-00002.safetensors" for one tensor, without "./"
+// for another; transformers reads both as one file) was refused as "tensor 'a' appears in both
+// d/model-00001-of-00002.safetensors (where the index lists it) and d/./model-00001-of-00002.safetensors".
+// An empty weight_map made every tensor "missing", and a shard that is not a safetensors file (the
+// folder itself, config.json) was reported without the index entry that named it.
+TEST(NewUserNu14, ShardIndexEntriesReadAsTransformersDoes) {
+  TempDir t;
+  const fs::path d = t.path / "d";
+  write_sharded(d, "./model-00001-of-00002.safetensors");
+  EXPECT_EQ(open_dir_error(d), "no exception");
+  const SafetensorsCollection c = SafetensorsCollection::open_dir(d);
+  EXPECT_EQ(c.files().size(), 2u);
+  EXPECT_EQ(&c.file_of("a"), &c.file_of("b"));
+  EXPECT_EQ(c.get("c").nbytes, 8u);
+
+  const fs::path index = d / "model.safetensors.index.json";
+  std::ofstream(index) << R"({"metadata": {}, "weight_map": {}})";
+  EXPECT_EQ(open_dir_error(d), index.string() +
+                                   ": 'weight_map' is empty: it lists no tensor (an index must name the shard of "
+                                   "every tensor)");
+
+  std::ofstream(index) << R"({"weight_map": {"a": ".", "b": "model-00001-of-00002.safetensors"}})";
+  EXPECT_EQ(open_dir_error(d), index.string() + ": weight_map entry 'a' names shard '.', which cannot be read: " +
+                                   (d / ".").string() + ": is a directory, not a regular file");
+}
+
 }  // namespace
 }  // namespace lutb
