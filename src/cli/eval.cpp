@@ -140,7 +140,8 @@ void run_eval(const EvalArgs& a) {
 void add_eval(CLI::App& app) {
   auto args = std::make_shared<EvalArgs>();
   auto* cmd = app.add_subcommand("eval", "Held-out loss of a MoE language model on the CPU (spec section 8)");
-  cmd->add_option("model_dir", args->model_dir, "Hugging Face checkpoint directory (BF16 or LUT-B)")->required();
+  auto* dir_opt =
+      cmd->add_option("model_dir", args->model_dir, "Hugging Face checkpoint directory (BF16 or LUT-B)")->required();
   // --act-format too: `lutb moe` names the format so (its --activations is the captured-inputs
   // file), and `lutb eval ... --act-format mxfp8` failed with "arguments were not expected"
   // (new-user QA session 11).
@@ -155,7 +156,8 @@ void add_eval(CLI::App& app) {
   cmd->add_option("--max-windows", args->max_windows, "evaluate only the first N windows (0 = all)")
       ->check(IntRange<std::int64_t>(0, std::numeric_limits<std::int64_t>::max()));
   cmd->add_option("--batch", args->batch, "windows per forward pass (changes only the FP32 summation order: results agree to ~1e-5)")->check(IntRange<std::int64_t>(1, 4096));
-  cmd->callback([args, tokens_opt] {
+  cmd->callback([args, tokens_opt, dir_opt] {
+    check_not_empty(dir_opt, args->model_dir, "checkpoint directory name");  // ": no such directory" (QA session 14)
     check_not_empty(tokens_opt, args->tokens, "tokens file name");
     run_eval(*args);
   });

@@ -71,6 +71,9 @@ void run_moe(const MoeArgs& a) {
   ensure_runtime_env();
   const int threads = effective_threads(a.threads);
   model::set_threads(threads);
+  // The model folder first: "lutb moe /no/such/dir --layer 0" was told that --activations was not
+  // given (new-user QA, session 14); TransformerConfig::load words it as lutb eval does.
+  if (!std::filesystem::is_directory(a.model_dir)) (void)model::TransformerConfig::load(a.model_dir);
   const model::MoeOptions mo = a.quant.resolve(a.model_dir, threads);
   if (a.activations_file.empty())
     throw std::invalid_argument(fmt::format("--activations not given and {} holds no {} (the captured MoE inputs and "
@@ -168,7 +171,8 @@ void run_moe(const MoeArgs& a) {
 void add_moe(CLI::App& app) {
   auto args = std::make_shared<MoeArgs>();
   auto* cmd = app.add_subcommand("moe", "Run one MoE block on captured inputs and compare with the captured outputs");
-  cmd->add_option("model_dir", args->model_dir, "Hugging Face checkpoint directory (BF16 or LUT-B)")->required();
+  auto* dir_opt =
+      cmd->add_option("model_dir", args->model_dir, "Hugging Face checkpoint directory (BF16 or LUT-B)")->required();
   cmd->add_option("--layer", args->layer, "sparse layer index")->required()->check(IntRange<int>(0, std::numeric_limits<int>::max()));
   // Not required: the model folders ship their captured activations as MODEL_DIR/moe_activations.safetensors,
   // and `lutb moe MODEL_DIR --layer 0` refused to run without naming it (new-user QA, session 12).
@@ -182,7 +186,8 @@ void add_moe(CLI::App& app) {
                   "threads (default: all cores; more than the processors available are reduced to that number, "
                   "with a note)")
       ->check(ThreadCount());
-  cmd->callback([args, acts_opt] {
+  cmd->callback([args, acts_opt, dir_opt] {
+    check_not_empty(dir_opt, args->model_dir, "checkpoint directory name");  // QA session 14
     check_not_empty(acts_opt, args->activations_file, "activations file name");
     if (acts_opt->count() == 0) {
       const std::filesystem::path d = std::filesystem::path(args->model_dir) / kDefaultActivations;

@@ -61,8 +61,9 @@ void add_quantize(CLI::App& app) {
       "second signal stops at once and leaves the temporary. Temporaries of processes that no longer exist "
       "(OUT.tmp.PID, OUT.old.PID) are reported on stderr at the start but never removed: delete them yourself (a "
       "process id unknown here may be a live run on another host sharing the filesystem).");
-  cmd->add_option("input", args->input, "checkpoint directory or .safetensors file")->required();
-  cmd->add_option("-o,--output", args->output, "output directory (checkpoint) or file (.safetensors)")->required();
+  auto* in_opt = cmd->add_option("input", args->input, "checkpoint directory or .safetensors file")->required();
+  auto* out_opt =
+      cmd->add_option("-o,--output", args->output, "output directory (checkpoint) or file (.safetensors)")->required();
   auto* fitter_opt = cmd->add_option("--fitter", args->fitter, "fitter: " + [] {
     std::string s;
     for (const auto& n : fitter_names()) s += (s.empty() ? "" : ", ") + n;
@@ -81,8 +82,12 @@ void add_quantize(CLI::App& app) {
   cmd->add_flag("--force", args->force, "replace an existing output (built aside, swapped in at the end)");
   cmd->add_flag("--no-progress", args->no_progress, "no progress bar on stderr");
   cmd->add_flag("--json", args->json, "print a JSON summary as the last line of stdout");
-  cmd->callback([args, fitter_opt] {
+  cmd->callback([args, fitter_opt, in_opt, out_opt] {
     namespace fs = std::filesystem;
+    // `-o ""` failed with "filesystem error: cannot make absolute path: Invalid argument []", and an
+    // empty input with ": no such checkpoint directory or file" (new-user QA, session 14).
+    check_not_empty(in_opt, args->input, "input name");
+    check_not_empty(out_opt, args->output, "output name");
     check_fitter_option(fitter_opt, args->fitter);
     // Every argument is checked before the file system is looked at: with an existing output and a
     // bad --match, the user was told about the output first, fixed it, and only then learnt that the

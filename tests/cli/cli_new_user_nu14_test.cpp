@@ -297,5 +297,37 @@ TEST(NewUserNu14, ShardIndexEntriesReadAsTransformersDoes) {
                                    (d / ".").string() + ": is a directory, not a regular file");
 }
 
+// Empty path arguments: `lutb quantize IN -o ""` failed with "filesystem error: cannot make absolute
+// path: Invalid argument []"; `lutb eval ""` with ": no such directory". `lutb moe` on a folder that
+// does not exist was told "--activations not given and /no/such holds no moe_activations.safetensors".
+TEST(NewUserNu14, EmptyAndMissingPathsNamed) {
+  TempDir t;
+  const fs::path in = t.path / "in.safetensors";
+  write_safetensors(in, {{"w", OwnedTensor{DType::F32, {8, 64}, std::vector<std::uint8_t>(8 * 64 * 4, 0)}}});
+  test::CliResult r = test::run_cli("quantize " + test::quote(in) + " -o '' --no-progress");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_EQ(r.err, "lutb: error: --output: an empty output name was given\n");
+  r = test::run_cli("quantize '' -o " + test::quote(t.path / "o.safetensors") + " --no-progress");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_EQ(r.err, "lutb: error: input: an empty input name was given\n");
+  r = test::run_cli("eval ''");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_EQ(r.err, "lutb: error: model_dir: an empty checkpoint directory name was given\n");
+  r = test::run_cli("moe '' --layer 0");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_EQ(r.err, "lutb: error: model_dir: an empty checkpoint directory name was given\n");
+  const fs::path absent = t.path / "no-such-model";
+  r = test::run_cli("moe " + test::quote(absent) + " --layer 0");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_EQ(r.err, "lutb: error: " + absent.string() +
+                       ": no such directory (a model is a Hugging Face checkpoint directory holding config.json and "
+                       "*.safetensors)\n");
+  r = test::run_cli("moe " + test::quote(in) + " --layer 0");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_EQ(r.err, "lutb: error: " + in.string() +
+                       ": not a directory (a model is a Hugging Face checkpoint directory holding config.json and "
+                       "*.safetensors)\n");
+}
+
 }  // namespace
 }  // namespace lutb
