@@ -4,7 +4,9 @@
 #include <algorithm>
 #include <charconv>
 #include <cstdint>
+#include <map>
 #include <optional>
+#include <utility>
 
 #include <fmt/core.h>
 #include <fmt/ranges.h>
@@ -18,6 +20,11 @@ enum class Kind { Model, Extra, Unknown, Expert, Scale };
 struct Verdict {
   Kind kind = Kind::Unknown;
   std::string why;  // Unknown: a hint ("" or " (...)"); Expert: the reason
+  // A routed-expert tensor of the model: its layer and its layout ("mlp. stacked", "mlp. per expert";
+  // Mixtral's prefix block_sparse_moe. too), so that a layer storing its experts twice is refused
+  // (check_tensor_names).
+  std::int64_t layer = -1;
+  std::string layout;
 };
 
 bool starts(std::string_view s, std::string_view p) { return s.substr(0, p.size()) == p; }
@@ -78,9 +85,9 @@ Verdict moe_part(const Ctx& x, std::int64_t L, std::string_view prefix, std::str
         e.remove_suffix(s.size());
         break;
       }
-    bool named = false;
+    bool named = false, stacked = false;
     if (e == "gate_up_proj" || e == "down_proj") {
-      named = true;
+      named = stacked = true;
     } else if (const std::size_t dot = e.find('.'); dot != std::string_view::npos) {
       const std::optional<std::int64_t> n = index(e.substr(0, dot));
       std::string_view p = e.substr(dot + 1);
@@ -104,7 +111,7 @@ Verdict moe_part(const Ctx& x, std::int64_t L, std::string_view prefix, std::str
       if (sfx.empty() && x.lutb)
         return {Kind::Unknown, " (a float routed-expert weight in a LUT-B checkpoint, whose experts are the *_packed, "
                                "*_codebook and *_scale tensors)"};
-      return {Kind::Model, {}};
+      return {Kind::Model, {}, L, std::string(prefix) + (stacked ? " stacked" : " per expert")};
     }
   }
   if (contains(r, "expert"))
@@ -191,8 +198,21 @@ std::vector<std::string> check_tensor_names(const ModelConfig& cfg, const Safete
   std::sort(names.begin(), names.end());
   std::vector<std::string> unknown;
   std::vector<std::string> hints;
+  std::map<std::int64_t, std::pair<std::string, std::string>> layouts;  // layer -> (layout, first tensor)
   for (const std::string& n : names) {
     const Verdict v = classify(x, n);
+    // A layer with both stacked (gate_up_proj) and per-expert (experts.0.gate_proj) tensors, or, for
+    // Mixtral, experts under both block_sparse_moe. and mlp.: the readers took one layout and ignored
+    // the other without a word (lutb eval reported the loss of whichever they took; lutb quantize
+    // wrote both; new-user QA, session 14).
+    if (!v.layout.empty()) {
+      const auto [it, first] = layouts.emplace(v.layer, std::make_pair(v.layout, n));
+      if (!first && it->second.first != v.layout)
+        throw CheckpointError(fmt::format(
+            "{}: layer {} stores its routed experts twice, in two layouts ({} and {}); lutb would read one and "
+            "ignore the other: remove the copy that is not the model's{}",
+            st.file_of(n).path().string(), v.layer, it->second.second, n, error_suffix));
+    }
     if (v.kind == Kind::Scale)
       throw CheckpointError(fmt::format(
           "{}: tensor {} is the block scale of a weight quantised by another method (an FP8 checkpoint, such as "

@@ -329,5 +329,77 @@ TEST(NewUserNu14, EmptyAndMissingPathsNamed) {
                        "*.safetensors)\n");
 }
 
+// A layer storing its routed experts twice, per expert (experts.0.gate_proj.weight, ...) and stacked
+// (experts.gate_up_proj, experts.down_proj): lutb eval read the stacked copy without a word (the loss
+// of tiny-qwen3-moe with a zero stacked copy added: 4.82 instead of 3.82), lutb moe printed "rel_l2 1
+// ... cosine -nan" with exit status 0, and lutb quantize wrote both. Refused by the check all three
+// commands share, naming both tensors.
+TEST(NewUserNu14, ExpertsStoredInTwoLayoutsRefused) {
+  TempDir t;
+  const fs::path bf = t.path / "bf", out = t.path / "lb";
+  SynthOptions o;
+  o.family = ModelFamily::qwen3_moe;
+  o.layers = 1;  // one file, model.safetensors
+  o.hidden_size = 128;
+  o.moe_intermediate_size = 64;
+  o.num_experts = 4;
+  o.progress = false;
+  synthesize_checkpoint(bf, o);
+  // Layer 0 gains a stacked copy of its experts (zeros).
+  {
+    std::vector<std::pair<std::string, OwnedTensor>> all;
+    {
+      const SafetensorsFile f(bf / "model.safetensors");
+      for (const auto& n : f.names()) {
+        const TensorView& v = f.get(n);
+        all.push_back({n, OwnedTensor{v.dtype, v.shape, std::vector<std::uint8_t>(v.data, v.data + v.nbytes)}});
+      }
+    }
+    all.push_back({"model.layers.0.mlp.experts.gate_up_proj",
+                   OwnedTensor{DType::BF16, {4, 128, 128}, std::vector<std::uint8_t>(4 * 128 * 128 * 2, 0)}});
+    all.push_back({"model.layers.0.mlp.experts.down_proj",
+                   OwnedTensor{DType::BF16, {4, 128, 64}, std::vector<std::uint8_t>(4 * 128 * 64 * 2, 0)}});
+    write_safetensors(bf / "model.safetensors", all);
+  }
+  const std::string want = (bf / "model.safetensors").string() +
+                           ": layer 0 stores its routed experts twice, in two layouts "
+                           "(model.layers.0.mlp.experts.0.down_proj.weight and "
+                           "model.layers.0.mlp.experts.down_proj); lutb would read one and ignore the other: remove "
+                           "the copy that is not the model's";
+  const ModelConfig cfg = load_model_config(bf);
+  const SafetensorsCollection st = SafetensorsCollection::open_dir(bf);
+  try {
+    (void)detail::check_tensor_names(cfg, st, bf / "config.json", "not read", "");
+    ADD_FAILURE() << "no exception";
+  } catch (const CheckpointError& e) {
+    EXPECT_EQ(std::string(e.what()), want);
+  }
+  QuantizeOptions q;
+  q.progress = false;
+  q.fit.threads = 1;
+  try {
+    quantize_checkpoint(bf, out, q);
+    ADD_FAILURE() << "no exception";
+  } catch (const CheckpointError& e) {
+    EXPECT_EQ(std::string(e.what()), want + "; nothing written");
+  }
+  EXPECT_FALSE(fs::exists(out));
+  // The stacked copy alone is fine.
+  {
+    std::vector<std::pair<std::string, OwnedTensor>> keep;
+    {
+      const SafetensorsFile f(bf / "model.safetensors");
+      for (const auto& n : f.names()) {
+        if (n.rfind("model.layers.0.mlp.experts.", 0) == 0 && n.find("_proj.weight") != std::string::npos) continue;
+        const TensorView& v = f.get(n);
+        keep.push_back({n, OwnedTensor{v.dtype, v.shape, std::vector<std::uint8_t>(v.data, v.data + v.nbytes)}});
+      }
+    }
+    write_safetensors(bf / "model.safetensors", keep);
+  }
+  const SafetensorsCollection mixed = SafetensorsCollection::open_dir(bf);
+  EXPECT_NO_THROW((void)detail::check_tensor_names(cfg, mixed, bf / "config.json", "not read", ""));
+}
+
 }  // namespace
 }  // namespace lutb
