@@ -15,6 +15,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "io/config_json.hpp"
 #include "io/checkpoint_internal.hpp"
 #include "io/tensor_names.hpp"
 #include "lutb/checkpoint.hpp"
@@ -622,7 +623,22 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
       fs::create_directories(tmp / rel);
       continue;
     }
-    if (!it->is_regular_file()) continue;
+    // Not a regular file: a dangling link (a Hugging Face cache snapshot whose blob is missing: an
+    // incomplete download), a named pipe, a socket. It was left out without a word, and the output
+    // lacked, e.g., its tokenizer.json (new-user QA, session 14): listed, with a warning for a link.
+    if (!it->is_regular_file()) {
+      sum.skipped_files.push_back(rel.string());
+      std::error_code lec;
+      if (it->is_symlink())
+        sum.warnings.push_back(fmt::format("{}: not copied: it is a symbolic link to {}, which {} (an incomplete "
+                                           "download?)",
+                                           it->path().string(), fs::read_symlink(it->path(), lec).string(),
+                                           fs::exists(it->path(), lec) ? "is not a regular file" : "does not exist"));
+      else
+        sum.warnings.push_back(fmt::format("{}: not copied: not a regular file ({})", it->path().string(),
+                                           detail::non_regular_kind(it->path())));
+      continue;
+    }
     const std::string fname = rel.string();
     if (fname == "config.json" || fname == "model.safetensors.index.json" || shard_names.count(fname)) continue;
     if (other_weight_file(rel.filename().string())) {

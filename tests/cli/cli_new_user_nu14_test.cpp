@@ -401,5 +401,39 @@ TEST(NewUserNu14, ExpertsStoredInTwoLayoutsRefused) {
   EXPECT_NO_THROW((void)detail::check_tensor_names(cfg, mixed, bf / "config.json", "not read", ""));
 }
 
+// A Hugging Face cache snapshot whose tokenizer.json blob is missing (a dangling link), or a named pipe
+// beside the weights: lutb quantize left them out of the LUT-B checkpoint without a word.
+TEST(NewUserNu14, QuantizeListsFilesItCannotCopy) {
+  TempDir t;
+  const fs::path bf = t.path / "bf", out = t.path / "lb";
+  SynthOptions o;
+  o.family = ModelFamily::qwen3_moe;
+  o.layers = 1;
+  o.hidden_size = 128;
+  o.moe_intermediate_size = 64;
+  o.num_experts = 4;
+  o.progress = false;
+  synthesize_checkpoint(bf, o);
+  fs::create_symlink("../../blobs/0123abcd", bf / "tokenizer.json");
+  ASSERT_EQ(::mkfifo((bf / "notes.fifo").c_str(), 0644), 0);
+  QuantizeOptions q;
+  q.progress = false;
+  q.fit.threads = 1;
+  const QuantizeSummary s = quantize_checkpoint(bf, out, q);
+  EXPECT_EQ(s.skipped_files, (std::vector<std::string>{"notes.fifo", "tokenizer.json"}));
+  EXPECT_NE(std::find(s.warnings.begin(), s.warnings.end(),
+                      (bf / "tokenizer.json").string() +
+                          ": not copied: it is a symbolic link to ../../blobs/0123abcd, which does not exist (an "
+                          "incomplete download?)"),
+            s.warnings.end())
+      << fmt::format("{}", fmt::join(s.warnings, "\n"));
+  EXPECT_NE(std::find(s.warnings.begin(), s.warnings.end(),
+                      (bf / "notes.fifo").string() + ": not copied: not a regular file (a named pipe (FIFO))"),
+            s.warnings.end());
+  EXPECT_NE(format_summary(s).find("not copied           notes.fifo, tokenizer.json ("), std::string::npos)
+      << format_summary(s);
+  EXPECT_TRUE(fs::exists(out / "model.safetensors"));
+}
+
 }  // namespace
 }  // namespace lutb
