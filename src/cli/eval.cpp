@@ -41,6 +41,15 @@ void run_eval(const EvalArgs& a) {
   // The config and the tokens first, so that a bad file fails before the weights load; every
   // message names its file.
   const model::TransformerConfig config = model::TransformerConfig::load(a.model_dir);
+  // A checkpoint of `lutb synth` (or the default job's --keep) holds MoE blocks only: eval reported
+  // "val_tokens.safetensors: tokens file not found", then "missing tensor model.embed_tokens.weight",
+  // never why (new-user QA, session 14).
+  if (config.raw.contains("lutb_synthetic"))
+    throw model::ModelError(fmt::format(
+        "{}: a synthetic checkpoint of lutb synth ({} has 'lutb_synthetic'): it holds MoE blocks only, no "
+        "embeddings or attention, so it is not a language model lutb eval can run; run one of its MoE blocks with "
+        "lutb moe {} --layer L --activations FILE",
+        a.model_dir, (std::filesystem::path(a.model_dir) / "config.json").string(), a.model_dir));
   const std::filesystem::path tokens_path =
       a.tokens.empty() ? std::filesystem::path(a.model_dir) / "val_tokens.safetensors" : std::filesystem::path(a.tokens);
   const std::vector<std::int32_t> tokens = model::load_token_ids(tokens_path);

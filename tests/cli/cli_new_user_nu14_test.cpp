@@ -435,5 +435,28 @@ TEST(NewUserNu14, QuantizeListsFilesItCannotCopy) {
   EXPECT_TRUE(fs::exists(out / "model.safetensors"));
 }
 
+// lutb eval on a checkpoint of lutb synth (or the default job's --keep): "val_tokens.safetensors: tokens
+// file not found", and with --tokens "missing tensor model.embed_tokens.weight", never saying that the
+// checkpoint holds MoE blocks only.
+TEST(NewUserNu14, EvalOnASyntheticCheckpointSaysWhy) {
+  TempDir t;
+  const fs::path bf = t.path / "syn";
+  SynthOptions o;
+  o.family = ModelFamily::qwen3_moe;
+  o.layers = 1;
+  o.hidden_size = 128;
+  o.moe_intermediate_size = 64;
+  o.num_experts = 4;
+  o.progress = false;
+  synthesize_checkpoint(bf, o);
+  const test::CliResult r = test::run_cli("eval " + test::quote(bf) + " --threads 1");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_EQ(r.err, "lutb: error: " + bf.string() + ": a synthetic checkpoint of lutb synth (" +
+                       (bf / "config.json").string() +
+                       " has 'lutb_synthetic'): it holds MoE blocks only, no embeddings or attention, so it is not a "
+                       "language model lutb eval can run; run one of its MoE blocks with lutb moe " +
+                       bf.string() + " --layer L --activations FILE\n");
+}
+
 }  // namespace
 }  // namespace lutb
