@@ -5,7 +5,10 @@
 // prints sizes, bits per weight, SQNR, the output error and the time of each step.
 #include <stdlib.h>
 
+#include <cerrno>
 #include <chrono>
+#include <cstdlib>
+#include <cstring>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -112,8 +115,28 @@ void run_default_job(const DefaultArgs& a) {
   bool own_work = false;  // true when this run created `work` and may remove it whole
   std::vector<fs::path> made_parents;  // ancestors of --work-dir this run created, deepest first
   if (a.work_dir.empty()) {
-    std::string tmpl = (fs::temp_directory_path() / "lutb-default-XXXXXX").string();
-    if (!mkdtemp(tmpl.data())) throw std::runtime_error("cannot create a temporary directory under " + fs::temp_directory_path().string());
+    // The folder named by TMPDIR (or TMP, TEMP, TEMPDIR: what temp_directory_path reads): when it did
+    // not exist the error read "filesystem error: temp_directory_path: No such file or directory",
+    // naming neither the variable nor the folder (new-user QA, session 14).
+    std::error_code tec;
+    const fs::path tmp_root = fs::temp_directory_path(tec);
+    if (tec) {
+      std::string var = "TMPDIR", val;
+      for (const char* v : {"TMPDIR", "TMP", "TEMP", "TEMPDIR"})
+        if (const char* e = std::getenv(v)) {
+          var = v;
+          val = e;
+          break;
+        }
+      throw std::runtime_error(fmt::format("the temporary folder {}={} is not usable ({}): set {} to an existing "
+                                           "folder, or give --work-dir DIR",
+                                           var, val, tec.message(), var));
+    }
+    std::string tmpl = (tmp_root / "lutb-default-XXXXXX").string();
+    if (!mkdtemp(tmpl.data()))
+      throw std::runtime_error(fmt::format("cannot create a temporary directory under {}: {} (set TMPDIR to another "
+                                           "folder, or give --work-dir DIR)",
+                                           tmp_root.string(), std::strerror(errno)));
     work = tmpl;
     own_work = true;
   } else {

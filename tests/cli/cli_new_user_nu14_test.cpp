@@ -458,5 +458,19 @@ TEST(NewUserNu14, EvalOnASyntheticCheckpointSaysWhy) {
                        bf.string() + " --layer L --activations FILE\n");
 }
 
+// The default job with TMPDIR naming a folder that does not exist: "filesystem error:
+// temp_directory_path: No such file or directory", naming neither the variable nor the folder.
+TEST(NewUserNu14, DefaultJobNamesAnUnusableTmpdir) {
+  TempDir t;
+  const fs::path absent = t.path / "no-such-tmp";
+  const test::CliResult r = run_with("TMPDIR=" + test::quote(absent), "--experts 1 --tokens 1");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.err.find("lutb: error: the temporary folder TMPDIR=" + absent.string() + " is not usable ("),
+            std::string::npos)
+      << r.err;
+  EXPECT_NE(r.err.find("): set TMPDIR to an existing folder, or give --work-dir DIR\n"), std::string::npos) << r.err;
+  EXPECT_FALSE(fs::exists(absent));
+}
+
 }  // namespace
 }  // namespace lutb
