@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 
 #include <fmt/format.h>
 
@@ -51,6 +52,18 @@ void check_shape(const LutbShape& s, const std::string& what) {
   if (s.experts < 1 || s.rows < 1 || s.cols < 1 || (!s.stacked && s.experts != 1))
     throw FormatError(fmt::format("{}: invalid LUT-B shape {} (experts {}, stacked {})", what, shape_str(s),
                                   s.experts, s.stacked));
+  // The padded sizes and the byte counts must fit 64 bits: [2^40, 2^40] wrapped to 0 tiles and was
+  // accepted as an empty tensor by LutbTensor, check_sizes and validate (signed overflow, undefined
+  // behaviour; new-user QA, session 14).
+  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+  std::int64_t bytes = 0;
+  const bool overflow = s.rows > kMax - (kTileRows - 1) || s.cols > kMax - (kTileCols - 1) ||
+                        __builtin_mul_overflow(s.tiles_n(), s.tiles_k(), &bytes) ||
+                        __builtin_mul_overflow(bytes, s.experts, &bytes) ||
+                        __builtin_mul_overflow(bytes, static_cast<std::int64_t>(kPackedBytes), &bytes);
+  if (overflow)
+    throw FormatError(fmt::format("{}: LUT-B shape {} is too large: its packed bytes overflow 64-bit sizes", what,
+                                  shape_str(s)));
 }
 
 // Per-tile lookup table: the 8 codebook entries times 2^(scale-127), exact in FP32 (the product of

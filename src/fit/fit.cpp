@@ -139,6 +139,20 @@ FitStats quantize(const void* src, DType src_type, const LutbShape& shape, LutbT
                                 "; LUT-B fitting reads F32, BF16 or F16");
   if (shape.rows < 0 || shape.cols < 0 || shape.experts < 1 || (!shape.stacked && shape.experts != 1))
     throw std::invalid_argument("quantize: tensor " + name + " has an invalid shape");
+  {
+    // [2^40, 2^40] wrapped to 0 tiles and returned an empty tensor without a word, and E = 2^63 - 1
+    // failed as "cannot create std::vector larger than max_size()" (new-user QA, session 14).
+    constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+    std::int64_t bytes = 0;
+    const bool overflow = shape.rows > kMax - (kTileRows - 1) || shape.cols > kMax - (kTileCols - 1) ||
+                          __builtin_mul_overflow(shape.tiles_n(), shape.tiles_k(), &bytes) ||
+                          __builtin_mul_overflow(bytes, shape.experts, &bytes) ||
+                          __builtin_mul_overflow(bytes, static_cast<std::int64_t>(kPackedBytes), &bytes);
+    if (overflow)
+      throw std::invalid_argument("quantize: tensor " + name + " has shape [" + std::to_string(shape.experts) + ", " +
+                                  std::to_string(shape.rows) + ", " + std::to_string(shape.cols) +
+                                  "], too large: its packed bytes overflow 64-bit sizes");
+  }
   if (shape.rows > 0 && shape.cols > 0 && src == nullptr)
     throw std::invalid_argument("quantize: tensor " + name + ": null source");
   if (opt.threads < 0)
