@@ -536,8 +536,15 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
   nlohmann::json weight_map = nlohmann::json::object();
   std::set<std::string> shard_names;
   for (std::size_t f = 0; f < files.size(); ++f) {
-    const std::string shard = files[f]->path().filename().string();
-    shard_names.insert(shard);
+    // The shard's path as the index names it, relative to the checkpoint: shards in subfolders
+    // (a/w.safetensors, b/w.safetensors) were written flat under their file name, the second over the
+    // first, and the index then listed tensors in a file that did not hold them, exit status 0; the
+    // original shards were also copied unquantised (new-user QA, session 14).
+    const fs::path rel = files[f]->path().lexically_normal().lexically_relative(in_dir.lexically_normal());
+    const std::string shard = rel.empty() || *rel.begin() == ".." ? files[f]->path().filename().generic_string()
+                                                                  : rel.generic_string();
+    shard_names.insert(fs::path(shard).string());
+    if (fs::path(shard).has_parent_path()) fs::create_directories(tmp / fs::path(shard).parent_path());
     SafetensorsWriter w(tmp / shard, files[f]->metadata());
     for (const auto& p : plan[f]) {
       declare(w, p, files[f]->get(p.name), sum);

@@ -472,5 +472,56 @@ TEST(NewUserNu14, DefaultJobNamesAnUnusableTmpdir) {
   EXPECT_FALSE(fs::exists(absent));
 }
 
+// An index whose shards sit in subfolders with the same file name (a/w.safetensors, b/w.safetensors):
+// lutb quantize wrote both flat as w.safetensors, the second over the first, so the LUT-B checkpoint's
+// index listed tensors in a file that did not hold them (lutb eval: "tensor 'model.embed_tokens.weight'
+// is listed in shard 'w.safetensors' but that file does not hold it"), exit status 0; and it copied the
+// original shards unquantised beside them. Shards are written at the index's relative paths.
+TEST(NewUserNu14, QuantizeKeepsShardsInSubfolders) {
+  TempDir t;
+  const fs::path bf = t.path / "bf", out = t.path / "lb";
+  SynthOptions o;
+  o.family = ModelFamily::qwen3_moe;
+  o.layers = 1;
+  o.hidden_size = 128;
+  o.moe_intermediate_size = 64;
+  o.num_experts = 4;
+  o.progress = false;
+  synthesize_checkpoint(bf, o);
+  std::vector<std::pair<std::string, OwnedTensor>> a, b;
+  {
+    const SafetensorsFile f(bf / "model.safetensors");
+    for (const auto& n : f.names()) {
+      const TensorView& v = f.get(n);
+      (n.find(".experts.0.") != std::string::npos || n.find(".experts.1.") != std::string::npos ? a : b)
+          .push_back({n, OwnedTensor{v.dtype, v.shape, std::vector<std::uint8_t>(v.data, v.data + v.nbytes)}});
+    }
+  }
+  ASSERT_FALSE(a.empty());
+  ASSERT_FALSE(b.empty());
+  fs::remove(bf / "model.safetensors");
+  fs::create_directories(bf / "a");
+  fs::create_directories(bf / "b");
+  write_safetensors(bf / "a" / "w.safetensors", a);
+  write_safetensors(bf / "b" / "w.safetensors", b);
+  nlohmann::json wm = nlohmann::json::object();
+  for (const auto& [n, _] : a) wm[n] = "a/w.safetensors";
+  for (const auto& [n, _] : b) wm[n] = "b/w.safetensors";
+  std::ofstream(bf / "model.safetensors.index.json") << nlohmann::json{{"weight_map", wm}}.dump();
+
+  QuantizeOptions q;
+  q.progress = false;
+  q.fit.threads = 1;
+  const QuantizeSummary s = quantize_checkpoint(bf, out, q);
+  EXPECT_TRUE(s.warnings.empty()) << fmt::format("{}", fmt::join(s.warnings, "\n"));
+  EXPECT_FALSE(fs::exists(out / "w.safetensors"));
+  const SafetensorsCollection c = SafetensorsCollection::open_dir(out);
+  EXPECT_EQ(c.files().size(), 2u);
+  EXPECT_EQ(c.file_of("model.layers.0.mlp.experts.0.gate_proj.weight_packed").path(), out / "a" / "w.safetensors");
+  EXPECT_EQ(c.file_of("model.layers.0.mlp.experts.3.down_proj.weight_scale").path(), out / "b" / "w.safetensors");
+  // Every tensor of the output is LUT-B or one of the source's non-expert tensors: no unquantised expert.
+  for (const auto& n : c.names()) EXPECT_EQ(n.find("_proj.weight"), n.find("_proj.weight_")) << n;
+}
+
 }  // namespace
 }  // namespace lutb
