@@ -238,7 +238,18 @@ TransformerConfig TransformerConfig::from_json(const json& j, const std::string&
     c.attention_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.head_dim)));
   }
 
-  // Per-head widths: the rotary table (head_dim x partial_rotary_factor / 2 FP32 values, or
+  // The rotary table's inputs, checked here so that an error names config.json and the key (they
+  // were "rope dimension 0 must be even and positive", naming nothing: new-user QA session 11).
+  if (r.dim <= 0 || r.dim % 2 != 0) {
+    const std::string key = deepseek ? "qk_rope_head_dim" : (partial != 1.0 ? partial_key : "head_dim");
+    key_error(where, key,
+              deepseek ? fmt::format("gives a rotary dimension of {}; it must be even and positive", r.dim)
+                       : fmt::format("head_dim {} x partial_rotary_factor {} gives a rotary dimension of {}; it must be "
+                                     "even and positive",
+                                     c.head_dim, partial, r.dim));
+  }
+  // Per-head widths (after the rotary dimension's own check, which words a non-positive head_dim or
+  // qk_rope_head_dim): the rotary table (head_dim x partial_rotary_factor / 2 FP32 values, or
   // qk_rope_head_dim / 2) is built before the attention tensors' shapes are compared with them, so a
   // corrupt width of 2e9 allocated 4 GB and ran for a minute before the shape error (new-user QA,
   // session 14). Published MoE models use 64-256 (DeepSeek's MLA: 64 + 128, v 128); the bound is far
@@ -262,16 +273,6 @@ TransformerConfig TransformerConfig::from_json(const json& j, const std::string&
                   fmt::format("{} is more than lutb supports ({}; published models use 64-256): a corrupt config.json?",
                               v, kMaxHeadWidth));
     }
-  }
-  // The rotary table's inputs, checked here so that an error names config.json and the key (they
-  // were "rope dimension 0 must be even and positive", naming nothing: new-user QA session 11).
-  if (r.dim <= 0 || r.dim % 2 != 0) {
-    const std::string key = deepseek ? "qk_rope_head_dim" : (partial != 1.0 ? partial_key : "head_dim");
-    key_error(where, key,
-              deepseek ? fmt::format("gives a rotary dimension of {}; it must be even and positive", r.dim)
-                       : fmt::format("head_dim {} x partial_rotary_factor {} gives a rotary dimension of {}; it must be "
-                                     "even and positive",
-                                     c.head_dim, partial, r.dim));
   }
   if (!(std::isfinite(r.theta) && r.theta > 0))
     key_error(where, in_rp("rope_theta"), fmt::format("must be a positive finite number, got {}", r.theta));

@@ -83,8 +83,10 @@ TEST(NewUserNu14, ImplausibleHeadWidthsRefused) {
   EXPECT_EQ(config_error(qwen_base(), [](nlohmann::json& j) { j["head_dim"] = 2000000000; }),
             "c.json: key 'head_dim': 2000000000 is more than lutb supports (65536; published models use 64-256): a "
             "corrupt config.json?");
+  // A non-positive head_dim keeps the rotary dimension's wording (NewUserS11.ConfigRopeAndNormValuesNameTheKey).
   EXPECT_EQ(config_error(qwen_base(), [](nlohmann::json& j) { j["head_dim"] = -64; }),
-            "c.json: key 'head_dim': must be positive, got -64");
+            "c.json: key 'head_dim': head_dim -64 x partial_rotary_factor 1 gives a rotary dimension of -64; it must "
+            "be even and positive");
   EXPECT_EQ(config_error(qwen_base(), [](nlohmann::json& j) { j["head_dim"] = 65536; }), "no exception");
 
   EXPECT_EQ(config_error(deepseek_base(), [](nlohmann::json&) {}), "no exception");
