@@ -208,7 +208,7 @@ if [ "$WHAT" = decws ]; then
   echo "build: ${SECONDS} s" | tee -a "$OUT/build_decws.log"
   export BENCH="$B/bench_moe_gpu_sm90"
   # DECWS_BENCH_FIRST=1: the benchmark commands before the tests (a short lease keeps the figures).
-  run_cmds() { for cmd in "$@"; do echo "## $cmd"; bash -c "$cmd"; done 2>&1 | tee -a "$OUT/bench_decws.md"; }
+  run_cmds() { for cmd in "$@"; do echo "## $cmd"; stdbuf -oL -eL bash -c "$cmd"; done 2>&1 | tee -a "$OUT/bench_decws.md"; }
   [ "${DECWS_BENCH_FIRST:-0}" = 1 ] && run_cmds "$@"
   timeout 240 "$B/lutb_decws_tests" --gtest_filter="${DECWS_TESTS:-*}" 2>&1 | tail -60 | tee "$OUT/tests_decws.log" || true
   echo "tests: ${SECONDS} s" | tee -a "$OUT/tests_decws.log"

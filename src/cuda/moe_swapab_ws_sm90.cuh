@@ -369,15 +369,16 @@ __device__ __forceinline__ bool ws_reduce(unsigned char* smem, int nw, float (&a
 constexpr int ws_max_warps(int nb) { return swap_max_warps(nb); }
 
 /// Register configurations (the knob that sets the warps per SM), chosen at run time by
-/// LUTB_WS_REGS = 72 / 88 / 128 (for benchmarking; default kWsCfgDefault). Registers per thread for
+/// LUTB_WS_REGS = 72 / 88 / 120 (for benchmarking; default kWsCfgDefault). Registers per thread for
 /// one token block (two blocks in brackets) and the unroll of the K-loop:
-///   kWs72:  72 (128), unrolled once: ~28 warps per SM; ptxas spills ~30 bytes (two blocks ~170);
-///   kWs88:  88 (160), unrolled twice (cur/nxt alternate registers): ~23 warps per SM, ~40 bytes;
-///   kWs128: 128 (192), unrolled twice: 16 warps per SM as the default kernels, no spill.
-constexpr int kWs72 = 0, kWs88 = 1, kWs128 = 2;
+///   kWs72:  72 (128), unrolled once: ~28 warps per SM; ptxas spills ~30-70 bytes (two blocks ~24);
+///   kWs88:  88 (160), unrolled twice (cur/nxt alternate registers): ~23 warps per SM, ~40 bytes (two blocks ~50);
+///   kWs120: 120 (192), unrolled twice: 16 warps per SM as the default kernels, no spill (120, not
+///           128: a CTA of 16 math warps + the producer must fit 65536 registers).
+constexpr int kWs72 = 0, kWs88 = 1, kWs120 = 2;
 constexpr int kWsCfgDefault = kWs72;
 constexpr int ws_regs(int nb, int cfg) {
-  return nb == 1 ? (cfg == kWs72 ? 72 : cfg == kWs88 ? 88 : 128) : (cfg == kWs72 ? 128 : cfg == kWs88 ? 160 : 192);
+  return nb == 1 ? (cfg == kWs72 ? 72 : cfg == kWs88 ? 88 : 120) : (cfg == kWs72 ? 128 : cfg == kWs88 ? 160 : 192);
 }
 constexpr int ws_unroll(int cfg) { return cfg == kWs72 ? 1 : 2; }
 
