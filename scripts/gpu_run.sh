@@ -181,7 +181,7 @@ fi
 if [ "$WHAT" = decws ]; then
   FA="-gencode=arch=compute_90a,code=sm_90a"
   MCU="${CUFLAGS/$ARCH/$FA}"
-  mkdir -p "$B/dw"
+  mkdir -p "$B/dw/c" "$B/dw/t"
   pids=()
   for f in src/cuda/moe_*.cu src/cuda/routing.cu src/cuda/lane_major.cu bench/gpu/bench_moe_gpu.cu; do
     $NVCC $MCU -c "$f" -o "$B/dw/$(basename "$f" .cu).o" & pids+=($!)
@@ -192,16 +192,16 @@ if [ "$WHAT" = decws ]; then
   fi
   for f in src/core/*.cpp src/fit/*.cpp src/moe/*.cpp; do
     fc=""; case "$f" in src/fit/*) fc=-ffp-contract=off;; esac
-    g++ $CXXFLAGS -O3 $fc -c "$f" -o "$B/dw/c_$(basename "$(dirname "$f")")_$(basename "$f" .cpp).oo" & pids+=($!)
+    g++ $CXXFLAGS -O3 $fc -c "$f" -o "$B/dw/c/$(basename "$(dirname "$f")")_$(basename "$f" .cpp).o" & pids+=($!)
   done
   for f in tests/cuda/moe_cuda_test.cpp tests/cuda/moe_vs_cpu_test.cpp tests/support/test_support.cpp; do
-    g++ $CXXFLAGS -DLUTB_SOURCE_DIR="\"$ROOT\"" -c "$f" -o "$B/dw/t_$(basename "$f" .cpp).oo" & pids+=($!)
+    g++ $CXXFLAGS -DLUTB_SOURCE_DIR="\"$ROOT\"" -c "$f" -o "$B/dw/t/$(basename "$f" .cpp).o" & pids+=($!)
   done
   for p in "${pids[@]}"; do wait "$p" || echo "build step failed" | tee -a "$OUT/build_decws.log"; done
   lib=("$B"/dw/moe_*.o "$B"/dw/routing.o "$B"/dw/lane_major.o)
-  $NVCC $FA -o "$B/lutb_decws_tests" "$B"/dw/t_*.oo "${lib[@]}" "$B"/dw/c_*.oo "$B/obj/gtest-all.o" "$B/obj/gtest_main.o" \
+  $NVCC $FA -o "$B/lutb_decws_tests" "$B"/dw/t/*.o "${lib[@]}" "$B"/dw/c/*.o "$B/obj/gtest-all.o" "$B/obj/gtest_main.o" \
     -Xcompiler -fopenmp -L"$DEPS_LIB" -lhwy -lpthread -Xlinker -rpath="$DEPS_LIB" 2>&1 | tee -a "$OUT/build_decws.log"
-  $NVCC $FA -o "$B/bench_moe_gpu_sm90" "$B/dw/bench_moe_gpu.o" "${lib[@]}" "$B"/dw/c_core_*.oo -lcublas \
+  $NVCC $FA -o "$B/bench_moe_gpu_sm90" "$B/dw/bench_moe_gpu.o" "${lib[@]}" "$B"/dw/c/core_*.o -lcublas \
     -Xcompiler -fopenmp -L"$DEPS_LIB" -lhwy -lpthread -Xlinker -rpath="$DEPS_LIB" 2>&1 | tee -a "$OUT/build_decws.log"
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv | tee "$OUT/gpu.txt" || true
   export LD_LIBRARY_PATH="$DEPS_LIB:${LD_LIBRARY_PATH:-}"

@@ -290,12 +290,12 @@ void moe_forward(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t
       if (nb == 1) launch_swapab_wg<1>(w, r, ws, P, stream);
       else launch_swapab_wg<2>(w, r, ws, P, stream);
     } else if (dec == kern::kDecWs) {
-      // Benchmarking knob: LUTB_WS_REGS = 72, 88 or 120 picks the register configuration of the
+      // Benchmarking knob: LUTB_WS_REGS = 72 or 88 picks the register configuration of the
       // warp-specialised kernels (kern::ws_regs; read once; default kern::kWsCfgDefault).
       static const int cfg = [] {
         const char* v = std::getenv("LUTB_WS_REGS");
         const int n = v ? std::atoi(v) : 0;
-        return n == 72 ? kern::kWs72 : n == 88 ? kern::kWs88 : n == 120 ? kern::kWs120 : kern::kWsCfgDefault;
+        return n == 72 ? kern::kWs72 : n == 88 ? kern::kWs88 : kern::kWsCfgDefault;
       }();
       auto ws_go = [&](auto cfg_c) {
         constexpr int kC = decltype(cfg_c)::value;
@@ -303,8 +303,7 @@ void moe_forward(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t
         else launch_swapab_ws<2, kC>(w, r, ws, P, stream);
       };
       if (cfg == kern::kWs72) ws_go(std::integral_constant<int, kern::kWs72>{});
-      else if (cfg == kern::kWs88) ws_go(std::integral_constant<int, kern::kWs88>{});
-      else ws_go(std::integral_constant<int, kern::kWs120>{});
+      else ws_go(std::integral_constant<int, kern::kWs88>{});
     } else if (dec == kern::kDecFp8) go(std::integral_constant<int, kern::kDecFp8>{});
     else if (dec == kern::kDecCvt) go(std::integral_constant<int, kern::kDecCvt>{});
     else go(std::integral_constant<int, kern::kDecByte>{});

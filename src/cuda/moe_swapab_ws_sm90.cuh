@@ -5,25 +5,30 @@
 // PRMT codebook lookup + cvt.rn.f16x2.e4m3x2), mma and promote, and hold no copy state.
 // Kernel names: sm90_lutb_mxfp8_moe_gemm{1,2}_swapab_ws.
 //
-// Work split: exactly the default swap-AB kernels' (moe_swapab.cuh): a CTA owns one token tile
+// Work split: the default swap-AB kernels' CTA split (moe_swapab.cuh): a CTA owns one token tile
 // (<= 8*NB pairs of one expert) and one strip group (8 tile row-strips: GEMM1 4 gate + the 4 up
-// strips of the same I-columns, GEMM2 8 consecutive-ish strips), its nw math warps split K into the
-// same contiguous K-tile ranges (per = ceil(tiles_k / nw)), each warp accumulates its range in the
-// same order with the same instructions, and the partial sums are added in warp order at the end.
-// So for the same nw the FP32 results are BIT-IDENTICAL to the default kDecCvt kernels (tested);
-// the host picks nw with the default's rule (swap_warps in moe_lutb.cu).
+// strips of the same I-columns, GEMM2 strips 8G..8G+7), with nw math warps (the host picks nw with
+// the default's rule, swap_warps in moe_lutb.cu). Unlike the default, the math warps take the
+// K-tiles INTERLEAVED: stage s of the ring holds K-tiles s*nw .. s*nw+nw-1 and math warp w uses
+// K-tile s*nw + w, so the index bytes of one strip for a whole stage are ONE contiguous bulk copy
+// (nw x 192 bytes; 8 copies per stage). A first version gave every warp a contiguous K range like
+// the default (bit-identical to it) and needed one 192-byte copy per (warp, strip): the per-lane
+// copies were issued one lane at a time (ptxas wraps cp.async.bulk in an ELECT loop: ~8
+// instructions per copy) and the producer warp could not keep up (device run dec14-run1: 1.2-1.9x
+// slower than Cvt). Each warp accumulates its K-tiles in order with swap_warp_gemm's per-K-tile
+// arithmetic, and the partial sums are added in warp order at the end: fixed order, deterministic,
+// FP32 (spec section 4: only the order of the FP32 additions differs from the CPU emulation).
 //
-// Ring: kStages stages; stage s holds, for every math warp w, K-tile k0_w + s of its range (a
-// 1632-byte sub-slot: 8 strips x 192 lane-major index bytes, 8 x 8 codebook bytes, 8 FP32 tile
-// scales 2^(s_w-127)). Producer (warp nw), per stage: wait "empty" (all math lanes released the
-// slot), expect_tx of the index bytes on "full", one 192-byte cp.async.bulk per (warp, present
-// strip), one 8-byte cp.async per (warp, strip) for the codebook (zero-filled for a missing strip,
-// so its products are zero whatever the stale index bytes are; codebooks are only 8-byte aligned,
-// below cp.async.bulk's 16), the tile scales loaded one stage ahead into registers and stored as
-// FP32, then every producer lane arrives twice on "full": once through cp.async.mbarrier.arrive
-// .noinc (when its cp.async have landed) and once plainly (after its scale stores). Full barrier
-// count 64 + the transaction bytes; empty barrier count 32*nw. Warps whose range is shorter than
-// warp 0's keep waiting/arriving on the stages they do not use (so phases never run ahead).
+// Ring: kStages stages of nw * 1632 bytes: index bytes [8 strips][nw][192], codebooks [nw][8][8],
+// FP32 tile scales 2^(s_w-127) [nw][8]. Producer (warp nw), per stage: wait "empty" (all math
+// lanes released the slot), expect_tx of the index bytes on "full", one cp.async.bulk per present
+// strip (lanes 0..7), one 8-byte cp.async per (K-tile, strip) for the codebook (zero-filled for a
+// missing strip, so its products are zero whatever the stale index bytes are; codebooks are only
+// 8-byte aligned, below cp.async.bulk's 16), the tile scales (loaded kStages stages ahead into a
+// register ring) stored as FP32, then every producer lane arrives twice on "full": once through
+// cp.async.mbarrier.arrive.noinc (when its cp.async have landed) and once plainly (after its scale
+// stores). Full barrier count 64 + the transaction bytes; empty barrier count 32*nw. Warps without
+// a K-tile in the last stage still wait/arrive on it (so phases never run ahead).
 //
 // Activations and their block scales are NOT staged: the math warps load them from global memory
 // (L1/L2 hits: every CTA of a token tile reads the same rows) one K-tile ahead, as the default
@@ -45,10 +50,9 @@ struct WsRing {
 #define LUTB_WS_STAGES 4
 #endif
   static constexpr int kStages = LUTB_WS_STAGES;     // a tuning build may override it
-  static constexpr int kIdx = 8 * 192;               // [8 strips][192] lane-major index bytes
-  static constexpr int kCbOff = kIdx;                // [8][8] codebook bytes
-  static constexpr int kScOff = kCbOff + 8 * 8;      // [8] FP32 tile scales
-  static constexpr int kSub = kScOff + 8 * 4;        // one math warp's share of a stage
+  // Bytes per math warp per stage (one K-tile): 8 strips x (192 index + 8 codebook bytes + one
+  // FP32 scale); a stage of nw math warps is nw * kSub bytes (layout: ws_cb_off, ws_sc_off).
+  static constexpr int kSub = 8 * (192 + 8 + 4);
 };
 static_assert(WsRing::kSub == 1632 && WsRing::kSub % 16 == 0, "sub-slots stay 16-byte aligned (bulk copies)");
 
@@ -124,15 +128,22 @@ __device__ __forceinline__ void ws_named_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-/// The producer warp: streams stages 0..nmax-1 (see the file comment).
+/// Byte offsets inside one stage of a CTA with nw math warps (stage s = K-tiles s*nw .. s*nw+nw-1,
+/// K-tile s*nw + w for math warp w): index bytes [8 strips][nw][192] (one bulk copy per strip),
+/// codebooks [nw][8 strips][8], FP32 tile scales [nw][8 strips].
+__host__ __device__ constexpr int ws_cb_off(int nw) { return 8 * nw * 192; }
+__host__ __device__ constexpr int ws_sc_off(int nw) { return 8 * nw * 200; }
+
+/// The producer warp: streams stages 0..nst-1 (see the file comment).
 __device__ __forceinline__ void ws_producer(const LutbW& w, long long e, const long long (&strip)[8],
-                                            const bool (&ok)[8], int nw, long long per, unsigned ring_s,
+                                            const bool (&ok)[8], int nw, int nst, unsigned ring_s,
                                             unsigned bar_s) {
   using R = WsRing;
   const int lane = threadIdx.x & 31;
   const long long tiles_k = w.tiles_k;
-  const int nmax = static_cast<int>(per);  // warp 0's range (per <= tiles_k)
-  // Lane l serves strip i = l & 7 of the math warps w = (l >> 3) + 4j, j = 0..3.
+  const int stage_bytes = nw * R::kSub, cb_off = ws_cb_off(nw), sc_off = ws_sc_off(nw);
+  // Lane l serves strip i = l & 7: the bulk copy of its index bytes (lanes 0..7), and the codebooks
+  // and scales of the stage's K-tiles c = (l >> 3) + 4j, j = 0..3 (c < nw).
   const int i = lane & 7;
   long long si = 0;
   bool sok = false;
@@ -147,63 +158,70 @@ __device__ __forceinline__ void ws_producer(const LutbW& w, long long e, const l
   int present = 0;
 #pragma unroll
   for (int u = 0; u < 8; ++u) present += ok[u] ? 1 : 0;
-  const int jn = (nw + 3) / 4;  // j rounds with a warp in them
-  auto k0_of = [&](int wj) { return min(tiles_k, per * wj); };
-  auto n_of = [&](int wj) {
-    const long long k0 = k0_of(wj);
-    return static_cast<int>(min(tiles_k, k0 + per) - k0);
-  };
-  // Tile scales one stage ahead (their load latency overlaps the previous stage's waits).
-  auto load_sc = [&](int s, float (&v)[4]) {
+  const int jn = (nw + 3) / 4;  // j rounds with a K-tile in them
+  // K-tiles of stage s: min(nw, tiles_k - s*nw) (only the last stage can be short).
+  auto count = [&](int s) { return static_cast<int>(min(static_cast<long long>(nw), tiles_k - static_cast<long long>(s) * nw)); };
+  // Tile scales kStages stages ahead in a register ring (the loop is unrolled by kStages so that the
+  // ring is indexed statically), as raw bytes converted only when stored: a load consumed one stage
+  // later made every producer iteration wait a global-load latency.
+  auto load_sc = [&](int s, unsigned (&v)[4]) {
+    const int cnt = s < nst ? count(s) : 0;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const int wj = (lane >> 3) + 4 * j;
-      v[j] = 1.0f;
-      if (j < jn && wj < nw && s < n_of(wj)) v[j] = ue8m0_f(__ldg(w.scale + tbase + k0_of(wj) + s));
+      const int c = (lane >> 3) + 4 * j;
+      v[j] = 127u;
+      if (j < jn && c < cnt) v[j] = __ldg(w.scale + tbase + static_cast<long long>(s) * nw + c);
     }
   };
-  float sc[4];
-  load_sc(0, sc);
-  for (int s = 0; s < nmax; ++s) {
-    const int slot = s % R::kStages;
+  static_assert(R::kStages == 4, "the scale ring below is unrolled for 4 stages");
+  unsigned sc0[4], sc1[4], sc2[4], sc3[4];
+  load_sc(0, sc0);
+  load_sc(1, sc1);
+  load_sc(2, sc2);
+  load_sc(3, sc3);
+  // Stage s (slot s % kStages, whose scales are in `sc`); then `sc` takes stage s + kStages's.
+  auto stage = [&](int s, unsigned (&sc)[4]) {
+    const int slot = s % R::kStages, cnt = count(s);
     const unsigned full = bar_s + 8u * slot, empty = bar_s + 8u * (R::kStages + slot);
-    float nsc[4];
-    if (s + 1 < nmax) load_sc(s + 1, nsc);
+    const long long kb = static_cast<long long>(s) * nw;  // first K-tile of the stage
     if (s >= R::kStages) ws_mbar_wait(empty, static_cast<unsigned>((s / R::kStages - 1) & 1));
-    if (lane == 0) {
-      // Math warps w < ceil((tiles_k - s) / per) have K-tile s in their range.
-      const long long active = min(static_cast<long long>(nw), (tiles_k - s - 1) / per + 1);
-      ws_mbar_expect_tx(full, static_cast<unsigned>(active * present * 192));
-    }
+    if (lane == 0) ws_mbar_expect_tx(full, static_cast<unsigned>(present * cnt * 192));
     __syncwarp();
+    const unsigned st = ring_s + static_cast<unsigned>(slot * stage_bytes);
+    if (lane < 8 && sok)
+      ws_bulk_g2s(st + static_cast<unsigned>(i * nw * 192), w.packed + (tbase + kb) * 192,
+                  static_cast<unsigned>(cnt * 192), full);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const int wj = (lane >> 3) + 4 * j;
-      if (j < jn && wj < nw && s < n_of(wj)) {
-        const long long tile = tbase + k0_of(wj) + s;
-        const unsigned dst = ring_s + static_cast<unsigned>((slot * nw + wj) * R::kSub);
-        if (sok) ws_bulk_g2s(dst + 192u * i, w.packed + tile * 192, 192u, full);
-        cp_async8_zfill(dst + R::kCbOff + 8u * i, w.codebook + tile * 8, sok ? 8u : 0u);
-        asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(dst + R::kScOff + 4u * i), "f"(sc[j]) : "memory");
+      const int c = (lane >> 3) + 4 * j;
+      if (j < jn && c < cnt) {
+        cp_async8_zfill(st + static_cast<unsigned>(cb_off + (c * 8 + i) * 8), w.codebook + (tbase + kb + c) * 8,
+                        sok ? 8u : 0u);
+        asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(st + static_cast<unsigned>(sc_off + (c * 8 + i) * 4)),
+                     "f"(ue8m0_f(sc[j]))
+                     : "memory");
       }
     }
     ws_cp_async_arrive(full);
     ws_mbar_arrive(full);
-    if (s + 1 < nmax)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) sc[j] = nsc[j];
+    load_sc(s + R::kStages, sc);
+  };
+  for (int s = 0; s < nst; s += R::kStages) {
+    stage(s, sc0);
+    if (s + 1 < nst) stage(s + 1, sc1);
+    if (s + 2 < nst) stage(s + 2, sc2);
+    if (s + 3 < nst) stage(s + 3, sc3);
   }
   cp_async_wait<0>();
 }
 
-/// One math warp's K-range [k0, k0 + n) for 8 strips and NB token n-blocks, reading stage
-/// sub-slots at `sub0` (sub-slot of stage 0; stage s at sub0 + s * stage_bytes), waiting on
-/// full[] and releasing empty[] for all nmax stages. The arithmetic is swap_warp_gemm's kDecCvt
-/// path instruction for instruction (bit-identical partial sums).
+/// Math warp `warp`'s K-tiles warp, warp + nw, ... (n of them: stages 0..n-1) for 8 strips and NB
+/// token n-blocks, waiting on full[] and releasing empty[] for all nst stages. The per-K-tile
+/// arithmetic is swap_warp_gemm's kDecCvt path instruction for instruction.
 template <int NB, bool kOne, int kUnroll>
 __device__ __forceinline__ void ws_math(const void* const (&arow)[NB], const float* const (&srow)[NB][2],
-                                        int nblocks, long long k0, int n, int nmax, const unsigned char* sub0,
-                                        int stage_bytes, unsigned bar_s, float (&acc)[4][NB][4]) {
+                                        int nblocks, int warp, int nw, int n, int nst, const unsigned char* ring,
+                                        unsigned bar_s, float (&acc)[4][NB][4]) {
   using R = WsRing;
   const int lane = threadIdx.x & 31, t = lane & 3;
 #pragma unroll
@@ -220,49 +238,54 @@ __device__ __forceinline__ void ws_math(const void* const (&arow)[NB], const flo
   const float2* sbase[NB][2];
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
-    abase[nb] = static_cast<const unsigned char*>(arow[nb]) + (k0 * 64 + 8 * t) * 2;
+    abase[nb] = static_cast<const unsigned char*>(arow[nb]) + (static_cast<long long>(warp) * 64 + 8 * t) * 2;
 #pragma unroll
-    for (int u = 0; u < 2; ++u) sbase[nb][u] = reinterpret_cast<const float2*>(srow[nb][u] + 2 * k0);
+    for (int u = 0; u < 2; ++u) sbase[nb][u] = reinterpret_cast<const float2*>(srow[nb][u] + 2 * warp);
   }
-  auto load_x = [&](int kk, XTile& x) {
+  const long long astep = static_cast<long long>(nw) * 128;  // bytes of activations per stage
+  auto load_x = [&](int s, XTile& x) {
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
       if (nb > 0 && nb >= nblocks) continue;
 #pragma unroll
       for (int blk = 0; blk < 2; ++blk)
-        x.v[nb][blk] = __ldg(reinterpret_cast<const uint4*>(abase[nb] + kk * 128 + 64 * blk));
+        x.v[nb][blk] = __ldg(reinterpret_cast<const uint4*>(abase[nb] + s * astep + 64 * blk));
 #pragma unroll
       for (int u = 0; u < (kOne ? 1 : 2); ++u) {
-        const float2 sc = __ldg(sbase[nb][u] + kk);
+        const float2 sc = __ldg(sbase[nb][u] + static_cast<long long>(s) * nw);
         x.sx[nb][0][u] = sc.x;
         x.sx[nb][1][u] = sc.y;
       }
     }
   };
+  const int stage_bytes = nw * R::kSub, istride = nw * 192;
+  const unsigned char* idx0 = ring + warp * 192;                      // strip i at + i * istride
+  const unsigned char* cb0 = ring + ws_cb_off(nw) + warp * 64;        // [8][8]
+  const unsigned char* sc0 = ring + ws_sc_off(nw) + warp * 32;        // [8] FP32
   PdlWaitAndTrigger{}();
   XTile cur;
   if (n > 0) load_x(0, cur);
   int slot = 0;
   unsigned parity = 0;
 #pragma unroll kUnroll
-  for (int kk = 0; kk < n; ++kk) {
+  for (int s = 0; s < n; ++s) {
     XTile nxt;
-    const int kn = kk + 1 < n ? kk + 1 : kk;
-    load_x(kn, nxt);
+    const int sn = s + 1 < n ? s + 1 : s;
+    load_x(sn, nxt);
     ws_mbar_wait(bar_s + 8u * slot, parity);
-    const unsigned char* st = sub0 + slot * stage_bytes;
-    const float4 fw0 = *reinterpret_cast<const float4*>(st + R::kScOff);
-    const float4 fw1 = *reinterpret_cast<const float4*>(st + R::kScOff + 16);
+    const int so = slot * stage_bytes;
+    const float4 fw0 = *reinterpret_cast<const float4*>(sc0 + so);
+    const float4 fw1 = *reinterpret_cast<const float4*>(sc0 + so + 16);
     const float fw[8] = {fw0.x, fw0.y, fw0.z, fw0.w, fw1.x, fw1.y, fw1.z, fw1.w};
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
-      const uint4 cb = *reinterpret_cast<const uint4*>(st + R::kCbOff + 16 * m);
+      const uint4 cb = *reinterpret_cast<const uint4*>(cb0 + so + 16 * m);
       unsigned sel[2][4];
 #pragma unroll
       for (int ab = 0; ab < 2; ++ab) {
-        const int i = 2 * m + ab;
-        const unsigned x = *reinterpret_cast<const unsigned*>(st + i * 192 + 4 * lane);
-        const unsigned y = *reinterpret_cast<const unsigned short*>(st + i * 192 + 128 + 2 * lane);
+        const unsigned char* st = idx0 + so + (2 * m + ab) * istride;
+        const unsigned x = *reinterpret_cast<const unsigned*>(st + 4 * lane);
+        const unsigned y = *reinterpret_cast<const unsigned short*>(st + 128 + 2 * lane);
         const unsigned xm = x & 0x77777777u;
         sel[ab][0] = xm;
         sel[ab][1] = xm >> 16;
@@ -325,8 +348,8 @@ __device__ __forceinline__ void ws_math(const void* const (&arow)[NB], const flo
       parity ^= 1u;
     }
   }
-  // Stages past this warp's range: keep the phases in step (wait for the stage, release it).
-  for (int kk = n; kk < nmax; ++kk) {
+  // Stages past this warp's K-tiles (only the last can be): keep the phases in step.
+  for (int s = n; s < nst; ++s) {
     ws_mbar_wait(bar_s + 8u * slot, parity);
     ws_mbar_arrive(bar_s + 8u * (R::kStages + slot));
     if (++slot == R::kStages) {
@@ -369,17 +392,18 @@ __device__ __forceinline__ bool ws_reduce(unsigned char* smem, int nw, float (&a
 constexpr int ws_max_warps(int nb) { return swap_max_warps(nb); }
 
 /// Register configurations (the knob that sets the warps per SM), chosen at run time by
-/// LUTB_WS_REGS = 72 / 88 / 120 (for benchmarking; default kWsCfgDefault). Registers per thread for
-/// one token block (two blocks in brackets) and the unroll of the K-loop:
-///   kWs72:  72 (128), unrolled once: ~28 warps per SM; ptxas spills ~30-70 bytes (two blocks ~24);
-///   kWs88:  88 (160), unrolled twice (cur/nxt alternate registers): ~23 warps per SM, ~40 bytes (two blocks ~50);
-///   kWs120: 120 (192), unrolled twice: 16 warps per SM as the default kernels, no spill (120, not
-///           128: a CTA of 16 math warps + the producer must fit 65536 registers).
-constexpr int kWs72 = 0, kWs88 = 1, kWs120 = 2;
+/// LUTB_WS_REGS = 72 / 88 (for benchmarking; default kWsCfgDefault). Registers per thread for one
+/// token block (two blocks in brackets) and the unroll of the K-loop:
+///   kWs72: 72 (128), unrolled once: ~28 warps per SM; ptxas spills ~30-70 bytes (two blocks ~24);
+///   kWs88: 88 (160), unrolled twice (cur/nxt alternate registers): ~23 warps per SM, ~40 bytes
+///          (two blocks ~50).
+/// A CTA of 17 warps (16 math + the producer) puts 5 warps on one of the SM's four register-file
+/// quarters (16384 registers each), so one token block must stay <= 96 registers and two blocks
+/// (9 warps: 3 on a quarter) <= 168: a 120-register build failed to launch ("too many resources
+/// requested", device run dec14-run1, Mixtral's 16-warp CTAs).
+constexpr int kWs72 = 0, kWs88 = 1;
 constexpr int kWsCfgDefault = kWs72;
-constexpr int ws_regs(int nb, int cfg) {
-  return nb == 1 ? (cfg == kWs72 ? 72 : cfg == kWs88 ? 88 : 120) : (cfg == kWs72 ? 128 : cfg == kWs88 ? 160 : 192);
-}
+constexpr int ws_regs(int nb, int cfg) { return nb == 1 ? (cfg == kWs72 ? 72 : 88) : (cfg == kWs72 ? 128 : 160); }
 constexpr int ws_unroll(int cfg) { return cfg == kWs72 ? 1 : 2; }
 
 /// Body shared by both GEMMs: blockDim.x = 32 * (nw + 1), warp nw the producer.
@@ -392,7 +416,7 @@ __device__ __forceinline__ void ws_gemm(const LutbW& w, const void* xa, const fl
   SwapTokens<NB> tk;
   if (!swap_tile<NB>(r, blockIdx.y, e, tk)) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = (blockDim.x >> 5) - 1;
-  const long long per = (w.tiles_k + nw - 1) / nw;
+  const int nst = static_cast<int>((w.tiles_k + nw - 1) / nw);  // stages (K-tiles of warp 0)
   extern __shared__ __align__(128) unsigned char ws_smem[];
   const unsigned ring_s = static_cast<unsigned>(__cvta_generic_to_shared(ws_smem));
   const unsigned bar_s = ring_s + static_cast<unsigned>(ws_bar_offset<NB>(nw));
@@ -408,7 +432,7 @@ __device__ __forceinline__ void ws_gemm(const LutbW& w, const void* xa, const fl
     long long strip[8];
     bool ok[8];
     group_strips<kGemm1>(blockIdx.x, w.tiles_n, I / 8, strip, ok);
-    ws_producer(w, e, strip, ok, nw, per, ring_s, bar_s);
+    ws_producer(w, e, strip, ok, nw, nst, ring_s, bar_s);
     return;
   }
   (void)lane;
@@ -428,15 +452,13 @@ __device__ __forceinline__ void ws_gemm(const LutbW& w, const void* xa, const fl
     }
   }
   const int nblocks = (tk.count + 7) / 8;
-  const long long k0 = min(w.tiles_k, per * warp), k1 = min(w.tiles_k, k0 + per);
-  const int n = static_cast<int>(k1 - k0), nmax = static_cast<int>(per);
-  const unsigned char* sub0 = ws_smem + warp * WsRing::kSub;
-  const int stage_bytes = nw * WsRing::kSub;
+  // Math warp `warp` takes K-tiles warp, warp + nw, ... (n of them).
+  const int n = static_cast<int>((w.tiles_k - warp + nw - 1) / nw);
   float acc[4][NB][4];
   if (NB == 1 && one_token_loop && tk.count == 1)
-    ws_math<NB, NB == 1, ws_unroll(kCfg)>(arow, srow, nblocks, k0, n, nmax, sub0, stage_bytes, bar_s, acc);
+    ws_math<NB, NB == 1, ws_unroll(kCfg)>(arow, srow, nblocks, warp, nw, n, nst, ws_smem, bar_s, acc);
   else
-    ws_math<NB, false, ws_unroll(kCfg)>(arow, srow, nblocks, k0, n, nmax, sub0, stage_bytes, bar_s, acc);
+    ws_math<NB, false, ws_unroll(kCfg)>(arow, srow, nblocks, warp, nw, n, nst, ws_smem, bar_s, acc);
   if (!ws_reduce<NB>(ws_smem, nw, acc)) return;
   // The epilogue's token rows and strips are recomputed here rather than kept live across the
   // K-loop (registers: the math warps' cap is what sets the warps per SM).

@@ -162,7 +162,6 @@ TEST_P(MoeRandom, MatchesHostReferenceAllStrategiesAndDecoders) {
   std::vector<float> wts;
   random_routing(c.T, c.k, allowed, rng, ids, wts);
   const auto ref = moe_reference(w13, w2, c.H, c.I, x, c.T, c.k, ids, wts);
-  std::vector<std::uint16_t> cvt_decode;  // the Cvt decoder's swap-AB Decode output
   for (auto dec : {cuda::WeightDecoder::Auto, cuda::WeightDecoder::BytePermute, cuda::WeightDecoder::Cvt,
                    cuda::WeightDecoder::Fp8Mma, cuda::WeightDecoder::Fp8Wgmma, cuda::WeightDecoder::CvtWs}) {
     cuda::set_weight_decoder(dec);
@@ -171,11 +170,13 @@ TEST_P(MoeRandom, MatchesHostReferenceAllStrategiesAndDecoders) {
       const Cmp r = compare_bf16(got, ref);
       SCOPED_TRACE(::testing::Message() << "strategy " << strategy_name(s) << " decoder " << static_cast<int>(dec));
       EXPECT_EQ(r.nan, 0) << "unwritten or NaN outputs";
-      if (dec == cuda::WeightDecoder::Cvt && s == cuda::MoeStrategy::Decode) cvt_decode = got;
-      // The warp-specialised kernels split K and add the partial sums exactly as the Cvt kernels:
-      // bit-identical outputs (both fall back to the byte decoder off sm_90 alike).
-      if (dec == cuda::WeightDecoder::CvtWs && s == cuda::MoeStrategy::Decode)
-        EXPECT_TRUE(got == cvt_decode) << "CvtWs differs from Cvt (exact " << r.exact << " of " << r.n << ")";
+      // The warp-specialised kernels (CvtWs) interleave the K split (warp w: K-tiles w, w + nw, ...),
+      // so they differ from Cvt in the FP32 order only; their sum order is fixed, so a second run
+      // must give the same bits.
+      if (dec == cuda::WeightDecoder::CvtWs && s == cuda::MoeStrategy::Decode) {
+        const auto again = run_forward(w13, w2, c.E, c.H, c.I, x, c.T, c.k, ids, wts, s);
+        EXPECT_TRUE(got == again) << "CvtWs is not deterministic";
+      }
       if (dec == cuda::WeightDecoder::Fp8Wgmma && s == cuda::MoeStrategy::Decode) {
         // Hopper's FP8 tensor core rounds inside the 32-product block sum (measured on the H200,
         // 2026-11-30, docs/perf/moe-gpu.md session 13: rel_l2 up to 2.8e-3 here, >= 82 % of the
@@ -574,14 +575,16 @@ TEST(MoeCuda, LargeExpertStackBeyond2Pow31Bytes) {
   const Cmp r = compare_bf16(got, ref);
   EXPECT_EQ(r.nan, 0);
   EXPECT_LT(r.rel_l2, 1e-3);
-  // The warp-specialised decode kernels (bulk copies from the last expert's tiles at 2.8e9 bytes)
-  // against the default swap-AB kernels, bit for bit (same K split and addition order).
+  // The warp-specialised decode kernels (bulk copies from the last expert's tiles at 2.8e9 bytes).
   ck(cudaMemset(out.p, 0xff, out.n * 2), "poison");
   cuda::set_weight_decoder(cuda::WeightDecoder::CvtWs);
   cuda::moe_forward(w, dx.p, T, k, did.p, dw.p, out.p, ws.p, wsb, nullptr, cuda::MoeStrategy::Decode);
   cuda::set_weight_decoder(cuda::WeightDecoder::Auto);
   ck(cudaDeviceSynchronize(), "moe_forward (CvtWs)");
-  EXPECT_TRUE(out.down() == got) << "CvtWs differs from the default decode";
+  const Cmp rws = compare_bf16(out.down(), ref);
+  EXPECT_EQ(rws.nan, 0);
+  EXPECT_LT(rws.rel_l2, 1e-3) << "CvtWs";
+  EXPECT_GT(rws.exact, rws.n * 8 / 10) << "CvtWs";
 }
 
 // ---------------------------------------------------------------------------

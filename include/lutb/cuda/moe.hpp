@@ -212,10 +212,12 @@ void moe_forward_bf16(const DeviceMoeWeightsBf16& w, const std::uint16_t* x, std
 ///        kernels (src/cuda/moe_swapab_ws_sm90.cuh, sm90_lutb_mxfp8_moe_gemm{1,2}_swapab_ws): one
 ///        producer warp per CTA streams the weight strips (lane-major index bytes by cp.async.bulk,
 ///        codebooks and tile scales) into a shared-memory ring guarded by mbarriers, the math warps
-///        only read shared memory, decode, mma and promote. Same work split, K split and addition
-///        order as Cvt: the outputs are bit-identical to Cvt's (tested). The other kernels use
-///        Cvt's policy. Speed against Cvt: docs/perf/moe-gpu.md "Session 14: warp-specialised TMA
-///        decode (dec14)".
+///        only read shared memory, decode, mma and promote. Same CTA work split and per-K-tile
+///        arithmetic as Cvt, but the math warps take K-tiles interleaved (warp w: w, w + nw, ...;
+///        so one bulk copy per strip serves all warps of a stage): only the FP32 addition order
+///        differs from Cvt (fixed, deterministic). The other kernels use Cvt's policy. Speed
+///        against Cvt: docs/perf/moe-gpu.md "Session 14: warp-specialised TMA decode (dec14)";
+///        Auto does not pick it.
 ///   Auto (default): swap-AB kernels Cvt on sm_90, the m16 decode kernel Cvt on sm_90, the prefill
 ///        kernel BytePermute (docs/perf/moe-gpu.md).
 enum class WeightDecoder : std::uint8_t { Auto, BytePermute, Cvt, Fp8Mma, Fp8Wgmma, CvtWs };
