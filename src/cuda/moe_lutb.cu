@@ -144,8 +144,8 @@ void launch_swapab_wg(const DeviceMoeWeights& w, const kern::Routing& r, const d
 
 /// The warp-specialised swap-AB kernels (WeightDecoder::CvtWs, moe_swapab_ws_sm90.cuh): the same
 /// grid and the same math-warp count as launch_swapab<kDecCvt> (so the same K split: bit-identical
-/// results), plus one producer warp per CTA. kRegs: the register configuration (kern::ws_regs).
-template <int NB, int kRegs>
+/// results), plus one producer warp per CTA.
+template <int NB>
 void launch_swapab_ws(const DeviceMoeWeights& w, const kern::Routing& r, const detail::Workspace& ws, std::int64_t P,
                       cudaStream_t stream) {
   const std::int64_t H = w.hidden, I = w.intermediate;
@@ -158,9 +158,9 @@ void launch_swapab_ws(const DeviceMoeWeights& w, const kern::Routing& r, const d
                         w.w2.shape.tiles()};
   constexpr int kMostWarps = kern::ws_max_warps(NB);
   const int most = kern::ws_smem_bytes<NB>(kMostWarps);
-  LUTB_CUDA_CHECK(cudaFuncSetAttribute(kern::sm90_lutb_mxfp8_moe_gemm1_swapab_ws<NB, kRegs>,
+  LUTB_CUDA_CHECK(cudaFuncSetAttribute(kern::sm90_lutb_mxfp8_moe_gemm1_swapab_ws<NB>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, most));
-  LUTB_CUDA_CHECK(cudaFuncSetAttribute(kern::sm90_lutb_mxfp8_moe_gemm2_swapab_ws<NB, kRegs>,
+  LUTB_CUDA_CHECK(cudaFuncSetAttribute(kern::sm90_lutb_mxfp8_moe_gemm2_swapab_ws<NB>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, most));
   const std::int64_t groups1 = Ip / 32, groups2 = detail::ceil_div(w2.tiles_n, 8);
   const int nw1 = swap_warps(touched * groups1, w13.tiles_k, kMostWarps);
@@ -170,13 +170,13 @@ void launch_swapab_ws(const DeviceMoeWeights& w, const kern::Routing& r, const d
     return !(v && std::strcmp(v, "0") == 0);
   }();
   const dim3 g1(static_cast<unsigned>(groups1), static_cast<unsigned>(slots));
-  detail::launch_kernel("sm90_lutb_mxfp8_moe_gemm1_swapab_ws", true, kern::sm90_lutb_mxfp8_moe_gemm1_swapab_ws<NB, kRegs>,
+  detail::launch_kernel("sm90_lutb_mxfp8_moe_gemm1_swapab_ws", true, kern::sm90_lutb_mxfp8_moe_gemm1_swapab_ws<NB>,
                         g1, dim3(32 * (nw1 + 1)), kern::ws_smem_bytes<NB>(nw1), stream, w13,
                         static_cast<const void*>(ws.xa), static_cast<const float*>(ws.xsf),
                         static_cast<long long>(Hp), r, static_cast<long long>(I), static_cast<long long>(Ip),
                         static_cast<void*>(ws.hq), ws.hsf, one_token_loop);
   const dim3 g2(static_cast<unsigned>(groups2), static_cast<unsigned>(slots));
-  detail::launch_kernel("sm90_lutb_mxfp8_moe_gemm2_swapab_ws", true, kern::sm90_lutb_mxfp8_moe_gemm2_swapab_ws<NB, kRegs>,
+  detail::launch_kernel("sm90_lutb_mxfp8_moe_gemm2_swapab_ws", true, kern::sm90_lutb_mxfp8_moe_gemm2_swapab_ws<NB>,
                         g2, dim3(32 * (nw2 + 1)), kern::ws_smem_bytes<NB>(nw2), stream, w2,
                         static_cast<const void*>(ws.hq), static_cast<const float*>(ws.hsf),
                         static_cast<long long>(Ip), r, static_cast<long long>(H), ws.y, one_token_loop);
@@ -290,20 +290,8 @@ void moe_forward(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t
       if (nb == 1) launch_swapab_wg<1>(w, r, ws, P, stream);
       else launch_swapab_wg<2>(w, r, ws, P, stream);
     } else if (dec == kern::kDecWs) {
-      // Benchmarking knob: LUTB_WS_REGS = 72 or 88 picks the register configuration of the
-      // warp-specialised kernels (kern::ws_regs; read once; default kern::kWsCfgDefault).
-      static const int cfg = [] {
-        const char* v = std::getenv("LUTB_WS_REGS");
-        const int n = v ? std::atoi(v) : 0;
-        return n == 72 ? kern::kWs72 : n == 88 ? kern::kWs88 : kern::kWsCfgDefault;
-      }();
-      auto ws_go = [&](auto cfg_c) {
-        constexpr int kC = decltype(cfg_c)::value;
-        if (nb == 1) launch_swapab_ws<1, kC>(w, r, ws, P, stream);
-        else launch_swapab_ws<2, kC>(w, r, ws, P, stream);
-      };
-      if (cfg == kern::kWs72) ws_go(std::integral_constant<int, kern::kWs72>{});
-      else ws_go(std::integral_constant<int, kern::kWs88>{});
+      if (nb == 1) launch_swapab_ws<1>(w, r, ws, P, stream);
+      else launch_swapab_ws<2>(w, r, ws, P, stream);
     } else if (dec == kern::kDecFp8) go(std::integral_constant<int, kern::kDecFp8>{});
     else if (dec == kern::kDecCvt) go(std::integral_constant<int, kern::kDecCvt>{});
     else go(std::integral_constant<int, kern::kDecByte>{});

@@ -218,7 +218,7 @@ __device__ __forceinline__ void ws_producer(const LutbW& w, long long e, const l
 /// Math warp `warp`'s K-tiles warp, warp + nw, ... (n of them: stages 0..n-1) for 8 strips and NB
 /// token n-blocks, waiting on full[] and releasing empty[] for all nst stages. The per-K-tile
 /// arithmetic is swap_warp_gemm's kDecCvt path instruction for instruction.
-template <int NB, bool kOne, int kUnroll>
+template <int NB, bool kOne>
 __device__ __forceinline__ void ws_math(const void* const (&arow)[NB], const float* const (&srow)[NB][2],
                                         int nblocks, int warp, int nw, int n, int nst, const unsigned char* ring,
                                         unsigned bar_s, float (&acc)[4][NB][4]) {
@@ -267,7 +267,7 @@ __device__ __forceinline__ void ws_math(const void* const (&arow)[NB], const flo
   if (n > 0) load_x(0, cur);
   int slot = 0;
   unsigned parity = 0;
-#pragma unroll kUnroll
+#pragma unroll 1
   for (int s = 0; s < n; ++s) {
     XTile nxt;
     const int sn = s + 1 < n ? s + 1 : s;
@@ -391,23 +391,17 @@ __device__ __forceinline__ bool ws_reduce(unsigned char* smem, int nw, float (&a
 /// Most math warps per CTA (the default's swap_max_warps).
 constexpr int ws_max_warps(int nb) { return swap_max_warps(nb); }
 
-/// Register configurations (the knob that sets the warps per SM), chosen at run time by
-/// LUTB_WS_REGS = 72 / 88 (for benchmarking; default kWsCfgDefault). Registers per thread for one
-/// token block (two blocks in brackets) and the unroll of the K-loop:
-///   kWs72: 72 (128), unrolled once: ~28 warps per SM; ptxas spills ~30-70 bytes (two blocks ~24);
-///   kWs88: 88 (160), unrolled twice (cur/nxt alternate registers): ~23 warps per SM, ~40 bytes
-///          (two blocks ~50).
-/// A CTA of 17 warps (16 math + the producer) puts 5 warps on one of the SM's four register-file
-/// quarters (16384 registers each), so one token block must stay <= 96 registers and two blocks
-/// (9 warps: 3 on a quarter) <= 168: a 120-register build failed to launch ("too many resources
-/// requested", device run dec14-run1, Mixtral's 16-warp CTAs).
-constexpr int kWs72 = 0, kWs88 = 1;
-constexpr int kWsCfgDefault = kWs72;
-constexpr int ws_regs(int nb, int cfg) { return nb == 1 ? (cfg == kWs72 ? 72 : 88) : (cfg == kWs72 ? 128 : 160); }
-constexpr int ws_unroll(int cfg) { return cfg == kWs72 ? 1 : 2; }
+/// Registers per thread (__maxnreg__): the knob that sets the warps per SM. One token block: 72
+/// with the K-loop not unrolled (~28 warps per SM; ptxas keeps one or two spill loads per K-tile,
+/// L1 hits); two token blocks (9-warp CTAs at most): 128. Measured on the H200 (device run
+/// dec14-run2): 88 registers with the loop unrolled twice (~23 warps per SM, fewer spills) was
+/// 3-14 % slower than 72 on 15 of 16 points, and a 17-warp CTA cannot use more than 96 registers
+/// (5 of its warps share one of the SM's four 16384-register quarters: a 120-register build failed
+/// to launch, "too many resources requested", dec14-run1).
+constexpr int ws_regs(int nb) { return nb == 1 ? 72 : 128; }
 
 /// Body shared by both GEMMs: blockDim.x = 32 * (nw + 1), warp nw the producer.
-template <int NB, bool kGemm1, int kCfg>
+template <int NB, bool kGemm1>
 __device__ __forceinline__ void ws_gemm(const LutbW& w, const void* xa, const float* xsf, long long a_cols,
                                         const Routing& r, long long I, long long Ip, void* hq, float* hsf, float* y,
                                         long long H, bool one_token_loop) {
@@ -456,9 +450,9 @@ __device__ __forceinline__ void ws_gemm(const LutbW& w, const void* xa, const fl
   const int n = static_cast<int>((w.tiles_k - warp + nw - 1) / nw);
   float acc[4][NB][4];
   if (NB == 1 && one_token_loop && tk.count == 1)
-    ws_math<NB, NB == 1, ws_unroll(kCfg)>(arow, srow, nblocks, warp, nw, n, nst, ws_smem, bar_s, acc);
+    ws_math<NB, NB == 1>(arow, srow, nblocks, warp, nw, n, nst, ws_smem, bar_s, acc);
   else
-    ws_math<NB, false, ws_unroll(kCfg)>(arow, srow, nblocks, warp, nw, n, nst, ws_smem, bar_s, acc);
+    ws_math<NB, false>(arow, srow, nblocks, warp, nw, n, nst, ws_smem, bar_s, acc);
   if (!ws_reduce<NB>(ws_smem, nw, acc)) return;
   // The epilogue's token rows and strips are recomputed here rather than kept live across the
   // K-loop (registers: the math warps' cap is what sets the warps per SM).
@@ -479,21 +473,21 @@ __device__ __forceinline__ void ws_gemm(const LutbW& w, const void* xa, const fl
 /// GEMM1 + SiLU*up + MXFP8 of h (the kDecCvt forms: xa [T, Hp] FP16 E4M3 values in natural column
 /// order, xsf [T, Hp/32] FP32 block scales; hq [P, Ip] FP16 values, hsf [P, Ip/32]).
 /// Grid (Ip/32 strip groups, token tile slots); blockDim.x = 32 * (nw + 1).
-template <int NB, int kRegs>
-__global__ void __launch_bounds__(32 * (ws_max_warps(NB) + 1)) __maxnreg__(ws_regs(NB, kRegs))
+template <int NB>
+__global__ void __launch_bounds__(32 * (ws_max_warps(NB) + 1)) __maxnreg__(ws_regs(NB))
     sm90_lutb_mxfp8_moe_gemm1_swapab_ws(LutbW w, const void* __restrict__ xa, const float* __restrict__ xsf,
                                         long long a_cols, Routing r, long long I, long long Ip, void* __restrict__ hq,
                                         float* __restrict__ hsf, bool one_token_loop) {
-  ws_gemm<NB, true, kRegs>(w, xa, xsf, a_cols, r, I, Ip, hq, hsf, nullptr, 0, one_token_loop);
+  ws_gemm<NB, true>(w, xa, xsf, a_cols, r, I, Ip, hq, hsf, nullptr, 0, one_token_loop);
 }
 
 /// GEMM2: y[p, n] = h[p] . w2[e, n]^T (FP32). Grid (ceil(tiles_n/8) strip groups, slots).
-template <int NB, int kRegs>
-__global__ void __launch_bounds__(32 * (ws_max_warps(NB) + 1)) __maxnreg__(ws_regs(NB, kRegs))
+template <int NB>
+__global__ void __launch_bounds__(32 * (ws_max_warps(NB) + 1)) __maxnreg__(ws_regs(NB))
     sm90_lutb_mxfp8_moe_gemm2_swapab_ws(LutbW w, const void* __restrict__ ha, const float* __restrict__ hsf,
                                         long long Ip, Routing r, long long H, float* __restrict__ y,
                                         bool one_token_loop) {
-  ws_gemm<NB, false, kRegs>(w, ha, hsf, Ip, r, 0, Ip, nullptr, nullptr, y, H, one_token_loop);
+  ws_gemm<NB, false>(w, ha, hsf, Ip, r, 0, Ip, nullptr, nullptr, y, H, one_token_loop);
 }
 
 }  // namespace lutb::cuda::kern
