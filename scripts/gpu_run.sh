@@ -14,6 +14,10 @@
 #     the old and new kernel, optimal on the warp kernel, Gaussian and Student-t data).
 #   scripts/gpu_run.sh moebench 'CMD' ['CMD'...]
 #     builds only bench_moe_gpu (MoE sources, sm_90a) and runs each CMD with $BENCH = that binary.
+#   scripts/gpu_run.sh decws 'CMD' ['CMD'...]
+#     builds (sm_90a) the MoE CUDA sources, the MoE GPU tests (moe_cuda_test, moe_vs_cpu_test) and
+#     bench_moe_gpu, runs the tests, memcheck / racecheck / synccheck on small cases, and each CMD
+#     with $BENCH = the benchmark (DECWS_BENCH_FIRST=1: the CMDs first; DECWS_TESTS: a gtest filter).
 #   scripts/gpu_run.sh prefill [bench_moe_prefill args...]
 #     builds only the MoE CUDA sources (src/cuda/moe_*.cu, routing.cu, lane_major.cu), the prefill path's tests
 #     (tests/cuda/moe_prefill_test.cpp) and bench/gpu/bench_moe_prefill.cu, then runs those tests,

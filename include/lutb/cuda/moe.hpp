@@ -215,9 +215,10 @@ void moe_forward_bf16(const DeviceMoeWeightsBf16& w, const std::uint16_t* x, std
 ///        only read shared memory, decode, mma and promote. Same CTA work split and per-K-tile
 ///        arithmetic as Cvt, but the math warps take K-tiles interleaved (warp w: w, w + nw, ...;
 ///        so one bulk copy per strip serves all warps of a stage): only the FP32 addition order
-///        differs from Cvt (fixed, deterministic). The other kernels use Cvt's policy. Speed
-///        against Cvt: docs/perf/moe-gpu.md "Session 14: warp-specialised TMA decode (dec14)";
-///        Auto does not pick it.
+///        differs from Cvt (fixed, deterministic). The other kernels use Cvt's policy. Speed: 0.70-
+///        1.10x Cvt's on the H200 at T = 1..64 (faster only at T = 1 on Qwen3-235B / Qwen3-30B and
+///        T = 64 on Mixtral; docs/perf/moe-gpu.md "Session 14: warp-specialised TMA decode
+///        (dec14)"), so Auto never picks it.
 ///   Auto (default): swap-AB kernels Cvt on sm_90, the m16 decode kernel Cvt on sm_90, the prefill
 ///        kernel BytePermute (docs/perf/moe-gpu.md).
 enum class WeightDecoder : std::uint8_t { Auto, BytePermute, Cvt, Fp8Mma, Fp8Wgmma, CvtWs };
