@@ -38,6 +38,10 @@
 // Programmatic dependent launch: the producer only reads weights (never the previous kernel's
 // output), so it starts streaming at once; the math warps wait (pdl_wait, then pdl_trigger) before
 // their first activation load, as in the default kernels.
+//
+// Speed (H200, device run dec14-run2): 0.70-1.10x the default kDecCvt kernels at T = 1..64 on the
+// four benchmark shapes, so the heuristic never picks these kernels (docs/perf/moe-gpu.md,
+// "Session 14: warp-specialised TMA decode (dec14)", has the figures and what is left to try).
 #pragma once
 
 #include "moe_swapab.cuh"
@@ -46,10 +50,7 @@ namespace lutb::cuda::kern {
 
 /// Shared-memory layout of the warp-specialised swap-AB CTA.
 struct WsRing {
-#ifndef LUTB_WS_STAGES
-#define LUTB_WS_STAGES 4
-#endif
-  static constexpr int kStages = LUTB_WS_STAGES;     // a tuning build may override it
+  static constexpr int kStages = 4;  // the producer's scale-byte ring is unrolled for 4
   // Bytes per math warp per stage (one K-tile): 8 strips x (192 index + 8 codebook bytes + one
   // FP32 scale); a stage of nw math warps is nw * kSub bytes (layout: ws_cb_off, ws_sc_off).
   static constexpr int kSub = 8 * (192 + 8 + 4);
