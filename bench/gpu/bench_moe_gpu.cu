@@ -4,8 +4,8 @@
 //
 // Usage: bench_moe_gpu [--quick] [--shape NAME] [--tokens T] [--variants LIST]
 //   (NAME: deepseek-v3, qwen3-235b, qwen3-30b, mixtral-8x7b; --tokens T or T1,T2,...: only those batch sizes;
-//   --variants, e.g. 0,7 or 1,10: only those forwards of the `make` switch (0..10; 10 = the swap-AB
-//   decode on FP8 wgmma), a compact row, no cuBLAS: for quick A/B runs of kernel changes)
+//   --variants, e.g. 0,7 or 1,10: only those forwards of the `make` switch (0..11; 10 = the swap-AB
+//   decode on FP8 wgmma, 11 = the warp-specialised swap-AB decode), a compact row, no cuBLAS: for quick A/B runs of kernel changes)
 // Each forward (routing kernel excluded; the routing is precomputed by route_softmax_topk /
 // route_deepseek on random logits) is captured in a CUDA graph; R = 8 different routings are cycled
 // so that the experts touched change from call to call (weights of one call are not in L2 for the
@@ -179,7 +179,7 @@ struct Shape {
   bool deepseek;
 };
 
-constexpr int kVariants = 11;  // forwards of the `make` switch below
+constexpr int kVariants = 12;  // forwards of the `make` switch below
 
 int main(int argc, char** argv) {
   bool quick = false;
@@ -214,8 +214,8 @@ int main(int argc, char** argv) {
     }
   }
   const bool compact = !variants.empty();
-  if (!compact)
-    for (int v = 0; v < kVariants; ++v) variants.push_back(v);
+  if (!compact)  // the full table's columns (variant 11 only on request: --variants)
+    for (int v = 0; v < 11; ++v) variants.push_back(v);
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
   std::printf("# device: %s, %d SMs, L2 %d MB, %.1f GB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20,
@@ -378,6 +378,11 @@ int main(int argc, char** argv) {
             break;
           case 10:  // swap-AB decode on FP8 wgmma (WeightDecoder::Fp8Wgmma, session 13)
             cuda::set_weight_decoder(cuda::WeightDecoder::Fp8Wgmma);
+            cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st, cuda::MoeStrategy::Decode);
+            cuda::set_weight_decoder(cuda::WeightDecoder::Auto);
+            break;
+          case 11:  // warp-specialised swap-AB decode (WeightDecoder::CvtWs, session 14; compare with 1)
+            cuda::set_weight_decoder(cuda::WeightDecoder::CvtWs);
             cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st, cuda::MoeStrategy::Decode);
             cuda::set_weight_decoder(cuda::WeightDecoder::Auto);
             break;

@@ -231,6 +231,7 @@ bool use_cvt_decoder(int mt) {
 int swap_decoder() {
   if (g_decoder == WeightDecoder::BytePermute || !sm90_image()) return kern::kDecByte;
   if (g_decoder == WeightDecoder::Fp8Wgmma) return kern::kDecWg;
+  if (g_decoder == WeightDecoder::CvtWs) return kern::kDecWs;
   return g_decoder == WeightDecoder::Fp8Mma ? kern::kDecFp8 : kern::kDecCvt;
 }
 

@@ -18,6 +18,7 @@
 #include "moe_prefill.hpp"
 #include "moe_swapab.cuh"
 #include "moe_swapab_sm90.cuh"
+#include "moe_swapab_ws_sm90.cuh"
 
 namespace lutb::cuda {
 namespace {
@@ -141,6 +142,46 @@ void launch_swapab_wg(const DeviceMoeWeights& w, const kern::Routing& r, const d
                         static_cast<long long>(Ip), r, static_cast<long long>(H), ws.y);
 }
 
+/// The warp-specialised swap-AB kernels (WeightDecoder::CvtWs, moe_swapab_ws_sm90.cuh): the same
+/// grid and the same math-warp count as launch_swapab<kDecCvt> (so the same K split: bit-identical
+/// results), plus one producer warp per CTA.
+template <int NB>
+void launch_swapab_ws(const DeviceMoeWeights& w, const kern::Routing& r, const detail::Workspace& ws, std::int64_t P,
+                      cudaStream_t stream) {
+  const std::int64_t H = w.hidden, I = w.intermediate;
+  const std::int64_t Hp = w.w13.shape.padded_cols(), Ip = w.w2.shape.padded_cols();
+  const std::int64_t slots = r.direct_pairs > 0 ? r.direct_pairs : detail::max_tiles(P, w.experts, 8 * NB);
+  const std::int64_t touched = std::min<std::int64_t>(w.experts, P);
+  const kern::LutbW w13{w.w13.packed, w.w13.codebook, w.w13.scale, w.w13.shape.tiles_n(), w.w13.shape.tiles_k(),
+                         w.w13.shape.tiles()};
+  const kern::LutbW w2{w.w2.packed, w.w2.codebook, w.w2.scale, w.w2.shape.tiles_n(), w.w2.shape.tiles_k(),
+                        w.w2.shape.tiles()};
+  constexpr int kMostWarps = kern::ws_max_warps(NB);
+  const int most = kern::ws_smem_bytes<NB>(kMostWarps);
+  LUTB_CUDA_CHECK(cudaFuncSetAttribute(kern::sm90_lutb_mxfp8_moe_gemm1_swapab_ws<NB>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, most));
+  LUTB_CUDA_CHECK(cudaFuncSetAttribute(kern::sm90_lutb_mxfp8_moe_gemm2_swapab_ws<NB>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, most));
+  const std::int64_t groups1 = Ip / 32, groups2 = detail::ceil_div(w2.tiles_n, 8);
+  const int nw1 = swap_warps(touched * groups1, w13.tiles_k, kMostWarps);
+  const int nw2 = swap_warps(touched * groups2, w2.tiles_k, kMostWarps);
+  static const bool one_token_loop = [] {
+    const char* v = std::getenv("LUTB_SWAPAB_ONE");
+    return !(v && std::strcmp(v, "0") == 0);
+  }();
+  const dim3 g1(static_cast<unsigned>(groups1), static_cast<unsigned>(slots));
+  detail::launch_kernel("sm90_lutb_mxfp8_moe_gemm1_swapab_ws", true, kern::sm90_lutb_mxfp8_moe_gemm1_swapab_ws<NB>,
+                        g1, dim3(32 * (nw1 + 1)), kern::ws_smem_bytes<NB>(nw1), stream, w13,
+                        static_cast<const void*>(ws.xa), static_cast<const float*>(ws.xsf),
+                        static_cast<long long>(Hp), r, static_cast<long long>(I), static_cast<long long>(Ip),
+                        static_cast<void*>(ws.hq), ws.hsf, one_token_loop);
+  const dim3 g2(static_cast<unsigned>(groups2), static_cast<unsigned>(slots));
+  detail::launch_kernel("sm90_lutb_mxfp8_moe_gemm2_swapab_ws", true, kern::sm90_lutb_mxfp8_moe_gemm2_swapab_ws<NB>,
+                        g2, dim3(32 * (nw2 + 1)), kern::ws_smem_bytes<NB>(nw2), stream, w2,
+                        static_cast<const void*>(ws.hq), static_cast<const float*>(ws.hsf),
+                        static_cast<long long>(Ip), r, static_cast<long long>(H), ws.y, one_token_loop);
+}
+
 template <bool kCvt, int MT>
 void launch_gemms(const DeviceMoeWeights& w, const kern::Routing& r, const detail::Workspace& ws, std::int64_t P,
                   cudaStream_t stream) {
@@ -248,6 +289,9 @@ void moe_forward(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t
     if (dec == kern::kDecWg) {
       if (nb == 1) launch_swapab_wg<1>(w, r, ws, P, stream);
       else launch_swapab_wg<2>(w, r, ws, P, stream);
+    } else if (dec == kern::kDecWs) {
+      if (nb == 1) launch_swapab_ws<1>(w, r, ws, P, stream);
+      else launch_swapab_ws<2>(w, r, ws, P, stream);
     } else if (dec == kern::kDecFp8) go(std::integral_constant<int, kern::kDecFp8>{});
     else if (dec == kern::kDecCvt) go(std::integral_constant<int, kern::kDecCvt>{});
     else go(std::integral_constant<int, kern::kDecByte>{});

@@ -208,9 +208,20 @@ void moe_forward_bf16(const DeviceMoeWeightsBf16& w, const std::uint16_t* x, std
 ///        "FP32 up to summation order" above. Speed: 1.15-1.73x slower than Cvt at T = 1..256
 ///        (docs/perf/moe-gpu.md, "session 13"), so Auto never picks it. The other kernels use
 ///        Cvt's policy.
+///   CvtWs: swap-AB decode kernels only, sm_90a (else BytePermute): Cvt's decode in warp-specialised
+///        kernels (src/cuda/moe_swapab_ws_sm90.cuh, sm90_lutb_mxfp8_moe_gemm{1,2}_swapab_ws): one
+///        producer warp per CTA streams the weight strips (lane-major index bytes by cp.async.bulk,
+///        codebooks and tile scales) into a shared-memory ring guarded by mbarriers, the math warps
+///        only read shared memory, decode, mma and promote. Same CTA work split and per-K-tile
+///        arithmetic as Cvt, but the math warps take K-tiles interleaved (warp w: w, w + nw, ...;
+///        so one bulk copy per strip serves all warps of a stage): only the FP32 addition order
+///        differs from Cvt (fixed, deterministic). The other kernels use Cvt's policy. Speed: 0.70-
+///        1.10x Cvt's on the H200 at T = 1..64 (faster only at T = 1 on Qwen3-235B / Qwen3-30B and
+///        T = 64 on Mixtral; docs/perf/moe-gpu.md "Session 14: warp-specialised TMA decode
+///        (dec14)"), so Auto never picks it.
 ///   Auto (default): swap-AB kernels Cvt on sm_90, the m16 decode kernel Cvt on sm_90, the prefill
 ///        kernel BytePermute (docs/perf/moe-gpu.md).
-enum class WeightDecoder : std::uint8_t { Auto, BytePermute, Cvt, Fp8Mma, Fp8Wgmma };
+enum class WeightDecoder : std::uint8_t { Auto, BytePermute, Cvt, Fp8Mma, Fp8Wgmma, CvtWs };
 void set_weight_decoder(WeightDecoder d);
 
 /// Programmatic dependent launch (process-wide; for testing and benchmarking): on sm_90+ the
