@@ -162,6 +162,58 @@ inline constexpr double kSwapOneBlockMaxTokensPerExpert = 10.0;
 /// slower than two 16-token tiles on the H200 (docs/perf/moe-gpu.md), so they were dropped.
 int decode_token_blocks(std::int64_t tokens, int top_k, std::int64_t experts);
 
+/// Swap-AB decode without the grouping kernel ("direct" forward): every pair p = t*k + j is its own
+/// one-token tile (expert topk_ids[p]), so the grouping by expert is skipped, the MXFP8 of x is the
+/// forward's first kernel and the one-token K-loop runs everywhere; a pair whose expert another pair
+/// of the batch also uses reads that expert's weights again (the same sum). Chosen when the expected
+/// pairs per touched expert under uniform routing, T*k / (E * (1 - (1 - k/E)^T)), is at most this
+/// (always at T = 1, where it is exactly 1). Measured on the H200 (docs/perf/moe-gpu.md, "Session
+/// 14: small-batch fixed costs").
+inline constexpr double kDirectMaxPairsPerExpert = 1.12;
+
+/// True when the swap-AB decode of this batch runs "direct" (above): host only, no device query.
+/// tokens >= 1, 1 <= top_k <= experts; false when top_k > experts (repeated experts per token).
+bool decode_direct(std::int64_t tokens, int top_k, std::int64_t experts);
+
+/// Fixed-cost paths of the small-batch (swap-AB decode) forward, session 14 (process-wide; for
+/// testing and benchmarking; flags of set_decode_paths, all results equal up to FP32 summation
+/// order, see each):
+///   kDecodeDirect: the direct forward for T > 1 where decode_direct() says so (T = 1 is always
+///     direct unless kDecodeNoDirect1);
+///   kDecodeDirectAlways: the direct forward for every one-token-block swap-AB batch (benchmark only);
+///   kDecodeClusterReduce: in direct forwards on sm_90, the weighted top-k reduction inside GEMM2: the
+///     k CTAs of one token and one 64-row group are a thread-block cluster; each keeps its FP32 rows
+///     in shared memory and the first reads the others' (distributed shared memory) and writes the
+///     BF16 output in the same j order as the separate reduction kernel (bit-identical results);
+///   kDecodeNoDirect1: T = 1 also goes through the grouping kernel (session 10's old path; benchmark only).
+inline constexpr unsigned kDecodeDirect = 1u, kDecodeDirectAlways = 2u, kDecodeClusterReduce = 4u,
+                          kDecodeNoDirect1 = 8u;
+/// The default set (the paths measured faster, docs/perf/moe-gpu.md "Session 14").
+inline constexpr unsigned kDecodePathsDefault = kDecodeDirect | kDecodeClusterReduce;
+void set_decode_paths(unsigned paths);
+
+/// Split-K of a swap-AB decode GEMM across the CTAs of a thread-block cluster (sm_90a; the
+/// kernels' kern::swap_cluster_combine): `ksplit` CTAs (1, 2 or 4) share one strip group and token
+/// tile, each takes a contiguous share of the K-tiles with `warps` warps, and rank 0 adds the
+/// others' sums in rank order (deterministic). Input: the GEMM's CTAs without a split (touched
+/// experts x strip groups), its K-tiles per expert and the warps per CTA the warp rule chose.
+/// Host only; a GEMM whose top-k reduction is fused (kDecodeClusterReduce) is never split.
+struct DecodeSplit {
+  int ksplit = 1;
+  int warps = 1;
+};
+DecodeSplit decode_k_split(std::int64_t ctas, std::int64_t tiles_k, int warps);
+
+/// Benchmark only: forces the K split of GEMM1 (ksplit1, warps divided by 2^warp_shift1) and of
+/// GEMM2 (ksplit2, warp_shift2) of later swap-AB forwards on sm_90a; ksplit 0 = decode_k_split's rule.
+void set_decode_split(int ksplit1, int warp_shift1, int ksplit2, int warp_shift2);
+
+/// Benchmark only (stage timing of a graph-launched forward): stage > 0 ends every later swap-AB
+/// (Decode, mma.sync) forward
+/// after its `stage`-th step (1: grouping and MXFP8 of x; 2: GEMM1; 3: GEMM2, with the fused
+/// reduction when that path runs); `out` is then NOT written. 0 (default): the whole forward.
+void set_forward_stop_after(int stage);
+
 /// Bytes of device workspace moe_forward needs for at most `max_tokens` tokens.
 std::size_t moe_workspace_bytes(std::int64_t max_tokens, int top_k, std::int64_t experts, std::int64_t hidden,
                                 std::int64_t intermediate);
