@@ -389,7 +389,7 @@ int main(int argc, char** argv) {
             cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st);
             cuda::set_decode_paths(cuda::kDecodePathsDefault);
             break;
-          case 21:  // direct forward only (no fused reduction)
+          case 21:  // direct forward only (no fused reduction, no split)
             cuda::set_decode_paths(cuda::kDecodeDirect);
             cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st);
             cuda::set_decode_paths(cuda::kDecodePathsDefault);
@@ -423,6 +423,13 @@ int main(int argc, char** argv) {
             cuda::set_forward_stop_after(variant - 27);
             cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st);
             cuda::set_forward_stop_after(0);
+            cuda::set_decode_paths(cuda::kDecodePathsDefault);
+            break;
+          case 36:  // the default without the split-K rule
+          case 37:  // the default without the fused top-k reduction
+            cuda::set_decode_paths(variant == 36 ? (cuda::kDecodePathsDefault & ~cuda::kDecodeSplitK)
+                                                 : (cuda::kDecodePathsDefault & ~cuda::kDecodeClusterReduce));
+            cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st);
             cuda::set_decode_paths(cuda::kDecodePathsDefault);
             break;
           // Split-K across cluster CTAs forced (set_decode_split: split, warps halved `shift` times).

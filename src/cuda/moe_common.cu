@@ -156,10 +156,9 @@ bool decode_direct(std::int64_t tokens, int top_k, std::int64_t experts) {
   return static_cast<double>(tokens) * top_k <= kDirectMaxPairsPerExpert * touched;
 }
 
-DecodeSplit decode_k_split(std::int64_t ctas, std::int64_t tiles_k, int warps) {
-  (void)ctas;
-  (void)tiles_k;
-  return {1, warps};  // provisional (session 14, device run 1 measures the forced splits)
+DecodeSplit decode_k_split(std::int64_t ctas, std::int64_t tiles_k, int warps, int sms) {
+  if (warps >= 4 && ctas >= 1 && ctas <= 4ll * sms && tiles_k >= 4ll * warps) return {2, warps / 2};
+  return {1, warps};
 }
 
 int decode_token_blocks(std::int64_t tokens, int top_k, std::int64_t experts) {
@@ -216,6 +215,7 @@ int resolve_mt(MoeStrategy s, std::int64_t tokens, int top_k, std::int64_t exper
 }
 
 static WeightDecoder g_decoder = WeightDecoder::Auto;
+int device_sms();  // below
 static unsigned g_decode_paths = kDecodePathsDefault;
 static int g_stop_after = 0;
 static int g_split[4] = {0, 0, 0, 0};  // set_decode_split (benchmark only)
@@ -223,7 +223,9 @@ static int g_split[4] = {0, 0, 0, 0};  // set_decode_split (benchmark only)
 DecodeSplit gemm_k_split(int gemm, std::int64_t ctas, std::int64_t tiles_k, int warps) {
   const int s = g_split[2 * (gemm - 1)], shift = g_split[2 * (gemm - 1) + 1];
   if (s == 1 || s == 2 || s == 4) return {s, std::max(1, warps >> std::max(0, shift))};
-  return decode_k_split(ctas, tiles_k, warps);
+  // The rule: GEMM1 only, with kDecodeSplitK.
+  if (gemm != 1 || !(g_decode_paths & kDecodeSplitK)) return {1, warps};
+  return decode_k_split(ctas, tiles_k, warps, device_sms());
 }
 
 unsigned decode_paths() { return g_decode_paths; }
@@ -242,6 +244,19 @@ int device_cc() {
   }
   return dev < 64 ? cc[dev] : 0;
 }
+}  // namespace
+
+int device_sms() {
+  static int sms[64] = {0};
+  int dev = 0;
+  check(cudaGetDevice(&dev), "cudaGetDevice");
+  if (dev >= 64) return 132;
+  if (sms[dev] == 0)
+    check(cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
+  return sms[dev];
+}
+
+namespace {
 // The binary carries sm_80 and sm_90a code: the E4M3 conversion and E4M3 mma exist only in the
 // sm_90a image.
 bool sm90_image() {

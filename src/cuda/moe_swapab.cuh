@@ -651,7 +651,9 @@ __device__ __forceinline__ void swap_k_range(long long tiles_k, int nw, int warp
 /// expert id out of range gives the NaN row, as there. A second barrier keeps every CTA's shared
 /// memory alive until rank 0 has read it. `have`: this CTA computed its pair (false for an invalid
 /// expert id); acc is valid in warp 0 when `have`. Every thread of every CTA of the cluster calls
-/// this (no early exits before it). sm_90 only (the host launches clusters on sm_90a devices only).
+/// this (no early exits before it). Latency: the k ids and weights are loaded by lanes 0..k-1 before
+/// the first barrier and shuffled, and the k remote loads of a row are issued before the sum (one
+/// round trip each, not k dependent ones). sm_90 only (the host launches clusters on sm_90a only).
 template <int NB>
 __device__ __forceinline__ void swap_cluster_reduce(bool have, const float (&acc)[4][NB][4], long long G,
                                                     const Routing& r, long long H, const float* __restrict__ topk_w,
@@ -668,32 +670,41 @@ __device__ __forceinline__ void swap_cluster_reduce(bool have, const float (&acc
       yrow[(4 + m) * 8 + g] = acc[m][0][2];
     }
   }
+  const bool reducer = cluster_rank() == 0 && threadIdx.x < 64;  // warps 0 and 1 of rank 0
+  const int k = r.top_k;  // <= 8 (the host's rule)
+  const long long tok = static_cast<long long>(blockIdx.y) / k;
+  int id = 0;
+  float wt = 0.0f;
+  if (reducer && lane < k) {  // the caller's routing (no dependency on earlier kernels)
+    id = r.ids[tok * k + lane];
+    wt = topk_w[tok * k + lane];
+  }
   cluster_sync_all();
-  if (cluster_rank() == 0) {
-    const int k = r.top_k;
-    const long long tok = static_cast<long long>(blockIdx.y) / k;
-    bool valid = true;
-    for (int j = 0; j < k; ++j) {
-      const int e = r.ids[tok * k + j];
-      valid = valid && e >= 0 && e < r.direct_experts;
-    }
+  if (reducer) {
+    const bool bad = lane < k && !(id >= 0 && id < r.direct_experts);
+    const bool valid = !__any_sync(0xffffffffu, bad);
+    float wj[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) wj[j] = __shfl_sync(0xffffffffu, wt, j);
     const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(yrow));
     for (int lr = threadIdx.x; lr < 64; lr += blockDim.x) {
       const long long row = 64 * G + lr;
       if (row >= H) break;
-      float a = 0.0f;
-      if (!valid) {
-        a = __int_as_float(0x7fc00000);
-      } else {
-        for (int j = 0; j < k; ++j) {
+      float v[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        v[j] = 0.0f;
+        if (j < k) {
           unsigned remote;
           asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local + 4u * lr), "r"(j));
-          float v;
-          asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote) : "memory");
-          a = __fadd_rn(a, __fmul_rn(topk_w[tok * k + j], v));
+          asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v[j]) : "r"(remote));
         }
       }
-      out[tok * H + row] = bf16_from_float(a);
+      float a = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (j < k) a = __fadd_rn(a, __fmul_rn(wj[j], v[j]));
+      out[tok * H + row] = bf16_from_float(valid ? a : __int_as_float(0x7fc00000));
     }
   }
   cluster_sync_all();

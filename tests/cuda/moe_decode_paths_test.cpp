@@ -149,6 +149,22 @@ TEST(MoeDecodePaths, DirectRuleHostOnly) {
     }
 }
 
+// The split rule: 2 CTAs of half the warps when warps >= 4, ctas <= 4 per SM and tiles_k >= 4 warps.
+// The benchmark shapes' GEMM1 at T = 1 on 132 SMs: Qwen3-30B 192 CTAs x 8 warps, 32 K-tiles;
+// DeepSeek-V3 512 x 4, 112; Qwen3-235B 384 x 4, 64 (split); Mixtral 896 x 2 (not split).
+TEST(MoeDecodePaths, SplitRuleHostOnly) {
+  auto eq = [](cuda::DecodeSplit s, int ks, int w) { return s.ksplit == ks && s.warps == w; };
+  EXPECT_TRUE(eq(cuda::decode_k_split(192, 32, 8, 132), 2, 4));
+  EXPECT_TRUE(eq(cuda::decode_k_split(512, 112, 4, 132), 2, 2));
+  EXPECT_TRUE(eq(cuda::decode_k_split(384, 64, 4, 132), 2, 2));
+  EXPECT_TRUE(eq(cuda::decode_k_split(896, 64, 2, 132), 1, 2));
+  EXPECT_TRUE(eq(cuda::decode_k_split(528, 64, 4, 132), 2, 2));
+  EXPECT_TRUE(eq(cuda::decode_k_split(529, 64, 4, 132), 1, 4)) << "more than 4 CTAs per SM";
+  EXPECT_TRUE(eq(cuda::decode_k_split(100, 31, 8, 132), 1, 8)) << "fewer than 4 K-tiles per warp";
+  EXPECT_TRUE(eq(cuda::decode_k_split(64, 256, 16, 132), 2, 8));
+  EXPECT_TRUE(eq(cuda::decode_k_split(768, 32, 8, 132), 1, 8)) << "Qwen3-30B T = 4 (direct, 32 slots)";
+}
+
 struct PathCase {
   std::int64_t E, H, I, T;
   int k;
@@ -172,8 +188,13 @@ TEST_P(MoeDecodePathsRandom, MatchReferenceAndFusedReductionBitIdentical) {
   std::vector<float> wts;
   routing(c.T, c.k, allowed, rng, ids, wts);
   const auto ref = moe_reference(L.w13, L.w2, c.H, c.I, x, c.T, c.k, ids, wts);
-  const unsigned sets[] = {0u, cuda::kDecodePathsDefault, cuda::kDecodeDirectAlways | cuda::kDecodeClusterReduce,
-                           cuda::kDecodeDirectAlways, cuda::kDecodeNoDirect1};
+  const unsigned sets[] = {0u,
+                           cuda::kDecodePathsDefault,
+                           cuda::kDecodeDirectAlways | cuda::kDecodeClusterReduce,
+                           cuda::kDecodeDirectAlways,
+                           cuda::kDecodeNoDirect1,
+                           cuda::kDecodeDirectAlways | cuda::kDecodeClusterReduce | cuda::kDecodeSplitK,
+                           cuda::kDecodeDirect | cuda::kDecodeSplitK};
   std::vector<std::vector<std::uint16_t>> got;
   for (unsigned p : sets) {
     SCOPED_TRACE(::testing::Message() << "paths " << p);

@@ -185,24 +185,29 @@ bool decode_direct(std::int64_t tokens, int top_k, std::int64_t experts);
 ///     k CTAs of one token and one 64-row group are a thread-block cluster; each keeps its FP32 rows
 ///     in shared memory and the first reads the others' (distributed shared memory) and writes the
 ///     BF16 output in the same j order as the separate reduction kernel (bit-identical results);
-///   kDecodeNoDirect1: T = 1 also goes through the grouping kernel (session 10's old path; benchmark only).
+///   kDecodeNoDirect1: T = 1 also goes through the grouping kernel (session 10's old path; benchmark only);
+///   kDecodeSplitK: GEMM1 split across the CTAs of a cluster where decode_k_split says so (sm_90a).
 inline constexpr unsigned kDecodeDirect = 1u, kDecodeDirectAlways = 2u, kDecodeClusterReduce = 4u,
-                          kDecodeNoDirect1 = 8u;
+                          kDecodeNoDirect1 = 8u, kDecodeSplitK = 16u;
 /// The default set (the paths measured faster, docs/perf/moe-gpu.md "Session 14").
-inline constexpr unsigned kDecodePathsDefault = kDecodeDirect | kDecodeClusterReduce;
+inline constexpr unsigned kDecodePathsDefault = kDecodeDirect | kDecodeClusterReduce | kDecodeSplitK;
 void set_decode_paths(unsigned paths);
 
 /// Split-K of a swap-AB decode GEMM across the CTAs of a thread-block cluster (sm_90a; the
 /// kernels' kern::swap_cluster_combine): `ksplit` CTAs (1, 2 or 4) share one strip group and token
 /// tile, each takes a contiguous share of the K-tiles with `warps` warps, and rank 0 adds the
 /// others' sums in rank order (deterministic). Input: the GEMM's CTAs without a split (touched
-/// experts x strip groups), its K-tiles per expert and the warps per CTA the warp rule chose.
-/// Host only; a GEMM whose top-k reduction is fused (kDecodeClusterReduce) is never split.
+/// experts x strip groups), its K-tiles per expert, the warps per CTA the warp rule chose and the
+/// device's SM count. Rule: 2 CTAs of half the warps when the warp rule gave >= 4 warps, the grid
+/// has at most 4 CTAs per SM and every warp keeps >= 4 K-tiles, i.e. the same warps spread over
+/// twice as many, smaller CTAs, which fill the SMs more evenly (a 192-CTA grid of 8-warp CTAs on 132
+/// SMs leaves 72 of them with one CTA); else no split. Measured on the H200 (docs/perf/moe-gpu.md,
+/// "Session 14"); the forward applies it to GEMM1 only, and only with kDecodeSplitK. Host only.
 struct DecodeSplit {
   int ksplit = 1;
   int warps = 1;
 };
-DecodeSplit decode_k_split(std::int64_t ctas, std::int64_t tiles_k, int warps);
+DecodeSplit decode_k_split(std::int64_t ctas, std::int64_t tiles_k, int warps, int sms);
 
 /// Benchmark only: forces the K split of GEMM1 (ksplit1, warps divided by 2^warp_shift1) and of
 /// GEMM2 (ksplit2, warp_shift2) of later swap-AB forwards on sm_90a; ksplit 0 = decode_k_split's rule.
