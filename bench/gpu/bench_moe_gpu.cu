@@ -394,8 +394,8 @@ int main(int argc, char** argv) {
             cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st);
             cuda::set_decode_paths(cuda::kDecodePathsDefault);
             break;
-          case 22:  // direct forward for every one-block batch (crossover), fused reduction
-            cuda::set_decode_paths(cuda::kDecodeDirectAlways | cuda::kDecodeClusterReduce);
+          case 22:  // direct forward for every one-block batch (crossover), fused reduction always
+            cuda::set_decode_paths(cuda::kDecodeDirectAlways | cuda::kDecodeClusterReduceAlways);
             cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st);
             cuda::set_decode_paths(cuda::kDecodePathsDefault);
             break;

@@ -157,8 +157,14 @@ bool decode_direct(std::int64_t tokens, int top_k, std::int64_t experts) {
 }
 
 DecodeSplit decode_k_split(std::int64_t ctas, std::int64_t tiles_k, int warps, int sms) {
-  if (warps >= 4 && ctas >= 1 && ctas <= 4ll * sms && tiles_k >= 4ll * warps) return {2, warps / 2};
+  if (warps < 4 || ctas < 1 || sms < 1 || tiles_k < 4ll * warps) return {1, warps};
+  const std::int64_t before = (ctas + sms - 1) / sms, after = (2 * ctas + sms - 1) / sms;
+  if (after * (warps / 2) <= 16 && after < 2 * before) return {2, warps / 2};
   return {1, warps};
+}
+
+bool decode_fuse_reduce(std::int64_t gemm2_ctas, int top_k, int sms) {
+  return top_k >= 1 && top_k <= 8 && gemm2_ctas >= 1 && gemm2_ctas <= 2ll * sms;
 }
 
 int decode_token_blocks(std::int64_t tokens, int top_k, std::int64_t experts) {
@@ -229,6 +235,7 @@ DecodeSplit gemm_k_split(int gemm, std::int64_t ctas, std::int64_t tiles_k, int 
 }
 
 unsigned decode_paths() { return g_decode_paths; }
+int sm_count() { return device_sms(); }
 int forward_stop_after() { return g_stop_after; }
 
 namespace {

@@ -53,6 +53,8 @@ int swap_decoder();
 /// set_decode_paths' flags (kDecodePathsDefault unless changed) and set_forward_stop_after's stage.
 unsigned decode_paths();
 int forward_stop_after();
+/// SMs of the current device (cached per device).
+int sm_count();
 /// K split of swap-AB GEMM `gemm` (1 or 2): set_decode_split's forced value, else decode_k_split.
 DecodeSplit gemm_k_split(int gemm, std::int64_t ctas, std::int64_t tiles_k, int warps);
 /// True when the current device runs the sm_90a image (thread-block clusters, distributed shared memory).

@@ -287,9 +287,11 @@ void moe_forward(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t
                               /*q8_wg=*/dec == kern::kDecWg);
     if (stop == 1) return;
     // The top-k reduction inside GEMM2 (clusters of top_k CTAs, one token each): direct forwards of
-    // the mma.sync kernels on sm_90a.
-    const bool fuse = direct && (paths & kDecodeClusterReduce) && top_k <= 8 && dec != kern::kDecWg &&
-                      detail::cluster_launch_ok();
+    // the mma.sync kernels on sm_90a, small GEMM2 grids (decode_fuse_reduce, moe.hpp).
+    const std::int64_t gemm2_ctas = detail::ceil_div(w.w2.shape.tiles_n(), 8) * P;
+    const bool fuse = direct && top_k <= 8 && dec != kern::kDecWg && detail::cluster_launch_ok() &&
+                      ((paths & kDecodeClusterReduceAlways) ||
+                       ((paths & kDecodeClusterReduce) && decode_fuse_reduce(gemm2_ctas, top_k, detail::sm_count())));
     auto go = [&](auto dec_c) {
       constexpr int kD = decltype(dec_c)::value;
       if (nb == 1) launch_swapab<kD, 1>(w, r, ws, P, stream, fuse, topk_weights, out, stop);

@@ -121,17 +121,20 @@ void expect_close(const std::vector<std::uint16_t>& got, const std::vector<std::
 }
 
 // The rule: expected pairs per touched expert under uniform routing, T k / (E (1 - (1 - k/E)^T)),
-// at most kDirectMaxPairsPerExpert (1.12). Values by hand: E = 128, k = 8: T = 2 -> 16 / 15.50 =
-// 1.032, T = 4 -> 32 / 29.12 = 1.099, T = 8 -> 64 / 51.62 = 1.240; E = 256, k = 8: T = 8 -> 64 /
-// 57.31 = 1.117, T = 16 -> 128 / 102.0 = 1.25; E = 8, k = 2 (Mixtral): T = 2 -> 4 / 3.5 = 1.143.
+// at most kDirectMaxPairsPerExpert (1.10). Values by hand: E = 128, k = 8: T = 2 -> 16 / 15.50 =
+// 1.032, T = 4 -> 32 / 29.12 = 1.0988, T = 5 -> 40 / 35.30 = 1.133; E = 256, k = 8: T = 4 -> 1.048,
+// T = 7 -> 56 / 51.02 = 1.0977, T = 8 -> 64 / 57.42 = 1.1146; E = 8, k = 2 (Mixtral): T = 2 -> 4 /
+// 3.5 = 1.143.
 TEST(MoeDecodePaths, DirectRuleHostOnly) {
-  EXPECT_EQ(cuda::kDirectMaxPairsPerExpert, 1.12);
+  EXPECT_EQ(cuda::kDirectMaxPairsPerExpert, 1.10);
   EXPECT_TRUE(cuda::decode_direct(1, 8, 128));
   EXPECT_TRUE(cuda::decode_direct(1, 2, 8));
   EXPECT_TRUE(cuda::decode_direct(2, 8, 128));
   EXPECT_TRUE(cuda::decode_direct(4, 8, 128));
-  EXPECT_FALSE(cuda::decode_direct(8, 8, 128));
-  EXPECT_TRUE(cuda::decode_direct(8, 8, 256));
+  EXPECT_FALSE(cuda::decode_direct(5, 8, 128));
+  EXPECT_TRUE(cuda::decode_direct(4, 8, 256));
+  EXPECT_TRUE(cuda::decode_direct(7, 8, 256));
+  EXPECT_FALSE(cuda::decode_direct(8, 8, 256)) << "measured 8 % slower direct (docs/perf/moe-gpu.md)";
   EXPECT_FALSE(cuda::decode_direct(16, 8, 256));
   EXPECT_FALSE(cuda::decode_direct(2, 2, 8));
   EXPECT_FALSE(cuda::decode_direct(64, 8, 128));
@@ -149,20 +152,37 @@ TEST(MoeDecodePaths, DirectRuleHostOnly) {
     }
 }
 
-// The split rule: 2 CTAs of half the warps when warps >= 4, ctas <= 4 per SM and tiles_k >= 4 warps.
-// The benchmark shapes' GEMM1 at T = 1 on 132 SMs: Qwen3-30B 192 CTAs x 8 warps, 32 K-tiles;
-// DeepSeek-V3 512 x 4, 112; Qwen3-235B 384 x 4, 64 (split); Mixtral 896 x 2 (not split).
+// The fused-reduction rule: top_k <= 8 and GEMM2's grid at most 2 CTAs per SM. Benchmark shapes at
+// T = 1 on 132 SMs (strip groups x pairs): Qwen3-30B 32 x 8 = 256 and Mixtral 64 x 2 = 128 fused;
+// Qwen3-235B 64 x 8 = 512 and DeepSeek-V3 112 x 8 = 896 not; Qwen3-30B T = 4: 32 x 32 = 1024 not.
+TEST(MoeDecodePaths, FuseReduceRuleHostOnly) {
+  EXPECT_TRUE(cuda::decode_fuse_reduce(256, 8, 132));
+  EXPECT_TRUE(cuda::decode_fuse_reduce(128, 2, 132));
+  EXPECT_TRUE(cuda::decode_fuse_reduce(264, 8, 132));
+  EXPECT_FALSE(cuda::decode_fuse_reduce(265, 8, 132));
+  EXPECT_FALSE(cuda::decode_fuse_reduce(512, 8, 132));
+  EXPECT_FALSE(cuda::decode_fuse_reduce(896, 8, 132));
+  EXPECT_FALSE(cuda::decode_fuse_reduce(1024, 8, 132));
+  EXPECT_FALSE(cuda::decode_fuse_reduce(64, 9, 132)) << "clusters of more than 8 CTAs are not portable";
+}
+
+// The split rule (decode_k_split): 2 CTAs of half the warps when warps >= 4, >= 4 K-tiles per warp,
+// the split grid resident at once and ceil(2c / sms) < 2 ceil(c / sms). GEMM1 of the benchmark
+// shapes at T = 1 on 132 SMs: Qwen3-30B 192 CTAs x 8 warps, 32 K-tiles (2 -> 3 half CTAs per SM:
+// split); DeepSeek-V3 512 x 4, 112 (4 -> 8: not); Qwen3-235B 384 x 4, 64 (3 -> 6: not); Mixtral 896 x 2.
 TEST(MoeDecodePaths, SplitRuleHostOnly) {
   auto eq = [](cuda::DecodeSplit s, int ks, int w) { return s.ksplit == ks && s.warps == w; };
   EXPECT_TRUE(eq(cuda::decode_k_split(192, 32, 8, 132), 2, 4));
-  EXPECT_TRUE(eq(cuda::decode_k_split(512, 112, 4, 132), 2, 2));
-  EXPECT_TRUE(eq(cuda::decode_k_split(384, 64, 4, 132), 2, 2));
+  EXPECT_TRUE(eq(cuda::decode_k_split(512, 112, 4, 132), 1, 4));
+  EXPECT_TRUE(eq(cuda::decode_k_split(384, 64, 4, 132), 1, 4));
   EXPECT_TRUE(eq(cuda::decode_k_split(896, 64, 2, 132), 1, 2));
-  EXPECT_TRUE(eq(cuda::decode_k_split(528, 64, 4, 132), 2, 2));
-  EXPECT_TRUE(eq(cuda::decode_k_split(529, 64, 4, 132), 1, 4)) << "more than 4 CTAs per SM";
   EXPECT_TRUE(eq(cuda::decode_k_split(100, 31, 8, 132), 1, 8)) << "fewer than 4 K-tiles per warp";
-  EXPECT_TRUE(eq(cuda::decode_k_split(64, 256, 16, 132), 2, 8));
-  EXPECT_TRUE(eq(cuda::decode_k_split(768, 32, 8, 132), 1, 8)) << "Qwen3-30B T = 4 (direct, 32 slots)";
+  EXPECT_TRUE(eq(cuda::decode_k_split(64, 256, 16, 132), 2, 8)) << "half the SMs idle: split";
+  EXPECT_TRUE(eq(cuda::decode_k_split(128, 64, 16, 132), 1, 16)) << "128 -> 256 CTAs: 2 per SM, no gain";
+  EXPECT_TRUE(eq(cuda::decode_k_split(150, 64, 4, 132), 2, 2)) << "2 -> 3 half CTAs per SM";
+  EXPECT_TRUE(eq(cuda::decode_k_split(200, 64, 4, 132), 1, 4)) << "2 -> 4 half CTAs per SM: no gain";
+  EXPECT_TRUE(eq(cuda::decode_k_split(768, 32, 8, 132), 1, 8)) << "not resident at once";
+  EXPECT_TRUE(eq(cuda::decode_k_split(192, 32, 8, 0), 1, 8)) << "no SM count";
 }
 
 struct PathCase {
@@ -190,10 +210,10 @@ TEST_P(MoeDecodePathsRandom, MatchReferenceAndFusedReductionBitIdentical) {
   const auto ref = moe_reference(L.w13, L.w2, c.H, c.I, x, c.T, c.k, ids, wts);
   const unsigned sets[] = {0u,
                            cuda::kDecodePathsDefault,
-                           cuda::kDecodeDirectAlways | cuda::kDecodeClusterReduce,
+                           cuda::kDecodeDirectAlways | cuda::kDecodeClusterReduceAlways,
                            cuda::kDecodeDirectAlways,
                            cuda::kDecodeNoDirect1,
-                           cuda::kDecodeDirectAlways | cuda::kDecodeClusterReduce | cuda::kDecodeSplitK,
+                           cuda::kDecodeDirectAlways | cuda::kDecodeClusterReduceAlways | cuda::kDecodeSplitK,
                            cuda::kDecodeDirect | cuda::kDecodeSplitK};
   std::vector<std::vector<std::uint16_t>> got;
   for (unsigned p : sets) {
@@ -206,7 +226,7 @@ TEST_P(MoeDecodePathsRandom, MatchReferenceAndFusedReductionBitIdentical) {
   // deterministic (the same bits in a second run).
   const int splits[3][4] = {{2, 1, 2, 1}, {2, 0, 2, 0}, {4, 2, 4, 2}};
   for (const auto& sp : splits)
-    for (unsigned p : {0u, cuda::kDecodePathsDefault}) {
+    for (unsigned p : {0u, cuda::kDecodePathsDefault, cuda::kDecodeDirectAlways | cuda::kDecodeClusterReduceAlways}) {
       SCOPED_TRACE(::testing::Message() << "split " << sp[0] << "/" << sp[1] << " paths " << p);
       const auto a = forward(L, x, c.T, c.k, ids, wts, p, sp);
       expect_close(a, ref);
@@ -243,7 +263,7 @@ TEST(MoeDecodePaths, FusedReductionInvalidIdGivesNanRowOnly) {
     std::vector<std::int32_t> ok_ids = ids;
     ok_ids[1 * k + bad] = 0;
     const auto ref = moe_reference(L.w13, L.w2, H, I, x, T, k, ok_ids, wts);
-    for (unsigned p : {cuda::kDecodeDirectAlways | cuda::kDecodeClusterReduce, cuda::kDecodeDirectAlways}) {
+    for (unsigned p : {cuda::kDecodeDirectAlways | cuda::kDecodeClusterReduceAlways, cuda::kDecodeDirectAlways}) {
       SCOPED_TRACE(::testing::Message() << "bad position " << bad << " paths " << p);
       const auto got = forward(L, x, T, k, ids, wts, p);
       for (std::int64_t c = 0; c < H; ++c) {
@@ -285,7 +305,7 @@ TEST(MoeDecodePaths, FusedBackToBackBitIdentical) {
   Buf<char> ws(wsb);
   cudaStream_t st;
   ckd(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "stream");
-  cuda::set_decode_paths(cuda::kDecodeDirectAlways | cuda::kDecodeClusterReduce);
+  cuda::set_decode_paths(cuda::kDecodeDirectAlways | cuda::kDecodeClusterReduceAlways);
   std::vector<std::vector<std::uint16_t>> alone;
   cuda::set_dependent_launch(false);
   for (int r = 0; r < 3; ++r) {
