@@ -68,10 +68,10 @@ void launch_swapab(const DeviceMoeWeights& w, const kern::Routing& r, const deta
   // attribute, capture-safe).
   constexpr int kMostWarps = kern::swap_max_warps(NB);
   const int most = kern::swap_smem_bytes<NB>(kMostWarps);
-  LUTB_CUDA_CHECK(cudaFuncSetAttribute(kern::swapab_gemm1_kernel<kDec, NB>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, most));
-  LUTB_CUDA_CHECK(cudaFuncSetAttribute(kern::swapab_gemm2_kernel<kDec, NB>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, most));
+  for (auto* k : {kern::swapab_gemm1_kernel<kDec, NB, false>, kern::swapab_gemm1_kernel<kDec, NB, true>})
+    LUTB_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, most));
+  for (auto* k : {kern::swapab_gemm2_kernel<kDec, NB, false>, kern::swapab_gemm2_kernel<kDec, NB, true>})
+    LUTB_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, most));
   // FP8 decoder: E4M3 bytes of x and h; FP16 decoders: FP16 values.
   const void* xa = kDec == kern::kDecFp8 ? static_cast<const void*>(ws.xq8) : static_cast<const void*>(ws.xa);
   void* hq = kDec == kern::kDecFp8 ? static_cast<void*>(ws.hq8) : static_cast<void*>(ws.hq);
@@ -98,31 +98,31 @@ void launch_swapab(const DeviceMoeWeights& w, const kern::Routing& r, const deta
   }();
   const dim3 g1(static_cast<unsigned>(groups1 * ks1), static_cast<unsigned>(slots));
   if (ks1 > 1)
-    detail::launch_kernel_cluster("sm90_lutb_mxfp8_moe_gemm1_swapab_splitk", true, kern::swapab_gemm1_kernel<kDec, NB>,
+    detail::launch_kernel_cluster("sm90_lutb_mxfp8_moe_gemm1_swapab_splitk", true, kern::swapab_gemm1_kernel<kDec, NB, true>,
                                   g1, dim3(32 * nw1), kern::swap_smem_bytes<NB>(nw1), dim3(ks1, 1, 1), stream, w13, xa,
                                   static_cast<const float*>(ws.xsf), static_cast<long long>(Hp), r,
                                   static_cast<long long>(I), static_cast<long long>(Ip), hq, ws.hsf, one_token_loop, ks1);
   else
-    detail::launch_kernel("sm80_lutb_mxfp8_moe_gemm1_swapab", true, kern::swapab_gemm1_kernel<kDec, NB>, g1,
+    detail::launch_kernel("sm80_lutb_mxfp8_moe_gemm1_swapab", true, kern::swapab_gemm1_kernel<kDec, NB, false>, g1,
                           dim3(32 * nw1), kern::swap_smem_bytes<NB>(nw1), stream, w13, xa,
                           static_cast<const float*>(ws.xsf), static_cast<long long>(Hp), r, static_cast<long long>(I),
                           static_cast<long long>(Ip), hq, ws.hsf, one_token_loop, 1);
   if (stop == 2) return;
   const dim3 g2(static_cast<unsigned>(groups2 * ks2), static_cast<unsigned>(slots));
   if (fuse_reduce) {
-    detail::launch_kernel_cluster("sm90_lutb_mxfp8_moe_gemm2_swapab_reduce", true, kern::swapab_gemm2_kernel<kDec, NB>,
+    detail::launch_kernel_cluster("sm90_lutb_mxfp8_moe_gemm2_swapab_reduce", true, kern::swapab_gemm2_kernel<kDec, NB, false>,
                                   g2, dim3(32 * nw2), kern::swap_smem_bytes<NB>(nw2),
                                   dim3(1, static_cast<unsigned>(r.top_k), 1), stream, w2, static_cast<const void*>(hq),
                                   static_cast<const float*>(ws.hsf), static_cast<long long>(Ip), r,
                                   static_cast<long long>(H), ws.y, one_token_loop, topk_weights, out, 1);
   } else if (ks2 > 1) {
-    detail::launch_kernel_cluster("sm90_lutb_mxfp8_moe_gemm2_swapab_splitk", true, kern::swapab_gemm2_kernel<kDec, NB>,
+    detail::launch_kernel_cluster("sm90_lutb_mxfp8_moe_gemm2_swapab_splitk", true, kern::swapab_gemm2_kernel<kDec, NB, true>,
                                   g2, dim3(32 * nw2), kern::swap_smem_bytes<NB>(nw2), dim3(ks2, 1, 1), stream, w2,
                                   static_cast<const void*>(hq), static_cast<const float*>(ws.hsf),
                                   static_cast<long long>(Ip), r, static_cast<long long>(H), ws.y, one_token_loop,
                                   static_cast<const float*>(nullptr), static_cast<std::uint16_t*>(nullptr), ks2);
   } else {
-    detail::launch_kernel("sm80_lutb_mxfp8_moe_gemm2_swapab", true, kern::swapab_gemm2_kernel<kDec, NB>, g2,
+    detail::launch_kernel("sm80_lutb_mxfp8_moe_gemm2_swapab", true, kern::swapab_gemm2_kernel<kDec, NB, false>, g2,
                           dim3(32 * nw2), kern::swap_smem_bytes<NB>(nw2), stream, w2, static_cast<const void*>(hq),
                           static_cast<const float*>(ws.hsf), static_cast<long long>(Ip), r, static_cast<long long>(H),
                           ws.y, one_token_loop, static_cast<const float*>(nullptr),

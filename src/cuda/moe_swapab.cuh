@@ -564,6 +564,15 @@ __device__ __forceinline__ void swap_epilogue2(const SwapTokens<NB>& tk, int nbl
   }
 }
 
+/// Strip group of this CTA: blockIdx.x / ksplit (the CTAs of one split share it). Read from the
+/// special register each time it is needed (volatile), so that it is not kept in a register across
+/// the K-loop: the one-block kernels sit at their 128-register cap.
+__device__ __forceinline__ long long swap_strip_group(int ksplit) {
+  unsigned x;
+  asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(x));
+  return static_cast<long long>(x / static_cast<unsigned>(ksplit));
+}
+
 /// Rank of this CTA in its thread-block cluster (0 below sm_90 or without a cluster launch).
 __device__ __forceinline__ unsigned cluster_rank() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -714,24 +723,26 @@ __device__ __forceinline__ void swap_cluster_reduce(bool have, const float (&acc
 #endif
 }
 
-/// GEMM1 + SiLU*up + MXFP8 of h. Grid: (Ip/32 strip groups, token tile slots); blockDim.x =
+/// GEMM1 + SiLU*up + MXFP8 of h. Grid: (Ip/32 strip groups x ksplit, token tile slots); blockDim.x =
 /// 32 * warps (K split across the warps). xa: [T, a_cols] FP16 E4M3 values in the decoder's column
 /// order, or E4M3 bytes (natural order) for kDecFp8. Output hq [P, Ip] in the same form, hs [P, Ip/32]
 /// UE8M0.
-template <int kDec, int NB>
+template <int kDec, int NB, bool kSplit>
 __global__ void LUTB_SWAPAB_BOUNDS(NB)
     swapab_gemm1_kernel(LutbW w, const void* __restrict__ xa, const float* __restrict__ xsf,
                         long long a_cols, Routing r, long long I, long long Ip, void* __restrict__ hq,
-                        float* __restrict__ hsf, bool one_token_loop, int ksplit) {
+                        float* __restrict__ hsf, bool one_token_loop, int ksplit_arg) {
   constexpr long long kEl = kDec == kDecFp8 ? 1 : 2;  // bytes per activation element
+  // kSplit = false: no split, and none of its code (the one-block kernels sit at their 128-register
+  // cap; the runtime split alone cost them a 12-byte spill).
+  const int ksplit = kSplit ? ksplit_arg : 1;
   int e;
   SwapTokens<NB> tk;
   if (!swap_tile<NB>(r, blockIdx.y, e, tk)) return;  // the whole cluster (same slot) returns
   const int warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  const long long G = blockIdx.x / ksplit;
   long long strip[8];
   bool ok[8];
-  group_strips<true>(G, w.tiles_n, I / 8, strip, ok);
+  group_strips<true>(swap_strip_group(ksplit), w.tiles_n, I / 8, strip, ok);
   const void* arow[NB];
   const float* srow[NB][2];
   const long long sblocks = a_cols / 32;
@@ -747,7 +758,7 @@ __global__ void LUTB_SWAPAB_BOUNDS(NB)
   }
   const int nblocks = (tk.count + 7) / 8;
   long long k0, k1;
-  swap_k_range(w.tiles_k, nw, warp, ksplit, ksplit > 1 ? static_cast<int>(cluster_rank()) : 0, k0, k1);
+  swap_k_range(w.tiles_k, nw, warp, ksplit, kSplit ? static_cast<int>(cluster_rank()) : 0, k0, k1);
   extern __shared__ __align__(16) unsigned char swap_smem[];
   float acc[4][NB][4];
   // One-token tiles take the lighter K-loop (CTA-uniform branch; NB = 1 only).
@@ -758,33 +769,33 @@ __global__ void LUTB_SWAPAB_BOUNDS(NB)
     swap_warp_gemm<kDec, NB, false>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
                                     swap_smem + warp * SwapRing::kWarpBytes, acc, PdlWaitAndTrigger{});
   bool warp0 = swap_reduce<NB>(swap_smem, acc);
-  if (ksplit > 1) warp0 = swap_cluster_combine<NB>(warp0, acc);
+  if constexpr (kSplit) warp0 = swap_cluster_combine<NB>(warp0, acc);
   if (!warp0) return;
-  swap_epilogue1<kDec, NB>(tk, nblocks, ok, acc, G, Ip, hq, hsf);
+  swap_epilogue1<kDec, NB>(tk, nblocks, ok, acc, swap_strip_group(ksplit), Ip, hq, hsf);
 }
 
 /// GEMM2: y[p, n] = h[p] . w2[e, n]^T (FP32). Grid: (ceil(tiles_n/8) strip groups, slots).
 /// out != null (direct forwards on sm_90, launched in clusters of (1, top_k)): the weighted top-k
 /// reduction is fused (swap_cluster_reduce): out [T, H] BF16 is written instead of y.
-template <int kDec, int NB>
+template <int kDec, int NB, bool kSplit>
 __global__ void LUTB_SWAPAB_BOUNDS(NB)
     swapab_gemm2_kernel(LutbW w, const void* __restrict__ ha, const float* __restrict__ hsf, long long Ip,
                         Routing r, long long H, float* __restrict__ y, bool one_token_loop,
-                        const float* __restrict__ topk_w, uint16_t* __restrict__ out, int ksplit) {
+                        const float* __restrict__ topk_w, uint16_t* __restrict__ out, int ksplit_arg) {
   constexpr long long kEl = kDec == kDecFp8 ? 1 : 2;  // bytes per activation element
+  const int ksplit = kSplit ? ksplit_arg : 1;  // as in GEMM1
   const bool fused = out != nullptr;
   int e;
   SwapTokens<NB> tk;
-  const long long G = blockIdx.x / ksplit;
   float acc[4][NB][4];
   if (!swap_tile<NB>(r, blockIdx.y, e, tk)) {
-    if (fused) swap_cluster_reduce<NB>(false, acc, G, r, H, topk_w, out);
+    if (fused) swap_cluster_reduce<NB>(false, acc, swap_strip_group(1), r, H, topk_w, out);
     return;
   }
   const int warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   long long strip[8];
   bool ok[8];
-  group_strips<false>(G, w.tiles_n, 0, strip, ok);
+  group_strips<false>(swap_strip_group(ksplit), w.tiles_n, 0, strip, ok);
   const void* arow[NB];
   const float* srow[NB][2];
 #pragma unroll
@@ -799,7 +810,7 @@ __global__ void LUTB_SWAPAB_BOUNDS(NB)
   }
   const int nblocks = (tk.count + 7) / 8;
   long long k0, k1;
-  swap_k_range(w.tiles_k, nw, warp, ksplit, ksplit > 1 ? static_cast<int>(cluster_rank()) : 0, k0, k1);
+  swap_k_range(w.tiles_k, nw, warp, ksplit, kSplit ? static_cast<int>(cluster_rank()) : 0, k0, k1);
   extern __shared__ __align__(16) unsigned char swap_smem[];
   // One-token tiles take the lighter K-loop (CTA-uniform branch; NB = 1 only).
   if (NB == 1 && one_token_loop && tk.count == 1)
@@ -809,9 +820,9 @@ __global__ void LUTB_SWAPAB_BOUNDS(NB)
     swap_warp_gemm<kDec, NB, false>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
                                     swap_smem + warp * SwapRing::kWarpBytes, acc, PdlWaitAndTrigger{});
   bool warp0 = swap_reduce<NB>(swap_smem, acc);
-  if (ksplit > 1) warp0 = swap_cluster_combine<NB>(warp0, acc);  // never with `fused` (the host's rule)
+  if constexpr (kSplit) warp0 = swap_cluster_combine<NB>(warp0, acc);  // never with `fused` (the host's rule)
   if (fused) {
-    swap_cluster_reduce<NB>(true, acc, G, r, H, topk_w, out);
+    swap_cluster_reduce<NB>(true, acc, swap_strip_group(1), r, H, topk_w, out);
     return;
   }
   if (!warp0) return;
