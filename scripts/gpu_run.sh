@@ -12,6 +12,9 @@
 #     -ffp-contract=off, as CMake does) and bench/gpu/bench_fit_gpu.cu, then runs the tests,
 #     memcheck, racecheck and synccheck on small cases (both fitters) and the bench (binned-dp on
 #     the old and new kernel, optimal on the warp kernel, Gaussian and Student-t data).
+#   scripts/gpu_run.sh online
+#     builds as fit, then the tests, the online method's old-vs-new benchmark, memcheck on the online
+#     tests and an nsys trace when nsys exists (see the mode below; onl14).
 #   scripts/gpu_run.sh moebench 'CMD' ['CMD'...]
 #     builds only bench_moe_gpu (MoE sources, sm_90a) and runs each CMD with $BENCH = that binary.
 #   scripts/gpu_run.sh moetests 'CMD' ['CMD'...]
@@ -229,6 +232,30 @@ if [ "$WHAT" = moetests ]; then
   for cmd in "$@"; do echo "## $cmd"; bash -c "$cmd"; done 2>&1 | tee "$OUT/moebench.md"
   [ "${MOETESTS_BENCH_FIRST:-0}" = 1 ] && run_tests
   echo "gpu_run.sh moetests: ${SECONDS} s"
+  exit 0
+fi
+
+# online (onl14): build_fit, then the fitter + online-method tests, the online-method benchmark
+# (LUTB_BENCH_ONLINE=1: old serial vs new pipelined method in the same process, Gaussian and
+# Student-t, twice each, alternating), memcheck on the online tests, and (when nsys exists and the
+# script has run less than ONLINE_NSYS_BEFORE seconds, default 200) an nsys trace of one old and one
+# new call (LUTB_BENCH_ONLINE=2), printed as the CUDA GPU trace.
+if [ "$WHAT" = online ]; then
+  build_fit 2>&1 | tail -30 > "$OUT/build_fit.log"
+  { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv; nvcc --version | tail -2;
+    echo "nsys: $(command -v nsys || echo absent)  ncu: $(command -v ncu || echo absent)"; echo "build: ${SECONDS} s"; } > "$OUT/gpu.txt" 2>&1 || true
+  export LD_LIBRARY_PATH="$DEPS_LIB:${LD_LIBRARY_PATH:-}"
+  "$B/lutb_fit_gpu_tests" > "$OUT/fit_tests.log" 2>&1 || true
+  for r in 1 2; do for d in "" student; do
+    LUTB_BENCH_ONLINE=1 "$B/bench_fit_gpu" 8 4096 7168 $d; echo; done; done > "$OUT/bench_online.md" 2>&1 || true
+  compute-sanitizer --tool memcheck --error-exitcode 9 "$B/lutb_fit_gpu_tests" \
+    --gtest_filter='OnlineGpu.RandomLayer*:OnlineGpu.Errors*:OnlineGpu.Pipeline*:OnlineGpu.Released*:OnlineGpu.Lowest*:OnlineGpu.TooLarge*:OnlineGpu.Optimal*' 2>&1 |
+    tail -12 > "$OUT/online_sanitizer.log" || true
+  if command -v nsys > /dev/null && [ "$SECONDS" -lt "${ONLINE_NSYS_BEFORE:-200}" ]; then
+    ( cd /tmp && LUTB_BENCH_ONLINE=2 timeout 60 nsys profile -t cuda -o /tmp/onl_trace --force-overwrite true "$B/bench_fit_gpu" 8 4096 7168 &&
+      timeout 40 nsys stats -q --report cuda_gpu_trace --format csv /tmp/onl_trace.nsys-rep ) > "$OUT/nsys_trace.csv" 2>&1 || true
+  fi
+  echo "gpu_run.sh online: ${SECONDS} s" | tee -a "$OUT/gpu.txt"
   exit 0
 fi
 

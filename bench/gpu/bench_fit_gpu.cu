@@ -11,6 +11,9 @@
 // With LUTB_BENCH_PROFILE_ONLY=1: only one launch each of the default binned-dp kernel and the
 // two-tiles-per-warp kernel over the stack (with per-tile sums), for a profiler (ncu), then exit;
 // =2: one launch each of the binned-dp shared-memory layouts 0..4 (fit12).
+// With LUTB_BENCH_ONLINE=1: only onl14's comparison of the online method, old (serial) against new
+// (pipelined), with its parts on the device alone (see online_bench); =2: one old and one new call
+// after a warm-up, for nsys.
 // With LUTB_BENCH_FIT13=1: only fit13's comparison (the binned DP's layers by the divide and conquer,
 // launch_warp_dp mode 0 = every kernel before fit13, against the full-range modes 1, 2, 6, 7, on
 // layouts 0 and 1, with and without the per-tile sums, alternated twice in this process; whole-stack
@@ -37,6 +40,7 @@
 
 #include "cuda/fit_internal.cuh"
 #include "lutb/cuda/fit.hpp"
+#include "lutb/cuda/lane_major.hpp"
 #include "lutb/cuda/online.hpp"
 #include "lutb/fit.hpp"
 #include "lutb/numerics.hpp"
@@ -77,6 +81,285 @@ __global__ void fill(std::uint16_t* w, unsigned long long n, bool student) {
   }
 }
 
+
+// LUTB_BENCH_ONLINE=1 (onl14): only the online method (lutb/cuda/online.hpp) on the DeepSeek-V3-shaped
+// slice (w13 = the benchmark's stack [E, N, K], w2 [E, K, N/2] filled the same way), then exit:
+//  - the parts on the device alone, CUDA events, best of 3 after a warm-up: the two fit launches
+//    over the whole w13 and w2 stacks with the per-tile sums (what the method's fits cost without
+//    anything around them), the check pass on the fit kernel (check_tiles_device, the method before
+//    onl14) and on the check kernel (fit_internal::launch_check), the lane-major permutation;
+//  - the method, host-timed, the old way (GpuOnlineOptions::pipeline = false) and the new (pipelined,
+//    the default) alternated 3 times after one warm-up each, the default chunk (256 MiB); then the
+//    new way with other chunk sizes, and both ways with a release callback that calls cudaFree (as a
+//    loader freeing its per-chunk buffers would: cudaFree synchronises the device);
+//  - the old and new outputs compared byte for byte (the whole allocation) and their FitStats.
+// LUTB_BENCH_ONLINE=2: one warm-up, then one old and one new call (for nsys), then exit.
+int online_bench(const std::uint16_t* d_w13, std::int64_t E, std::int64_t N, std::int64_t K, bool student, int mode) {
+  namespace lc = lutb::cuda;
+  const std::int64_t H = K, I = N / 2;
+  std::uint16_t* d_w2 = nullptr;
+  ok(cudaMalloc(&d_w2, static_cast<std::size_t>(E * H * I) * 2));
+  fill<<<4096, 256>>>(d_w2, static_cast<unsigned long long>(E * H * I), student);
+  ok(cudaDeviceSynchronize());
+  const double weights = static_cast<double>(E * 3 * H * I);
+  auto run = [&](bool pipeline, std::size_t chunk, bool free_release, lc::DeviceLutbLayer& layer) {
+    lc::DeviceExpertSource src;
+    src.dtype = lutb::DType::BF16;
+    src.experts = E;
+    src.hidden = H;
+    src.intermediate = I;
+    src.w13 = {d_w13};
+    src.w2 = {d_w2};
+    std::vector<void*> dummies;
+    if (free_release) {  // one 1 MiB buffer per expert, freed at its chunk's release
+      dummies.resize(static_cast<std::size_t>(E));
+      for (auto& p : dummies) ok(cudaMalloc(&p, 1 << 20));
+      src.release = [&](std::int64_t e0, std::int64_t e1) {
+        for (std::int64_t e = e0; e < e1; ++e) cudaFree(dummies[static_cast<std::size_t>(e)]);
+      };
+    }
+    lc::GpuOnlineOptions opt;
+    opt.pipeline = pipeline;
+    opt.chunk_bytes = chunk;
+    ok(cudaDeviceSynchronize());
+    const auto t0 = std::chrono::steady_clock::now();
+    lc::GpuOnlineReport r = lc::quantize_experts_online(src, layer, opt);
+    const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return std::make_pair(t, r);
+  };
+  const std::size_t kChunk = std::size_t{256} << 20;
+  if (mode == 2) {
+    for (bool p : {false, true}) {
+      lc::DeviceLutbLayer l;
+      run(p, kChunk, false, l);
+    }
+    for (bool p : {false, true}) {
+      lc::DeviceLutbLayer l;
+      const double t = run(p, kChunk, false, l).first;
+      std::printf("online %s: %.4f s\n", p ? "new" : "old", t);
+    }
+    cudaFree(d_w2);
+    return 0;
+  }
+
+  // The parts on the device alone.
+  lutb::LutbShape s13, s2;
+  s13.experts = s2.experts = E;
+  s13.stacked = s2.stacked = true;
+  s13.rows = 2 * I;
+  s13.cols = H;
+  s2.rows = H;
+  s2.cols = I;
+  const lutb::LutbShape* shp[2] = {&s13, &s2};
+  const void* srcs[2] = {d_w13, d_w2};
+  lc::DeviceFitOut o[2];
+  for (int t = 0; t < 2; ++t) {
+    const std::size_t nt = static_cast<std::size_t>(shp[t]->tiles());
+    ok(cudaMalloc(&o[t].packed, nt * lutb::kPackedBytes));
+    ok(cudaMalloc(&o[t].codebook, nt * lutb::kCodebookSize));
+    ok(cudaMalloc(&o[t].scale, nt));
+    ok(cudaMalloc(&o[t].sse, nt * 8));
+    ok(cudaMalloc(&o[t].sum_sq, nt * 8));
+  }
+  unsigned long long* d_err = nullptr;
+  ok(cudaMalloc(&d_err, 16));
+  cudaEvent_t a, b;
+  ok(cudaEventCreate(&a));
+  ok(cudaEventCreate(&b));
+  auto time_dev = [&](auto&& body) {
+    float best = 1e30f;
+    for (int rep = 0; rep < 4; ++rep) {  // first = warm-up
+      ok(cudaEventRecord(a));
+      body();
+      ok(cudaEventRecord(b));
+      ok(cudaEventSynchronize(b));
+      float ms = 0;
+      ok(cudaEventElapsedTime(&ms, a, b));
+      if (rep > 0) best = std::min(best, ms);
+    }
+    return best * 1e-3;
+  };
+  const double t_fit = time_dev([&] {
+    for (int t = 0; t < 2; ++t)
+      lc::fit_device(srcs[t], lutb::DType::BF16, *shp[t], o[t], lc::GpuFitter::BinnedDp, -1, d_err, nullptr);
+  });
+  // The shared-memory layouts with the per-tile sums on these two stacks: layout 0 and layout 0
+  // with DP mode 6 against the default (layout 1), same run; bytes and sums of each == the default's.
+  // (onl14-run1 measured layout 0 with its encoding sums computed without stored prefixes, as the
+  // compact layout's: 1.016-1.041x layout 1's time, so that variant was not kept; fit-gpu.md "onl14".)
+  namespace fi = lc::fit_internal;
+  auto host_of = [](const void* p, std::size_t n) {
+    std::vector<std::uint8_t> h(n);
+    ok(cudaMemcpy(h.data(), p, n, cudaMemcpyDeviceToHost));
+    return h;
+  };
+  auto snapshot = [&]() {
+    std::vector<std::vector<std::uint8_t>> v;
+    for (int t = 0; t < 2; ++t) {
+      const std::size_t nt = static_cast<std::size_t>(shp[t]->tiles());
+      v.push_back(host_of(o[t].packed, nt * lutb::kPackedBytes));
+      v.push_back(host_of(o[t].codebook, nt * lutb::kCodebookSize));
+      v.push_back(host_of(o[t].scale, nt));
+      v.push_back(host_of(o[t].sse, nt * 8));
+      v.push_back(host_of(o[t].sum_sq, nt * 8));
+    }
+    return v;
+  };
+  const auto ref_fit = snapshot();  // the default's (fit_device: layout 1 with the sums)
+  double t_layout[3];
+  bool same_layout = true;
+  for (int v = 0; v < 3; ++v) {  // 0: layout 0, 1: layout 1 (= default), 2: layout 0 with DP mode 6
+    t_layout[v] = time_dev([&] {
+      for (int t = 0; t < 2; ++t) {
+        fi::KernelArgs ka{srcs[t], 1, shp[t]->rows, shp[t]->cols, shp[t]->tiles_n(), shp[t]->tiles_k(),
+                          shp[t]->tiles(), 0, o[t], -1, d_err};
+        if (v == 2) fi::launch_warp_dp(ka, 0, 6, nullptr);
+        else fi::launch_warp_layout(ka, v, nullptr);
+      }
+    });
+    same_layout = same_layout && snapshot() == ref_fit;
+  }
+  const double t_fit2 = time_dev([&] {  // the default again, after the layouts (drift)
+    for (int t = 0; t < 2; ++t)
+      lc::fit_device(srcs[t], lutb::DType::BF16, *shp[t], o[t], lc::GpuFitter::BinnedDp, -1, d_err, nullptr);
+  });
+  const double t_check_old = time_dev([&] {
+    for (int t = 0; t < 2; ++t) lc::check_tiles_device(srcs[t], lutb::DType::BF16, *shp[t], d_err + t, nullptr);
+  });
+  const double t_check_new = time_dev([&] {
+    ok(cudaMemsetAsync(d_err, 0xff, 16, nullptr));
+    for (int t = 0; t < 2; ++t) {
+      lc::fit_internal::KernelArgs ka{srcs[t], 1, shp[t]->rows, shp[t]->cols, shp[t]->tiles_n(), shp[t]->tiles_k(),
+                                      shp[t]->tiles(), 0, lc::DeviceFitOut{}, -1, d_err + t};
+      ka.check_only = true;
+      lc::fit_internal::launch_check(ka, nullptr);
+    }
+  });
+  const double t_lane = time_dev([&] {
+    for (int t = 0; t < 2; ++t) lc::packed_to_lane_major(o[t].packed, shp[t]->tiles(), nullptr);
+  });
+  unsigned long long words[2];
+  ok(cudaMemcpy(words, d_err, 16, cudaMemcpyDeviceToHost));
+  const bool check_clean = words[0] == ~0ull && words[1] == ~0ull;
+  for (auto& x : o) {
+    cudaFree(x.packed);
+    cudaFree(x.codebook);
+    cudaFree(x.scale);
+    cudaFree(x.sse);
+    cudaFree(x.sum_sq);
+  }
+
+  // The method: old and new alternated.
+  using Rep = lc::GpuOnlineReport;
+  double best[2] = {1e30, 1e30};
+  Rep best_rep[2];
+  std::vector<double> all[2];
+  lc::DeviceLutbLayer keep[2];
+  for (int p = 0; p < 2; ++p) {  // warm-up; kept for the byte comparison
+    run(p == 1, kChunk, false, keep[p]);
+  }
+  for (int round = 0; round < 3; ++round)
+    for (int p = 0; p < 2; ++p) {
+      lc::DeviceLutbLayer l;
+      const auto [t, r] = run(p == 1, kChunk, false, l);
+      all[p].push_back(t);
+      if (t < best[p]) {
+        best[p] = t;
+        best_rep[p] = r;
+      }
+    }
+  // Same output bytes and stats, old vs new (the old method's bytes == the CPU's: tests).
+  bool same = keep[0].bytes() == keep[1].bytes();
+  if (same) {
+    std::vector<std::uint8_t> h0(keep[0].bytes()), h1(keep[1].bytes());
+    const auto& w0 = keep[0].weights();
+    const auto& w1 = keep[1].weights();
+    ok(cudaMemcpy(h0.data(), w0.w13.packed, h0.size(), cudaMemcpyDeviceToHost));  // w13.packed = allocation start
+    ok(cudaMemcpy(h1.data(), w1.w13.packed, h1.size(), cudaMemcpyDeviceToHost));
+    same = h0 == h1;
+  }
+  same = same && best_rep[0].w13.sse == best_rep[1].w13.sse && best_rep[0].w13.sum_sq == best_rep[1].w13.sum_sq &&
+         best_rep[0].w2.sse == best_rep[1].w2.sse && best_rep[0].w2.sum_sq == best_rep[1].w2.sum_sq;
+  // Chunk sizes (new) and a release that frees (both).
+  const std::size_t chunks[4] = {std::size_t{88} << 20, std::size_t{176} << 20, std::size_t{512} << 20,
+                                 std::size_t{1} << 30};
+  double t_chunk[4];
+  Rep r_chunk[4];
+  for (int c = 0; c < 4; ++c) {
+    t_chunk[c] = 1e30;
+    for (int rep = 0; rep < 2; ++rep) {
+      lc::DeviceLutbLayer l;
+      const auto [t, r] = run(true, chunks[c], false, l);
+      if (t < t_chunk[c]) {
+        t_chunk[c] = t;
+        r_chunk[c] = r;
+      }
+    }
+  }
+  double t_free[2] = {1e30, 1e30};
+  for (int round = 0; round < 2; ++round)
+    for (int p = 0; p < 2; ++p) {
+      lc::DeviceLutbLayer l;
+      t_free[p] = std::min(t_free[p], run(p == 1, kChunk, true, l).first);
+    }
+
+  cudaDeviceProp prop{};
+  ok(cudaGetDeviceProperties(&prop, 0));
+  std::printf("## onl14: the online method, %s data, [%lld x (%lld x %lld + %lld x %lld)] BF16 = %.4g weights (%s, %d SMs)\n\n",
+              student ? "Student-t(3)" : "Gaussian", static_cast<long long>(E), static_cast<long long>(2 * I),
+              static_cast<long long>(H), static_cast<long long>(H), static_cast<long long>(I), weights, prop.name,
+              prop.multiProcessorCount);
+  std::printf("| part on the device alone (events, best of 3) | time | weights/s | 654e9 weights |\n|---|---|---|---|\n");
+  auto dev_row = [&](const char* what, double t) {
+    std::printf("| %s | %.3f ms | %.3g | %.0f s |\n", what, t * 1e3, weights / t, 654e9 / (weights / t));
+  };
+  dev_row("fits alone: w13 + w2 stacks, one launch each, with per-tile sums", t_fit);
+  dev_row("same, again after the layouts below", t_fit2);
+  dev_row("fits alone, layout 0 (fit11's), with per-tile sums", t_layout[0]);
+  dev_row("fits alone, layout 1 (compact; the default with sums), with per-tile sums", t_layout[1]);
+  dev_row("fits alone, layout 0 with DP mode 6, with per-tile sums", t_layout[2]);
+  std::printf("| layout 0 / layout 1 time, with sums | %.3f | | |\n", t_layout[0] / t_layout[1]);
+  std::printf("| layout 0 mode 6 / layout 1 time, with sums | %.3f | | |\n", t_layout[2] / t_layout[1]);
+  std::printf("| layouts 0, 1, 0+mode 6 == default: bytes and per-tile sums, both stacks | %s |\n",
+              same_layout ? "yes" : "NO");
+  dev_row("check pass on the fit kernel (check_tiles_device x 2; old method)", t_check_old);
+  dev_row("check pass on the check kernel (launch_check x 2; new method)", t_check_new);
+  dev_row("lane-major permutation of both outputs", t_lane);
+  std::printf("| check kernels found no error | %s |\n\n", check_clean ? "yes" : "NO");
+  std::printf("| online method, host-timed, chunk 256 MiB (%lld experts) | best | all runs (alternated) | weights/s (best) | 654e9 weights | vs fits alone |\n|---|---|---|---|---|---|\n",
+              static_cast<long long>(best_rep[1].experts_per_chunk));
+  for (int p = 0; p < 2; ++p) {
+    std::printf("| %s | %.3f ms | %.3f / %.3f / %.3f ms | %.3g | %.1f s | %.3fx the time |\n",
+                p ? "**new: pipelined (default)**" : "old: serial (pipeline = false)", best[p] * 1e3,
+                all[p][0] * 1e3, all[p][1] * 1e3, all[p][2] * 1e3, weights / best[p], 654e9 * best[p] / weights,
+                best[p] / t_fit);
+  }
+  std::printf("| new / old time | %.3f | | %.3fx the throughput | | |\n\n", best[1] / best[0], best[0] / best[1]);
+  std::printf("| host-side parts of the best run (ms) | check | alloc | loop | wait | sums | release | finish | total |\n|---|---|---|---|---|---|---|---|---|\n");
+  auto ph = [&](const char* what, const Rep& r) {
+    const auto& x = r.seconds;
+    std::printf("| %s | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f | %.3f |\n", what, x.check * 1e3,
+                x.alloc * 1e3, x.loop * 1e3, x.wait * 1e3, x.sums * 1e3, x.release * 1e3, x.finish * 1e3,
+                x.total * 1e3);
+  };
+  ph("old", best_rep[0]);
+  ph("new", best_rep[1]);
+  std::printf("\n| new method, other chunk sizes (best of 2) | experts per chunk | chunks | time | weights/s | temporaries |\n|---|---|---|---|---|---|\n");
+  for (int c = 0; c < 4; ++c)
+    std::printf("| chunk %zu MiB | %lld | %lld | %.3f ms | %.3g | %zu B |\n", chunks[c] >> 20,
+                static_cast<long long>(r_chunk[c].experts_per_chunk), static_cast<long long>(r_chunk[c].chunks),
+                t_chunk[c] * 1e3, weights / t_chunk[c], r_chunk[c].temp_bytes);
+  std::printf("| default chunk 256 MiB | %lld | %lld | %.3f ms | %.3g | %zu B (old: %zu B) |\n",
+              static_cast<long long>(best_rep[1].experts_per_chunk), static_cast<long long>(best_rep[1].chunks),
+              best[1] * 1e3, weights / best[1], best_rep[1].temp_bytes, best_rep[0].temp_bytes);
+  std::printf("\n| release callback that calls cudaFree (best of 2) | old | new | new / old |\n|---|---|---|---|\n");
+  std::printf("| chunk 256 MiB | %.3f ms | %.3f ms | %.3f |\n\n", t_free[0] * 1e3, t_free[1] * 1e3, t_free[1] / t_free[0]);
+  std::printf("| old == new: output bytes (whole allocation) and FitStats | %s |\n", same ? "yes" : "NO");
+  std::printf("| FitStats w13 sse / sum_sq (new) | %.17g / %.17g |\n", best_rep[1].w13.sse, best_rep[1].w13.sum_sq);
+  cudaFree(d_w2);
+  cudaFree(d_err);
+  return same && check_clean && same_layout ? 0 : 2;
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -117,6 +400,13 @@ int main(int argc, char** argv) {
   ok(cudaEventCreate(&b));
   lutb::LutbShape s1 = s;
   s1.experts = 1;
+  if (const char* on = std::getenv("LUTB_BENCH_ONLINE"); on != nullptr && (std::string(on) == "1" || std::string(on) == "2")) {
+    if (N % 16 != 0) {
+      std::fprintf(stderr, "LUTB_BENCH_ONLINE needs N = 2I with I %% 8 == 0\n");
+      return 1;
+    }
+    return online_bench(d_w, E, N, K, student, std::string(on) == "1" ? 1 : 2);
+  }
 
   // Best of 3 after a warm-up on expert 0 (the first thread-kernel launch also reserves its local
   // memory).

@@ -1065,6 +1065,40 @@ __device__ __forceinline__ void load_tile(const KernelArgs& a, std::int64_t lt, 
   }
 }
 
+// fit.cpp check_tile for the whole warp on the lane's values x (load_tile): the first non-finite
+// value in flat order, else a magnitude that needs a scale byte above kMaxScale. A failing tile sets
+// the error word (the lowest failing tile's word wins: atomicMin) and returns false. am: the tile's
+// largest magnitude (all lanes). Used by the fit kernels and by check_kernel (the same code).
+__device__ __forceinline__ bool check_tile_warp(const KernelArgs& a, std::int64_t lt, int lane, const float (&x)[kIpt],
+                                                float& am_out) {
+  int badq = -1, mycode = 0;
+  float am = 0.0f;
+#pragma unroll
+  for (int q = 0; q < kIpt; ++q) {
+    if (badq < 0 && !f32_is_finite(x[q])) {
+      badq = q;
+      mycode = f32_is_nan(x[q]) ? 1 : (x[q] > 0 ? 2 : 3);
+    }
+    am = fmaxf(am, fabsf(x[q]));
+  }
+  for (int off = 16; off > 0; off >>= 1) am = fmaxf(am, __shfl_xor_sync(kFull, am, off));
+  am_out = am;
+  const unsigned bm = __ballot_sync(kFull, badq >= 0);
+  int code = 0, where = 0;
+  if (bm) {
+    const int fl = __ffs(bm) - 1;
+    code = __shfl_sync(kFull, mycode, fl);
+    where = fl * kIpt + __shfl_sync(kFull, badq, fl);
+  } else if (am != 0.0f && static_cast<int>(ue8m0_rceil(am)) > kMaxScale) {
+    code = 4;
+  }
+  if (code != 0) {
+    if (lane == 0) atomicMin(a.err, error_word(a.t_base + lt, code, where));
+    return false;
+  }
+  return true;
+}
+
 // Phase timing (the profiled instantiation only): lane 0 adds clock64() deltas per phase.
 struct Prof {
   long long t = 0;
@@ -1097,31 +1131,8 @@ __device__ __forceinline__ bool fit_front_a(S& s, int lane, const KernelArgs& a,
     if (lane == 0) pr.t = clock64();
   }
   load_tile(a, lt, lane, x);
-  // fit.cpp check_tile: the first non-finite value in flat order, else the magnitude.
-  int badq = -1, mycode = 0;
-  float am = 0.0f;
-#pragma unroll
-  for (int q = 0; q < kIpt; ++q) {
-    if (badq < 0 && !f32_is_finite(x[q])) {
-      badq = q;
-      mycode = f32_is_nan(x[q]) ? 1 : (x[q] > 0 ? 2 : 3);
-    }
-    am = fmaxf(am, fabsf(x[q]));
-  }
-  for (int off = 16; off > 0; off >>= 1) am = fmaxf(am, __shfl_xor_sync(kFull, am, off));
-  const unsigned bm = __ballot_sync(kFull, badq >= 0);
-  int code = 0, where = 0;
-  if (bm) {
-    const int fl = __ffs(bm) - 1;
-    code = __shfl_sync(kFull, mycode, fl);
-    where = fl * kIpt + __shfl_sync(kFull, badq, fl);
-  } else if (am != 0.0f && static_cast<int>(ue8m0_rceil(am)) > kMaxScale) {
-    code = 4;
-  }
-  if (code != 0) {
-    if (lane == 0) atomicMin(a.err, error_word(a.t_base + lt, code, where));
-    return false;
-  }
+  float am;
+  if (!check_tile_warp(a, lt, lane, x, am)) return false;
   if (a.check_only) return false;
   phase<P>(pr, lane, 0);
 
@@ -1968,6 +1979,37 @@ void launch_warp_padded(const KernelArgs& a, int pad_bytes, cudaStream_t stream)
 
 void launch_warp_unrolled(const KernelArgs& a, int unroll, cudaStream_t stream) {
   launch_warp_variant(a, unroll, kArith, stream);
+}
+
+namespace {
+// The tile check alone (onl14): one warp per tile, no shared memory, 8 warps per block and up to
+// 64 resident warps per SM, grid-stride, so that a check pass reads the source at close to memory
+// speed instead of at the fit kernel's occupancy (16-20 warps per SM, one block per two or four
+// tiles). The same load_tile and check_tile_warp as the fit kernels: the same error words.
+constexpr int kCheckWarps = 8;
+__global__ void __launch_bounds__(32 * kCheckWarps) check_kernel(KernelArgs a) {
+  const int lane = threadIdx.x & 31;
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * kCheckWarps;
+  for (std::int64_t lt = static_cast<std::int64_t>(blockIdx.x) * kCheckWarps + (threadIdx.x >> 5); lt < a.tiles;
+       lt += stride) {
+    float x[kIpt];
+    float am;
+    load_tile(a, lt, lane, x);
+    check_tile_warp(a, lt, lane, x, am);
+  }
+}
+}  // namespace
+
+void launch_check(const KernelArgs& a, cudaStream_t stream) {
+  if (a.tiles == 0) return;
+  int dev = 0, sms = 132;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+    sms = 132;
+  const std::int64_t blocks =
+      std::min<std::int64_t>((a.tiles + kCheckWarps - 1) / kCheckWarps, static_cast<std::int64_t>(sms) * 16);
+  check_kernel<<<static_cast<unsigned>(blocks), 32 * kCheckWarps, 0, stream>>>(a);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) throw std::runtime_error(std::string("check kernel launch: ") + cudaGetErrorString(e));
 }
 
 #endif  // LUTB_FIT_DP_MODES_TU

@@ -126,6 +126,15 @@ void launch_warp_dp(const KernelArgs& a, int layout, int dp_mode, cudaStream_t s
 /// launch_warp_profiled's DP modes 1, 2, 6, 7 (src/cuda/fit_dp_modes.cu).
 void launch_warp_profiled_dp(const KernelArgs& a, unsigned long long* d_prof, int dp_mode, cudaStream_t stream);
 
+/// The tile check alone (onl14; src/cuda/fit_binned_dp_warp.cu check_kernel): every tile of the view
+/// `a` checked as the fit kernels check it (fit.cpp check_tile: NaN / Inf, else a magnitude above
+/// scale byte 246), the lowest failing tile's error word (global index a.t_base + tile) atomicMin'ed
+/// into *a.err, which the caller sets to all ones first (one word may collect several launches).
+/// Nothing else is written. A separate kernel without shared memory (up to 64 warps per SM instead
+/// of the fit kernel's 16-20): a memory-bound read of the source. check_tiles_device still runs the
+/// check on the fit kernel (launch_warp with check_only).
+void launch_check(const KernelArgs& a, cudaStream_t stream);
+
 /// Error word of a failing tile: (tile << 12) | (code << 9) | position (decode_fit_error).
 __host__ __device__ inline unsigned long long error_word(std::int64_t tile, int code, int pos) {
   return (static_cast<unsigned long long>(tile) << 12) | (static_cast<unsigned long long>(code) << 9) |
