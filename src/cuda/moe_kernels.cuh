@@ -33,7 +33,9 @@ constexpr int kWarps = 4;  // warps per CTA in the GEMM kernels
 /// into mma.m16n8k32.e4m3 (sm_89+) with E4M3 activation bytes.
 /// kDecWg (sm_90a only): the same E4M3 bytes as the register A operand of wgmma.m64nNk32.e4m3
 /// (moe_swapab_sm90.cuh), E4M3 activation bytes in shared memory in wg_pos order.
-constexpr int kDecByte = 0, kDecCvt = 1, kDecFp8 = 2, kDecWg = 3;
+/// kDecWs (sm_90a only): kDecCvt's decode in the warp-specialised kernels of moe_swapab_ws_sm90.cuh
+/// (a bulk-copy producer warp per CTA); same activation forms as kDecCvt.
+constexpr int kDecByte = 0, kDecCvt = 1, kDecFp8 = 2, kDecWg = 3, kDecWs = 4;
 
 /// Storage position, inside its 32-column MXFP8 block, of column c (0..31) in the activation
 /// bytes of the wgmma decoder: the k-slot at which the lane-major decode puts that column in the A

@@ -163,13 +163,20 @@ TEST_P(MoeRandom, MatchesHostReferenceAllStrategiesAndDecoders) {
   random_routing(c.T, c.k, allowed, rng, ids, wts);
   const auto ref = moe_reference(w13, w2, c.H, c.I, x, c.T, c.k, ids, wts);
   for (auto dec : {cuda::WeightDecoder::Auto, cuda::WeightDecoder::BytePermute, cuda::WeightDecoder::Cvt,
-                   cuda::WeightDecoder::Fp8Mma, cuda::WeightDecoder::Fp8Wgmma}) {
+                   cuda::WeightDecoder::Fp8Mma, cuda::WeightDecoder::Fp8Wgmma, cuda::WeightDecoder::CvtWs}) {
     cuda::set_weight_decoder(dec);
     for (auto s : kAllStrategies) {
       const auto got = run_forward(w13, w2, c.E, c.H, c.I, x, c.T, c.k, ids, wts, s);
       const Cmp r = compare_bf16(got, ref);
       SCOPED_TRACE(::testing::Message() << "strategy " << strategy_name(s) << " decoder " << static_cast<int>(dec));
       EXPECT_EQ(r.nan, 0) << "unwritten or NaN outputs";
+      // The warp-specialised kernels (CvtWs) interleave the K split (warp w: K-tiles w, w + nw, ...),
+      // so they differ from Cvt in the FP32 order only; their sum order is fixed, so a second run
+      // must give the same bits.
+      if (dec == cuda::WeightDecoder::CvtWs && s == cuda::MoeStrategy::Decode) {
+        const auto again = run_forward(w13, w2, c.E, c.H, c.I, x, c.T, c.k, ids, wts, s);
+        EXPECT_TRUE(got == again) << "CvtWs is not deterministic";
+      }
       if (dec == cuda::WeightDecoder::Fp8Wgmma && s == cuda::MoeStrategy::Decode) {
         // Hopper's FP8 tensor core rounds inside the 32-product block sum (measured on the H200,
         // 2026-11-30, docs/perf/moe-gpu.md session 13: rel_l2 up to 2.8e-3 here, >= 82 % of the
@@ -245,10 +252,15 @@ TEST(MoeCuda, DependentLaunchBitIdenticalBackToBack) {
     DevBuf<char> ws(wsb);
     // The FP8 wgmma decoder (swap-AB Decode only) stages the activations with cp.async after its
     // PDL wait: checked here too.
-    for (int pass = 0; pass < 4; ++pass) {
+    // So does the warp-specialised decoder (CvtWs: its producer warp streams weights before the
+    // PDL wait, its math warps read activations after it).
+    for (int pass = 0; pass < 5; ++pass) {
       const auto s = pass < 3 ? kAllStrategies[pass] : cuda::MoeStrategy::Decode;
-      cuda::set_weight_decoder(pass < 3 ? cuda::WeightDecoder::Auto : cuda::WeightDecoder::Fp8Wgmma);
-      SCOPED_TRACE(::testing::Message() << "T " << T << " strategy " << strategy_name(s) << (pass == 3 ? " wgmma" : ""));
+      cuda::set_weight_decoder(pass < 3    ? cuda::WeightDecoder::Auto
+                               : pass == 3 ? cuda::WeightDecoder::Fp8Wgmma
+                                           : cuda::WeightDecoder::CvtWs);
+      SCOPED_TRACE(::testing::Message() << "T " << T << " strategy " << strategy_name(s)
+                                        << (pass == 3 ? " wgmma" : pass == 4 ? " ws" : ""));
       std::vector<std::vector<std::uint16_t>> alone;
       cuda::set_dependent_launch(false);
       for (int r = 0; r < 3; ++r) {
@@ -392,6 +404,12 @@ TEST(MoeCuda, GoldenLayer) {
   const Cmp r = compare_bf16(got, expect);
   EXPECT_EQ(r.nan, 0);
   EXPECT_LT(r.rel_l2, 1e-2) << "GPU (FP8 wgmma decoder) vs golden (its own bound: see MoeRandom)";
+  cuda::set_weight_decoder(cuda::WeightDecoder::CvtWs);
+  const auto got_ws = run_forward(w13, w2, E, H, I, x, T, k, ids, wts, cuda::MoeStrategy::Decode);
+  cuda::set_weight_decoder(cuda::WeightDecoder::Auto);
+  const Cmp rws = compare_bf16(got_ws, expect);
+  EXPECT_EQ(rws.nan, 0);
+  EXPECT_LT(rws.rel_l2, 1e-3) << "GPU (warp-specialised decoder) vs golden";
 }
 
 TEST(MoeCuda, InvalidExpertIdWritesNanRow) {
@@ -427,10 +445,14 @@ TEST(MoeCuda, SingleTokenInvalidAndRepeatedExperts) {
                                                std::vector<std::int32_t>{3, 6, 1}, std::vector<std::int32_t>{-1, 0, 1}}) {
     const bool invalid = ids[1] >= E || ids[0] < 0;
     const auto ref = moe_reference(w13, w2, H, I, x, T, k, invalid ? std::vector<std::int32_t>{0, 0, 0} : ids, wts);
-    for (auto s : kAllStrategies) {
+    for (int pass = 0; pass < 4; ++pass) {
+      // pass 3: the warp-specialised swap-AB kernels (WeightDecoder::CvtWs) on the direct T = 1 path.
+      const auto s = pass < 3 ? kAllStrategies[pass] : cuda::MoeStrategy::Decode;
+      cuda::set_weight_decoder(pass < 3 ? cuda::WeightDecoder::Auto : cuda::WeightDecoder::CvtWs);
       SCOPED_TRACE(::testing::Message() << "ids " << ids[0] << "," << ids[1] << "," << ids[2] << " strategy "
-                                        << strategy_name(s));
+                                        << strategy_name(s) << (pass == 3 ? " ws" : ""));
       const auto got = run_forward(w13, w2, E, H, I, x, T, k, ids, wts, s);
+      cuda::set_weight_decoder(cuda::WeightDecoder::Auto);
       if (invalid) {
         for (std::int64_t c = 0; c < H; ++c) EXPECT_TRUE(std::isnan(bf16_to_float(got[c]))) << c;
       } else {
@@ -553,6 +575,16 @@ TEST(MoeCuda, LargeExpertStackBeyond2Pow31Bytes) {
   const Cmp r = compare_bf16(got, ref);
   EXPECT_EQ(r.nan, 0);
   EXPECT_LT(r.rel_l2, 1e-3);
+  // The warp-specialised decode kernels (bulk copies from the last expert's tiles at 2.8e9 bytes).
+  ck(cudaMemset(out.p, 0xff, out.n * 2), "poison");
+  cuda::set_weight_decoder(cuda::WeightDecoder::CvtWs);
+  cuda::moe_forward(w, dx.p, T, k, did.p, dw.p, out.p, ws.p, wsb, nullptr, cuda::MoeStrategy::Decode);
+  cuda::set_weight_decoder(cuda::WeightDecoder::Auto);
+  ck(cudaDeviceSynchronize(), "moe_forward (CvtWs)");
+  const Cmp rws = compare_bf16(out.down(), ref);
+  EXPECT_EQ(rws.nan, 0);
+  EXPECT_LT(rws.rel_l2, 1e-3) << "CvtWs";
+  EXPECT_GT(rws.exact, rws.n * 8 / 10) << "CvtWs";
 }
 
 // ---------------------------------------------------------------------------

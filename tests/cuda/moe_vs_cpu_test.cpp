@@ -103,8 +103,14 @@ TEST(MoeCudaVsCpu, EqualsProjectEmulationUpToSummationOrder) {
     auto cpu = make_lutb_experts(cfg, to_tensor(w13), to_tensor(w2), kernel);
     std::vector<std::uint16_t> ref(T * H);
     cpu->apply(hx, tk, ref.data());
-    for (auto s : {cuda::MoeStrategy::Decode, cuda::MoeStrategy::Prefill, cuda::MoeStrategy::DecodeM16}) {
+    for (int pass = 0; pass < 4; ++pass) {
+      // pass 3: the warp-specialised swap-AB decode kernels (WeightDecoder::CvtWs).
+      const auto s = pass == 0 || pass == 3 ? cuda::MoeStrategy::Decode
+                     : pass == 1            ? cuda::MoeStrategy::Prefill
+                                            : cuda::MoeStrategy::DecodeM16;
+      cuda::set_weight_decoder(pass == 3 ? cuda::WeightDecoder::CvtWs : cuda::WeightDecoder::Auto);
       const auto got = gpu_forward(w13, w2, E, H, I, x, T, k, r.ids, r.weights, s);
+      cuda::set_weight_decoder(cuda::WeightDecoder::Auto);
       double num = 0, den = 0;
       std::int64_t exact = 0, nan = 0;
       for (std::size_t i = 0; i < got.size(); ++i) {
@@ -114,7 +120,7 @@ TEST(MoeCudaVsCpu, EqualsProjectEmulationUpToSummationOrder) {
         den += f * f;
         exact += got[i] == ref[i];
       }
-      SCOPED_TRACE(cpu->name());
+      SCOPED_TRACE(::testing::Message() << cpu->name() << " pass " << pass);
       EXPECT_EQ(nan, 0);
       EXPECT_LT(std::sqrt(num / den), 1e-3);
       EXPECT_GT(exact, static_cast<std::int64_t>(got.size()) * 8 / 10);
