@@ -67,20 +67,29 @@ namespace lutb::cuda {
 ///          and issue wgmma; no CTA-wide barrier in the K loop).
 /// M64IL, M128 and M128W were slower than M64 on the H200 (docs/perf/moe-gpu-prefill.md, session
 /// 12) and are kept, tested, for the next attempts (set_prefill_tile).
-enum class PrefillTile { Auto, M64, M64IL, M128, M128W, W64, WB64, W64D, WB64D, WB64T, WS64 };
+///   WB128: sm_90a only (session 14, helper pf14): WB64's numerics (bit-identical to M64) with 128 token
+///          rows per CTA: 512 threads = 4 warpgroups (2 along tokens x 2 along weight rows, each
+///          m64n64), all fed by ONE decoded B tile per K-step, the decode split over all 16 warps
+///          (one strip each): half WB64's decode work per FLOP; 112.5 KB shared memory, 1 CTA per SM.
+enum class PrefillTile { Auto, M64, M64IL, M128, M128W, W64, WB64, W64D, WB64D, WB64T, WS64, WB128 };
 
 /// M128 from this many (token, expert) pairs per touched expert on average (prefill_tile); 0: never.
 /// 0 since the H200 runs of 2026-11-30 (docs/perf/moe-gpu-prefill.md, session 12): M128 and M128W
 /// were 0-47 % slower than M64 on all four model shapes at T = 1024 and 4096.
 inline constexpr std::int64_t kPrefillTile128MinPairs = 0;
 
+/// On sm_90: WB128 instead of WB64 from this many (token, expert) pairs per touched expert on
+/// average (prefill_tile_for); 0: never. PENDING the session-14 measurement (pf14).
+inline constexpr std::int64_t kPrefillWb128MinPairs = 0;
+
 /// The tile the prefill path uses for `pairs` = T*k pairs over `experts` experts: the value forced by
 /// set_prefill_tile (benchmarks' A/B), else prefill_tile_for(pairs, experts, the current device is
 /// sm_90). Never Auto. Queries the current device (cached) unless a tile is forced.
 PrefillTile prefill_tile(std::int64_t pairs, std::int64_t experts);
 /// The heuristic itself (host only, no device query): M128 when kPrefillTile128MinPairs > 0 and the
-/// mean number of pairs per touched expert, pairs / min(E, pairs), is at least that; else WB64 on
-/// sm_90 (the wgmma kernels are built for sm_90a only) and M64 on every other device.
+/// mean number of pairs per touched expert, pairs / min(E, pairs), is at least that; else on sm_90
+/// (the wgmma kernels are built for sm_90a only) WB128 when kPrefillWb128MinPairs > 0 and that mean
+/// is at least kPrefillWb128MinPairs, else WB64; M64 on every other device.
 PrefillTile prefill_tile_for(std::int64_t pairs, std::int64_t experts, bool sm90);
 /// Token rows per CTA (= the grouping's tile rows) of a resolved tile (M64*, W64*, WB64*: 64; M128*: 128).
 int prefill_tile_rows(PrefillTile t);
