@@ -467,28 +467,38 @@ TEST(PrefillCuda, HeuristicThresholdIs36PairsPerTouchedExpert) {
   EXPECT_EQ(cuda::decode_token_blocks(1024, 8, 256), 2);  // 32: the decode side of the threshold
 }
 
-TEST(PrefillCuda, TileHeuristicPicksWb64OnSm90ElseM64UnlessForced) {
+TEST(PrefillCuda, TileHeuristicPicksWb128From512PairsPerExpertOnSm90ElseWb64OrM64UnlessForced) {
   using cuda::PrefillTile;
-  // M128 measured slower on every shape (kPrefillTile128MinPairs = 0): a 64-row tile at every size.
-  // On sm_90 the BF16-fold wgmma tile WB64 (128B-swizzle operands, helper pf13b): 1.18-1.26x M64's
-  // throughput on all four model shapes at T = 1024 and 4096 on the H200, bit-identical output
-  // (asserted in MatchesHostReference); M64 on every other device (host-only check, no device query).
+  // M128 measured slower on every shape (kPrefillTile128MinPairs = 0): never. On sm_90 the BF16-fold
+  // wgmma tiles (bit-identical output, asserted in MatchesHostReference): WB128 from 512 pairs per
+  // touched expert (pf14 run 1 on the H200: 1.02-1.12x WB64 at 512..4096, 0.98-1.04x at 256, 0.59-0.95x
+  // at 32..128), WB64 below; M64 on every other device (host-only check, no device query).
   static_assert(cuda::kPrefillTile128MinPairs == 0);
+  static_assert(cuda::kPrefillWb128MinPairs == 512);
   for (const bool sm90 : {false, true}) {
-    const PrefillTile want = sm90 ? PrefillTile::WB64 : PrefillTile::M64;
-    EXPECT_EQ(cuda::prefill_tile_for(1024 * 8, 256, sm90), want);  // DeepSeek-V3, T = 1024: 32 pairs per expert
-    EXPECT_EQ(cuda::prefill_tile_for(4096 * 8, 256, sm90), want);  // DeepSeek-V3, T = 4096: 128
-    EXPECT_EQ(cuda::prefill_tile_for(4096 * 8, 128, sm90), want);  // Qwen3, T = 4096: 256
-    EXPECT_EQ(cuda::prefill_tile_for(4096 * 2, 8, sm90), want);    // Mixtral, T = 4096: 1024
-    EXPECT_EQ(cuda::prefill_tile_for(100, 1024, sm90), want);
+    const PrefillTile small = sm90 ? PrefillTile::WB64 : PrefillTile::M64;
+    const PrefillTile large = sm90 ? PrefillTile::WB128 : PrefillTile::M64;
+    EXPECT_EQ(cuda::prefill_tile_for(1024 * 8, 256, sm90), small);   // DeepSeek-V3, T = 1024: 32 pairs per expert
+    EXPECT_EQ(cuda::prefill_tile_for(4096 * 8, 256, sm90), small);   // DeepSeek-V3, T = 4096: 128
+    EXPECT_EQ(cuda::prefill_tile_for(4096 * 8, 128, sm90), small);   // Qwen3, T = 4096: 256
+    EXPECT_EQ(cuda::prefill_tile_for(1024 * 2, 8, sm90), small);     // Mixtral, T = 1024: 256
+    EXPECT_EQ(cuda::prefill_tile_for(16383 * 8, 256, sm90), small);  // 511.97
+    EXPECT_EQ(cuda::prefill_tile_for(16384 * 8, 256, sm90), large);  // DeepSeek-V3, T = 16384: 512
+    EXPECT_EQ(cuda::prefill_tile_for(8192 * 8, 128, sm90), large);   // Qwen3, T = 8192: 512
+    EXPECT_EQ(cuda::prefill_tile_for(16384 * 8, 128, sm90), large);  // Qwen3, T = 16384: 1024
+    EXPECT_EQ(cuda::prefill_tile_for(4096 * 2, 8, sm90), large);     // Mixtral, T = 4096: 1024
+    EXPECT_EQ(cuda::prefill_tile_for(2048 * 2, 8, sm90), large);     // Mixtral, T = 2048: 512
+    EXPECT_EQ(cuda::prefill_tile_for(100, 1024, sm90), small);       // 100 pairs over 100 touched experts
+    EXPECT_EQ(cuda::prefill_tile_for(600, 1, sm90), large);          // one expert, 600 pairs
+    EXPECT_EQ(cuda::prefill_tile_for(511, 1, sm90), small);
   }
   EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::M64), 64);
   EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::M64IL), 64);
   EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::M128), 128);
   EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::M128W), 128);
   EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::WB128), 128);  // groups 128-row token tiles (session 14)
-  // The sm_90 wgmma tiles (session 13) group 64-row token tiles. The FP8 ones (W64, W64D) miss the
-  // error bounds and are never chosen.
+  // The session-13 sm_90 wgmma tiles group 64-row token tiles (WB128: 128, above). The FP8 ones
+  // (W64, W64D) miss the error bounds and are never chosen.
   for (PrefillTile t : {PrefillTile::W64, PrefillTile::W64D, PrefillTile::WB64, PrefillTile::WB64D, PrefillTile::WB64T,
                         PrefillTile::WS64})
     EXPECT_EQ(cuda::prefill_tile_rows(t), 64);
