@@ -189,7 +189,10 @@ PrefillTile prefill_tile(std::int64_t pairs, std::int64_t experts) {
 }
 
 int prefill_tile_rows(PrefillTile t) {
-  return t == PrefillTile::M128 || t == PrefillTile::M128W || t == PrefillTile::WB128 ? 128 : 64;
+  return t == PrefillTile::M128 || t == PrefillTile::M128W || t == PrefillTile::WB128 ||
+                 t == PrefillTile::WB128P
+             ? 128
+             : 64;
 }
 
 namespace detail {
@@ -229,6 +232,12 @@ void launch_lutb_prefill_gemms(const DeviceMoeWeights& w, const kern::Routing& r
     launch_w90<kern::prefill90::Cfg90Bf128>(w13, w2, r, ws, slots, T, I, H, Hp, Ip, stream,
                                              "sm90_lutb_mxfp8_moe_gemm1_prefill_wgmma_bf16fold_m128",
                                              "sm90_lutb_mxfp8_moe_gemm2_prefill_wgmma_bf16fold_m128");
+    return;
+  }
+  if (tile == PrefillTile::WB128P) {
+    launch_w90<kern::prefill90::Cfg90Bf128P>(w13, w2, r, ws, slots, T, I, H, Hp, Ip, stream,
+                                              "sm90_lutb_mxfp8_moe_gemm1_prefill_wgmma_bf16fold_m128_pipe",
+                                              "sm90_lutb_mxfp8_moe_gemm2_prefill_wgmma_bf16fold_m128_pipe");
     return;
   }
   if (tile == PrefillTile::WS64) {

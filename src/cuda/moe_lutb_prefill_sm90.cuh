@@ -89,8 +89,16 @@ constexpr int kBM = 64;
 ///   BM: token rows per CTA, 64 or 128 (WB128, session 14): BM/64 x 2 warpgroups, warpgroup wg
 ///   computes token rows 64 (wg >> 1) .. +63 x B rows 64 (wg & 1) .. +63 from ONE decoded B tile per
 ///   K-step shared by all of them; each warp decodes 16 / (BM/8) strips (WB64: 2, WB128: 1).
-template <bool kBf16_, int S, bool kTokFast_ = false, int BM_ = 64>
+///   kPipe (WB128P): the K-tile pair's first wgmma group is left in flight across the next K-step's
+///   barrier (waited only before the promotion after the pair's second group), so the tensor cores
+///   work through every other barrier; this needs 3 B buffers and copies issued kStages - 2 K-tiles
+///   ahead (the stage and B buffer of the group in flight are not overwritten).
+template <bool kBf16_, int S, bool kTokFast_ = false, int BM_ = 64, bool kPipe_ = false>
 struct Cfg90 {
+  static constexpr bool kPipe = kPipe_;
+  static constexpr int kBBufs = kPipe_ ? 3 : 2;          // decoded B buffers
+  static constexpr int kLook = kPipe_ ? S - 2 : S - 1;   // K-tiles of copies in flight ahead
+  static_assert(!kPipe_ || (kBf16_ && S >= 4), "pipelined: BF16 fold, at least 4 stages");
   static constexpr bool kBf16 = kBf16_;
   static constexpr bool kTokFast = kTokFast_;
   static constexpr int kStages = S;
@@ -112,7 +120,7 @@ struct Cfg90 {
   static constexpr int kCbOff = kRawOff + kStrips * 192;       // 16 x 8 codebook bytes
   static constexpr int kStageBytes = (kCbOff + kStrips * 8 + (kSw128 ? 1023 : 0)) / (kSw128 ? 1024 : 1) * (kSw128 ? 1024 : 1);
   static constexpr int kBBytes = kBN * kRowBytes;              // one decoded B K-tile
-  static constexpr int kTabOff = kStages * kStageBytes + 2 * kBBytes;  // BF16: per warp kSPW x 16 table bytes
+  static constexpr int kTabOff = kStages * kStageBytes + kBBufs * kBBytes;  // BF16: per warp kSPW x 16 table bytes
   static constexpr int kSmemBytes = kTabOff + (kBf16 ? kWarps * 2 * 16 : 0);
   static_assert(kStageBytes % 16 == 0 && kBBytes % 16 == 0 && kAQ * kThreads * 16 == kABytes, "layout");
   static_assert(!kSw128 || (kStageBytes % 1024 == 0 && kBBytes % 2048 == 0 && kRowBytes == 128),
@@ -129,6 +137,10 @@ using Cfg90BfT = Cfg90<true, 4, true>;  // WB64T: WB64 with the token-tile slots
 /// registers capped at 128 by 512 threads (WB64 uses 115).
 using Cfg90Bf128 = Cfg90<true, 4, false, 128>;
 static_assert(Cfg90Bf128::kSmemBytes == 4 * 20480 + 2 * 16384 + 512 && Cfg90Bf128::kAQ == 2, "WB128 layout");
+/// WB128P: WB128 with the wgmma group of each pair's first K-tile in flight across the next barrier
+/// (kPipe); 5 stages (3 K-tiles of copies ahead, as WB128) + 3 B buffers: 148.5 KB, 1 CTA per SM.
+using Cfg90Bf128P = Cfg90<true, 5, false, 128, true>;
+static_assert(Cfg90Bf128P::kSmemBytes == 5 * 20480 + 3 * 16384 + 512 && Cfg90Bf128P::kLook == 3, "WB128P layout");
 
 /// Byte offset of (row r, byte column c) of a [rows][RB bytes] operand in wgmma's no-swizzle
 /// K-major layout: core matrix = 8 rows x 16 bytes (128 contiguous bytes); 16-byte K chunk c/16 at
@@ -308,7 +320,7 @@ __device__ __forceinline__ void cta_gemm90(const LutbW& w, long long e, long lon
   auto load_tsc = [&](long long kt) -> unsigned { return (tsc_ptr && kt < tiles_k) ? __ldg(tsc_ptr + kt) : 0u; };
   auto decode = [&](long long kt, unsigned tsc) {
     const unsigned char* st = smem + (kt % kStages) * kStageBytes;
-    unsigned char* bdst = bsm + (kt & 1) * kBBytes;
+    unsigned char* bdst = bsm + (kt % C::kBBufs) * kBBytes;
     if constexpr (C::kBf16) {
       if (lane < 8 * kSPW) {
         const int s = lane >> 3, j = lane & 7;
@@ -402,7 +414,7 @@ __device__ __forceinline__ void cta_gemm90(const LutbW& w, long long e, long lon
 
   // ---- prologue
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) issue(s);
+  for (int s = 0; s < C::kLook; ++s) issue(s);
   unsigned sw_next = 256u, tsc_next = 0u;
   float2 sa_next[2] = {make_float2(0.f, 0.f), make_float2(0.f, 0.f)};
   if constexpr (C::kBf16) {
@@ -411,7 +423,7 @@ __device__ __forceinline__ void cta_gemm90(const LutbW& w, long long e, long lon
     sw_next = load_sw(0);
     load_sa(0, sa_next);
   }
-  prefill::cp_wait<kStages - 2>();
+  prefill::cp_wait<C::kLook - 1>();
   __syncthreads();
   if constexpr (C::kBf16) {
     decode(0, tsc_next);
@@ -421,13 +433,15 @@ __device__ __forceinline__ void cta_gemm90(const LutbW& w, long long e, long lon
   }
 
   for (long long kt = 0; kt < tiles_k; ++kt) {
-    prefill::cp_wait<kStages - 3>();
+    prefill::cp_wait<C::kLook - 2>();  // stage kt+1 landed (own copies)
     fence_async_smem();
     __syncthreads();
-    issue(kt + kStages - 1);
+    // stage (kt + kLook) % kStages: WB64/WB128 the one read by K-tile kt-1 (waited), WB128P kt-2
+    // (kt-1's group may still be in flight)
+    issue(kt + C::kLook);
     // descriptors advance in 16-byte units: stage kt's A, buffer kt&1's B; +256 bytes = 2 K chunks
     const unsigned long long da = da0 + static_cast<unsigned long long>((kt % kStages) * kStageBytes >> 4);
-    const unsigned long long db = db0 + static_cast<unsigned long long>((kt & 1) * kBBytes >> 4);
+    const unsigned long long db = db0 + static_cast<unsigned long long>((kt % C::kBBufs) * kBBytes >> 4);
     if constexpr (C::kBf16) {
       const bool fresh = kt % prefill::kPromoteTiles == 0;
       const unsigned tsc = tsc_next;
@@ -439,10 +453,15 @@ __device__ __forceinline__ void cta_gemm90(const LutbW& w, long long e, long lon
         wgmma_64x64x16_bf16(d0, da + kstep_desc<C::kSw128>(ks), db + kstep_desc<C::kSw128>(ks),
                             (ks == 0 && fresh) ? 0 : 1);
       wg_commit();
-      if (kt + 1 < tiles_k) decode(kt + 1, tsc);
-      wg_wait0();
-      reg_fence(d0);
-      if (kt % prefill::kPromoteTiles == prefill::kPromoteTiles - 1 || kt + 1 == tiles_k) {
+      if (kt + 1 < tiles_k) decode(kt + 1, tsc);  // into B[(kt+1) % kBBufs]: not read by a group in flight
+      const bool promote = kt % prefill::kPromoteTiles == prefill::kPromoteTiles - 1 || kt + 1 == tiles_k;
+      // kPipe: the pair's first group stays in flight; the next group accumulates into the same d0
+      // (same-shape wgmma chains on one accumulator are ordered by the hardware, PTX ISA wgmma.fence).
+      if (!C::kPipe || promote) {
+        wg_wait0();
+        reg_fence(d0);
+      }
+      if (promote) {
 #pragma unroll
         for (int i = 0; i < 32; ++i) acc[i] = __fadd_rn(acc[i], d0[i]);
       }

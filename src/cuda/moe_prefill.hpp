@@ -74,7 +74,9 @@ namespace lutb::cuda {
 ///          THE HEURISTIC'S CHOICE ON sm_90 FROM kPrefillWb128MinPairs (512) PAIRS PER TOUCHED
 ///          EXPERT: 1.02-1.12x WB64 there, 0.59-0.95x below 256 (1 CTA per SM: the K-step barrier
 ///          drains the tensor cores, and small experts leave 128-row tiles half empty).
-enum class PrefillTile { Auto, M64, M64IL, M128, M128W, W64, WB64, W64D, WB64D, WB64T, WS64, WB128 };
+///   WB128P: WB128 with each K-tile pair's first wgmma group left in flight across the next barrier
+///          (5-stage ring, 3 B buffers, 148.5 KB); selectable only.
+enum class PrefillTile { Auto, M64, M64IL, M128, M128W, W64, WB64, W64D, WB64D, WB64T, WS64, WB128, WB128P };
 
 /// M128 from this many (token, expert) pairs per touched expert on average (prefill_tile); 0: never.
 /// 0 since the H200 runs of 2026-11-30 (docs/perf/moe-gpu-prefill.md, session 12): M128 and M128W

@@ -195,7 +195,8 @@ std::vector<cuda::PrefillTile> all_tiles() {
                                       cuda::PrefillTile::M128, cuda::PrefillTile::M128W};
   if (device_is_sm90())
     for (auto t : {cuda::PrefillTile::WB64, cuda::PrefillTile::WB64D, cuda::PrefillTile::WB64T, cuda::PrefillTile::W64,
-                   cuda::PrefillTile::W64D, cuda::PrefillTile::WS64, cuda::PrefillTile::WB128})
+                   cuda::PrefillTile::W64D, cuda::PrefillTile::WS64, cuda::PrefillTile::WB128,
+                   cuda::PrefillTile::WB128P})
       v.push_back(t);
   // LUTB_PREFILL_TEST_WS=0: every tile but the warp-specialised WS64; =only: M64 and WS64 (a device
   // run can then verify the other tiles in a process that a WS64 fault cannot take down).
@@ -211,7 +212,8 @@ std::vector<cuda::PrefillTile> all_tiles() {
 bool is_fp8(cuda::PrefillTile t) { return t == cuda::PrefillTile::W64 || t == cuda::PrefillTile::W64D; }
 bool is_wgmma(cuda::PrefillTile t) {
   return is_fp8(t) || t == cuda::PrefillTile::WB64 || t == cuda::PrefillTile::WB64D || t == cuda::PrefillTile::WB64T ||
-         t == cuda::PrefillTile::WS64 || t == cuda::PrefillTile::WB128;
+         t == cuda::PrefillTile::WS64 || t == cuda::PrefillTile::WB128 ||
+         t == cuda::PrefillTile::WB128P;
 }
 const char* tile_name(cuda::PrefillTile t) {
   switch (t) {
@@ -222,6 +224,7 @@ const char* tile_name(cuda::PrefillTile t) {
     case cuda::PrefillTile::WB64T: return "WB64T";
     case cuda::PrefillTile::WS64: return "WS64";
     case cuda::PrefillTile::WB128: return "WB128";
+    case cuda::PrefillTile::WB128P: return "WB128P";
     case cuda::PrefillTile::M64IL: return "M64IL";
     case cuda::PrefillTile::M128: return "M128";
     case cuda::PrefillTile::M128W: return "M128W";
@@ -286,7 +289,7 @@ TEST_P(PrefillRandom, MatchesHostReference) {
     if (is_wgmma(tile) && !m64.empty()) {
       // A wgmma tile against M64 (the sm_80 BF16-fold mma.sync kernel, the default off sm_90) on the
       // same inputs, all rows.
-      // The BF16-fold tiles (WB64, WB64D, WB64T, WS64, WB128) use M64's numerics (exact operands, tensor-core
+      // The BF16-fold tiles (WB64, WB64D, WB64T, WS64, WB128, WB128P) use M64's numerics (exact operands, tensor-core
       // sums over the same 128 columns, the same FP32 promotion): asserted bit-identical (measured so
       // in sessions 13's runs). FP8 tiles: reported only (asserted against the reference above).
       const Cmp d = compare_bf16(got, m64);
@@ -497,6 +500,7 @@ TEST(PrefillCuda, TileHeuristicPicksWb128From512PairsPerExpertOnSm90ElseWb64OrM6
   EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::M128), 128);
   EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::M128W), 128);
   EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::WB128), 128);  // groups 128-row token tiles (session 14)
+  EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::WB128P), 128);
   // The session-13 sm_90 wgmma tiles group 64-row token tiles (WB128: 128, above). The FP8 ones
   // (W64, W64D) miss the error bounds and are never chosen.
   for (PrefillTile t : {PrefillTile::W64, PrefillTile::W64D, PrefillTile::WB64, PrefillTile::WB64D, PrefillTile::WB64T,
