@@ -1,8 +1,10 @@
 // src/cuda/moe_lutb_prefill_sm90.cuh: sm_90a prefill GEMMs on Hopper's wgmma (session 13), the
 // PrefillTile values W64, W64D (FP8), WB64, WB64D, WB64T (BF16 fold) and WS64 (BF16 fold,
-// warp-specialised) of moe_prefill.hpp, launched by moe_lutb_prefill.cu. WB64 is the prefill default
-// on sm_90 (helper pf13b): with the BF16 operands in the 128B-swizzle layout it is 1.18-1.26x M64 on
-// the H200, bit-identical to it. The FP8 tiles are 1-9 % faster than M64 but outside the tests'
+// warp-specialised), WB128 and WB128P (BF16 fold, 128 token rows, session 14) of moe_prefill.hpp,
+// launched by moe_lutb_prefill.cu. WB64 is the prefill default on sm_90 (helper pf13b): with the BF16
+// operands in the 128B-swizzle layout it is 1.18-1.26x M64 on the H200, bit-identical to it. From 512
+// pairs per touched expert WB128 (4 warpgroups sharing one decoded B tile, 1 CTA per SM) is: 1.02-1.12x
+// WB64 there (helper pf14; WB128P, its pipelined variant, 0.77-0.85x WB128). The FP8 tiles are 1-9 % faster than M64 but outside the tests'
 // error bounds: never chosen (docs/perf/moe-gpu-prefill.md, session 13).
 // Everything device-side is compiled for sm_90a only (__CUDA_ARCH_FEAT_SM90_ALL; __trap otherwise).
 //
@@ -10,6 +12,8 @@
 // UE8M0 scale per 32 columns. Decoding a tile to the tensor core's operand is therefore a pure byte
 // lookup (4 PRMT per lane and tile row, no conversion), and wgmma's FP8 rate is twice BF16's.
 //
+// CTA of WB128 (Cfg90 BM = 128): 512 threads = 4 warpgroups, warpgroup wg on token rows 64 (wg >> 1)..
+// and B rows 64 (wg & 1)..; each warp decodes one strip; otherwise as below.
 // CTA of W64/WB64 (256 threads = 2 warpgroups, no producer warp): 64 token rows (one token tile of
 // the grouping, one expert) x 128 weight rows (16 LUT-B row-strips; warpgroup wg owns B rows
 // 64wg..64wg+63 = strips 8wg..8wg+7) x K-tiles of 64 columns (one LUT-B tile column).
