@@ -2,7 +2,8 @@
 //
 // What it is: GEMM1 (+ SiLU*up + MXFP8 of h) and GEMM2 of spec section 4 as CTA-tiled BF16
 // tensor-core GEMMs (mma.sync.m16n8k16, FP32 accumulators, ldmatrix from swizzled shared memory);
-// on sm_90 also wgmma variants (moe_lutb_prefill_sm90.cuh, PrefillTile W*), not the default.
+// on sm_90 wgmma variants (moe_lutb_prefill_sm90.cuh, PrefillTile W*), the default there: WB64,
+// and WB128 from kPrefillWb128MinPairs pairs per touched expert (prefill_tile_for).
 // A CTA owns 64 or 128 token rows of one expert (one token tile of the grouping; PrefillTile) x 128
 // weight rows; every LUT-B tile it needs is decoded ONCE per CTA into shared memory and then feeds
 // all of its tokens.
