@@ -21,6 +21,9 @@
 #     builds (sm_90a) the MoE CUDA sources, the MoE GPU tests (moe_cuda_test, moe_vs_cpu_test) and
 #     bench_moe_gpu, runs the tests, memcheck / racecheck / synccheck on small cases, and each CMD
 #     with $BENCH = the benchmark (DECWS_BENCH_FIRST=1: the CMDs first; DECWS_TESTS: a gtest filter).
+#   scripts/gpu_run.sh moetests 'CMD' ['CMD'...]
+#     builds only the MoE GPU tests and bench_moe_gpu (sm_90a), runs the tests, memcheck + racecheck
+#     on the decode-path cases, then each CMD with $BENCH = the benchmark (see the mode below).
 #   scripts/gpu_run.sh prefill [bench_moe_prefill args...]
 #     builds only the MoE CUDA sources (src/cuda/moe_*.cu, routing.cu, lane_major.cu), the prefill path's tests
 #     (tests/cuda/moe_prefill_test.cpp) and bench/gpu/bench_moe_prefill.cu, then runs those tests,
@@ -186,6 +189,62 @@ if [ "$WHAT" = moebench ]; then
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv | tee "$OUT/gpu.txt" || true
   export BENCH="$B/bench_moe_gpu_sm90"
   for cmd in "$@"; do echo "## $cmd"; bash -c "$cmd"; done 2>&1 | tee "$OUT/moebench.md"
+  exit 0
+fi
+
+# moetests: the MoE GPU tests (tests/cuda/moe_cuda_test.cpp, moe_vs_cpu_test.cpp,
+# moe_decode_paths_test.cpp against src/core + src/moe) and bench_moe_gpu, sm_90a only, without the
+# fitter and prefill tests (~40 s on 16 cores instead of `all`'s ~250 s); then the tests, memcheck +
+# racecheck on small decode cases, and each "CMD" with $BENCH = the benchmark, e.g.
+#   scripts/gpu_run.sh moetests '$BENCH --tokens 1,4,16,64 --variants 0,20'
+# MOETESTS_JOBS: parallel compiles (default 64; 2 on a small machine).
+if [ "$WHAT" = moetests ]; then
+  FA="-gencode=arch=compute_90a,code=sm_90a"
+  MCU="${CUFLAGS/$ARCH/$FA}"
+  mkdir -p "$B/mt"
+  pids=()
+  throttle() { while [ "$(jobs -rp | wc -l)" -ge "${MOETESTS_JOBS:-64}" ]; do sleep 1; done; }
+  {
+  for f in src/cuda/moe_*.cu src/cuda/routing.cu src/cuda/lane_major.cu; do
+    throttle; $NVCC $MCU -c "$f" -o "$B/mt/l_$(basename "$f" .cu).o" & pids+=($!)
+  done
+  throttle; $NVCC $MCU -c bench/gpu/bench_moe_gpu.cu -o "$B/mt/bench_moe_gpu.o" & pids+=($!)
+  if [ ! -f "$B/obj/gtest-all.o" ]; then
+    throttle; g++ -std=c++17 -O2 -isystem "$GTEST_DIR/include" -I"$GTEST_DIR" -c "$GTEST_DIR/src/gtest-all.cc" -o "$B/obj/gtest-all.o" & pids+=($!)
+    throttle; g++ -std=c++17 -O2 -isystem "$GTEST_DIR/include" -I"$GTEST_DIR" -c "$GTEST_DIR/src/gtest_main.cc" -o "$B/obj/gtest_main.o" & pids+=($!)
+  fi
+  for f in src/core/*.cpp src/moe/*.cpp src/fit/*.cpp; do
+    local_fc=""; case "$f" in src/fit/*) local_fc=-ffp-contract=off;; esac  # as CMakeLists.txt
+    throttle; g++ $CXXFLAGS -O3 $local_fc -c "$f" -o "$B/mt/c_$(basename "$(dirname "$f")")_$(basename "$f" .cpp).o" & pids+=($!)
+  done
+  for f in tests/cuda/moe_cuda_test.cpp tests/cuda/moe_vs_cpu_test.cpp tests/cuda/moe_decode_paths_test.cpp tests/support/test_support.cpp; do
+    throttle; g++ $CXXFLAGS -DLUTB_SOURCE_DIR="\"$ROOT\"" -c "$f" -o "$B/mt/t_$(basename "$f" .cpp).o" & pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p"; done
+  $NVCC $FA -o "$B/lutb_moe_tests" "$B"/mt/t_*.o "$B"/mt/l_*.o "$B"/mt/c_*.o "$B/obj/gtest-all.o" "$B/obj/gtest_main.o" \
+    -lcublas -Xcompiler -fopenmp -L"$DEPS_LIB" -lhwy -lpthread -Xlinker -rpath="$DEPS_LIB"
+  $NVCC $FA -o "$B/bench_moe_gpu_mt" "$B/mt/bench_moe_gpu.o" "$B"/mt/l_*.o "$B"/mt/c_core_*.o -lcublas \
+    -Xcompiler -fopenmp -L"$DEPS_LIB" -lhwy -lpthread -Xlinker -rpath="$DEPS_LIB"
+  } 2>&1 | tee "$OUT/build_moetests.log"
+  [ "${MOETESTS_BUILD_ONLY:-0}" = 1 ] && exit 0
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv | tee "$OUT/gpu.txt" || true
+  export LD_LIBRARY_PATH="$DEPS_LIB:${LD_LIBRARY_PATH:-}"
+  export BENCH="$B/bench_moe_gpu_mt"
+  # MOETESTS_BENCH_FIRST=1: the benchmark commands before the tests (a short lease keeps the figures).
+  run_tests() {
+    "$B/lutb_moe_tests" ${MOETESTS_FILTER:+--gtest_filter="$MOETESTS_FILTER"} 2>&1 | tail -60 | tee "$OUT/moe_tests.log" || true
+    if [ "${MOETESTS_SANITIZE:-1}" = 1 ]; then
+      compute-sanitizer --tool memcheck --error-exitcode 9 "$B/lutb_moe_tests" \
+        --gtest_filter='MoeDecodePaths*:MoeCuda.SingleTokenInvalidAndRepeatedExperts:MoeCuda.InvalidExpertIdWritesNanRow' 2>&1 |
+        tail -12 | tee "$OUT/moe_sanitizer.log" || true
+      compute-sanitizer --tool racecheck --error-exitcode 9 "$B/lutb_moe_tests" \
+        --gtest_filter='Shapes/MoeDecodePathsRandom.*/E16_H200*' 2>&1 | tail -6 | tee -a "$OUT/moe_sanitizer.log" || true
+    fi
+  }
+  [ "${MOETESTS_BENCH_FIRST:-0}" = 1 ] || run_tests
+  for cmd in "$@"; do echo "## $cmd"; bash -c "$cmd"; done 2>&1 | tee "$OUT/moebench.md"
+  [ "${MOETESTS_BENCH_FIRST:-0}" = 1 ] && run_tests
+  echo "gpu_run.sh moetests: ${SECONDS} s"
   exit 0
 fi
 

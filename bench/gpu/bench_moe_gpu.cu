@@ -4,8 +4,9 @@
 //
 // Usage: bench_moe_gpu [--quick] [--shape NAME] [--tokens T] [--variants LIST]
 //   (NAME: deepseek-v3, qwen3-235b, qwen3-30b, mixtral-8x7b; --tokens T or T1,T2,...: only those batch sizes;
-//   --variants, e.g. 0,7 or 1,10: only those forwards of the `make` switch (0..11; 10 = the swap-AB
-//   decode on FP8 wgmma, 11 = the warp-specialised swap-AB decode), a compact row, no cuBLAS: for quick A/B runs of kernel changes)
+//   --variants, e.g. 0,7 or 1,10: only those forwards of the `make` switch (0..11, 20..37; 10 = the swap-AB
+//   decode on FP8 wgmma, 11 = the warp-specialised swap-AB decode; 20..37: session 14's small-batch paths,
+//   stage timing and forced K splits), a compact row, no cuBLAS: for quick A/B runs of kernel changes)
 // Each forward (routing kernel excluded; the routing is precomputed by route_softmax_topk /
 // route_deepseek on random logits) is captured in a CUDA graph; R = 8 different routings are cycled
 // so that the experts touched change from call to call (weights of one call are not in L2 for the
@@ -179,7 +180,7 @@ struct Shape {
   bool deepseek;
 };
 
-constexpr int kVariants = 12;  // forwards of the `make` switch below
+constexpr int kVariants = 40;  // forwards of the `make` switch below (0..11, 20..37)
 
 int main(int argc, char** argv) {
   bool quick = false;
@@ -386,6 +387,69 @@ int main(int argc, char** argv) {
             cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st, cuda::MoeStrategy::Decode);
             cuda::set_weight_decoder(cuda::WeightDecoder::Auto);
             break;
+          // Session 14 (small14): the small-batch fixed-cost paths (moe.hpp set_decode_paths) against
+          // the old path in the same run, and stage timing (set_forward_stop_after). All Auto strategy.
+          case 20:  // the old path: grouping kernel at T > 1, separate top-k reduction kernel
+            cuda::set_decode_paths(0);
+            cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st);
+            cuda::set_decode_paths(cuda::kDecodePathsDefault);
+            break;
+          case 21:  // direct forward only (no fused reduction, no split)
+            cuda::set_decode_paths(cuda::kDecodeDirect);
+            cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st);
+            cuda::set_decode_paths(cuda::kDecodePathsDefault);
+            break;
+          case 22:  // direct forward for every one-block batch (crossover), fused reduction always
+            cuda::set_decode_paths(cuda::kDecodeDirectAlways | cuda::kDecodeClusterReduceAlways);
+            cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st);
+            cuda::set_decode_paths(cuda::kDecodePathsDefault);
+            break;
+          case 23:  // direct forward for every one-block batch, separate reduction
+            cuda::set_decode_paths(cuda::kDecodeDirectAlways);
+            cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st);
+            cuda::set_decode_paths(cuda::kDecodePathsDefault);
+            break;
+          case 24:  // T = 1 through the grouping kernel too (session 10's old T = 1 path)
+            cuda::set_decode_paths(cuda::kDecodeNoDirect1);
+            cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st);
+            cuda::set_decode_paths(cuda::kDecodePathsDefault);
+            break;
+          case 25:  // stage timing of the default: up to the MXFP8 of x (and grouping)
+          case 26:  // ... up to GEMM1
+          case 27:  // ... up to GEMM2 (with the fused reduction when it runs)
+            cuda::set_forward_stop_after(variant - 24);
+            cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st);
+            cuda::set_forward_stop_after(0);
+            break;
+          case 28:  // stage timing of the old path (variant 20): up to the grouping + MXFP8 of x
+          case 29:  // ... up to GEMM1
+          case 30:  // ... up to GEMM2
+            cuda::set_decode_paths(0);
+            cuda::set_forward_stop_after(variant - 27);
+            cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st);
+            cuda::set_forward_stop_after(0);
+            cuda::set_decode_paths(cuda::kDecodePathsDefault);
+            break;
+          case 36:  // the default without the split-K rule
+          case 37:  // the default without the fused top-k reduction
+            cuda::set_decode_paths(variant == 36 ? (cuda::kDecodePathsDefault & ~cuda::kDecodeSplitK)
+                                                 : (cuda::kDecodePathsDefault & ~cuda::kDecodeClusterReduce));
+            cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st);
+            cuda::set_decode_paths(cuda::kDecodePathsDefault);
+            break;
+          // Split-K across cluster CTAs forced (set_decode_split: split, warps halved `shift` times).
+          case 31:  // GEMM1 only: 2 CTAs x half the warps
+          case 32:  // both GEMMs: 2 CTAs x half the warps
+          case 33:  // both: 2 CTAs x the same warps
+          case 34:  // both: 4 CTAs x a quarter of the warps
+          case 35: {  // both: 4 CTAs x half the warps
+            const int sp[5][4] = {{2, 1, 1, 0}, {2, 1, 2, 1}, {2, 0, 2, 0}, {4, 2, 4, 2}, {4, 1, 4, 1}};
+            const int* q = sp[variant - 31];
+            cuda::set_decode_split(q[0], q[1], q[2], q[3]);
+            cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st);
+            cuda::set_decode_split(0, 0, 0, 0);
+            break;
+          }
           case 9:
             cuda::set_dependent_launch(false);
             cuda::moe_forward_bf16(wb, xr, T, s.k, id, wt, out, ws, wsb, st,

@@ -1,6 +1,7 @@
 // src/cuda/moe_common.cu: the small kernels of the MoE forward (MXFP8 of x, grouping of tokens by
 // expert, weighted top-k reduction), the workspace layout and the strategy heuristic.
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
@@ -146,6 +147,26 @@ MoeStrategy choose_strategy(std::int64_t tokens, int top_k, std::int64_t experts
   return a >= 48.0 ? MoeStrategy::Prefill : MoeStrategy::Decode;
 }
 
+bool decode_direct(std::int64_t tokens, int top_k, std::int64_t experts) {
+  if (tokens < 1 || top_k < 1 || experts < 1 || top_k > experts) return false;
+  if (tokens == 1) return true;
+  // Expected distinct experts of T tokens with k distinct uniform choices each: E (1 - (1 - k/E)^T).
+  const double q = 1.0 - static_cast<double>(top_k) / static_cast<double>(experts);
+  const double touched = static_cast<double>(experts) * (1.0 - std::pow(q, static_cast<double>(tokens)));
+  return static_cast<double>(tokens) * top_k <= kDirectMaxPairsPerExpert * touched;
+}
+
+DecodeSplit decode_k_split(std::int64_t ctas, std::int64_t tiles_k, int warps, int sms) {
+  if (warps < 4 || ctas < 1 || sms < 1 || tiles_k < 4ll * warps) return {1, warps};
+  const std::int64_t before = (ctas + sms - 1) / sms, after = (2 * ctas + sms - 1) / sms;
+  if (after * (warps / 2) <= 16 && after < 2 * before) return {2, warps / 2};
+  return {1, warps};
+}
+
+bool decode_fuse_reduce(std::int64_t gemm2_ctas, int top_k, int sms) {
+  return top_k >= 1 && top_k <= 8 && gemm2_ctas >= 1 && gemm2_ctas <= 2ll * sms;
+}
+
 int decode_token_blocks(std::int64_t tokens, int top_k, std::int64_t experts) {
   const double a = tokens_per_expert(tokens, top_k, experts);
   return a <= kSwapOneBlockMaxTokensPerExpert ? 1 : 2;
@@ -200,6 +221,22 @@ int resolve_mt(MoeStrategy s, std::int64_t tokens, int top_k, std::int64_t exper
 }
 
 static WeightDecoder g_decoder = WeightDecoder::Auto;
+int device_sms();  // below
+static unsigned g_decode_paths = kDecodePathsDefault;
+static int g_stop_after = 0;
+static int g_split[4] = {0, 0, 0, 0};  // set_decode_split (benchmark only)
+
+DecodeSplit gemm_k_split(int gemm, std::int64_t ctas, std::int64_t tiles_k, int warps) {
+  const int s = g_split[2 * (gemm - 1)], shift = g_split[2 * (gemm - 1) + 1];
+  if (s == 1 || s == 2 || s == 4) return {s, std::max(1, warps >> std::max(0, shift))};
+  // The rule: GEMM1 only, with kDecodeSplitK.
+  if (gemm != 1 || !(g_decode_paths & kDecodeSplitK)) return {1, warps};
+  return decode_k_split(ctas, tiles_k, warps, device_sms());
+}
+
+unsigned decode_paths() { return g_decode_paths; }
+int sm_count() { return device_sms(); }
+int forward_stop_after() { return g_stop_after; }
 
 namespace {
 int device_cc() {
@@ -214,6 +251,19 @@ int device_cc() {
   }
   return dev < 64 ? cc[dev] : 0;
 }
+}  // namespace
+
+int device_sms() {
+  static int sms[64] = {0};
+  int dev = 0;
+  check(cudaGetDevice(&dev), "cudaGetDevice");
+  if (dev >= 64) return 132;
+  if (sms[dev] == 0)
+    check(cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
+  return sms[dev];
+}
+
+namespace {
 // The binary carries sm_80 and sm_90a code: the E4M3 conversion and E4M3 mma exist only in the
 // sm_90a image.
 bool sm90_image() {
@@ -221,6 +271,8 @@ bool sm90_image() {
   return c >= 90 && c < 100;
 }
 }  // namespace
+
+bool cluster_launch_ok() { return sm90_image(); }
 
 bool use_cvt_decoder(int mt) {
   if (g_decoder == WeightDecoder::BytePermute) return false;
@@ -269,6 +321,17 @@ void launch_reduce(const int* ids, const float* weights, const float* y, std::in
 }
 
 }  // namespace detail
+
+void set_decode_paths(unsigned paths) { detail::g_decode_paths = paths; }
+
+void set_decode_split(int ksplit1, int warp_shift1, int ksplit2, int warp_shift2) {
+  detail::g_split[0] = ksplit1;
+  detail::g_split[1] = warp_shift1;
+  detail::g_split[2] = ksplit2;
+  detail::g_split[3] = warp_shift2;
+}
+
+void set_forward_stop_after(int stage) { detail::g_stop_after = stage > 0 ? stage : 0; }
 
 void set_weight_decoder(WeightDecoder d) { detail::g_decoder = d; }
 

@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "common.cuh"
+#include "lutb/cuda/moe.hpp"
 #include "moe_kernels.cuh"
 
 namespace lutb::cuda::detail {
@@ -49,6 +50,16 @@ bool use_cvt_decoder(int mt);
 /// Auto and Cvt -> Cvt on sm_90 devices; Fp8Mma -> FP8 on sm_90; otherwise the byte trick.
 int swap_decoder();
 
+/// set_decode_paths' flags (kDecodePathsDefault unless changed) and set_forward_stop_after's stage.
+unsigned decode_paths();
+int forward_stop_after();
+/// SMs of the current device (cached per device).
+int sm_count();
+/// K split of swap-AB GEMM `gemm` (1 or 2): set_decode_split's forced value, else decode_k_split.
+DecodeSplit gemm_k_split(int gemm, std::int64_t ctas, std::int64_t tiles_k, int warps);
+/// True when the current device runs the sm_90a image (thread-block clusters, distributed shared memory).
+bool cluster_launch_ok();
+
 /// True when the forward uses programmatic dependent launch: the device is sm_90+ and neither
 /// LUTB_PDL=0 (environment, read once) nor set_dependent_launch(false) turned it off.
 bool pdl_enabled();
@@ -70,6 +81,28 @@ void launch_kernel(const char* name, bool dependent, void (*kernel)(Params...), 
   attr.val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = &attr;
   cfg.numAttrs = dependent && pdl_enabled() ? 1 : 0;
+  check(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...), name);
+}
+
+/// launch_kernel with a thread-block cluster of `cluster` CTAs (sm_90+; cluster_launch_ok()): the
+/// grid's dimensions must be multiples of the cluster's, at most 8 CTAs (the portable size).
+template <class... Params, class... Args>
+void launch_kernel_cluster(const char* name, bool dependent, void (*kernel)(Params...), dim3 grid, dim3 block,
+                           std::size_t smem, dim3 cluster, cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[2]{};
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = cluster.x;
+  attr[0].val.clusterDim.y = cluster.y;
+  attr[0].val.clusterDim.z = cluster.z;
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = dependent && pdl_enabled() ? 2 : 1;
   check(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...), name);
 }
 

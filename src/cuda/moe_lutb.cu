@@ -50,9 +50,12 @@ int swap_warps(std::int64_t ctas, std::int64_t tiles_k, int most) {
   return w;
 }
 
+/// The swap-AB GEMMs. `fuse_reduce` (direct forwards on sm_90 only, top_k <= 8): GEMM2 in clusters
+/// of (1, top_k) CTAs with the weighted top-k reduction fused (kern::swap_cluster_reduce), writing
+/// `out`; the caller then launches no reduction. `stop`: forward_stop_after() (benchmark only).
 template <int kDec, int NB>
 void launch_swapab(const DeviceMoeWeights& w, const kern::Routing& r, const detail::Workspace& ws, std::int64_t P,
-                   cudaStream_t stream) {
+                   cudaStream_t stream, bool fuse_reduce, const float* topk_weights, std::uint16_t* out, int stop) {
   const std::int64_t H = w.hidden, I = w.intermediate;
   const std::int64_t Hp = w.w13.shape.padded_cols(), Ip = w.w2.shape.padded_cols();
   // Direct (ungrouped, T = 1) forwards have one slot per pair, even with top_k > experts.
@@ -66,31 +69,66 @@ void launch_swapab(const DeviceMoeWeights& w, const kern::Routing& r, const deta
   // attribute, capture-safe).
   constexpr int kMostWarps = kern::swap_max_warps(NB);
   const int most = kern::swap_smem_bytes<NB>(kMostWarps);
-  LUTB_CUDA_CHECK(cudaFuncSetAttribute(kern::swapab_gemm1_kernel<kDec, NB>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, most));
-  LUTB_CUDA_CHECK(cudaFuncSetAttribute(kern::swapab_gemm2_kernel<kDec, NB>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, most));
+  for (auto* k : {kern::swapab_gemm1_kernel<kDec, NB, false>, kern::swapab_gemm1_kernel<kDec, NB, true>})
+    LUTB_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, most));
+  for (auto* k : {kern::swapab_gemm2_kernel<kDec, NB, false>, kern::swapab_gemm2_kernel<kDec, NB, true>})
+    LUTB_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, most));
   // FP8 decoder: E4M3 bytes of x and h; FP16 decoders: FP16 values.
   const void* xa = kDec == kern::kDecFp8 ? static_cast<const void*>(ws.xq8) : static_cast<const void*>(ws.xa);
   void* hq = kDec == kern::kDecFp8 ? static_cast<void*>(ws.hq8) : static_cast<void*>(ws.hq);
   const std::int64_t groups1 = Ip / 32, groups2 = detail::ceil_div(w2.tiles_n, 8);
-  const int nw1 = swap_warps(touched * groups1, w13.tiles_k, kMostWarps);
-  const int nw2 = swap_warps(touched * groups2, w2.tiles_k, kMostWarps);
+  int nw1 = swap_warps(touched * groups1, w13.tiles_k, kMostWarps);
+  int nw2 = swap_warps(touched * groups2, w2.tiles_k, kMostWarps);
+  // Split-K across cluster CTAs (decode_k_split, moe.hpp; sm_90a only; never for a GEMM2 that
+  // fuses the top-k reduction, whose cluster already spans the token's pairs).
+  int ks1 = 1, ks2 = 1;
+  if (detail::cluster_launch_ok()) {
+    const DecodeSplit s1 = detail::gemm_k_split(1, touched * groups1, w13.tiles_k, nw1);
+    ks1 = s1.ksplit;
+    nw1 = s1.warps;
+    if (!fuse_reduce) {
+      const DecodeSplit s2 = detail::gemm_k_split(2, touched * groups2, w2.tiles_k, nw2);
+      ks2 = s2.ksplit;
+      nw2 = s2.warps;
+    }
+  }
   // Benchmarking knob: LUTB_SWAPAB_ONE=0 runs one-token tiles through the general K-loop (read once).
   static const bool one_token_loop = [] {
     const char* v = std::getenv("LUTB_SWAPAB_ONE");
     return !(v && std::strcmp(v, "0") == 0);
   }();
-  const dim3 g1(static_cast<unsigned>(groups1), static_cast<unsigned>(slots));
-  detail::launch_kernel("sm80_lutb_mxfp8_moe_gemm1_swapab", true, kern::swapab_gemm1_kernel<kDec, NB>, g1,
-                        dim3(32 * nw1), kern::swap_smem_bytes<NB>(nw1), stream, w13, xa,
-                        static_cast<const float*>(ws.xsf), static_cast<long long>(Hp), r, static_cast<long long>(I),
-                        static_cast<long long>(Ip), hq, ws.hsf, one_token_loop);
-  const dim3 g2(static_cast<unsigned>(groups2), static_cast<unsigned>(slots));
-  detail::launch_kernel("sm80_lutb_mxfp8_moe_gemm2_swapab", true, kern::swapab_gemm2_kernel<kDec, NB>, g2,
-                        dim3(32 * nw2), kern::swap_smem_bytes<NB>(nw2), stream, w2, static_cast<const void*>(hq),
-                        static_cast<const float*>(ws.hsf), static_cast<long long>(Ip), r, static_cast<long long>(H),
-                        ws.y, one_token_loop);
+  const dim3 g1(static_cast<unsigned>(groups1 * ks1), static_cast<unsigned>(slots));
+  if (ks1 > 1)
+    detail::launch_kernel_cluster("sm90_lutb_mxfp8_moe_gemm1_swapab_splitk", true, kern::swapab_gemm1_kernel<kDec, NB, true>,
+                                  g1, dim3(32 * nw1), kern::swap_smem_bytes<NB>(nw1), dim3(ks1, 1, 1), stream, w13, xa,
+                                  static_cast<const float*>(ws.xsf), static_cast<long long>(Hp), r,
+                                  static_cast<long long>(I), static_cast<long long>(Ip), hq, ws.hsf, one_token_loop, ks1);
+  else
+    detail::launch_kernel("sm80_lutb_mxfp8_moe_gemm1_swapab", true, kern::swapab_gemm1_kernel<kDec, NB, false>, g1,
+                          dim3(32 * nw1), kern::swap_smem_bytes<NB>(nw1), stream, w13, xa,
+                          static_cast<const float*>(ws.xsf), static_cast<long long>(Hp), r, static_cast<long long>(I),
+                          static_cast<long long>(Ip), hq, ws.hsf, one_token_loop, 1);
+  if (stop == 2) return;
+  const dim3 g2(static_cast<unsigned>(groups2 * ks2), static_cast<unsigned>(slots));
+  if (fuse_reduce) {
+    detail::launch_kernel_cluster("sm90_lutb_mxfp8_moe_gemm2_swapab_reduce", true, kern::swapab_gemm2_kernel<kDec, NB, false>,
+                                  g2, dim3(32 * nw2), kern::swap_smem_bytes<NB>(nw2),
+                                  dim3(1, static_cast<unsigned>(r.top_k), 1), stream, w2, static_cast<const void*>(hq),
+                                  static_cast<const float*>(ws.hsf), static_cast<long long>(Ip), r,
+                                  static_cast<long long>(H), ws.y, one_token_loop, topk_weights, out, 1);
+  } else if (ks2 > 1) {
+    detail::launch_kernel_cluster("sm90_lutb_mxfp8_moe_gemm2_swapab_splitk", true, kern::swapab_gemm2_kernel<kDec, NB, true>,
+                                  g2, dim3(32 * nw2), kern::swap_smem_bytes<NB>(nw2), dim3(ks2, 1, 1), stream, w2,
+                                  static_cast<const void*>(hq), static_cast<const float*>(ws.hsf),
+                                  static_cast<long long>(Ip), r, static_cast<long long>(H), ws.y, one_token_loop,
+                                  static_cast<const float*>(nullptr), static_cast<std::uint16_t*>(nullptr), ks2);
+  } else {
+    detail::launch_kernel("sm80_lutb_mxfp8_moe_gemm2_swapab", true, kern::swapab_gemm2_kernel<kDec, NB, false>, g2,
+                          dim3(32 * nw2), kern::swap_smem_bytes<NB>(nw2), stream, w2, static_cast<const void*>(hq),
+                          static_cast<const float*>(ws.hsf), static_cast<long long>(Ip), r, static_cast<long long>(H),
+                          ws.y, one_token_loop, static_cast<const float*>(nullptr),
+                          static_cast<std::uint16_t*>(nullptr), 1);
+  }
 }
 
 /// Warpgroups per CTA of the wgmma kernels (they split K like swap_warps' warps: one warpgroup
@@ -240,6 +278,7 @@ void moe_forward(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t
     throw std::invalid_argument("moe_forward: workspace of " + std::to_string(workspace_bytes) + " bytes, need " +
                                 std::to_string(ws.bytes));
   const std::int64_t P = tokens * top_k;
+  const int stop = detail::forward_stop_after();  // benchmark only (set_forward_stop_after)
   MoeStrategy s = strategy;
   if (s == MoeStrategy::Auto) {
     // The crossover depends on the prefill tile this device would run (kPrefillMinTokensPerExpert*).
@@ -262,17 +301,23 @@ void moe_forward(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t
     }();
     const int nb = forced_nb ? forced_nb : decode_token_blocks(tokens, top_k, E);
     const int dec = detail::swap_decoder();
-    // One token: its k pairs are the token tiles as they come (one token each; a repeated expert is
-    // computed twice, which gives the same sum), so the grouping kernel is skipped and the MXFP8 of
-    // x is the first kernel. Saves a launch on the critical path of the commonest decode step.
-    // Benchmarking knob: LUTB_SWAPAB_DIRECT=0 keeps the grouping kernel at T = 1 (read once).
+    // Direct forward (decode_direct, moe.hpp): every pair is its own one-token tile, so the grouping
+    // kernel is skipped and the MXFP8 of x is the first kernel (a normal launch). Session 10 did it
+    // for T = 1 (one launch less on the critical path of the commonest decode step); session 14 for
+    // the small batches whose pairs are nearly all on different experts. Benchmarking knobs:
+    // LUTB_SWAPAB_DIRECT=0 (read once) or set_decode_paths(kDecodeNoDirect1) keep the grouping at
+    // T = 1; set_decode_paths without kDecodeDirect keeps it at T > 1.
     static const bool allow_direct = [] {
       const char* v = std::getenv("LUTB_SWAPAB_DIRECT");
       return !(v && std::strcmp(v, "0") == 0);
     }();
-    const bool direct = allow_direct && tokens == 1 && nb == 1;
+    const unsigned paths = detail::decode_paths();
+    const bool direct_rule = tokens == 1 ? !(paths & kDecodeNoDirect1)
+                                         : ((paths & kDecodeDirectAlways) ||
+                                            ((paths & kDecodeDirect) && decode_direct(tokens, top_k, E)));
+    const bool direct = allow_direct && nb == 1 && P <= 65535 && direct_rule;
     if (direct) {
-      r.direct_pairs = top_k;
+      r.direct_pairs = static_cast<int>(P);
       r.direct_experts = static_cast<int>(E);
     } else {
       detail::launch_group(topk_ids, P, E, 8 * nb, ws, stream);
@@ -281,10 +326,17 @@ void moe_forward(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t
     detail::launch_quantize_x(x, tokens, H, w.w13.shape.padded_cols(), dec == kern::kDecByte, ws.xa,
                               q8 ? ws.xq8 : nullptr, ws.xs, ws.xsf, stream, /*first=*/direct,
                               /*q8_wg=*/dec == kern::kDecWg);
+    if (stop == 1) return;
+    // The top-k reduction inside GEMM2 (clusters of top_k CTAs, one token each): direct forwards of
+    // the mma.sync kernels on sm_90a, small GEMM2 grids (decode_fuse_reduce, moe.hpp).
+    const std::int64_t gemm2_ctas = detail::ceil_div(w.w2.shape.tiles_n(), 8) * P;
+    const bool fuse = direct && top_k <= 8 && dec != kern::kDecWg && detail::cluster_launch_ok() &&
+                      ((paths & kDecodeClusterReduceAlways) ||
+                       ((paths & kDecodeClusterReduce) && decode_fuse_reduce(gemm2_ctas, top_k, detail::sm_count())));
     auto go = [&](auto dec_c) {
       constexpr int kD = decltype(dec_c)::value;
-      if (nb == 1) launch_swapab<kD, 1>(w, r, ws, P, stream);
-      else launch_swapab<kD, 2>(w, r, ws, P, stream);
+      if (nb == 1) launch_swapab<kD, 1>(w, r, ws, P, stream, fuse, topk_weights, out, stop);
+      else launch_swapab<kD, 2>(w, r, ws, P, stream, false, topk_weights, out, stop);
     };
     if (dec == kern::kDecWg) {
       if (nb == 1) launch_swapab_wg<1>(w, r, ws, P, stream);
@@ -295,6 +347,7 @@ void moe_forward(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t
     } else if (dec == kern::kDecFp8) go(std::integral_constant<int, kern::kDecFp8>{});
     else if (dec == kern::kDecCvt) go(std::integral_constant<int, kern::kDecCvt>{});
     else go(std::integral_constant<int, kern::kDecByte>{});
+    if (fuse || stop) return;
   } else if (s == MoeStrategy::Prefill) {
     // CTA-tiled prefill GEMMs (moe_prefill.hpp): 64- or 128-token tiles, weights decoded once per CTA.
     const PrefillTile tile = prefill_tile(P, E);

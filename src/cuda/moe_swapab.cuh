@@ -564,24 +564,185 @@ __device__ __forceinline__ void swap_epilogue2(const SwapTokens<NB>& tk, int nbl
   }
 }
 
-/// GEMM1 + SiLU*up + MXFP8 of h. Grid: (Ip/32 strip groups, token tile slots); blockDim.x =
+/// Strip group of this CTA: blockIdx.x / ksplit (the CTAs of one split share it). Read from the
+/// special register each time it is needed (volatile), so that it is not kept in a register across
+/// the K-loop: the one-block kernels sit at their 128-register cap.
+__device__ __forceinline__ long long swap_strip_group(int ksplit) {
+  unsigned x;
+  asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(x));
+  return static_cast<long long>(x / static_cast<unsigned>(ksplit));
+}
+
+/// Rank of this CTA in its thread-block cluster (0 below sm_90 or without a cluster launch).
+__device__ __forceinline__ unsigned cluster_rank() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+#else
+  return 0;
+#endif
+}
+
+__device__ __forceinline__ void cluster_sync_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+
+/// Split-K across the CTAs of a cluster (ksplit > 1: clusters of (ksplit, 1, 1) along grid x, all on
+/// the same strip group and token tile; CTA rank r takes the r-th share of the K-tiles, see
+/// swap_k_range): after swap_reduce, warp 0 of every rank > 0 puts its CTA's sums in shared memory,
+/// and warp 0 of rank 0 adds them in rank order through distributed shared memory (deterministic:
+/// the same order in every run). Every thread of every CTA of the cluster calls this. Returns true
+/// in the one warp that holds the complete sums (warp 0 of rank 0). sm_90 only (ksplit = 1 below).
+template <int NB>
+__device__ __forceinline__ bool swap_cluster_combine(bool warp0, float (&acc)[4][NB][4]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  __shared__ float part[16 * NB * 32];
+  const int lane = threadIdx.x & 31;
+  const unsigned rank = cluster_rank();
+  unsigned n;
+  asm volatile("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(n));
+  if (warp0 && rank > 0) {
+#pragma unroll
+    for (int m = 0; m < 4; ++m)
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) part[((m * NB + nb) * 4 + r) * 32 + lane] = acc[m][nb][r];
+  }
+  cluster_sync_all();
+  if (warp0 && rank == 0) {
+    const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(part)) + 4u * lane;
+    for (unsigned q = 1; q < n; ++q) {
+      unsigned remote;
+      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local), "r"(q));
+#pragma unroll
+      for (int m = 0; m < 4; ++m)
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            float v;
+            asm volatile("ld.shared::cluster.f32 %0, [%1];\n"
+                         : "=f"(v)
+                         : "r"(remote + 4u * 32u * static_cast<unsigned>((m * NB + nb) * 4 + r))
+                         : "memory");
+            acc[m][nb][r] += v;
+          }
+    }
+  }
+  cluster_sync_all();
+  return warp0 && rank == 0;
+#else
+  return warp0;
+#endif
+}
+
+/// K-tile range [k0, k1) of warp `warp` of `nw` in share `part` of `ksplit` (the CTA's K split
+/// across warps, times the cluster's split across CTAs): contiguous, in (part, warp) order.
+__device__ __forceinline__ void swap_k_range(long long tiles_k, int nw, int warp, int ksplit, int part, long long& k0,
+                                             long long& k1) {
+  const long long W = static_cast<long long>(nw) * ksplit, gw = static_cast<long long>(part) * nw + warp;
+  const long long per = (tiles_k + W - 1) / W;
+  k0 = min(tiles_k, per * gw);
+  k1 = min(tiles_k, k0 + per);
+}
+
+/// The weighted top-k reduction of a direct forward (Routing::direct_pairs; one token per tile)
+/// inside GEMM2, launched in thread-block clusters of (1, top_k) CTAs: the cluster of CTA
+/// (G, slot) holds the k pairs of token slot / k and the same 64 output rows 64G..64G+63, cluster
+/// rank j = pair j. Each CTA keeps its FP32 rows y[p, 64G + r] in shared memory; after a cluster
+/// barrier (release / acquire) rank 0 reads the k rows through distributed shared memory and writes
+/// out[t, n] = bf16(sum_j w[t, j] * y[t*k + j, n]) with the same operations in the same j order as
+/// reduce_topk_kernel (moe_common.cu), so the outputs are bit-identical to the separate kernel's; an
+/// expert id out of range gives the NaN row, as there. A second barrier keeps every CTA's shared
+/// memory alive until rank 0 has read it. `have`: this CTA computed its pair (false for an invalid
+/// expert id); acc is valid in warp 0 when `have`. Every thread of every CTA of the cluster calls
+/// this (no early exits before it). Latency: the k ids and weights are loaded by lanes 0..k-1 before
+/// the first barrier and shuffled, and the k remote loads of a row are issued before the sum (one
+/// round trip each, not k dependent ones). sm_90 only (the host launches clusters on sm_90a only).
+template <int NB>
+__device__ __forceinline__ void swap_cluster_reduce(bool have, const float (&acc)[4][NB][4], long long G,
+                                                    const Routing& r, long long H, const float* __restrict__ topk_w,
+                                                    uint16_t* __restrict__ out) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  __shared__ float yrow[64];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  // One token: lanes t = 0 of warp 0 hold accumulator column 0: rows (strip 8G+m, g) in acc[m][0][0]
+  // and (strip 8G+4+m, g) in acc[m][0][2] (swap_epilogue2's mapping).
+  if (have && warp == 0 && t == 0) {
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      yrow[m * 8 + g] = acc[m][0][0];
+      yrow[(4 + m) * 8 + g] = acc[m][0][2];
+    }
+  }
+  const bool reducer = cluster_rank() == 0 && threadIdx.x < 64;  // warps 0 and 1 of rank 0
+  const int k = r.top_k;  // <= 8 (the host's rule)
+  const long long tok = static_cast<long long>(blockIdx.y) / k;
+  int id = 0;
+  float wt = 0.0f;
+  if (reducer && lane < k) {  // the caller's routing (no dependency on earlier kernels)
+    id = r.ids[tok * k + lane];
+    wt = topk_w[tok * k + lane];
+  }
+  cluster_sync_all();
+  if (reducer) {
+    const bool bad = lane < k && !(id >= 0 && id < r.direct_experts);
+    const bool valid = !__any_sync(0xffffffffu, bad);
+    float wj[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) wj[j] = __shfl_sync(0xffffffffu, wt, j);
+    const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(yrow));
+    for (int lr = threadIdx.x; lr < 64; lr += blockDim.x) {
+      const long long row = 64 * G + lr;
+      if (row >= H) break;
+      float v[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        v[j] = 0.0f;
+        if (j < k) {
+          unsigned remote;
+          asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local + 4u * lr), "r"(j));
+          asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v[j]) : "r"(remote));
+        }
+      }
+      float a = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (j < k) a = __fadd_rn(a, __fmul_rn(wj[j], v[j]));
+      out[tok * H + row] = bf16_from_float(valid ? a : __int_as_float(0x7fc00000));
+    }
+  }
+  cluster_sync_all();
+#else
+  (void)have; (void)acc; (void)G; (void)r; (void)H; (void)topk_w; (void)out;
+  __trap();
+#endif
+}
+
+/// GEMM1 + SiLU*up + MXFP8 of h. Grid: (Ip/32 strip groups x ksplit, token tile slots); blockDim.x =
 /// 32 * warps (K split across the warps). xa: [T, a_cols] FP16 E4M3 values in the decoder's column
 /// order, or E4M3 bytes (natural order) for kDecFp8. Output hq [P, Ip] in the same form, hs [P, Ip/32]
 /// UE8M0.
-template <int kDec, int NB>
+template <int kDec, int NB, bool kSplit>
 __global__ void LUTB_SWAPAB_BOUNDS(NB)
     swapab_gemm1_kernel(LutbW w, const void* __restrict__ xa, const float* __restrict__ xsf,
                         long long a_cols, Routing r, long long I, long long Ip, void* __restrict__ hq,
-                        float* __restrict__ hsf, bool one_token_loop) {
+                        float* __restrict__ hsf, bool one_token_loop, int ksplit_arg) {
   constexpr long long kEl = kDec == kDecFp8 ? 1 : 2;  // bytes per activation element
+  // kSplit = false: no split, and none of its code (the one-block kernels sit at their 128-register
+  // cap; the runtime split alone cost them a 12-byte spill).
+  const int ksplit = kSplit ? ksplit_arg : 1;
   int e;
   SwapTokens<NB> tk;
-  if (!swap_tile<NB>(r, blockIdx.y, e, tk)) return;
+  if (!swap_tile<NB>(r, blockIdx.y, e, tk)) return;  // the whole cluster (same slot) returns
   const int warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  const long long G = blockIdx.x;
   long long strip[8];
   bool ok[8];
-  group_strips<true>(G, w.tiles_n, I / 8, strip, ok);
+  group_strips<true>(swap_strip_group(ksplit), w.tiles_n, I / 8, strip, ok);
   const void* arow[NB];
   const float* srow[NB][2];
   const long long sblocks = a_cols / 32;
@@ -596,8 +757,8 @@ __global__ void LUTB_SWAPAB_BOUNDS(NB)
     }
   }
   const int nblocks = (tk.count + 7) / 8;
-  const long long per = (w.tiles_k + nw - 1) / nw;
-  const long long k0 = min(w.tiles_k, per * warp), k1 = min(w.tiles_k, k0 + per);
+  long long k0, k1;
+  swap_k_range(w.tiles_k, nw, warp, ksplit, kSplit ? static_cast<int>(cluster_rank()) : 0, k0, k1);
   extern __shared__ __align__(16) unsigned char swap_smem[];
   float acc[4][NB][4];
   // One-token tiles take the lighter K-loop (CTA-uniform branch; NB = 1 only).
@@ -607,24 +768,34 @@ __global__ void LUTB_SWAPAB_BOUNDS(NB)
   else
     swap_warp_gemm<kDec, NB, false>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
                                     swap_smem + warp * SwapRing::kWarpBytes, acc, PdlWaitAndTrigger{});
-  if (!swap_reduce<NB>(swap_smem, acc)) return;
-  swap_epilogue1<kDec, NB>(tk, nblocks, ok, acc, G, Ip, hq, hsf);
+  bool warp0 = swap_reduce<NB>(swap_smem, acc);
+  if constexpr (kSplit) warp0 = swap_cluster_combine<NB>(warp0, acc);
+  if (!warp0) return;
+  swap_epilogue1<kDec, NB>(tk, nblocks, ok, acc, swap_strip_group(ksplit), Ip, hq, hsf);
 }
 
 /// GEMM2: y[p, n] = h[p] . w2[e, n]^T (FP32). Grid: (ceil(tiles_n/8) strip groups, slots).
-template <int kDec, int NB>
+/// out != null (direct forwards on sm_90, launched in clusters of (1, top_k)): the weighted top-k
+/// reduction is fused (swap_cluster_reduce): out [T, H] BF16 is written instead of y.
+template <int kDec, int NB, bool kSplit>
 __global__ void LUTB_SWAPAB_BOUNDS(NB)
     swapab_gemm2_kernel(LutbW w, const void* __restrict__ ha, const float* __restrict__ hsf, long long Ip,
-                        Routing r, long long H, float* __restrict__ y, bool one_token_loop) {
+                        Routing r, long long H, float* __restrict__ y, bool one_token_loop,
+                        const float* __restrict__ topk_w, uint16_t* __restrict__ out, int ksplit_arg) {
   constexpr long long kEl = kDec == kDecFp8 ? 1 : 2;  // bytes per activation element
+  const int ksplit = kSplit ? ksplit_arg : 1;  // as in GEMM1
+  const bool fused = out != nullptr;
   int e;
   SwapTokens<NB> tk;
-  if (!swap_tile<NB>(r, blockIdx.y, e, tk)) return;
+  float acc[4][NB][4];
+  if (!swap_tile<NB>(r, blockIdx.y, e, tk)) {
+    if (fused) swap_cluster_reduce<NB>(false, acc, swap_strip_group(1), r, H, topk_w, out);
+    return;
+  }
   const int warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  const long long G = blockIdx.x;
   long long strip[8];
   bool ok[8];
-  group_strips<false>(G, w.tiles_n, 0, strip, ok);
+  group_strips<false>(swap_strip_group(ksplit), w.tiles_n, 0, strip, ok);
   const void* arow[NB];
   const float* srow[NB][2];
 #pragma unroll
@@ -638,10 +809,9 @@ __global__ void LUTB_SWAPAB_BOUNDS(NB)
     }
   }
   const int nblocks = (tk.count + 7) / 8;
-  const long long per = (w.tiles_k + nw - 1) / nw;
-  const long long k0 = min(w.tiles_k, per * warp), k1 = min(w.tiles_k, k0 + per);
+  long long k0, k1;
+  swap_k_range(w.tiles_k, nw, warp, ksplit, kSplit ? static_cast<int>(cluster_rank()) : 0, k0, k1);
   extern __shared__ __align__(16) unsigned char swap_smem[];
-  float acc[4][NB][4];
   // One-token tiles take the lighter K-loop (CTA-uniform branch; NB = 1 only).
   if (NB == 1 && one_token_loop && tk.count == 1)
     swap_warp_gemm<kDec, NB, NB == 1>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
@@ -649,7 +819,13 @@ __global__ void LUTB_SWAPAB_BOUNDS(NB)
   else
     swap_warp_gemm<kDec, NB, false>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
                                     swap_smem + warp * SwapRing::kWarpBytes, acc, PdlWaitAndTrigger{});
-  if (!swap_reduce<NB>(swap_smem, acc)) return;
+  bool warp0 = swap_reduce<NB>(swap_smem, acc);
+  if constexpr (kSplit) warp0 = swap_cluster_combine<NB>(warp0, acc);  // never with `fused` (the host's rule)
+  if (fused) {
+    swap_cluster_reduce<NB>(true, acc, swap_strip_group(1), r, H, topk_w, out);
+    return;
+  }
+  if (!warp0) return;
   swap_epilogue2<NB>(tk, nblocks, strip, ok, acc, y, H);
 }
 

@@ -162,6 +162,79 @@ inline constexpr double kSwapOneBlockMaxTokensPerExpert = 10.0;
 /// slower than two 16-token tiles on the H200 (docs/perf/moe-gpu.md), so they were dropped.
 int decode_token_blocks(std::int64_t tokens, int top_k, std::int64_t experts);
 
+/// Swap-AB decode without the grouping kernel ("direct" forward): every pair p = t*k + j is its own
+/// one-token tile (expert topk_ids[p]), so the grouping by expert is skipped, the MXFP8 of x is the
+/// forward's first kernel and the one-token K-loop runs everywhere; a pair whose expert another pair
+/// of the batch also uses reads that expert's weights again (the same sum). Chosen when the expected
+/// pairs per touched expert under uniform routing, T*k / (E * (1 - (1 - k/E)^T)), is at most this
+/// (always at T = 1, where it is exactly 1). Measured on the H200 (2026-11-30, docs/perf/moe-gpu.md
+/// "Session 14: small-batch fixed costs", device runs small14-run1/run2, direct forced against
+/// grouped in the same process): direct is 1.6-3.5 % faster at T = 4 on DeepSeek-V3 (expected ratio
+/// 1.049), Qwen3-235B and Qwen3-30B (1.099), and 8 % slower at DeepSeek-V3 T = 8 (1.117; 12-13 %
+/// more weight reads) and 25-250 % slower at T = 16, 64. The limit lies between 1.099 and 1.117.
+inline constexpr double kDirectMaxPairsPerExpert = 1.10;
+
+/// True when the swap-AB decode of this batch runs "direct" (above): host only, no device query.
+/// tokens >= 1, 1 <= top_k <= experts; false when top_k > experts (repeated experts per token).
+bool decode_direct(std::int64_t tokens, int top_k, std::int64_t experts);
+
+/// In a direct forward on sm_90a with top_k <= 8, the weighted top-k reduction runs inside GEMM2
+/// (kDecodeClusterReduce, below) when GEMM2's grid (strip groups x pairs) has at most 2 CTAs per SM.
+/// Measured on the H200 (docs/perf/moe-gpu.md "Session 14", run small14-run2, same process, twice):
+/// Qwen3-30B T = 1 (256 CTAs) 1.1-1.8 us faster, Mixtral T = 1 (128 CTAs) 0.4-0.6 us faster; with
+/// 512-1024 CTAs (Qwen3-235B T = 1, DeepSeek-V3 T = 1, every T = 4) 2.5-8 us slower (cause not
+/// established; likely the scheduling of k-CTA clusters beside GEMM1's CTAs). Host only.
+bool decode_fuse_reduce(std::int64_t gemm2_ctas, int top_k, int sms);
+
+/// Fixed-cost paths of the small-batch (swap-AB decode) forward, session 14 (process-wide; for
+/// testing and benchmarking; flags of set_decode_paths; all results equal up to FP32 summation
+/// order, the fused reduction bit-identical to the separate kernel):
+///   kDecodeDirect: the direct forward for T > 1 where decode_direct() says so (T = 1 is always
+///     direct unless kDecodeNoDirect1);
+///   kDecodeDirectAlways: the direct forward for every one-token-block swap-AB batch (benchmark only);
+///   kDecodeClusterReduce: in direct forwards on sm_90a where decode_fuse_reduce() says so, the
+///     weighted top-k reduction inside GEMM2: the k CTAs of one token and one 64-row group are a
+///     thread-block cluster; each keeps its FP32 rows in shared memory and the first reads the
+///     others' (distributed shared memory) and writes the BF16 output in the same j order as the
+///     separate reduction kernel (bit-identical results); kDecodeClusterReduceAlways: in every direct
+///     forward with top_k <= 8 (tests and benchmark);
+///   kDecodeNoDirect1: T = 1 also goes through the grouping kernel (session 10's old path; benchmark only);
+///   kDecodeSplitK: GEMM1 split across the CTAs of a cluster where decode_k_split says so (sm_90a).
+inline constexpr unsigned kDecodeDirect = 1u, kDecodeDirectAlways = 2u, kDecodeClusterReduce = 4u,
+                          kDecodeNoDirect1 = 8u, kDecodeSplitK = 16u, kDecodeClusterReduceAlways = 32u;
+/// The default set (the paths measured faster, docs/perf/moe-gpu.md "Session 14").
+inline constexpr unsigned kDecodePathsDefault = kDecodeDirect | kDecodeClusterReduce | kDecodeSplitK;
+void set_decode_paths(unsigned paths);
+
+/// Split-K of a swap-AB decode GEMM across the CTAs of a thread-block cluster (sm_90a; the
+/// kernels' kern::swap_cluster_combine): `ksplit` CTAs (1, 2 or 4) share one strip group and token
+/// tile, each takes a contiguous share of the K-tiles with `warps` warps, and rank 0 adds the
+/// others' sums in rank order (deterministic). Input: the GEMM's CTAs without a split (touched
+/// experts x strip groups), its K-tiles per expert, the warps per CTA the warp rule chose and the
+/// device's SM count. Rule: 2 CTAs of half the warps when that shortens the busiest SM's share of
+/// a one-wave grid: warps >= 4, every warp keeps >= 4 K-tiles, the split grid is resident at once
+/// (ceil(2 ctas / sms) * warps / 2 <= 16 warps per SM) and ceil(2 ctas / sms) < 2 ceil(ctas / sms)
+/// (e.g. 192 CTAs of 8 warps on 132 SMs: 60 SMs run two and 72 one; split, no SM runs more than
+/// 1.5 CTAs' worth). Else no split. Measured on the H200 (docs/perf/moe-gpu.md "Session 14"): the
+/// rule fires on Qwen3-30B GEMM1 at T = 1 among the benchmark shapes, 0.6-1.3 us faster; forced on
+/// DeepSeek-V3 T = 1 (512 CTAs, balanced already) it was 3 us slower. The forward applies it to
+/// GEMM1 only, and only with kDecodeSplitK. Host only.
+struct DecodeSplit {
+  int ksplit = 1;
+  int warps = 1;
+};
+DecodeSplit decode_k_split(std::int64_t ctas, std::int64_t tiles_k, int warps, int sms);
+
+/// Benchmark only: forces the K split of GEMM1 (ksplit1, warps divided by 2^warp_shift1) and of
+/// GEMM2 (ksplit2, warp_shift2) of later swap-AB forwards on sm_90a; ksplit 0 = decode_k_split's rule.
+void set_decode_split(int ksplit1, int warp_shift1, int ksplit2, int warp_shift2);
+
+/// Benchmark only (stage timing of a graph-launched forward): stage > 0 ends every later swap-AB
+/// (Decode, mma.sync) forward
+/// after its `stage`-th step (1: grouping and MXFP8 of x; 2: GEMM1; 3: GEMM2, with the fused
+/// reduction when that path runs); `out` is then NOT written. 0 (default): the whole forward.
+void set_forward_stop_after(int stage);
+
 /// Bytes of device workspace moe_forward needs for at most `max_tokens` tokens.
 std::size_t moe_workspace_bytes(std::int64_t max_tokens, int top_k, std::int64_t experts, std::int64_t hidden,
                                 std::int64_t intermediate);

@@ -1,0 +1,335 @@
+// tests/cuda/moe_decode_paths_test.cpp: session 14's small-batch paths of the swap-AB decode
+// (include/lutb/cuda/moe.hpp set_decode_paths): the direct (ungrouped) forward at T > 1 and the
+// weighted top-k reduction fused into GEMM2 through thread-block clusters. The rule decode_direct is
+// tested on the host (no GPU needed); the paths are compared with the host reference of spec section
+// 4 (tests/cuda/reference.hpp) on odd shapes, empty experts, one token, repeated experts, invalid
+// ids and poisoned outputs, and the fused reduction must equal the separate kernel bit for bit.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <deque>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda/reference.hpp"
+#include "lutb/cuda/moe.hpp"
+
+namespace lutb::test {
+namespace {
+
+bool gpu_here() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+void ckd(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+template <class T>
+struct Buf {
+  T* p = nullptr;
+  std::size_t n = 0;
+  explicit Buf(std::size_t count) : n(count) { ckd(cudaMalloc(&p, std::max<std::size_t>(1, count) * sizeof(T)), "cudaMalloc"); }
+  explicit Buf(const std::vector<T>& v) : Buf(v.size()) {
+    ckd(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), "H2D");
+  }
+  ~Buf() { cudaFree(p); }
+  Buf(const Buf&) = delete;
+  Buf& operator=(const Buf&) = delete;
+  std::vector<T> down() const {
+    std::vector<T> v(n);
+    ckd(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost), "D2H");
+    return v;
+  }
+};
+
+struct Layer {
+  std::int64_t E, H, I;
+  HostLutb w13, w2;
+  Buf<std::uint8_t> p13, c13, s13, p2, c2, s2;
+  cuda::DeviceMoeWeights w;
+  Layer(std::int64_t e, std::int64_t h, std::int64_t i, std::mt19937& rng)
+      : E(e), H(h), I(i), w13(random_lutb({e, 2 * i, h, true}, rng)), w2(random_lutb({e, h, i, true}, rng)),
+        p13(w13.packed), c13(w13.codebook), s13(w13.scale), p2(w2.packed), c2(w2.codebook), s2(w2.scale) {
+    w = cuda::DeviceMoeWeights{E, H, I, {w13.shape, p13.p, c13.p, s13.p}, {w2.shape, p2.p, c2.p, s2.p}};
+    cuda::to_lane_major(w.w13, nullptr);
+    cuda::to_lane_major(w.w2, nullptr);
+  }
+};
+
+/// One forward with the given decode paths (Decode strategy), outputs poisoned with NaN first.
+std::vector<std::uint16_t> forward(const Layer& L, const std::vector<std::uint16_t>& x, std::int64_t T, int k,
+                                   const std::vector<std::int32_t>& ids, const std::vector<float>& wts, unsigned paths,
+                                   const int* split = nullptr) {
+  Buf<std::uint16_t> dx(x), out(static_cast<std::size_t>(T * L.H));
+  Buf<std::int32_t> did(ids);
+  Buf<float> dw(wts);
+  const std::size_t wsb = cuda::moe_workspace_bytes(T, k, L.E, L.H, L.I);
+  Buf<char> ws(wsb);
+  ckd(cudaMemset(out.p, 0xff, T * L.H * 2), "poison out");
+  ckd(cudaMemset(ws.p, 0xff, wsb), "poison workspace");
+  cuda::set_decode_paths(paths);
+  if (split) cuda::set_decode_split(split[0], split[1], split[2], split[3]);
+  cuda::moe_forward(L.w, dx.p, T, k, did.p, dw.p, out.p, ws.p, wsb, nullptr, cuda::MoeStrategy::Decode);
+  cuda::set_decode_split(0, 0, 0, 0);
+  cuda::set_decode_paths(cuda::kDecodePathsDefault);
+  ckd(cudaDeviceSynchronize(), "moe_forward");
+  return out.down();
+}
+
+std::vector<std::uint16_t> rand_x(std::int64_t n, std::mt19937& rng) {
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::vector<std::uint16_t> v(n);
+  for (auto& e : v) e = bf16_from_float(d(rng));
+  return v;
+}
+
+void routing(std::int64_t T, int k, const std::vector<int>& allowed, std::mt19937& rng, std::vector<std::int32_t>& ids,
+             std::vector<float>& w) {
+  ids.resize(T * k);
+  w.resize(T * k);
+  std::uniform_real_distribution<float> u(0.05f, 1.0f);
+  for (std::int64_t t = 0; t < T; ++t) {
+    std::vector<int> pool = allowed;
+    std::shuffle(pool.begin(), pool.end(), rng);
+    for (int j = 0; j < k; ++j) {
+      ids[t * k + j] = pool[j];
+      w[t * k + j] = u(rng);
+    }
+  }
+}
+
+void expect_close(const std::vector<std::uint16_t>& got, const std::vector<std::uint16_t>& ref) {
+  double num = 0, den = 0;
+  std::int64_t nan = 0, exact = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const float g = bf16_to_float(got[i]), r = bf16_to_float(ref[i]);
+    if (std::isnan(g)) {
+      ++nan;
+      continue;
+    }
+    num += (double(g) - r) * (double(g) - r);
+    den += double(r) * r;
+    exact += got[i] == ref[i];
+  }
+  EXPECT_EQ(nan, 0) << "unwritten or NaN outputs";
+  EXPECT_LT(std::sqrt(num / std::max(den, 1e-300)), 1e-3);
+  EXPECT_GT(exact, static_cast<std::int64_t>(got.size()) * 8 / 10) << "bit-equal BF16 outputs (FP32 order only differs)";
+}
+
+// The rule: expected pairs per touched expert under uniform routing, T k / (E (1 - (1 - k/E)^T)),
+// at most kDirectMaxPairsPerExpert (1.10). Values by hand: E = 128, k = 8: T = 2 -> 16 / 15.50 =
+// 1.032, T = 4 -> 32 / 29.12 = 1.0988, T = 5 -> 40 / 35.30 = 1.133; E = 256, k = 8: T = 4 -> 1.048,
+// T = 7 -> 56 / 51.02 = 1.0977, T = 8 -> 64 / 57.42 = 1.1146; E = 8, k = 2 (Mixtral): T = 2 -> 4 /
+// 3.5 = 1.143.
+TEST(MoeDecodePaths, DirectRuleHostOnly) {
+  EXPECT_EQ(cuda::kDirectMaxPairsPerExpert, 1.10);
+  EXPECT_TRUE(cuda::decode_direct(1, 8, 128));
+  EXPECT_TRUE(cuda::decode_direct(1, 2, 8));
+  EXPECT_TRUE(cuda::decode_direct(2, 8, 128));
+  EXPECT_TRUE(cuda::decode_direct(4, 8, 128));
+  EXPECT_FALSE(cuda::decode_direct(5, 8, 128));
+  EXPECT_TRUE(cuda::decode_direct(4, 8, 256));
+  EXPECT_TRUE(cuda::decode_direct(7, 8, 256));
+  EXPECT_FALSE(cuda::decode_direct(8, 8, 256)) << "measured 8 % slower direct (docs/perf/moe-gpu.md)";
+  EXPECT_FALSE(cuda::decode_direct(16, 8, 256));
+  EXPECT_FALSE(cuda::decode_direct(2, 2, 8));
+  EXPECT_FALSE(cuda::decode_direct(64, 8, 128));
+  EXPECT_FALSE(cuda::decode_direct(2, 9, 8)) << "top_k > experts";
+  EXPECT_FALSE(cuda::decode_direct(0, 8, 128));
+  // Monotone in T for a fixed shape: once grouped, larger batches stay grouped.
+  for (std::int64_t E : {8, 64, 128, 256, 384})
+    for (int k : {1, 2, 6, 8}) {
+      bool seen_false = false;
+      for (std::int64_t T = 1; T <= 64; ++T) {
+        const bool d = cuda::decode_direct(T, k, E);
+        if (seen_false) EXPECT_FALSE(d) << "E " << E << " k " << k << " T " << T;
+        seen_false = seen_false || !d;
+      }
+    }
+}
+
+// The fused-reduction rule: top_k <= 8 and GEMM2's grid at most 2 CTAs per SM. Benchmark shapes at
+// T = 1 on 132 SMs (strip groups x pairs): Qwen3-30B 32 x 8 = 256 and Mixtral 64 x 2 = 128 fused;
+// Qwen3-235B 64 x 8 = 512 and DeepSeek-V3 112 x 8 = 896 not; Qwen3-30B T = 4: 32 x 32 = 1024 not.
+TEST(MoeDecodePaths, FuseReduceRuleHostOnly) {
+  EXPECT_TRUE(cuda::decode_fuse_reduce(256, 8, 132));
+  EXPECT_TRUE(cuda::decode_fuse_reduce(128, 2, 132));
+  EXPECT_TRUE(cuda::decode_fuse_reduce(264, 8, 132));
+  EXPECT_FALSE(cuda::decode_fuse_reduce(265, 8, 132));
+  EXPECT_FALSE(cuda::decode_fuse_reduce(512, 8, 132));
+  EXPECT_FALSE(cuda::decode_fuse_reduce(896, 8, 132));
+  EXPECT_FALSE(cuda::decode_fuse_reduce(1024, 8, 132));
+  EXPECT_FALSE(cuda::decode_fuse_reduce(64, 9, 132)) << "clusters of more than 8 CTAs are not portable";
+}
+
+// The split rule (decode_k_split): 2 CTAs of half the warps when warps >= 4, >= 4 K-tiles per warp,
+// the split grid resident at once and ceil(2c / sms) < 2 ceil(c / sms). GEMM1 of the benchmark
+// shapes at T = 1 on 132 SMs: Qwen3-30B 192 CTAs x 8 warps, 32 K-tiles (2 -> 3 half CTAs per SM:
+// split); DeepSeek-V3 512 x 4, 112 (4 -> 8: not); Qwen3-235B 384 x 4, 64 (3 -> 6: not); Mixtral 896 x 2.
+TEST(MoeDecodePaths, SplitRuleHostOnly) {
+  auto eq = [](cuda::DecodeSplit s, int ks, int w) { return s.ksplit == ks && s.warps == w; };
+  EXPECT_TRUE(eq(cuda::decode_k_split(192, 32, 8, 132), 2, 4));
+  EXPECT_TRUE(eq(cuda::decode_k_split(512, 112, 4, 132), 1, 4));
+  EXPECT_TRUE(eq(cuda::decode_k_split(384, 64, 4, 132), 1, 4));
+  EXPECT_TRUE(eq(cuda::decode_k_split(896, 64, 2, 132), 1, 2));
+  EXPECT_TRUE(eq(cuda::decode_k_split(100, 31, 8, 132), 1, 8)) << "fewer than 4 K-tiles per warp";
+  EXPECT_TRUE(eq(cuda::decode_k_split(64, 256, 16, 132), 2, 8)) << "half the SMs idle: split";
+  EXPECT_TRUE(eq(cuda::decode_k_split(128, 64, 16, 132), 1, 16)) << "128 -> 256 CTAs: 2 per SM, no gain";
+  EXPECT_TRUE(eq(cuda::decode_k_split(150, 64, 4, 132), 2, 2)) << "2 -> 3 half CTAs per SM";
+  EXPECT_TRUE(eq(cuda::decode_k_split(200, 64, 4, 132), 1, 4)) << "2 -> 4 half CTAs per SM: no gain";
+  EXPECT_TRUE(eq(cuda::decode_k_split(768, 32, 8, 132), 1, 8)) << "not resident at once";
+  EXPECT_TRUE(eq(cuda::decode_k_split(192, 32, 8, 0), 1, 8)) << "no SM count";
+}
+
+struct PathCase {
+  std::int64_t E, H, I, T;
+  int k;
+  bool holes;  // odd experts empty
+};
+
+class MoeDecodePathsRandom : public ::testing::TestWithParam<PathCase> {};
+
+// Every path set against the host reference; the fused reduction bit-identical to the separate one
+// on the same (direct) GEMMs.
+TEST_P(MoeDecodePathsRandom, MatchReferenceAndFusedReductionBitIdentical) {
+  if (!gpu_here()) GTEST_SKIP() << "no CUDA device: skipping GPU test";
+  const PathCase c = GetParam();
+  std::mt19937 rng(4321 + static_cast<unsigned>(c.E * 5 + c.H + c.I + c.T));
+  const Layer L(c.E, c.H, c.I, rng);
+  const auto x = rand_x(c.T * c.H, rng);
+  std::vector<int> allowed;
+  for (int e = 0; e < c.E; ++e)
+    if (!c.holes || e % 2 == 0) allowed.push_back(e);
+  std::vector<std::int32_t> ids;
+  std::vector<float> wts;
+  routing(c.T, c.k, allowed, rng, ids, wts);
+  const auto ref = moe_reference(L.w13, L.w2, c.H, c.I, x, c.T, c.k, ids, wts);
+  const unsigned sets[] = {0u,
+                           cuda::kDecodePathsDefault,
+                           cuda::kDecodeDirectAlways | cuda::kDecodeClusterReduceAlways,
+                           cuda::kDecodeDirectAlways,
+                           cuda::kDecodeNoDirect1,
+                           cuda::kDecodeDirectAlways | cuda::kDecodeClusterReduceAlways | cuda::kDecodeSplitK,
+                           cuda::kDecodeDirect | cuda::kDecodeSplitK};
+  std::vector<std::vector<std::uint16_t>> got;
+  for (unsigned p : sets) {
+    SCOPED_TRACE(::testing::Message() << "paths " << p);
+    got.push_back(forward(L, x, c.T, c.k, ids, wts, p));
+    expect_close(got.back(), ref);
+  }
+  EXPECT_TRUE(got[2] == got[3]) << "fused top-k reduction differs from the separate kernel";
+  // Split-K across cluster CTAs, forced (grouped and direct forwards): against the reference, and
+  // deterministic (the same bits in a second run).
+  const int splits[3][4] = {{2, 1, 2, 1}, {2, 0, 2, 0}, {4, 2, 4, 2}};
+  for (const auto& sp : splits)
+    for (unsigned p : {0u, cuda::kDecodePathsDefault, cuda::kDecodeDirectAlways | cuda::kDecodeClusterReduceAlways}) {
+      SCOPED_TRACE(::testing::Message() << "split " << sp[0] << "/" << sp[1] << " paths " << p);
+      const auto a = forward(L, x, c.T, c.k, ids, wts, p, sp);
+      expect_close(a, ref);
+      EXPECT_TRUE(a == forward(L, x, c.T, c.k, ids, wts, p, sp)) << "split-K not deterministic";
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, MoeDecodePathsRandom,
+                         ::testing::Values(PathCase{128, 256, 64, 1, 8, false},   // one token, cluster of 8
+                                           PathCase{128, 256, 64, 4, 8, false},   // direct by the rule
+                                           PathCase{16, 200, 72, 5, 4, false},    // padded H and I, repeats
+                                           PathCase{32, 320, 96, 7, 8, true},     // empty experts, odd K-tiles
+                                           PathCase{8, 136, 64, 9, 1, false},     // k = 1 (cluster of 1), H % 64 != 0
+                                           PathCase{8, 4096, 1024, 2, 2, false}), // Mixtral-like: few CTAs, long K
+                         [](const ::testing::TestParamInfo<PathCase>& i) {
+                           const PathCase& c = i.param;
+                           return "E" + std::to_string(c.E) + "_H" + std::to_string(c.H) + "_I" + std::to_string(c.I) +
+                                  "_T" + std::to_string(c.T) + "_k" + std::to_string(c.k) + (c.holes ? "_holes" : "");
+                         });
+
+// An out-of-range expert id in the fused reduction: the NaN row for that token only, wherever the id
+// sits among the token's k pairs (rank 0 of the cluster, which writes the rows, or another rank).
+TEST(MoeDecodePaths, FusedReductionInvalidIdGivesNanRowOnly) {
+  if (!gpu_here()) GTEST_SKIP() << "no CUDA device: skipping GPU test";
+  std::mt19937 rng(99);
+  const std::int64_t E = 8, H = 200, I = 64, T = 3;
+  const int k = 3;
+  const Layer L(E, H, I, rng);
+  const auto x = rand_x(T * H, rng);
+  const std::vector<float> wts = {0.5f, 0.3f, 0.2f, 0.4f, 0.4f, 0.2f, 0.1f, 0.6f, 0.3f};
+  for (int bad = 0; bad < k; ++bad) {
+    std::vector<std::int32_t> ids = {1, 4, 6, 0, 2, 7, 5, 3, 1};
+    ids[1 * k + bad] = bad == 1 ? -3 : 8;  // token 1
+    std::vector<std::int32_t> ok_ids = ids;
+    ok_ids[1 * k + bad] = 0;
+    const auto ref = moe_reference(L.w13, L.w2, H, I, x, T, k, ok_ids, wts);
+    for (unsigned p : {cuda::kDecodeDirectAlways | cuda::kDecodeClusterReduceAlways, cuda::kDecodeDirectAlways}) {
+      SCOPED_TRACE(::testing::Message() << "bad position " << bad << " paths " << p);
+      const auto got = forward(L, x, T, k, ids, wts, p);
+      for (std::int64_t c = 0; c < H; ++c) {
+        EXPECT_TRUE(std::isnan(bf16_to_float(got[1 * H + c]))) << c;
+        for (std::int64_t t : {0, 2}) {
+          const float g = bf16_to_float(got[t * H + c]), r = bf16_to_float(ref[t * H + c]);
+          EXPECT_FALSE(std::isnan(g)) << t << "," << c;
+          EXPECT_NEAR(g, r, 1e-2f * std::fabs(r) + 1e-3f) << t << "," << c;
+        }
+      }
+    }
+  }
+}
+
+// Three fused forwards queued back to back on one stream and workspace with programmatic dependent
+// launch, against the same forwards run alone without it: bit-identical (the cluster GEMM2 is the
+// forward's last kernel and the next forward's first kernel is a normal launch).
+TEST(MoeDecodePaths, FusedBackToBackBitIdentical) {
+  if (!gpu_here()) GTEST_SKIP() << "no CUDA device: skipping GPU test";
+  std::mt19937 rng(7);
+  const std::int64_t E = 64, H = 512, I = 256, T = 2;
+  const int k = 8;
+  const Layer L(E, H, I, rng);
+  std::vector<int> allowed(E);
+  for (int e = 0; e < E; ++e) allowed[e] = e;
+  std::deque<Buf<std::uint16_t>> xs, outs;
+  std::deque<Buf<std::int32_t>> ids;
+  std::deque<Buf<float>> wts;
+  for (int r = 0; r < 3; ++r) {
+    std::vector<std::int32_t> id;
+    std::vector<float> wt;
+    routing(T, k, allowed, rng, id, wt);
+    xs.emplace_back(rand_x(T * H, rng));
+    ids.emplace_back(id);
+    wts.emplace_back(wt);
+    outs.emplace_back(static_cast<std::size_t>(T * H));
+  }
+  const std::size_t wsb = cuda::moe_workspace_bytes(T, k, E, H, I);
+  Buf<char> ws(wsb);
+  cudaStream_t st;
+  ckd(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "stream");
+  cuda::set_decode_paths(cuda::kDecodeDirectAlways | cuda::kDecodeClusterReduceAlways);
+  std::vector<std::vector<std::uint16_t>> alone;
+  cuda::set_dependent_launch(false);
+  for (int r = 0; r < 3; ++r) {
+    ckd(cudaMemset(outs[r].p, 0xff, T * H * 2), "poison");
+    cuda::moe_forward(L.w, xs[r].p, T, k, ids[r].p, wts[r].p, outs[r].p, ws.p, wsb, st, cuda::MoeStrategy::Decode);
+    ckd(cudaStreamSynchronize(st), "alone");
+    alone.push_back(outs[r].down());
+  }
+  cuda::set_dependent_launch(true);
+  for (int r = 0; r < 3; ++r) ckd(cudaMemset(outs[r].p, 0xff, T * H * 2), "poison");
+  ckd(cudaDeviceSynchronize(), "poison");
+  for (int r = 0; r < 3; ++r)
+    cuda::moe_forward(L.w, xs[r].p, T, k, ids[r].p, wts[r].p, outs[r].p, ws.p, wsb, st, cuda::MoeStrategy::Decode);
+  ckd(cudaStreamSynchronize(st), "back to back");
+  cuda::set_decode_paths(cuda::kDecodePathsDefault);
+  for (int r = 0; r < 3; ++r) {
+    const auto got = outs[r].down();
+    EXPECT_TRUE(got == alone[r]) << "forward " << r;
+    int nan = 0;
+    for (std::uint16_t v : got) nan += (v & 0x7fff) > 0x7f80;
+    EXPECT_EQ(nan, 0) << "forward " << r;
+  }
+  ckd(cudaStreamDestroy(st), "stream");
+}
+
+}  // namespace
+}  // namespace lutb::test
