@@ -7,9 +7,11 @@
 //
 // Usage: bench_moe_prefill [--shape NAME] [--T N[,N...]] [--tiles A,B,..] [--lean] [--quick]
 //   default T in {256, 1024, 4096}, the 4 shapes; --tiles: the sm_90 wgmma tiles to run and time (names as
-//   PrefillTile: WB64, WB64D, WB64T, W64, W64D, WS64; default WB64,WB64D,WB64T,W64; M64 and the
+//   PrefillTile: WB64, WB64D, WB64T, W64, W64D, WS64, WB128, WB128P; default WB64,WB64D,WB64T,W64; M64 and the
 //   heuristic's tile always); --lean: no BF16 baselines, cuBLAS or GEMMs-alone column; --quick: one
-//   uncaptured forward per tile and no timing, for a profiler such as ncu)
+//   uncaptured forward per tile and no timing, for a profiler such as ncu); --cublas-only: keep the
+//   cuBLAS grouped column but skip the BF16 baseline forwards and the GEMMs-alone column (their columns
+//   print 0; shortens a device run at T = 16384)
 // Method as bench_moe_gpu: the whole forward (routing precomputed by route_softmax_topk /
 // route_deepseek on random N(0,1) logits) captured in a CUDA graph; R = 8 routings cycled; the time
 // is the median over 7 batches of the mean per call. TFLOP/s = 6 * T * k * H * I / time.
@@ -178,13 +180,14 @@ struct Shape {
 
 int main(int argc, char** argv) {
   std::string only;
-  bool quick = false, lean = false;
+  bool quick = false, lean = false, no_fwd_baselines = false;
   std::string tiles = "WB64,WB64D,WB64T,W64";  // the sm_90 wgmma tiles to time (--tiles)
   std::vector<long long> Ts = {256, 1024, 4096};
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--shape") && i + 1 < argc) only = argv[++i];
     else if (!std::strcmp(argv[i], "--quick")) quick = true;
     else if (!std::strcmp(argv[i], "--lean")) lean = true;
+    else if (!std::strcmp(argv[i], "--cublas-only")) no_fwd_baselines = true;
     else if (!std::strcmp(argv[i], "--tiles") && i + 1 < argc) tiles = argv[++i];
     else if (!std::strcmp(argv[i], "--T") && i + 1 < argc) {  // N or a list N,M,...
       Ts.clear();
@@ -217,7 +220,8 @@ int main(int argc, char** argv) {
   };
   const WTile wtiles[] = {{9, cuda::PrefillTile::WB64, "WB64"},   {11, cuda::PrefillTile::WB64D, "WB64D"},
                           {12, cuda::PrefillTile::WB64T, "WB64T"}, {13, cuda::PrefillTile::WS64, "WS64"},
-                          {8, cuda::PrefillTile::W64, "W64"},     {10, cuda::PrefillTile::W64D, "W64D"}};
+                          {8, cuda::PrefillTile::W64, "W64"},     {10, cuda::PrefillTile::W64D, "W64D"},
+                          {14, cuda::PrefillTile::WB128, "WB128"}, {15, cuda::PrefillTile::WB128P, "WB128P"}};
   std::printf("\n| shape | T | experts touched | auto tile | auto us | M64 (session 10) us (TFLOP/s)");
   for (const WTile& wt : wtiles)
     if (wanted(wt.name)) std::printf(" | %s us (TFLOP/s, vs M64)", wt.name);
@@ -299,12 +303,13 @@ int main(int argc, char** argv) {
         using cuda::PrefillTile;
         switch (variant) {
           case 0: cuda::moe_forward_lutb_prefill(w, xr, T, s.k, id, wt, out, ws, wsb, st); break;
-          case 1: case 2: case 3: case 7: case 8: case 9: case 10: case 11: case 12: case 13:
+          case 1: case 2: case 3: case 7: case 8: case 9: case 10: case 11: case 12: case 13: case 14: case 15:
             cuda::set_prefill_tile(variant == 1 ? PrefillTile::M64 : variant == 2 ? PrefillTile::M128
                                    : variant == 3 ? PrefillTile::M128W : variant == 8 ? PrefillTile::W64
                                    : variant == 9 ? PrefillTile::WB64 : variant == 10 ? PrefillTile::W64D
                                    : variant == 11 ? PrefillTile::WB64D : variant == 12 ? PrefillTile::WB64T
-                                   : variant == 13 ? PrefillTile::WS64 : PrefillTile::M64IL);
+                                   : variant == 13 ? PrefillTile::WS64 : variant == 14 ? PrefillTile::WB128 : variant == 15 ? PrefillTile::WB128P
+                                   : PrefillTile::M64IL);
             cuda::moe_forward_lutb_prefill(w, xr, T, s.k, id, wt, out, ws, wsb, st);
             cuda::set_prefill_tile(PrefillTile::Auto);
             break;
@@ -348,13 +353,13 @@ int main(int argc, char** argv) {
         cuda::detail::launch_quantize_x(x, T, H, w.w13.shape.padded_cols(), false, wsp.xa, nullptr, wsp.xs, nullptr, st);
       }
       // Session 13: M64IL, M128 and M128W (variants 7, 2, 3) are no longer timed (session 12 measured
-      // them slower than M64); the wgmma tiles (8..13) named in --tiles, on sm_90 only.
-      float ms[14] = {};
+      // them slower than M64); the wgmma tiles (8..15) named in --tiles, on sm_90 only.
+      float ms[16] = {};
       std::vector<int> vars = {0, 1};
-      if (!lean) vars.insert(vars.begin(), 6);
+      if (!lean && !no_fwd_baselines) vars.insert(vars.begin(), 6);
       for (const WTile& wt : wtiles)
         if (wanted(wt.name)) vars.push_back(wt.variant);
-      if (!lean) {
+      if (!lean && !no_fwd_baselines) {
         vars.push_back(4);
         vars.push_back(5);
       }
@@ -386,7 +391,7 @@ int main(int argc, char** argv) {
       const float cub_ms = lean ? 0.0f : cublas_grouped_ms(cublas, ids0, E, H, I, b13, b2, st);
       const double flops = 6.0 * T * s.k * H * I;
       auto tf = [&](double m) { return m > 0 ? flops / (m * 1e-3) / 1e12 : 0.0; };
-      const double bf = lean ? 0.0 : std::min(ms[4], ms[5]);
+      const double bf = lean || no_fwd_baselines ? 0.0 : std::min(ms[4], ms[5]);
       const cuda::PrefillTile at = cuda::prefill_tile(T * s.k, E);
       const char* an = at == cuda::PrefillTile::M64 ? "M64" : "other";
       for (const WTile& wt : wtiles)

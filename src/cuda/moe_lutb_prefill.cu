@@ -81,7 +81,7 @@ bool device_is_sm90() {
 }
 
 /// GEMM1 and GEMM2 of the sm_90a wgmma tiles (moe_lutb_prefill_sm90.cuh, configuration C); grouping
-/// made with 64 rows. FP8 (W64): first converts xa/xs (quantize_x's FP16 E4M3 values and UE8M0
+/// made with C::kBM rows (64; WB128: 128). FP8 (W64): first converts xa/xs (quantize_x's FP16 E4M3 values and UE8M0
 /// scales) to E4M3 bytes (ws.xq8) and FP32 scales (ws.xsf); h goes through ws.hq8 / ws.hsf.
 /// BF16 (WB64): xa -> BF16 a in place (as M64); h goes through ws.hq as BF16.
 template <class C>
@@ -125,11 +125,11 @@ void launch_w90(const kern::LutbW& w13, const kern::LutbW& w2, const kern::Routi
                        : dim3(static_cast<unsigned>(nblocks), static_cast<unsigned>(slots));
   };
   const dim3 g1 = grid(Ip / 64);
-  detail::launch_kernel(name1, true, p9::wgmma_gemm1_kernel<C>, g1, dim3(p9::kThreads), C::kSmemBytes, stream, w13,
+  detail::launch_kernel(name1, true, p9::wgmma_gemm1_kernel<C>, g1, dim3(C::kThreads), C::kSmemBytes, stream, w13,
                         static_cast<const unsigned char*>(a), static_cast<const float*>(asf),
                         static_cast<long long>(Hp), r, static_cast<long long>(I), static_cast<long long>(Ip), h, hsf);
   const dim3 g2 = grid(detail::ceil_div(w2.tiles_n, kern::prefill::kStrips));
-  detail::launch_kernel(name2, true, p9::wgmma_gemm2_kernel<C>, g2, dim3(p9::kThreads), C::kSmemBytes, stream, w2,
+  detail::launch_kernel(name2, true, p9::wgmma_gemm2_kernel<C>, g2, dim3(C::kThreads), C::kSmemBytes, stream, w2,
                         static_cast<const unsigned char*>(h), static_cast<const float*>(hsf),
                         static_cast<long long>(Ip), r, static_cast<long long>(H), ws.y);
 }
@@ -178,7 +178,9 @@ void set_prefill_tile(PrefillTile t) { g_tile = t; }
 PrefillTile prefill_tile_for(std::int64_t pairs, std::int64_t experts, bool sm90) {
   const std::int64_t touched = std::max<std::int64_t>(1, std::min(pairs, experts));
   if (kPrefillTile128MinPairs > 0 && pairs >= kPrefillTile128MinPairs * touched) return PrefillTile::M128;
-  return sm90 ? PrefillTile::WB64 : PrefillTile::M64;
+  if (!sm90) return PrefillTile::M64;
+  if (kPrefillWb128MinPairs > 0 && pairs >= kPrefillWb128MinPairs * touched) return PrefillTile::WB128;
+  return PrefillTile::WB64;
 }
 
 PrefillTile prefill_tile(std::int64_t pairs, std::int64_t experts) {
@@ -187,7 +189,10 @@ PrefillTile prefill_tile(std::int64_t pairs, std::int64_t experts) {
 }
 
 int prefill_tile_rows(PrefillTile t) {
-  return t == PrefillTile::M128 || t == PrefillTile::M128W ? 128 : 64;
+  return t == PrefillTile::M128 || t == PrefillTile::M128W || t == PrefillTile::WB128 ||
+                 t == PrefillTile::WB128P
+             ? 128
+             : 64;
 }
 
 namespace detail {
@@ -221,6 +226,18 @@ void launch_lutb_prefill_gemms(const DeviceMoeWeights& w, const kern::Routing& r
     launch_w90<kern::prefill90::Cfg90Bf>(w13, w2, r, ws, slots, T, I, H, Hp, Ip, stream,
                                           "sm90_lutb_mxfp8_moe_gemm1_prefill_wgmma_bf16fold",
                                           "sm90_lutb_mxfp8_moe_gemm2_prefill_wgmma_bf16fold");
+    return;
+  }
+  if (tile == PrefillTile::WB128) {
+    launch_w90<kern::prefill90::Cfg90Bf128>(w13, w2, r, ws, slots, T, I, H, Hp, Ip, stream,
+                                             "sm90_lutb_mxfp8_moe_gemm1_prefill_wgmma_bf16fold_m128",
+                                             "sm90_lutb_mxfp8_moe_gemm2_prefill_wgmma_bf16fold_m128");
+    return;
+  }
+  if (tile == PrefillTile::WB128P) {
+    launch_w90<kern::prefill90::Cfg90Bf128P>(w13, w2, r, ws, slots, T, I, H, Hp, Ip, stream,
+                                              "sm90_lutb_mxfp8_moe_gemm1_prefill_wgmma_bf16fold_m128_pipe",
+                                              "sm90_lutb_mxfp8_moe_gemm2_prefill_wgmma_bf16fold_m128_pipe");
     return;
   }
   if (tile == PrefillTile::WS64) {

@@ -1,8 +1,10 @@
 // src/cuda/moe_lutb_prefill_sm90.cuh: sm_90a prefill GEMMs on Hopper's wgmma (session 13), the
 // PrefillTile values W64, W64D (FP8), WB64, WB64D, WB64T (BF16 fold) and WS64 (BF16 fold,
-// warp-specialised) of moe_prefill.hpp, launched by moe_lutb_prefill.cu. WB64 is the prefill default
-// on sm_90 (helper pf13b): with the BF16 operands in the 128B-swizzle layout it is 1.18-1.26x M64 on
-// the H200, bit-identical to it. The FP8 tiles are 1-9 % faster than M64 but outside the tests'
+// warp-specialised), WB128 and WB128P (BF16 fold, 128 token rows, session 14) of moe_prefill.hpp,
+// launched by moe_lutb_prefill.cu. WB64 is the prefill default on sm_90 (helper pf13b): with the BF16
+// operands in the 128B-swizzle layout it is 1.18-1.26x M64 on the H200, bit-identical to it. From 512
+// pairs per touched expert WB128 (4 warpgroups sharing one decoded B tile, 1 CTA per SM) is: 1.02-1.12x
+// WB64 there (helper pf14; WB128P, its pipelined variant, 0.77-0.85x WB128). The FP8 tiles are 1-9 % faster than M64 but outside the tests'
 // error bounds: never chosen (docs/perf/moe-gpu-prefill.md, session 13).
 // Everything device-side is compiled for sm_90a only (__CUDA_ARCH_FEAT_SM90_ALL; __trap otherwise).
 //
@@ -10,6 +12,8 @@
 // UE8M0 scale per 32 columns. Decoding a tile to the tensor core's operand is therefore a pure byte
 // lookup (4 PRMT per lane and tile row, no conversion), and wgmma's FP8 rate is twice BF16's.
 //
+// CTA of WB128 (Cfg90 BM = 128): 512 threads = 4 warpgroups, warpgroup wg on token rows 64 (wg >> 1)..
+// and B rows 64 (wg & 1)..; each warp decodes one strip; otherwise as below.
 // CTA of W64/WB64 (256 threads = 2 warpgroups, no producer warp): 64 token rows (one token tile of
 // the grouping, one expert) x 128 weight rows (16 LUT-B row-strips; warpgroup wg owns B rows
 // 64wg..64wg+63 = strips 8wg..8wg+7) x K-tiles of 64 columns (one LUT-B tile column).
@@ -86,11 +90,27 @@ constexpr int kBM = 64;
 /// folded in (exact, as the M64 kernel), BF16 wgmma (m64n64k16, 4 per K-tile, accumulating in the
 /// tensor core over kPromoteTiles K-tiles, then promoted with round-to-nearest adds) (WB64).
 /// S: cp.async ring depth in K-tiles. kTokFast: grid (slots, N-blocks) instead of (N-blocks, slots).
-template <bool kBf16_, int S, bool kTokFast_ = false>
+///   BM: token rows per CTA, 64 or 128 (WB128, session 14): BM/64 x 2 warpgroups, warpgroup wg
+///   computes token rows 64 (wg >> 1) .. +63 x B rows 64 (wg & 1) .. +63 from ONE decoded B tile per
+///   K-step shared by all of them; each warp decodes 16 / (BM/8) strips (WB64: 2, WB128: 1).
+///   kPipe (WB128P): the K-tile pair's first wgmma group is left in flight across the next K-step's
+///   barrier (waited only before the promotion after the pair's second group), so the tensor cores
+///   work through every other barrier; this needs 3 B buffers and copies issued kStages - 2 K-tiles
+///   ahead (the stage and B buffer of the group in flight are not overwritten).
+template <bool kBf16_, int S, bool kTokFast_ = false, int BM_ = 64, bool kPipe_ = false>
 struct Cfg90 {
+  static constexpr bool kPipe = kPipe_;
+  static constexpr int kBBufs = kPipe_ ? 3 : 2;          // decoded B buffers
+  static constexpr int kLook = kPipe_ ? S - 2 : S - 1;   // K-tiles of copies in flight ahead
+  static_assert(!kPipe_ || (kBf16_ && S >= 4), "pipelined: BF16 fold, at least 4 stages");
   static constexpr bool kBf16 = kBf16_;
   static constexpr bool kTokFast = kTokFast_;
   static constexpr int kStages = S;
+  static constexpr int kBM = BM_;
+  static constexpr int kWarps = BM_ / 8;                       // 64 rows: 8 warps, 128 rows: 16
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kSPW = kStrips / kWarps;                // strips each warp decodes
+  static constexpr int kMinBlocks = BM_ == 64 ? 2 : 1;
   static constexpr int kRowBytes = kBf16 ? 128 : 64;          // one K-tile row: 64 columns
   static constexpr int kSbo = 8 * kRowBytes;                   // next 8-row core-matrix group / SW128 atom
   /// BF16: 128B-swizzle K-major operands (sw128_off; the 1024-byte atoms need 1024-aligned A and B
@@ -98,12 +118,14 @@ struct Cfg90 {
   static constexpr bool kSw128 = kBf16;
   static constexpr int kABytes = kBM * kRowBytes;
   static constexpr int kAQ = kABytes / 16 / kThreads;          // A 16-byte chunks per thread per stage
+  static_assert(BM_ == 64 || (BM_ == 128 && kBf16_), "128 token rows: BF16 fold only (WB128)");
+  static_assert(kSPW * kWarps == kStrips && kStrips * 13 <= kThreads, "decode and raw-copy split");
   static constexpr int kRawOff = kABytes;                      // 16 x 192 lane-major index bytes
   static constexpr int kCbOff = kRawOff + kStrips * 192;       // 16 x 8 codebook bytes
   static constexpr int kStageBytes = (kCbOff + kStrips * 8 + (kSw128 ? 1023 : 0)) / (kSw128 ? 1024 : 1) * (kSw128 ? 1024 : 1);
   static constexpr int kBBytes = kBN * kRowBytes;              // one decoded B K-tile
-  static constexpr int kTabOff = kStages * kStageBytes + 2 * kBBytes;  // BF16: per warp 2 x 16 table bytes
-  static constexpr int kSmemBytes = kTabOff + (kBf16 ? 8 * 2 * 16 : 0);
+  static constexpr int kTabOff = kStages * kStageBytes + kBBufs * kBBytes;  // BF16: per warp kSPW x 16 table bytes
+  static constexpr int kSmemBytes = kTabOff + (kBf16 ? kWarps * 2 * 16 : 0);
   static_assert(kStageBytes % 16 == 0 && kBBytes % 16 == 0 && kAQ * kThreads * 16 == kABytes, "layout");
   static_assert(!kSw128 || (kStageBytes % 1024 == 0 && kBBytes % 2048 == 0 && kRowBytes == 128),
                 "SW128: every stage's A tile and each warpgroup's half of a B buffer start 1024-aligned");
@@ -113,6 +135,16 @@ using Cfg90F8D = Cfg90<false, 8>;  // W64D
 using Cfg90Bf = Cfg90<true, 4>;    // WB64  (80.25 KB: stages padded to 12 KB for the SW128 alignment)
 using Cfg90BfD = Cfg90<true, 6>;   // WB64D (104.25 KB: still 2 CTAs per SM)
 using Cfg90BfT = Cfg90<true, 4, true>;  // WB64T: WB64 with the token-tile slots along grid x
+/// WB128 (session 14, pf14): 128 token rows, 512 threads = 4 consumer warpgroups (2 along tokens x 2
+/// along weights), one decoded B tile per K-step feeds all four: half WB64's decode work per FLOP.
+/// Shared memory 112.5 KB (stages 20 KB: A 16 KB + raw 3.1 KB, padded for SW128), 1 CTA per SM;
+/// registers capped at 128 by 512 threads (WB64 uses 115).
+using Cfg90Bf128 = Cfg90<true, 4, false, 128>;
+static_assert(Cfg90Bf128::kSmemBytes == 4 * 20480 + 2 * 16384 + 512 && Cfg90Bf128::kAQ == 2, "WB128 layout");
+/// WB128P: WB128 with the wgmma group of each pair's first K-tile in flight across the next barrier
+/// (kPipe); 5 stages (3 K-tiles of copies ahead, as WB128) + 3 B buffers: 148.5 KB, 1 CTA per SM.
+using Cfg90Bf128P = Cfg90<true, 5, false, 128, true>;
+static_assert(Cfg90Bf128P::kSmemBytes == 5 * 20480 + 3 * 16384 + 512 && Cfg90Bf128P::kLook == 3, "WB128P layout");
 
 /// Byte offset of (row r, byte column c) of a [rows][RB bytes] operand in wgmma's no-swizzle
 /// K-major layout: core matrix = 8 rows x 16 bytes (128 contiguous bytes); 16-byte K chunk c/16 at
@@ -218,7 +250,9 @@ __device__ __forceinline__ void cta_gemm90(const LutbW& w, long long e, long lon
                                            const float* const (&srow)[2], unsigned char* smem, float (&acc)[32]) {
   constexpr int kStages = C::kStages, kStageBytes = C::kStageBytes, kBBytes = C::kBBytes, RB = C::kRowBytes;
   constexpr int kChunks = RB / 16;  // A 16-byte chunks per row and K-tile
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
+  constexpr int kThreads = C::kThreads, kSPW = C::kSPW;
+  // warpgroup wg: token rows 64 wm.., B rows 64 wn.. (WB64: wm = 0, wn = wg)
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2, wn = wg & 1, wm = wg >> 1;
   const int nb = cta_nblock<C>();
   const long long tiles_k = w.tiles_k;
   const unsigned smem_s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
@@ -266,43 +300,44 @@ __device__ __forceinline__ void cta_gemm90(const LutbW& w, long long e, long lon
     prefill::cp_commit();
   };
 
-  // ---- decode: warp decodes slots 2*warp, 2*warp+1 (its own warpgroup's B rows); lane L = 4g + t:
+  // ---- decode: warp decodes slots kSPW*warp .. +kSPW-1 (WB64: its own warpgroup's B rows; WB128: one
+  // strip each, the B tile is shared by the two token-half warpgroups); lane L = 4g + t:
   // row g, columns 8t..8t+7 and 32+8t..32+8t+7 (lutb/cuda/lane_major.hpp). Invalid strips decode to
   // zeros (zero codebook / table, whatever stale index bytes the stage holds).
   const int g = lane >> 2, t = lane & 3;
-  bool dec_ok[2];
+  bool dec_ok[kSPW];
 #pragma unroll
-  for (int s = 0; s < 2; ++s) {
+  for (int s = 0; s < kSPW; ++s) {
     long long strip;
-    strip_of<kGemm1>(2 * warp + s, nb, w.tiles_n, I, strip, dec_ok[s]);
+    strip_of<kGemm1>(kSPW * warp + s, nb, w.tiles_n, I, strip, dec_ok[s]);
   }
-  // BF16: lanes 0..15 build the scaled BF16 lo/hi byte tables (lane: strip s = lane >> 3, entry
+  // BF16: lanes 0..8*kSPW-1 build the scaled BF16 lo/hi byte tables (lane: strip s = lane >> 3, entry
   // lane & 7) from the codebook byte and the tile's scale byte (loaded one K-tile ahead).
   const unsigned char* tsc_ptr = nullptr;
   if constexpr (C::kBf16) {
     long long strip;
     bool ok;
-    strip_of<kGemm1>(2 * warp + ((lane >> 3) & 1), nb, w.tiles_n, I, strip, ok);
-    if (ok) tsc_ptr = w.scale + (e * w.tiles_n + strip) * tiles_k;
+    strip_of<kGemm1>(kSPW * warp + ((lane >> 3) % kSPW), nb, w.tiles_n, I, strip, ok);
+    if (ok && lane < 8 * kSPW) tsc_ptr = w.scale + (e * w.tiles_n + strip) * tiles_k;
   }
   unsigned char* const tab = smem + C::kTabOff + warp * 32;
   auto load_tsc = [&](long long kt) -> unsigned { return (tsc_ptr && kt < tiles_k) ? __ldg(tsc_ptr + kt) : 0u; };
   auto decode = [&](long long kt, unsigned tsc) {
     const unsigned char* st = smem + (kt % kStages) * kStageBytes;
-    unsigned char* bdst = bsm + (kt & 1) * kBBytes;
+    unsigned char* bdst = bsm + (kt % C::kBBufs) * kBBytes;
     if constexpr (C::kBf16) {
-      if (lane < 16) {
+      if (lane < 8 * kSPW) {
         const int s = lane >> 3, j = lane & 7;
         unsigned short v = 0;
-        if (tsc_ptr) v = prefill::scaled_bf16(e4m3_to_float(st[C::kCbOff + (2 * warp + s) * 8 + j]), tsc);
+        if (tsc_ptr) v = prefill::scaled_bf16(e4m3_to_float(st[C::kCbOff + (kSPW * warp + s) * 8 + j]), tsc);
         tab[s * 16 + j] = static_cast<unsigned char>(v & 0xff);
         tab[s * 16 + 8 + j] = static_cast<unsigned char>(v >> 8);
       }
       __syncwarp();
     }
 #pragma unroll
-    for (int s = 0; s < 2; ++s) {
-      const int sl = 2 * warp + s;
+    for (int s = 0; s < kSPW; ++s) {
+      const int sl = kSPW * warp + s;
       const unsigned char* raw = st + C::kRawOff + sl * 192;
       const std::uint32_t X = *reinterpret_cast<const std::uint32_t*>(raw + 4 * lane);
       const std::uint32_t Y = *reinterpret_cast<const unsigned short*>(raw + 128 + 2 * lane);
@@ -356,7 +391,7 @@ __device__ __forceinline__ void cta_gemm90(const LutbW& w, long long e, long lon
   if constexpr (!C::kBf16) {
     long long strip;
     bool ok;
-    strip_of<kGemm1>(8 * wg + (lane & 7), nb, w.tiles_n, I, strip, ok);
+    strip_of<kGemm1>(8 * wn + (lane & 7), nb, w.tiles_n, I, strip, ok);
     if (ok) sc_ptr = w.scale + (e * w.tiles_n + strip) * tiles_k;
   }
   auto load_sw = [&](long long kt) -> unsigned { return (sc_ptr && kt < tiles_k) ? __ldg(sc_ptr + kt) : 256u; };
@@ -377,13 +412,13 @@ __device__ __forceinline__ void cta_gemm90(const LutbW& w, long long e, long lon
     for (int i = 0; i < 32; ++i) d1[i] = 0.0f;
   }
 
-  const unsigned long long da0 = smem_desc<C::kSbo, C::kSw128>(smem_s),
-                           db0 = smem_desc<C::kSbo, C::kSw128>(bsm_s + wg * (kBBytes / 2));
+  const unsigned long long da0 = smem_desc<C::kSbo, C::kSw128>(smem_s + wm * (64 * RB)),
+                           db0 = smem_desc<C::kSbo, C::kSw128>(bsm_s + wn * (kBBytes / 2));
   if (C::kSw128 && (smem_s & 1023u)) __trap();  // the SW128 atoms need a 1024-aligned dynamic smem base
 
   // ---- prologue
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) issue(s);
+  for (int s = 0; s < C::kLook; ++s) issue(s);
   unsigned sw_next = 256u, tsc_next = 0u;
   float2 sa_next[2] = {make_float2(0.f, 0.f), make_float2(0.f, 0.f)};
   if constexpr (C::kBf16) {
@@ -392,7 +427,7 @@ __device__ __forceinline__ void cta_gemm90(const LutbW& w, long long e, long lon
     sw_next = load_sw(0);
     load_sa(0, sa_next);
   }
-  prefill::cp_wait<kStages - 2>();
+  prefill::cp_wait<C::kLook - 1>();
   __syncthreads();
   if constexpr (C::kBf16) {
     decode(0, tsc_next);
@@ -402,13 +437,15 @@ __device__ __forceinline__ void cta_gemm90(const LutbW& w, long long e, long lon
   }
 
   for (long long kt = 0; kt < tiles_k; ++kt) {
-    prefill::cp_wait<kStages - 3>();
+    prefill::cp_wait<C::kLook - 2>();  // stage kt+1 landed (own copies)
     fence_async_smem();
     __syncthreads();
-    issue(kt + kStages - 1);
+    // stage (kt + kLook) % kStages: WB64/WB128 the one read by K-tile kt-1 (waited), WB128P kt-2
+    // (kt-1's group may still be in flight)
+    issue(kt + C::kLook);
     // descriptors advance in 16-byte units: stage kt's A, buffer kt&1's B; +256 bytes = 2 K chunks
     const unsigned long long da = da0 + static_cast<unsigned long long>((kt % kStages) * kStageBytes >> 4);
-    const unsigned long long db = db0 + static_cast<unsigned long long>((kt & 1) * kBBytes >> 4);
+    const unsigned long long db = db0 + static_cast<unsigned long long>((kt % C::kBBufs) * kBBytes >> 4);
     if constexpr (C::kBf16) {
       const bool fresh = kt % prefill::kPromoteTiles == 0;
       const unsigned tsc = tsc_next;
@@ -420,10 +457,15 @@ __device__ __forceinline__ void cta_gemm90(const LutbW& w, long long e, long lon
         wgmma_64x64x16_bf16(d0, da + kstep_desc<C::kSw128>(ks), db + kstep_desc<C::kSw128>(ks),
                             (ks == 0 && fresh) ? 0 : 1);
       wg_commit();
-      if (kt + 1 < tiles_k) decode(kt + 1, tsc);
-      wg_wait0();
-      reg_fence(d0);
-      if (kt % prefill::kPromoteTiles == prefill::kPromoteTiles - 1 || kt + 1 == tiles_k) {
+      if (kt + 1 < tiles_k) decode(kt + 1, tsc);  // into B[(kt+1) % kBBufs]: not read by a group in flight
+      const bool promote = kt % prefill::kPromoteTiles == prefill::kPromoteTiles - 1 || kt + 1 == tiles_k;
+      // kPipe: the pair's first group stays in flight; the next group accumulates into the same d0
+      // (same-shape wgmma chains on one accumulator are ordered by the hardware, PTX ISA wgmma.fence).
+      if (!C::kPipe || promote) {
+        wg_wait0();
+        reg_fence(d0);
+      }
+      if (promote) {
 #pragma unroll
         for (int i = 0; i < 32; ++i) acc[i] = __fadd_rn(acc[i], d0[i]);
       }
@@ -570,7 +612,7 @@ __global__ void __launch_bounds__(256)
 ///                mxfp8_qdq(bf16(silu(g) * u)) (NaN for b = 255), hsf unused (as the M64 kernel).
 /// Padded columns I..Ip-1 get zeros.
 template <class C>
-__global__ void __launch_bounds__(kThreads, 2)
+__global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
     wgmma_gemm1_kernel(LutbW w, const unsigned char* __restrict__ a, const float* __restrict__ asf, long long Hp,
                        Routing r, long long I, long long Ip, unsigned char* __restrict__ hq, float* __restrict__ hsf) {
 #ifdef LUTB_PREFILL_SM90
@@ -582,25 +624,26 @@ __global__ void __launch_bounds__(kThreads, 2)
   const long long e = r.tile_expert[slot];
   const int start = r.tile_start[slot], count = r.tile_count[slot];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2, wq = warp & 3;
+  const int wn = wg & 1, wm = wg >> 1;  // B rows 64 wn.., token rows 64 wm.. (WB64: wm = 0)
   const int g = lane >> 2, t = lane & 3;
   const unsigned char* arow[C::kAQ];
 #pragma unroll
   for (int q = 0; q < C::kAQ; ++q) {
-    const int pa = prefill::pair_of(r, start, count, (tid + kThreads * q) / (C::kRowBytes / 16));
+    const int pa = prefill::pair_of(r, start, count, (tid + C::kThreads * q) / (C::kRowBytes / 16));
     arow[q] = pa >= 0 ? a + static_cast<long long>(pa / r.top_k) * Hp * EB : nullptr;
   }
   int prow[2];
   const float* srow[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    prow[h] = prefill::pair_of(r, start, count, 16 * wq + g + 8 * h);
+    prow[h] = prefill::pair_of(r, start, count, 64 * wm + 16 * wq + g + 8 * h);
     srow[h] = (!C::kBf16 && prow[h] >= 0) ? asf + static_cast<long long>(prow[h] / r.top_k) * (Hp / 32) : nullptr;
   }
   extern __shared__ __align__(1024) unsigned char smem[];
   float acc[32];
   cta_gemm90<C, true>(w, e, I, arow, a, srow, smem, acc);
 
-  epilogue_gemm1<C::kBf16>(acc, cta_nblock<C>(), wg, prow, t, I, Ip, hq, hsf);
+  epilogue_gemm1<C::kBf16>(acc, cta_nblock<C>(), wn, prow, t, I, Ip, hq, hsf);
 #else
   __trap();  // sm_90a only (launch_lutb_prefill_gemms refuses other devices)
 #endif
@@ -609,7 +652,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 /// GEMM2: y[p, n] = h[p] . w2[e, n] (FP32) for n < H. grid (ceil(H/8 / 16), token-tile slots), swapped
 /// when C::kTokFast. hq/hsf as GEMM1 wrote them.
 template <class C>
-__global__ void __launch_bounds__(kThreads, 2)
+__global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
     wgmma_gemm2_kernel(LutbW w, const unsigned char* __restrict__ hq, const float* __restrict__ hsf, long long Ip,
                        Routing r, long long H, float* __restrict__ y) {
 #ifdef LUTB_PREFILL_SM90
@@ -621,24 +664,25 @@ __global__ void __launch_bounds__(kThreads, 2)
   const long long e = r.tile_expert[slot];
   const int start = r.tile_start[slot], count = r.tile_count[slot];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2, wq = warp & 3;
+  const int wn = wg & 1, wm = wg >> 1;  // B rows 64 wn.., token rows 64 wm.. (WB64: wm = 0)
   const int g = lane >> 2, t = lane & 3;
   const unsigned char* arow[C::kAQ];
 #pragma unroll
   for (int q = 0; q < C::kAQ; ++q) {
-    const int pa = prefill::pair_of(r, start, count, (tid + kThreads * q) / (C::kRowBytes / 16));
+    const int pa = prefill::pair_of(r, start, count, (tid + C::kThreads * q) / (C::kRowBytes / 16));
     arow[q] = pa >= 0 ? hq + static_cast<long long>(pa) * Ip * EB : nullptr;
   }
   int prow[2];
   const float* srow[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    prow[h] = prefill::pair_of(r, start, count, 16 * wq + g + 8 * h);
+    prow[h] = prefill::pair_of(r, start, count, 64 * wm + 16 * wq + g + 8 * h);
     srow[h] = (!C::kBf16 && prow[h] >= 0) ? hsf + static_cast<long long>(prow[h]) * (Ip / 32) : nullptr;
   }
   extern __shared__ __align__(1024) unsigned char smem[];
   float acc[32];
   cta_gemm90<C, false>(w, e, 0, arow, hq, srow, smem, acc);
-  epilogue_gemm2(acc, cta_nblock<C>(), wg, prow, t, H, y);
+  epilogue_gemm2(acc, cta_nblock<C>(), wn, prow, t, H, y);
 #else
   __trap();
 #endif

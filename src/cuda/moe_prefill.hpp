@@ -2,7 +2,8 @@
 //
 // What it is: GEMM1 (+ SiLU*up + MXFP8 of h) and GEMM2 of spec section 4 as CTA-tiled BF16
 // tensor-core GEMMs (mma.sync.m16n8k16, FP32 accumulators, ldmatrix from swizzled shared memory);
-// on sm_90 also wgmma variants (moe_lutb_prefill_sm90.cuh, PrefillTile W*), not the default.
+// on sm_90 wgmma variants (moe_lutb_prefill_sm90.cuh, PrefillTile W*), the default there: WB64,
+// and WB128 from kPrefillWb128MinPairs pairs per touched expert (prefill_tile_for).
 // A CTA owns 64 or 128 token rows of one expert (one token tile of the grouping; PrefillTile) x 128
 // weight rows; every LUT-B tile it needs is decoded ONCE per CTA into shared memory and then feeds
 // all of its tokens.
@@ -54,7 +55,7 @@ namespace lutb::cuda {
 ///          H200; never chosen by the heuristic.
 ///   WB64:  sm_90a only (session 13): the same CTA and pipeline with BF16 operands (both scales folded
 ///          in, exact, as M64) and BF16 wgmma (m64n64k16), promotion every 2 K-tiles as M64. THE
-///          HEURISTIC'S CHOICE ON sm_90 devices (helper pf13b): with its operands in the 128B-swizzle
+///          HEURISTIC'S CHOICE ON sm_90 devices below 512 pairs per touched expert (helper pf13b): with its operands in the 128B-swizzle
 ///          layout (no shared-memory bank conflicts) it is 1.18-1.26x M64's throughput on the H200 on
 ///          all four model shapes at T = 1024 and 4096, with output bit-identical to M64 (asserted by
 ///          the prefill tests; docs/perf/moe-gpu-prefill.md, session 13, pf13b).
@@ -67,20 +68,41 @@ namespace lutb::cuda {
 ///          and issue wgmma; no CTA-wide barrier in the K loop).
 /// M64IL, M128 and M128W were slower than M64 on the H200 (docs/perf/moe-gpu-prefill.md, session
 /// 12) and are kept, tested, for the next attempts (set_prefill_tile).
-enum class PrefillTile { Auto, M64, M64IL, M128, M128W, W64, WB64, W64D, WB64D, WB64T, WS64 };
+///   WB128: sm_90a only (session 14, helper pf14): WB64's numerics (bit-identical to M64) with 128 token
+///          rows per CTA: 512 threads = 4 warpgroups (2 along tokens x 2 along weight rows, each
+///          m64n64), all fed by ONE decoded B tile per K-step, the decode split over all 16 warps
+///          (one strip each): half WB64's decode work per FLOP; 112.5 KB shared memory, 1 CTA per SM.
+///          THE HEURISTIC'S CHOICE ON sm_90 FROM kPrefillWb128MinPairs (512) PAIRS PER TOUCHED
+///          EXPERT: 1.02-1.12x WB64 there, 0.59-0.95x below 256 (1 CTA per SM: the K-step barrier
+///          drains the tensor cores, and small experts leave 128-row tiles half empty).
+///   WB128P: WB128 with each K-tile pair's first wgmma group left in flight across the next barrier
+///          (5-stage ring, 3 B buffers, 148.5 KB); selectable only.
+enum class PrefillTile { Auto, M64, M64IL, M128, M128W, W64, WB64, W64D, WB64D, WB64T, WS64, WB128, WB128P };
 
 /// M128 from this many (token, expert) pairs per touched expert on average (prefill_tile); 0: never.
 /// 0 since the H200 runs of 2026-11-30 (docs/perf/moe-gpu-prefill.md, session 12): M128 and M128W
 /// were 0-47 % slower than M64 on all four model shapes at T = 1024 and 4096.
 inline constexpr std::int64_t kPrefillTile128MinPairs = 0;
 
+/// On sm_90: WB128 instead of WB64 from this many (token, expert) pairs per touched expert on
+/// average (prefill_tile_for); 0: never. Measured on the H200 (pf14 run 1, 2026-11-30,
+/// docs/perf/moe-gpu-prefill.md "Session 14"), WB128 / WB64 throughput by pairs per touched expert:
+///   32: 0.59x (DeepSeek-V3, T = 1024); 64: 0.83x (both Qwen3, T = 1024); 128: 0.95x (DeepSeek-V3,
+///   T = 4096); 256: 1.01x, 0.98x, 1.04x (Qwen3-235B, Qwen3-30B T = 4096; Mixtral T = 1024);
+///   512: 1.06x (DeepSeek-V3, T = 16384); 1024: 1.07x, 1.02x, 1.10x (both Qwen3 T = 16384, Mixtral
+///   T = 4096); 4096: 1.12x (Mixtral, T = 16384).
+/// So from 512 (the smallest measured count where WB128 won on every shape that reached it; 256 is
+/// a tie within +-4 %).
+inline constexpr std::int64_t kPrefillWb128MinPairs = 512;
+
 /// The tile the prefill path uses for `pairs` = T*k pairs over `experts` experts: the value forced by
 /// set_prefill_tile (benchmarks' A/B), else prefill_tile_for(pairs, experts, the current device is
 /// sm_90). Never Auto. Queries the current device (cached) unless a tile is forced.
 PrefillTile prefill_tile(std::int64_t pairs, std::int64_t experts);
 /// The heuristic itself (host only, no device query): M128 when kPrefillTile128MinPairs > 0 and the
-/// mean number of pairs per touched expert, pairs / min(E, pairs), is at least that; else WB64 on
-/// sm_90 (the wgmma kernels are built for sm_90a only) and M64 on every other device.
+/// mean number of pairs per touched expert, pairs / min(E, pairs), is at least that; else on sm_90
+/// (the wgmma kernels are built for sm_90a only) WB128 when kPrefillWb128MinPairs > 0 and that mean
+/// is at least kPrefillWb128MinPairs, else WB64; M64 on every other device.
 PrefillTile prefill_tile_for(std::int64_t pairs, std::int64_t experts, bool sm90);
 /// Token rows per CTA (= the grouping's tile rows) of a resolved tile (M64*, W64*, WB64*: 64; M128*: 128).
 int prefill_tile_rows(PrefillTile t);

@@ -189,13 +189,14 @@ bool device_is_sm90() {
          minor == 0;
 }
 /// Every tile setting the device runs: the heuristic's, the four sm_80 tiles, and on sm_90 devices
-/// the wgmma tiles (WB64, WB64D, WB64T, W64, W64D, WS64; their kernels are built for sm_90a only).
+/// the wgmma tiles (WB64, WB64D, WB64T, W64, W64D, WS64, WB128; their kernels are built for sm_90a only).
 std::vector<cuda::PrefillTile> all_tiles() {
   std::vector<cuda::PrefillTile> v = {cuda::PrefillTile::Auto, cuda::PrefillTile::M64, cuda::PrefillTile::M64IL,
                                       cuda::PrefillTile::M128, cuda::PrefillTile::M128W};
   if (device_is_sm90())
     for (auto t : {cuda::PrefillTile::WB64, cuda::PrefillTile::WB64D, cuda::PrefillTile::WB64T, cuda::PrefillTile::W64,
-                   cuda::PrefillTile::W64D, cuda::PrefillTile::WS64})
+                   cuda::PrefillTile::W64D, cuda::PrefillTile::WS64, cuda::PrefillTile::WB128,
+                   cuda::PrefillTile::WB128P})
       v.push_back(t);
   // LUTB_PREFILL_TEST_WS=0: every tile but the warp-specialised WS64; =only: M64 and WS64 (a device
   // run can then verify the other tiles in a process that a WS64 fault cannot take down).
@@ -211,7 +212,8 @@ std::vector<cuda::PrefillTile> all_tiles() {
 bool is_fp8(cuda::PrefillTile t) { return t == cuda::PrefillTile::W64 || t == cuda::PrefillTile::W64D; }
 bool is_wgmma(cuda::PrefillTile t) {
   return is_fp8(t) || t == cuda::PrefillTile::WB64 || t == cuda::PrefillTile::WB64D || t == cuda::PrefillTile::WB64T ||
-         t == cuda::PrefillTile::WS64;
+         t == cuda::PrefillTile::WS64 || t == cuda::PrefillTile::WB128 ||
+         t == cuda::PrefillTile::WB128P;
 }
 const char* tile_name(cuda::PrefillTile t) {
   switch (t) {
@@ -221,6 +223,8 @@ const char* tile_name(cuda::PrefillTile t) {
     case cuda::PrefillTile::WB64D: return "WB64D";
     case cuda::PrefillTile::WB64T: return "WB64T";
     case cuda::PrefillTile::WS64: return "WS64";
+    case cuda::PrefillTile::WB128: return "WB128";
+    case cuda::PrefillTile::WB128P: return "WB128P";
     case cuda::PrefillTile::M64IL: return "M64IL";
     case cuda::PrefillTile::M128: return "M128";
     case cuda::PrefillTile::M128W: return "M128W";
@@ -285,7 +289,7 @@ TEST_P(PrefillRandom, MatchesHostReference) {
     if (is_wgmma(tile) && !m64.empty()) {
       // A wgmma tile against M64 (the sm_80 BF16-fold mma.sync kernel, the default off sm_90) on the
       // same inputs, all rows.
-      // The BF16-fold tiles (WB64, WB64D, WB64T, WS64) use M64's numerics (exact operands, tensor-core
+      // The BF16-fold tiles (WB64, WB64D, WB64T, WS64, WB128, WB128P) use M64's numerics (exact operands, tensor-core
       // sums over the same 128 columns, the same FP32 promotion): asserted bit-identical (measured so
       // in sessions 13's runs). FP8 tiles: reported only (asserted against the reference above).
       const Cmp d = compare_bf16(got, m64);
@@ -466,27 +470,39 @@ TEST(PrefillCuda, HeuristicThresholdIs36PairsPerTouchedExpert) {
   EXPECT_EQ(cuda::decode_token_blocks(1024, 8, 256), 2);  // 32: the decode side of the threshold
 }
 
-TEST(PrefillCuda, TileHeuristicPicksWb64OnSm90ElseM64UnlessForced) {
+TEST(PrefillCuda, TileHeuristicPicksWb128From512PairsPerExpertOnSm90ElseWb64OrM64UnlessForced) {
   using cuda::PrefillTile;
-  // M128 measured slower on every shape (kPrefillTile128MinPairs = 0): a 64-row tile at every size.
-  // On sm_90 the BF16-fold wgmma tile WB64 (128B-swizzle operands, helper pf13b): 1.18-1.26x M64's
-  // throughput on all four model shapes at T = 1024 and 4096 on the H200, bit-identical output
-  // (asserted in MatchesHostReference); M64 on every other device (host-only check, no device query).
+  // M128 measured slower on every shape (kPrefillTile128MinPairs = 0): never. On sm_90 the BF16-fold
+  // wgmma tiles (bit-identical output, asserted in MatchesHostReference): WB128 from 512 pairs per
+  // touched expert (pf14 run 1 on the H200: 1.02-1.12x WB64 at 512..4096, 0.98-1.04x at 256, 0.59-0.95x
+  // at 32..128), WB64 below; M64 on every other device (host-only check, no device query).
   static_assert(cuda::kPrefillTile128MinPairs == 0);
+  static_assert(cuda::kPrefillWb128MinPairs == 512);
   for (const bool sm90 : {false, true}) {
-    const PrefillTile want = sm90 ? PrefillTile::WB64 : PrefillTile::M64;
-    EXPECT_EQ(cuda::prefill_tile_for(1024 * 8, 256, sm90), want);  // DeepSeek-V3, T = 1024: 32 pairs per expert
-    EXPECT_EQ(cuda::prefill_tile_for(4096 * 8, 256, sm90), want);  // DeepSeek-V3, T = 4096: 128
-    EXPECT_EQ(cuda::prefill_tile_for(4096 * 8, 128, sm90), want);  // Qwen3, T = 4096: 256
-    EXPECT_EQ(cuda::prefill_tile_for(4096 * 2, 8, sm90), want);    // Mixtral, T = 4096: 1024
-    EXPECT_EQ(cuda::prefill_tile_for(100, 1024, sm90), want);
+    const PrefillTile small = sm90 ? PrefillTile::WB64 : PrefillTile::M64;
+    const PrefillTile large = sm90 ? PrefillTile::WB128 : PrefillTile::M64;
+    EXPECT_EQ(cuda::prefill_tile_for(1024 * 8, 256, sm90), small);   // DeepSeek-V3, T = 1024: 32 pairs per expert
+    EXPECT_EQ(cuda::prefill_tile_for(4096 * 8, 256, sm90), small);   // DeepSeek-V3, T = 4096: 128
+    EXPECT_EQ(cuda::prefill_tile_for(4096 * 8, 128, sm90), small);   // Qwen3, T = 4096: 256
+    EXPECT_EQ(cuda::prefill_tile_for(1024 * 2, 8, sm90), small);     // Mixtral, T = 1024: 256
+    EXPECT_EQ(cuda::prefill_tile_for(16383 * 8, 256, sm90), small);  // 511.97
+    EXPECT_EQ(cuda::prefill_tile_for(16384 * 8, 256, sm90), large);  // DeepSeek-V3, T = 16384: 512
+    EXPECT_EQ(cuda::prefill_tile_for(8192 * 8, 128, sm90), large);   // Qwen3, T = 8192: 512
+    EXPECT_EQ(cuda::prefill_tile_for(16384 * 8, 128, sm90), large);  // Qwen3, T = 16384: 1024
+    EXPECT_EQ(cuda::prefill_tile_for(4096 * 2, 8, sm90), large);     // Mixtral, T = 4096: 1024
+    EXPECT_EQ(cuda::prefill_tile_for(2048 * 2, 8, sm90), large);     // Mixtral, T = 2048: 512
+    EXPECT_EQ(cuda::prefill_tile_for(100, 1024, sm90), small);       // 100 pairs over 100 touched experts
+    EXPECT_EQ(cuda::prefill_tile_for(600, 1, sm90), large);          // one expert, 600 pairs
+    EXPECT_EQ(cuda::prefill_tile_for(511, 1, sm90), small);
   }
   EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::M64), 64);
   EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::M64IL), 64);
   EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::M128), 128);
   EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::M128W), 128);
-  // The sm_90 wgmma tiles (session 13) group 64-row token tiles. The FP8 ones (W64, W64D) miss the
-  // error bounds and are never chosen.
+  EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::WB128), 128);  // groups 128-row token tiles (session 14)
+  EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::WB128P), 128);
+  // The session-13 sm_90 wgmma tiles group 64-row token tiles (WB128: 128, above). The FP8 ones
+  // (W64, W64D) miss the error bounds and are never chosen.
   for (PrefillTile t : {PrefillTile::W64, PrefillTile::W64D, PrefillTile::WB64, PrefillTile::WB64D, PrefillTile::WB64T,
                         PrefillTile::WS64})
     EXPECT_EQ(cuda::prefill_tile_rows(t), 64);
