@@ -4,9 +4,9 @@
 //
 // Usage: bench_moe_gpu [--quick] [--shape NAME] [--tokens T] [--variants LIST]
 //   (NAME: deepseek-v3, qwen3-235b, qwen3-30b, mixtral-8x7b; --tokens T or T1,T2,...: only those batch sizes;
-//   --variants, e.g. 0,7 or 1,10: only those forwards of the `make` switch (0..11, 20..37, 40..46; 10 = the swap-AB
+//   --variants, e.g. 0,7 or 1,10: only those forwards of the `make` switch (0..11, 20..37, 40..49; 10 = the swap-AB
 //   decode on FP8 wgmma, 11 = the warp-specialised swap-AB decode; 20..37: session 14's small-batch paths,
-//   stage timing and forced K splits; 40..46: L2 prefetch of GEMM2's weights), a compact row, no cuBLAS: for quick
+//   stage timing and forced K splits; 40..49: L2 prefetch of GEMM2's weights), a compact row, no cuBLAS: for quick
 //   A/B runs of kernel changes)
 // Each forward (routing kernel excluded; the routing is precomputed by route_softmax_topk /
 // route_deepseek on random logits) is captured in a CUDA graph; R = 8 different routings are cycled
@@ -181,7 +181,7 @@ struct Shape {
   bool deepseek;
 };
 
-constexpr int kVariants = 47;  // forwards of the `make` switch below (0..11, 20..37, 40..46)
+constexpr int kVariants = 50;  // forwards of the `make` switch below (0..11, 20..37, 40..49)
 
 int main(int argc, char** argv) {
   bool quick = false;
@@ -465,6 +465,19 @@ int main(int argc, char** argv) {
             cuda::set_decode_l2_prefetch(cuda::kDecodeL2PrefetchDefault);
             break;
           }
+          case 47:  // all, issued after each GEMM1 CTA's K-loop
+          case 48:  // 8 MiB, after the K-loop
+            cuda::set_decode_l2_prefetch(variant == 47 ? (1ll << 62) : (8ll << 20), false, true);
+            cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st);
+            cuda::set_decode_l2_prefetch(cuda::kDecodeL2PrefetchDefault);
+            break;
+          case 49:  // stage timing: up to GEMM1 with variant 47's prefetch (compare with 26)
+            cuda::set_decode_l2_prefetch(1ll << 62, false, true);
+            cuda::set_forward_stop_after(2);
+            cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st);
+            cuda::set_forward_stop_after(0);
+            cuda::set_decode_l2_prefetch(cuda::kDecodeL2PrefetchDefault);
+            break;
           case 46:  // stage timing: up to GEMM1 with the prefetch of all w2 (compare with 26: GEMM1's cost)
             cuda::set_decode_l2_prefetch(1ll << 62);
             cuda::set_forward_stop_after(2);

@@ -235,6 +235,7 @@ static int g_stop_after = 0;
 static int g_split[4] = {0, 0, 0, 0};  // set_decode_split (benchmark only)
 static std::int64_t g_l2pf_budget = kDecodeL2PrefetchDefault;  // set_decode_l2_prefetch
 static bool g_l2pf_evict_last = false;
+static bool g_l2pf_late = false;
 
 DecodeSplit gemm_k_split(int gemm, std::int64_t ctas, std::int64_t tiles_k, int warps) {
   const int s = g_split[2 * (gemm - 1)], shift = g_split[2 * (gemm - 1) + 1];
@@ -247,6 +248,7 @@ DecodeSplit gemm_k_split(int gemm, std::int64_t ctas, std::int64_t tiles_k, int 
 unsigned decode_paths() { return g_decode_paths; }
 std::int64_t l2_prefetch_budget() { return g_l2pf_budget; }
 bool l2_prefetch_evict_last() { return g_l2pf_evict_last; }
+bool l2_prefetch_late() { return g_l2pf_late; }
 int sm_count() { return device_sms(); }
 int forward_stop_after() { return g_stop_after; }
 
@@ -336,9 +338,10 @@ void launch_reduce(const int* ids, const float* weights, const float* y, std::in
 
 void set_decode_paths(unsigned paths) { detail::g_decode_paths = paths; }
 
-void set_decode_l2_prefetch(std::int64_t budget_bytes, bool evict_last) {
+void set_decode_l2_prefetch(std::int64_t budget_bytes, bool evict_last, bool after_k_loop) {
   detail::g_l2pf_budget = budget_bytes > 0 ? budget_bytes : 0;
   detail::g_l2pf_evict_last = evict_last;
+  detail::g_l2pf_late = after_k_loop;
 }
 
 void set_decode_split(int ksplit1, int warp_shift1, int ksplit2, int warp_shift2) {

@@ -100,7 +100,7 @@ void launch_swapab(const DeviceMoeWeights& w, const kern::Routing& r, const deta
   // L2 prefetch of GEMM2's weights by GEMM1's CTAs (set_decode_l2_prefetch; sm_90a image only, where
   // cp.async.bulk.prefetch exists): the byte rule decode_l2_prefetch_tiles on the w2 bytes of the
   // touched experts, per GEMM2 K range (its warps x its split, swap_k_range).
-  kern::L2Prefetch pf{w2.packed, w2.codebook, w2.scale, w2.tiles_n, w2.tiles_k, w2.total_tiles, 0, 0, 0, 0};
+  kern::L2Prefetch pf{w2.packed, w2.codebook, w2.scale, w2.tiles_n, w2.tiles_k, w2.total_tiles, 0, 0, 0, 0, 0};
   if (detail::cluster_launch_ok() && detail::l2_prefetch_budget() > 0) {
     const std::int64_t ranges = static_cast<std::int64_t>(nw2) * ks2;
     const std::int64_t per = detail::ceil_div(w2.tiles_k, ranges);
@@ -109,6 +109,7 @@ void launch_swapab(const DeviceMoeWeights& w, const kern::Routing& r, const deta
     pf.per = static_cast<int>(per);
     pf.kpf = decode_l2_prefetch_tiles(w2_bytes, per, detail::l2_prefetch_budget());
     pf.evict_last = detail::l2_prefetch_evict_last() ? 1 : 0;
+    pf.late = detail::l2_prefetch_late() ? 1 : 0;
   }
   const dim3 g1(static_cast<unsigned>(groups1 * ks1), static_cast<unsigned>(slots));
   if (ks1 > 1)
@@ -343,7 +344,7 @@ void moe_forward(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t
     // The top-k reduction inside GEMM2 (clusters of top_k CTAs, one token each): direct forwards of
     // the mma.sync kernels on sm_90a, small GEMM2 grids (decode_fuse_reduce, moe.hpp).
     const std::int64_t gemm2_ctas = detail::ceil_div(w.w2.shape.tiles_n(), 8) * P;
-    const bool fuse = direct && top_k <= 8 && dec != kern::kDecWg && detail::cluster_launch_ok() &&
+    const bool fuse = direct && top_k <= 8 && dec != kern::kDecWg && dec != kern::kDecWs && detail::cluster_launch_ok() &&
                       ((paths & kDecodeClusterReduceAlways) ||
                        ((paths & kDecodeClusterReduce) && decode_fuse_reduce(gemm2_ctas, top_k, detail::sm_count())));
     auto go = [&](auto dec_c) {

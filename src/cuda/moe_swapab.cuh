@@ -726,13 +726,14 @@ __device__ __forceinline__ void swap_cluster_reduce(bool have, const float (&acc
 /// L2 prefetch of GEMM2's weights by GEMM1's CTAs (moe.hpp set_decode_l2_prefetch; l2pf14): the w2
 /// stack (LutbW of w2), GEMM2's K ranges per row strip (`ranges` = its warps x its cluster split, each
 /// of `per` K-tiles, swap_k_range's split) and the K-tiles prefetched at the start of each range
-/// (`kpf`; 0: off). `evict_last`: the prefetches carry an L2::evict_last cache hint.
+/// (`kpf`; 0: off). `evict_last`: the prefetches carry an L2::evict_last cache hint. `late`: issued
+/// after the CTA's K-loop instead of before its PDL wait.
 struct L2Prefetch {
   const unsigned char* packed;
   const unsigned char* codebook;
   const unsigned char* scale;
   long long tiles_n, tiles_k, total_tiles;
-  int ranges, per, kpf, evict_last;
+  int ranges, per, kpf, evict_last, late;
 };
 
 /// cp.async.bulk.prefetch.L2 of the 16-byte granules of bytes [begin, end) of the buffer [buf,
@@ -829,7 +830,7 @@ __global__ void LUTB_SWAPAB_BOUNDS(NB)
   // GEMM2's weights into L2 (set_decode_l2_prefetch): the last warp, after its own ring prologue and
   // before the PDL wait (w2 is no earlier kernel's output).
   auto before_wait = [&] {
-    if (pf.kpf > 0 && warp == nw - 1) swap_l2_prefetch(pf, e);
+    if (pf.kpf > 0 && !pf.late && warp == nw - 1) swap_l2_prefetch(pf, e);
     pdl_wait();
     pdl_trigger();
   };
@@ -840,6 +841,7 @@ __global__ void LUTB_SWAPAB_BOUNDS(NB)
   else
     swap_warp_gemm<kDec, NB, false>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
                                     swap_smem + warp * SwapRing::kWarpBytes, acc, before_wait);
+  if (pf.kpf > 0 && pf.late && warp == nw - 1) swap_l2_prefetch(pf, e);
   bool warp0 = swap_reduce<NB>(swap_smem, acc);
   if constexpr (kSplit) warp0 = swap_cluster_combine<NB>(warp0, acc);
   if (!warp0) return;

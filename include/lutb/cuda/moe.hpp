@@ -239,10 +239,11 @@ DecodeSplit decode_k_split(std::int64_t ctas, std::int64_t tiles_k, int warps, i
 int decode_l2_prefetch_tiles(std::int64_t w2_bytes, std::int64_t range_tiles, std::int64_t budget_bytes);
 /// The prefetch budget of later swap-AB forwards (process-wide; bytes of w2 per forward, 0 = off;
 /// kDecodeL2PrefetchDefault unless changed) and whether the prefetch carries an L2::evict_last hint
-/// (createpolicy; so GEMM1's own weight stream does not evict the prefetched lines first).
+/// (createpolicy; so GEMM1's own weight stream does not evict the prefetched lines first), and whether
+/// it is issued after each GEMM1 CTA's K-loop (`after_k_loop`) instead of before its PDL wait.
 /// Measured on the H200: docs/perf/moe-gpu.md "Session 14: L2 prefetch of GEMM2's weights (l2pf14)".
 inline constexpr std::int64_t kDecodeL2PrefetchDefault = 0;
-void set_decode_l2_prefetch(std::int64_t budget_bytes, bool evict_last = false);
+void set_decode_l2_prefetch(std::int64_t budget_bytes, bool evict_last = false, bool after_k_loop = false);
 
 /// Benchmark only: forces the K split of GEMM1 (ksplit1, warps divided by 2^warp_shift1) and of
 /// GEMM2 (ksplit2, warp_shift2) of later swap-AB forwards on sm_90a; ksplit 0 = decode_k_split's rule.
