@@ -178,7 +178,8 @@ inline constexpr double kDirectMaxPairsPerExpert = 1.10;
 /// tokens >= 1, 1 <= top_k <= experts; false when top_k > experts (repeated experts per token).
 bool decode_direct(std::int64_t tokens, int top_k, std::int64_t experts);
 
-/// In a direct forward on sm_90a with top_k <= 8, the weighted top-k reduction runs inside GEMM2
+/// In a direct forward on sm_90a with top_k <= 8 (mma.sync kernels: not CvtWs, not Fp8Wgmma), the
+/// weighted top-k reduction runs inside GEMM2
 /// (kDecodeClusterReduce, below) when GEMM2's grid (strip groups x pairs) has at most 2 CTAs per SM.
 /// Measured on the H200 (docs/perf/moe-gpu.md "Session 14", run small14-run2, same process, twice):
 /// Qwen3-30B T = 1 (256 CTAs) 1.1-1.8 us faster, Mixtral T = 1 (128 CTAs) 0.4-0.6 us faster; with
@@ -241,7 +242,10 @@ int decode_l2_prefetch_tiles(std::int64_t w2_bytes, std::int64_t range_tiles, st
 /// kDecodeL2PrefetchDefault unless changed) and whether the prefetch carries an L2::evict_last hint
 /// (createpolicy; so GEMM1's own weight stream does not evict the prefetched lines first), and whether
 /// it is issued after each GEMM1 CTA's K-loop (`after_k_loop`) instead of before its PDL wait.
-/// Measured on the H200: docs/perf/moe-gpu.md "Session 14: L2 prefetch of GEMM2's weights (l2pf14)".
+/// Measured on the H200 (docs/perf/moe-gpu.md "Session 14: L2 prefetch of GEMM2's weights (l2pf14)",
+/// runs l2pf14-run1/run2, same process as off): GEMM2 got 0.7-2.5 us shorter at T = 1 where the w2
+/// fits, but GEMM1 2.6-6.3 us longer (the issuing warp waits on its prefetches), so every budget,
+/// hint and placement was 1-16 % slower at T = 1..64 on the four benchmark shapes: off by default.
 inline constexpr std::int64_t kDecodeL2PrefetchDefault = 0;
 void set_decode_l2_prefetch(std::int64_t budget_bytes, bool evict_last = false, bool after_k_loop = false);
 
