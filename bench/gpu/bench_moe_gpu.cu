@@ -4,9 +4,10 @@
 //
 // Usage: bench_moe_gpu [--quick] [--shape NAME] [--tokens T] [--variants LIST]
 //   (NAME: deepseek-v3, qwen3-235b, qwen3-30b, mixtral-8x7b; --tokens T or T1,T2,...: only those batch sizes;
-//   --variants, e.g. 0,7 or 1,10: only those forwards of the `make` switch (0..11, 20..37; 10 = the swap-AB
+//   --variants, e.g. 0,7 or 1,10: only those forwards of the `make` switch (0..11, 20..37, 40..49; 10 = the swap-AB
 //   decode on FP8 wgmma, 11 = the warp-specialised swap-AB decode; 20..37: session 14's small-batch paths,
-//   stage timing and forced K splits), a compact row, no cuBLAS: for quick A/B runs of kernel changes)
+//   stage timing and forced K splits; 40..49: L2 prefetch of GEMM2's weights), a compact row, no cuBLAS: for quick
+//   A/B runs of kernel changes)
 // Each forward (routing kernel excluded; the routing is precomputed by route_softmax_topk /
 // route_deepseek on random logits) is captured in a CUDA graph; R = 8 different routings are cycled
 // so that the experts touched change from call to call (weights of one call are not in L2 for the
@@ -180,7 +181,7 @@ struct Shape {
   bool deepseek;
 };
 
-constexpr int kVariants = 40;  // forwards of the `make` switch below (0..11, 20..37)
+constexpr int kVariants = 50;  // forwards of the `make` switch below (0..11, 20..37, 40..49)
 
 int main(int argc, char** argv) {
   bool quick = false;
@@ -450,6 +451,40 @@ int main(int argc, char** argv) {
             cuda::set_decode_split(0, 0, 0, 0);
             break;
           }
+          // Session 14 (l2pf14): L2 prefetch of GEMM2's weights by GEMM1's CTAs (set_decode_l2_prefetch),
+          // budget in bytes of w2 per forward; the default (0) is the baseline in the same run.
+          case 40:  // all of the touched experts' w2 (no budget)
+          case 41:  // 24 MiB budget (about 40 % of the H200's 60 MiB L2)
+          case 42:  // 8 MiB budget
+          case 43:  // all, with an L2::evict_last hint
+          case 44:  // 24 MiB, evict_last
+          case 45: {  // off (explicitly; equals the default while kDecodeL2PrefetchDefault = 0)
+            const long long budgets[6] = {1ll << 62, 24ll << 20, 8ll << 20, 1ll << 62, 24ll << 20, 0};
+            cuda::set_decode_l2_prefetch(budgets[variant - 40], variant == 43 || variant == 44);
+            cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st);
+            cuda::set_decode_l2_prefetch(cuda::kDecodeL2PrefetchDefault);
+            break;
+          }
+          case 47:  // all, issued after each GEMM1 CTA's K-loop
+          case 48:  // 8 MiB, after the K-loop
+            cuda::set_decode_l2_prefetch(variant == 47 ? (1ll << 62) : (8ll << 20), false, true);
+            cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st);
+            cuda::set_decode_l2_prefetch(cuda::kDecodeL2PrefetchDefault);
+            break;
+          case 49:  // stage timing: up to GEMM1 with variant 47's prefetch (compare with 26)
+            cuda::set_decode_l2_prefetch(1ll << 62, false, true);
+            cuda::set_forward_stop_after(2);
+            cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st);
+            cuda::set_forward_stop_after(0);
+            cuda::set_decode_l2_prefetch(cuda::kDecodeL2PrefetchDefault);
+            break;
+          case 46:  // stage timing: up to GEMM1 with the prefetch of all w2 (compare with 26: GEMM1's cost)
+            cuda::set_decode_l2_prefetch(1ll << 62);
+            cuda::set_forward_stop_after(2);
+            cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st);
+            cuda::set_forward_stop_after(0);
+            cuda::set_decode_l2_prefetch(cuda::kDecodeL2PrefetchDefault);
+            break;
           case 9:
             cuda::set_dependent_launch(false);
             cuda::moe_forward_bf16(wb, xr, T, s.k, id, wt, out, ws, wsb, st,

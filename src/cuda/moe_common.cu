@@ -163,6 +163,14 @@ DecodeSplit decode_k_split(std::int64_t ctas, std::int64_t tiles_k, int warps, i
   return {1, warps};
 }
 
+int decode_l2_prefetch_tiles(std::int64_t w2_bytes, std::int64_t range_tiles, std::int64_t budget_bytes) {
+  if (budget_bytes <= 0 || range_tiles <= 0) return 0;
+  if (w2_bytes <= budget_bytes) return static_cast<int>(range_tiles);
+  // range_tiles * budget / w2_bytes without overflow (range_tiles is at most a few thousand).
+  const double k = static_cast<double>(range_tiles) * static_cast<double>(budget_bytes) / static_cast<double>(w2_bytes);
+  return static_cast<int>(std::max<std::int64_t>(1, static_cast<std::int64_t>(k)));
+}
+
 bool decode_fuse_reduce(std::int64_t gemm2_ctas, int top_k, int sms) {
   return top_k >= 1 && top_k <= 8 && gemm2_ctas >= 1 && gemm2_ctas <= 2ll * sms;
 }
@@ -225,6 +233,9 @@ int device_sms();  // below
 static unsigned g_decode_paths = kDecodePathsDefault;
 static int g_stop_after = 0;
 static int g_split[4] = {0, 0, 0, 0};  // set_decode_split (benchmark only)
+static std::int64_t g_l2pf_budget = kDecodeL2PrefetchDefault;  // set_decode_l2_prefetch
+static bool g_l2pf_evict_last = false;
+static bool g_l2pf_late = false;
 
 DecodeSplit gemm_k_split(int gemm, std::int64_t ctas, std::int64_t tiles_k, int warps) {
   const int s = g_split[2 * (gemm - 1)], shift = g_split[2 * (gemm - 1) + 1];
@@ -235,6 +246,9 @@ DecodeSplit gemm_k_split(int gemm, std::int64_t ctas, std::int64_t tiles_k, int 
 }
 
 unsigned decode_paths() { return g_decode_paths; }
+std::int64_t l2_prefetch_budget() { return g_l2pf_budget; }
+bool l2_prefetch_evict_last() { return g_l2pf_evict_last; }
+bool l2_prefetch_late() { return g_l2pf_late; }
 int sm_count() { return device_sms(); }
 int forward_stop_after() { return g_stop_after; }
 
@@ -323,6 +337,12 @@ void launch_reduce(const int* ids, const float* weights, const float* y, std::in
 }  // namespace detail
 
 void set_decode_paths(unsigned paths) { detail::g_decode_paths = paths; }
+
+void set_decode_l2_prefetch(std::int64_t budget_bytes, bool evict_last, bool after_k_loop) {
+  detail::g_l2pf_budget = budget_bytes > 0 ? budget_bytes : 0;
+  detail::g_l2pf_evict_last = evict_last;
+  detail::g_l2pf_late = after_k_loop;
+}
 
 void set_decode_split(int ksplit1, int warp_shift1, int ksplit2, int warp_shift2) {
   detail::g_split[0] = ksplit1;

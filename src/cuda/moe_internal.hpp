@@ -52,6 +52,10 @@ int swap_decoder();
 
 /// set_decode_paths' flags (kDecodePathsDefault unless changed) and set_forward_stop_after's stage.
 unsigned decode_paths();
+/// set_decode_l2_prefetch's budget (bytes, 0 = off), evict_last hint and after_k_loop placement.
+std::int64_t l2_prefetch_budget();
+bool l2_prefetch_evict_last();
+bool l2_prefetch_late();
 int forward_stop_after();
 /// SMs of the current device (cached per device).
 int sm_count();

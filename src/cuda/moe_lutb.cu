@@ -97,17 +97,31 @@ void launch_swapab(const DeviceMoeWeights& w, const kern::Routing& r, const deta
     const char* v = std::getenv("LUTB_SWAPAB_ONE");
     return !(v && std::strcmp(v, "0") == 0);
   }();
+  // L2 prefetch of GEMM2's weights by GEMM1's CTAs (set_decode_l2_prefetch; sm_90a image only, where
+  // cp.async.bulk.prefetch exists): the byte rule decode_l2_prefetch_tiles on the w2 bytes of the
+  // touched experts, per GEMM2 K range (its warps x its split, swap_k_range).
+  kern::L2Prefetch pf{w2.packed, w2.codebook, w2.scale, w2.tiles_n, w2.tiles_k, w2.total_tiles, 0, 0, 0, 0, 0};
+  if (detail::cluster_launch_ok() && detail::l2_prefetch_budget() > 0) {
+    const std::int64_t ranges = static_cast<std::int64_t>(nw2) * ks2;
+    const std::int64_t per = detail::ceil_div(w2.tiles_k, ranges);
+    const std::int64_t w2_bytes = touched * w2.tiles_n * w2.tiles_k * 201;  // index + codebook + scale
+    pf.ranges = static_cast<int>(ranges);
+    pf.per = static_cast<int>(per);
+    pf.kpf = decode_l2_prefetch_tiles(w2_bytes, per, detail::l2_prefetch_budget());
+    pf.evict_last = detail::l2_prefetch_evict_last() ? 1 : 0;
+    pf.late = detail::l2_prefetch_late() ? 1 : 0;
+  }
   const dim3 g1(static_cast<unsigned>(groups1 * ks1), static_cast<unsigned>(slots));
   if (ks1 > 1)
     detail::launch_kernel_cluster("sm90_lutb_mxfp8_moe_gemm1_swapab_splitk", true, kern::swapab_gemm1_kernel<kDec, NB, true>,
                                   g1, dim3(32 * nw1), kern::swap_smem_bytes<NB>(nw1), dim3(ks1, 1, 1), stream, w13, xa,
                                   static_cast<const float*>(ws.xsf), static_cast<long long>(Hp), r,
-                                  static_cast<long long>(I), static_cast<long long>(Ip), hq, ws.hsf, one_token_loop, ks1);
+                                  static_cast<long long>(I), static_cast<long long>(Ip), hq, ws.hsf, one_token_loop, ks1, pf);
   else
     detail::launch_kernel("sm80_lutb_mxfp8_moe_gemm1_swapab", true, kern::swapab_gemm1_kernel<kDec, NB, false>, g1,
                           dim3(32 * nw1), kern::swap_smem_bytes<NB>(nw1), stream, w13, xa,
                           static_cast<const float*>(ws.xsf), static_cast<long long>(Hp), r, static_cast<long long>(I),
-                          static_cast<long long>(Ip), hq, ws.hsf, one_token_loop, 1);
+                          static_cast<long long>(Ip), hq, ws.hsf, one_token_loop, 1, pf);
   if (stop == 2) return;
   const dim3 g2(static_cast<unsigned>(groups2 * ks2), static_cast<unsigned>(slots));
   if (fuse_reduce) {
@@ -330,7 +344,7 @@ void moe_forward(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t
     // The top-k reduction inside GEMM2 (clusters of top_k CTAs, one token each): direct forwards of
     // the mma.sync kernels on sm_90a, small GEMM2 grids (decode_fuse_reduce, moe.hpp).
     const std::int64_t gemm2_ctas = detail::ceil_div(w.w2.shape.tiles_n(), 8) * P;
-    const bool fuse = direct && top_k <= 8 && dec != kern::kDecWg && detail::cluster_launch_ok() &&
+    const bool fuse = direct && top_k <= 8 && dec != kern::kDecWg && dec != kern::kDecWs && detail::cluster_launch_ok() &&
                       ((paths & kDecodeClusterReduceAlways) ||
                        ((paths & kDecodeClusterReduce) && decode_fuse_reduce(gemm2_ctas, top_k, detail::sm_count())));
     auto go = [&](auto dec_c) {

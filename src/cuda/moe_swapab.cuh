@@ -723,6 +723,72 @@ __device__ __forceinline__ void swap_cluster_reduce(bool have, const float (&acc
 #endif
 }
 
+/// L2 prefetch of GEMM2's weights by GEMM1's CTAs (moe.hpp set_decode_l2_prefetch; l2pf14): the w2
+/// stack (LutbW of w2), GEMM2's K ranges per row strip (`ranges` = its warps x its cluster split, each
+/// of `per` K-tiles, swap_k_range's split) and the K-tiles prefetched at the start of each range
+/// (`kpf`; 0: off). `evict_last`: the prefetches carry an L2::evict_last cache hint. `late`: issued
+/// after the CTA's K-loop instead of before its PDL wait.
+struct L2Prefetch {
+  const unsigned char* packed;
+  const unsigned char* codebook;
+  const unsigned char* scale;
+  long long tiles_n, tiles_k, total_tiles;
+  int ranges, per, kpf, evict_last, late;
+};
+
+/// cp.async.bulk.prefetch.L2 of the 16-byte granules of bytes [begin, end) of the buffer [buf,
+/// buf + size), rounded outwards to 16 bytes but never past the buffer's own 16-byte-aligned inner
+/// part (no prefetch touches memory outside it). sm_90 only (a no-op elsewhere: the host enables the
+/// prefetch on the sm_90a image only).
+__device__ __forceinline__ void l2_prefetch_range(const unsigned char* buf, unsigned long long size,
+                                                  unsigned long long begin, unsigned long long end, bool evict_last,
+                                                  unsigned long long policy) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const unsigned long long lo = reinterpret_cast<unsigned long long>(buf);
+  const unsigned long long lo16 = (lo + 15) & ~15ull, hi16 = (lo + size) & ~15ull;
+  const unsigned long long a = max((lo + begin) & ~15ull, lo16), z = min((lo + end + 15) & ~15ull, hi16);
+  if (z <= a) return;
+  const unsigned bytes = static_cast<unsigned>(z - a);
+  if (evict_last)
+    asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;\n" ::"l"(a), "r"(bytes), "l"(policy)
+                 : "memory");
+  else
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(a), "r"(bytes) : "memory");
+#else
+  (void)buf; (void)size; (void)begin; (void)end; (void)evict_last; (void)policy;
+#endif
+}
+
+/// One warp of a GEMM1 CTA prefetches this CTA's share (blockIdx.x of gridDim.x: every CTA of the
+/// token-tile slot works on the same expert e) of expert e's w2 slice into L2: the index bytes of
+/// the first pf.kpf K-tiles of every (row strip, GEMM2 K range) item, items dealt to (CTA, lane)
+/// round robin, one bulk prefetch per item; and the CTA's contiguous share of the expert's
+/// codebooks (lane 0) and tile scales (lane 1). Tile (e, strip, k) is e*tiles_n*tiles_k +
+/// strip*tiles_k + k (lane_major.hpp: 192 index bytes, 8 codebook bytes, 1 scale byte per tile).
+__device__ __forceinline__ void swap_l2_prefetch(const L2Prefetch& pf, long long e) {
+  const int lane = threadIdx.x & 31;
+  unsigned long long policy = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (pf.evict_last) asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
+#endif
+  const long long tpe = pf.tiles_n * pf.tiles_k, base = e * tpe;
+  const unsigned long long tot = static_cast<unsigned long long>(pf.total_tiles);
+  const long long items = pf.tiles_n * pf.ranges, cta = blockIdx.x, nct = gridDim.x;
+  for (long long it = cta * 32 + lane; it < items; it += nct * 32) {
+    const long long s = it / pf.ranges, r = it - s * pf.ranges;
+    const long long k0 = min(pf.tiles_k, static_cast<long long>(pf.per) * r);
+    const long long k1 = min(min(pf.tiles_k, k0 + pf.kpf), static_cast<long long>(pf.per) * (r + 1));
+    if (k1 <= k0) continue;
+    const unsigned long long t0 = base + s * pf.tiles_k + k0;
+    l2_prefetch_range(pf.packed, tot * 192, t0 * 192, (t0 + (k1 - k0)) * 192, pf.evict_last, policy);
+  }
+  if (lane < 2) {
+    const unsigned long long b = base + tpe * cta / nct, z = base + tpe * (cta + 1) / nct;
+    if (lane == 0) l2_prefetch_range(pf.codebook, tot * 8, b * 8, z * 8, pf.evict_last, policy);
+    else l2_prefetch_range(pf.scale, tot, b, z, pf.evict_last, policy);
+  }
+}
+
 /// GEMM1 + SiLU*up + MXFP8 of h. Grid: (Ip/32 strip groups x ksplit, token tile slots); blockDim.x =
 /// 32 * warps (K split across the warps). xa: [T, a_cols] FP16 E4M3 values in the decoder's column
 /// order, or E4M3 bytes (natural order) for kDecFp8. Output hq [P, Ip] in the same form, hs [P, Ip/32]
@@ -731,7 +797,7 @@ template <int kDec, int NB, bool kSplit>
 __global__ void LUTB_SWAPAB_BOUNDS(NB)
     swapab_gemm1_kernel(LutbW w, const void* __restrict__ xa, const float* __restrict__ xsf,
                         long long a_cols, Routing r, long long I, long long Ip, void* __restrict__ hq,
-                        float* __restrict__ hsf, bool one_token_loop, int ksplit_arg) {
+                        float* __restrict__ hsf, bool one_token_loop, int ksplit_arg, L2Prefetch pf) {
   constexpr long long kEl = kDec == kDecFp8 ? 1 : 2;  // bytes per activation element
   // kSplit = false: no split, and none of its code (the one-block kernels sit at their 128-register
   // cap; the runtime split alone cost them a 12-byte spill).
@@ -761,13 +827,21 @@ __global__ void LUTB_SWAPAB_BOUNDS(NB)
   swap_k_range(w.tiles_k, nw, warp, ksplit, kSplit ? static_cast<int>(cluster_rank()) : 0, k0, k1);
   extern __shared__ __align__(16) unsigned char swap_smem[];
   float acc[4][NB][4];
+  // GEMM2's weights into L2 (set_decode_l2_prefetch): the last warp, after its own ring prologue and
+  // before the PDL wait (w2 is no earlier kernel's output).
+  auto before_wait = [&] {
+    if (pf.kpf > 0 && !pf.late && warp == nw - 1) swap_l2_prefetch(pf, e);
+    pdl_wait();
+    pdl_trigger();
+  };
   // One-token tiles take the lighter K-loop (CTA-uniform branch; NB = 1 only).
   if (NB == 1 && one_token_loop && tk.count == 1)
     swap_warp_gemm<kDec, NB, NB == 1>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
-                                      swap_smem + warp * SwapRing::kWarpBytes, acc, PdlWaitAndTrigger{});
+                                      swap_smem + warp * SwapRing::kWarpBytes, acc, before_wait);
   else
     swap_warp_gemm<kDec, NB, false>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
-                                    swap_smem + warp * SwapRing::kWarpBytes, acc, PdlWaitAndTrigger{});
+                                    swap_smem + warp * SwapRing::kWarpBytes, acc, before_wait);
+  if (pf.kpf > 0 && pf.late && warp == nw - 1) swap_l2_prefetch(pf, e);
   bool warp0 = swap_reduce<NB>(swap_smem, acc);
   if constexpr (kSplit) warp0 = swap_cluster_combine<NB>(warp0, acc);
   if (!warp0) return;

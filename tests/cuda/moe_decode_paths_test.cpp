@@ -152,6 +152,26 @@ TEST(MoeDecodePaths, DirectRuleHostOnly) {
     }
 }
 
+// The L2-prefetch byte rule (decode_l2_prefetch_tiles): the whole GEMM2 K range when the touched
+// experts' w2 fits in the budget, else the budget's share of it rounded down, at least one K-tile.
+// Values by hand: DeepSeek-V3 T = 1 (8 experts x 7168 x 2048 x 201 / 512 = 46104576 bytes), ranges of
+// 8 K-tiles: 24 MiB -> 8 * 25165824 / 46104576 = 4.37 -> 4; 8 MiB -> 1.46 -> 1; 1 MiB -> 1 (floor).
+TEST(MoeDecodePaths, L2PrefetchRuleHostOnly) {
+  EXPECT_EQ(cuda::kDecodeL2PrefetchDefault, 0) << "off unless measured faster (docs/perf/moe-gpu.md l2pf14)";
+  const std::int64_t ds = 8ll * 7168 * 2048 * 201 / 512;
+  EXPECT_EQ(ds, 46104576);
+  EXPECT_EQ(cuda::decode_l2_prefetch_tiles(ds, 8, 1ll << 62), 8);
+  EXPECT_EQ(cuda::decode_l2_prefetch_tiles(ds, 8, ds), 8);
+  EXPECT_EQ(cuda::decode_l2_prefetch_tiles(ds, 8, 24ll << 20), 4);
+  EXPECT_EQ(cuda::decode_l2_prefetch_tiles(ds, 8, 8ll << 20), 1);
+  EXPECT_EQ(cuda::decode_l2_prefetch_tiles(ds, 8, 1ll << 20), 1);
+  EXPECT_EQ(cuda::decode_l2_prefetch_tiles(ds, 8, 0), 0) << "budget 0 = off";
+  EXPECT_EQ(cuda::decode_l2_prefetch_tiles(ds, 8, -5), 0);
+  EXPECT_EQ(cuda::decode_l2_prefetch_tiles(ds, 0, 1ll << 62), 0);
+  // Qwen3-30B T = 1: 8 x 2048 x 768 x 201 / 512 = 4.9e6 bytes fit in 8 MiB: whole ranges.
+  EXPECT_EQ(cuda::decode_l2_prefetch_tiles(8ll * 2048 * 768 * 201 / 512, 3, 8ll << 20), 3);
+}
+
 // The fused-reduction rule: top_k <= 8 and GEMM2's grid at most 2 CTAs per SM. Benchmark shapes at
 // T = 1 on 132 SMs (strip groups x pairs): Qwen3-30B 32 x 8 = 256 and Mixtral 64 x 2 = 128 fused;
 // Qwen3-235B 64 x 8 = 512 and DeepSeek-V3 112 x 8 = 896 not; Qwen3-30B T = 4: 32 x 32 = 1024 not.
@@ -231,6 +251,26 @@ TEST_P(MoeDecodePathsRandom, MatchReferenceAndFusedReductionBitIdentical) {
       const auto a = forward(L, x, c.T, c.k, ids, wts, p, sp);
       expect_close(a, ref);
       EXPECT_TRUE(a == forward(L, x, c.T, c.k, ids, wts, p, sp)) << "split-K not deterministic";
+    }
+  // L2 prefetch of GEMM2's weights by GEMM1 (set_decode_l2_prefetch, l2pf14): timing only, so the
+  // same bits as without it: whole w2, a budget of one K-tile per range (64 bytes: partial ranges)
+  // and a half-size budget, with and without the evict_last hint, on the grouped and direct paths
+  // and with forced splits of both GEMMs (GEMM2's K ranges then span two CTAs).
+  const std::int64_t w2_bytes = c.E * c.H * c.I * 201 / 512;
+  const std::int64_t budgets[] = {1ll << 62, 64, std::max<std::int64_t>(64, w2_bytes / 2)};
+  const int split_both[4] = {2, 1, 2, 1};
+  for (unsigned p : {0u, cuda::kDecodePathsDefault, cuda::kDecodeDirectAlways | cuda::kDecodeSplitK})
+    for (const int* sp : {static_cast<const int*>(nullptr), static_cast<const int*>(split_both)}) {
+      const auto base = forward(L, x, c.T, c.k, ids, wts, p, sp);
+      for (std::int64_t b : budgets)
+        for (int mode = 0; mode < 3; ++mode) {  // plain, evict_last, after the K-loop
+          SCOPED_TRACE(::testing::Message() << "L2 prefetch budget " << b << " mode " << mode << " paths " << p
+                                            << (sp ? " split" : ""));
+          cuda::set_decode_l2_prefetch(b, mode == 1, mode == 2);
+          const auto a = forward(L, x, c.T, c.k, ids, wts, p, sp);
+          cuda::set_decode_l2_prefetch(cuda::kDecodeL2PrefetchDefault);
+          EXPECT_TRUE(a == base) << "the L2 prefetch changed the output bits";
+        }
     }
 }
 

@@ -178,7 +178,8 @@ inline constexpr double kDirectMaxPairsPerExpert = 1.10;
 /// tokens >= 1, 1 <= top_k <= experts; false when top_k > experts (repeated experts per token).
 bool decode_direct(std::int64_t tokens, int top_k, std::int64_t experts);
 
-/// In a direct forward on sm_90a with top_k <= 8, the weighted top-k reduction runs inside GEMM2
+/// In a direct forward on sm_90a with top_k <= 8 (mma.sync kernels: not CvtWs, not Fp8Wgmma), the
+/// weighted top-k reduction runs inside GEMM2
 /// (kDecodeClusterReduce, below) when GEMM2's grid (strip groups x pairs) has at most 2 CTAs per SM.
 /// Measured on the H200 (docs/perf/moe-gpu.md "Session 14", run small14-run2, same process, twice):
 /// Qwen3-30B T = 1 (256 CTAs) 1.1-1.8 us faster, Mixtral T = 1 (128 CTAs) 0.4-0.6 us faster; with
@@ -224,6 +225,29 @@ struct DecodeSplit {
   int warps = 1;
 };
 DecodeSplit decode_k_split(std::int64_t ctas, std::int64_t tiles_k, int warps, int sms);
+
+/// L2 prefetch of GEMM2's weights while GEMM1 runs (session 14, l2pf14; sm_90a swap-AB decode with
+/// the mma.sync decoders). Both decode GEMMs are latency / issue bound at 13-57 % of the H200's DRAM
+/// bandwidth, and GEMM2's warps start with a long wait on their first ring loads; so GEMM1's CTAs,
+/// which know their expert, issue cp.async.bulk.prefetch.L2 (one instruction per contiguous range,
+/// by the last warp of each CTA before its programmatic-dependent-launch wait, after its own ring
+/// prologue) for a share of THEIR expert's w2 slice: the first `k` K-tiles of every GEMM2 warp's K
+/// range of every row strip (lane-major index bytes), plus the expert's w2 codebooks and tile scales.
+/// Prefetch only changes timing: outputs are bit-identical (tested).
+/// decode_l2_prefetch_tiles is the byte rule: `k` = the whole range (`range_tiles`) when the w2 bytes
+/// of the touched experts (`w2_bytes`) fit in `budget_bytes`, else range_tiles * budget / w2_bytes
+/// rounded down, at least 1; 0 when budget_bytes <= 0 or range_tiles <= 0. Host only.
+int decode_l2_prefetch_tiles(std::int64_t w2_bytes, std::int64_t range_tiles, std::int64_t budget_bytes);
+/// The prefetch budget of later swap-AB forwards (process-wide; bytes of w2 per forward, 0 = off;
+/// kDecodeL2PrefetchDefault unless changed) and whether the prefetch carries an L2::evict_last hint
+/// (createpolicy; so GEMM1's own weight stream does not evict the prefetched lines first), and whether
+/// it is issued after each GEMM1 CTA's K-loop (`after_k_loop`) instead of before its PDL wait.
+/// Measured on the H200 (docs/perf/moe-gpu.md "Session 14: L2 prefetch of GEMM2's weights (l2pf14)",
+/// runs l2pf14-run1/run2, same process as off): GEMM2 got 0.7-2.5 us shorter at T = 1 where the w2
+/// fits, but GEMM1 2.6-6.3 us longer (the issuing warp waits on its prefetches), so every budget,
+/// hint and placement was 1-16 % slower at T = 1..64 on the four benchmark shapes: off by default.
+inline constexpr std::int64_t kDecodeL2PrefetchDefault = 0;
+void set_decode_l2_prefetch(std::int64_t budget_bytes, bool evict_last = false, bool after_k_loop = false);
 
 /// Benchmark only: forces the K split of GEMM1 (ksplit1, warps divided by 2^warp_shift1) and of
 /// GEMM2 (ksplit2, warp_shift2) of later swap-AB forwards on sm_90a; ksplit 0 = decode_k_split's rule.
