@@ -23,6 +23,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -533,6 +534,17 @@ void check_args(DType src_type, const LutbShape& shape, int forced_scale, const 
                                 "; LUT-B fitting reads F32, BF16 or F16");
   if (shape.rows < 0 || shape.cols < 0 || shape.experts < 1 || (!shape.stacked && shape.experts != 1))
     throw std::invalid_argument(std::string(who) + ": invalid shape");
+  // The padded sizes, the tile count and the source bytes (at most 4 per weight) must fit 64 bits:
+  // [2^40, 2^40] wrapped shape.tiles() to 0 and returned an empty tensor without an error (new-user
+  // QA, session 14; the CPU side refuses it in check_shape, src/core/tile.cpp).
+  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+  std::int64_t n = 0;
+  if (shape.rows > kMax - (kTileRows - 1) || shape.cols > kMax - (kTileCols - 1) ||
+      __builtin_mul_overflow(shape.tiles_n(), shape.tiles_k(), &n) || __builtin_mul_overflow(n, shape.experts, &n) ||
+      __builtin_mul_overflow(n, static_cast<std::int64_t>(kTileSize) * 4, &n))
+    throw std::invalid_argument(std::string(who) + ": shape [" + std::to_string(shape.experts) + ", " +
+                                std::to_string(shape.rows) + ", " + std::to_string(shape.cols) +
+                                "] is too large: its sizes overflow 64 bits");
   if (forced_scale >= 0 && (forced_scale < kMinScale || forced_scale > kMaxScale))
     throw std::invalid_argument(std::string(who) + ": forced_scale " + std::to_string(forced_scale) +
                                 " is outside the scale bytes 3..246 fitters may choose (spec section 2)");
@@ -626,6 +638,16 @@ FitStats quantize_gpu(const void* src, DType src_type, const LutbShape& shape, L
   check_args(src_type, shape, opt.forced_scale, ("quantize_gpu: tensor " + name).c_str());
   if (shape.rows > 0 && shape.cols > 0 && src == nullptr)
     throw std::invalid_argument("quantize_gpu: tensor " + name + ": null source");
+  {
+    // Without a usable GPU (no device, no or too old a driver) say so plainly instead of CUDA's raw
+    // "CUDA driver version is insufficient for CUDA runtime version" at the first allocation.
+    int devices = 0;
+    const cudaError_t e = cudaGetDeviceCount(&devices);
+    if (e != cudaSuccess || devices == 0)
+      throw std::runtime_error("quantize_gpu: tensor " + name + ": no usable CUDA GPU (" +
+                               (e != cudaSuccess ? std::string(cudaGetErrorString(e)) : std::string("no device")) +
+                               "); lutb::quantize fits on the CPU");
+  }
   if (opt.device >= 0) ok(cudaSetDevice(opt.device), "cudaSetDevice");
 
   const std::int64_t tiles = shape.tiles(), tpe = shape.tiles_per_expert(), tn_n = shape.tiles_n(),

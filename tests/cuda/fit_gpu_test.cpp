@@ -890,6 +890,43 @@ TEST(FitGpu, ErrorsMatchCpu) {
   EXPECT_THROW(cuda::quantize_gpu(v.data(), DType::F32, stack(1, 4, 4), t, bad), std::invalid_argument);
 }
 
+// Shapes whose tile count or source bytes overflow 64 bits are refused before any GPU work, so this
+// runs without a GPU too (new-user QA, session 14: [2^40, 2^40] wrapped to 0 tiles and quantize_gpu
+// returned an empty tensor without an error).
+TEST(FitGpuHost, OversizedShapesRefused) {
+  const std::vector<float> v(16);
+  LutbTensor t;
+  for (const LutbShape& s : {stack(1, std::int64_t{1} << 40, std::int64_t{1} << 40),
+                             stack(std::int64_t{1} << 62, 8, 64),
+                             stack(1, std::numeric_limits<std::int64_t>::max(), 64)}) {
+    try {
+      cuda::quantize_gpu(v.data(), DType::F32, s, t, {}, "w13_weight");
+      ADD_FAILURE() << "no error for experts " << s.experts << " rows " << s.rows;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("quantize_gpu: tensor w13_weight: shape ["), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("is too large: its sizes overflow 64 bits"), std::string::npos) << e.what();
+    }
+    unsigned long long* no_gpu_word = reinterpret_cast<unsigned long long*>(16);  // never dereferenced
+    EXPECT_THROW(cuda::check_tiles_device(v.data(), DType::F32, s, no_gpu_word, nullptr), std::invalid_argument);
+  }
+}
+
+// Without a GPU, quantize_gpu says so plainly (new-user QA, session 14: CUDA's raw "driver version is
+// insufficient" came from the first allocation).
+TEST(FitGpuHost, NoGpuIsNamed) {
+  if (gpu_present()) GTEST_SKIP() << "a CUDA device is present";
+  const std::vector<float> v(8 * 64, 0.5f);
+  LutbTensor t;
+  try {
+    cuda::quantize_gpu(v.data(), DType::F32, stack(1, 8, 64), t, {}, "w2_weight");
+    ADD_FAILURE() << "no error without a GPU";
+  } catch (const std::runtime_error& e) {
+    EXPECT_EQ(std::string(e.what()).rfind("quantize_gpu: tensor w2_weight: no usable CUDA GPU (", 0), 0u) << e.what();
+    EXPECT_NE(std::string(e.what()).find("); lutb::quantize fits on the CPU"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(t.packed.empty());
+}
+
 // Fitters without a GPU kernel, unknown names and optimal on the thread kernel: clear errors.
 TEST(FitGpu, FitterSelectionErrors) {
   LUTB_GPU_OR_SKIP();
