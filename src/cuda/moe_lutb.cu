@@ -298,7 +298,8 @@ void moe_forward(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t
     // The crossover depends on the prefill tile this device would run (kPrefillMinTokensPerExpert*).
     const PrefillTile t = prefill_tile(P, E);
     const bool wgmma = t == PrefillTile::WB64 || t == PrefillTile::WB64D || t == PrefillTile::WB64T ||
-                       t == PrefillTile::WS64 || t == PrefillTile::W64 || t == PrefillTile::W64D;
+                       t == PrefillTile::WS64 || t == PrefillTile::W64 || t == PrefillTile::W64D ||
+                       t == PrefillTile::WB128 || t == PrefillTile::WB128P;
     s = choose_strategy(tokens, top_k, E, true, wgmma);
   }
   kern::Routing r{topk_ids, topk_weights, ws.sorted, ws.tile_expert, ws.tile_start, ws.tile_count, ws.num_tiles,
