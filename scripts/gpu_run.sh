@@ -65,7 +65,7 @@ build() {
     g++ -std=c++17 -O2 -isystem "$GTEST_DIR/include" -I"$GTEST_DIR" -c "$GTEST_DIR/src/gtest-all.cc" -o "$B/obj/gtest-all.o" & pids+=($!)
     g++ -std=c++17 -O2 -isystem "$GTEST_DIR/include" -I"$GTEST_DIR" -c "$GTEST_DIR/src/gtest_main.cc" -o "$B/obj/gtest_main.o" & pids+=($!)
   fi
-  for f in src/core/*.cpp src/fit/*.cpp src/moe/*.cpp src/io/safetensors*.cpp; do
+  for f in src/core/*.cpp src/fit/*.cpp src/moe/*.cpp src/io/safetensors*.cpp src/io/config_json.cpp; do
     local fc=""; case "$f" in src/fit/*) fc=-ffp-contract=off;; esac  # as CMakeLists.txt
     g++ $CXXFLAGS -O3 $fc -c "$f" -o "$B/obj/c_$(basename "$(dirname "$f")")_$(basename "$f" .cpp).o" & pids+=($!)
   done
@@ -96,7 +96,7 @@ build_fit() {
     g++ -std=c++17 -O2 -isystem "$GTEST_DIR/include" -I"$GTEST_DIR" -c "$GTEST_DIR/src/gtest-all.cc" -o "$B/obj/gtest-all.o" & pids+=($!)
     g++ -std=c++17 -O2 -isystem "$GTEST_DIR/include" -I"$GTEST_DIR" -c "$GTEST_DIR/src/gtest_main.cc" -o "$B/obj/gtest_main.o" & pids+=($!)
   fi
-  for f in src/core/*.cpp src/fit/*.cpp src/io/safetensors*.cpp; do
+  for f in src/core/*.cpp src/fit/*.cpp src/io/safetensors*.cpp src/io/config_json.cpp; do
     g++ $CXXFLAGS -O3 -ffp-contract=off -c "$f" -o "$B/obj/fc_$(basename "$(dirname "$f")")_$(basename "$f" .cpp).o" & pids+=($!)
   done
   for f in tests/cuda/fit_gpu_test.cpp tests/cuda/online_gpu_test.cpp tests/support/test_support.cpp; do
