@@ -128,6 +128,90 @@ TEST(MoeCudaVsCpu, EqualsProjectEmulationUpToSummationOrder) {
   }
 }
 
+// Block scales folded into the FP16 activations (set_decode_paths kDecodeFoldScales, session 15)
+// with the per-block fallback forced: token 0 has one 32-column block of x at ~1e-6 (its scale
+// 2^-33 puts the elements below FP16's 2^-24) and one at ~1e5 (scale 2^8: 448 * 2^8 overflows
+// FP16); token 2 is ~1e-5 everywhere (every x block and its h rows fall back, so GEMM2 also mixes
+// folded and unfolded tiles). Against the CPU emulation (oracle and fast kernel) with the contract's
+// bounds, for 1, 3 and 40 tokens (direct one-token tiles, grouped multi-token tiles), with the same
+// bits in a second run; the forward without folding on the same inputs meets the same bounds.
+TEST(MoeCudaVsCpu, FoldedScalesWithFallbackEqualEmulation) {
+  if (!gpu_present()) GTEST_SKIP() << "no CUDA device: skipping GPU test";
+  const std::int64_t E = 16, H = 320, I = 192;
+  const int k = 4;
+  std::mt19937 rng(1515);
+  const HostLutb w13 = random_lutb({E, 2 * I, H, true}, rng), w2 = random_lutb({E, H, I, true}, rng);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  MoeConfig cfg;
+  cfg.global_experts = static_cast<int>(E);
+  cfg.top_k = k;
+  cfg.hidden_size = H;
+  cfg.intermediate_size_per_partition = I;
+  cfg.finalize();
+  for (std::int64_t T : {1, 3, 40}) {
+    std::vector<std::uint16_t> x(T * H);
+    for (std::int64_t t = 0; t < T; ++t)
+      for (std::int64_t c = 0; c < H; ++c) {
+        float v = nd(rng);
+        if (t == 0 && c / 32 == 2) v *= 1e-6f;
+        if (t == 0 && c / 32 == 7) v *= 3e4f;
+        if (t == 2) v *= 1e-5f;
+        x[t * H + c] = bf16_from_float(v);
+      }
+    std::vector<float> logits(T * E);
+    for (auto& v : logits) v = nd(rng);
+    RouterConfig rc;
+    rc.num_experts = static_cast<int>(E);
+    rc.top_k = k;
+    rc.norm_topk_prob = true;
+    const moe::Routing r = route(rc, logits, T, nullptr);
+    const HiddenStates hx = HiddenStates::bf16(x.data(), T);
+    const TopK tk{r.ids.data(), r.weights.data(), k};
+    std::vector<std::uint16_t> folded[2], plain;
+    for (int run = 0; run < 2; ++run) {
+      cuda::set_decode_paths(cuda::kDecodePathsDefault | cuda::kDecodeFoldScales);
+      folded[run] = gpu_forward(w13, w2, E, H, I, x, T, k, r.ids, r.weights, cuda::MoeStrategy::Decode);
+      cuda::set_decode_paths(cuda::kDecodePathsDefault & ~cuda::kDecodeFoldScales);
+      if (run == 0) plain = gpu_forward(w13, w2, E, H, I, x, T, k, r.ids, r.weights, cuda::MoeStrategy::Decode);
+      cuda::set_decode_paths(cuda::kDecodePathsDefault);
+    }
+    EXPECT_TRUE(folded[0] == folded[1]) << "T = " << T << ": the folded forward is not deterministic";
+    for (auto kernel : {EmulationKernel::Reference, EmulationKernel::Fast}) {
+      auto cpu = make_lutb_experts(cfg, to_tensor(w13), to_tensor(w2), kernel);
+      std::vector<std::uint16_t> ref(T * H);
+      cpu->apply(hx, tk, ref.data());
+      for (int which = 0; which < 2; ++which) {
+        const auto& got = which == 0 ? folded[0] : plain;
+        double num = 0, den = 0;
+        std::int64_t exact = 0, nan = 0;
+        for (std::size_t i = 0; i < got.size(); ++i) {
+          const double g = bf16_to_float(got[i]), f = bf16_to_float(ref[i]);
+          if (std::isnan(g)) ++nan;
+          num += (g - f) * (g - f);
+          den += f * f;
+          exact += got[i] == ref[i];
+        }
+        SCOPED_TRACE(::testing::Message() << cpu->name() << " T = " << T << (which == 0 ? " folded" : " plain"));
+        EXPECT_EQ(nan, 0);
+        EXPECT_LT(std::sqrt(num / den), 1e-3);
+        EXPECT_GT(exact, static_cast<std::int64_t>(got.size()) * 8 / 10);
+        // Token 2 (all of x ~1e-5) on its own: its outputs are tiny, so the normalised error of the
+        // whole batch would hide an error there.
+        if (T > 2) {
+          double n2 = 0, d2 = 0;
+          for (std::int64_t c = 0; c < H; ++c) {
+            const double g = bf16_to_float(got[2 * H + c]), f = bf16_to_float(ref[2 * H + c]);
+            n2 += (g - f) * (g - f);
+            d2 += f * f;
+          }
+          EXPECT_GT(d2, 0.0);
+          EXPECT_LT(std::sqrt(n2 / d2), 1e-3) << "token 2 (all blocks fall back)";
+        }
+      }
+    }
+  }
+}
+
 // The FP8 wgmma decoder (WeightDecoder::Fp8Wgmma): Hopper's FP8 tensor core may round inside the
 // sum of one 32-column block, unlike the FP16 path. Measured here against the CPU emulation (the
 // fast kernel, equal to the reference up to summation order) and against the default decoder on
