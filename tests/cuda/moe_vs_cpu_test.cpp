@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstring>
 #include <random>
+#include <set>
 #include <vector>
 
 #include "cuda/reference.hpp"
@@ -206,6 +207,55 @@ TEST(MoeCudaVsCpu, FoldedScalesWithFallbackEqualEmulation) {
           }
           EXPECT_GT(d2, 0.0);
           EXPECT_LT(std::sqrt(n2 / d2), 1e-3) << "token 2 (all blocks fall back)";
+        }
+      }
+    }
+  }
+}
+
+// Diagnostic (prints only): which outputs of the folded forward differ between runs at T = 40.
+TEST(MoeCudaVsCpu, FoldDeterminismDiagnostic) {
+  if (!gpu_present()) GTEST_SKIP() << "no CUDA device: skipping GPU test";
+  const std::int64_t E = 16, H = 320, I = 192;
+  const int k = 4;
+  std::mt19937 rng(1515);
+  const HostLutb w13 = random_lutb({E, 2 * I, H, true}, rng), w2 = random_lutb({E, H, I, true}, rng);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (int mode = 0; mode < 4; ++mode) {  // 0: as the test; 1: no huge block; 2: no tiny token; 3: plain x
+    for (std::int64_t T : {40, 16}) {
+      std::mt19937 r2(77);
+      std::vector<std::uint16_t> x(T * H);
+      for (std::int64_t t = 0; t < T; ++t)
+        for (std::int64_t c = 0; c < H; ++c) {
+          float v = nd(r2);
+          if (mode != 3 && t == 0 && c / 32 == 2) v *= 1e-6f;
+          if ((mode == 0 || mode == 2) && t == 0 && c / 32 == 7) v *= 3e4f;
+          if ((mode == 0 || mode == 1) && t == 2) v *= 1e-5f;
+          x[t * H + c] = bf16_from_float(v);
+        }
+      std::vector<float> logits(T * E);
+      for (auto& v : logits) v = nd(r2);
+      RouterConfig rc;
+      rc.num_experts = static_cast<int>(E);
+      rc.top_k = k;
+      rc.norm_topk_prob = true;
+      const moe::Routing r = route(rc, logits, T, nullptr);
+      for (unsigned paths : {cuda::kDecodePathsDefault | cuda::kDecodeFoldScales, cuda::kDecodePathsDefault}) {
+        cuda::set_decode_paths(paths);
+        std::vector<std::vector<std::uint16_t>> o;
+        for (int i = 0; i < 4; ++i) o.push_back(gpu_forward(w13, w2, E, H, I, x, T, k, r.ids, r.weights, cuda::MoeStrategy::Decode));
+        cuda::set_decode_paths(cuda::kDecodePathsDefault);
+        for (int i = 1; i < 4; ++i) {
+          std::set<int> rows;
+          int nd_ = 0;
+          for (std::size_t j = 0; j < o[0].size(); ++j)
+            if (o[0][j] != o[i][j]) {
+              ++nd_;
+              rows.insert(static_cast<int>(j / H));
+            }
+          std::printf("[fold diag] mode %d T %d paths %u run %d: %d outputs differ, token rows:", mode, (int)T, paths, i, nd_);
+          for (int rr : rows) std::printf(" %d", rr);
+          std::printf("\n");
         }
       }
     }
