@@ -56,7 +56,7 @@ int swap_warps(std::int64_t ctas, std::int64_t tiles_k, int most) {
 template <int kDec, int NB>
 void launch_swapab(const DeviceMoeWeights& w, const kern::Routing& r, const detail::Workspace& ws, std::int64_t P,
                    cudaStream_t stream, bool fuse_reduce, const float* topk_weights, std::uint16_t* out, int stop,
-                   bool fold) {
+                   int fold) {
   const std::int64_t H = w.hidden, I = w.intermediate;
   const std::int64_t Hp = w.w13.shape.padded_cols(), Ip = w.w2.shape.padded_cols();
   // Direct (ungrouped, T = 1) forwards have one slot per pair, even with top_k > experts.
@@ -340,10 +340,16 @@ void moe_forward(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t
     }
     const bool q8 = dec == kern::kDecFp8 || dec == kern::kDecWg;  // E4M3 activation bytes
     // Block scales folded into the FP16 activations where exact (kDecodeFoldScales; Cvt decoder).
-    const bool fold = dec == kern::kDecCvt && (paths & kDecodeFoldScales);
+    // Diagnostic knob (read once): LUTB_FOLD_CG=1 makes the fold check load the scales with
+    // ld.global.cg instead of the read-only path.
+    static const int fold_mode = [] {
+      const char* v = std::getenv("LUTB_FOLD_CG");
+      return v && std::strcmp(v, "1") == 0 ? 2 : 1;
+    }();
+    const int fold = dec == kern::kDecCvt && (paths & kDecodeFoldScales) ? fold_mode : 0;
     detail::launch_quantize_x(x, tokens, H, w.w13.shape.padded_cols(), dec == kern::kDecByte, ws.xa,
                               q8 ? ws.xq8 : nullptr, ws.xs, ws.xsf, stream, /*first=*/direct,
-                              /*q8_wg=*/dec == kern::kDecWg, fold);
+                              /*q8_wg=*/dec == kern::kDecWg, fold != 0);
     if (stop == 1) return;
     // The top-k reduction inside GEMM2 (clusters of top_k CTAs, one token each): direct forwards of
     // the mma.sync kernels on sm_90a, small GEMM2 grids (decode_fuse_reduce, moe.hpp).

@@ -205,7 +205,7 @@ template <int kDec, int NB, bool kOne, class BeforeWait>
 __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, const long long (&strip)[8],
                                                const bool (&ok)[8], const void* const (&arow)[NB],
                                                const float* const (&srow)[NB][2], const float* const (&grow)[NB],
-                                               bool fold, int nblocks, long long k0, long long k1,
+                                               int fold, int nblocks, long long k0, long long k1,
                                                unsigned char* ring, float (&acc)[4][NB][4],
                                                BeforeWait&& before_wait) {
   using R = SwapRing;
@@ -355,7 +355,9 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
         for (int j0 = first; j0 < n; j0 += 8 * step) {
           float2 v[8];
 #pragma unroll
-          for (int q = 0; q < 8; ++q) v[q] = j0 + q * step < n ? __ldg(gb + j0 + q * step) : make_float2(1.0f, 1.0f);
+          for (int q = 0; q < 8; ++q)
+            v[q] = j0 + q * step < n ? (fold == 2 ? __ldcg(gb + j0 + q * step) : __ldg(gb + j0 + q * step))
+                                     : make_float2(1.0f, 1.0f);
 #pragma unroll
           for (int q = 0; q < 8; ++q) good = good && v[q].x == 1.0f && v[q].y == 1.0f;
         }
@@ -439,7 +441,8 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
                 mma16816<false>(c, a1, xv.z, xv.w);
               }
               // Exact: the 32-column partial sum times the power-of-two block scale of each token.
-              const float s0 = cur.sx[nb][blk][0], s1 = kOne ? 0.0f : cur.sx[nb][blk][1];
+              const float s0 = cur.sx[nb][blk][0];
+              [[maybe_unused]] const float s1 = kOne ? 0.0f : cur.sx[nb][blk][1];
               if (blk == 0) {
                 part[nb][0] = c[0] * s0;
                 part[nb][2] = c[2] * s0;
@@ -881,7 +884,7 @@ template <int kDec, int NB, bool kSplit>
 __global__ void LUTB_SWAPAB_BOUNDS(NB)
     swapab_gemm1_kernel(LutbW w, const void* __restrict__ xa, const float* __restrict__ xsf,
                         long long a_cols, Routing r, long long I, long long Ip, void* __restrict__ hq,
-                        float* __restrict__ hsf, bool one_token_loop, int ksplit_arg, L2Prefetch pf, bool fold) {
+                        float* __restrict__ hsf, bool one_token_loop, int ksplit_arg, L2Prefetch pf, int fold) {
   constexpr long long kEl = kDec == kDecFp8 ? 1 : 2;  // bytes per activation element
   // kSplit = false: no split, and none of its code (the one-block kernels sit at their 128-register
   // cap; the runtime split alone cost them a 12-byte spill).
@@ -931,7 +934,7 @@ __global__ void LUTB_SWAPAB_BOUNDS(NB)
   bool warp0 = swap_reduce<NB>(swap_smem, acc);
   if constexpr (kSplit) warp0 = swap_cluster_combine<NB>(warp0, acc);
   if (!warp0) return;
-  swap_epilogue1<kDec, NB>(tk, nblocks, ok, acc, swap_strip_group(ksplit), Ip, hq, hsf, fold);
+  swap_epilogue1<kDec, NB>(tk, nblocks, ok, acc, swap_strip_group(ksplit), Ip, hq, hsf, fold != 0);
 }
 
 /// GEMM2: y[p, n] = h[p] . w2[e, n]^T (FP32). Grid: (ceil(tiles_n/8) strip groups, slots).
@@ -941,7 +944,7 @@ template <int kDec, int NB, bool kSplit>
 __global__ void LUTB_SWAPAB_BOUNDS(NB)
     swapab_gemm2_kernel(LutbW w, const void* __restrict__ ha, const float* __restrict__ hsf, long long Ip,
                         Routing r, long long H, float* __restrict__ y, bool one_token_loop,
-                        const float* __restrict__ topk_w, uint16_t* __restrict__ out, int ksplit_arg, bool fold) {
+                        const float* __restrict__ topk_w, uint16_t* __restrict__ out, int ksplit_arg, int fold) {
   constexpr long long kEl = kDec == kDecFp8 ? 1 : 2;  // bytes per activation element
   const int ksplit = kSplit ? ksplit_arg : 1;  // as in GEMM1
   const bool fused = out != nullptr;
