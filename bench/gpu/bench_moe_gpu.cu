@@ -4,10 +4,9 @@
 //
 // Usage: bench_moe_gpu [--quick] [--shape NAME] [--tokens T] [--variants LIST]
 //   (NAME: deepseek-v3, qwen3-235b, qwen3-30b, mixtral-8x7b; --tokens T or T1,T2,...: only those batch sizes;
-//   --variants, e.g. 0,7 or 1,10: only those forwards of the `make` switch (0..11, 20..37, 40..51; 10 = the swap-AB
+//   --variants, e.g. 0,7 or 1,10: only those forwards of the `make` switch (0..11, 20..37, 40..49; 10 = the swap-AB
 //   decode on FP8 wgmma, 11 = the warp-specialised swap-AB decode; 20..37: session 14's small-batch paths,
-//   stage timing and forced K splits; 40..49: L2 prefetch of GEMM2's weights; 50 / 51: block scales folded into the
-//   activations on / off), a compact row, no cuBLAS: for quick
+//   stage timing and forced K splits; 40..49: L2 prefetch of GEMM2's weights), a compact row, no cuBLAS: for quick
 //   A/B runs of kernel changes)
 // Each forward (routing kernel excluded; the routing is precomputed by route_softmax_topk /
 // route_deepseek on random logits) is captured in a CUDA graph; R = 8 different routings are cycled
@@ -182,7 +181,7 @@ struct Shape {
   bool deepseek;
 };
 
-constexpr int kVariants = 52;  // forwards of the `make` switch below (0..11, 20..37, 40..51)
+constexpr int kVariants = 50;  // forwards of the `make` switch below (0..11, 20..37, 40..49)
 
 int main(int argc, char** argv) {
   bool quick = false;
@@ -485,15 +484,6 @@ int main(int argc, char** argv) {
             cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st);
             cuda::set_forward_stop_after(0);
             cuda::set_decode_l2_prefetch(cuda::kDecodeL2PrefetchDefault);
-            break;
-          // Session 15 (dec15): the MXFP8 block scales folded into the FP16 activations where exact
-          // (set_decode_paths kDecodeFoldScales): 50 = the default paths with it, 51 = without it.
-          case 50:
-          case 51:
-            cuda::set_decode_paths(variant == 50 ? (cuda::kDecodePathsDefault | cuda::kDecodeFoldScales)
-                                                 : (cuda::kDecodePathsDefault & ~cuda::kDecodeFoldScales));
-            cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st);
-            cuda::set_decode_paths(cuda::kDecodePathsDefault);
             break;
           case 9:
             cuda::set_dependent_launch(false);

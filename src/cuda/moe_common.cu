@@ -16,7 +16,7 @@ namespace {
 __global__ void __launch_bounds__(256)
     quantize_x_kernel(const uint16_t* __restrict__ x, long long H, long long Hp, bool swap, uint16_t* __restrict__ xa,
                       unsigned char* __restrict__ xq8, unsigned char* __restrict__ xs, float* __restrict__ xsf,
-                      bool q8_wg, bool fold) {
+                      bool q8_wg) {
   // Reads only x (the caller's input) and writes buffers no kernel still running reads (the
   // forward's first kernel, the grouping, started after all earlier work), so it works first and
   // waits for the grouping at the end: the GEMM it triggers reads the grouping's routing.
@@ -31,20 +31,11 @@ __global__ void __launch_bounds__(256)
     for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
     const unsigned char b = mx_block_scale(a, MxScaleRule::Rceil);
     const unsigned char q8 = (b == 255) ? 0 : mx_encode(v, b);
-    uint16_t f16 = __half_as_ushort(__float2half_rn(e4m3_to_float(q8)));
-    float sf = kern::ue8m0_f(b);
-    if (fold) {  // the block scale folded into the FP16 values where every element stays exact; xsf = 1
-      bool exact = false;
-      const uint16_t folded = kern::fold_f16(q8, b, exact);
-      if (__all_sync(0xffffffffu, exact)) {
-        f16 = folded;
-        sf = 1.0f;
-      }
-    }
-    xa[t * Hp + blk * 32 + (lane & ~7) + kern::perm8(lane & 7, swap)] = f16;
+    xa[t * Hp + blk * 32 + (lane & ~7) + kern::perm8(lane & 7, swap)] =
+        __half_as_ushort(__float2half_rn(e4m3_to_float(q8)));
     if (xq8) xq8[t * Hp + (q8_wg ? blk * 32 + kern::wg_pos(lane) : col)] = q8;
     if (lane == 0) xs[t * (Hp / 32) + blk] = b;
-    if (xsf && lane == 0) xsf[t * (Hp / 32) + blk] = sf;
+    if (xsf && lane == 0) xsf[t * (Hp / 32) + blk] = kern::ue8m0_f(b);
   }
   kern::pdl_wait();
   kern::pdl_trigger();
@@ -323,11 +314,10 @@ bool pdl_enabled() {
 
 void launch_quantize_x(const std::uint16_t* x, std::int64_t T, std::int64_t H, std::int64_t Hp, bool swap,
                        std::uint16_t* xa, std::uint8_t* xq8, std::uint8_t* xs, float* xsf, cudaStream_t stream,
-                       bool first, bool q8_wg, bool fold) {
+                       bool first, bool q8_wg) {
   const dim3 grid(static_cast<unsigned>(ceil_div(Hp / 32, 8)), static_cast<unsigned>(T));
   launch_kernel("quantize_x_kernel", !first, quantize_x_kernel, grid, dim3(256), 0, stream, x,
-                static_cast<long long>(H), static_cast<long long>(Hp), swap, xa, xq8, xs, xsf, q8_wg,
-                fold && xsf != nullptr && xq8 == nullptr && !swap);
+                static_cast<long long>(H), static_cast<long long>(Hp), swap, xa, xq8, xs, xsf, q8_wg);
 }
 
 void launch_group(const int* ids, std::int64_t P, std::int64_t E, int tile_rows, const Workspace& ws,

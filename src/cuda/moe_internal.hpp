@@ -116,14 +116,9 @@ void launch_kernel_cluster(const char* name, bool dependent, void (*kernel)(Para
 /// forward's first kernel when there is no grouping (the swap-AB decode of one token), a normal
 /// launch that waits for all earlier work in the stream (the caller's writes of x included).
 /// `q8_wg`: xq8 in the wgmma decoder's order (kern::wg_pos inside each 32-column block) instead.
-/// `fold` (the Cvt swap-AB decode with kDecodeFoldScales; only with xsf, without xq8 and swap): every
-/// 32-column block whose elements stay exact in FP16 with the block scale multiplied in
-/// (kern::fold_f16) is written so in xa, with xsf = 1.0; the other blocks as without `fold` (xs keeps
-/// the true scale bytes either way). The products x * w are the same; xsf = 1.0 on a whole K range
-/// lets the GEMM skip the per-block promotion.
 void launch_quantize_x(const std::uint16_t* x, std::int64_t T, std::int64_t H, std::int64_t Hp, bool swap,
                        std::uint16_t* xa, std::uint8_t* xq8, std::uint8_t* xs, float* xsf, cudaStream_t stream,
-                       bool first = false, bool q8_wg = false, bool fold = false);
+                       bool first = false, bool q8_wg = false);
 /// Groups the pairs p = t*k + j by expert into token tiles of `tile_rows` rows. The first kernel of
 /// every forward (never a dependent launch: it waits for all earlier work in the stream).
 void launch_group(const int* ids, std::int64_t pairs, std::int64_t experts, int tile_rows, const Workspace& ws,

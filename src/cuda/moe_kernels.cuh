@@ -144,21 +144,6 @@ __device__ __forceinline__ float ue8m0_f(unsigned b) {
   return b == 255u ? __int_as_float(0x7fc00000) : (b == 0u ? __int_as_float(0x00400000) : f);
 }
 
-/// The MXFP8 element (E4M3 byte q8, block scale byte b) with its block scale folded in, as FP16:
-/// returns the FP16 bits of e4m3(q8) * 2^(b-127) and sets `exact` when that FP16 value equals the
-/// product exactly (the decode GEMMs' scale-folded path, set_decode_paths kDecodeFoldScales). The
-/// FP32 product is exact whenever the FP16 one can be (FP16's smallest subnormal 2^-24 is far above
-/// FP32's), so comparing the FP16 value back is the exact test: it holds for every element of a
-/// block when -15 <= b-127 <= 7 (E4M3 max 448 * 2^7 = 57344 <= 65504; its smallest step 2^-9 * 2^-15 =
-/// 2^-24), for zeros at any scale, and for the elements that happen to fit outside that range; it
-/// fails for b = 255 (NaN scale) and for NaN elements.
-__device__ __forceinline__ uint16_t fold_f16(unsigned char q8, unsigned b, bool& exact) {
-  const float v = e4m3_to_float(q8) * ue8m0_f(b);
-  const __half h = __float2half_rn(v);
-  exact = __half2float(h) == v;
-  return __half_as_ushort(h);
-}
-
 // ---------------------------------------------------------------------------
 // Programmatic dependent launch (PDL, sm_90+; CUDA programming guide, "Programmatic Dependent
 // Launch and Synchronization"). The forward launches every kernel after the first with

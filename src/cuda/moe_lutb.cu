@@ -55,8 +55,7 @@ int swap_warps(std::int64_t ctas, std::int64_t tiles_k, int most) {
 /// `out`; the caller then launches no reduction. `stop`: forward_stop_after() (benchmark only).
 template <int kDec, int NB>
 void launch_swapab(const DeviceMoeWeights& w, const kern::Routing& r, const detail::Workspace& ws, std::int64_t P,
-                   cudaStream_t stream, bool fuse_reduce, const float* topk_weights, std::uint16_t* out, int stop,
-                   int fold) {
+                   cudaStream_t stream, bool fuse_reduce, const float* topk_weights, std::uint16_t* out, int stop) {
   const std::int64_t H = w.hidden, I = w.intermediate;
   const std::int64_t Hp = w.w13.shape.padded_cols(), Ip = w.w2.shape.padded_cols();
   // Direct (ungrouped, T = 1) forwards have one slot per pair, even with top_k > experts.
@@ -117,12 +116,12 @@ void launch_swapab(const DeviceMoeWeights& w, const kern::Routing& r, const deta
     detail::launch_kernel_cluster("sm90_lutb_mxfp8_moe_gemm1_swapab_splitk", true, kern::swapab_gemm1_kernel<kDec, NB, true>,
                                   g1, dim3(32 * nw1), kern::swap_smem_bytes<NB>(nw1), dim3(ks1, 1, 1), stream, w13, xa,
                                   static_cast<const float*>(ws.xsf), static_cast<long long>(Hp), r,
-                                  static_cast<long long>(I), static_cast<long long>(Ip), hq, ws.hsf, one_token_loop, ks1, pf, fold);
+                                  static_cast<long long>(I), static_cast<long long>(Ip), hq, ws.hsf, one_token_loop, ks1, pf);
   else
     detail::launch_kernel("sm80_lutb_mxfp8_moe_gemm1_swapab", true, kern::swapab_gemm1_kernel<kDec, NB, false>, g1,
                           dim3(32 * nw1), kern::swap_smem_bytes<NB>(nw1), stream, w13, xa,
                           static_cast<const float*>(ws.xsf), static_cast<long long>(Hp), r, static_cast<long long>(I),
-                          static_cast<long long>(Ip), hq, ws.hsf, one_token_loop, 1, pf, fold);
+                          static_cast<long long>(Ip), hq, ws.hsf, one_token_loop, 1, pf);
   if (stop == 2) return;
   const dim3 g2(static_cast<unsigned>(groups2 * ks2), static_cast<unsigned>(slots));
   if (fuse_reduce) {
@@ -130,19 +129,19 @@ void launch_swapab(const DeviceMoeWeights& w, const kern::Routing& r, const deta
                                   g2, dim3(32 * nw2), kern::swap_smem_bytes<NB>(nw2),
                                   dim3(1, static_cast<unsigned>(r.top_k), 1), stream, w2, static_cast<const void*>(hq),
                                   static_cast<const float*>(ws.hsf), static_cast<long long>(Ip), r,
-                                  static_cast<long long>(H), ws.y, one_token_loop, topk_weights, out, 1, fold);
+                                  static_cast<long long>(H), ws.y, one_token_loop, topk_weights, out, 1);
   } else if (ks2 > 1) {
     detail::launch_kernel_cluster("sm90_lutb_mxfp8_moe_gemm2_swapab_splitk", true, kern::swapab_gemm2_kernel<kDec, NB, true>,
                                   g2, dim3(32 * nw2), kern::swap_smem_bytes<NB>(nw2), dim3(ks2, 1, 1), stream, w2,
                                   static_cast<const void*>(hq), static_cast<const float*>(ws.hsf),
                                   static_cast<long long>(Ip), r, static_cast<long long>(H), ws.y, one_token_loop,
-                                  static_cast<const float*>(nullptr), static_cast<std::uint16_t*>(nullptr), ks2, fold);
+                                  static_cast<const float*>(nullptr), static_cast<std::uint16_t*>(nullptr), ks2);
   } else {
     detail::launch_kernel("sm80_lutb_mxfp8_moe_gemm2_swapab", true, kern::swapab_gemm2_kernel<kDec, NB, false>, g2,
                           dim3(32 * nw2), kern::swap_smem_bytes<NB>(nw2), stream, w2, static_cast<const void*>(hq),
                           static_cast<const float*>(ws.hsf), static_cast<long long>(Ip), r, static_cast<long long>(H),
                           ws.y, one_token_loop, static_cast<const float*>(nullptr),
-                          static_cast<std::uint16_t*>(nullptr), 1, fold);
+                          static_cast<std::uint16_t*>(nullptr), 1);
   }
 }
 
@@ -339,17 +338,9 @@ void moe_forward(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t
       detail::launch_group(topk_ids, P, E, 8 * nb, ws, stream);
     }
     const bool q8 = dec == kern::kDecFp8 || dec == kern::kDecWg;  // E4M3 activation bytes
-    // Block scales folded into the FP16 activations where exact (kDecodeFoldScales; Cvt decoder).
-    // Diagnostic knob (read once): LUTB_FOLD_CG=1 makes the fold check load the scales with
-    // ld.global.cg instead of the read-only path.
-    static const int fold_mode = [] {
-      const char* v = std::getenv("LUTB_FOLD_CG");
-      return v && std::strcmp(v, "1") == 0 ? 2 : 1;
-    }();
-    const int fold = dec == kern::kDecCvt && (paths & kDecodeFoldScales) ? fold_mode : 0;
     detail::launch_quantize_x(x, tokens, H, w.w13.shape.padded_cols(), dec == kern::kDecByte, ws.xa,
                               q8 ? ws.xq8 : nullptr, ws.xs, ws.xsf, stream, /*first=*/direct,
-                              /*q8_wg=*/dec == kern::kDecWg, fold != 0);
+                              /*q8_wg=*/dec == kern::kDecWg);
     if (stop == 1) return;
     // The top-k reduction inside GEMM2 (clusters of top_k CTAs, one token each): direct forwards of
     // the mma.sync kernels on sm_90a, small GEMM2 grids (decode_fuse_reduce, moe.hpp).
@@ -359,8 +350,8 @@ void moe_forward(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t
                        ((paths & kDecodeClusterReduce) && decode_fuse_reduce(gemm2_ctas, top_k, detail::sm_count())));
     auto go = [&](auto dec_c) {
       constexpr int kD = decltype(dec_c)::value;
-      if (nb == 1) launch_swapab<kD, 1>(w, r, ws, P, stream, fuse, topk_weights, out, stop, fold);
-      else launch_swapab<kD, 2>(w, r, ws, P, stream, false, topk_weights, out, stop, fold);
+      if (nb == 1) launch_swapab<kD, 1>(w, r, ws, P, stream, fuse, topk_weights, out, stop);
+      else launch_swapab<kD, 2>(w, r, ws, P, stream, false, topk_weights, out, stop);
     };
     if (dec == kern::kDecWg) {
       if (nb == 1) launch_swapab_wg<1>(w, r, ws, P, stream);

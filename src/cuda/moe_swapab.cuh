@@ -33,8 +33,6 @@
 // of the FP32 additions differs from the CPU emulation.
 #pragma once
 
-#include <type_traits>
-
 #include "moe_gemm.cuh"
 #include "moe_kernels.cuh"
 
@@ -195,18 +193,11 @@ __device__ __forceinline__ void cp_async8_zfill(unsigned s, const void* gmem, un
 /// t = 0) is ever stored: the promotion of columns 2t+1 (c1, c3) and their block-scale loads are
 /// skipped, a quarter fewer FP32 operations per K-tile (acc[..][1], acc[..][3] stay 0). Decode
 /// batches of large-E models are mostly one-token tiles (T = 1: all of them).
-/// grow[nb]: the FP32 block-scale row of token g of block nb (the token of arow[nb]). `fold`
-/// (kDecCvt only; set_decode_paths kDecodeFoldScales): after the PDL wait the warp checks grow over
-/// its K range, and if every scale is 1.0 (the activations were written with their block scales
-/// folded in, quantize_x / swap_epilogue1) it runs the folded K-loop: the two 32-column blocks of a
-/// K-tile chain in the tensor core and only the tile scale is applied. Same products, only the
-/// order of the FP32 additions differs (spec section 4).
 template <int kDec, int NB, bool kOne, class BeforeWait>
 __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, const long long (&strip)[8],
                                                const bool (&ok)[8], const void* const (&arow)[NB],
-                                               const float* const (&srow)[NB][2], const float* const (&grow)[NB],
-                                               int fold, int nblocks, long long k0, long long k1,
-                                               unsigned char* ring, float (&acc)[4][NB][4],
+                                               const float* const (&srow)[NB][2], int nblocks, long long k0,
+                                               long long k1, unsigned char* ring, float (&acc)[4][NB][4],
                                                BeforeWait&& before_wait) {
   using R = SwapRing;
   const int lane = threadIdx.x & 31, t = lane & 3;
@@ -306,8 +297,7 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
 #pragma unroll
     for (int u = 0; u < 2; ++u) sbase[nb][u] = reinterpret_cast<const float2*>(srow[nb][u] + 2 * k0);
   }
-  auto load_x = [&](int kk, XTile& x, auto fold_c) {
-    constexpr bool kNoScales = decltype(fold_c)::value;  // the folded loop applies no block scales
+  auto load_x = [&](int kk, XTile& x) {
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
       if (nb > 0 && nb >= nblocks) continue;
@@ -320,13 +310,11 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
           x.v[nb][blk] = __ldg(reinterpret_cast<const uint4*>(abase[nb] + kk * 128 + 64 * blk));
         }
       }
-      if constexpr (!kNoScales) {
 #pragma unroll
-        for (int u = 0; u < (kOne ? 1 : 2); ++u) {
-          const float2 sc = __ldg(sbase[nb][u] + kk);
-          x.sx[nb][0][u] = sc.x;
-          x.sx[nb][1][u] = sc.y;
-        }
+      for (int u = 0; u < (kOne ? 1 : 2); ++u) {
+        const float2 sc = __ldg(sbase[nb][u] + kk);
+        x.sx[nb][0][u] = sc.x;
+        x.sx[nb][1][u] = sc.y;
       }
     }
   };
@@ -336,154 +324,110 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
   XTile cur;
   load_w(0, cur);
   before_wait();
-  load_x(0, cur, std::false_type{});
-  // Scale-folded activations (kDecodeFoldScales; kDecCvt only): when every 32-column block of this
-  // warp's K range has the scale 1.0 for every token of the tile (quantize_x / swap_epilogue1 wrote
-  // those blocks with the scale folded into the FP16 values), the two blocks of a K-tile chain in the
-  // tensor core and only the tile scale is applied (16 instead of 48 FP32 operations per K-tile,
-  // no block-scale loads). Lane (g, t) checks token g's scales (grow) of K-tiles t, t+4, ... (one
-  // token: lane, lane+32, ...); all loads are issued before the first compare.
-  bool folded = false;
-  if constexpr (kDec == kDecCvt) {
-    if (fold) {
-      const int step = kOne ? 32 : 4, first = kOne ? lane : t;
-      bool good = true;
-#pragma unroll
-      for (int nb = 0; nb < NB; ++nb) {
-        if (nb > 0 && nb >= nblocks) continue;
-        const float2* gb = reinterpret_cast<const float2*>(grow[nb] + 2 * k0);
-        for (int j0 = first; j0 < n; j0 += 8 * step) {
-          float2 v[8];
-#pragma unroll
-          for (int q = 0; q < 8; ++q)
-            v[q] = j0 + q * step < n ? (fold == 2 ? __ldcg(gb + j0 + q * step) : __ldg(gb + j0 + q * step))
-                                     : make_float2(1.0f, 1.0f);
-#pragma unroll
-          for (int q = 0; q < 8; ++q) good = good && v[q].x == 1.0f && v[q].y == 1.0f;
-        }
-      }
-      folded = __all_sync(0xffffffffu, good);
-    }
-  }
+  load_x(0, cur);
   int slot = 0;  // ring slot of K-tile kk
 
-  auto k_loop = [&](auto fold_c) {
-    constexpr bool kFold = decltype(fold_c)::value;
-    // Unrolled by two so that cur / nxt alternate registers instead of being copied.
+  // Unrolled by two so that cur / nxt alternate registers instead of being copied.
 #pragma unroll 2
-    for (int kk = 0; kk < n; ++kk) {
-      issue(kk + R::kStages - 1, ring_s + (slot == 0 ? R::kStages - 1 : slot - 1) * R::kStageBytes);
-      // Next K-tile's scales and activations (the last iteration reloads its own: no test on the
-      // register copy below).
-      XTile nxt;
-      const int kn = kk + 1 < n ? kk + 1 : kk;
-      load_w(kn, nxt);
-      load_x(kn, nxt, fold_c);
-      cp_async_wait<R::kStages - 1>();
-      __syncwarp();
-      const unsigned char* st = ring + slot * R::kStageBytes;
+  for (int kk = 0; kk < n; ++kk) {
+    issue(kk + R::kStages - 1, ring_s + (slot == 0 ? R::kStages - 1 : slot - 1) * R::kStageBytes);
+    // Next K-tile's scales and activations (the last iteration reloads its own: no test on the
+    // register copy below).
+    XTile nxt;
+    const int kn = kk + 1 < n ? kk + 1 : kk;
+    load_w(kn, nxt);
+    load_x(kn, nxt);
+    cp_async_wait<R::kStages - 1>();
+    __syncwarp();
+    const unsigned char* st = ring + slot * R::kStageBytes;
 #pragma unroll
-      for (int m = 0; m < 4; ++m) {
-        // codebooks of strips a (x, y) and b (z, w); this lane's index words of both strips.
-        const uint4 cb = *reinterpret_cast<const uint4*>(st + R::kCb + 16 * m);
-        unsigned sel[2][4];
+    for (int m = 0; m < 4; ++m) {
+      // codebooks of strips a (x, y) and b (z, w); this lane's index words of both strips.
+      const uint4 cb = *reinterpret_cast<const uint4*>(st + R::kCb + 16 * m);
+      unsigned sel[2][4];
 #pragma unroll
-        for (int ab = 0; ab < 2; ++ab) {
-          const int i = 2 * m + ab;
-          const unsigned x = *reinterpret_cast<const unsigned*>(st + i * 192 + 4 * lane);
-          const unsigned y = *reinterpret_cast<const unsigned short*>(st + i * 192 + 128 + 2 * lane);
-          // Selectors for prmt_raw: bit 3 of every nibble of bits 0..15 is 0 (xm and y & 0x7777 by the
-          // masks; sel[3] by construction below), bits 16..31 are ignored.
-          const unsigned xm = x & 0x77777777u;
-          sel[ab][0] = xm;
-          sel[ab][1] = xm >> 16;
-          sel[ab][2] = y & 0x7777u;
-          // The spare bit 3 of every nibble: x's low nibbles -> bit 0, x's high nibbles -> bit 1,
-          // y's -> bit 2 of selector 3's nibbles. The three terms share no bit, so + is | and lets
-          // ptxas fuse the shifts into LEA.HI / IADD3 (bits above 15 are junk PRMT ignores).
-          const unsigned sx = x & 0x88888888u;
-          sel[ab][3] = (sx >> 3) + (sx >> 18) + ((y & 0x8888u) >> 1);
+      for (int ab = 0; ab < 2; ++ab) {
+        const int i = 2 * m + ab;
+        const unsigned x = *reinterpret_cast<const unsigned*>(st + i * 192 + 4 * lane);
+        const unsigned y = *reinterpret_cast<const unsigned short*>(st + i * 192 + 128 + 2 * lane);
+        // Selectors for prmt_raw: bit 3 of every nibble of bits 0..15 is 0 (xm and y & 0x7777 by the
+        // masks; sel[3] by construction below), bits 16..31 are ignored.
+        const unsigned xm = x & 0x77777777u;
+        sel[ab][0] = xm;
+        sel[ab][1] = xm >> 16;
+        sel[ab][2] = y & 0x7777u;
+        // The spare bit 3 of every nibble: x's low nibbles -> bit 0, x's high nibbles -> bit 1,
+        // y's -> bit 2 of selector 3's nibbles. The three terms share no bit, so + is | and lets
+        // ptxas fuse the shifts into LEA.HI / IADD3 (bits above 15 are junk PRMT ignores).
+        const unsigned sx = x & 0x88888888u;
+        sel[ab][3] = (sx >> 3) + (sx >> 18) + ((y & 0x8888u) >> 1);
+      }
+      float part[NB][4];  // this K-tile's sum over both blocks, activation scales applied
+#pragma unroll
+      for (int blk = 0; blk < 2; ++blk) {
+        unsigned a0[4], a1[4];  // A operands: FP16 -> the block's two k16 steps; FP8 -> a0 = one k32 step
+        if constexpr (kDec == kDecFp8) {
+          // m16n8k32 E4M3: {row g k 4t..4t+3, row g+8 same, row g k 16+4t.., row g+8 same} =
+          // {strip a cols 8t+0..3, strip b cols 8t+0..3, strip a cols 8t+4..7, strip b cols 8t+4..7}.
+          a0[0] = prmt_raw(cb.x, cb.y, sel[0][2 * blk]);
+          a0[1] = prmt_raw(cb.z, cb.w, sel[1][2 * blk]);
+          a0[2] = prmt_raw(cb.x, cb.y, sel[0][2 * blk + 1]);
+          a0[3] = prmt_raw(cb.z, cb.w, sel[1][2 * blk + 1]);
+        } else {
+          unsigned pa = prmt_raw(cb.x, cb.y, sel[0][2 * blk]), pb = prmt_raw(cb.z, cb.w, sel[1][2 * blk]);
+          bytes_to_f16<kDec == kDecCvt>(pa, a0[0], a0[2]);
+          bytes_to_f16<kDec == kDecCvt>(pb, a0[1], a0[3]);
+          pa = prmt_raw(cb.x, cb.y, sel[0][2 * blk + 1]);
+          pb = prmt_raw(cb.z, cb.w, sel[1][2 * blk + 1]);
+          bytes_to_f16<kDec == kDecCvt>(pa, a1[0], a1[2]);
+          bytes_to_f16<kDec == kDecCvt>(pb, a1[1], a1[3]);
         }
-        float part[NB][4];  // this K-tile's sum over both blocks, activation scales applied
 #pragma unroll
-        for (int blk = 0; blk < 2; ++blk) {
-          unsigned a0[4], a1[4];  // A operands: FP16 -> the block's two k16 steps; FP8 -> a0 = one k32 step
+        for (int nb = 0; nb < NB; ++nb) {
+          if (nb > 0 && nb >= nblocks) continue;  // token block 0 always holds a token
+          const uint4 xv = cur.v[nb][blk];
+          float c[4];
           if constexpr (kDec == kDecFp8) {
-            // m16n8k32 E4M3: {row g k 4t..4t+3, row g+8 same, row g k 16+4t.., row g+8 same} =
-            // {strip a cols 8t+0..3, strip b cols 8t+0..3, strip a cols 8t+4..7, strip b cols 8t+4..7}.
-            a0[0] = prmt_raw(cb.x, cb.y, sel[0][2 * blk]);
-            a0[1] = prmt_raw(cb.z, cb.w, sel[1][2 * blk]);
-            a0[2] = prmt_raw(cb.x, cb.y, sel[0][2 * blk + 1]);
-            a0[3] = prmt_raw(cb.z, cb.w, sel[1][2 * blk + 1]);
+            mma_e4m3_zero(c, a0, xv.x, xv.y);
           } else {
-            unsigned pa = prmt_raw(cb.x, cb.y, sel[0][2 * blk]), pb = prmt_raw(cb.z, cb.w, sel[1][2 * blk]);
-            bytes_to_f16<kDec == kDecCvt>(pa, a0[0], a0[2]);
-            bytes_to_f16<kDec == kDecCvt>(pb, a0[1], a0[3]);
-            pa = prmt_raw(cb.x, cb.y, sel[0][2 * blk + 1]);
-            pb = prmt_raw(cb.z, cb.w, sel[1][2 * blk + 1]);
-            bytes_to_f16<kDec == kDecCvt>(pa, a1[0], a1[2]);
-            bytes_to_f16<kDec == kDecCvt>(pb, a1[1], a1[3]);
+            mma_f16_zero(c, a0, xv.x, xv.y);
+            mma16816<false>(c, a1, xv.z, xv.w);
           }
-#pragma unroll
-          for (int nb = 0; nb < NB; ++nb) {
-            if (nb > 0 && nb >= nblocks) continue;  // token block 0 always holds a token
-            const uint4 xv = cur.v[nb][blk];
-            if constexpr (kFold) {  // both blocks chained in the tensor core (FP16 mma only)
-              if (blk == 0) mma_f16_zero(part[nb], a0, xv.x, xv.y);
-              else mma16816<false>(part[nb], a0, xv.x, xv.y);
-              mma16816<false>(part[nb], a1, xv.z, xv.w);
-            } else {
-              float c[4];
-              if constexpr (kDec == kDecFp8) {
-                mma_e4m3_zero(c, a0, xv.x, xv.y);
-              } else {
-                mma_f16_zero(c, a0, xv.x, xv.y);
-                mma16816<false>(c, a1, xv.z, xv.w);
-              }
-              // Exact: the 32-column partial sum times the power-of-two block scale of each token.
-              const float s0 = cur.sx[nb][blk][0];
-              [[maybe_unused]] const float s1 = kOne ? 0.0f : cur.sx[nb][blk][1];
-              if (blk == 0) {
-                part[nb][0] = c[0] * s0;
-                part[nb][2] = c[2] * s0;
-                if constexpr (!kOne) {
-                  part[nb][1] = c[1] * s1;
-                  part[nb][3] = c[3] * s1;
-                }
-              } else {
-                part[nb][0] = fmaf(c[0], s0, part[nb][0]);
-                part[nb][2] = fmaf(c[2], s0, part[nb][2]);
-                if constexpr (!kOne) {
-                  part[nb][1] = fmaf(c[1], s1, part[nb][1]);
-                  part[nb][3] = fmaf(c[3], s1, part[nb][3]);
-                }
-              }
+          // Exact: the 32-column partial sum times the power-of-two block scale of each token.
+          const float s0 = cur.sx[nb][blk][0], s1 = kOne ? 0.0f : cur.sx[nb][blk][1];
+          if (blk == 0) {
+            part[nb][0] = c[0] * s0;
+            part[nb][2] = c[2] * s0;
+            if constexpr (!kOne) {
+              part[nb][1] = c[1] * s1;
+              part[nb][3] = c[3] * s1;
+            }
+          } else {
+            part[nb][0] = fmaf(c[0], s0, part[nb][0]);
+            part[nb][2] = fmaf(c[2], s0, part[nb][2]);
+            if constexpr (!kOne) {
+              part[nb][1] = fmaf(c[1], s1, part[nb][1]);
+              part[nb][3] = fmaf(c[3], s1, part[nb][3]);
             }
           }
         }
-        // Tile scales (powers of two, exact) of strips a (rows g) and b (rows g+8).
-        const float fa = cur.fw[2 * m], fb = cur.fw[2 * m + 1];
+      }
+      // Tile scales (powers of two, exact) of strips a (rows g) and b (rows g+8).
+      const float fa = cur.fw[2 * m], fb = cur.fw[2 * m + 1];
 #pragma unroll
-        for (int nb = 0; nb < NB; ++nb) {
-          if (nb > 0 && nb >= nblocks) continue;
-          acc[m][nb][0] = fmaf(part[nb][0], fa, acc[m][nb][0]);
-          acc[m][nb][2] = fmaf(part[nb][2], fb, acc[m][nb][2]);
-          if constexpr (!kOne) {
-            acc[m][nb][1] = fmaf(part[nb][1], fa, acc[m][nb][1]);
-            acc[m][nb][3] = fmaf(part[nb][3], fb, acc[m][nb][3]);
-          }
+      for (int nb = 0; nb < NB; ++nb) {
+        if (nb > 0 && nb >= nblocks) continue;
+        acc[m][nb][0] = fmaf(part[nb][0], fa, acc[m][nb][0]);
+        acc[m][nb][2] = fmaf(part[nb][2], fb, acc[m][nb][2]);
+        if constexpr (!kOne) {
+          acc[m][nb][1] = fmaf(part[nb][1], fa, acc[m][nb][1]);
+          acc[m][nb][3] = fmaf(part[nb][3], fb, acc[m][nb][3]);
         }
       }
-      __syncwarp();
-      cur = nxt;
-      slot = slot == R::kStages - 1 ? 0 : slot + 1;
     }
-  };
-  if constexpr (kDec == kDecCvt) {
-    if (folded) k_loop(std::true_type{});
-    else k_loop(std::false_type{});
-  } else {
-    k_loop(std::false_type{});
+    __syncwarp();
+    cur = nxt;
+    slot = slot == R::kStages - 1 ? 0 : slot + 1;
   }
   cp_async_wait<0>();
 }
@@ -552,7 +496,7 @@ constexpr int swap_min_blocks(int nb) { return nb == 1 ? LUTB_SWAPAB_MINB1 : (nb
 template <int kDec, int NB>
 __device__ __forceinline__ void swap_epilogue1(const SwapTokens<NB>& tk, int nblocks, const bool (&ok)[8],
                                                const float (&acc)[4][NB][4], long long G, long long Ip, void* hq,
-                                               float* hsf, bool fold = false) {
+                                               float* hsf) {
   const int g = (threadIdx.x & 31) >> 2;
   // Lane (g, t) holds gate (c0, c1) and up (c2, c3) of I-column 8(4G+m)+g for the tokens of
   // accumulator columns 2t, 2t+1. The MXFP8 block of h is I-columns 32G..32G+31 = (m, g).
@@ -575,53 +519,22 @@ __device__ __forceinline__ void swap_epilogue1(const SwapTokens<NB>& tk, int nbl
       a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 8));
       a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 16));
       const unsigned char b = mx_block_scale(a, MxScaleRule::Rceil);
-      unsigned char q8[4];
-#pragma unroll
-      for (int m = 0; m < 4; ++m) q8[m] = (b == 255) ? 0 : mx_encode(hv[m], b);
-      // kDecCvt with `fold` (kDecodeFoldScales): the block scale folded into the FP16 values when the
-      // whole block (m x g, lanes of the same t) stays exact, and hsf = 1 (quantize_x's rule).
-      uint16_t f16[4];
-      float sf = ue8m0_f(b);
-      if constexpr (kDec == kDecCvt) {
-#pragma unroll
-        for (int m = 0; m < 4; ++m) f16[m] = __half_as_ushort(__float2half_rn(e4m3_to_float(q8[m])));
-        if (fold) {
-          uint16_t fv[4];
-          bool all = true;
-#pragma unroll
-          for (int m = 0; m < 4; ++m) {
-            bool ex;
-            fv[m] = fold_f16(q8[m], b, ex);
-            all = all && ex;
-          }
-          unsigned e = all ? 1u : 0u;
-          e &= __shfl_xor_sync(0xffffffffu, e, 4);
-          e &= __shfl_xor_sync(0xffffffffu, e, 8);
-          e &= __shfl_xor_sync(0xffffffffu, e, 16);
-          if (e) {
-#pragma unroll
-            for (int m = 0; m < 4; ++m) f16[m] = fv[m];
-            sf = 1.0f;
-          }
-        }
-      }
       const int p = tk.pair_c[nb][u];
       if (p < 0) continue;
 #pragma unroll
       for (int m = 0; m < 4; ++m) {
         // Padding I-columns (I..Ip-1) are written as zeros: GEMM2 reads all Ip columns.
+        const unsigned char q8 = (b == 255) ? 0 : mx_encode(hv[m], b);
         const long long at = static_cast<long long>(p) * Ip + 8 * (4 * G + m);
         if constexpr (kDec == kDecFp8) {
-          static_cast<unsigned char*>(hq)[at + g] = q8[m];
+          static_cast<unsigned char*>(hq)[at + g] = q8;
         } else if constexpr (kDec == kDecWg) {  // the wgmma B order (wg_pos, moe_kernels.cuh)
-          static_cast<unsigned char*>(hq)[static_cast<long long>(p) * Ip + 32 * G + wg_pos(8 * m + g)] = q8[m];
-        } else if constexpr (kDec == kDecCvt) {
-          static_cast<uint16_t*>(hq)[at + g] = f16[m];
+          static_cast<unsigned char*>(hq)[static_cast<long long>(p) * Ip + 32 * G + wg_pos(8 * m + g)] = q8;
         } else {
-          static_cast<uint16_t*>(hq)[at + perm8(g, kDec == kDecByte)] = __half_as_ushort(__float2half_rn(e4m3_to_float(q8[m])));
+          static_cast<uint16_t*>(hq)[at + perm8(g, kDec == kDecByte)] = __half_as_ushort(__float2half_rn(e4m3_to_float(q8)));
         }
       }
-      if (g == 0) hsf[static_cast<long long>(p) * (Ip / 32) + G] = sf;
+      if (g == 0) hsf[static_cast<long long>(p) * (Ip / 32) + G] = ue8m0_f(b);
     }
   }
 }
@@ -884,7 +797,7 @@ template <int kDec, int NB, bool kSplit>
 __global__ void LUTB_SWAPAB_BOUNDS(NB)
     swapab_gemm1_kernel(LutbW w, const void* __restrict__ xa, const float* __restrict__ xsf,
                         long long a_cols, Routing r, long long I, long long Ip, void* __restrict__ hq,
-                        float* __restrict__ hsf, bool one_token_loop, int ksplit_arg, L2Prefetch pf, int fold) {
+                        float* __restrict__ hsf, bool one_token_loop, int ksplit_arg, L2Prefetch pf) {
   constexpr long long kEl = kDec == kDecFp8 ? 1 : 2;  // bytes per activation element
   // kSplit = false: no split, and none of its code (the one-block kernels sit at their 128-register
   // cap; the runtime split alone cost them a 12-byte spill).
@@ -898,13 +811,11 @@ __global__ void LUTB_SWAPAB_BOUNDS(NB)
   group_strips<true>(swap_strip_group(ksplit), w.tiles_n, I / 8, strip, ok);
   const void* arow[NB];
   const float* srow[NB][2];
-  const float* grow[NB];
   const long long sblocks = a_cols / 32;
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
     const int p = tk.pair_g[nb] >= 0 ? tk.pair_g[nb] : tk.first;
     arow[nb] = static_cast<const unsigned char*>(xa) + static_cast<long long>(p / r.top_k) * a_cols * kEl;
-    grow[nb] = xsf + static_cast<long long>(p / r.top_k) * sblocks;
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
       const int pc = tk.pair_c[nb][u] >= 0 ? tk.pair_c[nb][u] : tk.first;
@@ -925,16 +836,16 @@ __global__ void LUTB_SWAPAB_BOUNDS(NB)
   };
   // One-token tiles take the lighter K-loop (CTA-uniform branch; NB = 1 only).
   if (NB == 1 && one_token_loop && tk.count == 1)
-    swap_warp_gemm<kDec, NB, NB == 1>(w, e, strip, ok, arow, srow, grow, fold, nblocks, k0, k1,
+    swap_warp_gemm<kDec, NB, NB == 1>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
                                       swap_smem + warp * SwapRing::kWarpBytes, acc, before_wait);
   else
-    swap_warp_gemm<kDec, NB, false>(w, e, strip, ok, arow, srow, grow, fold, nblocks, k0, k1,
+    swap_warp_gemm<kDec, NB, false>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
                                     swap_smem + warp * SwapRing::kWarpBytes, acc, before_wait);
   if (pf.kpf > 0 && pf.late && warp == nw - 1) swap_l2_prefetch(pf, e);
   bool warp0 = swap_reduce<NB>(swap_smem, acc);
   if constexpr (kSplit) warp0 = swap_cluster_combine<NB>(warp0, acc);
   if (!warp0) return;
-  swap_epilogue1<kDec, NB>(tk, nblocks, ok, acc, swap_strip_group(ksplit), Ip, hq, hsf, fold != 0);
+  swap_epilogue1<kDec, NB>(tk, nblocks, ok, acc, swap_strip_group(ksplit), Ip, hq, hsf);
 }
 
 /// GEMM2: y[p, n] = h[p] . w2[e, n]^T (FP32). Grid: (ceil(tiles_n/8) strip groups, slots).
@@ -944,7 +855,7 @@ template <int kDec, int NB, bool kSplit>
 __global__ void LUTB_SWAPAB_BOUNDS(NB)
     swapab_gemm2_kernel(LutbW w, const void* __restrict__ ha, const float* __restrict__ hsf, long long Ip,
                         Routing r, long long H, float* __restrict__ y, bool one_token_loop,
-                        const float* __restrict__ topk_w, uint16_t* __restrict__ out, int ksplit_arg, int fold) {
+                        const float* __restrict__ topk_w, uint16_t* __restrict__ out, int ksplit_arg) {
   constexpr long long kEl = kDec == kDecFp8 ? 1 : 2;  // bytes per activation element
   const int ksplit = kSplit ? ksplit_arg : 1;  // as in GEMM1
   const bool fused = out != nullptr;
@@ -961,12 +872,10 @@ __global__ void LUTB_SWAPAB_BOUNDS(NB)
   group_strips<false>(swap_strip_group(ksplit), w.tiles_n, 0, strip, ok);
   const void* arow[NB];
   const float* srow[NB][2];
-  const float* grow[NB];
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
     const int p = tk.pair_g[nb] >= 0 ? tk.pair_g[nb] : tk.first;
     arow[nb] = static_cast<const unsigned char*>(ha) + static_cast<long long>(p) * Ip * kEl;
-    grow[nb] = hsf + static_cast<long long>(p) * (Ip / 32);
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
       const int pc = tk.pair_c[nb][u] >= 0 ? tk.pair_c[nb][u] : tk.first;
@@ -979,10 +888,10 @@ __global__ void LUTB_SWAPAB_BOUNDS(NB)
   extern __shared__ __align__(16) unsigned char swap_smem[];
   // One-token tiles take the lighter K-loop (CTA-uniform branch; NB = 1 only).
   if (NB == 1 && one_token_loop && tk.count == 1)
-    swap_warp_gemm<kDec, NB, NB == 1>(w, e, strip, ok, arow, srow, grow, fold, nblocks, k0, k1,
+    swap_warp_gemm<kDec, NB, NB == 1>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
                                       swap_smem + warp * SwapRing::kWarpBytes, acc, PdlWaitAndTrigger{});
   else
-    swap_warp_gemm<kDec, NB, false>(w, e, strip, ok, arow, srow, grow, fold, nblocks, k0, k1,
+    swap_warp_gemm<kDec, NB, false>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
                                     swap_smem + warp * SwapRing::kWarpBytes, acc, PdlWaitAndTrigger{});
   bool warp0 = swap_reduce<NB>(swap_smem, acc);
   if constexpr (kSplit) warp0 = swap_cluster_combine<NB>(warp0, acc);  // never with `fused` (the host's rule)

@@ -200,17 +200,9 @@ bool decode_fuse_reduce(std::int64_t gemm2_ctas, int top_k, int sms);
 ///     separate reduction kernel (bit-identical results); kDecodeClusterReduceAlways: in every direct
 ///     forward with top_k <= 8 (tests and benchmark);
 ///   kDecodeNoDirect1: T = 1 also goes through the grouping kernel (session 10's old path; benchmark only);
-///   kDecodeSplitK: GEMM1 split across the CTAs of a cluster where decode_k_split says so (sm_90a);
-///   kDecodeFoldScales (session 15, the Cvt decoder on sm_90a): the MXFP8 block scales of x and h
-///     folded into their FP16 values for every 32-column block where that stays exact (an E4M3
-///     element e * 2^(b-127) is an FP16 value exactly for -15 <= b-127 <= 7, zeros always; tested
-///     per element), those blocks' FP32 scales set to 1; a decode warp whose whole K range has scale
-///     1 for every token of its tile chains the two blocks of a K-tile in the tensor core and applies
-///     only the tile scale (the others run the per-block promotion as before). Same products, FP32
-///     summation order only (spec section 4); decided on the device, no host synchronisation.
+///   kDecodeSplitK: GEMM1 split across the CTAs of a cluster where decode_k_split says so (sm_90a).
 inline constexpr unsigned kDecodeDirect = 1u, kDecodeDirectAlways = 2u, kDecodeClusterReduce = 4u,
-                          kDecodeNoDirect1 = 8u, kDecodeSplitK = 16u, kDecodeClusterReduceAlways = 32u,
-                          kDecodeFoldScales = 64u;
+                          kDecodeNoDirect1 = 8u, kDecodeSplitK = 16u, kDecodeClusterReduceAlways = 32u;
 /// The default set (the paths measured faster, docs/perf/moe-gpu.md "Session 14").
 inline constexpr unsigned kDecodePathsDefault = kDecodeDirect | kDecodeClusterReduce | kDecodeSplitK;
 void set_decode_paths(unsigned paths);
