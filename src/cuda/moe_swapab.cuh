@@ -216,14 +216,17 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
   const int n = static_cast<int>(k1 - k0);
   const unsigned ring_s = static_cast<unsigned>(__cvta_generic_to_shared(ring));
   const long long tile0 = e * w.tiles_n * tiles_k + k0;  // tile index of (e, strip 0, k0)
-  // Copies of one K-tile: j = 0..2: 16 index bytes, chunk q % 12 of strip q / 12 (q = lane + 32 j);
-  // j = 3 (lanes 0..7): the codebook of strip `lane`. Sources advance by 192 / 8 bytes per K-tile.
-  const unsigned char* src[4];
-  unsigned dst[4], bytes[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int q = lane + 32 * j;
-    const int i = j < 3 ? q / 12 : (lane & 7);
+  // Copies of one K-tile: lane L copies the 16-byte index chunks (L % 4) + 4 j (j = 0..2) of strip
+  // L / 4, i.e. ONE source pointer with immediate offsets 0 / 64 / 128, and lanes 0..7 the 8-byte
+  // codebook of strip `lane`. Sources advance by 192 / 8 bytes per K-tile. (Until session 15 lane L
+  // copied chunk q % 12 of strip q / 12, q = L + 32 j: up to three strips, three 64-bit pointers per
+  // lane; this mapping, from helper dec15's SASS count, is 8-16 fewer instructions per K-tile and
+  // 1.01-1.035x faster on every decode row of device run slot15-run1, docs/perf/moe-gpu.md.)
+  const unsigned char* srci;
+  const unsigned char* srcc;
+  unsigned dsti, dstc, bytesi, bytesc;
+  {
+    const int i = lane >> 2;
     long long si = 0;
     bool sok = false;
 #pragma unroll
@@ -233,15 +236,24 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
         sok = ok[u];
       }
     const long long tile = tile0 + (sok ? si : 0) * tiles_k;
-    if (j < 3) {
-      src[j] = w.packed + tile * 192 + (q % 12) * 16;
-      dst[j] = static_cast<unsigned>(i * 192 + (q % 12) * 16);
-      bytes[j] = sok ? 16u : 0u;
-    } else {
-      src[j] = w.codebook + tile * 8;
-      dst[j] = static_cast<unsigned>(R::kCb + 8 * i);
-      bytes[j] = sok ? 8u : 0u;
-    }
+    srci = w.packed + tile * 192 + (lane & 3) * 16;
+    dsti = static_cast<unsigned>(i * 192 + (lane & 3) * 16);
+    bytesi = sok ? 16u : 0u;
+  }
+  {
+    const int i = lane & 7;
+    long long si = 0;
+    bool sok = false;
+#pragma unroll
+    for (int u = 0; u < R::kStrips; ++u)
+      if (u == i) {
+        si = strip[u];
+        sok = ok[u];
+      }
+    const long long tile = tile0 + (sok ? si : 0) * tiles_k;
+    srcc = w.codebook + tile * 8;
+    dstc = static_cast<unsigned>(R::kCb + 8 * i);
+    bytesc = sok ? 8u : 0u;
   }
   const bool cb_lane = lane < R::kStrips;
   // Tile scales: lane i (mod 8) reads strip i's byte (missing strips read strip 0's: their
@@ -264,12 +276,10 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
   auto issue = [&](int kk, unsigned slot_addr) {
     if (kk < n) {
 #pragma unroll
-      for (int j = 0; j < 3; ++j) {
-        cp_async16_zfill(slot_addr + dst[j], src[j], bytes[j]);
-        src[j] += 192;
-      }
-      if (cb_lane) cp_async8_zfill(slot_addr + dst[3], src[3], bytes[3]);
-      src[3] += 8;
+      for (int j = 0; j < 3; ++j) cp_async16_zfill(slot_addr + dsti + 64 * j, srci + 64 * j, bytesi);
+      srci += 192;
+      if (cb_lane) cp_async8_zfill(slot_addr + dstc, srcc, bytesc);
+      srcc += 8;
     }
     cp_async_commit();
   };
@@ -325,12 +335,12 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
   load_w(0, cur);
   before_wait();
   load_x(0, cur);
-  int slot = 0;  // ring slot of K-tile kk
+  unsigned rd_off = 0, wr_off = (R::kStages - 1) * R::kStageBytes;  // ring byte offsets
 
   // Unrolled by two so that cur / nxt alternate registers instead of being copied.
 #pragma unroll 2
   for (int kk = 0; kk < n; ++kk) {
-    issue(kk + R::kStages - 1, ring_s + (slot == 0 ? R::kStages - 1 : slot - 1) * R::kStageBytes);
+    issue(kk + R::kStages - 1, ring_s + wr_off);
     // Next K-tile's scales and activations (the last iteration reloads its own: no test on the
     // register copy below).
     XTile nxt;
@@ -339,7 +349,7 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
     load_x(kn, nxt);
     cp_async_wait<R::kStages - 1>();
     __syncwarp();
-    const unsigned char* st = ring + slot * R::kStageBytes;
+    const unsigned char* st = ring + rd_off;
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
       // codebooks of strips a (x, y) and b (z, w); this lane's index words of both strips.
@@ -427,7 +437,8 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
     }
     __syncwarp();
     cur = nxt;
-    slot = slot == R::kStages - 1 ? 0 : slot + 1;
+    wr_off = rd_off;
+    rd_off = rd_off == (R::kStages - 1) * R::kStageBytes ? 0u : rd_off + R::kStageBytes;
   }
   cp_async_wait<0>();
 }
