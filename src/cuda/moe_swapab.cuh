@@ -38,10 +38,8 @@
 
 namespace lutb::cuda::kern {
 
-/// Per-warp ring stage: 8 strips x one K-tile (strip i = 2m + (0 for a, 1 for b)): index bytes,
-/// codebooks, and the 8 tile scales as FP32. The scale bytes (1 per tile, 1-byte aligned, so no
-/// cp.async) are loaded into registers one K-tile ahead by lanes 0..7, converted, and stored into
-/// the next K-tile's stage (kSc); every lane reads them back with two 16-byte LDS.
+/// Per-warp ring stage: 8 strips x one K-tile (strip i = 2m + (0 for a, 1 for b)): index bytes and
+/// codebooks. The scale bytes (1 per tile) are loaded into registers one K-tile ahead instead.
 struct SwapRing {
   static constexpr int kStrips = 8;
 #ifndef LUTB_SWAPAB_STAGES
@@ -49,14 +47,13 @@ struct SwapRing {
 #endif
   static constexpr int kStages = LUTB_SWAPAB_STAGES;  // a tuning build may override it
   static constexpr int kCb = kStrips * 192;        // [8][8] codebook bytes
-  static constexpr int kSc = kCb + kStrips * 8;    // [8] FP32 tile scales
-  static constexpr int kStageBytes = kSc + kStrips * 4;
+  static constexpr int kStageBytes = kCb + kStrips * 8;
   static constexpr int kWarpBytes = kStages * kStageBytes;
   static constexpr int kCopies = kStrips * 12 + kStrips;  // 16 B and 8 B copies
   static constexpr int kRounds = (kCopies + 31) / 32;
 };
 static_assert(SwapRing::kStageBytes % 16 == 0, "stages stay 16-byte aligned");
-static_assert(SwapRing::kStageBytes == 8 * 204, "8 tiles of 192 index + 8 codebook bytes + 4 scale bytes");
+static_assert(SwapRing::kStageBytes == 8 * 200, "8 tiles of 192 index + 8 codebook bytes");
 
 /// 2^(b-127) for every UE8M0 byte b (0 -> 2^-127, 255 -> NaN), in constant memory: the tile scale
 /// of a K-tile is the same in every lane, so one LDC replaces the 5-instruction conversion.
@@ -187,8 +184,8 @@ __device__ __forceinline__ void cp_async8_zfill(unsigned s, const void* gmem, un
 /// Per-K-tile bookkeeping is kept to a few instructions, because decode is bound by instruction
 /// issue (docs/perf/moe-gpu.md): the copy sources are per-lane pointers advanced by a constant, the
 /// missing strips are zero-filled by the copy itself, the 8 tile scales are loaded and converted by
-/// lanes 0..7 (lane & 7) and passed to all lanes through the ring stage, and the activation block
-/// scales arrive as FP32 (one 8-byte load per token and K-tile, no conversion).
+/// lanes 0..7 (lane & 7) and broadcast with 8 shuffles, and the activation block scales arrive as
+/// FP32 (one 8-byte load per token and K-tile, no conversion).
 /// `before_wait` runs after the first ring stages are issued and before the first activation load:
 /// the kernels put the programmatic-dependent-launch wait there, so the weight prefetch overlaps
 /// the previous kernel's tail.
@@ -287,18 +284,20 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
     cp_async_commit();
   };
 
-  // Activations of one K-tile: token g's E4M3 bytes (or FP16 values) of both 32-column blocks and
-  // the FP32 block scales of tokens 2t, 2t+1.
+  // Activations of one K-tile: token g's E4M3 bytes (or FP16 values) of both 32-column blocks, the
+  // FP32 block scales of tokens 2t, 2t+1, and the 8 tile scales as FP32 (times 2^8 for the byte
+  // decoder).
   struct XTile {
     uint4 v[NB][2];
     float sx[NB][2][2];  // [nb][block][u]
+    float fw[8];
   };
-  // Tile scale of strip lane & 7 in K-tile kk as FP32 (times 2^8 for the byte decoder). Lanes 0..7
-  // load and convert it one K-tile ahead and store it into that K-tile's stage (R::kSc); every
-  // lane reads the 8 scales back with two 16-byte LDS when it applies them. (Until session 15 the
-  // 8 values were broadcast with 8 SHFL per K-tile. Helper sass15.)
   const float wmul = kDec == kDecByte ? 256.0f : 1.0f;  // the byte trick's 2^-8
-  auto conv_w = [&](unsigned b) { return ue8m0_f(b) * wmul; };
+  auto load_w = [&](int kk, XTile& x) {
+    const float f = ue8m0_f(__ldg(scp + kk)) * wmul;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x.fw[i] = __shfl_sync(0xffffffffu, f, i);
+  };
   // Per-lane bases at k0 (this lane's 8 columns of block 0), indexed by the 32-bit kk below.
   const unsigned char* abase[NB];  // activation bytes (kDecFp8) or FP16 values, K-tile k0
   const float2* sbase[NB][2];      // the two block scales of K-tile k0
@@ -318,9 +317,7 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
           const uint2 v = __ldg(reinterpret_cast<const uint2*>(abase[nb] + kk * 64 + 32 * blk));
           x.v[nb][blk] = make_uint4(v.x, v.y, 0u, 0u);
         } else {  // 8 FP16 values
-          // One K-tile = 128 bytes as a type, so the address is one IMAD.WIDE (kk x 128 + base).
-          struct alignas(16) Kt { uint4 q[8]; };
-          x.v[nb][blk] = __ldg(&reinterpret_cast<const Kt*>(abase[nb])[kk].q[4 * blk]);
+          x.v[nb][blk] = __ldg(reinterpret_cast<const uint4*>(abase[nb] + kk * 128 + 64 * blk));
         }
       }
 #pragma unroll
@@ -335,11 +332,9 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
 #pragma unroll
   for (int s = 0; s < R::kStages - 1; ++s) issue(s, ring_s + s * R::kStageBytes);
   XTile cur;
-  const float f0 = conv_w(__ldg(scp));
+  load_w(0, cur);
   before_wait();
   load_x(0, cur);
-  if (cb_lane) *reinterpret_cast<float*>(ring + R::kSc + 4 * lane) = f0;  // stage 0 (ordered by
-                                                                           // the loop's __syncwarp)
   unsigned rd_off = 0, wr_off = (R::kStages - 1) * R::kStageBytes;  // ring byte offsets
 
   // Unrolled by two so that cur / nxt alternate registers instead of being copied.
@@ -350,14 +345,11 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
     // register copy below).
     XTile nxt;
     const int kn = kk + 1 < n ? kk + 1 : kk;
-    const unsigned bn = __ldg(scp + kn);  // converted after the math (no wait before it)
+    load_w(kn, nxt);
     load_x(kn, nxt);
     cp_async_wait<R::kStages - 1>();
     __syncwarp();
     const unsigned char* st = ring + rd_off;
-    const float4 fw0 = *reinterpret_cast<const float4*>(st + R::kSc);
-    const float4 fw1 = *reinterpret_cast<const float4*>(st + R::kSc + 16);
-    const float fw[8] = {fw0.x, fw0.y, fw0.z, fw0.w, fw1.x, fw1.y, fw1.z, fw1.w};
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
       // codebooks of strips a (x, y) and b (z, w); this lane's index words of both strips.
@@ -431,7 +423,7 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
         }
       }
       // Tile scales (powers of two, exact) of strips a (rows g) and b (rows g+8).
-      const float fa = fw[2 * m], fb = fw[2 * m + 1];
+      const float fa = cur.fw[2 * m], fb = cur.fw[2 * m + 1];
 #pragma unroll
       for (int nb = 0; nb < NB; ++nb) {
         if (nb > 0 && nb >= nblocks) continue;
@@ -443,15 +435,10 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
         }
       }
     }
-    const unsigned nrd_off = rd_off == (R::kStages - 1) * R::kStageBytes ? 0u : rd_off + R::kStageBytes;
-    // K-tile kk + 1's tile scales into its stage (read after the next iteration's __syncwarp). The
-    // last iteration stores a copy of its own into the stage after it: no copy writes the kSc bytes
-    // and that stage's last reader was K-tile kk - 5, so no test is needed.
-    if (cb_lane) *reinterpret_cast<float*>(ring + nrd_off + R::kSc + 4 * lane) = conv_w(bn);
     __syncwarp();
     cur = nxt;
     wr_off = rd_off;
-    rd_off = nrd_off;
+    rd_off = rd_off == (R::kStages - 1) * R::kStageBytes ? 0u : rd_off + R::kStageBytes;
   }
   cp_async_wait<0>();
 }
