@@ -1,5 +1,8 @@
 // GpuMoeLayer (lutb/cuda/moe_layer.hpp): one layer's routed experts on the GPU behind a host interface.
+// (Not named moe_*.cu: scripts/gpu_run.sh links src/cuda/moe_*.o into binaries without src/moe.)
 #include <cuda_runtime.h>
+
+#include <cstdio>
 
 #include <algorithm>
 #include <stdexcept>
