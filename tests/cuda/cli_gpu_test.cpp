@@ -107,14 +107,14 @@ TEST(CliGpu, QuantizeOnCudaWritesTheCpuBytes) {
 
 // lutb moe --device cuda vs --device cpu on captured activations. Bounds:
 //  - LUT-B (MXFP8 activations): both multiply the same MXFP8 activations (gpu.cpp hands the GPU the
-//    MXFP8-quantised x) and the same LUT-B weights; the GPU sums in another FP32 order and writes BF16
-//    (moe_forward's contract): the BF16 rounding moves each output by at most 2^-9 relative, so the
-//    relative L2 difference is at most 2^-9 = 1.95e-3 plus the FP32 reordering (~1e-6) and the rare
-//    h element whose BF16 / E4M3 rounding the reordering flips (a few per layer, each ~1e-4 of the
-//    norm at 64+ tokens): asserted < 2.5e-3.
-//  - BF16 (--quant none): the GPU baseline takes bf16(x) where the CPU multiplies the FP32 x, rounds
-//    the output to BF16, and its h rounding sees other inputs: four roundings of at most 2^-9 each
-//    along the path, asserted < 4 * 2^-9 = 7.8e-3.
+//    MXFP8-quantised x) and the same LUT-B weights; the GPU sums in another FP32 order (~1e-6) and
+//    writes BF16 (moe_forward's contract, spec 4 step 6). BF16 keeps 8 significant bits: rounding
+//    moves each output by at most 2^-8 = 3.9e-3 of itself, so the relative L2 difference is at most
+//    2^-8 (plus the FP32 reordering); for mantissas spread log-uniformly its expected value is
+//    2^-8 * sqrt(E[1/m^2] / 3) = 2^-8 * sqrt(0.541 / 3) = 1.66e-3 (H200 run cli15-run1: 1.655e-3 to
+//    1.663e-3). Asserted < 2.5e-3: the statistical value with margin, well under the hard limit.
+//  - BF16 (--quant none): the GPU baseline also rounds x to BF16 (a no-op on these captured inputs,
+//    which are BF16; in general a second rounding of at most 2^-8): asserted < 2 * 2^-8 = 7.8e-3.
 // And the error against the captured outputs can differ from the CPU's only by that difference
 // (triangle inequality): |rel_gpu - rel_cpu| <= vs_cpu * |cpu| / |ref| <= vs_cpu * (1 + rel_cpu).
 TEST(CliGpu, MoeOnCudaMatchesTheCpu) {
@@ -130,7 +130,7 @@ TEST(CliGpu, MoeOnCudaMatchesTheCpu) {
       ASSERT_EQ(g.code, 0);
       const nlohmann::json jc = last_json(c), jg = last_json(g);
       const double vs = jg["vs_cpu_rel_l2"].get<double>();
-      const double bound = quant == "lutb" ? 2.5e-3 : 4 * std::ldexp(1.0, -9);
+      const double bound = quant == "lutb" ? 2.5e-3 : 2 * std::ldexp(1.0, -8);
       EXPECT_LT(vs, bound);
       EXPECT_GT(vs, 0.0);  // BF16 output: never bit-equal to the FP32 CPU sum on real data
       const double rc = jc["rel_l2"].get<double>(), rg = jg["rel_l2"].get<double>();
@@ -163,7 +163,8 @@ TEST(CliGpu, DefaultJobGpuSection) {
 }
 
 // eval --device cuda: the routed experts of every block on the GPU inside the CPU model. The loss
-// moves by the blocks' BF16 output rounding (above) only; asserted within 1e-3 relative, and printed.
+// moves by the blocks' BF16 output rounding (above; 1.66e-3 relative per block output, in all four
+// layers) only: measured 1.3e-4 to 4.5e-4 relative (run cli15-run1), asserted within 1e-3 relative.
 TEST(CliGpu, EvalOnCudaMatchesTheCpuLoss) {
   LUTB_CLI_GPU_OR_SKIP();
   LUTB_MODEL_OR_SKIP(model, "tiny-qwen3-moe");
