@@ -44,8 +44,9 @@ struct GpuFitTally {
 /// A QuantizeOptions::FitFunction that fits on the GPU with lutb::cuda::quantize_gpu (same bytes as
 /// lutb::quantize; its chunking bounds the device memory), adding each call's wall time and weights
 /// to *tally. Errors are reworded "quantize: tensor ..." as lutb::quantize words them. A stacked
-/// tensor is fitted in groups of whole experts of at most ~512 MB of source, and `fit.interrupt` is
-/// polled between groups (Interrupted, as lutb::quantize throws it).
+/// tensor is fitted in groups of whole experts of at most 2^28 weights, and `fit.interrupt` is
+/// polled between groups (Interrupted, as lutb::quantize throws it); the FitStats are then summed
+/// group by group (the bytes do not depend on the grouping).
 QuantizeOptions::FitFunction gpu_fit_function(std::shared_ptr<GpuFitTally> tally);
 
 /// A sparse MoE block whose routed experts run on the GPU (lutb::cuda::GpuMoeLayer) while the rest

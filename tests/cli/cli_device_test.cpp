@@ -133,7 +133,7 @@ TEST(CliDevice, EvalOnCudaWithoutAGpuFails) {
 
 TEST(CliDevice, DefaultJobSaysWhyTheGpuSectionIsSkipped) {
   test::TempDir t;
-  const CliOut r = run("--experts 4 --tokens 2 --work-dir " + q(t.path / "w"));
+  const CliOut r = run("--experts 1 --tokens 1 --work-dir " + q(t.path / "w"));
   ASSERT_EQ(r.code, 0) << r.out;
   if (has(r, "\nGPU                     ")) GTEST_SKIP() << "a usable GPU is present: the section ran";
   EXPECT_TRUE(has(r, "GPU section skipped:    no usable CUDA GPU (") ||
