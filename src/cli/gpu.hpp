@@ -51,7 +51,11 @@ QuantizeOptions::FitFunction gpu_fit_function(std::shared_ptr<GpuFitTally> tally
 
 /// A sparse MoE block whose routed experts run on the GPU (lutb::cuda::GpuMoeLayer) while the rest
 /// of the CPU block stays on the CPU, through its model::MoeBlockParts (router logits x . gate^T in
-/// FP32; the shared experts): out = float(moe_forward(bf16(x), route_gpu(logits))) + shared(x).
+/// FP32; the shared experts): out = float(moe_forward(x', route_gpu(logits))) + shared(x), where x'
+/// is, for LUT-B, mxfp8_qdq_rows(x) in BF16 (exact; the CPU emulation's own MXFP8 step, which the
+/// kernel's MXFP8 then leaves unchanged: both backends multiply the same activations) and, for the
+/// BF16 baseline, bf16(x). The GPU output is BF16 (moe_forward's contract): it differs from the CPU
+/// block's FP32 output by that rounding (relative L2 ~1.66e-3, at most 2^-8 per element).
 /// The routing runs on the GPU (route_softmax_topk / route_deepseek) when the rule has a kernel,
 /// else on the CPU with the block's own rule (routing_note() says which and why).
 /// Experts: LUT-B held by the fast CPU kernel (LutbCpuExperts; uploaded packed, lane-major) with
