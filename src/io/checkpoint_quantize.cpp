@@ -202,9 +202,9 @@ void check_finite(const fs::path& file, const TensorView& v, std::int64_t first,
   }
 }
 
-void emit(SafetensorsWriter& w, const Planned& p, const TensorView& v, const FitOptions& fit, QuantizeSummary& s,
-          detail::Progress& prog, const InterruptFlag* stop, const fs::path& target, const fs::path& file,
-          bool scan_finite) {
+void emit(SafetensorsWriter& w, const Planned& p, const TensorView& v, const FitOptions& fit,
+          const QuantizeOptions::FitFunction& fit_function, QuantizeSummary& s, detail::Progress& prog,
+          const InterruptFlag* stop, const fs::path& target, const fs::path& file, bool scan_finite) {
   detail::check_interrupt(stop, target);
   if (!p.quantize) {
     const std::size_t es = dtype_size(v.dtype);
@@ -232,9 +232,11 @@ void emit(SafetensorsWriter& w, const Planned& p, const TensorView& v, const Fit
     if (v.dtype == DType::F64) {  // fitters take F32/BF16/F16: narrow F64 first
       std::vector<float> f(static_cast<std::size_t>(v.numel()));
       detail::convert_to_f32(v.data, v.dtype, f.data(), v.numel());
-      st = quantize(f.data(), DType::F32, p.shape, out, fo, p.name);
+      st = fit_function ? fit_function(f.data(), DType::F32, p.shape, out, fo, p.name)
+                        : quantize(f.data(), DType::F32, p.shape, out, fo, p.name);
     } else {
-      st = quantize(v.data, v.dtype, p.shape, out, fo, p.name);
+      st = fit_function ? fit_function(v.data, v.dtype, p.shape, out, fo, p.name)
+                        : quantize(v.data, v.dtype, p.shape, out, fo, p.name);
     }
   } catch (const Interrupted& e) {
     // The caller's guard removes the temporary output as this unwinds.
@@ -556,7 +558,7 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
       }
     }
     for (const auto& p : plan[f])
-      emit(w, p, files[f]->get(p.name), opt.fit, sum, prog, opt.interrupt, out_dir, files[f]->path(),
+      emit(w, p, files[f]->get(p.name), opt.fit, opt.fit_function, sum, prog, opt.interrupt, out_dir, files[f]->path(),
            scan_finite.count(p.name) > 0);
     w.commit();
   }
@@ -810,7 +812,7 @@ QuantizeSummary quantize_file(const fs::path& in, const fs::path& out, const std
     detail::Progress prog("quantize", total, opt.progress);
     SafetensorsWriter w(tmp, meta);
     for (const auto& p : plan) declare(w, p, file.get(p.name), sum);
-    for (const auto& p : plan) emit(w, p, file.get(p.name), opt.fit, sum, prog, opt.interrupt, out, in, false);
+    for (const auto& p : plan) emit(w, p, file.get(p.name), opt.fit, opt.fit_function, sum, prog, opt.interrupt, out, in, false);
     w.commit();
     prog.finish();
   }
