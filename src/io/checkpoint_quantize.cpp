@@ -810,6 +810,10 @@ QuantizeSummary quantize_file(const fs::path& in, const fs::path& out, const std
     std::error_code ec;
     fs::remove(tmp, ec);
   }
+  // The writer builds `tmp` under its own temporary name, tmp.tmp.PID: probe that one too (first: it
+  // is the longer, so its error gives the binding limit), or an output name 236-245 bytes long failed
+  // only after the plan, naming the internal "OUT.tmp.PID.tmp.PID" (new-user QA, session 15).
+  detail::probe_temp_file(detail::temp_sibling(tmp), out);
   detail::probe_temp_file(tmp, out);
   TempGuard guard{tmp};
   {

@@ -275,17 +275,36 @@ void install_replacing(const fs::path& tmp, const fs::path& target, bool want_di
   fs::remove_all(old, ec);
 }
 
+namespace {
+// "cannot create the output: File name too long" for an output whose own name is within the file
+// system's limit but whose temporary (NAME.tmp.PID, for a single file NAME.tmp.PID.tmp.PID) is not
+// left the user looking at a name that is valid (new-user QA, session 15): say which name was too long.
+std::string create_failure(const fs::path& tmp, const fs::path& target, int err) {
+  if (err != ENAMETOOLONG) return std::strerror(err);
+  const fs::path dir = tmp.has_parent_path() ? tmp.parent_path() : fs::path(".");
+  const long limit = ::pathconf(dir.c_str(), _PC_NAME_MAX);
+  const std::size_t max = limit > 0 ? static_cast<std::size_t>(limit) : 255;
+  const std::size_t len = tmp.filename().string().size(), own = target.filename().string().size();
+  if (own > max || len <= max) return std::strerror(err);  // the output's own name, or another component, is too long
+  return fmt::format("{}: lutb writes the output under the temporary name {} ({} bytes) and renames it at the end, "
+                     "and this file system allows names of at most {} bytes; choose an output name of at most {} "
+                     "bytes (this one has {})",
+                     std::strerror(err), tmp.filename().string(), len, max, own - std::min(own, len - max), own);
+}
+}  // namespace
+
 void create_temp_dir(const fs::path& tmp, const fs::path& target) {
   std::error_code ec;
   if (!fs::create_directories(tmp, ec) && ec)
-    throw CheckpointError(fmt::format("{}: cannot create the output: {}; nothing written", target.string(), ec.message()));
+    throw CheckpointError(fmt::format("{}: cannot create the output: {}; nothing written", target.string(),
+                                      create_failure(tmp, target, ec.value())));
 }
 
 void probe_temp_file(const fs::path& tmp, const fs::path& target) {
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
   if (fd < 0)
     throw CheckpointError(fmt::format("{}: cannot create the output: {}; nothing written", target.string(),
-                                      std::strerror(errno)));
+                                      create_failure(tmp, target, errno)));
   ::close(fd);
   ::unlink(tmp.c_str());
 }

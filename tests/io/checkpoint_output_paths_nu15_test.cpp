@@ -1,5 +1,5 @@
-// Output paths a fresh new user tried in session 15 (helper nu15): names above the file system's
-// limit and a path through a loop of symbolic links. Each test failed on the code before
+// Output paths a fresh new user tried in session 15 (helper nu15): names near or above the file
+// system's limit and a path through a loop of symbolic links. Each test failed on the code before
 // its fix; every refusal leaves the destination folder as it was.
 #include <gtest/gtest.h>
 
@@ -101,6 +101,42 @@ TEST(CheckpointNewUserNu15, UnresolvableOutputsAreNamedForWhatTheyAre) {
   fs::remove(ck);
   EXPECT_EQ(entries(t.path), before);
 }
+
+// A single-file output whose own name fits the limit but whose temporaries do not: the writer's
+// OUT.tmp.PID.tmp.PID failed after the plan as "OUT.tmp.PID.tmp.PID: cannot create: File name too
+// long" (names of 236-245 bytes with a 5-digit process id), and OUT.tmp.PID's failure said only
+// "cannot create the output: File name too long" of a name the file system accepts.
+TEST(CheckpointNewUserNu15, TemporaryNameTooLongSaysHowLongTheOutputMayBe) {
+  TempDir t;
+  const fs::path in = small_file(t.path);
+  const long limit = ::pathconf(t.path.c_str(), _PC_NAME_MAX);
+  ASSERT_GT(limit, 40);
+  const std::size_t suffix = std::string(".tmp." + std::to_string(::getpid())).size();
+  const auto before = entries(t.path);
+  // Own name one byte below the limit (the first temporary is too long), then one that leaves room
+  // for the first temporary only (the writer's nested one is too long).
+  for (std::size_t own : {static_cast<std::size_t>(limit) - 1, static_cast<std::size_t>(limit) - suffix}) {
+    const fs::path out = t.path / (std::string(own - 12, 'a') + ".safetensors");
+    ASSERT_EQ(out.filename().string().size(), own);
+    const std::string m = error_of([&] { quantize_file(in, out, "", quiet()); });
+    EXPECT_EQ(m.rfind(out.string() + ": cannot create the output: File name too long: lutb writes the output under "
+                                     "the temporary name ",
+                      0),
+              0u)
+        << m;
+    const std::size_t fits = static_cast<std::size_t>(limit) - 2 * suffix;
+    EXPECT_NE(m.find(fmt::format("choose an output name of at most {} bytes (this one has {})", fits, own)),
+              std::string::npos)
+        << m;
+    EXPECT_NE(m.find("nothing written"), std::string::npos) << m;
+    EXPECT_EQ(entries(t.path), before);
+  }
+  // The longest name that works is written.
+  const fs::path ok = t.path / (std::string(static_cast<std::size_t>(limit) - 2 * suffix - 12, 'a') + ".safetensors");
+  quantize_file(in, ok, "", quiet());
+  EXPECT_TRUE(SafetensorsFile(ok).contains("w_packed"));
+}
+
 
 }  // namespace
 }  // namespace lutb
