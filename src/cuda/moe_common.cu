@@ -150,6 +150,7 @@ MoeStrategy choose_strategy(std::int64_t tokens, int top_k, std::int64_t experts
 bool decode_direct(std::int64_t tokens, int top_k, std::int64_t experts) {
   if (tokens < 1 || top_k < 1 || experts < 1 || top_k > experts) return false;
   if (tokens == 1) return true;
+  if (tokens > kDirectMaxTokens) return false;
   // Expected distinct experts of T tokens with k distinct uniform choices each: E (1 - (1 - k/E)^T).
   const double q = 1.0 - static_cast<double>(top_k) / static_cast<double>(experts);
   const double touched = static_cast<double>(experts) * (1.0 - std::pow(q, static_cast<double>(tokens)));

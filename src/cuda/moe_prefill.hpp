@@ -55,7 +55,7 @@ namespace lutb::cuda {
 ///          H200; never chosen by the heuristic.
 ///   WB64:  sm_90a only (session 13): the same CTA and pipeline with BF16 operands (both scales folded
 ///          in, exact, as M64) and BF16 wgmma (m64n64k16), promotion every 2 K-tiles as M64. THE
-///          HEURISTIC'S CHOICE ON sm_90 devices below 512 pairs per touched expert (helper pf13b): with its operands in the 128B-swizzle
+///          HEURISTIC'S CHOICE ON sm_90 devices below 320 pairs per touched expert (helper pf13b): with its operands in the 128B-swizzle
 ///          layout (no shared-memory bank conflicts) it is 1.18-1.26x M64's throughput on the H200 on
 ///          all four model shapes at T = 1024 and 4096, with output bit-identical to M64 (asserted by
 ///          the prefill tests; docs/perf/moe-gpu-prefill.md, session 13, pf13b).
@@ -72,8 +72,8 @@ namespace lutb::cuda {
 ///          rows per CTA: 512 threads = 4 warpgroups (2 along tokens x 2 along weight rows, each
 ///          m64n64), all fed by ONE decoded B tile per K-step, the decode split over all 16 warps
 ///          (one strip each): half WB64's decode work per FLOP; 112.5 KB shared memory, 1 CTA per SM.
-///          THE HEURISTIC'S CHOICE ON sm_90 FROM kPrefillWb128MinPairs (512) PAIRS PER TOUCHED
-///          EXPERT: 1.02-1.12x WB64 there, 0.59-0.95x below 256 (1 CTA per SM: the K-step barrier
+///          THE HEURISTIC'S CHOICE ON sm_90 FROM kPrefillWb128MinPairs (320) PAIRS PER TOUCHED
+///          EXPERT: 1.00-1.12x WB64 there, 0.59-0.95x below 256 (1 CTA per SM: the K-step barrier
 ///          drains the tensor cores, and small experts leave 128-row tiles half empty).
 ///   WB128P: WB128 with each K-tile pair's first wgmma group left in flight across the next barrier
 ///          (5-stage ring, 3 B buffers, 148.5 KB); selectable only.
@@ -91,9 +91,12 @@ inline constexpr std::int64_t kPrefillTile128MinPairs = 0;
 ///   T = 4096); 256: 1.01x, 0.98x, 1.04x (Qwen3-235B, Qwen3-30B T = 4096; Mixtral T = 1024);
 ///   512: 1.06x (DeepSeek-V3, T = 16384); 1024: 1.07x, 1.02x, 1.10x (both Qwen3 T = 16384, Mixtral
 ///   T = 4096); 4096: 1.12x (Mixtral, T = 16384).
-/// So from 512 (the smallest measured count where WB128 won on every shape that reached it; 256 is
-/// a tie within +-4 %).
-inline constexpr std::int64_t kPrefillWb128MinPairs = 512;
+/// Session 15 measured the gap between 256 and 512 (device run rules15-run1, 2026-11-30, WB128 / WB64
+/// in the same process, docs/perf/moe-gpu-prefill.md "Session 15"): 192: 0.95x (Qwen3-30B), 1.01x
+/// (Mixtral); 256: 0.98x, 1.01x, 1.02x (Qwen3-30B, Mixtral, DeepSeek-V3); 320: 1.00x (0.998),
+/// 1.05x; 384: 1.00x, 1.06x, 1.04x; 448: 1.01x, 1.05x; 512: 1.02x, 1.07x, 1.06x.
+/// So from 320: the smallest count where WB128 is at least even on every shape measured there.
+inline constexpr std::int64_t kPrefillWb128MinPairs = 320;
 
 /// The tile the prefill path uses for `pairs` = T*k pairs over `experts` experts: the value forced by
 /// set_prefill_tile (benchmarks' A/B), else prefill_tile_for(pairs, experts, the current device is

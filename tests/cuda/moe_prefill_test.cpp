@@ -470,14 +470,15 @@ TEST(PrefillCuda, HeuristicThresholdIs36PairsPerTouchedExpert) {
   EXPECT_EQ(cuda::decode_token_blocks(1024, 8, 256), 2);  // 32: the decode side of the threshold
 }
 
-TEST(PrefillCuda, TileHeuristicPicksWb128From512PairsPerExpertOnSm90ElseWb64OrM64UnlessForced) {
+TEST(PrefillCuda, TileHeuristicPicksWb128From320PairsPerExpertOnSm90ElseWb64OrM64UnlessForced) {
   using cuda::PrefillTile;
   // M128 measured slower on every shape (kPrefillTile128MinPairs = 0): never. On sm_90 the BF16-fold
-  // wgmma tiles (bit-identical output, asserted in MatchesHostReference): WB128 from 512 pairs per
-  // touched expert (pf14 run 1 on the H200: 1.02-1.12x WB64 at 512..4096, 0.98-1.04x at 256, 0.59-0.95x
-  // at 32..128), WB64 below; M64 on every other device (host-only check, no device query).
+  // wgmma tiles (bit-identical output, asserted in MatchesHostReference): WB128 from 320 pairs per
+  // touched expert (pf14 run 1 and rules15-run1 on the H200: 1.02-1.12x WB64 at 512..4096, 1.00-1.06x
+  // at 320..448, 0.98-1.04x at 256, 0.59-0.95x at 32..192), WB64 below; M64 on every other device
+  // (host-only check, no device query).
   static_assert(cuda::kPrefillTile128MinPairs == 0);
-  static_assert(cuda::kPrefillWb128MinPairs == 512);
+  static_assert(cuda::kPrefillWb128MinPairs == 320);
   for (const bool sm90 : {false, true}) {
     const PrefillTile small = sm90 ? PrefillTile::WB64 : PrefillTile::M64;
     const PrefillTile large = sm90 ? PrefillTile::WB128 : PrefillTile::M64;
@@ -485,7 +486,11 @@ TEST(PrefillCuda, TileHeuristicPicksWb128From512PairsPerExpertOnSm90ElseWb64OrM6
     EXPECT_EQ(cuda::prefill_tile_for(4096 * 8, 256, sm90), small);   // DeepSeek-V3, T = 4096: 128
     EXPECT_EQ(cuda::prefill_tile_for(4096 * 8, 128, sm90), small);   // Qwen3, T = 4096: 256
     EXPECT_EQ(cuda::prefill_tile_for(1024 * 2, 8, sm90), small);     // Mixtral, T = 1024: 256
-    EXPECT_EQ(cuda::prefill_tile_for(16383 * 8, 256, sm90), small);  // 511.97
+    EXPECT_EQ(cuda::prefill_tile_for(10239 * 8, 256, sm90), small);  // 319.97
+    EXPECT_EQ(cuda::prefill_tile_for(10240 * 8, 256, sm90), large);  // DeepSeek-V3, T = 10240: 320
+    EXPECT_EQ(cuda::prefill_tile_for(1279 * 2, 8, sm90), small);     // Mixtral, T = 1279: 319.75
+    EXPECT_EQ(cuda::prefill_tile_for(1280 * 2, 8, sm90), large);     // Mixtral, T = 1280: 320
+    EXPECT_EQ(cuda::prefill_tile_for(5120 * 8, 128, sm90), large);   // Qwen3, T = 5120: 320
     EXPECT_EQ(cuda::prefill_tile_for(16384 * 8, 256, sm90), large);  // DeepSeek-V3, T = 16384: 512
     EXPECT_EQ(cuda::prefill_tile_for(8192 * 8, 128, sm90), large);   // Qwen3, T = 8192: 512
     EXPECT_EQ(cuda::prefill_tile_for(16384 * 8, 128, sm90), large);  // Qwen3, T = 16384: 1024
@@ -493,7 +498,8 @@ TEST(PrefillCuda, TileHeuristicPicksWb128From512PairsPerExpertOnSm90ElseWb64OrM6
     EXPECT_EQ(cuda::prefill_tile_for(2048 * 2, 8, sm90), large);     // Mixtral, T = 2048: 512
     EXPECT_EQ(cuda::prefill_tile_for(100, 1024, sm90), small);       // 100 pairs over 100 touched experts
     EXPECT_EQ(cuda::prefill_tile_for(600, 1, sm90), large);          // one expert, 600 pairs
-    EXPECT_EQ(cuda::prefill_tile_for(511, 1, sm90), small);
+    EXPECT_EQ(cuda::prefill_tile_for(320, 1, sm90), large);
+    EXPECT_EQ(cuda::prefill_tile_for(319, 1, sm90), small);
   }
   EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::M64), 64);
   EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::M64IL), 64);

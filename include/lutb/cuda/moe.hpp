@@ -173,9 +173,17 @@ int decode_token_blocks(std::int64_t tokens, int top_k, std::int64_t experts);
 /// 1.049), Qwen3-235B and Qwen3-30B (1.099), and 8 % slower at DeepSeek-V3 T = 8 (1.117; 12-13 %
 /// more weight reads) and 25-250 % slower at T = 16, 64. The limit lies between 1.099 and 1.117.
 inline constexpr double kDirectMaxPairsPerExpert = 1.10;
+/// ... and only up to this many tokens. Session 15 measured DeepSeek-V3 at T = 5..7, where the
+/// ratio alone chose direct (1.064, 1.081, 1.097; device run rules15-run1, 2026-11-30, both orders
+/// in one process): direct was even at T = 5 (270.5 / 269.9 us vs grouped 269.9 / 269.2) and
+/// 3.7-4.9 % slower at T = 6 and 7 (319.9 vs 308.2, 365.8 vs 349.1 us), while T = 4 stays 1.02x
+/// faster direct; every measured win is at T <= 4 (the ratio cannot separate DeepSeek-V3 T = 6,
+/// 1.081, a loss, from Qwen3 T = 4, 1.099, a win).
+inline constexpr std::int64_t kDirectMaxTokens = 4;
 
-/// True when the swap-AB decode of this batch runs "direct" (above): host only, no device query.
-/// tokens >= 1, 1 <= top_k <= experts; false when top_k > experts (repeated experts per token).
+/// True when the swap-AB decode of this batch runs "direct" (above): tokens <= kDirectMaxTokens and
+/// the expected pairs per touched expert at most kDirectMaxPairsPerExpert. Host only, no device
+/// query. tokens >= 1, 1 <= top_k <= experts; false when top_k > experts (repeated experts per token).
 bool decode_direct(std::int64_t tokens, int top_k, std::int64_t experts);
 
 /// In a direct forward on sm_90a with top_k <= 8 (mma.sync kernels: not CvtWs, not Fp8Wgmma), the
