@@ -24,6 +24,9 @@
 #   scripts/gpu_run.sh moetests 'CMD' ['CMD'...]
 #     builds only the MoE GPU tests and bench_moe_gpu (sm_90a), runs the tests, memcheck + racecheck
 #     on the decode-path cases, then each CMD with $BENCH = the benchmark (see the mode below).
+#   scripts/gpu_run.sh cli
+#     builds the lutb tool with the CUDA backend (sm_90a) and tests/cuda/cli_gpu_test.cpp, runs them and
+#     the --device cuda commands on tiny-qwen3-moe (see the mode below; cli15).
 #   scripts/gpu_run.sh prefill [bench_moe_prefill args...]
 #     builds only the MoE CUDA sources (src/cuda/moe_*.cu, routing.cu, lane_major.cu), the prefill path's tests
 #     (tests/cuda/moe_prefill_test.cpp) and bench/gpu/bench_moe_prefill.cu, then runs those tests,
@@ -269,6 +272,80 @@ if [ "$WHAT" = online ]; then
       timeout 40 nsys stats -q --report cuda_gpu_trace --format csv /tmp/onl_trace.nsys-rep ) > "$OUT/nsys_trace.csv" 2>&1 || true
   fi
   echo "gpu_run.sh online: ${SECONDS} s" | tee -a "$OUT/gpu.txt"
+  exit 0
+fi
+
+# cli: the lutb tool itself with the CUDA backend (session 15, cli15), sm_90a only: every
+# src/cuda/*.cu, the library (src/core, fit, moe, io, model) and src/cli with g++ (CLI11 headers, cblas.h
+# and OpenBLAS + its Fortran runtime staged by gpu_stage.sh, the libraries xz-compressed and unpacked
+# here with python3's lzma), and tests/cuda/cli_gpu_test.cpp against that binary; then runs those
+# tests and the commands below, logs in $OUT.
+#   scripts/gpu_run.sh cli
+if [ "$WHAT" = cli ]; then
+  FA="-gencode=arch=compute_90a,code=sm_90a"
+  CCU="${CUFLAGS/$ARCH/$FA}"
+  C=$B/cli
+  mkdir -p "$C/o" "$C/lib"
+  for z in deps/blas/*.xz; do
+    python3 -c "import lzma,sys; open(sys.argv[2],'wb').write(lzma.open(sys.argv[1]).read())" "$z" "$C/lib/$(basename "$z" .xz)"
+  done
+  ln -sf libopenblas.so.0 "$C/lib/libopenblas.so"
+  CLIFLAGS="$CXXFLAGS -O3 -DLUTB_WITH_CUDA=1"
+  {
+  pids=()
+  for f in src/cuda/*.cu; do
+    fl=""; case "$f" in src/cuda/fit_*) fl=-fmad=false;; esac
+    $NVCC $CCU $fl -c "$f" -o "$C/o/cu_$(basename "$f" .cu).o" & pids+=($!)
+  done
+  if [ ! -f "$B/obj/gtest-all.o" ]; then
+    g++ -std=c++17 -O2 -isystem "$GTEST_DIR/include" -I"$GTEST_DIR" -c "$GTEST_DIR/src/gtest-all.cc" -o "$B/obj/gtest-all.o" & pids+=($!)
+    g++ -std=c++17 -O2 -isystem "$GTEST_DIR/include" -I"$GTEST_DIR" -c "$GTEST_DIR/src/gtest_main.cc" -o "$B/obj/gtest_main.o" & pids+=($!)
+  fi
+  for f in src/core/*.cpp src/fit/*.cpp src/moe/*.cpp src/io/*.cpp src/model/*.cpp; do
+    fc=""; case "$f" in src/fit/*) fc=-ffp-contract=off;; esac  # as CMakeLists.txt
+    g++ $CLIFLAGS $fc -c "$f" -o "$C/o/l_$(basename "$(dirname "$f")")_$(basename "$f" .cpp).o" & pids+=($!)
+  done
+  for f in src/cli/*.cpp; do g++ $CLIFLAGS -c "$f" -o "$C/o/m_$(basename "$f" .cpp).o" & pids+=($!); done
+  for f in tests/cuda/cli_gpu_test.cpp tests/support/test_support.cpp; do
+    g++ $CLIFLAGS -DLUTB_SOURCE_DIR="\"$ROOT\"" -DLUTB_CLI_PATH="\"$C/lutb\"" -c "$f" -o "$C/o/t_$(basename "$f" .cpp).o" & pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p"; done
+  $NVCC $FA -o "$C/lutb" "$C"/o/m_*.o "$C"/o/l_*.o "$C"/o/cu_*.o -lcublas -Xcompiler -fopenmp \
+    -L"$DEPS_LIB" -L"$C/lib" -lhwy -lopenblas -lpthread -Xlinker -rpath="$DEPS_LIB:$C/lib"
+  $NVCC $FA -o "$C/cli_gpu_tests" "$C"/o/t_*.o "$B/obj/gtest-all.o" "$B/obj/gtest_main.o" -Xcompiler -fopenmp -lpthread
+  echo "build: ${SECONDS} s"
+  } > "$OUT/build_cli.log" 2>&1 || true
+  tail -5 "$OUT/build_cli.log"
+  export LD_LIBRARY_PATH="$DEPS_LIB:$C/lib:${LD_LIBRARY_PATH:-}"
+  M=shared/models/tiny-qwen3-moe
+  { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv; nvcc --version | tail -2;
+    lscpu | grep -E "Model name|^CPU\(s\)"; date -u; } > "$OUT/gpu.txt" 2>&1 || true
+  "$C/cli_gpu_tests" > "$OUT/cli_gpu_tests.log" 2>&1 || true
+  set +e  # the commands below include refusals (exit status 1) that the log records
+  {
+    for d in cpu cuda; do
+      echo "\$ lutb quantize $M -o /tmp/q-$d --device $d --no-progress"
+      "$C/lutb" quantize $M -o /tmp/q-$d --device $d --no-progress 2>&1; echo "exit $?"
+    done
+    echo "\$ cmp -r (every file of /tmp/q-cpu against /tmp/q-cuda)"
+    (cd /tmp/q-cpu && for f in $(find . -type f | sort); do cmp "$f" "/tmp/q-cuda/$f" && echo "identical $f"; done) 2>&1
+    echo "\$ lutb quantize $M -o /tmp/q-x --device cuda --fitter ct-lloyd"
+    "$C/lutb" quantize $M -o /tmp/q-x --device cuda --fitter ct-lloyd 2>&1; echo "exit $?; exists: $(ls -d /tmp/q-x 2>&1)"
+    for L in 0 3; do for qn in lutb none; do
+      echo "\$ lutb moe $M --layer $L --quant $qn --device cuda --compare-cpu"
+      "$C/lutb" moe $M --layer $L --quant $qn --device cuda --compare-cpu 2>&1; echo "exit $?"
+      echo "\$ lutb moe $M --layer $L --quant $qn --device cpu"
+      "$C/lutb" moe $M --layer $L --quant $qn --device cpu 2>&1; echo "exit $?"
+    done; done
+    echo "\$ lutb moe /tmp/q-cuda --layer 1 --device cuda --compare-cpu   (the stored LUT-B checkpoint)"
+    "$C/lutb" moe /tmp/q-cuda --layer 1 --device cuda --compare-cpu --activations $M/moe_activations.safetensors 2>&1; echo "exit $?"
+    for d in cpu cuda; do
+      echo "\$ lutb eval $M --quant lutb --device $d --max-windows 16"
+      "$C/lutb" eval $M --quant lutb --device $d --max-windows 16 2>&1; echo "exit $?"
+    done
+  } > "$OUT/cli_commands.log" 2>&1
+  { echo "\$ lutb --experts 16 --tokens 256"; "$C/lutb" --experts 16 --tokens 256 2>&1; echo "exit $?"; } > "$OUT/default_job.log" 2>&1
+  echo "gpu_run.sh cli: ${SECONDS} s" | tee -a "$OUT/gpu.txt"
   exit 0
 fi
 

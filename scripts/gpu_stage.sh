@@ -16,8 +16,18 @@ cp -r "$SRC/include" "$SRC/src" "$SRC/tests" "$SRC/bench" "$SRC/scripts" "$DEST/
 mkdir -p "$DEST/deps/lib"
 cp -L /usr/lib/x86_64-linux-gnu/libhwy.so.1 "$DEST/deps/lib/libhwy.so.1"
 ln -sf libhwy.so.1 "$DEST/deps/lib/libhwy.so"
+# The lutb tool (gpu_run.sh cli): CLI11's headers, cblas.h, and OpenBLAS with its Fortran runtime,
+# xz-compressed (36 MB -> 4 MB: the carried tree must stay under 64 MiB).
+[ -d "$DEST/deps/include/CLI" ] || cp -r /usr/include/CLI "$DEST/deps/include/"
+cp /usr/include/x86_64-linux-gnu/openblas-pthread/cblas.h /usr/include/x86_64-linux-gnu/openblas-pthread/openblas_config.h \
+  "$DEST/deps/include/"
+mkdir -p "$DEST/deps/blas"
+for l in /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 /lib/x86_64-linux-gnu/libgfortran.so.5 \
+         /lib/x86_64-linux-gnu/libquadmath.so.0; do
+  [ -f "$DEST/deps/blas/$(basename "$l").xz" ] || xz -T2 -6 -c "$l" > "$DEST/deps/blas/$(basename "$l").xz"
+done
 cp -r "$SHARED/golden" "$DEST/shared/"
-for f in config.json model.safetensors moe_activations.safetensors; do
+for f in config.json model.safetensors moe_activations.safetensors val_tokens.safetensors; do
   cp "$SHARED/models/tiny-qwen3-moe/$f" "$DEST/shared/models/tiny-qwen3-moe/"
 done
 chmod -R u+w "$DEST"

@@ -392,6 +392,15 @@ struct QuantizeOptions {
   /// the element, and the destination is left as it was. Null: no check (the library's io layer
   /// does not know the model's dense tensors).
   std::function<std::vector<std::string>(const std::filesystem::path&)> check_model;
+  /// The fit of each quantised tensor. Null (default): lutb::quantize (the CPU fitters of fit.hpp).
+  /// Otherwise it is called exactly as lutb::quantize would be (source, dtype, shape, output, the
+  /// FitOptions above with `interrupt` filled in, tensor name) and must honour the same contract:
+  /// fill `out`, return the FitStats, throw std::invalid_argument worded "quantize: tensor NAME, ..."
+  /// for a data error (NaN / Inf / scale above 246) and Interrupted when stopped. `lutb quantize
+  /// --device cuda` passes lutb::cuda::quantize_gpu here (the same bytes; src/cli/gpu.cpp).
+  using FitFunction = std::function<FitStats(const void* src, DType src_type, const LutbShape& shape, LutbTensor& out,
+                                             const FitOptions& fit, const std::string& name)>;
+  FitFunction fit_function;
 };
 
 /// Summary of a quantisation run.

@@ -172,12 +172,33 @@ double nll(const float* logits, std::int64_t V, std::int64_t target);
 /// The sparse MLP block of one layer as the model calls it: router + top-k routed experts + the
 /// shared experts when the family has them (DeepSeek shared_experts, Qwen2-MoE's gated
 /// shared_expert). FP32 in, FP32 out.
+struct MoeBlockParts;
 class MoeBlock {
  public:
   virtual ~MoeBlock() = default;
   /// x: [T][hidden_size] FP32 (the post-attention-normed hidden states, exactly what transformers
   /// feeds the MoE block); out: [T][hidden_size] FP32, overwritten with the routed experts' sum.
   virtual void forward(const float* x, std::int64_t T, float* out) = 0;
+  /// The block's parts around its routed experts, for running those on another backend (the GPU:
+  /// `lutb moe/eval --device cuda`, src/cli/gpu.cpp) while the rest stays this CPU code. Null when
+  /// the block does not expose them. Valid while the block lives.
+  virtual const MoeBlockParts* parts() const { return nullptr; }
+};
+
+/// What forward() does, split at the routed experts: forward(x) = experts(route(logits(x))) + shared(x)
+/// with route = moe::route(router, logits, correction_bias) (or DeepSeek-V2's group_limited_greedy)
+/// and experts = experts->apply_f32.
+struct MoeBlockParts {
+  moe::RouterConfig router;            // the routing rule (spec 5)
+  bool group_limited_greedy = false;   // DeepSeek-V2's softmax group rule instead of moe::route
+  const std::vector<float>* correction_bias = nullptr;  // [E] FP32 (DeepSeek-V3), empty otherwise
+  const moe::Experts* experts = nullptr;  // the routed experts as held (DenseExperts, LutbCpuExperts...)
+  /// logits[T][E] FP32 = x[T][H] . gate^T (FP32, as forward()).
+  std::function<void(const float* x, std::int64_t T, float* logits)> router_logits;
+  /// ids [T][k] int32, weights [T][k] FP32 from logits (forward()'s routing, CPU).
+  std::function<void(const float* logits, std::int64_t T, std::int32_t* ids, float* weights)> route;
+  /// out[T][H] += the shared experts of x (nothing when the family has none; forward()'s code).
+  std::function<void(const float* x, float* out, std::int64_t T)> add_shared;
 };
 
 /// Builds the MoeBlock of sparse layer `layer`.

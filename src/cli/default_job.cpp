@@ -23,6 +23,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.hpp"
+#include "cli/gpu.hpp"
 #include "cli/interrupt.hpp"
 #include "cli/validators.hpp"
 #include "lutb/checkpoint.hpp"
@@ -240,6 +241,9 @@ void run_default_job(const DefaultArgs& a) {
 
   std::vector<float> ref(static_cast<std::size_t>(T * H)), out(ref.size()), out_bf16act(ref.size());
   std::size_t ref_bytes = 0, lut_bytes = 0;
+  // The GPU section (src/cli/gpu.cpp): run when a usable GPU is present, else one line says why not.
+  const std::string gpu_skip = cuda_unavailable_reason();
+  DefaultJobGpu gpu;
   double t_ref = 0, t_lut = 0;
   {
     // Convert one stack at a time and free its source at once: peak = source + one BF16 copy.
@@ -252,6 +256,7 @@ void run_default_job(const DefaultArgs& a) {
     t = clock::now();
     dense.apply_f32(hs, topk, ref.data());
     t_ref = since(t);
+    if (gpu_skip.empty()) default_job_gpu_fit(gpu, dense.w13(), dense.w2(), mc, lut.w13, lut.w2, a.fitter);
   }
   check_interrupted("after the BF16 reference");
   {
@@ -265,6 +270,7 @@ void run_default_job(const DefaultArgs& a) {
     t = clock::now();
     experts->apply_f32(hs, topk, out.data());
     t_lut = since(t);
+    if (gpu_skip.empty()) default_job_gpu_forward(gpu, *experts, x.data(), T, topk, out.data(), 20);
     fmt::print("4. ran the layer on {} random tokens: BF16 reference {:.3f} s, LUT-B emulation ({}) {:.3f} s\n\n", T,
                t_ref, experts->name(), t_lut);
   }
@@ -281,6 +287,12 @@ void run_default_job(const DefaultArgs& a) {
              ew.cosine);
   fmt::print("resident expert weights BF16 reference {:.1f} MB, LUT-B emulation {:.1f} MB\n", ref_bytes / 1e6, lut_bytes / 1e6);
   fmt::print("peak RSS                {:.1f} MB\n", peak_rss_bytes() / 1e6);
+  if (gpu_skip.empty()) {
+    fmt::print("GPU                     {}\n", cuda_device_description());
+    for (const auto& l : gpu.lines) fmt::print("{}\n", l);
+  } else {
+    fmt::print("GPU section skipped:    {}\n", gpu_skip);
+  }
   if (a.json) {
     nlohmann::json j = {{"model", "Qwen3-30B-A3B layer (synthetic)"},
                         {"experts", E},
@@ -302,6 +314,12 @@ void run_default_job(const DefaultArgs& a) {
                         {"seconds_reference", t_ref},
                         {"seconds_lutb", t_lut},
                         {"peak_rss_bytes", peak_rss_bytes()}};
+    if (gpu_skip.empty()) {
+      j["gpu"] = gpu.json;
+      j["gpu"]["device"] = cuda_device_description();
+    } else {
+      j["gpu_skipped"] = gpu_skip;
+    }
     fmt::print("{}\n", j.dump());
   }
 }

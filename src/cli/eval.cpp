@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.hpp"
+#include "cli/gpu.hpp"
 #include "cli/validators.hpp"
 #include "cli/model_options.hpp"
 #include "lutb/fit.hpp"
@@ -29,6 +30,7 @@ struct EvalArgs {
   int threads = 0;
   std::int64_t max_windows = 0;
   std::int64_t batch = 8;
+  std::string device = "cpu";
 };
 
 nlohmann::json number_or_null(double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(nullptr); }
@@ -38,6 +40,14 @@ void run_eval(const EvalArgs& a) {
   const int threads = effective_threads(a.threads);
   model::set_threads(threads);
   const model::MoeOptions mo = a.quant.resolve(a.model_dir, threads);
+  const bool gpu = a.device == "cuda";
+  if (gpu) {
+    if (a.quant.kernel_opt != nullptr && a.quant.kernel_opt->count() > 0)
+      throw std::invalid_argument(fmt::format("--kernel {} selects a CPU emulation kernel; it does not apply to "
+                                              "--device cuda (the GPU runs its fused kernels)",
+                                              a.quant.kernel));
+    require_cuda();
+  }
   // The config and the tokens first, so that a bad file fails before the weights load; every
   // message names its file.
   const model::TransformerConfig config = model::TransformerConfig::load(a.model_dir);
@@ -66,7 +76,10 @@ void run_eval(const EvalArgs& a) {
   check_model_tensor_names(a.model_dir, config.moe, "eval");
   const auto t0 = std::chrono::steady_clock::now();
   model::CheckpointMoe moe(a.model_dir, mo);
-  model::LanguageModel lm = model::LanguageModel::load(a.model_dir, moe.factory());
+  // --device cuda: each MoE block's routed experts run on the GPU (src/cli/gpu.hpp GpuMoeBlock), the
+  // rest of the model on the CPU.
+  model::LanguageModel lm =
+      model::LanguageModel::load(a.model_dir, gpu ? gpu_factory(moe.factory(), mo) : moe.factory());
   const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
   const bool tty = isatty(fileno(stderr));
@@ -115,6 +128,7 @@ void run_eval(const EvalArgs& a) {
   fmt::print("val loss     {:.6f} nats over {} predicted tokens ({} windows of {})\n", r.val_loss, r.tokens, r.windows,
              eo.window);
   fmt::print("time         load {:.2f} s, eval {:.2f} s, {:.0f} tokens/s\n", load_s, r.seconds, tps);
+  if (gpu) fmt::print("device       cuda, {}: routed experts of every MoE block on the GPU\n", cuda_device_description());
 
   if (a.json) {
     nlohmann::json j;
@@ -133,6 +147,7 @@ void run_eval(const EvalArgs& a) {
     j["expert_bytes"] = moe.held_bytes();
     j["seconds"] = r.seconds;
     j["load_seconds"] = load_s;
+    j["device"] = a.device;
     j["tokens_per_second"] = tps;
     nlohmann::json tensors = nlohmann::json::array();
     for (const auto& s : moe.stats())
@@ -165,6 +180,9 @@ void add_eval(CLI::App& app) {
   cmd->add_option("--max-windows", args->max_windows, "evaluate only the first N windows (0 = all)")
       ->check(IntRange<std::int64_t>(0, std::numeric_limits<std::int64_t>::max()));
   cmd->add_option("--batch", args->batch, "windows per forward pass (changes only the FP32 summation order: results agree to ~1e-5)")->check(IntRange<std::int64_t>(1, 4096));
+  add_device_option(cmd, args->device,
+                    "the routed experts of every MoE block (cuda: LUT-B with MXFP8 activations, or --quant none's "
+                    "BF16 baseline, on the GPU; the rest of the model on the CPU)");
   cmd->callback([args, tokens_opt, dir_opt] {
     check_not_empty(dir_opt, args->model_dir, "checkpoint directory name");  // ": no such directory" (QA session 14)
     check_not_empty(tokens_opt, args->tokens, "tokens file name");

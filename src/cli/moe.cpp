@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.hpp"
+#include "cli/gpu.hpp"
 #include "cli/validators.hpp"
 #include "cli/model_options.hpp"
 #include "lutb/model.hpp"
@@ -30,6 +31,9 @@ struct MoeArgs {
   ModelQuantArgs quant;
   bool json = false;
   int threads = 0;
+  std::string device = "cpu";
+  bool compare_cpu = false;
+  int reps = 20;
 };
 
 // The captured-activations file of the model folders in ../shared/models (beside val_tokens.safetensors).
@@ -75,6 +79,14 @@ void run_moe(const MoeArgs& a) {
   // given (new-user QA, session 14); TransformerConfig::load words it as lutb eval does.
   if (!std::filesystem::is_directory(a.model_dir)) (void)model::TransformerConfig::load(a.model_dir);
   const model::MoeOptions mo = a.quant.resolve(a.model_dir, threads);
+  const bool gpu = a.device == "cuda";
+  if (gpu) {
+    if (a.quant.kernel_opt != nullptr && a.quant.kernel_opt->count() > 0)
+      throw std::invalid_argument(fmt::format("--kernel {} selects a CPU emulation kernel; it does not apply to "
+                                              "--device cuda (the GPU runs its fused kernels)",
+                                              a.quant.kernel));
+    require_cuda();
+  }
   if (a.activations_file.empty())
     throw std::invalid_argument(fmt::format("--activations not given and {} holds no {} (the captured MoE inputs and "
                                             "outputs); give the file with --activations FILE",
@@ -92,6 +104,12 @@ void run_moe(const MoeArgs& a) {
   if (a.layer < 0 || a.layer >= cfg.num_layers)
     throw std::runtime_error(fmt::format("--layer {} is out of range: {} has layers 0..{}", a.layer, a.model_dir, cfg.num_layers - 1));
   std::unique_ptr<model::MoeBlock> block = moe.build(a.layer);
+  GpuMoeBlock* gpu_block = nullptr;
+  if (gpu) {  // the routed experts uploaded; router logits and shared experts stay in the CPU block
+    auto g = std::make_unique<GpuMoeBlock>(std::move(block), mo);
+    gpu_block = g.get();
+    block = std::move(g);
+  }
   const std::int64_t H = cfg.hidden_size;
   const SafetensorsFile acts(a.activations_file);
   const std::vector<float> x = captured(acts, fmt::format("layers.{}.moe_input", a.layer), H);
@@ -132,6 +150,29 @@ void run_moe(const MoeArgs& a) {
   fmt::print("layer {} of {} ({}), {} tokens, quant {}, activations {}\n", a.layer, a.model_dir, cfg.family, T, quant, act);
   for (const auto& s : moe.stats()) fmt::print("  {:<48} SQNR {:7.3f} dB\n", s.name, s.sqnr_db());
   fmt::print("rel_l2 {:.6g}  max_abs {:.6g}  cosine {:.8f}  ({:.3f} s)\n", rel_l2, max_abs, cosine, secs);
+  double gpu_ms = 0, cpu_rel = 0, cpu_max = 0;
+  std::string gpu_name;
+  if (gpu_block) {
+    gpu_name = cuda_device_description();
+    gpu_ms = gpu_block->time_routed_ms(a.reps);
+    fmt::print("device cuda, {}: routing {}; routed-expert forward {:.4f} ms on the GPU (median of {}, CUDA events)\n",
+               gpu_name, gpu_block->routing_note(), gpu_ms, a.reps);
+    if (a.compare_cpu) {
+      std::vector<float> cpu_out(x.size());
+      gpu_block->cpu().forward(x.data(), T, cpu_out.data());
+      double d2 = 0, c2 = 0;
+      for (std::size_t i = 0; i < out.size(); ++i) {
+        const double d = static_cast<double>(out[i]) - cpu_out[i];
+        d2 += d * d;
+        c2 += static_cast<double>(cpu_out[i]) * cpu_out[i];
+        cpu_max = std::isnan(d) ? d : std::max(cpu_max, std::fabs(d));
+      }
+      cpu_rel = std::sqrt(d2 / c2);
+      fmt::print("vs --device cpu: rel_l2 {:.6g}  max_abs {:.6g} (the fused kernel writes BF16 and sums in another FP32 "
+                 "order{})\n",
+                 cpu_rel, cpu_max, mo.quant == model::Quant::None ? "; its BF16 baseline also reads bf16(x)" : "");
+    }
+  }
   if (a.json) {
     nlohmann::json j;
     j["model"] = a.model_dir;
@@ -146,6 +187,17 @@ void run_moe(const MoeArgs& a) {
     const double sq = moe.aggregate_sqnr_db();
     j["sqnr_db"] = std::isfinite(sq) ? nlohmann::json(sq) : nlohmann::json(nullptr);
     j["seconds"] = secs;
+    j["device"] = a.device;
+    if (gpu_block) {
+      j["gpu"] = gpu_name;
+      j["routing"] = gpu_block->routing_note();
+      j["gpu_routed_ms"] = gpu_ms;
+      j["gpu_reps"] = a.reps;
+      if (a.compare_cpu) {
+        j["vs_cpu_rel_l2"] = cpu_rel;
+        j["vs_cpu_max_abs"] = cpu_max;
+      }
+    }
     fmt::print("{}\n", j.dump());
   }
   std::fflush(stdout);
@@ -186,7 +238,17 @@ void add_moe(CLI::App& app) {
                   "threads (default: all cores; more than the processors available are reduced to that number, "
                   "with a note)")
       ->check(ThreadCount());
-  cmd->callback([args, acts_opt, dir_opt] {
+  add_device_option(cmd, args->device,
+                    "the routed experts (cuda: uploaded packed, top-k and the fused forward on the GPU; router logits "
+                    "and shared experts on the CPU)");
+  auto* cmp = cmd->add_flag("--compare-cpu", args->compare_cpu,
+                            "with --device cuda: also run the CPU emulation and print the difference");
+  auto* reps = cmd->add_option("--reps", args->reps,
+                               "with --device cuda: timed runs of the routed-expert forward (median; default 20)")
+                   ->check(IntRange<int>(1, 100000));
+  cmd->callback([args, acts_opt, dir_opt, cmp, reps] {
+    if (args->device != "cuda" && (cmp->count() > 0 || reps->count() > 0))
+      throw std::invalid_argument(fmt::format("{} applies to --device cuda only", cmp->count() > 0 ? "--compare-cpu" : "--reps"));
     check_not_empty(dir_opt, args->model_dir, "checkpoint directory name");  // QA session 14
     check_not_empty(acts_opt, args->activations_file, "activations file name");
     if (acts_opt->count() == 0) {

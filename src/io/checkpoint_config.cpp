@@ -49,8 +49,9 @@ std::optional<double> opt_num(const nlohmann::json& j, const char* key, const st
 std::optional<bool> opt_bool(const nlohmann::json& j, const char* key, const std::string& where) {
   return detail::config_bool(j, key, where);
 }
-std::optional<std::string> opt_str(const nlohmann::json& j, const char* key, const std::string& where) {
-  return detail::config_string(j, key, where);
+std::optional<std::string> opt_str(const nlohmann::json& j, const char* key, const std::string& where,
+                                   std::string_view name = {}) {
+  return detail::config_string(j, key, where, name);
 }
 
 std::string supported_list() {
@@ -274,9 +275,22 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& where
   // official release is FP8 (F8_E4M3 weights with weight_scale_inv block scales), which lutb would read
   // without the scales (new-user finding, session 12: lutb eval gave 7.84 nats instead of 3.89, and
   // lutb quantize wrote a "lut_b" config over the FP8 one). Only LUT-B or no quantization_config loads.
-  if (auto q = j.find("quantization_config"); q != j.end() && q->is_object()) {
-    const auto m = q->find("quant_method");
-    const std::string method = (m != q->end() && m->is_string()) ? m->get<std::string>() : std::string();
+  if (auto q = j.find("quantization_config"); q != j.end() && !q->is_null()) {
+    // transformers refuses a quantization_config that is not an object or names no quant_method
+    // ("The model's quantization config from the arguments has no `quant_method` attribute"): lutb
+    // read the weights as plain floats without a word, and a non-string quant_method escaped as a
+    // bare nlohmann type_error (new-user QA, session 15).
+    if (!q->is_object())
+      detail::throw_config_key(where, "quantization_config",
+                               fmt::format("must be an object, got {}", detail::json_excerpt(*q)));
+    const std::string method =
+        opt_str(*q, "quant_method", where, "quantization_config.quant_method").value_or(std::string());
+    if (method.empty())
+      detail::throw_config_key(
+          where, "quantization_config.quant_method",
+          fmt::format("{}: a quantization_config must say which method stored the weights (LUT-B's is \"lut_b\"); "
+                      "if the weights are BF16, F16 or F32, remove quantization_config from {}",
+                      q->contains("quant_method") ? "is empty" : "required but missing", where));
     if (!method.empty() && method != "lut_b" && !parse_lutb_quant_config(j, where))
       detail::throw_config_key(
           where, "quantization_config.quant_method",
@@ -362,7 +376,10 @@ std::optional<LutbQuantConfig> parse_lutb_quant_config(const nlohmann::json& con
   if (it == config.end() || !it->is_object()) return std::nullopt;
   const auto& q = *it;
   LutbQuantConfig r;
-  r.quant_method = q.value("quant_method", std::string());
+  // A quant_method that is not a string (5, null, a list) escaped as nlohmann's "[json.exception.
+  // type_error.302] type must be string, but is number", naming neither config.json nor the key
+  // (new-user QA, session 15).
+  r.quant_method = detail::config_string(q, "quant_method", where, "quantization_config.quant_method").value_or("");
   auto str = [&](const nlohmann::json& o, const char* k) {
     auto i = o.find(k);
     return (i != o.end() && i->is_string()) ? i->get<std::string>() : std::string();

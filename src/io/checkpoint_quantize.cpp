@@ -40,10 +40,28 @@ struct TempGuard {
   }
 };
 
+// A write error of the output's temporary (a full disk) read "OUT.tmp.PID/model.safetensors.tmp.PID:
+// write failed: No space left on device": it named only a temporary that is removed as the error
+// propagates, and not whether OUT had been touched (new-user QA, session 15). Errors of the writer
+// (their text starts with the temporary's path) are reported against the output; others pass.
+[[noreturn]] void throw_write_error(const SafetensorsError& e, const fs::path& tmp, const fs::path& out) {
+  const std::string m = e.what();
+  if (m.rfind(tmp.string(), 0) != 0) throw e;
+  throw CheckpointError(fmt::format("{}: writing the output failed ({}); the partial output was removed and {} is as "
+                                    "it was",
+                                    out.string(), m, out.string()));
+}
+
 bool same_path(const fs::path& a, const fs::path& b) {
   std::error_code ec;
   if (fs::exists(a, ec) && fs::exists(b, ec)) return fs::equivalent(a, b, ec);
-  return fs::weakly_canonical(a, ec) == fs::weakly_canonical(b, ec);
+  // weakly_canonical returns an empty path where it fails (a name too long, a loop of links): two
+  // such paths are not the same one (new-user QA, session 15).
+  const fs::path ca = fs::weakly_canonical(a, ec);
+  if (ec || ca.empty()) return a.lexically_normal() == b.lexically_normal();
+  const fs::path cb = fs::weakly_canonical(b, ec);
+  if (ec || cb.empty()) return a.lexically_normal() == b.lexically_normal();
+  return ca == cb;
 }
 
 struct Planned {
@@ -202,9 +220,9 @@ void check_finite(const fs::path& file, const TensorView& v, std::int64_t first,
   }
 }
 
-void emit(SafetensorsWriter& w, const Planned& p, const TensorView& v, const FitOptions& fit, QuantizeSummary& s,
-          detail::Progress& prog, const InterruptFlag* stop, const fs::path& target, const fs::path& file,
-          bool scan_finite) {
+void emit(SafetensorsWriter& w, const Planned& p, const TensorView& v, const FitOptions& fit,
+          const QuantizeOptions::FitFunction& fit_function, QuantizeSummary& s, detail::Progress& prog,
+          const InterruptFlag* stop, const fs::path& target, const fs::path& file, bool scan_finite) {
   detail::check_interrupt(stop, target);
   if (!p.quantize) {
     const std::size_t es = dtype_size(v.dtype);
@@ -232,9 +250,11 @@ void emit(SafetensorsWriter& w, const Planned& p, const TensorView& v, const Fit
     if (v.dtype == DType::F64) {  // fitters take F32/BF16/F16: narrow F64 first
       std::vector<float> f(static_cast<std::size_t>(v.numel()));
       detail::convert_to_f32(v.data, v.dtype, f.data(), v.numel());
-      st = quantize(f.data(), DType::F32, p.shape, out, fo, p.name);
+      st = fit_function ? fit_function(f.data(), DType::F32, p.shape, out, fo, p.name)
+                        : quantize(f.data(), DType::F32, p.shape, out, fo, p.name);
     } else {
-      st = quantize(v.data, v.dtype, p.shape, out, fo, p.name);
+      st = fit_function ? fit_function(v.data, v.dtype, p.shape, out, fo, p.name)
+                        : quantize(v.data, v.dtype, p.shape, out, fo, p.name);
     }
   } catch (const Interrupted& e) {
     // The caller's guard removes the temporary output as this unwinds.
@@ -545,20 +565,24 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
                                                                   : rel.generic_string();
     shard_names.insert(fs::path(shard).string());
     if (fs::path(shard).has_parent_path()) fs::create_directories(tmp / fs::path(shard).parent_path());
-    SafetensorsWriter w(tmp / shard, files[f]->metadata());
-    for (const auto& p : plan[f]) {
-      declare(w, p, files[f]->get(p.name), sum);
-      if (p.quantize) {
-        const LutbNames n = lutb_names(p.name);
-        for (const auto* s : {&n.packed, &n.codebook, &n.scale}) weight_map[*s] = shard;
-      } else {
-        weight_map[p.name] = shard;
+    try {
+      SafetensorsWriter w(tmp / shard, files[f]->metadata());
+      for (const auto& p : plan[f]) {
+        declare(w, p, files[f]->get(p.name), sum);
+        if (p.quantize) {
+          const LutbNames n = lutb_names(p.name);
+          for (const auto* s : {&n.packed, &n.codebook, &n.scale}) weight_map[*s] = shard;
+        } else {
+          weight_map[p.name] = shard;
+        }
       }
+      for (const auto& p : plan[f])
+        emit(w, p, files[f]->get(p.name), opt.fit, opt.fit_function, sum, prog, opt.interrupt, out_dir,
+             files[f]->path(), scan_finite.count(p.name) > 0);
+      w.commit();
+    } catch (const SafetensorsError& e) {
+      throw_write_error(e, tmp, out_dir);
     }
-    for (const auto& p : plan[f])
-      emit(w, p, files[f]->get(p.name), opt.fit, sum, prog, opt.interrupt, out_dir, files[f]->path(),
-           scan_finite.count(p.name) > 0);
-    w.commit();
   }
   prog.finish();
 
@@ -804,14 +828,23 @@ QuantizeSummary quantize_file(const fs::path& in, const fs::path& out, const std
     std::error_code ec;
     fs::remove(tmp, ec);
   }
+  // The writer builds `tmp` under its own temporary name, tmp.tmp.PID: probe that one too (first: it
+  // is the longer, so its error gives the binding limit), or an output name 236-245 bytes long failed
+  // only after the plan, naming the internal "OUT.tmp.PID.tmp.PID" (new-user QA, session 15).
+  detail::probe_temp_file(detail::temp_sibling(tmp), out);
   detail::probe_temp_file(tmp, out);
   TempGuard guard{tmp};
   {
     detail::Progress prog("quantize", total, opt.progress);
-    SafetensorsWriter w(tmp, meta);
-    for (const auto& p : plan) declare(w, p, file.get(p.name), sum);
-    for (const auto& p : plan) emit(w, p, file.get(p.name), opt.fit, sum, prog, opt.interrupt, out, in, false);
-    w.commit();
+    try {
+      SafetensorsWriter w(tmp, meta);
+      for (const auto& p : plan) declare(w, p, file.get(p.name), sum);
+      for (const auto& p : plan)
+        emit(w, p, file.get(p.name), opt.fit, opt.fit_function, sum, prog, opt.interrupt, out, in, false);
+      w.commit();
+    } catch (const SafetensorsError& e) {
+      throw_write_error(e, tmp, out);
+    }
     prog.finish();
   }
   detail::check_interrupt(opt.interrupt, out);

@@ -80,12 +80,24 @@ void Progress::draw(bool force) {
 
 
 namespace {
+// A path made absolute and normalised, links resolved where it can be: when the file system cannot
+// resolve it (a name longer than NAME_MAX, a loop of links), weakly_canonical returns an empty path,
+// and path_within took the empty `outer` for the root of everything: "-o" with a 260-character name
+// or through a looping link was refused as "the output contains the input" (new-user QA, session 15).
+std::filesystem::path resolved_path(const std::filesystem::path& p) {
+  std::error_code ec;
+  const auto abs = std::filesystem::absolute(p, ec);
+  if (ec) return p.lexically_normal();
+  auto c = std::filesystem::weakly_canonical(abs, ec);
+  if (ec || c.empty()) return abs.lexically_normal();
+  return c;
+}
 // True when `inner` is `outer` or lies below it (both made absolute and normalised, links resolved
 // where the paths exist).
 bool path_within(const std::filesystem::path& inner, const std::filesystem::path& outer) {
-  std::error_code ec;
-  const auto a = std::filesystem::weakly_canonical(std::filesystem::absolute(inner), ec);
-  const auto b = std::filesystem::weakly_canonical(std::filesystem::absolute(outer), ec);
+  const auto a = resolved_path(inner);
+  const auto b = resolved_path(outer);
+  if (a.empty() || b.empty()) return false;
   auto ia = a.begin();
   for (auto ib = b.begin(); ib != b.end(); ++ib) {
     if (ib->empty()) continue;  // trailing separator
@@ -153,6 +165,15 @@ bool written_by_lutb(const std::filesystem::path& config) {
 void check_replaceable(const std::filesystem::path& target, bool want_directory, bool force) {
   std::error_code ec;
   const auto st = std::filesystem::symlink_status(target, ec);
+  // A path the file system cannot look up (a name longer than it allows, a loop of links, a parent
+  // that cannot be searched) was let through, and the next std::filesystem call reported it as
+  // "filesystem error: status: File name too long [OUT]" (new-user QA, session 15).
+  if (ec && st.type() != std::filesystem::file_type::not_found)
+    throw CheckpointError(fmt::format("{}: cannot be used as the output: {}{}; nothing written", target.string(),
+                                      ec.message(),
+                                      ec.value() == ENAMETOOLONG
+                                          ? " (a file or folder name may have at most 255 bytes on most file systems)"
+                                          : ""));
   if (ec || !std::filesystem::exists(st)) return;
   // An output given as a symbolic link: the output is renamed into place, which would replace the
   // link itself, never what it points to. It was refused as "exists and is not a directory" (a link
@@ -254,17 +275,36 @@ void install_replacing(const fs::path& tmp, const fs::path& target, bool want_di
   fs::remove_all(old, ec);
 }
 
+namespace {
+// "cannot create the output: File name too long" for an output whose own name is within the file
+// system's limit but whose temporary (NAME.tmp.PID, for a single file NAME.tmp.PID.tmp.PID) is not
+// left the user looking at a name that is valid (new-user QA, session 15): say which name was too long.
+std::string create_failure(const fs::path& tmp, const fs::path& target, int err) {
+  if (err != ENAMETOOLONG) return std::strerror(err);
+  const fs::path dir = tmp.has_parent_path() ? tmp.parent_path() : fs::path(".");
+  const long limit = ::pathconf(dir.c_str(), _PC_NAME_MAX);
+  const std::size_t max = limit > 0 ? static_cast<std::size_t>(limit) : 255;
+  const std::size_t len = tmp.filename().string().size(), own = target.filename().string().size();
+  if (own > max || len <= max) return std::strerror(err);  // the output's own name, or another component, is too long
+  return fmt::format("{}: lutb writes the output under the temporary name {} ({} bytes) and renames it at the end, "
+                     "and this file system allows names of at most {} bytes; choose an output name of at most {} "
+                     "bytes (this one has {})",
+                     std::strerror(err), tmp.filename().string(), len, max, own - std::min(own, len - max), own);
+}
+}  // namespace
+
 void create_temp_dir(const fs::path& tmp, const fs::path& target) {
   std::error_code ec;
   if (!fs::create_directories(tmp, ec) && ec)
-    throw CheckpointError(fmt::format("{}: cannot create the output: {}; nothing written", target.string(), ec.message()));
+    throw CheckpointError(fmt::format("{}: cannot create the output: {}; nothing written", target.string(),
+                                      create_failure(tmp, target, ec.value())));
 }
 
 void probe_temp_file(const fs::path& tmp, const fs::path& target) {
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
   if (fd < 0)
     throw CheckpointError(fmt::format("{}: cannot create the output: {}; nothing written", target.string(),
-                                      std::strerror(errno)));
+                                      create_failure(tmp, target, errno)));
   ::close(fd);
   ::unlink(tmp.c_str());
 }

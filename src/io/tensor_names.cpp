@@ -25,6 +25,11 @@ struct Verdict {
   // (check_tensor_names).
   std::int64_t layer = -1;
   std::string layout;
+  // Built from one to four values ({Kind::Model, {}}): as an aggregate, every such initialiser left
+  // out `layer` or `layout`, and GCC warned 25 times (-Wmissing-field-initializers) in a fresh build.
+  Verdict() = default;
+  Verdict(Kind k, std::string w, std::int64_t l = -1, std::string lay = {})
+      : kind(k), why(std::move(w)), layer(l), layout(std::move(lay)) {}
 };
 
 bool starts(std::string_view s, std::string_view p) { return s.substr(0, p.size()) == p; }

@@ -120,15 +120,34 @@ class RoutedBlock final : public MoeBlock {
   RoutedBlock(moe::RouterConfig rc, bool group_limited_greedy, std::vector<float> gate, std::vector<float> bias,
               std::shared_ptr<const void> owner, const moe::Experts* experts, std::int64_t H, SharedExperts shared)
       : rc_(rc), glg_(group_limited_greedy), gate_(std::move(gate)), bias_(std::move(bias)), owner_(std::move(owner)),
-        experts_(experts), H_(H), shared_(std::move(shared)) {}
+        experts_(experts), H_(H), shared_(std::move(shared)) {
+    parts_.router = rc_;
+    parts_.group_limited_greedy = glg_;
+    parts_.correction_bias = &bias_;
+    parts_.experts = experts_;
+    parts_.router_logits = [this](const float* x, std::int64_t T, float* logits) {
+      linear(x, gate_.data(), nullptr, logits, T, rc_.num_experts, H_);
+    };
+    parts_.route = [this](const float* logits, std::int64_t T, std::int32_t* ids, float* w) { route(logits, T, ids, w); };
+    parts_.add_shared = [this](const float* x, float* out, std::int64_t T) { shared_.add(x, out, T); };
+  }
+
+  RoutedBlock(const RoutedBlock&) = delete;  // parts_ captures this
+  RoutedBlock& operator=(const RoutedBlock&) = delete;
+
+  const MoeBlockParts* parts() const override { return &parts_; }
+
+  void route(const float* logits, std::int64_t T, std::int32_t* ids, float* w) const {
+    if (glg_) route_group_limited_greedy(rc_, logits, T, ids, w);
+    else moe::route(rc_, logits, T, bias_.empty() ? nullptr : bias_.data(), ids, w);
+  }
 
   void forward(const float* x, std::int64_t T, float* out) override {
     const int E = rc_.num_experts, k = rc_.top_k;
     std::vector<float> logits(static_cast<std::size_t>(T * E)), w(static_cast<std::size_t>(T * k));
     std::vector<std::int32_t> ids(static_cast<std::size_t>(T * k));
     linear(x, gate_.data(), nullptr, logits.data(), T, E, H_);
-    if (glg_) route_group_limited_greedy(rc_, logits.data(), T, ids.data(), w.data());
-    else moe::route(rc_, logits.data(), T, bias_.empty() ? nullptr : bias_.data(), ids.data(), w.data());
+    route(logits.data(), T, ids.data(), w.data());
     experts_->apply_f32(moe::HiddenStates::f32(x, T), moe::TopK{ids.data(), w.data(), k}, out);
     shared_.add(x, out, T);
   }
@@ -141,6 +160,7 @@ class RoutedBlock final : public MoeBlock {
   const moe::Experts* experts_;
   std::int64_t H_;
   SharedExperts shared_;
+  MoeBlockParts parts_;
 };
 
 }  // namespace

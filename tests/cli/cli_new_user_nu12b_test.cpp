@@ -266,7 +266,7 @@ TEST(NewUserNu12b, ForeignBlockScalesRefused) {
   rewrite(x.st(), "", {{s, {2, 2}}});
   const std::string msg = x.st().string() + ": tensor " + s + " is the block scale of a weight quantised by another method";
   const fs::path out = x.t.path / "q";
-  for (const std::string cmd : {"eval " + test::quote(x.m) + " --max-windows 1 --threads 1",
+  for (const std::string& cmd : {"eval " + test::quote(x.m) + " --max-windows 1 --threads 1",
                                 "moe " + test::quote(x.m) + " --layer 1 --threads 1",
                                 "quantize " + test::quote(x.m) + " -o " + test::quote(out) + " --no-progress"}) {
     const test::CliResult r = test::run_cli(cmd);

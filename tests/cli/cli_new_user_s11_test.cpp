@@ -40,7 +40,14 @@ CliOut run(const std::string& args) {
   return r;
 }
 
-std::string q(const fs::path& p) { return "'" + p.string() + "'"; }
+// Appended to one string: "'" + p.string() + "'" made GCC 12 warn of a possibly overlapping memcpy
+// (-Wrestrict, a false positive that every fresh build printed; see test::quote).
+std::string q(const fs::path& p) {
+  std::string r = "'";
+  r += p.string();
+  r += '\'';
+  return r;
+}
 bool has(const CliOut& r, const std::string& s) { return r.out.find(s) != std::string::npos; }
 
 int processors() {

@@ -46,7 +46,14 @@ CliOut run(const std::string& args) {
   return r;
 }
 
-std::string q(const fs::path& p) { return "'" + p.string() + "'"; }
+// Appended to one string: "'" + p.string() + "'" made GCC 12 warn of a possibly overlapping memcpy
+// (-Wrestrict, a false positive that every fresh build printed; see test::quote).
+std::string q(const fs::path& p) {
+  std::string r = "'";
+  r += p.string();
+  r += '\'';
+  return r;
+}
 bool has(const CliOut& r, const std::string& s) { return r.out.find(s) != std::string::npos; }
 
 const std::string kSynth =
@@ -116,7 +123,7 @@ TEST(CliNewUserS12, ConfigErrorsNameTheFileAndKey) {
   LUTB_MODEL_OR_SKIP(mx, "tiny-mixtral");
   test::TempDir t;
   const fs::path d1 = patched_model(t.path / "ds", ds, {{"topk_group", 1}, {"num_experts_per_tok", 5}});
-  for (const std::string cmd : {"eval " + q(d1) + " --max-windows 1", "moe " + q(d1) + " --layer 1"}) {
+  for (const std::string& cmd : {"eval " + q(d1) + " --max-windows 1", "moe " + q(d1) + " --layer 1"}) {
     const CliOut r = run(cmd);
     EXPECT_EQ(r.code, 1) << r.out;
     EXPECT_TRUE(has(r, "lutb: error: " + (d1 / "config.json").string() +
