@@ -38,7 +38,14 @@ CliOut run(const std::string& args) {
   return r;
 }
 
-std::string q(const fs::path& p) { return "'" + p.string() + "'"; }
+// Appended to one string: "'" + p.string() + "'" made GCC 12 warn of a possibly overlapping memcpy
+// (-Wrestrict, a false positive; see tests/cli/cli_new_user_s11_test.cpp).
+std::string q(const fs::path& p) {
+  std::string r = "'";
+  r += p.string();
+  r += '\'';
+  return r;
+}
 bool has(const CliOut& r, const std::string& s) { return r.out.find(s) != std::string::npos; }
 
 /// The reason --device cuda cannot run here, as the tool words it (one of the two).

@@ -60,7 +60,14 @@ CliOut run(const std::string& args) {
   return r;
 }
 
-std::string q(const fs::path& p) { return "'" + p.string() + "'"; }
+// Appended to one string: "'" + p.string() + "'" made GCC 12 warn of a possibly overlapping memcpy
+// (-Wrestrict, a false positive; see tests/cli/cli_new_user_s11_test.cpp).
+std::string q(const fs::path& p) {
+  std::string r = "'";
+  r += p.string();
+  r += '\'';
+  return r;
+}
 
 nlohmann::json last_json(const CliOut& r) {
   const auto e = r.out.find_last_not_of('\n');

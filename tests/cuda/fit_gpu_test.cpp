@@ -539,7 +539,9 @@ TEST(FitGpu, TwoTilesPerWarpRandom) {
     if (c.bf16) {
       const auto b = to_bf16(v);
       EXPECT_GT(expect_two_tiles_same(b.data(), DType::BF16, s), 0);
-      if (c.n == 64 && c.d == Dist::kGauss) EXPECT_GT(expect_two_tiles_same(b.data(), DType::BF16, s, -1, false), 0);
+      if (c.n == 64 && c.d == Dist::kGauss) {
+        EXPECT_GT(expect_two_tiles_same(b.data(), DType::BF16, s, -1, false), 0);
+      }
     } else {
       EXPECT_GT(expect_two_tiles_same(v.data(), DType::F32, s), 0);
     }

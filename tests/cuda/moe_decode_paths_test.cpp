@@ -152,7 +152,9 @@ TEST(MoeDecodePaths, DirectRuleHostOnly) {
       bool seen_false = false;
       for (std::int64_t T = 1; T <= 64; ++T) {
         const bool d = cuda::decode_direct(T, k, E);
-        if (seen_false) EXPECT_FALSE(d) << "E " << E << " k " << k << " T " << T;
+        if (seen_false) {
+          EXPECT_FALSE(d) << "E " << E << " k " << k << " T " << T;
+        }
         seen_false = seen_false || !d;
       }
     }
@@ -289,8 +291,15 @@ INSTANTIATE_TEST_SUITE_P(Shapes, MoeDecodePathsRandom,
                                            PathCase{8, 4096, 1024, 2, 2, false}), // Mixtral-like: few CTAs, long K
                          [](const ::testing::TestParamInfo<PathCase>& i) {
                            const PathCase& c = i.param;
-                           return "E" + std::to_string(c.E) + "_H" + std::to_string(c.H) + "_I" + std::to_string(c.I) +
-                                  "_T" + std::to_string(c.T) + "_k" + std::to_string(c.k) + (c.holes ? "_holes" : "");
+                           // Appended to one string (a chain of + made GCC 12 print a -Wrestrict false positive).
+                           std::string n = "E";
+                           for (const auto& [tag, v] : {std::pair<const char*, int>{"", c.E}, {"_H", c.H}, {"_I", c.I},
+                                                        {"_T", c.T}, {"_k", c.k}}) {
+                             n += tag;
+                             n += std::to_string(v);
+                           }
+                           if (c.holes) n += "_holes";
+                           return n;
                          });
 
 // An out-of-range expert id in the fused reduction: the NaN row for that token only, wherever the id

@@ -295,7 +295,9 @@ TEST_P(PrefillRandom, MatchesHostReference) {
       const Cmp d = compare_bf16(got, m64);
       std::cout << "  " << tile_name(tile) << " vs M64 (all rows): rel. L2 " << d.rel_l2 << ", bit-equal " << d.exact
                 << " of " << d.n << "\n";
-      if (!is_fp8(tile)) EXPECT_EQ(d.exact, d.n) << tile_name(tile) << " is not bit-identical to M64";
+      if (!is_fp8(tile)) {
+        EXPECT_EQ(d.exact, d.n) << tile_name(tile) << " is not bit-identical to M64";
+      }
     }
     if (c.check_tokens != 0) {
       // Every row written and finite (the sampled check covers the values).
@@ -520,8 +522,9 @@ TEST(PrefillCuda, TileHeuristicPicksWb128From320PairsPerExpertOnSm90ElseWb64OrM6
     ForcedTile forced(PrefillTile::M128W);
     EXPECT_EQ(cuda::prefill_tile(1, 8), PrefillTile::M128W);
   }
-  if (have_gpu())  // back to the heuristic (unforced, prefill_tile queries the current device)
+  if (have_gpu()) {  // back to the heuristic (unforced, prefill_tile queries the current device)
     EXPECT_EQ(cuda::prefill_tile(1, 8), device_is_sm90() ? PrefillTile::WB64 : PrefillTile::M64);
+  }
 }
 
 TEST(PrefillCuda, BadArgumentsThrowBeforeAnyLaunch) {
