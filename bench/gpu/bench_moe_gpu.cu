@@ -4,10 +4,11 @@
 //
 // Usage: bench_moe_gpu [--quick] [--shape NAME] [--tokens T] [--variants LIST]
 //   (NAME: deepseek-v3, qwen3-235b, qwen3-30b, mixtral-8x7b; --tokens T or T1,T2,...: only those batch sizes;
-//   --variants, e.g. 0,7 or 1,10: only those forwards of the `make` switch (0..11, 20..37, 40..49; 10 = the swap-AB
+//   --variants, e.g. 0,7 or 1,10: only those forwards of the `make` switch (0..11, 20..37, 40..52; 10 = the swap-AB
 //   decode on FP8 wgmma, 11 = the warp-specialised swap-AB decode; 20..37: session 14's small-batch paths,
-//   stage timing and forced K splits; 40..49: L2 prefetch of GEMM2's weights), a compact row, no cuBLAS: for quick
-//   A/B runs of kernel changes)
+//   stage timing and forced K splits; 40..49: L2 prefetch of GEMM2's weights; 50 / 51 / 52: the late tile
+//   scales everywhere at 128 / 96 registers / nowhere, session 16), a compact row, no cuBLAS: for quick A/B runs
+//   of kernel changes)
 // Each forward (routing kernel excluded; the routing is precomputed by route_softmax_topk /
 // route_deepseek on random logits) is captured in a CUDA graph; R = 8 different routings are cycled
 // so that the experts touched change from call to call (weights of one call are not in L2 for the
@@ -181,7 +182,7 @@ struct Shape {
   bool deepseek;
 };
 
-constexpr int kVariants = 50;  // forwards of the `make` switch below (0..11, 20..37, 40..49)
+constexpr int kVariants = 53;  // forwards of the `make` switch below (0..11, 20..37, 40..52)
 
 int main(int argc, char** argv) {
   bool quick = false;
@@ -485,6 +486,16 @@ int main(int argc, char** argv) {
             cuda::set_forward_stop_after(0);
             cuda::set_decode_l2_prefetch(cuda::kDecodeL2PrefetchDefault);
             break;
+          case 50:  // session 16 (dec16): the late tile scales everywhere (kDecodeLateScales)
+          case 51:  // ... and the one-token-block kernels at 96 registers (kDecodeLateScales96)
+          case 52: {  // session 15's K-loop everywhere (the default without kDecodeLateScalesRule)
+            const unsigned late = cuda::kDecodeLateScales | cuda::kDecodeLateScales96 | cuda::kDecodeLateScalesRule;
+            const unsigned add[3] = {cuda::kDecodeLateScales, cuda::kDecodeLateScales96, 0u};
+            cuda::set_decode_paths((cuda::kDecodePathsDefault & ~late) | add[variant - 50]);
+            cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st);
+            cuda::set_decode_paths(cuda::kDecodePathsDefault);
+            break;
+          }
           case 9:
             cuda::set_dependent_launch(false);
             cuda::moe_forward_bf16(wb, xr, T, s.k, id, wt, out, ws, wsb, st,

@@ -157,6 +157,10 @@ bool decode_direct(std::int64_t tokens, int top_k, std::int64_t experts) {
   return static_cast<double>(tokens) * top_k <= kDirectMaxPairsPerExpert * touched;
 }
 
+bool decode_late_scales(std::int64_t hidden, int token_blocks) {
+  return token_blocks == 2 || (hidden >= 1 && hidden <= kLateScalesMaxHidden);
+}
+
 DecodeSplit decode_k_split(std::int64_t ctas, std::int64_t tiles_k, int warps, int sms) {
   if (warps < 4 || ctas < 1 || sms < 1 || tiles_k < 4ll * warps) return {1, warps};
   const std::int64_t before = (ctas + sms - 1) / sms, after = (2 * ctas + sms - 1) / sms;

@@ -50,10 +50,31 @@ int swap_warps(std::int64_t ctas, std::int64_t tiles_k, int most) {
   return w;
 }
 
+/// The swap-AB kernels of launch_swapab: kLate = 0 the default K-loop, 1 the late tile scales
+/// (kDecodeLateScales), 2 the late tile scales at 96 registers (kDecodeLateScales96; one token block).
+template <int kDec, int NB, bool kSplit, int kLate>
+constexpr auto swap_gemm1_fn() {
+  if constexpr (kLate == 2) {
+    static_assert(NB == 1, "the 96-register kernels hold one token block");
+    return &kern::swapab_gemm1_r96_kernel<kDec, kSplit>;
+  } else {
+    return &kern::swapab_gemm1_kernel<kDec, NB, kSplit, kLate == 1>;
+  }
+}
+template <int kDec, int NB, bool kSplit, int kLate>
+constexpr auto swap_gemm2_fn() {
+  if constexpr (kLate == 2) {
+    static_assert(NB == 1, "the 96-register kernels hold one token block");
+    return &kern::swapab_gemm2_r96_kernel<kDec, kSplit>;
+  } else {
+    return &kern::swapab_gemm2_kernel<kDec, NB, kSplit, kLate == 1>;
+  }
+}
+
 /// The swap-AB GEMMs. `fuse_reduce` (direct forwards on sm_90 only, top_k <= 8): GEMM2 in clusters
 /// of (1, top_k) CTAs with the weighted top-k reduction fused (kern::swap_cluster_reduce), writing
 /// `out`; the caller then launches no reduction. `stop`: forward_stop_after() (benchmark only).
-template <int kDec, int NB>
+template <int kDec, int NB, int kLate = 0>
 void launch_swapab(const DeviceMoeWeights& w, const kern::Routing& r, const detail::Workspace& ws, std::int64_t P,
                    cudaStream_t stream, bool fuse_reduce, const float* topk_weights, std::uint16_t* out, int stop) {
   const std::int64_t H = w.hidden, I = w.intermediate;
@@ -69,10 +90,18 @@ void launch_swapab(const DeviceMoeWeights& w, const kern::Routing& r, const deta
   // attribute, capture-safe).
   constexpr int kMostWarps = kern::swap_max_warps(NB);
   const int most = kern::swap_smem_bytes<NB>(kMostWarps);
-  for (auto* k : {kern::swapab_gemm1_kernel<kDec, NB, false>, kern::swapab_gemm1_kernel<kDec, NB, true>})
+  for (auto* k : {swap_gemm1_fn<kDec, NB, false, kLate>(), swap_gemm1_fn<kDec, NB, true, kLate>()}) {
     LUTB_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, most));
-  for (auto* k : {kern::swapab_gemm2_kernel<kDec, NB, false>, kern::swapab_gemm2_kernel<kDec, NB, true>})
+    // The 96-register kernels: all of the SM's shared memory for the CTAs' rings, so that the
+    // registers, not the carveout, bound the resident warps (20 x 9.6 KiB).
+    if constexpr (kLate == 2)
+      LUTB_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+  }
+  for (auto* k : {swap_gemm2_fn<kDec, NB, false, kLate>(), swap_gemm2_fn<kDec, NB, true, kLate>()}) {
     LUTB_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, most));
+    if constexpr (kLate == 2)
+      LUTB_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+  }
   // FP8 decoder: E4M3 bytes of x and h; FP16 decoders: FP16 values.
   const void* xa = kDec == kern::kDecFp8 ? static_cast<const void*>(ws.xq8) : static_cast<const void*>(ws.xa);
   void* hq = kDec == kern::kDecFp8 ? static_cast<void*>(ws.hq8) : static_cast<void*>(ws.hq);
@@ -113,31 +142,31 @@ void launch_swapab(const DeviceMoeWeights& w, const kern::Routing& r, const deta
   }
   const dim3 g1(static_cast<unsigned>(groups1 * ks1), static_cast<unsigned>(slots));
   if (ks1 > 1)
-    detail::launch_kernel_cluster("sm90_lutb_mxfp8_moe_gemm1_swapab_splitk", true, kern::swapab_gemm1_kernel<kDec, NB, true>,
+    detail::launch_kernel_cluster("sm90_lutb_mxfp8_moe_gemm1_swapab_splitk", true, swap_gemm1_fn<kDec, NB, true, kLate>(),
                                   g1, dim3(32 * nw1), kern::swap_smem_bytes<NB>(nw1), dim3(ks1, 1, 1), stream, w13, xa,
                                   static_cast<const float*>(ws.xsf), static_cast<long long>(Hp), r,
                                   static_cast<long long>(I), static_cast<long long>(Ip), hq, ws.hsf, one_token_loop, ks1, pf);
   else
-    detail::launch_kernel("sm80_lutb_mxfp8_moe_gemm1_swapab", true, kern::swapab_gemm1_kernel<kDec, NB, false>, g1,
+    detail::launch_kernel("sm80_lutb_mxfp8_moe_gemm1_swapab", true, swap_gemm1_fn<kDec, NB, false, kLate>(), g1,
                           dim3(32 * nw1), kern::swap_smem_bytes<NB>(nw1), stream, w13, xa,
                           static_cast<const float*>(ws.xsf), static_cast<long long>(Hp), r, static_cast<long long>(I),
                           static_cast<long long>(Ip), hq, ws.hsf, one_token_loop, 1, pf);
   if (stop == 2) return;
   const dim3 g2(static_cast<unsigned>(groups2 * ks2), static_cast<unsigned>(slots));
   if (fuse_reduce) {
-    detail::launch_kernel_cluster("sm90_lutb_mxfp8_moe_gemm2_swapab_reduce", true, kern::swapab_gemm2_kernel<kDec, NB, false>,
+    detail::launch_kernel_cluster("sm90_lutb_mxfp8_moe_gemm2_swapab_reduce", true, swap_gemm2_fn<kDec, NB, false, kLate>(),
                                   g2, dim3(32 * nw2), kern::swap_smem_bytes<NB>(nw2),
                                   dim3(1, static_cast<unsigned>(r.top_k), 1), stream, w2, static_cast<const void*>(hq),
                                   static_cast<const float*>(ws.hsf), static_cast<long long>(Ip), r,
                                   static_cast<long long>(H), ws.y, one_token_loop, topk_weights, out, 1);
   } else if (ks2 > 1) {
-    detail::launch_kernel_cluster("sm90_lutb_mxfp8_moe_gemm2_swapab_splitk", true, kern::swapab_gemm2_kernel<kDec, NB, true>,
+    detail::launch_kernel_cluster("sm90_lutb_mxfp8_moe_gemm2_swapab_splitk", true, swap_gemm2_fn<kDec, NB, true, kLate>(),
                                   g2, dim3(32 * nw2), kern::swap_smem_bytes<NB>(nw2), dim3(ks2, 1, 1), stream, w2,
                                   static_cast<const void*>(hq), static_cast<const float*>(ws.hsf),
                                   static_cast<long long>(Ip), r, static_cast<long long>(H), ws.y, one_token_loop,
                                   static_cast<const float*>(nullptr), static_cast<std::uint16_t*>(nullptr), ks2);
   } else {
-    detail::launch_kernel("sm80_lutb_mxfp8_moe_gemm2_swapab", true, kern::swapab_gemm2_kernel<kDec, NB, false>, g2,
+    detail::launch_kernel("sm80_lutb_mxfp8_moe_gemm2_swapab", true, swap_gemm2_fn<kDec, NB, false, kLate>(), g2,
                           dim3(32 * nw2), kern::swap_smem_bytes<NB>(nw2), stream, w2, static_cast<const void*>(hq),
                           static_cast<const float*>(ws.hsf), static_cast<long long>(Ip), r, static_cast<long long>(H),
                           ws.y, one_token_loop, static_cast<const float*>(nullptr),
@@ -350,6 +379,21 @@ void moe_forward(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t
                        ((paths & kDecodeClusterReduce) && decode_fuse_reduce(gemm2_ctas, top_k, detail::sm_count())));
     auto go = [&](auto dec_c) {
       constexpr int kD = decltype(dec_c)::value;
+      // kDecodeLateScales / kDecodeLateScales96 / kDecodeLateScalesRule (moe.hpp): the late-tile-scale
+      // K-loop, built for the Cvt decoder only; the 96-register kernels for one token block (two
+      // blocks: kDecodeLateScales' kernels).
+      if constexpr (kD == kern::kDecCvt) {
+        if ((paths & kDecodeLateScales96) && nb == 1) {
+          launch_swapab<kD, 1, 2>(w, r, ws, P, stream, fuse, topk_weights, out, stop);
+          return;
+        }
+        if ((paths & (kDecodeLateScales | kDecodeLateScales96)) ||
+            ((paths & kDecodeLateScalesRule) && decode_late_scales(H, nb))) {
+          if (nb == 1) launch_swapab<kD, 1, 1>(w, r, ws, P, stream, fuse, topk_weights, out, stop);
+          else launch_swapab<kD, 2, 1>(w, r, ws, P, stream, false, topk_weights, out, stop);
+          return;
+        }
+      }
       if (nb == 1) launch_swapab<kD, 1>(w, r, ws, P, stream, fuse, topk_weights, out, stop);
       else launch_swapab<kD, 2>(w, r, ws, P, stream, false, topk_weights, out, stop);
     };

@@ -176,6 +176,17 @@ __device__ __forceinline__ void cp_async8_zfill(unsigned s, const void* gmem, un
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
 }
 
+/// The 8 tile scales of one K-tile in swap_warp_gemm's look-ahead registers: shuffled FP32 values
+/// (default), or (kLateW) this lane's raw UE8M0 byte, converted and shuffled when used.
+template <bool kLateW>
+struct SwapTileScales {
+  float fw[8];
+};
+template <>
+struct SwapTileScales<true> {
+  unsigned wb;
+};
+
 /// One warp's K-range [k0, k1) of the swap-AB product for 8 strips and NB token n-blocks.
 /// arow[nb]: activation row of token g: FP16 E4M3 values, or E4M3 bytes for kDecFp8.
 /// srow[nb][u]: FP32 block-scale row (2^(b-127) per 32 columns, written by quantize_x / GEMM1) of
@@ -193,7 +204,15 @@ __device__ __forceinline__ void cp_async8_zfill(unsigned s, const void* gmem, un
 /// t = 0) is ever stored: the promotion of columns 2t+1 (c1, c3) and their block-scale loads are
 /// skipped, a quarter fewer FP32 operations per K-tile (acc[..][1], acc[..][3] stay 0). Decode
 /// batches of large-E models are mostly one-token tiles (T = 1: all of them).
-template <int kDec, int NB, bool kOne, class BeforeWait>
+/// kLateW (kDecodeLateScales, moe.hpp; session 16, dec16): the next K-tile's tile-scale byte is
+/// loaded one K-tile ahead as before, but kept as the raw byte (one register) instead of 8
+/// shuffled FP32 values; it is converted at the top of the K-tile that uses it and each m16 tile
+/// shuffles its two values (strips 2m, 2m + 1) just before it applies them. Same values, same FP32
+/// operations in the same order (bit-identical to kLateW = false); 14 fewer values live across the
+/// K-loop (the two XTiles' fw[8] -> one byte each; ptxas -v: the one-block kernels 127-128 -> 120-124
+/// registers) and no wait for the byte's load inside the iteration that issues it. Measured in
+/// docs/perf/moe-gpu.md "Session 16" (1.01-1.06x on the short-K shapes, the rule decode_late_scales).
+template <int kDec, int NB, bool kOne, bool kLateW, class BeforeWait>
 __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, const long long (&strip)[8],
                                                const bool (&ok)[8], const void* const (&arow)[NB],
                                                const float* const (&srow)[NB][2], int nblocks, long long k0,
@@ -290,13 +309,17 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
   struct XTile {
     uint4 v[NB][2];
     float sx[NB][2][2];  // [nb][block][u]
-    float fw[8];
+    SwapTileScales<kLateW> w;
   };
   const float wmul = kDec == kDecByte ? 256.0f : 1.0f;  // the byte trick's 2^-8
   auto load_w = [&](int kk, XTile& x) {
-    const float f = ue8m0_f(__ldg(scp + kk)) * wmul;
+    if constexpr (kLateW) {
+      x.w.wb = __ldg(scp + kk);
+    } else {
+      const float f = ue8m0_f(__ldg(scp + kk)) * wmul;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) x.fw[i] = __shfl_sync(0xffffffffu, f, i);
+      for (int i = 0; i < 8; ++i) x.w.fw[i] = __shfl_sync(0xffffffffu, f, i);
+    }
   };
   // Per-lane bases at k0 (this lane's 8 columns of block 0), indexed by the 32-bit kk below.
   const unsigned char* abase[NB];  // activation bytes (kDecFp8) or FP16 values, K-tile k0
@@ -347,6 +370,9 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
     const int kn = kk + 1 < n ? kk + 1 : kk;
     load_w(kn, nxt);
     load_x(kn, nxt);
+    // kLateW: this K-tile's tile scale of strip lane & 7, from the byte loaded one K-tile ago.
+    float fw_lane = 0.0f;
+    if constexpr (kLateW) fw_lane = ue8m0_f(cur.w.wb) * wmul;
     cp_async_wait<R::kStages - 1>();
     __syncwarp();
     const unsigned char* st = ring + rd_off;
@@ -423,7 +449,14 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
         }
       }
       // Tile scales (powers of two, exact) of strips a (rows g) and b (rows g+8).
-      const float fa = cur.fw[2 * m], fb = cur.fw[2 * m + 1];
+      float fa, fb;
+      if constexpr (kLateW) {
+        fa = __shfl_sync(0xffffffffu, fw_lane, 2 * m);
+        fb = __shfl_sync(0xffffffffu, fw_lane, 2 * m + 1);
+      } else {
+        fa = cur.w.fw[2 * m];
+        fb = cur.w.fw[2 * m + 1];
+      }
 #pragma unroll
       for (int nb = 0; nb < NB; ++nb) {
         if (nb > 0 && nb >= nblocks) continue;
@@ -803,12 +836,12 @@ __device__ __forceinline__ void swap_l2_prefetch(const L2Prefetch& pf, long long
 /// GEMM1 + SiLU*up + MXFP8 of h. Grid: (Ip/32 strip groups x ksplit, token tile slots); blockDim.x =
 /// 32 * warps (K split across the warps). xa: [T, a_cols] FP16 E4M3 values in the decoder's column
 /// order, or E4M3 bytes (natural order) for kDecFp8. Output hq [P, Ip] in the same form, hs [P, Ip/32]
-/// UE8M0.
-template <int kDec, int NB, bool kSplit>
-__global__ void LUTB_SWAPAB_BOUNDS(NB)
-    swapab_gemm1_kernel(LutbW w, const void* __restrict__ xa, const float* __restrict__ xsf,
-                        long long a_cols, Routing r, long long I, long long Ip, void* __restrict__ hq,
-                        float* __restrict__ hsf, bool one_token_loop, int ksplit_arg, L2Prefetch pf) {
+/// UE8M0. kLateW: swap_warp_gemm's late tile scales (kDecodeLateScales, moe.hpp), same results.
+template <int kDec, int NB, bool kSplit, bool kLateW>
+__device__ __forceinline__ void swapab_gemm1_body(LutbW w, const void* __restrict__ xa, const float* __restrict__ xsf,
+                                                  long long a_cols, Routing r, long long I, long long Ip,
+                                                  void* __restrict__ hq, float* __restrict__ hsf, bool one_token_loop,
+                                                  int ksplit_arg, L2Prefetch pf) {
   constexpr long long kEl = kDec == kDecFp8 ? 1 : 2;  // bytes per activation element
   // kSplit = false: no split, and none of its code (the one-block kernels sit at their 128-register
   // cap; the runtime split alone cost them a 12-byte spill).
@@ -847,11 +880,11 @@ __global__ void LUTB_SWAPAB_BOUNDS(NB)
   };
   // One-token tiles take the lighter K-loop (CTA-uniform branch; NB = 1 only).
   if (NB == 1 && one_token_loop && tk.count == 1)
-    swap_warp_gemm<kDec, NB, NB == 1>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
-                                      swap_smem + warp * SwapRing::kWarpBytes, acc, before_wait);
+    swap_warp_gemm<kDec, NB, NB == 1, kLateW>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
+                                              swap_smem + warp * SwapRing::kWarpBytes, acc, before_wait);
   else
-    swap_warp_gemm<kDec, NB, false>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
-                                    swap_smem + warp * SwapRing::kWarpBytes, acc, before_wait);
+    swap_warp_gemm<kDec, NB, false, kLateW>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
+                                            swap_smem + warp * SwapRing::kWarpBytes, acc, before_wait);
   if (pf.kpf > 0 && pf.late && warp == nw - 1) swap_l2_prefetch(pf, e);
   bool warp0 = swap_reduce<NB>(swap_smem, acc);
   if constexpr (kSplit) warp0 = swap_cluster_combine<NB>(warp0, acc);
@@ -859,14 +892,41 @@ __global__ void LUTB_SWAPAB_BOUNDS(NB)
   swap_epilogue1<kDec, NB>(tk, nblocks, ok, acc, swap_strip_group(ksplit), Ip, hq, hsf);
 }
 
-/// GEMM2: y[p, n] = h[p] . w2[e, n]^T (FP32). Grid: (ceil(tiles_n/8) strip groups, slots).
+/// Registers per thread of the kLateW kernels capped for more resident warps (swapab_gemm{1,2}_r96_kernel):
+/// 96 allows 21 warps per SM (65536 / (96 x 32)), i.e. 20 in CTAs of 2 or 4 warps, against 16 at
+/// the one-block kernels' 128. ptxas -v (sm_90a, nvcc 13): the unsplit kernels' K-loops stay free of
+/// spill loads (docs/perf/moe-gpu.md "Session 16"); without kLateW the same cap spills 76-112 bytes
+/// per thread. Measured 0.87-0.98x of the 128-register kernels on 10 of 16 decode rows: not used by
+/// default (kDecodeLateScales96 selects them).
+constexpr int kSwapR96Regs = 96;
+
+/// The GEMM1 kernel (swapab_gemm1_body above).
+template <int kDec, int NB, bool kSplit, bool kLateW = false>
+__global__ void LUTB_SWAPAB_BOUNDS(NB)
+    swapab_gemm1_kernel(LutbW w, const void* __restrict__ xa, const float* __restrict__ xsf,
+                        long long a_cols, Routing r, long long I, long long Ip, void* __restrict__ hq,
+                        float* __restrict__ hsf, bool one_token_loop, int ksplit_arg, L2Prefetch pf) {
+  swapab_gemm1_body<kDec, NB, kSplit, kLateW>(w, xa, xsf, a_cols, r, I, Ip, hq, hsf, one_token_loop, ksplit_arg, pf);
+}
+
+/// GEMM1 with kLateW at kSwapR96Regs registers (one token block; kDecodeLateScales96, moe.hpp).
+template <int kDec, bool kSplit>
+__global__ void __maxnreg__(kSwapR96Regs)
+    swapab_gemm1_r96_kernel(LutbW w, const void* __restrict__ xa, const float* __restrict__ xsf,
+                            long long a_cols, Routing r, long long I, long long Ip, void* __restrict__ hq,
+                            float* __restrict__ hsf, bool one_token_loop, int ksplit_arg, L2Prefetch pf) {
+  swapab_gemm1_body<kDec, 1, kSplit, true>(w, xa, xsf, a_cols, r, I, Ip, hq, hsf, one_token_loop, ksplit_arg, pf);
+}
+
+/// GEMM2: y[p, n] = h[p] . w2[e, n]^T (FP32). Grid: (ceil(tiles_n/8) strip groups, slots). kLateW
+/// as in GEMM1.
 /// out != null (direct forwards on sm_90, launched in clusters of (1, top_k)): the weighted top-k
 /// reduction is fused (swap_cluster_reduce): out [T, H] BF16 is written instead of y.
-template <int kDec, int NB, bool kSplit>
-__global__ void LUTB_SWAPAB_BOUNDS(NB)
-    swapab_gemm2_kernel(LutbW w, const void* __restrict__ ha, const float* __restrict__ hsf, long long Ip,
-                        Routing r, long long H, float* __restrict__ y, bool one_token_loop,
-                        const float* __restrict__ topk_w, uint16_t* __restrict__ out, int ksplit_arg) {
+template <int kDec, int NB, bool kSplit, bool kLateW>
+__device__ __forceinline__ void swapab_gemm2_body(LutbW w, const void* __restrict__ ha, const float* __restrict__ hsf,
+                                                  long long Ip, Routing r, long long H, float* __restrict__ y,
+                                                  bool one_token_loop, const float* __restrict__ topk_w,
+                                                  uint16_t* __restrict__ out, int ksplit_arg) {
   constexpr long long kEl = kDec == kDecFp8 ? 1 : 2;  // bytes per activation element
   const int ksplit = kSplit ? ksplit_arg : 1;  // as in GEMM1
   const bool fused = out != nullptr;
@@ -899,11 +959,11 @@ __global__ void LUTB_SWAPAB_BOUNDS(NB)
   extern __shared__ __align__(16) unsigned char swap_smem[];
   // One-token tiles take the lighter K-loop (CTA-uniform branch; NB = 1 only).
   if (NB == 1 && one_token_loop && tk.count == 1)
-    swap_warp_gemm<kDec, NB, NB == 1>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
-                                      swap_smem + warp * SwapRing::kWarpBytes, acc, PdlWaitAndTrigger{});
+    swap_warp_gemm<kDec, NB, NB == 1, kLateW>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
+                                              swap_smem + warp * SwapRing::kWarpBytes, acc, PdlWaitAndTrigger{});
   else
-    swap_warp_gemm<kDec, NB, false>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
-                                    swap_smem + warp * SwapRing::kWarpBytes, acc, PdlWaitAndTrigger{});
+    swap_warp_gemm<kDec, NB, false, kLateW>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
+                                            swap_smem + warp * SwapRing::kWarpBytes, acc, PdlWaitAndTrigger{});
   bool warp0 = swap_reduce<NB>(swap_smem, acc);
   if constexpr (kSplit) warp0 = swap_cluster_combine<NB>(warp0, acc);  // never with `fused` (the host's rule)
   if (fused) {
@@ -912,6 +972,24 @@ __global__ void LUTB_SWAPAB_BOUNDS(NB)
   }
   if (!warp0) return;
   swap_epilogue2<NB>(tk, nblocks, strip, ok, acc, y, H);
+}
+
+/// The GEMM2 kernel (swapab_gemm2_body above).
+template <int kDec, int NB, bool kSplit, bool kLateW = false>
+__global__ void LUTB_SWAPAB_BOUNDS(NB)
+    swapab_gemm2_kernel(LutbW w, const void* __restrict__ ha, const float* __restrict__ hsf, long long Ip,
+                        Routing r, long long H, float* __restrict__ y, bool one_token_loop,
+                        const float* __restrict__ topk_w, uint16_t* __restrict__ out, int ksplit_arg) {
+  swapab_gemm2_body<kDec, NB, kSplit, kLateW>(w, ha, hsf, Ip, r, H, y, one_token_loop, topk_w, out, ksplit_arg);
+}
+
+/// GEMM2 with kLateW at kSwapR96Regs registers (one token block; kDecodeLateScales96, moe.hpp).
+template <int kDec, bool kSplit>
+__global__ void __maxnreg__(kSwapR96Regs)
+    swapab_gemm2_r96_kernel(LutbW w, const void* __restrict__ ha, const float* __restrict__ hsf, long long Ip,
+                            Routing r, long long H, float* __restrict__ y, bool one_token_loop,
+                            const float* __restrict__ topk_w, uint16_t* __restrict__ out, int ksplit_arg) {
+  swapab_gemm2_body<kDec, 1, kSplit, true>(w, ha, hsf, Ip, r, H, y, one_token_loop, topk_w, out, ksplit_arg);
 }
 
 }  // namespace lutb::cuda::kern

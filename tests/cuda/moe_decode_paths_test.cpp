@@ -302,6 +302,75 @@ INSTANTIATE_TEST_SUITE_P(Shapes, MoeDecodePathsRandom,
                            return n;
                          });
 
+// The rule decode_late_scales (moe.hpp): two token blocks, or H <= 2048 (kLateScalesMaxHidden).
+// The benchmark shapes by hand: Qwen3-30B (H 2048) at every T, Mixtral T = 64 (two blocks) fire;
+// Qwen3-235B, Mixtral (H 4096) and DeepSeek-V3 (H 7168) with one block do not.
+TEST(MoeDecodePaths, LateScalesRuleHostOnly) {
+  EXPECT_TRUE(cuda::decode_late_scales(2048, 1)) << "Qwen3-30B";
+  EXPECT_TRUE(cuda::decode_late_scales(1, 1));
+  EXPECT_TRUE(cuda::decode_late_scales(4096, 2)) << "Mixtral T = 64: two token blocks";
+  EXPECT_TRUE(cuda::decode_late_scales(7168, 2));
+  EXPECT_FALSE(cuda::decode_late_scales(2049, 1));
+  EXPECT_FALSE(cuda::decode_late_scales(4096, 1)) << "Qwen3-235B, Mixtral T <= 16";
+  EXPECT_FALSE(cuda::decode_late_scales(7168, 1)) << "DeepSeek-V3";
+  EXPECT_FALSE(cuda::decode_late_scales(0, 1)) << "no hidden size";
+  EXPECT_EQ(cuda::kLateScalesMaxHidden, 2048);
+  EXPECT_TRUE((cuda::kDecodePathsDefault & cuda::kDecodeLateScalesRule) != 0) << "the rule is on by default";
+  EXPECT_TRUE((cuda::kDecodePathsDefault & (cuda::kDecodeLateScales | cuda::kDecodeLateScales96)) == 0);
+}
+
+// kDecodeLateScales (session 16, dec16): the swap-AB K-loop with the tile scales kept as raw bytes
+// one K-tile ahead and converted / shuffled when used; kDecodeLateScales96: the same K-loop in the
+// 96-register kernels (one token block; two blocks take kDecodeLateScales' kernels);
+// kDecodeLateScalesRule: the loop where the rule above says so (on by default). Same values and FP32
+// operations in the same order, so the output must equal session 15's K-loop's BIT FOR BIT (and the
+// host reference within the contract bound), on every path the flags reach: the direct forward
+// (one-token K-loop, fused reduction), the grouped general K-loop, two token blocks (NB = 2), forced
+// split-K; shapes with padded H and I (H % 64 != 0), empty experts, odd K-tile counts and long K
+// ranges (the ring wraps); T = 1, 4, 16, 64; outputs and workspace poisoned before every forward
+// (forward() above). Named MoeDecodePaths.* so that gpu_run.sh's memcheck covers it. On devices where
+// the Cvt decoder does not run (below sm_90) the flags change nothing and the equalities hold
+// trivially.
+TEST(MoeDecodePaths, LateScalesBitIdenticalToDefault) {
+  if (!gpu_here()) GTEST_SKIP() << "no CUDA device: skipping GPU test";
+  const PathCase cases[] = {
+      {128, 256, 64, 1, 8, false},   // T = 1: direct, one-token loop, fused reduction (cluster of 8)
+      {128, 320, 96, 4, 8, false},   // T = 4: direct by the rule
+      {16, 200, 72, 16, 4, false},   // T = 16: grouped, general loop, padded H and I
+      {32, 320, 96, 16, 8, true},    // empty experts, odd K-tiles (5 in GEMM1)
+      {8, 136, 64, 64, 2, false},    // T = 64, 16 pairs per expert: two token blocks (NB = 2)
+      {8, 4096, 1024, 4, 2, false},  // long K (64 / 16 K-tiles per expert row): the ring wraps
+      {8, 1024, 512, 64, 2, true},   // NB = 2 with long-ish K, empty experts
+  };
+  for (const PathCase& c : cases) {
+    SCOPED_TRACE(::testing::Message() << "E " << c.E << " H " << c.H << " I " << c.I << " T " << c.T << " k " << c.k);
+    std::mt19937 rng(977 + static_cast<unsigned>(c.E * 7 + c.H + 3 * c.I + c.T));
+    const Layer L(c.E, c.H, c.I, rng);
+    const auto x = rand_x(c.T * c.H, rng);
+    std::vector<int> allowed;
+    for (int e = 0; e < c.E; ++e)
+      if (!c.holes || e % 2 == 0) allowed.push_back(e);
+    std::vector<std::int32_t> ids;
+    std::vector<float> wts;
+    routing(c.T, c.k, allowed, rng, ids, wts);
+    const auto ref = moe_reference(L.w13, L.w2, c.H, c.I, x, c.T, c.k, ids, wts);
+    const int split[4] = {2, 1, 2, 1};
+    constexpr unsigned kLate = cuda::kDecodeLateScales | cuda::kDecodeLateScales96 | cuda::kDecodeLateScalesRule;
+    for (unsigned p : {cuda::kDecodePathsDefault, 0u, cuda::kDecodeDirectAlways | cuda::kDecodeClusterReduceAlways})
+      for (const int* sp : {static_cast<const int*>(nullptr), static_cast<const int*>(split)}) {
+        const unsigned q = p & ~kLate;  // the K-loop of session 15, whatever the default
+        const auto base = forward(L, x, c.T, c.k, ids, wts, q, sp);
+        expect_close(base, ref);
+        for (unsigned f : {cuda::kDecodeLateScales, cuda::kDecodeLateScales96, cuda::kDecodeLateScalesRule}) {
+          SCOPED_TRACE(::testing::Message() << "paths " << q << " + " << f << (sp ? " split" : ""));
+          const auto late = forward(L, x, c.T, c.k, ids, wts, q | f, sp);
+          expect_close(late, ref);
+          EXPECT_TRUE(late == base) << "late tile scales changed the output bits";
+        }
+      }
+  }
+}
+
 // An out-of-range expert id in the fused reduction: the NaN row for that token only, wherever the id
 // sits among the token's k pairs (rank 0 of the cluster, which writes the rows, or another rank).
 TEST(MoeDecodePaths, FusedReductionInvalidIdGivesNanRowOnly) {

@@ -208,11 +208,36 @@ bool decode_fuse_reduce(std::int64_t gemm2_ctas, int top_k, int sms);
 ///     separate reduction kernel (bit-identical results); kDecodeClusterReduceAlways: in every direct
 ///     forward with top_k <= 8 (tests and benchmark);
 ///   kDecodeNoDirect1: T = 1 also goes through the grouping kernel (session 10's old path; benchmark only);
-///   kDecodeSplitK: GEMM1 split across the CTAs of a cluster where decode_k_split says so (sm_90a).
+///   kDecodeSplitK: GEMM1 split across the CTAs of a cluster where decode_k_split says so (sm_90a);
+///   kDecodeLateScales (session 16, dec16; Cvt decoder only, the others ignore it): the swap-AB
+///     K-loop keeps the next K-tile's tile-scale byte raw (one register per lane instead of 8 FP32
+///     shuffled values) and converts / shuffles it in the K-tile that uses it: 14 fewer values live
+///     across the loop (one token block: 120-124 registers instead of 127-128), bit-identical results
+///     (same values, same FP32 operations and order). Measured in docs/perf/moe-gpu.md "Session 16";
+///   kDecodeLateScales96 (same session; Cvt decoder; benchmark and tests only): kDecodeLateScales'
+///     K-loop in kernels capped at 96 registers per thread for one-token-block batches (20 resident
+///     warps per SM instead of 16 where the grid has them; the unsplit kernels' K-loops stay free of
+///     spill loads), and kDecodeLateScales' kernels for two token blocks. Bit-identical results as
+///     well; 0.87-0.98x on 10 of the 16 decode rows of the benchmark (more warps, no more issue):
+///     not used by default;
+///   kDecodeLateScalesRule: kDecodeLateScales where decode_late_scales() says so (below).
 inline constexpr unsigned kDecodeDirect = 1u, kDecodeDirectAlways = 2u, kDecodeClusterReduce = 4u,
-                          kDecodeNoDirect1 = 8u, kDecodeSplitK = 16u, kDecodeClusterReduceAlways = 32u;
-/// The default set (the paths measured faster, docs/perf/moe-gpu.md "Session 14").
-inline constexpr unsigned kDecodePathsDefault = kDecodeDirect | kDecodeClusterReduce | kDecodeSplitK;
+                          kDecodeNoDirect1 = 8u, kDecodeSplitK = 16u, kDecodeClusterReduceAlways = 32u,
+                          kDecodeLateScales = 64u, kDecodeLateScales96 = 128u, kDecodeLateScalesRule = 256u;
+/// The default set (the paths measured faster, docs/perf/moe-gpu.md "Session 14" and "Session 16").
+inline constexpr unsigned kDecodePathsDefault =
+    kDecodeDirect | kDecodeClusterReduce | kDecodeSplitK | kDecodeLateScalesRule;
+
+/// The late-tile-scale K-loop (kDecodeLateScales) by rule: for two token blocks (token_blocks = 2,
+/// decode_token_blocks) or hidden <= kLateScalesMaxHidden (GEMM1's K range per weight row at most
+/// 32 K-tiles, so every warp's K range is short). Measured on the H200 (docs/perf/moe-gpu.md
+/// "Session 16", device runs dec16-run1/run2, six benchmark processes, the old and the late loop
+/// in the same process in both orders): faster in all six on Qwen3-30B (H = 2048) at T = 1, 16, 64
+/// (1.052-1.061x, 1.013-1.022x, 1.015-1.023x; T = 4 0.991-1.009x) and on Mixtral T = 64, the one
+/// two-block row (1.011-1.016x); on the other rows (H = 4096, 7168, one block) not consistently
+/// faster (0.970-1.016x; Qwen3-235B T = 4 0.984-0.990x, Mixtral T = 1 0.991-0.996x). Host only.
+inline constexpr std::int64_t kLateScalesMaxHidden = 2048;
+bool decode_late_scales(std::int64_t hidden, int token_blocks);
 void set_decode_paths(unsigned paths);
 
 /// Split-K of a swap-AB decode GEMM across the CTAs of a thread-block cluster (sm_90a; the
