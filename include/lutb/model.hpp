@@ -47,6 +47,14 @@ namespace lutb::model {
 struct ModelError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
+/// A config.json value that is valid for its family but names a feature lutb's model does not
+/// implement (hidden_act other than silu, a rope type other than default / linear / yarn): lutb eval
+/// cannot run it, while the checkpoint is still a valid input of `lutb quantize` (its output serves
+/// other runtimes). Every other ModelError of TransformerConfig is an invalid or missing value,
+/// which lutb quantize refuses as lutb eval does (src/cli/quantize.cpp).
+struct UnsupportedConfigError : ModelError {
+  using ModelError::ModelError;
+};
 
 // -------------------------------------------------------------------------------------------------
 // Configuration
@@ -115,7 +123,8 @@ struct TransformerConfig {
   nlohmann::json raw;          // the whole config.json
 
   /// Parses `dir/config.json`. Throws ModelError naming the file and the key for an unknown family,
-  /// a missing or ill-typed key.
+  /// a missing, ill-typed or invalid key; UnsupportedConfigError (a ModelError) for a valid value of a
+  /// feature lutb's model does not implement.
   static TransformerConfig load(const std::filesystem::path& dir);
   /// Same from a parsed JSON; `where` names the source in errors.
   static TransformerConfig from_json(const nlohmann::json& j, const std::string& where);
