@@ -79,6 +79,33 @@ void check_quantizable(const ExpertSource& src, int layer, Quant q, const std::v
   }
 }
 
+/// Refuses stored LUT-B weights of magnitude 2^64 or more, naming the scale tensor, the expert and the
+/// tile: the rule check_quantizable applies to BF16 weights for --quant none. Scale bytes 3..246 are
+/// valid LUT-B (spec section 2: every value exact in FP32), but 448 * 2^119 (scale byte 246) and
+/// anything from 2^64 up is far beyond a trained weight: the layer's FP32 products and sums overflow,
+/// and lutb eval reported "non-finite loss" naming no tensor (new-user QA, session 15: scale byte 246
+/// on every tile). Scale bytes above 246 whose weights pass FP32 are refused by the checkpoint reader.
+void check_lutb_magnitudes(const ExpertSource& src, int layer, const LutbTensor& w, bool w13) {
+  const std::int64_t per = w.shape.tiles_per_expert(), tk = w.shape.tiles_k();
+  for (std::int64_t t = 0; t < w.shape.tiles(); ++t) {
+    const int s = w.scale[static_cast<std::size_t>(t)];
+    if (s < 127 + 55) continue;  // |E4M3| <= 448 < 2^9: below 2^64 whatever the codebook
+    for (int j = 0; j < kCodebookSize; ++j) {
+      const std::uint8_t b = w.codebook[static_cast<std::size_t>(t * kCodebookSize + j)];
+      const double c = std::fabs(static_cast<double>(e4m3_to_float(b)));
+      const double v = std::ldexp(c, s - 127);
+      if (!(v >= 0x1p64)) continue;
+      const std::int64_t e = t / per, r = (t % per) / tk, col = t % tk;
+      throw ModelError(fmt::format(
+          "{}: scale byte {} with codebook entry {} ({}) gives weights of magnitude {:.4g} (2^{:.1f}): 2^64 or more, far "
+          "beyond any trained weight, so the FP32 products and sums of the layer overflow (the loss would be NaN). "
+          "Scale bytes up to 246 are valid LUT-B (spec section 2), but a fitter writes such a scale only for weights "
+          "of that size; the checkpoint's tensor is likely corrupt",
+          src.locate_lutb_tile(layer, w13, e, r, col), s, j, e4m3_to_float(b), v, std::log2(v)));
+    }
+  }
+}
+
 /// DeepSeek-V2 "group_limited_greedy" (transformers modeling_deepseek_v2 DeepseekV2Moe.route_tokens):
 /// softmax scores; group score = the max of its experts; keep topk_group groups; top-k of the
 /// scores inside them; weights = scores (renormalised when norm_topk_prob) * routed_scaling_factor.
@@ -304,6 +331,8 @@ std::unique_ptr<MoeBlock> CheckpointMoe::build(int layer) {
   if (m.src->lutb()) {
     // Stored LUT-B weights (spec 2.2): no source to compare with; SQNR is not defined here.
     auto [w13, w2] = m.src->lutb_stacks(layer);
+    check_lutb_magnitudes(*m.src, layer, w13, true);
+    check_lutb_magnitudes(*m.src, layer, w2, false);
     moe::OnlineOptions oo;
     oo.emulation = m.opt.kernel;
     oo.activations = m.opt.activations;
