@@ -186,7 +186,8 @@ class MoeBlock {
  public:
   virtual ~MoeBlock() = default;
   /// x: [T][hidden_size] FP32 (the post-attention-normed hidden states, exactly what transformers
-  /// feeds the MoE block); out: [T][hidden_size] FP32, overwritten with the routed experts' sum.
+  /// feeds the MoE block); out: [T][hidden_size] FP32, overwritten with the block's output (the
+  /// routed experts' sum, BF16-rounded per spec section 4, plus the shared experts; MoeBlockParts).
   virtual void forward(const float* x, std::int64_t T, float* out) = 0;
   /// The block's parts around its routed experts, for running those on another backend (the GPU:
   /// `lutb moe/eval --device cuda`, src/cli/gpu.cpp) while the rest stays this CPU code. Null when
@@ -194,9 +195,11 @@ class MoeBlock {
   virtual const MoeBlockParts* parts() const { return nullptr; }
 };
 
-/// What forward() does, split at the routed experts: forward(x) = experts(route(logits(x))) + shared(x)
-/// with route = moe::route(router, logits, correction_bias) (or DeepSeek-V2's group_limited_greedy)
-/// and experts = experts->apply_f32.
+/// What forward() does, split at the routed experts:
+///   forward(x) = bf16(experts(bf16(x), route(logits(x)))) + shared(x)
+/// with route = moe::route(router, logits, correction_bias) (or DeepSeek-V2's group_limited_greedy),
+/// experts = experts->apply_f32, and the two BF16 roundings of spec section 4 (the routed experts
+/// read BF16 tokens, step 6 rounds their weighted sum to BF16); logits and shared read the FP32 x.
 struct MoeBlockParts {
   moe::RouterConfig router;            // the routing rule (spec 5)
   bool group_limited_greedy = false;   // DeepSeek-V2's softmax group rule instead of moe::route

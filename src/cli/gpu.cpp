@@ -11,7 +11,7 @@
 #include <fmt/core.h>
 
 #include "cli/fit_groups.hpp"
-#include "lutb/mxfp8.hpp"
+#include "lutb/fit.hpp"
 #include "lutb/numerics.hpp"
 
 #ifdef LUTB_WITH_CUDA
@@ -157,20 +157,10 @@ void GpuMoeBlock::forward(const float* x, std::int64_t T, float* out) {
   const int k = m.parts->router.top_k;
   std::vector<float> logits(static_cast<std::size_t>(T * E));
   m.parts->router_logits(x, T, logits.data());
+  // The routed experts read bf16(x) on both backends (spec section 4; model::MoeBlockParts): the
+  // kernel's own MXFP8 step of those BF16 values is the CPU emulation's (moe::load_activation_row).
   std::vector<std::uint16_t> xb(static_cast<std::size_t>(T * H)), ob(static_cast<std::size_t>(T * H));
-  if (m.layer->packed()) {
-    // The CPU emulation quantises the FP32 x to MXFP8 along H (moe::load_activation_row); the GPU
-    // kernel takes BF16 x and quantises that. Rounding x to BF16 first could move an element onto an
-    // E4M3 rounding midpoint (about 3 % of elements end one E4M3 step apart), so x goes to the GPU
-    // already MXFP8-quantised by the same library function: those values are exact in BF16 and
-    // MXFP8 quantisation leaves them unchanged, so both backends multiply the same activations.
-    std::vector<float> xq(static_cast<std::size_t>(T * H));
-    mxfp8_qdq_rows(x, T, H, xq.data());
-    for (std::size_t i = 0; i < xb.size(); ++i) xb[i] = bf16_from_float(xq[i]);
-  } else {
-    // The BF16 baseline takes BF16 x (the CPU's BF16 reference multiplies the FP32 x).
-    for (std::size_t i = 0; i < xb.size(); ++i) xb[i] = bf16_from_float(x[i]);
-  }
+  for (std::size_t i = 0; i < xb.size(); ++i) xb[i] = bf16_from_float(x[i]);
   if (m.gpu_routing) {
     m.layer->forward(logits.data(), xb.data(), T, ob.data());
   } else {

@@ -142,6 +142,13 @@ void route_group_limited_greedy(const moe::RouterConfig& rc, const float* logits
   }
 }
 
+/// bf16(x) of n FP32 values, as FP32 (spec section 4: the routed experts read BF16 tokens).
+std::vector<float> bf16_rows(const float* x, std::int64_t n) {
+  std::vector<float> r(static_cast<std::size_t>(n));
+  for (std::int64_t i = 0; i < n; ++i) r[static_cast<std::size_t>(i)] = bf16_round(x[i]);
+  return r;
+}
+
 class RoutedBlock final : public MoeBlock {
  public:
   RoutedBlock(moe::RouterConfig rc, bool group_limited_greedy, std::vector<float> gate, std::vector<float> bias,
@@ -169,13 +176,21 @@ class RoutedBlock final : public MoeBlock {
     else moe::route(rc_, logits, T, bias_.empty() ? nullptr : bias_.data(), ids, w);
   }
 
+  // Spec section 4 at both ends of the routed experts: their input x is BF16 and their output is
+  // out = bf16(sum_k weight_k * y_e). The FP32 model rounds x to BF16 for the routed experts only
+  // (the router logits and the shared experts read the FP32 x, spec 5: they stay as loaded), and the
+  // routed sum to BF16 before the shared experts are added. Until session 16 both stayed FP32, while
+  // the GPU kernel (moe_forward) reads BF16 x and writes BF16: eval --device cuda differed from the
+  // CPU by 1e-4..5e-4 of the loss; now the two differ only by FP32 summation order.
   void forward(const float* x, std::int64_t T, float* out) override {
     const int E = rc_.num_experts, k = rc_.top_k;
     std::vector<float> logits(static_cast<std::size_t>(T * E)), w(static_cast<std::size_t>(T * k));
     std::vector<std::int32_t> ids(static_cast<std::size_t>(T * k));
     linear(x, gate_.data(), nullptr, logits.data(), T, E, H_);
     route(logits.data(), T, ids.data(), w.data());
-    experts_->apply_f32(moe::HiddenStates::f32(x, T), moe::TopK{ids.data(), w.data(), k}, out);
+    const std::vector<float> xb = bf16_rows(x, T * H_);
+    experts_->apply_f32(moe::HiddenStates::f32(xb.data(), T), moe::TopK{ids.data(), w.data(), k}, out);
+    for (std::int64_t i = 0; i < T * H_; ++i) out[i] = bf16_round(out[i]);
     shared_.add(x, out, T);
   }
 
