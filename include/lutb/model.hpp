@@ -238,6 +238,10 @@ struct MoeOptions {
   /// and BF16 otherwise.
   moe::ActivationFormat activations = moe::ActivationFormat::BF16;
   FitOptions fit;                                      // fitter and threads (Lutb on BF16 weights)
+  /// The fit of w13 / w2 (Lutb on BF16 weights), called as lutb::quantize would be; empty =
+  /// lutb::quantize (the CPU fitters). `lutb eval/moe --device cuda` passes the GPU fitter
+  /// (lutb::cuda::quantize_gpu: the same bytes and FitStats as the CPU).
+  moe::FitFunction fit_function;
   moe::EmulationKernel kernel = moe::EmulationKernel::Fast;
 };
 

@@ -93,6 +93,49 @@ QuantizeOptions::FitFunction gpu_fit_function(std::shared_ptr<GpuFitTally> tally
 #endif
 }
 
+FitPlacement place_fit(model::MoeOptions& opt, bool gpu) {
+  FitPlacement f;
+  if (opt.quant != model::Quant::Lutb) return f;
+  f.fits = true;
+  if (gpu) {
+#ifdef LUTB_WITH_CUDA
+    try {
+      (void)cuda::gpu_fitter(opt.fit.fitter);
+      f.device = "cuda";
+    } catch (const std::invalid_argument&) {
+      f.note = fmt::format("fitter {} has no GPU kernel (GPU fitters: binned-dp, optimal)", opt.fit.fitter);
+    }
+#endif
+  }
+  if (f.device == "cuda") {
+    opt.fit_function = gpu_fit_function(f.tally);
+  } else {
+    opt.fit_function = [tally = f.tally](const void* src, DType dt, const LutbShape& shape, LutbTensor& out,
+                                         const FitOptions& fit, const std::string& name) -> FitStats {
+      const auto t0 = std::chrono::steady_clock::now();
+      const FitStats st = quantize(src, dt, shape, out, fit, name);
+      tally->seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      tally->weights += shape.experts * shape.rows * shape.cols;
+      return st;
+    };
+  }
+  return f;
+}
+
+void print_fit_line(const FitPlacement& f, const std::string& fitter) {
+  const double wps = f.tally->seconds > 0 ? static_cast<double>(f.tally->weights) / f.tally->seconds : 0.0;
+  fmt::print("fit          {} ({}): {:.3f} s for {} weights ({:.3g} weights/s{}){}\n", f.device, fitter, f.tally->seconds,
+             f.tally->weights, wps, f.device == "cuda" ? ", host-device copies included" : "",
+             f.note.empty() ? "" : "; on the CPU: " + f.note);
+}
+
+void add_fit_json(nlohmann::json& j, const FitPlacement& f) {
+  j["fit_device"] = f.device;
+  j["fit_seconds"] = f.tally->seconds;
+  j["fit_weights"] = f.tally->weights;
+  j["fit_note"] = f.note.empty() ? nlohmann::json(nullptr) : nlohmann::json(f.note);
+}
+
 // -------------------------------------------------------------------------------------------------
 // GpuMoeBlock
 // -------------------------------------------------------------------------------------------------

@@ -381,6 +381,7 @@ std::unique_ptr<MoeBlock> CheckpointMoe::build(int layer) {
       case Quant::Lutb: {
         moe::OnlineOptions oo;
         oo.fit = m.opt.fit;
+        oo.fit_function = m.opt.fit_function;
         oo.emulation = m.opt.kernel;
         oo.activations = m.opt.activations;
         auto method = std::make_shared<moe::LutBOnlineMoEMethod>(mc, oo);
