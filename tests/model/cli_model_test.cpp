@@ -184,7 +184,7 @@ TEST(CliEval, StoredScale246IsRefusedNamingTheTensor) {
   const std::string where = (q / "model.safetensors").string() +
                             ": tensor model.layers.0.block_sparse_moe.experts.0.w1.weight_scale (layer 0, expert 0), "
                             "tile [0, 0]: scale byte 246 with codebook entry 0 (";
-  for (const std::string cmd : {"eval " + quote(q) + " --max-windows 1", "moe " + quote(q) + " --layer 0 --activations " +
+  for (const std::string& cmd : {"eval " + quote(q) + " --max-windows 1", "moe " + quote(q) + " --layer 0 --activations " +
                                                                              quote(dir / "moe_activations.safetensors")}) {
     SCOPED_TRACE(cmd);
     r = run_cli(cmd);
