@@ -187,7 +187,8 @@ void add_eval(CLI::App& app) {
   cmd->add_option("--batch", args->batch, "windows per forward pass (changes only the FP32 summation order: results agree to ~1e-5)")->check(IntRange<std::int64_t>(1, 4096));
   add_device_option(cmd, args->device,
                     "the routed experts of every MoE block (cuda: LUT-B with MXFP8 activations, or --quant none's "
-                    "BF16 baseline, on the GPU; the rest of the model on the CPU)");
+                    "BF16 baseline, on the GPU, and --quant lutb of a BF16 checkpoint fitted there; the rest of the "
+                    "model on the CPU)");
   cmd->callback([args, tokens_opt, dir_opt] {
     check_not_empty(dir_opt, args->model_dir, "checkpoint directory name");  // ": no such directory" (QA session 14)
     check_not_empty(tokens_opt, args->tokens, "tokens file name");

@@ -244,8 +244,8 @@ void add_moe(CLI::App& app) {
                   "with a note)")
       ->check(ThreadCount());
   add_device_option(cmd, args->device,
-                    "the routed experts (cuda: uploaded packed, top-k and the fused forward on the GPU; router logits "
-                    "and shared experts on the CPU)");
+                    "the routed experts (cuda: fitted on the GPU for --quant lutb of a BF16 checkpoint, uploaded "
+                    "packed, top-k and the fused forward on the GPU; router logits and shared experts on the CPU)");
   auto* cmp = cmd->add_flag("--compare-cpu", args->compare_cpu,
                             "with --device cuda: also run the CPU emulation and print the difference");
   auto* reps = cmd->add_option("--reps", args->reps,
