@@ -26,7 +26,8 @@
 #     on the decode-path cases, then each CMD with $BENCH = the benchmark (see the mode below).
 #   scripts/gpu_run.sh cli
 #     builds the lutb tool with the CUDA backend (sm_90a) and tests/cuda/cli_gpu_test.cpp, runs them and
-#     the --device cuda commands on tiny-qwen3-moe (see the mode below; cli15).
+#     the --device cuda commands on tiny-qwen3-moe and, when staged (STAGE_MODELS of gpu_stage.sh),
+#     tiny-deepseek-v3 (see the mode below; cli15, cli16).
 #   scripts/gpu_run.sh prefill [bench_moe_prefill args...]
 #     builds only the MoE CUDA sources (src/cuda/moe_*.cu, routing.cu, lane_major.cu), the prefill path's tests
 #     (tests/cuda/moe_prefill_test.cpp) and bench/gpu/bench_moe_prefill.cu, then runs those tests,
@@ -343,6 +344,23 @@ if [ "$WHAT" = cli ]; then
       echo "\$ lutb eval $M --quant lutb --device $d --max-windows 16"
       "$C/lutb" eval $M --quant lutb --device $d --max-windows 16 2>&1; echo "exit $?"
     done
+    # cli16: DeepSeek-V3 grouped routing and a shared expert (staged with STAGE_MODELS), and the load
+    # time of eval --quant lutb with the fit on the CPU (--device cpu) and on the GPU (--device cuda).
+    D=shared/models/tiny-deepseek-v3
+    if [ -d $D ]; then
+      for L in 1 3; do for qn in lutb none; do
+        echo "\$ lutb moe $D --layer $L --quant $qn --device cuda --compare-cpu"
+        "$C/lutb" moe $D --layer $L --quant $qn --device cuda --compare-cpu 2>&1; echo "exit $?"
+      done; done
+      for qn in lutb none; do for d in cpu cuda; do
+        echo "\$ lutb eval $D --quant $qn --device $d --max-windows 16"
+        "$C/lutb" eval $D --quant $qn --device $d --max-windows 16 2>&1; echo "exit $?"
+      done; done
+    fi
+    for m in $M $D; do [ -d $m ] || continue; for r in 1 2; do for d in cpu cuda; do
+      echo "\$ lutb eval $m --quant lutb --device $d --max-windows 1   (load time, repeat $r)"
+      "$C/lutb" eval $m --quant lutb --device $d --max-windows 1 2>&1 | grep -E "^(time|fit|val loss)"; echo "exit ${PIPESTATUS[0]}"
+    done; done; done
   } > "$OUT/cli_commands.log" 2>&1
   { echo "\$ lutb --experts 16 --tokens 256"; "$C/lutb" --experts 16 --tokens 256 2>&1; echo "exit $?"; } > "$OUT/default_job.log" 2>&1
   echo "gpu_run.sh cli: ${SECONDS} s" | tee -a "$OUT/gpu.txt"

@@ -47,6 +47,14 @@ namespace lutb::model {
 struct ModelError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
+/// A config.json value that is valid for its family but names a feature lutb's model does not
+/// implement (hidden_act other than silu, a rope type other than default / linear / yarn): lutb eval
+/// cannot run it, while the checkpoint is still a valid input of `lutb quantize` (its output serves
+/// other runtimes). Every other ModelError of TransformerConfig is an invalid or missing value,
+/// which lutb quantize refuses as lutb eval does (src/cli/quantize.cpp).
+struct UnsupportedConfigError : ModelError {
+  using ModelError::ModelError;
+};
 
 // -------------------------------------------------------------------------------------------------
 // Configuration
@@ -115,7 +123,8 @@ struct TransformerConfig {
   nlohmann::json raw;          // the whole config.json
 
   /// Parses `dir/config.json`. Throws ModelError naming the file and the key for an unknown family,
-  /// a missing or ill-typed key.
+  /// a missing, ill-typed or invalid key; UnsupportedConfigError (a ModelError) for a valid value of a
+  /// feature lutb's model does not implement.
   static TransformerConfig load(const std::filesystem::path& dir);
   /// Same from a parsed JSON; `where` names the source in errors.
   static TransformerConfig from_json(const nlohmann::json& j, const std::string& where);
@@ -177,7 +186,8 @@ class MoeBlock {
  public:
   virtual ~MoeBlock() = default;
   /// x: [T][hidden_size] FP32 (the post-attention-normed hidden states, exactly what transformers
-  /// feeds the MoE block); out: [T][hidden_size] FP32, overwritten with the routed experts' sum.
+  /// feeds the MoE block); out: [T][hidden_size] FP32, overwritten with the block's output (the
+  /// routed experts' sum, BF16-rounded per spec section 4, plus the shared experts; MoeBlockParts).
   virtual void forward(const float* x, std::int64_t T, float* out) = 0;
   /// The block's parts around its routed experts, for running those on another backend (the GPU:
   /// `lutb moe/eval --device cuda`, src/cli/gpu.cpp) while the rest stays this CPU code. Null when
@@ -185,9 +195,11 @@ class MoeBlock {
   virtual const MoeBlockParts* parts() const { return nullptr; }
 };
 
-/// What forward() does, split at the routed experts: forward(x) = experts(route(logits(x))) + shared(x)
-/// with route = moe::route(router, logits, correction_bias) (or DeepSeek-V2's group_limited_greedy)
-/// and experts = experts->apply_f32.
+/// What forward() does, split at the routed experts:
+///   forward(x) = bf16(experts(bf16(x), route(logits(x)))) + shared(x)
+/// with route = moe::route(router, logits, correction_bias) (or DeepSeek-V2's group_limited_greedy),
+/// experts = experts->apply_f32, and the two BF16 roundings of spec section 4 (the routed experts
+/// read BF16 tokens, step 6 rounds their weighted sum to BF16); logits and shared read the FP32 x.
 struct MoeBlockParts {
   moe::RouterConfig router;            // the routing rule (spec 5)
   bool group_limited_greedy = false;   // DeepSeek-V2's softmax group rule instead of moe::route
@@ -226,6 +238,10 @@ struct MoeOptions {
   /// and BF16 otherwise.
   moe::ActivationFormat activations = moe::ActivationFormat::BF16;
   FitOptions fit;                                      // fitter and threads (Lutb on BF16 weights)
+  /// The fit of w13 / w2 (Lutb on BF16 weights), called as lutb::quantize would be; empty =
+  /// lutb::quantize (the CPU fitters). `lutb eval/moe --device cuda` passes the GPU fitter
+  /// (lutb::cuda::quantize_gpu: the same bytes and FitStats as the CPU).
+  moe::FitFunction fit_function;
   moe::EmulationKernel kernel = moe::EmulationKernel::Fast;
 };
 

@@ -39,7 +39,7 @@ void run_eval(const EvalArgs& a) {
   ensure_runtime_env();
   const int threads = effective_threads(a.threads);
   model::set_threads(threads);
-  const model::MoeOptions mo = a.quant.resolve(a.model_dir, threads);
+  model::MoeOptions mo = a.quant.resolve(a.model_dir, threads);
   const bool gpu = a.device == "cuda";
   if (gpu) {
     if (a.quant.kernel_opt != nullptr && a.quant.kernel_opt->count() > 0)
@@ -48,6 +48,8 @@ void run_eval(const EvalArgs& a) {
                                               a.quant.kernel));
     require_cuda();
   }
+  // --quant lutb on a BF16 checkpoint fits at load: with --device cuda on the GPU (the same bytes).
+  const FitPlacement fit = place_fit(mo, gpu);
   // The config and the tokens first, so that a bad file fails before the weights load; every
   // message names its file.
   const model::TransformerConfig config = model::TransformerConfig::load(a.model_dir);
@@ -128,6 +130,8 @@ void run_eval(const EvalArgs& a) {
   fmt::print("val loss     {:.6f} nats over {} predicted tokens ({} windows of {})\n", r.val_loss, r.tokens, r.windows,
              eo.window);
   fmt::print("time         load {:.2f} s, eval {:.2f} s, {:.0f} tokens/s\n", load_s, r.seconds, tps);
+  const bool fitted = fit.fits && !moe.lutb_checkpoint();
+  if (fitted) print_fit_line(fit, mo.fit.fitter);
   if (gpu) fmt::print("device       cuda, {}: routed experts of every MoE block on the GPU\n", cuda_device_description());
 
   if (a.json) {
@@ -147,6 +151,7 @@ void run_eval(const EvalArgs& a) {
     j["expert_bytes"] = moe.held_bytes();
     j["seconds"] = r.seconds;
     j["load_seconds"] = load_s;
+    if (fitted) add_fit_json(j, fit);
     j["device"] = a.device;
     j["tokens_per_second"] = tps;
     nlohmann::json tensors = nlohmann::json::array();
@@ -182,7 +187,8 @@ void add_eval(CLI::App& app) {
   cmd->add_option("--batch", args->batch, "windows per forward pass (changes only the FP32 summation order: results agree to ~1e-5)")->check(IntRange<std::int64_t>(1, 4096));
   add_device_option(cmd, args->device,
                     "the routed experts of every MoE block (cuda: LUT-B with MXFP8 activations, or --quant none's "
-                    "BF16 baseline, on the GPU; the rest of the model on the CPU)");
+                    "BF16 baseline, on the GPU, and --quant lutb of a BF16 checkpoint fitted there; the rest of the "
+                    "model on the CPU)");
   cmd->callback([args, tokens_opt, dir_opt] {
     check_not_empty(dir_opt, args->model_dir, "checkpoint directory name");  // ": no such directory" (QA session 14)
     check_not_empty(tokens_opt, args->tokens, "tokens file name");

@@ -11,7 +11,7 @@
 #include <fmt/core.h>
 
 #include "cli/fit_groups.hpp"
-#include "lutb/mxfp8.hpp"
+#include "lutb/fit.hpp"
 #include "lutb/numerics.hpp"
 
 #ifdef LUTB_WITH_CUDA
@@ -93,6 +93,49 @@ QuantizeOptions::FitFunction gpu_fit_function(std::shared_ptr<GpuFitTally> tally
 #endif
 }
 
+FitPlacement place_fit(model::MoeOptions& opt, bool gpu) {
+  FitPlacement f;
+  if (opt.quant != model::Quant::Lutb) return f;
+  f.fits = true;
+  if (gpu) {
+#ifdef LUTB_WITH_CUDA
+    try {
+      (void)cuda::gpu_fitter(opt.fit.fitter);
+      f.device = "cuda";
+    } catch (const std::invalid_argument&) {
+      f.note = fmt::format("fitter {} has no GPU kernel (GPU fitters: binned-dp, optimal)", opt.fit.fitter);
+    }
+#endif
+  }
+  if (f.device == "cuda") {
+    opt.fit_function = gpu_fit_function(f.tally);
+  } else {
+    opt.fit_function = [tally = f.tally](const void* src, DType dt, const LutbShape& shape, LutbTensor& out,
+                                         const FitOptions& fit, const std::string& name) -> FitStats {
+      const auto t0 = std::chrono::steady_clock::now();
+      const FitStats st = quantize(src, dt, shape, out, fit, name);
+      tally->seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      tally->weights += shape.experts * shape.rows * shape.cols;
+      return st;
+    };
+  }
+  return f;
+}
+
+void print_fit_line(const FitPlacement& f, const std::string& fitter) {
+  const double wps = f.tally->seconds > 0 ? static_cast<double>(f.tally->weights) / f.tally->seconds : 0.0;
+  fmt::print("fit          {} ({}): {:.3f} s for {} weights ({:.3g} weights/s{}){}\n", f.device, fitter, f.tally->seconds,
+             f.tally->weights, wps, f.device == "cuda" ? ", host-device copies included" : "",
+             f.note.empty() ? "" : "; on the CPU: " + f.note);
+}
+
+void add_fit_json(nlohmann::json& j, const FitPlacement& f) {
+  j["fit_device"] = f.device;
+  j["fit_seconds"] = f.tally->seconds;
+  j["fit_weights"] = f.tally->weights;
+  j["fit_note"] = f.note.empty() ? nlohmann::json(nullptr) : nlohmann::json(f.note);
+}
+
 // -------------------------------------------------------------------------------------------------
 // GpuMoeBlock
 // -------------------------------------------------------------------------------------------------
@@ -157,20 +200,10 @@ void GpuMoeBlock::forward(const float* x, std::int64_t T, float* out) {
   const int k = m.parts->router.top_k;
   std::vector<float> logits(static_cast<std::size_t>(T * E));
   m.parts->router_logits(x, T, logits.data());
+  // The routed experts read bf16(x) on both backends (spec section 4; model::MoeBlockParts): the
+  // kernel's own MXFP8 step of those BF16 values is the CPU emulation's (moe::load_activation_row).
   std::vector<std::uint16_t> xb(static_cast<std::size_t>(T * H)), ob(static_cast<std::size_t>(T * H));
-  if (m.layer->packed()) {
-    // The CPU emulation quantises the FP32 x to MXFP8 along H (moe::load_activation_row); the GPU
-    // kernel takes BF16 x and quantises that. Rounding x to BF16 first could move an element onto an
-    // E4M3 rounding midpoint (about 3 % of elements end one E4M3 step apart), so x goes to the GPU
-    // already MXFP8-quantised by the same library function: those values are exact in BF16 and
-    // MXFP8 quantisation leaves them unchanged, so both backends multiply the same activations.
-    std::vector<float> xq(static_cast<std::size_t>(T * H));
-    mxfp8_qdq_rows(x, T, H, xq.data());
-    for (std::size_t i = 0; i < xb.size(); ++i) xb[i] = bf16_from_float(xq[i]);
-  } else {
-    // The BF16 baseline takes BF16 x (the CPU's BF16 reference multiplies the FP32 x).
-    for (std::size_t i = 0; i < xb.size(); ++i) xb[i] = bf16_from_float(x[i]);
-  }
+  for (std::size_t i = 0; i < xb.size(); ++i) xb[i] = bf16_from_float(x[i]);
   if (m.gpu_routing) {
     m.layer->forward(logits.data(), xb.data(), T, ob.data());
   } else {

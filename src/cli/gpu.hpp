@@ -49,13 +49,32 @@ struct GpuFitTally {
 /// group by group (the bytes do not depend on the grouping).
 QuantizeOptions::FitFunction gpu_fit_function(std::shared_ptr<GpuFitTally> tally);
 
+/// Where `lutb eval` / `lutb moe` fit the routed experts of a BF16 checkpoint to LUT-B (--quant lutb):
+/// sets opt.fit_function to a timed fit and returns what to report. With `gpu` and a fitter that has
+/// a GPU kernel (binned-dp, the default, or optimal): gpu_fit_function (lutb::cuda::quantize_gpu, the
+/// CPU fitters' bytes and FitStats, so every result after the fit is unchanged); otherwise
+/// lutb::quantize on the CPU, with `note` saying why when `gpu` ("fitter ct-lloyd has no GPU kernel
+/// (GPU fitters: binned-dp, optimal)"). Nothing is set for other quants (no fit runs).
+struct FitPlacement {
+  bool fits = false;           // a LUT-B fit of BF16 weights runs at load (quant lutb)
+  std::string device = "cpu";  // "cpu" or "cuda"
+  std::string note;            // why a --device cuda run fits on the CPU, else ""
+  std::shared_ptr<GpuFitTally> tally = std::make_shared<GpuFitTally>();  // wall time and weights of the fits
+};
+FitPlacement place_fit(model::MoeOptions& opt, bool gpu);
+/// The "fit" line of eval / moe: "fit          cuda (binned-dp): 0.052 s for 3145728 weights (6.05e+07
+/// weights/s, host-device copies included)", with the note when a --device cuda run fitted on the CPU.
+void print_fit_line(const FitPlacement& f, const std::string& fitter);
+/// JSON keys fit_device ("cpu" / "cuda"), fit_seconds, fit_weights, fit_note (null when none).
+void add_fit_json(nlohmann::json& j, const FitPlacement& f);
+
 /// A sparse MoE block whose routed experts run on the GPU (lutb::cuda::GpuMoeLayer) while the rest
 /// of the CPU block stays on the CPU, through its model::MoeBlockParts (router logits x . gate^T in
-/// FP32; the shared experts): out = float(moe_forward(x', route_gpu(logits))) + shared(x), where x'
-/// is, for LUT-B, mxfp8_qdq_rows(x) in BF16 (exact; the CPU emulation's own MXFP8 step, which the
-/// kernel's MXFP8 then leaves unchanged: both backends multiply the same activations) and, for the
-/// BF16 baseline, bf16(x). The GPU output is BF16 (moe_forward's contract): it differs from the CPU
-/// block's FP32 output by that rounding (relative L2 ~1.66e-3, at most 2^-8 per element).
+/// FP32; the shared experts): out = float(moe_forward(bf16(x), route_gpu(logits))) + shared(x). That
+/// is the CPU block's own forward (spec section 4: BF16 tokens in, BF16 routed sum out; for LUT-B the
+/// kernel's MXFP8 step of bf16(x) is the emulation's), so the two differ only by FP32 summation order
+/// inside moe_forward, which can move a BF16 output by one unit where the FP32 sum lies next to a
+/// rounding boundary (tests/cuda/cli_gpu_test.cpp bounds it).
 /// The routing runs on the GPU (route_softmax_topk / route_deepseek) when the rule has a kernel,
 /// else on the CPU with the block's own rule (routing_note() says which and why).
 /// Experts: LUT-B held by the fast CPU kernel (LutbCpuExperts; uploaded packed, lane-major) with

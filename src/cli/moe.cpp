@@ -78,7 +78,7 @@ void run_moe(const MoeArgs& a) {
   // The model folder first: "lutb moe /no/such/dir --layer 0" was told that --activations was not
   // given (new-user QA, session 14); TransformerConfig::load words it as lutb eval does.
   if (!std::filesystem::is_directory(a.model_dir)) (void)model::TransformerConfig::load(a.model_dir);
-  const model::MoeOptions mo = a.quant.resolve(a.model_dir, threads);
+  model::MoeOptions mo = a.quant.resolve(a.model_dir, threads);
   const bool gpu = a.device == "cuda";
   if (gpu) {
     if (a.quant.kernel_opt != nullptr && a.quant.kernel_opt->count() > 0)
@@ -87,6 +87,8 @@ void run_moe(const MoeArgs& a) {
                                               a.quant.kernel));
     require_cuda();
   }
+  // --quant lutb on a BF16 checkpoint fits at load: with --device cuda on the GPU (the same bytes).
+  const FitPlacement fit = place_fit(mo, gpu);
   if (a.activations_file.empty())
     throw std::invalid_argument(fmt::format("--activations not given and {} holds no {} (the captured MoE inputs and "
                                             "outputs); give the file with --activations FILE",
@@ -150,6 +152,8 @@ void run_moe(const MoeArgs& a) {
   fmt::print("layer {} of {} ({}), {} tokens, quant {}, activations {}\n", a.layer, a.model_dir, cfg.family, T, quant, act);
   for (const auto& s : moe.stats()) fmt::print("  {:<48} SQNR {:7.3f} dB\n", s.name, s.sqnr_db());
   fmt::print("rel_l2 {:.6g}  max_abs {:.6g}  cosine {:.8f}  ({:.3f} s)\n", rel_l2, max_abs, cosine, secs);
+  const bool fitted = fit.fits && !moe.lutb_checkpoint();
+  if (fitted) print_fit_line(fit, mo.fit.fitter);
   double gpu_ms = 0, cpu_rel = 0, cpu_max = 0;
   std::string gpu_name;
   if (gpu_block) {
@@ -168,9 +172,9 @@ void run_moe(const MoeArgs& a) {
         cpu_max = std::isnan(d) ? d : std::max(cpu_max, std::fabs(d));
       }
       cpu_rel = std::sqrt(d2 / c2);
-      fmt::print("vs --device cpu: rel_l2 {:.6g}  max_abs {:.6g} (the fused kernel writes BF16 and sums in another FP32 "
-                 "order{})\n",
-                 cpu_rel, cpu_max, mo.quant == model::Quant::None ? "; its BF16 baseline also reads bf16(x)" : "");
+      fmt::print("vs --device cpu: rel_l2 {:.6g}  max_abs {:.6g} (both read bf16(x) and round the routed sum to BF16, "
+                 "spec section 4; the fused kernel sums in another FP32 order)\n",
+                 cpu_rel, cpu_max);
     }
   }
   if (a.json) {
@@ -188,6 +192,7 @@ void run_moe(const MoeArgs& a) {
     j["sqnr_db"] = std::isfinite(sq) ? nlohmann::json(sq) : nlohmann::json(nullptr);
     j["seconds"] = secs;
     j["device"] = a.device;
+    if (fitted) add_fit_json(j, fit);
     if (gpu_block) {
       j["gpu"] = gpu_name;
       j["routing"] = gpu_block->routing_note();
@@ -239,8 +244,8 @@ void add_moe(CLI::App& app) {
                   "with a note)")
       ->check(ThreadCount());
   add_device_option(cmd, args->device,
-                    "the routed experts (cuda: uploaded packed, top-k and the fused forward on the GPU; router logits "
-                    "and shared experts on the CPU)");
+                    "the routed experts (cuda: fitted on the GPU for --quant lutb of a BF16 checkpoint, uploaded "
+                    "packed, top-k and the fused forward on the GPU; router logits and shared experts on the CPU)");
   auto* cmp = cmd->add_flag("--compare-cpu", args->compare_cpu,
                             "with --device cuda: also run the CPU emulation and print the difference");
   auto* reps = cmd->add_option("--reps", args->reps,

@@ -135,21 +135,28 @@ void add_quantize(CLI::App& app) {
     auto tally = std::make_shared<GpuFitTally>();
     if (gpu) opt.fit_function = gpu_fit_function(tally);
     // The tensors lutb eval reads besides the routed experts, checked before anything is written (and
-    // scanned for NaN / Inf while copied). Not checked: a config.json lutb's model cannot run (a family
-    // feature it does not implement: the output is still a valid LUT-B checkpoint for other runtimes),
-    // and a checkpoint of routed experts only (lutb synth's, or a partial export: none of the embedding,
-    // the final norm and layer 0's input norm), which lutb eval cannot run anyway.
+    // scanned for NaN / Inf while copied), and config.json by lutb eval's own validation
+    // (model::TransformerConfig): a value lutb eval refuses (rms_norm_eps -1, num_key_value_heads not
+    // dividing num_attention_heads, partial_rotary_factor 2, a negative sliding_window, ...) was
+    // quantised without a word and refused only by eval (new-user QA, session 15). Not refused: a
+    // feature lutb's model does not implement (model::UnsupportedConfigError: hidden_act other than
+    // silu, another rope type; the output is still a valid LUT-B checkpoint for other runtimes), and a
+    // checkpoint of routed experts only (lutb synth's, or a partial export: none of the embedding, the
+    // final norm and layer 0's input norm), which lutb eval cannot run anyway.
     opt.check_model = [](const fs::path& dir) -> std::vector<std::string> {
-      try {
-        (void)model::TransformerConfig::load(dir);
-      } catch (const std::exception&) {
-        return {};
-      }
       {
         const auto st = SafetensorsCollection::open_dir(dir);
         if (!st.contains("model.embed_tokens.weight") && !st.contains("model.norm.weight") &&
             !st.contains("model.layers.0.input_layernorm.weight"))
           return {};
+      }
+      try {
+        (void)model::TransformerConfig::load(dir);
+      } catch (const model::UnsupportedConfigError&) {
+        return {};
+      } catch (const model::ModelError& e) {
+        throw model::ModelError(fmt::format("{} (lutb eval refuses this value; quantize checks config.json as eval does)",
+                                            e.what()));
       }
       return model::LanguageModel::check_tensors(dir);
     };

@@ -76,6 +76,22 @@ void install_replacing(const std::filesystem::path& tmp, const std::filesystem::
 /// Creates the temporary directory `tmp` of output `target`; on failure (permissions, a parent that
 /// is a file, ...) throws CheckpointError naming `target`, the user's path, not the temporary one.
 void create_temp_dir(const std::filesystem::path& tmp, const std::filesystem::path& target);
+/// The missing ancestor directories of output `target`, created (as mkdir -p) by create_parents and
+/// removed again, deepest first and only while empty, when destroyed armed: a failed or interrupted
+/// run leaves the file system as it was. lutb quantize and lutb synth both create a missing parent
+/// (quantize refused "parent directory does not exist" while synth created it: new-user QA, session 15).
+struct CreatedParents {
+  std::vector<std::filesystem::path> made;  // deepest first
+  bool armed = true;
+  CreatedParents() = default;
+  CreatedParents(const CreatedParents&) = delete;
+  CreatedParents& operator=(const CreatedParents&) = delete;
+  ~CreatedParents();
+};
+/// Creates the missing ancestors of `target` into `out`. Throws CheckpointError "TARGET: cannot create
+/// its parent directory DIR: REASON; nothing written" (no permission, a name too long); `out` removes
+/// what was created.
+void create_parents(const std::filesystem::path& target, CreatedParents& out);
 /// Checks that file `tmp` can be created (creates and removes it); else as create_temp_dir.
 void probe_temp_file(const std::filesystem::path& tmp, const std::filesystem::path& target);
 

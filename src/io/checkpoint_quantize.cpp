@@ -546,8 +546,9 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
   const fs::path tmp = detail::temp_sibling(out_dir);
   std::error_code ec;
   fs::remove_all(tmp, ec);
-  if (!out_dir.parent_path().empty() && !fs::exists(out_dir.parent_path()))
-    throw CheckpointError(fmt::format("{}: parent directory does not exist", out_dir.string()));
+  // A missing parent is created, as lutb synth does, and removed again if the run fails.
+  detail::CreatedParents parents;
+  detail::create_parents(out_dir, parents);
   detail::create_temp_dir(tmp, out_dir);
   TempGuard guard{tmp};
 
@@ -705,6 +706,7 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
   detail::check_interrupt(opt.interrupt, out_dir);
   detail::install_replacing(tmp, out_dir, /*want_directory=*/true, opt.force);
   guard.armed = false;
+  parents.armed = false;
   sum.seconds = detail::now_seconds() - t0;
   sum.peak_rss_bytes = peak_rss_bytes();
   return sum;
@@ -831,6 +833,8 @@ QuantizeSummary quantize_file(const fs::path& in, const fs::path& out, const std
   // The writer builds `tmp` under its own temporary name, tmp.tmp.PID: probe that one too (first: it
   // is the longer, so its error gives the binding limit), or an output name 236-245 bytes long failed
   // only after the plan, naming the internal "OUT.tmp.PID.tmp.PID" (new-user QA, session 15).
+  detail::CreatedParents parents;  // a missing parent is created (as lutb synth), removed if the run fails
+  detail::create_parents(out, parents);
   detail::probe_temp_file(detail::temp_sibling(tmp), out);
   detail::probe_temp_file(tmp, out);
   TempGuard guard{tmp};
@@ -850,6 +854,7 @@ QuantizeSummary quantize_file(const fs::path& in, const fs::path& out, const std
   detail::check_interrupt(opt.interrupt, out);
   detail::install_replacing(tmp, out, /*want_directory=*/false, opt.force);
   guard.armed = false;
+  parents.armed = false;
   sum.seconds = detail::now_seconds() - t0;
   sum.peak_rss_bytes = peak_rss_bytes();
   return sum;

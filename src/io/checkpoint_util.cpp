@@ -300,6 +300,29 @@ void create_temp_dir(const fs::path& tmp, const fs::path& target) {
                                       create_failure(tmp, target, ec.value())));
 }
 
+CreatedParents::~CreatedParents() {
+  if (!armed) return;
+  std::error_code ec;
+  for (const auto& d : made) fs::remove(d, ec);  // removes an empty directory only
+}
+
+void create_parents(const fs::path& target, CreatedParents& out) {
+  fs::path t = target;
+  if (!t.has_filename()) t = t.parent_path();
+  std::error_code ec;
+  std::vector<fs::path> missing;  // deepest first
+  for (fs::path p = t.parent_path(); !p.empty() && !fs::exists(fs::symlink_status(p, ec)); p = p.parent_path()) {
+    missing.push_back(p);
+    if (p == p.parent_path()) break;
+  }
+  for (auto it = missing.rbegin(); it != missing.rend(); ++it) {
+    if (!fs::create_directory(*it, ec) && ec)
+      throw CheckpointError(fmt::format("{}: cannot create its parent directory {}: {}; nothing written",
+                                        target.string(), it->string(), ec.message()));
+    out.made.insert(out.made.begin(), *it);
+  }
+}
+
 void probe_temp_file(const fs::path& tmp, const fs::path& target) {
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
   if (fd < 0)

@@ -167,7 +167,11 @@ TransformerConfig TransformerConfig::from_json(const json& j, const std::string&
   c.intermediate_size = get_or<int>(j, "intermediate_size", 0, where);
   c.clip_qkv = get_or<double>(j, "clip_qkv", 0.0, where);
   const std::string act = get_or<std::string>(j, "hidden_act", "silu", where);
-  if (act != "silu") key_error(where, "hidden_act", fmt::format("\"{}\" is not supported (silu)", act));
+  // A feature lutb's model does not implement is reported after every value is checked, so that an
+  // invalid value is never hidden behind it (lutb quantize accepts the one, refuses the other).
+  std::string unsupported;
+  if (act != "silu")
+    unsupported = detail::config_key_message(where, "hidden_act", fmt::format("\"{}\" is not supported (silu)", act));
   for (const auto& [key, v] : {std::pair<const char*, int>{"hidden_size", c.hidden_size},
                                {"num_hidden_layers", c.num_layers},
                                {"vocab_size", c.vocab_size},
@@ -276,8 +280,10 @@ TransformerConfig TransformerConfig::from_json(const json& j, const std::string&
   }
   if (!(std::isfinite(r.theta) && r.theta > 0))
     key_error(where, in_rp("rope_theta"), fmt::format("must be a positive finite number, got {}", r.theta));
-  if (r.type != "default" && r.type != "linear" && r.type != "yarn")
-    key_error(where, in_rp("rope_type"), fmt::format("\"{}\" is not supported (default, linear, yarn)", r.type));
+  const bool rope_supported = r.type == "default" || r.type == "linear" || r.type == "yarn";
+  if (!rope_supported && unsupported.empty())
+    unsupported = detail::config_key_message(where, in_rp("rope_type"),
+                                             fmt::format("\"{}\" is not supported (default, linear, yarn)", r.type));
   if (r.type != "default" && !(std::isfinite(r.factor) && r.factor > 0))
     key_error(where, in_rp("factor"), fmt::format("must be a positive finite number for rope_type \"{}\", got {}", r.type, r.factor));
   if (r.type == "yarn" && !(r.original_max_position > 0))
@@ -306,6 +312,7 @@ TransformerConfig TransformerConfig::from_json(const json& j, const std::string&
   c.shared_expert_intermediate_size = static_cast<int>(c.moe.shared_expert_intermediate_size);
   c.sparse_layer.assign(c.num_layers, false);
   for (int l = 0; l < c.num_layers; ++l) c.sparse_layer[l] = c.moe.is_moe_layer(l);
+  if (!unsupported.empty()) throw UnsupportedConfigError(unsupported);
   return c;
 }
 

@@ -58,6 +58,28 @@ class CheckpointExperts final : public ExpertSource {
     return ck_.expert_location(layer, w13, expert, row, col);
   }
 
+  std::string locate_lutb_tile(int layer, bool w13, std::int64_t expert, std::int64_t tile_row,
+                               std::int64_t tile_col) const override {
+    const ModelConfig& c = ck_.config();
+    const auto file = [&](const std::string& n) {
+      return ck_.contains(n) ? ck_.tensors().file_of(n).path().string() : ck_.dir().string();
+    };
+    std::vector<std::string> stacked = {w13 ? stacked_gate_up_name(c, layer) : stacked_down_name(c, layer)};
+    if (c.family == ModelFamily::mixtral)  // transformers 5 renames block_sparse_moe to mlp
+      stacked.push_back(fmt::format("model.layers.{}.mlp.experts.{}", layer, w13 ? "gate_up_proj" : "down_proj"));
+    for (const auto& n : stacked)
+      if (const std::string sc = lutb_names(n).scale; ck_.contains(sc))
+        return fmt::format("{}: tensor {} (layer {}), expert {}, tile row {}, tile column {} of the {} stack", file(sc),
+                           sc, layer, expert, tile_row, tile_col, w13 ? "gate_up" : "down");
+    const std::int64_t gate_tiles = (c.moe_intermediate_size + 7) / 8;
+    Proj p = Proj::down;
+    if (w13) p = tile_row < gate_tiles ? Proj::gate : Proj::up;
+    if (p == Proj::up) tile_row -= gate_tiles;
+    const std::string sc = lutb_names(expert_weight_name(c, layer, expert, p)).scale;
+    return fmt::format("{}: tensor {} (layer {}, expert {}), tile [{}, {}]", file(sc), sc, layer, expert, tile_row,
+                       tile_col);
+  }
+
  private:
   Checkpoint ck_;
 };

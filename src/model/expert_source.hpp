@@ -41,6 +41,13 @@ class ExpertSource {
   /// "FILE: tensor NAME (layer L, expert E), row R col C" in the stored tensor's own coordinates
   /// (per-expert gate / up / down, or the stacked tensors), for error messages.
   virtual std::string locate(int layer, bool w13, std::int64_t expert, std::int64_t row, std::int64_t col) const = 0;
+  /// Where the scale of tile (tile_row, tile_col) of expert `expert` of layer `layer`'s stored LUT-B
+  /// w13 (gate tiles, then up tiles) or w2 stack is, for error messages: "FILE: tensor NAME_scale
+  /// (layer L, expert E), tile [R, C]" in the stored per-expert tensor's grid, or, for stacked
+  /// tensors, "FILE: tensor NAME_scale (layer L), expert E, tile row R, tile column C of the w13 / w2
+  /// stack". A LUT-B checkpoint only.
+  virtual std::string locate_lutb_tile(int layer, bool w13, std::int64_t expert, std::int64_t tile_row,
+                                       std::int64_t tile_col) const = 0;
 };
 
 /// Quantise-dequantise a BF16 weight [rows][cols] in place with a baseline format (INT3 g128 or

@@ -79,6 +79,33 @@ void check_quantizable(const ExpertSource& src, int layer, Quant q, const std::v
   }
 }
 
+/// Refuses stored LUT-B weights of magnitude 2^64 or more, naming the scale tensor, the expert and the
+/// tile: the rule check_quantizable applies to BF16 weights for --quant none. Scale bytes 3..246 are
+/// valid LUT-B (spec section 2: every value exact in FP32), but 448 * 2^119 (scale byte 246) and
+/// anything from 2^64 up is far beyond a trained weight: the layer's FP32 products and sums overflow,
+/// and lutb eval reported "non-finite loss" naming no tensor (new-user QA, session 15: scale byte 246
+/// on every tile). Scale bytes above 246 whose weights pass FP32 are refused by the checkpoint reader.
+void check_lutb_magnitudes(const ExpertSource& src, int layer, const LutbTensor& w, bool w13) {
+  const std::int64_t per = w.shape.tiles_per_expert(), tk = w.shape.tiles_k();
+  for (std::int64_t t = 0; t < w.shape.tiles(); ++t) {
+    const int s = w.scale[static_cast<std::size_t>(t)];
+    if (s < 127 + 55) continue;  // |E4M3| <= 448 < 2^9: below 2^64 whatever the codebook
+    for (int j = 0; j < kCodebookSize; ++j) {
+      const std::uint8_t b = w.codebook[static_cast<std::size_t>(t * kCodebookSize + j)];
+      const double c = std::fabs(static_cast<double>(e4m3_to_float(b)));
+      const double v = std::ldexp(c, s - 127);
+      if (!(v >= 0x1p64)) continue;
+      const std::int64_t e = t / per, r = (t % per) / tk, col = t % tk;
+      throw ModelError(fmt::format(
+          "{}: scale byte {} with codebook entry {} ({}) gives weights of magnitude {:.4g} (2^{:.1f}): 2^64 or more, far "
+          "beyond any trained weight, so the FP32 products and sums of the layer overflow (the loss would be NaN). "
+          "Scale bytes up to 246 are valid LUT-B (spec section 2), but a fitter writes such a scale only for weights "
+          "of that size; the checkpoint's tensor is likely corrupt",
+          src.locate_lutb_tile(layer, w13, e, r, col), s, j, e4m3_to_float(b), v, std::log2(v)));
+    }
+  }
+}
+
 /// DeepSeek-V2 "group_limited_greedy" (transformers modeling_deepseek_v2 DeepseekV2Moe.route_tokens):
 /// softmax scores; group score = the max of its experts; keep topk_group groups; top-k of the
 /// scores inside them; weights = scores (renormalised when norm_topk_prob) * routed_scaling_factor.
@@ -115,6 +142,13 @@ void route_group_limited_greedy(const moe::RouterConfig& rc, const float* logits
   }
 }
 
+/// bf16(x) of n FP32 values, as FP32 (spec section 4: the routed experts read BF16 tokens).
+std::vector<float> bf16_rows(const float* x, std::int64_t n) {
+  std::vector<float> r(static_cast<std::size_t>(n));
+  for (std::int64_t i = 0; i < n; ++i) r[static_cast<std::size_t>(i)] = bf16_round(x[i]);
+  return r;
+}
+
 class RoutedBlock final : public MoeBlock {
  public:
   RoutedBlock(moe::RouterConfig rc, bool group_limited_greedy, std::vector<float> gate, std::vector<float> bias,
@@ -142,13 +176,21 @@ class RoutedBlock final : public MoeBlock {
     else moe::route(rc_, logits, T, bias_.empty() ? nullptr : bias_.data(), ids, w);
   }
 
+  // Spec section 4 at both ends of the routed experts: their input x is BF16 and their output is
+  // out = bf16(sum_k weight_k * y_e). The FP32 model rounds x to BF16 for the routed experts only
+  // (the router logits and the shared experts read the FP32 x, spec 5: they stay as loaded), and the
+  // routed sum to BF16 before the shared experts are added. Until session 16 both stayed FP32, while
+  // the GPU kernel (moe_forward) reads BF16 x and writes BF16: eval --device cuda differed from the
+  // CPU by 1e-4..5e-4 of the loss; now the two differ only by FP32 summation order.
   void forward(const float* x, std::int64_t T, float* out) override {
     const int E = rc_.num_experts, k = rc_.top_k;
     std::vector<float> logits(static_cast<std::size_t>(T * E)), w(static_cast<std::size_t>(T * k));
     std::vector<std::int32_t> ids(static_cast<std::size_t>(T * k));
     linear(x, gate_.data(), nullptr, logits.data(), T, E, H_);
     route(logits.data(), T, ids.data(), w.data());
-    experts_->apply_f32(moe::HiddenStates::f32(x, T), moe::TopK{ids.data(), w.data(), k}, out);
+    const std::vector<float> xb = bf16_rows(x, T * H_);
+    experts_->apply_f32(moe::HiddenStates::f32(xb.data(), T), moe::TopK{ids.data(), w.data(), k}, out);
+    for (std::int64_t i = 0; i < T * H_; ++i) out[i] = bf16_round(out[i]);
     shared_.add(x, out, T);
   }
 
@@ -304,6 +346,8 @@ std::unique_ptr<MoeBlock> CheckpointMoe::build(int layer) {
   if (m.src->lutb()) {
     // Stored LUT-B weights (spec 2.2): no source to compare with; SQNR is not defined here.
     auto [w13, w2] = m.src->lutb_stacks(layer);
+    check_lutb_magnitudes(*m.src, layer, w13, true);
+    check_lutb_magnitudes(*m.src, layer, w2, false);
     moe::OnlineOptions oo;
     oo.emulation = m.opt.kernel;
     oo.activations = m.opt.activations;
@@ -337,6 +381,7 @@ std::unique_ptr<MoeBlock> CheckpointMoe::build(int layer) {
       case Quant::Lutb: {
         moe::OnlineOptions oo;
         oo.fit = m.opt.fit;
+        oo.fit_function = m.opt.fit_function;
         oo.emulation = m.opt.kernel;
         oo.activations = m.opt.activations;
         auto method = std::make_shared<moe::LutBOnlineMoEMethod>(mc, oo);

@@ -1,7 +1,7 @@
 // The GPU from the command line (`--device cuda`), end to end through the lutb binary on the shared
-// tiny-qwen3-moe model: quantise on the GPU = quantise on the CPU, byte for byte in every output
-// file; `lutb moe --device cuda` against `--device cpu`; the default job's GPU section; `lutb eval
-// --device cuda` against the CPU. Skips without a usable GPU, without the model, or when the lutb
+// tiny-qwen3-moe and tiny-deepseek-v3 models: quantise on the GPU = quantise on the CPU, byte for byte
+// in every output file; `lutb moe --device cuda` against `--device cpu`; the default job's GPU
+// section; `lutb eval --device cuda` against the CPU, and its GPU fit against the CPU's. Skips without a usable GPU, without the model, or when the lutb
 // binary's path was not compiled in (LUTB_CLI_PATH).
 #include <gtest/gtest.h>
 
@@ -112,41 +112,61 @@ TEST(CliGpu, QuantizeOnCudaWritesTheCpuBytes) {
               jg["gpu_fit_weights_per_second"].get<double>());
 }
 
-// lutb moe --device cuda vs --device cpu on captured activations. Bounds:
-//  - LUT-B (MXFP8 activations): both multiply the same MXFP8 activations (gpu.cpp hands the GPU the
-//    MXFP8-quantised x) and the same LUT-B weights; the GPU sums in another FP32 order (~1e-6) and
-//    writes BF16 (moe_forward's contract, spec 4 step 6). BF16 keeps 8 significant bits: rounding
-//    moves each output by at most 2^-8 = 3.9e-3 of itself, so the relative L2 difference is at most
-//    2^-8 (plus the FP32 reordering); for mantissas spread log-uniformly its expected value is
-//    2^-8 * sqrt(E[1/m^2] / 3) = 2^-8 * sqrt(0.541 / 3) = 1.66e-3 (H200 run cli15-run1: 1.655e-3 to
-//    1.663e-3). Asserted < 2.5e-3: the statistical value with margin, well under the hard limit.
-//  - BF16 (--quant none): the GPU baseline also rounds x to BF16 (a no-op on these captured inputs,
-//    which are BF16; in general a second rounding of at most 2^-8): asserted < 2 * 2^-8 = 7.8e-3.
+// lutb moe --device cuda vs --device cpu on captured activations, tiny-qwen3-moe (softmax top-k) and
+// tiny-deepseek-v3 (DeepSeek-V3 grouped sigmoid routing and a shared expert; its layer 0 is dense).
+// Since session 16 both backends follow spec section 4 the same way: the routed experts read bf16(x)
+// and their weighted sum is rounded to BF16 (the CPU block kept both FP32 until then, and the GPU's
+// BF16 output alone made a relative L2 difference of 1.66e-3). What is left is FP32 summation order
+// inside the fused kernel (~1e-6 relative before rounding), which moves a BF16 output by one unit
+// (2^-8..2^-7 of it) only where the FP32 sum lies within that distance of a rounding boundary: a
+// fraction ~1e-6 / 2^-8 ~ 3e-4 of the outputs at most, so the relative L2 difference is at most about
+// sqrt(3e-4) * 2^-7.5 ~ 1e-4. Measured on an H200 (run cli16-run1): LUT-B 5.0e-7 to 1.1e-5, the BF16
+// baseline 6.3e-5 to 1.01e-4 (its h = bf16(silu(g) u) rounds once more inside the pipeline, where a
+// reordered g or u can flip it too). Asserted < 3e-4: about 3x the largest measured value, and the
+// routing must agree (one flipped choice among the 512 tokens would add ~1e-2). Until session 16 the
+// bound was 2.5e-3 for the output rounding alone (measured 1.66e-3).
 // And the error against the captured outputs can differ from the CPU's only by that difference
 // (triangle inequality): |rel_gpu - rel_cpu| <= vs_cpu * |cpu| / |ref| <= vs_cpu * (1 + rel_cpu).
+constexpr double kMoeVsCpuBound = 3e-4;
+
 TEST(CliGpu, MoeOnCudaMatchesTheCpu) {
   LUTB_CLI_GPU_OR_SKIP();
-  LUTB_MODEL_OR_SKIP(model, "tiny-qwen3-moe");
-  for (const std::string quant : {"lutb", "none"}) {
-    for (const int layer : {0, 3}) {
-      SCOPED_TRACE(quant + " layer " + std::to_string(layer));
-      const std::string base = "moe " + q(model) + " --layer " + std::to_string(layer) + " --quant " + quant + " --json";
-      const CliOut c = run(base + " --device cpu");
-      ASSERT_EQ(c.code, 0);
-      const CliOut g = run(base + " --device cuda --compare-cpu --reps 10");
-      ASSERT_EQ(g.code, 0);
-      const nlohmann::json jc = last_json(c), jg = last_json(g);
-      const double vs = jg["vs_cpu_rel_l2"].get<double>();
-      const double bound = quant == "lutb" ? 2.5e-3 : 2 * std::ldexp(1.0, -8);
-      EXPECT_LT(vs, bound);
-      EXPECT_GT(vs, 0.0);  // BF16 output: never bit-equal to the FP32 CPU sum on real data
-      const double rc = jc["rel_l2"].get<double>(), rg = jg["rel_l2"].get<double>();
-      EXPECT_LE(std::fabs(rg - rc), vs * (1 + rc) + 1e-9);
-      EXPECT_EQ(jg["routing"], "gpu (softmax top-k)");
-      EXPECT_GT(jg["gpu_routed_ms"].get<double>(), 0.0);
-      std::printf("CliGpu.MoeOnCudaMatchesTheCpu: quant %s layer %d: rel_l2 cpu %.6g gpu %.6g, gpu vs cpu %.3g, "
-                  "routed-expert forward %.4f ms\n",
-                  quant.c_str(), layer, rc, rg, vs, jg["gpu_routed_ms"].get<double>());
+  struct Case {
+    const char* model;
+    int layers[2];
+    const char* routing;
+  };
+  for (const Case& m : {Case{"tiny-qwen3-moe", {0, 3}, "gpu (softmax top-k)"},
+                        Case{"tiny-deepseek-v3", {1, 3}, "gpu (DeepSeek grouped sigmoid)"}}) {
+    LUTB_MODEL_OR_SKIP(model, m.model);
+    for (const std::string quant : {"lutb", "none"}) {
+      for (const int layer : m.layers) {
+        std::string trace = m.model;
+        trace += " " + quant + " layer " + std::to_string(layer);
+        SCOPED_TRACE(trace);
+        const std::string base = "moe " + q(model) + " --layer " + std::to_string(layer) + " --quant " + quant + " --json";
+        const CliOut c = run(base + " --device cpu");
+        ASSERT_EQ(c.code, 0);
+        const CliOut g = run(base + " --device cuda --compare-cpu --reps 10");
+        ASSERT_EQ(g.code, 0);
+        const nlohmann::json jc = last_json(c), jg = last_json(g);
+        const double vs = jg["vs_cpu_rel_l2"].get<double>();
+        EXPECT_LT(vs, kMoeVsCpuBound);
+        EXPECT_GE(vs, 0.0);
+        const double rc = jc["rel_l2"].get<double>(), rg = jg["rel_l2"].get<double>();
+        EXPECT_LE(std::fabs(rg - rc), vs * (1 + rc) + 1e-9);
+        EXPECT_EQ(jg["routing"], m.routing);
+        EXPECT_GT(jg["gpu_routed_ms"].get<double>(), 0.0);
+        if (quant == "lutb") {  // fitted at load: on the GPU with --device cuda, the same bytes
+          EXPECT_EQ(jg["fit_device"], "cuda");
+          EXPECT_EQ(jc["fit_device"], "cpu");
+          EXPECT_EQ(jg["sqnr_db"], jc["sqnr_db"]);
+        }
+        std::printf("CliGpu.MoeOnCudaMatchesTheCpu: %s quant %s layer %d: rel_l2 cpu %.6g gpu %.6g, gpu vs cpu %.3g "
+                    "(max_abs %.3g), routed-expert forward %.4f ms\n",
+                    m.model, quant.c_str(), layer, rc, rg, vs, jg["vs_cpu_max_abs"].get<double>(),
+                    jg["gpu_routed_ms"].get<double>());
+      }
     }
   }
 }
@@ -169,23 +189,66 @@ TEST(CliGpu, DefaultJobGpuSection) {
   EXPECT_NE(r.out.find("bytes equal to the CPU fit: yes"), std::string::npos);
 }
 
-// eval --device cuda: the routed experts of every block on the GPU inside the CPU model. The loss
-// moves by the blocks' BF16 output rounding (above; 1.66e-3 relative per block output, in all four
-// layers) only: measured 1.3e-4 to 4.5e-4 relative (run cli15-run1), asserted within 1e-3 relative.
+// eval --device cuda: the routed experts of every block on the GPU inside the CPU model, the LUT-B fit
+// of --quant lutb on the GPU too. Since session 16 the two backends differ only by FP32 summation
+// order (above): BF16 units flipped in a small fraction of the block outputs, which moves the loss by
+// far less than the 1.3e-4..4.5e-4 relative the BF16 output rounding alone made (run cli15-run1).
+// Measured (run cli16-run1, 4 windows): LUT-B 8.5e-7 and 1.3e-6 relative, BF16 4.9e-6 and 7.2e-6
+// (one window of tiny-qwen3-moe LUT-B: 1.6e-5, cli_commands.log). Asserted within 5e-5 relative
+// (was 1e-3): 7x the largest 4-window value, 3x the 1-window one. The fit: the GPU fitter's bytes and FitStats are the CPU's, so every
+// tensor's SQNR is equal, exactly.
 TEST(CliGpu, EvalOnCudaMatchesTheCpuLoss) {
   LUTB_CLI_GPU_OR_SKIP();
-  LUTB_MODEL_OR_SKIP(model, "tiny-qwen3-moe");
-  for (const std::string quant : {"lutb", "none"}) {
-    const std::string base = "eval " + q(model) + " --quant " + quant + " --max-windows 4 --json";
-    const CliOut c = run(base + " --device cpu");
-    ASSERT_EQ(c.code, 0);
-    const CliOut g = run(base + " --device cuda");
-    ASSERT_EQ(g.code, 0);
-    const double lc = last_json(c)["val_loss"].get<double>(), lg = last_json(g)["val_loss"].get<double>();
-    EXPECT_NEAR(lg, lc, 1e-3 * lc) << quant;
-    std::printf("CliGpu.EvalOnCudaMatchesTheCpuLoss: quant %s: cpu %.8f cuda %.8f (diff %.3g)\n", quant.c_str(), lc, lg,
-                lg - lc);
+  for (const char* name : {"tiny-qwen3-moe", "tiny-deepseek-v3"}) {
+    LUTB_MODEL_OR_SKIP(model, name);
+    for (const std::string quant : {"lutb", "none"}) {
+      const std::string base = "eval " + q(model) + " --quant " + quant + " --max-windows 4 --json";
+      const CliOut c = run(base + " --device cpu");
+      ASSERT_EQ(c.code, 0);
+      const CliOut g = run(base + " --device cuda");
+      ASSERT_EQ(g.code, 0);
+      const nlohmann::json jc = last_json(c), jg = last_json(g);
+      const double lc = jc["val_loss"].get<double>(), lg = jg["val_loss"].get<double>();
+      EXPECT_NEAR(lg, lc, 5e-5 * lc) << name << " " << quant;
+      if (quant == "lutb") {
+        EXPECT_EQ(jc["fit_device"], "cpu");
+        EXPECT_EQ(jg["fit_device"], "cuda");
+        EXPECT_EQ(jg["fit_weights"], jc["fit_weights"]);
+        EXPECT_EQ(jg["sqnr_db"], jc["sqnr_db"]);
+        ASSERT_EQ(jg["tensors"].size(), jc["tensors"].size());
+        for (std::size_t i = 0; i < jc["tensors"].size(); ++i) EXPECT_EQ(jg["tensors"][i], jc["tensors"][i]);
+        std::printf("CliGpu.EvalOnCudaMatchesTheCpuLoss: %s: load %.3f s (fit on cpu %.3f s) vs %.3f s (fit on cuda "
+                    "%.3f s)\n",
+                    name, jc["load_seconds"].get<double>(), jc["fit_seconds"].get<double>(),
+                    jg["load_seconds"].get<double>(), jg["fit_seconds"].get<double>());
+      }
+      std::printf("CliGpu.EvalOnCudaMatchesTheCpuLoss: %s quant %s: cpu %.8f cuda %.8f (diff %.3g, relative %.3g)\n",
+                  name, quant.c_str(), lc, lg, lg - lc, (lg - lc) / lc);
+    }
   }
+}
+
+// GPU-fitted and CPU-fitted experts in the same GPU forward: eval --device cuda of the BF16 checkpoint
+// (--quant lutb: fitted on the GPU at load) and of its LUT-B checkpoint written by quantize --device
+// cpu (fitted on the CPU, stored) run the same bytes through the same kernels: equal losses, bit for
+// bit.
+TEST(CliGpu, EvalGpuFitEqualsStoredCpuFit) {
+  LUTB_CLI_GPU_OR_SKIP();
+  LUTB_MODEL_OR_SKIP(model, "tiny-qwen3-moe");
+  test::TempDir t;
+  const CliOut qz = run("quantize " + q(model) + " -o " + q(t.path / "q") + " --device cpu --no-progress");
+  ASSERT_EQ(qz.code, 0);
+  const CliOut online = run("eval " + q(model) + " --quant lutb --device cuda --max-windows 4 --json");
+  ASSERT_EQ(online.code, 0);
+  const CliOut stored = run("eval " + q(t.path / "q") + " --tokens " + q(model / "val_tokens.safetensors") +
+                            " --device cuda --max-windows 4 --json");
+  ASSERT_EQ(stored.code, 0);
+  const nlohmann::json a = last_json(online), b = last_json(stored);
+  EXPECT_EQ(a["fit_device"], "cuda");
+  EXPECT_EQ(b["lutb_checkpoint"], true);
+  EXPECT_EQ(a["val_loss"].get<double>(), b["val_loss"].get<double>());
+  std::printf("CliGpu.EvalGpuFitEqualsStoredCpuFit: GPU-fitted %.10f, CPU-fitted stored %.10f\n",
+              a["val_loss"].get<double>(), b["val_loss"].get<double>());
 }
 
 }  // namespace

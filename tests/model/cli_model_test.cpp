@@ -161,11 +161,14 @@ static int patch_tensors(const std::filesystem::path& file, const std::function<
 }
 
 // Regression (QA 2026-11-30): a stored weight_scale byte 0xFE (2^127) made the loss NaN, and
-// `lutb eval` printed "val loss nan" and exited 0. A non-finite loss is now an error naming the
-// checkpoint. (Since session 11 the loader refuses 0xFE itself, naming the tensor: its weights are
-// beyond FP32, see model_new_user_s11_test. 0xF6 = 2^119, the largest scale fitters write, keeps the
-// weights finite, up to 448 * 2^119, and the layer's sums overflow.)
-TEST(CliEval, NonFiniteLossIsAnError) {
+// `lutb eval` printed "val loss nan" and exited 0; since then a non-finite loss is an error naming the
+// checkpoint, and the loader refuses 0xFE itself, naming the tensor (its weights are beyond FP32, see
+// model_new_user_s11_test). 0xF6 = 2^119, the largest scale fitters write, keeps the weights finite
+// (up to 448 * 2^119) and the layer's sums overflow: that still gave "non-finite loss" naming no
+// tensor (new-user QA, session 15). Since session 16 (cli16) such weights, 2^64 or more (the rule of
+// --quant none for BF16 weights), are refused when the layer is built, naming the file, the scale
+// tensor, the expert and the tile, by lutb eval and lutb moe alike.
+TEST(CliEval, StoredScale246IsRefusedNamingTheTensor) {
   LUTB_MODEL_OR_SKIP(dir, "tiny-mixtral");
   TempDir t;
   const auto q = t.path / "q";
@@ -178,10 +181,20 @@ TEST(CliEval, NonFiniteLossIsAnError) {
       },
       0xF6);
   ASSERT_GT(n, 0);
-  r = run_cli("eval " + quote(q) + " --max-windows 1");
-  EXPECT_EQ(r.status, 1) << r.out;
-  EXPECT_NE(r.err.find(q.string() + ": non-finite loss"), std::string::npos) << r.err;
-  EXPECT_EQ(r.out.find("val loss"), std::string::npos) << r.out;
+  const std::string where = (q / "model.safetensors").string() +
+                            ": tensor model.layers.0.block_sparse_moe.experts.0.w1.weight_scale (layer 0, expert 0), "
+                            "tile [0, 0]: scale byte 246 with codebook entry 0 (";
+  for (const std::string& cmd : {"eval " + quote(q) + " --max-windows 1", "moe " + quote(q) + " --layer 0 --activations " +
+                                                                             quote(dir / "moe_activations.safetensors")}) {
+    SCOPED_TRACE(cmd);
+    r = run_cli(cmd);
+    EXPECT_EQ(r.status, 1) << r.out;
+    EXPECT_NE(r.err.find(where), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("2^64 or more, far beyond any trained weight"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("Scale bytes up to 246 are valid LUT-B (spec section 2)"), std::string::npos) << r.err;
+    EXPECT_EQ(r.err.find("non-finite loss"), std::string::npos) << r.err;
+    EXPECT_EQ(r.out.find("val loss"), std::string::npos) << r.out;
+  }
 }
 
 // Regression (QA 2026-11-30): --fitter on a stored LUT-B checkpoint was silently ignored.

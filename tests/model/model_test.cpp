@@ -77,7 +77,12 @@ TEST(ModelForward, BatchingDoesNotChangeTheLoss) {
   const EvalResult a = evaluate(lm, tokens, one), b = evaluate(lm, tokens, three);
   EXPECT_EQ(a.windows, 3);
   EXPECT_EQ(a.tokens, 3 * 255);
-  EXPECT_NEAR(a.val_loss, b.val_loss, 1e-6);
+  // Batching changes only the FP32 summation order; since session 16 the MoE blocks round their routed
+  // sums (and inputs) to BF16 (spec section 4), so a reordered sum next to a rounding boundary moves
+  // one output by a BF16 unit: measured 6.3e-6 nats here (1.6e-6 relative; it was below 1e-6 with FP32
+  // block outputs). Bounded as --device cuda against cpu, the same mechanism
+  // (tests/cuda/cli_gpu_test.cpp: 5e-5 relative).
+  EXPECT_NEAR(a.val_loss, b.val_loss, 5e-5 * a.val_loss);
   // the loss is the mean of the per-window sums
   double sum = 0;
   for (int w = 0; w < 3; ++w) sum += lm.forward(tokens.data() + w * 256, 1, 256);
