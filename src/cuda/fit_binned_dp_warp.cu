@@ -47,6 +47,11 @@
 //    dp_layer_chunk: a contiguous chunk of pairs per lane), equal to the divide and conquer's when
 //    they are monotone in j (proof at dp_layer_full; checked, the layer recomputed by dp_layer
 //    otherwise). Mode 6 (dp_layer_chunk) on fit_warp_kernel is the default of bytes-only fits.
+//  - DP modes 9..14 (fit16; fill_cost_table, dp_fit_c, launchers in fit_dp_modes_t.cu): the run cost
+//    of every pair of bin edges computed once per tile into a shared-memory table (a memo of the
+//    same doubles: the same comparisons, the same bytes), the layers reading it; on the compact
+//    layout's table form (SmemCT<true>, 2-warp blocks, 16 warps per SM); slower than the default on
+//    the H200 (docs/perf/fit-gpu.md, fit16), kept selectable.
 //  - fit_pair_kernel (binned-dp, an experiment selected by launch_warp_tiles, not the default): two
 //    tiles per warp, their DP and refinement at once on the two half-warps (the same functions with
 //    G = 16 lanes per tile, every collective masked to the half); same bytes, slower on the H200

@@ -120,7 +120,10 @@ void launch_warp_layout(const KernelArgs& a, int layout, cudaStream_t stream);
 /// table, 10 as mode 0 (divide and conquer) reading it, 11 (tests) as mode 8 reading it, 12 = 9
 /// compiled for 18 warps per SM (96 registers, spills 32 B); diagnostics of the table layout's
 /// costs: 13 the table layout (16 warps) with mode 0's DP evaluating and no table, 14 the same with
-/// the table filled but not read. Same bytes in every mode (tested).
+/// the table filled but not read. Same bytes in every mode (tested). Measured on the H200
+/// (docs/perf/fit-gpu.md, fit16, same runs as the default): 9 1.17-1.19x the default's time with the
+/// sums, 10 1.08x, 12 1.23-1.26x, 13 1.14x, 14 1.30x; bytes only 9 / 10 1.23-1.26x / 1.13x of
+/// kWarpDpBytesOnly's; so neither default changed.
 /// launch_warp_dp(a, layout, 0) == launch_warp_layout(a, layout); modes 1..4, 6..8 exist for layout
 /// 0, 1..3, 6..14 for layout 1 (4 spills there); std::invalid_argument otherwise. launch_warp uses kWarpDpDefault with
 /// kWarpLayoutDefault (fits with the per-tile sums) and kWarpDpBytesOnly with kWarpLayoutBytesOnly:
