@@ -1501,7 +1501,7 @@ struct SmemCT {
 };
 static_assert(kUOff + sizeof(float) * kN <= sizeof(DpCT), "u[] must lie inside the table layout's DP tables");
 using SmemC = SmemCT<false>;
-static_assert(!SmemC::kTable && SmemCT<true>::kTable);
+static_assert(!SmemC::kTable);
 static_assert(sizeof(SmemC) == 9168, "the compact layout's size (fit12) must not change with fit16's table");
 
 
