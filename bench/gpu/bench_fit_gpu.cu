@@ -10,7 +10,8 @@
 //   bench_fit_gpu [E N K] [student]
 // With LUTB_BENCH_PROFILE_ONLY=1: only one launch each of the default binned-dp kernel and the
 // two-tiles-per-warp kernel over the stack (with per-tile sums), for a profiler (ncu), then exit;
-// =2: one launch each of the binned-dp shared-memory layouts 0..4 (fit12).
+// =2: one launch each of the binned-dp shared-memory layouts 0..4 (fit12); =3: one launch each of
+// layout 1's DP modes 0, 13, 14, 10, 9, 6 (fit16).
 // With LUTB_BENCH_ONLINE=1: only onl14's comparison of the online method, old (serial) against new
 // (pipelined), with its parts on the device alone (see online_bench); =2: one old and one new call
 // after a warm-up, for nsys.
@@ -19,6 +20,10 @@
 // layouts 0 and 1, with and without the per-tile sums, alternated twice in this process; whole-stack
 // bytes and sums == mode 0's; expert 0 == CPU; the phase breakdown of the instrumented kernel with
 // each mode), then exit.
+// With LUTB_BENCH_FIT16=1: only fit16's comparison (the binned DP over a per-tile table of every run
+// cost, launch_warp_dp modes 9, 10, 12 and the diagnostics 13, 14 on layout 1, against the defaults: layout 1 mode 0 with the
+// per-tile sums, layout 0 mode 6 bytes only; alternated forward / reverse / forward / reverse in this
+// process; whole-stack bytes and sums == the default's; expert 0 == CPU), then exit.
 // Weights: i.i.d. Gaussian (sigma 0.02) rounded to BF16, or Student-t(3)-like with "student" (a
 // Gaussian divided by sqrt of a chi-square(3)/3 built from three more Gaussians).
 // Output: markdown lines with seconds, weights/s, the ratio to the thread kernel and the implied
@@ -461,6 +466,17 @@ int main(int argc, char** argv) {
     std::printf("profile-only: one launch each of the binned-dp layouts 0..4, %lld tiles\n", static_cast<long long>(tiles));
     return 0;
   }
+  if (const char* po = std::getenv("LUTB_BENCH_PROFILE_ONLY"); po != nullptr && std::string(po) == "3") {
+    // fit16: one launch each of layout 1's DP modes 0, 13, 14, 10, 9, 6, with per-tile sums
+    for (int dp : {0, 13, 14, 10, 9, 6}) {
+      lutb::cuda::fit_internal::KernelArgs ka{d_w, 1, N, K, s.tiles_n(), s.tiles_k(), tiles, 0, out[3], -1, d_err};
+      lutb::cuda::fit_internal::launch_warp_dp(ka, 1, dp, nullptr);
+    }
+    ok(cudaDeviceSynchronize());
+    std::printf("profile-only: one launch each of layout 1's DP modes 0, 13, 14, 10, 9, 6, %lld tiles\n",
+                static_cast<long long>(tiles));
+    return 0;
+  }
   if (const char* po = std::getenv("LUTB_BENCH_PROFILE_ONLY"); po != nullptr && std::string(po) == "1") {
     time_tiles(1, nullptr);
     time_tiles(2, nullptr);
@@ -469,6 +485,116 @@ int main(int argc, char** argv) {
     std::printf("profile-only: one launch each of the 1- and 2-tiles-per-warp binned-dp kernels, %lld tiles\n",
                 static_cast<long long>(tiles));
     return 0;
+  }
+  if (const char* f16 = std::getenv("LUTB_BENCH_FIT16"); f16 != nullptr && std::string(f16) == "1") {
+    namespace fi = lutb::cuda::fit_internal;
+    auto hostv = [](const void* p, std::size_t n) {
+      std::vector<std::uint8_t> h(n);
+      ok(cudaMemcpy(h.data(), p, n, cudaMemcpyDeviceToHost));
+      return h;
+    };
+    auto same16 = [&](const lutb::cuda::DeviceFitOut& x, const lutb::cuda::DeviceFitOut& y, bool sums) {
+      return hostv(x.packed, nt * lutb::kPackedBytes) == hostv(y.packed, nt * lutb::kPackedBytes) &&
+             hostv(x.codebook, nt * 8) == hostv(y.codebook, nt * 8) && hostv(x.scale, nt) == hostv(y.scale, nt) &&
+             (!sums || (hostv(x.sse, nt * 8) == hostv(y.sse, nt * 8) && hostv(x.sum_sq, nt * 8) == hostv(y.sum_sq, nt * 8)));
+    };
+    auto time_dp = [&](int layout, int dp, bool sums, const lutb::cuda::DeviceFitOut& o) {
+      lutb::cuda::DeviceFitOut oo = o;
+      if (!sums) oo.sse = oo.sum_sq = nullptr;
+      fi::KernelArgs ka{d_w, 1, N, K, s.tiles_n(), s.tiles_k(), tiles, 0, oo, -1, d_err};
+      float best = 1e30f;
+      for (int rep = 0; rep < 4; ++rep) {  // first = warm-up
+        ok(cudaMemset(d_err, 0xff, 8));
+        ok(cudaEventRecord(a));
+        fi::launch_warp_dp(ka, layout, dp, nullptr);
+        ok(cudaEventRecord(b));
+        ok(cudaEventSynchronize(b));
+        float ms = 0;
+        ok(cudaEventElapsedTime(&ms, a, b));
+        if (rep > 0) best = std::min(best, ms);
+      }
+      unsigned long long err = 0;
+      ok(cudaMemcpy(&err, d_err, 8, cudaMemcpyDeviceToHost));
+      if (lutb::cuda::decode_fit_error(err).code != 0) std::printf("unexpected tile error\n");
+      return best * 1e-3;
+    };
+    // Reference: the default with sums (layout 1, mode 0), into out[0].
+    time_dp(1, 0, true, out[0]);
+    struct V {
+      int layout, dp;
+      bool sums;
+    };
+    // The defaults first in each group (with the sums: layout 1 mode 0; bytes only: layout 0 mode 6).
+    const V vs[] = {{1, 0, true}, {1, 9, true},  {1, 10, true}, {1, 12, true}, {1, 6, true}, {1, 13, true},
+                    {1, 14, true}, {0, 6, false}, {1, 9, false}, {1, 10, false}, {1, 12, false}};
+    constexpr int kV = sizeof(vs) / sizeof(vs[0]);
+    constexpr int kR = 4;  // alternations: forward, reverse, forward, reverse (ABBA)
+    double t16[kR][kV] = {};
+    bool same_all = true;
+    for (int r = 0; r < kR; ++r)
+      for (int q = 0; q < kV; ++q) {
+        const int v = (r & 1) ? kV - 1 - q : q;
+        t16[r][v] = time_dp(vs[v].layout, vs[v].dp, vs[v].sums, out[3]);
+        const bool eq = same16(out[3], out[0], vs[v].sums);
+        if (!eq) std::printf("fit16: layout %d DP mode %d sums %d: bytes or sums DIFFER from the default\n", vs[v].layout,
+                             vs[v].dp, vs[v].sums ? 1 : 0);
+        same_all = same_all && eq;
+      }
+    // Expert 0 == CPU (binned-dp), bytes and FitStats (the per-tile sums added in tile order).
+    const std::int64_t tpe = s.tiles_per_expert();
+    std::vector<std::uint16_t> h(static_cast<std::size_t>(N * K));
+    ok(cudaMemcpy(h.data(), d_w, h.size() * 2, cudaMemcpyDeviceToHost));
+    lutb::LutbTensor cpu;
+    lutb::FitOptions fo;
+    fo.fitter = "binned-dp";
+    const lutb::FitStats st = lutb::quantize(h.data(), lutb::DType::BF16, s1, cpu, fo, "w13");
+    std::vector<double> sse(static_cast<std::size_t>(tpe)), ssq(static_cast<std::size_t>(tpe));
+    ok(cudaMemcpy(sse.data(), out[0].sse, sse.size() * 8, cudaMemcpyDeviceToHost));
+    ok(cudaMemcpy(ssq.data(), out[0].sum_sq, ssq.size() * 8, cudaMemcpyDeviceToHost));
+    lutb::FitStats sg;
+    for (std::size_t t = 0; t < sse.size(); ++t) {
+      sg.sse += sse[t];
+      sg.sum_sq += ssq[t];
+    }
+    const bool same_cpu = cpu.packed == hostv(out[0].packed, static_cast<std::size_t>(tpe) * lutb::kPackedBytes) &&
+                          cpu.codebook == hostv(out[0].codebook, static_cast<std::size_t>(tpe) * 8) &&
+                          cpu.scale == hostv(out[0].scale, static_cast<std::size_t>(tpe)) && sg.sse == st.sse &&
+                          sg.sum_sq == st.sum_sq;
+    std::printf("| GPU | %s, %d SMs |\n", prop.name, prop.multiProcessorCount);
+    std::printf("| data | BF16 %s sigma 0.02, [%lld, %lld, %lld] = %.3g weights, %lld tiles |\n\n",
+                student ? "Student-t(3)-like" : "Gaussian", static_cast<long long>(E), static_cast<long long>(N),
+                static_cast<long long>(K), static_cast<double>(weights), static_cast<long long>(tiles));
+    std::printf("| fit16: binned-dp, layout, DP mode, sums | time alt. 1 / 2 / 3 / 4 (fwd, rev, fwd, rev) | weights/s (best) "
+                "| time / group default (alt. 1 / 2 / 3 / 4) | 654e9 weights | of 45e9/s |\n|---|---|---|---|---|---|\n");
+    auto dp_name = [](int dp) -> const char* {
+      switch (dp) {
+        case 0: return "0 divide and conquer";
+        case 6: return "6 full range, chunk per lane";
+        case 9: return "9 cost table + 6's layers";
+        case 10: return "10 cost table + divide and conquer";
+        case 12: return "12 = 9 at 18 warps (spills)";
+        case 13: return "13 table layout, no table, 0's DP (diagnostic)";
+        case 14: return "14 table filled, not read, 0's DP (diagnostic)";
+        default: return "?";
+      }
+    };
+    for (int v = 0; v < kV; ++v) {
+      const int base = vs[v].sums ? 0 : 7;
+      double tb = 1e30;
+      for (int r = 0; r < kR; ++r) tb = std::min(tb, t16[r][v]);
+      const double rate = static_cast<double>(weights) / tb;
+      std::printf("| layout %d, DP mode %s, %s | %.4f / %.4f / %.4f / %.4f s | %.3g | %.3f / %.3f / %.3f / %.3f | %.0f s | %.1f%% |\n",
+                  vs[v].layout, dp_name(vs[v].dp), vs[v].sums ? "with per-tile sums" : "bytes only", t16[0][v], t16[1][v],
+                  t16[2][v], t16[3][v], rate, t16[0][v] / t16[0][base], t16[1][v] / t16[1][base], t16[2][v] / t16[2][base],
+                  t16[3][v] / t16[3][base], 654e9 / rate, 100.0 * rate / 45e9);
+    }
+    std::printf("| resident warps per SM: layout 0 / layout 1 / table modes 9-11 / mode 12 | %d / %d / %d / %d |\n",
+                fi::resident_warps_per_sm(0), fi::resident_warps_per_sm(3), fi::resident_warps_table(9),
+                fi::resident_warps_table(12));
+    std::printf("\n| every variant == the default (layout 1, mode 0, with sums): bytes and sums (bytes only: bytes), whole stack | %s |\n",
+                same_all ? "yes" : "NO");
+    std::printf("| expert 0: GPU default == CPU binned-dp: bytes and FitStats | %s |\n", same_cpu ? "yes" : "NO");
+    return same_all && same_cpu ? 0 : 2;
   }
   if (const char* f13 = std::getenv("LUTB_BENCH_FIT13"); f13 != nullptr && std::string(f13) == "1") {
     namespace fi = lutb::cuda::fit_internal;

@@ -47,6 +47,11 @@
 //    dp_layer_chunk: a contiguous chunk of pairs per lane), equal to the divide and conquer's when
 //    they are monotone in j (proof at dp_layer_full; checked, the layer recomputed by dp_layer
 //    otherwise). Mode 6 (dp_layer_chunk) on fit_warp_kernel is the default of bytes-only fits.
+//  - DP modes 9..14 (fit16; fill_cost_table, dp_fit_c, launchers in fit_dp_modes_t.cu): the run cost
+//    of every pair of bin edges computed once per tile into a shared-memory table (a memo of the
+//    same doubles: the same comparisons, the same bytes), the layers reading it; on the compact
+//    layout's table form (SmemCT<true>, 2-warp blocks, 16 warps per SM); slower than the default on
+//    the H200 (docs/perf/fit-gpu.md, fit16), kept selectable.
 //  - fit_pair_kernel (binned-dp, an experiment selected by launch_warp_tiles, not the default): two
 //    tiles per warp, their DP and refinement at once on the two half-warps (the same functions with
 //    G = 16 lanes per tile, every collective masked to the half); same bytes, slower on the H200
@@ -58,6 +63,7 @@
 #include <cub/warp/warp_merge_sort.cuh>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "cuda/fit_internal.cuh"
 #include "fit/fit_scalar.hpp"
@@ -1416,28 +1422,68 @@ __global__ void __launch_bounds__(32) fit_pair_kernel(KernelArgs a) {
 // that position. 9,168 B per warp: 24 warps per SM fit in shared memory, 20 in registers without
 // spilling (96; 24 need 80, where ptxas spills: layouts 2 and 4 of launch_warp_layout).
 constexpr int kChunk = 256;
-struct SmemC {
+// fit16: the binned DP's run-cost table (DP modes 9..11 of launch_warp_dp): C(i, j) for the bin
+// edges 1 <= i < j <= m, row j at ((j - 1) (j - 2)) / 2, at most kMaxEdges (kMaxEdges - 1) / 2
+// doubles. m <= kMaxEdges = 46: binned_dp.cpp pushes at most 7 low-tail edges (cnt[i] < 8 with
+// cnt strictly increasing: i = 1..7), 31 bin edges, 7 high-tail ones (cnt[i] > 504 with i < n:
+// n - i <= 7) and n itself; tiles with n <= 32 distinct values have m = n.
+constexpr int kMaxEdges = 7 + (kBins - 1) + 7 + 1;
+constexpr int kTabMax = kMaxEdges * (kMaxEdges - 1) / 2;  // 1035
+__host__ __device__ constexpr int tab_row(int j) { return ((j - 1) * (j - 2)) >> 1; }
+// The compact layout's refinement tables (a member of its union).
+struct RfC {
+  double F[2][kWin];
+  double V[kWin][kWin];        // V[j - jl][i - il] = F[k-1][i - il] + cost(i, j)
+  double2 g[kCodebookSize][kWin];  // row k - 1: window k's prefix sums (x, x^2), scaled; window K = {n}
+  std::int16_t arg[kCodebookSize - 1][kWin];  // rows k = 2..K
+};
+// The compact layout's DP tables (a member of its union).
+struct DpC {
+  std::int16_t ci[kMaxPos];    // the counts at the bin edges
+  double buf[2][kMaxPos];
+  std::int16_t opt[kOptRows][kMaxPos];
+  Node nodes[2][32];
+  FullScratch full;  // dp_layer_full (fit13)
+};
+// fit16's DP tables: DpC with the run-cost table; the divide and conquer's node lists share their
+// bytes with dp_layer_chunk's scratch (a layer runs dp_layer_chunk, then, only when it falls back,
+// dp_layer, which does not read the scratch; the next layer's dp_layer_chunk writes every roff[j]
+// and rb[j] it reads, j in [k, m], before reading them).
+struct DpCT {
+  std::int16_t ci[kMaxPos];
+  double buf[2][kMaxPos];
+  std::int16_t opt[kOptRows][kMaxPos];
+  union {
+    Node nodes[2][32];
+    FullScratch full;
+  };
+  double T[kTabMax];  // the run costs C(i, j), 1 <= i < j <= m, row j at tab_row(j)
+};
+// Where the table layout keeps the distinct values u[] in the union: above the chunk and the
+// refinement tables, which are in use while u[] is (the running sums, the windows' sums); inside the
+// DP tables, whose phase keeps u[] in registers instead (dp_fit_c saves and restores it); the sort's
+// storage is dead when u[] is written.
+inline constexpr int kUOff = static_cast<int>(((sizeof(RfC) > sizeof(double) * 2 * kChunk ? sizeof(RfC) : sizeof(double) * 2 * kChunk) + 15) / 16 * 16);
+struct UinUnion {
+  unsigned char pad[kUOff];
+  float u[kN];
+};
+// Tab = false: fit12's compact layout (launch_warp_layout 1..4). Tab = true: fit16's table layout
+// (DP modes 9..11): DpCT in the union and u[] inside the union at kUOff (2,048 B fewer outside it).
+template <bool Tab>
+struct SmemCT {
   static constexpr bool kCompact = true;
+  static constexpr bool kTable = Tab;
   union {
     WarpSort::TempStorage sort;
     int lb[32];                    // lower bounds of the bin targets
     double chunk[2][kChunk];       // running sums' terms / prefix sums; encoding's flat-order terms
-    struct {
-      std::int16_t ci[kMaxPos];    // the counts at the bin edges
-      double buf[2][kMaxPos];
-      std::int16_t opt[kOptRows][kMaxPos];
-      Node nodes[2][32];
-      FullScratch full;  // dp_layer_full (fit13)
-    } dp;
-    struct {
-      double F[2][kWin];
-      double V[kWin][kWin];        // V[j - jl][i - il] = F[k-1][i - il] + cost(i, j)
-      double2 g[kCodebookSize][kWin];  // row k - 1: window k's prefix sums (x, x^2), scaled; window K = {n}
-      std::int16_t arg[kCodebookSize - 1][kWin];  // rows k = 2..K
-    } rf;
+    std::conditional_t<Tab, DpCT, DpC> dp;
+    RfC rf;
+    std::conditional_t<Tab, UinUnion, char> uu;  // (Tab: u[])
   };
   double2 sp[kMaxPos];             // prefix sums (x, x^2) at the bin edges, scaled to the tile's scale
-  float u[kN];                     // distinct values, ascending (+0 for zero)
+  float u[Tab ? 1 : kN];           // distinct values, ascending (+0 for zero); Tab: uu.u
   std::uint16_t cnt[kN + 1];       // prefix counts
   std::int16_t pos[kMaxPos];       // bin edges
   int seg[kCodebookSize + 1];
@@ -1448,12 +1494,20 @@ struct SmemC {
   std::uint8_t cbb[kCodebookSize];
   int m, K, edge;
 
-  __device__ float* uv() { return u; }
+  __device__ float* uv() {
+    if constexpr (Tab) return uu.u;
+    else return u;
+  }
 };
+static_assert(kUOff + sizeof(float) * kN <= sizeof(DpCT), "u[] must lie inside the table layout's DP tables");
+using SmemC = SmemCT<false>;
+static_assert(!SmemC::kTable);
+static_assert(sizeof(SmemC) == 9168, "the compact layout's size (fit12) must not change with fit16's table");
 
 
 // binned_dp.cpp's bin edges into s.pos[0..m] (the default layout's code, fit_front_b); returns m.
-__device__ __forceinline__ int bin_edges_c(SmemC& s, int lane, int n) {
+template <class SC>
+__device__ __forceinline__ int bin_edges_c(SC& s, int lane, int n) {
   if (n <= kBins) {
     if (lane <= n) s.pos[lane] = static_cast<std::int16_t>(lane);
     if (n == 32 && lane == 0) s.pos[32] = 32;
@@ -1529,14 +1583,15 @@ __device__ __forceinline__ double sum_from(const double* P, int len, double acc)
 // build_sorted's prefix sums (p[d + 1] = p[d] + c * x, p2[d + 1] = p2[d] + c * (x * x), in order)
 // at the bin edges s.pos[0..m], times f = 2^(127 - sc) (f2 = f^2) into s.sp: the values the
 // default layout's DP tables hold after prescale.
-__device__ __forceinline__ void edge_sums_c(SmemC& s, int lane, int n, int m, double f, double f2) {
+template <class SC>
+__device__ __forceinline__ void edge_sums_c(SC& s, int lane, int n, int m, double f, double f2) {
   double acc = 0.0;  // lane 0: sum of c * x; lane 1: sum of c * x^2
   for (int c0 = 0; c0 < n; c0 += kChunk) {
     const int len = min(kChunk, n - c0);
     for (int d = lane; d < len; d += 32) {
       const int dd = c0 + d;
       const double c = static_cast<double>(s.cnt[dd + 1] - s.cnt[dd]);
-      const double xd = static_cast<double>(s.u[dd]);
+      const double xd = static_cast<double>(s.uv()[dd]);
       s.chunk[0][d] = c * xd;
       s.chunk[1][d] = c * (xd * xd);
     }
@@ -1553,44 +1608,126 @@ __device__ __forceinline__ void edge_sums_c(SmemC& s, int lane, int n, int m, do
 }
 
 // dp.cpp Dp::cost on the bin-edge tables of the compact layout.
-__device__ __forceinline__ double cost_bin_c(const SmemC& s, int i, int j) {
+template <class SC>
+__device__ __forceinline__ double cost_bin_c(const SC& s, int i, int j) {
   const double2 pj = s.sp[j], pi = s.sp[i];
   return cost_of<3>(s.dp.ci[j] - s.dp.ci[i], pj.x - pi.x, pj.y - pi.y);
 }
 
+// fit16: fills the run-cost table s.dp.T with C(i, j) = cost_bin_c(s, i, j) for every pair of bin
+// edges 1 <= i < j <= m in one pass over the flat index e = tab_row(j) + i - 1, all lanes busy (two
+// independent evaluations per lane and step, no levels, no divergence but the last step's). Each
+// entry is the very double cost_bin_c returns (the same function on the same inputs), so a DP that
+// reads the table makes the same comparisons on the same bits as one that evaluates.
+template <class SC>
+__device__ __forceinline__ void fill_cost_table(SC& s, int lane, int m) {
+  const int tot = tab_row(m + 1);  // m (m - 1) / 2
+  // (r, j): flat index -> row j >= 2 and r = i - 1 in [0, j - 2]
+  auto norm = [](int& r, int& j) {
+    while (r >= j - 1) {
+      r -= j - 1;
+      ++j;
+    }
+  };
+  int ja = 2, ra = lane;
+  norm(ra, ja);
+  int jb = ja, rb = ra + 32;
+  norm(rb, jb);
+  for (int e = lane; e < tot; e += 64) {
+    const bool okb = e + 32 < tot;  // (otherwise a valid dummy run, (ra + 1, ja), not stored)
+    const double va = cost_bin_c(s, ra + 1, ja);
+    const double vb = cost_bin_c(s, okb ? rb + 1 : ra + 1, okb ? jb : ja);
+    s.dp.T[e] = va;
+    if (okb) s.dp.T[e + 32] = vb;
+    ra = rb + 32;
+    ja = jb;
+    norm(ra, ja);
+    rb = ra + 32;
+    jb = ja;
+    norm(rb, jb);
+  }
+  __syncwarp();
+}
+
+// dp_fit_c's layers 2..K-1, the last layer and the trace-back with the run cost `cost` and the
+// layer mode Dl (dp_layer_mode).
+template <int Dl, class SC, class Cost>
+__device__ __forceinline__ int dp_layers_c(SC& s, int lane, int m, int K, const Cost& cost) {
+  int reruns = 0;
+  double* prev = s.dp.buf[0];
+  double* cur = s.dp.buf[1];
+  for (int j = 1 + lane; j <= m; j += 32) prev[j] = cost_bin_c(s, 0, j);
+  __syncwarp();
+  for (int k = 2; k < K; ++k) {
+    reruns += dp_layer_mode<Dl, kUnroll<false>>(s, lane, k, m, prev, cur, s.dp.opt[k - 2], k > 2 ? s.dp.opt[k - 3] : nullptr, cost);
+    __syncwarp();
+    double* t = prev;
+    prev = cur;
+    cur = t;
+  }
+  const int start = K > 2 ? s.dp.opt[K - 3][m] : K - 1;
+  double bv = inf();
+  int bi = INT_MAX;
+  scan_min<kUnroll<false>>(prev, start + lane, m - 1, 32, m, cost, bv, bi);
+  group_argmin(bv, bi, 32);
+  if (lane == 0) {
+    s.seg[K] = m;
+    s.seg[K - 1] = bi;
+    for (int k = K - 1; k >= 2; --k) s.seg[k - 1] = s.dp.opt[k - 2][s.seg[k]];
+    s.seg[0] = 0;
+  }
+  return reruns;
+}
+
 // dp_fit_warp for binned-dp on the compact layout (same operations, in the same order).
-template <int Dm>
-__device__ int dp_fit_c(SmemC& s, int lane, int m) {
+// Dm: the layer mode of dp_layer_mode (0..3, 6..8), or fit16's table modes: the run costs of every
+// pair of bin edges computed once into s.dp.T (fill_cost_table; the layers do not depend on them,
+// so every layer reads the same entries), then the layers as min-plus rows over the table: 9 with
+// dp_layer_chunk's full ranges (mode 6's division, its monotonicity check and fallback), 10 with
+// the divide and conquer level by level (mode 0's), 11 (tests) with 6's and then always the
+// fallback (mode 8's). The table holds cost_bin_c's bits, so 9 / 10 / 11 make exactly the
+// comparisons of 6 / 0 / 8 on the same values: the same bytes (the equality of 6 and 0 with the CPU:
+// dp_layer_full's proof). Layer 1 (start 0) evaluates directly: column 0 is not stored.
+template <int Dm, class SC>
+__device__ int dp_fit_c(SC& s, int lane, int m) {
   int reruns = 0;
   for (int i = lane; i <= m; i += 32) s.dp.ci[i] = static_cast<std::int16_t>(s.cnt[s.pos[i]]);
   __syncwarp();
-  auto cost = [&](int i, int j) { return cost_bin_c(s, i, j); };
   const int K = min(m, kCodebookSize);
   if (K == m) {
     if (lane <= m) s.seg[lane] = lane;
-  } else {
-    double* prev = s.dp.buf[0];
-    double* cur = s.dp.buf[1];
-    for (int j = 1 + lane; j <= m; j += 32) prev[j] = cost(0, j);
-    __syncwarp();
-    for (int k = 2; k < K; ++k) {
-      reruns += dp_layer_mode<Dm, kUnroll<false>>(s, lane, k, m, prev, cur, s.dp.opt[k - 2], k > 2 ? s.dp.opt[k - 3] : nullptr, cost);
+  } else if constexpr (Dm >= 9) {
+    static_assert(SC::kTable, "fit16's DP modes need the table layout");
+    // (diagnostics, fit16 run 2: 13 the table layout without the table, mode 0's DP evaluating;
+    // 14 the table filled but not read, mode 0's DP evaluating)
+    constexpr bool kFill = Dm != 13, kRead = Dm <= 11;
+    // u[] lies inside the table: kept in registers over the DP (16 values a lane, all 512 slots).
+    float4 us[kIpt / 4];
+    if constexpr (kFill) {
+      const float4* u4 = reinterpret_cast<const float4*>(s.uv()) + (kIpt / 4) * lane;
+#pragma unroll
+      for (int q = 0; q < kIpt / 4; ++q) us[q] = u4[q];
       __syncwarp();
-      double* t = prev;
-      prev = cur;
-      cur = t;
+      fill_cost_table(s, lane, m);
     }
-    const int start = K > 2 ? s.dp.opt[K - 3][m] : K - 1;
-    double bv = inf();
-    int bi = INT_MAX;
-    scan_min<kUnroll<false>>(prev, start + lane, m - 1, 32, m, cost, bv, bi);
-    group_argmin(bv, bi, 32);
-    if (lane == 0) {
-      s.seg[K] = m;
-      s.seg[K - 1] = bi;
-      for (int k = K - 1; k >= 2; --k) s.seg[k - 1] = s.dp.opt[k - 2][s.seg[k]];
-      s.seg[0] = 0;
+    if constexpr (kRead) {
+      const double* T = s.dp.T;
+      auto cost = [T](int i, int j) { return T[tab_row(j) + i - 1]; };  // (i >= 1 in layers 2..K)
+      constexpr int Dl = Dm == 9 ? 6 : Dm == 10 ? 0 : 8;
+      reruns = dp_layers_c<Dl>(s, lane, m, K, cost);
+    } else {
+      auto cost = [&](int i, int j) { return cost_bin_c(s, i, j); };
+      reruns = dp_layers_c<0>(s, lane, m, K, cost);
     }
+    if constexpr (kFill) {
+      __syncwarp();
+      float4* w4 = reinterpret_cast<float4*>(s.uv()) + (kIpt / 4) * lane;
+#pragma unroll
+      for (int q = 0; q < kIpt / 4; ++q) w4[q] = us[q];
+    }
+  } else {
+    auto cost = [&](int i, int j) { return cost_bin_c(s, i, j); };
+    reruns = dp_layers_c<Dm>(s, lane, m, K, cost);
   }
   __syncwarp();
   if (lane <= K) s.bounds[lane] = s.pos[s.seg[lane]];
@@ -1608,7 +1745,8 @@ __device__ int dp_fit_c(SmemC& s, int lane, int m) {
 // 2 (k - 1) + w re-derives sum w (0: c * x, 1: c * x^2) over window k in build_sorted's order from
 // the nearest bin edge at or below s.lo[k] (its raw sum = sp / f, exact), storing each sum times f
 // (f2), i.e. p[.] * f as prescale forms it. Window K = {n} goes to row K - 1.
-__device__ __forceinline__ void window_sums_c(SmemC& s, int lane, int K, int me, int scale) {
+template <class SC>
+__device__ __forceinline__ void window_sums_c(SC& s, int lane, int K, int me, int scale) {
   if (lane < 2 * (K - 1)) {
     const double f = pow2(127 - scale), f2 = f * f;  // (prescale's factors)
     const double fi = pow2(scale - 127), fi2 = fi * fi;
@@ -1626,13 +1764,13 @@ __device__ __forceinline__ void window_sums_c(SmemC& s, int lane, int K, int me,
     double* gw = reinterpret_cast<double*>(&s.rf.g[k - 1][0]) + w;
     for (; q < lo; ++q) {
       const double c = static_cast<double>(s.cnt[q + 1] - s.cnt[q]);
-      const double xd = static_cast<double>(s.u[q]);
+      const double xd = static_cast<double>(s.uv()[q]);
       acc = acc + (w ? c * (xd * xd) : c * xd);
     }
     gw[0] = acc * sc;
     for (int t = 2; q < hi; ++q, t += 2) {
       const double c = static_cast<double>(s.cnt[q + 1] - s.cnt[q]);
-      const double xd = static_cast<double>(s.u[q]);
+      const double xd = static_cast<double>(s.uv()[q]);
       acc = acc + (w ? c * (xd * xd) : c * xd);
       gw[t] = acc * sc;
     }
@@ -1642,7 +1780,8 @@ __device__ __forceinline__ void window_sums_c(SmemC& s, int lane, int K, int me,
 
 // dp.cpp dp_refine on the compact layout (dp_refine_warp's operations in the same order; the
 // costs read the window tables).
-__device__ int dp_refine_c(SmemC& s, int lane, int n, int me, int scale) {
+template <class SC>
+__device__ int dp_refine_c(SC& s, int lane, int n, int me, int scale) {
   const int K = s.K;
   const int m = n;
   if (K < 2 || K >= m) return 0;
@@ -1738,7 +1877,8 @@ __device__ int dp_refine_c(SmemC& s, int lane, int n, int me, int scale) {
 
 // encode_warp (need_sse false) on the compact layout: the flat-order sums over two halves of the
 // chunk (flat positions 0..255 from lanes 0-15, then 256..511 from lanes 16-31), in order.
-__device__ void encode_c(SmemC& s, int lane, const float (&x)[kIpt], int scale, int n_entries, const TileOut& o) {
+template <class SC>
+__device__ void encode_c(SC& s, int lane, const float (&x)[kIpt], int scale, int n_entries, const TileOut& o) {
   if (lane == 0) build_codebook(s, scale, n_entries);
   __syncwarp();
   float cb[kCodebookSize], mid[kCodebookSize];
@@ -1797,8 +1937,8 @@ __device__ void encode_c(SmemC& s, int lane, const float (&x)[kIpt], int scale, 
 
 // Reload: the tile's values are read again from global memory for the encoding instead of being
 // kept in 16 registers over the DP and the refinement.
-template <bool Reload, int Dm>
-__device__ __forceinline__ void fit_one_c(SmemC& s, int lane, const KernelArgs& a, std::int64_t lt) {
+template <bool Reload, int Dm, class SC>
+__device__ __forceinline__ void fit_one_c(SC& s, int lane, const KernelArgs& a, std::int64_t lt) {
   float x[kIpt];
   float am;
   int n;
@@ -1828,7 +1968,7 @@ __device__ __forceinline__ void fit_one_c(SmemC& s, int lane, const KernelArgs& 
 // SM asked of the compiler (__launch_bounds__: 20 -> <= 96 registers, 24 -> <= 80).
 template <int W, int MinWarps, bool Reload, int Dm = 0>
 __global__ void __launch_bounds__(32 * W, MinWarps / W) fit_compact_kernel(KernelArgs a) {
-  __shared__ SmemC sm[W];
+  __shared__ SmemCT<(Dm >= 9)> sm[W];
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * W;
   for (std::int64_t lt = static_cast<std::int64_t>(blockIdx.x) * W + w; lt < a.tiles; lt += stride) {

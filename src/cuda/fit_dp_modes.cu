@@ -9,15 +9,20 @@
 namespace lutb::cuda::fit_internal {
 
 void launch_warp_dp_compact(const KernelArgs& a, int dp_mode, cudaStream_t stream);  // fit_dp_modes_c.cu
+void launch_warp_dp_table(const KernelArgs& a, int dp_mode, cudaStream_t stream);    // fit_dp_modes_t.cu
 
 void launch_warp_dp(const KernelArgs& a, int layout, int dp_mode, cudaStream_t stream) {
-  if (dp_mode < 0 || dp_mode > 8 || dp_mode == 5)
-    throw std::invalid_argument("launch_warp_dp: dp_mode must be 0..4 or 6..8, not " + std::to_string(dp_mode));
+  if (dp_mode < 0 || dp_mode > 14 || dp_mode == 5)
+    throw std::invalid_argument("launch_warp_dp: dp_mode must be 0..4 or 6..14, not " + std::to_string(dp_mode));
+  if (dp_mode >= 9 && layout != 1)
+    throw std::invalid_argument("launch_warp_dp: the run-cost table modes 9..14 exist for layout 1 only, not layout " +
+                                std::to_string(layout));
   if (dp_mode != 0 && layout != 0 && !(layout == 1 && dp_mode != 4))
     throw std::invalid_argument("launch_warp_dp: DP modes 1..4 and 6..8 exist for layout 0, 1..3 and 6..8 for layout 1, "
                                 "not mode " + std::to_string(dp_mode) + " on layout " + std::to_string(layout));
   if (a.tiles == 0) return;
   if (dp_mode == 0 || a.optimal || a.check_only) return launch_warp_layout(a, layout, stream);
+  if (dp_mode >= 9) return launch_warp_dp_table(a, dp_mode, stream);
   if (layout == 1) return launch_warp_dp_compact(a, dp_mode, stream);
   const char* who = "quantize_gpu: kernel launch: ";
   constexpr int U = kUnroll<false>;

@@ -113,9 +113,19 @@ void launch_warp_layout(const KernelArgs& a, int layout, cudaStream_t stream);
 /// fallback path); 4: 1 with two passes per iteration; 6, 7: 1, 2 with dp_layer_chunk (a contiguous
 /// chunk of the layer's pairs per lane, scanned sequentially, one segmented combination per layer);
 /// 8 (tests): 6 then always 0. (Mode 5, 2 with two passes per iteration, was measured in fit13 run 1
-/// and removed.) Same bytes in every mode (tested). launch_warp_dp(a, layout, 0) ==
-/// launch_warp_layout(a, layout); modes 1..4, 6..8 exist for layout 0, 1..3, 6..8 for layout 1 (4
-/// spills there); std::invalid_argument otherwise. launch_warp uses kWarpDpDefault with
+/// and removed.) fit16, the run-cost table (fit_binned_dp_warp.cu fill_cost_table, dp_fit_c; layout 1
+/// only, in its table form: the costs C(i, j) of every pair of bin edges computed once per tile into
+/// shared memory by all lanes, 12,416 B per warp, 2-warp blocks, 16 resident warps per SM, <= 128
+/// registers): 9 the layers as mode 6 (full ranges, chunk per lane, check + fallback) reading the
+/// table, 10 as mode 0 (divide and conquer) reading it, 11 (tests) as mode 8 reading it, 12 = 9
+/// compiled for 18 warps per SM (96 registers, spills 32 B); diagnostics of the table layout's
+/// costs: 13 the table layout (16 warps) with mode 0's DP evaluating and no table, 14 the same with
+/// the table filled but not read. Same bytes in every mode (tested). Measured on the H200
+/// (docs/perf/fit-gpu.md, fit16, same runs as the default): 9 1.17-1.19x the default's time with the
+/// sums, 10 1.08x, 12 1.23-1.26x, 13 1.14x, 14 1.30x; bytes only 9 / 10 1.23-1.26x / 1.13x of
+/// kWarpDpBytesOnly's; so neither default changed.
+/// launch_warp_dp(a, layout, 0) == launch_warp_layout(a, layout); modes 1..4, 6..8 exist for layout
+/// 0, 1..3, 6..14 for layout 1 (4 spills there); std::invalid_argument otherwise. launch_warp uses kWarpDpDefault with
 /// kWarpLayoutDefault (fits with the per-tile sums) and kWarpDpBytesOnly with kWarpLayoutBytesOnly:
 /// measured on the H200 (docs/perf/fit-gpu.md, fit13 run 2, same run as mode 0): layout 0 with mode
 /// 6, bytes only, 0.977 / 0.995 of mode 0's time (Gaussian / Student-t), the fastest bytes-only
@@ -123,6 +133,9 @@ void launch_warp_layout(const KernelArgs& a, int layout, cudaStream_t stream);
 inline constexpr int kWarpDpDefault = 0;
 inline constexpr int kWarpDpBytesOnly = 6;
 void launch_warp_dp(const KernelArgs& a, int layout, int dp_mode, cudaStream_t stream);
+/// Resident warps per SM (occupancy calculator; -1 on a CUDA error) of the table kernels: DP mode 12's
+/// when dp_mode is 12, else 9..11's (fit_dp_modes_t.cu).
+int resident_warps_table(int dp_mode);
 /// launch_warp_profiled's DP modes 1, 2, 6, 7 (src/cuda/fit_dp_modes.cu).
 void launch_warp_profiled_dp(const KernelArgs& a, unsigned long long* d_prof, int dp_mode, cudaStream_t stream);
 

@@ -716,6 +716,76 @@ TEST(FitGpu, FullRangeDpEdgeTiles) {
     }
 }
 
+// fit16: the binned DP over a table of every pair of bin edges' run cost, computed once per tile
+// (fit_internal::launch_warp_dp modes 9: the layers as mode 6 reading the table, 10: as mode 0
+// reading it, 11: as mode 8 (every layer then ALSO recomputed by the divide and conquer over the
+// table: the fallback path), 12: 9 compiled for 18 warps per SM, 14: the table filled but mode 0's DP
+// evaluating (a diagnostic); layout 1 only): the CPU's bytes and
+// sums on every case of LayoutsSameBytes (edge tiles F32 / BF16 with and without the sums, forced
+// scales 3..246, 63 mixed tiles, random Gaussian / Student-t(3) / Laplace, FP32 512-distinct tiles
+// with the most bin edges (the largest tables), padded shapes); the error word of a NaN / -Inf
+// stack; the table modes refused on other layouts.
+TEST(FitGpu, CostTableDpSameBytes) {
+  LUTB_GPU_OR_SKIP();
+  for (int dp_mode : {9, 10, 11, 12, 14}) layout_cases(1, dp_mode);
+  {  // 12,416 B of static shared memory per warp: 8 two-warp blocks per SM of 228 KiB (sm_90)
+    int dev = 0, smem = 0;
+    ASSERT_EQ(cudaGetDevice(&dev), cudaSuccess);
+    ASSERT_EQ(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev), cudaSuccess);
+    if (smem == 233472) {
+      EXPECT_EQ(cuda::fit_internal::resident_warps_table(9), 16);
+      EXPECT_EQ(cuda::fit_internal::resident_warps_table(12), 18);
+    }
+  }
+  {  // error words of a NaN / -Inf stack: those of the default DP
+    auto v = random_values(8 * 64 * 6, Dist::kGauss, 0.02f, 13);
+    v[static_cast<std::size_t>(3 * 64 * 6 + 2 * 64 + 17)] = std::numeric_limits<float>::quiet_NaN();
+    v[static_cast<std::size_t>(5 * 64 * 6 + 3 * 64 + 60)] = -std::numeric_limits<float>::infinity();
+    float* d_src = nullptr;
+    std::uint8_t* d_out = nullptr;
+    unsigned long long* d_err = nullptr;
+    ASSERT_EQ(cudaMalloc(&d_src, v.size() * 4), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&d_out, 6 * (kPackedBytes + kCodebookSize + 1)), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&d_err, 8), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(d_src, v.data(), v.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    for (int dp_mode : {9, 10, 12}) {
+      cuda::fit_internal::KernelArgs ka{d_src, 0, 8, 64 * 6, 1, 6, 6, 0,
+                                        cuda::DeviceFitOut{d_out, d_out + 6 * kPackedBytes,
+                                                           d_out + 6 * (kPackedBytes + kCodebookSize), nullptr, nullptr},
+                                        -1, d_err};
+      unsigned long long word = 0;
+      ASSERT_EQ(cudaMemset(d_err, 0xff, 8), cudaSuccess);
+      cuda::fit_internal::launch_warp_dp(ka, 1, dp_mode, nullptr);
+      ASSERT_EQ(cudaMemcpy(&word, d_err, 8, cudaMemcpyDeviceToHost), cudaSuccess);
+      EXPECT_EQ(cuda::decode_fit_error(word).tile, 2) << "DP mode " << dp_mode;
+      EXPECT_EQ(cuda::decode_fit_error(word).code, 1) << "DP mode " << dp_mode;
+    }
+    cudaFree(d_src);
+    cudaFree(d_out);
+    cudaFree(d_err);
+  }
+  cuda::fit_internal::KernelArgs ka{};
+  ka.tiles = 1;
+  for (int layout : {0, 2, 3, 4})
+    EXPECT_THROW(cuda::fit_internal::launch_warp_dp(ka, layout, 9, nullptr), std::invalid_argument) << layout;
+  EXPECT_THROW(cuda::fit_internal::launch_warp_dp(ka, 1, 15, nullptr), std::invalid_argument);
+}
+
+// The same on a small stack for the sanitizers (memcheck, racecheck, synccheck): the edge tiles and
+// two 512-distinct FP32 tiles (the most bin edges: the largest table), every table mode, and the
+// diagnostic modes 13 (the table layout without the table) and 14 (the table filled, not read).
+TEST(FitGpu, CostTableDpEdgeTiles) {
+  LUTB_GPU_OR_SKIP();
+  std::int64_t ne = 0;
+  const std::vector<float> edges = edge_tiles(ne);
+  const auto wide = random_values(8 * 64 * 2, Dist::kStudentT3, 0.02f, 41);
+  for (int dp_mode : {9, 10, 11, 12, 13, 14}) {
+    SCOPED_TRACE("DP mode " + std::to_string(dp_mode));
+    EXPECT_EQ(expect_two_tiles_same(edges.data(), DType::F32, stack(1, 8, 64 * ne), -1, true, 1, dp_mode), ne);
+    EXPECT_EQ(expect_two_tiles_same(wide.data(), DType::F32, stack(1, 8, 128), -1, true, 1, dp_mode), 2);
+  }
+}
+
 // Heavy mixtures: log-uniform magnitudes over many binades (FP32 sums that round), sparse tiles
 // (a few values and many zeros), and tiles with exactly 33..64 distinct values.
 void mixed_tiles_case(const std::string& fitter) {
@@ -979,6 +1049,12 @@ TEST(FitGpu, TinyQwen3MoeExpertStacks) {
     const std::int64_t tiles = e * (rows / 8) * ((cols + 63) / 64);
     EXPECT_EQ(expect_same(data.data(), DType::BF16, stack(e, rows, cols)), tiles);
     EXPECT_EQ(expect_same_optimal(data.data(), DType::BF16, stack(e, rows, cols)), tiles);
+    // fit16's run-cost table DP (launch_warp_dp modes 9 and 10 on layout 1), with and without the sums
+    for (int dp_mode : {9, 10}) {
+      SCOPED_TRACE(std::string(proj) + ", DP mode " + std::to_string(dp_mode));
+      EXPECT_EQ(expect_two_tiles_same(data.data(), DType::BF16, stack(e, rows, cols), -1, true, 1, dp_mode), tiles);
+      EXPECT_EQ(expect_two_tiles_same(data.data(), DType::BF16, stack(e, rows, cols), -1, false, 1, dp_mode), tiles);
+    }
   }
 }
 
