@@ -1,14 +1,17 @@
-// Defects a fresh new user found in session 16 (helper nu16) with unusual config.json files.
-// Each test failed on the code before its fix.
+// Defects a fresh new user found in session 16 (helper nu16) with unusual config.json files and a
+// truncated weights file. Each test failed on the code before its fix.
 #include <gtest/gtest.h>
 
 #include <fstream>
 #include <string>
 
+#include <fmt/format.h>
+
 #include <nlohmann/json.hpp>
 
 #include "lutb/checkpoint.hpp"
 #include "lutb/model.hpp"
+#include "lutb/safetensors.hpp"
 #include "support/test_support.hpp"
 
 namespace lutb {
@@ -91,6 +94,30 @@ TEST(ModelConfigNewUserNu16, QwenLossIgnoresDeepSeekRoutingKeys) {
     std::ofstream(d / "config.json") << cfg.dump(1);
     EXPECT_NEAR(loss(d), reference, 1e-6);
   }
+}
+
+// A weights file cut short (an interrupted download or copy: 13.9 of tiny-qwen3-moe's 27.8 MB) was
+// reported as "tensor 'X': data_offsets [13772544, 13903616] out of range: the data buffer has
+// 13899540 bytes", which left the user to work out that the file, not its header, is at fault.
+TEST(SafetensorsNewUserNu16, TruncatedFileSaysHowManyBytesAreMissing) {
+  namespace fs = std::filesystem;
+  test::TempDir t;
+  const fs::path full = t.path / "full.safetensors", cut = t.path / "cut.safetensors";
+  write_safetensors(full, {{"a", OwnedTensor{DType::U8, {100}, std::vector<std::uint8_t>(100, 1)}},
+                           {"b", OwnedTensor{DType::U8, {300}, std::vector<std::uint8_t>(300, 2)}}});
+  const auto size = fs::file_size(full);
+  fs::copy_file(full, cut);
+  fs::resize_file(cut, size - 250);  // b's data [100, 400) now ends 250 bytes past the file's end
+  std::string what = "no exception";
+  try {
+    SafetensorsFile f(cut);
+  } catch (const SafetensorsError& e) {
+    what = e.what();
+  }
+  EXPECT_EQ(what, fmt::format("{}: tensor 'b': data_offsets [100, 400] out of range: the data buffer has 150 bytes; the "
+                              "header's tensors need 400 bytes of data, 250 more than the file ({} bytes) holds: the file is "
+                              "truncated (an interrupted download or copy?) or its header is corrupt",
+                              cut.string(), size - 250));
 }
 
 }  // namespace
