@@ -101,13 +101,16 @@ struct ModelConfig {
   /// Renormalise the top-k weights to sum 1 ("norm_topk_prob"; default false, DeepSeek-V3 true;
   /// Mixtral always true whatever the key says, spec section 5).
   bool norm_topk_prob = false;
-  ScoringFunc scoring_func = ScoringFunc::softmax;  // "scoring_func" (DeepSeek-V3 default sigmoid)
-  /// DeepSeek routing: "topk_method" ("greedy", "group_limited_greedy", "noaux_tc"; DeepSeek-V3
-  /// default "noaux_tc", DeepSeek-V2 default "greedy"; empty for other families).
+  /// DeepSeek-V2/V3 routing keys (spec 5): "scoring_func" (DeepSeek-V3 default sigmoid, V2 softmax),
+  /// "topk_method" ("greedy", "group_limited_greedy", "noaux_tc"; V3 default "noaux_tc", V2
+  /// "greedy"), "n_group", "topk_group", "routed_scaling_factor" (defaults 1). Other families route
+  /// by softmax top-k with no groups and no factor, and these keys in their config.json are ignored,
+  /// as transformers ignores them: the fields keep the defaults (topk_method empty).
+  ScoringFunc scoring_func = ScoringFunc::softmax;
   std::string topk_method;
-  std::int64_t n_group = 1;             // "n_group" (default 1)
-  std::int64_t topk_group = 1;          // "topk_group" (default 1)
-  double routed_scaling_factor = 1.0;   // "routed_scaling_factor" (default 1)
+  std::int64_t n_group = 1;
+  std::int64_t topk_group = 1;
+  double routed_scaling_factor = 1.0;
   /// Shared experts: DeepSeek "n_shared_experts" (width n_shared_experts * moe_intermediate_size,
   /// tensors mlp.shared_experts.*); Qwen2-MoE one shared expert of width
   /// "shared_expert_intermediate_size" (tensors mlp.shared_expert.*, scaled by

@@ -172,14 +172,22 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& where
     detail::throw_config_key(where, "num_experts_per_tok",
                              fmt::format("must be in 1..{} (the experts count), got {}", c.num_experts, c.num_experts_per_tok));
 
-  // Routing.
+  // Routing (spec 5).
   const bool ds3 = c.family == ModelFamily::deepseek_v3;
   c.norm_topk_prob = opt_bool(j, "norm_topk_prob", where).value_or(ds3);
-  auto sf = opt_str(j, "scoring_func", where).value_or(ds3 ? "sigmoid" : "softmax");
-  if (sf == "softmax") c.scoring_func = ScoringFunc::softmax;
-  else if (sf == "sigmoid") c.scoring_func = ScoringFunc::sigmoid;
-  else detail::throw_config_key(where, "scoring_func", fmt::format("\"{}\" is not supported (softmax, sigmoid)", sf));
+  // scoring_func, topk_method, n_group, topk_group and routed_scaling_factor are DeepSeek's keys. The
+  // softmax top-k router of Qwen2/3-MoE, Mixtral and OLMoE (spec 5; transformers' Qwen3MoeTopKRouter,
+  // MixtralTopKRouter, ...) has no such parameters and transformers ignores the keys in their
+  // config.json. lutb read them for every family: a qwen3_moe config.json carrying
+  // "routed_scaling_factor": 2.5 or "scoring_func": "sigmoid" was routed with them, and lutb eval
+  // --quant none gave 4.040 or 3.919 nats instead of transformers' 3.843 on tiny-qwen3-moe (4
+  // windows) without a word; "n_group": 3 was refused (new-user QA, session 16). Other families keep
+  // the defaults (softmax, no groups, factor 1), whatever the keys say.
   if (is_deepseek(c.family)) {
+    auto sf = opt_str(j, "scoring_func", where).value_or(ds3 ? "sigmoid" : "softmax");
+    if (sf == "softmax") c.scoring_func = ScoringFunc::softmax;
+    else if (sf == "sigmoid") c.scoring_func = ScoringFunc::sigmoid;
+    else detail::throw_config_key(where, "scoring_func", fmt::format("\"{}\" is not supported (softmax, sigmoid)", sf));
     c.topk_method = opt_str(j, "topk_method", where).value_or(ds3 ? "noaux_tc" : "greedy");
     // Only the methods lutb's routing implements (src/model/moe_block.cpp, spec 5): sigmoid scores
     // with the noaux_tc group selection; softmax scores with greedy or group_limited_greedy. Any other
@@ -202,37 +210,37 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& where
                       m, sigmoid ? "sigmoid" : "softmax",
                       sigmoid ? "\"noaux_tc\" with sigmoid scores" : "\"greedy\" or \"group_limited_greedy\" with softmax scores",
                       ds3 ? "sigmoid" : "softmax", c.model_type));
+    c.n_group = opt_int(j, "n_group", where).value_or(1);
+    c.topk_group = opt_int(j, "topk_group", where).value_or(1);
+    if (c.n_group <= 0 || c.num_experts % c.n_group != 0)
+      detail::throw_config_key(where, "n_group", fmt::format("must divide the experts count {}, got {}", c.num_experts, c.n_group));
+    if (c.topk_group <= 0 || c.topk_group > c.n_group)
+      detail::throw_config_key(where, "topk_group", fmt::format("must be in 1..n_group ({}), got {}", c.n_group, c.topk_group));
+    // The group selection (sigmoid / noaux_tc, group_limited_greedy) needs enough experts in the kept
+    // groups. These were refused only when a layer was built, as "router of deepseek_v3: RouterConfig:
+    // top_k=5 exceeds ...", naming neither config.json nor its keys (new-user QA, session 12).
+    if (c.scoring_func == ScoringFunc::sigmoid || c.topk_method == "group_limited_greedy") {
+      const std::int64_t per = c.num_experts / c.n_group;
+      if (c.scoring_func == ScoringFunc::sigmoid && per < 2)
+        detail::throw_config_key(where, "n_group",
+                                 fmt::format("{} groups of the {} experts leave {} expert per group; sigmoid (noaux_tc) "
+                                             "routing scores each group by the sum of its top 2 experts, so a group "
+                                             "needs at least 2",
+                                             c.n_group, c.num_experts, per));
+      if (c.num_experts_per_tok > c.topk_group * per)
+        detail::throw_config_key(where, "num_experts_per_tok",
+                                 fmt::format("{} exceeds the {} experts of the groups the router keeps (topk_group {} x "
+                                             "{} experts per group: {} experts in n_group {})",
+                                             c.num_experts_per_tok, c.topk_group * per, c.topk_group, per, c.num_experts,
+                                             c.n_group));
+    }
+    c.routed_scaling_factor = opt_num(j, "routed_scaling_factor", where).value_or(1.0);
+    // It multiplies the routing weights: a negative one flipped the sign of every expert's output
+    // without a word (new-user QA, session 12); zero switches the experts off.
+    if (!(std::isfinite(c.routed_scaling_factor) && c.routed_scaling_factor > 0))
+      detail::throw_config_key(where, "routed_scaling_factor",
+                               fmt::format("must be a finite number > 0, got {}", c.routed_scaling_factor));
   }
-  c.n_group = opt_int(j, "n_group", where).value_or(1);
-  c.topk_group = opt_int(j, "topk_group", where).value_or(1);
-  if (c.n_group <= 0 || c.num_experts % c.n_group != 0)
-    detail::throw_config_key(where, "n_group", fmt::format("must divide the experts count {}, got {}", c.num_experts, c.n_group));
-  if (c.topk_group <= 0 || c.topk_group > c.n_group)
-    detail::throw_config_key(where, "topk_group", fmt::format("must be in 1..n_group ({}), got {}", c.n_group, c.topk_group));
-  // The group selection (sigmoid / noaux_tc, group_limited_greedy) needs enough experts in the kept
-  // groups. These were refused only when a layer was built, as "router of deepseek_v3: RouterConfig:
-  // top_k=5 exceeds ...", naming neither config.json nor its keys (new-user QA, session 12).
-  if (c.scoring_func == ScoringFunc::sigmoid || c.topk_method == "group_limited_greedy") {
-    const std::int64_t per = c.num_experts / c.n_group;
-    if (c.scoring_func == ScoringFunc::sigmoid && per < 2)
-      detail::throw_config_key(where, "n_group",
-                               fmt::format("{} groups of the {} experts leave {} expert per group; sigmoid (noaux_tc) "
-                                           "routing scores each group by the sum of its top 2 experts, so a group "
-                                           "needs at least 2",
-                                           c.n_group, c.num_experts, per));
-    if (c.num_experts_per_tok > c.topk_group * per)
-      detail::throw_config_key(where, "num_experts_per_tok",
-                               fmt::format("{} exceeds the {} experts of the groups the router keeps (topk_group {} x "
-                                           "{} experts per group: {} experts in n_group {})",
-                                           c.num_experts_per_tok, c.topk_group * per, c.topk_group, per, c.num_experts,
-                                           c.n_group));
-  }
-  c.routed_scaling_factor = opt_num(j, "routed_scaling_factor", where).value_or(1.0);
-  // It multiplies the routing weights: a negative one flipped the sign of every expert's output
-  // without a word (new-user QA, session 12); zero switches the experts off.
-  if (!(std::isfinite(c.routed_scaling_factor) && c.routed_scaling_factor > 0))
-    detail::throw_config_key(where, "routed_scaling_factor",
-                             fmt::format("must be a finite number > 0, got {}", c.routed_scaling_factor));
 
   // Shared experts.
   if (is_deepseek(c.family)) {

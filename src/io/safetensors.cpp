@@ -181,8 +181,24 @@ void SafetensorsFile::parse_header(const std::uint8_t* data, std::size_t file_si
     if (!json_u64((*f_off)[0], b) || !json_u64((*f_off)[1], e))
       fail_tensor(where, name, "'data_offsets' entries are not non-negative integers");
     if (b > e) fail_tensor(where, name, fmt::format("data_offsets [{}, {}] end before they begin", b, e));
-    if (e > buffer_size)
-      fail_tensor(where, name, fmt::format("data_offsets [{}, {}] out of range: the data buffer has {} bytes", b, e, buffer_size));
+    if (e > buffer_size) {
+      // A file cut short (an interrupted download or copy) was reported only as this tensor's offsets
+      // "out of range: the data buffer has N bytes", which did not say that the file, not its header,
+      // is at fault (new-user QA, session 16): say how much data the header's tensors need.
+      std::uint64_t end = 0;
+      for (const auto& [k, x] : h.items()) {
+        std::uint64_t xb = 0, xe = 0;
+        if (k != "__metadata__" && x.is_object() && x.contains("data_offsets") && x["data_offsets"].is_array() &&
+            x["data_offsets"].size() == 2 && json_u64(x["data_offsets"][0], xb) && json_u64(x["data_offsets"][1], xe) &&
+            xb <= xe)
+          end = std::max(end, xe);
+      }
+      fail_tensor(where, name,
+                  fmt::format("data_offsets [{}, {}] out of range: the data buffer has {} bytes; the header's tensors "
+                              "need {} bytes of data, {} more than the file ({} bytes) holds: the file is truncated (an "
+                              "interrupted download or copy?) or its header is corrupt",
+                              b, e, buffer_size, end, end - buffer_size, file_size));
+    }
     if (e - b != nbytes)
       fail_tensor(where, name, fmt::format("data_offsets [{}, {}] span {} bytes, but shape {} x {} needs {}", b, e, e - b,
                                            shape_str(tv.shape), dtype_name(*dt), nbytes));

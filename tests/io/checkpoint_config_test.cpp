@@ -308,7 +308,14 @@ TEST(ModelConfig, KeyErrorsNameFileKeyAndReason) {
   EXPECT_EQ(with("num_experts_per_tok", 9),
             "m/config.json: key 'num_experts_per_tok': must be in 1..4 (the experts count), got 9");
   EXPECT_EQ(with("norm_topk_prob", "yes"), "m/config.json: key 'norm_topk_prob': must be true or false, got \"yes\"");
-  EXPECT_EQ(with("scoring_func", "relu"), "m/config.json: key 'scoring_func': \"relu\" is not supported (softmax, sigmoid)");
+  {
+    // scoring_func is DeepSeek's key: a qwen3_moe router ignores it, as transformers does (new-user QA,
+    // session 16, tests/io/checkpoint_new_user_nu16_test.cpp).
+    json d = j;
+    d["model_type"] = "deepseek_v3";
+    d["scoring_func"] = "relu";
+    EXPECT_EQ(config_error(d), "m/config.json: key 'scoring_func': \"relu\" is not supported (softmax, sigmoid)");
+  }
   EXPECT_EQ(with("mlp_only_layers", "none"),
             "m/config.json: key 'mlp_only_layers': must be a list of layer indices, got \"none\"");
   EXPECT_EQ(with("num_local_experts", 8), "m/config.json: key 'num_local_experts': 8 disagrees with key 'num_experts' = 4");
