@@ -242,7 +242,9 @@ void run_default_job(const DefaultArgs& a) {
   std::vector<float> ref(static_cast<std::size_t>(T * H)), out(ref.size()), out_bf16act(ref.size());
   std::size_t ref_bytes = 0, lut_bytes = 0;
   // The GPU section (src/cli/gpu.cpp): run when a usable GPU is present, else one line says why not.
-  const std::string gpu_skip = cuda_unavailable_reason();
+  std::string gpu_skip = cuda_unavailable_reason();
+  // The reason is worded for --device cuda; the default job has no --device option, so its hint goes.
+  if (const auto p = gpu_skip.find(", or use --device cpu"); p != std::string::npos) gpu_skip.erase(p);
   DefaultJobGpu gpu;
   double t_ref = 0, t_lut = 0;
   {

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <filesystem>
 #include <utility>
 #include <vector>
 
@@ -21,7 +22,18 @@ std::string gpu_unavailable_reason() {
   const cudaError_t e = cudaGetDeviceCount(&n);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();  // clear the sticky-free error state of the runtime API
-    return std::string("no usable CUDA GPU (") + cudaGetErrorString(e) + ")";
+    std::string why = cudaGetErrorString(e);
+    // The runtime says "CUDA driver version is insufficient for CUDA runtime version" both when the
+    // driver is too old and when there is no NVIDIA driver at all (a machine without a GPU): tell the
+    // two apart by the kernel module's proc file, which every loaded NVIDIA driver provides.
+    if (e == cudaErrorInsufficientDriver || e == cudaErrorNoDevice) {
+      std::error_code ec;
+      if (!std::filesystem::exists("/proc/driver/nvidia/version", ec))
+        why = "no NVIDIA driver is loaded on this machine: /proc/driver/nvidia/version is missing; CUDA says: " + why;
+      else if (e == cudaErrorInsufficientDriver)
+        why += ": the loaded NVIDIA driver is older than the CUDA runtime lutb was built with";
+    }
+    return "no usable CUDA GPU (" + why + ")";
   }
   if (n == 0) return "no usable CUDA GPU (no device)";
   return "";

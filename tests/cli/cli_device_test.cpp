@@ -148,8 +148,26 @@ TEST(CliDevice, DefaultJobSaysWhyTheGpuSectionIsSkipped) {
       << r.out;
   // Exactly one line about it, the rest of the report unchanged.
   EXPECT_EQ(r.out.find("GPU section skipped"), r.out.rfind("GPU section skipped"));
+  // The default job has no --device option: its skip line must not tell the user to use one (nu16).
+  const std::size_t at = r.out.find("GPU section skipped");
+  const std::string line = r.out.substr(at, r.out.find('\n', at) - at);
+  EXPECT_EQ(line.find("--device"), std::string::npos) << line;
   EXPECT_TRUE(has(r, "bits per weight         3.140625")) << r.out;
   EXPECT_FALSE(fs::exists(t.path / "w"));
+}
+
+// nu16: on a machine with no NVIDIA driver at all, the CUDA runtime's own words ("CUDA driver version
+// is insufficient for CUDA runtime version") sent users looking for a driver update; a build with CUDA
+// now says that no driver is loaded. Runs where the driver's proc file is absent (CI, this machine).
+TEST(CliDevice, NoDriverIsNamedAsSuch) {
+  if (fs::exists("/proc/driver/nvidia/version")) GTEST_SKIP() << "an NVIDIA driver is loaded here";
+  test::TempDir t;
+  const CliOut r = run("--experts 1 --tokens 1 --work-dir " + q(t.path / "w"));
+  ASSERT_EQ(r.code, 0) << r.out;
+  if (has(r, "this lutb was built without CUDA")) GTEST_SKIP() << "a build without CUDA";
+  EXPECT_TRUE(has(r, "GPU section skipped:    no usable CUDA GPU (no NVIDIA driver is loaded on this machine: "
+                     "/proc/driver/nvidia/version is missing; CUDA says: "))
+      << r.out;
 }
 
 }  // namespace
