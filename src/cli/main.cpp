@@ -19,7 +19,12 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    // --help and --version arrive here too, with exit code 0: CLI11 prints them.
+    if (e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success)) return app.exit(e);
+    // A usage error: the same "lutb: error:" prefix as every other error, and exit status 2, the
+    // convention for bad command lines (CLI11's own codes, 105-109, named nothing; nu16).
+    fmt::print(stderr, "lutb: error: {}\nRun 'lutb --help' (or 'lutb COMMAND --help') for the options.\n", e.what());
+    return 2;
   } catch (const lutb::Interrupted& e) {
     // The writer's guards have removed its temporary output; end as the signal would have.
     fmt::print(stderr, "lutb: {}\n", e.what());

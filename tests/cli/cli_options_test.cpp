@@ -76,6 +76,25 @@ TEST(CliOptions, RangeMessagesPrintIntegersAndTheValidRange) {
   EXPECT_FALSE(fs::exists(t.path / "s"));
 }
 
+// nu16: CLI11's parse errors ended with its own exit codes (105 for a bad value, 109 for an unknown
+// option) and without the "lutb: error:" prefix every other error has. A usage error now exits 2
+// with the prefix; --help and --version still exit 0.
+TEST(CliOptions, UsageErrorsExitTwoWithThePrefix) {
+  test::TempDir t;
+  for (const std::string& args : {std::string("--bogus"), "quantize " + q(t.path) + " -o " + q(t.path / "o") + " --bogus",
+                                 "eval " + q(t.path) + " --device gpu", "quantize " + q(t.path),
+                                 "moe " + q(t.path) + " --layer 0 --threads -1"}) {
+    const CliOut r = run(args);
+    EXPECT_EQ(r.code, 2) << args << "\n" << r.out;
+    EXPECT_EQ(r.out.rfind("lutb: error: ", 0), 0u) << args << "\n" << r.out;
+    EXPECT_TRUE(has(r, "--help")) << args << "\n" << r.out;
+  }
+  EXPECT_EQ(run("--help").code, 0);
+  EXPECT_EQ(run("eval --help").code, 0);
+  EXPECT_EQ(run("--version").code, 0);
+  EXPECT_FALSE(fs::exists(t.path / "o"));
+}
+
 // Regression: negative size overrides were silently replaced by the family's real size (a 0.8 GB
 // Qwen3 layer for --hidden-size -5), absurd ones started writing.
 TEST(CliOptions, SynthRejectsBadSizesAndChecksFreeSpace) {
