@@ -111,4 +111,12 @@ void check_interrupt(const std::atomic<int>* flag, const std::filesystem::path& 
 void copy_file_contents(const std::filesystem::path& from, const std::filesystem::path& to,
                         const std::atomic<int>* stop = nullptr, const std::filesystem::path& target = {});
 
+/// Writes `text` to a new file `path` (replaced when it exists, mode 0666 minus the umask) and fsyncs
+/// it, so that a checkpoint's small files (config.json, the shard index) are on disk before the
+/// output folder is renamed into place. Throws CheckpointError naming the file and the errno reason.
+void write_text_file(const std::filesystem::path& path, const std::string& text);
+
+/// fsync of a directory's entries (best effort: errors are ignored, as some file systems refuse it).
+void sync_directory(const std::filesystem::path& dir);
+
 }  // namespace lutb::detail

@@ -286,12 +286,7 @@ void emit(SafetensorsWriter& w, const Planned& p, const TensorView& v, const Fit
   prog.advance(v.nbytes);
 }
 
-void write_text(const fs::path& path, const std::string& text) {
-  std::ofstream f(path, std::ios::binary | std::ios::trunc);
-  f << text;
-  f.close();
-  if (!f) throw CheckpointError(fmt::format("{}: cannot write", path.string()));
-}
+void write_text(const fs::path& path, const std::string& text) { detail::write_text_file(path, text); }
 
 // A decimal index of a tensor name (the regexes match \d+ only); -1 when it does not fit 63 bits
 // (std::stoll threw a bare "stoll" out_of_range for "model.layers.99999999999999999999...").

@@ -404,13 +404,9 @@ std::uint64_t synthesize_checkpoint(const fs::path& out_dir, const SynthOptions&
   prog.finish();
   if (L > 1) {
     nlohmann::json idx = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
-    std::ofstream(tmp / "model.safetensors.index.json") << idx.dump(2) << "\n";
+    detail::write_text_file(tmp / "model.safetensors.index.json", idx.dump(2) + "\n");
   }
-  {
-    std::ofstream f(tmp / "config.json");
-    f << c.raw.dump(2) << "\n";
-    if (!f) throw CheckpointError(fmt::format("{}: cannot write config.json", tmp.string()));
-  }
+  detail::write_text_file(tmp / "config.json", c.raw.dump(2) + "\n");
   detail::check_interrupt(opt.interrupt, out_dir);
   // An old output (force, checked above) is renamed aside, the new one renamed in, then the old
   // one removed: a failure in between leaves the old one in place.

@@ -239,8 +239,38 @@ void check_replaceable(const std::filesystem::path& target, bool want_directory,
                                       target.string(), ec.message()));
 }
 
+void sync_directory(const fs::path& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return;
+  (void)::fsync(fd);  // best effort: some file systems refuse fsync on a directory
+  ::close(fd);
+}
+
+void write_text_file(const fs::path& path, const std::string& text) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+  if (fd < 0) throw CheckpointError(fmt::format("{}: cannot create: {}", path.string(), std::strerror(errno)));
+  std::string error;
+  for (std::size_t done = 0; done < text.size();) {
+    const ssize_t w = ::write(fd, text.data() + done, text.size() - done);
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0) {
+      error = fmt::format("{}: cannot write: {}", path.string(), std::strerror(errno));
+      break;
+    }
+    done += static_cast<std::size_t>(w);
+  }
+  if (error.empty() && ::fsync(fd) != 0)
+    error = fmt::format("{}: cannot write (fsync): {}", path.string(), std::strerror(errno));
+  if (::close(fd) != 0 && error.empty())
+    error = fmt::format("{}: cannot write: {}", path.string(), std::strerror(errno));
+  if (!error.empty()) throw CheckpointError(error);
+}
+
 void install_replacing(const fs::path& tmp, const fs::path& target, bool want_directory, bool force) {
   std::error_code ec;
+  // The finished output's file names reach the disk before it is renamed into place (its files were
+  // fsynced by their writers): after a power cut the destination is the old one or the whole new one.
+  if (want_directory) sync_directory(tmp);
   fs::path t = target;
   if (!t.has_filename()) t = t.parent_path();
   if (!fs::exists(fs::symlink_status(t, ec))) {
@@ -381,6 +411,10 @@ void copy_file_contents(const fs::path& from, const fs::path& to, const std::ato
     if (!error.empty()) break;
   }
   ::close(in);
+  // The copy reaches the disk before the output folder is renamed into place (nu16: only the
+  // safetensors files were synced, so a power cut could leave a finished checkpoint with empty copies).
+  if (error.empty() && sig == 0 && ::fsync(out) != 0)
+    error = fmt::format("{}: cannot write (fsync): {}", to.string(), std::strerror(errno));
   if (::close(out) != 0 && error.empty()) error = fmt::format("{}: cannot write: {}", to.string(), std::strerror(errno));
   if (sig != 0)
     throw Interrupted(sig, fmt::format("{}: interrupted by signal {} ({}) while copying {}; the partial output was "

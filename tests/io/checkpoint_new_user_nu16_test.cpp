@@ -2,13 +2,18 @@
 // truncated weights file. Each test failed on the code before its fix.
 #include <gtest/gtest.h>
 
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <string>
 
 #include <fmt/format.h>
 
 #include <nlohmann/json.hpp>
 
+#include "io/checkpoint_internal.hpp"
 #include "lutb/checkpoint.hpp"
 #include "lutb/model.hpp"
 #include "lutb/safetensors.hpp"
@@ -119,6 +124,33 @@ TEST(SafetensorsNewUserNu16, TruncatedFileSaysHowManyBytesAreMissing) {
                               "truncated (an interrupted download or copy?) or its header is corrupt",
                               cut.string(), size - 250));
 }
+
+// nu16: quantize and synth wrote config.json and the shard index with std::ofstream, without fsync
+// (a power cut after the rename could leave a finished checkpoint with empty small files) and, for
+// synth's index, without any error check. Both now go through detail::write_text_file: written,
+// fsynced and checked, the error naming the file. /dev/full fails every write with ENOSPC.
+TEST(CheckpointNewUserNu16, SmallFilesAreWrittenCheckedAndNamed) {
+  test::TempDir t;
+  const std::filesystem::path ok = t.path / "config.json";
+  detail::write_text_file(ok, "{\"a\": 1}\n");
+  std::ifstream f(ok);
+  const std::string back((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(back, "{\"a\": 1}\n");
+  detail::write_text_file(ok, "x");  // replaced, not appended
+  std::ifstream g(ok);
+  EXPECT_EQ(std::string((std::istreambuf_iterator<char>(g)), std::istreambuf_iterator<char>()), "x");
+  if (!std::filesystem::exists("/dev/full")) GTEST_SKIP() << "no /dev/full here";
+  try {
+    detail::write_text_file("/dev/full", std::string(4096, 'x'));
+    FAIL() << "a write to /dev/full succeeded";
+  } catch (const CheckpointError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("/dev/full: cannot write"), std::string::npos) << m;
+    EXPECT_NE(m.find(std::strerror(ENOSPC)), std::string::npos) << m;
+  }
+  EXPECT_THROW(detail::write_text_file(t.path / "missing" / "config.json", "x"), CheckpointError);
+}
+
 
 }  // namespace
 }  // namespace lutb
