@@ -7,17 +7,37 @@ Usage:
   cuobjdump -sass -fun <mangled kernel name> /tmp/moe_lutb.o > k.sass   # names: cuobjdump -elf ... | grep swapab_gemm
   scripts/sass_kloop.py k.sass [--per-ktile-hmma 16]
 
-A loop is a backward branch; the K-loops are the innermost loops holding HMMA instructions. The
-count per K-tile divides by (HMMA in the loop / HMMA per K-tile): 16 for the one-token-block
-kernels (NB = 1: 4 m16 tiles x 2 blocks x 2 k16 steps), 32 for NB = 2. Loops holding other HMMA
-loops, and loops that store to global memory or exit (the epilogue's and the slow paths' backward
-branches), are skipped. docs/perf/moe-gpu.md ("Session 15") lists
-the counts of the default kernels made this way. cuobjdump ships with the CUDA toolkit (pip package
-nvidia-cuda-cuobjdump where the toolkit lacks it).
+Besides the opcode mix, each loop's count per K-tile by sm_90 issue pipe (session 17, alu17; PIPES
+below): alu (integer/logic/select/permute/F2FP, half rate), fmaheavy (IMAD*), fma (FP32 / FP16x2
+arithmetic, either FMA half), lsu (shared/global/constant loads, cp.async, shuffles), tensor
+(HMMA), xu, uniform (U* datapath), branch (ADU / CBU) and other (unclassified: printed by opcode).
+Checked against Nsight Compute's sm__inst_executed_pipe_* counts of GEMM1 at DeepSeek-V3 T = 16 in
+device run alu17-run1 (docs/perf/moe-gpu.md "Session 17"): moving 48 selector instructions per
+K-tile from LOP3 / SHF / LEA to IMAD / IMAD.HI moved 33.65 M instructions from pipe_alu to
+pipe_fmaheavy, 48 x the 0.70 M warp-K-tiles the HMMA count gives (33.7 M); pipe_alu's total (131.8 M)
+needs F2FP on the ALU pipe (without it the loops alone would give ~84 M); lsu matches (28.9 M
+measured, 28.1 M from the loop). VIADD's pipe was not isolated.
 """
 import collections
 import re
 import sys
+
+
+# Issue pipe of each SASS opcode on sm_90 (the FMA and ALU pipes are half rate: 16 lanes per cycle
+# per SM sub-partition). IMAD and its forms (IMAD.MOV, IMAD.SHL, IMAD.HI, IMAD.WIDE, IMAD.IADD) are
+# fmaheavy; MOV is alu. Opcodes not listed land in "other".
+PIPES = {
+    "alu": "LOP3 LOP SHF SHL SHR LEA IADD3 IADD ISETP SEL FSEL PRMT MOV FSETP HSETP2 IMNMX FMNMX PLOP3 BMSK "
+           "P2R R2P IABS VIMNMX VIADD F2FP CS2R",
+    "fmaheavy": "IMAD IDP IMUL",
+    "fma": "FFMA FMUL FADD HFMA2 HMUL2 HADD2",
+    "lsu": "LDS LDG LDC LDSM LDGSTS LDGDEPBAR STS STG SHFL ATOM ATOMS RED LD ST",
+    "tensor": "HMMA IMMA QMMA",
+    "xu": "MUFU I2F F2I POPC FLO BREV I2FP F2IP",
+    "uniform": "ULDC UMOV UIADD3 ULOP3 USHF ULEA UISETP USEL UIMAD UPRMT UFLO UPOPC R2UR S2UR VOTEU",
+    "branch": "BRA BSSY BSYNC WARPSYNC EXIT BAR DEPBAR NOP CALL RET YIELD ELECT",
+}
+PIPE_OF = {op: pipe for pipe, ops in PIPES.items() for op in ops.split()}
 
 
 def main():
@@ -59,6 +79,15 @@ def main():
         ktiles = mix["HMMA"] / per
         print(f"loop {lo:#x}-{hi:#x}: {n} instructions, {ktiles:g} K-tiles (unrolled), {n / ktiles:.1f} per K-tile")
         print("   " + ", ".join(f"{k} {v / ktiles:.1f}" for k, v in mix.most_common()))
+        pipes = collections.Counter()
+        other = collections.Counter()
+        for k, v in mix.items():
+            pipe = PIPE_OF.get(k, "other")
+            pipes[pipe] += v
+            if pipe == "other":
+                other[k] += v
+        print("   by pipe: " + ", ".join(f"{k} {v / ktiles:.1f}" for k, v in pipes.most_common()) +
+              (" (other: " + ", ".join(f"{k} {v / ktiles:.1f}" for k, v in other.most_common()) + ")" if other else ""))
 
 
 if __name__ == "__main__":
