@@ -35,6 +35,7 @@
 
 #include "moe_gemm.cuh"
 #include "moe_kernels.cuh"
+#include "swap_selectors.hpp"
 
 namespace lutb::cuda::kern {
 
@@ -67,6 +68,11 @@ constexpr Ue8m0Table make_ue8m0_table() {
   return t;
 }
 __constant__ Ue8m0Table kUe8m0 = make_ue8m0_table();
+
+/// swap_sel_fma's multipliers (kSwapSelMul) in constant memory: ptxas cannot see the values, so the
+/// multiplications stay IMAD / IMAD.HI with a constant-bank operand (no register, no strength
+/// reduction into SHF / LEA on the ALU pipe). Never written by the host.
+__constant__ unsigned kSwapSelMulC[4] = {kSwapSelMul.neg1, kSwapSelMul.m16, kSwapSelMul.m29_14, kSwapSelMul.m31};
 
 /// Strips of group G: strip[2m] = a, strip[2m+1] = b (see the file comment).
 template <bool kGated>
@@ -212,7 +218,11 @@ struct SwapTileScales<true> {
 /// K-loop (the two XTiles' fw[8] -> one byte each; ptxas -v: the one-block kernels 127-128 -> 120-124
 /// registers) and no wait for the byte's load inside the iteration that issues it. Measured in
 /// docs/perf/moe-gpu.md "Session 16" (1.01-1.06x on the short-K shapes, the rule decode_late_scales).
-template <int kDec, int NB, bool kOne, bool kLateW, class BeforeWait>
+/// kSel (session 17, alu17): the PRMT selectors by swap_sel_alu (0, the default), swap_sel_fma (1,
+/// kDecodeSelFma, moe.hpp: IMAD / IMAD.HI on the FMA pipe) or swap_sel_imad (2, kDecodeSelImad: IMAD
+/// for two of the four); the same selector words, so bit-identical results. docs/perf/moe-gpu.md
+/// "Session 17: decode selectors on the FMA pipe".
+template <int kDec, int NB, bool kOne, bool kLateW, int kSel, class BeforeWait>
 __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, const long long (&strip)[8],
                                                const bool (&ok)[8], const void* const (&arow)[NB],
                                                const float* const (&srow)[NB][2], int nblocks, long long k0,
@@ -386,17 +396,15 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
         const int i = 2 * m + ab;
         const unsigned x = *reinterpret_cast<const unsigned*>(st + i * 192 + 4 * lane);
         const unsigned y = *reinterpret_cast<const unsigned short*>(st + i * 192 + 128 + 2 * lane);
-        // Selectors for prmt_raw: bit 3 of every nibble of bits 0..15 is 0 (xm and y & 0x7777 by the
-        // masks; sel[3] by construction below), bits 16..31 are ignored.
-        const unsigned xm = x & 0x77777777u;
-        sel[ab][0] = xm;
-        sel[ab][1] = xm >> 16;
-        sel[ab][2] = y & 0x7777u;
-        // The spare bit 3 of every nibble: x's low nibbles -> bit 0, x's high nibbles -> bit 1,
-        // y's -> bit 2 of selector 3's nibbles. The three terms share no bit, so + is | and lets
-        // ptxas fuse the shifts into LEA.HI / IADD3 (bits above 15 are junk PRMT ignores).
-        const unsigned sx = x & 0x88888888u;
-        sel[ab][3] = (sx >> 3) + (sx >> 18) + ((y & 0x8888u) >> 1);
+        // The 4 PRMT selectors of the 16 indices (swap_selectors.hpp), the same words in every form:
+        // kSel = 0 masks and shifts (ALU pipe), 1 IMAD / IMAD.HI, 2 IMAD for sel0 / sel2 only.
+        if constexpr (kSel == 1) {
+          swap_sel_fma(x, y, SwapSelMul{kSwapSelMulC[0], kSwapSelMulC[1], kSwapSelMulC[2], kSwapSelMulC[3]}, sel[ab]);
+        } else if constexpr (kSel == 2) {
+          swap_sel_imad(x, y, kSwapSelMulC[0], sel[ab]);
+        } else {
+          swap_sel_alu(x, y, sel[ab]);
+        }
       }
       float part[NB][4];  // this K-tile's sum over both blocks, activation scales applied
 #pragma unroll
@@ -837,7 +845,7 @@ __device__ __forceinline__ void swap_l2_prefetch(const L2Prefetch& pf, long long
 /// 32 * warps (K split across the warps). xa: [T, a_cols] FP16 E4M3 values in the decoder's column
 /// order, or E4M3 bytes (natural order) for kDecFp8. Output hq [P, Ip] in the same form, hs [P, Ip/32]
 /// UE8M0. kLateW: swap_warp_gemm's late tile scales (kDecodeLateScales, moe.hpp), same results.
-template <int kDec, int NB, bool kSplit, bool kLateW>
+template <int kDec, int NB, bool kSplit, bool kLateW, int kSel = 0>
 __device__ __forceinline__ void swapab_gemm1_body(LutbW w, const void* __restrict__ xa, const float* __restrict__ xsf,
                                                   long long a_cols, Routing r, long long I, long long Ip,
                                                   void* __restrict__ hq, float* __restrict__ hsf, bool one_token_loop,
@@ -880,10 +888,10 @@ __device__ __forceinline__ void swapab_gemm1_body(LutbW w, const void* __restric
   };
   // One-token tiles take the lighter K-loop (CTA-uniform branch; NB = 1 only).
   if (NB == 1 && one_token_loop && tk.count == 1)
-    swap_warp_gemm<kDec, NB, NB == 1, kLateW>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
+    swap_warp_gemm<kDec, NB, NB == 1, kLateW, kSel>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
                                               swap_smem + warp * SwapRing::kWarpBytes, acc, before_wait);
   else
-    swap_warp_gemm<kDec, NB, false, kLateW>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
+    swap_warp_gemm<kDec, NB, false, kLateW, kSel>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
                                             swap_smem + warp * SwapRing::kWarpBytes, acc, before_wait);
   if (pf.kpf > 0 && pf.late && warp == nw - 1) swap_l2_prefetch(pf, e);
   bool warp0 = swap_reduce<NB>(swap_smem, acc);
@@ -901,12 +909,12 @@ __device__ __forceinline__ void swapab_gemm1_body(LutbW w, const void* __restric
 constexpr int kSwapR96Regs = 96;
 
 /// The GEMM1 kernel (swapab_gemm1_body above).
-template <int kDec, int NB, bool kSplit, bool kLateW = false>
+template <int kDec, int NB, bool kSplit, bool kLateW = false, int kSel = 0>
 __global__ void LUTB_SWAPAB_BOUNDS(NB)
     swapab_gemm1_kernel(LutbW w, const void* __restrict__ xa, const float* __restrict__ xsf,
                         long long a_cols, Routing r, long long I, long long Ip, void* __restrict__ hq,
                         float* __restrict__ hsf, bool one_token_loop, int ksplit_arg, L2Prefetch pf) {
-  swapab_gemm1_body<kDec, NB, kSplit, kLateW>(w, xa, xsf, a_cols, r, I, Ip, hq, hsf, one_token_loop, ksplit_arg, pf);
+  swapab_gemm1_body<kDec, NB, kSplit, kLateW, kSel>(w, xa, xsf, a_cols, r, I, Ip, hq, hsf, one_token_loop, ksplit_arg, pf);
 }
 
 /// GEMM1 with kLateW at kSwapR96Regs registers (one token block; kDecodeLateScales96, moe.hpp).
@@ -922,7 +930,7 @@ __global__ void __maxnreg__(kSwapR96Regs)
 /// as in GEMM1.
 /// out != null (direct forwards on sm_90, launched in clusters of (1, top_k)): the weighted top-k
 /// reduction is fused (swap_cluster_reduce): out [T, H] BF16 is written instead of y.
-template <int kDec, int NB, bool kSplit, bool kLateW>
+template <int kDec, int NB, bool kSplit, bool kLateW, int kSel = 0>
 __device__ __forceinline__ void swapab_gemm2_body(LutbW w, const void* __restrict__ ha, const float* __restrict__ hsf,
                                                   long long Ip, Routing r, long long H, float* __restrict__ y,
                                                   bool one_token_loop, const float* __restrict__ topk_w,
@@ -959,10 +967,10 @@ __device__ __forceinline__ void swapab_gemm2_body(LutbW w, const void* __restric
   extern __shared__ __align__(16) unsigned char swap_smem[];
   // One-token tiles take the lighter K-loop (CTA-uniform branch; NB = 1 only).
   if (NB == 1 && one_token_loop && tk.count == 1)
-    swap_warp_gemm<kDec, NB, NB == 1, kLateW>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
+    swap_warp_gemm<kDec, NB, NB == 1, kLateW, kSel>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
                                               swap_smem + warp * SwapRing::kWarpBytes, acc, PdlWaitAndTrigger{});
   else
-    swap_warp_gemm<kDec, NB, false, kLateW>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
+    swap_warp_gemm<kDec, NB, false, kLateW, kSel>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
                                             swap_smem + warp * SwapRing::kWarpBytes, acc, PdlWaitAndTrigger{});
   bool warp0 = swap_reduce<NB>(swap_smem, acc);
   if constexpr (kSplit) warp0 = swap_cluster_combine<NB>(warp0, acc);  // never with `fused` (the host's rule)
@@ -975,12 +983,12 @@ __device__ __forceinline__ void swapab_gemm2_body(LutbW w, const void* __restric
 }
 
 /// The GEMM2 kernel (swapab_gemm2_body above).
-template <int kDec, int NB, bool kSplit, bool kLateW = false>
+template <int kDec, int NB, bool kSplit, bool kLateW = false, int kSel = 0>
 __global__ void LUTB_SWAPAB_BOUNDS(NB)
     swapab_gemm2_kernel(LutbW w, const void* __restrict__ ha, const float* __restrict__ hsf, long long Ip,
                         Routing r, long long H, float* __restrict__ y, bool one_token_loop,
                         const float* __restrict__ topk_w, uint16_t* __restrict__ out, int ksplit_arg) {
-  swapab_gemm2_body<kDec, NB, kSplit, kLateW>(w, ha, hsf, Ip, r, H, y, one_token_loop, topk_w, out, ksplit_arg);
+  swapab_gemm2_body<kDec, NB, kSplit, kLateW, kSel>(w, ha, hsf, Ip, r, H, y, one_token_loop, topk_w, out, ksplit_arg);
 }
 
 /// GEMM2 with kLateW at kSwapR96Regs registers (one token block; kDecodeLateScales96, moe.hpp).
