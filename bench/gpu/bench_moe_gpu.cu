@@ -4,12 +4,12 @@
 //
 // Usage: bench_moe_gpu [--quick] [--shape NAME] [--tokens T] [--variants LIST]
 //   (NAME: deepseek-v3, qwen3-235b, qwen3-30b, mixtral-8x7b; --tokens T or T1,T2,...: only those batch sizes;
-//   --variants, e.g. 0,7 or 1,10: only those forwards of the `make` switch (0..11, 20..37, 40..52, 60..62; 10 = the swap-AB
+//   --variants, e.g. 0,7 or 1,10: only those forwards of the `make` switch (0..11, 20..37, 40..52, 62; 10 = the swap-AB
 //   decode on FP8 wgmma, 11 = the warp-specialised swap-AB decode; 20..37: session 14's small-batch paths,
 //   stage timing and forced K splits; 40..49: L2 prefetch of GEMM2's weights; 50 / 51 / 52: the late tile
-//   scales everywhere at 128 / 96 registers / nowhere, session 16; 60 / 61: the K-loop's selectors on the FMA
-//   pipe, kDecodeSelFma, on the default paths / with the late tile scales everywhere, session 17, compare 61
-//   with 50; 62: two of them as IMAD, kDecodeSelImad), a compact row, no cuBLAS: for quick A/B runs
+//   scales everywhere at 128 / 96 registers / nowhere, session 16; 62: two of the K-loop's selectors as IMAD,
+//   kDecodeSelImad, session 17; 60 / 61 were session 17's kDecodeSelFma, not kept), a compact row, no cuBLAS:
+//   for quick A/B runs
 //   of kernel changes)
 // Each forward (routing kernel excluded; the routing is precomputed by route_softmax_topk /
 // route_deepseek on random logits) is captured in a CUDA graph; R = 8 different routings are cycled
@@ -184,7 +184,7 @@ struct Shape {
   bool deepseek;
 };
 
-constexpr int kVariants = 63;  // forwards of the `make` switch below (0..11, 20..37, 40..52, 60..62)
+constexpr int kVariants = 63;  // forwards of the `make` switch below (0..11, 20..37, 40..52, 62)
 
 int main(int argc, char** argv) {
   bool quick = false;
@@ -498,12 +498,8 @@ int main(int argc, char** argv) {
             cuda::set_decode_paths(cuda::kDecodePathsDefault);
             break;
           }
-          case 60:  // session 17 (alu17): the selectors on the FMA pipe (kDecodeSelFma) on the default paths
-          case 61:  // ... with the late tile scales everywhere (compare with 50)
-          case 62:  // only sel0 / sel2 as IMAD (kDecodeSelImad) on the default paths
-            cuda::set_decode_paths(cuda::kDecodePathsDefault |
-                                   (variant == 62 ? cuda::kDecodeSelImad : cuda::kDecodeSelFma) |
-                                   (variant == 61 ? cuda::kDecodeLateScales : 0u));
+          case 62:  // session 17 (alu17): two selectors as IMAD (kDecodeSelImad) on the default paths
+            cuda::set_decode_paths(cuda::kDecodePathsDefault | cuda::kDecodeSelImad);
             cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st);
             cuda::set_decode_paths(cuda::kDecodePathsDefault);
             break;

@@ -69,10 +69,10 @@ constexpr Ue8m0Table make_ue8m0_table() {
 }
 __constant__ Ue8m0Table kUe8m0 = make_ue8m0_table();
 
-/// swap_sel_fma's multipliers (kSwapSelMul) in constant memory: ptxas cannot see the values, so the
-/// multiplications stay IMAD / IMAD.HI with a constant-bank operand (no register, no strength
-/// reduction into SHF / LEA on the ALU pipe). Never written by the host.
-__constant__ unsigned kSwapSelMulC[4] = {kSwapSelMul.neg1, kSwapSelMul.m16, kSwapSelMul.m29_14, kSwapSelMul.m31};
+/// swap_sel_imad's -1 (kSwapSelNeg1) in constant memory: ptxas cannot see the value, so the
+/// multiply-adds stay IMAD with a constant-bank operand (no register, no strength reduction into
+/// IADD3 / LOP3 on the ALU pipe). Never written by the host.
+__constant__ unsigned kSwapSelNeg1C = kSwapSelNeg1;
 
 /// Strips of group G: strip[2m] = a, strip[2m+1] = b (see the file comment).
 template <bool kGated>
@@ -218,11 +218,10 @@ struct SwapTileScales<true> {
 /// K-loop (the two XTiles' fw[8] -> one byte each; ptxas -v: the one-block kernels 127-128 -> 120-124
 /// registers) and no wait for the byte's load inside the iteration that issues it. Measured in
 /// docs/perf/moe-gpu.md "Session 16" (1.01-1.06x on the short-K shapes, the rule decode_late_scales).
-/// kSel (session 17, alu17): the PRMT selectors by swap_sel_alu (0, the default), swap_sel_fma (1,
-/// kDecodeSelFma, moe.hpp: IMAD / IMAD.HI on the FMA pipe) or swap_sel_imad (2, kDecodeSelImad: IMAD
-/// for two of the four); the same selector words, so bit-identical results. docs/perf/moe-gpu.md
-/// "Session 17: decode selectors on the FMA pipe".
-template <int kDec, int NB, bool kOne, bool kLateW, int kSel, class BeforeWait>
+/// kSelI (kDecodeSelImad, moe.hpp; session 17, alu17): the PRMT selectors by swap_sel_imad (two of
+/// the four as IMAD on the FMA pipe) instead of swap_sel_alu; the same selector words, so
+/// bit-identical results. docs/perf/moe-gpu.md "Session 17: decode selectors on the FMA pipe".
+template <int kDec, int NB, bool kOne, bool kLateW, bool kSelI, class BeforeWait>
 __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, const long long (&strip)[8],
                                                const bool (&ok)[8], const void* const (&arow)[NB],
                                                const float* const (&srow)[NB][2], int nblocks, long long k0,
@@ -396,12 +395,10 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
         const int i = 2 * m + ab;
         const unsigned x = *reinterpret_cast<const unsigned*>(st + i * 192 + 4 * lane);
         const unsigned y = *reinterpret_cast<const unsigned short*>(st + i * 192 + 128 + 2 * lane);
-        // The 4 PRMT selectors of the 16 indices (swap_selectors.hpp), the same words in every form:
-        // kSel = 0 masks and shifts (ALU pipe), 1 IMAD / IMAD.HI, 2 IMAD for sel0 / sel2 only.
-        if constexpr (kSel == 1) {
-          swap_sel_fma(x, y, SwapSelMul{kSwapSelMulC[0], kSwapSelMulC[1], kSwapSelMulC[2], kSwapSelMulC[3]}, sel[ab]);
-        } else if constexpr (kSel == 2) {
-          swap_sel_imad(x, y, kSwapSelMulC[0], sel[ab]);
+        // The 4 PRMT selectors of the 16 indices (swap_selectors.hpp), the same words in both forms:
+        // masks and shifts (ALU pipe), or kSelI: sel0 / sel2 as IMAD.
+        if constexpr (kSelI) {
+          swap_sel_imad(x, y, kSwapSelNeg1C, sel[ab]);
         } else {
           swap_sel_alu(x, y, sel[ab]);
         }
@@ -844,8 +841,9 @@ __device__ __forceinline__ void swap_l2_prefetch(const L2Prefetch& pf, long long
 /// GEMM1 + SiLU*up + MXFP8 of h. Grid: (Ip/32 strip groups x ksplit, token tile slots); blockDim.x =
 /// 32 * warps (K split across the warps). xa: [T, a_cols] FP16 E4M3 values in the decoder's column
 /// order, or E4M3 bytes (natural order) for kDecFp8. Output hq [P, Ip] in the same form, hs [P, Ip/32]
-/// UE8M0. kLateW: swap_warp_gemm's late tile scales (kDecodeLateScales, moe.hpp), same results.
-template <int kDec, int NB, bool kSplit, bool kLateW, int kSel = 0>
+/// UE8M0. kLateW: swap_warp_gemm's late tile scales (kDecodeLateScales, moe.hpp), kSelI: its IMAD
+/// selectors (kDecodeSelImad); same results.
+template <int kDec, int NB, bool kSplit, bool kLateW, bool kSelI = false>
 __device__ __forceinline__ void swapab_gemm1_body(LutbW w, const void* __restrict__ xa, const float* __restrict__ xsf,
                                                   long long a_cols, Routing r, long long I, long long Ip,
                                                   void* __restrict__ hq, float* __restrict__ hsf, bool one_token_loop,
@@ -888,11 +886,11 @@ __device__ __forceinline__ void swapab_gemm1_body(LutbW w, const void* __restric
   };
   // One-token tiles take the lighter K-loop (CTA-uniform branch; NB = 1 only).
   if (NB == 1 && one_token_loop && tk.count == 1)
-    swap_warp_gemm<kDec, NB, NB == 1, kLateW, kSel>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
-                                              swap_smem + warp * SwapRing::kWarpBytes, acc, before_wait);
+    swap_warp_gemm<kDec, NB, NB == 1, kLateW, kSelI>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
+                                                     swap_smem + warp * SwapRing::kWarpBytes, acc, before_wait);
   else
-    swap_warp_gemm<kDec, NB, false, kLateW, kSel>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
-                                            swap_smem + warp * SwapRing::kWarpBytes, acc, before_wait);
+    swap_warp_gemm<kDec, NB, false, kLateW, kSelI>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
+                                                   swap_smem + warp * SwapRing::kWarpBytes, acc, before_wait);
   if (pf.kpf > 0 && pf.late && warp == nw - 1) swap_l2_prefetch(pf, e);
   bool warp0 = swap_reduce<NB>(swap_smem, acc);
   if constexpr (kSplit) warp0 = swap_cluster_combine<NB>(warp0, acc);
@@ -909,12 +907,12 @@ __device__ __forceinline__ void swapab_gemm1_body(LutbW w, const void* __restric
 constexpr int kSwapR96Regs = 96;
 
 /// The GEMM1 kernel (swapab_gemm1_body above).
-template <int kDec, int NB, bool kSplit, bool kLateW = false, int kSel = 0>
+template <int kDec, int NB, bool kSplit, bool kLateW = false, bool kSelI = false>
 __global__ void LUTB_SWAPAB_BOUNDS(NB)
     swapab_gemm1_kernel(LutbW w, const void* __restrict__ xa, const float* __restrict__ xsf,
                         long long a_cols, Routing r, long long I, long long Ip, void* __restrict__ hq,
                         float* __restrict__ hsf, bool one_token_loop, int ksplit_arg, L2Prefetch pf) {
-  swapab_gemm1_body<kDec, NB, kSplit, kLateW, kSel>(w, xa, xsf, a_cols, r, I, Ip, hq, hsf, one_token_loop, ksplit_arg, pf);
+  swapab_gemm1_body<kDec, NB, kSplit, kLateW, kSelI>(w, xa, xsf, a_cols, r, I, Ip, hq, hsf, one_token_loop, ksplit_arg, pf);
 }
 
 /// GEMM1 with kLateW at kSwapR96Regs registers (one token block; kDecodeLateScales96, moe.hpp).
@@ -926,11 +924,11 @@ __global__ void __maxnreg__(kSwapR96Regs)
   swapab_gemm1_body<kDec, 1, kSplit, true>(w, xa, xsf, a_cols, r, I, Ip, hq, hsf, one_token_loop, ksplit_arg, pf);
 }
 
-/// GEMM2: y[p, n] = h[p] . w2[e, n]^T (FP32). Grid: (ceil(tiles_n/8) strip groups, slots). kLateW
-/// as in GEMM1.
+/// GEMM2: y[p, n] = h[p] . w2[e, n]^T (FP32). Grid: (ceil(tiles_n/8) strip groups, slots). kLateW,
+/// kSelI as in GEMM1.
 /// out != null (direct forwards on sm_90, launched in clusters of (1, top_k)): the weighted top-k
 /// reduction is fused (swap_cluster_reduce): out [T, H] BF16 is written instead of y.
-template <int kDec, int NB, bool kSplit, bool kLateW, int kSel = 0>
+template <int kDec, int NB, bool kSplit, bool kLateW, bool kSelI = false>
 __device__ __forceinline__ void swapab_gemm2_body(LutbW w, const void* __restrict__ ha, const float* __restrict__ hsf,
                                                   long long Ip, Routing r, long long H, float* __restrict__ y,
                                                   bool one_token_loop, const float* __restrict__ topk_w,
@@ -967,11 +965,11 @@ __device__ __forceinline__ void swapab_gemm2_body(LutbW w, const void* __restric
   extern __shared__ __align__(16) unsigned char swap_smem[];
   // One-token tiles take the lighter K-loop (CTA-uniform branch; NB = 1 only).
   if (NB == 1 && one_token_loop && tk.count == 1)
-    swap_warp_gemm<kDec, NB, NB == 1, kLateW, kSel>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
-                                              swap_smem + warp * SwapRing::kWarpBytes, acc, PdlWaitAndTrigger{});
+    swap_warp_gemm<kDec, NB, NB == 1, kLateW, kSelI>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
+                                                     swap_smem + warp * SwapRing::kWarpBytes, acc, PdlWaitAndTrigger{});
   else
-    swap_warp_gemm<kDec, NB, false, kLateW, kSel>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
-                                            swap_smem + warp * SwapRing::kWarpBytes, acc, PdlWaitAndTrigger{});
+    swap_warp_gemm<kDec, NB, false, kLateW, kSelI>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
+                                                   swap_smem + warp * SwapRing::kWarpBytes, acc, PdlWaitAndTrigger{});
   bool warp0 = swap_reduce<NB>(swap_smem, acc);
   if constexpr (kSplit) warp0 = swap_cluster_combine<NB>(warp0, acc);  // never with `fused` (the host's rule)
   if (fused) {
@@ -983,12 +981,12 @@ __device__ __forceinline__ void swapab_gemm2_body(LutbW w, const void* __restric
 }
 
 /// The GEMM2 kernel (swapab_gemm2_body above).
-template <int kDec, int NB, bool kSplit, bool kLateW = false, int kSel = 0>
+template <int kDec, int NB, bool kSplit, bool kLateW = false, bool kSelI = false>
 __global__ void LUTB_SWAPAB_BOUNDS(NB)
     swapab_gemm2_kernel(LutbW w, const void* __restrict__ ha, const float* __restrict__ hsf, long long Ip,
                         Routing r, long long H, float* __restrict__ y, bool one_token_loop,
                         const float* __restrict__ topk_w, uint16_t* __restrict__ out, int ksplit_arg) {
-  swapab_gemm2_body<kDec, NB, kSplit, kLateW, kSel>(w, ha, hsf, Ip, r, H, y, one_token_loop, topk_w, out, ksplit_arg);
+  swapab_gemm2_body<kDec, NB, kSplit, kLateW, kSelI>(w, ha, hsf, Ip, r, H, y, one_token_loop, topk_w, out, ksplit_arg);
 }
 
 /// GEMM2 with kLateW at kSwapR96Regs registers (one token block; kDecodeLateScales96, moe.hpp).

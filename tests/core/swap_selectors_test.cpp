@@ -1,10 +1,7 @@
 // tests/core/swap_selectors_test.cpp: the two forms of the swap-AB decode K-loop's PRMT selectors
-// (src/cuda/swap_selectors.hpp; session 17, alu17) give the same four 32-bit words (and the partial
-// form swap_sel_imad). swap_sel_fma's
-// host branch computes mul.hi / mad.hi in 64-bit integers as PTX defines them, so this checks the
-// arithmetic identity the GPU form relies on; the GPU test MoeDecodePaths.SelFmaBitIdenticalToDefault
-// checks the kernels. The selectors are also checked against an independent per-nibble
-// construction of what they must hold (the PRMT byte numbers of the 16 indices).
+// (src/cuda/swap_selectors.hpp; session 17, alu17) give the same four 32-bit words, and those words
+// hold what the selectors must hold by an independent per-nibble construction (the PRMT byte numbers
+// of the 16 indices). The GPU test MoeDecodePaths.SelImadBitIdenticalToDefault checks the kernels.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -15,20 +12,15 @@
 namespace lutb::test {
 namespace {
 
-using cuda::kern::kSwapSelMul;
+using cuda::kern::kSwapSelNeg1;
 using cuda::kern::swap_sel_alu;
-using cuda::kern::swap_sel_fma;
 using cuda::kern::swap_sel_imad;
 
 void expect_same(std::uint32_t x, std::uint32_t y) {
-  std::uint32_t a[4], f[4], m[4];
+  std::uint32_t a[4], m[4];
   swap_sel_alu(x, y, a);
-  swap_sel_fma(x, y, kSwapSelMul, f);
-  swap_sel_imad(x, y, kSwapSelMul.neg1, m);
-  for (int i = 0; i < 4; ++i) {
-    ASSERT_EQ(a[i], f[i]) << "fma form, selector " << i << " x " << std::hex << x << " y " << y;
-    ASSERT_EQ(a[i], m[i]) << "imad form, selector " << i << " x " << std::hex << x << " y " << y;
-  }
+  swap_sel_imad(x, y, kSwapSelNeg1, m);
+  for (int i = 0; i < 4; ++i) ASSERT_EQ(a[i], m[i]) << "selector " << i << " x " << std::hex << x << " y " << y;
 }
 
 // Nibble j of the selectors' low 16 bits from the definition (swap_selectors.hpp): sel0 / sel1 /
@@ -40,7 +32,7 @@ TEST(SwapSelectors, LowHalvesMatchTheNibbleDefinition) {
   for (int it = 0; it < 20000; ++it) {
     const std::uint32_t x = static_cast<std::uint32_t>(rng()), y = static_cast<std::uint32_t>(rng()) & 0xffffu;
     std::uint32_t s[4];
-    swap_sel_fma(x, y, kSwapSelMul, s);
+    swap_sel_alu(x, y, s);
     for (int j = 0; j < 4; ++j) {
       const std::uint32_t xl = (x >> (4 * j)) & 15u, xh = (x >> (4 * j + 16)) & 15u, yn = (y >> (4 * j)) & 15u;
       ASSERT_EQ((s[0] >> (4 * j)) & 15u, xl & 7u);
@@ -51,9 +43,9 @@ TEST(SwapSelectors, LowHalvesMatchTheNibbleDefinition) {
   }
 }
 
-// Every pattern of the 8 + 4 spare bits (bit 3 of each nibble of x and y: the only bits whose
-// carries the proof of sel3 is about), each with random, all-zero and all-one low bits.
-TEST(SwapSelectors, FmaFormsEqualAluFormOnEverySpareBitPattern) {
+// Every pattern of the 8 + 4 spare bits (bit 3 of each nibble of x and y: the bits the IMAD form
+// subtracts), each with random, all-zero and all-one low bits.
+TEST(SwapSelectors, ImadFormEqualsAluFormOnEverySpareBitPattern) {
   std::mt19937 rng(1717);
   for (std::uint32_t p = 0; p < (1u << 12); ++p) {
     std::uint32_t sx = 0, sy = 0;
@@ -67,7 +59,7 @@ TEST(SwapSelectors, FmaFormsEqualAluFormOnEverySpareBitPattern) {
 }
 
 // Edge words and random words (y is a zero-extended 16-bit load in the kernel).
-TEST(SwapSelectors, FmaFormsEqualAluFormOnEdgeAndRandomWords) {
+TEST(SwapSelectors, ImadFormEqualsAluFormOnEdgeAndRandomWords) {
   const std::uint32_t xs[] = {0u, 0xffffffffu, 0x88888888u, 0x77777777u, 0x80000000u, 0x00000008u, 0x12345678u, 0xfedcba98u};
   const std::uint32_t ys[] = {0u, 0xffffu, 0x8888u, 0x7777u, 0x8000u, 0x0008u, 0x1234u};
   for (std::uint32_t x : xs)
@@ -75,10 +67,7 @@ TEST(SwapSelectors, FmaFormsEqualAluFormOnEdgeAndRandomWords) {
   std::mt19937 rng(9);
   for (int it = 0; it < 200000; ++it)
     expect_same(static_cast<std::uint32_t>(rng()), static_cast<std::uint32_t>(rng()) & 0xffffu);
-  EXPECT_EQ(kSwapSelMul.neg1, 0xffffffffu);
-  EXPECT_EQ(kSwapSelMul.m16, 65536u);
-  EXPECT_EQ(kSwapSelMul.m29_14, 536887296u);  // 2^29 + 2^14
-  EXPECT_EQ(kSwapSelMul.m31, 2147483648u);
+  EXPECT_EQ(kSwapSelNeg1, 0xffffffffu);
 }
 
 }  // namespace

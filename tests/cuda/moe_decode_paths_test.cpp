@@ -371,8 +371,8 @@ TEST(MoeDecodePaths, LateScalesBitIdenticalToDefault) {
   }
 }
 
-// kDecodeSelFma / kDecodeSelImad (session 17, alu17): the K-loop's PRMT selectors from IMAD / IMAD.HI
-// or two of them from IMAD (src/cuda/swap_selectors.hpp swap_sel_fma / swap_sel_imad; the identity with the default form is proved there and
+// kDecodeSelImad (session 17, alu17): two of the K-loop's PRMT selectors from IMAD
+// (src/cuda/swap_selectors.hpp swap_sel_imad; the identity with the default form is proved there and
 // tested on the host in tests/core/swap_selectors_test.cpp). The selector words are the same, so the
 // output must equal the default K-loop's BIT FOR BIT, with and without the late tile scales
 // (kDecodeLateScales, which the flag combines with), on the paths of LateScalesBitIdenticalToDefault
@@ -380,7 +380,7 @@ TEST(MoeDecodePaths, LateScalesBitIdenticalToDefault) {
 // K) plus a case at DeepSeek-V3's hidden size (H = 7168: 112 K-tiles per GEMM1 row, the 16-warp
 // split), and within the contract bound of the host reference. Named MoeDecodePaths.* for the memcheck
 // of gpu_run.sh. Below sm_90 the Cvt decoder does not run and the flag changes nothing.
-TEST(MoeDecodePaths, SelFmaBitIdenticalToDefault) {
+TEST(MoeDecodePaths, SelImadBitIdenticalToDefault) {
   if (!gpu_here()) GTEST_SKIP() << "no CUDA device: skipping GPU test";
   const PathCase cases[] = {
       {128, 256, 64, 1, 8, false},   // T = 1: direct, one-token loop, fused reduction (cluster of 8)
@@ -409,15 +409,13 @@ TEST(MoeDecodePaths, SelFmaBitIdenticalToDefault) {
     for (unsigned p : {cuda::kDecodePathsDefault, 0u, cuda::kDecodeDirectAlways | cuda::kDecodeClusterReduceAlways})
       for (unsigned late : {0u, cuda::kDecodeLateScales})
         for (const int* sp : {static_cast<const int*>(nullptr), static_cast<const int*>(split)}) {
-          const unsigned q = (p & ~(kLate | cuda::kDecodeSelFma | cuda::kDecodeSelImad)) | late;
+          const unsigned q = (p & ~(kLate | cuda::kDecodeSelImad)) | late;
+          SCOPED_TRACE(::testing::Message() << "paths " << q << " + kDecodeSelImad" << (sp ? " split" : ""));
           const auto base = forward(L, x, c.T, c.k, ids, wts, q, sp);
           expect_close(base, ref);
-          for (unsigned f : {cuda::kDecodeSelFma, cuda::kDecodeSelImad}) {
-            SCOPED_TRACE(::testing::Message() << "paths " << q << " + " << f << (sp ? " split" : ""));
-            const auto fma = forward(L, x, c.T, c.k, ids, wts, q | f, sp);
-            expect_close(fma, ref);
-            EXPECT_TRUE(fma == base) << "the FMA-pipe selectors changed the output bits";
-          }
+          const auto imad = forward(L, x, c.T, c.k, ids, wts, q | cuda::kDecodeSelImad, sp);
+          expect_close(imad, ref);
+          EXPECT_TRUE(imad == base) << "the IMAD selectors changed the output bits";
         }
   }
 }

@@ -221,16 +221,15 @@ bool decode_fuse_reduce(std::int64_t gemm2_ctas, int top_k, int sms);
 ///     well; 0.87-0.98x on 10 of the 16 decode rows of the benchmark (more warps, no more issue):
 ///     not used by default;
 ///   kDecodeLateScalesRule: kDecodeLateScales where decode_late_scales() says so (below);
-///   kDecodeSelFma (session 17, alu17; Cvt decoder, with or without the late tile scales, not with
-///     kDecodeLateScales96): the K-loop's PRMT selectors computed with IMAD / IMAD.HI on the FMA
-///     pipe (src/cuda/swap_selectors.hpp, swap_sel_fma) instead of masks and shifts on the ALU pipe:
-///     the same selector words, so bit-identical results. docs/perf/moe-gpu.md "Session 17";
-///   kDecodeSelImad (same session; ignored with kDecodeSelFma): only the two subtractions of those
-///     selectors as IMAD (swap_sel_imad; no IMAD.HI), the rest as by default. Bit-identical too.
+///   kDecodeSelImad (session 17, alu17; Cvt decoder, with or without the late tile scales, not with
+///     kDecodeLateScales96; benchmark and tests only): two of the K-loop's four PRMT selectors per
+///     strip computed as IMAD on the FMA pipe (src/cuda/swap_selectors.hpp, swap_sel_imad) instead
+///     of LOP3 on the ALU pipe: the same selector words, so bit-identical results. 0.99-1.02x
+///     (2 processes, docs/perf/moe-gpu.md "Session 17"): not the default;
 inline constexpr unsigned kDecodeDirect = 1u, kDecodeDirectAlways = 2u, kDecodeClusterReduce = 4u,
                           kDecodeNoDirect1 = 8u, kDecodeSplitK = 16u, kDecodeClusterReduceAlways = 32u,
                           kDecodeLateScales = 64u, kDecodeLateScales96 = 128u, kDecodeLateScalesRule = 256u,
-                          kDecodeSelFma = 512u, kDecodeSelImad = 1024u;
+                          kDecodeSelImad = 512u;
 /// The default set (the paths measured faster, docs/perf/moe-gpu.md "Session 14" and "Session 16").
 inline constexpr unsigned kDecodePathsDefault =
     kDecodeDirect | kDecodeClusterReduce | kDecodeSplitK | kDecodeLateScalesRule;
