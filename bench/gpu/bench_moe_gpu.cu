@@ -4,12 +4,13 @@
 //
 // Usage: bench_moe_gpu [--quick] [--shape NAME] [--tokens T] [--variants LIST]
 //   (NAME: deepseek-v3, qwen3-235b, qwen3-30b, mixtral-8x7b; --tokens T or T1,T2,...: only those batch sizes;
-//   --variants, e.g. 0,7 or 1,10: only those forwards of the `make` switch (0..11, 20..37, 40..52, 65..68; 10 = the swap-AB
+//   --variants, e.g. 0,7 or 1,10: only those forwards of the `make` switch (0..11, 20..37, 40..52, 65..69; 10 = the swap-AB
 //   decode on FP8 wgmma, 11 = the warp-specialised swap-AB decode; 20..37: session 14's small-batch paths,
 //   stage timing and forced K splits; 40..49: L2 prefetch of GEMM2's weights; 50 / 51 / 52: the late tile
 //   scales everywhere at 128 / 96 registers / nowhere, session 16; 65..68: session 17 (small17), 65 = the default
 //   (in a -DLUTB_SWAPAB_PHASES build followed by its GEMMs' phase tables), 66 / 67 / 68 = the default without
-//   kDecodeOneTokenTail / kDecodeOneWave / both), a compact row, no cuBLAS: for quick A/B runs of kernel changes)
+//   the one-token tail / kDecodeOneWave / both, 69 = the tail everywhere), a compact row, no cuBLAS: for quick
+//   A/B runs of kernel changes)
 // Each forward (routing kernel excluded; the routing is precomputed by route_softmax_topk /
 // route_deepseek on random logits) is captured in a CUDA graph; R = 8 different routings are cycled
 // so that the experts touched change from call to call (weights of one call are not in L2 for the
@@ -183,7 +184,7 @@ struct Shape {
   bool deepseek;
 };
 
-constexpr int kVariants = 70;  // forwards of the `make` switch below (0..11, 20..37, 40..52, 65..68)
+constexpr int kVariants = 70;  // forwards of the `make` switch below (0..11, 20..37, 40..52, 65..69)
 
 #ifdef LUTB_SWAPAB_PHASES
 // Variant 65 in a -DLUTB_SWAPAB_PHASES build (session 17, small17; lutb/cuda/moe.hpp SwapPhaseRecord
@@ -520,12 +521,14 @@ int main(int argc, char** argv) {
           // Session 17 (small17): 65 = the default forward; in a -DLUTB_SWAPAB_PHASES build its row
           // is followed by the phase tables of its swap-AB GEMMs (print_swap_phases).
           case 65: cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st); break;
-          case 66:  // the default without the one-token tail (kDecodeOneTokenTail)
+          case 66:  // the default without the one-token tail (kDecodeOneTokenTail and its rule)
           case 67:  // the default without the one-wave warps condition (kDecodeOneWave)
-          case 68: {  // without both (session 16's default)
-            const unsigned off[3] = {cuda::kDecodeOneTokenTail, cuda::kDecodeOneWave,
-                                     cuda::kDecodeOneTokenTail | cuda::kDecodeOneWave};
-            cuda::set_decode_paths(cuda::kDecodePathsDefault & ~off[variant - 66]);
+          case 68:  // without both (session 16's default)
+          case 69: {  // the one-token tail everywhere instead of by rule (run small17-run2's variant 0)
+            constexpr unsigned kTail = cuda::kDecodeOneTokenTail | cuda::kDecodeOneTokenTailRule;
+            const unsigned off[4] = {kTail, cuda::kDecodeOneWave, kTail | cuda::kDecodeOneWave, 0u};
+            const unsigned on = variant == 69 ? cuda::kDecodeOneTokenTail : 0u;
+            cuda::set_decode_paths((cuda::kDecodePathsDefault & ~off[variant - 66]) | on);
             cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st);
             cuda::set_decode_paths(cuda::kDecodePathsDefault);
             break;

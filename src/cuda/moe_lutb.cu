@@ -4,6 +4,7 @@
 // code runs on sm_90a with the hardware E4M3 decoder). Strategy choice: choose_strategy and
 // decode_token_blocks in moe_common.cu, apart from the kernels.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -146,8 +147,9 @@ void launch_swapab(const DeviceMoeWeights& w, const kern::Routing& r, const deta
     return !(v && std::strcmp(v, "0") == 0);
   }();
   // The kernels' one-token bits (moe_swapab.cuh kOneTokenLoop, kOneTokenTail).
-  const unsigned one_token = (one_token_loop ? kern::kOneTokenLoop : 0u) |
-                             ((paths & kDecodeOneTokenTail) ? kern::kOneTokenTail : 0u);
+  const bool tail = (paths & kDecodeOneTokenTail) ||
+                    ((paths & kDecodeOneTokenTailRule) && decode_one_token_tail(P / r.top_k, r.top_k, w.experts));
+  const unsigned one_token = (one_token_loop ? kern::kOneTokenLoop : 0u) | (tail ? kern::kOneTokenTail : 0u);
   // L2 prefetch of GEMM2's weights by GEMM1's CTAs (set_decode_l2_prefetch; sm_90a image only, where
   // cp.async.bulk.prefetch exists): the byte rule decode_l2_prefetch_tiles on the w2 bytes of the
   // touched experts, per GEMM2 K range (its warps x its split, swap_k_range).
@@ -345,6 +347,14 @@ int decode_swap_warps(std::int64_t ctas, std::int64_t tiles_k, int most, int sms
   while (w < 8 && w < most && ctas * w < 132 * 12 && tiles_k >= 4 * w && !breaks_wave(w)) w *= 2;
   if (w == 8 && most >= 16 && ctas <= 132 && tiles_k >= 64 && !breaks_wave(8)) w = 16;
   return w;
+}
+
+bool decode_one_token_tail(std::int64_t tokens, int top_k, std::int64_t experts) {
+  if (tokens < 1 || top_k < 1 || experts < 1) return false;
+  if (tokens == 1) return true;
+  const double p = std::min(1.0, static_cast<double>(top_k) / static_cast<double>(experts));
+  const double touched = static_cast<double>(experts) * (1.0 - std::pow(1.0 - p, static_cast<double>(tokens)));
+  return touched > 0 && static_cast<double>(tokens) * top_k / touched <= kOneTokenTailMaxPairsPerExpert;
 }
 
 #ifdef LUTB_SWAPAB_PHASES

@@ -483,7 +483,27 @@ TEST(MoeDecodePaths, SwapWarpsRuleHostOnly) {
   const int res_none[5] = {0, 0, 0, 0, 0};  // no residency known: the condition never fires
   EXPECT_EQ(cuda::decode_swap_warps(384, 64, 16, 132, res_none, true), 8);
   EXPECT_TRUE((cuda::kDecodePathsDefault & cuda::kDecodeOneWave) != 0);
-  EXPECT_TRUE((cuda::kDecodePathsDefault & cuda::kDecodeOneTokenTail) != 0);
+}
+
+// decode_one_token_tail (session 17): expected pairs per touched expert T k / (E (1 - (1 - k/E)^T))
+// <= 2. By hand: Mixtral (E = 8, k = 2) T = 4: 8 / (8 (1 - 0.75^4)) = 1.46, T = 16: 32 / 7.92 = 4.04;
+// Qwen3 (128, 8) T = 16: 128 / (128 (1 - (15/16)^16)) = 1.55, T = 64: 4.07; DeepSeek-V3 (256, 8)
+// T = 16: 1.26, T = 64: 2.30; T = 1 always; k > E (repeated experts) counts every expert touched.
+TEST(MoeDecodePaths, OneTokenTailRuleHostOnly) {
+  EXPECT_EQ(cuda::kOneTokenTailMaxPairsPerExpert, 2.0);
+  EXPECT_TRUE(cuda::decode_one_token_tail(1, 8, 128));
+  EXPECT_TRUE(cuda::decode_one_token_tail(1, 4, 2)) << "T = 1 with k > E";
+  EXPECT_TRUE(cuda::decode_one_token_tail(4, 2, 8)) << "Mixtral T = 4";
+  EXPECT_FALSE(cuda::decode_one_token_tail(16, 2, 8)) << "Mixtral T = 16";
+  EXPECT_TRUE(cuda::decode_one_token_tail(16, 8, 128)) << "Qwen3 T = 16";
+  EXPECT_FALSE(cuda::decode_one_token_tail(64, 8, 128)) << "Qwen3 T = 64";
+  EXPECT_TRUE(cuda::decode_one_token_tail(16, 8, 256)) << "DeepSeek-V3 T = 16";
+  EXPECT_FALSE(cuda::decode_one_token_tail(64, 8, 256)) << "DeepSeek-V3 T = 64";
+  EXPECT_FALSE(cuda::decode_one_token_tail(3, 4, 2)) << "k > E, T > 1: 6 pairs per expert";
+  EXPECT_FALSE(cuda::decode_one_token_tail(0, 8, 128));
+  EXPECT_FALSE(cuda::decode_one_token_tail(4, 0, 128));
+  EXPECT_TRUE((cuda::kDecodePathsDefault & cuda::kDecodeOneTokenTailRule) != 0) << "the rule is on by default";
+  EXPECT_TRUE((cuda::kDecodePathsDefault & cuda::kDecodeOneTokenTail) == 0);
 }
 
 // kDecodeOneTokenTail (session 17, small17): one-token tiles exchange, combine and finish only the
@@ -521,7 +541,7 @@ TEST(MoeDecodePaths, OneTokenTailBitIdenticalOneWaveMatchesReference) {
     routing(c.T, c.k, allowed, rng, ids, wts);
     const auto ref = moe_reference(L.w13, L.w2, c.H, c.I, x, c.T, c.k, ids, wts);
     const int split[4] = {2, 1, 2, 1};
-    constexpr unsigned kTail = cuda::kDecodeOneTokenTail;
+    constexpr unsigned kTail = cuda::kDecodeOneTokenTail | cuda::kDecodeOneTokenTailRule;
     for (cuda::WeightDecoder d : decs) {
       cuda::set_weight_decoder(d);
       for (unsigned p : {cuda::kDecodePathsDefault, cuda::kDecodeOneWave,
@@ -530,7 +550,7 @@ TEST(MoeDecodePaths, OneTokenTailBitIdenticalOneWaveMatchesReference) {
           SCOPED_TRACE(::testing::Message() << "decoder " << static_cast<int>(d) << " paths " << p << (sp ? " split" : ""));
           const auto base = forward(L, x, c.T, c.k, ids, wts, p & ~kTail, sp);
           expect_close(base, ref);
-          const auto tail = forward(L, x, c.T, c.k, ids, wts, p | kTail, sp);
+          const auto tail = forward(L, x, c.T, c.k, ids, wts, p | cuda::kDecodeOneTokenTail, sp);
           EXPECT_TRUE(tail == base) << "the one-token tail changed the output bits";
         }
     }

@@ -227,18 +227,30 @@ bool decode_fuse_reduce(std::int64_t gemm2_ctas, int top_k, int sms);
 ///     SiLU*up / MXFP8 epilogue skips the token-less column instead of computing it up to its amax
 ///     and dropping it (and converts its FP16 copies of E4M3 bytes in hardware, exactly).
 ///     Bit-identical outputs. The phase timing of session 17 (docs/perf/moe-gpu.md) measured GEMM1's
-///     epilogue at 3.8-5.3 us of warp 0 at T = 1;
+///     epilogue at 3.8-5.3 us of warp 0 at T = 1; kDecodeOneTokenTailRule: kDecodeOneTokenTail where
+///     decode_one_token_tail() says so (below);
 ///   kDecodeOneWave (session 17, small17): decode_swap_warps' one-wave condition (below): the warps
 ///     per CTA are not doubled where that would turn a grid that is resident at once into two waves
 ///     (Qwen3-235B T = 1 GEMM1: 384 CTAs of 8 warps, 2 resident per SM, ran in two waves).
 inline constexpr unsigned kDecodeDirect = 1u, kDecodeDirectAlways = 2u, kDecodeClusterReduce = 4u,
                           kDecodeNoDirect1 = 8u, kDecodeSplitK = 16u, kDecodeClusterReduceAlways = 32u,
                           kDecodeLateScales = 64u, kDecodeLateScales96 = 128u, kDecodeLateScalesRule = 256u,
-                          kDecodeOneTokenTail = 512u, kDecodeOneWave = 1024u;
+                          kDecodeOneTokenTail = 512u, kDecodeOneWave = 1024u, kDecodeOneTokenTailRule = 2048u;
 /// The default set (the paths measured faster, docs/perf/moe-gpu.md "Session 14", "Session 16" and
 /// "Session 17").
 inline constexpr unsigned kDecodePathsDefault =
-    kDecodeDirect | kDecodeClusterReduce | kDecodeSplitK | kDecodeLateScalesRule | kDecodeOneTokenTail | kDecodeOneWave;
+    kDecodeDirect | kDecodeClusterReduce | kDecodeSplitK | kDecodeLateScalesRule | kDecodeOneTokenTailRule |
+    kDecodeOneWave;
+
+/// kDecodeOneTokenTail by rule (host only): where the expected pairs per touched expert under uniform
+/// routing, T k / (E (1 - (1 - min(1, k/E))^T)), are at most kOneTokenTailMaxPairsPerExpert (T = 1
+/// always). Measured on the H200 (docs/perf/moe-gpu.md "Session 17", device run small17-run2, four
+/// processes in ABBA order, same process as the forward without it): 1.004-1.055x on every T = 1, 4,
+/// 16 row of the four benchmark shapes (expected pairs per expert 1.0-1.55) except Mixtral T = 16
+/// (4.0 pairs per expert, few one-token tiles), 0.984-0.989x there (not explained: the flag only acts
+/// on tiles of one token).
+inline constexpr double kOneTokenTailMaxPairsPerExpert = 2.0;
+bool decode_one_token_tail(std::int64_t tokens, int top_k, std::int64_t experts);
 
 /// Warps per CTA of a swap-AB decode GEMM (they split the K-tiles of the CTA's rows; host only).
 /// Inputs: `ctas` the GEMM's CTAs (touched experts x strip groups), `tiles_k` its K-tiles per row,
