@@ -101,7 +101,8 @@ __device__ __forceinline__ F& swap_phase_wrap(F& f) {
 /// tk.count == 1 apply them):
 ///   kOneTokenLoop: one-token tiles take swap_warp_gemm's kOne K-loop (session 10; LUTB_SWAPAB_ONE=0
 ///     clears it);
-///   kOneTokenTail (session 17, small17; set_decode_paths kDecodeOneTokenTail): one-token tiles
+///   kOneTokenTail (session 17, small17; set_decode_paths kDecodeOneTokenTail, or its rule
+///     kDecodeOneTokenTailRule, moe.hpp decode_one_token_tail): one-token tiles
 ///     exchange only accumulator column 2t in swap_reduce / swap_cluster_combine and skip column
 ///     2t + 1 in swap_epilogue1 (nothing reads it: bit-identical outputs).
 constexpr unsigned kOneTokenLoop = 1u, kOneTokenTail = 2u;
@@ -620,7 +621,7 @@ constexpr int swap_min_blocks(int nb) { return nb == 1 ? LUTB_SWAPAB_MINB1 : (nb
 /// being computed up to the amax shuffles and then dropped; and the Cvt decoder's FP16 copy of an
 /// E4M3 element is converted by the hardware (cvt.rn.f16x2.e4m3x2, exact) instead of
 /// __float2half_rn(e4m3_to_float()) (exact too). Same bytes written (session 17, small17: the
-/// epilogue took 3.8-5.3 us of GEMM1's warp 0 at T = 1, docs/perf/moe-gpu.md).
+/// epilogue took 3.3-5.3 us of GEMM1's warp 0 at T = 1 and 4, docs/perf/moe-gpu.md "Session 17").
 template <int kDec, int NB>
 __device__ __forceinline__ void swap_epilogue1(const SwapTokens<NB>& tk, int nblocks, const bool (&ok)[8],
                                                const float (&acc)[4][NB][4], long long G, long long Ip, void* hq,
