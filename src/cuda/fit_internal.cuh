@@ -133,9 +133,40 @@ void launch_warp_layout(const KernelArgs& a, int layout, cudaStream_t stream);
 inline constexpr int kWarpDpDefault = 0;
 inline constexpr int kWarpDpBytesOnly = 6;
 void launch_warp_dp(const KernelArgs& a, int layout, int dp_mode, cudaStream_t stream);
-/// Resident warps per SM (occupancy calculator; -1 on a CUDA error) of the table kernels: DP mode 12's
-/// when dp_mode is 12, else 9..11's (fit_dp_modes_t.cu).
+/// Resident warps per SM (occupancy calculator; -1 on a CUDA error) of the table kernels: DP mode
+/// dp_mode's (10..14), else mode 9's (fit_dp_modes_t.cu; each mode's own register count since fit17).
 int resident_warps_table(int dp_mode);
+
+/// fit17: the block shape of the binned-dp warp kernels as a launch choice (src/cuda/fit_dp_modes_s.cu,
+/// fit_dp_modes_st.cu). The same per-tile device code as launch_warp_dp(a, layout, dp_mode) (fit_one /
+/// fit_one_c), with the per-warp shared memory (Smem<false>: layout 0; SmemCT: layout 1, 9,168 B; the
+/// table layout of modes 9, 10, 13: 12,416 B) in DYNAMIC shared memory (opted in with
+/// cudaFuncAttributeMaxDynamicSharedMemorySize, so that a block may exceed the 48 KiB of static
+/// shared memory), `warps` (1, 2 or 4) warps per block, compiled for the resident warps per SM of the
+/// static kernel (__launch_bounds__: layout 0 16 (<= 128 registers), layout 1 mode 0 20 (<= 96),
+/// the table modes 16 (<= 128); ptxas allocates the static kernel's count, no local memory), and
+/// `grid`:
+///   kGridPerTile (0): one tile per warp, ceil(tiles / warps) blocks (as every launch before fit17:
+///     a block retires when its slowest warp's tile is done);
+///   kGridStride (1): persistent: min(ceil(tiles / warps), resident blocks per SM x SMs) blocks, warp g
+///     of G takes tiles g, g + G, g + 2G, ...;
+///   kGridAtomic (2): persistent as 1, warp g takes tile g first and then the next tile of the shared
+///     counter *counter (lane 0: G + atomicAdd(counter, 1), fetched before the current tile's fit);
+///     the launcher sets *counter to 0 on `stream` first (cudaMemsetAsync); the counter belongs to the
+///     launch until it completes (no other launch may use it meanwhile); counter must be non-null.
+/// `max_blocks` > 0 caps the persistent grids' blocks (tests: a few warps looping over many tiles).
+/// Every tile is fitted by one warp exactly once and writes only its own outputs (and atomicMin's
+/// the error word), so the bytes, per-tile sums and error word do not depend on the order or the
+/// warp (tested against the CPU). Supported (layout, dp_mode): (1, 0) the default with the per-tile
+/// sums, (0, 6) the bytes-only default, (1, 9), (1, 10), (1, 13) fit16's table modes; optimal and
+/// check-only launches go to launch_warp. std::invalid_argument for other combinations, warps not in
+/// {1, 2, 4}, grid not in 0..2, grid 2 without a counter; std::runtime_error on a CUDA error.
+inline constexpr int kGridPerTile = 0, kGridStride = 1, kGridAtomic = 2;
+void launch_warp_shape(const KernelArgs& a, int layout, int dp_mode, int warps, int grid, unsigned long long* counter,
+                       cudaStream_t stream, int max_blocks = 0);
+/// Resident warps per SM of launch_warp_shape's kernel for (layout, dp_mode, warps) by the occupancy
+/// calculator with its dynamic shared memory (-1 on a CUDA error; std::invalid_argument as there).
+int resident_warps_shape(int layout, int dp_mode, int warps);
 /// launch_warp_profiled's DP modes 1, 2, 6, 7 (src/cuda/fit_dp_modes.cu).
 void launch_warp_profiled_dp(const KernelArgs& a, unsigned long long* d_prof, int dp_mode, cudaStream_t stream);
 
