@@ -2078,8 +2078,9 @@ void launch_warp(const KernelArgs& a, cudaStream_t stream) {
   // (the tile check alone is the same code in both instantiations: the smaller one runs it)
   if (a.optimal && !a.check_only) launch_t<false, true>(a, nullptr, stream, "quantize_gpu: kernel launch: ");
   else if (a.check_only) launch_t<false, false>(a, nullptr, stream, "quantize_gpu: kernel launch: ");
-  else if (a.out.sse || a.out.sum_sq) launch_warp_dp(a, kWarpLayoutDefault, kWarpDpDefault, stream);
-  else launch_warp_dp(a, kWarpLayoutBytesOnly, kWarpDpBytesOnly, stream);
+  else if (a.out.sse || a.out.sum_sq)
+    launch_warp_shape(a, kWarpLayoutDefault, kWarpDpDefault, kWarpBlockDefault, kGridPerTile, nullptr, stream);
+  else launch_warp_shape(a, kWarpLayoutBytesOnly, kWarpDpBytesOnly, kWarpBlockDefault, kGridPerTile, nullptr, stream);
 }
 
 void launch_warp_layout(const KernelArgs& a, int layout, cudaStream_t stream) {

@@ -1,8 +1,9 @@
 // src/cuda/fit_dp_modes_s.cu: fit17's launch_warp_shape and resident_warps_shape (fit_internal.cuh):
 // the binned-dp warp kernels' block shape as a launch choice (warps per block through dynamic shared
-// memory; one tile per warp or a persistent grid) for the two defaults, layout 1 DP mode 0 (fits with
-// the per-tile sums) and layout 0 DP mode 6 (bytes only); the table modes' kernels are in
-// fit_dp_modes_st.cu. fit_binned_dp_warp.cu's templates, included as in fit_dp_modes.cu. Compiled
+// memory; one tile per warp or a persistent grid) for layout 1 DP mode 0 (fit12's kernel with the
+// per-tile sums) and layout 0 DP mode 6 (the bytes-only default's code, run by launch_warp in 4-warp
+// blocks since fit17); the table modes' kernels (mode 10: the default with the sums since fit17) are
+// in fit_dp_modes_st.cu. fit_binned_dp_warp.cu's templates, included as in fit_dp_modes.cu. Compiled
 // with -fmad=false like every src/cuda/fit_*.cu.
 #define LUTB_FIT_DP_MODES_TU
 #include "fit_binned_dp_warp.cu"

@@ -805,8 +805,9 @@ TEST(FitGpu, CostTableDpEdgeTiles) {
 }
 
 // fit17: the block shape as a launch choice (fit_internal::launch_warp_shape): every supported
-// (layout, DP mode) -- (1, 0) the default with the per-tile sums, (0, 6) the bytes-only default,
-// (1, 9), (1, 10), (1, 13) fit16's table modes -- in 1-, 2- and 4-warp blocks of dynamic shared memory,
+// (layout, DP mode) -- (1, 0) fit12's kernel with the per-tile sums, (0, 6) the bytes-only kernel,
+// (1, 9), (1, 10), (1, 13) fit16's table modes; (1, 10) and (0, 6) in 4-warp blocks, one tile per
+// warp, are launch_warp's defaults since fit17 -- in 1-, 2- and 4-warp blocks of dynamic shared memory,
 // with one tile per warp (grid 0) and on persistent grids by stride (1) and by a shared counter (2),
 // the persistent grids capped at 3 blocks so that every warp loops over many tiles (up to 171 on the
 // 512-tile stacks) in an order that the counter makes depend on timing: the CPU's bytes and sums on
