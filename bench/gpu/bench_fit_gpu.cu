@@ -23,7 +23,8 @@
 // With LUTB_BENCH_FIT17=1: only fit17's comparison (the block shape as a launch choice,
 // fit_internal::launch_warp_shape: 1-, 2-, 4-warp blocks through dynamic shared memory, one tile per
 // warp or a persistent grid by stride or a shared counter, for layout 1 mode 0, layout 0 mode 6 and
-// the table modes 9, 10, 13, against the static defaults; alternated forward / reverse / forward /
+// the table modes 9, 10, 13, against the static kernels (the defaults before fit17: layout 1 mode 0
+// with the per-tile sums, layout 0 mode 6 bytes only); alternated forward / reverse / forward /
 // reverse in this process; whole-stack bytes and sums == the default's; expert 0 == CPU), then exit.
 // With LUTB_BENCH_FIT16=1: only fit16's comparison (the binned DP over a per-tile table of every run
 // cost, launch_warp_dp modes 9, 10, 12 and the diagnostics 13, 14 on layout 1, against the defaults: layout 1 mode 0 with the

@@ -169,7 +169,7 @@ int resident_warps_table(int dp_mode);
 /// warp (tested against the CPU). Supported (layout, dp_mode): (1, 0) fit12's kernel with the per-tile
 /// sums, (0, 6) the bytes-only kernel, (1, 9), (1, 10), (1, 13) fit16's table modes; launch_warp runs
 /// (1, 10) (with the sums) and (0, 6) (bytes only) in 4-warp blocks, one tile per warp (kWarpDpDefault
-/// above: the persistent grids were 1.13-1.28x slower, fit17 run 1); optimal and
+/// above: the persistent grids took 1.16-1.26x the time, fit17 run 1); optimal and
 /// check-only launches go to launch_warp. std::invalid_argument for other combinations, warps not in
 /// {1, 2, 4}, grid not in 0..2, grid 2 without a counter; std::runtime_error on a CUDA error.
 inline constexpr int kGridPerTile = 0, kGridStride = 1, kGridAtomic = 2;
