@@ -180,16 +180,27 @@ fi
 # the full build's ~100 s), then runs "$@" as a shell command with $BENCH pointing at the binary, e.g.
 #   scripts/gpu_run.sh moebench 'LUTB_SWAPAB_NB=1 $BENCH --shape qwen3-30b --tokens 64,128 --variants 1'
 # For short A/B measurements of heuristics and knobs; correctness stays with the full build's tests.
+# MOEBENCH_PHASES=1 (small17): also $BENCH_PHASES, the same benchmark with moe_lutb.cu and the bench
+# compiled with -DLUTB_SWAPAB_PHASES=1 (variant 65 prints the swap-AB GEMMs' phase tables; moe.hpp).
 if [ "$WHAT" = moebench ]; then
   FA="-gencode=arch=compute_90a,code=sm_90a"
   MCU="${CUFLAGS/$ARCH/$FA}"
-  mkdir -p "$B/mb"
+  mkdir -p "$B/mb" "$B/mbp"
   pids=()
   for f in src/cuda/moe_*.cu src/cuda/routing.cu src/cuda/lane_major.cu bench/gpu/bench_moe_gpu.cu; do
     $NVCC $MCU -c "$f" -o "$B/mb/$(basename "$f" .cu).o" & pids+=($!)
   done
+  if [ "${MOEBENCH_PHASES:-0}" = 1 ]; then
+    for f in src/cuda/moe_lutb.cu bench/gpu/bench_moe_gpu.cu; do
+      $NVCC $MCU -DLUTB_SWAPAB_PHASES=1 -c "$f" -o "$B/mbp/$(basename "$f" .cu).o" & pids+=($!)
+    done
+  fi
   for p in "${pids[@]}"; do wait "$p"; done
   $NVCC $FA -o "$B/bench_moe_gpu_sm90" "$B"/mb/*.o -lcublas
+  if [ "${MOEBENCH_PHASES:-0}" = 1 ]; then
+    $NVCC $FA -o "$B/bench_moe_gpu_phases" "$B"/mbp/*.o $(ls "$B"/mb/*.o | grep -v -e '/moe_lutb\.o$' -e '/bench_moe_gpu\.o$') -lcublas
+    export BENCH_PHASES="$B/bench_moe_gpu_phases"
+  fi
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv | tee "$OUT/gpu.txt" || true
   export BENCH="$B/bench_moe_gpu_sm90"
   for cmd in "$@"; do echo "## $cmd"; bash -c "$cmd"; done 2>&1 | tee "$OUT/moebench.md"
@@ -201,7 +212,8 @@ fi
 # fitter and prefill tests (~40 s on 16 cores instead of `all`'s ~250 s); then the tests, memcheck +
 # racecheck on small decode cases, and each "CMD" with $BENCH = the benchmark, e.g.
 #   scripts/gpu_run.sh moetests '$BENCH --tokens 1,4,16,64 --variants 0,20'
-# MOETESTS_JOBS: parallel compiles (default 64; 2 on a small machine).
+# MOETESTS_JOBS: parallel compiles (default 64; 2 on a small machine). MOEBENCH_PHASES=1: also
+# $BENCH_PHASES, the phase-timing benchmark (see moebench below).
 if [ "$WHAT" = moetests ]; then
   FA="-gencode=arch=compute_90a,code=sm_90a"
   MCU="${CUFLAGS/$ARCH/$FA}"
@@ -213,6 +225,11 @@ if [ "$WHAT" = moetests ]; then
     throttle; $NVCC $MCU -c "$f" -o "$B/mt/l_$(basename "$f" .cu).o" & pids+=($!)
   done
   throttle; $NVCC $MCU -c bench/gpu/bench_moe_gpu.cu -o "$B/mt/bench_moe_gpu.o" & pids+=($!)
+  if [ "${MOEBENCH_PHASES:-0}" = 1 ]; then  # $BENCH_PHASES as in moebench (small17)
+    mkdir -p "$B/mtp"
+    throttle; $NVCC $MCU -DLUTB_SWAPAB_PHASES=1 -c src/cuda/moe_lutb.cu -o "$B/mtp/l_moe_lutb.o" & pids+=($!)
+    throttle; $NVCC $MCU -DLUTB_SWAPAB_PHASES=1 -c bench/gpu/bench_moe_gpu.cu -o "$B/mtp/bench_moe_gpu.o" & pids+=($!)
+  fi
   if [ ! -f "$B/obj/gtest-all.o" ]; then
     throttle; g++ -std=c++17 -O2 -isystem "$GTEST_DIR/include" -I"$GTEST_DIR" -c "$GTEST_DIR/src/gtest-all.cc" -o "$B/obj/gtest-all.o" & pids+=($!)
     throttle; g++ -std=c++17 -O2 -isystem "$GTEST_DIR/include" -I"$GTEST_DIR" -c "$GTEST_DIR/src/gtest_main.cc" -o "$B/obj/gtest_main.o" & pids+=($!)
@@ -229,11 +246,16 @@ if [ "$WHAT" = moetests ]; then
     -lcublas -Xcompiler -fopenmp -L"$DEPS_LIB" -lhwy -lpthread -Xlinker -rpath="$DEPS_LIB"
   $NVCC $FA -o "$B/bench_moe_gpu_mt" "$B/mt/bench_moe_gpu.o" "$B"/mt/l_*.o "$B"/mt/c_core_*.o -lcublas \
     -Xcompiler -fopenmp -L"$DEPS_LIB" -lhwy -lpthread -Xlinker -rpath="$DEPS_LIB"
+  if [ "${MOEBENCH_PHASES:-0}" = 1 ]; then
+    $NVCC $FA -o "$B/bench_moe_gpu_phases" "$B"/mtp/*.o $(ls "$B"/mt/l_*.o | grep -v '/l_moe_lutb\.o$') "$B"/mt/c_core_*.o \
+      -lcublas -Xcompiler -fopenmp -L"$DEPS_LIB" -lhwy -lpthread -Xlinker -rpath="$DEPS_LIB"
+  fi
   } 2>&1 | tee "$OUT/build_moetests.log"
   [ "${MOETESTS_BUILD_ONLY:-0}" = 1 ] && exit 0
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv | tee "$OUT/gpu.txt" || true
   export LD_LIBRARY_PATH="$DEPS_LIB:${LD_LIBRARY_PATH:-}"
   export BENCH="$B/bench_moe_gpu_mt"
+  [ "${MOEBENCH_PHASES:-0}" = 1 ] && export BENCH_PHASES="$B/bench_moe_gpu_phases"
   # MOETESTS_BENCH_FIRST=1: the benchmark commands before the tests (a short lease keeps the figures).
   run_tests() {
     "$B/lutb_moe_tests" ${MOETESTS_FILTER:+--gtest_filter="$MOETESTS_FILTER"} 2>&1 | tail -60 | tee "$OUT/moe_tests.log" || true

@@ -20,6 +20,12 @@
 // layouts 0 and 1, with and without the per-tile sums, alternated twice in this process; whole-stack
 // bytes and sums == mode 0's; expert 0 == CPU; the phase breakdown of the instrumented kernel with
 // each mode), then exit.
+// With LUTB_BENCH_FIT17=1: only fit17's comparison (the block shape as a launch choice,
+// fit_internal::launch_warp_shape: 1-, 2-, 4-warp blocks through dynamic shared memory, one tile per
+// warp or a persistent grid by stride or a shared counter, for layout 1 mode 0, layout 0 mode 6 and
+// the table modes 9, 10, 13, against the static kernels (the defaults before fit17: layout 1 mode 0
+// with the per-tile sums, layout 0 mode 6 bytes only); alternated forward / reverse / forward /
+// reverse in this process; whole-stack bytes and sums == the default's; expert 0 == CPU), then exit.
 // With LUTB_BENCH_FIT16=1: only fit16's comparison (the binned DP over a per-tile table of every run
 // cost, launch_warp_dp modes 9, 10, 12 and the diagnostics 13, 14 on layout 1, against the defaults: layout 1 mode 0 with the
 // per-tile sums, layout 0 mode 6 bytes only; alternated forward / reverse / forward / reverse in this
@@ -485,6 +491,138 @@ int main(int argc, char** argv) {
     std::printf("profile-only: one launch each of the 1- and 2-tiles-per-warp binned-dp kernels, %lld tiles\n",
                 static_cast<long long>(tiles));
     return 0;
+  }
+  if (const char* f17 = std::getenv("LUTB_BENCH_FIT17"); f17 != nullptr && std::string(f17) == "1") {
+    namespace fi = lutb::cuda::fit_internal;
+    auto hostv = [](const void* p, std::size_t n) {
+      std::vector<std::uint8_t> h(n);
+      ok(cudaMemcpy(h.data(), p, n, cudaMemcpyDeviceToHost));
+      return h;
+    };
+    unsigned long long* d_ctr = nullptr;
+    ok(cudaMalloc(&d_ctr, 8));
+    struct V {
+      int layout, dp, warps, grid;  // warps 0: the static kernel of launch_warp_dp(layout, dp)
+      bool sums;
+    };
+    auto launch = [&](const V& v, const fi::KernelArgs& ka) {
+      if (v.warps == 0) fi::launch_warp_dp(ka, v.layout, v.dp, nullptr);
+      else fi::launch_warp_shape(ka, v.layout, v.dp, v.warps, v.grid, d_ctr, nullptr);
+    };
+    // Best of 3 after a warm-up into `o` (its outputs overwritten with 0xa5 first, so that a variant
+    // that skipped a tile cannot pass the comparison on an earlier variant's bytes).
+    auto time_v = [&](const V& v, const lutb::cuda::DeviceFitOut& o) {
+      ok(cudaMemset(o.packed, 0xa5, nt * lutb::kPackedBytes));
+      ok(cudaMemset(o.codebook, 0xa5, nt * 8));
+      ok(cudaMemset(o.scale, 0xa5, nt));
+      ok(cudaMemset(o.sse, 0xa5, nt * 8));
+      ok(cudaMemset(o.sum_sq, 0xa5, nt * 8));
+      lutb::cuda::DeviceFitOut oo = o;
+      if (!v.sums) oo.sse = oo.sum_sq = nullptr;
+      fi::KernelArgs ka{d_w, 1, N, K, s.tiles_n(), s.tiles_k(), tiles, 0, oo, -1, d_err};
+      float best = 1e30f;
+      for (int rep = 0; rep < 4; ++rep) {  // first = warm-up
+        ok(cudaMemset(d_err, 0xff, 8));
+        ok(cudaEventRecord(a));
+        launch(v, ka);
+        ok(cudaEventRecord(b));
+        ok(cudaEventSynchronize(b));
+        float ms = 0;
+        ok(cudaEventElapsedTime(&ms, a, b));
+        if (rep > 0) best = std::min(best, ms);
+      }
+      unsigned long long err = 0;
+      ok(cudaMemcpy(&err, d_err, 8, cudaMemcpyDeviceToHost));
+      if (lutb::cuda::decode_fit_error(err).code != 0) std::printf("unexpected tile error\n");
+      return best * 1e-3;
+    };
+    // Reference: the default with the per-tile sums (layout 1, mode 0, static 4-warp blocks), into out[0].
+    time_v(V{1, 0, 0, 0, true}, out[0]);
+    const auto r_packed = hostv(out[0].packed, nt * lutb::kPackedBytes), r_cb = hostv(out[0].codebook, nt * 8),
+               r_sc = hostv(out[0].scale, nt), r_sse = hostv(out[0].sse, nt * 8), r_ssq = hostv(out[0].sum_sq, nt * 8);
+    auto same17 = [&](const lutb::cuda::DeviceFitOut& x, bool sums) {
+      return hostv(x.packed, nt * lutb::kPackedBytes) == r_packed && hostv(x.codebook, nt * 8) == r_cb &&
+             hostv(x.scale, nt) == r_sc && (!sums || (hostv(x.sse, nt * 8) == r_sse && hostv(x.sum_sq, nt * 8) == r_ssq));
+    };
+    // The defaults first in each group (with the sums: layout 1 mode 0, static 4-warp blocks; bytes
+    // only: layout 0 mode 6, static 2-warp blocks); grid 0 a tile per warp, 1 persistent stride, 2
+    // persistent counter.
+    const V vs[] = {{1, 0, 0, 0, true},   {1, 0, 4, 0, true},   {1, 0, 2, 0, true},   {1, 0, 1, 0, true},
+                    {1, 0, 4, 1, true},   {1, 0, 4, 2, true},   {1, 0, 2, 2, true},   {1, 0, 1, 2, true},
+                    {1, 10, 0, 0, true},  {1, 10, 4, 0, true},  {1, 10, 4, 2, true},  {1, 10, 2, 2, true},
+                    {1, 10, 1, 2, true},  {1, 9, 4, 2, true},   {1, 13, 0, 0, true},  {1, 13, 4, 0, true},
+                    {0, 6, 0, 0, false},  {0, 6, 4, 0, false},  {0, 6, 2, 0, false},  {0, 6, 1, 0, false},
+                    {0, 6, 4, 2, false},  {0, 6, 2, 2, false},  {1, 0, 4, 2, false},  {1, 10, 4, 2, false}};
+    constexpr int kV = sizeof(vs) / sizeof(vs[0]);
+    constexpr int kBytesBase = 16;  // the first bytes-only variant
+    constexpr int kR = 4;           // alternations: forward, reverse, forward, reverse (ABBA)
+    double t17[kR][kV] = {};
+    bool same_all = true;
+    for (int r = 0; r < kR; ++r)
+      for (int q = 0; q < kV; ++q) {
+        const int v = (r & 1) ? kV - 1 - q : q;
+        t17[r][v] = time_v(vs[v], out[3]);
+        const bool eq = same17(out[3], vs[v].sums);
+        if (!eq)
+          std::printf("fit17: layout %d DP mode %d warps %d grid %d sums %d: bytes or sums DIFFER from the default\n",
+                      vs[v].layout, vs[v].dp, vs[v].warps, vs[v].grid, vs[v].sums ? 1 : 0);
+        same_all = same_all && eq;
+      }
+    // Expert 0 == CPU (binned-dp), bytes and FitStats (the per-tile sums added in tile order).
+    const std::int64_t tpe = s.tiles_per_expert();
+    std::vector<std::uint16_t> h(static_cast<std::size_t>(N * K));
+    ok(cudaMemcpy(h.data(), d_w, h.size() * 2, cudaMemcpyDeviceToHost));
+    lutb::LutbTensor cpu;
+    lutb::FitOptions fo;
+    fo.fitter = "binned-dp";
+    const lutb::FitStats st = lutb::quantize(h.data(), lutb::DType::BF16, s1, cpu, fo, "w13");
+    lutb::FitStats sg;
+    for (std::int64_t t = 0; t < tpe; ++t) {
+      double e = 0, q = 0;
+      std::memcpy(&e, r_sse.data() + 8 * t, 8);
+      std::memcpy(&q, r_ssq.data() + 8 * t, 8);
+      sg.sse += e;
+      sg.sum_sq += q;
+    }
+    const auto tp = static_cast<std::size_t>(tpe);
+    const bool same_cpu = std::equal(cpu.packed.begin(), cpu.packed.end(), r_packed.begin()) &&
+                          cpu.packed.size() == tp * lutb::kPackedBytes &&
+                          std::equal(cpu.codebook.begin(), cpu.codebook.end(), r_cb.begin()) && cpu.codebook.size() == tp * 8 &&
+                          std::equal(cpu.scale.begin(), cpu.scale.end(), r_sc.begin()) && cpu.scale.size() == tp &&
+                          sg.sse == st.sse && sg.sum_sq == st.sum_sq;
+    std::printf("| GPU | %s, %d SMs |\n", prop.name, prop.multiProcessorCount);
+    std::printf("| data | BF16 %s sigma 0.02, [%lld, %lld, %lld] = %.3g weights, %lld tiles |\n\n",
+                student ? "Student-t(3)-like" : "Gaussian", static_cast<long long>(E), static_cast<long long>(N),
+                static_cast<long long>(K), static_cast<double>(weights), static_cast<long long>(tiles));
+    std::printf("| fit17: binned-dp, layout, DP mode, block, grid, sums | warps/SM | time alt. 1 / 2 / 3 / 4 (fwd, rev, fwd, rev) "
+                "| weights/s (best) | time / group default (alt. 1 / 2 / 3 / 4) | 654e9 weights | of 45e9/s |\n"
+                "|---|---|---|---|---|---|---|\n");
+    const char* grid_name[] = {"a tile per warp", "persistent, stride", "persistent, counter"};
+    for (int v = 0; v < kV; ++v) {
+      const int base = vs[v].sums ? 0 : kBytesBase;
+      double tb = 1e30;
+      for (int r = 0; r < kR; ++r) tb = std::min(tb, t17[r][v]);
+      const double rate = static_cast<double>(weights) / tb;
+      int rw = 0;
+      char block[64];
+      if (vs[v].warps == 0) {
+        rw = vs[v].layout == 0 ? fi::resident_warps_per_sm(0) : vs[v].dp == 0 ? fi::resident_warps_per_sm(3)
+                                                                              : fi::resident_warps_table(vs[v].dp);
+        std::snprintf(block, sizeof(block), "static %d-warp", vs[v].layout == 1 && vs[v].dp == 0 ? 4 : 2);
+      } else {
+        rw = fi::resident_warps_shape(vs[v].layout, vs[v].dp, vs[v].warps);
+        std::snprintf(block, sizeof(block), "dynamic %d-warp", vs[v].warps);
+      }
+      std::printf("| layout %d, DP mode %d, %s, %s, %s | %d | %.4f / %.4f / %.4f / %.4f s | %.3g | %.3f / %.3f / %.3f / %.3f | %.0f s | %.1f%% |\n",
+                  vs[v].layout, vs[v].dp, block, grid_name[vs[v].grid], vs[v].sums ? "with per-tile sums" : "bytes only", rw,
+                  t17[0][v], t17[1][v], t17[2][v], t17[3][v], rate, t17[0][v] / t17[0][base], t17[1][v] / t17[1][base],
+                  t17[2][v] / t17[2][base], t17[3][v] / t17[3][base], 654e9 / rate, 100.0 * rate / 45e9);
+    }
+    std::printf("\n| every variant == the default (layout 1, mode 0, with sums): bytes and sums (bytes only: bytes), whole stack | %s |\n",
+                same_all ? "yes" : "NO");
+    std::printf("| expert 0: GPU default == CPU binned-dp: bytes and FitStats | %s |\n", same_cpu ? "yes" : "NO");
+    ok(cudaFree(d_ctr));
+    return same_all && same_cpu ? 0 : 2;
   }
   if (const char* f16 = std::getenv("LUTB_BENCH_FIT16"); f16 != nullptr && std::string(f16) == "1") {
     namespace fi = lutb::cuda::fit_internal;

@@ -4,13 +4,14 @@
 //
 // Usage: bench_moe_gpu [--quick] [--shape NAME] [--tokens T] [--variants LIST]
 //   (NAME: deepseek-v3, qwen3-235b, qwen3-30b, mixtral-8x7b; --tokens T or T1,T2,...: only those batch sizes;
-//   --variants, e.g. 0,7 or 1,10: only those forwards of the `make` switch (0..11, 20..37, 40..52, 62; 10 = the swap-AB
+//   --variants, e.g. 0,7 or 1,10: only those forwards of the `make` switch (0..11, 20..37, 40..52, 62, 65..69; 10 = the swap-AB
 //   decode on FP8 wgmma, 11 = the warp-specialised swap-AB decode; 20..37: session 14's small-batch paths,
 //   stage timing and forced K splits; 40..49: L2 prefetch of GEMM2's weights; 50 / 51 / 52: the late tile
-//   scales everywhere at 128 / 96 registers / nowhere, session 16; 62: two of the K-loop's selectors as IMAD,
-//   kDecodeSelImad, session 17; 60 / 61 were session 17's kDecodeSelFma, not kept), a compact row, no cuBLAS:
-//   for quick A/B runs
-//   of kernel changes)
+//   scales everywhere at 128 / 96 registers / nowhere, session 16; 65..68: session 17 (small17), 65 = the default
+//   (in a -DLUTB_SWAPAB_PHASES build followed by its GEMMs' phase tables), 66 / 67 / 68 = the default without
+//   the one-token tail / kDecodeOneWave / both, 69 = the tail everywhere; 62: two of the K-loop's selectors as IMAD, kDecodeSelImad,
+//   session 17, alu17; 60 / 61 were alu17's kDecodeSelFma, not kept), a compact row, no cuBLAS: for quick
+//   A/B runs of kernel changes)
 // Each forward (routing kernel excluded; the routing is precomputed by route_softmax_topk /
 // route_deepseek on random logits) is captured in a CUDA graph; R = 8 different routings are cycled
 // so that the experts touched change from call to call (weights of one call are not in L2 for the
@@ -184,7 +185,164 @@ struct Shape {
   bool deepseek;
 };
 
-constexpr int kVariants = 63;  // forwards of the `make` switch below (0..11, 20..37, 40..52, 62)
+constexpr int kVariants = 70;  // forwards of the `make` switch below (0..11, 20..37, 40..52, 62, 65..69)
+
+#ifdef LUTB_SWAPAB_PHASES
+// Variant 65 in a -DLUTB_SWAPAB_PHASES build (session 17, small17; lutb/cuda/moe.hpp SwapPhaseRecord
+// has the marks): after the timing, each routing's graph is replayed once more with the phase buffer
+// set, and per swap-AB GEMM this prints (a) the marks' times since the first GEMM1 warp's entry
+// (%globaltimer; GEMM2's marks on the same origin), percentiles over all warps of all replays; (b)
+// the phases' durations per warp (clock64 cycles, converted with the clock the run measured: the
+// warps' globaltimer spans over their clock64 spans); (c) the SM placement: SMs by the number of
+// CTAs they ran (per replay), with when their last warp ended.
+void print_swap_phases(const std::vector<cudaGraphExec_t>& gs, cudaStream_t st, const char* shape, long long T) {
+  constexpr size_t kMax = cuda::kSwapPhaseMaxWarps, n = 2 * kMax;
+  cuda::SwapPhaseRecord* d = nullptr;
+  CK(cudaMalloc(&d, n * sizeof *d));
+  std::vector<cuda::SwapPhaseRecord> h(n);
+  struct Warp {
+    double t[8];       // us since the replay's first GEMM1 entry (-1: mark not reached)
+    long long c[8];    // clock64
+    unsigned sm, cta, warp, nw, kt;
+    int rep;
+  };
+  std::vector<Warp> all[2];
+  unsigned long long gran = ~0ull;  // smallest positive globaltimer step seen inside one warp
+  double sum_ns = 0, sum_cyc = 0;
+  cuda::set_swap_phase_buffer(d);
+  for (size_t r = 0; r < gs.size(); ++r) {
+    CK(cudaMemsetAsync(d, 0, n * sizeof *d, st));
+    CK(cudaGraphLaunch(gs[r], st));
+    CK(cudaStreamSynchronize(st));
+    CK(cudaMemcpy(h.data(), d, n * sizeof *d, cudaMemcpyDeviceToHost));
+    unsigned long long t0 = ~0ull;
+    for (size_t i = 0; i < kMax; ++i)
+      if (h[i].gt[0]) t0 = std::min(t0, h[i].gt[0]);
+    for (size_t i = 0; t0 == ~0ull && i < n; ++i)
+      if (h[i].gt[0]) t0 = std::min(t0, h[i].gt[0]);
+    for (int g = 0; g < 2; ++g)
+      for (size_t i = 0; i < kMax; ++i) {
+        const cuda::SwapPhaseRecord& q = h[g * kMax + i];
+        if (!q.gt[0]) continue;
+        Warp w{};
+        for (int m = 0; m < 8; ++m) {
+          w.t[m] = q.gt[m] ? (static_cast<double>(q.gt[m]) - static_cast<double>(t0)) * 1e-3 : -1.0;
+          w.c[m] = q.clk[m];
+        }
+        for (int m = 1; m < 8; ++m)
+          if (q.gt[m] && q.gt[m - 1] && q.gt[m] > q.gt[m - 1]) gran = std::min(gran, q.gt[m] - q.gt[m - 1]);
+        const int last = q.gt[7] ? 7 : 6;
+        if (q.gt[last] > q.gt[0] + 2000) {  // spans > 2 us: the clock estimate
+          sum_ns += static_cast<double>(q.gt[last] - q.gt[0]);
+          sum_cyc += static_cast<double>(q.clk[last] - q.clk[0]);
+        }
+        w.sm = q.smid;
+        w.cta = q.cta;
+        w.warp = q.warp_info & 255u;
+        w.nw = (q.warp_info >> 8) & 255u;
+        w.kt = q.ktiles;
+        w.rep = static_cast<int>(r);
+        all[g].push_back(w);
+      }
+  }
+  // The forward's time with the marks stored (the variant's own row is timed with the buffer unset).
+  const float marked_ms = time_ms(
+      [&](int i) {
+        for (size_t r = 0; r < gs.size(); ++r) CK(cudaGraphLaunch(gs[(i + r) % gs.size()], st));
+      },
+      4, st) / static_cast<float>(gs.size());
+  cuda::set_swap_phase_buffer(nullptr);
+  CK(cudaFree(d));
+  std::printf("\n#### forward with the phase marks stored: %.1f us per forward\n", marked_ms * 1e3);
+  const double ghz = sum_ns > 0 ? sum_cyc / sum_ns : 1.98;
+  auto pct = [](std::vector<double> v, double p) {
+    if (v.empty()) return -1.0;
+    std::sort(v.begin(), v.end());
+    return v[static_cast<size_t>(p * (v.size() - 1) + 0.5)];
+  };
+  std::printf("\n#### phases: %s T = %lld (%zu replays; globaltimer step >= %llu ns; SM clock from the warps' "
+              "spans %.3f GHz)\n", shape, T, gs.size(), gran == ~0ull ? 0ull : gran, ghz);
+  const char* mark_name[8] = {"0 entry", "1 prologue done", "2 ring issued", "3 after PDL wait", "4 first data",
+                              "5 K-loop done", "6 reduce done", "7 epilogue done (warp 0)"};
+  const char* phase_name[7] = {"prologue (routing, strips, pointers)", "ring prologue issue", "PDL wait",
+                               "first ring data", "K-loop", "cross-warp reduce (+ cluster combine)",
+                               "epilogue (warp 0)"};
+  for (int g = 0; g < 2; ++g) {
+    const std::vector<Warp>& A = all[g];
+    if (A.empty()) continue;
+    std::vector<double> kt;
+    std::set<std::pair<int, unsigned>> ctas;
+    for (const Warp& w : A) {
+      kt.push_back(w.kt);
+      ctas.insert({w.rep, w.cta});
+    }
+    std::printf("\nGEMM%d: %zu warps per replay in %zu CTAs of %u warps; K-tiles per warp median %.0f (min %.0f, max "
+                "%.0f)\n\n| mark | p10 us | median us | p90 us | max us |\n|---|---|---|---|---|\n",
+                g + 1, A.size() / gs.size(), ctas.size() / gs.size(), A.front().nw, pct(kt, 0.5), pct(kt, 0.0),
+                pct(kt, 1.0));
+    for (int m = 0; m < 8; ++m) {
+      std::vector<double> v;
+      for (const Warp& w : A)
+        if (w.t[m] >= 0) v.push_back(w.t[m]);
+      if (v.empty()) continue;
+      std::printf("| %s | %.2f | %.2f | %.2f | %.2f |\n", mark_name[m], pct(v, 0.1), pct(v, 0.5), pct(v, 0.9),
+                  pct(v, 1.0));
+    }
+    std::printf("\n| phase (per warp, clock64) | median cycles | p90 cycles | median us | p90 us |\n|---|---|---|---|---|\n");
+    for (int m = 0; m < 7; ++m) {
+      std::vector<double> v;
+      for (const Warp& w : A)
+        if (w.t[m] >= 0 && w.t[m + 1] >= 0) v.push_back(static_cast<double>(w.c[m + 1] - w.c[m]));
+      if (v.empty()) continue;
+      std::printf("| %d-%d %s | %.0f | %.0f | %.2f | %.2f |\n", m, m + 1, phase_name[m], pct(v, 0.5), pct(v, 0.9),
+                  pct(v, 0.5) / ghz * 1e-3, pct(v, 0.9) / ghz * 1e-3);
+    }
+    {
+      std::vector<double> v;
+      for (const Warp& w : A)
+        if (w.t[6] >= 0) v.push_back(static_cast<double>(w.c[6] - w.c[0]));
+      std::printf("| 0-6 warp life to reduce done | %.0f | %.0f | %.2f | %.2f |\n", pct(v, 0.5), pct(v, 0.9),
+                  pct(v, 0.5) / ghz * 1e-3, pct(v, 0.9) / ghz * 1e-3);
+    }
+    // SM placement: per (replay, SM): CTAs, first entry, last end.
+    struct Sm {
+      std::set<unsigned> ctas;
+      double first = 1e30, end = -1;
+    };
+    std::vector<std::vector<Sm>> sms(gs.size(), std::vector<Sm>(1024));
+    for (const Warp& w : A) {
+      if (w.sm >= 1024) continue;
+      Sm& q = sms[w.rep][w.sm];
+      q.ctas.insert(w.cta);
+      q.first = std::min(q.first, w.t[0]);
+      q.end = std::max(q.end, w.t[7] >= 0 ? w.t[7] : w.t[6]);
+    }
+    std::printf("\n| CTAs on the SM | SMs (per replay) | SM first entry, mean us | SM last end, mean us | max us |\n"
+                "|---|---|---|---|---|\n");
+    for (size_t c = 0; c <= 16; ++c) {
+      double cnt = 0, f = 0, e = 0, mx = -1;
+      for (auto& rep : sms)
+        for (auto& q : rep)
+          if (q.ctas.size() == c && (c > 0)) {
+            cnt += 1;
+            f += q.first;
+            e += q.end;
+            mx = std::max(mx, q.end);
+          }
+      if (cnt > 0)
+        std::printf("| %zu | %.1f | %.2f | %.2f | %.2f |\n", c, cnt / gs.size(), f / cnt, e / cnt, mx);
+    }
+    {
+      double idle = 0;
+      for (auto& rep : sms)
+        for (auto& q : rep)
+          if (q.ctas.empty()) idle += 1;
+      std::printf("| 0 (of the first 1024 SM ids) | %.1f | - | - | - |\n", idle / gs.size());
+    }
+  }
+  std::fflush(stdout);
+}
+#endif
 
 int main(int argc, char** argv) {
   bool quick = false;
@@ -361,6 +519,21 @@ int main(int argc, char** argv) {
         CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
         switch (variant) {
           case 0: cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st); break;
+          // Session 17 (small17): 65 = the default forward; in a -DLUTB_SWAPAB_PHASES build its row
+          // is followed by the phase tables of its swap-AB GEMMs (print_swap_phases).
+          case 65: cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st); break;
+          case 66:  // the default without the one-token tail (kDecodeOneTokenTail and its rule)
+          case 67:  // the default without the one-wave warps condition (kDecodeOneWave)
+          case 68:  // without both (session 16's default)
+          case 69: {  // the one-token tail everywhere instead of by rule (run small17-run2's variant 0)
+            constexpr unsigned kTail = cuda::kDecodeOneTokenTail | cuda::kDecodeOneTokenTailRule;
+            const unsigned off[4] = {kTail, cuda::kDecodeOneWave, kTail | cuda::kDecodeOneWave, 0u};
+            const unsigned on = variant == 69 ? cuda::kDecodeOneTokenTail : 0u;
+            cuda::set_decode_paths((cuda::kDecodePathsDefault & ~off[variant - 66]) | on);
+            cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st);
+            cuda::set_decode_paths(cuda::kDecodePathsDefault);
+            break;
+          }
           case 1: cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st, cuda::MoeStrategy::Decode); break;
           case 2: cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st, cuda::MoeStrategy::Prefill); break;
           case 3:
@@ -556,6 +729,9 @@ int main(int argc, char** argv) {
         }
         std::sort(v7.begin(), v7.end());
         ms[v] = v7[3];
+#ifdef LUTB_SWAPAB_PHASES
+        if (v == 65) print_swap_phases(gs, st, s.name, T);
+#endif
         for (auto g : gs) CK(cudaGraphExecDestroy(g));
         CK(cudaEventDestroy(a));
         CK(cudaEventDestroy(b));

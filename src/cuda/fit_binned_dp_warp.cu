@@ -59,7 +59,9 @@
 // Keep in step with src/fit: tests/cuda/fit_gpu_test.cpp compares the bytes with the CPU's.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <climits>
+#include <cstddef>
 #include <cub/warp/warp_merge_sort.cuh>
 #include <stdexcept>
 #include <string>
@@ -1994,6 +1996,78 @@ void launch_t(const KernelArgs& a, unsigned long long* d_prof, cudaStream_t stre
   if (e != cudaSuccess) throw std::runtime_error(std::string(who) + cudaGetErrorString(e));
 }
 
+// fit17: launch_warp_shape's kernels (fit_internal.cuh; launchers in fit_dp_modes_s.cu and
+// fit_dp_modes_st.cu). The tile loop of a warp of a W-warp block: tile g = blockIdx.x * W + warp
+// first, then g + G (G = gridDim.x * W: the stride; with one block per W tiles it ends after one
+// tile, as in fit_warp_kernel / fit_compact_kernel) or, with ctr, G + the counter's next value,
+// fetched by lane 0 before the current tile's fit and read (shuffled) after it, so the atomic's
+// latency is hidden behind the fit. Each tile value is taken once (the counter's values are
+// distinct), every tile < a.tiles is taken (warp g takes g < G; the counter hands out G, G + 1, ...
+// until a warp receives one >= a.tiles and stops), and a tile's outputs depend only on the tile.
+template <int W, class Fit>
+__device__ __forceinline__ void shape_tiles(const KernelArgs& a, unsigned long long* ctr, Fit&& fit) {
+  const int lane = threadIdx.x & 31;
+  const std::int64_t G = static_cast<std::int64_t>(gridDim.x) * W;
+  std::int64_t lt = static_cast<std::int64_t>(blockIdx.x) * W + (threadIdx.x >> 5);
+  while (lt < a.tiles) {
+    unsigned long long t = 0;
+    if (ctr != nullptr && lane == 0) t = atomicAdd(ctr, 1ull);
+    fit(lt);
+    __syncwarp();
+    lt = ctr != nullptr ? G + static_cast<std::int64_t>(__shfl_sync(kFull, t, 0)) : lt + G;
+  }
+}
+// The per-warp shared memory lives in dynamic shared memory (the launcher opts in to more than 48 KiB).
+extern __shared__ __align__(16) unsigned char g_shape_smem[];
+// Layout 0 (fit_one, Smem<false>): compiled for 16 resident warps per SM (the static kernel's).
+template <int W, int Dm>
+__global__ void __launch_bounds__(32 * W, 16 / W) fit_shape0_kernel(KernelArgs a, unsigned long long* ctr) {
+  Smem<false>& s = reinterpret_cast<Smem<false>*>(g_shape_smem)[threadIdx.x >> 5];
+  const int lane = threadIdx.x & 31;
+  Prof pr;
+  shape_tiles<W>(a, ctr, [&](std::int64_t lt) { fit_one<false, false, kUnroll<false>, kArith, Dm>(s, lane, a, lt, pr); });
+}
+// The compact layouts (fit_one_c; SmemC, or SmemCT<true> for the table modes Dm >= 9), compiled for
+// MinWarps resident warps per SM.
+template <int W, int MinWarps, int Dm>
+__global__ void __launch_bounds__(32 * W, MinWarps / W) fit_shapec_kernel(KernelArgs a, unsigned long long* ctr) {
+  SmemCT<(Dm >= 9)>& s = reinterpret_cast<SmemCT<(Dm >= 9)>*>(g_shape_smem)[threadIdx.x >> 5];
+  const int lane = threadIdx.x & 31;
+  shape_tiles<W>(a, ctr, [&](std::int64_t lt) { fit_one_c<false, Dm>(s, lane, a, lt); });
+}
+// Launches `kernel` (W warps per block, smem_per_warp bytes of dynamic shared memory per warp) as
+// launch_warp_shape's `grid` says; `who` prefixes a CUDA error.
+template <class K>
+void launch_shape_kernel(K* kernel, int W, std::size_t smem_per_warp, const KernelArgs& a, int grid,
+                         unsigned long long* ctr, cudaStream_t stream, int max_blocks) {
+  const std::size_t smem = smem_per_warp * static_cast<std::size_t>(W);
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  std::int64_t blocks = std::min<std::int64_t>((a.tiles + W - 1) / W, std::int64_t{1} << 22);
+  if (e == cudaSuccess && grid != kGridPerTile) {
+    int dev = 0, sms = 0, per_sm = 0;
+    e = cudaGetDevice(&dev);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 32 * W, smem);
+    blocks = std::min<std::int64_t>(blocks, std::max<std::int64_t>(1, static_cast<std::int64_t>(per_sm) * sms));
+    if (max_blocks > 0) blocks = std::min<std::int64_t>(blocks, max_blocks);
+  }
+  if (e == cudaSuccess && grid == kGridAtomic) e = cudaMemsetAsync(ctr, 0, sizeof(*ctr), stream);
+  if (e == cudaSuccess) {
+    kernel<<<static_cast<unsigned>(blocks), 32 * W, smem, stream>>>(a, grid == kGridAtomic ? ctr : nullptr);
+    e = cudaGetLastError();
+  }
+  if (e != cudaSuccess) throw std::runtime_error(std::string("launch_warp_shape: ") + cudaGetErrorString(e));
+}
+// Resident warps per SM of a shape kernel (occupancy calculator with its dynamic shared memory).
+template <class K>
+int resident_shape(K* kernel, int W, std::size_t smem_per_warp) {
+  const std::size_t smem = smem_per_warp * static_cast<std::size_t>(W);
+  int blocks = 0;
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, 32 * W, smem);
+  return e == cudaSuccess ? blocks * W : -1;
+}
+
 }  // namespace
 
 // fit_dp_modes.cu includes this file with LUTB_FIT_DP_MODES_TU defined, for the kernels and
@@ -2004,8 +2078,9 @@ void launch_warp(const KernelArgs& a, cudaStream_t stream) {
   // (the tile check alone is the same code in both instantiations: the smaller one runs it)
   if (a.optimal && !a.check_only) launch_t<false, true>(a, nullptr, stream, "quantize_gpu: kernel launch: ");
   else if (a.check_only) launch_t<false, false>(a, nullptr, stream, "quantize_gpu: kernel launch: ");
-  else if (a.out.sse || a.out.sum_sq) launch_warp_dp(a, kWarpLayoutDefault, kWarpDpDefault, stream);
-  else launch_warp_dp(a, kWarpLayoutBytesOnly, kWarpDpBytesOnly, stream);
+  else if (a.out.sse || a.out.sum_sq)
+    launch_warp_shape(a, kWarpLayoutDefault, kWarpDpDefault, kWarpBlockDefault, kGridPerTile, nullptr, stream);
+  else launch_warp_shape(a, kWarpLayoutBytesOnly, kWarpDpBytesOnly, kWarpBlockDefault, kGridPerTile, nullptr, stream);
 }
 
 void launch_warp_layout(const KernelArgs& a, int layout, cudaStream_t stream) {

@@ -31,9 +31,14 @@ void launch_warp_dp_table(const KernelArgs& a, int dp_mode, cudaStream_t stream)
 
 int resident_warps_table(int dp_mode) {
   int blocks = 0;
-  const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &blocks, dp_mode == 12 ? fit_compact_kernel<kTabWarps, kTabMaxWarps, false, 9> : fit_compact_kernel<kTabWarps, kTabMinWarps, false, 9>,
-      32 * kTabWarps, 0);
+  // (each mode's own kernel: their register counts differ, 96 for 13 (18 warps), 100..108 for the rest)
+  auto* k = dp_mode == 12   ? fit_compact_kernel<kTabWarps, kTabMaxWarps, false, 9>
+            : dp_mode == 10 ? fit_compact_kernel<kTabWarps, kTabMinWarps, false, 10>
+            : dp_mode == 11 ? fit_compact_kernel<kTabWarps, kTabMinWarps, false, 11>
+            : dp_mode == 13 ? fit_compact_kernel<kTabWarps, kTabMinWarps, false, 13>
+            : dp_mode == 14 ? fit_compact_kernel<kTabWarps, kTabMinWarps, false, 14>
+                            : fit_compact_kernel<kTabWarps, kTabMinWarps, false, 9>;
+  const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, k, 32 * kTabWarps, 0);
   return e == cudaSuccess ? blocks * kTabWarps : -1;
 }
 

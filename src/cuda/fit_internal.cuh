@@ -98,7 +98,8 @@ int resident_warps_per_sm(int which, int pad_bytes = 0);
 /// that write the per-tile sums (quantize_gpu, the online method) and kWarpLayoutBytesOnly for those
 /// that do not (fit_device with null sse and sum_sq): the fastest layout without local memory in
 /// each case on the H200 (docs/perf/fit-gpu.md, fit12: with the sums layout 1 is 3-6 % faster than
-/// 0, bytes only 4-6 % slower). Optimal fits and check-only launches ignore the layout.
+/// 0, bytes only 4-6 % slower; since fit17 with the DP mode and block shape of kWarpDpDefault /
+/// kWarpBlockDefault below). Optimal fits and check-only launches ignore the layout.
 inline constexpr int kWarpLayoutDefault = 1;
 inline constexpr int kWarpLayoutBytesOnly = 0;
 void launch_warp_layout(const KernelArgs& a, int layout, cudaStream_t stream);
@@ -125,17 +126,58 @@ void launch_warp_layout(const KernelArgs& a, int layout, cudaStream_t stream);
 /// sums, 10 1.08x, 12 1.23-1.26x, 13 1.14x, 14 1.30x; bytes only 9 / 10 1.23-1.26x / 1.13x of
 /// kWarpDpBytesOnly's; so neither default changed.
 /// launch_warp_dp(a, layout, 0) == launch_warp_layout(a, layout); modes 1..4, 6..8 exist for layout
-/// 0, 1..3, 6..14 for layout 1 (4 spills there); std::invalid_argument otherwise. launch_warp uses kWarpDpDefault with
-/// kWarpLayoutDefault (fits with the per-tile sums) and kWarpDpBytesOnly with kWarpLayoutBytesOnly:
-/// measured on the H200 (docs/perf/fit-gpu.md, fit13 run 2, same run as mode 0): layout 0 with mode
-/// 6, bytes only, 0.977 / 0.995 of mode 0's time (Gaussian / Student-t), the fastest bytes-only
-/// kernel; with the sums layout 1 with mode 0 stays the fastest (layout 1 with mode 6 spills: 1.04x).
-inline constexpr int kWarpDpDefault = 0;
+/// 0, 1..3, 6..14 for layout 1 (4 spills there); std::invalid_argument otherwise. launch_warp_dp
+/// launches the static-shared-memory kernels (the block shapes above); since fit17 launch_warp runs
+/// kWarpDpDefault with kWarpLayoutDefault (fits with the per-tile sums) and kWarpDpBytesOnly with
+/// kWarpLayoutBytesOnly through launch_warp_shape (below) in kWarpBlockDefault-warp blocks of dynamic
+/// shared memory, one tile per warp. Measured on the H200 (docs/perf/fit-gpu.md, fit17 run 1, same
+/// run as the static kernels, Gaussian / Student-t(3) w13 stacks and the Gaussian w2 stack, four
+/// alternations each): with the sums, mode 10 (the run-cost table + divide and conquer) in 4-warp
+/// blocks at 16 warps per SM 0.991-0.992 / 0.983-0.984 of the time of fit12's layout 1 mode 0 (static
+/// 4-warp blocks, 20 warps; mode 10 in static 2-warp blocks: 1.08x); bytes only, layout 0 mode 6 in
+/// 4-warp blocks 0.944-0.945 / 0.949-0.950 of the same code in static 2-warp blocks (same 16 warps per
+/// SM). (Before fit17: fit13 run 2 made layout 0 mode 6 the bytes-only kernel, 0.977 / 0.995 of mode
+/// 0's time; layout 1 mode 0 stayed the kernel with the sums.)
+inline constexpr int kWarpDpDefault = 10;
 inline constexpr int kWarpDpBytesOnly = 6;
+inline constexpr int kWarpBlockDefault = 4;
 void launch_warp_dp(const KernelArgs& a, int layout, int dp_mode, cudaStream_t stream);
-/// Resident warps per SM (occupancy calculator; -1 on a CUDA error) of the table kernels: DP mode 12's
-/// when dp_mode is 12, else 9..11's (fit_dp_modes_t.cu).
+/// Resident warps per SM (occupancy calculator; -1 on a CUDA error) of the table kernels: DP mode
+/// dp_mode's (10..14), else mode 9's (fit_dp_modes_t.cu; each mode's own register count since fit17).
 int resident_warps_table(int dp_mode);
+
+/// fit17: the block shape of the binned-dp warp kernels as a launch choice (src/cuda/fit_dp_modes_s.cu,
+/// fit_dp_modes_st.cu). The same per-tile device code as launch_warp_dp(a, layout, dp_mode) (fit_one /
+/// fit_one_c), with the per-warp shared memory (Smem<false>: layout 0; SmemCT: layout 1, 9,168 B; the
+/// table layout of modes 9, 10, 13: 12,416 B) in DYNAMIC shared memory (opted in with
+/// cudaFuncAttributeMaxDynamicSharedMemorySize, so that a block may exceed the 48 KiB of static
+/// shared memory), `warps` (1, 2 or 4) warps per block, compiled for the resident warps per SM of the
+/// static kernel (__launch_bounds__: layout 0 16 (<= 128 registers), layout 1 mode 0 20 (<= 96),
+/// the table modes 16 (<= 128); ptxas allocates the static kernel's count, no local memory), and
+/// `grid`:
+///   kGridPerTile (0): one tile per warp, ceil(tiles / warps) blocks (as every launch before fit17:
+///     a block retires when its slowest warp's tile is done);
+///   kGridStride (1): persistent: min(ceil(tiles / warps), resident blocks per SM x SMs) blocks, warp g
+///     of G takes tiles g, g + G, g + 2G, ...;
+///   kGridAtomic (2): persistent as 1, warp g takes tile g first and then the next tile of the shared
+///     counter *counter (lane 0: G + atomicAdd(counter, 1), fetched before the current tile's fit);
+///     the launcher sets *counter to 0 on `stream` first (cudaMemsetAsync); the counter belongs to the
+///     launch until it completes (no other launch may use it meanwhile); counter must be non-null.
+/// `max_blocks` > 0 caps the persistent grids' blocks (tests: a few warps looping over many tiles).
+/// Every tile is fitted by one warp exactly once and writes only its own outputs (and atomicMin's
+/// the error word), so the bytes, per-tile sums and error word do not depend on the order or the
+/// warp (tested against the CPU). Supported (layout, dp_mode): (1, 0) fit12's kernel with the per-tile
+/// sums, (0, 6) the bytes-only kernel, (1, 9), (1, 10), (1, 13) fit16's table modes; launch_warp runs
+/// (1, 10) (with the sums) and (0, 6) (bytes only) in 4-warp blocks, one tile per warp (kWarpDpDefault
+/// above: the persistent grids took 1.16-1.26x the time, fit17 run 1); optimal and
+/// check-only launches go to launch_warp. std::invalid_argument for other combinations, warps not in
+/// {1, 2, 4}, grid not in 0..2, grid 2 without a counter; std::runtime_error on a CUDA error.
+inline constexpr int kGridPerTile = 0, kGridStride = 1, kGridAtomic = 2;
+void launch_warp_shape(const KernelArgs& a, int layout, int dp_mode, int warps, int grid, unsigned long long* counter,
+                       cudaStream_t stream, int max_blocks = 0);
+/// Resident warps per SM of launch_warp_shape's kernel for (layout, dp_mode, warps) by the occupancy
+/// calculator with its dynamic shared memory (-1 on a CUDA error; std::invalid_argument as there).
+int resident_warps_shape(int layout, int dp_mode, int warps);
 /// launch_warp_profiled's DP modes 1, 2, 6, 7 (src/cuda/fit_dp_modes.cu).
 void launch_warp_profiled_dp(const KernelArgs& a, unsigned long long* d_prof, int dp_mode, cudaStream_t stream);
 

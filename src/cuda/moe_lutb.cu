@@ -4,6 +4,7 @@
 // code runs on sm_90a with the hardware E4M3 decoder). Strategy choice: choose_strategy and
 // decode_token_blocks in moe_common.cu, apart from the kernels.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -31,7 +32,8 @@ namespace {
 /// only when every CTA is resident at once (ctas <= 132: a 16-warp CTA fills an SM) and each warp
 /// keeps 4 K-tiles: the few-CTA, long-K GEMMs such as Mixtral's GEMM2 at T = 1 (2 experts x 64 row
 /// groups, 224 K-tiles), which 8-warp CTAs leave at 7.8 warps per SM.
-int swap_warps(std::int64_t ctas, std::int64_t tiles_k, int most) {
+/// The rule itself is decode_swap_warps (moe.hpp, below; kDecodeOneWave adds its one-wave condition).
+int swap_warps(std::int64_t ctas, std::int64_t tiles_k, int most, const int (&resident)[5], bool one_wave) {
   // Benchmarking knobs (read once): LUTB_SWAPAB_WARPS = 1, 2, 4, 8 or 16 (one token block only)
   // forces the split; LUTB_SWAPAB_WARPS16=0 stops the rule at 8.
   static const int forced = [] {
@@ -43,11 +45,18 @@ int swap_warps(std::int64_t ctas, std::int64_t tiles_k, int most) {
     return !(v && std::strcmp(v, "0") == 0);
   }();
   if ((forced == 1 || forced == 2 || forced == 4 || forced == 8 || forced == 16) && forced <= most) return forced;
-  if (tiles_k < 4) return 1;
-  int w = 2;
-  while (w < 8 && w < most && ctas * w < 132 * 12 && tiles_k >= 4 * w) w *= 2;
-  if (allow16 && w == 8 && most >= 16 && ctas <= 132 && tiles_k >= 64) w = 16;
-  return w;
+  return decode_swap_warps(ctas, tiles_k, allow16 ? most : std::min(most, 8), detail::sm_count(), resident, one_wave);
+}
+
+/// CTAs of 1, 2, 4, 8, 16 warps (swap_smem_bytes of each) that one SM holds at once for kernel `k`
+/// (cudaOccupancyMaxActiveBlocksPerMultiprocessor; 0 above `most` warps).
+template <class K>
+void swap_resident(K k, int most, int (&resident)[5], int (*smem)(int)) {
+  for (int i = 0; i < 5; ++i) {
+    resident[i] = 0;
+    if ((1 << i) > most) continue;
+    LUTB_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident[i], k, 32 << i, smem(1 << i)));
+  }
 }
 
 /// The swap-AB kernels of launch_swapab: kLate = 0 the default K-loop, 1 the late tile scales
@@ -108,8 +117,19 @@ void launch_swapab(const DeviceMoeWeights& w, const kern::Routing& r, const deta
   const void* xa = kDec == kern::kDecFp8 ? static_cast<const void*>(ws.xq8) : static_cast<const void*>(ws.xa);
   void* hq = kDec == kern::kDecFp8 ? static_cast<void*>(ws.hq8) : static_cast<void*>(ws.hq);
   const std::int64_t groups1 = Ip / 32, groups2 = detail::ceil_div(w2.tiles_n, 8);
-  int nw1 = swap_warps(touched * groups1, w13.tiles_k, kMostWarps);
-  int nw2 = swap_warps(touched * groups2, w2.tiles_k, kMostWarps);
+  // Resident CTAs per SM of the unsplit kernels for each CTA size (kDecodeOneWave; read once per
+  // instantiation: the kernels' registers and shared memory do not change).
+  static int res1[5], res2[5];
+  static const bool res_ready = [] {
+    swap_resident(swap_gemm1_fn<kDec, NB, false, kLate>(), kMostWarps, res1, &kern::swap_smem_bytes<NB>);
+    swap_resident(swap_gemm2_fn<kDec, NB, false, kLate>(), kMostWarps, res2, &kern::swap_smem_bytes<NB>);
+    return true;
+  }();
+  (void)res_ready;
+  const unsigned paths = detail::decode_paths();
+  const bool one_wave = (paths & kDecodeOneWave) != 0;
+  int nw1 = swap_warps(touched * groups1, w13.tiles_k, kMostWarps, res1, one_wave);
+  int nw2 = swap_warps(touched * groups2, w2.tiles_k, kMostWarps, res2, one_wave);
   // Split-K across cluster CTAs (decode_k_split, moe.hpp; sm_90a only; never for a GEMM2 that
   // fuses the top-k reduction, whose cluster already spans the token's pairs).
   int ks1 = 1, ks2 = 1;
@@ -128,6 +148,10 @@ void launch_swapab(const DeviceMoeWeights& w, const kern::Routing& r, const deta
     const char* v = std::getenv("LUTB_SWAPAB_ONE");
     return !(v && std::strcmp(v, "0") == 0);
   }();
+  // The kernels' one-token bits (moe_swapab.cuh kOneTokenLoop, kOneTokenTail).
+  const bool tail = (paths & kDecodeOneTokenTail) ||
+                    ((paths & kDecodeOneTokenTailRule) && decode_one_token_tail(P / r.top_k, r.top_k, w.experts));
+  const unsigned one_token = (one_token_loop ? kern::kOneTokenLoop : 0u) | (tail ? kern::kOneTokenTail : 0u);
   // L2 prefetch of GEMM2's weights by GEMM1's CTAs (set_decode_l2_prefetch; sm_90a image only, where
   // cp.async.bulk.prefetch exists): the byte rule decode_l2_prefetch_tiles on the w2 bytes of the
   // touched experts, per GEMM2 K range (its warps x its split, swap_k_range).
@@ -147,12 +171,12 @@ void launch_swapab(const DeviceMoeWeights& w, const kern::Routing& r, const deta
     detail::launch_kernel_cluster("sm90_lutb_mxfp8_moe_gemm1_swapab_splitk", true, swap_gemm1_fn<kDec, NB, true, kLate>(),
                                   g1, dim3(32 * nw1), kern::swap_smem_bytes<NB>(nw1), dim3(ks1, 1, 1), stream, w13, xa,
                                   static_cast<const float*>(ws.xsf), static_cast<long long>(Hp), r,
-                                  static_cast<long long>(I), static_cast<long long>(Ip), hq, ws.hsf, one_token_loop, ks1, pf);
+                                  static_cast<long long>(I), static_cast<long long>(Ip), hq, ws.hsf, one_token, ks1, pf);
   else
     detail::launch_kernel("sm80_lutb_mxfp8_moe_gemm1_swapab", true, swap_gemm1_fn<kDec, NB, false, kLate>(), g1,
                           dim3(32 * nw1), kern::swap_smem_bytes<NB>(nw1), stream, w13, xa,
                           static_cast<const float*>(ws.xsf), static_cast<long long>(Hp), r, static_cast<long long>(I),
-                          static_cast<long long>(Ip), hq, ws.hsf, one_token_loop, 1, pf);
+                          static_cast<long long>(Ip), hq, ws.hsf, one_token, 1, pf);
   if (stop == 2) return;
   const dim3 g2(static_cast<unsigned>(groups2 * ks2), static_cast<unsigned>(slots));
   if (fuse_reduce) {
@@ -160,18 +184,18 @@ void launch_swapab(const DeviceMoeWeights& w, const kern::Routing& r, const deta
                                   g2, dim3(32 * nw2), kern::swap_smem_bytes<NB>(nw2),
                                   dim3(1, static_cast<unsigned>(r.top_k), 1), stream, w2, static_cast<const void*>(hq),
                                   static_cast<const float*>(ws.hsf), static_cast<long long>(Ip), r,
-                                  static_cast<long long>(H), ws.y, one_token_loop, topk_weights, out, 1);
+                                  static_cast<long long>(H), ws.y, one_token, topk_weights, out, 1);
   } else if (ks2 > 1) {
     detail::launch_kernel_cluster("sm90_lutb_mxfp8_moe_gemm2_swapab_splitk", true, swap_gemm2_fn<kDec, NB, true, kLate>(),
                                   g2, dim3(32 * nw2), kern::swap_smem_bytes<NB>(nw2), dim3(ks2, 1, 1), stream, w2,
                                   static_cast<const void*>(hq), static_cast<const float*>(ws.hsf),
-                                  static_cast<long long>(Ip), r, static_cast<long long>(H), ws.y, one_token_loop,
+                                  static_cast<long long>(Ip), r, static_cast<long long>(H), ws.y, one_token,
                                   static_cast<const float*>(nullptr), static_cast<std::uint16_t*>(nullptr), ks2);
   } else {
     detail::launch_kernel("sm80_lutb_mxfp8_moe_gemm2_swapab", true, swap_gemm2_fn<kDec, NB, false, kLate>(), g2,
                           dim3(32 * nw2), kern::swap_smem_bytes<NB>(nw2), stream, w2, static_cast<const void*>(hq),
                           static_cast<const float*>(ws.hsf), static_cast<long long>(Ip), r, static_cast<long long>(H),
-                          ws.y, one_token_loop, static_cast<const float*>(nullptr),
+                          ws.y, one_token, static_cast<const float*>(nullptr),
                           static_cast<std::uint16_t*>(nullptr), 1);
   }
 }
@@ -246,8 +270,11 @@ void launch_swapab_ws(const DeviceMoeWeights& w, const kern::Routing& r, const d
   LUTB_CUDA_CHECK(cudaFuncSetAttribute(kern::sm90_lutb_mxfp8_moe_gemm2_swapab_ws<NB>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, most));
   const std::int64_t groups1 = Ip / 32, groups2 = detail::ceil_div(w2.tiles_n, 8);
-  const int nw1 = swap_warps(touched * groups1, w13.tiles_k, kMostWarps);
-  const int nw2 = swap_warps(touched * groups2, w2.tiles_k, kMostWarps);
+  // The same warps as launch_swapab<kDecCvt> without kDecodeOneWave (the residency arrays are unused
+  // then): bit-identical to the Cvt kernels of that configuration.
+  const int none[5] = {0, 0, 0, 0, 0};
+  const int nw1 = swap_warps(touched * groups1, w13.tiles_k, kMostWarps, none, false);
+  const int nw2 = swap_warps(touched * groups2, w2.tiles_k, kMostWarps, none, false);
   static const bool one_token_loop = [] {
     const char* v = std::getenv("LUTB_SWAPAB_ONE");
     return !(v && std::strcmp(v, "0") == 0);
@@ -306,6 +333,37 @@ void check_shape(const DeviceLutb& d, std::int64_t E, std::int64_t N, std::int64
 }
 
 }  // namespace
+
+int decode_swap_warps(std::int64_t ctas, std::int64_t tiles_k, int most, int sms, const int (&resident)[5],
+                      bool one_wave) {
+  if (tiles_k < 4) return 1;
+  // resident[i]: CTAs of 2^i warps per SM; a doubling w -> 2w that turns one wave into two is skipped.
+  auto lg = [](int w) { return w == 1 ? 0 : w == 2 ? 1 : w == 4 ? 2 : w == 8 ? 3 : 4; };
+  auto breaks_wave = [&](int w) {
+    if (!one_wave) return false;
+    const std::int64_t now = static_cast<std::int64_t>(sms) * resident[lg(w)];
+    const std::int64_t next = static_cast<std::int64_t>(sms) * resident[lg(2 * w)];
+    return ctas <= now && ctas > next;
+  };
+  int w = 2;
+  while (w < 8 && w < most && ctas * w < 132 * 12 && tiles_k >= 4 * w && !breaks_wave(w)) w *= 2;
+  if (w == 8 && most >= 16 && ctas <= 132 && tiles_k >= 64 && !breaks_wave(8)) w = 16;
+  return w;
+}
+
+bool decode_one_token_tail(std::int64_t tokens, int top_k, std::int64_t experts) {
+  if (tokens < 1 || top_k < 1 || experts < 1) return false;
+  if (tokens == 1) return true;
+  const double p = std::min(1.0, static_cast<double>(top_k) / static_cast<double>(experts));
+  const double touched = static_cast<double>(experts) * (1.0 - std::pow(1.0 - p, static_cast<double>(tokens)));
+  return touched > 0 && static_cast<double>(tokens) * top_k / touched <= kOneTokenTailMaxPairsPerExpert;
+}
+
+#ifdef LUTB_SWAPAB_PHASES
+void set_swap_phase_buffer(SwapPhaseRecord* buf) {  // benchmark-only build (moe.hpp)
+  LUTB_CUDA_CHECK(cudaMemcpyToSymbol(kern::g_swap_phases, &buf, sizeof buf));
+}
+#endif
 
 void moe_forward(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t tokens, int top_k,
                  const std::int32_t* topk_ids, const float* topk_weights, std::uint16_t* out, void* workspace,

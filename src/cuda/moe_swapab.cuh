@@ -36,8 +36,77 @@
 #include "moe_gemm.cuh"
 #include "moe_kernels.cuh"
 #include "swap_selectors.hpp"
+#ifdef LUTB_SWAPAB_PHASES
+#include "lutb/cuda/moe.hpp"
+#endif
 
 namespace lutb::cuda::kern {
+
+// Phase timing (benchmark-only build flag LUTB_SWAPAB_PHASES; lutb/cuda/moe.hpp SwapPhaseRecord says
+// what each mark is). Without the flag swap_phase_mark is empty and swap_phase_wrap returns its
+// argument: the production kernels are unchanged. With it, lane 0 of each warp stores %globaltimer and
+// clock64 (the "memory" clobber keeps the compiler from moving loads / stores across a mark).
+#ifdef LUTB_SWAPAB_PHASES
+static __device__ SwapPhaseRecord* g_swap_phases;  // set_swap_phase_buffer (moe_lutb.cu)
+
+template <int kGemm>
+__device__ __forceinline__ void swap_phase_mark(int i, long long ktiles = -1) {
+  SwapPhaseRecord* const buf = g_swap_phases;
+  if (buf == nullptr || (threadIdx.x & 31) != 0) return;
+  const unsigned warp = threadIdx.x >> 5, nw = blockDim.x >> 5, cta = blockIdx.y * gridDim.x + blockIdx.x;
+  const unsigned long long idx = static_cast<unsigned long long>(cta) * nw + warp;
+  if (idx >= static_cast<unsigned long long>(kSwapPhaseMaxWarps)) return;
+  SwapPhaseRecord& r = buf[kGemm * kSwapPhaseMaxWarps + idx];
+  unsigned long long gt;
+  long long clk;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(gt)::"memory");
+  asm volatile("mov.u64 %0, %%clock64;\n" : "=l"(clk)::"memory");
+  r.gt[i] = gt;
+  r.clk[i] = clk;
+  if (i == 0) {
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;\n" : "=r"(sm));
+    r.smid = sm;
+    r.cta = cta;
+    r.warp_info = warp | nw << 8 | static_cast<unsigned>(kGemm) << 16;
+  }
+  if (ktiles >= 0) r.ktiles = static_cast<unsigned>(ktiles);
+}
+
+/// The K-loop's `before_wait` with marks 2 and 3 around it and mark 4 (first ring data) through
+/// first_data(), which swap_warp_gemm calls when its BeforeWait has it.
+template <int kGemm, class F>
+struct SwapPhaseWait {
+  F& f;
+  __device__ __forceinline__ void operator()() const {
+    swap_phase_mark<kGemm>(2);
+    f();
+    swap_phase_mark<kGemm>(3);
+  }
+  __device__ __forceinline__ void first_data() const { swap_phase_mark<kGemm>(4); }
+};
+template <int kGemm, class F>
+__device__ __forceinline__ SwapPhaseWait<kGemm, F> swap_phase_wrap(F& f) {
+  return {f};
+}
+#else
+template <int kGemm>
+__device__ __forceinline__ void swap_phase_mark(int, long long = -1) {}
+template <int kGemm, class F>
+__device__ __forceinline__ F& swap_phase_wrap(F& f) {
+  return f;
+}
+#endif
+
+/// Bits of the swap-AB kernels' `one_token` argument (moe_lutb.cu sets them; tile-uniform tests on
+/// tk.count == 1 apply them):
+///   kOneTokenLoop: one-token tiles take swap_warp_gemm's kOne K-loop (session 10; LUTB_SWAPAB_ONE=0
+///     clears it);
+///   kOneTokenTail (session 17, small17; set_decode_paths kDecodeOneTokenTail, or its rule
+///     kDecodeOneTokenTailRule, moe.hpp decode_one_token_tail): one-token tiles
+///     exchange only accumulator column 2t in swap_reduce / swap_cluster_combine and skip column
+///     2t + 1 in swap_epilogue1 (nothing reads it: bit-identical outputs).
+constexpr unsigned kOneTokenLoop = 1u, kOneTokenTail = 2u;
 
 /// Per-warp ring stage: 8 strips x one K-tile (strip i = 2m + (0 for a, 1 for b)): index bytes and
 /// codebooks. The scale bytes (1 per tile) are loaded into registers one K-tile ahead instead.
@@ -384,6 +453,10 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
     if constexpr (kLateW) fw_lane = ue8m0_f(cur.w.wb) * wmul;
     cp_async_wait<R::kStages - 1>();
     __syncwarp();
+#ifdef LUTB_SWAPAB_PHASES
+    if constexpr (requires { before_wait.first_data(); })
+      if (kk == 0) before_wait.first_data();  // phase mark 4 (benchmark-only build)
+#endif
     const unsigned char* st = ring + rd_off;
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
@@ -483,8 +556,12 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
 
 /// Adds the warps' partial sums in warp order into warp 0's acc (through the ring memory, which
 /// is free once every warp has drained its copies). Returns true in warp 0.
+/// `cols02` (CTA-uniform; the one-token tail, kOneTokenTail): only accumulator registers 0 and 2
+/// (accumulator column 2t) are exchanged and added; registers 1 and 3 (column 2t + 1, no token in a
+/// one-token tile: nothing reads them afterwards) are left as they are. The added values and their
+/// order are unchanged.
 template <int NB>
-__device__ __forceinline__ bool swap_reduce(unsigned char* smem, float (&acc)[4][NB][4]) {
+__device__ __forceinline__ bool swap_reduce(unsigned char* smem, float (&acc)[4][NB][4], bool cols02 = false) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
   __syncthreads();
   float* red = reinterpret_cast<float*>(smem);
@@ -495,7 +572,8 @@ __device__ __forceinline__ bool swap_reduce(unsigned char* smem, float (&acc)[4]
 #pragma unroll
       for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) red[((warp - 1) * kPer + (m * NB + nb) * 4 + r) * 32 + lane] = acc[m][nb][r];
+        for (int r = 0; r < 4; ++r)
+          if (!(cols02 && (r & 1))) red[((warp - 1) * kPer + (m * NB + nb) * 4 + r) * 32 + lane] = acc[m][nb][r];
   }
   __syncthreads();
   if (warp > 0) return false;
@@ -505,7 +583,8 @@ __device__ __forceinline__ bool swap_reduce(unsigned char* smem, float (&acc)[4]
 #pragma unroll
       for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) acc[m][nb][r] += red[((u - 1) * kPer + (m * NB + nb) * 4 + r) * 32 + lane];
+        for (int r = 0; r < 4; ++r)
+          if (!(cols02 && (r & 1))) acc[m][nb][r] += red[((u - 1) * kPer + (m * NB + nb) * 4 + r) * 32 + lane];
   return true;
 }
 
@@ -542,10 +621,16 @@ constexpr int swap_min_blocks(int nb) { return nb == 1 ? LUTB_SWAPAB_MINB1 : (nb
 
 /// GEMM1's epilogue in warp 0 (acc = the reduced sums of all 8 strips, mma.sync m16n8 layout per
 /// m16 tile m): SiLU*up, BF16, the MXFP8 block of h, written in the decoder's activation form.
+/// `tail` (the one-token tail, kOneTokenTail; CTA-uniform): accumulator column 2t + 1 (u = 1) is
+/// skipped where no lane has a token in it (token block nb holds at most one token), instead of
+/// being computed up to the amax shuffles and then dropped; and the Cvt decoder's FP16 copy of an
+/// E4M3 element is converted by the hardware (cvt.rn.f16x2.e4m3x2, exact) instead of
+/// __float2half_rn(e4m3_to_float()) (exact too). Same bytes written (session 17, small17: the
+/// epilogue took 3.3-5.3 us of GEMM1's warp 0 at T = 1 and 4, docs/perf/moe-gpu.md "Session 17").
 template <int kDec, int NB>
 __device__ __forceinline__ void swap_epilogue1(const SwapTokens<NB>& tk, int nblocks, const bool (&ok)[8],
                                                const float (&acc)[4][NB][4], long long G, long long Ip, void* hq,
-                                               float* hsf) {
+                                               float* hsf, bool tail = false) {
   const int g = (threadIdx.x & 31) >> 2;
   // Lane (g, t) holds gate (c0, c1) and up (c2, c3) of I-column 8(4G+m)+g for the tokens of
   // accumulator columns 2t, 2t+1. The MXFP8 block of h is I-columns 32G..32G+31 = (m, g).
@@ -554,6 +639,7 @@ __device__ __forceinline__ void swap_epilogue1(const SwapTokens<NB>& tk, int nbl
     if (nb >= nblocks) continue;
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
+      if (u == 1 && tail && tk.count <= 8 * nb + 1) continue;  // no token in column 2t + 1 of this block
       float hv[4];
       float a = 0.0f;
 #pragma unroll
@@ -579,6 +665,8 @@ __device__ __forceinline__ void swap_epilogue1(const SwapTokens<NB>& tk, int nbl
           static_cast<unsigned char*>(hq)[at + g] = q8;
         } else if constexpr (kDec == kDecWg) {  // the wgmma B order (wg_pos, moe_kernels.cuh)
           static_cast<unsigned char*>(hq)[static_cast<long long>(p) * Ip + 32 * G + wg_pos(8 * m + g)] = q8;
+        } else if (kDec == kDecCvt && tail) {
+          static_cast<uint16_t*>(hq)[at + perm8(g, false)] = static_cast<uint16_t>(e4m3x2_to_f16x2(q8) & 0xffffu);
         } else {
           static_cast<uint16_t*>(hq)[at + perm8(g, kDec == kDecByte)] = __half_as_ushort(__float2half_rn(e4m3_to_float(q8)));
         }
@@ -645,8 +733,9 @@ __device__ __forceinline__ void cluster_sync_all() {
 /// and warp 0 of rank 0 adds them in rank order through distributed shared memory (deterministic:
 /// the same order in every run). Every thread of every CTA of the cluster calls this. Returns true
 /// in the one warp that holds the complete sums (warp 0 of rank 0). sm_90 only (ksplit = 1 below).
+/// `cols02`: as in swap_reduce (the same value in every CTA of the cluster: they share the tile).
 template <int NB>
-__device__ __forceinline__ bool swap_cluster_combine(bool warp0, float (&acc)[4][NB][4]) {
+__device__ __forceinline__ bool swap_cluster_combine(bool warp0, float (&acc)[4][NB][4], bool cols02 = false) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   __shared__ float part[16 * NB * 32];
   const int lane = threadIdx.x & 31;
@@ -659,7 +748,8 @@ __device__ __forceinline__ bool swap_cluster_combine(bool warp0, float (&acc)[4]
 #pragma unroll
       for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) part[((m * NB + nb) * 4 + r) * 32 + lane] = acc[m][nb][r];
+        for (int r = 0; r < 4; ++r)
+          if (!(cols02 && (r & 1))) part[((m * NB + nb) * 4 + r) * 32 + lane] = acc[m][nb][r];
   }
   cluster_sync_all();
   if (warp0 && rank == 0) {
@@ -673,6 +763,7 @@ __device__ __forceinline__ bool swap_cluster_combine(bool warp0, float (&acc)[4]
         for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
           for (int r = 0; r < 4; ++r) {
+            if (cols02 && (r & 1)) continue;
             float v;
             asm volatile("ld.shared::cluster.f32 %0, [%1];\n"
                          : "=f"(v)
@@ -846,7 +937,7 @@ __device__ __forceinline__ void swap_l2_prefetch(const L2Prefetch& pf, long long
 template <int kDec, int NB, bool kSplit, bool kLateW, bool kSelI = false>
 __device__ __forceinline__ void swapab_gemm1_body(LutbW w, const void* __restrict__ xa, const float* __restrict__ xsf,
                                                   long long a_cols, Routing r, long long I, long long Ip,
-                                                  void* __restrict__ hq, float* __restrict__ hsf, bool one_token_loop,
+                                                  void* __restrict__ hq, float* __restrict__ hsf, unsigned one_token,
                                                   int ksplit_arg, L2Prefetch pf) {
   constexpr long long kEl = kDec == kDecFp8 ? 1 : 2;  // bytes per activation element
   // kSplit = false: no split, and none of its code (the one-block kernels sit at their 128-register
@@ -854,6 +945,7 @@ __device__ __forceinline__ void swapab_gemm1_body(LutbW w, const void* __restric
   const int ksplit = kSplit ? ksplit_arg : 1;
   int e;
   SwapTokens<NB> tk;
+  swap_phase_mark<0>(0);
   if (!swap_tile<NB>(r, blockIdx.y, e, tk)) return;  // the whole cluster (same slot) returns
   const int warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   long long strip[8];
@@ -884,18 +976,24 @@ __device__ __forceinline__ void swapab_gemm1_body(LutbW w, const void* __restric
     pdl_wait();
     pdl_trigger();
   };
+  auto&& wait = swap_phase_wrap<0>(before_wait);  // before_wait itself unless LUTB_SWAPAB_PHASES
+  swap_phase_mark<0>(1, k1 - k0);
   // One-token tiles take the lighter K-loop (CTA-uniform branch; NB = 1 only).
-  if (NB == 1 && one_token_loop && tk.count == 1)
+  if (NB == 1 && (one_token & kOneTokenLoop) && tk.count == 1)
     swap_warp_gemm<kDec, NB, NB == 1, kLateW, kSelI>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
-                                                     swap_smem + warp * SwapRing::kWarpBytes, acc, before_wait);
+                                                     swap_smem + warp * SwapRing::kWarpBytes, acc, wait);
   else
     swap_warp_gemm<kDec, NB, false, kLateW, kSelI>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
-                                                   swap_smem + warp * SwapRing::kWarpBytes, acc, before_wait);
+                                                   swap_smem + warp * SwapRing::kWarpBytes, acc, wait);
+  swap_phase_mark<0>(5);
   if (pf.kpf > 0 && pf.late && warp == nw - 1) swap_l2_prefetch(pf, e);
-  bool warp0 = swap_reduce<NB>(swap_smem, acc);
-  if constexpr (kSplit) warp0 = swap_cluster_combine<NB>(warp0, acc);
+  const bool tail = (one_token & kOneTokenTail) && tk.count == 1;
+  bool warp0 = swap_reduce<NB>(swap_smem, acc, tail);
+  if constexpr (kSplit) warp0 = swap_cluster_combine<NB>(warp0, acc, tail);
+  swap_phase_mark<0>(6);
   if (!warp0) return;
-  swap_epilogue1<kDec, NB>(tk, nblocks, ok, acc, swap_strip_group(ksplit), Ip, hq, hsf);
+  swap_epilogue1<kDec, NB>(tk, nblocks, ok, acc, swap_strip_group(ksplit), Ip, hq, hsf, tail);
+  swap_phase_mark<0>(7);
 }
 
 /// Registers per thread of the kLateW kernels capped for more resident warps (swapab_gemm{1,2}_r96_kernel):
@@ -911,8 +1009,8 @@ template <int kDec, int NB, bool kSplit, bool kLateW = false, bool kSelI = false
 __global__ void LUTB_SWAPAB_BOUNDS(NB)
     swapab_gemm1_kernel(LutbW w, const void* __restrict__ xa, const float* __restrict__ xsf,
                         long long a_cols, Routing r, long long I, long long Ip, void* __restrict__ hq,
-                        float* __restrict__ hsf, bool one_token_loop, int ksplit_arg, L2Prefetch pf) {
-  swapab_gemm1_body<kDec, NB, kSplit, kLateW, kSelI>(w, xa, xsf, a_cols, r, I, Ip, hq, hsf, one_token_loop, ksplit_arg, pf);
+                        float* __restrict__ hsf, unsigned one_token, int ksplit_arg, L2Prefetch pf) {
+  swapab_gemm1_body<kDec, NB, kSplit, kLateW, kSelI>(w, xa, xsf, a_cols, r, I, Ip, hq, hsf, one_token, ksplit_arg, pf);
 }
 
 /// GEMM1 with kLateW at kSwapR96Regs registers (one token block; kDecodeLateScales96, moe.hpp).
@@ -920,8 +1018,8 @@ template <int kDec, bool kSplit>
 __global__ void __maxnreg__(kSwapR96Regs)
     swapab_gemm1_r96_kernel(LutbW w, const void* __restrict__ xa, const float* __restrict__ xsf,
                             long long a_cols, Routing r, long long I, long long Ip, void* __restrict__ hq,
-                            float* __restrict__ hsf, bool one_token_loop, int ksplit_arg, L2Prefetch pf) {
-  swapab_gemm1_body<kDec, 1, kSplit, true>(w, xa, xsf, a_cols, r, I, Ip, hq, hsf, one_token_loop, ksplit_arg, pf);
+                            float* __restrict__ hsf, unsigned one_token, int ksplit_arg, L2Prefetch pf) {
+  swapab_gemm1_body<kDec, 1, kSplit, true>(w, xa, xsf, a_cols, r, I, Ip, hq, hsf, one_token, ksplit_arg, pf);
 }
 
 /// GEMM2: y[p, n] = h[p] . w2[e, n]^T (FP32). Grid: (ceil(tiles_n/8) strip groups, slots). kLateW,
@@ -931,7 +1029,7 @@ __global__ void __maxnreg__(kSwapR96Regs)
 template <int kDec, int NB, bool kSplit, bool kLateW, bool kSelI = false>
 __device__ __forceinline__ void swapab_gemm2_body(LutbW w, const void* __restrict__ ha, const float* __restrict__ hsf,
                                                   long long Ip, Routing r, long long H, float* __restrict__ y,
-                                                  bool one_token_loop, const float* __restrict__ topk_w,
+                                                  unsigned one_token, const float* __restrict__ topk_w,
                                                   uint16_t* __restrict__ out, int ksplit_arg) {
   constexpr long long kEl = kDec == kDecFp8 ? 1 : 2;  // bytes per activation element
   const int ksplit = kSplit ? ksplit_arg : 1;  // as in GEMM1
@@ -939,6 +1037,7 @@ __device__ __forceinline__ void swapab_gemm2_body(LutbW w, const void* __restric
   int e;
   SwapTokens<NB> tk;
   float acc[4][NB][4];
+  swap_phase_mark<1>(0);
   if (!swap_tile<NB>(r, blockIdx.y, e, tk)) {
     if (fused) swap_cluster_reduce<NB>(false, acc, swap_strip_group(1), r, H, topk_w, out);
     return;
@@ -963,39 +1062,47 @@ __device__ __forceinline__ void swapab_gemm2_body(LutbW w, const void* __restric
   long long k0, k1;
   swap_k_range(w.tiles_k, nw, warp, ksplit, kSplit ? static_cast<int>(cluster_rank()) : 0, k0, k1);
   extern __shared__ __align__(16) unsigned char swap_smem[];
+  PdlWaitAndTrigger pdl;
+  auto&& wait = swap_phase_wrap<1>(pdl);  // pdl itself unless LUTB_SWAPAB_PHASES
+  swap_phase_mark<1>(1, k1 - k0);
   // One-token tiles take the lighter K-loop (CTA-uniform branch; NB = 1 only).
-  if (NB == 1 && one_token_loop && tk.count == 1)
+  if (NB == 1 && (one_token & kOneTokenLoop) && tk.count == 1)
     swap_warp_gemm<kDec, NB, NB == 1, kLateW, kSelI>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
-                                                     swap_smem + warp * SwapRing::kWarpBytes, acc, PdlWaitAndTrigger{});
+                                                     swap_smem + warp * SwapRing::kWarpBytes, acc, wait);
   else
     swap_warp_gemm<kDec, NB, false, kLateW, kSelI>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
-                                                   swap_smem + warp * SwapRing::kWarpBytes, acc, PdlWaitAndTrigger{});
-  bool warp0 = swap_reduce<NB>(swap_smem, acc);
-  if constexpr (kSplit) warp0 = swap_cluster_combine<NB>(warp0, acc);  // never with `fused` (the host's rule)
+                                                   swap_smem + warp * SwapRing::kWarpBytes, acc, wait);
+  swap_phase_mark<1>(5);
+  const bool tail = (one_token & kOneTokenTail) && tk.count == 1;  // only column 2t is read below
+  bool warp0 = swap_reduce<NB>(swap_smem, acc, tail);
+  if constexpr (kSplit) warp0 = swap_cluster_combine<NB>(warp0, acc, tail);  // never with `fused` (the host's rule)
+  swap_phase_mark<1>(6);
   if (fused) {
     swap_cluster_reduce<NB>(true, acc, swap_strip_group(1), r, H, topk_w, out);
+    if (warp == 0) swap_phase_mark<1>(7);
     return;
   }
   if (!warp0) return;
   swap_epilogue2<NB>(tk, nblocks, strip, ok, acc, y, H);
+  swap_phase_mark<1>(7);
 }
 
 /// The GEMM2 kernel (swapab_gemm2_body above).
 template <int kDec, int NB, bool kSplit, bool kLateW = false, bool kSelI = false>
 __global__ void LUTB_SWAPAB_BOUNDS(NB)
     swapab_gemm2_kernel(LutbW w, const void* __restrict__ ha, const float* __restrict__ hsf, long long Ip,
-                        Routing r, long long H, float* __restrict__ y, bool one_token_loop,
+                        Routing r, long long H, float* __restrict__ y, unsigned one_token,
                         const float* __restrict__ topk_w, uint16_t* __restrict__ out, int ksplit_arg) {
-  swapab_gemm2_body<kDec, NB, kSplit, kLateW, kSelI>(w, ha, hsf, Ip, r, H, y, one_token_loop, topk_w, out, ksplit_arg);
+  swapab_gemm2_body<kDec, NB, kSplit, kLateW, kSelI>(w, ha, hsf, Ip, r, H, y, one_token, topk_w, out, ksplit_arg);
 }
 
 /// GEMM2 with kLateW at kSwapR96Regs registers (one token block; kDecodeLateScales96, moe.hpp).
 template <int kDec, bool kSplit>
 __global__ void __maxnreg__(kSwapR96Regs)
     swapab_gemm2_r96_kernel(LutbW w, const void* __restrict__ ha, const float* __restrict__ hsf, long long Ip,
-                            Routing r, long long H, float* __restrict__ y, bool one_token_loop,
+                            Routing r, long long H, float* __restrict__ y, unsigned one_token,
                             const float* __restrict__ topk_w, uint16_t* __restrict__ out, int ksplit_arg) {
-  swapab_gemm2_body<kDec, 1, kSplit, true>(w, ha, hsf, Ip, r, H, y, one_token_loop, topk_w, out, ksplit_arg);
+  swapab_gemm2_body<kDec, 1, kSplit, true>(w, ha, hsf, Ip, r, H, y, one_token, topk_w, out, ksplit_arg);
 }
 
 }  // namespace lutb::cuda::kern

@@ -366,9 +366,14 @@ TEST(FitGpu, ScanVariantsSameBytes) {
 // FitStats) and no error word; with `sums` false, the bytes without the per-tile sums. Returns the
 // number of tiles.
 // `layout` -1: two tiles per warp (launch_warp_tiles(a, 2)); 0..4: the one-tile kernel with that
-// shared-memory layout (launch_warp_layout, fit12), with the DP mode `dp_mode` (launch_warp_dp, fit13).
+// shared-memory layout (launch_warp_layout, fit12), with the DP mode `dp_mode` (launch_warp_dp, fit13);
+// with `shape` (warps > 0) through fit17's launch_warp_shape(layout, dp_mode, warps, grid, a counter,
+// max_blocks) instead.
+struct ShapeSel {
+  int warps = 0, grid = 0, max_blocks = 0;
+};
 std::int64_t expect_two_tiles_same(const void* src, DType type, const LutbShape& s, int forced_scale = -1,
-                                   bool sums = true, int layout = -1, int dp_mode = 0) {
+                                   bool sums = true, int layout = -1, int dp_mode = 0, const ShapeSel* shape = nullptr) {
   FitOptions fo;
   fo.forced_scale = forced_scale;
   LutbTensor cpu;
@@ -393,10 +398,19 @@ std::int64_t expect_two_tiles_same(const void* src, DType type, const LutbShape&
                                                        d_out + n * (kPackedBytes + kCodebookSize),
                                                        sums ? d_sums : nullptr, sums ? d_sums + n : nullptr},
                                     forced_scale, d_err};
-  if (layout < 0) cuda::fit_internal::launch_warp_tiles(ka, 2, nullptr);
-  else if (dp_mode != 0) cuda::fit_internal::launch_warp_dp(ka, layout, dp_mode, nullptr);
-  else cuda::fit_internal::launch_warp_layout(ka, layout, nullptr);
+  unsigned long long* d_ctr = nullptr;
+  if (shape != nullptr && shape->warps > 0) {
+    EXPECT_EQ(cudaMalloc(&d_ctr, 8), cudaSuccess);
+    cuda::fit_internal::launch_warp_shape(ka, layout, dp_mode, shape->warps, shape->grid, d_ctr, nullptr, shape->max_blocks);
+  } else if (layout < 0) {
+    cuda::fit_internal::launch_warp_tiles(ka, 2, nullptr);
+  } else if (dp_mode != 0) {
+    cuda::fit_internal::launch_warp_dp(ka, layout, dp_mode, nullptr);
+  } else {
+    cuda::fit_internal::launch_warp_layout(ka, layout, nullptr);
+  }
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  cudaFree(d_ctr);
   std::vector<std::uint8_t> h(n * (kPackedBytes + kCodebookSize + 1));
   std::vector<double> hs(2 * n);
   unsigned long long word = 0;
@@ -417,6 +431,9 @@ std::int64_t expect_two_tiles_same(const void* src, DType type, const LutbShape&
       bad = static_cast<std::int64_t>(t);
   EXPECT_EQ(bad, -1) << (layout < 0 ? "two tiles per warp" : "layout " + std::to_string(layout))
                      << (dp_mode != 0 ? ", DP mode " + std::to_string(dp_mode) : std::string())
+                     << (shape != nullptr ? ", warps " + std::to_string(shape->warps) + " grid " + std::to_string(shape->grid) +
+                                                " max_blocks " + std::to_string(shape->max_blocks)
+                                          : std::string())
                      << ": bytes differ first at tile " << bad;
   if (sums) {
     FitStats sg;
@@ -559,7 +576,7 @@ TEST(FitGpu, TwoTilesPerWarpRandom) {
 // windows), padded [3, 21, 200] and [1, 13, 70]; the error word of a NaN / -Inf stack equals
 // layout 0's; other layouts are refused.
 // The cases of LayoutsSameBytes for one (layout, DP mode) pair.
-void layout_cases(int layout, int dp_mode) {
+void layout_cases(int layout, int dp_mode, const ShapeSel* shape = nullptr) {
   std::int64_t ne = 0;
   const std::vector<float> edges = edge_tiles(ne);
   const auto eb = to_bf16(edges);
@@ -582,15 +599,16 @@ void layout_cases(int layout, int dp_mode) {
       }
   }
   {
-    SCOPED_TRACE("layout " + std::to_string(layout) + ", DP mode " + std::to_string(dp_mode));
-    EXPECT_EQ(expect_two_tiles_same(edges.data(), DType::F32, stack(1, 8, 64 * ne), -1, true, layout, dp_mode), ne);
-    EXPECT_EQ(expect_two_tiles_same(eb.data(), DType::BF16, stack(1, 8, 64 * ne), -1, true, layout, dp_mode), ne);
-    EXPECT_EQ(expect_two_tiles_same(eb.data(), DType::BF16, stack(1, 8, 64 * ne), -1, false, layout, dp_mode), ne);
+    SCOPED_TRACE("layout " + std::to_string(layout) + ", DP mode " + std::to_string(dp_mode) +
+                 (shape != nullptr ? ", warps " + std::to_string(shape->warps) + ", grid " + std::to_string(shape->grid) : std::string()));
+    EXPECT_EQ(expect_two_tiles_same(edges.data(), DType::F32, stack(1, 8, 64 * ne), -1, true, layout, dp_mode, shape), ne);
+    EXPECT_EQ(expect_two_tiles_same(eb.data(), DType::BF16, stack(1, 8, 64 * ne), -1, true, layout, dp_mode, shape), ne);
+    EXPECT_EQ(expect_two_tiles_same(eb.data(), DType::BF16, stack(1, 8, 64 * ne), -1, false, layout, dp_mode, shape), ne);
     for (int fs : {3, 100, 120, 127, 246}) {
       SCOPED_TRACE("forced scale " + std::to_string(fs));
-      expect_two_tiles_same(small.data(), DType::F32, stack(1, 8, 320), fs, true, layout, dp_mode);
+      expect_two_tiles_same(small.data(), DType::F32, stack(1, 8, 320), fs, true, layout, dp_mode, shape);
     }
-    EXPECT_EQ(expect_two_tiles_same(mixed.data(), DType::F32, stack(1, 8, 64 * nmix), -1, true, layout, dp_mode), nmix);
+    EXPECT_EQ(expect_two_tiles_same(mixed.data(), DType::F32, stack(1, 8, 64 * nmix), -1, true, layout, dp_mode, shape), nmix);
     struct Case {
       Dist d;
       std::int64_t e, n, k;
@@ -605,8 +623,8 @@ void layout_cases(int layout, int dp_mode) {
       const LutbShape s = stack(c.e, c.n, c.k);
       const auto v = random_values(static_cast<std::size_t>(c.e * c.n * c.k), c.d, 0.02f,
                                    static_cast<std::uint32_t>(103 * c.n + c.k + static_cast<int>(c.d)));
-      if (c.bf16) EXPECT_GT(expect_two_tiles_same(to_bf16(v).data(), DType::BF16, s, -1, true, layout, dp_mode), 0);
-      else EXPECT_GT(expect_two_tiles_same(v.data(), DType::F32, s, -1, true, layout, dp_mode), 0);
+      if (c.bf16) EXPECT_GT(expect_two_tiles_same(to_bf16(v).data(), DType::BF16, s, -1, true, layout, dp_mode, shape), 0);
+      else EXPECT_GT(expect_two_tiles_same(v.data(), DType::F32, s, -1, true, layout, dp_mode, shape), 0);
     }
   }
 }
@@ -784,6 +802,113 @@ TEST(FitGpu, CostTableDpEdgeTiles) {
     EXPECT_EQ(expect_two_tiles_same(edges.data(), DType::F32, stack(1, 8, 64 * ne), -1, true, 1, dp_mode), ne);
     EXPECT_EQ(expect_two_tiles_same(wide.data(), DType::F32, stack(1, 8, 128), -1, true, 1, dp_mode), 2);
   }
+}
+
+// fit17: the block shape as a launch choice (fit_internal::launch_warp_shape): every supported
+// (layout, DP mode) -- (1, 0) fit12's kernel with the per-tile sums, (0, 6) the bytes-only kernel,
+// (1, 9), (1, 10), (1, 13) fit16's table modes; (1, 10) and (0, 6) in 4-warp blocks, one tile per
+// warp, are launch_warp's defaults since fit17 -- in 1-, 2- and 4-warp blocks of dynamic shared memory,
+// with one tile per warp (grid 0) and on persistent grids by stride (1) and by a shared counter (2),
+// the persistent grids capped at 3 blocks so that every warp loops over many tiles (up to 171 on the
+// 512-tile stacks) in an order that the counter makes depend on timing: the CPU's bytes and sums on
+// every case of LayoutsSameBytes; a 4,096-tile stack (more tiles than an H200's resident warps)
+// on the uncapped persistent grids; the error word of a NaN / -Inf stack (the lowest failing tile,
+// whatever the order); the resident warps of the compact and table shapes; bad arguments refused.
+TEST(FitGpu, BlockShapesSameBytes) {
+  LUTB_GPU_OR_SKIP();
+  const std::pair<int, int> pairs[] = {{1, 0}, {0, 6}, {1, 9}, {1, 10}, {1, 13}};
+  for (const auto& [layout, dp_mode] : pairs)
+    for (int warps : {1, 2, 4})
+      for (int grid : {0, 1, 2}) {
+        const ShapeSel sel{warps, grid, grid == 0 ? 0 : 3};
+        layout_cases(layout, dp_mode, &sel);
+      }
+  {  // uncapped persistent grids on a stack of more tiles than the GPU has resident warps
+    const LutbShape s = stack(1, 512, 4096);
+    const auto b = to_bf16(random_values(512 * 4096, Dist::kStudentT3, 0.02f, 171));
+    for (const auto& [layout, dp_mode] : pairs)
+      for (int grid : {1, 2}) {
+        const ShapeSel sel{4, grid, 0};
+        EXPECT_EQ(expect_two_tiles_same(b.data(), DType::BF16, s, -1, true, layout, dp_mode, &sel), 4096)
+            << layout << " " << dp_mode << " " << grid;
+      }
+  }
+  {  // error words of a NaN / -Inf stack: tile 2 (NaN) whatever warp takes which tile
+    auto v = random_values(8 * 64 * 6, Dist::kGauss, 0.02f, 13);
+    v[static_cast<std::size_t>(3 * 64 * 6 + 2 * 64 + 17)] = std::numeric_limits<float>::quiet_NaN();
+    v[static_cast<std::size_t>(5 * 64 * 6 + 3 * 64 + 60)] = -std::numeric_limits<float>::infinity();
+    float* d_src = nullptr;
+    std::uint8_t* d_out = nullptr;
+    unsigned long long *d_err = nullptr, *d_ctr = nullptr;
+    ASSERT_EQ(cudaMalloc(&d_src, v.size() * 4), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&d_out, 6 * (kPackedBytes + kCodebookSize + 1)), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&d_err, 8), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&d_ctr, 8), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(d_src, v.data(), v.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    for (const auto& [layout, dp_mode] : pairs)
+      for (int warps : {1, 4})
+        for (int grid : {0, 1, 2}) {
+          cuda::fit_internal::KernelArgs ka{d_src, 0, 8, 64 * 6, 1, 6, 6, 0,
+                                            cuda::DeviceFitOut{d_out, d_out + 6 * kPackedBytes,
+                                                               d_out + 6 * (kPackedBytes + kCodebookSize), nullptr, nullptr},
+                                            -1, d_err};
+          unsigned long long word = 0;
+          ASSERT_EQ(cudaMemset(d_err, 0xff, 8), cudaSuccess);
+          cuda::fit_internal::launch_warp_shape(ka, layout, dp_mode, warps, grid, d_ctr, nullptr, grid == 0 ? 0 : 1);
+          ASSERT_EQ(cudaMemcpy(&word, d_err, 8, cudaMemcpyDeviceToHost), cudaSuccess);
+          const std::string at = "layout " + std::to_string(layout) + ", DP mode " + std::to_string(dp_mode) + ", warps " +
+                                 std::to_string(warps) + ", grid " + std::to_string(grid);
+          EXPECT_EQ(cuda::decode_fit_error(word).tile, 2) << at;
+          EXPECT_EQ(cuda::decode_fit_error(word).code, 1) << at;
+          EXPECT_EQ(cuda::decode_fit_error(word).pos, 3 * 64 + 17) << at;
+        }
+    cudaFree(d_src);
+    cudaFree(d_out);
+    cudaFree(d_err);
+    cudaFree(d_ctr);
+  }
+  {  // resident warps per SM of 228 KiB (sm_90): the compact layout at 20 in every shape (9,168 B per
+     // warp, 96 registers), the table layout at 16 in 4-warp blocks (4 x 12,416 B + 1 KiB per block)
+    int dev = 0, smem = 0;
+    ASSERT_EQ(cudaGetDevice(&dev), cudaSuccess);
+    ASSERT_EQ(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev), cudaSuccess);
+    if (smem == 233472) {
+      for (int warps : {1, 2, 4}) EXPECT_EQ(cuda::fit_internal::resident_warps_shape(1, 0, warps), 20) << warps;
+      EXPECT_EQ(cuda::fit_internal::resident_warps_shape(1, 10, 4), 16);
+    }
+  }
+  cuda::fit_internal::KernelArgs ka{};
+  ka.tiles = 1;
+  unsigned long long* no_ctr = nullptr;
+  unsigned long long ctr_host = 0;  // (never written: every call below is refused first)
+  EXPECT_THROW(cuda::fit_internal::launch_warp_shape(ka, 0, 0, 4, 0, &ctr_host, nullptr), std::invalid_argument);
+  EXPECT_THROW(cuda::fit_internal::launch_warp_shape(ka, 1, 6, 4, 0, &ctr_host, nullptr), std::invalid_argument);
+  EXPECT_THROW(cuda::fit_internal::launch_warp_shape(ka, 2, 0, 4, 0, &ctr_host, nullptr), std::invalid_argument);
+  EXPECT_THROW(cuda::fit_internal::launch_warp_shape(ka, 1, 12, 4, 0, &ctr_host, nullptr), std::invalid_argument);
+  EXPECT_THROW(cuda::fit_internal::launch_warp_shape(ka, 1, 0, 3, 0, &ctr_host, nullptr), std::invalid_argument);
+  EXPECT_THROW(cuda::fit_internal::launch_warp_shape(ka, 1, 0, 8, 0, &ctr_host, nullptr), std::invalid_argument);
+  EXPECT_THROW(cuda::fit_internal::launch_warp_shape(ka, 1, 0, 4, 3, &ctr_host, nullptr), std::invalid_argument);
+  EXPECT_THROW(cuda::fit_internal::launch_warp_shape(ka, 1, 0, 4, 2, no_ctr, nullptr), std::invalid_argument);
+  EXPECT_THROW(cuda::fit_internal::resident_warps_shape(0, 0, 4), std::invalid_argument);
+}
+
+// The same on a small stack for the sanitizers (memcheck, racecheck, synccheck): the edge tiles and
+// two 512-distinct FP32 tiles through every supported (layout, DP mode) in 1- and 4-warp blocks, one
+// tile per warp and a persistent grid of one block with the shared counter.
+TEST(FitGpu, BlockShapeEdgeTiles) {
+  LUTB_GPU_OR_SKIP();
+  std::int64_t ne = 0;
+  const std::vector<float> edges = edge_tiles(ne);
+  const auto wide = random_values(8 * 64 * 2, Dist::kStudentT3, 0.02f, 41);
+  for (const auto& [layout, dp_mode] : {std::pair{1, 0}, std::pair{0, 6}, std::pair{1, 9}, std::pair{1, 10}, std::pair{1, 13}})
+    for (int warps : {1, 4})
+      for (int grid : {0, 2}) {
+        SCOPED_TRACE("layout " + std::to_string(layout) + ", DP mode " + std::to_string(dp_mode) + ", warps " +
+                     std::to_string(warps) + ", grid " + std::to_string(grid));
+        const ShapeSel sel{warps, grid, grid == 0 ? 0 : 1};
+        EXPECT_EQ(expect_two_tiles_same(edges.data(), DType::F32, stack(1, 8, 64 * ne), -1, true, layout, dp_mode, &sel), ne);
+        EXPECT_EQ(expect_two_tiles_same(wide.data(), DType::F32, stack(1, 8, 128), -1, true, layout, dp_mode, &sel), 2);
+      }
 }
 
 // Heavy mixtures: log-uniform magnitudes over many binades (FP32 sums that round), sparse tiles

@@ -504,5 +504,112 @@ TEST(MoeDecodePaths, FusedBackToBackBitIdentical) {
   ckd(cudaStreamDestroy(st), "stream");
 }
 
+// decode_swap_warps (session 17, small17): the sessions-9/10 rule, and kDecodeOneWave's condition.
+// resident = CTAs of 1, 2, 4, 8, 16 warps per SM of a 128-register one-token-block kernel (16 warps).
+// By hand (132 SMs): Qwen3-235B T = 1 GEMM1, 384 CTAs x 64 K-tiles: 2 -> 4 (768, 1536 < 1584 warps)
+// -> 8 by the old rule (1536 < 1584), but 384 CTAs fit 132 x 4 = 528 at 4 warps and not 132 x 2 =
+// 264 at 8: stays 4 with the condition. Qwen3-30B T = 4 GEMM1, 768 CTAs x 32: 4 by the old rule;
+// 768 <= 132 x 8 = 1056 at 2 warps, > 528 at 4: 2. Unchanged: Qwen3-30B T = 1 GEMM1 (192 CTAs, 8
+// warps, 192 <= 264), DeepSeek-V3 T = 1 GEMM1 (512 x 112: 4 by the warps-per-SM cap, 512 <= 528),
+// two waves already at 2 warps (1536 CTAs), Mixtral T = 1 GEMM2 (128 CTAs x 224: 16 warps, 128 <=
+// 132), K ranges under 4 K-tiles (1 warp), the K-tile condition (doubling w while tiles_k >= 4 w).
+TEST(MoeDecodePaths, SwapWarpsRuleHostOnly) {
+  const int res[5] = {16, 8, 4, 2, 1};
+  EXPECT_EQ(cuda::decode_swap_warps(384, 64, 16, 132, res, false), 8);
+  EXPECT_EQ(cuda::decode_swap_warps(384, 64, 16, 132, res, true), 4) << "Qwen3-235B T = 1 GEMM1";
+  EXPECT_EQ(cuda::decode_swap_warps(768, 32, 16, 132, res, false), 4);
+  EXPECT_EQ(cuda::decode_swap_warps(768, 32, 16, 132, res, true), 2) << "Qwen3-30B T = 4 GEMM1";
+  for (bool ow : {false, true}) {
+    EXPECT_EQ(cuda::decode_swap_warps(192, 32, 16, 132, res, ow), 8) << "Qwen3-30B T = 1 GEMM1";
+    EXPECT_EQ(cuda::decode_swap_warps(512, 112, 16, 132, res, ow), 4) << "DeepSeek-V3 T = 1 GEMM1";
+    EXPECT_EQ(cuda::decode_swap_warps(1536, 64, 16, 132, res, ow), 2) << "two waves at 2 warps already";
+    EXPECT_EQ(cuda::decode_swap_warps(128, 224, 16, 132, res, ow), 16) << "Mixtral T = 1 GEMM2";
+    EXPECT_EQ(cuda::decode_swap_warps(128, 224, 8, 132, res, ow), 8) << "two token blocks: at most 8";
+    EXPECT_EQ(cuda::decode_swap_warps(100, 3, 16, 132, res, ow), 1) << "fewer than 4 K-tiles";
+    EXPECT_EQ(cuda::decode_swap_warps(100, 12, 16, 132, res, ow), 4) << "doubled while K-tiles >= 4 x warps";
+    EXPECT_EQ(cuda::decode_swap_warps(100, 7, 16, 132, res, ow), 2) << "7 < 4 x 2: no doubling";
+  }
+  const int res_none[5] = {0, 0, 0, 0, 0};  // no residency known: the condition never fires
+  EXPECT_EQ(cuda::decode_swap_warps(384, 64, 16, 132, res_none, true), 8);
+  EXPECT_TRUE((cuda::kDecodePathsDefault & cuda::kDecodeOneWave) != 0);
+}
+
+// decode_one_token_tail (session 17): expected pairs per touched expert T k / (E (1 - (1 - k/E)^T))
+// <= 2. By hand: Mixtral (E = 8, k = 2) T = 4: 8 / (8 (1 - 0.75^4)) = 1.46, T = 16: 32 / 7.92 = 4.04;
+// Qwen3 (128, 8) T = 16: 128 / (128 (1 - (15/16)^16)) = 1.55, T = 64: 4.07; DeepSeek-V3 (256, 8)
+// T = 16: 1.26, T = 64: 2.30; T = 1 always; k > E (repeated experts) counts every expert touched.
+TEST(MoeDecodePaths, OneTokenTailRuleHostOnly) {
+  EXPECT_EQ(cuda::kOneTokenTailMaxPairsPerExpert, 2.0);
+  EXPECT_TRUE(cuda::decode_one_token_tail(1, 8, 128));
+  EXPECT_TRUE(cuda::decode_one_token_tail(1, 4, 2)) << "T = 1 with k > E";
+  EXPECT_TRUE(cuda::decode_one_token_tail(4, 2, 8)) << "Mixtral T = 4";
+  EXPECT_FALSE(cuda::decode_one_token_tail(16, 2, 8)) << "Mixtral T = 16";
+  EXPECT_TRUE(cuda::decode_one_token_tail(16, 8, 128)) << "Qwen3 T = 16";
+  EXPECT_FALSE(cuda::decode_one_token_tail(64, 8, 128)) << "Qwen3 T = 64";
+  EXPECT_TRUE(cuda::decode_one_token_tail(16, 8, 256)) << "DeepSeek-V3 T = 16";
+  EXPECT_FALSE(cuda::decode_one_token_tail(64, 8, 256)) << "DeepSeek-V3 T = 64";
+  EXPECT_FALSE(cuda::decode_one_token_tail(3, 4, 2)) << "k > E, T > 1: 6 pairs per expert";
+  EXPECT_FALSE(cuda::decode_one_token_tail(0, 8, 128));
+  EXPECT_FALSE(cuda::decode_one_token_tail(4, 0, 128));
+  EXPECT_TRUE((cuda::kDecodePathsDefault & cuda::kDecodeOneTokenTailRule) != 0) << "the rule is on by default";
+  EXPECT_TRUE((cuda::kDecodePathsDefault & cuda::kDecodeOneTokenTail) == 0);
+}
+
+// kDecodeOneTokenTail (session 17, small17): one-token tiles exchange, combine and finish only the
+// accumulator column that holds the token; nothing else changes, so the output must equal the same
+// forward without the flag BIT FOR BIT (and the host reference within the contract bound), on every
+// path with one-token tiles: direct forwards (T = 1; T = 4 by the rule; with and without the fused
+// reduction), grouped tiles of one pair (the holes / E = 128 cases), forced split-K (the cluster
+// combine), the Cvt, FP8 and byte decoders' epilogues, padded H and I, outputs and workspace poisoned
+// before every forward. kDecodeOneWave: on the last shape (E = 8, H = 2048, I = 1536, T = 1, k = 8:
+// GEMM1 is 8 x 48 = 384 CTAs of 32 K-tiles, 4 warps instead of 8 on an H200) the warps change, so only
+// the summation order may: against the reference. On devices without the sm_90a kernels the flags
+// change nothing and the equalities hold trivially.
+TEST(MoeDecodePaths, OneTokenTailBitIdenticalOneWaveMatchesReference) {
+  if (!gpu_here()) GTEST_SKIP() << "no CUDA device: skipping GPU test";
+  const PathCase cases[] = {
+      {128, 256, 64, 1, 8, false},   // T = 1: direct, fused reduction
+      {128, 320, 96, 4, 8, false},   // T = 4: direct by the rule
+      {32, 320, 96, 16, 8, true},    // grouped; some tiles of one pair; odd K-tiles
+      {16, 200, 72, 16, 4, false},   // padded H and I
+      {8, 4096, 1024, 4, 2, false},  // long K: the ring wraps; grouped one-pair tiles
+      {8, 2048, 1536, 1, 8, false},  // the one-wave condition fires on GEMM1 (H200)
+  };
+  const cuda::WeightDecoder decs[] = {cuda::WeightDecoder::Auto, cuda::WeightDecoder::Fp8Mma,
+                                      cuda::WeightDecoder::BytePermute};
+  for (const PathCase& c : cases) {
+    SCOPED_TRACE(::testing::Message() << "E " << c.E << " H " << c.H << " I " << c.I << " T " << c.T << " k " << c.k);
+    std::mt19937 rng(1717 + static_cast<unsigned>(c.E * 7 + c.H + 3 * c.I + c.T));
+    const Layer L(c.E, c.H, c.I, rng);
+    const auto x = rand_x(c.T * c.H, rng);
+    std::vector<int> allowed;
+    for (int e = 0; e < c.E; ++e)
+      if (!c.holes || e % 2 == 0) allowed.push_back(e);
+    std::vector<std::int32_t> ids;
+    std::vector<float> wts;
+    routing(c.T, c.k, allowed, rng, ids, wts);
+    const auto ref = moe_reference(L.w13, L.w2, c.H, c.I, x, c.T, c.k, ids, wts);
+    const int split[4] = {2, 1, 2, 1};
+    constexpr unsigned kTail = cuda::kDecodeOneTokenTail | cuda::kDecodeOneTokenTailRule;
+    for (cuda::WeightDecoder d : decs) {
+      cuda::set_weight_decoder(d);
+      for (unsigned p : {cuda::kDecodePathsDefault, cuda::kDecodeOneWave,
+                         cuda::kDecodeDirectAlways | cuda::kDecodeClusterReduceAlways})
+        for (const int* sp : {static_cast<const int*>(nullptr), static_cast<const int*>(split)}) {
+          SCOPED_TRACE(::testing::Message() << "decoder " << static_cast<int>(d) << " paths " << p << (sp ? " split" : ""));
+          const auto base = forward(L, x, c.T, c.k, ids, wts, p & ~kTail, sp);
+          expect_close(base, ref);
+          const auto tail = forward(L, x, c.T, c.k, ids, wts, p | cuda::kDecodeOneTokenTail, sp);
+          EXPECT_TRUE(tail == base) << "the one-token tail changed the output bits";
+        }
+    }
+    cuda::set_weight_decoder(cuda::WeightDecoder::Auto);
+    const auto one_wave = forward(L, x, c.T, c.k, ids, wts, cuda::kDecodePathsDefault);
+    const auto two_waves = forward(L, x, c.T, c.k, ids, wts, cuda::kDecodePathsDefault & ~cuda::kDecodeOneWave);
+    expect_close(one_wave, ref);
+    expect_close(two_waves, ref);
+  }
+}
+
 }  // namespace
 }  // namespace lutb::test

@@ -221,6 +221,17 @@ bool decode_fuse_reduce(std::int64_t gemm2_ctas, int top_k, int sms);
 ///     well; 0.87-0.98x on 10 of the 16 decode rows of the benchmark (more warps, no more issue):
 ///     not used by default;
 ///   kDecodeLateScalesRule: kDecodeLateScales where decode_late_scales() says so (below);
+///   kDecodeOneTokenTail (session 17, small17; mma.sync swap-AB kernels): in tiles of one token
+///     (every tile of a direct forward, grouped tiles of one pair) the cross-warp reduction and the
+///     cluster split-K combine exchange only the accumulator column that holds the token, and GEMM1's
+///     SiLU*up / MXFP8 epilogue skips the token-less column instead of computing it up to its amax
+///     and dropping it (and converts its FP16 copies of E4M3 bytes in hardware, exactly).
+///     Bit-identical outputs. The phase timing of session 17 (docs/perf/moe-gpu.md) measured GEMM1's
+///     epilogue at 3.8-5.3 us of warp 0 at T = 1; kDecodeOneTokenTailRule: kDecodeOneTokenTail where
+///     decode_one_token_tail() says so (below);
+///   kDecodeOneWave (session 17, small17): decode_swap_warps' one-wave condition (below): the warps
+///     per CTA are not doubled where that would turn a grid that is resident at once into two waves
+///     (Qwen3-235B T = 1 GEMM1: 384 CTAs of 8 warps, 2 resident per SM, ran in two waves);
 ///   kDecodeSelImad (session 17, alu17; Cvt decoder, with or without the late tile scales, not with
 ///     kDecodeLateScales96; benchmark and tests only): two of the K-loop's four PRMT selectors per
 ///     strip computed as IMAD on the FMA pipe (src/cuda/swap_selectors.hpp, swap_sel_imad) instead
@@ -229,10 +240,37 @@ bool decode_fuse_reduce(std::int64_t gemm2_ctas, int top_k, int sms);
 inline constexpr unsigned kDecodeDirect = 1u, kDecodeDirectAlways = 2u, kDecodeClusterReduce = 4u,
                           kDecodeNoDirect1 = 8u, kDecodeSplitK = 16u, kDecodeClusterReduceAlways = 32u,
                           kDecodeLateScales = 64u, kDecodeLateScales96 = 128u, kDecodeLateScalesRule = 256u,
-                          kDecodeSelImad = 512u;
-/// The default set (the paths measured faster, docs/perf/moe-gpu.md "Session 14" and "Session 16").
+                          kDecodeOneTokenTail = 512u, kDecodeOneWave = 1024u, kDecodeOneTokenTailRule = 2048u,
+                          kDecodeSelImad = 4096u;
+/// The default set (the paths measured faster, docs/perf/moe-gpu.md "Session 14", "Session 16" and
+/// "Session 17").
 inline constexpr unsigned kDecodePathsDefault =
-    kDecodeDirect | kDecodeClusterReduce | kDecodeSplitK | kDecodeLateScalesRule;
+    kDecodeDirect | kDecodeClusterReduce | kDecodeSplitK | kDecodeLateScalesRule | kDecodeOneTokenTailRule |
+    kDecodeOneWave;
+
+/// kDecodeOneTokenTail by rule (host only): where the expected pairs per touched expert under uniform
+/// routing, T k / (E (1 - (1 - min(1, k/E))^T)), are at most kOneTokenTailMaxPairsPerExpert (T = 1
+/// always). Measured on the H200 (docs/perf/moe-gpu.md "Session 17", device run small17-run2, four
+/// processes in ABBA order, same process as the forward without it): 1.004-1.055x on every T = 1, 4,
+/// 16 row of the four benchmark shapes (expected pairs per expert 1.0-1.55) except Mixtral T = 16
+/// (4.0 pairs per expert, few one-token tiles), 0.984-0.989x there (not explained: the flag only acts
+/// on tiles of one token).
+inline constexpr double kOneTokenTailMaxPairsPerExpert = 2.0;
+bool decode_one_token_tail(std::int64_t tokens, int top_k, std::int64_t experts);
+
+/// Warps per CTA of a swap-AB decode GEMM (they split the K-tiles of the CTA's rows; host only).
+/// Inputs: `ctas` the GEMM's CTAs (touched experts x strip groups), `tiles_k` its K-tiles per row,
+/// `most` the kernel's largest CTA (16 warps with one token block, 8 with two), `sms` the device's
+/// SM count, `resident[i]` how many CTAs of 2^i warps (i = 0..4: 1..16 warps) one SM holds at once
+/// (cudaOccupancyMaxActiveBlocksPerMultiprocessor of the kernel; 0 where not applicable).
+/// Rule (sessions 9-10, the LUTB_SWAPAB_WARPS sweeps of docs/perf/moe-gpu.md): start at 2 warps and
+/// double up to 8 while ctas x warps < 132 x 12 (about 12 warps per SM) and every warp keeps >= 4
+/// K-tiles; 16 warps (most >= 16) when ctas <= 132 and tiles_k >= 64. `one_wave` (kDecodeOneWave,
+/// session 17): a doubling from w to 2w is also skipped when the grid is resident at once with w
+/// warps (ctas <= sms x resident(w)) but not with 2w (ctas > sms x resident(2w)). Returns 1 when
+/// tiles_k < 4.
+int decode_swap_warps(std::int64_t ctas, std::int64_t tiles_k, int most, int sms, const int (&resident)[5],
+                      bool one_wave);
 
 /// The late-tile-scale K-loop (kDecodeLateScales) by rule: for two token blocks (token_blocks = 2,
 /// decode_token_blocks) or hidden <= kLateScalesMaxHidden (GEMM1's K range per weight row at most
@@ -297,6 +335,34 @@ void set_decode_split(int ksplit1, int warp_shift1, int ksplit2, int warp_shift2
 /// after its `stage`-th step (1: grouping and MXFP8 of x; 2: GEMM1; 3: GEMM2, with the fused
 /// reduction when that path runs); `out` is then NOT written. 0 (default): the whole forward.
 void set_forward_stop_after(int stage);
+
+#ifdef LUTB_SWAPAB_PHASES
+/// Benchmark-only build (-DLUTB_SWAPAB_PHASES=1 on src/cuda/moe_lutb.cu and the benchmark; session 17,
+/// small17; never in a production build): phase timing of the swap-AB decode GEMMs. Lane 0 of every
+/// warp of every swap-AB GEMM CTA (mma.sync kernels, swapab_gemm{1,2}_kernel) stores %globaltimer
+/// (ns, one clock for the whole GPU) and clock64 (this SM's cycles) at 8 marks of its life:
+///   0 kernel entry; 1 prologue done (routing of the tile, strips, row pointers, K range: just before
+///   the K-loop function); 2 ring prologue issued (the first kStages - 1 K-tiles' cp.async and the
+///   first tile-scale load), just before the programmatic-dependent-launch wait; 3 after that wait
+///   (GEMM1: the MXFP8 of x has completed; GEMM2: GEMM1 has); 4 the first K-tile's ring data has
+///   arrived (cp.async.wait_group of K-tile 0); 5 K-loop done; 6 the cross-warp reduction done
+///   (swap_reduce, and the cluster split-K combine where it runs); 7 warp 0: epilogue done (GEMM1:
+///   SiLU*up and the MXFP8 of h written; GEMM2: y written, or the fused top-k cluster reduction done).
+/// A mark a warp does not reach stays 0. Record of warp w of CTA c (c = blockIdx.y * gridDim.x +
+/// blockIdx.x) of GEMM g (0, 1): buf[g * kSwapPhaseMaxWarps + c * warps + w], when below
+/// kSwapPhaseMaxWarps (later warps record nothing).
+struct SwapPhaseRecord {
+  unsigned long long gt[8];  // %globaltimer at each mark, ns
+  long long clk[8];          // clock64 at each mark, SM cycles
+  unsigned smid;             // %smid of the CTA
+  unsigned cta;              // blockIdx.y * gridDim.x + blockIdx.x
+  unsigned warp_info;        // warp | warps per CTA << 8 | GEMM (0, 1) << 16
+  unsigned ktiles;           // K-tiles of this warp's range
+};
+inline constexpr int kSwapPhaseMaxWarps = 1 << 16;
+/// Device buffer of 2 * kSwapPhaseMaxWarps records that later swap-AB GEMMs write (null: none).
+void set_swap_phase_buffer(SwapPhaseRecord* buf);
+#endif
 
 /// Bytes of device workspace moe_forward needs for at most `max_tokens` tokens.
 std::size_t moe_workspace_bytes(std::int64_t max_tokens, int top_k, std::int64_t experts, std::int64_t hidden,
