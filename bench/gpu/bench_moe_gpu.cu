@@ -4,13 +4,12 @@
 //
 // Usage: bench_moe_gpu [--quick] [--shape NAME] [--tokens T] [--variants LIST]
 //   (NAME: deepseek-v3, qwen3-235b, qwen3-30b, mixtral-8x7b; --tokens T or T1,T2,...: only those batch sizes;
-//   --variants, e.g. 0,7 or 1,10: only those forwards of the `make` switch (0..11, 20..37, 40..52, 62, 65..69; 10 = the swap-AB
+//   --variants, e.g. 0,7 or 1,10: only those forwards of the `make` switch (0..11, 20..37, 40..52, 65..69; 10 = the swap-AB
 //   decode on FP8 wgmma, 11 = the warp-specialised swap-AB decode; 20..37: session 14's small-batch paths,
 //   stage timing and forced K splits; 40..49: L2 prefetch of GEMM2's weights; 50 / 51 / 52: the late tile
 //   scales everywhere at 128 / 96 registers / nowhere, session 16; 65..68: session 17 (small17), 65 = the default
 //   (in a -DLUTB_SWAPAB_PHASES build followed by its GEMMs' phase tables), 66 / 67 / 68 = the default without
-//   the one-token tail / kDecodeOneWave / both, 69 = the tail everywhere; 62: two of the K-loop's selectors as IMAD, kDecodeSelImad,
-//   session 17, alu17; 60 / 61 were alu17's kDecodeSelFma, not kept), a compact row, no cuBLAS: for quick
+//   the one-token tail / kDecodeOneWave / both, 69 = the tail everywhere), a compact row, no cuBLAS: for quick
 //   A/B runs of kernel changes)
 // Each forward (routing kernel excluded; the routing is precomputed by route_softmax_topk /
 // route_deepseek on random logits) is captured in a CUDA graph; R = 8 different routings are cycled
@@ -185,7 +184,7 @@ struct Shape {
   bool deepseek;
 };
 
-constexpr int kVariants = 70;  // forwards of the `make` switch below (0..11, 20..37, 40..52, 62, 65..69)
+constexpr int kVariants = 70;  // forwards of the `make` switch below (0..11, 20..37, 40..52, 65..69)
 
 #ifdef LUTB_SWAPAB_PHASES
 // Variant 65 in a -DLUTB_SWAPAB_PHASES build (session 17, small17; lutb/cuda/moe.hpp SwapPhaseRecord
@@ -671,11 +670,6 @@ int main(int argc, char** argv) {
             cuda::set_decode_paths(cuda::kDecodePathsDefault);
             break;
           }
-          case 62:  // session 17 (alu17): two selectors as IMAD (kDecodeSelImad) on the default paths
-            cuda::set_decode_paths(cuda::kDecodePathsDefault | cuda::kDecodeSelImad);
-            cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st);
-            cuda::set_decode_paths(cuda::kDecodePathsDefault);
-            break;
           case 9:
             cuda::set_dependent_launch(false);
             cuda::moe_forward_bf16(wb, xr, T, s.k, id, wt, out, ws, wsb, st,

@@ -60,16 +60,14 @@ void swap_resident(K k, int most, int (&resident)[5], int (*smem)(int)) {
 }
 
 /// The swap-AB kernels of launch_swapab: kLate = 0 the default K-loop, 1 the late tile scales
-/// (kDecodeLateScales), 2 the late tile scales at 96 registers (kDecodeLateScales96; one token block);
-/// plus (with 0 or 1 only) kLateSelI: two of the K-loop's selectors as IMAD (kDecodeSelImad, kern kSelI).
-constexpr int kLateSelI = 4;
+/// (kDecodeLateScales), 2 the late tile scales at 96 registers (kDecodeLateScales96; one token block).
 template <int kDec, int NB, bool kSplit, int kLate>
 constexpr auto swap_gemm1_fn() {
   if constexpr (kLate == 2) {
     static_assert(NB == 1, "the 96-register kernels hold one token block");
     return &kern::swapab_gemm1_r96_kernel<kDec, kSplit>;
   } else {
-    return &kern::swapab_gemm1_kernel<kDec, NB, kSplit, (kLate & 3) == 1, (kLate & kLateSelI) != 0>;
+    return &kern::swapab_gemm1_kernel<kDec, NB, kSplit, kLate == 1>;
   }
 }
 template <int kDec, int NB, bool kSplit, int kLate>
@@ -78,7 +76,7 @@ constexpr auto swap_gemm2_fn() {
     static_assert(NB == 1, "the 96-register kernels hold one token block");
     return &kern::swapab_gemm2_r96_kernel<kDec, kSplit>;
   } else {
-    return &kern::swapab_gemm2_kernel<kDec, NB, kSplit, (kLate & 3) == 1, (kLate & kLateSelI) != 0>;
+    return &kern::swapab_gemm2_kernel<kDec, NB, kSplit, kLate == 1>;
   }
 }
 
@@ -441,28 +439,16 @@ void moe_forward(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t
       constexpr int kD = decltype(dec_c)::value;
       // kDecodeLateScales / kDecodeLateScales96 / kDecodeLateScalesRule (moe.hpp): the late-tile-scale
       // K-loop, built for the Cvt decoder only; the 96-register kernels for one token block (two
-      // blocks: kDecodeLateScales' kernels). kDecodeSelImad: two of the selectors as IMAD (Cvt
-      // decoder; not with the 96-register kernels).
+      // blocks: kDecodeLateScales' kernels).
       if constexpr (kD == kern::kDecCvt) {
         if ((paths & kDecodeLateScales96) && nb == 1) {
           launch_swapab<kD, 1, 2>(w, r, ws, P, stream, fuse, topk_weights, out, stop);
           return;
         }
-        const bool seli = (paths & kDecodeSelImad) != 0;
         if ((paths & (kDecodeLateScales | kDecodeLateScales96)) ||
             ((paths & kDecodeLateScalesRule) && decode_late_scales(H, nb))) {
-          if (seli) {
-            if (nb == 1) launch_swapab<kD, 1, 1 | kLateSelI>(w, r, ws, P, stream, fuse, topk_weights, out, stop);
-            else launch_swapab<kD, 2, 1 | kLateSelI>(w, r, ws, P, stream, false, topk_weights, out, stop);
-          } else {
-            if (nb == 1) launch_swapab<kD, 1, 1>(w, r, ws, P, stream, fuse, topk_weights, out, stop);
-            else launch_swapab<kD, 2, 1>(w, r, ws, P, stream, false, topk_weights, out, stop);
-          }
-          return;
-        }
-        if (seli) {
-          if (nb == 1) launch_swapab<kD, 1, kLateSelI>(w, r, ws, P, stream, fuse, topk_weights, out, stop);
-          else launch_swapab<kD, 2, kLateSelI>(w, r, ws, P, stream, false, topk_weights, out, stop);
+          if (nb == 1) launch_swapab<kD, 1, 1>(w, r, ws, P, stream, fuse, topk_weights, out, stop);
+          else launch_swapab<kD, 2, 1>(w, r, ws, P, stream, false, topk_weights, out, stop);
           return;
         }
       }

@@ -35,7 +35,6 @@
 
 #include "moe_gemm.cuh"
 #include "moe_kernels.cuh"
-#include "swap_selectors.hpp"
 #ifdef LUTB_SWAPAB_PHASES
 #include "lutb/cuda/moe.hpp"
 #endif
@@ -137,11 +136,6 @@ constexpr Ue8m0Table make_ue8m0_table() {
   return t;
 }
 __constant__ Ue8m0Table kUe8m0 = make_ue8m0_table();
-
-/// swap_sel_imad's -1 (kSwapSelNeg1) in constant memory: ptxas cannot see the value, so the
-/// multiply-adds stay IMAD with a constant-bank operand (no register, no strength reduction into
-/// IADD3 / LOP3 on the ALU pipe). Never written by the host.
-__constant__ unsigned kSwapSelNeg1C = kSwapSelNeg1;
 
 /// Strips of group G: strip[2m] = a, strip[2m+1] = b (see the file comment).
 template <bool kGated>
@@ -287,10 +281,7 @@ struct SwapTileScales<true> {
 /// K-loop (the two XTiles' fw[8] -> one byte each; ptxas -v: the one-block kernels 127-128 -> 120-124
 /// registers) and no wait for the byte's load inside the iteration that issues it. Measured in
 /// docs/perf/moe-gpu.md "Session 16" (1.01-1.06x on the short-K shapes, the rule decode_late_scales).
-/// kSelI (kDecodeSelImad, moe.hpp; session 17, alu17): the PRMT selectors by swap_sel_imad (two of
-/// the four as IMAD on the FMA pipe) instead of swap_sel_alu; the same selector words, so
-/// bit-identical results. docs/perf/moe-gpu.md "Session 17: decode selectors on the FMA pipe".
-template <int kDec, int NB, bool kOne, bool kLateW, bool kSelI, class BeforeWait>
+template <int kDec, int NB, bool kOne, bool kLateW, class BeforeWait>
 __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, const long long (&strip)[8],
                                                const bool (&ok)[8], const void* const (&arow)[NB],
                                                const float* const (&srow)[NB][2], int nblocks, long long k0,
@@ -468,13 +459,17 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
         const int i = 2 * m + ab;
         const unsigned x = *reinterpret_cast<const unsigned*>(st + i * 192 + 4 * lane);
         const unsigned y = *reinterpret_cast<const unsigned short*>(st + i * 192 + 128 + 2 * lane);
-        // The 4 PRMT selectors of the 16 indices (swap_selectors.hpp), the same words in both forms:
-        // masks and shifts (ALU pipe), or kSelI: sel0 / sel2 as IMAD.
-        if constexpr (kSelI) {
-          swap_sel_imad(x, y, kSwapSelNeg1C, sel[ab]);
-        } else {
-          swap_sel_alu(x, y, sel[ab]);
-        }
+        // Selectors for prmt_raw: bit 3 of every nibble of bits 0..15 is 0 (xm and y & 0x7777 by the
+        // masks; sel[3] by construction below), bits 16..31 are ignored.
+        const unsigned xm = x & 0x77777777u;
+        sel[ab][0] = xm;
+        sel[ab][1] = xm >> 16;
+        sel[ab][2] = y & 0x7777u;
+        // The spare bit 3 of every nibble: x's low nibbles -> bit 0, x's high nibbles -> bit 1,
+        // y's -> bit 2 of selector 3's nibbles. The three terms share no bit, so + is | and lets
+        // ptxas fuse the shifts into LEA.HI / IADD3 (bits above 15 are junk PRMT ignores).
+        const unsigned sx = x & 0x88888888u;
+        sel[ab][3] = (sx >> 3) + (sx >> 18) + ((y & 0x8888u) >> 1);
       }
       float part[NB][4];  // this K-tile's sum over both blocks, activation scales applied
 #pragma unroll
@@ -932,9 +927,8 @@ __device__ __forceinline__ void swap_l2_prefetch(const L2Prefetch& pf, long long
 /// GEMM1 + SiLU*up + MXFP8 of h. Grid: (Ip/32 strip groups x ksplit, token tile slots); blockDim.x =
 /// 32 * warps (K split across the warps). xa: [T, a_cols] FP16 E4M3 values in the decoder's column
 /// order, or E4M3 bytes (natural order) for kDecFp8. Output hq [P, Ip] in the same form, hs [P, Ip/32]
-/// UE8M0. kLateW: swap_warp_gemm's late tile scales (kDecodeLateScales, moe.hpp), kSelI: its IMAD
-/// selectors (kDecodeSelImad); same results.
-template <int kDec, int NB, bool kSplit, bool kLateW, bool kSelI = false>
+/// UE8M0. kLateW: swap_warp_gemm's late tile scales (kDecodeLateScales, moe.hpp), same results.
+template <int kDec, int NB, bool kSplit, bool kLateW>
 __device__ __forceinline__ void swapab_gemm1_body(LutbW w, const void* __restrict__ xa, const float* __restrict__ xsf,
                                                   long long a_cols, Routing r, long long I, long long Ip,
                                                   void* __restrict__ hq, float* __restrict__ hsf, unsigned one_token,
@@ -980,11 +974,11 @@ __device__ __forceinline__ void swapab_gemm1_body(LutbW w, const void* __restric
   swap_phase_mark<0>(1, k1 - k0);
   // One-token tiles take the lighter K-loop (CTA-uniform branch; NB = 1 only).
   if (NB == 1 && (one_token & kOneTokenLoop) && tk.count == 1)
-    swap_warp_gemm<kDec, NB, NB == 1, kLateW, kSelI>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
-                                                     swap_smem + warp * SwapRing::kWarpBytes, acc, wait);
+    swap_warp_gemm<kDec, NB, NB == 1, kLateW>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
+                                              swap_smem + warp * SwapRing::kWarpBytes, acc, wait);
   else
-    swap_warp_gemm<kDec, NB, false, kLateW, kSelI>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
-                                                   swap_smem + warp * SwapRing::kWarpBytes, acc, wait);
+    swap_warp_gemm<kDec, NB, false, kLateW>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
+                                            swap_smem + warp * SwapRing::kWarpBytes, acc, wait);
   swap_phase_mark<0>(5);
   if (pf.kpf > 0 && pf.late && warp == nw - 1) swap_l2_prefetch(pf, e);
   const bool tail = (one_token & kOneTokenTail) && tk.count == 1;
@@ -1005,12 +999,12 @@ __device__ __forceinline__ void swapab_gemm1_body(LutbW w, const void* __restric
 constexpr int kSwapR96Regs = 96;
 
 /// The GEMM1 kernel (swapab_gemm1_body above).
-template <int kDec, int NB, bool kSplit, bool kLateW = false, bool kSelI = false>
+template <int kDec, int NB, bool kSplit, bool kLateW = false>
 __global__ void LUTB_SWAPAB_BOUNDS(NB)
     swapab_gemm1_kernel(LutbW w, const void* __restrict__ xa, const float* __restrict__ xsf,
                         long long a_cols, Routing r, long long I, long long Ip, void* __restrict__ hq,
                         float* __restrict__ hsf, unsigned one_token, int ksplit_arg, L2Prefetch pf) {
-  swapab_gemm1_body<kDec, NB, kSplit, kLateW, kSelI>(w, xa, xsf, a_cols, r, I, Ip, hq, hsf, one_token, ksplit_arg, pf);
+  swapab_gemm1_body<kDec, NB, kSplit, kLateW>(w, xa, xsf, a_cols, r, I, Ip, hq, hsf, one_token, ksplit_arg, pf);
 }
 
 /// GEMM1 with kLateW at kSwapR96Regs registers (one token block; kDecodeLateScales96, moe.hpp).
@@ -1022,11 +1016,11 @@ __global__ void __maxnreg__(kSwapR96Regs)
   swapab_gemm1_body<kDec, 1, kSplit, true>(w, xa, xsf, a_cols, r, I, Ip, hq, hsf, one_token, ksplit_arg, pf);
 }
 
-/// GEMM2: y[p, n] = h[p] . w2[e, n]^T (FP32). Grid: (ceil(tiles_n/8) strip groups, slots). kLateW,
-/// kSelI as in GEMM1.
+/// GEMM2: y[p, n] = h[p] . w2[e, n]^T (FP32). Grid: (ceil(tiles_n/8) strip groups, slots). kLateW
+/// as in GEMM1.
 /// out != null (direct forwards on sm_90, launched in clusters of (1, top_k)): the weighted top-k
 /// reduction is fused (swap_cluster_reduce): out [T, H] BF16 is written instead of y.
-template <int kDec, int NB, bool kSplit, bool kLateW, bool kSelI = false>
+template <int kDec, int NB, bool kSplit, bool kLateW>
 __device__ __forceinline__ void swapab_gemm2_body(LutbW w, const void* __restrict__ ha, const float* __restrict__ hsf,
                                                   long long Ip, Routing r, long long H, float* __restrict__ y,
                                                   unsigned one_token, const float* __restrict__ topk_w,
@@ -1067,11 +1061,11 @@ __device__ __forceinline__ void swapab_gemm2_body(LutbW w, const void* __restric
   swap_phase_mark<1>(1, k1 - k0);
   // One-token tiles take the lighter K-loop (CTA-uniform branch; NB = 1 only).
   if (NB == 1 && (one_token & kOneTokenLoop) && tk.count == 1)
-    swap_warp_gemm<kDec, NB, NB == 1, kLateW, kSelI>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
-                                                     swap_smem + warp * SwapRing::kWarpBytes, acc, wait);
+    swap_warp_gemm<kDec, NB, NB == 1, kLateW>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
+                                              swap_smem + warp * SwapRing::kWarpBytes, acc, wait);
   else
-    swap_warp_gemm<kDec, NB, false, kLateW, kSelI>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
-                                                   swap_smem + warp * SwapRing::kWarpBytes, acc, wait);
+    swap_warp_gemm<kDec, NB, false, kLateW>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
+                                            swap_smem + warp * SwapRing::kWarpBytes, acc, wait);
   swap_phase_mark<1>(5);
   const bool tail = (one_token & kOneTokenTail) && tk.count == 1;  // only column 2t is read below
   bool warp0 = swap_reduce<NB>(swap_smem, acc, tail);
@@ -1088,12 +1082,12 @@ __device__ __forceinline__ void swapab_gemm2_body(LutbW w, const void* __restric
 }
 
 /// The GEMM2 kernel (swapab_gemm2_body above).
-template <int kDec, int NB, bool kSplit, bool kLateW = false, bool kSelI = false>
+template <int kDec, int NB, bool kSplit, bool kLateW = false>
 __global__ void LUTB_SWAPAB_BOUNDS(NB)
     swapab_gemm2_kernel(LutbW w, const void* __restrict__ ha, const float* __restrict__ hsf, long long Ip,
                         Routing r, long long H, float* __restrict__ y, unsigned one_token,
                         const float* __restrict__ topk_w, uint16_t* __restrict__ out, int ksplit_arg) {
-  swapab_gemm2_body<kDec, NB, kSplit, kLateW, kSelI>(w, ha, hsf, Ip, r, H, y, one_token, topk_w, out, ksplit_arg);
+  swapab_gemm2_body<kDec, NB, kSplit, kLateW>(w, ha, hsf, Ip, r, H, y, one_token, topk_w, out, ksplit_arg);
 }
 
 /// GEMM2 with kLateW at kSwapR96Regs registers (one token block; kDecodeLateScales96, moe.hpp).

@@ -371,55 +371,6 @@ TEST(MoeDecodePaths, LateScalesBitIdenticalToDefault) {
   }
 }
 
-// kDecodeSelImad (session 17, alu17): two of the K-loop's PRMT selectors from IMAD
-// (src/cuda/swap_selectors.hpp swap_sel_imad; the identity with the default form is proved there and
-// tested on the host in tests/core/swap_selectors_test.cpp). The selector words are the same, so the
-// output must equal the default K-loop's BIT FOR BIT, with and without the late tile scales
-// (kDecodeLateScales, which the flag combines with), on the paths of LateScalesBitIdenticalToDefault
-// (direct / grouped, one-token and general loops, NB = 2, split-K, padded shapes, empty experts, long
-// K) plus a case at DeepSeek-V3's hidden size (H = 7168: 112 K-tiles per GEMM1 row, the 16-warp
-// split), and within the contract bound of the host reference. Named MoeDecodePaths.* for the memcheck
-// of gpu_run.sh. Below sm_90 the Cvt decoder does not run and the flag changes nothing.
-TEST(MoeDecodePaths, SelImadBitIdenticalToDefault) {
-  if (!gpu_here()) GTEST_SKIP() << "no CUDA device: skipping GPU test";
-  const PathCase cases[] = {
-      {128, 256, 64, 1, 8, false},   // T = 1: direct, one-token loop, fused reduction (cluster of 8)
-      {128, 320, 96, 4, 8, false},   // T = 4: direct by the rule
-      {16, 200, 72, 16, 4, false},   // T = 16: grouped, general loop, padded H and I
-      {32, 320, 96, 16, 8, true},    // empty experts, odd K-tiles (5 in GEMM1)
-      {8, 136, 64, 64, 2, false},    // T = 64, 16 pairs per expert: two token blocks (NB = 2)
-      {8, 4096, 1024, 4, 2, false},  // long K (64 / 16 K-tiles per expert row): the ring wraps
-      {8, 1024, 512, 64, 2, true},   // NB = 2 with long-ish K, empty experts
-      {4, 7168, 256, 2, 2, false},   // DeepSeek-V3's H: 112 K-tiles per GEMM1 row
-  };
-  for (const PathCase& c : cases) {
-    SCOPED_TRACE(::testing::Message() << "E " << c.E << " H " << c.H << " I " << c.I << " T " << c.T << " k " << c.k);
-    std::mt19937 rng(1777 + static_cast<unsigned>(c.E * 7 + c.H + 3 * c.I + c.T));
-    const Layer L(c.E, c.H, c.I, rng);
-    const auto x = rand_x(c.T * c.H, rng);
-    std::vector<int> allowed;
-    for (int e = 0; e < c.E; ++e)
-      if (!c.holes || e % 2 == 0) allowed.push_back(e);
-    std::vector<std::int32_t> ids;
-    std::vector<float> wts;
-    routing(c.T, c.k, allowed, rng, ids, wts);
-    const auto ref = moe_reference(L.w13, L.w2, c.H, c.I, x, c.T, c.k, ids, wts);
-    const int split[4] = {2, 1, 2, 1};
-    constexpr unsigned kLate = cuda::kDecodeLateScales | cuda::kDecodeLateScales96 | cuda::kDecodeLateScalesRule;
-    for (unsigned p : {cuda::kDecodePathsDefault, 0u, cuda::kDecodeDirectAlways | cuda::kDecodeClusterReduceAlways})
-      for (unsigned late : {0u, cuda::kDecodeLateScales})
-        for (const int* sp : {static_cast<const int*>(nullptr), static_cast<const int*>(split)}) {
-          const unsigned q = (p & ~(kLate | cuda::kDecodeSelImad)) | late;
-          SCOPED_TRACE(::testing::Message() << "paths " << q << " + kDecodeSelImad" << (sp ? " split" : ""));
-          const auto base = forward(L, x, c.T, c.k, ids, wts, q, sp);
-          expect_close(base, ref);
-          const auto imad = forward(L, x, c.T, c.k, ids, wts, q | cuda::kDecodeSelImad, sp);
-          expect_close(imad, ref);
-          EXPECT_TRUE(imad == base) << "the IMAD selectors changed the output bits";
-        }
-  }
-}
-
 // An out-of-range expert id in the fused reduction: the NaN row for that token only, wherever the id
 // sits among the token's k pairs (rank 0 of the cluster, which writes the rows, or another rank).
 TEST(MoeDecodePaths, FusedReductionInvalidIdGivesNanRowOnly) {

@@ -231,17 +231,11 @@ bool decode_fuse_reduce(std::int64_t gemm2_ctas, int top_k, int sms);
 ///     decode_one_token_tail() says so (below);
 ///   kDecodeOneWave (session 17, small17): decode_swap_warps' one-wave condition (below): the warps
 ///     per CTA are not doubled where that would turn a grid that is resident at once into two waves
-///     (Qwen3-235B T = 1 GEMM1: 384 CTAs of 8 warps, 2 resident per SM, ran in two waves);
-///   kDecodeSelImad (session 17, alu17; Cvt decoder, with or without the late tile scales, not with
-///     kDecodeLateScales96; benchmark and tests only): two of the K-loop's four PRMT selectors per
-///     strip computed as IMAD on the FMA pipe (src/cuda/swap_selectors.hpp, swap_sel_imad) instead
-///     of LOP3 on the ALU pipe: the same selector words, so bit-identical results. 0.99-1.02x
-///     (2 processes, docs/perf/moe-gpu.md "Session 17"): not the default;
+///     (Qwen3-235B T = 1 GEMM1: 384 CTAs of 8 warps, 2 resident per SM, ran in two waves).
 inline constexpr unsigned kDecodeDirect = 1u, kDecodeDirectAlways = 2u, kDecodeClusterReduce = 4u,
                           kDecodeNoDirect1 = 8u, kDecodeSplitK = 16u, kDecodeClusterReduceAlways = 32u,
                           kDecodeLateScales = 64u, kDecodeLateScales96 = 128u, kDecodeLateScalesRule = 256u,
-                          kDecodeOneTokenTail = 512u, kDecodeOneWave = 1024u, kDecodeOneTokenTailRule = 2048u,
-                          kDecodeSelImad = 4096u;
+                          kDecodeOneTokenTail = 512u, kDecodeOneWave = 1024u, kDecodeOneTokenTailRule = 2048u;
 /// The default set (the paths measured faster, docs/perf/moe-gpu.md "Session 14", "Session 16" and
 /// "Session 17").
 inline constexpr unsigned kDecodePathsDefault =
