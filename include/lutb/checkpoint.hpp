@@ -358,6 +358,9 @@ class Checkpoint {
   void check_lutb_headers(std::int64_t layer, Proj p) const;
   // The file holding tensor `name` (the checkpoint folder when absent).
   std::string file_of(const std::string& name) const;
+  // " from DIR/config.json (hidden_size H, expert width I, E experts)": where the expected shapes of
+  // the routed experts come from, for shape errors.
+  std::string expected_from_config() const;
   // Throws FormatError: per-expert LUT-B gate/up of layer L cannot be stacked (I % 8 != 0).
   [[noreturn]] void throw_unstackable(std::int64_t layer) const;
 

@@ -447,12 +447,13 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
       if (std::regex_match(name, m, pattern) && cfg.is_moe_layer(index_of(m[1].str()))) {
         const bool stacked = name.find("_proj.weight") == std::string::npos && name.find(".weight") == std::string::npos;
         if (!dtype_is_float_source(v.dtype))
-          throw CheckpointError(fmt::format("checkpoint {}: routed-expert tensor {} has dtype {}; LUT-B quantisation "
-                                            "needs BF16, F16 or F32 weights",
-                                            in_dir.string(), name, dtype_name(v.dtype)));
+          throw CheckpointError(fmt::format("{}: routed-expert tensor {} has dtype {}; LUT-B quantisation needs BF16, "
+                                            "F16, F32 or F64 weights; nothing written",
+                                            files[f]->path().string(), name, dtype_name(v.dtype)));
         if (v.shape.size() != (stacked ? 3u : 2u) || v.numel() == 0)
-          throw CheckpointError(fmt::format("checkpoint {}: routed-expert tensor {} has shape {}, expected {}", in_dir.string(),
-                                            name, detail::shape_str(v.shape), stacked ? "[E, N, K]" : "[N, K]"));
+          throw CheckpointError(fmt::format("{}: routed-expert tensor {} has shape {}, expected {}; nothing written",
+                                            files[f]->path().string(), name, detail::shape_str(v.shape),
+                                            stacked ? "[E, N, K]" : "[N, K]"));
         // The shape config.json implies, as the loader checks it: a checkpoint eval would reject
         // is refused before anything is written (QA 2026-11-30).
         const std::int64_t H = cfg.hidden_size, I = cfg.moe_intermediate_size, E = cfg.num_experts;
