@@ -480,8 +480,9 @@ std::string format_summary(const QuantizeSummary& s) {
   out += fmt::format("time                 {:.2f} s\n", s.seconds);
   out += fmt::format("peak RSS             {:.1f} MB\n", mb(s.peak_rss_bytes));
   if (!s.skipped_files.empty())
-    out += fmt::format("not copied           {} (the unquantised weights in another format, symlinked folders, "
-                       "download caches, version control, files that are not regular: dangling links, pipes)\n",
+    out += fmt::format("not copied           {} (the unquantised weights in another format, training state, "
+                       "symlinked folders, download caches, version control, files that are not regular: dangling "
+                       "links, pipes)\n",
                        fmt::join(s.skipped_files, ", "));
   return out;
 }
