@@ -441,6 +441,17 @@ struct QuantizeSummary {
 /// Human-readable multi-line summary.
 std::string format_summary(const QuantizeSummary& s);
 
+/// A warning for a quantised tensor that lost at least half of its energy (sse >= sum_sq / 2, i.e.
+/// SQNR <= 3.01 dB, with sum_sq > 0), else "". `where` names the tensor (and file); `method` is the
+/// fitter or format name ("ct-lloyd", "int3-g128", ...); `weights` the count behind sse and sum_sq.
+/// Typical fits keep 13-15 dB; an all-zero reconstruction is 0 dB. The upstream fitters ct-lloyd and
+/// multistart fit no tile scale (scale byte 127, spec 2.1), so their codebook holds only magnitudes
+/// 2^-9..448: on weights far outside that range (scaled to 1e-30, or 1e30) every tile is lost or
+/// clipped, and the warning says so and names the scaled fitters (new-user QA sessions 16-17: 0 dB
+/// was reported without a word).
+std::string low_sqnr_warning(const std::string& where, double sse, double sum_sq, std::int64_t weights,
+                             const std::string& method);
+
 /// Writes the LUT-B checkpoint of spec 2.2 for the checkpoint in `in_dir` into `out_dir`.
 /// - Every routed-expert projection (per expert "P.weight" [N, K], or stacked [E, N, K]) of every
 ///   MoE layer is fitted and replaced by P.weight_packed U8 [N/8, K/64, 192], P.weight_codebook

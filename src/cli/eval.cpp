@@ -90,6 +90,7 @@ void run_eval(const EvalArgs& a) {
       fmt::print(stderr, "\r  windows {}/{}", done, total);
       if (done == total) fmt::print(stderr, "\n");
     };
+  warn_low_sqnr(moe, mo);
   const model::EvalResult r = model::evaluate(lm, tokens, eo);
   if (!std::isfinite(r.val_loss)) {
     // A NaN or Inf anywhere (e.g. a stored weight_scale of 2^127 or a NaN codebook entry) made the

@@ -102,6 +102,18 @@ inline std::string first_non_finite_stored(const std::string& model_dir, const s
   return {};
 }
 
+/// Warns on stderr about every routed-expert stack built so far whose quantisation lost at least half
+/// of its energy (low_sqnr_warning: ct-lloyd / multistart on weights far from magnitude 1, new-user QA
+/// sessions 16-17). Nothing for BF16 experts or stored LUT-B weights (no source to compare with).
+inline void warn_low_sqnr(const model::CheckpointMoe& moe, const model::MoeOptions& mo) {
+  const std::string method = mo.quant == model::Quant::Lutb ? mo.fit.fitter : model::quant_name(mo.quant);
+  for (const auto& s : moe.stats())
+    if (std::string w = low_sqnr_warning(fmt::format("layer {}: {}", s.layer, s.name), s.sse, s.sum_sq, s.weights,
+                                         method);
+        !w.empty())
+      fmt::print(stderr, "lutb: warning: {}\n", w);
+}
+
 inline std::string activation_name(moe::ActivationFormat a) { return a == moe::ActivationFormat::MXFP8 ? "mxfp8" : "bf16"; }
 
 struct ModelQuantArgs {

@@ -289,6 +289,10 @@ void emit(SafetensorsWriter& w, const Planned& p, const TensorView& v, const Fit
   w.write(out.codebook.data(), out.codebook.size());
   w.write(out.scale.data(), out.scale.size());
   s.stats += st;
+  if (std::string w = low_sqnr_warning(fmt::format("{}: tensor {}", file.string(), p.name), st.sse, st.sum_sq,
+                                       p.shape.experts * p.shape.rows * p.shape.cols, s.fitter);
+      !w.empty())
+    s.warnings.push_back(std::move(w));
   ++s.tensors_quantized;
   s.weights += p.shape.experts * p.shape.rows * p.shape.cols;
   s.bytes_before += v.nbytes;

@@ -464,6 +464,23 @@ std::uint64_t peak_rss_bytes() {
   return 0;
 }
 
+std::string low_sqnr_warning(const std::string& where, double sse, double sum_sq, std::int64_t weights,
+                             const std::string& method) {
+  if (!(sum_sq > 0) || !(sse >= 0.5 * sum_sq)) return {};
+  const double sqnr = 10.0 * std::log10(sum_sq / sse);
+  std::string w = fmt::format("{}: SQNR {:.2f} dB with {}: the quantised tensor kept less than half of the weights' "
+                              "energy (typical fits keep 13-15 dB)",
+                              where, sqnr, method);
+  if (method == "ct-lloyd" || method == "multistart") {
+    const double rms = weights > 0 ? std::sqrt(sum_sq / static_cast<double>(weights)) : 0.0;
+    w += fmt::format("; {} fits no tile scale (scale byte 127, spec 2.1), so its codebook holds only magnitudes "
+                     "2^-9..448 and weights far outside them are lost (this tensor's RMS is {:.3g}); the scaled "
+                     "fitters binned-dp (the default) and optimal fit them",
+                     method, rms);
+  }
+  return w;
+}
+
 std::string format_summary(const QuantizeSummary& s) {
   auto mb = [](std::uint64_t b) { return static_cast<double>(b) / 1e6; };
   const double sqnr = s.stats.sqnr_db();
