@@ -124,14 +124,13 @@ struct ModelQuantArgs {
   const CLI::Option* fitter_opt = nullptr;  // to tell `--fitter ""` from no --fitter
   const CLI::Option* kernel_opt = nullptr;  // to tell a given --kernel from the default
 
-  /// Registers --quant, `act_flag` (--activations or --act-format for eval, --act-format for moe),
-  /// --fitter, --kernel.
-  void add_to(CLI::App* cmd, const std::string& act_flag = "--activations") {
+  /// Registers --quant, `act_flag` (--act-format: eval and moe), --fitter, --kernel.
+  void add_to(CLI::App* cmd, const std::string& act_flag = "--act-format") {
     cmd->add_option("--quant", quant, "routed experts: none (BF16), lutb, int3-g128, mxfp4 "
                                       "(default: lutb for a LUT-B checkpoint, none otherwise)")
         ->check(CLI::IsMember({"none", "lutb", "int3-g128", "mxfp4"}));
-    cmd->add_option(act_flag, activations, "activations entering the expert GEMMs: bf16 or mxfp8 "
-                                           "(default mxfp8 with LUT-B weights, bf16 otherwise)")
+    cmd->add_option(act_flag, activations, "format of the activations entering the routed experts' GEMMs: bf16 "
+                                           "or mxfp8 (default mxfp8 with LUT-B weights, bf16 otherwise)")
         ->check(CLI::IsMember({"bf16", "mxfp8"}));
     fitter_opt = cmd->add_option("--fitter", fitter, "LUT-B fitter for the online method (default: the default fitter)");
     // The kernels compute the same values (spec section 4) and differ only in the order of their FP32
