@@ -320,8 +320,8 @@ std::int64_t layer_of(const std::string& name) {
 // Files that hold the model's weights in another well-known form than this checkpoint's shards:
 // PyTorch (pytorch_model*.bin and its index), Meta / Mistral originals (consolidated*.pth, .pt,
 // .safetensors), TensorFlow (tf_model*.h5), Flax (flax_model*.msgpack) and their index files, GGUF.
-// Other files, including other safetensors files (val_tokens.safetensors, captured activations) and
-// training state (training_args.bin, optimizer.pt), are copied.
+// Other files, including other safetensors files (val_tokens.safetensors, captured activations), are
+// copied, except training state (training_state_file below).
 bool other_weight_file(const std::string& name) {
   auto starts = [&](std::string_view pre) { return name.rfind(pre, 0) == 0; };
   auto ends = [&](std::string_view suf) {
