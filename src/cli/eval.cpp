@@ -26,6 +26,7 @@ struct EvalArgs {
   std::string model_dir;
   ModelQuantArgs quant;
   std::string old_activations;  // --activations, the old name of --act-format
+  bool old_activations_note = false;
   std::string tokens;
   bool json = false;
   int threads = 0;
@@ -38,6 +39,10 @@ nlohmann::json number_or_null(double v) { return std::isfinite(v) ? nlohmann::js
 
 void run_eval(const EvalArgs& a) {
   ensure_runtime_env();
+  if (a.old_activations_note)
+    fmt::print(stderr, "lutb: note: `lutb eval --activations {}` is the old spelling of --act-format {} (lutb moe's "
+                       "--activations names a file); use --act-format\n",
+               a.old_activations, a.old_activations);
   const int threads = effective_threads(a.threads);
   model::set_threads(threads);
   model::MoeOptions mo = a.quant.resolve(a.model_dir, threads);
@@ -208,10 +213,8 @@ void add_eval(CLI::App& app) {
       if (!args->quant.activations.empty() && args->quant.activations != v)
         throw CLI::ValidationError("--activations", fmt::format("{} contradicts --act-format {}; give --act-format only",
                                                                 v, args->quant.activations));
-      fmt::print(stderr, "lutb: note: `lutb eval --activations {}` is the old spelling of --act-format {} (lutb moe's "
-                         "--activations names a file); use --act-format\n",
-                 v, v);
       args->quant.activations = v;
+      args->old_activations_note = true;  // printed by run_eval, once (it may re-execute this process)
     }
     check_not_empty(dir_opt, args->model_dir, "checkpoint directory name");  // ": no such directory" (QA session 14)
     check_not_empty(tokens_opt, args->tokens, "tokens file name");

@@ -63,9 +63,10 @@ TEST(CliNewUserNu17, EvalActivationsIsTheOldSpellingOfActFormat) {
   EXPECT_EQ(a.err.find("old spelling"), std::string::npos) << a.err;
   const test::CliResult b = test::run_cli("eval " + quote(dir) + " --activations mxfp8 --max-windows 1 --json");
   ASSERT_EQ(b.status, 0) << b.err;
-  EXPECT_NE(b.err.find("lutb: note: `lutb eval --activations mxfp8` is the old spelling of --act-format mxfp8"),
-            std::string::npos)
-      << b.err;
+  const std::string note = "lutb: note: `lutb eval --activations mxfp8` is the old spelling of --act-format mxfp8";
+  const std::size_t at = b.err.find(note);
+  EXPECT_NE(at, std::string::npos) << b.err;
+  EXPECT_EQ(b.err.find(note, at + 1), std::string::npos) << "printed twice (once before re-executing): " << b.err;
   EXPECT_EQ(b.json()["activations"], "mxfp8");
   EXPECT_EQ(a.json()["val_loss"], b.json()["val_loss"]);
 }
