@@ -360,6 +360,37 @@ bool training_state_folder(const std::string& name) {
   return std::all_of(name.begin() + 11, name.end(), [](char c) { return c >= '0' && c <= '9'; });
 }
 
+// The folders the copy of quantize_checkpoint leaves out (besides symlinked ones): download caches
+// (.cache/, .huggingface/), version control (.git/) and DeepSpeed's training state.
+bool skipped_folder(const std::string& name) {
+  return name == ".cache" || name == ".huggingface" || name == ".git" || training_state_folder(name);
+}
+
+// The bytes of the files the copy of quantize_checkpoint will take from in_dir (its rules: not
+// config.json, the index, the shards, weights in another form, training state, skipped folders, or
+// anything that is not a regular file), for the free-space check before anything is written.
+std::uint64_t bytes_to_copy(const fs::path& in_dir, const std::set<std::string>& shards) {
+  std::uint64_t n = 0;
+  std::error_code ec;
+  for (auto it = fs::recursive_directory_iterator(in_dir, ec); !ec && it != fs::recursive_directory_iterator();
+       it.increment(ec)) {
+    const fs::path rel = it->path().lexically_relative(in_dir);
+    std::error_code e2;
+    if (it->is_directory(e2)) {
+      if (it->is_symlink(e2) || skipped_folder(rel.filename().string())) it.disable_recursion_pending();
+      continue;
+    }
+    if (!it->is_regular_file(e2)) continue;
+    const std::string fname = rel.string(), base = rel.filename().string();
+    if (fname == "config.json" || fname == "model.safetensors.index.json" || shards.count(fname) ||
+        other_weight_file(base) || training_state_file(base))
+      continue;
+    const std::uintmax_t sz = it->file_size(e2);
+    if (!e2) n += sz;
+  }
+  return n;
+}
+
 // The routed-expert tensors found for one MoE layer.
 struct LayerExperts {
   std::set<std::pair<std::int64_t, int>> per_expert;  // (expert, Proj)
@@ -579,6 +610,24 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
     }
   }
 
+  // Free space, before anything is written, as lutb synth checks it (new-user QA session 17: on a full
+  // disk quantize fitted the tensors and failed writing, at the end of what is hours for a large
+  // model): the tensors as written, the files copied beside them, and 64 KiB per shard for headers,
+  // config.json and the index. The old output of --force is removed only after the new one is
+  // complete, so it does not count as available.
+  {
+    std::uint64_t need = static_cast<std::uint64_t>(files.size() + 2) * (64u << 10);
+    std::set<std::string> shards;
+    for (std::size_t f = 0; f < files.size(); ++f) {
+      const fs::path rel = files[f]->path().lexically_normal().lexically_relative(in_dir.lexically_normal());
+      shards.insert(rel.empty() || *rel.begin() == ".." ? files[f]->path().filename().string() : rel.string());
+      for (const auto& p : plan[f])
+        need += p.quantize ? static_cast<std::uint64_t>(p.shape.tiles()) * (kPackedBytes + kCodebookSize + 1)
+                           : files[f]->get(p.name).nbytes;
+    }
+    detail::check_free_space(out_dir, need + bytes_to_copy(in_dir, shards));
+  }
+
   const fs::path tmp = detail::temp_sibling(out_dir);
   std::error_code ec;
   fs::remove_all(tmp, ec);
@@ -684,8 +733,7 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
         // versions .huggingface/: the source files' hashes and locks) and version control (.git/,
         // whose LFS store holds the unquantised weights again) describe the source repository, not
         // this output: left out and listed (new-user QA session 11: they were copied).
-        if (const std::string d = rel.filename().string();
-            d == ".cache" || d == ".huggingface" || d == ".git" || training_state_folder(d)) {
+        if (skipped_folder(rel.filename().string())) {
           sum.skipped_files.push_back(rel.string() + "/");
           it.disable_recursion_pending();
           continue;
@@ -873,6 +921,13 @@ QuantizeSummary quantize_file(const fs::path& in, const fs::path& out, const std
   meta["lutb.quant_method"] = "lut_b";
   meta["lutb.fitter"] = sum.fitter;
   meta["lutb.tile"] = "[8, 64]";
+  {  // free space first, as for a checkpoint (64 KiB for the header)
+    std::uint64_t need = 64u << 10;
+    for (const auto& p : plan)
+      need += p.quantize ? static_cast<std::uint64_t>(p.shape.tiles()) * (kPackedBytes + kCodebookSize + 1)
+                         : file.get(p.name).nbytes;
+    detail::check_free_space(out, need);
+  }
 
   // Written to a temporary sibling, then installed (the writer itself is atomic too).
   const fs::path tmp = detail::temp_sibling(out);

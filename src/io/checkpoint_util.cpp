@@ -377,6 +377,24 @@ void check_interrupt(const std::atomic<int>* flag, const fs::path& target) {
                                      target.string(), sig, strsignal(sig), target.string()));
 }
 
+void check_free_space(const fs::path& target, std::uint64_t need) {
+  fs::path probe = target.parent_path().empty() ? fs::path(".") : target.parent_path();
+  std::error_code ec;
+  while (!fs::exists(probe, ec) && probe.parent_path() != probe)  // the nearest existing ancestor
+    probe = probe.parent_path().empty() ? fs::path(".") : probe.parent_path();
+  const fs::space_info sp = fs::space(probe, ec);
+  // GB, or MB below 1 GB ("needs 0.01 GB but only 0.01 GB are free" read as a contradiction).
+  const auto size = [](std::uint64_t b) {
+    return b >= 1000000000u ? fmt::format("{:.2f} GB", static_cast<double>(b) / 1e9)
+                            : fmt::format("{:.2f} MB", static_cast<double>(b) / 1e6);
+  };
+  if (!ec && sp.available < need)
+    throw CheckpointError(fmt::format("{}: the checkpoint needs {} ({} bytes) but only {} ({} bytes) are free on the "
+                                      "filesystem of {}; nothing written",
+                                      target.string(), size(need), need, size(sp.available), sp.available,
+                                      probe.string()));
+}
+
 void copy_file_contents(const fs::path& from, const fs::path& to, const std::atomic<int>* stop,
                         const fs::path& target) {
   const int in = ::open(from.c_str(), O_RDONLY | O_CLOEXEC);

@@ -184,6 +184,40 @@ TEST(CheckpointNewUserNu17, LargeUnknownFileIsCopiedWithAWarning) {
   EXPECT_TRUE(fs::exists(t.path / "out" / "notes.bin"));
 }
 
+// lutb quantize checked no free space (lutb synth does): on a full disk it fitted every tensor and then
+// failed writing. A (sparse) 4 TiB file it would copy makes the output larger than the disk: refused
+// before anything is written, naming both sizes.
+TEST(CheckpointNewUserNu17, QuantizeChecksFreeSpaceFirst) {
+  TempDir t;
+  SynthOptions o;
+  o.hidden_size = 64;
+  o.moe_intermediate_size = 32;
+  o.num_experts = 2;
+  o.progress = false;
+  const fs::path in = t.path / "m";
+  synthesize_checkpoint(in, o);
+  { std::ofstream(in / "huge.bin") << "x"; }
+  std::error_code ec;
+  fs::resize_file(in / "huge.bin", std::uintmax_t{1} << 42, ec);
+  if (ec) GTEST_SKIP() << "this filesystem holds no sparse 4 TiB file: " << ec.message();
+  const fs::space_info sp = fs::space(t.path);
+  if (sp.available > (std::uintmax_t{1} << 42)) GTEST_SKIP() << "more than 4 TiB free here";
+  QuantizeOptions q;
+  q.progress = false;
+  q.fit.threads = 1;
+  const fs::path out = t.path / "out" / "q";  // its parent is missing: it must not be created either
+  const std::string e = error_of([&] { (void)quantize_checkpoint(in, out, q); });
+  EXPECT_EQ(e.rfind(out.string() + ": the checkpoint needs 4398.", 0), 0u) << e;
+  EXPECT_NE(e.find("are free on the filesystem of " + t.path.string() + "; nothing written"), std::string::npos) << e;
+  EXPECT_FALSE(fs::exists(t.path / "out"));
+  // The training state and the weights in another form do not count: the same file as optimizer.pt
+  // is left out, and the checkpoint is written.
+  fs::rename(in / "huge.bin", in / "optimizer.pt");
+  const QuantizeSummary s = quantize_checkpoint(in, out, q);
+  EXPECT_EQ(s.skipped_files, std::vector<std::string>{"optimizer.pt"});
+  EXPECT_TRUE(fs::exists(out / "config.json"));
+}
+
 TEST(CheckpointNewUserNu17, LowSqnrWarningRule) {
   // 0 dB (an all-zero reconstruction) with an upstream fitter: the reason and the way out.
   const std::string w = low_sqnr_warning("f: tensor t", 4.0, 4.0, 4, "ct-lloyd");
