@@ -15,6 +15,8 @@
 
 #include <sys/wait.h>
 
+#include <nlohmann/json.hpp>
+
 #include "lutb/checkpoint.hpp"
 #include "lutb/numerics.hpp"
 #include "lutb/safetensors.hpp"
@@ -69,6 +71,31 @@ TEST(CliNewUserNu17, EvalActivationsIsTheOldSpellingOfActFormat) {
   EXPECT_EQ(b.err.find(note, at + 1), std::string::npos) << "printed twice (once before re-executing): " << b.err;
   EXPECT_EQ(b.json()["activations"], "mxfp8");
   EXPECT_EQ(a.json()["val_loss"], b.json()["val_loss"]);
+}
+
+// A config.json with a wrong hidden_size: eval's error said "embed_tokens.weight has shape [2048, 256],
+// expected [2048, 512]" without saying that 512 came from config.json, which was the file at fault.
+TEST(CliNewUserNu17, EvalShapeErrorSaysTheExpectedShapeIsFromConfigJson) {
+  LUTB_MODEL_OR_SKIP(src, "tiny-qwen3-moe");
+  TempDir t;
+  const fs::path dir = t.path / "m";
+  fs::create_directory(dir);
+  for (const char* f : {"config.json", "model.safetensors", "val_tokens.safetensors"}) {
+    fs::copy_file(src / f, dir / f);
+    fs::permissions(dir / f, fs::perms::owner_read | fs::perms::owner_write);
+  }
+  nlohmann::json cfg;
+  std::ifstream(dir / "config.json") >> cfg;
+  cfg["hidden_size"] = 512;
+  std::ofstream(dir / "config.json") << cfg.dump();
+  const test::CliResult r = test::run_cli("eval " + quote(dir) + " --max-windows 1 --threads 1");
+  EXPECT_EQ(r.status, 1) << r.err;
+  EXPECT_NE(r.err.find("lutb: error: " + (dir / "model.safetensors").string() +
+                       ": tensor model.embed_tokens.weight has shape [2048, 256], expected [2048, 512] from the sizes "
+                       "in " +
+                       (dir / "config.json").string()),
+            std::string::npos)
+      << r.err;
 }
 
 // An F32 file of one tensor scaled by `scale` (16 x 64, standard normal before scaling).
