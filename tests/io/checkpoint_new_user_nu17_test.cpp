@@ -218,6 +218,25 @@ TEST(CheckpointNewUserNu17, QuantizeChecksFreeSpaceFirst) {
   EXPECT_TRUE(fs::exists(out / "config.json"));
 }
 
+// A tensor whose data_offsets were copied from another tensor's: the parser reported the gap left at
+// its own place, naming the tensor after it ("model...experts.3.up_proj.weight: data_offsets [..]
+// leave a gap"), not the two tensors that share bytes.
+TEST(CheckpointNewUserNu17, SharedBytesAreReportedAsTheOverlapNotAGap) {
+  TempDir t;
+  const std::string header =
+      R"({"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"b":{"dtype":"U8","shape":[4],"data_offsets":[8,12]},)"
+      R"("c":{"dtype":"U8","shape":[4],"data_offsets":[8,12]}})";
+  const fs::path f = t.path / "x.safetensors";
+  {
+    std::ofstream o(f, std::ios::binary);
+    const std::uint64_t n = header.size();
+    o.write(reinterpret_cast<const char*>(&n), 8);
+    o << header << std::string(12, '\0');
+  }
+  EXPECT_EQ(error_of([&] { SafetensorsFile x(f); }),
+            f.string() + ": tensor 'c': data_offsets [8, 12] overlap tensor 'b' (which ends at 12)");
+}
+
 TEST(CheckpointNewUserNu17, LowSqnrWarningRule) {
   // 0 dB (an all-zero reconstruction) with an upstream fitter: the reason and the way out.
   const std::string w = low_sqnr_warning("f: tensor t", 4.0, 4.0, 4, "ct-lloyd");
