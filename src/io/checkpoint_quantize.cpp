@@ -682,7 +682,7 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
         try {
           j = nlohmann::json::parse(in);
         } catch (const nlohmann::json::exception& e) {
-          throw CheckpointError(fmt::format("{}: invalid JSON: {}", index.string(), e.what()));
+          throw CheckpointError(fmt::format("{}: invalid JSON: {}", index.string(), detail::json_error_text(e.what())));
         }
       }
       if (!j.contains("metadata") || !j["metadata"].is_object()) j["metadata"] = nlohmann::json::object();

@@ -89,7 +89,7 @@ json parse_header_json(const char* begin, const char* end, const std::string& wh
   } catch (const HeaderShapeError& e) {
     fail(where, "invalid header: " + e.reason);
   } catch (const json::exception& e) {
-    fail(where, std::string("invalid JSON header: ") + e.what());
+    fail(where, "invalid JSON header: " + detail::json_error_text(e.what()));
   }
 }
 
@@ -391,7 +391,7 @@ SafetensorsCollection SafetensorsCollection::open_dir(const fs::path& dir) {
       try {
         j = json::parse(in);
       } catch (const json::exception& e) {
-        fail(index.string(), std::string("invalid JSON: ") + e.what());
+        fail(index.string(), "invalid JSON: " + detail::json_error_text(e.what()));
       }
     }
     if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())

@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "lutb/checkpoint.hpp"
+#include "lutb/model.hpp"
 #include "lutb/safetensors.hpp"
 #include "support/test_support.hpp"
 
@@ -235,6 +236,24 @@ TEST(CheckpointNewUserNu17, SharedBytesAreReportedAsTheOverlapNotAGap) {
   }
   EXPECT_EQ(error_of([&] { SafetensorsFile x(f); }),
             f.string() + ": tensor 'c': data_offsets [8, 12] overlap tensor 'b' (which ends at 12)");
+}
+
+// A config.json, an index or a safetensors header that is not valid JSON: the message carried the
+// library's error id, "invalid JSON: [json.exception.parse_error.101] parse error at line 1, ...".
+TEST(CheckpointNewUserNu17, JsonErrorsWithoutTheLibraryTag) {
+  TempDir t;
+  const fs::path dir = two_shard_checkpoint(t.path / "m");
+  const std::string want = (dir / "config.json").string() + ": invalid JSON: parse error at line 1, column ";
+  std::ofstream(dir / "config.json") << "{\"hidden_size\": 256,";
+  const std::string a = error_of([&] { Checkpoint c(dir); });
+  EXPECT_EQ(a.rfind(want, 0), 0u) << a;
+  const std::string b = error_of([&] { (void)model::TransformerConfig::load(dir); });
+  EXPECT_EQ(b.rfind(want, 0), 0u) << b;
+  std::ofstream(dir / "model.safetensors.index.json") << "{\"weight_map\": {";
+  const std::string c = error_of([&] { (void)SafetensorsCollection::open_dir(dir); });
+  EXPECT_EQ(c.rfind((dir / "model.safetensors.index.json").string() + ": invalid JSON: parse error at line 1", 0), 0u)
+      << c;
+  for (const std::string& e : {a, b, c}) EXPECT_EQ(e.find("json.exception"), std::string::npos) << e;
 }
 
 TEST(CheckpointNewUserNu17, LowSqnrWarningRule) {
