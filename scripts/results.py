@@ -115,8 +115,8 @@ def main():
 
             bf16 = ev("BF16", ["--quant", "none"])
             for f in fitters:
-                ev(f"LUT-B {f}, MXFP8 activations", ["--quant", "lutb", "--fitter", f, "--activations", "mxfp8"])
-                ev(f"LUT-B {f}, BF16 activations", ["--quant", "lutb", "--fitter", f, "--activations", "bf16"])
+                ev(f"LUT-B {f}, MXFP8 activations", ["--quant", "lutb", "--fitter", f, "--act-format", "mxfp8"])
+                ev(f"LUT-B {f}, BF16 activations", ["--quant", "lutb", "--fitter", f, "--act-format", "bf16"])
             # The stored-checkpoint path: quantize to a LUT-B checkpoint, evaluate it.
             qdir = os.path.join(tmp, name + "-lutb")
             SHOW[qdir] = "$OUT/" + name + "-lutb"

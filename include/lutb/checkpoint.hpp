@@ -358,6 +358,9 @@ class Checkpoint {
   void check_lutb_headers(std::int64_t layer, Proj p) const;
   // The file holding tensor `name` (the checkpoint folder when absent).
   std::string file_of(const std::string& name) const;
+  // " from DIR/config.json (hidden_size H, expert width I, E experts)": where the expected shapes of
+  // the routed experts come from, for shape errors.
+  std::string expected_from_config() const;
   // Throws FormatError: per-expert LUT-B gate/up of layer L cannot be stacked (I % 8 != 0).
   [[noreturn]] void throw_unstackable(std::int64_t layer) const;
 
@@ -420,21 +423,34 @@ struct QuantizeSummary {
   double seconds = 0.0;
   std::uint64_t peak_rss_bytes = 0;    // VmHWM of this process at the end (/proc/self/status)
   /// Files of the input checkpoint directory that were not copied because they hold the weights in
-  /// another format (see quantize_checkpoint), and symlinked folders (listed with a trailing '/'),
-  /// relative paths, sorted; and the folders .cache/, .huggingface/ (download caches) and .git/,
-/// at any depth, listed with a trailing '/'. Empty for quantize_file.
+  /// another format or training state (see quantize_checkpoint), and symlinked folders (listed with
+  /// a trailing '/'), relative paths, sorted; and the folders .cache/, .huggingface/ (download
+  /// caches), .git/ and global_stepN/ (DeepSpeed), at any depth, listed with a trailing '/'. Empty
+  /// for quantize_file.
   std::vector<std::string> skipped_files;
   /// Things the caller should tell the user about a checkpoint that was written nonetheless: a
   /// per-expert LUT-B checkpoint whose expert width is not a multiple of 8 (valid, spec 2.2, but
   /// lutb eval / moe cannot run it); a copied *.safetensors file holding tensors of the checkpoint
-  /// (unquantised weights in the output). `lutb quantize` prints them on stderr. Empty for
-  /// quantize_file.
+  /// (unquantised weights in the output); a copied file of 100 MiB or more of unknown purpose; a
+  /// quantised tensor that lost at least half of its energy (low_sqnr_warning, quantize_file too).
+  /// `lutb quantize` prints them on stderr.
   std::vector<std::string> warnings;
   /// Bits per weight of the quantised tensors: 8 * bytes_after / weights (3.140625 unpadded).
   double bits_per_weight() const { return weights ? 8.0 * static_cast<double>(bytes_after) / weights : 0.0; }
 };
 /// Human-readable multi-line summary.
 std::string format_summary(const QuantizeSummary& s);
+
+/// A warning for a quantised tensor that lost at least half of its energy (sse >= sum_sq / 2, i.e.
+/// SQNR <= 3.01 dB, with sum_sq > 0), else "". `where` names the tensor (and file); `method` is the
+/// fitter or format name ("ct-lloyd", "int3-g128", ...); `weights` the count behind sse and sum_sq.
+/// Typical fits keep 13-15 dB; an all-zero reconstruction is 0 dB. The upstream fitters ct-lloyd and
+/// multistart fit no tile scale (scale byte 127, spec 2.1), so their codebook holds only magnitudes
+/// 2^-9..448: on weights far outside that range (scaled to 1e-30, or 1e30) every tile is lost or
+/// clipped, and the warning says so and names the scaled fitters (new-user QA sessions 16-17: 0 dB
+/// was reported without a word).
+std::string low_sqnr_warning(const std::string& where, double sse, double sum_sq, std::int64_t weights,
+                             const std::string& method);
 
 /// Writes the LUT-B checkpoint of spec 2.2 for the checkpoint in `in_dir` into `out_dir`.
 /// - Every routed-expert projection (per expert "P.weight" [N, K], or stacked [E, N, K]) of every
@@ -448,10 +464,14 @@ std::string format_summary(const QuantizeSummary& s);
 ///   hold the (unquantised) weights in another form are not copied but listed in
 ///   QuantizeSummary::skipped_files: pytorch_model*.bin, consolidated*.{pth,pt,safetensors}
 ///   (Meta / Mistral originals), tf_model*.h5, flax_model*.msgpack, the index files of those, and
-///   *.gguf (a framework reading them would silently load the unquantised weights), and the folders
-///   .cache/, .huggingface/ and .git/ (download caches, version control). Other files,
-///   other *.safetensors data (val_tokens, activations) included, are copied; the flag of
-///   QuantizeOptions::interrupt is polled per MB while they are.
+///   *.gguf (a framework reading them would silently load the unquantised weights); the training
+///   state of a checkpoint saved mid-training (transformers' Trainer: optimizer.pt, scheduler.pt,
+///   scaler.pt, rng_state*.pth, training_args.bin; Accelerate: optimizer*.bin, scheduler*.bin,
+///   random_states_*.pkl); and the folders .cache/, .huggingface/ and .git/ (download caches,
+///   version control) and DeepSpeed's global_stepN/. Other files, other *.safetensors data
+///   (val_tokens, activations) included, are copied; one of 100 MiB or more that is not
+///   *.safetensors is named in a warning; the flag of QuantizeOptions::interrupt is polled per MB
+///   while they are.
 /// - Streaming: tensors are processed one at a time from the memory-mapped source; the source pages
 ///   of a tensor are released (madvise) once written, so peak memory is about one stacked tensor's
 ///   LUT-B output plus one tensor's FP32 staging, independent of the checkpoint size.

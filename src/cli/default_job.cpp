@@ -203,6 +203,7 @@ void run_default_job(const DefaultArgs& a) {
   const QuantizeSummary qs = quantize_checkpoint(src_dir, q_dir, qo);
   const double t_quant = since(t);
   fmt::print("{:<48}{:8.2f} s\n", fmt::format("2. quantised it to LUT-B (fitter {})", qs.fitter), t_quant);
+  for (const auto& w : qs.warnings) fmt::print(stderr, "lutb: warning: {}\n", w);  // e.g. a low SQNR (--fitter)
 
   check_interrupted("after the quantisation");
   t = clock::now();

@@ -25,6 +25,8 @@ namespace {
 struct EvalArgs {
   std::string model_dir;
   ModelQuantArgs quant;
+  std::string old_activations;  // --activations, the old name of --act-format
+  bool old_activations_note = false;
   std::string tokens;
   bool json = false;
   int threads = 0;
@@ -37,6 +39,10 @@ nlohmann::json number_or_null(double v) { return std::isfinite(v) ? nlohmann::js
 
 void run_eval(const EvalArgs& a) {
   ensure_runtime_env();
+  if (a.old_activations_note)
+    fmt::print(stderr, "lutb: note: `lutb eval --activations {}` is the old spelling of --act-format {} (lutb moe's "
+                       "--activations names a file); use --act-format\n",
+               a.old_activations, a.old_activations);
   const int threads = effective_threads(a.threads);
   model::set_threads(threads);
   model::MoeOptions mo = a.quant.resolve(a.model_dir, threads);
@@ -90,6 +96,7 @@ void run_eval(const EvalArgs& a) {
       fmt::print(stderr, "\r  windows {}/{}", done, total);
       if (done == total) fmt::print(stderr, "\n");
     };
+  warn_low_sqnr(moe, mo);
   const model::EvalResult r = model::evaluate(lm, tokens, eo);
   if (!std::isfinite(r.val_loss)) {
     // A NaN or Inf anywhere (e.g. a stored weight_scale of 2^127 or a NaN codebook entry) made the
@@ -171,10 +178,15 @@ void add_eval(CLI::App& app) {
   auto* cmd = app.add_subcommand("eval", "Held-out loss of a MoE language model on the CPU (spec section 8)");
   auto* dir_opt =
       cmd->add_option("model_dir", args->model_dir, "Hugging Face checkpoint directory (BF16 or LUT-B)")->required();
-  // --act-format too: `lutb moe` names the format so (its --activations is the captured-inputs
-  // file), and `lutb eval ... --act-format mxfp8` failed with "arguments were not expected"
-  // (new-user QA session 11).
-  args->quant.add_to(cmd, "--activations,--act-format");
+  // The activation format is --act-format, as in `lutb moe`, whose --activations names the
+  // captured-activations file. eval took the format as --activations (--act-format was added as an
+  // alias in session 11), so the one flag meant a format here and a file there (new-user QA sessions
+  // 16-17). --activations FORMAT is still read, hidden from --help, with a note; a file name given to
+  // it is refused with what to use instead.
+  args->quant.add_to(cmd, "--act-format");
+  auto* old_act = cmd->add_option("--activations", args->old_activations,
+                                  "old name of --act-format (lutb moe's --activations is a file)")
+                      ->group("");
   auto* tokens_opt =
       cmd->add_option("--tokens", args->tokens, "safetensors file with input_ids (default MODEL_DIR/val_tokens.safetensors)");
   cmd->add_flag("--json", args->json, "print one JSON object as the last line of stdout");
@@ -189,7 +201,21 @@ void add_eval(CLI::App& app) {
                     "the routed experts of every MoE block (cuda: LUT-B with MXFP8 activations, or --quant none's "
                     "BF16 baseline, on the GPU, and --quant lutb of a BF16 checkpoint fitted there; the rest of the "
                     "model on the CPU)");
-  cmd->callback([args, tokens_opt, dir_opt] {
+  cmd->callback([args, tokens_opt, dir_opt, old_act] {
+    if (old_act->count() > 0) {
+      const std::string& v = args->old_activations;
+      if (v != "bf16" && v != "mxfp8")
+        throw CLI::ValidationError(
+            "--activations",
+            fmt::format("'{}': lutb eval takes no captured-activations file (that is lutb moe --activations FILE); "
+                        "the activation format of the expert GEMMs is --act-format bf16|mxfp8",
+                        v));
+      if (!args->quant.activations.empty() && args->quant.activations != v)
+        throw CLI::ValidationError("--activations", fmt::format("{} contradicts --act-format {}; give --act-format only",
+                                                                v, args->quant.activations));
+      args->quant.activations = v;
+      args->old_activations_note = true;  // printed by run_eval, once (it may re-execute this process)
+    }
     check_not_empty(dir_opt, args->model_dir, "checkpoint directory name");  // ": no such directory" (QA session 14)
     check_not_empty(tokens_opt, args->tokens, "tokens file name");
     run_eval(*args);

@@ -102,6 +102,18 @@ inline std::string first_non_finite_stored(const std::string& model_dir, const s
   return {};
 }
 
+/// Warns on stderr about every routed-expert stack built so far whose quantisation lost at least half
+/// of its energy (low_sqnr_warning: ct-lloyd / multistart on weights far from magnitude 1, new-user QA
+/// sessions 16-17). Nothing for BF16 experts or stored LUT-B weights (no source to compare with).
+inline void warn_low_sqnr(const model::CheckpointMoe& moe, const model::MoeOptions& mo) {
+  const std::string method = mo.quant == model::Quant::Lutb ? mo.fit.fitter : model::quant_name(mo.quant);
+  for (const auto& s : moe.stats())
+    if (std::string w = low_sqnr_warning(fmt::format("layer {}: {}", s.layer, s.name), s.sse, s.sum_sq, s.weights,
+                                         method);
+        !w.empty())
+      fmt::print(stderr, "lutb: warning: {}\n", w);
+}
+
 inline std::string activation_name(moe::ActivationFormat a) { return a == moe::ActivationFormat::MXFP8 ? "mxfp8" : "bf16"; }
 
 struct ModelQuantArgs {
@@ -112,14 +124,13 @@ struct ModelQuantArgs {
   const CLI::Option* fitter_opt = nullptr;  // to tell `--fitter ""` from no --fitter
   const CLI::Option* kernel_opt = nullptr;  // to tell a given --kernel from the default
 
-  /// Registers --quant, `act_flag` (--activations or --act-format for eval, --act-format for moe),
-  /// --fitter, --kernel.
-  void add_to(CLI::App* cmd, const std::string& act_flag = "--activations") {
+  /// Registers --quant, `act_flag` (--act-format: eval and moe), --fitter, --kernel.
+  void add_to(CLI::App* cmd, const std::string& act_flag = "--act-format") {
     cmd->add_option("--quant", quant, "routed experts: none (BF16), lutb, int3-g128, mxfp4 "
                                       "(default: lutb for a LUT-B checkpoint, none otherwise)")
         ->check(CLI::IsMember({"none", "lutb", "int3-g128", "mxfp4"}));
-    cmd->add_option(act_flag, activations, "activations entering the expert GEMMs: bf16 or mxfp8 "
-                                           "(default mxfp8 with LUT-B weights, bf16 otherwise)")
+    cmd->add_option(act_flag, activations, "format of the activations entering the routed experts' GEMMs: bf16 "
+                                           "or mxfp8 (default mxfp8 with LUT-B weights, bf16 otherwise)")
         ->check(CLI::IsMember({"bf16", "mxfp8"}));
     fitter_opt = cmd->add_option("--fitter", fitter, "LUT-B fitter for the online method (default: the default fitter)");
     // The kernels compute the same values (spec section 4) and differ only in the order of their FP32

@@ -106,6 +106,7 @@ void run_moe(const MoeArgs& a) {
   if (a.layer < 0 || a.layer >= cfg.num_layers)
     throw std::runtime_error(fmt::format("--layer {} is out of range: {} has layers 0..{}", a.layer, a.model_dir, cfg.num_layers - 1));
   std::unique_ptr<model::MoeBlock> block = moe.build(a.layer);
+  warn_low_sqnr(moe, mo);
   GpuMoeBlock* gpu_block = nullptr;
   if (gpu) {  // the routed experts uploaded; router logits and shared experts stay in the CPU block
     auto g = std::make_unique<GpuMoeBlock>(std::move(block), mo);

@@ -102,28 +102,32 @@ const TensorView& Checkpoint::tensor(const std::string& name) const {
 
 namespace {
 
-// A float weight's dtype and shape, from its header only.
-void check_float_header(const std::filesystem::path& dir, const TensorView& v, const std::vector<std::int64_t>& expected) {
+// A float weight's dtype and shape, from its header only. `file` is the safetensors file that holds
+// the tensor (new-user QA sessions 16-17: these errors named the checkpoint folder, which in a sharded
+// checkpoint left the user to find the shard); `origin` says where `expected` comes from (e.g.
+// " from DIR/config.json (hidden_size 256, expert width 128)"), or is empty.
+void check_float_header(const std::string& file, const TensorView& v, const std::vector<std::int64_t>& expected,
+                        const std::string& origin) {
   if (!dtype_is_float_source(v.dtype))
-    throw CheckpointError(fmt::format("checkpoint {}: tensor {} has dtype {}, expected a float weight (BF16, F16, F32)",
-                                      dir.string(), v.name, dtype_name(v.dtype)));
+    throw CheckpointError(fmt::format("{}: tensor {} has dtype {}, expected a float weight (BF16, F16, F32 or F64)",
+                                      file, v.name, dtype_name(v.dtype)));
   if (v.shape != expected)
-    throw CheckpointError(fmt::format("checkpoint {}: tensor {} has shape {}, expected {}", dir.string(), v.name,
-                                      detail::shape_str(v.shape), detail::shape_str(expected)));
+    throw CheckpointError(fmt::format("{}: tensor {} has shape {}, expected {}{}", file, v.name,
+                                      detail::shape_str(v.shape), detail::shape_str(expected), origin));
 }
 
 // Copies a float tensor into dst (of dtype `to`), checking its shape. F64 sources are narrowed to F32.
-void copy_float(const std::filesystem::path& dir, const std::string& file, const TensorView& v,
-                const std::vector<std::int64_t>& expected, DType to, std::uint8_t* dst) {
-  check_float_header(dir, v, expected);
+void copy_float(const std::string& file, const TensorView& v, const std::vector<std::int64_t>& expected,
+                const std::string& origin, DType to, std::uint8_t* dst) {
+  check_float_header(file, v, expected, origin);
   if (v.dtype == to) {
     std::memcpy(dst, v.data, v.nbytes);
     detail::release_pages(v.data, v.nbytes);  // the copy is what we keep; drop the mapped pages from RSS
     return;
   }
   if (to != DType::F32)
-    throw CheckpointError(fmt::format("checkpoint {}: tensor {} has dtype {} but the other experts of the stack are {}",
-                                      dir.string(), v.name, dtype_name(v.dtype), dtype_name(to)));
+    throw CheckpointError(fmt::format("{}: tensor {} has dtype {} but the other experts of the stack are {}", file,
+                                      v.name, dtype_name(v.dtype), dtype_name(to)));
   detail::convert_to_f32(v.data, v.dtype, reinterpret_cast<float*>(dst), v.numel());
   // An F64 value beyond the FP32 range became +-Inf silently (new-user QA session 11): refused with
   // its real magnitude and place.
@@ -163,11 +167,11 @@ DenseStack Checkpoint::dense(const std::string& name) const {
     d.rows = v.shape[0];
     d.cols = v.shape[1];
   } else {
-    throw CheckpointError(fmt::format("checkpoint {}: tensor {} has shape {}, expected 1-D or 2-D", dir_.string(), name,
+    throw CheckpointError(fmt::format("{}: tensor {} has shape {}, expected 1-D or 2-D", file_of(name), name,
                                       detail::shape_str(v.shape)));
   }
   d.data.resize(static_cast<std::size_t>(d.numel()) * dtype_size(d.dtype));
-  copy_float(dir_, file_of(v.name), v, v.shape, d.dtype, d.data.data());
+  copy_float(file_of(v.name), v, v.shape, "", d.dtype, d.data.data());
   return d;
 }
 
@@ -221,14 +225,14 @@ ExpertsSource Checkpoint::experts_source(std::int64_t L) const {
     const TensorView& b = tensor(dn);
     // gate_up and down of different float dtypes: both read as F32 (see the per-expert case below).
     const DType dt = a.dtype == b.dtype ? stack_dtype(a.dtype) : DType::F32;
-    check_float_header(dir_, a, {E, 2 * I, H});  // before the stacks are allocated at config.json's sizes
-    check_float_header(dir_, b, {E, H, I});
+    check_float_header(file_of(a.name), a, {E, 2 * I, H}, expected_from_config());  // before the stacks are
+    check_float_header(file_of(b.name), b, {E, H, I}, expected_from_config());      // allocated at those sizes
     s.w13.dtype = dt;
     s.w2.dtype = dt;
     s.w13.data.resize(static_cast<std::size_t>(s.w13.numel()) * dtype_size(s.w13.dtype));
     s.w2.data.resize(static_cast<std::size_t>(s.w2.numel()) * dtype_size(s.w2.dtype));
-    copy_float(dir_, file_of(a.name), a, {E, 2 * I, H}, s.w13.dtype, s.w13.data.data());
-    copy_float(dir_, file_of(b.name), b, {E, H, I}, s.w2.dtype, s.w2.data.data());
+    copy_float(file_of(a.name), a, {E, 2 * I, H}, expected_from_config(), s.w13.dtype, s.w13.data.data());
+    copy_float(file_of(b.name), b, {E, H, I}, expected_from_config(), s.w2.dtype, s.w2.data.data());
     return s;
   }
   const TensorView& first = tensor(expert_weight_name(config_, L, 0, Proj::gate));
@@ -246,11 +250,13 @@ ExpertsSource Checkpoint::experts_source(std::int64_t L) const {
   // Every expert's dtype and shape before the stacks are allocated at config.json's sizes: a corrupt
   // moe_intermediate_size (2e9) ended in "out of memory (an allocation failed)", naming nothing
   // (new-user QA, session 13).
-  for (std::int64_t e = 0; e < E; ++e) {
-    check_float_header(dir_, tensor(expert_weight_name(config_, L, e, Proj::gate)), {I, H});
-    check_float_header(dir_, tensor(expert_weight_name(config_, L, e, Proj::up)), {I, H});
-    check_float_header(dir_, tensor(expert_weight_name(config_, L, e, Proj::down)), {H, I});
-  }
+  const std::string origin = expected_from_config();
+  for (std::int64_t e = 0; e < E; ++e)
+    for (Proj p : {Proj::gate, Proj::up, Proj::down}) {
+      const std::string n = expert_weight_name(config_, L, e, p);
+      check_float_header(file_of(n), tensor(n), p == Proj::down ? std::vector<std::int64_t>{H, I}
+                                                                 : std::vector<std::int64_t>{I, H}, origin);
+    }
   const std::size_t es = dtype_size(dt);
   s.w13.dtype = s.w2.dtype = dt;
   s.w13.data.resize(static_cast<std::size_t>(s.w13.numel()) * es);
@@ -259,15 +265,20 @@ ExpertsSource Checkpoint::experts_source(std::int64_t L) const {
     std::uint8_t* w13 = s.w13.data.data() + static_cast<std::size_t>(e * 2 * I * H) * es;
     const std::string g = expert_weight_name(config_, L, e, Proj::gate), u = expert_weight_name(config_, L, e, Proj::up),
                       d = expert_weight_name(config_, L, e, Proj::down);
-    copy_float(dir_, file_of(g), tensor(g), {I, H}, dt, w13);
-    copy_float(dir_, file_of(u), tensor(u), {I, H}, dt, w13 + static_cast<std::size_t>(I * H) * es);
-    copy_float(dir_, file_of(d), tensor(d), {H, I}, dt, s.w2.data.data() + static_cast<std::size_t>(e * H * I) * es);
+    copy_float(file_of(g), tensor(g), {I, H}, origin, dt, w13);
+    copy_float(file_of(u), tensor(u), {I, H}, origin, dt, w13 + static_cast<std::size_t>(I * H) * es);
+    copy_float(file_of(d), tensor(d), {H, I}, origin, dt, s.w2.data.data() + static_cast<std::size_t>(e * H * I) * es);
   }
   return s;
 }
 
 std::string Checkpoint::file_of(const std::string& name) const {
   return st_->contains(name) ? st_->file_of(name).path().string() : dir_.string();
+}
+
+std::string Checkpoint::expected_from_config() const {
+  return fmt::format(" from {} (hidden_size {}, expert width {}, {} experts)", (dir_ / "config.json").string(),
+                     config_.hidden_size, config_.moe_intermediate_size, config_.num_experts);
 }
 
 // Errors name the file that holds the tensor, the tensor as stored, the layer (and expert for
@@ -549,15 +560,19 @@ RouterWeights Checkpoint::router(std::int64_t L) const {
   }
   r.weight = dense(name);
   if (r.weight.rows != config_.num_experts || r.weight.cols != config_.hidden_size)
-    throw CheckpointError(fmt::format("checkpoint {}: tensor {} has shape [{}, {}], expected [{}, {}]", dir_.string(),
-                                      name, r.weight.rows, r.weight.cols, config_.num_experts, config_.hidden_size));
+    throw CheckpointError(fmt::format("{}: tensor {} has shape [{}, {}], expected [{}, {}] from {} (num_experts {}, "
+                                      "hidden_size {})",
+                                      file_of(name), name, r.weight.rows, r.weight.cols, config_.num_experts,
+                                      config_.hidden_size, (dir_ / "config.json").string(), config_.num_experts,
+                                      config_.hidden_size));
   const std::string bname = router_bias_name(config_, L);
   if (!bname.empty()) {
     if (st_->contains(bname)) {
       DenseStack b = dense(bname);
       if (b.numel() != config_.num_experts)
-        throw CheckpointError(fmt::format("checkpoint {}: tensor {} has {} elements, expected {}", dir_.string(), bname,
-                                          b.numel(), config_.num_experts));
+        throw CheckpointError(fmt::format("{}: tensor {} has {} elements, expected {} (num_experts of {})",
+                                          file_of(bname), bname, b.numel(), config_.num_experts,
+                                          (dir_ / "config.json").string()));
       r.bias = b.to_float();
     } else if (config_.topk_method == "noaux_tc") {
       throw CheckpointError(fmt::format("checkpoint {}: tensor {} not found (DeepSeek-V3 noaux_tc routing needs the "
@@ -579,8 +594,9 @@ std::optional<SharedExpert> Checkpoint::shared_expert(std::int64_t L) const {
     const std::string n = fmt::format("{}.{}.weight", base, proj);
     DenseStack d = dense(n);
     if (d.rows != rows || d.cols != cols)
-      throw CheckpointError(fmt::format("checkpoint {}: tensor {} has shape [{}, {}], expected [{}, {}]", dir_.string(),
-                                        n, d.rows, d.cols, rows, cols));
+      throw CheckpointError(fmt::format("{}: tensor {} has shape [{}, {}], expected [{}, {}] from {} (hidden_size {}, "
+                                        "shared expert width {})",
+                                        file_of(n), n, d.rows, d.cols, rows, cols, (dir_ / "config.json").string(), H, S));
     return d;
   };
   s.gate = get("gate_proj", S, H);
@@ -590,8 +606,8 @@ std::optional<SharedExpert> Checkpoint::shared_expert(std::int64_t L) const {
     const std::string g = moe_prefix(config_, L) + ".shared_expert_gate.weight";
     DenseStack d = dense(g);
     if (d.numel() != H)
-      throw CheckpointError(fmt::format("checkpoint {}: tensor {} has {} elements, expected [1, {}]", dir_.string(), g,
-                                        d.numel(), H));
+      throw CheckpointError(fmt::format("{}: tensor {} has {} elements, expected [1, {}] (hidden_size of {})",
+                                        file_of(g), g, d.numel(), H, (dir_ / "config.json").string()));
     s.output_gate = std::move(d);
   }
   return s;

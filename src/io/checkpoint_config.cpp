@@ -330,7 +330,7 @@ ModelConfig load_model_config(const std::filesystem::path& p) {
   try {
     j = nlohmann::json::parse(in);
   } catch (const nlohmann::json::exception& e) {
-    throw ConfigError(fmt::format("{}: invalid JSON: {}", file.string(), e.what()));
+    throw ConfigError(fmt::format("{}: invalid JSON: {}", file.string(), detail::json_error_text(e.what())));
   }
   return parse_model_config(j, file.string());
 }

@@ -95,6 +95,11 @@ void create_parents(const std::filesystem::path& target, CreatedParents& out);
 /// Checks that file `tmp` can be created (creates and removes it); else as create_temp_dir.
 void probe_temp_file(const std::filesystem::path& tmp, const std::filesystem::path& target);
 
+/// Throws CheckpointError "TARGET: the checkpoint needs X GB (N bytes) but only ... are free on the
+/// filesystem of DIR; nothing written" when the filesystem that will hold `target` (its nearest
+/// existing ancestor) has fewer than `need` bytes available. A failing statvfs is not an error.
+void check_free_space(const std::filesystem::path& target, std::uint64_t need);
+
 /// Temporary sibling name of `target`: "<target>.tmp.<pid>" (a trailing separator is ignored).
 /// stale_temporaries() recognises these names.
 std::filesystem::path temp_sibling(const std::filesystem::path& target);

@@ -28,6 +28,9 @@ namespace fs = std::filesystem;
 namespace {
 
 constexpr std::size_t kCopyChunk = 32u << 20;  // bytes copied (and released) at a time
+// A copied file at least this large is named in a warning: a tokenizer.json (the largest file a
+// checkpoint normally carries besides its weights) is a few MB to a few tens of MB.
+constexpr std::uintmax_t kLargeCopy = 100u << 20;
 
 // Removes a temporary path on scope exit unless released.
 struct TempGuard {
@@ -44,12 +47,19 @@ struct TempGuard {
 // write failed: No space left on device": it named only a temporary that is removed as the error
 // propagates, and not whether OUT had been touched (new-user QA, session 15). Errors of the writer
 // (their text starts with the temporary's path) are reported against the output; others pass.
+// The same for the files written beside the shards (config.json, the index, the copied tokenizer and
+// other files: "OUT.tmp.PID/tokenizer.json: cannot write: No space left on device", new-user QA
+// session 17 on a full tmpfs). Returns "" for an error that is not about the temporary.
+std::string write_error_message(const std::string& m, const fs::path& tmp, const fs::path& out) {
+  if (m.rfind(tmp.string(), 0) != 0) return {};
+  return fmt::format("{}: writing the output failed ({}); the partial output was removed and {} is as it was",
+                     out.string(), m, out.string());
+}
+
 [[noreturn]] void throw_write_error(const SafetensorsError& e, const fs::path& tmp, const fs::path& out) {
-  const std::string m = e.what();
-  if (m.rfind(tmp.string(), 0) != 0) throw e;
-  throw CheckpointError(fmt::format("{}: writing the output failed ({}); the partial output was removed and {} is as "
-                                    "it was",
-                                    out.string(), m, out.string()));
+  const std::string w = write_error_message(e.what(), tmp, out);
+  if (w.empty()) throw e;
+  throw CheckpointError(w);
 }
 
 bool same_path(const fs::path& a, const fs::path& b) {
@@ -279,6 +289,10 @@ void emit(SafetensorsWriter& w, const Planned& p, const TensorView& v, const Fit
   w.write(out.codebook.data(), out.codebook.size());
   w.write(out.scale.data(), out.scale.size());
   s.stats += st;
+  if (std::string w = low_sqnr_warning(fmt::format("{}: tensor {}", file.string(), p.name), st.sse, st.sum_sq,
+                                       p.shape.experts * p.shape.rows * p.shape.cols, s.fitter);
+      !w.empty())
+    s.warnings.push_back(std::move(w));
   ++s.tensors_quantized;
   s.weights += p.shape.experts * p.shape.rows * p.shape.cols;
   s.bytes_before += v.nbytes;
@@ -306,8 +320,8 @@ std::int64_t layer_of(const std::string& name) {
 // Files that hold the model's weights in another well-known form than this checkpoint's shards:
 // PyTorch (pytorch_model*.bin and its index), Meta / Mistral originals (consolidated*.pth, .pt,
 // .safetensors), TensorFlow (tf_model*.h5), Flax (flax_model*.msgpack) and their index files, GGUF.
-// Other files, including other safetensors files (val_tokens.safetensors, captured activations) and
-// training state (training_args.bin, optimizer.pt), are copied.
+// Other files, including other safetensors files (val_tokens.safetensors, captured activations), are
+// copied, except training state (training_state_file below).
 bool other_weight_file(const std::string& name) {
   auto starts = [&](std::string_view pre) { return name.rfind(pre, 0) == 0; };
   auto ends = [&](std::string_view suf) {
@@ -318,6 +332,63 @@ bool other_weight_file(const std::string& name) {
   if (starts("consolidated") && (ends(".pth") || ends(".pt") || ends(".safetensors"))) return true;
   if (starts("tf_model") && (ends(".h5") || ends(".h5.index.json"))) return true;
   return starts("flax_model") && (ends(".msgpack") || ends(".msgpack.index.json"));
+}
+
+// The training state a checkpoint saved mid-training carries beside its weights (new-user QA
+// sessions 16-17: `lutb quantize` copied a Trainer's optimizer.pt, twice the size of the weights,
+// into the LUT-B output):
+//  - transformers' Trainer (trainer.py, _save_optimizer_and_scheduler / _save_rng_state):
+//    optimizer.pt, scheduler.pt, scaler.pt, rng_state.pth / rng_state_N.pth, training_args.bin
+//    (a pickle);
+//  - Accelerate's save_state: optimizer*.bin, scheduler*.bin, random_states_N.pkl, scaler.pt.
+// trainer_state.json (the training log, a few KB of text) is still copied.
+bool training_state_file(const std::string& name) {
+  auto starts = [&](std::string_view pre) { return name.rfind(pre, 0) == 0; };
+  auto ends = [&](std::string_view suf) {
+    return name.size() >= suf.size() && name.compare(name.size() - suf.size(), suf.size(), suf) == 0;
+  };
+  if (name == "training_args.bin" || name == "scaler.pt") return true;
+  if ((starts("optimizer") || starts("scheduler")) && (ends(".pt") || ends(".bin"))) return true;
+  if (starts("rng_state") && ends(".pth")) return true;
+  return starts("random_states_") && ends(".pkl");
+}
+
+// DeepSpeed's ZeRO checkpoint folders global_stepN/ (optimizer and model states of every rank,
+// several times the weights' size), written beside the weights by the Trainer with DeepSpeed.
+bool training_state_folder(const std::string& name) {
+  if (name.rfind("global_step", 0) != 0 || name.size() == 11) return false;
+  return std::all_of(name.begin() + 11, name.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+// The folders the copy of quantize_checkpoint leaves out (besides symlinked ones): download caches
+// (.cache/, .huggingface/), version control (.git/) and DeepSpeed's training state.
+bool skipped_folder(const std::string& name) {
+  return name == ".cache" || name == ".huggingface" || name == ".git" || training_state_folder(name);
+}
+
+// The bytes of the files the copy of quantize_checkpoint will take from in_dir (its rules: not
+// config.json, the index, the shards, weights in another form, training state, skipped folders, or
+// anything that is not a regular file), for the free-space check before anything is written.
+std::uint64_t bytes_to_copy(const fs::path& in_dir, const std::set<std::string>& shards) {
+  std::uint64_t n = 0;
+  std::error_code ec;
+  for (auto it = fs::recursive_directory_iterator(in_dir, ec); !ec && it != fs::recursive_directory_iterator();
+       it.increment(ec)) {
+    const fs::path rel = it->path().lexically_relative(in_dir);
+    std::error_code e2;
+    if (it->is_directory(e2)) {
+      if (it->is_symlink(e2) || skipped_folder(rel.filename().string())) it.disable_recursion_pending();
+      continue;
+    }
+    if (!it->is_regular_file(e2)) continue;
+    const std::string fname = rel.string(), base = rel.filename().string();
+    if (fname == "config.json" || fname == "model.safetensors.index.json" || shards.count(fname) ||
+        other_weight_file(base) || training_state_file(base))
+      continue;
+    const std::uintmax_t sz = it->file_size(e2);
+    if (!e2) n += sz;
+  }
+  return n;
 }
 
 // The routed-expert tensors found for one MoE layer.
@@ -447,12 +518,13 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
       if (std::regex_match(name, m, pattern) && cfg.is_moe_layer(index_of(m[1].str()))) {
         const bool stacked = name.find("_proj.weight") == std::string::npos && name.find(".weight") == std::string::npos;
         if (!dtype_is_float_source(v.dtype))
-          throw CheckpointError(fmt::format("checkpoint {}: routed-expert tensor {} has dtype {}; LUT-B quantisation "
-                                            "needs BF16, F16 or F32 weights",
-                                            in_dir.string(), name, dtype_name(v.dtype)));
+          throw CheckpointError(fmt::format("{}: routed-expert tensor {} has dtype {}; LUT-B quantisation needs BF16, "
+                                            "F16, F32 or F64 weights; nothing written",
+                                            files[f]->path().string(), name, dtype_name(v.dtype)));
         if (v.shape.size() != (stacked ? 3u : 2u) || v.numel() == 0)
-          throw CheckpointError(fmt::format("checkpoint {}: routed-expert tensor {} has shape {}, expected {}", in_dir.string(),
-                                            name, detail::shape_str(v.shape), stacked ? "[E, N, K]" : "[N, K]"));
+          throw CheckpointError(fmt::format("{}: routed-expert tensor {} has shape {}, expected {}; nothing written",
+                                            files[f]->path().string(), name, detail::shape_str(v.shape),
+                                            stacked ? "[E, N, K]" : "[N, K]"));
         // The shape config.json implies, as the loader checks it: a checkpoint eval would reject
         // is refused before anything is written (QA 2026-11-30).
         const std::int64_t H = cfg.hidden_size, I = cfg.moe_intermediate_size, E = cfg.num_experts;
@@ -538,6 +610,24 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
     }
   }
 
+  // Free space, before anything is written, as lutb synth checks it (new-user QA session 17: on a full
+  // disk quantize fitted the tensors and failed writing, at the end of what is hours for a large
+  // model): the tensors as written, the files copied beside them, and 64 KiB per shard for headers,
+  // config.json and the index. The old output of --force is removed only after the new one is
+  // complete, so it does not count as available.
+  {
+    std::uint64_t need = static_cast<std::uint64_t>(files.size() + 2) * (64u << 10);
+    std::set<std::string> shards;
+    for (std::size_t f = 0; f < files.size(); ++f) {
+      const fs::path rel = files[f]->path().lexically_normal().lexically_relative(in_dir.lexically_normal());
+      shards.insert(rel.empty() || *rel.begin() == ".." ? files[f]->path().filename().string() : rel.string());
+      for (const auto& p : plan[f])
+        need += p.quantize ? static_cast<std::uint64_t>(p.shape.tiles()) * (kPackedBytes + kCodebookSize + 1)
+                           : files[f]->get(p.name).nbytes;
+    }
+    detail::check_free_space(out_dir, need + bytes_to_copy(in_dir, shards));
+  }
+
   const fs::path tmp = detail::temp_sibling(out_dir);
   std::error_code ec;
   fs::remove_all(tmp, ec);
@@ -582,119 +672,132 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
   }
   prog.finish();
 
-  // Index (when the input had one).
-  const fs::path index = in_dir / "model.safetensors.index.json";
-  if (fs::exists(index)) {
-    nlohmann::json j;
-    {
-      std::ifstream in(index);
-      try {
-        j = nlohmann::json::parse(in);
-      } catch (const nlohmann::json::exception& e) {
-        throw CheckpointError(fmt::format("{}: invalid JSON: {}", index.string(), e.what()));
+  try {
+    // Index (when the input had one).
+    const fs::path index = in_dir / "model.safetensors.index.json";
+    if (fs::exists(index)) {
+      nlohmann::json j;
+      {
+        std::ifstream in(index);
+        try {
+          j = nlohmann::json::parse(in);
+        } catch (const nlohmann::json::exception& e) {
+          throw CheckpointError(fmt::format("{}: invalid JSON: {}", index.string(), detail::json_error_text(e.what())));
+        }
       }
+      if (!j.contains("metadata") || !j["metadata"].is_object()) j["metadata"] = nlohmann::json::object();
+      j["metadata"]["total_size"] = sum.output_bytes;
+      j["weight_map"] = weight_map;
+      write_text(tmp / "model.safetensors.index.json", j.dump(2) + "\n");
     }
-    if (!j.contains("metadata") || !j["metadata"].is_object()) j["metadata"] = nlohmann::json::object();
-    j["metadata"]["total_size"] = sum.output_bytes;
-    j["weight_map"] = weight_map;
-    write_text(tmp / "model.safetensors.index.json", j.dump(2) + "\n");
-  }
 
-  // config.json with quantization_config.
-  nlohmann::json config = cfg.raw;
-  nlohmann::json ls = nlohmann::json::object();
-  for (const auto& [k, v] : logical_shapes) ls[k] = v;
-  config["quantization_config"] = {
-      {"quant_method", "lut_b"},
-      {"format", "lut-b"},
-      {"tile", {kTileRows, kTileCols}},
-      {"index_bits", 3},
-      {"codebook_size", kCodebookSize},
-      {"codebook_dtype", "float8_e4m3fn"},
-      {"scale_dtype", "ue8m0"},
-      {"fitter", sum.fitter},
-      {"activation", "mxfp8"},
-      {"activation_block", 32},
-      {"modules", routed_expert_pattern(cfg)},
-      {"logical_shapes", ls},
-  };
-  write_text(tmp / "config.json", config.dump(2) + "\n");
+    // config.json with quantization_config.
+    nlohmann::json config = cfg.raw;
+    nlohmann::json ls = nlohmann::json::object();
+    for (const auto& [k, v] : logical_shapes) ls[k] = v;
+    config["quantization_config"] = {
+        {"quant_method", "lut_b"},
+        {"format", "lut-b"},
+        {"tile", {kTileRows, kTileCols}},
+        {"index_bits", 3},
+        {"codebook_size", kCodebookSize},
+        {"codebook_dtype", "float8_e4m3fn"},
+        {"scale_dtype", "ue8m0"},
+        {"fitter", sum.fitter},
+        {"activation", "mxfp8"},
+        {"activation_block", 32},
+        {"modules", routed_expert_pattern(cfg)},
+        {"logical_shapes", ls},
+    };
+    write_text(tmp / "config.json", config.dump(2) + "\n");
 
-  // Every other file (tokenizer, generation config, ...), recursively, except the weights in
-  // another form: copied, they put the unquantised weights into the LUT-B checkpoint (a 90 GB
-  // consolidated.safetensors or pytorch_model*.bin beside the shards; QA session 9).
-  // Names are taken LEXICALLY relative to the input folder: fs::relative resolves symlinks, so in a
-  // Hugging Face cache snapshot (every file a symlink to ../../blobs/<sha>) it gave "../../blobs/<sha>"
-  // and the copy below truncated the source blob through tmp / "../../blobs/<sha>" (data loss, new-user
-  // QA session 9). A symlinked file is copied (its contents) under the link's own name; a symlinked
-  // folder is not descended into (the iterator does not follow it) and is left out.
-  for (auto it = fs::recursive_directory_iterator(in_dir); it != fs::recursive_directory_iterator(); ++it) {
-    const fs::path rel = it->path().lexically_relative(in_dir);
-    if (rel.empty() || *rel.begin() == "..")
-      throw CheckpointError(fmt::format("{}: '{}' is not inside the input folder {}; nothing written", out_dir.string(),
-                                        it->path().string(), in_dir.string()));
-    if (it->is_directory()) {
-      if (it->is_symlink()) {
-        sum.skipped_files.push_back(rel.string() + "/");
+    // Every other file (tokenizer, generation config, ...), recursively, except the weights in
+    // another form: copied, they put the unquantised weights into the LUT-B checkpoint (a 90 GB
+    // consolidated.safetensors or pytorch_model*.bin beside the shards; QA session 9).
+    // Names are taken LEXICALLY relative to the input folder: fs::relative resolves symlinks, so in a
+    // Hugging Face cache snapshot (every file a symlink to ../../blobs/<sha>) it gave "../../blobs/<sha>"
+    // and the copy below truncated the source blob through tmp / "../../blobs/<sha>" (data loss, new-user
+    // QA session 9). A symlinked file is copied (its contents) under the link's own name; a symlinked
+    // folder is not descended into (the iterator does not follow it) and is left out.
+    for (auto it = fs::recursive_directory_iterator(in_dir); it != fs::recursive_directory_iterator(); ++it) {
+      const fs::path rel = it->path().lexically_relative(in_dir);
+      if (rel.empty() || *rel.begin() == "..")
+        throw CheckpointError(fmt::format("{}: '{}' is not inside the input folder {}; nothing written", out_dir.string(),
+                                          it->path().string(), in_dir.string()));
+      if (it->is_directory()) {
+        if (it->is_symlink()) {
+          sum.skipped_files.push_back(rel.string() + "/");
+          continue;
+        }
+        // The download cache of `huggingface-cli download --local-dir` (.cache/huggingface/, older
+        // versions .huggingface/: the source files' hashes and locks) and version control (.git/,
+        // whose LFS store holds the unquantised weights again) describe the source repository, not
+        // this output: left out and listed (new-user QA session 11: they were copied).
+        if (skipped_folder(rel.filename().string())) {
+          sum.skipped_files.push_back(rel.string() + "/");
+          it.disable_recursion_pending();
+          continue;
+        }
+        fs::create_directories(tmp / rel);
         continue;
       }
-      // The download cache of `huggingface-cli download --local-dir` (.cache/huggingface/, older
-      // versions .huggingface/: the source files' hashes and locks) and version control (.git/,
-      // whose LFS store holds the unquantised weights again) describe the source repository, not
-      // this output: left out and listed (new-user QA session 11: they were copied).
-      if (const std::string d = rel.filename().string(); d == ".cache" || d == ".huggingface" || d == ".git") {
-        sum.skipped_files.push_back(rel.string() + "/");
-        it.disable_recursion_pending();
+      // Not a regular file: a dangling link (a Hugging Face cache snapshot whose blob is missing: an
+      // incomplete download), a named pipe, a socket. It was left out without a word, and the output
+      // lacked, e.g., its tokenizer.json (new-user QA, session 14): listed, with a warning for a link.
+      if (!it->is_regular_file()) {
+        sum.skipped_files.push_back(rel.string());
+        std::error_code lec;
+        if (it->is_symlink())
+          sum.warnings.push_back(fmt::format("{}: not copied: it is a symbolic link to {}, which {} (an incomplete "
+                                             "download?)",
+                                             it->path().string(), fs::read_symlink(it->path(), lec).string(),
+                                             fs::exists(it->path(), lec) ? "is not a regular file" : "does not exist"));
+        else
+          sum.warnings.push_back(fmt::format("{}: not copied: not a regular file ({})", it->path().string(),
+                                             detail::non_regular_kind(it->path())));
         continue;
       }
-      fs::create_directories(tmp / rel);
-      continue;
-    }
-    // Not a regular file: a dangling link (a Hugging Face cache snapshot whose blob is missing: an
-    // incomplete download), a named pipe, a socket. It was left out without a word, and the output
-    // lacked, e.g., its tokenizer.json (new-user QA, session 14): listed, with a warning for a link.
-    if (!it->is_regular_file()) {
-      sum.skipped_files.push_back(rel.string());
-      std::error_code lec;
-      if (it->is_symlink())
-        sum.warnings.push_back(fmt::format("{}: not copied: it is a symbolic link to {}, which {} (an incomplete "
-                                           "download?)",
-                                           it->path().string(), fs::read_symlink(it->path(), lec).string(),
-                                           fs::exists(it->path(), lec) ? "is not a regular file" : "does not exist"));
-      else
-        sum.warnings.push_back(fmt::format("{}: not copied: not a regular file ({})", it->path().string(),
-                                           detail::non_regular_kind(it->path())));
-      continue;
-    }
-    const std::string fname = rel.string();
-    if (fname == "config.json" || fname == "model.safetensors.index.json" || shard_names.count(fname)) continue;
-    if (other_weight_file(rel.filename().string())) {
-      sum.skipped_files.push_back(fname);
-      continue;
-    }
-    detail::check_interrupt(opt.interrupt, out_dir);
-    // Another safetensors file (captured activations, tokens) is copied; one holding tensors of this
-    // checkpoint (a stray shard, a copy of model.safetensors) puts unquantised routed experts into
-    // the LUT-B checkpoint: still copied (it is the user's data), with a warning (new-user QA
-    // session 11: nothing was said).
-    if (rel.extension() == ".safetensors") {
-      try {
-        const SafetensorsFile other(it->path());
-        for (const auto& n : other.names())
-          if (ck.contains(n) || std::regex_match(n, pattern)) {
-            sum.warnings.push_back(fmt::format(
-                "{}: copied {} unquantised: it holds tensor {}{} (a stray shard or a copy of the weights?); delete it "
-                "from the output if the checkpoint's loader would read it",
-                out_dir.string(), fname, n, ck.contains(n) ? " of this checkpoint" : ", a routed expert"));
-            break;
-          }
-      } catch (const std::exception&) {
-        // not a readable safetensors file: copied as any other file
+      const std::string fname = rel.string();
+      if (fname == "config.json" || fname == "model.safetensors.index.json" || shard_names.count(fname)) continue;
+      if (other_weight_file(rel.filename().string()) || training_state_file(rel.filename().string())) {
+        sum.skipped_files.push_back(fname);
+        continue;
       }
+      detail::check_interrupt(opt.interrupt, out_dir);
+      // Another safetensors file (captured activations, tokens) is copied; one holding tensors of this
+      // checkpoint (a stray shard, a copy of model.safetensors) puts unquantised routed experts into
+      // the LUT-B checkpoint: still copied (it is the user's data), with a warning (new-user QA
+      // session 11: nothing was said).
+      if (rel.extension() == ".safetensors") {
+        try {
+          const SafetensorsFile other(it->path());
+          for (const auto& n : other.names())
+            if (ck.contains(n) || std::regex_match(n, pattern)) {
+              sum.warnings.push_back(fmt::format(
+                  "{}: copied {} unquantised: it holds tensor {}{} (a stray shard or a copy of the weights?); delete it "
+                  "from the output if the checkpoint's loader would read it",
+                  out_dir.string(), fname, n, ck.contains(n) ? " of this checkpoint" : ", a routed expert"));
+              break;
+            }
+        } catch (const std::exception&) {
+          // not a readable safetensors file: copied as any other file
+        }
+      }
+      // A large file of unknown purpose (a model.pt, a PEFT adapter_model.bin, logs) is copied, since
+      // it is the user's data, but said: the small files a checkpoint carries (tokenizer, configs) are
+      // well below kLargeCopy.
+      if (std::error_code sec; rel.extension() != ".safetensors" && it->file_size(sec) >= kLargeCopy && !sec)
+        sum.warnings.push_back(fmt::format("{}: copied {} ({:.1f} MB) unchanged: it is not a file of a Hugging Face "
+                                           "checkpoint lutb knows; delete it from the output if the checkpoint does not "
+                                           "need it",
+                                           out_dir.string(), fname, static_cast<double>(it->file_size()) / 1e6));
+      // Contents only: the output gets this process's default permissions, not the source's (a
+      // read-only source made the copies read-only; QA 2026-11-30).
+      detail::copy_file_contents(it->path(), tmp / rel, opt.interrupt, out_dir);
     }
-    // Contents only: the output gets this process's default permissions, not the source's (a
-    // read-only source made the copies read-only; QA 2026-11-30).
-    detail::copy_file_contents(it->path(), tmp / rel, opt.interrupt, out_dir);
+  } catch (const CheckpointError& e) {
+    if (std::string w = write_error_message(e.what(), tmp, out_dir); !w.empty()) throw CheckpointError(w);
+    throw;
   }
   std::sort(sum.skipped_files.begin(), sum.skipped_files.end());
 
@@ -818,6 +921,13 @@ QuantizeSummary quantize_file(const fs::path& in, const fs::path& out, const std
   meta["lutb.quant_method"] = "lut_b";
   meta["lutb.fitter"] = sum.fitter;
   meta["lutb.tile"] = "[8, 64]";
+  {  // free space first, as for a checkpoint (64 KiB for the header)
+    std::uint64_t need = 64u << 10;
+    for (const auto& p : plan)
+      need += p.quantize ? static_cast<std::uint64_t>(p.shape.tiles()) * (kPackedBytes + kCodebookSize + 1)
+                         : file.get(p.name).nbytes;
+    detail::check_free_space(out, need);
+  }
 
   // Written to a temporary sibling, then installed (the writer itself is atomic too).
   const fs::path tmp = detail::temp_sibling(out);

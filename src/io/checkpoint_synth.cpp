@@ -340,17 +340,8 @@ std::uint64_t synthesize_checkpoint(const fs::path& out_dir, const SynthOptions&
 
   // Free space, before anything is written. The old output of --force is removed only after the
   // new one is complete, so it does not count as available.
-  fs::path probe = out_dir.parent_path().empty() ? fs::path(".") : out_dir.parent_path();
+  detail::check_free_space(out_dir, total + static_cast<std::uint64_t>(L + 1) * (64u << 10));  // + headers, config, index
   std::error_code ec;
-  while (!fs::exists(probe, ec) && probe.parent_path() != probe)  // the nearest existing ancestor
-    probe = probe.parent_path().empty() ? fs::path(".") : probe.parent_path();
-  const fs::space_info sp = fs::space(probe, ec);
-  const std::uint64_t need = total + static_cast<std::uint64_t>(L + 1) * (64u << 10);  // + headers, config, index
-  if (!ec && sp.available < need)
-    throw CheckpointError(fmt::format("{}: the checkpoint needs {:.2f} GB ({} bytes) but only {:.2f} GB ({} bytes) "
-                                      "are free on the filesystem of {}; nothing written",
-                                      out_dir.string(), need / 1e9, need, sp.available / 1e9, sp.available,
-                                      probe.string()));
 
   const fs::path tmp = detail::temp_sibling(out_dir);
   fs::remove_all(tmp, ec);

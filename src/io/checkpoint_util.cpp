@@ -377,6 +377,24 @@ void check_interrupt(const std::atomic<int>* flag, const fs::path& target) {
                                      target.string(), sig, strsignal(sig), target.string()));
 }
 
+void check_free_space(const fs::path& target, std::uint64_t need) {
+  fs::path probe = target.parent_path().empty() ? fs::path(".") : target.parent_path();
+  std::error_code ec;
+  while (!fs::exists(probe, ec) && probe.parent_path() != probe)  // the nearest existing ancestor
+    probe = probe.parent_path().empty() ? fs::path(".") : probe.parent_path();
+  const fs::space_info sp = fs::space(probe, ec);
+  // GB, or MB below 1 GB ("needs 0.01 GB but only 0.01 GB are free" read as a contradiction).
+  const auto size = [](std::uint64_t b) {
+    return b >= 1000000000u ? fmt::format("{:.2f} GB", static_cast<double>(b) / 1e9)
+                            : fmt::format("{:.2f} MB", static_cast<double>(b) / 1e6);
+  };
+  if (!ec && sp.available < need)
+    throw CheckpointError(fmt::format("{}: the checkpoint needs {} ({} bytes) but only {} ({} bytes) are free on the "
+                                      "filesystem of {}; nothing written",
+                                      target.string(), size(need), need, size(sp.available), sp.available,
+                                      probe.string()));
+}
+
 void copy_file_contents(const fs::path& from, const fs::path& to, const std::atomic<int>* stop,
                         const fs::path& target) {
   const int in = ::open(from.c_str(), O_RDONLY | O_CLOEXEC);
@@ -464,6 +482,23 @@ std::uint64_t peak_rss_bytes() {
   return 0;
 }
 
+std::string low_sqnr_warning(const std::string& where, double sse, double sum_sq, std::int64_t weights,
+                             const std::string& method) {
+  if (!(sum_sq > 0) || !(sse >= 0.5 * sum_sq)) return {};
+  const double sqnr = 10.0 * std::log10(sum_sq / sse);
+  std::string w = fmt::format("{}: SQNR {:.2f} dB with {}: the quantised tensor kept less than half of the weights' "
+                              "energy (typical fits keep 13-15 dB)",
+                              where, sqnr, method);
+  if (method == "ct-lloyd" || method == "multistart") {
+    const double rms = weights > 0 ? std::sqrt(sum_sq / static_cast<double>(weights)) : 0.0;
+    w += fmt::format("; {} fits no tile scale (scale byte 127, spec 2.1), so its codebook holds only magnitudes "
+                     "2^-9..448 and weights far outside them are lost (this tensor's RMS is {:.3g}); the scaled "
+                     "fitters binned-dp (the default) and optimal fit them",
+                     method, rms);
+  }
+  return w;
+}
+
 std::string format_summary(const QuantizeSummary& s) {
   auto mb = [](std::uint64_t b) { return static_cast<double>(b) / 1e6; };
   const double sqnr = s.stats.sqnr_db();
@@ -480,8 +515,9 @@ std::string format_summary(const QuantizeSummary& s) {
   out += fmt::format("time                 {:.2f} s\n", s.seconds);
   out += fmt::format("peak RSS             {:.1f} MB\n", mb(s.peak_rss_bytes));
   if (!s.skipped_files.empty())
-    out += fmt::format("not copied           {} (the unquantised weights in another format, symlinked folders, "
-                       "download caches, version control, files that are not regular: dangling links, pipes)\n",
+    out += fmt::format("not copied           {} (the unquantised weights in another format, training state, "
+                       "symlinked folders, download caches, version control, files that are not regular: dangling "
+                       "links, pipes)\n",
                        fmt::join(s.skipped_files, ", "));
   return out;
 }

@@ -22,6 +22,15 @@ namespace lutb::detail {
 std::string config_key_message(std::string_view where, std::string_view key, std::string_view reason);
 /// Throws ConfigError(config_key_message(where, key, reason)).
 [[noreturn]] void throw_config_key(std::string_view where, std::string_view key, std::string_view reason);
+/// nlohmann::json's exception text without its "[json.exception.parse_error.101] " tag, which named
+/// the library's error id to the user ("invalid JSON: [json.exception.parse_error.101] parse error at
+/// line 1, column 21: ...", new-user QA session 17).
+inline std::string json_error_text(const char* what) {
+  std::string m = what;
+  if (m.rfind("[json.exception.", 0) == 0)
+    if (const std::size_t p = m.find("] "); p != std::string::npos) m.erase(0, p + 2);
+  return m;
+}
 /// A JSON value for a message: its dump, cut to 60 characters.
 std::string json_excerpt(const nlohmann::json& v);
 

@@ -89,7 +89,7 @@ json parse_header_json(const char* begin, const char* end, const std::string& wh
   } catch (const HeaderShapeError& e) {
     fail(where, "invalid header: " + e.reason);
   } catch (const json::exception& e) {
-    fail(where, std::string("invalid JSON header: ") + e.what());
+    fail(where, "invalid JSON header: " + detail::json_error_text(e.what()));
   }
 }
 
@@ -213,17 +213,26 @@ void SafetensorsFile::parse_header(const std::uint8_t* data, std::size_t file_si
   std::sort(spans.begin(), spans.end(), [](const Span& x, const Span& y) {
     return x.begin != y.begin ? x.begin < y.begin : (x.end != y.end ? x.end < y.end : *x.name < *y.name);
   });
-  std::uint64_t pos = 0;
-  const std::string* prev = nullptr;
+  // Overlaps first, over the whole buffer: a tensor whose offsets were copied from another's leaves a
+  // gap where its own bytes were, and that gap, reported first, named a third tensor (the one after
+  // it) instead of the two that share bytes (new-user QA, session 17).
+  std::uint64_t reach = 0;
+  const std::string* last = nullptr;
   for (const Span& s : spans) {
-    if (s.begin < pos)
+    if (s.begin < reach)
       fail_tensor(where, *s.name, fmt::format("data_offsets [{}, {}] overlap tensor '{}' (which ends at {})", s.begin, s.end,
-                                              *prev, pos));
+                                              *last, reach));
+    if (s.end > reach) {
+      reach = s.end;
+      last = s.name;
+    }
+  }
+  std::uint64_t pos = 0;
+  for (const Span& s : spans) {
     if (s.begin > pos)
       fail_tensor(where, *s.name, fmt::format("data_offsets [{}, {}] leave a gap: the previous tensor ends at {}", s.begin,
                                               s.end, pos));
     pos = s.end;
-    prev = s.name;
     names.push_back(*s.name);
   }
   if (pos != buffer_size)
@@ -382,7 +391,7 @@ SafetensorsCollection SafetensorsCollection::open_dir(const fs::path& dir) {
       try {
         j = json::parse(in);
       } catch (const json::exception& e) {
-        fail(index.string(), std::string("invalid JSON: ") + e.what());
+        fail(index.string(), "invalid JSON: " + detail::json_error_text(e.what()));
       }
     }
     if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())

@@ -138,7 +138,7 @@ TransformerConfig TransformerConfig::load(const std::filesystem::path& dir) {
   try {
     j = json::parse(in);
   } catch (const json::exception& e) {
-    throw ModelError(fmt::format("{}: invalid JSON: {}", path.string(), e.what()));
+    throw ModelError(fmt::format("{}: invalid JSON: {}", path.string(), lutb::detail::json_error_text(e.what())));
   }
   return from_json(j, path.string());
 }

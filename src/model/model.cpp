@@ -70,9 +70,13 @@ struct Loader {
     // Errors name the file that holds the tensor (new-user finding, session 12: they named the folder,
     // and a dtype error repeated the tensor: "m: tensor X: tensor 'X': dtype I16 cannot be read ...").
     const std::string file = st.file_of(name).path().string();
+    // The expected shape comes from config.json's sizes, which may be the wrong side: said (new-user QA
+    // session 17: "embed_tokens.weight has shape [2048, 256], expected [2048, 512]" for a config.json
+    // whose hidden_size was wrong did not say where 512 came from).
     if (t.shape != shape)
-      throw ModelError(fmt::format("{}: tensor {} has shape [{}], expected [{}]", file, name, fmt::join(t.shape, ", "),
-                                   fmt::join(shape, ", ")));
+      throw ModelError(fmt::format("{}: tensor {} has shape [{}], expected [{}] from the sizes in {}", file, name,
+                                   fmt::join(t.shape, ", "), fmt::join(shape, ", "),
+                                   (std::filesystem::path(dir) / "config.json").string()));
     if (checked) {
       if (!float_readable(t.dtype))  // TensorView::to_float's wording
         throw ModelError(fmt::format("{}: tensor '{}': dtype {} cannot be read as floating point", file, name,
@@ -92,8 +96,9 @@ struct Loader {
     if (!st.contains(name)) throw ModelError(fmt::format("{}: missing tensor {}{}", dir, name, st.absent_note(name)));
     const TensorView& t = st.get(name);
     if (t.numel() != n)
-      throw ModelError(fmt::format("{}: tensor {} has shape [{}], expected {}", st.file_of(name).path().string(), name,
-                                   fmt::join(t.shape, ", "), shape));
+      throw ModelError(fmt::format("{}: tensor {} has shape [{}], expected {} from the sizes in {}",
+                                   st.file_of(name).path().string(), name, fmt::join(t.shape, ", "), shape,
+                                   (std::filesystem::path(dir) / "config.json").string()));
     (void)tensor(name, t.shape);  // dtype, and recorded
   }
   bool has(const std::string& name) const { return st.contains(name); }

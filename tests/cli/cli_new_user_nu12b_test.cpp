@@ -127,7 +127,9 @@ TEST_F(QuantizeChecksDenseTensors, RouterOfTheWrongShape) {
   edit_header(m / "model.safetensors",
               [](nlohmann::json& j) { j["model.layers.1.mlp.gate.weight"]["shape"] = {32, 128}; });
   expect_refused(quantize(), (m / "model.safetensors").string() +
-                                 ": tensor model.layers.1.mlp.gate.weight has shape [32, 128], expected [16, 256]");
+                                 ": tensor model.layers.1.mlp.gate.weight has shape [32, 128], expected [16, 256] from "
+                                 "the sizes in " +
+                                 (m / "config.json").string());
 }
 
 TEST_F(QuantizeChecksDenseTensors, MissingEmbedding) {

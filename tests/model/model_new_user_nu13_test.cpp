@@ -183,18 +183,21 @@ TEST(NewUserNu13, HugeExpertWidthNamesTheTensorBeforeAllocating) {
     edit_config(lb, huge);
     const std::string file = (lb / "model.safetensors").string();
     if (stacked) {
-      const std::string want = "checkpoint " + bf.string() +
+      // The shard that holds the tensor and where the expected shape comes from (nu17: the folder).
+      const std::string want = (bf / "model.safetensors").string() +
                                ": tensor model.layers.0.mlp.experts.gate_up_proj has shape [4, 128, 128], expected "
-                               "[4, 4000000000, 128]";
+                               "[4, 4000000000, 128] from " +
+                               (bf / "config.json").string() + " (hidden_size 128, expert width 2000000000, 4 experts)";
       EXPECT_EQ(build_error(bf, model::Quant::None), want);
       EXPECT_EQ(build_error(bf, model::Quant::Lutb), want);
       EXPECT_EQ(build_error(lb, model::Quant::Lutb),
                 file + ": tensor model.layers.0.mlp.experts.gate_up_proj_packed (layer 0) has shape [4, 16, 2, 192], "
                        "expected [4, 500000000, 2, 192] for logical shape [4, 4000000000, 128] (spec 2.2)");
     } else {
-      const std::string want = "checkpoint " + bf.string() +
+      const std::string want = (bf / "model.safetensors").string() +
                                ": tensor model.layers.0.mlp.experts.0.gate_proj.weight has shape [64, 128], expected "
-                               "[2000000000, 128]";
+                               "[2000000000, 128] from " +
+                               (bf / "config.json").string() + " (hidden_size 128, expert width 2000000000, 4 experts)";
       EXPECT_EQ(build_error(bf, model::Quant::None), want);
       EXPECT_EQ(build_error(bf, model::Quant::Int3G128), want);
       EXPECT_EQ(build_error(lb, model::Quant::Lutb),
