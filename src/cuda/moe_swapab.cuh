@@ -970,7 +970,15 @@ __device__ __forceinline__ void swapab_gemm1_body(LutbW w, const void* __restric
     pdl_wait();
     pdl_trigger();
   };
-  auto&& wait = swap_phase_wrap<0>(before_wait);  // before_wait itself unless LUTB_SWAPAB_PHASES
+#ifdef LUTB_SWAPAB_PHASES
+  auto&& wait = swap_phase_wrap<0>(before_wait);
+#else
+  // before_wait itself, not through swap_phase_wrap: returning the lambda by reference through a
+  // function changed the register allocation of the one-block GEMM1's general K-loop (Cvt decoder,
+  // no late scales: 313.5 -> 337.0 SASS instructions per K-tile, S2R inside the loop), found after
+  // small17's merge with scripts/sass_kloop.py.
+  auto& wait = before_wait;
+#endif
   swap_phase_mark<0>(1, k1 - k0);
   // One-token tiles take the lighter K-loop (CTA-uniform branch; NB = 1 only).
   if (NB == 1 && (one_token & kOneTokenLoop) && tk.count == 1)
@@ -1057,7 +1065,11 @@ __device__ __forceinline__ void swapab_gemm2_body(LutbW w, const void* __restric
   swap_k_range(w.tiles_k, nw, warp, ksplit, kSplit ? static_cast<int>(cluster_rank()) : 0, k0, k1);
   extern __shared__ __align__(16) unsigned char swap_smem[];
   PdlWaitAndTrigger pdl;
-  auto&& wait = swap_phase_wrap<1>(pdl);  // pdl itself unless LUTB_SWAPAB_PHASES
+#ifdef LUTB_SWAPAB_PHASES
+  auto&& wait = swap_phase_wrap<1>(pdl);
+#else
+  auto& wait = pdl;  // as in GEMM1: not through swap_phase_wrap
+#endif
   swap_phase_mark<1>(1, k1 - k0);
   // One-token tiles take the lighter K-loop (CTA-uniform branch; NB = 1 only).
   if (NB == 1 && (one_token & kOneTokenLoop) && tk.count == 1)
