@@ -4,12 +4,14 @@
 //
 // Usage: bench_moe_gpu [--quick] [--shape NAME] [--tokens T] [--variants LIST]
 //   (NAME: deepseek-v3, qwen3-235b, qwen3-30b, mixtral-8x7b; --tokens T or T1,T2,...: only those batch sizes;
-//   --variants, e.g. 0,7 or 1,10: only those forwards of the `make` switch (0..11, 20..37, 40..52, 65..69; 10 = the swap-AB
+//   --variants, e.g. 0,7 or 1,10: only those forwards of the `make` switch (0..11, 20..37, 40..52, 65..72; 10 = the swap-AB
 //   decode on FP8 wgmma, 11 = the warp-specialised swap-AB decode; 20..37: session 14's small-batch paths,
 //   stage timing and forced K splits; 40..49: L2 prefetch of GEMM2's weights; 50 / 51 / 52: the late tile
 //   scales everywhere at 128 / 96 registers / nowhere, session 16; 65..68: session 17 (small17), 65 = the default
 //   (in a -DLUTB_SWAPAB_PHASES build followed by its GEMMs' phase tables), 66 / 67 / 68 = the default without
-//   the one-token tail / kDecodeOneWave / both, 69 = the tail everywhere), a compact row, no cuBLAS: for quick
+//   the one-token tail / kDecodeOneWave / both, 69 = the tail everywhere; 70..72: session 17 (epi17), 70 = the
+//   default + kDecodeEpiSpread (GEMM1's epilogue over all warps), 71 = the same followed by its phase tables in a
+//   -DLUTB_SWAPAB_PHASES build, 72 = 70 without the one-token tail), a compact row, no cuBLAS: for quick
 //   A/B runs of kernel changes)
 // Each forward (routing kernel excluded; the routing is precomputed by route_softmax_topk /
 // route_deepseek on random logits) is captured in a CUDA graph; R = 8 different routings are cycled
@@ -184,7 +186,7 @@ struct Shape {
   bool deepseek;
 };
 
-constexpr int kVariants = 70;  // forwards of the `make` switch below (0..11, 20..37, 40..52, 65..69)
+constexpr int kVariants = 73;  // forwards of the `make` switch below (0..11, 20..37, 40..52, 65..72)
 
 #ifdef LUTB_SWAPAB_PHASES
 // Variant 65 in a -DLUTB_SWAPAB_PHASES build (session 17, small17; lutb/cuda/moe.hpp SwapPhaseRecord
@@ -533,6 +535,18 @@ int main(int argc, char** argv) {
             cuda::set_decode_paths(cuda::kDecodePathsDefault);
             break;
           }
+          // Session 17 (epi17): kDecodeEpiSpread on top of the default (70; 71 the same, followed by
+          // its phase tables in a -DLUTB_SWAPAB_PHASES build) and without the one-token tail (72).
+          case 70:
+          case 71:
+          case 72: {
+            constexpr unsigned kTail = cuda::kDecodeOneTokenTail | cuda::kDecodeOneTokenTailRule;
+            cuda::set_decode_paths((variant == 72 ? cuda::kDecodePathsDefault & ~kTail : cuda::kDecodePathsDefault) |
+                                   cuda::kDecodeEpiSpread);
+            cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st);
+            cuda::set_decode_paths(cuda::kDecodePathsDefault);
+            break;
+          }
           case 1: cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st, cuda::MoeStrategy::Decode); break;
           case 2: cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st, cuda::MoeStrategy::Prefill); break;
           case 3:
@@ -724,7 +738,7 @@ int main(int argc, char** argv) {
         std::sort(v7.begin(), v7.end());
         ms[v] = v7[3];
 #ifdef LUTB_SWAPAB_PHASES
-        if (v == 65) print_swap_phases(gs, st, s.name, T);
+        if (v == 65 || v == 71) print_swap_phases(gs, st, s.name, T);
 #endif
         for (auto g : gs) CK(cudaGraphExecDestroy(g));
         CK(cudaEventDestroy(a));

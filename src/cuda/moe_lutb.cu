@@ -146,10 +146,12 @@ void launch_swapab(const DeviceMoeWeights& w, const kern::Routing& r, const deta
     const char* v = std::getenv("LUTB_SWAPAB_ONE");
     return !(v && std::strcmp(v, "0") == 0);
   }();
-  // The kernels' one-token bits (moe_swapab.cuh kOneTokenLoop, kOneTokenTail).
+  // The kernels' one-token bits (moe_swapab.cuh kOneTokenLoop, kOneTokenTail) and kEpiSpread
+  // (kDecodeEpiSpread; read by GEMM1 only).
   const bool tail = (paths & kDecodeOneTokenTail) ||
                     ((paths & kDecodeOneTokenTailRule) && decode_one_token_tail(P / r.top_k, r.top_k, w.experts));
-  const unsigned one_token = (one_token_loop ? kern::kOneTokenLoop : 0u) | (tail ? kern::kOneTokenTail : 0u);
+  const unsigned one_token = (one_token_loop ? kern::kOneTokenLoop : 0u) | (tail ? kern::kOneTokenTail : 0u) |
+                             ((paths & kDecodeEpiSpread) ? kern::kEpiSpread : 0u);
   // L2 prefetch of GEMM2's weights by GEMM1's CTAs (set_decode_l2_prefetch; sm_90a image only, where
   // cp.async.bulk.prefetch exists): the byte rule decode_l2_prefetch_tiles on the w2 bytes of the
   // touched experts, per GEMM2 K range (its warps x its split, swap_k_range).

@@ -105,7 +105,10 @@ __device__ __forceinline__ F& swap_phase_wrap(F& f) {
 ///     kDecodeOneTokenTailRule, moe.hpp decode_one_token_tail): one-token tiles
 ///     exchange only accumulator column 2t in swap_reduce / swap_cluster_combine and skip column
 ///     2t + 1 in swap_epilogue1 (nothing reads it: bit-identical outputs).
-constexpr unsigned kOneTokenLoop = 1u, kOneTokenTail = 2u;
+///   kEpiSpread (session 17, epi17; set_decode_paths kDecodeEpiSpread): GEMM1's cross-warp reduction
+///     and SiLU*up / MXFP8 epilogue spread over the CTA's warps (swap_reduce_epilogue1_spread) where
+///     the CTA has 4, 8 or 16 warps and no cluster split-K; GEMM2 ignores the bit.
+constexpr unsigned kOneTokenLoop = 1u, kOneTokenTail = 2u, kEpiSpread = 4u;
 
 /// Per-warp ring stage: 8 strips x one K-tile (strip i = 2m + (0 for a, 1 for b)): index bytes and
 /// codebooks. The scale bytes (1 per tile) are loaded into registers one K-tile ahead instead.
@@ -583,10 +586,12 @@ __device__ __forceinline__ bool swap_reduce(unsigned char* smem, float (&acc)[4]
   return true;
 }
 
-/// Dynamic shared memory of a swap-AB CTA of `warps` warps.
+/// Dynamic shared memory of a swap-AB CTA of `warps` warps: the K-loop rings, reused after it by
+/// swap_reduce ((warps - 1) x 16 NB x 32 floats) or swap_reduce_epilogue1_spread (warps x 16 NB x 32
+/// floats of partial sums, then 2 NB x 4 x 32 floats of block amaxes).
 template <int NB>
 constexpr int swap_smem_bytes(int warps) {
-  const int ring = warps * SwapRing::kWarpBytes, red = (warps - 1) * 16 * NB * 32 * 4;
+  const int ring = warps * SwapRing::kWarpBytes, red = (warps * 16 * NB + 2 * NB * 4) * 32 * 4;
   return ring > red ? ring : red;
 }
 
@@ -669,6 +674,92 @@ __device__ __forceinline__ void swap_epilogue1(const SwapTokens<NB>& tk, int nbl
       if (g == 0) hsf[static_cast<long long>(p) * (Ip / 32) + G] = ue8m0_f(b);
     }
   }
+}
+
+/// GEMM1's cross-warp reduction and epilogue spread over the CTA's nw = 4, 8 or 16 warps (kEpiSpread;
+/// session 17, epi17), instead of swap_reduce + swap_epilogue1 in warp 0 alone. Every thread of the
+/// CTA calls it with its warp's partial sums `acc` (swap_warp_gemm's layout; no cluster split-K).
+/// Work split: warp w takes m16 tile m = w % 4 (I-columns 8(4G+m)..+7) and the items i = (nb, u) =
+/// (i / 2, i % 2) (token block, accumulator column 2t+u) with i % (nw / 4) == w / 4: for each it sums
+/// the gate / up values of all nw warps from shared memory in warp order (warp 0's value + warp 1's
+/// + ... : the same FP32 additions in the same order as swap_reduce), computes SiLU*up and its BF16
+/// value exactly as swap_epilogue1, and its 8-row amax (same 3 shuffles); the 4 m tiles' amaxes meet
+/// in shared memory after one __syncthreads and give the block amax (a maximum of non-negative
+/// values, INFINITY where any h value is not finite: the same value in any order), hence the same
+/// UE8M0 scale, E4M3 bytes and stores as swap_epilogue1 (bit-identical outputs). `tail` as there.
+/// Shared memory: swap_smem_bytes(nw) (the ring, free after the K-loop).
+template <int kDec, int NB>
+__device__ __forceinline__ void swap_reduce_epilogue1_spread(unsigned char* smem, const float (&acc)[4][NB][4],
+                                                             const SwapTokens<NB>& tk, int nblocks, const bool (&ok)[8],
+                                                             long long G, long long Ip, void* hq, float* hsf,
+                                                             bool tail) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5, g = lane >> 2;
+  const int m = warp & 3, grp = warp >> 2, gmask = (nw >> 2) - 1;  // nw / 4 = 1, 2 or 4 groups
+  constexpr int kPer = 16 * NB;  // floats per lane and warp
+  float* red = reinterpret_cast<float*>(smem);
+  float* amax = red + nw * kPer * 32;  // [2 NB items][4 m][32 lanes]
+  __syncthreads();  // every warp's ring copies have landed (cp_async_wait<0>): the ring is free
+#pragma unroll
+  for (int mm = 0; mm < 4; ++mm)
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+        if (!(tail && (r & 1))) red[(warp * kPer + (mm * NB + nb) * 4 + r) * 32 + lane] = acc[mm][nb][r];
+  __syncthreads();
+  swap_phase_mark<0>(6);
+  bool okm = ok[0];
+#pragma unroll
+  for (int mm = 1; mm < 4; ++mm)
+    if (m == mm) okm = ok[2 * mm];
+  // Items (CTA-uniform skips, so every warp writes and reads the same amax entries).
+  auto skip = [&](int nb, int u) { return nb >= nblocks || (u == 1 && tail && tk.count <= 8 * nb + 1); };
+  float hv[2 * NB];
+#pragma unroll
+  for (int i = 0; i < 2 * NB; ++i) {
+    const int nb = i >> 1, u = i & 1;
+    hv[i] = 0.0f;
+    if ((i & gmask) != grp || skip(nb, u)) continue;
+    const float* src = red + ((m * NB + nb) * 4 + u) * 32 + lane;
+    float gg = src[0], uu = src[2 * 32];
+    for (int w = 1; w < nw; ++w) {
+      gg += src[w * kPer * 32];
+      uu += src[w * kPer * 32 + 2 * 32];
+    }
+    const float v = okm ? (gg / (1.0f + expf(-gg))) * uu : 0.0f;
+    hv[i] = bf16_round(v);
+    float a = fmaxf(0.0f, fabsf(hv[i]));
+    if (!isfinite(hv[i])) a = INFINITY;
+    a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 4));
+    a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 8));
+    a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 16));
+    amax[(i * 4 + m) * 32 + lane] = a;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < 2 * NB; ++i) {
+    const int nb = i >> 1, u = i & 1;
+    if ((i & gmask) != grp || skip(nb, u)) continue;
+    const float* am = amax + i * 4 * 32 + lane;
+    const float a = fmaxf(fmaxf(am[0], am[32]), fmaxf(am[64], am[96]));
+    const unsigned char b = mx_block_scale(a, MxScaleRule::Rceil);
+    const int p = tk.pair_c[nb][u];
+    if (p < 0) continue;
+    // Padding I-columns (I..Ip-1) are written as zeros: GEMM2 reads all Ip columns.
+    const unsigned char q8 = (b == 255) ? 0 : mx_encode(hv[i], b);
+    const long long at = static_cast<long long>(p) * Ip + 8 * (4 * G + m);
+    if constexpr (kDec == kDecFp8) {
+      static_cast<unsigned char*>(hq)[at + g] = q8;
+    } else if constexpr (kDec == kDecWg) {  // the wgmma B order (wg_pos, moe_kernels.cuh)
+      static_cast<unsigned char*>(hq)[static_cast<long long>(p) * Ip + 32 * G + wg_pos(8 * m + g)] = q8;
+    } else if (kDec == kDecCvt && tail) {
+      static_cast<uint16_t*>(hq)[at + perm8(g, false)] = static_cast<uint16_t>(e4m3x2_to_f16x2(q8) & 0xffffu);
+    } else {
+      static_cast<uint16_t*>(hq)[at + perm8(g, kDec == kDecByte)] = __half_as_ushort(__float2half_rn(e4m3_to_float(q8)));
+    }
+    if (m == 0 && g == 0) hsf[static_cast<long long>(p) * (Ip / 32) + G] = ue8m0_f(b);
+  }
+  swap_phase_mark<0>(7);
 }
 
 /// GEMM2's epilogue in warp 0: the FP32 rows of y.
@@ -982,6 +1073,12 @@ __device__ __forceinline__ void swapab_gemm1_body(LutbW w, const void* __restric
   swap_phase_mark<0>(5);
   if (pf.kpf > 0 && pf.late && warp == nw - 1) swap_l2_prefetch(pf, e);
   const bool tail = (one_token & kOneTokenTail) && tk.count == 1;
+  // kEpiSpread: the reduction and epilogue over all warps (CTA-uniform; not with the cluster split).
+  if (!kSplit && (one_token & kEpiSpread) && (nw == 4 || nw == 8 || nw == 16)) {
+    swap_reduce_epilogue1_spread<kDec, NB>(swap_smem, acc, tk, nblocks, ok, swap_strip_group(ksplit), Ip, hq, hsf,
+                                           tail);
+    return;
+  }
   bool warp0 = swap_reduce<NB>(swap_smem, acc, tail);
   if constexpr (kSplit) warp0 = swap_cluster_combine<NB>(warp0, acc, tail);
   swap_phase_mark<0>(6);

@@ -562,5 +562,69 @@ TEST(MoeDecodePaths, OneTokenTailBitIdenticalOneWaveMatchesReference) {
   }
 }
 
+// kDecodeEpiSpread (session 17, epi17): GEMM1's cross-warp reduction and SiLU*up / MXFP8 epilogue in
+// all warps of a 4-, 8- or 16-warp CTA instead of warp 0 alone; same FP32 additions in the same warp
+// order and the same roundings, so the output must equal the same forward without the flag BIT FOR
+// BIT, on every path: direct T = 1 / T = 4 (fused reduction and separate), grouped tiles (two token
+// blocks on the E = 8, T = 16, k = 8 shape), padded H and I, with and without the one-token tail,
+// forced split-K (GEMM1 keeps warp 0's path there), the Cvt, FP8 and byte decoders; outputs and
+// workspace poisoned before every forward. The GEMM1 warps (decode_swap_warps, 132 SMs): H = 2048
+// and 4096 give 4 or 8 warps, E = 8 / H = 4096 / I = 256 / T = 1 16 warps (16 CTAs, 64 K-tiles),
+// H = 256 / 320 / 200 1-2 warps (the unchanged path). On devices without the sm_90a kernels the flag
+// changes nothing and the equalities hold trivially.
+class MoeDecodeEpiSpread : public ::testing::TestWithParam<PathCase> {};
+
+TEST_P(MoeDecodeEpiSpread, BitIdenticalToDefault) {
+  if (!gpu_here()) GTEST_SKIP() << "no CUDA device: skipping GPU test";
+  const PathCase c = GetParam();
+  const cuda::WeightDecoder decs[] = {cuda::WeightDecoder::Auto, cuda::WeightDecoder::Fp8Mma,
+                                      cuda::WeightDecoder::BytePermute};
+  constexpr unsigned kTail = cuda::kDecodeOneTokenTail | cuda::kDecodeOneTokenTailRule;
+  std::mt19937 rng(4096 + static_cast<unsigned>(c.E * 7 + c.H + 3 * c.I + c.T));
+  const Layer L(c.E, c.H, c.I, rng);
+  const auto x = rand_x(c.T * c.H, rng);
+  std::vector<int> allowed;
+  for (int e = 0; e < c.E; ++e)
+    if (!c.holes || e % 2 == 0) allowed.push_back(e);
+  std::vector<std::int32_t> ids;
+  std::vector<float> wts;
+  routing(c.T, c.k, allowed, rng, ids, wts);
+  const auto ref = moe_reference(L.w13, L.w2, c.H, c.I, x, c.T, c.k, ids, wts);
+  const int split[4] = {2, 1, 2, 1};
+  for (cuda::WeightDecoder d : decs) {
+    cuda::set_weight_decoder(d);
+    for (unsigned p : {cuda::kDecodePathsDefault, cuda::kDecodePathsDefault & ~kTail,
+                       cuda::kDecodePathsDefault & ~cuda::kDecodeClusterReduce,
+                       cuda::kDecodeDirectAlways | cuda::kDecodeClusterReduceAlways | cuda::kDecodeOneTokenTail})
+      for (const int* sp : {static_cast<const int*>(nullptr), static_cast<const int*>(split)}) {
+        SCOPED_TRACE(::testing::Message() << "decoder " << static_cast<int>(d) << " paths " << p << (sp ? " split" : ""));
+        const auto base = forward(L, x, c.T, c.k, ids, wts, p & ~cuda::kDecodeEpiSpread, sp);
+        expect_close(base, ref);
+        const auto spread = forward(L, x, c.T, c.k, ids, wts, p | cuda::kDecodeEpiSpread, sp);
+        EXPECT_TRUE(spread == base) << "kDecodeEpiSpread changed the output bits";
+      }
+  }
+  cuda::set_weight_decoder(cuda::WeightDecoder::Auto);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, MoeDecodeEpiSpread,
+                         ::testing::Values(PathCase{128, 256, 64, 1, 8, false},   // 1-2 warps: unchanged path
+                                           PathCase{16, 200, 72, 16, 4, false},   // padded H and I
+                                           PathCase{8, 4096, 1024, 4, 2, false},  // long K; 4-8 warps
+                                           PathCase{8, 2048, 1536, 1, 8, false},  // T = 1, 4 or 8 warps
+                                           PathCase{8, 4096, 256, 1, 2, false},   // 16 warps
+                                           PathCase{8, 2048, 512, 16, 8, false},  // two token blocks, 8 warps
+                                           PathCase{64, 2048, 160, 4, 8, true}),  // T = 4 direct; padded I
+                         [](const ::testing::TestParamInfo<PathCase>& i) {
+                           const PathCase& c = i.param;
+                           std::string n = "E";
+                           for (const auto& [tag, v] : {std::pair<const char*, int>{"", c.E}, {"_H", c.H}, {"_I", c.I},
+                                                        {"_T", c.T}, {"_k", c.k}}) {
+                             n += tag;
+                             n += std::to_string(v);
+                           }
+                           return n;
+                         });
+
 }  // namespace
 }  // namespace lutb::test

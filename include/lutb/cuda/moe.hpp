@@ -231,11 +231,18 @@ bool decode_fuse_reduce(std::int64_t gemm2_ctas, int top_k, int sms);
 ///     decode_one_token_tail() says so (below);
 ///   kDecodeOneWave (session 17, small17): decode_swap_warps' one-wave condition (below): the warps
 ///     per CTA are not doubled where that would turn a grid that is resident at once into two waves
-///     (Qwen3-235B T = 1 GEMM1: 384 CTAs of 8 warps, 2 resident per SM, ran in two waves).
+///     (Qwen3-235B T = 1 GEMM1: 384 CTAs of 8 warps, 2 resident per SM, ran in two waves);
+///   kDecodeEpiSpread (session 17, epi17; mma.sync swap-AB GEMM1 of 4, 8 or 16 warps without cluster
+///     split-K): the cross-warp reduction and the SiLU*up / MXFP8 epilogue of h run in all warps of
+///     the CTA (warp w: m16 tile w % 4, token blocks / accumulator columns by w / 4; the block amax
+///     across the 4 tiles through shared memory) instead of warp 0 alone. Same FP32 additions in the
+///     same warp order, same roundings: bit-identical outputs. Measured in docs/perf/moe-gpu.md
+///     "Session 17: GEMM1's epilogue over the CTA's warps (epi17)".
 inline constexpr unsigned kDecodeDirect = 1u, kDecodeDirectAlways = 2u, kDecodeClusterReduce = 4u,
                           kDecodeNoDirect1 = 8u, kDecodeSplitK = 16u, kDecodeClusterReduceAlways = 32u,
                           kDecodeLateScales = 64u, kDecodeLateScales96 = 128u, kDecodeLateScalesRule = 256u,
-                          kDecodeOneTokenTail = 512u, kDecodeOneWave = 1024u, kDecodeOneTokenTailRule = 2048u;
+                          kDecodeOneTokenTail = 512u, kDecodeOneWave = 1024u, kDecodeOneTokenTailRule = 2048u,
+                          kDecodeEpiSpread = 4096u;
 /// The default set (the paths measured faster, docs/perf/moe-gpu.md "Session 14", "Session 16" and
 /// "Session 17").
 inline constexpr unsigned kDecodePathsDefault =
