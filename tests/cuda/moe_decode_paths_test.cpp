@@ -568,10 +568,15 @@ TEST(MoeDecodePaths, OneTokenTailBitIdenticalOneWaveMatchesReference) {
 // BIT, on every path: direct T = 1 / T = 4 (fused reduction and separate), grouped tiles (two token
 // blocks on the E = 8, T = 16, k = 8 shape), padded H and I, with and without the one-token tail,
 // forced split-K (GEMM1 keeps warp 0's path there), the Cvt, FP8 and byte decoders; outputs and
-// workspace poisoned before every forward. The GEMM1 warps (decode_swap_warps, 132 SMs): H = 2048
-// and 4096 give 4 or 8 warps, E = 8 / H = 4096 / I = 256 / T = 1 16 warps (16 CTAs, 64 K-tiles),
-// H = 256 / 320 / 200 1-2 warps (the unchanged path). On devices without the sm_90a kernels the flag
-// changes nothing and the equalities hold trivially.
+// workspace poisoned before every forward. GEMM1's warps and split (decode_swap_warps,
+// decode_k_split, 132 SMs), worked by hand: E = 8 / H = 2048 / I = 1536 / T = 1: 384 CTAs of 4 warps
+// (one-wave rule), no split; E = 8 / H = 2048 / I = 512 / T = 16: 128 CTAs of 8 warps, two token
+// blocks, no split; E = 64 / H = 2048 / I = 160 / T = 4 (grouped, ~20 experts x 6 groups): 8 warps,
+// no split; E = 8 / H = 4096 / I = 256 / T = 1: 16 CTAs of 16 warps, split by the rule where
+// kDecodeSplitK is set, so unsplit (the spread path) only in the last path set (no kDecodeSplitK);
+// E = 8 / H = 4096 / I = 1024 / T = 4: 8 warps, split or not by the touched experts; H = 256 / 200:
+// 1-2 warps (the unchanged path). On devices without the sm_90a kernels the flag changes nothing and
+// the equalities hold trivially.
 class MoeDecodeEpiSpread : public ::testing::TestWithParam<PathCase> {};
 
 TEST_P(MoeDecodeEpiSpread, BitIdenticalToDefault) {
@@ -612,7 +617,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, MoeDecodeEpiSpread,
                                            PathCase{16, 200, 72, 16, 4, false},   // padded H and I
                                            PathCase{8, 4096, 1024, 4, 2, false},  // long K; 4-8 warps
                                            PathCase{8, 2048, 1536, 1, 8, false},  // T = 1, 4 or 8 warps
-                                           PathCase{8, 4096, 256, 1, 2, false},   // 16 warps
+                                           PathCase{8, 4096, 256, 1, 2, false},   // 16 warps (no kDecodeSplitK)
                                            PathCase{8, 2048, 512, 16, 8, false},  // two token blocks, 8 warps
                                            PathCase{64, 2048, 160, 4, 8, true}),  // T = 4 direct; padded I
                          [](const ::testing::TestParamInfo<PathCase>& i) {
