@@ -619,7 +619,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, MoeDecodeEpiSpread,
                                            PathCase{8, 2048, 1536, 1, 8, false},  // T = 1, 4 or 8 warps
                                            PathCase{8, 4096, 256, 1, 2, false},   // 16 warps (no kDecodeSplitK)
                                            PathCase{8, 2048, 512, 16, 8, false},  // two token blocks, 8 warps
-                                           PathCase{64, 2048, 160, 4, 8, true}),  // T = 4 direct; padded I
+                                           PathCase{64, 2048, 160, 4, 8, true}),  // T = 4 grouped, holes; padded I
                          [](const ::testing::TestParamInfo<PathCase>& i) {
                            const PathCase& c = i.param;
                            std::string n = "E";
