@@ -125,7 +125,9 @@ void launch_swapab(const DeviceMoeWeights& w, const kern::Routing& r, const deta
   }();
   (void)res_ready;
   const unsigned paths = detail::decode_paths();
-  const bool one_wave = (paths & kDecodeOneWave) != 0;
+  // One token block only (kDecodeOneWave, moe.hpp): with two, Mixtral T = 64's GEMM2 kept 2 warps and
+  // ran 1.077x slower than with session 16's 4 (device run k-run1).
+  const bool one_wave = (paths & kDecodeOneWave) != 0 && NB == 1;
   int nw1 = swap_warps(touched * groups1, w13.tiles_k, kMostWarps, res1, one_wave);
   int nw2 = swap_warps(touched * groups2, w2.tiles_k, kMostWarps, res2, one_wave);
   // Split-K across cluster CTAs (decode_k_split, moe.hpp; sm_90a only; never for a GEMM2 that

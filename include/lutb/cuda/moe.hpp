@@ -231,7 +231,10 @@ bool decode_fuse_reduce(std::int64_t gemm2_ctas, int top_k, int sms);
 ///     decode_one_token_tail() says so (below);
 ///   kDecodeOneWave (session 17, small17): decode_swap_warps' one-wave condition (below): the warps
 ///     per CTA are not doubled where that would turn a grid that is resident at once into two waves
-///     (Qwen3-235B T = 1 GEMM1: 384 CTAs of 8 warps, 2 resident per SM, ran in two waves).
+///     (Qwen3-235B T = 1 GEMM1: 384 CTAs of 8 warps, 2 resident per SM, ran in two waves). Applied to
+///     kernels of one token block only: with two (Mixtral T = 64's GEMM2, 512 CTAs of 224 K-tiles) it
+///     kept 2 warps where the old rule's 4 (two full waves) ran 1.077x faster (device run k-run1,
+///     docs/perf/moe-gpu.md "Current figures").
 inline constexpr unsigned kDecodeDirect = 1u, kDecodeDirectAlways = 2u, kDecodeClusterReduce = 4u,
                           kDecodeNoDirect1 = 8u, kDecodeSplitK = 16u, kDecodeClusterReduceAlways = 32u,
                           kDecodeLateScales = 64u, kDecodeLateScales96 = 128u, kDecodeLateScalesRule = 256u,
