@@ -45,10 +45,10 @@ std::string gpu_description() {
   LUTB_CUDA_CHECK(cudaGetDevice(&dev));
   cudaDeviceProp p{};
   LUTB_CUDA_CHECK(cudaGetDeviceProperties(&p, dev));
-  char buf[256];
-  std::snprintf(buf, sizeof buf, "%s (sm_%d%d, %d SMs, %.1f GiB)", p.name, p.major, p.minor, p.multiProcessorCount,
-                static_cast<double>(p.totalGlobalMem) / (1024.0 * 1024.0 * 1024.0));
-  return buf;
+  char gib[32];
+  std::snprintf(gib, sizeof gib, "%.1f", static_cast<double>(p.totalGlobalMem) / (1024.0 * 1024.0 * 1024.0));
+  return std::string(p.name) + " (sm_" + std::to_string(p.major) + std::to_string(p.minor) + ", " +
+         std::to_string(p.multiProcessorCount) + " SMs, " + gib + " GiB)";
 }
 
 bool gpu_routing_supported(const moe::RouterConfig& rc, std::string* why) {

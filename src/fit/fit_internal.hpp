@@ -43,7 +43,8 @@ void build_sorted(const float* x512, SortedTile& st);
 /// sorted ascending by value, padded with duplicates of the largest entry to 8 (only happens when
 /// fewer than 8 distinct entries are needed), assigns each value to the nearest dequantised entry
 /// (ties to the lower index; exact comparisons against midpoints computed exactly in double),
-/// packs the indices and computes sse and sum_sq in double in flat order.
+/// packs the indices and computes sse and sum_sq in double in flat order. Throws
+/// std::invalid_argument when n_entries is outside 0..8.
 TileFit encode_tile(const float* x512, int scale, const std::uint8_t* entries, int n_entries);
 
 /// Exact squared error of `x512` against a sorted codebook of 8 dequantised values (double,

@@ -3,6 +3,8 @@
 // index; codebooks ascending).
 #include <algorithm>
 #include <cmath>
+#include <stdexcept>
+#include <string>
 
 #include "fit/fit_internal.hpp"
 
@@ -109,6 +111,11 @@ double assign_sse(const float* x512, const float* cb, std::uint8_t* idx512) {
 }
 
 TileFit encode_tile(const float* x512, int scale, const std::uint8_t* entries, int n_entries) {
+  // At most kCodebookSize distinct entries fit the codebook (every fitter hands over <= 8; the bound
+  // also lets the compiler see that m stays in 1..8 below).
+  if (n_entries < 0 || n_entries > kCodebookSize)
+    throw std::invalid_argument("encode_tile: " + std::to_string(n_entries) + " codebook entries, at most " +
+                                std::to_string(kCodebookSize));
   TileFit out;
   float vals[kCodebookSize];
   std::uint8_t bytes[kCodebookSize];
