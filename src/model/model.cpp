@@ -401,9 +401,14 @@ double LanguageModel::forward(const std::int32_t* tokens, std::int64_t batch, st
   for (std::int64_t b = 0; b < batch; ++b) {
     float* lg = logits ? logits + b * T * V : buf.data();
     linear(x.data() + b * T * H, m.head(), nullptr, lg, T, V, H);
+    // Per-position losses in parallel, summed in position order: an OpenMP reduction combines the
+    // threads' partial sums in an unspecified order, which made the loss differ in its last bit
+    // between two runs of the same command (CliGpu.EvalGpuFitEqualsStoredCpuFit, session 17).
+    std::vector<double> per(static_cast<std::size_t>(T > 1 ? T - 1 : 0));
+#pragma omp parallel for schedule(static)
+    for (std::int64_t t = 0; t < T - 1; ++t) per[static_cast<std::size_t>(t)] = nll(lg + t * V, V, tokens[b * T + t + 1]);
     double s = 0.0;
-#pragma omp parallel for reduction(+ : s) schedule(static)
-    for (std::int64_t t = 0; t < T - 1; ++t) s += nll(lg + t * V, V, tokens[b * T + t + 1]);
+    for (const double v : per) s += v;
     total += s;
   }
   return total;

@@ -89,6 +89,24 @@ TEST(ModelForward, BatchingDoesNotChangeTheLoss) {
   EXPECT_NEAR(a.val_loss, sum / (3 * 255), 1e-6);
 }
 
+TEST(ModelForward, LossIsThePositionOrderSumOfTheLogitsNll) {
+  // The returned loss is the sum of nll() over positions 0..T-2 in position order, bit for bit,
+  // whatever the thread count (an OpenMP reduction there combined the threads' partial sums in an
+  // unspecified order: two runs of one command differed in the last bit, session 17).
+  LUTB_MODEL_OR_SKIP(dir, "tiny-mixtral");
+  CheckpointMoe moe(dir, MoeOptions{});
+  LanguageModel lm = LanguageModel::load(dir, moe.factory());
+  const auto tokens = load_token_ids(dir / "val_tokens.safetensors");
+  const std::int64_t T = 256, V = lm.config().vocab_size;
+  std::vector<float> logits(static_cast<std::size_t>(T * V));
+  set_threads(8);
+  const double got = lm.forward(tokens.data(), 1, T, logits.data());
+  double want = 0.0;
+  for (std::int64_t t = 0; t < T - 1; ++t) want += nll(logits.data() + t * V, V, tokens[static_cast<std::size_t>(t + 1)]);
+  EXPECT_EQ(got, want);
+  EXPECT_EQ(lm.forward(tokens.data(), 1, T), got) << "a second run gives another loss";
+}
+
 namespace {
 
 void check_lutb_band(const std::string& name) {
