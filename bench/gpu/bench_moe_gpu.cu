@@ -4,13 +4,15 @@
 //
 // Usage: bench_moe_gpu [--quick] [--shape NAME] [--tokens T] [--variants LIST]
 //   (NAME: deepseek-v3, qwen3-235b, qwen3-30b, mixtral-8x7b; --tokens T or T1,T2,...: only those batch sizes;
-//   --variants, e.g. 0,7 or 1,10: only those forwards of the `make` switch (0..11, 20..37, 40..52, 65..69; 10 = the swap-AB
+//   --variants, e.g. 0,7 or 1,10: only those forwards of the `make` switch (0..11, 20..37, 40..52, 65..73; 10 = the swap-AB
 //   decode on FP8 wgmma, 11 = the warp-specialised swap-AB decode; 20..37: session 14's small-batch paths,
 //   stage timing and forced K splits; 40..49: L2 prefetch of GEMM2's weights; 50 / 51 / 52: the late tile
 //   scales everywhere at 128 / 96 registers / nowhere, session 16; 65..68: session 17 (small17), 65 = the default
 //   (in a -DLUTB_SWAPAB_PHASES build followed by its GEMMs' phase tables), 66 / 67 / 68 = the default without
-//   the one-token tail / kDecodeOneWave / both, 69 = the tail everywhere), a compact row, no cuBLAS: for quick
-//   A/B runs of kernel changes)
+//   the one-token tail / kDecodeOneWave / both, 69 = the tail everywhere; 70..73: session 18 (act18), 70 = the
+//   default with GEMM1's epilogue in the activation kernel (kDecodeActKernel), 71 = 70 without GEMM1's split-K,
+//   72 = the default without it, 73 = 70 followed by the phase tables in a -DLUTB_SWAPAB_PHASES build),
+//   a compact row, no cuBLAS: for quick A/B runs of kernel changes)
 // Each forward (routing kernel excluded; the routing is precomputed by route_softmax_topk /
 // route_deepseek on random logits) is captured in a CUDA graph; R = 8 different routings are cycled
 // so that the experts touched change from call to call (weights of one call are not in L2 for the
@@ -184,7 +186,7 @@ struct Shape {
   bool deepseek;
 };
 
-constexpr int kVariants = 70;  // forwards of the `make` switch below (0..11, 20..37, 40..52, 65..69)
+constexpr int kVariants = 75;  // forwards of the `make` switch below (0..11, 20..37, 40..52, 65..74)
 
 #ifdef LUTB_SWAPAB_PHASES
 // Variant 65 in a -DLUTB_SWAPAB_PHASES build (session 17, small17; lutb/cuda/moe.hpp SwapPhaseRecord
@@ -660,6 +662,20 @@ int main(int argc, char** argv) {
             cuda::set_forward_stop_after(0);
             cuda::set_decode_l2_prefetch(cuda::kDecodeL2PrefetchDefault);
             break;
+          // Session 18 (act18): GEMM1's SiLU*up / MXFP8 epilogue and split-K combine in the activation
+          // kernel (kDecodeActKernel); 71 / 72 without GEMM1's split-K (with / without the kernel);
+          // 73 = 70, in a -DLUTB_SWAPAB_PHASES build followed by its GEMMs' phase tables.
+          case 70:
+          case 71:
+          case 72:
+          case 73: {
+            const unsigned act = variant == 72 ? 0u : cuda::kDecodeActKernel;
+            const unsigned nosplit = variant == 71 || variant == 72 ? cuda::kDecodeSplitK : 0u;
+            cuda::set_decode_paths((cuda::kDecodePathsDefault & ~nosplit) | act);
+            cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st);
+            cuda::set_decode_paths(cuda::kDecodePathsDefault);
+            break;
+          }
           case 50:  // session 16 (dec16): the late tile scales everywhere (kDecodeLateScales)
           case 51:  // ... and the one-token-block kernels at 96 registers (kDecodeLateScales96)
           case 52: {  // session 15's K-loop everywhere (the default without kDecodeLateScalesRule)
@@ -724,7 +740,7 @@ int main(int argc, char** argv) {
         std::sort(v7.begin(), v7.end());
         ms[v] = v7[3];
 #ifdef LUTB_SWAPAB_PHASES
-        if (v == 65) print_swap_phases(gs, st, s.name, T);
+        if (v == 65 || v == 73) print_swap_phases(gs, st, s.name, T);
 #endif
         for (auto g : gs) CK(cudaGraphExecDestroy(g));
         CK(cudaEventDestroy(a));

@@ -224,6 +224,7 @@ Workspace carve(void* base, std::int64_t T, int k, std::int64_t E, std::int64_t 
   w.hs = reinterpret_cast<std::uint8_t*>(take(P * Ip / 32));
   w.hsf = reinterpret_cast<float*>(take(sizeof(float) * P * Ip / 32));
   w.y = reinterpret_cast<float*>(take(sizeof(float) * P * H));
+  w.hpart = reinterpret_cast<float*>(take(sizeof(float) * std::min<std::int64_t>(P, kActMaxPairs) * kActMaxSplit * 2 * Ip));
   w.bytes = o;
   return w;
 }

@@ -30,6 +30,7 @@ struct Workspace {
   std::uint8_t* hs = nullptr;      // [P, Ip/32]
   float* hsf = nullptr;            // [P, Ip/32] FP32 block scales of h (swap-AB kernels)
   float* y = nullptr;              // [P, H]
+  float* hpart = nullptr;          // [min(P, kActMaxPairs) * kActMaxSplit, 2 Ip] GEMM1's sums (kDecodeActKernel)
   std::size_t bytes = 0;
 };
 

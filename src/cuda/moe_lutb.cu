@@ -17,6 +17,7 @@
 #include "moe_gemm.cuh"
 #include "moe_internal.hpp"
 #include "moe_prefill.hpp"
+#include "moe_act.cuh"
 #include "moe_swapab.cuh"
 #include "moe_swapab_sm90.cuh"
 #include "moe_swapab_ws_sm90.cuh"
@@ -166,17 +167,30 @@ void launch_swapab(const DeviceMoeWeights& w, const kern::Routing& r, const deta
     pf.evict_last = detail::l2_prefetch_evict_last() ? 1 : 0;
     pf.late = detail::l2_prefetch_late() ? 1 : 0;
   }
+  // kDecodeActKernel (moe.hpp; act18): GEMM1 stores its sums per split rank to ws.hpart (passed as
+  // its hq) and the activation kernel (moe_act.cuh) writes hq and hsf from them.
+  const bool act = (paths & kDecodeActKernel) && P <= kActMaxPairs && ks1 <= kActMaxSplit;
+  void* const hq1 = act ? static_cast<void*>(ws.hpart) : hq;
+  const unsigned one_token1 = one_token | (act ? kern::kGemm1Partials : 0u);
   const dim3 g1(static_cast<unsigned>(groups1 * ks1), static_cast<unsigned>(slots));
   if (ks1 > 1)
     detail::launch_kernel_cluster("sm90_lutb_mxfp8_moe_gemm1_swapab_splitk", true, swap_gemm1_fn<kDec, NB, true, kLate>(),
                                   g1, dim3(32 * nw1), kern::swap_smem_bytes<NB>(nw1), dim3(ks1, 1, 1), stream, w13, xa,
                                   static_cast<const float*>(ws.xsf), static_cast<long long>(Hp), r,
-                                  static_cast<long long>(I), static_cast<long long>(Ip), hq, ws.hsf, one_token, ks1, pf);
+                                  static_cast<long long>(I), static_cast<long long>(Ip), hq1, ws.hsf, one_token1, ks1, pf);
   else
     detail::launch_kernel("sm80_lutb_mxfp8_moe_gemm1_swapab", true, swap_gemm1_fn<kDec, NB, false, kLate>(), g1,
                           dim3(32 * nw1), kern::swap_smem_bytes<NB>(nw1), stream, w13, xa,
                           static_cast<const float*>(ws.xsf), static_cast<long long>(Hp), r, static_cast<long long>(I),
-                          static_cast<long long>(Ip), hq, ws.hsf, one_token, 1, pf);
+                          static_cast<long long>(Ip), hq1, ws.hsf, one_token1, 1, pf);
+  if (act) {
+    const std::int64_t threads = P * (Ip / 8);
+    detail::launch_kernel("sm80_lutb_mxfp8_moe_act_swapab", true, &kern::swap_act_kernel<kDec>,
+                          dim3(static_cast<unsigned>(detail::ceil_div(threads, kern::kActThreads))),
+                          dim3(kern::kActThreads), 0, stream, static_cast<const float*>(ws.hpart), ks1, r.ids,
+                          static_cast<int>(w.experts), static_cast<long long>(P), static_cast<long long>(I),
+                          static_cast<long long>(Ip), hq, ws.hsf);
+  }
   if (stop == 2) return;
   const dim3 g2(static_cast<unsigned>(groups2 * ks2), static_cast<unsigned>(slots));
   if (fuse_reduce) {

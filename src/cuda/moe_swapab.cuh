@@ -671,6 +671,46 @@ __device__ __forceinline__ void swap_epilogue1(const SwapTokens<NB>& tk, int nbl
   }
 }
 
+/// Bit of the swap-AB GEMM1's `one_token` argument (beside kOneTokenLoop, kOneTokenTail; session 18,
+/// act18): GEMM1 writes its partial sums (swap_store_partials) to the buffer passed as `hq` instead
+/// of running swap_cluster_combine and swap_epilogue1; hsf is not written; the activation kernel
+/// (moe_act.cuh swap_act_kernel) does the epilogue. Launch-uniform (the host sets it for the whole
+/// GEMM, moe_lutb.cu launch_swapab).
+constexpr unsigned kGemm1Partials = 4u;
+
+/// GEMM1's partial-sum workspace: for pair p and split rank q (0..ksplit-1) one row of 2 Ip FP32
+/// values at (p * ksplit + q) * 2 Ip: the gate sums of I-columns 0..Ip-1, then the up sums. Every
+/// column of every valid pair is written by the GEMM1 CTA of its strip group and rank.
+__host__ __device__ constexpr long long act_part_row(long long p, int ksplit, int rank, long long Ip) {
+  return (p * ksplit + rank) * 2 * Ip;
+}
+
+/// GEMM1 CTA's partial sums after swap_reduce (warp 0 only; acc as swap_epilogue1 takes it): lane
+/// (g, t) holds gate (acc[m][nb][u]) and up (acc[m][nb][2 + u]) of I-column 8 (4 G + m) + g for the
+/// pair of accumulator column 2t + u. Pairs of no token (pair_c < 0) are skipped; with the one-token
+/// tail only column 2t was reduced, and only it has a pair.
+template <int NB>
+__device__ __forceinline__ void swap_store_partials(const SwapTokens<NB>& tk, int nblocks, const float (&acc)[4][NB][4],
+                                                    long long G, long long Ip, int rank, int ksplit, float* part) {
+  const int g = (threadIdx.x & 31) >> 2;
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    if (nb >= nblocks) continue;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int p = tk.pair_c[nb][u];
+      if (p < 0) continue;
+      float* row = part + act_part_row(p, ksplit, rank, Ip);
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        const long long c = 8 * (4 * G + m) + g;
+        row[c] = acc[m][nb][u];
+        row[Ip + c] = acc[m][nb][2 + u];
+      }
+    }
+  }
+}
+
 /// GEMM2's epilogue in warp 0: the FP32 rows of y.
 template <int NB>
 __device__ __forceinline__ void swap_epilogue2(const SwapTokens<NB>& tk, int nblocks, const long long (&strip)[8],
@@ -928,6 +968,10 @@ __device__ __forceinline__ void swap_l2_prefetch(const L2Prefetch& pf, long long
 /// 32 * warps (K split across the warps). xa: [T, a_cols] FP16 E4M3 values in the decoder's column
 /// order, or E4M3 bytes (natural order) for kDecFp8. Output hq [P, Ip] in the same form, hs [P, Ip/32]
 /// UE8M0. kLateW: swap_warp_gemm's late tile scales (kDecodeLateScales, moe.hpp), same results.
+/// With kGemm1Partials in `one_token` (every CTA of the launch; act18): after swap_reduce, warp 0
+/// stores the CTA's FP32 gate / up sums to `hq`, taken as the float buffer of act_part_row (its rank
+/// in the cluster's split as the rank), and neither swap_cluster_combine nor swap_epilogue1 runs;
+/// hsf is untouched (moe_act.cuh swap_act_kernel writes hq and hsf from the sums).
 template <int kDec, int NB, bool kSplit, bool kLateW>
 __device__ __forceinline__ void swapab_gemm1_body(LutbW w, const void* __restrict__ xa, const float* __restrict__ xsf,
                                                   long long a_cols, Routing r, long long I, long long Ip,
@@ -991,6 +1035,14 @@ __device__ __forceinline__ void swapab_gemm1_body(LutbW w, const void* __restric
   if (pf.kpf > 0 && pf.late && warp == nw - 1) swap_l2_prefetch(pf, e);
   const bool tail = (one_token & kOneTokenTail) && tk.count == 1;
   bool warp0 = swap_reduce<NB>(swap_smem, acc, tail);
+  if (one_token & kGemm1Partials) {  // the activation kernel does the combine and the epilogue (act18)
+    swap_phase_mark<0>(6);
+    if (!warp0) return;
+    swap_store_partials<NB>(tk, nblocks, acc, swap_strip_group(ksplit), Ip,
+                            kSplit ? static_cast<int>(cluster_rank()) : 0, ksplit, static_cast<float*>(hq));
+    swap_phase_mark<0>(7);
+    return;
+  }
   if constexpr (kSplit) warp0 = swap_cluster_combine<NB>(warp0, acc, tail);
   swap_phase_mark<0>(6);
   if (!warp0) return;

@@ -7,7 +7,9 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <deque>
 #include <random>
 #include <string>
@@ -242,7 +244,11 @@ TEST_P(MoeDecodePathsRandom, MatchReferenceAndFusedReductionBitIdentical) {
                            cuda::kDecodeDirectAlways,
                            cuda::kDecodeNoDirect1,
                            cuda::kDecodeDirectAlways | cuda::kDecodeClusterReduceAlways | cuda::kDecodeSplitK,
-                           cuda::kDecodeDirect | cuda::kDecodeSplitK};
+                           cuda::kDecodeDirect | cuda::kDecodeSplitK,
+                           // act18: the activation kernel (also under racecheck with E16_H200)
+                           cuda::kDecodePathsDefault | cuda::kDecodeActKernel,
+                           cuda::kDecodeDirectAlways | cuda::kDecodeClusterReduceAlways | cuda::kDecodeSplitK |
+                               cuda::kDecodeActKernel};
   std::vector<std::vector<std::uint16_t>> got;
   for (unsigned p : sets) {
     SCOPED_TRACE(::testing::Message() << "paths " << p);
@@ -250,6 +256,8 @@ TEST_P(MoeDecodePathsRandom, MatchReferenceAndFusedReductionBitIdentical) {
     expect_close(got.back(), ref);
   }
   EXPECT_TRUE(got[2] == got[3]) << "fused top-k reduction differs from the separate kernel";
+  EXPECT_TRUE(got[7] == got[1]) << "the activation kernel changed the default path's bits";
+  EXPECT_TRUE(got[8] == got[5]) << "the activation kernel changed the fused path's bits";
   // Split-K across cluster CTAs, forced (grouped and direct forwards): against the reference, and
   // deterministic (the same bits in a second run).
   const int splits[3][4] = {{2, 1, 2, 1}, {2, 0, 2, 0}, {4, 2, 4, 2}};
@@ -559,6 +567,135 @@ TEST(MoeDecodePaths, OneTokenTailBitIdenticalOneWaveMatchesReference) {
     const auto two_waves = forward(L, x, c.T, c.k, ids, wts, cuda::kDecodePathsDefault & ~cuda::kDecodeOneWave);
     expect_close(one_wave, ref);
     expect_close(two_waves, ref);
+  }
+}
+
+}  // namespace
+}  // namespace lutb::test
+
+namespace lutb::test {
+namespace {
+
+// Session 18 (act18): kDecodeActKernel, GEMM1's SiLU*up / MXFP8-of-h epilogue and its split-K
+// combine in a separate activation kernel. Its outputs must equal the default path's bit for bit
+// (the same FP32 / BF16 / E4M3 operations in the same order, the split ranks' sums added in rank
+// order), for every weight decoder of the mma.sync kernels, with and without the direct forward, the
+// fused top-k reduction and GEMM1's split (by rule and forced), at T = 1..4.
+void expect_act_bit_identical(const PathCase& c, unsigned seed, std::initializer_list<std::int64_t> Ts,
+                              bool invalid_ids = false) {
+  std::mt19937 rng(seed + static_cast<unsigned>(c.E * 7 + c.H + 3 * c.I));
+  const Layer L(c.E, c.H, c.I, rng);
+  std::vector<int> allowed;
+  for (int e = 0; e < c.E; ++e)
+    if (!c.holes || e % 2 == 0) allowed.push_back(e);
+  const cuda::WeightDecoder decs[] = {cuda::WeightDecoder::Auto, cuda::WeightDecoder::Fp8Mma,
+                                      cuda::WeightDecoder::BytePermute};
+  const int split[4] = {2, 1, 2, 1};
+  for (std::int64_t T : Ts) {
+    const auto x = rand_x(T * c.H, rng);
+    std::vector<std::int32_t> ids;
+    std::vector<float> wts;
+    routing(T, c.k, allowed, rng, ids, wts);
+    if (invalid_ids) {  // an id below and one above the range: their tokens' rows are NaN in both paths
+      ids[0] = -1;
+      if (T > 1) ids[ids.size() - 1] = static_cast<std::int32_t>(c.E + 3);
+    }
+    for (cuda::WeightDecoder d : decs) {
+      cuda::set_weight_decoder(d);
+      for (unsigned p : {cuda::kDecodePathsDefault, cuda::kDecodePathsDefault & ~cuda::kDecodeSplitK, 0u,
+                         cuda::kDecodeDirectAlways | cuda::kDecodeClusterReduceAlways | cuda::kDecodeSplitK})
+        for (const int* sp : {static_cast<const int*>(nullptr), static_cast<const int*>(split)}) {
+          SCOPED_TRACE(::testing::Message() << "E " << c.E << " H " << c.H << " I " << c.I << " T " << T << " k "
+                                            << c.k << " decoder " << static_cast<int>(d) << " paths " << p
+                                            << (sp ? " split" : ""));
+          const auto base = forward(L, x, T, c.k, ids, wts, p, sp);
+          const auto act = forward(L, x, T, c.k, ids, wts, p | cuda::kDecodeActKernel, sp);
+          EXPECT_TRUE(act == base) << "the activation kernel changed the output bits";
+          if (!invalid_ids) {
+            std::int64_t nan = 0;
+            for (std::uint16_t v : act) nan += std::isnan(bf16_to_float(v));
+            EXPECT_EQ(nan, 0) << "unwritten (poisoned) outputs";
+          }
+        }
+    }
+    cuda::set_weight_decoder(cuda::WeightDecoder::Auto);
+  }
+}
+
+// Small and odd shapes (also run under compute-sanitizer memcheck by scripts/gpu_run.sh moetests).
+TEST(MoeDecodePaths, ActKernelBitIdenticalToDefault) {
+  if (!gpu_here()) GTEST_SKIP() << "no CUDA device: skipping GPU test";
+  expect_act_bit_identical({128, 256, 64, 0, 8, false}, 1801, {1, 2, 3, 4});  // direct, fused, clusters of 8
+  expect_act_bit_identical({16, 200, 72, 0, 4, false}, 1802, {1, 3, 4});      // padded H and I (Ip 128 > I 72)
+  expect_act_bit_identical({32, 320, 96, 0, 8, true}, 1803, {1, 2, 4});       // empty experts, odd K-tiles
+  expect_act_bit_identical({8, 136, 64, 0, 1, false}, 1804, {1, 4});          // k = 1, H % 64 != 0
+  expect_act_bit_identical({16, 256, 64, 0, 4, false}, 1805, {1, 3}, true);   // invalid expert ids: NaN rows
+}
+
+// The four benchmark shapes at their real H and I (DeepSeek-V3, Qwen3-235B, Qwen3-30B; Mixtral with
+// I reduced to 1792), fewer experts: the real K-loop lengths, warp counts and GEMM1 split (Qwen3-30B
+// at T = 1 splits by the rule: 8 x 24 CTAs of 8 warps), one-token and multi-token tiles.
+TEST(MoeActKernel, IssueShapesBitIdenticalToDefault) {
+  if (!gpu_here()) GTEST_SKIP() << "no CUDA device: skipping GPU test";
+  expect_act_bit_identical({16, 2048, 768, 0, 8, false}, 1811, {1, 2, 3, 4});   // Qwen3-30B-A3B
+  expect_act_bit_identical({16, 4096, 1536, 0, 8, false}, 1812, {1, 2, 3, 4});  // Qwen3-235B-A22B
+  expect_act_bit_identical({8, 7168, 2048, 0, 8, false}, 1813, {1, 2, 3, 4});   // DeepSeek-V3
+  expect_act_bit_identical({8, 4096, 1792, 0, 2, false}, 1814, {1, 2, 3, 4});   // Mixtral-8x7B, I / 8
+}
+
+// The flag really moves the epilogue: with the forward stopped after GEMM1 (and the activation
+// kernel), the workspace's GEMM1-sum rows of every pair are written (finite FP32 values) with
+// kDecodeActKernel, and left as poisoned (all bytes 0xff) without it; above kActMaxPairs pairs the
+// flag is ignored (the region is sized for kActMaxPairs pairs).
+TEST(MoeDecodePaths, ActKernelWritesGemm1SumsOnlyWhenSelected) {
+  if (!gpu_here()) GTEST_SKIP() << "no CUDA device: skipping GPU test";
+  std::mt19937 rng(1820);
+  const std::int64_t E = 128, H = 256, I = 64, Ip = 64;
+  const int k = 8;
+  const Layer L(E, H, I, rng);
+  for (std::int64_t T : {std::int64_t{1}, std::int64_t{4}, std::int64_t{17}}) {
+    std::vector<int> allowed(E);
+    for (int e = 0; e < E; ++e) allowed[e] = e;
+    std::vector<std::int32_t> ids;
+    std::vector<float> wts;
+    routing(T, k, allowed, rng, ids, wts);
+    const auto x = rand_x(T * H, rng);
+    const std::int64_t P = T * k;
+    const std::size_t wsb = cuda::moe_workspace_bytes(T, k, E, H, I);
+    // The sums are the last region of the workspace (moe_common.cu carve): kActMaxSplit rows of 2 Ip
+    // FP32 per pair, for min(P, kActMaxPairs) pairs, 256-byte aligned.
+    const std::size_t part_floats = static_cast<std::size_t>(std::min<std::int64_t>(P, cuda::kActMaxPairs)) *
+                                    cuda::kActMaxSplit * 2 * Ip;
+    const std::size_t part_bytes = part_floats * sizeof(float);
+    ASSERT_GE(wsb, part_bytes);
+    const std::size_t part_at = wsb - ((part_bytes + 255) / 256 * 256);
+    for (bool act : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "T " << T << (act ? " act" : ""));
+      Buf<std::uint16_t> dx(x), out(static_cast<std::size_t>(T * H));
+      Buf<std::int32_t> did(ids);
+      Buf<float> dw(wts);
+      Buf<char> ws(wsb);
+      ckd(cudaMemset(ws.p, 0xff, wsb), "poison workspace");
+      cuda::set_decode_paths(cuda::kDecodePathsDefault | (act ? cuda::kDecodeActKernel : 0u));
+      cuda::set_forward_stop_after(2);
+      cuda::moe_forward(L.w, dx.p, T, k, did.p, dw.p, out.p, ws.p, wsb, nullptr, cuda::MoeStrategy::Decode);
+      cuda::set_forward_stop_after(0);
+      cuda::set_decode_paths(cuda::kDecodePathsDefault);
+      ckd(cudaDeviceSynchronize(), "moe_forward");
+      std::vector<float> part(part_floats);
+      ckd(cudaMemcpy(part.data(), ws.p + part_at, part_bytes, cudaMemcpyDeviceToHost), "D2H");
+      std::int64_t finite = 0, poisoned = 0;
+      for (float v : part) {
+        std::uint32_t b;
+        std::memcpy(&b, &v, 4);
+        finite += std::isfinite(v);
+        poisoned += b == 0xffffffffu;
+      }
+      // Unsplit GEMM1 here (few K-tiles): rank 0's row of each pair, 2 Ip values.
+      const std::int64_t expect_written = act && P <= cuda::kActMaxPairs ? P * 2 * Ip : 0;
+      EXPECT_EQ(finite, expect_written);
+      EXPECT_EQ(poisoned, static_cast<std::int64_t>(part_floats) - expect_written);
+    }
   }
 }
 

@@ -235,10 +235,23 @@ bool decode_fuse_reduce(std::int64_t gemm2_ctas, int top_k, int sms);
 ///     kernels of one token block only: with two (Mixtral T = 64's GEMM2, 512 CTAs of 224 K-tiles) it
 ///     kept 2 warps where the old rule's 4 (two full waves) ran 1.077x faster (device run k-run1,
 ///     docs/perf/moe-gpu.md "Current figures").
+///   kDecodeActKernel (session 18, act18; mma.sync swap-AB kernels, forwards of at most
+///     kActMaxPairs pairs whose GEMM1 split is at most kActMaxSplit): GEMM1 stops after its
+///     cross-warp reduction and stores each CTA's FP32 gate / up sums (per split rank) to the
+///     workspace; a small activation kernel between GEMM1 and GEMM2 (PDL chain) adds the ranks' sums
+///     in rank order and does the SiLU*up / BF16 / MXFP8-of-h epilogue with 4 threads per 32-column
+///     block, instead of GEMM1's cluster combine and warp 0's epilogue. Bit-identical outputs (the
+///     same operations in the same order).
 inline constexpr unsigned kDecodeDirect = 1u, kDecodeDirectAlways = 2u, kDecodeClusterReduce = 4u,
                           kDecodeNoDirect1 = 8u, kDecodeSplitK = 16u, kDecodeClusterReduceAlways = 32u,
                           kDecodeLateScales = 64u, kDecodeLateScales96 = 128u, kDecodeLateScalesRule = 256u,
-                          kDecodeOneTokenTail = 512u, kDecodeOneWave = 1024u, kDecodeOneTokenTailRule = 2048u;
+                          kDecodeOneTokenTail = 512u, kDecodeOneWave = 1024u, kDecodeOneTokenTailRule = 2048u,
+                          kDecodeActKernel = 4096u;
+/// Limits of kDecodeActKernel: the workspace (moe_workspace_bytes) holds GEMM1's FP32 gate / up sums
+/// for min(pairs, kActMaxPairs) pairs and kActMaxSplit split ranks (2 x kActMaxPairs x kActMaxSplit
+/// x Ip x 4 bytes: 4 MiB at Ip = 2048); forwards beyond either limit take the default GEMM1 tail.
+inline constexpr std::int64_t kActMaxPairs = 128;
+inline constexpr int kActMaxSplit = 2;
 /// The default set (the paths measured faster, docs/perf/moe-gpu.md "Session 14", "Session 16" and
 /// "Session 17").
 inline constexpr unsigned kDecodePathsDefault =
