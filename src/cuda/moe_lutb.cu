@@ -184,7 +184,7 @@ void launch_swapab(const DeviceMoeWeights& w, const kern::Routing& r, const deta
                           static_cast<const float*>(ws.xsf), static_cast<long long>(Hp), r, static_cast<long long>(I),
                           static_cast<long long>(Ip), hq1, ws.hsf, one_token1, 1, pf);
   if (act) {
-    const std::int64_t threads = P * (Ip / 8);
+    const std::int64_t threads = P * Ip;  // one per I-column of each pair
     detail::launch_kernel("sm80_lutb_mxfp8_moe_act_swapab", true, &kern::swap_act_kernel<kDec>,
                           dim3(static_cast<unsigned>(detail::ceil_div(threads, kern::kActThreads))),
                           dim3(kern::kActThreads), 0, stream, static_cast<const float*>(ws.hpart), ks1, r.ids,
