@@ -169,7 +169,10 @@ void launch_swapab(const DeviceMoeWeights& w, const kern::Routing& r, const deta
   }
   // kDecodeActKernel (moe.hpp; act18): GEMM1 stores its sums per split rank to ws.hpart (passed as
   // its hq) and the activation kernel (moe_act.cuh) writes hq and hsf from them.
-  const bool act = (paths & kDecodeActKernel) && P <= kActMaxPairs && ks1 <= kActMaxSplit;
+  // The rule (kDecodeActKernelRule, decode_act_kernel) for one token block only: two blocks (Mixtral
+  // T = 64, 1.10x in act18-run2) were not yet checked bit for bit on the GPU.
+  const bool act_rule = (paths & kDecodeActKernelRule) && NB == 1 && decode_act_kernel(P / r.top_k, r.top_k, w.experts);
+  const bool act = ((paths & kDecodeActKernel) || act_rule) && P <= kActMaxPairs && ks1 <= kActMaxSplit;
   void* const hq1 = act ? static_cast<void*>(ws.hpart) : hq;
   const unsigned one_token1 = one_token | (act ? kern::kGemm1Partials : 0u);
   const dim3 g1(static_cast<unsigned>(groups1 * ks1), static_cast<unsigned>(slots));
@@ -371,6 +374,13 @@ bool decode_one_token_tail(std::int64_t tokens, int top_k, std::int64_t experts)
   const double p = std::min(1.0, static_cast<double>(top_k) / static_cast<double>(experts));
   const double touched = static_cast<double>(experts) * (1.0 - std::pow(1.0 - p, static_cast<double>(tokens)));
   return touched > 0 && static_cast<double>(tokens) * top_k / touched <= kOneTokenTailMaxPairsPerExpert;
+}
+
+bool decode_act_kernel(std::int64_t tokens, int top_k, std::int64_t experts) {
+  if (tokens <= 1 || top_k < 1 || experts < 1) return false;
+  const double p = std::min(1.0, static_cast<double>(top_k) / static_cast<double>(experts));
+  const double touched = static_cast<double>(experts) * (1.0 - std::pow(1.0 - p, static_cast<double>(tokens)));
+  return touched > 0 && static_cast<double>(tokens) * top_k / touched > kActMinPairsPerExpert;
 }
 
 #ifdef LUTB_SWAPAB_PHASES

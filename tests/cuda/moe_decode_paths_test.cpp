@@ -248,7 +248,8 @@ TEST_P(MoeDecodePathsRandom, MatchReferenceAndFusedReductionBitIdentical) {
                            // act18: the activation kernel (also under racecheck with E16_H200)
                            cuda::kDecodePathsDefault | cuda::kDecodeActKernel,
                            cuda::kDecodeDirectAlways | cuda::kDecodeClusterReduceAlways | cuda::kDecodeSplitK |
-                               cuda::kDecodeActKernel};
+                               cuda::kDecodeActKernel,
+                           cuda::kDecodePathsDefault & ~cuda::kDecodeActKernelRule};
   std::vector<std::vector<std::uint16_t>> got;
   for (unsigned p : sets) {
     SCOPED_TRACE(::testing::Message() << "paths " << p);
@@ -256,7 +257,8 @@ TEST_P(MoeDecodePathsRandom, MatchReferenceAndFusedReductionBitIdentical) {
     expect_close(got.back(), ref);
   }
   EXPECT_TRUE(got[2] == got[3]) << "fused top-k reduction differs from the separate kernel";
-  EXPECT_TRUE(got[7] == got[1]) << "the activation kernel changed the default path's bits";
+  EXPECT_TRUE(got[7] == got[9]) << "the activation kernel changed the default path's bits";
+  EXPECT_TRUE(got[1] == got[9]) << "the activation kernel's rule changed the default path's bits";
   EXPECT_TRUE(got[8] == got[5]) << "the activation kernel changed the fused path's bits";
   // Split-K across cluster CTAs, forced (grouped and direct forwards): against the reference, and
   // deterministic (the same bits in a second run).
@@ -608,9 +610,13 @@ void expect_act_bit_identical(const PathCase& c, unsigned seed, std::initializer
           SCOPED_TRACE(::testing::Message() << "E " << c.E << " H " << c.H << " I " << c.I << " T " << T << " k "
                                             << c.k << " decoder " << static_cast<int>(d) << " paths " << p
                                             << (sp ? " split" : ""));
-          const auto base = forward(L, x, T, c.k, ids, wts, p, sp);
-          const auto act = forward(L, x, T, c.k, ids, wts, p | cuda::kDecodeActKernel, sp);
+          constexpr unsigned kAct = cuda::kDecodeActKernel | cuda::kDecodeActKernelRule;
+          const auto base = forward(L, x, T, c.k, ids, wts, p & ~kAct, sp);
+          const auto act = forward(L, x, T, c.k, ids, wts, (p & ~kAct) | cuda::kDecodeActKernel, sp);
           EXPECT_TRUE(act == base) << "the activation kernel changed the output bits";
+          if (p & cuda::kDecodeActKernelRule) {
+            EXPECT_TRUE(forward(L, x, T, c.k, ids, wts, p, sp) == base) << "the rule changed the output bits";
+          }
           if (!invalid_ids) {
             std::int64_t nan = 0;
             for (std::uint16_t v : act) nan += std::isnan(bf16_to_float(v));
@@ -622,6 +628,32 @@ void expect_act_bit_identical(const PathCase& c, unsigned seed, std::initializer
   }
 }
 
+// The rule decode_act_kernel (moe.hpp): T > 1 and expected pairs per touched expert above 1.2. By
+// hand (E (1 - (1 - k/E)^T) touched): DeepSeek-V3 (E 256, k 8) T = 8 -> 64 / 57.42 = 1.115, T = 12 ->
+// 96 / 81.10 = 1.184, T = 16 -> 128 / 101.96 = 1.255; Qwen3 (E 128, k 8) T = 4 -> 32 / 29.12 = 1.099,
+// T = 6 -> 48 / 41.10 = 1.168, T = 8 -> 64 / 51.62 = 1.240; Mixtral (E 8, k 2) T = 2 -> 4 / 3.5 =
+// 1.143, T = 4 -> 8 / 5.47 = 1.463; E 4, k 8, T = 2: every expert, 16 / 4 = 4.
+TEST(MoeDecodePaths, ActKernelRuleHostOnly) {
+  EXPECT_EQ(cuda::kActMinPairsPerExpert, 1.2);
+  EXPECT_FALSE(cuda::decode_act_kernel(1, 8, 256)) << "T = 1: never (0.95-0.98x measured)";
+  EXPECT_FALSE(cuda::decode_act_kernel(1, 2, 8));
+  EXPECT_FALSE(cuda::decode_act_kernel(1, 8, 4)) << "T = 1 even with k > E (direct one-token tiles)";
+  EXPECT_FALSE(cuda::decode_act_kernel(8, 8, 256)) << "DeepSeek-V3 T = 8: 1.115";
+  EXPECT_FALSE(cuda::decode_act_kernel(12, 8, 256));
+  EXPECT_TRUE(cuda::decode_act_kernel(16, 8, 256)) << "DeepSeek-V3 T = 16: 1.255";
+  EXPECT_FALSE(cuda::decode_act_kernel(4, 8, 128)) << "Qwen3 T = 4: 1.099 (0.93-0.98x measured)";
+  EXPECT_FALSE(cuda::decode_act_kernel(6, 8, 128));
+  EXPECT_TRUE(cuda::decode_act_kernel(8, 8, 128)) << "Qwen3 T = 8: 1.240";
+  EXPECT_FALSE(cuda::decode_act_kernel(2, 2, 8)) << "Mixtral T = 2: 1.143";
+  EXPECT_TRUE(cuda::decode_act_kernel(4, 2, 8)) << "Mixtral T = 4: 1.463";
+  EXPECT_TRUE(cuda::decode_act_kernel(2, 8, 4));
+  EXPECT_FALSE(cuda::decode_act_kernel(0, 8, 128));
+  EXPECT_FALSE(cuda::decode_act_kernel(4, 0, 128));
+  EXPECT_FALSE(cuda::decode_act_kernel(4, 8, 0));
+  EXPECT_TRUE((cuda::kDecodePathsDefault & cuda::kDecodeActKernelRule) != 0);
+  EXPECT_EQ(cuda::kDecodePathsDefault & cuda::kDecodeActKernel, 0u);
+}
+
 // Small and odd shapes (also run under compute-sanitizer memcheck by scripts/gpu_run.sh moetests).
 TEST(MoeDecodePaths, ActKernelBitIdenticalToDefault) {
   if (!gpu_here()) GTEST_SKIP() << "no CUDA device: skipping GPU test";
@@ -630,6 +662,11 @@ TEST(MoeDecodePaths, ActKernelBitIdenticalToDefault) {
   expect_act_bit_identical({32, 320, 96, 0, 8, true}, 1803, {1, 2, 4});       // empty experts, odd K-tiles
   expect_act_bit_identical({8, 136, 64, 0, 1, false}, 1804, {1, 4});          // k = 1, H % 64 != 0
   expect_act_bit_identical({16, 256, 64, 0, 4, false}, 1805, {1, 3}, true);   // invalid expert ids: NaN rows
+  // Added after the last device run of session 18 (act18-run2), not yet run on the GPU: T = 16 (the
+  // rule fires: 4 pairs per expert) and T = 64 with 16 and 32 pairs per expert (two token blocks,
+  // NB = 2; 128 pairs = kActMaxPairs).
+  expect_act_bit_identical({8, 136, 64, 0, 2, false}, 1806, {16, 64});
+  expect_act_bit_identical({8, 1024, 512, 0, 2, true}, 1807, {64});
 }
 
 // The four benchmark shapes at their real H and I (DeepSeek-V3, Qwen3-235B, Qwen3-30B; Mixtral with
@@ -645,15 +682,16 @@ TEST(MoeActKernel, IssueShapesBitIdenticalToDefault) {
 
 // The flag really moves the epilogue: with the forward stopped after GEMM1 (and the activation
 // kernel), the workspace's GEMM1-sum rows of every pair are written (finite FP32 values) with
-// kDecodeActKernel, and left as poisoned (all bytes 0xff) without it; above kActMaxPairs pairs the
-// flag is ignored (the region is sized for kActMaxPairs pairs).
+// kDecodeActKernel, and with the default paths where decode_act_kernel says so, and left as
+// poisoned (all bytes 0xff) otherwise; above kActMaxPairs pairs the flag is ignored (the region is
+// sized for kActMaxPairs pairs). The T = 8 row and the default mode were added after act18-run2.
 TEST(MoeDecodePaths, ActKernelWritesGemm1SumsOnlyWhenSelected) {
   if (!gpu_here()) GTEST_SKIP() << "no CUDA device: skipping GPU test";
   std::mt19937 rng(1820);
   const std::int64_t E = 128, H = 256, I = 64, Ip = 64;
   const int k = 8;
   const Layer L(E, H, I, rng);
-  for (std::int64_t T : {std::int64_t{1}, std::int64_t{4}, std::int64_t{17}}) {
+  for (std::int64_t T : {std::int64_t{1}, std::int64_t{4}, std::int64_t{8}, std::int64_t{17}}) {
     std::vector<int> allowed(E);
     for (int e = 0; e < E; ++e) allowed[e] = e;
     std::vector<std::int32_t> ids;
@@ -669,14 +707,16 @@ TEST(MoeDecodePaths, ActKernelWritesGemm1SumsOnlyWhenSelected) {
     const std::size_t part_bytes = part_floats * sizeof(float);
     ASSERT_GE(wsb, part_bytes);
     const std::size_t part_at = wsb - ((part_bytes + 255) / 256 * 256);
-    for (bool act : {false, true}) {
-      SCOPED_TRACE(::testing::Message() << "T " << T << (act ? " act" : ""));
+    for (int mode = 0; mode < 3; ++mode) {  // without the kernel, forced, the default (its rule)
+      SCOPED_TRACE(::testing::Message() << "T " << T << " mode " << mode);
       Buf<std::uint16_t> dx(x), out(static_cast<std::size_t>(T * H));
       Buf<std::int32_t> did(ids);
       Buf<float> dw(wts);
       Buf<char> ws(wsb);
       ckd(cudaMemset(ws.p, 0xff, wsb), "poison workspace");
-      cuda::set_decode_paths(cuda::kDecodePathsDefault | (act ? cuda::kDecodeActKernel : 0u));
+      const unsigned paths[3] = {cuda::kDecodePathsDefault & ~cuda::kDecodeActKernelRule,
+                                 cuda::kDecodePathsDefault | cuda::kDecodeActKernel, cuda::kDecodePathsDefault};
+      cuda::set_decode_paths(paths[mode]);
       cuda::set_forward_stop_after(2);
       cuda::moe_forward(L.w, dx.p, T, k, did.p, dw.p, out.p, ws.p, wsb, nullptr, cuda::MoeStrategy::Decode);
       cuda::set_forward_stop_after(0);
@@ -691,7 +731,10 @@ TEST(MoeDecodePaths, ActKernelWritesGemm1SumsOnlyWhenSelected) {
         finite += std::isfinite(v);
         poisoned += b == 0xffffffffu;
       }
-      // Unsplit GEMM1 here (few K-tiles): rank 0's row of each pair, 2 Ip values.
+      // Unsplit GEMM1 here (few K-tiles): rank 0's row of each pair, 2 Ip values. The rule: T = 8
+      // (1.24 pairs per expert) only, one token block at every T here.
+      const bool act = mode == 1 || (mode == 2 && cuda::decode_act_kernel(T, k, E));
+      EXPECT_EQ(cuda::decode_act_kernel(T, k, E), T == 8);
       const std::int64_t expect_written = act && P <= cuda::kActMaxPairs ? P * 2 * Ip : 0;
       EXPECT_EQ(finite, expect_written);
       EXPECT_EQ(poisoned, static_cast<std::int64_t>(part_floats) - expect_written);

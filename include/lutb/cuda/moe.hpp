@@ -241,22 +241,38 @@ bool decode_fuse_reduce(std::int64_t gemm2_ctas, int top_k, int sms);
 ///     workspace; a small activation kernel between GEMM1 and GEMM2 (PDL chain) adds the ranks' sums
 ///     in rank order and does the SiLU*up / BF16 / MXFP8-of-h epilogue with 4 threads per 32-column
 ///     block, instead of GEMM1's cluster combine and warp 0's epilogue. Bit-identical outputs (the
-///     same operations in the same order).
+///     same operations in the same order). kDecodeActKernelRule: kDecodeActKernel for one token
+///     block (NB = 1) where decode_act_kernel() says so (below).
 inline constexpr unsigned kDecodeDirect = 1u, kDecodeDirectAlways = 2u, kDecodeClusterReduce = 4u,
                           kDecodeNoDirect1 = 8u, kDecodeSplitK = 16u, kDecodeClusterReduceAlways = 32u,
                           kDecodeLateScales = 64u, kDecodeLateScales96 = 128u, kDecodeLateScalesRule = 256u,
                           kDecodeOneTokenTail = 512u, kDecodeOneWave = 1024u, kDecodeOneTokenTailRule = 2048u,
-                          kDecodeActKernel = 4096u;
+                          kDecodeActKernel = 4096u, kDecodeActKernelRule = 8192u;
 /// Limits of kDecodeActKernel: the workspace (moe_workspace_bytes) holds GEMM1's FP32 gate / up sums
 /// for min(pairs, kActMaxPairs) pairs and kActMaxSplit split ranks (2 x kActMaxPairs x kActMaxSplit
 /// x Ip x 4 bytes: 4 MiB at Ip = 2048); forwards beyond either limit take the default GEMM1 tail.
 inline constexpr std::int64_t kActMaxPairs = 128;
 inline constexpr int kActMaxSplit = 2;
-/// The default set (the paths measured faster, docs/perf/moe-gpu.md "Session 14", "Session 16" and
-/// "Session 17").
+/// The default set (the paths measured faster, docs/perf/moe-gpu.md "Session 14", "Session 16",
+/// "Session 17" and "Session 18").
 inline constexpr unsigned kDecodePathsDefault =
     kDecodeDirect | kDecodeClusterReduce | kDecodeSplitK | kDecodeLateScalesRule | kDecodeOneTokenTailRule |
-    kDecodeOneWave;
+    kDecodeOneWave | kDecodeActKernelRule;
+
+/// kDecodeActKernel by rule (host only; the forward applies it to one-token-block launches within
+/// kActMaxPairs / kActMaxSplit): T > 1 and the expected pairs per touched expert under uniform
+/// routing, T k / (E (1 - (1 - min(1, k/E))^T)) (as decode_one_token_tail), above
+/// kActMinPairsPerExpert. Measured on the H200 (docs/perf/moe-gpu.md "Session 18", device run
+/// act18-run2, four processes in ABBA order, the activation kernel against the default in the same
+/// process): faster in all four on every benchmark row with one token block where this ratio is above
+/// 1.2 -- Qwen3-235B / Qwen3-30B T = 8 (1.24: 1.009-1.024x / 1.030-1.036x) and T = 16 (1.55:
+/// 1.044-1.048x / 1.085-1.088x), DeepSeek-V3 T = 16 (1.26: 1.012-1.017x), Mixtral T = 4, 8, 16
+/// (1.46-4.04: 1.013-1.035x); slower or even where it is at most 1.12 -- every T = 1 (the rule never
+/// fires there; 0.949-0.985x, Qwen3-30B 0.996-1.009x), T = 4 with k = 8 (1.05-1.10: 0.928-0.998x),
+/// DeepSeek-V3 T = 8 (1.12: 0.996-1.017x, left out). Mixtral T = 64 (two token blocks, 16.0:
+/// 1.100-1.102x) is left to kDecodeActKernel until two blocks are checked on the GPU.
+inline constexpr double kActMinPairsPerExpert = 1.2;
+bool decode_act_kernel(std::int64_t tokens, int top_k, std::int64_t experts);
 
 /// kDecodeOneTokenTail by rule (host only): where the expected pairs per touched expert under uniform
 /// routing, T k / (E (1 - (1 - min(1, k/E))^T)), are at most kOneTokenTailMaxPairsPerExpert (T = 1
