@@ -164,6 +164,9 @@ int resident_warps_table(int dp_mode);
 ///     the launcher sets *counter to 0 on `stream` first (cudaMemsetAsync); the counter belongs to the
 ///     launch until it completes (no other launch may use it meanwhile); counter must be non-null.
 /// `max_blocks` > 0 caps the persistent grids' blocks (tests: a few warps looping over many tiles).
+/// fit18: `warps` may also be 8 or 16 for (1, 0), (0, 6) and (1, 10) (src/cuda/fit_dp_modes_s8.cu;
+/// compiled for 16 resident warps per SM, <= 128 registers: 2 blocks of 8 or 1 block of 16, so (1, 0)
+/// runs 16 warps per SM there instead of its 20).
 /// Every tile is fitted by one warp exactly once and writes only its own outputs (and atomicMin's
 /// the error word), so the bytes, per-tile sums and error word do not depend on the order or the
 /// warp (tested against the CPU). Supported (layout, dp_mode): (1, 0) fit12's kernel with the per-tile
@@ -171,7 +174,7 @@ int resident_warps_table(int dp_mode);
 /// (1, 10) (with the sums) and (0, 6) (bytes only) in 4-warp blocks, one tile per warp (kWarpDpDefault
 /// above: the persistent grids took 1.16-1.26x the time, fit17 run 1); optimal and
 /// check-only launches go to launch_warp. std::invalid_argument for other combinations, warps not in
-/// {1, 2, 4}, grid not in 0..2, grid 2 without a counter; std::runtime_error on a CUDA error.
+/// {1, 2, 4, 8, 16} (8 and 16 with (1, 9) or (1, 13)), grid not in 0..2, grid 2 without a counter; std::runtime_error on a CUDA error.
 inline constexpr int kGridPerTile = 0, kGridStride = 1, kGridAtomic = 2;
 void launch_warp_shape(const KernelArgs& a, int layout, int dp_mode, int warps, int grid, unsigned long long* counter,
                        cudaStream_t stream, int max_blocks = 0);
