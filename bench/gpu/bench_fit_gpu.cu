@@ -26,6 +26,12 @@
 // the table modes 9, 10, 13, against the static kernels (the defaults before fit17: layout 1 mode 0
 // with the per-tile sums, layout 0 mode 6 bytes only); alternated forward / reverse / forward /
 // reverse in this process; whole-stack bytes and sums == the default's; expert 0 == CPU), then exit.
+// With LUTB_BENCH_FIT18=1: only fit18's comparison, in fit17's harness (the defaults since fit17 --
+// layout 1 mode 10 with the per-tile sums, layout 0 mode 6 bytes only, both in 4-warp blocks -- against
+// 8- and 16-warp blocks, 2- and 1-warp blocks, layout 0 mode 6 with the sums, layout 1 mode 0, and mode
+// 10 bytes only); =2: the short list of fit18's run 2 (fit17's default with the sums, then layout 0
+// mode 6 with the sums in 4- and 8-warp blocks, and bytes only); LUTB_BENCH_PROFILE_ONLY=4: one launch
+// each of the shapes fit18 profiled with ncu (see there), then exit.
 // With LUTB_BENCH_FIT16=1: only fit16's comparison (the binned DP over a per-tile table of every run
 // cost, launch_warp_dp modes 9, 10, 12 and the diagnostics 13, 14 on layout 1, against the defaults: layout 1 mode 0 with the
 // per-tile sums, layout 0 mode 6 bytes only; alternated forward / reverse / forward / reverse in this
@@ -518,7 +524,8 @@ int main(int argc, char** argv) {
     return 0;
   }
   const char* f18e = std::getenv("LUTB_BENCH_FIT18");
-  const bool f18 = f18e != nullptr && std::string(f18e) == "1";
+  const bool f18 = f18e != nullptr && (std::string(f18e) == "1" || std::string(f18e) == "2");
+  const bool f18b = f18 && std::string(f18e) == "2";  // fit18 run 2: the old default against the new one
   if (const char* f17 = std::getenv("LUTB_BENCH_FIT17"); f18 || (f17 != nullptr && std::string(f17) == "1")) {
     namespace fi = lutb::cuda::fit_internal;
     auto hostv = [](const void* p, std::size_t n) {
@@ -574,11 +581,13 @@ int main(int argc, char** argv) {
     // The defaults first in each group (with the sums: layout 1 mode 0, static 4-warp blocks; bytes
     // only: layout 0 mode 6, static 2-warp blocks); grid 0 a tile per warp, 1 persistent stride, 2
     // persistent counter.
-    // fit18 (LUTB_BENCH_FIT18=1): the defaults since fit17 first in each group (with the sums: layout 1
+    // fit18 (LUTB_BENCH_FIT18=1; =2: the short list of run 2, the fit17 default with the sums first, then
+    // fit18's, layout 0 mode 6 in 4-warp blocks, and 8-warp blocks): the defaults since fit17 first in each group (with the sums: layout 1
     // mode 10 in dynamic 4-warp blocks; bytes only: layout 0 mode 6 in dynamic 4-warp blocks), against
     // 8- and 16-warp blocks, smaller blocks, layout 0 with the sums, and layout 1 mode 0.
     const std::vector<V> vs =
-        f18 ? std::vector<V>{{1, 10, 4, 0, true},  {1, 10, 8, 0, true},  {1, 10, 16, 0, true}, {1, 10, 2, 0, true},
+        f18b ? std::vector<V>{{1, 10, 4, 0, true}, {0, 6, 4, 0, true}, {0, 6, 8, 0, true}, {0, 6, 4, 0, false}, {0, 6, 8, 0, false}}
+        : f18 ? std::vector<V>{{1, 10, 4, 0, true},  {1, 10, 8, 0, true},  {1, 10, 16, 0, true}, {1, 10, 2, 0, true},
                              {1, 10, 1, 0, true},  {0, 6, 4, 0, true},   {0, 6, 8, 0, true},   {0, 6, 16, 0, true},
                              {1, 0, 4, 0, true},   {1, 0, 8, 0, true},   {0, 6, 4, 0, false},  {0, 6, 8, 0, false},
                              {0, 6, 16, 0, false}, {0, 6, 2, 0, false},  {1, 10, 4, 0, false}, {1, 10, 8, 0, false}}

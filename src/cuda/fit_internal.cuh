@@ -100,7 +100,7 @@ int resident_warps_per_sm(int which, int pad_bytes = 0);
 /// each case on the H200 (docs/perf/fit-gpu.md, fit12: with the sums layout 1 is 3-6 % faster than
 /// 0, bytes only 4-6 % slower; since fit17 with the DP mode and block shape of kWarpDpDefault /
 /// kWarpBlockDefault below). Optimal fits and check-only launches ignore the layout.
-inline constexpr int kWarpLayoutDefault = 1;
+inline constexpr int kWarpLayoutDefault = 0;  // (fit18; 1 from fit12 to fit17: see kWarpDpDefault)
 inline constexpr int kWarpLayoutBytesOnly = 0;
 void launch_warp_layout(const KernelArgs& a, int layout, cudaStream_t stream);
 
@@ -138,7 +138,11 @@ void launch_warp_layout(const KernelArgs& a, int layout, cudaStream_t stream);
 /// 4-warp blocks 0.944-0.945 / 0.949-0.950 of the same code in static 2-warp blocks (same 16 warps per
 /// SM). (Before fit17: fit13 run 2 made layout 0 mode 6 the bytes-only kernel, 0.977 / 0.995 of mode
 /// 0's time; layout 1 mode 0 stayed the kernel with the sums.)
-inline constexpr int kWarpDpDefault = 10;
+/// fit18 (docs/perf/fit-gpu.md, fit18 run 1, same run, Gaussian / Student-t(3) w13 stacks, four
+/// alternations each): with the per-tile sums, layout 0 mode 6 in 4-warp blocks (the bytes-only kernel,
+/// writing the sums) takes 0.953-0.955 / 0.958-0.959 of the time of layout 1 mode 10 in 4-warp blocks
+/// (fit17's default); so since fit18 both defaults are layout 0, mode 6, 4-warp blocks.
+inline constexpr int kWarpDpDefault = 6;  // (fit18; 10 in fit17, 0 before)
 inline constexpr int kWarpDpBytesOnly = 6;
 inline constexpr int kWarpBlockDefault = 4;
 void launch_warp_dp(const KernelArgs& a, int layout, int dp_mode, cudaStream_t stream);
