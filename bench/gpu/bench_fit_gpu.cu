@@ -26,6 +26,12 @@
 // the table modes 9, 10, 13, against the static kernels (the defaults before fit17: layout 1 mode 0
 // with the per-tile sums, layout 0 mode 6 bytes only); alternated forward / reverse / forward /
 // reverse in this process; whole-stack bytes and sums == the default's; expert 0 == CPU), then exit.
+// With LUTB_BENCH_FIT18=1: only fit18's comparison, in fit17's harness (the defaults since fit17 --
+// layout 1 mode 10 with the per-tile sums, layout 0 mode 6 bytes only, both in 4-warp blocks -- against
+// 8- and 16-warp blocks, 2- and 1-warp blocks, layout 0 mode 6 with the sums, layout 1 mode 0, and mode
+// 10 bytes only); =2: the short list of fit18's run 2 (fit17's default with the sums, then layout 0
+// mode 6 with the sums in 4- and 8-warp blocks, and bytes only); LUTB_BENCH_PROFILE_ONLY=4: one launch
+// each of the shapes fit18 profiled with ncu (see there), then exit.
 // With LUTB_BENCH_FIT16=1: only fit16's comparison (the binned DP over a per-tile table of every run
 // cost, launch_warp_dp modes 9, 10, 12 and the diagnostics 13, 14 on layout 1, against the defaults: layout 1 mode 0 with the
 // per-tile sums, layout 0 mode 6 bytes only; alternated forward / reverse / forward / reverse in this
@@ -39,6 +45,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -492,7 +499,34 @@ int main(int argc, char** argv) {
                 static_cast<long long>(tiles));
     return 0;
   }
-  if (const char* f17 = std::getenv("LUTB_BENCH_FIT17"); f17 != nullptr && std::string(f17) == "1") {
+  if (const char* po = std::getenv("LUTB_BENCH_PROFILE_ONLY"); po != nullptr && std::string(po) == "4") {
+    // fit18: one launch each of launch_warp_shape's (1, 10) (the default with the per-tile sums) in
+    // 4-warp blocks (the default's launch), 1-warp blocks, 4-warp blocks on the persistent counter grid,
+    // 8- and 16-warp blocks (all with sums), then (0, 6) bytes only in 4- and 2-warp blocks
+    namespace fi = lutb::cuda::fit_internal;
+    unsigned long long* d_ctr = nullptr;
+    ok(cudaMalloc(&d_ctr, 8));
+    lutb::cuda::DeviceFitOut ob = out[3];
+    ob.sse = ob.sum_sq = nullptr;
+    const fi::KernelArgs ka{d_w, 1, N, K, s.tiles_n(), s.tiles_k(), tiles, 0, out[3], -1, d_err};
+    const fi::KernelArgs kb{d_w, 1, N, K, s.tiles_n(), s.tiles_k(), tiles, 0, ob, -1, d_err};
+    fi::launch_warp_shape(ka, 1, 10, 4, fi::kGridPerTile, d_ctr, nullptr);
+    fi::launch_warp_shape(ka, 1, 10, 1, fi::kGridPerTile, d_ctr, nullptr);
+    fi::launch_warp_shape(ka, 1, 10, 4, fi::kGridAtomic, d_ctr, nullptr);
+    fi::launch_warp_shape(ka, 1, 10, 8, fi::kGridPerTile, d_ctr, nullptr);
+    fi::launch_warp_shape(ka, 1, 10, 16, fi::kGridPerTile, d_ctr, nullptr);
+    fi::launch_warp_shape(kb, 0, 6, 4, fi::kGridPerTile, d_ctr, nullptr);
+    fi::launch_warp_shape(kb, 0, 6, 2, fi::kGridPerTile, d_ctr, nullptr);
+    ok(cudaDeviceSynchronize());
+    ok(cudaFree(d_ctr));
+    std::printf("profile-only: one launch each of (1, 10) 4-warp, 1-warp, 4-warp counter grid, 8-warp, 16-warp (sums), "
+                "(0, 6) 4-warp, 2-warp (bytes only), %lld tiles\n", static_cast<long long>(tiles));
+    return 0;
+  }
+  const char* f18e = std::getenv("LUTB_BENCH_FIT18");
+  const bool f18 = f18e != nullptr && (std::string(f18e) == "1" || std::string(f18e) == "2");
+  const bool f18b = f18 && std::string(f18e) == "2";  // fit18 run 2: the old default against the new one
+  if (const char* f17 = std::getenv("LUTB_BENCH_FIT17"); f18 || (f17 != nullptr && std::string(f17) == "1")) {
     namespace fi = lutb::cuda::fit_internal;
     auto hostv = [](const void* p, std::size_t n) {
       std::vector<std::uint8_t> h(n);
@@ -547,24 +581,35 @@ int main(int argc, char** argv) {
     // The defaults first in each group (with the sums: layout 1 mode 0, static 4-warp blocks; bytes
     // only: layout 0 mode 6, static 2-warp blocks); grid 0 a tile per warp, 1 persistent stride, 2
     // persistent counter.
-    const V vs[] = {{1, 0, 0, 0, true},   {1, 0, 4, 0, true},   {1, 0, 2, 0, true},   {1, 0, 1, 0, true},
-                    {1, 0, 4, 1, true},   {1, 0, 4, 2, true},   {1, 0, 2, 2, true},   {1, 0, 1, 2, true},
-                    {1, 10, 0, 0, true},  {1, 10, 4, 0, true},  {1, 10, 4, 2, true},  {1, 10, 2, 2, true},
-                    {1, 10, 1, 2, true},  {1, 9, 4, 2, true},   {1, 13, 0, 0, true},  {1, 13, 4, 0, true},
-                    {0, 6, 0, 0, false},  {0, 6, 4, 0, false},  {0, 6, 2, 0, false},  {0, 6, 1, 0, false},
-                    {0, 6, 4, 2, false},  {0, 6, 2, 2, false},  {1, 0, 4, 2, false},  {1, 10, 4, 2, false}};
-    constexpr int kV = sizeof(vs) / sizeof(vs[0]);
-    constexpr int kBytesBase = 16;  // the first bytes-only variant
-    constexpr int kR = 4;           // alternations: forward, reverse, forward, reverse (ABBA)
-    double t17[kR][kV] = {};
+    // fit18 (LUTB_BENCH_FIT18=1; =2: the short list of run 2, the fit17 default with the sums first, then
+    // fit18's, layout 0 mode 6 in 4-warp blocks, and 8-warp blocks): the defaults since fit17 first in each group (with the sums: layout 1
+    // mode 10 in dynamic 4-warp blocks; bytes only: layout 0 mode 6 in dynamic 4-warp blocks), against
+    // 8- and 16-warp blocks, smaller blocks, layout 0 with the sums, and layout 1 mode 0.
+    const std::vector<V> vs =
+        f18b ? std::vector<V>{{1, 10, 4, 0, true}, {0, 6, 4, 0, true}, {0, 6, 8, 0, true}, {0, 6, 4, 0, false}, {0, 6, 8, 0, false}}
+        : f18 ? std::vector<V>{{1, 10, 4, 0, true},  {1, 10, 8, 0, true},  {1, 10, 16, 0, true}, {1, 10, 2, 0, true},
+                             {1, 10, 1, 0, true},  {0, 6, 4, 0, true},   {0, 6, 8, 0, true},   {0, 6, 16, 0, true},
+                             {1, 0, 4, 0, true},   {1, 0, 8, 0, true},   {0, 6, 4, 0, false},  {0, 6, 8, 0, false},
+                             {0, 6, 16, 0, false}, {0, 6, 2, 0, false},  {1, 10, 4, 0, false}, {1, 10, 8, 0, false}}
+            : std::vector<V>{{1, 0, 0, 0, true},   {1, 0, 4, 0, true},   {1, 0, 2, 0, true},   {1, 0, 1, 0, true},
+                             {1, 0, 4, 1, true},   {1, 0, 4, 2, true},   {1, 0, 2, 2, true},   {1, 0, 1, 2, true},
+                             {1, 10, 0, 0, true},  {1, 10, 4, 0, true},  {1, 10, 4, 2, true},  {1, 10, 2, 2, true},
+                             {1, 10, 1, 2, true},  {1, 9, 4, 2, true},   {1, 13, 0, 0, true},  {1, 13, 4, 0, true},
+                             {0, 6, 0, 0, false},  {0, 6, 4, 0, false},  {0, 6, 2, 0, false},  {0, 6, 1, 0, false},
+                             {0, 6, 4, 2, false},  {0, 6, 2, 2, false},  {1, 0, 4, 2, false},  {1, 10, 4, 2, false}};
+    const int kV = static_cast<int>(vs.size());
+    int kBytesBase = 0;  // the first bytes-only variant
+    while (vs[static_cast<std::size_t>(kBytesBase)].sums) ++kBytesBase;
+    constexpr int kR = 4;  // alternations: forward, reverse, forward, reverse (ABBA)
+    std::vector<std::array<double, kR>> t17(static_cast<std::size_t>(kV));
     bool same_all = true;
     for (int r = 0; r < kR; ++r)
       for (int q = 0; q < kV; ++q) {
         const int v = (r & 1) ? kV - 1 - q : q;
-        t17[r][v] = time_v(vs[v], out[3]);
+        t17[v][r] = time_v(vs[v], out[3]);
         const bool eq = same17(out[3], vs[v].sums);
         if (!eq)
-          std::printf("fit17: layout %d DP mode %d warps %d grid %d sums %d: bytes or sums DIFFER from the default\n",
+          std::printf("fit17/18: layout %d DP mode %d warps %d grid %d sums %d: bytes or sums DIFFER from the default\n",
                       vs[v].layout, vs[v].dp, vs[v].warps, vs[v].grid, vs[v].sums ? 1 : 0);
         same_all = same_all && eq;
       }
@@ -594,14 +639,14 @@ int main(int argc, char** argv) {
     std::printf("| data | BF16 %s sigma 0.02, [%lld, %lld, %lld] = %.3g weights, %lld tiles |\n\n",
                 student ? "Student-t(3)-like" : "Gaussian", static_cast<long long>(E), static_cast<long long>(N),
                 static_cast<long long>(K), static_cast<double>(weights), static_cast<long long>(tiles));
-    std::printf("| fit17: binned-dp, layout, DP mode, block, grid, sums | warps/SM | time alt. 1 / 2 / 3 / 4 (fwd, rev, fwd, rev) "
+    std::printf("| %s: binned-dp, layout, DP mode, block, grid, sums | warps/SM | time alt. 1 / 2 / 3 / 4 (fwd, rev, fwd, rev) "
                 "| weights/s (best) | time / group default (alt. 1 / 2 / 3 / 4) | 654e9 weights | of 45e9/s |\n"
-                "|---|---|---|---|---|---|---|\n");
+                "|---|---|---|---|---|---|---|\n", f18 ? "fit18" : "fit17");
     const char* grid_name[] = {"a tile per warp", "persistent, stride", "persistent, counter"};
     for (int v = 0; v < kV; ++v) {
       const int base = vs[v].sums ? 0 : kBytesBase;
       double tb = 1e30;
-      for (int r = 0; r < kR; ++r) tb = std::min(tb, t17[r][v]);
+      for (int r = 0; r < kR; ++r) tb = std::min(tb, t17[v][r]);
       const double rate = static_cast<double>(weights) / tb;
       int rw = 0;
       char block[64];
@@ -615,8 +660,8 @@ int main(int argc, char** argv) {
       }
       std::printf("| layout %d, DP mode %d, %s, %s, %s | %d | %.4f / %.4f / %.4f / %.4f s | %.3g | %.3f / %.3f / %.3f / %.3f | %.0f s | %.1f%% |\n",
                   vs[v].layout, vs[v].dp, block, grid_name[vs[v].grid], vs[v].sums ? "with per-tile sums" : "bytes only", rw,
-                  t17[0][v], t17[1][v], t17[2][v], t17[3][v], rate, t17[0][v] / t17[0][base], t17[1][v] / t17[1][base],
-                  t17[2][v] / t17[2][base], t17[3][v] / t17[3][base], 654e9 / rate, 100.0 * rate / 45e9);
+                  t17[v][0], t17[v][1], t17[v][2], t17[v][3], rate, t17[v][0] / t17[base][0], t17[v][1] / t17[base][1],
+                  t17[v][2] / t17[base][2], t17[v][3] / t17[base][3], 654e9 / rate, 100.0 * rate / 45e9);
     }
     std::printf("\n| every variant == the default (layout 1, mode 0, with sums): bytes and sums (bytes only: bytes), whole stack | %s |\n",
                 same_all ? "yes" : "NO");

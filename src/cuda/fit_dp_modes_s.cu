@@ -13,6 +13,9 @@ namespace lutb::cuda::fit_internal {
 void launch_shape_table(const KernelArgs& a, int dp_mode, int warps, int grid, unsigned long long* counter,
                         cudaStream_t stream, int max_blocks);  // fit_dp_modes_st.cu
 int resident_shape_table(int dp_mode, int warps);             // fit_dp_modes_st.cu
+void launch_shape_wide(const KernelArgs& a, int layout, int dp_mode, int warps, int grid, unsigned long long* counter,
+                       cudaStream_t stream, int max_blocks);  // fit_dp_modes_s8.cu
+int resident_shape_wide(int layout, int dp_mode, int warps);  // fit_dp_modes_s8.cu
 
 namespace {
 // The compact layout's resident warps per SM (launch_warp_layout 1: 20, <= 96 registers).
@@ -24,8 +27,11 @@ inline void check_shape_args(int layout, int dp_mode, int warps, int grid, const
   if (!pair_ok)
     throw std::invalid_argument("launch_warp_shape: (layout, DP mode) must be (1, 0), (0, 6), (1, 9), (1, 10) or (1, 13), not (" +
                                 std::to_string(layout) + ", " + std::to_string(dp_mode) + ")");
-  if (warps != 1 && warps != 2 && warps != 4)
-    throw std::invalid_argument("launch_warp_shape: warps per block must be 1, 2 or 4, not " + std::to_string(warps));
+  if (warps != 1 && warps != 2 && warps != 4 && warps != 8 && warps != 16)
+    throw std::invalid_argument("launch_warp_shape: warps per block must be 1, 2, 4, 8 or 16, not " + std::to_string(warps));
+  if (warps > 4 && layout == 1 && dp_mode != 0 && dp_mode != 10)  // (fit18: 8, 16 for the defaults' pairs and (1, 0))
+    throw std::invalid_argument("launch_warp_shape: 8- and 16-warp blocks exist for (1, 0), (0, 6) and (1, 10), not (1, " +
+                                std::to_string(dp_mode) + ")");
   if (grid < kGridPerTile || grid > kGridAtomic)
     throw std::invalid_argument("launch_warp_shape: grid must be 0 (a tile per warp), 1 (stride) or 2 (counter), not " +
                                 std::to_string(grid));
@@ -39,6 +45,7 @@ void launch_warp_shape(const KernelArgs& a, int layout, int dp_mode, int warps, 
   check_shape_args(layout, dp_mode, warps, grid, counter);
   if (a.tiles == 0) return;
   if (a.optimal || a.check_only) return launch_warp(a, stream);
+  if (warps > 4) return launch_shape_wide(a, layout, dp_mode, warps, grid, counter, stream, max_blocks);
   if (dp_mode >= 9) return launch_shape_table(a, dp_mode, warps, grid, counter, stream, max_blocks);
   constexpr std::size_t k0 = sizeof(Smem<false>), kc = sizeof(SmemC);
   constexpr int C = kShapeCompactWarps;
@@ -56,6 +63,7 @@ void launch_warp_shape(const KernelArgs& a, int layout, int dp_mode, int warps, 
 int resident_warps_shape(int layout, int dp_mode, int warps) {
   unsigned long long dummy = 0;
   check_shape_args(layout, dp_mode, warps, kGridPerTile, &dummy);
+  if (warps > 4) return resident_shape_wide(layout, dp_mode, warps);
   if (dp_mode >= 9) return resident_shape_table(dp_mode, warps);
   constexpr std::size_t k0 = sizeof(Smem<false>), kc = sizeof(SmemC);
   constexpr int C = kShapeCompactWarps;

@@ -97,10 +97,12 @@ int resident_warps_per_sm(int which, int pad_bytes = 0);
 /// Same bytes and per-tile sums (tested). launch_warp takes kWarpLayoutDefault for binned-dp fits
 /// that write the per-tile sums (quantize_gpu, the online method) and kWarpLayoutBytesOnly for those
 /// that do not (fit_device with null sse and sum_sq): the fastest layout without local memory in
-/// each case on the H200 (docs/perf/fit-gpu.md, fit12: with the sums layout 1 is 3-6 % faster than
-/// 0, bytes only 4-6 % slower; since fit17 with the DP mode and block shape of kWarpDpDefault /
-/// kWarpBlockDefault below). Optimal fits and check-only launches ignore the layout.
-inline constexpr int kWarpLayoutDefault = 1;
+/// each case on the H200 (docs/perf/fit-gpu.md, fit12: with the sums layout 1 was 3-6 % faster than
+/// 0 in the static kernels, bytes only 4-6 % slower; since fit17 with the DP mode and block shape of
+/// kWarpDpDefault / kWarpBlockDefault below; fit18: in 4-warp blocks of dynamic shared memory layout 0
+/// is the faster one with the sums too, so both are 0). Optimal fits and check-only launches ignore
+/// the layout.
+inline constexpr int kWarpLayoutDefault = 0;  // (fit18; 1 from fit12 to fit17: see kWarpDpDefault)
 inline constexpr int kWarpLayoutBytesOnly = 0;
 void launch_warp_layout(const KernelArgs& a, int layout, cudaStream_t stream);
 
@@ -138,7 +140,12 @@ void launch_warp_layout(const KernelArgs& a, int layout, cudaStream_t stream);
 /// 4-warp blocks 0.944-0.945 / 0.949-0.950 of the same code in static 2-warp blocks (same 16 warps per
 /// SM). (Before fit17: fit13 run 2 made layout 0 mode 6 the bytes-only kernel, 0.977 / 0.995 of mode
 /// 0's time; layout 1 mode 0 stayed the kernel with the sums.)
-inline constexpr int kWarpDpDefault = 10;
+/// fit18 (docs/perf/fit-gpu.md, fit18 runs 1 and 2, same process, Gaussian / Student-t(3) w13 stacks,
+/// four alternations each, and the Gaussian w2 stack in run 2): with the per-tile sums, layout 0 mode 6
+/// in 4-warp blocks (the bytes-only kernel, writing the sums) takes 0.953-0.956 / 0.958-0.960 (w2
+/// 0.954-0.955) of the time of layout 1 mode 10 in 4-warp blocks (fit17's default); so since fit18
+/// both defaults are layout 0, mode 6, 4-warp blocks.
+inline constexpr int kWarpDpDefault = 6;  // (fit18; 10 in fit17, 0 before)
 inline constexpr int kWarpDpBytesOnly = 6;
 inline constexpr int kWarpBlockDefault = 4;
 void launch_warp_dp(const KernelArgs& a, int layout, int dp_mode, cudaStream_t stream);
@@ -164,14 +171,19 @@ int resident_warps_table(int dp_mode);
 ///     the launcher sets *counter to 0 on `stream` first (cudaMemsetAsync); the counter belongs to the
 ///     launch until it completes (no other launch may use it meanwhile); counter must be non-null.
 /// `max_blocks` > 0 caps the persistent grids' blocks (tests: a few warps looping over many tiles).
+/// fit18: `warps` may also be 8 or 16 for (1, 0), (0, 6) and (1, 10) (src/cuda/fit_dp_modes_s8.cu;
+/// compiled for 16 resident warps per SM, <= 128 registers: 2 blocks of 8 or 1 block of 16, so (1, 0)
+/// runs 16 warps per SM there instead of its 20).
 /// Every tile is fitted by one warp exactly once and writes only its own outputs (and atomicMin's
 /// the error word), so the bytes, per-tile sums and error word do not depend on the order or the
 /// warp (tested against the CPU). Supported (layout, dp_mode): (1, 0) fit12's kernel with the per-tile
 /// sums, (0, 6) the bytes-only kernel, (1, 9), (1, 10), (1, 13) fit16's table modes; launch_warp runs
-/// (1, 10) (with the sums) and (0, 6) (bytes only) in 4-warp blocks, one tile per warp (kWarpDpDefault
-/// above: the persistent grids took 1.16-1.26x the time, fit17 run 1); optimal and
-/// check-only launches go to launch_warp. std::invalid_argument for other combinations, warps not in
-/// {1, 2, 4}, grid not in 0..2, grid 2 without a counter; std::runtime_error on a CUDA error.
+/// (0, 6) in 4-warp blocks, one tile per warp, with and without the sums since fit18 ((1, 10) with the
+/// sums in fit17; kWarpDpDefault above: the persistent grids took 1.16-1.26x the time, fit17 run 1;
+/// 8-warp blocks were not faster on both data sets, 16-warp blocks 1.07-1.09x, fit18 run 1); optimal
+/// and check-only launches go to launch_warp. std::invalid_argument for other combinations, warps not
+/// in {1, 2, 4, 8, 16} (8 and 16 with (1, 9) or (1, 13)), grid not in 0..2, grid 2 without a counter;
+/// std::runtime_error on a CUDA error.
 inline constexpr int kGridPerTile = 0, kGridStride = 1, kGridAtomic = 2;
 void launch_warp_shape(const KernelArgs& a, int layout, int dp_mode, int warps, int grid, unsigned long long* counter,
                        cudaStream_t stream, int max_blocks = 0);

@@ -807,7 +807,8 @@ TEST(FitGpu, CostTableDpEdgeTiles) {
 // fit17: the block shape as a launch choice (fit_internal::launch_warp_shape): every supported
 // (layout, DP mode) -- (1, 0) fit12's kernel with the per-tile sums, (0, 6) the bytes-only kernel,
 // (1, 9), (1, 10), (1, 13) fit16's table modes; (1, 10) and (0, 6) in 4-warp blocks, one tile per
-// warp, are launch_warp's defaults since fit17 -- in 1-, 2- and 4-warp blocks of dynamic shared memory,
+// warp, are launch_warp's defaults since fit17 -- in 1-, 2- and 4-warp blocks of dynamic shared memory
+// (and, fit18, 8- and 16-warp blocks for (1, 0), (0, 6) and (1, 10)),
 // with one tile per warp (grid 0) and on persistent grids by stride (1) and by a shared counter (2),
 // the persistent grids capped at 3 blocks so that every warp loops over many tiles (up to 171 on the
 // 512-tile stacks) in an order that the counter makes depend on timing: the CPU's bytes and sums on
@@ -817,9 +818,12 @@ TEST(FitGpu, CostTableDpEdgeTiles) {
 TEST(FitGpu, BlockShapesSameBytes) {
   LUTB_GPU_OR_SKIP();
   const std::pair<int, int> pairs[] = {{1, 0}, {0, 6}, {1, 9}, {1, 10}, {1, 13}};
+  // 8- and 16-warp blocks (fit18) exist for (1, 0), (0, 6) and (1, 10)
+  const auto wide_ok = [](int layout, int dp_mode) { return layout == 0 || dp_mode == 0 || dp_mode == 10; };
   for (const auto& [layout, dp_mode] : pairs)
-    for (int warps : {1, 2, 4})
+    for (int warps : {1, 2, 4, 8, 16})
       for (int grid : {0, 1, 2}) {
+        if (warps > 4 && !wide_ok(layout, dp_mode)) continue;
         const ShapeSel sel{warps, grid, grid == 0 ? 0 : 3};
         layout_cases(layout, dp_mode, &sel);
       }
@@ -827,11 +831,13 @@ TEST(FitGpu, BlockShapesSameBytes) {
     const LutbShape s = stack(1, 512, 4096);
     const auto b = to_bf16(random_values(512 * 4096, Dist::kStudentT3, 0.02f, 171));
     for (const auto& [layout, dp_mode] : pairs)
-      for (int grid : {1, 2}) {
-        const ShapeSel sel{4, grid, 0};
-        EXPECT_EQ(expect_two_tiles_same(b.data(), DType::BF16, s, -1, true, layout, dp_mode, &sel), 4096)
-            << layout << " " << dp_mode << " " << grid;
-      }
+      for (int warps : {4, 16})
+        for (int grid : {1, 2}) {
+          if (warps > 4 && !wide_ok(layout, dp_mode)) continue;
+          const ShapeSel sel{warps, grid, 0};
+          EXPECT_EQ(expect_two_tiles_same(b.data(), DType::BF16, s, -1, true, layout, dp_mode, &sel), 4096)
+              << layout << " " << dp_mode << " " << warps << " " << grid;
+        }
   }
   {  // error words of a NaN / -Inf stack: tile 2 (NaN) whatever warp takes which tile
     auto v = random_values(8 * 64 * 6, Dist::kGauss, 0.02f, 13);
@@ -846,8 +852,9 @@ TEST(FitGpu, BlockShapesSameBytes) {
     ASSERT_EQ(cudaMalloc(&d_ctr, 8), cudaSuccess);
     ASSERT_EQ(cudaMemcpy(d_src, v.data(), v.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
     for (const auto& [layout, dp_mode] : pairs)
-      for (int warps : {1, 4})
+      for (int warps : {1, 4, 8})
         for (int grid : {0, 1, 2}) {
+          if (warps > 4 && !wide_ok(layout, dp_mode)) continue;
           cuda::fit_internal::KernelArgs ka{d_src, 0, 8, 64 * 6, 1, 6, 6, 0,
                                             cuda::DeviceFitOut{d_out, d_out + 6 * kPackedBytes,
                                                                d_out + 6 * (kPackedBytes + kCodebookSize), nullptr, nullptr},
@@ -867,14 +874,18 @@ TEST(FitGpu, BlockShapesSameBytes) {
     cudaFree(d_err);
     cudaFree(d_ctr);
   }
-  {  // resident warps per SM of 228 KiB (sm_90): the compact layout at 20 in every shape (9,168 B per
-     // warp, 96 registers), the table layout at 16 in 4-warp blocks (4 x 12,416 B + 1 KiB per block)
+  {  // resident warps per SM of 228 KiB (sm_90): the compact layout at 20 in 1- to 4-warp blocks (9,168 B
+     // per warp, 96 registers), the table layout at 16 in 4-warp blocks (4 x 12,416 B + 1 KiB per block);
+     // 8- and 16-warp blocks (fit18) at 16 in every pair (compiled for 16: 2 blocks of 8, 1 of 16)
     int dev = 0, smem = 0;
     ASSERT_EQ(cudaGetDevice(&dev), cudaSuccess);
     ASSERT_EQ(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev), cudaSuccess);
     if (smem == 233472) {
       for (int warps : {1, 2, 4}) EXPECT_EQ(cuda::fit_internal::resident_warps_shape(1, 0, warps), 20) << warps;
       EXPECT_EQ(cuda::fit_internal::resident_warps_shape(1, 10, 4), 16);
+      for (const auto& [layout, dp_mode] : {std::pair{1, 0}, std::pair{0, 6}, std::pair{1, 10}})
+        for (int warps : {8, 16})
+          EXPECT_EQ(cuda::fit_internal::resident_warps_shape(layout, dp_mode, warps), 16) << layout << " " << dp_mode << " " << warps;
     }
   }
   cuda::fit_internal::KernelArgs ka{};
@@ -886,14 +897,17 @@ TEST(FitGpu, BlockShapesSameBytes) {
   EXPECT_THROW(cuda::fit_internal::launch_warp_shape(ka, 2, 0, 4, 0, &ctr_host, nullptr), std::invalid_argument);
   EXPECT_THROW(cuda::fit_internal::launch_warp_shape(ka, 1, 12, 4, 0, &ctr_host, nullptr), std::invalid_argument);
   EXPECT_THROW(cuda::fit_internal::launch_warp_shape(ka, 1, 0, 3, 0, &ctr_host, nullptr), std::invalid_argument);
-  EXPECT_THROW(cuda::fit_internal::launch_warp_shape(ka, 1, 0, 8, 0, &ctr_host, nullptr), std::invalid_argument);
+  EXPECT_THROW(cuda::fit_internal::launch_warp_shape(ka, 1, 0, 32, 0, &ctr_host, nullptr), std::invalid_argument);
+  EXPECT_THROW(cuda::fit_internal::launch_warp_shape(ka, 1, 9, 8, 0, &ctr_host, nullptr), std::invalid_argument);
+  EXPECT_THROW(cuda::fit_internal::launch_warp_shape(ka, 1, 13, 16, 0, &ctr_host, nullptr), std::invalid_argument);
   EXPECT_THROW(cuda::fit_internal::launch_warp_shape(ka, 1, 0, 4, 3, &ctr_host, nullptr), std::invalid_argument);
   EXPECT_THROW(cuda::fit_internal::launch_warp_shape(ka, 1, 0, 4, 2, no_ctr, nullptr), std::invalid_argument);
   EXPECT_THROW(cuda::fit_internal::resident_warps_shape(0, 0, 4), std::invalid_argument);
 }
 
 // The same on a small stack for the sanitizers (memcheck, racecheck, synccheck): the edge tiles and
-// two 512-distinct FP32 tiles through every supported (layout, DP mode) in 1- and 4-warp blocks, one
+// two 512-distinct FP32 tiles through every supported (layout, DP mode) in 1- and 4-warp blocks (and
+// 16-warp blocks where they exist), one
 // tile per warp and a persistent grid of one block with the shared counter.
 TEST(FitGpu, BlockShapeEdgeTiles) {
   LUTB_GPU_OR_SKIP();
@@ -901,8 +915,9 @@ TEST(FitGpu, BlockShapeEdgeTiles) {
   const std::vector<float> edges = edge_tiles(ne);
   const auto wide = random_values(8 * 64 * 2, Dist::kStudentT3, 0.02f, 41);
   for (const auto& [layout, dp_mode] : {std::pair{1, 0}, std::pair{0, 6}, std::pair{1, 9}, std::pair{1, 10}, std::pair{1, 13}})
-    for (int warps : {1, 4})
+    for (int warps : {1, 4, 16})
       for (int grid : {0, 2}) {
+        if (warps > 4 && layout == 1 && dp_mode != 0 && dp_mode != 10) continue;  // (8, 16: fit18's pairs only)
         SCOPED_TRACE("layout " + std::to_string(layout) + ", DP mode " + std::to_string(dp_mode) + ", warps " +
                      std::to_string(warps) + ", grid " + std::to_string(grid));
         const ShapeSel sel{warps, grid, grid == 0 ? 0 : 1};
