@@ -458,7 +458,9 @@ std::string low_sqnr_warning(const std::string& where, double sse, double sum_sq
 ///   F8_E4M3 [N/8, K/64, 8] and P.weight_scale U8 [N/8, K/64] (stacked: a leading E, names from
 ///   lutb_names()); N, K padded to the tile with zeros; gate and up are fitted as separate tensors.
 /// - Every other tensor is copied bit for bit, in the same shard, in the same order; shard file
-///   names are kept and model.safetensors.index.json is rewritten for the new names and sizes.
+///   names are kept and model.safetensors.index.json is rewritten for the new names and sizes. A
+///   tensor of a shard that the index does not list is not part of the checkpoint (the readers follow
+///   the index): it is not copied (a warning names it), and a routed expert left out is missing.
 /// - Every other file of in_dir (tokenizer, generation config, ...) is copied; config.json gains
 ///   "quantization_config" (see LutbQuantConfig) with logical_shapes for padded tensors. Files that
 ///   hold the (unquantised) weights in another form are not copied but listed in
@@ -467,8 +469,9 @@ std::string low_sqnr_warning(const std::string& where, double sse, double sum_sq
 ///   *.gguf (a framework reading them would silently load the unquantised weights); the training
 ///   state of a checkpoint saved mid-training (transformers' Trainer: optimizer.pt, scheduler.pt,
 ///   scaler.pt, rng_state*.pth, training_args.bin; Accelerate: optimizer*.bin, scheduler*.bin,
-///   random_states_*.pkl); and the folders .cache/, .huggingface/ and .git/ (download caches,
-///   version control) and DeepSpeed's global_stepN/. Other files, other *.safetensors data
+///   random_states_*.pkl); reference_eval.json (the source weights' reference losses, spec section
+///   8, which do not describe the LUT-B weights); and the folders .cache/, .huggingface/ and .git/
+///   (download caches, version control) and DeepSpeed's global_stepN/. Other files, other *.safetensors data
 ///   (val_tokens, activations) included, are copied; one of 100 MiB or more that is not
 ///   *.safetensors is named in a warning; the flag of QuantizeOptions::interrupt is polled per MB
 ///   while they are.
@@ -483,7 +486,8 @@ std::string low_sqnr_warning(const std::string& where, double sse, double sum_sq
 ///   during the run is not replaced without force (CheckpointError "appeared while the output was
 ///   being written"), and with force the rules above are applied to it again.
 /// Errors: CheckpointError when out_dir exists (without force), equals in_dir, is named *.safetensors,
-/// or in_dir is already LUT-B, when a routed-expert tensor's shape or expert index contradicts config.json, when a MoE
+/// or in_dir is already LUT-B (a LUT-B quantization_config, or LUT-B expert tensors and no float ones),
+/// when a routed-expert tensor's shape or expert index contradicts config.json, when a MoE
 /// layer's routed experts are incomplete (a MoE layer below num_hidden_layers without them, or
 /// one missing any expert's projection or one of the stacked pair), or when a MoE layer's routed experts have a bias tensor ("... LUT-B online MoE
 /// quantization does not support bias.", spec 6); ConfigError / SafetensorsError for bad input; std::invalid_argument naming the tensor and

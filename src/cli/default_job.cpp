@@ -69,14 +69,8 @@ void run_default_job(const DefaultArgs& a) {
   using clock = std::chrono::steady_clock;
   // Every option is checked before any work (QA 2026-11-30: a bad --fitter failed only after the
   // synthesis). The ranges of --tokens, --experts and --seed are checked by the parser.
-  if (a.tokens < 1) throw std::invalid_argument(fmt::format("--tokens {}: must be at least 1", a.tokens));
-  if (!a.fitter.empty()) {
-    try {
-      check_fitter_name(a.fitter);
-    } catch (const std::invalid_argument& e) {
-      throw std::invalid_argument(fmt::format("--fitter: {}", e.what()));
-    }
-  }
+  if (a.tokens < 1) throw UsageError(fmt::format("--tokens {}: must be at least 1", a.tokens));
+  if (!a.fitter.empty()) check_fitter_value(a.fitter);
   if (!a.work_dir.empty() && fs::exists(a.work_dir) && !fs::is_directory(a.work_dir))
     throw std::invalid_argument(fmt::format("--work-dir {}: exists and is not a directory", a.work_dir));
   {
@@ -338,8 +332,9 @@ void add_default_job(CLI::App& app) {
                  "default job: routed experts (0 or default: 128, Qwen3-30B-A3B's; fewer for a quick run)")
       ->group(g)->check(IntRange<std::int64_t>(0, 4096));
   auto* fitter_opt =
-      app.add_option("--fitter", a->fitter, "default job: fitter (default " + default_fitter() + ")")->group(g);
-  app.add_option("--seed", a->seed, "default job: token seed")
+      app.add_option("--fitter", a->fitter, "default job: LUT-B fitter: " + fitter_list())->group(g);
+  app.add_option("--seed", a->seed,
+                 "default job: seed of the random tokens (default 1; the synthetic weights always use seed 1234)")
       ->group(g)->check(IntRange<std::uint64_t>(0, std::numeric_limits<std::uint64_t>::max()));
   auto* work_opt = app.add_option("--work-dir", a->work_dir, "default job: directory for the two checkpoints (default a temporary one); missing parent directories are "
                  "created and, unless --keep, removed again; Ctrl-C/SIGTERM remove what the run wrote there")

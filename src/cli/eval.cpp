@@ -49,9 +49,10 @@ void run_eval(const EvalArgs& a) {
   const bool gpu = a.device == "cuda";
   if (gpu) {
     if (a.quant.kernel_opt != nullptr && a.quant.kernel_opt->count() > 0)
-      throw std::invalid_argument(fmt::format("--kernel {} selects a CPU emulation kernel; it does not apply to "
-                                              "--device cuda (the GPU runs its fused kernels)",
-                                              a.quant.kernel));
+      throw UsageError(fmt::format("--kernel {} selects a CPU emulation kernel; it does not apply to "
+                                   "--device cuda (the GPU runs its fused kernels)",
+                                   a.quant.kernel));
+    check_gpu_options(mo);
     require_cuda();
   }
   // --quant lutb on a BF16 checkpoint fits at load: with --device cuda on the GPU (the same bytes).
@@ -194,9 +195,12 @@ void add_eval(CLI::App& app) {
                   "threads (default: all cores; more than the processors available are reduced to that number, "
                   "with a note)")
       ->check(ThreadCount());
-  cmd->add_option("--max-windows", args->max_windows, "evaluate only the first N windows (0 = all)")
+  cmd->add_option("--max-windows", args->max_windows,
+                  "evaluate only the first N windows of 256 tokens (default 0 = all; spec section 8)")
       ->check(IntRange<std::int64_t>(0, std::numeric_limits<std::int64_t>::max()));
-  cmd->add_option("--batch", args->batch, "windows per forward pass (changes only the FP32 summation order: results agree to ~1e-5)")->check(IntRange<std::int64_t>(1, 4096));
+  cmd->add_option("--batch", args->batch,
+                  "windows of 256 tokens per forward pass (default 8; changes only the FP32 summation order: results "
+                  "agree to ~1e-5)")->check(IntRange<std::int64_t>(1, 4096));
   add_device_option(cmd, args->device,
                     "the routed experts of every MoE block (cuda: LUT-B with MXFP8 activations, or --quant none's "
                     "BF16 baseline, on the GPU, and --quant lutb of a BF16 checkpoint fitted there; the rest of the "

@@ -11,6 +11,7 @@
 #include <fmt/core.h>
 
 #include "cli/fit_groups.hpp"
+#include "cli/validators.hpp"
 #include "lutb/fit.hpp"
 #include "lutb/numerics.hpp"
 
@@ -62,11 +63,33 @@ std::string cuda_device_description() {
 
 void check_gpu_fitter(const std::string& fitter) {
 #ifdef LUTB_WITH_CUDA
-  (void)cuda::gpu_fitter(fitter);
+  if (!fitter.empty()) check_fitter_value(fitter);  // an unknown name: the message of every --fitter ("" = default)
+  try {
+    (void)cuda::gpu_fitter(fitter);
+  } catch (const std::invalid_argument&) {
+    throw UsageError(fmt::format("--fitter {}: fitter '{}' has no GPU kernel (GPU fitters: binned-dp, optimal); with "
+                                 "--device cuda give one of those, or use --device cpu",
+                                 fitter, fitter));
+  }
 #else
   (void)fitter;
   throw std::runtime_error(std::string("--device cuda: ") + kNoCudaBuild);
 #endif
+}
+
+void check_gpu_options(const model::MoeOptions& opt) {
+  if (opt.quant == model::Quant::Lutb) {
+    if (opt.activations != moe::ActivationFormat::MXFP8)
+      throw UsageError("--device cuda runs LUT-B experts with MXFP8 activations (spec section 4) only; drop "
+                       "--act-format bf16 or use --device cpu");
+  } else if (opt.quant == model::Quant::None) {
+    if (opt.activations != moe::ActivationFormat::BF16)
+      throw UsageError("--device cuda with --quant none runs the BF16 baseline (BF16 activations, no MXFP8 steps); "
+                       "drop --act-format mxfp8 or use --device cpu");
+  } else {
+    throw UsageError("--device cuda: --quant " + model::quant_name(opt.quant) +
+                     " has no GPU path (GPU: lutb, none); use --device cpu");
+  }
 }
 
 QuantizeOptions::FitFunction gpu_fit_function(std::shared_ptr<GpuFitTally> tally) {
@@ -157,26 +180,18 @@ GpuMoeBlock::GpuMoeBlock(std::unique_ptr<model::MoeBlock> cpu, const model::MoeO
   m.parts = m.cpu->parts();
   if (!m.parts || !m.parts->experts) throw std::invalid_argument("--device cuda: this MoE block exposes no routed experts");
   const moe::MoeConfig& mc = m.parts->experts->config();
+  check_gpu_options(opt);
   if (opt.quant == model::Quant::Lutb) {
-    if (opt.activations != moe::ActivationFormat::MXFP8)
-      throw std::invalid_argument("--device cuda runs LUT-B experts with MXFP8 activations (spec section 4) only; "
-                                  "drop --act-format bf16 or use --device cpu");
     const auto* ex = dynamic_cast<const moe::LutbCpuExperts*>(m.parts->experts);
     if (!ex)
       throw std::invalid_argument("--device cuda: the LUT-B experts are held by the '" + m.parts->experts->name() +
                                   "' emulation kernel; --kernel applies to --device cpu only");
     m.layer = std::make_unique<cuda::GpuMoeLayer>(cuda::GpuMoeLayer::lutb(ex->w13(), ex->w2()));
-  } else if (opt.quant == model::Quant::None) {
-    if (opt.activations != moe::ActivationFormat::BF16)
-      throw std::invalid_argument("--device cuda with --quant none runs the BF16 baseline (BF16 activations, no MXFP8 "
-                                  "steps); drop --act-format mxfp8 or use --device cpu");
+  } else {
     const auto* ex = dynamic_cast<const moe::DenseExperts*>(m.parts->experts);
     if (!ex) throw std::invalid_argument("--device cuda: the BF16 experts are not held as BF16 weights");
     m.layer = std::make_unique<cuda::GpuMoeLayer>(
         cuda::GpuMoeLayer::bf16(ex->w13(), ex->w2(), mc.global_experts, mc.hidden_size, mc.intermediate_size_per_partition));
-  } else {
-    throw std::invalid_argument("--device cuda: --quant " + model::quant_name(opt.quant) +
-                                " has no GPU path (GPU: lutb, none); use --device cpu");
   }
   std::string why;
   if (m.parts->group_limited_greedy) {

@@ -32,9 +32,17 @@ void require_cuda();
 /// The GPU in words ("NVIDIA H200 (sm_90, 132 SMs, 139.8 GiB)"); require_cuda() first.
 std::string cuda_device_description();
 
-/// Throws std::invalid_argument with the library's message ("fitter 'ct-lloyd' has no GPU kernel
-/// (GPU fitters: binned-dp, optimal); ...") when `fitter` ("" = the default) has no GPU kernel.
+/// Throws UsageError (validators.hpp, exit status 2) with the library's message ("--fitter ct-lloyd:
+/// fitter 'ct-lloyd' has no GPU kernel (GPU fitters: binned-dp, optimal); ...") when `fitter` ("" = the
+/// default) has no GPU kernel; in a build without CUDA, std::runtime_error (kNoCudaBuild's message).
 void check_gpu_fitter(const std::string& fitter);
+
+/// The expert settings --device cuda has no path for, judged from the options alone, so that `lutb
+/// eval` / `lutb moe` refuse them as usage errors (UsageError, exit status 2) before looking for a GPU,
+/// on any machine: LUT-B experts with BF16 activations (the GPU runs LUT-B with MXFP8 activations,
+/// spec section 4), BF16 experts (--quant none) with MXFP8 activations, and --quant int3-g128 / mxfp4.
+/// GpuMoeBlock applies the same check.
+void check_gpu_options(const model::MoeOptions& opt);
 
 /// Time and weights of the GPU fits made through gpu_fit_function (for the weights/s line).
 struct GpuFitTally {
@@ -79,7 +87,8 @@ void add_fit_json(nlohmann::json& j, const FitPlacement& f);
 /// else on the CPU with the block's own rule (routing_note() says which and why).
 /// Experts: LUT-B held by the fast CPU kernel (LutbCpuExperts; uploaded packed, lane-major) with
 /// MXFP8 activations, or BF16 (quant none, BF16 activations; moe_forward_bf16, needs H % 64 == 0 and
-/// I % 64 == 0). Anything else throws std::invalid_argument naming what has no GPU path.
+/// I % 64 == 0). Other settings throw UsageError (check_gpu_options); experts held otherwise,
+/// std::invalid_argument naming what has no GPU path.
 class GpuMoeBlock final : public model::MoeBlock {
  public:
   GpuMoeBlock(std::unique_ptr<model::MoeBlock> cpu, const model::MoeOptions& opt);

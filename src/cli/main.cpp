@@ -7,10 +7,22 @@
 
 #include "cli/commands.hpp"
 #include "cli/interrupt.hpp"
+#include "cli/validators.hpp"
 
+namespace {
+constexpr const char* kUsageHint = "Run 'lutb --help' (or 'lutb COMMAND --help') for the options.";
+}  // namespace
+
+// Exit status (README "Exit status", lutb::cli::UsageError): 0 success; 1 the work failed; 2 a usage
+// error (CLI11's parse errors and the tool's own option checks alike); 128 + the signal when
+// interrupted.
 int main(int argc, char** argv) {
   CLI::App app{"lutb: LUT-B (3.14-bit lookup-table weights, MXFP8 activations) for MoE experts"};
   app.set_version_flag("--version", "lutb 0.1.0");
+  app.footer("Exit status: 0 success; 1 the work failed (an input missing, unreadable or invalid, a destination that "
+             "cannot be written, too little space or memory, no usable GPU); 2 a usage error (an unknown option, a "
+             "value outside its range, options that contradict each other or do not apply), reported before any "
+             "work; 130 / 143 interrupted by Ctrl-C / SIGTERM (the output is left as it was).");
   lutb::cli::add_default_job(app);
   lutb::cli::add_quantize(app);
   lutb::cli::add_eval(app);
@@ -23,7 +35,13 @@ int main(int argc, char** argv) {
     if (e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success)) return app.exit(e);
     // A usage error: the same "lutb: error:" prefix as every other error, and exit status 2, the
     // convention for bad command lines (CLI11's own codes, 105-109, named nothing; nu16).
-    fmt::print(stderr, "lutb: error: {}\nRun 'lutb --help' (or 'lutb COMMAND --help') for the options.\n", e.what());
+    fmt::print(stderr, "lutb: error: {}\n{}\n", e.what(), kUsageHint);
+    return 2;
+  } catch (const lutb::cli::UsageError& e) {
+    // The tool's own option checks (a value that CLI11's validators cannot judge alone, options that
+    // contradict each other): the same status and hint as CLI11's parse errors (new-user QA session 18:
+    // they exited 1).
+    fmt::print(stderr, "lutb: error: {}\n{}\n", e.what(), kUsageHint);
     return 2;
   } catch (const lutb::Interrupted& e) {
     // The writer's guards have removed its temporary output; end as the signal would have.

@@ -132,7 +132,8 @@ struct ModelQuantArgs {
     cmd->add_option(act_flag, activations, "format of the activations entering the routed experts' GEMMs: bf16 "
                                            "or mxfp8 (default mxfp8 with LUT-B weights, bf16 otherwise)")
         ->check(CLI::IsMember({"bf16", "mxfp8"}));
-    fitter_opt = cmd->add_option("--fitter", fitter, "LUT-B fitter for the online method (default: the default fitter)");
+    fitter_opt = cmd->add_option("--fitter", fitter,
+                                 "LUT-B fitter of --quant lutb on a BF16 checkpoint (the online method): " + fitter_list());
     // The kernels compute the same values (spec section 4) and differ only in the order of their FP32
     // additions: the loss of --kernel reference differed from the default's in the 6th significant
     // digit and a new user took it for a bug (QA, session 12).
@@ -162,7 +163,7 @@ struct ModelQuantArgs {
     if (q.empty()) q = lutb_ckpt ? "lutb" : "none";
     // A stored LUT-B checkpoint is read as written: a fitter would be silently ignored (QA 2026-11-30).
     if (lutb_ckpt && !fitter.empty())
-      throw std::invalid_argument(fmt::format(
+      throw UsageError(fmt::format(
           "--fitter {}: {} holds stored LUT-B weights; --fitter applies only when quantising a BF16 checkpoint on "
           "the fly (--quant lutb)",
           fitter, model_dir));
@@ -170,14 +171,14 @@ struct ModelQuantArgs {
     const std::string act = activations.empty() ? (o.quant == model::Quant::Lutb ? "mxfp8" : "bf16") : activations;
     o.activations = act == "mxfp8" ? moe::ActivationFormat::MXFP8 : moe::ActivationFormat::BF16;
     if (!fitter.empty() && o.quant != model::Quant::Lutb)
-      throw std::invalid_argument(fmt::format("--fitter {} only applies to --quant lutb", fitter));
-    if (!fitter.empty()) check_fitter_name(fitter);
+      throw UsageError(fmt::format("--fitter {} only applies to --quant lutb", fitter));
+    if (!fitter.empty()) check_fitter_value(fitter);
     // Like --fitter: a LUT-B emulation kernel asked for with BF16 / INT3 / MXFP4 experts was silently
     // ignored (new-user QA session 11).
     if (kernel_opt != nullptr && kernel_opt->count() > 0 && o.quant != model::Quant::Lutb)
-      throw std::invalid_argument(fmt::format("--kernel {} only applies to LUT-B experts (--quant lutb, or a LUT-B "
-                                              "checkpoint); the experts here are --quant {}",
-                                              kernel, q));
+      throw UsageError(fmt::format("--kernel {} only applies to LUT-B experts (--quant lutb, or a LUT-B "
+                                   "checkpoint); the experts here are --quant {}",
+                                   kernel, q));
     o.fit.fitter = fitter.empty() ? default_fitter() : fitter;
     o.fit.threads = threads;
     o.kernel = kernel == "reference" ? moe::EmulationKernel::Reference

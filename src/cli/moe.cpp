@@ -82,29 +82,39 @@ void run_moe(const MoeArgs& a) {
   const bool gpu = a.device == "cuda";
   if (gpu) {
     if (a.quant.kernel_opt != nullptr && a.quant.kernel_opt->count() > 0)
-      throw std::invalid_argument(fmt::format("--kernel {} selects a CPU emulation kernel; it does not apply to "
-                                              "--device cuda (the GPU runs its fused kernels)",
-                                              a.quant.kernel));
+      throw UsageError(fmt::format("--kernel {} selects a CPU emulation kernel; it does not apply to "
+                                   "--device cuda (the GPU runs its fused kernels)",
+                                   a.quant.kernel));
+    check_gpu_options(mo);
     require_cuda();
   }
   // --quant lutb on a BF16 checkpoint fits at load: with --device cuda on the GPU (the same bytes).
   const FitPlacement fit = place_fit(mo, gpu);
   if (a.activations_file.empty())
-    throw std::invalid_argument(fmt::format("--activations not given and {} holds no {} (the captured MoE inputs and "
-                                            "outputs); give the file with --activations FILE",
-                                            a.model_dir, kDefaultActivations));
+    throw UsageError(fmt::format("--activations not given and {} holds no {} (the captured MoE inputs and "
+                                 "outputs); give the file with --activations FILE",
+                                 a.model_dir, kDefaultActivations));
   if (!std::filesystem::exists(a.activations_file)) {
     if (a.activations_file == "mxfp8" || a.activations_file == "bf16")  // eval's --activations takes a format
-      throw std::invalid_argument(fmt::format("--activations {}: --activations takes a file for `moe` (captured MoE "
-                                              "inputs, a .safetensors); the format is --act-format {}",
-                                              a.activations_file, a.activations_file));
+      throw UsageError(fmt::format("--activations {}: --activations takes a file for `moe` (captured MoE "
+                                   "inputs, a .safetensors); the format is --act-format {}",
+                                   a.activations_file, a.activations_file));
     throw std::runtime_error(fmt::format("{}: activations file not found", a.activations_file));
   }
   model::CheckpointMoe moe(a.model_dir, mo);
   const auto& cfg = moe.config();
   check_model_tensor_names(a.model_dir, cfg.moe, "moe");
   if (a.layer < 0 || a.layer >= cfg.num_layers)
-    throw std::runtime_error(fmt::format("--layer {} is out of range: {} has layers 0..{}", a.layer, a.model_dir, cfg.num_layers - 1));
+    throw UsageError(fmt::format("--layer {} is out of range: {} has layers 0..{}", a.layer, a.model_dir, cfg.num_layers - 1));
+  // A dense layer (DeepSeek's first_k_dense_replace, Qwen's mlp_only_layers) is a usage error too, as
+  // an index beyond the layers is: the library refused it with exit status 1 (new-user QA, session 18).
+  if (!cfg.moe.is_moe_layer(a.layer)) {
+    const auto ml = cfg.moe.moe_layers();
+    throw UsageError(fmt::format("--layer {}: layer {} of {} is a dense (non-MoE) layer per {} (its MoE layers: {})",
+                                 a.layer, a.layer, a.model_dir,
+                                 (std::filesystem::path(a.model_dir) / "config.json").string(),
+                                 ml.empty() ? std::string("none") : fmt::format("{}", fmt::join(ml, ", "))));
+  }
   std::unique_ptr<model::MoeBlock> block = moe.build(a.layer);
   warn_low_sqnr(moe, mo);
   GpuMoeBlock* gpu_block = nullptr;
@@ -231,7 +241,8 @@ void add_moe(CLI::App& app) {
   auto* cmd = app.add_subcommand("moe", "Run one MoE block on captured inputs and compare with the captured outputs");
   auto* dir_opt =
       cmd->add_option("model_dir", args->model_dir, "Hugging Face checkpoint directory (BF16 or LUT-B)")->required();
-  cmd->add_option("--layer", args->layer, "sparse layer index")->required()->check(IntRange<int>(0, std::numeric_limits<int>::max()));
+  cmd->add_option("--layer", args->layer,
+                  "decoder layer L (0-based, counting dense layers too) whose MoE block runs; it must be a MoE layer")->required()->check(IntRange<int>(0, std::numeric_limits<int>::max()));
   // Not required: the model folders ship their captured activations as MODEL_DIR/moe_activations.safetensors,
   // and `lutb moe MODEL_DIR --layer 0` refused to run without naming it (new-user QA, session 12).
   auto* acts_opt = cmd->add_option("--activations", args->activations_file,
@@ -254,7 +265,7 @@ void add_moe(CLI::App& app) {
                    ->check(IntRange<int>(1, 100000));
   cmd->callback([args, acts_opt, dir_opt, cmp, reps] {
     if (args->device != "cuda" && (cmp->count() > 0 || reps->count() > 0))
-      throw std::invalid_argument(fmt::format("{} applies to --device cuda only", cmp->count() > 0 ? "--compare-cpu" : "--reps"));
+      throw UsageError(fmt::format("{} applies to --device cuda only", cmp->count() > 0 ? "--compare-cpu" : "--reps"));
     check_not_empty(dir_opt, args->model_dir, "checkpoint directory name");  // QA session 14
     check_not_empty(acts_opt, args->activations_file, "activations file name");
     if (acts_opt->count() == 0) {

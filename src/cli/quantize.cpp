@@ -66,14 +66,10 @@ void add_quantize(CLI::App& app) {
   auto* in_opt = cmd->add_option("input", args->input, "checkpoint directory or .safetensors file")->required();
   auto* out_opt =
       cmd->add_option("-o,--output", args->output, "output directory (checkpoint) or file (.safetensors)")->required();
-  auto* fitter_opt = cmd->add_option("--fitter", args->fitter, "fitter: " + [] {
-    std::string s;
-    for (const auto& n : fitter_names()) s += (s.empty() ? "" : ", ") + n;
-    return s + " (default " + default_fitter() + ")";
-  }());
+  auto* fitter_opt = cmd->add_option("--fitter", args->fitter, "LUT-B fitter: " + fitter_list());
   cmd->add_option("--threads", args->threads,
-                  "threads (0 = all cores; more than the processors available are reduced to that number, with a "
-                  "note)")
+                  "threads of the fit (default 0 = all cores; more than the processors available are reduced to "
+                  "that number, with a note)")
       ->check(ThreadCount());
   auto* m = cmd->add_option("--match", args->match,
                             "file mode: quantise tensors whose name matches this regex (ECMAScript, searched anywhere "
@@ -101,7 +97,7 @@ void add_quantize(CLI::App& app) {
       try {
         (void)std::regex(args->match);
       } catch (const std::regex_error& e) {
-        throw std::invalid_argument(fmt::format("--match \"{}\": invalid regular expression: {}", args->match, e.what()));
+        throw UsageError(fmt::format("--match \"{}\": invalid regular expression: {}", args->match, e.what()));
       }
     }
     // std::regex backtracks: a pattern with nested repetition such as (a|aa)*c takes exponential time
@@ -163,7 +159,7 @@ void add_quantize(CLI::App& app) {
     QuantizeSummary s;
     if (fs::is_directory(args->input)) {
       if (!args->match.empty() || args->all)
-        throw std::invalid_argument("--match/--all apply to a single .safetensors file, not a checkpoint directory");
+        throw UsageError("--match/--all apply to a single .safetensors file, not a checkpoint directory");
       s = quantize_checkpoint(args->input, args->output, opt);
     } else if (fs::is_regular_file(args->input)) {
       s = quantize_file(args->input, args->output, args->match, opt);

@@ -42,7 +42,8 @@ void add_synth(CLI::App& app) {
       "the signal: 130/143); temporaries of dead processes are reported at the start, never removed.");
   cmd->add_option("--family", args->family, "model family: " + fams)->required();
   cmd->add_option("--layers", args->opt.layers, "number of MoE layers")->required()->check(IntRange<std::int64_t>(1, kMaxLayers));
-  cmd->add_option("-o,--output", args->output, "output directory (must not exist unless --force)")->required();
+  auto* out_opt =
+      cmd->add_option("-o,--output", args->output, "output directory (must not exist unless --force)")->required();
   cmd->add_option("--seed", args->opt.seed, "random seed (default 1234)")
       ->check(IntRange<std::uint64_t>(0, std::numeric_limits<std::uint64_t>::max()));
   auto* nu_opt = cmd->add_option("--nu", args->opt.student_nu, "Student-t degrees of freedom, a number in (2, 1e6] (default 5)");
@@ -55,14 +56,17 @@ void add_synth(CLI::App& app) {
       ->check(IntRange<std::int64_t>(1, kMaxExperts));
   cmd->add_flag("--force", args->opt.force, "replace an existing output directory");
   cmd->add_flag("--no-progress", args->no_progress, "no progress bar on stderr");
-  cmd->callback([args, fams, nu_opt] {
+  cmd->callback([args, fams, nu_opt, out_opt] {
+    // `-o ""` was refused by the library as "synth: no output directory given" with exit status 1, where
+    // quantize names the option (new-user QA, session 18).
+    check_not_empty(out_opt, args->output, "output name");
     auto f = family_from_name(args->family);
-    if (!f) throw std::invalid_argument(fmt::format("--family {}: unknown family (supported: {})", args->family, fams));
+    if (!f) throw UsageError(fmt::format("--family {}: unknown family (supported: {})", args->family, fams));
     // The value as typed ("--nu 1e400" was reported as "--nu inf"), and the library's upper bound
     // (1e7 passed this check, then failed as "synth: student_nu must be in (2, 1e6]"): new-user QA
     // session 11.
     if (!std::isfinite(args->opt.student_nu) || !(args->opt.student_nu > 2.0) || args->opt.student_nu > 1e6)
-      throw std::invalid_argument(fmt::format(
+      throw UsageError(fmt::format(
           "--nu {}: must be a number in (2, 1e6] (the Student-t variance is finite only above 2; above 1e6 the "
           "distribution is numerically Gaussian)",
           nu_opt->results().empty() ? fmt::format("{}", args->opt.student_nu) : nu_opt->results().front()));

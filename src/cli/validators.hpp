@@ -6,6 +6,7 @@
 #include <charconv>
 #include <cstdint>
 #include <limits>
+#include <stdexcept>
 #include <string>
 #include <system_error>
 #include <thread>
@@ -17,6 +18,25 @@
 #include "lutb/fit.hpp"
 
 namespace lutb::cli {
+
+/// Exit status 2: the command line is wrong as such. The one convention of every lutb command (README
+/// "Exit status"; new-user QA sessions 16-18: CLI11's parse errors exited 2 but the tool's own option
+/// checks exited 1, so `--threads -1` and `--fitter nope` ended differently):
+///  - 0: success;
+///  - 1: the work failed: an input that is missing, unreadable or invalid (a corrupt file, a
+///    config.json value, weights that contradict it), a destination that cannot be written or
+///    replaced, too little free space or memory, no usable GPU;
+///  - 2: a usage error, detected before any work: an unknown option or command, a missing or extra
+///    argument, a value outside its allowed set or range, an empty name, options that contradict each
+///    other or do not apply to this input (--fitter on stored LUT-B weights, --kernel without LUT-B
+///    experts, --reps without --device cuda, --match with a checkpoint folder, --layer beyond the
+///    model's layers, ...);
+///  - 130 / 143: interrupted by SIGINT / SIGTERM (the signal's status; the output is left as it was).
+/// main.cpp maps UsageError and CLI11's parse errors to 2, every other exception to 1. The message
+/// names the option, as CLI11's do ("--threads: -3 is outside the valid range 0..4096").
+struct UsageError : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
 
 /// An integer option restricted to lo..hi (inclusive). Replaces CLI::NonNegativeNumber /
 /// CLI::PositiveNumber, which print their bounds as doubles ("not in range 0.000000 to
@@ -75,29 +95,42 @@ inline int effective_threads(int requested) {
   return n;
 }
 
+/// The fitter names for --help: "binned-dp, optimal, ct-lloyd, multistart (default binned-dp)".
+inline std::string fitter_list() {
+  std::string s;
+  for (const auto& n : fitter_names()) s += (s.empty() ? "" : ", ") + n;
+  return s + " (default " + default_fitter() + ")";
+}
+
+/// A fitter name from the command line, checked by the library (check_fitter_name); an unknown one is
+/// a UsageError "--fitter: unknown fitter 'x'; allowed: binned-dp optimal ct-lloyd multistart".
+inline void check_fitter_value(const std::string& name) {
+  try {
+    check_fitter_name(name);
+  } catch (const std::invalid_argument& e) {
+    throw UsageError(fmt::format("--fitter: {}", e.what()));
+  }
+}
+
 /// A --fitter given on the command line (`opt` was used): an empty name is refused (new-user QA
 /// session 11: `--fitter ""` was taken as "not given", the default fitter), an unknown one too, as
-/// std::invalid_argument "--fitter: ..." (exit status 1, before any work).
+/// UsageError "--fitter: ..." (exit status 2, before any work).
 inline void check_fitter_option(const CLI::Option* opt, const std::string& name) {
   if (opt == nullptr || opt->count() == 0) return;
   if (name.empty()) {
     std::string msg = "--fitter: the fitter name is empty; allowed:";
     for (const auto& n : fitter_names()) msg += " " + n;
-    throw std::invalid_argument(msg + " (leave --fitter out for the default, " + default_fitter() + ")");
+    throw UsageError(msg + " (leave --fitter out for the default, " + default_fitter() + ")");
   }
-  try {
-    check_fitter_name(name);
-  } catch (const std::invalid_argument& e) {
-    throw std::invalid_argument(fmt::format("--fitter: {}", e.what()));
-  }
+  check_fitter_value(name);
 }
 
 /// A file or directory option given on the command line with an empty value (`--tokens ""`) was
 /// taken as "not given" and its default used silently (new-user QA session 11): refused, naming
-/// the option.
+/// the option (UsageError).
 inline void check_not_empty(const CLI::Option* opt, const std::string& value, const char* what) {
   if (opt != nullptr && opt->count() > 0 && value.empty())
-    throw std::invalid_argument(fmt::format("{}: an empty {} was given", opt->get_name(), what));
+    throw UsageError(fmt::format("{}: an empty {} was given", opt->get_name(), what));
 }
 
 }  // namespace lutb::cli

@@ -43,6 +43,12 @@ std::int64_t req_int(const nlohmann::json& j, const char* key, const std::string
   if (v < 0) detail::throw_config_key(where, key, fmt::format("must be non-negative, got {}", v));
   return v;
 }
+// A required size whose range is checked later with its own words (hidden_size "must be positive",
+// num_experts_per_tok "must be in 1..E"): "num_experts_per_tok: must be non-negative, got -1" said
+// nothing of 0 or of the experts count (new-user QA, sessions 17-18).
+std::int64_t req_size(const nlohmann::json& j, const char* key, const std::string& where) {
+  return detail::config_required(opt_size(j, key, where), key, where);
+}
 std::optional<double> opt_num(const nlohmann::json& j, const char* key, const std::string& where) {
   return detail::config_number(j, key, where);
 }
@@ -120,7 +126,7 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& where
                              fmt::format("unsupported model_type \"{}\" (supported: {})", *mt, supported_list()));
   c.family = *fam;
 
-  c.hidden_size = req_int(j, "hidden_size", where);
+  c.hidden_size = req_size(j, "hidden_size", where);
   c.num_hidden_layers = req_int(j, "num_hidden_layers", where);
   // The parsers and the model keep per-layer state for every declared layer before they meet the
   // checkpoint's first missing one: num_hidden_layers 2e9 on a 4-layer checkpoint made lutb eval run
@@ -132,7 +138,7 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& where
                                          "a corrupt config.json?",
                                          c.num_hidden_layers, kMaxLayers));
   c.vocab_size = req_int(j, "vocab_size", where);
-  c.num_experts_per_tok = req_int(j, "num_experts_per_tok", where);
+  c.num_experts_per_tok = req_size(j, "num_experts_per_tok", where);
   c.intermediate_size = opt_size(j, "intermediate_size", where).value_or(0);
 
   // Experts count: any of the three keys; when several are present they must agree.

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "lutb/dtype.hpp"
@@ -98,7 +99,8 @@ void probe_temp_file(const std::filesystem::path& tmp, const std::filesystem::pa
 /// Throws CheckpointError "TARGET: the checkpoint needs X GB (N bytes) but only ... are free on the
 /// filesystem of DIR; nothing written" when the filesystem that will hold `target` (its nearest
 /// existing ancestor) has fewer than `need` bytes available. A failing statvfs is not an error.
-void check_free_space(const std::filesystem::path& target, std::uint64_t need);
+/// `what` names the output in the message ("the checkpoint"; quantize_file: "the output file").
+void check_free_space(const std::filesystem::path& target, std::uint64_t need, std::string_view what = "the checkpoint");
 
 /// Temporary sibling name of `target`: "<target>.tmp.<pid>" (a trailing separator is ignored).
 /// stale_temporaries() recognises these names.

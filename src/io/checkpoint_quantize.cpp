@@ -353,6 +353,13 @@ bool training_state_file(const std::string& name) {
   return starts("random_states_") && ends(".pkl");
 }
 
+// The reference losses of the source weights (reference_eval.json of the model folders, spec section
+// 8: transformers' held-out loss of the BF16 weights). Copied into the LUT-B output, it read as the
+// reference of weights it does not describe (new-user QA sessions 17-18): left out and listed. The
+// held-out tokens (val_tokens.safetensors) and the captured BF16 activations are still copied: lutb
+// eval and lutb moe read them from the output folder, as inputs to compare against.
+bool source_reference_file(const std::string& name) { return name == "reference_eval.json"; }
+
 // DeepSpeed's ZeRO checkpoint folders global_stepN/ (optimizer and model states of every rank,
 // several times the weights' size), written beside the weights by the Trainer with DeepSpeed.
 bool training_state_folder(const std::string& name) {
@@ -383,7 +390,7 @@ std::uint64_t bytes_to_copy(const fs::path& in_dir, const std::set<std::string>&
     if (!it->is_regular_file(e2)) continue;
     const std::string fname = rel.string(), base = rel.filename().string();
     if (fname == "config.json" || fname == "model.safetensors.index.json" || shards.count(fname) ||
-        other_weight_file(base) || training_state_file(base))
+        other_weight_file(base) || training_state_file(base) || source_reference_file(fname))
       continue;
     const std::uintmax_t sz = it->file_size(e2);
     if (!e2) n += sz;
@@ -407,14 +414,15 @@ Proj proj_of(const std::string& p) {
 // any must have them all (QA session 9: a checkpoint missing an expert, or declaring more experts or
 // layers than it stores, was quantised into a checkpoint that lutb eval then refused). Throws
 // CheckpointError naming the first missing tensor.
-void check_experts_complete(const fs::path& in_dir, const ModelConfig& cfg,
+void check_experts_complete(const fs::path& in_dir, const ModelConfig& cfg, const SafetensorsCollection& st,
                             const std::map<std::int64_t, LayerExperts>& found) {
   const fs::path config = in_dir / "config.json";
   auto missing = [&](std::int64_t L, const std::string& name, const char* what) {
+    // absent_note: "; SHARD holds it, but INDEX's weight_map does not list it (add it there)".
     throw CheckpointError(fmt::format("checkpoint {}: layer {} is a MoE layer of {} ({} experts, {} layers) but {} is "
-                                      "missing{}; nothing written",
+                                      "missing{}{}; nothing written",
                                       in_dir.string(), L, config.string(), cfg.num_experts, cfg.num_hidden_layers, name,
-                                      what));
+                                      what, st.absent_note(name)));
   };
   // Declared MoE layers without any routed-expert tensor (stops at the first: the layer count is
   // bounded by the config parser).
@@ -484,6 +492,19 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
   const std::int64_t layer_end = cfg.num_hidden_layers + extra_ok;
   for (std::size_t f = 0; f < files.size(); ++f) {
     for (const auto& name : files[f]->names()) {
+      // A tensor of a shard that model.safetensors.index.json leaves out is not a tensor of the checkpoint:
+      // lutb eval and lutb moe do not read it (SafetensorsCollection follows the index). quantize read every
+      // tensor of every shard, so it quantised such a tensor and wrote an index listing it: an input that
+      // eval refused ("tensor ... not found; SHARD holds it, but the weight_map does not list it") became
+      // a checkpoint eval ran, without a word (new-user QA, session 18). Now left out, with a warning; a
+      // routed expert left out is then reported missing (check_experts_complete, naming the shard).
+      if (!ck.tensors().contains(name)) {
+        sum.warnings.push_back(fmt::format("{}: tensor {} is not listed in {}'s weight_map, so it is not part of the "
+                                           "checkpoint (lutb does not read it); not copied",
+                                           files[f]->path().string(), name,
+                                           (in_dir / "model.safetensors.index.json").string()));
+        continue;
+      }
       const TensorView& v = files[f]->get(name);
       Planned p{name, false, {}};
       // A tensor of a layer config.json does not declare (new-user QA session 9: quantised, or
@@ -564,13 +585,28 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
   if (std::none_of(plan.begin(), plan.end(), [](const auto& v) {
         return std::any_of(v.begin(), v.end(), [](const Planned& p) { return p.quantize; });
       })) {
+    // Why none were found, when the names say it. LUT-B expert tensors and no float ones: a LUT-B
+    // checkpoint whose config.json lost its quantization_config ("no routed-expert tensors found" named
+    // neither; new-user QA sessions 17-18). Otherwise the check eval and moe apply (misspelt expert names,
+    // experts in dense layers).
+    constexpr std::string_view kPacked = "_packed";  // spec 2.2: P.weight_packed beside _codebook, _scale
+    for (const auto& n : ck.tensors().names())
+      if (n.size() > kPacked.size() && n.compare(n.size() - kPacked.size(), kPacked.size(), kPacked) == 0 &&
+          std::regex_match(n.substr(0, n.size() - kPacked.size()), pattern))
+        throw CheckpointError(fmt::format(
+            "{}: the checkpoint is already LUT-B: it holds LUT-B routed-expert tensors ({} in {}) and no float ones, "
+            "but {} has no LUT-B quantization_config (the \"quantization_config\" with \"quant_method\": \"lut_b\" "
+            "that says how to read them, spec 2.2): restore the config.json written with these weights to run them; "
+            "to quantise, start from the original BF16 checkpoint; nothing written",
+            in_dir.string(), n, ck.tensors().file_of(n).path().string(), (in_dir / "config.json").string()));
+    (void)detail::check_tensor_names(cfg, ck.tensors(), in_dir / "config.json", "copied unquantised", "; nothing written");
     std::int64_t first = 0;  // the first MoE layer (not moe_layers(): it lists them all)
     while (first < cfg.num_hidden_layers && !cfg.is_moe_layer(first)) ++first;
     throw CheckpointError(fmt::format("checkpoint {}: no routed-expert tensors found (expected names like {} or {})",
                                       in_dir.string(), expert_weight_name(cfg, first, 0, Proj::gate),
                                       stacked_gate_up_name(cfg, first)));
   }
-  check_experts_complete(in_dir, cfg, found);
+  check_experts_complete(in_dir, cfg, ck.tensors(), found);
   // Tensors the model does not have: a misspelt expert name is refused (it would be copied
   // unquantised, and the loaders would not read it); any other stray tensor is copied with a warning
   // (new-user QA, session 12: both were copied without a word). lutb eval and lutb moe apply the same
@@ -759,7 +795,8 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
       }
       const std::string fname = rel.string();
       if (fname == "config.json" || fname == "model.safetensors.index.json" || shard_names.count(fname)) continue;
-      if (other_weight_file(rel.filename().string()) || training_state_file(rel.filename().string())) {
+      if (other_weight_file(rel.filename().string()) || training_state_file(rel.filename().string()) ||
+          source_reference_file(fname)) {
         sum.skipped_files.push_back(fname);
         continue;
       }
@@ -926,7 +963,7 @@ QuantizeSummary quantize_file(const fs::path& in, const fs::path& out, const std
     for (const auto& p : plan)
       need += p.quantize ? static_cast<std::uint64_t>(p.shape.tiles()) * (kPackedBytes + kCodebookSize + 1)
                          : file.get(p.name).nbytes;
-    detail::check_free_space(out, need);
+    detail::check_free_space(out, need, "the output file");
   }
 
   // Written to a temporary sibling, then installed (the writer itself is atomic too).

@@ -377,7 +377,7 @@ void check_interrupt(const std::atomic<int>* flag, const fs::path& target) {
                                      target.string(), sig, strsignal(sig), target.string()));
 }
 
-void check_free_space(const fs::path& target, std::uint64_t need) {
+void check_free_space(const fs::path& target, std::uint64_t need, std::string_view what) {
   fs::path probe = target.parent_path().empty() ? fs::path(".") : target.parent_path();
   std::error_code ec;
   while (!fs::exists(probe, ec) && probe.parent_path() != probe)  // the nearest existing ancestor
@@ -389,9 +389,9 @@ void check_free_space(const fs::path& target, std::uint64_t need) {
                             : fmt::format("{:.2f} MB", static_cast<double>(b) / 1e6);
   };
   if (!ec && sp.available < need)
-    throw CheckpointError(fmt::format("{}: the checkpoint needs {} ({} bytes) but only {} ({} bytes) are free on the "
+    throw CheckpointError(fmt::format("{}: {} needs {} ({} bytes) but only {} ({} bytes) are free on the "
                                       "filesystem of {}; nothing written",
-                                      target.string(), size(need), need, size(sp.available), sp.available,
+                                      target.string(), what, size(need), need, size(sp.available), sp.available,
                                       probe.string()));
 }
 
@@ -515,9 +515,9 @@ std::string format_summary(const QuantizeSummary& s) {
   out += fmt::format("time                 {:.2f} s\n", s.seconds);
   out += fmt::format("peak RSS             {:.1f} MB\n", mb(s.peak_rss_bytes));
   if (!s.skipped_files.empty())
-    out += fmt::format("not copied           {} (the unquantised weights in another format, training state, "
-                       "symlinked folders, download caches, version control, files that are not regular: dangling "
-                       "links, pipes)\n",
+    out += fmt::format("not copied           {} (the unquantised weights in another format, training state, the "
+                       "source weights' reference losses, symlinked folders, download caches, version control, files "
+                       "that are not regular: dangling links, pipes)\n",
                        fmt::join(s.skipped_files, ", "));
   return out;
 }

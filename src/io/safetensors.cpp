@@ -129,6 +129,14 @@ void SafetensorsFile::parse_header(const std::uint8_t* data, std::size_t file_si
   if (n < 2) fail(where, fmt::format("header length {} is too short for a JSON object", n));
   if (data[8] != '{') fail(where, "header does not start with '{'");
   const char* hb = reinterpret_cast<const char*>(data + 8);
+  // nlohmann's lexer reads a NUL byte as the end of its input: "{...}\0 anything" parsed as "{...}" and
+  // the rest of the header was ignored (new-user QA, session 18), where the reference reader's
+  // serde_json refuses the trailing characters. The header is UTF-8 JSON text, padded with spaces
+  // (0x20) only.
+  if (const void* nul = std::memchr(hb, '\0', n))
+    fail(where, fmt::format("header holds a NUL byte at offset {} of its {} bytes: a safetensors header is UTF-8 JSON "
+                            "text, padded with spaces only (a corrupt or truncated header?)",
+                            static_cast<const char*>(nul) - hb, n));
   const json h = parse_header_json(hb, hb + n, where);
   if (!h.is_object()) fail(where, "header is not a JSON object");
 

@@ -15,7 +15,7 @@ namespace lutb::detail {
 
 namespace {
 
-enum class Kind { Model, Extra, Unknown, Expert, Scale };
+enum class Kind { Model, Extra, Unknown, Expert, Scale, LutbWithoutConfig };
 
 struct Verdict {
   Kind kind = Kind::Unknown;
@@ -109,10 +109,7 @@ Verdict moe_part(const Ctx& x, std::int64_t L, std::string_view prefix, std::str
       }
     }
     if (named) {
-      if (!sfx.empty() && !x.lutb)
-        return {Kind::Expert, fmt::format("is a LUT-B tensor of a routed expert, but {} has no LUT-B "
-                                          "quantization_config (a BF16 checkpoint's experts are float tensors)",
-                                          x.config)};
+      if (!sfx.empty() && !x.lutb) return {Kind::LutbWithoutConfig, {}};
       if (sfx.empty() && x.lutb)
         return {Kind::Unknown, " (a float routed-expert weight in a LUT-B checkpoint, whose experts are the *_packed, "
                                "*_codebook and *_scale tensors)"};
@@ -224,6 +221,17 @@ std::vector<std::string> check_tensor_names(const ModelConfig& cfg, const Safete
           "DeepSeek-V3's release, stores F8_E4M3 weights with weight_scale_inv block scales), which lutb does not "
           "apply: it would read the weight without its scale; {} has no LUT-B quantization_config: dequantise the "
           "checkpoint to BF16 first{}",
+          st.file_of(n).path().string(), n, x.config, error_suffix));
+    // A LUT-B expert tensor without a LUT-B quantization_config: either the checkpoint's experts are
+    // LUT-B and config.json lost the entry that says how to read them (spec 2.2), or a stray tensor sits
+    // among float experts. "lutb would not read it: rename or remove it" (the advice for a misspelt
+    // expert) fitted only the second (new-user QA sessions 17-18).
+    if (v.kind == Kind::LutbWithoutConfig)
+      throw CheckpointError(fmt::format(
+          "{}: tensor {} is a LUT-B tensor of a routed expert, but {} has no LUT-B quantization_config (the "
+          "\"quantization_config\" with \"quant_method\": \"lut_b\" that says how to read LUT-B weights, spec 2.2; a "
+          "BF16 checkpoint's experts are float tensors): if the checkpoint's experts are LUT-B, restore the config.json "
+          "written with them; otherwise remove the tensor{}",
           st.file_of(n).path().string(), n, x.config, error_suffix));
     if (v.kind == Kind::Expert)
       throw CheckpointError(fmt::format("{}: tensor {} {}; lutb would not read it: rename or remove it{}", st.file_of(n).path().string(), n,

@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include <fmt/core.h>
+#include <fmt/ranges.h>
 
 #include "io/config_json.hpp"
 #include "lutb/checkpoint.hpp"
@@ -150,12 +151,14 @@ TransformerConfig TransformerConfig::from_json(const json& j, const std::string&
   if (!j.is_object()) throw ModelError(fmt::format("{}: not a JSON object", where));
   TransformerConfig c;
   c.raw = j;
-  c.family = require<std::string>(j, "model_type", where);
+  // The supported families are listed whether model_type is missing or unknown, as lutb quantize's
+  // parser lists them (new-user QA sessions 17-18: eval and moe said only "required but missing").
+  const std::string supported = fmt::format("{}", fmt::join(family_names(), ", "));
+  const std::optional<std::string> type = read<std::string>(j, "model_type", where);
+  if (!type) key_error(where, "model_type", fmt::format("required but missing (supported: {})", supported));
+  c.family = *type;
   if (!kFamilies.count(c.family))
-    key_error(where, "model_type",
-              fmt::format("unsupported model_type \"{}\" (supported: qwen3_moe, qwen2_moe, mixtral, deepseek_v3, "
-                          "deepseek_v2, olmoe)",
-                          c.family));
+    key_error(where, "model_type", fmt::format("unsupported model_type \"{}\" (supported: {})", c.family, supported));
   c.hidden_size = require<int>(j, "hidden_size", where);
   c.num_layers = require<int>(j, "num_hidden_layers", where);
   c.vocab_size = require<int>(j, "vocab_size", where);

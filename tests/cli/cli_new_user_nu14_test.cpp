@@ -303,21 +303,23 @@ TEST(NewUserNu14, ShardIndexEntriesReadAsTransformersDoes) {
 // path: Invalid argument []"; `lutb eval ""` with ": no such directory". `lutb moe` on a folder that
 // does not exist was told "--activations not given and /no/such holds no moe_activations.safetensors".
 TEST(NewUserNu14, EmptyAndMissingPathsNamed) {
+  const std::string kUsageHint = "Run 'lutb --help' (or 'lutb COMMAND --help') for the options.\n";
   TempDir t;
   const fs::path in = t.path / "in.safetensors";
   write_safetensors(in, {{"w", OwnedTensor{DType::F32, {8, 64}, std::vector<std::uint8_t>(8 * 64 * 4, 0)}}});
   test::CliResult r = test::run_cli("quantize " + test::quote(in) + " -o '' --no-progress");
-  EXPECT_EQ(r.status, 1);
-  EXPECT_EQ(r.err, "lutb: error: --output: an empty output name was given\n");
+  // Usage errors: exit status 2 and the --help hint (README "Exit status", nu18).
+  EXPECT_EQ(r.status, 2);
+  EXPECT_EQ(r.err, "lutb: error: --output: an empty output name was given\n" + kUsageHint);
   r = test::run_cli("quantize '' -o " + test::quote(t.path / "o.safetensors") + " --no-progress");
-  EXPECT_EQ(r.status, 1);
-  EXPECT_EQ(r.err, "lutb: error: input: an empty input name was given\n");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_EQ(r.err, "lutb: error: input: an empty input name was given\n" + kUsageHint);
   r = test::run_cli("eval ''");
-  EXPECT_EQ(r.status, 1);
-  EXPECT_EQ(r.err, "lutb: error: model_dir: an empty checkpoint directory name was given\n");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_EQ(r.err, "lutb: error: model_dir: an empty checkpoint directory name was given\n" + kUsageHint);
   r = test::run_cli("moe '' --layer 0");
-  EXPECT_EQ(r.status, 1);
-  EXPECT_EQ(r.err, "lutb: error: model_dir: an empty checkpoint directory name was given\n");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_EQ(r.err, "lutb: error: model_dir: an empty checkpoint directory name was given\n" + kUsageHint);
   const fs::path absent = t.path / "no-such-model";
   r = test::run_cli("moe " + test::quote(absent) + " --layer 0");
   EXPECT_EQ(r.status, 1);

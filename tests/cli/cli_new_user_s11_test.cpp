@@ -84,7 +84,7 @@ TEST(CliNewUserS11, EmptyValuesAreRefused) {
   };
   for (const auto& c : cases) {
     const CliOut r = run(c.args);
-    EXPECT_EQ(r.code, 1) << c.args << "\n" << r.out;
+    EXPECT_EQ(r.code, 2) << c.args << "\n" << r.out;  // a usage error (README "Exit status", nu18)
     EXPECT_TRUE(has(r, "lutb: error: " + c.expect)) << c.args << "\n" << r.out;
     EXPECT_FALSE(has(r, "the main job")) << c.args << "\n" << r.out;
   }

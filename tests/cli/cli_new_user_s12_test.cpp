@@ -66,7 +66,7 @@ TEST(CliNewUserS12, InvalidMatchComesFirst) {
   std::ofstream(t.path / "out.safetensors") << "x";
   for (const std::string input : {"missing.safetensors", "out.safetensors"}) {
     const CliOut r = run("quantize " + q(t.path / input) + " -o " + q(t.path / "out.safetensors") + " --match '('");
-    EXPECT_EQ(r.code, 1) << r.out;
+    EXPECT_EQ(r.code, 2) << r.out;  // a usage error (nu18)
     EXPECT_TRUE(has(r, "lutb: error: --match \"(\": invalid regular expression")) << r.out;
   }
 }
@@ -95,7 +95,7 @@ TEST(CliNewUserS12, MoeDefaultsToTheFoldersActivations) {
   test::TempDir t;
   ASSERT_EQ(run(kSynth + "-o " + q(t.path / "s")).code, 0);
   const CliOut r = run("moe " + q(t.path / "s") + " --layer 0");
-  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_EQ(r.code, 2) << r.out;  // a usage error: the option is needed here (nu18)
   EXPECT_TRUE(has(r, "lutb: error: --activations not given and " + (t.path / "s").string() +
                          " holds no moe_activations.safetensors (the captured MoE inputs and outputs); give the file "
                          "with --activations FILE"))
@@ -138,9 +138,10 @@ TEST(CliNewUserS12, ConfigErrorsNameTheFileAndKey) {
                           ": key 'sliding_window': mixtral sets sliding-window attention with a window of 128 tokens, "
                           "which lutb does not implement, and the sequences here are 256 tokens long"))
       << r2.out;
+  // A dense layer is a usage error of --layer (nu18: exit status 2, the option named).
   const CliOut r3 = run("moe " + q(ds) + " --layer 0");
-  EXPECT_EQ(r3.code, 1) << r3.out;
-  EXPECT_TRUE(has(r3, "lutb: error: " + ds.string() + ": layer 0 is a dense (non-MoE) layer per " +
+  EXPECT_EQ(r3.code, 2) << r3.out;
+  EXPECT_TRUE(has(r3, "lutb: error: --layer 0: layer 0 of " + ds.string() + " is a dense (non-MoE) layer per " +
                           (ds / "config.json").string() + " (its MoE layers: 1, 2, 3)"))
       << r3.out;
   // DeepSeek topk_method and routed_scaling_factor (finding 3), through the command line.

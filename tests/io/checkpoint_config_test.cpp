@@ -303,7 +303,7 @@ TEST(ModelConfig, KeyErrorsNameFileKeyAndReason) {
   };
   EXPECT_EQ(with("hidden_size", nullptr), "m/config.json: key 'hidden_size': required but missing");
   EXPECT_EQ(with("hidden_size", "64"), "m/config.json: key 'hidden_size': must be an integer, got \"64\"");
-  EXPECT_EQ(with("hidden_size", -1), "m/config.json: key 'hidden_size': must be non-negative, got -1");
+  EXPECT_EQ(with("hidden_size", -1), "m/config.json: key 'hidden_size': must be positive, got -1");
   EXPECT_EQ(with("moe_intermediate_size", nullptr), "m/config.json: key 'moe_intermediate_size': required but missing");
   EXPECT_EQ(with("num_experts_per_tok", 9),
             "m/config.json: key 'num_experts_per_tok': must be in 1..4 (the experts count), got 9");

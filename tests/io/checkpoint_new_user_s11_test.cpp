@@ -229,8 +229,9 @@ TEST(NewUserS11, DownloadCachesAndGitAreNotCopied) {
   EXPECT_TRUE(fs::exists(t.path / "out" / "original" / "params.json"));
   EXPECT_TRUE(fs::exists(t.path / "out" / ".gitattributes"));
   EXPECT_TRUE(has(format_summary(s), "not copied           .cache/, .git/, original/.git/ (the unquantised weights "
-                                     "in another format, training state, symlinked folders, download caches, version "
-                                     "control, files that are not regular: dangling links, pipes)"))
+                                     "in another format, training state, the source weights' reference losses, "
+                                     "symlinked folders, download caches, version control, files that are not "
+                                     "regular: dangling links, pipes)"))
       << format_summary(s);
 }
 

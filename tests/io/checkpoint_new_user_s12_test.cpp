@@ -283,8 +283,10 @@ TEST(NewUserS12, QuantizeWarnsAboutStrayTensorsAndRefusesMisspeltExperts) {
             f3.string() +
                 ": tensor model.layers.0.mlp.experts.2.up_proj.weight_packed is a LUT-B tensor of a routed expert, but " +
                 (t.path / "in3" / "config.json").string() +
-                " has no LUT-B quantization_config (a BF16 checkpoint's experts are float tensors); lutb would not "
-                "read it: rename or remove it; nothing written");
+                " has no LUT-B quantization_config (the \"quantization_config\" with \"quant_method\": \"lut_b\" that "
+                "says how to read LUT-B weights, spec 2.2; a BF16 checkpoint's experts are float tensors): if the "
+                "checkpoint's experts are LUT-B, restore the config.json written with them; otherwise remove the "
+                "tensor; nothing written");
 }
 
 }  // namespace

@@ -44,11 +44,13 @@ TEST(CliMoe, JsonOnCapturedActivationsDeepseekV3) {
 TEST(CliMoe, BadInputs) {
   LUTB_MODEL_OR_SKIP(dir, "tiny-deepseek-v3");
   const std::string acts = quote(dir / "moe_activations.safetensors");
+  // --layer beyond the layers or on a dense one, a format given as the file: usage errors, exit status 2
+  // (README "Exit status", nu18).
   CliResult r = run_cli("moe " + quote(dir) + " --layer 9 --activations " + acts);
-  EXPECT_EQ(r.status, 1);
+  EXPECT_EQ(r.status, 2);
   EXPECT_NE(r.err.find("out of range"), std::string::npos) << r.err;
   r = run_cli("moe " + quote(dir) + " --layer 0 --activations " + acts);
-  EXPECT_EQ(r.status, 1);
+  EXPECT_EQ(r.status, 2);
   EXPECT_NE(r.err.find("dense (non-MoE) layer"), std::string::npos) << r.err;
   r = run_cli("moe " + quote(dir) + " --layer 1 --activations /nonexistent/acts.safetensors");
   EXPECT_EQ(r.status, 1);
@@ -56,7 +58,7 @@ TEST(CliMoe, BadInputs) {
   // Regression (QA 2026-11-30): a format name given to moe's --activations (eval's meaning) read as
   // "mxfp8: activations file not found".
   r = run_cli("moe " + quote(dir) + " --layer 1 --activations mxfp8");
-  EXPECT_EQ(r.status, 1);
+  EXPECT_EQ(r.status, 2);
   EXPECT_NE(r.err.find("--activations takes a file for `moe`"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("--act-format mxfp8"), std::string::npos) << r.err;
   // a capture file without that layer
@@ -79,11 +81,12 @@ TEST(CliEval, BadInputs) {
   r = run_cli("eval " + quote(dir) + " --quant int4");
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.err.find("int4"), std::string::npos) << r.err;
+  // Usage errors: exit status 2 (nu18).
   r = run_cli("eval " + quote(dir) + " --fitter optimal");
-  EXPECT_EQ(r.status, 1);
+  EXPECT_EQ(r.status, 2);
   EXPECT_NE(r.err.find("--fitter optimal only applies to --quant lutb"), std::string::npos) << r.err;
   r = run_cli("eval " + quote(dir) + " --quant lutb --fitter nosuch");
-  EXPECT_EQ(r.status, 1);
+  EXPECT_EQ(r.status, 2);
   EXPECT_NE(r.err.find("nosuch"), std::string::npos) << r.err;
 }
 
@@ -205,6 +208,6 @@ TEST(CliEval, FitterOnAStoredCheckpointIsAnError) {
   CliResult r = run_cli("quantize " + quote(dir) + " -o " + quote(q) + " --no-progress");
   ASSERT_EQ(r.status, 0) << r.err;
   r = run_cli("eval " + quote(q) + " --fitter optimal --max-windows 1");
-  EXPECT_EQ(r.status, 1);
+  EXPECT_EQ(r.status, 2);  // a usage error (nu18)
   EXPECT_NE(r.err.find("--fitter optimal: " + q.string() + " holds stored LUT-B weights"), std::string::npos) << r.err;
 }

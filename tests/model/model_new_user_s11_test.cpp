@@ -201,14 +201,14 @@ TEST(NewUserS11, ConfigRopeAndNormValuesNameTheKey) {
 TEST(NewUserS11, KernelWithoutLutbExpertsIsAnError) {
   LUTB_MODEL_OR_SKIP(dir, "tiny-mixtral");
   test::CliResult r = test::run_cli("eval " + test::quote(dir) + " --kernel reference --max-windows 1");
-  EXPECT_EQ(r.status, 1);
+  EXPECT_EQ(r.status, 2);  // a usage error (README "Exit status", nu18)
   EXPECT_NE(r.err.find("lutb: error: --kernel reference only applies to LUT-B experts (--quant lutb, or a LUT-B "
                        "checkpoint); the experts here are --quant none"),
             std::string::npos)
       << r.err;
   r = test::run_cli("moe " + test::quote(dir) + " --layer 0 --quant mxfp4 --kernel fast --activations " +
                     test::quote(dir / "moe_activations.safetensors"));
-  EXPECT_EQ(r.status, 1);
+  EXPECT_EQ(r.status, 2);
   EXPECT_NE(r.err.find("--kernel fast only applies to LUT-B experts (--quant lutb, or a LUT-B checkpoint); the "
                        "experts here are --quant mxfp4"),
             std::string::npos)
