@@ -238,7 +238,7 @@ if [ "$WHAT" = moetests ]; then
     local_fc=""; case "$f" in src/fit/*) local_fc=-ffp-contract=off;; esac  # as CMakeLists.txt
     throttle; g++ $CXXFLAGS -O3 $local_fc -c "$f" -o "$B/mt/c_$(basename "$(dirname "$f")")_$(basename "$f" .cpp).o" & pids+=($!)
   done
-  for f in tests/cuda/moe_cuda_test.cpp tests/cuda/moe_vs_cpu_test.cpp tests/cuda/moe_decode_paths_test.cpp tests/support/test_support.cpp; do
+  for f in tests/cuda/moe_cuda_test.cpp tests/cuda/moe_vs_cpu_test.cpp tests/cuda/moe_decode_paths_test.cpp tests/cuda/moe_e4m3_encode_test.cpp tests/support/test_support.cpp; do
     throttle; g++ $CXXFLAGS -DLUTB_SOURCE_DIR="\"$ROOT\"" -c "$f" -o "$B/mt/t_$(basename "$f" .cpp).o" & pids+=($!)
   done
   for p in "${pids[@]}"; do wait "$p"; done

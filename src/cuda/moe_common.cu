@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "common.cuh"
+#include "e4m3_encode.cuh"
 #include "lutb/cuda/moe.hpp"
 #include "moe_internal.hpp"
 
@@ -30,7 +31,8 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
     const unsigned char b = mx_block_scale(a, MxScaleRule::Rceil);
-    const unsigned char q8 = (b == 255) ? 0 : mx_encode(v, b);
+    // mx_encode_dev: the hardware E4M3 conversion, the same bytes as mx_encode (e4m3_encode.cuh).
+    const unsigned char q8 = (b == 255) ? 0 : kern::mx_encode_dev(v, b);
     xa[t * Hp + blk * 32 + (lane & ~7) + kern::perm8(lane & 7, swap)] =
         __half_as_ushort(__float2half_rn(e4m3_to_float(q8)));
     if (xq8) xq8[t * Hp + (q8_wg ? blk * 32 + kern::wg_pos(lane) : col)] = q8;

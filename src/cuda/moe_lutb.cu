@@ -347,6 +347,10 @@ void check_shape(const DeviceLutb& d, std::int64_t E, std::int64_t N, std::int64
   if (!d.lane_major)
     throw std::invalid_argument(std::string("moe_forward: ") + what +
                                 " is in checkpoint index order; convert it once with lutb::cuda::to_lane_major");
+  // The swap-AB kernels' K ranges are 32-bit (swap_prologue.hpp): 2^30 K-tiles of one row strip
+  // (216 GB of one expert's strip) exceed any GPU's memory, so this never fires on a real weight.
+  if (d.shape.tiles_k() > kern::kSwapMaxTilesK)
+    throw std::invalid_argument(std::string("moe_forward: ") + what + " has more than 2^30 K-tiles per row");
 }
 
 }  // namespace

@@ -33,8 +33,10 @@
 // of the FP32 additions differs from the CPU emulation.
 #pragma once
 
+#include "e4m3_encode.cuh"
 #include "moe_gemm.cuh"
 #include "moe_kernels.cuh"
+#include "swap_prologue.hpp"
 #ifdef LUTB_SWAPAB_PHASES
 #include "lutb/cuda/moe.hpp"
 #endif
@@ -654,7 +656,8 @@ __device__ __forceinline__ void swap_epilogue1(const SwapTokens<NB>& tk, int nbl
 #pragma unroll
       for (int m = 0; m < 4; ++m) {
         // Padding I-columns (I..Ip-1) are written as zeros: GEMM2 reads all Ip columns.
-        const unsigned char q8 = (b == 255) ? 0 : mx_encode(hv[m], b);
+        // mx_encode_dev: the hardware E4M3 conversion, the same bytes as mx_encode (e4m3_encode.cuh).
+        const unsigned char q8 = (b == 255) ? 0 : mx_encode_dev(hv[m], b);
         const long long at = static_cast<long long>(p) * Ip + 8 * (4 * G + m);
         if constexpr (kDec == kDecFp8) {
           static_cast<unsigned char*>(hq)[at + g] = q8;
@@ -738,9 +741,22 @@ __device__ __forceinline__ void swap_epilogue2(const SwapTokens<NB>& tk, int nbl
 
 /// Strip group of this CTA: blockIdx.x / ksplit (the CTAs of one split share it). Read from the
 /// special register each time it is needed (volatile), so that it is not kept in a register across
-/// the K-loop: the one-block kernels sit at their 128-register cap.
+/// the K-loop: the one-block kernels sit at their 128-register cap. kCluster (the split kernels,
+/// launched in clusters of (ksplit, 1, 1) CTAs, moe_lutb.cu; sm_90 only; session 18, cvt18): the
+/// cluster's index %clusterid.x, which is that quotient without the division (%ctaid.x =
+/// %clusterid.x * %cluster_nctaid.x + %cluster_ctaid.x, PTX ISA "Special registers"). Otherwise
+/// %ctaid.x / ksplit (ksplit = 1 there: the unsplit kernels' constant). A runtime choice between
+/// the two in the split kernels cost GEMM2's split general K-loop 6.5 SASS instructions per K-tile
+/// (register allocation), hence the template parameter.
+template <bool kCluster = false>
 __device__ __forceinline__ long long swap_strip_group(int ksplit) {
   unsigned x;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if constexpr (kCluster) {
+    asm volatile("mov.u32 %0, %%clusterid.x;\n" : "=r"(x));
+    return static_cast<long long>(x);
+  }
+#endif
   asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(x));
   return static_cast<long long>(x / static_cast<unsigned>(ksplit));
 }
@@ -817,12 +833,25 @@ __device__ __forceinline__ bool swap_cluster_combine(bool warp0, float (&acc)[4]
 
 /// K-tile range [k0, k1) of warp `warp` of `nw` in share `part` of `ksplit` (the CTA's K split
 /// across warps, times the cluster's split across CTAs): contiguous, in (part, warp) order.
+/// `narrow` (GEMM1, session 18): in 32-bit arithmetic (swap_prologue.hpp swap_k_range32; tiles_k <=
+/// kSwapMaxTilesK, the host's check), one 32-bit division instead of the 64-bit division's call;
+/// otherwise (GEMM2) the 64-bit formula of sessions 9-17 (swap_k_range64). Same numbers. Why not
+/// GEMM2: without the 64-bit division's call ptxas allocates GEMM2's general K-loop differently at
+/// the 128-register cap (ok[] re-selected inside the loop: 315 -> 360.5 SASS instructions per
+/// K-tile, scripts/sass_kloop.py), and GEMM2's prologue overlaps its PDL wait anyway.
+/// The 32-bit bounds are broadcast from lane 0 (they are warp-uniform): without that broadcast
+/// GEMM1's general K-loop grew from 313.5 to 316 instructions per K-tile; with it, 312.5.
 __device__ __forceinline__ void swap_k_range(long long tiles_k, int nw, int warp, int ksplit, int part, long long& k0,
-                                             long long& k1) {
-  const long long W = static_cast<long long>(nw) * ksplit, gw = static_cast<long long>(part) * nw + warp;
-  const long long per = (tiles_k + W - 1) / W;
-  k0 = min(tiles_k, per * gw);
-  k1 = min(tiles_k, k0 + per);
+                                             long long& k1, bool narrow) {
+  if (!narrow) {
+    swap_k_range64(tiles_k, nw, warp, ksplit, part, k0, k1);
+    return;
+  }
+  unsigned a, b;
+  swap_k_range32(static_cast<unsigned>(tiles_k), static_cast<unsigned>(nw), static_cast<unsigned>(warp),
+                 static_cast<unsigned>(ksplit), static_cast<unsigned>(part), a, b);
+  k0 = static_cast<long long>(__shfl_sync(0xffffffffu, a, 0));
+  k1 = static_cast<long long>(__shfl_sync(0xffffffffu, b, 0));
 }
 
 /// The weighted top-k reduction of a direct forward (Routing::direct_pairs; one token per tile)
@@ -988,23 +1017,24 @@ __device__ __forceinline__ void swapab_gemm1_body(LutbW w, const void* __restric
   const int warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   long long strip[8];
   bool ok[8];
-  group_strips<true>(swap_strip_group(ksplit), w.tiles_n, I / 8, strip, ok);
+  group_strips<true>(swap_strip_group<kSplit>(ksplit), w.tiles_n, I / 8, strip, ok);
   const void* arow[NB];
   const float* srow[NB][2];
   const long long sblocks = a_cols / 32;
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
+    // Token of a pair: p / top_k of valid pairs (p >= 0), in unsigned arithmetic (swap_pair_token).
     const int p = tk.pair_g[nb] >= 0 ? tk.pair_g[nb] : tk.first;
-    arow[nb] = static_cast<const unsigned char*>(xa) + static_cast<long long>(p / r.top_k) * a_cols * kEl;
+    arow[nb] = static_cast<const unsigned char*>(xa) + static_cast<long long>(swap_pair_token(p, r.top_k)) * a_cols * kEl;
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
       const int pc = tk.pair_c[nb][u] >= 0 ? tk.pair_c[nb][u] : tk.first;
-      srow[nb][u] = xsf + static_cast<long long>(pc / r.top_k) * sblocks;
+      srow[nb][u] = xsf + static_cast<long long>(swap_pair_token(pc, r.top_k)) * sblocks;
     }
   }
   const int nblocks = (tk.count + 7) / 8;
   long long k0, k1;
-  swap_k_range(w.tiles_k, nw, warp, ksplit, kSplit ? static_cast<int>(cluster_rank()) : 0, k0, k1);
+  swap_k_range(w.tiles_k, nw, warp, ksplit, kSplit ? static_cast<int>(cluster_rank()) : 0, k0, k1, true);
   extern __shared__ __align__(16) unsigned char swap_smem[];
   float acc[4][NB][4];
   // GEMM2's weights into L2 (set_decode_l2_prefetch): the last warp, after its own ring prologue and
@@ -1046,7 +1076,7 @@ __device__ __forceinline__ void swapab_gemm1_body(LutbW w, const void* __restric
   if constexpr (kSplit) warp0 = swap_cluster_combine<NB>(warp0, acc, tail);
   swap_phase_mark<0>(6);
   if (!warp0) return;
-  swap_epilogue1<kDec, NB>(tk, nblocks, ok, acc, swap_strip_group(ksplit), Ip, hq, hsf, tail);
+  swap_epilogue1<kDec, NB>(tk, nblocks, ok, acc, swap_strip_group<kSplit>(ksplit), Ip, hq, hsf, tail);
   swap_phase_mark<0>(7);
 }
 
@@ -1099,7 +1129,7 @@ __device__ __forceinline__ void swapab_gemm2_body(LutbW w, const void* __restric
   const int warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   long long strip[8];
   bool ok[8];
-  group_strips<false>(swap_strip_group(ksplit), w.tiles_n, 0, strip, ok);
+  group_strips<false>(swap_strip_group<kSplit>(ksplit), w.tiles_n, 0, strip, ok);
   const void* arow[NB];
   const float* srow[NB][2];
 #pragma unroll
@@ -1114,7 +1144,7 @@ __device__ __forceinline__ void swapab_gemm2_body(LutbW w, const void* __restric
   }
   const int nblocks = (tk.count + 7) / 8;
   long long k0, k1;
-  swap_k_range(w.tiles_k, nw, warp, ksplit, kSplit ? static_cast<int>(cluster_rank()) : 0, k0, k1);
+  swap_k_range(w.tiles_k, nw, warp, ksplit, kSplit ? static_cast<int>(cluster_rank()) : 0, k0, k1, false);
   extern __shared__ __align__(16) unsigned char swap_smem[];
   PdlWaitAndTrigger pdl;
 #ifdef LUTB_SWAPAB_PHASES
