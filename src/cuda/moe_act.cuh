@@ -60,7 +60,8 @@ __global__ void __launch_bounds__(kActThreads)
 #pragma unroll
   for (int o = 16; o >= 1; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
   const unsigned char b = mx_block_scale(a, MxScaleRule::Rceil);
-  const unsigned char q8 = (b == 255) ? 0 : mx_encode(hv, b);
+  // mx_encode_dev: the hardware E4M3 conversion, the same bytes as mx_encode (e4m3_encode.cuh, cvt18).
+  const unsigned char q8 = (b == 255) ? 0 : mx_encode_dev(hv, b);
   const int j = static_cast<int>(c & 31);
   if constexpr (kDec == kDecFp8) {
     static_cast<unsigned char*>(hq)[i] = q8;

@@ -169,9 +169,9 @@ void launch_swapab(const DeviceMoeWeights& w, const kern::Routing& r, const deta
   }
   // kDecodeActKernel (moe.hpp; act18): GEMM1 stores its sums per split rank to ws.hpart (passed as
   // its hq) and the activation kernel (moe_act.cuh) writes hq and hsf from them.
-  // The rule (kDecodeActKernelRule, decode_act_kernel) for one token block only: two blocks (Mixtral
-  // T = 64, 1.10x in act18-run2) were not yet checked bit for bit on the GPU.
-  const bool act_rule = (paths & kDecodeActKernelRule) && NB == 1 && decode_act_kernel(P / r.top_k, r.top_k, w.experts);
+  // The rule (kDecodeActKernelRule, decode_act_kernel) for one and two token blocks (two blocks:
+  // Mixtral T = 64, 1.10x in act18-run2; checked bit for bit on the GPU in the final run of session 18).
+  const bool act_rule = (paths & kDecodeActKernelRule) && decode_act_kernel(P / r.top_k, r.top_k, w.experts);
   const bool act = ((paths & kDecodeActKernel) || act_rule) && P <= kActMaxPairs && ks1 <= kActMaxSplit;
   void* const hq1 = act ? static_cast<void*>(ws.hpart) : hq;
   const unsigned one_token1 = one_token | (act ? kern::kGemm1Partials : 0u);

@@ -239,10 +239,10 @@ bool decode_fuse_reduce(std::int64_t gemm2_ctas, int top_k, int sms);
 ///     kActMaxPairs pairs whose GEMM1 split is at most kActMaxSplit): GEMM1 stops after its
 ///     cross-warp reduction and stores each CTA's FP32 gate / up sums (per split rank) to the
 ///     workspace; a small activation kernel between GEMM1 and GEMM2 (PDL chain) adds the ranks' sums
-///     in rank order and does the SiLU*up / BF16 / MXFP8-of-h epilogue with 4 threads per 32-column
-///     block, instead of GEMM1's cluster combine and warp 0's epilogue. Bit-identical outputs (the
-///     same operations in the same order). kDecodeActKernelRule: kDecodeActKernel for one token
-///     block (NB = 1) where decode_act_kernel() says so (below).
+///     in rank order and does the SiLU*up / BF16 / MXFP8-of-h epilogue with one warp per 32-column
+///     block (one column per lane), instead of GEMM1's cluster combine and warp 0's epilogue. Bit-identical outputs (the
+///     same operations in the same order). kDecodeActKernelRule: kDecodeActKernel where
+///     decode_act_kernel() says so (below), for launches of one or two token blocks.
 inline constexpr unsigned kDecodeDirect = 1u, kDecodeDirectAlways = 2u, kDecodeClusterReduce = 4u,
                           kDecodeNoDirect1 = 8u, kDecodeSplitK = 16u, kDecodeClusterReduceAlways = 32u,
                           kDecodeLateScales = 64u, kDecodeLateScales96 = 128u, kDecodeLateScalesRule = 256u,
@@ -259,7 +259,7 @@ inline constexpr unsigned kDecodePathsDefault =
     kDecodeDirect | kDecodeClusterReduce | kDecodeSplitK | kDecodeLateScalesRule | kDecodeOneTokenTailRule |
     kDecodeOneWave | kDecodeActKernelRule;
 
-/// kDecodeActKernel by rule (host only; the forward applies it to one-token-block launches within
+/// kDecodeActKernel by rule (host only; the forward applies it to swap-AB launches within
 /// kActMaxPairs / kActMaxSplit): T > 1 and the expected pairs per touched expert under uniform
 /// routing, T k / (E (1 - (1 - min(1, k/E))^T)) (as decode_one_token_tail), above
 /// kActMinPairsPerExpert. Measured on the H200 (docs/perf/moe-gpu.md "Session 18", device run
@@ -270,7 +270,8 @@ inline constexpr unsigned kDecodePathsDefault =
 /// (1.46-4.04: 1.013-1.035x); slower or even where it is at most 1.12 -- every T = 1 (the rule never
 /// fires there; 0.949-0.985x, Qwen3-30B 0.996-1.009x), T = 4 with k = 8 (1.05-1.10: 0.928-0.998x),
 /// DeepSeek-V3 T = 8 (1.12: 0.996-1.017x, left out). Mixtral T = 64 (two token blocks, 16.0:
-/// 1.100-1.102x) is left to kDecodeActKernel until two blocks are checked on the GPU.
+/// 1.100-1.102x in act18-run2) is in the rule since the lead's final run of session 18 checked two
+/// blocks bit for bit on the GPU (docs/perf/moe-gpu.md "Current figures").
 inline constexpr double kActMinPairsPerExpert = 1.2;
 bool decode_act_kernel(std::int64_t tokens, int top_k, std::int64_t experts);
 
