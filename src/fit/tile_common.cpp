@@ -143,9 +143,12 @@ TileFit encode_tile(const float* x512, int scale, const std::uint8_t* entries, i
     bytes[0] = 0x00;
     m = 1;
   }
-  for (int j = m; j < kCodebookSize; ++j) {
-    vals[j] = vals[m - 1];
-    bytes[j] = bytes[m - 1];
+  // m is in 1..kCodebookSize here; the clamp says so to the compiler (the GPU machine's g++ warned
+  // -Wstringop-overflow on bytes[m - 1] with m's range unknown).
+  const int last = std::clamp(m, 1, kCodebookSize) - 1;
+  for (int j = last + 1; j < kCodebookSize; ++j) {
+    vals[j] = vals[last];
+    bytes[j] = bytes[last];
   }
   float deq[kCodebookSize];
   for (int j = 0; j < kCodebookSize; ++j) deq[j] = ldexp_ue8m0(vals[j], static_cast<std::uint8_t>(scale));

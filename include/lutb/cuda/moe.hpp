@@ -262,17 +262,16 @@ inline constexpr unsigned kDecodePathsDefault =
 /// kDecodeActKernel by rule (host only; the forward applies it to swap-AB launches within
 /// kActMaxPairs / kActMaxSplit): T > 1 and the expected pairs per touched expert under uniform
 /// routing, T k / (E (1 - (1 - min(1, k/E))^T)) (as decode_one_token_tail), above
-/// kActMinPairsPerExpert. Measured on the H200 (docs/perf/moe-gpu.md "Session 18", device run
-/// act18-run2, four processes in ABBA order, the activation kernel against the default in the same
-/// process): faster in all four on every benchmark row with one token block where this ratio is above
-/// 1.2 -- Qwen3-235B / Qwen3-30B T = 8 (1.24: 1.009-1.024x / 1.030-1.036x) and T = 16 (1.55:
-/// 1.044-1.048x / 1.085-1.088x), DeepSeek-V3 T = 16 (1.26: 1.012-1.017x), Mixtral T = 4, 8, 16
-/// (1.46-4.04: 1.013-1.035x); slower or even where it is at most 1.12 -- every T = 1 (the rule never
-/// fires there; 0.949-0.985x, Qwen3-30B 0.996-1.009x), T = 4 with k = 8 (1.05-1.10: 0.928-0.998x),
-/// DeepSeek-V3 T = 8 (1.12: 0.996-1.017x, left out). Mixtral T = 64 (two token blocks, 16.0:
-/// 1.100-1.102x in act18-run2) is in the rule since the lead's final run of session 18 checked two
-/// blocks bit for bit on the GPU (docs/perf/moe-gpu.md "Current figures").
-inline constexpr double kActMinPairsPerExpert = 1.2;
+/// kActMinPairsPerExpert. Measured on the H200 (docs/perf/moe-gpu.md "Session 18" and "Current
+/// figures"): act18-run2 (four processes, ABBA, before cvt18's shorter GEMM1 epilogue) had the kernel
+/// faster on every row above 1.2 pairs per expert and slower or even at or below 1.12 (every T = 1:
+/// 0.949-0.985x; T = 4 with k = 8: 0.928-0.998x). The final run of session 18 (two processes, both
+/// orders, with cvt18's hardware encode in GEMM1's epilogue) moved the threshold to 1.5: Mixtral
+/// T = 4 (1.46) now lost 1.3-1.7 % with the kernel, the rows at 1.24-1.26 (Qwen3 T = 8, DeepSeek-V3
+/// T = 16) gained only 0.3-1.8 %, while the rows above 1.5 kept their gains -- Qwen3-235B / Qwen3-30B
+/// T = 16 (1.55: 1.025x / 1.05x), Mixtral T = 8, 16 (2.2, 4.0: 1.016x, 1.008x) and T = 64 (16.0, two
+/// token blocks: 1.056x).
+inline constexpr double kActMinPairsPerExpert = 1.5;
 bool decode_act_kernel(std::int64_t tokens, int top_k, std::int64_t experts);
 
 /// kDecodeOneTokenTail by rule (host only): where the expected pairs per touched expert under uniform
