@@ -3,6 +3,7 @@
 // Instantiated in moe_lutb.cu and moe_bf16.cu.
 #pragma once
 
+#include "e4m3_encode.cuh"
 #include "moe_kernels.cuh"
 
 namespace lutb::cuda::kern {
@@ -360,7 +361,7 @@ __global__ void __launch_bounds__(kWarps * 32)
           uint16_t* dst = hq + static_cast<long long>(p) * Ip + col0 + 8 * s;
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
-            const float q = (b == 255) ? 0.0f : e4m3_to_float(mx_encode(hv[s][m][h][c], b));
+            const float q = (b == 255) ? 0.0f : e4m3_to_float(mx_encode_dev(hv[s][m][h][c], b));
             dst[perm8(2 * t + c, !kCvt)] = __half_as_ushort(__float2half_rn(q));
           }
         }

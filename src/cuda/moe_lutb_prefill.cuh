@@ -19,6 +19,7 @@
 #pragma once
 
 #include "lutb/cuda/lane_major.hpp"
+#include "e4m3_encode.cuh"
 #include "moe_kernels.cuh"
 
 namespace lutb::cuda::kern::prefill {
@@ -416,7 +417,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
         unsigned pk = 0;
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-          const float q = b == 255 ? __int_as_float(0x7fc00000) : mx_decode(mx_encode(hv[mi][h][j][c], b), b);
+          const float q = b == 255 ? __int_as_float(0x7fc00000) : mx_decode(mx_encode_dev(hv[mi][h][j][c], b), b);
           pk |= static_cast<unsigned>(bf16_from_float(q)) << (16 * c);
         }
         *reinterpret_cast<unsigned*>(hq + static_cast<long long>(p) * Ip + col0 + 8 * j + 2 * t) = pk;

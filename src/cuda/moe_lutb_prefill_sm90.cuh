@@ -545,14 +545,14 @@ __device__ __forceinline__ void epilogue_gemm1(const float (&acc)[32], int nb, i
         unsigned pk = 0;
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-          const float v = b == 255 ? __int_as_float(0x7fc00000) : mx_decode(mx_encode(hv[q][c], b), b);
+          const float v = b == 255 ? __int_as_float(0x7fc00000) : mx_decode(mx_encode_dev(hv[q][c], b), b);
           pk |= static_cast<unsigned>(bf16_from_float(v)) << (16 * c);
         }
         *reinterpret_cast<unsigned*>(hq + (static_cast<long long>(p) * Ip + col) * 2) = pk;
       } else {
         unsigned pk = 0;
 #pragma unroll
-        for (int c = 0; c < 2; ++c) pk |= static_cast<unsigned>(b == 255 ? 0 : mx_encode(hv[q][c], b)) << (8 * c);
+        for (int c = 0; c < 2; ++c) pk |= static_cast<unsigned>(b == 255 ? 0 : mx_encode_dev(hv[q][c], b)) << (8 * c);
         *reinterpret_cast<unsigned short*>(hq + static_cast<long long>(p) * Ip + col) = static_cast<unsigned short>(pk);
       }
     }
