@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <utility>
 
 #include <fmt/core.h>
 #include <fmt/format.h>
@@ -514,11 +515,23 @@ std::string format_summary(const QuantizeSummary& s) {
                           : fmt::format("aggregate SQNR       {:.2f} dB\n", sqnr);
   out += fmt::format("time                 {:.2f} s\n", s.seconds);
   out += fmt::format("peak RSS             {:.1f} MB\n", mb(s.peak_rss_bytes));
-  if (!s.skipped_files.empty())
-    out += fmt::format("not copied           {} (the unquantised weights in another format, training state, the "
-                       "source weights' reference losses, symlinked folders, download caches, version control, files "
-                       "that are not regular: dangling links, pipes)\n",
-                       fmt::join(s.skipped_files, ", "));
+  // Each file with its own reason, files of one reason together: the line gave every reason lutb has
+  // after the one file of a model folder, "reference_eval.json (the unquantised weights in another
+  // format, training state, ..., files that are not regular: dangling links, pipes)" (new-user QA,
+  // session 19).
+  if (!s.skipped_files.empty()) {
+    std::vector<std::pair<std::string, std::vector<std::string>>> by_reason;
+    for (const auto& f : s.skipped_files) {
+      const std::string why = detail::skipped_file_reason(f);
+      auto it = std::find_if(by_reason.begin(), by_reason.end(), [&](const auto& r) { return r.first == why; });
+      if (it == by_reason.end()) it = by_reason.insert(by_reason.end(), {why, {}});
+      it->second.push_back(f);
+    }
+    std::string line;
+    for (const auto& [why, files] : by_reason)
+      line += fmt::format("{}{} ({})", line.empty() ? "" : "; ", fmt::join(files, ", "), why);
+    out += fmt::format("not copied           {}\n", line);
+  }
   return out;
 }
 

@@ -652,7 +652,10 @@ TEST(QuantizeInput, OtherFormatWeightFilesAreNotCopied) {
     EXPECT_EQ(line, std::string("bytes of ") + f);
   }
   EXPECT_TRUE(Checkpoint(t.path / "out").is_lutb());
-  EXPECT_NE(format_summary(s).find("not copied           consolidated.safetensors, flax_model.msgpack, "),
+  EXPECT_NE(format_summary(s).find("not copied           consolidated.safetensors, flax_model.msgpack, model-q4.gguf, "
+                                   "original/consolidated.00.pth, pytorch_model-00001-of-00002.bin, "
+                                   "pytorch_model.bin.index.json, tf_model.h5 (the weights in another format); "
+                                   "optimizer.pt, training_args.bin (training state)\n"),
             std::string::npos)
       << format_summary(s);
 }
