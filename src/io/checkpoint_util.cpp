@@ -199,7 +199,24 @@ void check_replaceable(const std::filesystem::path& target, bool want_directory,
   if (!want_directory && is_dir)
     throw CheckpointError(fmt::format("{}: exists and is a directory; refusing to replace it with a file",
                                       target.string()));
-  if (!force) return;  // the caller refuses an existing output without --force
+  if (!force) {
+    // The caller refuses an existing output with "use --force to replace it"; when --force would refuse
+    // it too (the current folder, a folder of other files), that advice led to a second refusal
+    // (new-user QA, session 19: "-o ." was told to use --force, then "is the current directory or one of
+    // its ancestors; refusing to replace it with --force"). Said at once, with the --force check's reason.
+    try {
+      check_replaceable(target, want_directory, /*force=*/true);
+    } catch (const CheckpointError& e) {
+      std::string why = e.what();
+      const std::string head = target.string() + ": ";
+      if (why.rfind(head, 0) == 0) why.erase(0, head.size());
+      if (const auto p = why.find("; refusing to replace it with --force"); p != std::string::npos) why.erase(p);
+      throw CheckpointError(fmt::format("{}: the output exists, and --force would not replace it either: {}{}; choose "
+                                        "another output or remove it yourself; nothing written",
+                                        target.string(), why.rfind("cannot", 0) == 0 ? "" : "it ", why));
+    }
+    return;
+  }
   // --force deletes the old output, so it may only ever hit something this tool could have written
   // (QA 2026-11-30: "-o d --force" deleted any directory d, even the current one, with its notes).
   std::error_code cec;

@@ -107,7 +107,7 @@ TEST(CheckpointNewUserNu19, SynthHiddenSizeOverrideWritesAConfigLutbReads) {
     o.moe_intermediate_size = 8;
     o.num_experts = 2;
     o.progress = false;
-    const fs::path dir = t.path / ("s" + std::to_string(i++));
+    const fs::path dir = t.path / std::to_string(i++);  // (GCC 12 -Wrestrict false positive on "s" + to_string)
     synthesize_checkpoint(dir, o);
     model::TransformerConfig cfg;
     const std::string err = error_of([&] { cfg = model::TransformerConfig::load(dir); });
@@ -202,6 +202,38 @@ TEST(CheckpointNewUserNu19, CheckpointMoeRefusesLayersTheConfigDoesNotDeclare) {
 
 namespace lutb {
 namespace {
+
+// An existing output without --force was refused with "output directory exists (use --force to replace
+// it)" even when --force would refuse it too (a folder of other files, the current folder): the advice
+// led to a second refusal. Now the first error gives the --force check's reason.
+TEST(CheckpointNewUserNu19, ExistingOutputThatForceWouldNotReplaceSaysSoAtOnce) {
+  TempDir t;
+  const fs::path in = small_checkpoint(t.path / "in");
+  QuantizeOptions q;
+  q.progress = false;
+  q.fit.threads = 1;
+  fs::create_directories(t.path / "notes");
+  std::ofstream(t.path / "notes" / "todo.txt") << "mine";
+  const std::string err = error_of([&] { (void)quantize_checkpoint(in, t.path / "notes", q); });
+  EXPECT_EQ(err, (t.path / "notes").string() +
+                     ": the output exists, and --force would not replace it either: it does not look like a checkpoint "
+                     "this tool wrote ('todo.txt' is not a file a checkpoint holds); choose another output or remove it "
+                     "yourself; nothing written");
+  std::string content;
+  std::getline(std::ifstream(t.path / "notes" / "todo.txt"), content);
+  EXPECT_EQ(content, "mine");
+  // The current folder.
+  const fs::path cwd = fs::current_path();
+  fs::current_path(t.path / "notes");
+  const std::string here = error_of([&] { (void)quantize_checkpoint(in, ".", q); });
+  fs::current_path(cwd);
+  EXPECT_EQ(here, ".: the output exists, and --force would not replace it either: it is the current directory or one of "
+                  "its ancestors; choose another output or remove it yourself; nothing written");
+  // An empty folder, which --force would replace: the plain advice.
+  fs::create_directories(t.path / "empty");
+  EXPECT_TRUE(has(error_of([&] { (void)quantize_checkpoint(in, t.path / "empty", q); }),
+                  "output directory exists (use --force to replace it)"));
+}
 
 // Mixtral's expert width is intermediate_size: null (or absent, with no moe_intermediate_size) read as
 // 0 and was reported as "the expert width must be positive, got 0", a value the file never held.
