@@ -25,6 +25,7 @@
 #include "cli/commands.hpp"
 #include "cli/gpu.hpp"
 #include "cli/interrupt.hpp"
+#include "cli/usage_hints.hpp"
 #include "cli/validators.hpp"
 #include "lutb/checkpoint.hpp"
 #include "lutb/moe.hpp"
@@ -325,7 +326,7 @@ void run_default_job(const DefaultArgs& a) {
 
 void add_default_job(CLI::App& app) {
   auto a = std::make_shared<DefaultArgs>();
-  const std::string g = "Default job (lutb with no subcommand)";
+  const std::string g = kDefaultJobGroup;
   app.add_option("--tokens", a->tokens, "default job: random tokens run through the layer (default 64)")
       ->group(g)->check(IntRange<std::int64_t>(1, 1 << 20));
   app.add_option("--experts", a->experts,
@@ -341,6 +342,28 @@ void add_default_job(CLI::App& app) {
       ->group(g);
   app.add_flag("--keep", a->keep, "default job: keep the checkpoints")->group(g);
   app.add_flag("--json", a->json, "default job: print a JSON summary as the last line")->group(g);
+  // An option of the default job before a command's name ("lutb --fitter optimal quantize IN -o OUT",
+  // "lutb --json eval DIR") was parsed as the default job's and then ignored, since the default job
+  // does not run with a command: quantize fitted with binned-dp and eval printed no JSON, exit status
+  // 0 (new-user QA, session 19). Refused before the command runs (this callback runs before the
+  // commands' own).
+  app.parse_complete_callback([&app, g] {
+    const std::vector<CLI::App*> cmds = app.get_subcommands();
+    if (cmds.empty()) return;
+    const CLI::App& cmd = *cmds.front();
+    for (const CLI::Option* o : app.get_options()) {
+      if (o->get_group() != g || o->count() == 0) continue;
+      const std::string name = "--" + o->get_lnames().front();
+      const bool cmd_has = cmd.get_option_no_throw(name) != nullptr;
+      throw UsageError(fmt::format(
+          "{} was given before the command name '{}': options before it belong to the default job (lutb with no "
+          "command), which does not run when a command is given, so it would be ignored; {}",
+          name, cmd.get_name(),
+          cmd_has ? fmt::format("give it after the command name: lutb {} ... {} ...", cmd.get_name(), name)
+                  : fmt::format("lutb {} has no {} option (lutb {} --help lists its options)", cmd.get_name(), name,
+                                cmd.get_name())));
+    }
+  });
   app.callback([&app, a, fitter_opt, work_opt] {
     if (!app.get_subcommands().empty()) return;
     check_fitter_option(fitter_opt, a->fitter);

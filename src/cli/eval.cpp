@@ -135,8 +135,8 @@ void run_eval(const EvalArgs& a) {
   if (!moe.stats().empty()) fmt::print("  aggregate SQNR {:.3f} dB\n", sqnr);
   fmt::print("size         routed experts {} bytes as BF16, {} bytes held ({:.4f} bits per weight)\n",
              moe.source_bytes(), moe.held_bytes(), moe.bits_per_weight());
-  fmt::print("val loss     {:.6f} nats over {} predicted tokens ({} windows of {})\n", r.val_loss, r.tokens, r.windows,
-             eo.window);
+  fmt::print("val loss     {:.6f} nats over {} predicted tokens ({} window{} of {})\n", r.val_loss, r.tokens, r.windows,
+             r.windows == 1 ? "" : "s", eo.window);
   fmt::print("time         load {:.2f} s, eval {:.2f} s, {:.0f} tokens/s\n", load_s, r.seconds, tps);
   const bool fitted = fit.fits && !moe.lutb_checkpoint();
   if (fitted) print_fit_line(fit, mo.fit.fitter);

@@ -2,11 +2,13 @@
 #include <cstdio>
 #include <exception>
 #include <new>
+#include <string>
 
 #include <fmt/core.h>
 
 #include "cli/commands.hpp"
 #include "cli/interrupt.hpp"
+#include "cli/usage_hints.hpp"
 #include "cli/validators.hpp"
 
 namespace {
@@ -17,7 +19,8 @@ constexpr const char* kUsageHint = "Run 'lutb --help' (or 'lutb COMMAND --help')
 // error (CLI11's parse errors and the tool's own option checks alike); 128 + the signal when
 // interrupted.
 int main(int argc, char** argv) {
-  CLI::App app{"lutb: LUT-B (3.14-bit lookup-table weights, MXFP8 activations) for MoE experts"};
+  // Named "lutb": --help printed "Usage: /full/path/to/build/release/lutb quantize ..." (argv[0]).
+  CLI::App app{"lutb: LUT-B (3.14-bit lookup-table weights, MXFP8 activations) for MoE experts", "lutb"};
   app.set_version_flag("--version", "lutb 0.1.0");
   app.footer("Exit status: 0 success; 1 the work failed (an input missing, unreadable or invalid, a destination that "
              "cannot be written, too little space or memory, no usable GPU); 2 a usage error (an unknown option, a "
@@ -30,6 +33,12 @@ int main(int argc, char** argv) {
   lutb::cli::add_synth(app);
   try {
     app.parse(argc, argv);
+  } catch (const CLI::ExtrasError& e) {
+    // Arguments nothing took: CLI11 listed them in reverse and said nothing of what is valid
+    // ("The following arguments were not expected: 0 --threads"; new-user QA sessions 18-19).
+    const std::string why = lutb::cli::explain_extras(app, argc, argv);
+    fmt::print(stderr, "lutb: error: {}\n{}\n", why.empty() ? std::string(e.what()) : why, kUsageHint);
+    return 2;
   } catch (const CLI::ParseError& e) {
     // --help and --version arrive here too, with exit code 0: CLI11 prints them.
     if (e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success)) return app.exit(e);

@@ -167,6 +167,15 @@ struct ModelQuantArgs {
           "--fitter {}: {} holds stored LUT-B weights; --fitter applies only when quantising a BF16 checkpoint on "
           "the fly (--quant lutb)",
           fitter, model_dir));
+    // Another --quant on stored LUT-B weights cannot apply (there are no BF16 experts to hold or to
+    // quantise otherwise): the library's refusal exited 1, where --fitter on the same checkpoint is a
+    // usage error (README "Exit status"; new-user QA, session 19).
+    if (lutb_ckpt && q != "lutb")
+      throw UsageError(fmt::format(
+          "--quant {}: {} holds stored LUT-B weights (its config.json has a LUT-B quantization_config), not BF16 "
+          "experts; it runs only as --quant lutb (the default for it); for --quant {} run the BF16 checkpoint it was "
+          "quantised from",
+          q, model_dir, q));
     o.quant = model::quant_from_name(q);
     const std::string act = activations.empty() ? (o.quant == model::Quant::Lutb ? "mxfp8" : "bf16") : activations;
     o.activations = act == "mxfp8" ? moe::ActivationFormat::MXFP8 : moe::ActivationFormat::BF16;

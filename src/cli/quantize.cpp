@@ -72,12 +72,15 @@ void add_quantize(CLI::App& app) {
                   "that number, with a note)")
       ->check(ThreadCount());
   auto* m = cmd->add_option("--match", args->match,
-                            "file mode: quantise tensors whose name matches this regex (ECMAScript, searched anywhere "
-                            "in the name; a pattern with nested repetition such as (a|aa)*c can take exponential time "
+                            "file mode: quantise only the tensors whose name matches this regex (default: every "
+                            "2-D/3-D float tensor, as --all; ECMAScript, searched anywhere in the name; a pattern with nested repetition such as (a|aa)*c can take exponential time "
                             "on long names: Ctrl-C stops it)");
   auto* a = cmd->add_flag("--all", args->all, "file mode: quantise every 2-D/3-D float tensor (the default)");
   m->excludes(a);
-  cmd->add_flag("--force", args->force, "replace an existing output (built aside, swapped in at the end)");
+  cmd->add_flag("--force", args->force,
+                "replace an existing output that looks like a checkpoint (a .safetensors file, or a folder of "
+                "checkpoint files or one lutb wrote; never the current folder or one above it); the new output is "
+                "built aside and swapped in at the end");
   cmd->add_flag("--no-progress", args->no_progress, "no progress bar on stderr");
   cmd->add_flag("--json", args->json, "print a JSON summary as the last line of stdout");
   add_device_option(cmd, args->device,

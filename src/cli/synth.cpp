@@ -41,20 +41,28 @@ void add_synth(CLI::App& app) {
       "renamed at the end: Ctrl-C, SIGTERM or SIGHUP remove the temporary and leave OUT as it was (exit status of "
       "the signal: 130/143); temporaries of dead processes are reported at the start, never removed.");
   cmd->add_option("--family", args->family, "model family: " + fams)->required();
-  cmd->add_option("--layers", args->opt.layers, "number of MoE layers")->required()->check(IntRange<std::int64_t>(1, kMaxLayers));
+  cmd->add_option("--layers", args->opt.layers, "number of decoder layers, every one a MoE layer (1..1024)")->required()->check(IntRange<std::int64_t>(1, kMaxLayers));
   auto* out_opt =
       cmd->add_option("-o,--output", args->output, "output directory (must not exist unless --force)")->required();
   cmd->add_option("--seed", args->opt.seed, "random seed (default 1234)")
       ->check(IntRange<std::uint64_t>(0, std::numeric_limits<std::uint64_t>::max()));
   auto* nu_opt = cmd->add_option("--nu", args->opt.student_nu, "Student-t degrees of freedom, a number in (2, 1e6] (default 5)");
   cmd->add_flag("--stacked", args->opt.stacked, "write stacked gate_up_proj [E, 2I, H] / down_proj [E, H, I] tensors");
-  cmd->add_option("--hidden-size", args->opt.hidden_size, "override hidden_size (tests)")
+  // "override hidden_size (tests)" gave neither the default nor a reason to use it (new-user QA,
+  // session 19).
+  cmd->add_option("--hidden-size", args->opt.hidden_size,
+                  "hidden size H (default: the family's, e.g. 2048 for qwen3_moe, 4096 for mixtral); smaller sizes "
+                  "make a quick checkpoint for tests")
       ->check(IntRange<std::int64_t>(1, kMaxWidth));
-  cmd->add_option("--moe-intermediate-size", args->opt.moe_intermediate_size, "override the expert width (tests)")
+  cmd->add_option("--moe-intermediate-size", args->opt.moe_intermediate_size,
+                  "expert width I, rows of each expert's gate and up (default: the family's, e.g. 768 for qwen3_moe)")
       ->check(IntRange<std::int64_t>(1, kMaxWidth));
-  cmd->add_option("--experts", args->opt.num_experts, "override the number of routed experts (tests)")
+  cmd->add_option("--experts", args->opt.num_experts,
+                  "routed experts per layer (default: the family's, e.g. 128 for qwen3_moe); top-k is capped at it")
       ->check(IntRange<std::int64_t>(1, kMaxExperts));
-  cmd->add_flag("--force", args->opt.force, "replace an existing output directory");
+  cmd->add_flag("--force", args->opt.force,
+                "replace an existing output directory that looks like a checkpoint (never the current folder or one "
+                "above it)");
   cmd->add_flag("--no-progress", args->no_progress, "no progress bar on stderr");
   cmd->callback([args, fams, nu_opt, out_opt] {
     // `-o ""` was refused by the library as "synth: no output directory given" with exit status 1, where

@@ -235,7 +235,18 @@ ExpertsSource Checkpoint::experts_source(std::int64_t L) const {
     copy_float(file_of(b.name), b, {E, H, I}, expected_from_config(), s.w2.dtype, s.w2.data.data());
     return s;
   }
-  const TensorView& first = tensor(expert_weight_name(config_, L, 0, Proj::gate));
+  // A routed expert that config.json implies but the checkpoint lacks: the message names the config, the
+  // layer and the files searched, as lutb quantize's does (eval and moe said "checkpoint DIR: tensor X
+  // not found", naming no file; new-user QA sessions 18-19).
+  const auto expert_tensor = [&](const std::string& n) -> const TensorView& {
+    if (!st_->contains(n))
+      throw CheckpointError(fmt::format("checkpoint {}: layer {} is a MoE layer of {}, which declares {} routed "
+                                        "experts, but its routed-expert tensor {} is missing{}",
+                                        dir_.string(), L, (dir_ / "config.json").string(), config_.num_experts, n,
+                                        st_->absent_note(n)));
+    return st_->get(n);
+  };
+  const TensorView& first = expert_tensor(expert_weight_name(config_, L, 0, Proj::gate));
   // Experts of different float dtypes (one F32 expert among BF16 ones) are stacked as F32, each
   // converted exactly: lutb quantize takes such a layer (it fits each tensor on its own) and eval
   // refused it ("F32 but the other experts of the stack are BF16"; new-user QA, session 12). Only the
@@ -254,7 +265,7 @@ ExpertsSource Checkpoint::experts_source(std::int64_t L) const {
   for (std::int64_t e = 0; e < E; ++e)
     for (Proj p : {Proj::gate, Proj::up, Proj::down}) {
       const std::string n = expert_weight_name(config_, L, e, p);
-      check_float_header(file_of(n), tensor(n), p == Proj::down ? std::vector<std::int64_t>{H, I}
+      check_float_header(file_of(n), expert_tensor(n), p == Proj::down ? std::vector<std::int64_t>{H, I}
                                                                  : std::vector<std::int64_t>{I, H}, origin);
     }
   const std::size_t es = dtype_size(dt);

@@ -161,7 +161,14 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& where
 
   // Expert width.
   if (c.family == ModelFamily::mixtral) {
-    c.moe_intermediate_size = opt_size(j, "moe_intermediate_size", where).value_or(c.intermediate_size);
+    const auto v = opt_size(j, "moe_intermediate_size", where);
+    // Neither key (or "intermediate_size": null) read as width 0: "the expert width must be positive, got
+    // 0" for a value that was never given (new-user QA, session 19).
+    if (!v && !opt_size(j, "intermediate_size", where))
+      detail::throw_config_key(where, "intermediate_size",
+                               "required but missing or null (Mixtral's expert width; nor is 'moe_intermediate_size' "
+                               "given)");
+    c.moe_intermediate_size = v.value_or(c.intermediate_size);
   } else {
     auto v = opt_size(j, "moe_intermediate_size", where);
     if (!v && c.family == ModelFamily::olmoe) v = c.intermediate_size;  // OLMoE experts use intermediate_size

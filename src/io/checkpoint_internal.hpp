@@ -22,6 +22,13 @@ std::string shape_str(const std::vector<std::int64_t>& s);
 /// faulted back in from the file). No-op for n == 0.
 void release_pages(const void* p, std::size_t n);
 
+/// Why lutb quantize left `rel` (an entry of QuantizeSummary::skipped_files: a path relative to the
+/// input folder, "NAME/" for a folder) out of its output, in a few words for the summary's "not
+/// copied" line: "the weights in another format", "training state", "the source weights' reference
+/// losses, spec section 8", "version control", "download cache", "a symbolic link to a folder, not
+/// followed", "not a regular file: see the warning".
+std::string skipped_file_reason(const std::string& rel);
+
 /// A one-line progress bar on stderr, drawn only when stderr is a terminal.
 class Progress {
  public:

@@ -449,6 +449,26 @@ std::string resolved_fitter(const FitOptions& f) {
 
 }  // namespace
 
+namespace detail {
+
+std::string skipped_file_reason(const std::string& rel) {
+  const bool folder = !rel.empty() && rel.back() == '/';
+  const std::string path = folder ? rel.substr(0, rel.size() - 1) : rel;
+  const std::string base = fs::path(path).filename().string();
+  if (folder) {
+    if (base == ".git") return "version control";
+    if (base == ".cache" || base == ".huggingface") return "download cache";
+    if (training_state_folder(base)) return "training state";
+    return "a symbolic link to a folder, not followed";
+  }
+  if (other_weight_file(base)) return "the weights in another format";
+  if (training_state_file(base)) return "training state";
+  if (source_reference_file(path)) return "the source weights' reference losses, spec section 8";
+  return "not a regular file: see the warning";
+}
+
+}  // namespace detail
+
 QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_arg, const QuantizeOptions& opt) {
   const double t0 = detail::now_seconds();
   const fs::path out_dir = out_arg.has_filename() ? out_arg : out_arg.parent_path();  // "out/" -> "out"

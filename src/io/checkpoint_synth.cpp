@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <fstream>
 
 #include <fmt/core.h>
@@ -283,7 +284,33 @@ ModelConfig synth_config(const SynthOptions& opt) {
                          {"note", "MoE blocks only (routed experts, router, correction bias, shared experts); "
                                   "Student-t weights with std 1/sqrt(fan_in); not a language model"}};
   const bool mixtral = opt.family == ModelFamily::mixtral;
-  if (opt.hidden_size > 0) j["hidden_size"] = opt.hidden_size;
+  if (opt.hidden_size > 0) {
+    j["hidden_size"] = opt.hidden_size;
+    // Families whose config.json has no head_dim (Mixtral, Qwen2-MoE, OLMoE) derive it as hidden_size
+    // // num_attention_heads, as transformers does; the rotary embedding needs it even and positive.
+    // With --hidden-size 100, Mixtral's 32 heads gave head_dim 3, and lutb moe / eval refused the
+    // checkpoint that synth had just written ("key 'head_dim': ... rotary dimension of 3"; new-user
+    // QA, session 19). The fewest heads are dropped that give an even head_dim (kv heads: the largest
+    // common divisor), else (hidden_size 1 or 3) one head of explicit head_dim 2. DeepSeek's MLA widths
+    // and Qwen3's explicit head_dim do not depend on hidden_size.
+    if (!j.contains("head_dim") && !j.contains("qk_rope_head_dim")) {
+      const std::int64_t H = opt.hidden_size;
+      const std::int64_t heads0 = j["num_attention_heads"].get<std::int64_t>();
+      const std::int64_t kv0 = j.value("num_key_value_heads", heads0);
+      std::int64_t heads = heads0;
+      while (heads > 0 && (H / heads < 2 || (H / heads) % 2 != 0)) --heads;
+      if (heads == 0) {
+        j["num_attention_heads"] = 1;
+        j["num_key_value_heads"] = 1;
+        j["head_dim"] = 2;
+      } else if (heads != heads0) {
+        std::int64_t a = heads, b = kv0;
+        while (b != 0) a = std::exchange(b, a % b);
+        j["num_attention_heads"] = heads;
+        j["num_key_value_heads"] = a;
+      }
+    }
+  }
   if (opt.moe_intermediate_size > 0) {
     j[mixtral ? "intermediate_size" : "moe_intermediate_size"] = opt.moe_intermediate_size;
     if (opt.family == ModelFamily::olmoe) j["intermediate_size"] = opt.moe_intermediate_size;

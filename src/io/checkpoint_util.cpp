@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <utility>
 
 #include <fmt/core.h>
 #include <fmt/format.h>
@@ -198,7 +199,24 @@ void check_replaceable(const std::filesystem::path& target, bool want_directory,
   if (!want_directory && is_dir)
     throw CheckpointError(fmt::format("{}: exists and is a directory; refusing to replace it with a file",
                                       target.string()));
-  if (!force) return;  // the caller refuses an existing output without --force
+  if (!force) {
+    // The caller refuses an existing output with "use --force to replace it"; when --force would refuse
+    // it too (the current folder, a folder of other files), that advice led to a second refusal
+    // (new-user QA, session 19: "-o ." was told to use --force, then "is the current directory or one of
+    // its ancestors; refusing to replace it with --force"). Said at once, with the --force check's reason.
+    try {
+      check_replaceable(target, want_directory, /*force=*/true);
+    } catch (const CheckpointError& e) {
+      std::string why = e.what();
+      const std::string head = target.string() + ": ";
+      if (why.rfind(head, 0) == 0) why.erase(0, head.size());
+      if (const auto p = why.find("; refusing to replace it with --force"); p != std::string::npos) why.erase(p);
+      throw CheckpointError(fmt::format("{}: the output exists, and --force would not replace it either: {}{}; choose "
+                                        "another output or remove it yourself; nothing written",
+                                        target.string(), why.rfind("cannot", 0) == 0 ? "" : "it ", why));
+    }
+    return;
+  }
   // --force deletes the old output, so it may only ever hit something this tool could have written
   // (QA 2026-11-30: "-o d --force" deleted any directory d, even the current one, with its notes).
   std::error_code cec;
@@ -514,11 +532,23 @@ std::string format_summary(const QuantizeSummary& s) {
                           : fmt::format("aggregate SQNR       {:.2f} dB\n", sqnr);
   out += fmt::format("time                 {:.2f} s\n", s.seconds);
   out += fmt::format("peak RSS             {:.1f} MB\n", mb(s.peak_rss_bytes));
-  if (!s.skipped_files.empty())
-    out += fmt::format("not copied           {} (the unquantised weights in another format, training state, the "
-                       "source weights' reference losses, symlinked folders, download caches, version control, files "
-                       "that are not regular: dangling links, pipes)\n",
-                       fmt::join(s.skipped_files, ", "));
+  // Each file with its own reason, files of one reason together: the line gave every reason lutb has
+  // after the one file of a model folder, "reference_eval.json (the unquantised weights in another
+  // format, training state, ..., files that are not regular: dangling links, pipes)" (new-user QA,
+  // session 19).
+  if (!s.skipped_files.empty()) {
+    std::vector<std::pair<std::string, std::vector<std::string>>> by_reason;
+    for (const auto& f : s.skipped_files) {
+      const std::string why = detail::skipped_file_reason(f);
+      auto it = std::find_if(by_reason.begin(), by_reason.end(), [&](const auto& r) { return r.first == why; });
+      if (it == by_reason.end()) it = by_reason.insert(by_reason.end(), {why, {}});
+      it->second.push_back(f);
+    }
+    std::string line;
+    for (const auto& [why, files] : by_reason)
+      line += fmt::format("{}{} ({})", line.empty() ? "" : "; ", fmt::join(files, ", "), why);
+    out += fmt::format("not copied           {}\n", line);
+  }
   return out;
 }
 

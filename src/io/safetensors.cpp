@@ -543,12 +543,22 @@ const SafetensorsFile& SafetensorsCollection::file_of(const std::string& name) c
 const TensorView& SafetensorsCollection::get(const std::string& name) const { return file_of(name).get(name); }
 
 std::string SafetensorsCollection::absent_note(const std::string& name) const {
-  if (where_.count(name) || source_.filename() != "model.safetensors.index.json") return {};
-  for (const auto& f : files_)
-    if (f->contains(name))
-      return fmt::format("; {} holds it, but {}'s weight_map does not list it (add it there)", f->path().string(),
-                         source_.string());
-  return {};
+  if (where_.count(name)) return {};
+  if (source_.filename() == "model.safetensors.index.json") {
+    for (const auto& f : files_)
+      if (f->contains(name))
+        return fmt::format("; {} holds it, but {}'s weight_map does not list it (add it there)", f->path().string(),
+                           source_.string());
+    return fmt::format("; {}'s weight_map does not list it (nor does any of its {} shard{} hold it)", source_.string(),
+                       files_.size(), files_.size() == 1 ? "" : "s");
+  }
+  // The files searched: "checkpoint DIR: tensor X not found" left the user to guess which file should
+  // have held it (new-user QA sessions 18-19).
+  if (files_.size() == 1) return fmt::format("; {} has no such tensor", files_.front()->path().string());
+  std::string list;
+  for (std::size_t i = 0; i < files_.size() && i < 4; ++i) list += (i ? ", " : "") + files_[i]->path().filename().string();
+  if (files_.size() > 4) list += ", ...";
+  return fmt::format("; none of the {} weight files of {} ({}) holds it", files_.size(), source_.string(), list);
 }
 
 // ---------------------------------------------------------------------------

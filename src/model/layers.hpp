@@ -3,11 +3,19 @@
 
 #include <cmath>
 #include <cstdint>
+#include <filesystem>
 #include <vector>
 
 #include "lutb/model.hpp"
+#include "lutb/safetensors.hpp"
 
 namespace lutb::model {
+
+/// Throws ModelError when `st` stores tensors of a layer `c` (parsed from dir/config.json) does not
+/// declare: model.layers.L.* with L >= num_hidden_layers (+ DeepSeek-V3's num_nextn_predict_layers).
+/// The message names the file, the tensor, config.json and the declared layers. Used by
+/// LanguageModel (lutb eval) and CheckpointMoe (lutb eval, lutb moe); lutb quantize has its own.
+void check_declared_layers(const TransformerConfig& c, const SafetensorsCollection& st, const std::filesystem::path& dir);
 
 /// A dense projection y = x W^T (+ b): W [out][in] FP32.
 struct Linear {

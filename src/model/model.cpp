@@ -150,6 +150,32 @@ void load_tensors(ModelImpl& m, const Loader& ld, const SafetensorsCollection& s
 
 }  // namespace
 
+// Tensors of layers config.json does not declare (num_hidden_layers, plus DeepSeek-V3's
+// num_nextn_predict_layers stored after them) would be skipped without a word, and the loss would be
+// that of a shorter model (new-user QA, session 11): refused, as lutb quantize does. lutb moe ran a
+// layer of such a checkpoint and called the stored layers beyond the config "out of range" (new-user
+// QA sessions 18-19): CheckpointMoe refuses them too.
+void check_declared_layers(const TransformerConfig& c, const SafetensorsCollection& st, const std::filesystem::path& dir) {
+  std::int64_t extra = 0;
+  if (const auto it = c.raw.find("num_nextn_predict_layers");
+      it != c.raw.end() && it->is_number_integer() && it->get<std::int64_t>() > 0 && it->get<std::int64_t>() < 1024)
+    extra = it->get<std::int64_t>();
+  const std::int64_t end = c.num_layers + extra;
+  static constexpr std::string_view kPrefix = "model.layers.";
+  for (const std::string& name : st.names()) {
+    if (name.compare(0, kPrefix.size(), kPrefix) != 0) continue;
+    std::int64_t L = -1;
+    const char* b = name.data() + kPrefix.size();
+    const auto r = std::from_chars(b, name.data() + name.size(), L);
+    if (r.ec != std::errc() || r.ptr == b || *r.ptr != '.' || L < end) continue;
+    throw ModelError(fmt::format("{}: tensor {} belongs to layer {}, but {} declares num_hidden_layers {}{} "
+                                 "(layers 0..{}): the checkpoint has layers the config does not",
+                                 st.file_of(name).path().string(), name, L, (dir / "config.json").string(),
+                                 c.num_layers, extra ? fmt::format(" and num_nextn_predict_layers {}", extra) : std::string(),
+                                 end - 1));
+  }
+}
+
 LanguageModel::LanguageModel(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 LanguageModel::LanguageModel(LanguageModel&&) noexcept = default;
 LanguageModel& LanguageModel::operator=(LanguageModel&&) noexcept = default;
@@ -185,30 +211,7 @@ void load_tensors(ModelImpl& m, const Loader& ld, const SafetensorsCollection& s
   const TransformerConfig& c = m.cfg;
   const std::string& where = ld.dir;
   const std::int64_t H = c.hidden_size, V = c.vocab_size;
-  // Tensors of layers config.json does not declare (num_hidden_layers, plus DeepSeek-V3's
-  // num_nextn_predict_layers stored after them) would be skipped without a word, and the loss would
-  // be that of a shorter model (new-user QA, session 11): refuse them, as lutb quantize does.
-  {
-    std::int64_t extra = 0;
-    if (const auto it = c.raw.find("num_nextn_predict_layers");
-        it != c.raw.end() && it->is_number_integer() && it->get<std::int64_t>() > 0 && it->get<std::int64_t>() < 1024)
-      extra = it->get<std::int64_t>();
-    const std::int64_t end = c.num_layers + extra;
-    static constexpr std::string_view kPrefix = "model.layers.";
-    for (const std::string& name : st.names()) {
-      if (name.compare(0, kPrefix.size(), kPrefix) != 0) continue;
-      std::int64_t L = -1;
-      const char* b = name.data() + kPrefix.size();
-      const auto r = std::from_chars(b, name.data() + name.size(), L);
-      if (r.ec != std::errc() || r.ptr == b || *r.ptr != '.' || L < end) continue;
-      throw ModelError(fmt::format("{}: tensor {} belongs to layer {}, but {} declares num_hidden_layers {}{} "
-                                   "(layers 0..{}): the checkpoint has layers the config does not",
-                                   st.file_of(name).path().string(), name, L, (dir / "config.json").string(),
-                                   c.num_layers,
-                                   extra ? fmt::format(" and num_nextn_predict_layers {}", extra) : std::string(),
-                                   end - 1));
-    }
-  }
+  check_declared_layers(c, st, dir);
 
   impl->embed = ld.tensor("model.embed_tokens.weight", {V, H});
   impl->final_norm = ld.tensor("model.norm.weight", {H});

@@ -12,6 +12,7 @@
 #include "lutb/numerics.hpp"
 #include "lutb/safetensors.hpp"
 #include "model/expert_source.hpp"
+#include "model/layers.hpp"
 
 namespace lutb::model {
 
@@ -221,6 +222,7 @@ CheckpointMoe::CheckpointMoe(const std::filesystem::path& dir, MoeOptions opt) :
   impl_->dir = dir;
   impl_->opt = std::move(opt);
   impl_->cfg = TransformerConfig::load(dir);
+  check_declared_layers(impl_->cfg, SafetensorsCollection::open_dir(dir), dir);
   impl_->src = ExpertSource::open(dir, impl_->cfg);
   if (impl_->src->lutb() && impl_->opt.quant != Quant::Lutb)
     throw ModelError(fmt::format("{}: a LUT-B checkpoint holds no BF16 experts; use --quant lutb", dir.string()));

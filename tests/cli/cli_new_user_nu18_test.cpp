@@ -84,7 +84,8 @@ TEST(CliNewUserNu18, UsageErrorsExitTwoFailuresOne) {
       {"--fitter nope --experts 1 --tokens 1", "--fitter: unknown fitter 'nope'"},
       // CLI11's own, exit status 2 already: unchanged.
       {"quantize " + in + out + " --threads -1", "--threads: -1 is outside the valid range 0..4096"},
-      {"eval " + in + " --bogus", "The following argument was not expected: --bogus"},
+      // Session 19: CLI11's "The following argument was not expected: --bogus" explained (usage_hints.hpp).
+      {"eval " + in + " --bogus", "lutb eval: unknown option --bogus; lutb eval --help lists its options"},
   };
   for (const auto& c : usage) {
     const CliOut r = run(c.args);

@@ -589,7 +589,8 @@ TEST(QuantizeInput, IncompleteRoutedExpertsAreRefused) {
   std::string e = refused(t.path / "a");
   EXPECT_EQ(e, "checkpoint " + (t.path / "a").string() + ": layer 0 is a MoE layer of " +
                    (t.path / "a" / "config.json").string() +
-                   " (4 experts, 1 layers) but model.layers.0.mlp.experts.2.up_proj.weight is missing; nothing written");
+                   " (4 experts, 1 layers) but model.layers.0.mlp.experts.2.up_proj.weight is missing; " +
+                   (t.path / "a" / "model.safetensors").string() + " has no such tensor; nothing written");
   // config.json declaring 8 experts where 4 are stored (n_group etc. stay valid).
   synthesize_checkpoint(t.path / "b", small(1));
   edit_config(t.path / "b", [](nlohmann::json& j) { j["num_experts"] = 8; });
@@ -652,7 +653,10 @@ TEST(QuantizeInput, OtherFormatWeightFilesAreNotCopied) {
     EXPECT_EQ(line, std::string("bytes of ") + f);
   }
   EXPECT_TRUE(Checkpoint(t.path / "out").is_lutb());
-  EXPECT_NE(format_summary(s).find("not copied           consolidated.safetensors, flax_model.msgpack, "),
+  EXPECT_NE(format_summary(s).find("not copied           consolidated.safetensors, flax_model.msgpack, model-q4.gguf, "
+                                   "original/consolidated.00.pth, pytorch_model-00001-of-00002.bin, "
+                                   "pytorch_model.bin.index.json, tf_model.h5 (the weights in another format); "
+                                   "optimizer.pt, training_args.bin (training state)\n"),
             std::string::npos)
       << format_summary(s);
 }
