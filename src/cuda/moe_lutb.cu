@@ -172,7 +172,10 @@ void launch_swapab(const DeviceMoeWeights& w, const kern::Routing& r, const deta
   // The rule (kDecodeActKernelRule, decode_act_kernel) for one and two token blocks (two blocks:
   // Mixtral T = 64, 1.10x in act18-run2; checked bit for bit on the GPU in the final run of session 18).
   const bool act_rule = (paths & kDecodeActKernelRule) && decode_act_kernel(P / r.top_k, r.top_k, w.experts);
-  const bool act = ((paths & kDecodeActKernel) || act_rule) && P <= kActMaxPairs && ks1 <= kActMaxSplit;
+  // Within the workspace's rows (act_rows, moe.hpp: P x ks1 rows of 2 Ip sums) and the activation
+  // kernel's 32-bit grid.x (P Ip / kActThreads CTAs; P <= kActMaxRows, so Ip < 2^28 suffices).
+  const bool act = ((paths & kDecodeActKernel) || act_rule) && ks1 <= kActMaxSplit && P * ks1 <= ws.hpart_rows &&
+                   detail::ceil_div(P * Ip, kern::kActThreads) <= 0x7fffffff;
   void* const hq1 = act ? static_cast<void*>(ws.hpart) : hq;
   const unsigned one_token1 = one_token | (act ? kern::kGemm1Partials : 0u);
   const dim3 g1(static_cast<unsigned>(groups1 * ks1), static_cast<unsigned>(slots));
