@@ -632,32 +632,43 @@ void expect_act_bit_identical(const PathCase& c, unsigned seed, std::initializer
   }
 }
 
-// The rule decode_act_kernel (moe.hpp): T > 1 and expected pairs per touched expert above 1.2. By
-// hand (E (1 - (1 - k/E)^T) touched): DeepSeek-V3 (E 256, k 8) T = 8 -> 64 / 57.42 = 1.115, T = 12 ->
-// 96 / 81.10 = 1.184, T = 16 -> 128 / 101.96 = 1.255; Qwen3 (E 128, k 8) T = 4 -> 32 / 29.12 = 1.099,
-// T = 6 -> 48 / 41.10 = 1.168, T = 8 -> 64 / 51.62 = 1.240; Mixtral (E 8, k 2) T = 2 -> 4 / 3.5 =
-// 1.143, T = 4 -> 8 / 5.47 = 1.463; E 4, k 8, T = 2: every expert, 16 / 4 = 4.
+// The rule decode_act_kernel (moe.hpp): T > 1, expected pairs per touched expert above 1.5 and at
+// most 64 K-tiles in GEMM1 (hidden <= 4096; session 19). By hand (E (1 - (1 - k/E)^T) touched):
+// DeepSeek-V3 (E 256, k 8) T = 8 -> 64 / 57.42 = 1.115, T = 12 -> 96 / 81.10 = 1.184, T = 16 ->
+// 128 / 101.96 = 1.255, T = 32 -> 256 / 163.3 = 1.57; Qwen3 (E 128, k 8) T = 4 -> 32 / 29.12 =
+// 1.099, T = 6 -> 48 / 41.10 = 1.168, T = 8 -> 64 / 51.62 = 1.240, T = 16 -> 1.553, T = 128 -> 1024 /
+// 127.9 = 8.0; Mixtral (E 8, k 2) T = 2 -> 4 / 3.5 = 1.143, T = 4 -> 8 / 5.47 = 1.463; E 4, k 8,
+// T = 2: every expert, 16 / 4 = 4.
 TEST(MoeDecodePaths, ActKernelRuleHostOnly) {
   EXPECT_EQ(cuda::kActMinPairsPerExpert, 1.5);
-  EXPECT_FALSE(cuda::decode_act_kernel(1, 8, 256)) << "T = 1: never (0.95-0.98x measured)";
-  EXPECT_FALSE(cuda::decode_act_kernel(1, 2, 8));
-  EXPECT_FALSE(cuda::decode_act_kernel(1, 8, 4)) << "T = 1 even with k > E (direct one-token tiles)";
-  EXPECT_FALSE(cuda::decode_act_kernel(8, 8, 256)) << "DeepSeek-V3 T = 8: 1.115";
-  EXPECT_FALSE(cuda::decode_act_kernel(12, 8, 256));
-  EXPECT_FALSE(cuda::decode_act_kernel(16, 8, 256)) << "DeepSeek-V3 T = 16: 1.255 (1.003-1.008x, session 18 final run)";
-  EXPECT_TRUE(cuda::decode_act_kernel(32, 8, 256)) << "DeepSeek-V3 T = 32: 1.57";
-  EXPECT_FALSE(cuda::decode_act_kernel(4, 8, 128)) << "Qwen3 T = 4: 1.099 (0.93-0.98x measured)";
-  EXPECT_FALSE(cuda::decode_act_kernel(6, 8, 128));
-  EXPECT_FALSE(cuda::decode_act_kernel(8, 8, 128)) << "Qwen3 T = 8: 1.240 (1.003-1.018x)";
-  EXPECT_TRUE(cuda::decode_act_kernel(16, 8, 128)) << "Qwen3 T = 16: 1.553 (1.025-1.05x)";
-  EXPECT_FALSE(cuda::decode_act_kernel(2, 2, 8)) << "Mixtral T = 2: 1.143";
-  EXPECT_FALSE(cuda::decode_act_kernel(4, 2, 8)) << "Mixtral T = 4: 1.463 (0.983-0.987x after cvt18)";
-  EXPECT_TRUE(cuda::decode_act_kernel(8, 2, 8)) << "Mixtral T = 8: 2.22";
-  EXPECT_TRUE(cuda::decode_act_kernel(64, 2, 8)) << "Mixtral T = 64: 16 (two token blocks, 1.056x)";
-  EXPECT_TRUE(cuda::decode_act_kernel(2, 8, 4));
-  EXPECT_FALSE(cuda::decode_act_kernel(0, 8, 128));
-  EXPECT_FALSE(cuda::decode_act_kernel(4, 0, 128));
-  EXPECT_FALSE(cuda::decode_act_kernel(4, 8, 0));
+  EXPECT_EQ(cuda::kActMaxTilesK, 64);
+  const std::int64_t ds = 7168, q235 = 4096, q30 = 2048, mx = 4096;  // the shapes' hidden sizes
+  EXPECT_FALSE(cuda::decode_act_kernel(1, 8, 256, ds)) << "T = 1: never (0.95-0.98x measured)";
+  EXPECT_FALSE(cuda::decode_act_kernel(1, 2, 8, mx));
+  EXPECT_FALSE(cuda::decode_act_kernel(1, 8, 4, 256)) << "T = 1 even with k > E (direct one-token tiles)";
+  EXPECT_FALSE(cuda::decode_act_kernel(8, 8, 256, ds)) << "DeepSeek-V3 T = 8: 1.115";
+  EXPECT_FALSE(cuda::decode_act_kernel(12, 8, 256, ds));
+  EXPECT_FALSE(cuda::decode_act_kernel(16, 8, 256, ds)) << "DeepSeek-V3 T = 16: 1.255 (1.003-1.008x, session 18 final run)";
+  EXPECT_FALSE(cuda::decode_act_kernel(32, 8, 256, ds)) << "DeepSeek-V3 T = 32: 1.57 but 112 K-tiles (0.960x / 1.056x, act19-run1)";
+  EXPECT_FALSE(cuda::decode_act_kernel(64, 8, 256, ds)) << "DeepSeek-V3 T = 64: 112 K-tiles (1.004x / 1.013x)";
+  EXPECT_TRUE(cuda::decode_act_kernel(32, 8, 256, 4096)) << "1.57 pairs per expert at 64 K-tiles";
+  EXPECT_TRUE(cuda::decode_act_kernel(32, 8, 256, 4096 - 63)) << "ceil(4033 / 64) = 64 K-tiles";
+  EXPECT_FALSE(cuda::decode_act_kernel(32, 8, 256, 4097)) << "65 K-tiles";
+  EXPECT_FALSE(cuda::decode_act_kernel(4, 8, 128, q30)) << "Qwen3 T = 4: 1.099 (0.93-0.98x measured)";
+  EXPECT_FALSE(cuda::decode_act_kernel(6, 8, 128, q30));
+  EXPECT_FALSE(cuda::decode_act_kernel(8, 8, 128, q235)) << "Qwen3 T = 8: 1.240 (1.003-1.018x)";
+  EXPECT_TRUE(cuda::decode_act_kernel(16, 8, 128, q235)) << "Qwen3 T = 16: 1.553 (1.025-1.05x)";
+  EXPECT_TRUE(cuda::decode_act_kernel(64, 8, 128, q235)) << "Qwen3-235B T = 64: 512 pairs (1.007x / 1.011x)";
+  EXPECT_TRUE(cuda::decode_act_kernel(128, 8, 128, q30)) << "Qwen3-30B T = 128: 1024 pairs (1.036x / 1.035x)";
+  EXPECT_FALSE(cuda::decode_act_kernel(2, 2, 8, mx)) << "Mixtral T = 2: 1.143";
+  EXPECT_FALSE(cuda::decode_act_kernel(4, 2, 8, mx)) << "Mixtral T = 4: 1.463 (0.983-0.987x after cvt18)";
+  EXPECT_TRUE(cuda::decode_act_kernel(8, 2, 8, mx)) << "Mixtral T = 8: 2.22";
+  EXPECT_TRUE(cuda::decode_act_kernel(64, 2, 8, mx)) << "Mixtral T = 64: 16 (two token blocks, 1.056x)";
+  EXPECT_TRUE(cuda::decode_act_kernel(2, 8, 4, 256));
+  EXPECT_FALSE(cuda::decode_act_kernel(0, 8, 128, q30));
+  EXPECT_FALSE(cuda::decode_act_kernel(4, 0, 128, q30));
+  EXPECT_FALSE(cuda::decode_act_kernel(4, 8, 0, q30));
+  EXPECT_FALSE(cuda::decode_act_kernel(16, 8, 128, 0));
   EXPECT_TRUE((cuda::kDecodePathsDefault & cuda::kDecodeActKernelRule) != 0);
   EXPECT_EQ(cuda::kDecodePathsDefault & cuda::kDecodeActKernel, 0u);
 }
@@ -720,7 +731,7 @@ TEST(MoeDecodePaths, ActKernelBitIdenticalToDefaultAbove128Pairs) {
 // per expert), the default paths unsplit and with GEMM1 split in two.
 TEST(MoeDecodePaths, ActKernelAbove128PairsSanitizerCase) {
   if (!gpu_here()) GTEST_SKIP() << "no CUDA device: skipping GPU test";
-  ASSERT_TRUE(cuda::decode_act_kernel(20, 8, 32));
+  ASSERT_TRUE(cuda::decode_act_kernel(20, 8, 32, 256));
   expect_act_bit_identical({32, 256, 64, 0, 8, false}, 1904, {20}, false, /*quick=*/true);
 }
 
@@ -806,8 +817,8 @@ TEST(MoeDecodePaths, ActKernelWritesGemm1SumsOnlyWhenSelected) {
       // GEMM1 unsplit here by the rule (4 K-tiles): rank 0's row of each pair, 2 Ip values; mode 3
       // two ranks' rows per pair. The rule says yes from T = 16 (1.55 pairs per expert), no at T = 1,
       // 4, 8 (1.00, 1.10, 1.24).
-      const bool act = mode == 1 || mode == 3 || (mode == 2 && cuda::decode_act_kernel(T, k, E));
-      EXPECT_EQ(cuda::decode_act_kernel(T, k, E), T >= 16);
+      const bool act = mode == 1 || mode == 3 || (mode == 2 && cuda::decode_act_kernel(T, k, E, H));
+      EXPECT_EQ(cuda::decode_act_kernel(T, k, E, H), T >= 16);
       const std::int64_t ranks = mode == 3 ? 2 : 1;
       const std::int64_t expect_written = act && P * ranks <= rows ? P * ranks * 2 * Ip : 0;
       EXPECT_EQ(finite, expect_written);

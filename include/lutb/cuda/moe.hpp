@@ -273,19 +273,26 @@ inline constexpr unsigned kDecodePathsDefault =
     kDecodeOneWave | kDecodeActKernelRule;
 
 /// kDecodeActKernel by rule (host only; the forward applies it to swap-AB launches within
-/// act_rows / kActMaxSplit): T > 1 and the expected pairs per touched expert under uniform
-/// routing, T k / (E (1 - (1 - min(1, k/E))^T)) (as decode_one_token_tail), above
-/// kActMinPairsPerExpert. Measured on the H200 (docs/perf/moe-gpu.md "Session 18" and "Current
-/// figures"): act18-run2 (four processes, ABBA, before cvt18's shorter GEMM1 epilogue) had the kernel
-/// faster on every row above 1.2 pairs per expert and slower or even at or below 1.12 (every T = 1:
-/// 0.949-0.985x; T = 4 with k = 8: 0.928-0.998x). The final run of session 18 (two processes, both
-/// orders, with cvt18's hardware encode in GEMM1's epilogue) moved the threshold to 1.5: Mixtral
-/// T = 4 (1.46) now lost 1.3-1.7 % with the kernel, the rows at 1.24-1.26 (Qwen3 T = 8, DeepSeek-V3
-/// T = 16) gained only 0.3-1.8 %, while the rows above 1.5 kept their gains -- Qwen3-235B / Qwen3-30B
-/// T = 16 (1.55: 1.025x / 1.05x), Mixtral T = 8, 16 (2.2, 4.0: 1.016x, 1.008x) and T = 64 (16.0, two
-/// token blocks: 1.056x).
+/// act_rows / kActMaxSplit): T > 1, the expected pairs per touched expert under uniform routing,
+/// T k / (E (1 - (1 - min(1, k/E))^T)) (as decode_one_token_tail), above kActMinPairsPerExpert, and
+/// GEMM1's K-loop at most kActMaxTilesK K-tiles (ceil(hidden / 64)). Measured on the H200
+/// (docs/perf/moe-gpu.md "Session 19", "Session 18" and "Current figures"): act18-run2 (four
+/// processes, ABBA, before cvt18's shorter GEMM1 epilogue) had the kernel faster on every row above
+/// 1.2 pairs per expert and slower or even at or below 1.12 (every T = 1: 0.949-0.985x; T = 4 with
+/// k = 8: 0.928-0.998x). The final run of session 18 (two processes, both orders, with cvt18's
+/// hardware encode in GEMM1's epilogue) moved the threshold to 1.5: Mixtral T = 4 (1.46) now lost
+/// 1.3-1.7 % with the kernel, the rows at 1.24-1.26 (Qwen3 T = 8, DeepSeek-V3 T = 16) gained only
+/// 0.3-1.8 %, while the rows above 1.5 kept their gains -- Qwen3-235B / Qwen3-30B T = 16 (1.55:
+/// 1.025x / 1.05x), Mixtral T = 8, 16 (2.2, 4.0: 1.016x, 1.008x) and T = 64 (16.0, two token blocks:
+/// 1.056x). Session 19 (act19-run1, two processes, ABBA in each, opposite orders) above 128 pairs:
+/// Qwen3-30B (32 K-tiles) T = 24..128 1.028-1.075x in both orders, Qwen3-235B (64 K-tiles) T = 24..64
+/// 1.007-1.036x in both orders (T = 128: 1.010x / 0.998x), but DeepSeek-V3 (112 K-tiles) T = 32, 48
+/// 0.960x / 1.056x and 1.045x / 0.973x, T = 64, 128 1.002-1.013x: the epilogue the kernel takes off
+/// each GEMM1 CTA is a fixed cost, worth less the longer the CTA's K-loop, and at 112 K-tiles its gain
+/// was not shown (means 1.005-1.009x in a row noise of +-5 %); hence the K-tile bound.
 inline constexpr double kActMinPairsPerExpert = 1.5;
-bool decode_act_kernel(std::int64_t tokens, int top_k, std::int64_t experts);
+inline constexpr std::int64_t kActMaxTilesK = 64;
+bool decode_act_kernel(std::int64_t tokens, int top_k, std::int64_t experts, std::int64_t hidden);
 
 /// kDecodeOneTokenTail by rule (host only): where the expected pairs per touched expert under uniform
 /// routing, T k / (E (1 - (1 - min(1, k/E))^T)), are at most kOneTokenTailMaxPairsPerExpert (T = 1
