@@ -4,7 +4,7 @@
 //
 // Usage: bench_moe_gpu [--quick] [--shape NAME] [--tokens T] [--variants LIST]
 //   (NAME: deepseek-v3, qwen3-235b, qwen3-30b, mixtral-8x7b; --tokens T or T1,T2,...: only those batch sizes;
-//   --variants, e.g. 0,7 or 1,10: only those forwards of the `make` switch (0..11, 20..37, 40..52, 65..74; 10 = the swap-AB
+//   --variants, e.g. 0,7 or 1,10: only those forwards of the `make` switch (0..11, 20..37, 40..52, 65..76; 10 = the swap-AB
 //   decode on FP8 wgmma, 11 = the warp-specialised swap-AB decode; 20..37: session 14's small-batch paths,
 //   stage timing and forced K splits; 40..49: L2 prefetch of GEMM2's weights; 50 / 51 / 52: the late tile
 //   scales everywhere at 128 / 96 registers / nowhere, session 16; 65..68: session 17 (small17), 65 = the default
@@ -12,7 +12,8 @@
 //   the one-token tail / kDecodeOneWave / both, 69 = the tail everywhere; 70..74: session 18 (act18), 70 = the
 //   default with GEMM1's epilogue in the activation kernel everywhere (kDecodeActKernel), 71 = 70 without GEMM1's
 //   split-K, 72 = the default without the kernel and without the split, 73 = 70 followed by the phase tables in a
-//   -DLUTB_SWAPAB_PHASES build, 74 = the default without the kernel's rule (session 17's default)),
+//   -DLUTB_SWAPAB_PHASES build, 74 = the default without the kernel's rule (session 17's default); 75, 76:
+//   session 19 (act19), second copies of 70 (the kernel everywhere) and 74 (nowhere) for ABBA in one process),
 //   a compact row, no cuBLAS: for quick A/B runs of kernel changes)
 // Each forward (routing kernel excluded; the routing is precomputed by route_softmax_topk /
 // route_deepseek on random logits) is captured in a CUDA graph; R = 8 different routings are cycled
@@ -187,7 +188,7 @@ struct Shape {
   bool deepseek;
 };
 
-constexpr int kVariants = 75;  // forwards of the `make` switch below (0..11, 20..37, 40..52, 65..74)
+constexpr int kVariants = 77;  // forwards of the `make` switch below (0..11, 20..37, 40..52, 65..76)
 
 #ifdef LUTB_SWAPAB_PHASES
 // Variant 65 in a -DLUTB_SWAPAB_PHASES build (session 17, small17; lutb/cuda/moe.hpp SwapPhaseRecord
@@ -668,14 +669,18 @@ int main(int argc, char** argv) {
           // 71 / 72 without GEMM1's split-K (with / without the kernel); 73 = 70, in a
           // -DLUTB_SWAPAB_PHASES build followed by its GEMMs' phase tables; 74 = the default without
           // the kernel's rule (session 17's default paths).
+          // Session 19 (act19): 75 = 70 and 76 = 74 again (same-process ABBA: 74, 70, 75, 76).
           case 70:
           case 71:
           case 72:
           case 73:
-          case 74: {
-            const unsigned act = variant == 72 || variant == 74 ? 0u : cuda::kDecodeActKernel;
+          case 74:
+          case 75:
+          case 76: {
+            const bool off_act = variant == 72 || variant == 74 || variant == 76;
+            const unsigned act = off_act ? 0u : cuda::kDecodeActKernel;
             const unsigned off = (variant == 71 || variant == 72 ? cuda::kDecodeSplitK : 0u) |
-                                 (variant == 72 || variant == 74 ? cuda::kDecodeActKernelRule : 0u);
+                                 (off_act ? cuda::kDecodeActKernelRule : 0u);
             cuda::set_decode_paths((cuda::kDecodePathsDefault & ~off) | act);
             cuda::moe_forward(w, xr, T, s.k, id, wt, out, ws, wsb, st);
             cuda::set_decode_paths(cuda::kDecodePathsDefault);

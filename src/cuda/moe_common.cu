@@ -187,6 +187,14 @@ int decode_token_blocks(std::int64_t tokens, int top_k, std::int64_t experts) {
   return a <= kSwapOneBlockMaxTokensPerExpert ? 1 : 2;
 }
 
+std::int64_t act_rows(std::int64_t pairs, std::int64_t experts) {
+  if (pairs < 1 || experts < 1) return 0;
+  // Auto's swap-AB decode ends below kPrefillMinTokensPerExpert pairs per touched expert (the larger
+  // of the two crossovers, choose_strategy): P < 36 E once every expert is touched.
+  const auto auto_decode = static_cast<std::int64_t>(std::ceil(kPrefillMinTokensPerExpert * static_cast<double>(experts)));
+  return std::min({pairs * kActMaxSplit, kActMaxRows, auto_decode});
+}
+
 std::size_t moe_workspace_bytes(std::int64_t max_tokens, int top_k, std::int64_t experts, std::int64_t hidden,
                                 std::int64_t intermediate) {
   return detail::carve(nullptr, max_tokens, top_k, experts, hidden, intermediate).bytes;
@@ -226,7 +234,9 @@ Workspace carve(void* base, std::int64_t T, int k, std::int64_t E, std::int64_t 
   w.hs = reinterpret_cast<std::uint8_t*>(take(P * Ip / 32));
   w.hsf = reinterpret_cast<float*>(take(sizeof(float) * P * Ip / 32));
   w.y = reinterpret_cast<float*>(take(sizeof(float) * P * H));
-  w.hpart = reinterpret_cast<float*>(take(sizeof(float) * std::min<std::int64_t>(P, kActMaxPairs) * kActMaxSplit * 2 * Ip));
+  // GEMM1's sums for the activation kernel (act_rows, moe.hpp: at most 2 x kActMaxRows x Ip x 4 bytes).
+  w.hpart_rows = act_rows(P, E);
+  w.hpart = reinterpret_cast<float*>(take(sizeof(float) * w.hpart_rows * 2 * Ip));
   w.bytes = o;
   return w;
 }

@@ -30,7 +30,8 @@ struct Workspace {
   std::uint8_t* hs = nullptr;      // [P, Ip/32]
   float* hsf = nullptr;            // [P, Ip/32] FP32 block scales of h (swap-AB kernels)
   float* y = nullptr;              // [P, H]
-  float* hpart = nullptr;          // [min(P, kActMaxPairs) * kActMaxSplit, 2 Ip] GEMM1's sums (kDecodeActKernel)
+  float* hpart = nullptr;          // [hpart_rows, 2 Ip] GEMM1's sums per pair and split rank (kDecodeActKernel)
+  std::int64_t hpart_rows = 0;     // act_rows(P, E) (moe.hpp): the forward takes the kernel iff P x split fits
   std::size_t bytes = 0;
 };
 

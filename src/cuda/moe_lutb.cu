@@ -170,9 +170,13 @@ void launch_swapab(const DeviceMoeWeights& w, const kern::Routing& r, const deta
   // kDecodeActKernel (moe.hpp; act18): GEMM1 stores its sums per split rank to ws.hpart (passed as
   // its hq) and the activation kernel (moe_act.cuh) writes hq and hsf from them.
   // The rule (kDecodeActKernelRule, decode_act_kernel) for one and two token blocks (two blocks:
-  // Mixtral T = 64, 1.10x in act18-run2; checked bit for bit on the GPU in the final run of session 18).
-  const bool act_rule = (paths & kDecodeActKernelRule) && decode_act_kernel(P / r.top_k, r.top_k, w.experts);
-  const bool act = ((paths & kDecodeActKernel) || act_rule) && P <= kActMaxPairs && ks1 <= kActMaxSplit;
+  // Mixtral T = 64, 1.10x in act18-run2; checked bit for bit on the GPU in the final run of session 18)
+  // and, since session 19 (act19), above 128 pairs within the workspace's rows.
+  const bool act_rule = (paths & kDecodeActKernelRule) && decode_act_kernel(P / r.top_k, r.top_k, w.experts, H);
+  // Within the workspace's rows (act_rows, moe.hpp: P x ks1 rows of 2 Ip sums) and the activation
+  // kernel's 32-bit grid.x (P Ip / kActThreads CTAs; P <= kActMaxRows, so Ip < 2^28 suffices).
+  const bool act = ((paths & kDecodeActKernel) || act_rule) && ks1 <= kActMaxSplit && P * ks1 <= ws.hpart_rows &&
+                   detail::ceil_div(P * Ip, kern::kActThreads) <= 0x7fffffff;
   void* const hq1 = act ? static_cast<void*>(ws.hpart) : hq;
   const unsigned one_token1 = one_token | (act ? kern::kGemm1Partials : 0u);
   const dim3 g1(static_cast<unsigned>(groups1 * ks1), static_cast<unsigned>(slots));
@@ -380,8 +384,9 @@ bool decode_one_token_tail(std::int64_t tokens, int top_k, std::int64_t experts)
   return touched > 0 && static_cast<double>(tokens) * top_k / touched <= kOneTokenTailMaxPairsPerExpert;
 }
 
-bool decode_act_kernel(std::int64_t tokens, int top_k, std::int64_t experts) {
-  if (tokens <= 1 || top_k < 1 || experts < 1) return false;
+bool decode_act_kernel(std::int64_t tokens, int top_k, std::int64_t experts, std::int64_t hidden) {
+  if (tokens <= 1 || top_k < 1 || experts < 1 || hidden < 1) return false;
+  if ((hidden + 63) / 64 > kActMaxTilesK) return false;  // GEMM1's K-tiles (session 19, act19)
   const double p = std::min(1.0, static_cast<double>(top_k) / static_cast<double>(experts));
   const double touched = static_cast<double>(experts) * (1.0 - std::pow(1.0 - p, static_cast<double>(tokens)));
   return touched > 0 && static_cast<double>(tokens) * top_k / touched > kActMinPairsPerExpert;

@@ -583,8 +583,10 @@ namespace {
 // (the same FP32 / BF16 / E4M3 operations in the same order, the split ranks' sums added in rank
 // order), for every weight decoder of the mma.sync kernels, with and without the direct forward, the
 // fused top-k reduction and GEMM1's split (by rule and forced), at T = 1..4.
+// `quick` (the compute-sanitizer case, session 19): the default decoder and the default paths only,
+// unsplit and forced split.
 void expect_act_bit_identical(const PathCase& c, unsigned seed, std::initializer_list<std::int64_t> Ts,
-                              bool invalid_ids = false) {
+                              bool invalid_ids = false, bool quick = false) {
   std::mt19937 rng(seed + static_cast<unsigned>(c.E * 7 + c.H + 3 * c.I));
   const Layer L(c.E, c.H, c.I, rng);
   std::vector<int> allowed;
@@ -603,10 +605,12 @@ void expect_act_bit_identical(const PathCase& c, unsigned seed, std::initializer
       if (T > 1) ids[ids.size() - 1] = static_cast<std::int32_t>(c.E + 3);
     }
     for (cuda::WeightDecoder d : decs) {
+      if (quick && d != cuda::WeightDecoder::Auto) continue;
       cuda::set_weight_decoder(d);
       for (unsigned p : {cuda::kDecodePathsDefault, cuda::kDecodePathsDefault & ~cuda::kDecodeSplitK, 0u,
                          cuda::kDecodeDirectAlways | cuda::kDecodeClusterReduceAlways | cuda::kDecodeSplitK})
         for (const int* sp : {static_cast<const int*>(nullptr), static_cast<const int*>(split)}) {
+          if (quick && p != cuda::kDecodePathsDefault) continue;
           SCOPED_TRACE(::testing::Message() << "E " << c.E << " H " << c.H << " I " << c.I << " T " << T << " k "
                                             << c.k << " decoder " << static_cast<int>(d) << " paths " << p
                                             << (sp ? " split" : ""));
@@ -628,34 +632,65 @@ void expect_act_bit_identical(const PathCase& c, unsigned seed, std::initializer
   }
 }
 
-// The rule decode_act_kernel (moe.hpp): T > 1 and expected pairs per touched expert above 1.2. By
-// hand (E (1 - (1 - k/E)^T) touched): DeepSeek-V3 (E 256, k 8) T = 8 -> 64 / 57.42 = 1.115, T = 12 ->
-// 96 / 81.10 = 1.184, T = 16 -> 128 / 101.96 = 1.255; Qwen3 (E 128, k 8) T = 4 -> 32 / 29.12 = 1.099,
-// T = 6 -> 48 / 41.10 = 1.168, T = 8 -> 64 / 51.62 = 1.240; Mixtral (E 8, k 2) T = 2 -> 4 / 3.5 =
-// 1.143, T = 4 -> 8 / 5.47 = 1.463; E 4, k 8, T = 2: every expert, 16 / 4 = 4.
+// The rule decode_act_kernel (moe.hpp): T > 1, expected pairs per touched expert above 1.5 and at
+// most 64 K-tiles in GEMM1 (hidden <= 4096; session 19). By hand (E (1 - (1 - k/E)^T) touched):
+// DeepSeek-V3 (E 256, k 8) T = 8 -> 64 / 57.42 = 1.115, T = 12 -> 96 / 81.10 = 1.184, T = 16 ->
+// 128 / 101.96 = 1.255, T = 32 -> 256 / 163.3 = 1.57; Qwen3 (E 128, k 8) T = 4 -> 32 / 29.12 =
+// 1.099, T = 6 -> 48 / 41.10 = 1.168, T = 8 -> 64 / 51.62 = 1.240, T = 16 -> 1.553, T = 128 -> 1024 /
+// 127.9 = 8.0; Mixtral (E 8, k 2) T = 2 -> 4 / 3.5 = 1.143, T = 4 -> 8 / 5.47 = 1.463; E 4, k 8,
+// T = 2: every expert, 16 / 4 = 4.
 TEST(MoeDecodePaths, ActKernelRuleHostOnly) {
   EXPECT_EQ(cuda::kActMinPairsPerExpert, 1.5);
-  EXPECT_FALSE(cuda::decode_act_kernel(1, 8, 256)) << "T = 1: never (0.95-0.98x measured)";
-  EXPECT_FALSE(cuda::decode_act_kernel(1, 2, 8));
-  EXPECT_FALSE(cuda::decode_act_kernel(1, 8, 4)) << "T = 1 even with k > E (direct one-token tiles)";
-  EXPECT_FALSE(cuda::decode_act_kernel(8, 8, 256)) << "DeepSeek-V3 T = 8: 1.115";
-  EXPECT_FALSE(cuda::decode_act_kernel(12, 8, 256));
-  EXPECT_FALSE(cuda::decode_act_kernel(16, 8, 256)) << "DeepSeek-V3 T = 16: 1.255 (1.003-1.008x, session 18 final run)";
-  EXPECT_TRUE(cuda::decode_act_kernel(32, 8, 256)) << "DeepSeek-V3 T = 32: 1.57";
-  EXPECT_FALSE(cuda::decode_act_kernel(4, 8, 128)) << "Qwen3 T = 4: 1.099 (0.93-0.98x measured)";
-  EXPECT_FALSE(cuda::decode_act_kernel(6, 8, 128));
-  EXPECT_FALSE(cuda::decode_act_kernel(8, 8, 128)) << "Qwen3 T = 8: 1.240 (1.003-1.018x)";
-  EXPECT_TRUE(cuda::decode_act_kernel(16, 8, 128)) << "Qwen3 T = 16: 1.553 (1.025-1.05x)";
-  EXPECT_FALSE(cuda::decode_act_kernel(2, 2, 8)) << "Mixtral T = 2: 1.143";
-  EXPECT_FALSE(cuda::decode_act_kernel(4, 2, 8)) << "Mixtral T = 4: 1.463 (0.983-0.987x after cvt18)";
-  EXPECT_TRUE(cuda::decode_act_kernel(8, 2, 8)) << "Mixtral T = 8: 2.22";
-  EXPECT_TRUE(cuda::decode_act_kernel(64, 2, 8)) << "Mixtral T = 64: 16 (two token blocks, 1.056x)";
-  EXPECT_TRUE(cuda::decode_act_kernel(2, 8, 4));
-  EXPECT_FALSE(cuda::decode_act_kernel(0, 8, 128));
-  EXPECT_FALSE(cuda::decode_act_kernel(4, 0, 128));
-  EXPECT_FALSE(cuda::decode_act_kernel(4, 8, 0));
+  EXPECT_EQ(cuda::kActMaxTilesK, 64);
+  const std::int64_t ds = 7168, q235 = 4096, q30 = 2048, mx = 4096;  // the shapes' hidden sizes
+  EXPECT_FALSE(cuda::decode_act_kernel(1, 8, 256, ds)) << "T = 1: never (0.95-0.98x measured)";
+  EXPECT_FALSE(cuda::decode_act_kernel(1, 2, 8, mx));
+  EXPECT_FALSE(cuda::decode_act_kernel(1, 8, 4, 256)) << "T = 1 even with k > E (direct one-token tiles)";
+  EXPECT_FALSE(cuda::decode_act_kernel(8, 8, 256, ds)) << "DeepSeek-V3 T = 8: 1.115";
+  EXPECT_FALSE(cuda::decode_act_kernel(12, 8, 256, ds));
+  EXPECT_FALSE(cuda::decode_act_kernel(16, 8, 256, ds)) << "DeepSeek-V3 T = 16: 1.255 (1.003-1.008x, session 18 final run)";
+  EXPECT_FALSE(cuda::decode_act_kernel(32, 8, 256, ds)) << "DeepSeek-V3 T = 32: 1.57 but 112 K-tiles (0.960x / 1.056x, act19-run1)";
+  EXPECT_FALSE(cuda::decode_act_kernel(64, 8, 256, ds)) << "DeepSeek-V3 T = 64: 112 K-tiles (1.004x / 1.013x)";
+  EXPECT_TRUE(cuda::decode_act_kernel(32, 8, 256, 4096)) << "1.57 pairs per expert at 64 K-tiles";
+  EXPECT_TRUE(cuda::decode_act_kernel(32, 8, 256, 4096 - 63)) << "ceil(4033 / 64) = 64 K-tiles";
+  EXPECT_FALSE(cuda::decode_act_kernel(32, 8, 256, 4097)) << "65 K-tiles";
+  EXPECT_FALSE(cuda::decode_act_kernel(4, 8, 128, q30)) << "Qwen3 T = 4: 1.099 (0.93-0.98x measured)";
+  EXPECT_FALSE(cuda::decode_act_kernel(6, 8, 128, q30));
+  EXPECT_FALSE(cuda::decode_act_kernel(8, 8, 128, q235)) << "Qwen3 T = 8: 1.240 (1.003-1.018x)";
+  EXPECT_TRUE(cuda::decode_act_kernel(16, 8, 128, q235)) << "Qwen3 T = 16: 1.553 (1.025-1.05x)";
+  EXPECT_TRUE(cuda::decode_act_kernel(64, 8, 128, q235)) << "Qwen3-235B T = 64: 512 pairs (1.007x / 1.011x)";
+  EXPECT_TRUE(cuda::decode_act_kernel(128, 8, 128, q30)) << "Qwen3-30B T = 128: 1024 pairs (1.036x / 1.035x)";
+  EXPECT_FALSE(cuda::decode_act_kernel(2, 2, 8, mx)) << "Mixtral T = 2: 1.143";
+  EXPECT_FALSE(cuda::decode_act_kernel(4, 2, 8, mx)) << "Mixtral T = 4: 1.463 (0.983-0.987x after cvt18)";
+  EXPECT_TRUE(cuda::decode_act_kernel(8, 2, 8, mx)) << "Mixtral T = 8: 2.22";
+  EXPECT_TRUE(cuda::decode_act_kernel(64, 2, 8, mx)) << "Mixtral T = 64: 16 (two token blocks, 1.056x)";
+  EXPECT_TRUE(cuda::decode_act_kernel(2, 8, 4, 256));
+  EXPECT_FALSE(cuda::decode_act_kernel(0, 8, 128, q30));
+  EXPECT_FALSE(cuda::decode_act_kernel(4, 0, 128, q30));
+  EXPECT_FALSE(cuda::decode_act_kernel(4, 8, 0, q30));
+  EXPECT_FALSE(cuda::decode_act_kernel(16, 8, 128, 0));
   EXPECT_TRUE((cuda::kDecodePathsDefault & cuda::kDecodeActKernelRule) != 0);
   EXPECT_EQ(cuda::kDecodePathsDefault & cuda::kDecodeActKernel, 0u);
+}
+
+// The workspace rows of GEMM1's sums (act_rows, moe.hpp; session 19): min(P x kActMaxSplit,
+// kActMaxRows = 1024, ceil(36 E)). By hand: DeepSeek-V3 (E 256) T = 16, k = 8: 2 x 128 = 256; T = 64:
+// 2 x 512 = 1024; T = 128: 1024 (the limit; 1024 pairs unsplit); Mixtral (E 8, k 2) T = 64: 2 x 128 =
+// 256; T = 100: 36 x 8 = 288 (Auto leaves swap-AB decode at 28-36 pairs per expert). That the region
+// is the workspace's last, of act_rows x 2 Ip FP32: ActKernelWritesGemm1SumsOnlyWhenSelected (GPU).
+TEST(MoeDecodePaths, ActRowsHostOnly) {
+  EXPECT_EQ(cuda::kActMaxRows, 1024);
+  EXPECT_EQ(cuda::kActMaxSplit, 2);
+  EXPECT_EQ(cuda::act_rows(128, 256), 256);
+  EXPECT_EQ(cuda::act_rows(512, 256), 1024);
+  EXPECT_EQ(cuda::act_rows(1024, 256), 1024);
+  EXPECT_EQ(cuda::act_rows(9000, 256), 1024);
+  EXPECT_EQ(cuda::act_rows(128, 8), 256);
+  EXPECT_EQ(cuda::act_rows(200, 8), 288);
+  EXPECT_EQ(cuda::act_rows(1, 1), 2);
+  EXPECT_EQ(cuda::act_rows(100, 1), 36);
+  EXPECT_EQ(cuda::act_rows(0, 8), 0);
+  EXPECT_EQ(cuda::act_rows(8, 0), 0);
 }
 
 // Small and odd shapes (also run under compute-sanitizer memcheck by scripts/gpu_run.sh moetests).
@@ -666,11 +701,38 @@ TEST(MoeDecodePaths, ActKernelBitIdenticalToDefault) {
   expect_act_bit_identical({32, 320, 96, 0, 8, true}, 1803, {1, 2, 4});       // empty experts, odd K-tiles
   expect_act_bit_identical({8, 136, 64, 0, 1, false}, 1804, {1, 4});          // k = 1, H % 64 != 0
   expect_act_bit_identical({16, 256, 64, 0, 4, false}, 1805, {1, 3}, true);   // invalid expert ids: NaN rows
-  // Added after the last device run of session 18 (act18-run2), not yet run on the GPU: T = 16 (the
-  // rule fires: 4 pairs per expert) and T = 64 with 16 and 32 pairs per expert (two token blocks,
-  // NB = 2; 128 pairs = kActMaxPairs).
+  // Added after the last device run of session 18 (act18-run2), first run on the GPU in its final
+  // runs: T = 16 (the rule fires: 4 pairs per expert) and T = 64 with 16 and 32 pairs per expert (two
+  // token blocks, NB = 2; 128 pairs, session 18's limit). Above 128 pairs: the next test.
   expect_act_bit_identical({8, 136, 64, 0, 2, false}, 1806, {16, 64});
   expect_act_bit_identical({8, 1024, 512, 0, 2, true}, 1807, {64});
+}
+
+// Session 19 (act19): above 128 pairs (session 18's limit; now act_rows, moe.hpp), at top-8 on
+// reduced shapes, forced Decode strategy, outputs and workspace poisoned. Token blocks
+// (decode_token_blocks: 1 up to 10 tokens per touched expert) and the workspace rows act_rows(P, E)
+// = min(2P, 1024, 36 E) of each case, against P x GEMM1's split (unsplit here by the rule: few
+// K-tiles; the forced split {2, 1, 2, 1} of expect_act_bit_identical makes it 2):
+//   E 32, T 20: P 160, NB 1, rows 320: the kernel runs unsplit and split (2 x 160 = 320);
+//   E 32, T 64: P 512, NB 2, rows 1024: unsplit and split (2 x 512 = 1024, the workspace's limit);
+//   E 8, T 20 (k = E: every expert): P 160, NB 2, rows 288: unsplit; split (320 > 288) falls back to
+//     GEMM1's own tail, which must give the same bits too; H % 64 != 0;
+//   E 16, T 20, odd experts empty, padded I (Ip 128 > I 72): P 160, NB 1, rows 320.
+// ActKernelWritesGemm1SumsOnlyWhenSelected checks that the kernel really runs at such sizes.
+TEST(MoeDecodePaths, ActKernelBitIdenticalToDefaultAbove128Pairs) {
+  if (!gpu_here()) GTEST_SKIP() << "no CUDA device: skipping GPU test";
+  expect_act_bit_identical({32, 256, 64, 0, 8, false}, 1901, {20, 64});
+  expect_act_bit_identical({8, 136, 64, 0, 8, false}, 1902, {20});
+  expect_act_bit_identical({16, 200, 72, 0, 8, true}, 1903, {20});
+}
+
+// One case above 128 pairs for compute-sanitizer memcheck / racecheck (scripts/gpu_run.sh moetests'
+// filters are too slow for the whole test above): E 32, T 20, k 8 (160 pairs, the rule on: 5 pairs
+// per expert), the default paths unsplit and with GEMM1 split in two.
+TEST(MoeDecodePaths, ActKernelAbove128PairsSanitizerCase) {
+  if (!gpu_here()) GTEST_SKIP() << "no CUDA device: skipping GPU test";
+  ASSERT_TRUE(cuda::decode_act_kernel(20, 8, 32, 256));
+  expect_act_bit_identical({32, 256, 64, 0, 8, false}, 1904, {20}, false, /*quick=*/true);
 }
 
 // The four benchmark shapes at their real H and I (DeepSeek-V3, Qwen3-235B, Qwen3-30B; Mixtral with
@@ -687,16 +749,27 @@ TEST(MoeActKernel, IssueShapesBitIdenticalToDefault) {
 // The flag really moves the epilogue: with the forward stopped after GEMM1 (and the activation
 // kernel), the workspace's GEMM1-sum rows of every pair are written (finite FP32 values) with
 // kDecodeActKernel, and with the default paths where decode_act_kernel says so, and left as
-// poisoned (all bytes 0xff) otherwise; above kActMaxPairs pairs the flag is ignored (the region is
-// sized for kActMaxPairs pairs). The T = 8 row and the default mode were added after act18-run2, the
-// T = 16 row when session 18's final run moved the rule's threshold to 1.5.
+// poisoned (all bytes 0xff) otherwise; where P x GEMM1's split exceeds the workspace's rows
+// (act_rows, moe.hpp) the flag is ignored. The T = 8 row and the default mode were added after
+// act18-run2, the T = 16 row when session 18's final run moved the rule's threshold to 1.5; session 19
+// (act19) lifted session 18's 128-pair limit and added T = 64, 128 (512 and 1024 pairs: the kernel
+// runs; 1024 = kActMaxRows), 129 (1032 pairs > 1024 rows: not) and the forced split (mode 3: two
+// ranks per pair, so T = 64 fills the 1024 rows and T = 128 does not fit).
 TEST(MoeDecodePaths, ActKernelWritesGemm1SumsOnlyWhenSelected) {
   if (!gpu_here()) GTEST_SKIP() << "no CUDA device: skipping GPU test";
   std::mt19937 rng(1820);
   const std::int64_t E = 128, H = 256, I = 64, Ip = 64;
   const int k = 8;
   const Layer L(E, H, I, rng);
-  for (std::int64_t T : {std::int64_t{1}, std::int64_t{4}, std::int64_t{8}, std::int64_t{16}, std::int64_t{17}}) {
+  // The forced split needs cluster launches (sm_90a image, cc 9.x): mode 3 is skipped elsewhere.
+  int dev = 0, major = 0;
+  ckd(cudaGetDevice(&dev), "cudaGetDevice");
+  ckd(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "cc");
+  const bool split_here = major == 9;
+  EXPECT_EQ(cuda::kActMaxRows, 1024);
+  EXPECT_EQ(cuda::act_rows(1032, E), 1024);
+  EXPECT_EQ(cuda::act_rows(136, E), 272);
+  for (std::int64_t T : {1, 4, 8, 16, 17, 64, 128, 129}) {
     std::vector<int> allowed(E);
     for (int e = 0; e < E; ++e) allowed[e] = e;
     std::vector<std::int32_t> ids;
@@ -705,26 +778,31 @@ TEST(MoeDecodePaths, ActKernelWritesGemm1SumsOnlyWhenSelected) {
     const auto x = rand_x(T * H, rng);
     const std::int64_t P = T * k;
     const std::size_t wsb = cuda::moe_workspace_bytes(T, k, E, H, I);
-    // The sums are the last region of the workspace (moe_common.cu carve): kActMaxSplit rows of 2 Ip
-    // FP32 per pair, for min(P, kActMaxPairs) pairs, 256-byte aligned.
-    const std::size_t part_floats = static_cast<std::size_t>(std::min<std::int64_t>(P, cuda::kActMaxPairs)) *
-                                    cuda::kActMaxSplit * 2 * Ip;
+    // The sums are the last region of the workspace (moe_common.cu carve): act_rows(P, E) rows of
+    // 2 Ip FP32 (one per pair and split rank), 256-byte aligned.
+    const std::int64_t rows = cuda::act_rows(P, E);
+    EXPECT_EQ(rows, std::min<std::int64_t>(2 * P, 1024));  // 36 E = 4608 does not bind here
+    const std::size_t part_floats = static_cast<std::size_t>(rows) * 2 * Ip;
     const std::size_t part_bytes = part_floats * sizeof(float);
     ASSERT_GE(wsb, part_bytes);
     const std::size_t part_at = wsb - ((part_bytes + 255) / 256 * 256);
-    for (int mode = 0; mode < 3; ++mode) {  // without the kernel, forced, the default (its rule)
+    // Without the kernel, forced, the default (its rule), forced with GEMM1 split in two.
+    for (int mode = 0; mode < (split_here ? 4 : 3); ++mode) {
       SCOPED_TRACE(::testing::Message() << "T " << T << " mode " << mode);
       Buf<std::uint16_t> dx(x), out(static_cast<std::size_t>(T * H));
       Buf<std::int32_t> did(ids);
       Buf<float> dw(wts);
       Buf<char> ws(wsb);
       ckd(cudaMemset(ws.p, 0xff, wsb), "poison workspace");
-      const unsigned paths[3] = {cuda::kDecodePathsDefault & ~cuda::kDecodeActKernelRule,
-                                 cuda::kDecodePathsDefault | cuda::kDecodeActKernel, cuda::kDecodePathsDefault};
+      const unsigned paths[4] = {cuda::kDecodePathsDefault & ~cuda::kDecodeActKernelRule,
+                                 cuda::kDecodePathsDefault | cuda::kDecodeActKernel, cuda::kDecodePathsDefault,
+                                 cuda::kDecodePathsDefault | cuda::kDecodeActKernel};
       cuda::set_decode_paths(paths[mode]);
+      if (mode == 3) cuda::set_decode_split(2, 1, 0, 0);
       cuda::set_forward_stop_after(2);
       cuda::moe_forward(L.w, dx.p, T, k, did.p, dw.p, out.p, ws.p, wsb, nullptr, cuda::MoeStrategy::Decode);
       cuda::set_forward_stop_after(0);
+      cuda::set_decode_split(0, 0, 0, 0);
       cuda::set_decode_paths(cuda::kDecodePathsDefault);
       ckd(cudaDeviceSynchronize(), "moe_forward");
       std::vector<float> part(part_floats);
@@ -736,12 +814,13 @@ TEST(MoeDecodePaths, ActKernelWritesGemm1SumsOnlyWhenSelected) {
         finite += std::isfinite(v);
         poisoned += b == 0xffffffffu;
       }
-      // Unsplit GEMM1 here (few K-tiles): rank 0's row of each pair, 2 Ip values. The rule says yes
-      // at T = 16 (1.55 pairs per expert, 128 pairs) and T = 17 (1.59), no at T = 1, 4, 8 (1.00, 1.10,
-      // 1.24); at T = 17 (136 pairs > kActMaxPairs) the forward ignores it and the region stays poisoned.
-      const bool act = mode == 1 || (mode == 2 && cuda::decode_act_kernel(T, k, E));
-      EXPECT_EQ(cuda::decode_act_kernel(T, k, E), T >= 16);
-      const std::int64_t expect_written = act && P <= cuda::kActMaxPairs ? P * 2 * Ip : 0;
+      // GEMM1 unsplit here by the rule (4 K-tiles): rank 0's row of each pair, 2 Ip values; mode 3
+      // two ranks' rows per pair. The rule says yes from T = 16 (1.55 pairs per expert), no at T = 1,
+      // 4, 8 (1.00, 1.10, 1.24).
+      const bool act = mode == 1 || mode == 3 || (mode == 2 && cuda::decode_act_kernel(T, k, E, H));
+      EXPECT_EQ(cuda::decode_act_kernel(T, k, E, H), T >= 16);
+      const std::int64_t ranks = mode == 3 ? 2 : 1;
+      const std::int64_t expect_written = act && P * ranks <= rows ? P * ranks * 2 * Ip : 0;
       EXPECT_EQ(finite, expect_written);
       EXPECT_EQ(poisoned, static_cast<std::int64_t>(part_floats) - expect_written);
     }

@@ -235,8 +235,8 @@ bool decode_fuse_reduce(std::int64_t gemm2_ctas, int top_k, int sms);
 ///     kernels of one token block only: with two (Mixtral T = 64's GEMM2, 512 CTAs of 224 K-tiles) it
 ///     kept 2 warps where the old rule's 4 (two full waves) ran 1.077x faster (device run k-run1,
 ///     docs/perf/moe-gpu.md "Current figures").
-///   kDecodeActKernel (session 18, act18; mma.sync swap-AB kernels, forwards of at most
-///     kActMaxPairs pairs whose GEMM1 split is at most kActMaxSplit): GEMM1 stops after its
+///   kDecodeActKernel (session 18, act18; mma.sync swap-AB kernels, forwards whose pairs x GEMM1
+///     split fit in act_rows() and whose split is at most kActMaxSplit): GEMM1 stops after its
 ///     cross-warp reduction and stores each CTA's FP32 gate / up sums (per split rank) to the
 ///     workspace; a small activation kernel between GEMM1 and GEMM2 (PDL chain) adds the ranks' sums
 ///     in rank order and does the SiLU*up / BF16 / MXFP8-of-h epilogue with one warp per 32-column
@@ -248,11 +248,24 @@ inline constexpr unsigned kDecodeDirect = 1u, kDecodeDirectAlways = 2u, kDecodeC
                           kDecodeLateScales = 64u, kDecodeLateScales96 = 128u, kDecodeLateScalesRule = 256u,
                           kDecodeOneTokenTail = 512u, kDecodeOneWave = 1024u, kDecodeOneTokenTailRule = 2048u,
                           kDecodeActKernel = 4096u, kDecodeActKernelRule = 8192u;
-/// Limits of kDecodeActKernel: the workspace (moe_workspace_bytes) holds GEMM1's FP32 gate / up sums
-/// for min(pairs, kActMaxPairs) pairs and kActMaxSplit split ranks (2 x kActMaxPairs x kActMaxSplit
-/// x Ip x 4 bytes: 4 MiB at Ip = 2048); forwards beyond either limit take the default GEMM1 tail.
-inline constexpr std::int64_t kActMaxPairs = 128;
+/// Limits of kDecodeActKernel (session 19, act19; session 18 held 128 pairs). The workspace
+/// (moe_workspace_bytes) holds GEMM1's FP32 gate / up sums in rows of 2 Ip values, one per pair and
+/// split rank (act_part_row), for act_rows(P, E) = min(P x kActMaxSplit, kActMaxRows,
+/// ceil(kPrefillMinTokensPerExpert x E)) rows: 2 x act_rows x Ip x 4 bytes, at most 8 KiB x Ip
+/// (16 MiB at Ip = 2048: DeepSeek-V3; 12 / 6 MiB for Qwen3-235B / Qwen3-30B; Mixtral-8x7B's 288 rows
+/// (36 x 8 experts), 31.5 MiB at Ip = 14336, where session 18 had 256 rows, 28 MiB). A forward takes
+/// the kernel only when its P pairs x GEMM1's split fit in those rows and the split is at most
+/// kActMaxSplit; otherwise the default GEMM1 tail runs. Why a limit and not every pair the swap-AB
+/// decode can see: the sums cost 8 Ip bytes per pair and rank (4x the BF16 h), more than the rest of
+/// the workspace per pair on Mixtral (4 H + ~3.3 Ip bytes); every decode batch of the benchmark
+/// shapes up to T = 128 at top-8 (1024 pairs, one unsplit rank) fits, and the E term keeps Mixtral's
+/// region at session 18's size (its Auto forward leaves swap-AB decode at 28-36 pairs per expert,
+/// choose_strategy; an explicit MoeStrategy::Decode beyond the rows runs the default tail).
+inline constexpr std::int64_t kActMaxRows = 1024;
 inline constexpr int kActMaxSplit = 2;
+/// The GEMM1-sum rows (pair x split rank) that the workspace of a forward of `pairs` pairs over
+/// `experts` experts holds (above; host only). 0 when pairs or experts < 1.
+std::int64_t act_rows(std::int64_t pairs, std::int64_t experts);
 /// The default set (the paths measured faster, docs/perf/moe-gpu.md "Session 14", "Session 16",
 /// "Session 17" and "Session 18").
 inline constexpr unsigned kDecodePathsDefault =
@@ -260,19 +273,26 @@ inline constexpr unsigned kDecodePathsDefault =
     kDecodeOneWave | kDecodeActKernelRule;
 
 /// kDecodeActKernel by rule (host only; the forward applies it to swap-AB launches within
-/// kActMaxPairs / kActMaxSplit): T > 1 and the expected pairs per touched expert under uniform
-/// routing, T k / (E (1 - (1 - min(1, k/E))^T)) (as decode_one_token_tail), above
-/// kActMinPairsPerExpert. Measured on the H200 (docs/perf/moe-gpu.md "Session 18" and "Current
-/// figures"): act18-run2 (four processes, ABBA, before cvt18's shorter GEMM1 epilogue) had the kernel
-/// faster on every row above 1.2 pairs per expert and slower or even at or below 1.12 (every T = 1:
-/// 0.949-0.985x; T = 4 with k = 8: 0.928-0.998x). The final run of session 18 (two processes, both
-/// orders, with cvt18's hardware encode in GEMM1's epilogue) moved the threshold to 1.5: Mixtral
-/// T = 4 (1.46) now lost 1.3-1.7 % with the kernel, the rows at 1.24-1.26 (Qwen3 T = 8, DeepSeek-V3
-/// T = 16) gained only 0.3-1.8 %, while the rows above 1.5 kept their gains -- Qwen3-235B / Qwen3-30B
-/// T = 16 (1.55: 1.025x / 1.05x), Mixtral T = 8, 16 (2.2, 4.0: 1.016x, 1.008x) and T = 64 (16.0, two
-/// token blocks: 1.056x).
+/// act_rows / kActMaxSplit): T > 1, the expected pairs per touched expert under uniform routing,
+/// T k / (E (1 - (1 - min(1, k/E))^T)) (as decode_one_token_tail), above kActMinPairsPerExpert, and
+/// GEMM1's K-loop at most kActMaxTilesK K-tiles (ceil(hidden / 64)). Measured on the H200
+/// (docs/perf/moe-gpu.md "Session 19", "Session 18" and "Current figures"): act18-run2 (four
+/// processes, ABBA, before cvt18's shorter GEMM1 epilogue) had the kernel faster on every row above
+/// 1.2 pairs per expert and slower or even at or below 1.12 (every T = 1: 0.949-0.985x; T = 4 with
+/// k = 8: 0.928-0.998x). The final run of session 18 (two processes, both orders, with cvt18's
+/// hardware encode in GEMM1's epilogue) moved the threshold to 1.5: Mixtral T = 4 (1.46) now lost
+/// 1.3-1.7 % with the kernel, the rows at 1.24-1.26 (Qwen3 T = 8, DeepSeek-V3 T = 16) gained only
+/// 0.3-1.8 %, while the rows above 1.5 kept their gains -- Qwen3-235B / Qwen3-30B T = 16 (1.55:
+/// 1.025x / 1.05x), Mixtral T = 8, 16 (2.2, 4.0: 1.016x, 1.008x) and T = 64 (16.0, two token blocks:
+/// 1.056x). Session 19 (act19-run1, two processes, ABBA in each, opposite orders) above 128 pairs:
+/// Qwen3-30B (32 K-tiles) T = 24..128 1.028-1.075x in both orders, Qwen3-235B (64 K-tiles) T = 24..64
+/// 1.007-1.036x in both orders (T = 128: 1.010x / 0.998x), but DeepSeek-V3 (112 K-tiles) T = 32, 48
+/// 0.960x / 1.056x and 1.045x / 0.973x, T = 64, 128 1.002-1.013x: the epilogue the kernel takes off
+/// each GEMM1 CTA is a fixed cost, worth less the longer the CTA's K-loop, and at 112 K-tiles its gain
+/// was not shown (means 1.005-1.009x in a row noise of +-5 %); hence the K-tile bound.
 inline constexpr double kActMinPairsPerExpert = 1.5;
-bool decode_act_kernel(std::int64_t tokens, int top_k, std::int64_t experts);
+inline constexpr std::int64_t kActMaxTilesK = 64;
+bool decode_act_kernel(std::int64_t tokens, int top_k, std::int64_t experts, std::int64_t hidden);
 
 /// kDecodeOneTokenTail by rule (host only): where the expected pairs per touched expert under uniform
 /// routing, T k / (E (1 - (1 - min(1, k/E))^T)), are at most kOneTokenTailMaxPairsPerExpert (T = 1
