@@ -1,5 +1,6 @@
-// `lutb eval MODEL_DIR`: held-out loss of a whole MoE language model on the CPU (spec section 8),
-// with the routed experts in BF16, LUT-B (online or stored) or a baseline format.
+// `lutb eval MODEL_DIR`: held-out loss of a whole MoE language model (spec section 8), on the CPU or
+// with the routed experts on the GPU (--device cuda), with the routed experts in BF16, LUT-B (online
+// or stored) or a baseline format.
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -176,7 +177,9 @@ void run_eval(const EvalArgs& a) {
 
 void add_eval(CLI::App& app) {
   auto args = std::make_shared<EvalArgs>();
-  auto* cmd = app.add_subcommand("eval", "Held-out loss of a MoE language model on the CPU (spec section 8)");
+  auto* cmd = app.add_subcommand("eval",
+                                 "Held-out loss of a MoE language model (spec section 8): on the CPU, or with "
+                                 "--device cuda the routed experts on the GPU");
   auto* dir_opt =
       cmd->add_option("model_dir", args->model_dir, "Hugging Face checkpoint directory (BF16 or LUT-B)")->required();
   // The activation format is --act-format, as in `lutb moe`, whose --activations names the

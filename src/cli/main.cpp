@@ -22,10 +22,7 @@ int main(int argc, char** argv) {
   // Named "lutb": --help printed "Usage: /full/path/to/build/release/lutb quantize ..." (argv[0]).
   CLI::App app{"lutb: LUT-B (3.14-bit lookup-table weights, MXFP8 activations) for MoE experts", "lutb"};
   app.set_version_flag("--version", "lutb 0.1.0");
-  app.footer("Exit status: 0 success; 1 the work failed (an input missing, unreadable or invalid, a destination that "
-             "cannot be written, too little space or memory, no usable GPU); 2 a usage error (an unknown option, a "
-             "value outside its range, options that contradict each other or do not apply), reported before any "
-             "work; 130 / 143 interrupted by Ctrl-C / SIGTERM (the output is left as it was).");
+  app.footer(lutb::cli::kExitStatusHelp);
   lutb::cli::add_default_job(app);
   lutb::cli::add_quantize(app);
   lutb::cli::add_eval(app);

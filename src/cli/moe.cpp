@@ -155,6 +155,23 @@ void run_moe(const MoeArgs& a) {
     dot += static_cast<double>(out[i]) * ref[i];
     max_abs = std::isnan(d) ? d : std::max(max_abs, std::fabs(d));  // NaN propagates, never hides
   }
+  if (non_finite > 0) {
+    // Refused before any result is printed: the line "rel_l2 nan ..." (and --json's "rel_l2": null)
+    // came first, then the error and exit status 1 (new-user QA, session 20).
+    // Name the tensor, as lutb eval does: the first of the layer with a non-finite SQNR (stored LUT-B
+    // weights), else the first stored tensor of the layer holding NaN / Inf (new-user QA, session 14:
+    // an infinite router weight gave only "a weight, scale or input of the layer is NaN or overflowed").
+    std::string where;
+    for (const auto& s : moe.stats())
+      if (const double v = s.sqnr_db(); s.layer == a.layer && (std::isnan(v) || (std::isinf(v) && v < 0))) {
+        where = fmt::format("; the first tensor with non-finite values is {}", s.name);
+        break;
+      }
+    if (where.empty()) where = first_non_finite_stored(a.model_dir, moe_prefix(cfg.moe, a.layer) + ".");
+    throw std::runtime_error(fmt::format("{}: layer {}: {} of {} outputs are NaN or infinite (on the inputs of {}): a "
+                                         "weight, scale or input of the layer is NaN or overflowed{}",
+                                         a.model_dir, a.layer, non_finite, out.size(), a.activations_file, where));
+  }
   const double rel_l2 = std::sqrt(diff2 / ref2);
   const double cosine = dot / std::sqrt(out2 * ref2);
   const std::string quant = model::quant_name(mo.quant);
@@ -217,21 +234,6 @@ void run_moe(const MoeArgs& a) {
     fmt::print("{}\n", j.dump());
   }
   std::fflush(stdout);
-  if (non_finite > 0) {
-    // Name the tensor, as lutb eval does: the first of the layer with a non-finite SQNR (stored LUT-B
-    // weights), else the first stored tensor of the layer holding NaN / Inf (new-user QA, session 14:
-    // an infinite router weight gave only "a weight, scale or input of the layer is NaN or overflowed").
-    std::string where;
-    for (const auto& s : moe.stats())
-      if (const double v = s.sqnr_db(); s.layer == a.layer && (std::isnan(v) || (std::isinf(v) && v < 0))) {
-        where = fmt::format("; the first tensor with non-finite values is {}", s.name);
-        break;
-      }
-    if (where.empty()) where = first_non_finite_stored(a.model_dir, moe_prefix(cfg.moe, a.layer) + ".");
-    throw std::runtime_error(fmt::format("{}: layer {}: {} of {} outputs are NaN or infinite (on the inputs of {}): a "
-                                         "weight, scale or input of the layer is NaN or overflowed{}",
-                                         a.model_dir, a.layer, non_finite, out.size(), a.activations_file, where));
-  }
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 #include "cli/commands.hpp"
 #include "cli/gpu.hpp"
 #include "cli/interrupt.hpp"
+#include "cli/usage_hints.hpp"
 #include "cli/validators.hpp"
 #include "lutb/checkpoint.hpp"
 #include "lutb/model.hpp"
@@ -62,7 +63,8 @@ void add_quantize(CLI::App& app) {
       "the run, remove that temporary and leave OUT exactly as it was (exit status of the signal: 130/143); a "
       "second signal stops at once and leaves the temporary. Temporaries of processes that no longer exist "
       "(OUT.tmp.PID, OUT.old.PID) are reported on stderr at the start but never removed: delete them yourself (a "
-      "process id unknown here may be a live run on another host sharing the filesystem).");
+      "process id unknown here may be a live run on another host sharing the filesystem).\n\n" +
+      std::string(kExitStatusHelp));
   auto* in_opt = cmd->add_option("input", args->input, "checkpoint directory or .safetensors file")->required();
   auto* out_opt =
       cmd->add_option("-o,--output", args->output, "output directory (checkpoint) or file (.safetensors)")->required();

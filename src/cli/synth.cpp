@@ -10,6 +10,7 @@
 
 #include "cli/commands.hpp"
 #include "cli/interrupt.hpp"
+#include "cli/usage_hints.hpp"
 #include "cli/validators.hpp"
 #include "lutb/checkpoint.hpp"
 
@@ -25,6 +26,16 @@ struct SynthArgs {
   SynthOptions opt;
   bool no_progress = false;
 };
+
+// Decimal bytes in the unit that keeps three digits: "3.15 MB", "61.35 GB" (a small checkpoint was
+// announced as "0.00 GB": new-user QA, session 20).
+std::string size_text(std::uint64_t bytes) {
+  const double b = static_cast<double>(bytes);
+  if (b >= 1e12) return fmt::format("{:.2f} TB", b / 1e12);
+  if (b >= 1e9) return fmt::format("{:.2f} GB", b / 1e9);
+  if (b >= 1e6) return fmt::format("{:.2f} MB", b / 1e6);
+  return fmt::format("{:.1f} kB", b / 1e3);
+}
 }  // namespace
 
 void add_synth(CLI::App& app) {
@@ -39,7 +50,8 @@ void add_synth(CLI::App& app) {
   cmd->footer(
       "Checks the destination and the free space first, then prints the bytes it will write. Written under OUT.tmp.PID and "
       "renamed at the end: Ctrl-C, SIGTERM or SIGHUP remove the temporary and leave OUT as it was (exit status of "
-      "the signal: 130/143); temporaries of dead processes are reported at the start, never removed.");
+      "the signal: 130/143); temporaries of dead processes are reported at the start, never removed.\n\n" +
+      std::string(kExitStatusHelp));
   cmd->add_option("--family", args->family, "model family: " + fams)->required();
   cmd->add_option("--layers", args->opt.layers, "number of decoder layers, every one a MoE layer (1..1024)")->required()->check(IntRange<std::int64_t>(1, kMaxLayers));
   auto* out_opt =
@@ -87,16 +99,15 @@ void add_synth(CLI::App& app) {
     // Announced only once the library has checked everything (destination, free space) and
     // created its temporary: a refusal prints nothing but the error.
     args->opt.on_start = [out = args->output](std::uint64_t planned) {
-      fmt::print("lutb synth: will write {} bytes ({:.2f} GB) of BF16 tensors to {}\n", planned,
-                 static_cast<double>(planned) / 1e9, out);
+      fmt::print("lutb synth: will write {} bytes ({}) of BF16 tensors to {}\n", planned, size_text(planned), out);
       std::fflush(stdout);
     };
     const auto t0 = std::chrono::steady_clock::now();
     const std::uint64_t bytes = synthesize_checkpoint(args->output, args->opt);
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    fmt::print("lutb synth: {} ({} layers, E {}, H {}, I {}, k {}) -> {}: {:.2f} GB in {:.1f} s\n", c.model_type,
-               c.num_hidden_layers, c.num_experts, c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok,
-               args->output, static_cast<double>(bytes) / 1e9, s);
+    fmt::print("lutb synth: {} ({} layer{}, E {}, H {}, I {}, k {}) -> {}: {} in {:.1f} s\n", c.model_type,
+               c.num_hidden_layers, c.num_hidden_layers == 1 ? "" : "s", c.num_experts, c.hidden_size,
+               c.moe_intermediate_size, c.num_experts_per_tok, args->output, size_text(bytes), s);
   });
 }
 

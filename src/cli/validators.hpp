@@ -45,11 +45,14 @@ struct UsageError : std::invalid_argument {
 /// unsigned input is reported, never wrapped. CLI11 prefixes the message with the option name:
 ///   --threads: -3 is outside the valid range 0..4096
 ///   --layers: 1.5 is not an integer (valid range 1..1024)
+///   --threads: an empty value was given; expected an integer 0..4096
 template <class T>
 CLI::Validator IntRange(T lo, T hi) {
   static_assert(std::is_integral_v<T>);
   return CLI::Validator(
       [lo, hi](std::string& in) -> std::string {
+        // `--threads ""` read "--threads:  is not an integer" (new-user QA, session 19).
+        if (in.empty()) return fmt::format("an empty value was given; expected an integer {}..{}", lo, hi);
         const char* b = in.data();
         const char* e = in.data() + in.size();
         if (b != e && *b == '+') ++b;

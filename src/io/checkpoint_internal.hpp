@@ -113,6 +113,12 @@ void check_free_space(const std::filesystem::path& target, std::uint64_t need, s
 /// stale_temporaries() recognises these names.
 std::filesystem::path temp_sibling(const std::filesystem::path& target);
 
+/// What a failed or interrupted run left at `target`, for the end of its error message: "T is as it
+/// was" when `target` exists (it was there before the run, which never replaces it before the final
+/// rename) and "nothing was created at T" when it does not (the messages said "T is as it was" of an
+/// output that had never existed: new-user QA, session 20).
+std::string target_left_clause(const std::filesystem::path& target);
+
 /// Throws Interrupted naming `target` when `flag` is set (nonzero). No-op for a null flag.
 void check_interrupt(const std::atomic<int>* flag, const std::filesystem::path& target);
 

@@ -52,8 +52,8 @@ struct TempGuard {
 // session 17 on a full tmpfs). Returns "" for an error that is not about the temporary.
 std::string write_error_message(const std::string& m, const fs::path& tmp, const fs::path& out) {
   if (m.rfind(tmp.string(), 0) != 0) return {};
-  return fmt::format("{}: writing the output failed ({}); the partial output was removed and {} is as it was",
-                     out.string(), m, out.string());
+  return fmt::format("{}: writing the output failed ({}); the partial output was removed and {}", out.string(), m,
+                     detail::target_left_clause(out));
 }
 
 [[noreturn]] void throw_write_error(const SafetensorsError& e, const fs::path& tmp, const fs::path& out) {
@@ -270,9 +270,9 @@ void emit(SafetensorsWriter& w, const Planned& p, const TensorView& v, const Fit
     // The caller's guard removes the temporary output as this unwinds.
     throw Interrupted(e.signal,
                       fmt::format("{}: interrupted by signal {} ({}) while fitting tensor {} after {} of {} tiles; the "
-                                  "partial output was removed and {} is as it was",
+                                  "partial output was removed and {}",
                                   target.string(), e.signal, strsignal(e.signal), p.name, e.tiles_done, e.tiles_total,
-                                  target.string()),
+                                  detail::target_left_clause(target)),
                       e.tiles_done, e.tiles_total);
   } catch (const std::invalid_argument& e) {
     // A data error of the fit (NaN / Inf / a magnitude needing a scale byte above 246, spec 2.1):

@@ -2,6 +2,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -386,13 +387,18 @@ fs::path temp_sibling(const fs::path& target) {
   return t.parent_path() / (t.filename().string() + ".tmp." + std::to_string(::getpid()));
 }
 
+std::string target_left_clause(const fs::path& target) {
+  std::error_code ec;
+  if (fs::exists(fs::symlink_status(target, ec))) return fmt::format("{} is as it was", target.string());
+  return fmt::format("nothing was created at {}", target.string());
+}
+
 void check_interrupt(const std::atomic<int>* flag, const fs::path& target) {
   if (!flag) return;
   const int sig = flag->load(std::memory_order_relaxed);
   if (sig == 0) return;
-  throw Interrupted(sig, fmt::format("{}: interrupted by signal {} ({}); the partial output was removed and {} is as "
-                                     "it was",
-                                     target.string(), sig, strsignal(sig), target.string()));
+  throw Interrupted(sig, fmt::format("{}: interrupted by signal {} ({}); the partial output was removed and {}",
+                                     target.string(), sig, strsignal(sig), target_left_clause(target)));
 }
 
 void check_free_space(const fs::path& target, std::uint64_t need, std::string_view what) {
@@ -406,11 +412,24 @@ void check_free_space(const fs::path& target, std::uint64_t need, std::string_vi
     return b >= 1000000000u ? fmt::format("{:.2f} GB", static_cast<double>(b) / 1e9)
                             : fmt::format("{:.2f} MB", static_cast<double>(b) / 1e6);
   };
-  if (!ec && sp.available < need)
-    throw CheckpointError(fmt::format("{}: {} needs {} ({} bytes) but only {} ({} bytes) are free on the "
-                                      "filesystem of {}; nothing written",
-                                      target.string(), what, size(need), need, size(sp.available), sp.available,
-                                      probe.string()));
+  if (ec || sp.available >= need) return;
+  // Too little space, or a place where nothing can be written at all: /proc and /sys report 0 bytes
+  // free, and `quantize -o /proc/x` was told it needed more free space (new-user QA, session 20). An
+  // empty probe directory tells them apart: it is removed at once, and only ENOSPC / EDQUOT (or
+  // success) leaves the verdict to the free-space figures.
+  const fs::path dir_probe = probe / (".lutb-probe." + std::to_string(::getpid()));
+  if (::mkdir(dir_probe.c_str(), 0700) == 0) {
+    ::rmdir(dir_probe.c_str());
+  } else if (errno != ENOSPC && errno != EDQUOT && errno != EEXIST) {
+    const int err = errno;
+    throw CheckpointError(fmt::format("{}: nothing can be created in {}: {}{}; nothing written", target.string(),
+                                      probe.string(), std::strerror(err),
+                                      err == EROFS ? "" : " (a read-only, virtual or protected filesystem?)"));
+  }
+  throw CheckpointError(fmt::format("{}: {} needs {} ({} bytes) but only {} ({} bytes) are free on the filesystem "
+                                    "of {}; nothing written",
+                                    target.string(), what, size(need), need, size(sp.available), sp.available,
+                                    probe.string()));
 }
 
 void copy_file_contents(const fs::path& from, const fs::path& to, const std::atomic<int>* stop,
@@ -454,8 +473,8 @@ void copy_file_contents(const fs::path& from, const fs::path& to, const std::ato
   if (::close(out) != 0 && error.empty()) error = fmt::format("{}: cannot write: {}", to.string(), std::strerror(errno));
   if (sig != 0)
     throw Interrupted(sig, fmt::format("{}: interrupted by signal {} ({}) while copying {}; the partial output was "
-                                       "removed and {} is as it was",
-                                       target.string(), sig, strsignal(sig), from.string(), target.string()));
+                                       "removed and {}",
+                                       target.string(), sig, strsignal(sig), from.string(), target_left_clause(target)));
   if (!error.empty()) throw CheckpointError(error);
 }
 

@@ -82,10 +82,30 @@ TEST(CliNewUserNu15, FailedWriteNamesTheOutputAndLeavesItAsItWas) {
               std::string::npos)
         << err;
     EXPECT_NE(err.find("File too large"), std::string::npos) << err;
-    EXPECT_NE(err.find("the partial output was removed and " + out.string() + " is as it was"), std::string::npos)
+    // OUT did not exist before the run: the message said "OUT is as it was" of a path that had never
+    // existed (new-user QA, session 20).
+    EXPECT_NE(err.find("the partial output was removed and nothing was created at " + out.string()),
+              std::string::npos)
         << err;
+    EXPECT_EQ(err.find("is as it was"), std::string::npos) << err;
     EXPECT_EQ(entries(work), before);
   }
+  // An existing output replaced with --force: the failed run leaves it byte for byte, and says so.
+  const fs::path out = work / "old.safetensors";
+  {
+    std::ofstream(out, std::ios::binary) << "old bytes";
+  }
+  const auto with_old = entries(work);
+  const auto [status, err] = run_with_small_file_limit(
+      "quantize " + quote(t.path / "in.safetensors") + " -o " + quote(out) + " --force --no-progress --threads 1",
+      t.path / "stderr.txt");
+  EXPECT_EQ(status, 1) << err;
+  EXPECT_NE(err.find("File too large"), std::string::npos) << err;
+  EXPECT_NE(err.find("the partial output was removed and " + out.string() + " is as it was"), std::string::npos) << err;
+  std::stringstream kept;
+  kept << std::ifstream(out, std::ios::binary).rdbuf();
+  EXPECT_EQ(kept.str(), "old bytes");
+  EXPECT_EQ(entries(work), with_old);
 }
 
 }  // namespace

@@ -139,6 +139,17 @@ TEST(NewUserS11, NonFiniteLossNamesTheStoredTensor) {
   const fs::path acts = dir / "moe_activations.safetensors";
   const test::CliResult m2 = test::run_cli("moe " + test::quote(m) + " --layer 1 --activations " + test::quote(acts));
   EXPECT_EQ(m2.status, 1);
+  // Refused before any result: "rel_l2 nan ..." was printed first (new-user QA, session 20), and with
+  // --json a JSON line with "rel_l2": null, for --quant none (the BF16 experts as stored) as for LUT-B.
+  EXPECT_EQ(m2.out.find("rel_l2"), std::string::npos) << m2.out;
+  for (const char* quant : {"none", "lutb"}) {
+    const test::CliResult j = test::run_cli("moe " + test::quote(m) + " --layer 1 --json --quant " + quant +
+                                            " --activations " + test::quote(acts));
+    EXPECT_EQ(j.status, 1) << quant;
+    EXPECT_EQ(j.out, "") << quant;
+    EXPECT_NE(j.err.find(std::string(quant) == "none" ? " outputs are NaN or infinite" : "NaN"), std::string::npos)
+        << quant << ": " << j.err;
+  }
   EXPECT_NE(m2.err.find("lutb: error: " + m.string() + ": layer 1: "), std::string::npos) << m2.err;
   EXPECT_NE(m2.err.find(" outputs are NaN or infinite (on the inputs of " + acts.string() +
                         "): a weight, scale or input of the layer is NaN or overflowed"),
