@@ -13,6 +13,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "support/cli_support.hpp"
 #include "support/test_support.hpp"
 
 namespace lutb {
@@ -20,32 +21,10 @@ namespace {
 
 namespace fs = std::filesystem;
 
-struct CliOut {
-  int code = -1;
-  std::string out;  // stdout and stderr
-};
-
-CliOut run(const std::string& args) {
-  const std::string cmd = std::string(LUTB_CLI_PATH) + " " + args + " 2>&1";
-  CliOut r;
-  FILE* p = popen(cmd.c_str(), "r");
-  if (!p) return r;
-  std::array<char, 4096> buf;
-  std::size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
-  const int st = pclose(p);
-  r.code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-  return r;
-}
-
-// Appended to one string (see tests/cli/cli_device_test.cpp for why not "'" + ... + "'").
-std::string q(const fs::path& p) {
-  std::string r = "'";
-  r += p.string();
-  r += '\'';
-  return r;
-}
-bool has(const CliOut& r, const std::string& s) { return r.out.find(s) != std::string::npos; }
+using test::CliOut;
+using test::has;
+using test::q;
+using test::run;
 
 const std::string kSynth =
     "synth --family qwen3_moe --layers 1 --hidden-size 128 --moe-intermediate-size 64 --experts 4 --no-progress ";

@@ -21,6 +21,7 @@
 #include <nlohmann/json.hpp>
 
 #include "lutb/safetensors.hpp"
+#include "support/cli_support.hpp"
 #include "support/test_support.hpp"
 
 namespace lutb {
@@ -28,33 +29,10 @@ namespace {
 
 namespace fs = std::filesystem;
 
-struct CliOut {
-  int code = -1;
-  std::string out;  // stdout and stderr
-};
-
-CliOut run(const std::string& args) {
-  const std::string cmd = std::string(LUTB_CLI_PATH) + " " + args + " 2>&1";
-  CliOut r;
-  FILE* p = popen(cmd.c_str(), "r");
-  if (!p) return r;
-  std::array<char, 4096> buf;
-  std::size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
-  const int st = pclose(p);
-  r.code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-  return r;
-}
-
-// Appended to one string: "'" + p.string() + "'" made GCC 12 warn of a possibly overlapping memcpy
-// (-Wrestrict, a false positive that every fresh build printed; see test::quote).
-std::string q(const fs::path& p) {
-  std::string r = "'";
-  r += p.string();
-  r += '\'';
-  return r;
-}
-bool has(const CliOut& r, const std::string& s) { return r.out.find(s) != std::string::npos; }
+using test::CliOut;
+using test::has;
+using test::q;
+using test::run;
 
 const std::string kSynth =
     "synth --family qwen3_moe --layers 1 --hidden-size 128 --experts 4 --moe-intermediate-size 64 --no-progress ";

@@ -12,6 +12,7 @@
 #include <iterator>
 #include <string>
 
+#include "support/cli_support.hpp"
 #include "support/test_support.hpp"
 
 namespace lutb {
@@ -19,32 +20,10 @@ namespace {
 
 namespace fs = std::filesystem;
 
-struct CliOut {
-  int code = -1;
-  std::string out;  // stdout and stderr
-};
-
-CliOut run(const std::string& args) {
-  const std::string cmd = std::string(LUTB_CLI_PATH) + " " + args + " 2>&1";
-  CliOut r;
-  FILE* p = popen(cmd.c_str(), "r");
-  if (!p) return r;
-  std::array<char, 4096> buf;
-  std::size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
-  const int st = pclose(p);
-  r.code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-  return r;
-}
-
-std::string q(const fs::path& p) {
-  std::string s = "'";
-  s += p.string();
-  s += "'";
-  return s;
-}
-
-bool has(const CliOut& r, const std::string& s) { return r.out.find(s) != std::string::npos; }
+using test::CliOut;
+using test::has;
+using test::q;
+using test::run;
 
 // Regression: CLI::NonNegativeNumber printed "Value -3 not in range 0.000000 to 1797693134862...
 // (a 309-digit double)", and an unsigned --seed -1 wrapped to 18446744073709551615 silently.
