@@ -10,8 +10,10 @@ namespace lutb::cli {
 /// stderr. The writers poll the flag (QuantizeOptions::interrupt, SynthOptions::interrupt), throw
 /// Interrupted, and their RAII guards remove the temporary output; main() then re-raises the signal
 /// (reraise_interrupt), so the exit status is the usual "killed by SIGINT" (shell: 130; SIGTERM 143).
-/// The handler is installed with SA_RESETHAND: a second signal kills at once (its temporary is then
-/// left behind, and the next run reports it, see stale_temporaries()). A signal the parent set to
+/// A second signal a second or more after the first kills at once (its temporary is then left behind,
+/// and the next run reports it, see stale_temporaries()); one within a second is taken as the same
+/// request delivered twice (GNU timeout and `kill -- -PGID` signal the process and then its group)
+/// and ignored. A signal the parent set to
 /// SIG_IGN (a background job's SIGINT, nohup's SIGHUP) stays ignored. The previous dispositions are
 /// restored on destruction. One guard at a time.
 class InterruptGuard {

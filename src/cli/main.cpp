@@ -1,5 +1,7 @@
 // lutb: compress the routed experts of MoE language models to LUT-B and run them.
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <new>
 #include <string>
@@ -58,6 +60,16 @@ int main(int argc, char** argv) {
     return 1;
   } catch (const std::exception& e) {
     fmt::print(stderr, "lutb: error: {}\n", e.what());
+    return 1;
+  }
+  // What a command prints reaches stdout when the buffer is flushed, at exit: `lutb moe --json >
+  // /dev/full` (or with stdout closed) lost its results and exited 0 (new-user QA, session 21). A
+  // script reading them must see the failure. The work itself (an output written) is done.
+  errno = 0;
+  if (std::fflush(stdout) != 0 || std::ferror(stdout)) {
+    const int err = errno;
+    fmt::print(stderr, "lutb: error: cannot write the results to standard output: {}; the work itself is done\n",
+               err != 0 ? std::strerror(err) : "write error");
     return 1;
   }
   return 0;

@@ -60,10 +60,11 @@ void add_quantize(CLI::App& app) {
       "default --all)");
   cmd->footer(
       "Interruption: the output is built under OUT.tmp.PID and renamed at the end. Ctrl-C, SIGTERM or SIGHUP stop "
-      "the run, remove that temporary and leave OUT exactly as it was (exit status of the signal: 130/143); a "
-      "second signal stops at once and leaves the temporary. Temporaries of processes that no longer exist "
-      "(OUT.tmp.PID, OUT.old.PID) are reported on stderr at the start but never removed: delete them yourself (a "
-      "process id unknown here may be a live run on another host sharing the filesystem).\n\n" +
+      "the run, remove that temporary and leave OUT exactly as it was (exit status of the signal: 130 / 143 / 129); "
+      "a second signal, a second or more after the first, stops at once and leaves the temporary. Temporaries of "
+      "processes that no longer exist (OUT.tmp.PID, OUT.old.PID) are reported on stderr at the start but never "
+      "removed: delete them yourself (a process id unknown here may be a live run on another host sharing the "
+      "filesystem).\n\n" +
       std::string(kExitStatusHelp));
   auto* in_opt = cmd->add_option("input", args->input, "checkpoint directory or .safetensors file")->required();
   auto* out_opt =

@@ -27,14 +27,15 @@ struct SynthArgs {
   bool no_progress = false;
 };
 
-// Decimal bytes in the unit that keeps three digits: "3.15 MB", "61.35 GB" (a small checkpoint was
-// announced as "0.00 GB": new-user QA, session 20).
+// Decimal bytes in the unit that keeps three digits: "3.15 MB", "61.35 GB", "26 bytes" (a small
+// checkpoint was announced as "0.00 GB": new-user QA, session 20).
 std::string size_text(std::uint64_t bytes) {
   const double b = static_cast<double>(bytes);
   if (b >= 1e12) return fmt::format("{:.2f} TB", b / 1e12);
   if (b >= 1e9) return fmt::format("{:.2f} GB", b / 1e9);
   if (b >= 1e6) return fmt::format("{:.2f} MB", b / 1e6);
-  return fmt::format("{:.1f} kB", b / 1e3);
+  if (b >= 1e3) return fmt::format("{:.1f} kB", b / 1e3);
+  return fmt::format("{} bytes", bytes);
 }
 }  // namespace
 
@@ -50,7 +51,7 @@ void add_synth(CLI::App& app) {
   cmd->footer(
       "Checks the destination and the free space first, then prints the bytes it will write. Written under OUT.tmp.PID and "
       "renamed at the end: Ctrl-C, SIGTERM or SIGHUP remove the temporary and leave OUT as it was (exit status of "
-      "the signal: 130/143); temporaries of dead processes are reported at the start, never removed.\n\n" +
+      "the signal: 130 / 143 / 129); temporaries of dead processes are reported at the start, never removed.\n\n" +
       std::string(kExitStatusHelp));
   cmd->add_option("--family", args->family, "model family: " + fams)->required();
   cmd->add_option("--layers", args->opt.layers, "number of decoder layers, every one a MoE layer (1..1024)")->required()->check(IntRange<std::int64_t>(1, kMaxLayers));

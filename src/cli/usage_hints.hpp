@@ -21,8 +21,8 @@ namespace lutb::cli {
 inline constexpr const char* kExitStatusHelp =
     "Exit status: 0 success; 1 the work failed (an input missing, unreadable or invalid, a destination that cannot "
     "be written, too little space or memory, no usable GPU); 2 a usage error (an unknown option, a value outside "
-    "its range, options that contradict each other or do not apply), reported before any work; 130 / 143 "
-    "interrupted by Ctrl-C / SIGTERM (the output is left as it was).";
+    "its range, options that contradict each other or do not apply), reported before any work; 130 / 143 / 129 "
+    "interrupted by Ctrl-C / SIGTERM / SIGHUP (the output is left as it was).";
 
 /// The --help group of the default job's options (lutb with no command; src/cli/default_job.cpp).
 inline constexpr const char* kDefaultJobGroup = "Default job (lutb with no subcommand)";

@@ -31,7 +31,7 @@ namespace lutb::cli {
 ///    other or do not apply to this input (--fitter on stored LUT-B weights, --kernel without LUT-B
 ///    experts, --reps without --device cuda, --match with a checkpoint folder, --layer beyond the
 ///    model's layers, ...);
-///  - 130 / 143: interrupted by SIGINT / SIGTERM (the signal's status; the output is left as it was).
+///  - 130 / 143 / 129: interrupted by SIGINT / SIGTERM / SIGHUP (the signal's status; the output is left as it was).
 /// main.cpp maps UsageError and CLI11's parse errors to 2, every other exception to 1. The message
 /// names the option, as CLI11's do ("--threads: -3 is outside the valid range 0..4096").
 struct UsageError : std::invalid_argument {

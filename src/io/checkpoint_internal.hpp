@@ -50,8 +50,9 @@ class Progress {
 double now_seconds();
 
 /// Refuses an output location that would destroy or recurse into the input: `out` equal to `in`,
-/// inside it, or containing it (a --force swap of a parent would delete the input). Throws
-/// CheckpointError naming both paths.
+/// inside it, or containing it (a --force swap of a parent would delete the input), or, for a
+/// directory input, a link below `in` that resolves into an existing `out`. Throws CheckpointError
+/// naming both paths (and the link).
 void check_output_location(const std::filesystem::path& in, const std::filesystem::path& out);
 
 /// Refuses a checkpoint-directory output named "*.safetensors" (a trailing separator ignored): it
@@ -108,6 +109,12 @@ void probe_temp_file(const std::filesystem::path& tmp, const std::filesystem::pa
 /// existing ancestor) has fewer than `need` bytes available. A failing statvfs is not an error.
 /// `what` names the output in the message ("the checkpoint"; quantize_file: "the output file").
 void check_free_space(const std::filesystem::path& target, std::uint64_t need, std::string_view what = "the checkpoint");
+
+/// The output path as given, less trailing separators and "." components: "out/" and "out/." are
+/// "out". "-o newq/." built the output under "newq/..tmp.PID", then refused to rename it ("appeared
+/// while the output was being written") and threw the finished work away (new-user QA, session 21).
+/// "." and "/" stay as they are (the --force rules refuse them).
+std::filesystem::path output_path(const std::filesystem::path& p);
 
 /// Temporary sibling name of `target`: "<target>.tmp.<pid>" (a trailing separator is ignored).
 /// stale_temporaries() recognises these names.

@@ -471,7 +471,7 @@ std::string skipped_file_reason(const std::string& rel) {
 
 QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_arg, const QuantizeOptions& opt) {
   const double t0 = detail::now_seconds();
-  const fs::path out_dir = out_arg.has_filename() ? out_arg : out_arg.parent_path();  // "out/" -> "out"
+  const fs::path out_dir = detail::output_path(out_arg);  // "out/", "out/." -> "out"
   QuantizeSummary sum;
   sum.fitter = resolved_fitter(opt.fit);
   if (opt.fit.threads < 0)
@@ -867,9 +867,10 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
   return sum;
 }
 
-QuantizeSummary quantize_file(const fs::path& in, const fs::path& out, const std::string& match,
+QuantizeSummary quantize_file(const fs::path& in, const fs::path& out_arg, const std::string& match,
                               const QuantizeOptions& opt) {
   const double t0 = detail::now_seconds();
+  const fs::path out = detail::output_path(out_arg);  // "out.safetensors/." -> "out.safetensors"
   QuantizeSummary sum;
   sum.fitter = resolved_fitter(opt.fit);
   if (opt.fit.threads < 0)

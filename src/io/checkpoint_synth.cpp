@@ -345,7 +345,8 @@ ModelConfig synth_config(const SynthOptions& opt) {
   return parse_model_config(j, fmt::format("synthetic {}", family_name(opt.family)));
 }
 
-std::uint64_t synthesize_checkpoint(const fs::path& out_dir, const SynthOptions& opt) {
+std::uint64_t synthesize_checkpoint(const fs::path& out_arg, const SynthOptions& opt) {
+  const fs::path out_dir = detail::output_path(out_arg);  // "out/", "out/." -> "out"
   // Above 1e6 the sampler's lgamma difference cancels (lgamma(nu/2) ~ 1e16 at nu = 1e15: NaN weights,
   // new-user QA session 9); such a t distribution is a Gaussian to every printed digit anyway.
   if (!(opt.student_nu > 2.0 && opt.student_nu <= 1e6))

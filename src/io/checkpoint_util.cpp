@@ -142,6 +142,25 @@ void check_output_location(const std::filesystem::path& in, const std::filesyste
   if (path_within(in, out))
     throw CheckpointError(fmt::format("{}: the output contains the input {}; replacing it would delete the input",
                                       out.string(), in.string()));
+  // A link inside the input folder that leads into the output: `quantize inp -o victim --force` with
+  // inp/model.safetensors -> ../victim/model.safetensors replaced the only copy of the BF16 weights by
+  // LUT-B ones, exit 0 (new-user QA, session 21: the checks above compare the folders, not the files
+  // read). Every link below the input (files and folders; folders through links are not followed) is
+  // resolved; the walk is bounded, as is a checkpoint folder.
+  std::error_code ec;
+  if (!std::filesystem::is_directory(in, ec) || !std::filesystem::exists(out, ec)) return;
+  std::filesystem::recursive_directory_iterator it(in, std::filesystem::directory_options::skip_permission_denied, ec);
+  const std::filesystem::recursive_directory_iterator end;
+  for (std::size_t seen = 0; !ec && it != end && seen < 100000; it.increment(ec), ++seen) {
+    if (it.depth() >= 16) it.disable_recursion_pending();
+    std::error_code lec;
+    if (!it->is_symlink(lec) || lec) continue;
+    if (path_within(it->path(), out))
+      throw CheckpointError(fmt::format("{}: the input {} reads {} through a link into the output ({}); replacing the "
+                                        "output would delete it; choose another output; nothing written",
+                                        out.string(), in.string(), it->path().string(),
+                                        resolved_path(it->path()).string()));
+  }
 }
 
 namespace {
@@ -314,14 +333,34 @@ void install_replacing(const fs::path& tmp, const fs::path& target, bool want_di
   check_replaceable(t, want_directory, /*force=*/true);
   const fs::path old = t.parent_path() / (t.filename().string() + ".old." + std::to_string(::getpid()));
   fs::remove_all(old, ec);
-  fs::rename(t, old);
-  try {
-    fs::rename(tmp, t);
-  } catch (...) {
+  // The old output is moved aside, the new one renamed into place, then the old one removed. A
+  // folder where the old output cannot be moved (sticky, owned by another user) failed with
+  // "filesystem error: cannot rename: Operation not permitted [out] [out.old.PID]", naming an internal
+  // name and not the outcome (new-user QA, session 21).
+  fs::rename(t, old, ec);
+  if (ec)
+    throw CheckpointError(fmt::format("{}: cannot move the existing output aside to replace it ({} -> {}: {}); the new "
+                                      "output was removed and {} is as it was",
+                                      target.string(), t.string(), old.filename().string(), ec.message(),
+                                      target.string()));
+  fs::rename(tmp, t, ec);
+  if (ec) {
+    const std::string why = ec.message();
     fs::rename(old, t, ec);  // put the old one back
-    throw;
+    throw CheckpointError(fmt::format("{}: cannot move the new output into place: {}; the new output was removed and "
+                                      "{}",
+                                      target.string(), why,
+                                      ec ? fmt::format("the old one is at {}", old.string())
+                                         : fmt::format("{} is as it was", target.string())));
   }
+  // The old output could be renamed but not removed (a folder owned by another user inside it): it
+  // stayed as OUT.old.PID without a word, and the next run called it a leftover of an interrupted run
+  // (new-user QA, session 21).
   fs::remove_all(old, ec);
+  if (ec || fs::exists(fs::symlink_status(old, ec)))
+    fmt::print(stderr, "lutb: warning: {} replaced, but its old contents could not be removed ({}); they are at {}: "
+                       "delete them yourself\n",
+                       target.string(), ec ? ec.message() : std::string("not all entries removable"), old.string());
 }
 
 namespace {
@@ -387,6 +426,13 @@ fs::path temp_sibling(const fs::path& target) {
   return t.parent_path() / (t.filename().string() + ".tmp." + std::to_string(::getpid()));
 }
 
+fs::path output_path(const fs::path& p) {
+  fs::path r = p;
+  while (r.has_parent_path() && r.parent_path() != r && (r.filename().empty() || r.filename() == "."))
+    r = r.parent_path();
+  return r;
+}
+
 std::string target_left_clause(const fs::path& target) {
   std::error_code ec;
   if (fs::exists(fs::symlink_status(target, ec))) return fmt::format("{} is as it was", target.string());
@@ -408,9 +454,12 @@ void check_free_space(const fs::path& target, std::uint64_t need, std::string_vi
     probe = probe.parent_path().empty() ? fs::path(".") : probe.parent_path();
   const fs::space_info sp = fs::space(probe, ec);
   // GB, or MB below 1 GB ("needs 0.01 GB but only 0.01 GB are free" read as a contradiction).
+  // (TB and PB for absurd sizes: "108113329.17 GB" read as a number to decode; new-user QA, session 21.)
   const auto size = [](std::uint64_t b) {
-    return b >= 1000000000u ? fmt::format("{:.2f} GB", static_cast<double>(b) / 1e9)
-                            : fmt::format("{:.2f} MB", static_cast<double>(b) / 1e6);
+    const double d = static_cast<double>(b);
+    if (d >= 1e15) return fmt::format("{:.2f} PB", d / 1e15);
+    if (d >= 1e12) return fmt::format("{:.2f} TB", d / 1e12);
+    return b >= 1000000000u ? fmt::format("{:.2f} GB", d / 1e9) : fmt::format("{:.2f} MB", d / 1e6);
   };
   if (ec || sp.available >= need) return;
   // Too little space, or a place where nothing can be written at all: /proc and /sys report 0 bytes
