@@ -9,6 +9,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <system_error>
 
 #include <fmt/core.h>
 #include <fmt/ranges.h>
@@ -90,6 +91,11 @@ void run_moe(const MoeArgs& a) {
   }
   // --quant lutb on a BF16 checkpoint fits at load: with --device cuda on the GPU (the same bytes).
   const FitPlacement fit = place_fit(mo, gpu);
+  // The model folder's config.json before the activations file, as lutb eval checks it before its
+  // tokens: an empty folder, a config.json that is a FIFO or holds [1,2] was reported as "--activations
+  // not given and DIR holds no moe_activations.safetensors" (a usage error, exit 2), the real problem
+  // unsaid (new-user QA, session 21).
+  (void)model::TransformerConfig::load(a.model_dir);
   if (a.activations_file.empty())
     throw UsageError(fmt::format("--activations not given and {} holds no {} (the captured MoE inputs and "
                                  "outputs); give the file with --activations FILE",
@@ -272,7 +278,10 @@ void add_moe(CLI::App& app) {
     check_not_empty(acts_opt, args->activations_file, "activations file name");
     if (acts_opt->count() == 0) {
       const std::filesystem::path d = std::filesystem::path(args->model_dir) / kDefaultActivations;
-      if (std::filesystem::is_regular_file(d)) args->activations_file = d.string();
+      // Without throwing: a folder without search permission made this "filesystem error: status:
+      // Permission denied [...]" before the model folder's own check could word it (QA session 21).
+      std::error_code ec;
+      if (std::filesystem::is_regular_file(d, ec)) args->activations_file = d.string();
     }
     run_moe(*args);
   });

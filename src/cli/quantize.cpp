@@ -16,6 +16,7 @@
 #include "cli/interrupt.hpp"
 #include "cli/usage_hints.hpp"
 #include "cli/validators.hpp"
+#include "io/config_json.hpp"
 #include "lutb/checkpoint.hpp"
 #include "lutb/model.hpp"
 #include "lutb/safetensors.hpp"
@@ -169,6 +170,10 @@ void add_quantize(CLI::App& app) {
       s = quantize_checkpoint(args->input, args->output, opt);
     } else if (fs::is_regular_file(args->input)) {
       s = quantize_file(args->input, args->output, args->match, opt);
+    } else if (const std::string kind = lutb::detail::non_regular_kind(args->input); !kind.empty()) {
+      // /dev/null or a FIFO "did not exist" (new-user QA, session 21).
+      throw std::invalid_argument(fmt::format("{}: is {}, not a checkpoint directory or a regular .safetensors file",
+                                              args->input, kind));
     } else {
       throw std::invalid_argument(fmt::format("{}: no such checkpoint directory or file", args->input));
     }

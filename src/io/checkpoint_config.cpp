@@ -1,5 +1,6 @@
 // config.json parsing, tensor naming and quantization_config parsing (spec sections 2.2 and 7).
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -328,16 +329,21 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& where
 }
 
 ModelConfig load_model_config(const std::filesystem::path& p) {
+  if (const std::string why = detail::folder_access_problem(p); !why.empty()) throw ConfigError(why);  // QA session 21
   std::filesystem::path file = std::filesystem::is_directory(p) ? p / "config.json" : p;
   if (std::filesystem::is_directory(file))  // reading a folder fails deep inside the stream
     throw ConfigError(fmt::format("{}: is a directory; the checkpoint's config.json must be a file", file.string()));
   if (const std::string kind = detail::non_regular_kind(file); !kind.empty())  // a FIFO blocked open() for ever
     throw ConfigError(fmt::format("{}: is {}; the checkpoint's config.json must be a regular file", file.string(), kind));
+  errno = 0;
   std::ifstream in(file);
   if (!in) {
-    if (std::filesystem::is_directory(p))
+    // Only a missing file is "no config.json": one readable by no one was reported so too (new-user
+    // QA, session 21); the reason is strerror's.
+    const int err = errno;
+    if (err == ENOENT && std::filesystem::is_directory(p))
       throw ConfigError(fmt::format("{}: no config.json in the checkpoint directory", p.string()));
-    throw ConfigError(fmt::format("{}: cannot open", file.string()));
+    throw ConfigError(fmt::format("{}{}", file.string(), detail::cannot_open(err)));
   }
   nlohmann::json j;
   try {

@@ -1,7 +1,10 @@
 // Typed reading of config.json keys with one error wording (see config_json.hpp).
 #include "io/config_json.hpp"
 
+#include <cerrno>
 #include <cstdint>
+#include <cstring>
+#include <system_error>
 
 #include <fmt/core.h>
 
@@ -84,6 +87,24 @@ std::string non_regular_kind(const std::filesystem::path& p) {
     case fs::file_type::socket: return "a socket";
     default: return "a special file";
   }
+}
+
+std::string folder_access_problem(const std::filesystem::path& dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return {};
+  // A file name inside the folder: its status needs search (x) permission on the folder, which
+  // listing (r) alone does not give.
+  (void)fs::status(dir / "config.json", ec);
+  if (!ec || ec == std::errc::no_such_file_or_directory) {
+    fs::directory_iterator it(dir, ec);  // read permission
+    if (!ec) return {};
+  }
+  return fmt::format("{}: cannot look inside the checkpoint directory: {}", dir.string(), ec.message());
+}
+
+std::string cannot_open(int err) {
+  return err == 0 ? std::string(": cannot open") : fmt::format(": cannot open: {}", std::strerror(err));
 }
 
 }  // namespace lutb::detail

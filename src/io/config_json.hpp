@@ -41,6 +41,17 @@ std::string json_excerpt(const nlohmann::json& v);
 /// config.json or model.safetensors that was one (new-user QA, session 14).
 std::string non_regular_kind(const std::filesystem::path& p);
 
+/// Why the files of checkpoint folder `dir` cannot be looked up, as "DIR: cannot look inside the
+/// checkpoint directory: REASON" ("" when they can, or when `dir` is not a directory). A folder
+/// without search permission (mode 0) made std::filesystem throw "filesystem error: status:
+/// Permission denied [qu/config.json]", naming a file and not the folder (new-user QA, session 21).
+std::string folder_access_problem(const std::filesystem::path& dir);
+
+/// ": cannot open: REASON" for an open() that failed with `err` (errno; ": cannot open" when 0).
+/// config.json readable by no one was reported as "no config.json in the checkpoint directory" or
+/// "cannot open (not a Hugging Face checkpoint directory?)" (new-user QA, session 21).
+std::string cannot_open(int err);
+
 /// Readers: nullopt when `key` is absent or null; ConfigError in the format above when the value has
 /// the wrong type. `name` is the key as reported (defaults to `key`; give "rope_parameters.factor"
 /// for a nested object).

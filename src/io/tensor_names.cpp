@@ -160,12 +160,17 @@ Verdict classify(const Ctx& x, const std::string& name) {
       linears.insert(linears.end(), {"kv_a_proj_with_mqa", "kv_b_proj", "o_proj"});
     } else {
       linears = {"q_proj", "k_proj", "v_proj", "o_proj"};
-      norms = {"q_norm", "k_norm"};
+      // q/k norms are the family's (transformers: Qwen3-MoE and OLMoE attention have them, Mixtral and
+      // Qwen2-MoE not): a Mixtral checkpoint's stray q_norm/k_norm were applied by lutb eval without a
+      // word (new-user QA, session 21); it now leaves them unread, as any other unknown tensor.
+      if (c.family == ModelFamily::qwen3_moe || c.family == ModelFamily::olmoe) norms = {"q_norm", "k_norm"};
     }
     for (std::string_view l : linears)
       if (starts(a, l) && (a.substr(l.size()) == ".weight" || a.substr(l.size()) == ".bias")) return {Kind::Model, {}};
     for (std::string_view n : norms)
       if (starts(a, n) && a.substr(n.size()) == ".weight") return {Kind::Model, {}};
+    if (a == "q_norm.weight" || a == "k_norm.weight")
+      return {Kind::Unknown, fmt::format(" (a q/k norm, which the {} attention does not have)", c.model_type)};
     return {Kind::Unknown, {}};
   }
   if (!c.is_moe_layer(*L)) {

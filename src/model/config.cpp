@@ -2,6 +2,7 @@
 // transformers 4 variants: rope_theta/rope_scaling beside rope_parameters, num_experts /
 // num_local_experts / n_routed_experts).
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <fstream>
 #include <limits>
@@ -74,7 +75,9 @@ double yarn_get_mscale(double scale, double mscale) {
 
 }  // namespace
 
-RopeTable make_rope_table(const RopeConfig& r) {
+namespace {
+
+RopeTable build_rope_table(const RopeConfig& r) {
   if (r.dim <= 0 || r.dim % 2 != 0) throw ModelError(fmt::format("rope dimension {} must be even and positive", r.dim));
   const int half = r.dim / 2;
   RopeTable t;
@@ -123,18 +126,45 @@ RopeTable make_rope_table(const RopeConfig& r) {
   throw ModelError(fmt::format("rope type \"{}\" is not supported (default, linear, yarn)", r.type));
 }
 
+}  // namespace
+
+RopeTable make_rope_table(const RopeConfig& r) {
+  RopeTable t = build_rope_table(r);
+  // A guard behind TransformerConfig::from_json's checks of the rope values: a non-finite frequency
+  // or attention scaling made every loss NaN, which lutb eval blamed on the checkpoint's tensors
+  // (new-user QA, session 21: yarn with beta_fast 0, linear with factor 1e-300).
+  if (!std::isfinite(t.attention_scaling))
+    throw ModelError(fmt::format("rope type \"{}\": the attention scaling computed from the rope values is {}, not a "
+                                 "finite number",
+                                 r.type, t.attention_scaling));
+  for (std::size_t i = 0; i < t.inv_freq.size(); ++i)
+    if (!std::isfinite(t.inv_freq[i]))
+      throw ModelError(fmt::format("rope type \"{}\": the rotary frequency {} of {} computed from the rope values "
+                                   "(rope_theta {}, factor {}) is {}, not a finite number",
+                                   r.type, i, t.inv_freq.size(), r.theta, r.factor, t.inv_freq[i]));
+  return t;
+}
+
 TransformerConfig TransformerConfig::load(const std::filesystem::path& dir) {
   if (!std::filesystem::is_directory(dir))
     throw ModelError(fmt::format("{}: {} (a model is a Hugging Face checkpoint directory holding config.json and "
                                  "*.safetensors)",
                                  dir.string(), std::filesystem::exists(dir) ? "not a directory" : "no such directory"));
+  if (const std::string why = detail::folder_access_problem(dir); !why.empty()) throw ModelError(why);
   const auto path = dir / "config.json";
   if (std::filesystem::is_directory(path))  // reading a folder fails deep inside the stream
     throw ModelError(fmt::format("{}: is a directory; the checkpoint's config.json must be a file", path.string()));
   if (const std::string kind = detail::non_regular_kind(path); !kind.empty())  // a FIFO blocked open() for ever
     throw ModelError(fmt::format("{}: is {}; the checkpoint's config.json must be a regular file", path.string(), kind));
+  errno = 0;
   std::ifstream in(path);
-  if (!in) throw ModelError(fmt::format("{}: cannot open (not a Hugging Face checkpoint directory?)", path.string()));
+  // The reason (strerror): an unreadable config.json was "cannot open (not a Hugging Face checkpoint
+  // directory?)" (new-user QA, session 21); the guess stays for a missing one.
+  if (!in) {
+    const int err = errno;
+    throw ModelError(fmt::format("{}{}{}", path.string(), detail::cannot_open(err),
+                                 err == ENOENT ? " (not a Hugging Face checkpoint directory?)" : ""));
+  }
   json j;
   try {
     j = json::parse(in);
@@ -281,17 +311,67 @@ TransformerConfig TransformerConfig::from_json(const json& j, const std::string&
                               v, kMaxHeadWidth));
     }
   }
+  // rope_theta may sit in rope_parameters (transformers 5) or at the top level (transformers 4).
+  const std::string theta_key = find(rp, "rope_theta") ? in_rp("rope_theta") : std::string("rope_theta");
   if (!(std::isfinite(r.theta) && r.theta > 0))
-    key_error(where, in_rp("rope_theta"), fmt::format("must be a positive finite number, got {}", r.theta));
+    key_error(where, theta_key, fmt::format("must be a positive finite number, got {}", r.theta));
   const bool rope_supported = r.type == "default" || r.type == "linear" || r.type == "yarn";
   if (!rope_supported && unsupported.empty())
     unsupported = detail::config_key_message(where, in_rp("rope_type"),
                                              fmt::format("\"{}\" is not supported (default, linear, yarn)", r.type));
-  if (r.type != "default" && !(std::isfinite(r.factor) && r.factor > 0))
-    key_error(where, in_rp("factor"), fmt::format("must be a positive finite number for rope_type \"{}\", got {}", r.type, r.factor));
-  if (r.type == "yarn" && !(r.original_max_position > 0))
-    key_error(where, in_rp("original_max_position_embeddings"),
-              "required for rope_type \"yarn\" (or max_position_embeddings), and positive");
+  // The scaled rope types' values, with transformers' rules (modeling_rope_utils.py,
+  // _validate_linear_scaling_rope_parameters and _validate_yarn_parameters: factor >= 1, attention_factor
+  // > 0, beta_fast not below beta_slow), plus what the formulas need to stay finite (beta_slow > 0, the
+  // logarithm of a positive number of rotations; rope_theta > 1 for yarn, whose correction range
+  // divides by ln(rope_theta)). Values outside them gave a NaN loss that lutb eval blamed on the
+  // checkpoint's tensors (new-user QA, session 21: yarn with factor 4 and beta_fast 0, yarn with
+  // beta_slow -1 and rope_theta 1, linear with factor 1e-300). transformers only warns about most of
+  // these, and reads a beta of 0 as its default: lutb refuses rather than guess.
+  const bool scaled = r.type == "linear" || r.type == "yarn";
+  if (scaled && !(std::isfinite(r.factor) && r.factor >= 1))
+    key_error(where, in_rp("factor"),
+              fmt::format("must be a finite number >= 1 for rope_type \"{}\" (the factor by which the context is "
+                          "extended, as transformers requires), got {}",
+                          r.type, r.factor));
+  if (r.type == "yarn") {
+    if (!(std::isfinite(r.original_max_position) && r.original_max_position > 0))
+      key_error(where, in_rp("original_max_position_embeddings"),
+                "required for rope_type \"yarn\" (or max_position_embeddings), and positive");
+    if (!(r.theta > 1))
+      key_error(where, theta_key,
+                fmt::format("must be greater than 1 for rope_type \"yarn\" (its correction range divides by "
+                            "ln(rope_theta)), got {}",
+                            r.theta));
+    if (!(std::isfinite(r.beta_slow) && r.beta_slow > 0))
+      key_error(where, in_rp("beta_slow"),
+                fmt::format("must be a positive finite number for rope_type \"yarn\" (a number of rotations; "
+                            "default 1), got {}",
+                            r.beta_slow));
+    if (!(std::isfinite(r.beta_fast) && r.beta_fast > 0))
+      key_error(where, in_rp("beta_fast"),
+                fmt::format("must be a positive finite number for rope_type \"yarn\" (a number of rotations; "
+                            "default 32), got {}",
+                            r.beta_fast));
+    if (r.beta_fast < r.beta_slow)
+      key_error(where, in_rp("beta_fast"),
+                fmt::format("must not be below beta_slow for rope_type \"yarn\" (transformers' rule), got beta_fast "
+                            "{} and beta_slow {}",
+                            r.beta_fast, r.beta_slow));
+    if (r.attention_factor && !(std::isfinite(*r.attention_factor) && *r.attention_factor > 0))
+      key_error(where, in_rp("attention_factor"),
+                fmt::format("must be a positive finite number for rope_type \"yarn\", got {}", *r.attention_factor));
+    for (const auto& [key, v] : {std::pair<const char*, double>{"mscale", r.mscale}, {"mscale_all_dim", r.mscale_all_dim}})
+      if (!std::isfinite(v)) key_error(where, in_rp(key), fmt::format("must be a finite number, got {}", v));
+  }
+  // The table itself (make_rope_table refuses a non-finite one): a combination the checks above let
+  // through is still named here, with config.json, rather than as a NaN loss.
+  if (rope_supported) {
+    try {
+      (void)make_rope_table(r);
+    } catch (const ModelError& e) {
+      key_error(where, rp_key, fmt::format("{} (its values cannot be used)", e.what()));
+    }
+  }
 
   // Sliding-window attention: Mixtral "sliding_window"; Qwen2/3-MoE only with use_sliding_window.
   if (c.family == "mixtral") c.sliding_window = get_or<int>(j, "sliding_window", 0, where);

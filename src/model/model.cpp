@@ -246,10 +246,15 @@ void load_tensors(ModelImpl& m, const Loader& ld, const SafetensorsCollection& s
       L.k = ld.linear(a + "k_proj", nkv, H);
       L.v = ld.linear(a + "v_proj", nkv, H);
       L.o = ld.linear(a + "o_proj", H, nq);
-      if (ld.has(a + "q_norm.weight")) {
+      // Whether the attention has q/k norms is the family's (transformers' Qwen3MoeAttention and
+      // OlmoeAttention have them; MixtralAttention and Qwen2MoeAttention do not), never the checkpoint's:
+      // they were applied whenever q_norm was stored, so a Qwen3-MoE checkpoint without its q_norm ran
+      // that layer without QK-norm (a different loss, no error), and a Mixtral checkpoint with stray
+      // q/k norms applied them (new-user QA, session 21). Required where the family has them; elsewhere
+      // such tensors are ones eval does not read (io/tensor_names.cpp warns about them).
+      if (c.moe.family == ModelFamily::qwen3_moe || c.moe.family == ModelFamily::olmoe) {
         // qwen3_moe: per-head norm [head_dim]; olmoe: whole projection [heads*head_dim].
-        const auto& qs = st.get(a + "q_norm.weight").shape;
-        const bool per_head = qs.size() == 1 && qs[0] == hd;
+        const bool per_head = c.moe.family == ModelFamily::qwen3_moe;
         L.q_norm = ld.tensor(a + "q_norm.weight", {per_head ? hd : nq});
         L.k_norm = ld.tensor(a + "k_norm.weight", {per_head ? hd : nkv});
       }

@@ -196,7 +196,8 @@ TEST(NewUserS11, ConfigRopeAndNormValuesNameTheKey) {
               j["rope_parameters"]["rope_type"] = "linear";
               j["rope_parameters"]["factor"] = 0;
             }),
-            "c.json: key 'rope_parameters.factor': must be a positive finite number for rope_type \"linear\", got 0");
+            "c.json: key 'rope_parameters.factor': must be a finite number >= 1 for rope_type \"linear\" (the factor "
+            "by which the context is extended, as transformers requires), got 0");
   EXPECT_EQ(err([](nlohmann::json& j) { j["rope_parameters"]["rope_theta"] = -5; }),
             "c.json: key 'rope_parameters.rope_theta': must be a positive finite number, got -5");
   EXPECT_EQ(err([](nlohmann::json& j) {
