@@ -1,7 +1,9 @@
 // Writing LUT-B checkpoints by streaming quantisation (spec section 2.2).
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <charconv>
 #include <cmath>
 #include <cstring>
@@ -376,11 +378,17 @@ bool skipped_folder(const std::string& name) {
 // The bytes of the files the copy of quantize_checkpoint will take from in_dir (its rules: not
 // config.json, the index, the shards, weights in another form, training state, skipped folders, or
 // anything that is not a regular file), for the free-space check before anything is written.
+// Each of them is also opened for reading once, and a folder that cannot be listed is refused: an
+// unreadable tokenizer.json was found by the copy step after the whole fit, hours on a real model,
+// while the README promises that everything is checked before anything is written (new-user QA,
+// session 21). Throws CheckpointError naming the input file and the reason.
 std::uint64_t bytes_to_copy(const fs::path& in_dir, const std::set<std::string>& shards) {
   std::uint64_t n = 0;
   std::error_code ec;
-  for (auto it = fs::recursive_directory_iterator(in_dir, ec); !ec && it != fs::recursive_directory_iterator();
-       it.increment(ec)) {
+  fs::path listing = in_dir;  // the folder the iterator reads next, for the message
+  auto it = fs::recursive_directory_iterator(in_dir, ec);
+  for (; !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
+    listing = it->path();
     const fs::path rel = it->path().lexically_relative(in_dir);
     std::error_code e2;
     if (it->is_directory(e2)) {
@@ -392,9 +400,23 @@ std::uint64_t bytes_to_copy(const fs::path& in_dir, const std::set<std::string>&
     if (fname == "config.json" || fname == "model.safetensors.index.json" || shards.count(fname) ||
         other_weight_file(base) || training_state_file(base) || source_reference_file(fname))
       continue;
+    const int fd = ::open(it->path().c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+      const int err = errno;
+      throw CheckpointError(fmt::format("{}: cannot open it for reading: {}; lutb quantize copies it into the output "
+                                        "(every file of the input folder besides the weights is copied): make it "
+                                        "readable, or move it out of the input folder; nothing written",
+                                        it->path().string(), std::strerror(err)));
+    }
+    ::close(fd);
     const std::uintmax_t sz = it->file_size(e2);
     if (!e2) n += sz;
   }
+  if (ec)
+    throw CheckpointError(fmt::format("{}: cannot list the input folder's files under it: {}; lutb quantize copies "
+                                      "every file of the input folder besides the weights into the output; nothing "
+                                      "written",
+                                      listing.string(), ec.message()));
   return n;
 }
 
