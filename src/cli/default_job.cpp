@@ -148,18 +148,40 @@ void run_default_job(const DefaultArgs& a) {
     }
     own_work = fs::create_directories(work, ec);
     if (ec) {
-      for (const auto& d : made_parents) fs::remove(d, ec);  // an empty directory only
-      throw std::runtime_error(fmt::format("--work-dir {}: cannot create it: {}", work.string(), ec.message()));
+      // The removal below has its own error_code: it reused `ec`, and fs::remove of a directory that
+      // was never made clears it, so "--work-dir /proc/x" read "cannot create it: Success" (mkdir's
+      // ENOENT lost; new-user QA, session 21).
+      const std::string why = ec.message();
+      std::error_code rec;
+      for (const auto& d : made_parents) fs::remove(d, rec);  // an empty directory only
+      throw std::runtime_error(fmt::format("--work-dir {}: cannot create it: {}", work.string(), why));
     }
     if (!made_parents.empty()) made_parents.erase(made_parents.begin());  // `work` itself: removed whole below
   }
   const fs::path src_dir = work / "qwen3-30b-a3b-layer-bf16", q_dir = work / "qwen3-30b-a3b-layer-lutb";
   // A user's --work-dir is never removed or overwritten: only the two checkpoints this run writes
-  // there are, and they must not exist beforehand.
+  // there are, and they must not exist beforehand. Looked up without following a symbolic link: a
+  // dangling link there passed fs::exists, synth refused it with the advice of its -o option, and
+  // the cleanup then deleted the user's link (new-user QA, session 21).
   if (!own_work)
-    for (const fs::path& p : {src_dir, q_dir})
-      if (fs::exists(p))
-        throw std::runtime_error(p.string() + ": exists in --work-dir; remove it or choose another directory");
+    for (const fs::path& p : {src_dir, q_dir}) {
+      std::error_code sec;
+      const fs::file_status st = fs::symlink_status(p, sec);
+      if (!fs::exists(st)) continue;
+      std::string what;
+      if (fs::is_symlink(st)) {
+        std::error_code lec, tec;
+        const fs::path to = fs::read_symlink(p, lec);
+        what = fmt::format(" (a symbolic link to {}{})", lec ? std::string("?") : to.string(),
+                           fs::exists(fs::status(p, tec)) ? "" : ", which does not exist");
+      }
+      throw std::runtime_error(fmt::format("{}: the work directory already holds {}{}, the name this run writes a "
+                                           "checkpoint to; choose another --work-dir or remove it; nothing written",
+                                           p.string(), p.filename().string(), what));
+    }
+  // Only what this run created is removed: each checkpoint is added to the cleanup once written
+  // (synthesize_checkpoint and quantize_checkpoint remove their own temporaries when they fail), so
+  // a failure can never remove an entry of the user's (new-user QA, session 21).
   struct Cleanup {
     std::vector<fs::path> paths, parents;
     bool keep;
@@ -169,7 +191,7 @@ void run_default_job(const DefaultArgs& a) {
       for (const auto& p : paths) fs::remove_all(p, ec);
       for (const auto& d : parents) fs::remove(d, ec);  // removes an empty directory only
     }
-  } cleanup{own_work ? std::vector<fs::path>{work} : std::vector<fs::path>{src_dir, q_dir}, made_parents, a.keep};
+  } cleanup{own_work ? std::vector<fs::path>{work} : std::vector<fs::path>{}, made_parents, a.keep};
 
   SynthOptions so;
   so.family = ModelFamily::qwen3_moe;
@@ -187,6 +209,7 @@ void run_default_job(const DefaultArgs& a) {
 
   auto t = clock::now();
   synthesize_checkpoint(src_dir, so);
+  if (!own_work) cleanup.paths.push_back(src_dir);
   const double t_synth = since(t);
   fmt::print("{:<48}{:8.2f} s\n", "1. synthesised the BF16 checkpoint", t_synth);
 
@@ -196,6 +219,7 @@ void run_default_job(const DefaultArgs& a) {
   qo.interrupt = interrupt_flag();
   t = clock::now();
   const QuantizeSummary qs = quantize_checkpoint(src_dir, q_dir, qo);
+  if (!own_work) cleanup.paths.push_back(q_dir);
   const double t_quant = since(t);
   fmt::print("{:<48}{:8.2f} s\n", fmt::format("2. quantised it to LUT-B (fitter {})", qs.fitter), t_quant);
   for (const auto& w : qs.warnings) fmt::print(stderr, "lutb: warning: {}\n", w);  // e.g. a low SQNR (--fitter)

@@ -1,7 +1,9 @@
 // Writing LUT-B checkpoints by streaming quantisation (spec section 2.2).
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <charconv>
 #include <cmath>
 #include <cstring>
@@ -54,6 +56,25 @@ std::string write_error_message(const std::string& m, const fs::path& tmp, const
   if (m.rfind(tmp.string(), 0) != 0) return {};
   return fmt::format("{}: writing the output failed ({}); the partial output was removed and {}", out.string(), m,
                      detail::target_left_clause(out));
+}
+
+// An error raised mid-run, after the temporary output exists (a NaN in an expert, an unreadable
+// input file, an invalid index), said "nothing written" or nothing at all about OUT; with --force
+// over an existing OUT "nothing written" reads as if OUT were gone (new-user QA, session 21). The
+// message ends with what became of OUT: a trailing "; nothing written" stays while OUT does not exist
+// and becomes "; OUT is as it was" when it does; a message without either gets "; the partial output
+// was removed and " + target_left_clause(OUT). One that already says it (write_error_message, an
+// interruption) is left as it is.
+std::string with_target_left(std::string m, const fs::path& out) {
+  if (m.find(" is as it was") != std::string::npos || m.find("nothing was created at ") != std::string::npos) return m;
+  constexpr std::string_view tail = "; nothing written";
+  std::error_code ec;
+  const bool exists = fs::exists(fs::symlink_status(out, ec));
+  if (m.size() >= tail.size() && m.compare(m.size() - tail.size(), tail.size(), tail) == 0) {
+    if (exists) m.replace(m.size() - tail.size(), tail.size(), "; " + detail::target_left_clause(out));
+    return m;
+  }
+  return m + "; the partial output was removed and " + detail::target_left_clause(out);
 }
 
 [[noreturn]] void throw_write_error(const SafetensorsError& e, const fs::path& tmp, const fs::path& out) {
@@ -376,11 +397,17 @@ bool skipped_folder(const std::string& name) {
 // The bytes of the files the copy of quantize_checkpoint will take from in_dir (its rules: not
 // config.json, the index, the shards, weights in another form, training state, skipped folders, or
 // anything that is not a regular file), for the free-space check before anything is written.
+// Each of them is also opened for reading once, and a folder that cannot be listed is refused: an
+// unreadable tokenizer.json was found by the copy step after the whole fit, hours on a real model,
+// while the README promises that everything is checked before anything is written (new-user QA,
+// session 21). Throws CheckpointError naming the input file and the reason.
 std::uint64_t bytes_to_copy(const fs::path& in_dir, const std::set<std::string>& shards) {
   std::uint64_t n = 0;
   std::error_code ec;
-  for (auto it = fs::recursive_directory_iterator(in_dir, ec); !ec && it != fs::recursive_directory_iterator();
-       it.increment(ec)) {
+  fs::path listing = in_dir;  // the folder the iterator reads next, for the message
+  auto it = fs::recursive_directory_iterator(in_dir, ec);
+  for (; !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
+    listing = it->path();
     const fs::path rel = it->path().lexically_relative(in_dir);
     std::error_code e2;
     if (it->is_directory(e2)) {
@@ -392,9 +419,23 @@ std::uint64_t bytes_to_copy(const fs::path& in_dir, const std::set<std::string>&
     if (fname == "config.json" || fname == "model.safetensors.index.json" || shards.count(fname) ||
         other_weight_file(base) || training_state_file(base) || source_reference_file(fname))
       continue;
+    const int fd = ::open(it->path().c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+      const int err = errno;
+      throw CheckpointError(fmt::format("{}: cannot open it for reading: {}; lutb quantize copies it into the output "
+                                        "(every file of the input folder besides the weights is copied): make it "
+                                        "readable, or move it out of the input folder; nothing written",
+                                        it->path().string(), std::strerror(err)));
+    }
+    ::close(fd);
     const std::uintmax_t sz = it->file_size(e2);
     if (!e2) n += sz;
   }
+  if (ec)
+    throw CheckpointError(fmt::format("{}: cannot list the input folder's files under it: {}; lutb quantize copies "
+                                      "every file of the input folder besides the weights into the output; nothing "
+                                      "written",
+                                      listing.string(), ec.message()));
   return n;
 }
 
@@ -693,168 +734,174 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
   detail::create_temp_dir(tmp, out_dir);
   TempGuard guard{tmp};
 
-  // Shards, one at a time, tensor by tensor.
-  detail::Progress prog("quantize", total_bytes, opt.progress);
-  nlohmann::json weight_map = nlohmann::json::object();
-  std::set<std::string> shard_names;
-  for (std::size_t f = 0; f < files.size(); ++f) {
-    // The shard's path as the index names it, relative to the checkpoint: shards in subfolders
-    // (a/w.safetensors, b/w.safetensors) were written flat under their file name, the second over the
-    // first, and the index then listed tensors in a file that did not hold them, exit status 0; the
-    // original shards were also copied unquantised (new-user QA, session 14).
-    const fs::path rel = files[f]->path().lexically_normal().lexically_relative(in_dir.lexically_normal());
-    const std::string shard = rel.empty() || *rel.begin() == ".." ? files[f]->path().filename().generic_string()
-                                                                  : rel.generic_string();
-    shard_names.insert(fs::path(shard).string());
-    if (fs::path(shard).has_parent_path()) fs::create_directories(tmp / fs::path(shard).parent_path());
+  try {  // (with_target_left: what became of OUT, at the end of an error's message)
+    // Shards, one at a time, tensor by tensor.
+    detail::Progress prog("quantize", total_bytes, opt.progress);
+    nlohmann::json weight_map = nlohmann::json::object();
+    std::set<std::string> shard_names;
+    for (std::size_t f = 0; f < files.size(); ++f) {
+      // The shard's path as the index names it, relative to the checkpoint: shards in subfolders
+      // (a/w.safetensors, b/w.safetensors) were written flat under their file name, the second over the
+      // first, and the index then listed tensors in a file that did not hold them, exit status 0; the
+      // original shards were also copied unquantised (new-user QA, session 14).
+      const fs::path rel = files[f]->path().lexically_normal().lexically_relative(in_dir.lexically_normal());
+      const std::string shard = rel.empty() || *rel.begin() == ".." ? files[f]->path().filename().generic_string()
+                                                                    : rel.generic_string();
+      shard_names.insert(fs::path(shard).string());
+      if (fs::path(shard).has_parent_path()) fs::create_directories(tmp / fs::path(shard).parent_path());
+      try {
+        SafetensorsWriter w(tmp / shard, files[f]->metadata());
+        for (const auto& p : plan[f]) {
+          declare(w, p, files[f]->get(p.name), sum);
+          if (p.quantize) {
+            const LutbNames n = lutb_names(p.name);
+            for (const auto* s : {&n.packed, &n.codebook, &n.scale}) weight_map[*s] = shard;
+          } else {
+            weight_map[p.name] = shard;
+          }
+        }
+        for (const auto& p : plan[f])
+          emit(w, p, files[f]->get(p.name), opt.fit, opt.fit_function, sum, prog, opt.interrupt, out_dir,
+               files[f]->path(), scan_finite.count(p.name) > 0);
+        w.commit();
+      } catch (const SafetensorsError& e) {
+        throw_write_error(e, tmp, out_dir);
+      }
+    }
+    prog.finish();
+
     try {
-      SafetensorsWriter w(tmp / shard, files[f]->metadata());
-      for (const auto& p : plan[f]) {
-        declare(w, p, files[f]->get(p.name), sum);
-        if (p.quantize) {
-          const LutbNames n = lutb_names(p.name);
-          for (const auto* s : {&n.packed, &n.codebook, &n.scale}) weight_map[*s] = shard;
-        } else {
-          weight_map[p.name] = shard;
+      // Index (when the input had one).
+      const fs::path index = in_dir / "model.safetensors.index.json";
+      if (fs::exists(index)) {
+        nlohmann::json j;
+        {
+          std::ifstream in(index);
+          try {
+            j = nlohmann::json::parse(in);
+          } catch (const nlohmann::json::exception& e) {
+            throw CheckpointError(fmt::format("{}: invalid JSON: {}", index.string(), detail::json_error_text(e.what())));
+          }
         }
+        if (!j.contains("metadata") || !j["metadata"].is_object()) j["metadata"] = nlohmann::json::object();
+        j["metadata"]["total_size"] = sum.output_bytes;
+        j["weight_map"] = weight_map;
+        write_text(tmp / "model.safetensors.index.json", j.dump(2) + "\n");
       }
-      for (const auto& p : plan[f])
-        emit(w, p, files[f]->get(p.name), opt.fit, opt.fit_function, sum, prog, opt.interrupt, out_dir,
-             files[f]->path(), scan_finite.count(p.name) > 0);
-      w.commit();
-    } catch (const SafetensorsError& e) {
-      throw_write_error(e, tmp, out_dir);
-    }
-  }
-  prog.finish();
 
-  try {
-    // Index (when the input had one).
-    const fs::path index = in_dir / "model.safetensors.index.json";
-    if (fs::exists(index)) {
-      nlohmann::json j;
-      {
-        std::ifstream in(index);
-        try {
-          j = nlohmann::json::parse(in);
-        } catch (const nlohmann::json::exception& e) {
-          throw CheckpointError(fmt::format("{}: invalid JSON: {}", index.string(), detail::json_error_text(e.what())));
-        }
-      }
-      if (!j.contains("metadata") || !j["metadata"].is_object()) j["metadata"] = nlohmann::json::object();
-      j["metadata"]["total_size"] = sum.output_bytes;
-      j["weight_map"] = weight_map;
-      write_text(tmp / "model.safetensors.index.json", j.dump(2) + "\n");
-    }
+      // config.json with quantization_config.
+      nlohmann::json config = cfg.raw;
+      nlohmann::json ls = nlohmann::json::object();
+      for (const auto& [k, v] : logical_shapes) ls[k] = v;
+      config["quantization_config"] = {
+          {"quant_method", "lut_b"},
+          {"format", "lut-b"},
+          {"tile", {kTileRows, kTileCols}},
+          {"index_bits", 3},
+          {"codebook_size", kCodebookSize},
+          {"codebook_dtype", "float8_e4m3fn"},
+          {"scale_dtype", "ue8m0"},
+          {"fitter", sum.fitter},
+          {"activation", "mxfp8"},
+          {"activation_block", 32},
+          {"modules", routed_expert_pattern(cfg)},
+          {"logical_shapes", ls},
+      };
+      write_text(tmp / "config.json", config.dump(2) + "\n");
 
-    // config.json with quantization_config.
-    nlohmann::json config = cfg.raw;
-    nlohmann::json ls = nlohmann::json::object();
-    for (const auto& [k, v] : logical_shapes) ls[k] = v;
-    config["quantization_config"] = {
-        {"quant_method", "lut_b"},
-        {"format", "lut-b"},
-        {"tile", {kTileRows, kTileCols}},
-        {"index_bits", 3},
-        {"codebook_size", kCodebookSize},
-        {"codebook_dtype", "float8_e4m3fn"},
-        {"scale_dtype", "ue8m0"},
-        {"fitter", sum.fitter},
-        {"activation", "mxfp8"},
-        {"activation_block", 32},
-        {"modules", routed_expert_pattern(cfg)},
-        {"logical_shapes", ls},
-    };
-    write_text(tmp / "config.json", config.dump(2) + "\n");
-
-    // Every other file (tokenizer, generation config, ...), recursively, except the weights in
-    // another form: copied, they put the unquantised weights into the LUT-B checkpoint (a 90 GB
-    // consolidated.safetensors or pytorch_model*.bin beside the shards; QA session 9).
-    // Names are taken LEXICALLY relative to the input folder: fs::relative resolves symlinks, so in a
-    // Hugging Face cache snapshot (every file a symlink to ../../blobs/<sha>) it gave "../../blobs/<sha>"
-    // and the copy below truncated the source blob through tmp / "../../blobs/<sha>" (data loss, new-user
-    // QA session 9). A symlinked file is copied (its contents) under the link's own name; a symlinked
-    // folder is not descended into (the iterator does not follow it) and is left out.
-    for (auto it = fs::recursive_directory_iterator(in_dir); it != fs::recursive_directory_iterator(); ++it) {
-      const fs::path rel = it->path().lexically_relative(in_dir);
-      if (rel.empty() || *rel.begin() == "..")
-        throw CheckpointError(fmt::format("{}: '{}' is not inside the input folder {}; nothing written", out_dir.string(),
-                                          it->path().string(), in_dir.string()));
-      if (it->is_directory()) {
-        if (it->is_symlink()) {
-          sum.skipped_files.push_back(rel.string() + "/");
+      // Every other file (tokenizer, generation config, ...), recursively, except the weights in
+      // another form: copied, they put the unquantised weights into the LUT-B checkpoint (a 90 GB
+      // consolidated.safetensors or pytorch_model*.bin beside the shards; QA session 9).
+      // Names are taken LEXICALLY relative to the input folder: fs::relative resolves symlinks, so in a
+      // Hugging Face cache snapshot (every file a symlink to ../../blobs/<sha>) it gave "../../blobs/<sha>"
+      // and the copy below truncated the source blob through tmp / "../../blobs/<sha>" (data loss, new-user
+      // QA session 9). A symlinked file is copied (its contents) under the link's own name; a symlinked
+      // folder is not descended into (the iterator does not follow it) and is left out.
+      for (auto it = fs::recursive_directory_iterator(in_dir); it != fs::recursive_directory_iterator(); ++it) {
+        const fs::path rel = it->path().lexically_relative(in_dir);
+        if (rel.empty() || *rel.begin() == "..")
+          throw CheckpointError(fmt::format("{}: '{}' is not inside the input folder {}; nothing written", out_dir.string(),
+                                            it->path().string(), in_dir.string()));
+        if (it->is_directory()) {
+          if (it->is_symlink()) {
+            sum.skipped_files.push_back(rel.string() + "/");
+            continue;
+          }
+          // The download cache of `huggingface-cli download --local-dir` (.cache/huggingface/, older
+          // versions .huggingface/: the source files' hashes and locks) and version control (.git/,
+          // whose LFS store holds the unquantised weights again) describe the source repository, not
+          // this output: left out and listed (new-user QA session 11: they were copied).
+          if (skipped_folder(rel.filename().string())) {
+            sum.skipped_files.push_back(rel.string() + "/");
+            it.disable_recursion_pending();
+            continue;
+          }
+          fs::create_directories(tmp / rel);
           continue;
         }
-        // The download cache of `huggingface-cli download --local-dir` (.cache/huggingface/, older
-        // versions .huggingface/: the source files' hashes and locks) and version control (.git/,
-        // whose LFS store holds the unquantised weights again) describe the source repository, not
-        // this output: left out and listed (new-user QA session 11: they were copied).
-        if (skipped_folder(rel.filename().string())) {
-          sum.skipped_files.push_back(rel.string() + "/");
-          it.disable_recursion_pending();
+        // Not a regular file: a dangling link (a Hugging Face cache snapshot whose blob is missing: an
+        // incomplete download), a named pipe, a socket. It was left out without a word, and the output
+        // lacked, e.g., its tokenizer.json (new-user QA, session 14): listed, with a warning for a link.
+        if (!it->is_regular_file()) {
+          sum.skipped_files.push_back(rel.string());
+          std::error_code lec;
+          if (it->is_symlink())
+            sum.warnings.push_back(fmt::format("{}: not copied: it is a symbolic link to {}, which {} (an incomplete "
+                                               "download?)",
+                                               it->path().string(), fs::read_symlink(it->path(), lec).string(),
+                                               fs::exists(it->path(), lec) ? "is not a regular file" : "does not exist"));
+          else
+            sum.warnings.push_back(fmt::format("{}: not copied: not a regular file ({})", it->path().string(),
+                                               detail::non_regular_kind(it->path())));
           continue;
         }
-        fs::create_directories(tmp / rel);
-        continue;
-      }
-      // Not a regular file: a dangling link (a Hugging Face cache snapshot whose blob is missing: an
-      // incomplete download), a named pipe, a socket. It was left out without a word, and the output
-      // lacked, e.g., its tokenizer.json (new-user QA, session 14): listed, with a warning for a link.
-      if (!it->is_regular_file()) {
-        sum.skipped_files.push_back(rel.string());
-        std::error_code lec;
-        if (it->is_symlink())
-          sum.warnings.push_back(fmt::format("{}: not copied: it is a symbolic link to {}, which {} (an incomplete "
-                                             "download?)",
-                                             it->path().string(), fs::read_symlink(it->path(), lec).string(),
-                                             fs::exists(it->path(), lec) ? "is not a regular file" : "does not exist"));
-        else
-          sum.warnings.push_back(fmt::format("{}: not copied: not a regular file ({})", it->path().string(),
-                                             detail::non_regular_kind(it->path())));
-        continue;
-      }
-      const std::string fname = rel.string();
-      if (fname == "config.json" || fname == "model.safetensors.index.json" || shard_names.count(fname)) continue;
-      if (other_weight_file(rel.filename().string()) || training_state_file(rel.filename().string()) ||
-          source_reference_file(fname)) {
-        sum.skipped_files.push_back(fname);
-        continue;
-      }
-      detail::check_interrupt(opt.interrupt, out_dir);
-      // Another safetensors file (captured activations, tokens) is copied; one holding tensors of this
-      // checkpoint (a stray shard, a copy of model.safetensors) puts unquantised routed experts into
-      // the LUT-B checkpoint: still copied (it is the user's data), with a warning (new-user QA
-      // session 11: nothing was said).
-      if (rel.extension() == ".safetensors") {
-        try {
-          const SafetensorsFile other(it->path());
-          for (const auto& n : other.names())
-            if (ck.contains(n) || std::regex_match(n, pattern)) {
-              sum.warnings.push_back(fmt::format(
-                  "{}: copied {} unquantised: it holds tensor {}{} (a stray shard or a copy of the weights?); delete it "
-                  "from the output if the checkpoint's loader would read it",
-                  out_dir.string(), fname, n, ck.contains(n) ? " of this checkpoint" : ", a routed expert"));
-              break;
-            }
-        } catch (const std::exception&) {
-          // not a readable safetensors file: copied as any other file
+        const std::string fname = rel.string();
+        if (fname == "config.json" || fname == "model.safetensors.index.json" || shard_names.count(fname)) continue;
+        if (other_weight_file(rel.filename().string()) || training_state_file(rel.filename().string()) ||
+            source_reference_file(fname)) {
+          sum.skipped_files.push_back(fname);
+          continue;
         }
+        detail::check_interrupt(opt.interrupt, out_dir);
+        // Another safetensors file (captured activations, tokens) is copied; one holding tensors of this
+        // checkpoint (a stray shard, a copy of model.safetensors) puts unquantised routed experts into
+        // the LUT-B checkpoint: still copied (it is the user's data), with a warning (new-user QA
+        // session 11: nothing was said).
+        if (rel.extension() == ".safetensors") {
+          try {
+            const SafetensorsFile other(it->path());
+            for (const auto& n : other.names())
+              if (ck.contains(n) || std::regex_match(n, pattern)) {
+                sum.warnings.push_back(fmt::format(
+                    "{}: copied {} unquantised: it holds tensor {}{} (a stray shard or a copy of the weights?); delete it "
+                    "from the output if the checkpoint's loader would read it",
+                    out_dir.string(), fname, n, ck.contains(n) ? " of this checkpoint" : ", a routed expert"));
+                break;
+              }
+          } catch (const std::exception&) {
+            // not a readable safetensors file: copied as any other file
+          }
+        }
+        // A large file of unknown purpose (a model.pt, a PEFT adapter_model.bin, logs) is copied, since
+        // it is the user's data, but said: the small files a checkpoint carries (tokenizer, configs) are
+        // well below kLargeCopy.
+        if (std::error_code sec; rel.extension() != ".safetensors" && it->file_size(sec) >= kLargeCopy && !sec)
+          sum.warnings.push_back(fmt::format("{}: copied {} ({:.1f} MB) unchanged: it is not a file of a Hugging Face "
+                                             "checkpoint lutb knows; delete it from the output if the checkpoint does not "
+                                             "need it",
+                                             out_dir.string(), fname, static_cast<double>(it->file_size()) / 1e6));
+        // Contents only: the output gets this process's default permissions, not the source's (a
+        // read-only source made the copies read-only; QA 2026-11-30).
+        detail::copy_file_contents(it->path(), tmp / rel, opt.interrupt, out_dir);
       }
-      // A large file of unknown purpose (a model.pt, a PEFT adapter_model.bin, logs) is copied, since
-      // it is the user's data, but said: the small files a checkpoint carries (tokenizer, configs) are
-      // well below kLargeCopy.
-      if (std::error_code sec; rel.extension() != ".safetensors" && it->file_size(sec) >= kLargeCopy && !sec)
-        sum.warnings.push_back(fmt::format("{}: copied {} ({:.1f} MB) unchanged: it is not a file of a Hugging Face "
-                                           "checkpoint lutb knows; delete it from the output if the checkpoint does not "
-                                           "need it",
-                                           out_dir.string(), fname, static_cast<double>(it->file_size()) / 1e6));
-      // Contents only: the output gets this process's default permissions, not the source's (a
-      // read-only source made the copies read-only; QA 2026-11-30).
-      detail::copy_file_contents(it->path(), tmp / rel, opt.interrupt, out_dir);
+    } catch (const CheckpointError& e) {
+      if (std::string w = write_error_message(e.what(), tmp, out_dir); !w.empty()) throw CheckpointError(w);
+      throw;
     }
   } catch (const CheckpointError& e) {
-    if (std::string w = write_error_message(e.what(), tmp, out_dir); !w.empty()) throw CheckpointError(w);
-    throw;
+    throw CheckpointError(with_target_left(e.what(), out_dir));
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(with_target_left(e.what(), out_dir));
   }
   std::sort(sum.skipped_files.begin(), sum.skipped_files.end());
 

@@ -5,6 +5,8 @@
 // before its fix.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <cstring>
 #include <fstream>
 #include <string>
@@ -103,6 +105,26 @@ TEST(NewUserS11, FitErrorsNameTheSourceFile) {
                 [&] { quantize_file(file, t.path / "out.safetensors", "down_proj", quiet()); }),
             file.string() + ": tensor " + n + ", tile (12, 0): NaN at row 100 col 3; nothing written");
   EXPECT_FALSE(fs::exists(t.path / "out.safetensors"));
+}
+
+// New-user QA, session 21: with --force over an existing output the same error said "nothing
+// written", as if the old output were gone: it ends with "OUT is as it was", and the old output is
+// still there.
+TEST(NewUserS11, FitErrorOverAnExistingOutputSaysItIsAsItWas) {
+  TempDir t;
+  synthesize_checkpoint(t.path / "in", small());
+  QuantizeOptions f = quiet();
+  f.force = true;
+  quantize_checkpoint(t.path / "in", t.path / "out", quiet());  // the old output
+  const fs::path file = t.path / "in" / "model.safetensors";
+  const std::string n = "model.layers.0.mlp.experts.1.down_proj.weight";
+  const std::uint16_t nan = 0x7fc0;
+  poke(file, n, (100 * 64 + 3) * 2, &nan, 2);
+  EXPECT_EQ(error_of<std::invalid_argument>([&] { quantize_checkpoint(t.path / "in", t.path / "out", f); }),
+            file.string() + ": tensor " + n + ", tile (12, 0): NaN at row 100 col 3; " + (t.path / "out").string() +
+                " is as it was");
+  EXPECT_TRUE(fs::exists(t.path / "out" / "config.json"));
+  EXPECT_FALSE(fs::exists(t.path / ("out.tmp." + std::to_string(::getpid()))));
 }
 
 // Finding: the online fit of Checkpoint::lutb_experts(L, fit) on a BF16 checkpoint reported a bad
