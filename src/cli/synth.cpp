@@ -100,7 +100,9 @@ void add_synth(CLI::App& app) {
     // Announced only once the library has checked everything (destination, free space) and
     // created its temporary: a refusal prints nothing but the error.
     args->opt.on_start = [out = args->output](std::uint64_t planned) {
-      fmt::print("lutb synth: will write {} bytes ({}) of BF16 tensors to {}\n", planned, size_text(planned), out);
+      // ("8 bytes (8 bytes)" below a kilobyte: new-user QA, session 21.)
+      fmt::print("lutb synth: will write {} bytes{} of BF16 tensors to {}\n", planned,
+                 planned >= 1000 ? " (" + size_text(planned) + ")" : std::string(), out);
       std::fflush(stdout);
     };
     const auto t0 = std::chrono::steady_clock::now();

@@ -341,7 +341,7 @@ void install_replacing(const fs::path& tmp, const fs::path& target, bool want_di
   if (ec)
     throw CheckpointError(fmt::format("{}: cannot move the existing output aside to replace it ({} -> {}: {}); the new "
                                       "output was removed and {} is as it was",
-                                      target.string(), t.string(), old.filename().string(), ec.message(),
+                                      target.string(), t.string(), old.string(), ec.message(),
                                       target.string()));
   fs::rename(tmp, t, ec);
   if (ec) {
@@ -430,6 +430,14 @@ fs::path output_path(const fs::path& p) {
   fs::path r = p;
   while (r.has_parent_path() && r.parent_path() != r && (r.filename().empty() || r.filename() == "."))
     r = r.parent_path();
+  // "-o new/x/.." ran the whole job, then failed to rename its output into place ("appeared while the
+  // output was being written"): what ".." names depends on links and on whether new/x exists. The
+  // output is named by its own name (new-user QA, session 21). A bare ".." stays: the --force rules
+  // refuse it as an ancestor of the current folder.
+  if (r.filename() == ".." && r.has_parent_path())
+    throw CheckpointError(fmt::format("{}: an output path may not end in '..'; give the folder by its own name; "
+                                      "nothing written",
+                                      p.string()));
   return r;
 }
 

@@ -253,9 +253,12 @@ std::vector<std::string> check_tensor_names(const ModelConfig& cfg, const Safete
                               st.file_of(unknown[i]).path().string(), unknown[i], cfg.model_type, x.config, hints[i],
                               consequence));
   if (unknown.size() > kListed)
-    out.push_back(fmt::format("{} more tensors are not tensors of the {} model {} describes (the first {} are listed "
-                              "above); {}",
-                              unknown.size() - kListed, cfg.model_type, x.config, kListed, consequence));
+    // "1 more tensors are not ...; lutb eval does not read it" (new-user QA, session 21).
+    out.push_back(fmt::format("{} more {} not {} of the {} model {} describes (the first {} are listed above); for "
+                              "each: {}",
+                              unknown.size() - kListed, unknown.size() - kListed == 1 ? "tensor is" : "tensors are",
+                              unknown.size() - kListed == 1 ? "a tensor" : "tensors", cfg.model_type, x.config,
+                              kListed, consequence));
   return out;
 }
 

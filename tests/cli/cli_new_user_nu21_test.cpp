@@ -101,6 +101,20 @@ TEST(CliNewUserNu21, OutputGivenWithTrailingDot) {
   EXPECT_TRUE(fs::is_regular_file(t.path / "f.safetensors")) << f.out;
   for (const auto& e : fs::directory_iterator(t.path))
     EXPECT_EQ(e.path().filename().string().find(".tmp."), std::string::npos) << e.path();
+  // "-o n6/x/.." ran the whole job, then failed: "n6/x/..: appeared while the output was being
+  // written". Refused at once now, for every writer, and nothing is created.
+  const std::string dots = q(t.path / "n6") + "/x/..";
+  for (const std::string& args : {"quantize " + q(t.path / "s") + " -o " + dots + " --no-progress",
+                                  "quantize " + q(t.path / "s" / "model.safetensors") + " -o " + dots + " --no-progress",
+                                  kSynth + dots}) {
+    const CliOut r = run(args);
+    EXPECT_EQ(r.code, 1) << args << "\n" << r.out;
+    EXPECT_TRUE(has(r, "/n6/x/..: an output path may not end in '..'; give the folder by its own name; nothing "
+                       "written"))
+        << r.out;
+    EXPECT_FALSE(has(r, "will write")) << r.out;
+    EXPECT_FALSE(fs::exists(t.path / "n6")) << args;
+  }
 }
 
 }  // namespace

@@ -261,7 +261,7 @@ TEST(NewUserS12, QuantizeWarnsAboutStrayTensorsAndRefusesMisspeltExperts) {
   ASSERT_EQ(s7.warnings.size(), 6u);
   EXPECT_EQ(s7.warnings[0], head + "a.0" + tail + "; copied unquantised");
   EXPECT_EQ(s7.warnings[5], "2 more tensors are not tensors of the qwen3_moe model " + cfg +
-                                " describes (the first 5 are listed above); copied unquantised");
+                                " describes (the first 5 are listed above); for each: copied unquantised");
 
   // A misspelt expert tensor is refused, naming what was expected.
   synthesize_checkpoint(t.path / "in2", small());
