@@ -1,0 +1,103 @@
+"""lutb.quantize and LutbWeight: bytes equal to the lutb CLI's, numpy and torch alike, checkpoint tensors."""
+
+from __future__ import annotations
+
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+import lutb
+from lutb import _impl
+
+
+def weights(shape, seed=0, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * 0.02).to(dtype)
+
+
+def test_cli_byte_equality(cli, tmp_path):
+    """The same tensors through `lutb quantize IN.safetensors -o OUT.safetensors --all` and lutb.quantize."""
+    from safetensors.torch import load_file, save_file
+
+    src = {
+        "a.weight": weights((24, 100), 1),                   # padded in N and K
+        "b.weight": weights((3, 16, 128), 2, torch.float32),  # stacked, FP32
+        "c.weight": weights((40, 64), 3, torch.float16),
+    }
+    save_file(src, str(tmp_path / "in.safetensors"))
+    subprocess.run([cli, "quantize", str(tmp_path / "in.safetensors"), "-o", str(tmp_path / "out.safetensors"),
+                    "--all", "--no-progress"], check=True, capture_output=True)
+    got = load_file(str(tmp_path / "out.safetensors"))
+    for name, w in src.items():
+        q = lutb.quantize(w)
+        for suffix, mine in (("_packed", q.packed), ("_codebook", q.codebook), ("_scale", q.scale)):
+            theirs = got[name + suffix]
+            if theirs.dtype == torch.float8_e4m3fn:
+                theirs = theirs.view(torch.uint8)
+            assert theirs.shape == mine.shape, name + suffix
+            assert torch.equal(theirs, mine), name + suffix
+
+
+@pytest.mark.parametrize("fitter", lutb.fitter_names())
+def test_numpy_and_torch_give_the_same_bytes(fitter):
+    w = weights((2, 16, 128), 4, torch.float32)
+    a = lutb.quantize(w, fitter)
+    b = lutb.quantize(w.numpy(), fitter)
+    assert isinstance(b.packed, np.ndarray)
+    for x, y in ((a.packed, b.packed), (a.codebook, b.codebook), (a.scale, b.scale)):
+        assert x.numpy().tobytes() == y.tobytes()
+    # bfloat16 in numpy through ml_dtypes: the same values as the torch BF16 tensor.
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    wb = w.to(torch.bfloat16)
+    c = lutb.quantize(wb, fitter)
+    d = lutb.quantize(wb.view(torch.int16).numpy().view(ml_dtypes.bfloat16), fitter)
+    assert c.packed.numpy().tobytes() == d.packed.tobytes()
+    assert c.scale.numpy().tobytes() == d.scale.tobytes()
+
+
+def test_layout_and_error_bound():
+    w = weights((3, 20, 130), 5, torch.float32)
+    q = lutb.quantize(w)
+    assert q.shape == (3, 20, 130)
+    assert q.packed.shape == (3, 3, 3, 192) and q.packed.dtype == torch.uint8
+    assert q.codebook.shape == (3, 3, 3, 8) and q.scale.shape == (3, 3, 3)
+    assert q.device == "cpu"
+    d = q.dequantize(torch.float32)
+    assert d.shape == w.shape
+    sqnr = 10 * torch.log10((w.double() ** 2).sum() / ((w.double() - d.double()) ** 2).sum())
+    assert sqnr > 15.0  # 3-bit codebooks of Gaussian tiles: about 19-20 dB
+    # Every dequantised value is a codebook entry of its tile times the tile's scale, exactly.
+    assert torch.equal(q.dequantize(torch.bfloat16).float(), d)
+
+
+def test_forced_scale_and_threads_do_not_change_bytes():
+    w = weights((16, 128), 6, torch.float32)
+    a = lutb.quantize(w, threads=1)
+    b = lutb.quantize(w, threads=2)
+    assert torch.equal(a.packed, b.packed) and torch.equal(a.codebook, b.codebook)
+    f = lutb.quantize(w, "optimal", forced_scale=120)
+    assert bool((f.scale == 120).all())
+
+
+def test_checkpoint_tensors_round_trip():
+    w = weights((2, 16, 64), 7)
+    q = lutb.quantize(w)
+    t = q.tensors("model.layers.0.mlp.experts.gate_up_proj")
+    assert set(t) == {"model.layers.0.mlp.experts.gate_up_proj.weight_" + s for s in ("packed", "codebook", "scale")}
+    cb = t["model.layers.0.mlp.experts.gate_up_proj.weight_codebook"]
+    assert cb.dtype == torch.float8_e4m3fn
+    r = lutb.LutbWeight.from_tensors(t["model.layers.0.mlp.experts.gate_up_proj.weight_packed"], cb,
+                                     t["model.layers.0.mlp.experts.gate_up_proj.weight_scale"], (2, 16, 64))
+    assert torch.equal(r.dequantize(), q.dequantize())
+    assert r.codebook.dtype == torch.uint8
+
+
+def test_dequantize_torch_path_equals_the_library():
+    """The torch-operation dequantisation (used on CUDA) against the C++ one, on the CPU."""
+    w = weights((2, 20, 130), 8, torch.float32) * 1e3
+    q = lutb.quantize(w, "optimal")
+    a = _impl.dequantize_torch(q.packed, q.codebook, q.scale, q.shape)
+    b = q.dequantize(torch.float32)
+    assert torch.equal(a, b)
