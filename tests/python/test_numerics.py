@@ -99,12 +99,19 @@ def routing(t, k, e, seed=3):
     return ids, wts
 
 
-# Tolerance: the reference sums in float64, the kernels in FP32 (relative ~1e-7), but that difference
-# moves a BF16 rounding of h (step 4, 2^-8 relative) or an E4M3 rounding of its MXFP8 copy (2^-3
-# relative per flipped element) on a few elements, and the output itself is BF16 (step 6, rounding
-# error up to 2^-9 relative per element, ~1.1e-3 normalised): 4e-3 covers both with margin, while a
-# wrong tile, index or scale gives errors of order 1.
-TOL = 4e-3
+def close_to_reference(out, ref) -> bool:
+    """out (BF16) against the float64 reference rounded once to BF16 (step 6).
+
+    The kernels sum in FP32, the reference in float64 (relative difference ~1e-7). That difference
+    flips a BF16 rounding of h (step 4, 2^-8 relative) or an E4M3 rounding of its MXFP8 copy (2^-3
+    relative) on a few elements of h, and through them a few outputs by an ulp or so: measured, the
+    outputs are bit-equal at T = 1 and 5, and 1.5 % of them differ at T = 40 (normalised error 7e-4).
+    Bounds: normalised error < 2e-3 and >= 95 % bit-equal; a wrong tile, index, scale or routing
+    gives errors of order 1.
+    """
+    rb = ref.float().to(torch.bfloat16)
+    equal = float((out == rb).float().mean())
+    return normalised_error(out, rb.double()) < 2e-3 and equal >= 0.95
 
 
 @pytest.mark.parametrize("act_format", ["mxfp8", "bf16"])
@@ -116,7 +123,7 @@ def test_moe_experts_against_float64_reference(act_format, t):
     out = lutb.moe_experts(x, ids, wts, w13, w2, act_format=act_format)
     assert out.dtype == torch.bfloat16 and out.shape == x.shape
     ref = moe_reference(x, ids, wts, w13, w2, act_format)
-    assert normalised_error(out, ref) < TOL
+    assert close_to_reference(out, ref)
 
 
 def test_moe_experts_expert_parallel_marker_and_id_dtypes():
@@ -129,7 +136,7 @@ def test_moe_experts_expert_parallel_marker_and_id_dtypes():
     out32 = lutb.moe_experts(x, ids.to(torch.int32), wts, w13, w2)
     assert torch.equal(out64, out32)
     ref = moe_reference(x, ids, wts, w13, w2)
-    assert normalised_error(out64, ref) < TOL
+    assert close_to_reference(out64, ref)
     # The marker slot is the same as a slot of weight 0 on a real expert.
     ids0 = torch.where(ids >= 6, torch.zeros_like(ids), ids)
     wts0 = torch.where(ids >= 6, torch.zeros_like(wts), wts)
