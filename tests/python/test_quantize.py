@@ -101,3 +101,28 @@ def test_dequantize_torch_path_equals_the_library():
     a = _impl.dequantize_torch(q.packed, q.codebook, q.scale, q.shape)
     b = q.dequantize(torch.float32)
     assert torch.equal(a, b)
+
+
+def test_numpy_path_without_torch():
+    """With torch unavailable, lutb imports and its numpy path works (torch is optional)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import numpy as np, lutb\n"
+        "w = (np.random.default_rng(0).standard_normal((2, 16, 64)) * 0.02).astype(np.float32)\n"
+        "q = lutb.quantize(w)\n"
+        "assert isinstance(q.packed, np.ndarray) and q.packed.shape == (2, 2, 1, 192)\n"
+        "d = q.dequantize()\n"
+        "assert d.dtype == np.float32 and d.shape == w.shape\n"
+        "r = lutb.LutbWeight.from_tensors(q.packed, q.codebook, q.scale, q.shape)\n"
+        "assert (r.dequantize() == d).all()\n"
+        "assert lutb.mxfp8_qdq(w).shape == w.shape\n"
+        "ids, wt = lutb.route_softmax_topk(w[0, :, :8].copy(), 2)\n"
+        "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
+        "print('ok')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "ok"
