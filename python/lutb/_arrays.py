@@ -83,7 +83,10 @@ def float_source_name(a: Any, name: str) -> str:
 
 
 def raw(a: Any) -> Any:
-    """A DLPack-exportable view of the same memory: 16-bit floats as int16, FP8 as uint8."""
+    """A DLPack-exportable view of the same memory: 16-bit floats as int16, FP8 as uint8; torch
+    tensors detached (torch refuses to export a tensor that requires grad; lutb has no autograd)."""
+    if is_torch(a):
+        a = a.detach()
     d = dtype_str(a)
     if d in ("bfloat16", "float16"):
         t = torch_module()

@@ -230,21 +230,21 @@ def _route_outputs(logits: Any, k: int):
 
 def route_cpu(logits, bias, sigmoid, k, renormalize, n_group, topk_group, scaling):
     ids, weights = _route_outputs(logits, k)
-    _lutb.route_cpu(logits, logits.shape[0], logits.shape[1], bias, sigmoid, k, renormalize, n_group, topk_group,
+    _lutb.route_cpu(A.raw(logits), logits.shape[0], logits.shape[1], None if bias is None else A.raw(bias), sigmoid, k, renormalize, n_group, topk_group,
                     scaling, ids, weights)
     return ids, weights
 
 
 def route_softmax_topk_cuda(logits, k, renormalize):
     ids, weights = _route_outputs(logits, k)
-    _lutb.route_softmax_topk_cuda(logits, logits.shape[0], logits.shape[1], k, renormalize, ids, weights,
+    _lutb.route_softmax_topk_cuda(A.raw(logits), logits.shape[0], logits.shape[1], k, renormalize, ids, weights,
                                   A.stream_of(logits))
     return ids, weights
 
 
 def route_deepseek_cuda(logits, bias, k, n_group, topk_group, renormalize, scaling):
     ids, weights = _route_outputs(logits, k)
-    _lutb.route_deepseek_cuda(logits, bias, logits.shape[0], logits.shape[1], n_group, topk_group, k, renormalize,
+    _lutb.route_deepseek_cuda(A.raw(logits), None if bias is None else A.raw(bias), logits.shape[0], logits.shape[1], n_group, topk_group, k, renormalize,
                               scaling, ids, weights, A.stream_of(logits))
     return ids, weights
 
@@ -257,8 +257,9 @@ def route_deepseek_cuda(logits, bias, k, n_group, topk_group, renormalize, scali
 def moe_experts_cpu(x, topk_ids, topk_weights, w13p, w13c, w13s, w2p, w2c, w2s, intermediate, act_format, out):
     t, h = x.shape
     _lutb.moe_experts_cpu(
-        A.raw(x), t, h, topk_ids, 64 if A.dtype_str(topk_ids) == "int64" else 32, topk_weights,
-        topk_ids.shape[1], w13p.shape[0], intermediate, w13p, w13c, w13s, w2p, w2c, w2s, act_format, A.raw(out),
+        A.raw(x), t, h, A.raw(topk_ids), 64 if A.dtype_str(topk_ids) == "int64" else 32, A.raw(topk_weights),
+        topk_ids.shape[1], w13p.shape[0], intermediate, *(A.raw(v) for v in (w13p, w13c, w13s, w2p, w2c, w2s)),
+        act_format, A.raw(out),
     )
 
 
@@ -275,8 +276,8 @@ def moe_experts_cuda(x, topk_ids, topk_weights, w13p, w13c, w13s, w2p, w2c, w2s,
     ids = torch.where(local, topk_ids, torch.zeros_like(topk_ids)).to(torch.int32).contiguous()
     weights = torch.where(local, topk_weights, torch.zeros_like(topk_weights)).contiguous()
     ws = torch.empty(_lutb.moe_workspace_bytes(t, k, e, h, intermediate), dtype=torch.uint8, device=x.device)
-    _lutb.moe_experts_cuda(A.raw(x), t, h, ids, weights, k, e, intermediate, w13p, w13c, w13s, w2p, w2c, w2s,
-                           A.raw(out), ws, A.stream_of(x))
+    _lutb.moe_experts_cuda(A.raw(x), t, h, ids, A.raw(weights), k, e, intermediate,
+                           *(A.raw(v) for v in (w13p, w13c, w13s, w2p, w2c, w2s)), A.raw(out), ws, A.stream_of(x))
 
 
 def lane_major_cuda(packed):

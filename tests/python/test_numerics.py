@@ -158,3 +158,15 @@ def test_moe_experts_no_tokens():
     x = torch.empty(0, 192, dtype=torch.bfloat16)
     out = lutb.moe_experts(x, torch.empty(0, 2, dtype=torch.int64), torch.empty(0, 2), w13, w2)
     assert out.shape == (0, 192)
+
+
+def test_inputs_that_require_grad():
+    """Tensors that require grad (a training-mode caller) are read through detached views."""
+    w13, w2 = layer()
+    ids, wts = routing(3, 2, 6)
+    x = torch.randn(3, 192).to(torch.bfloat16)
+    want = lutb.moe_experts(x, ids, wts, w13, w2)
+    got = lutb.moe_experts(x.clone().requires_grad_(), ids, wts.clone().requires_grad_(), w13, w2)
+    assert torch.equal(got, want)
+    logits = torch.randn(3, 6, requires_grad=True)
+    assert torch.equal(lutb.route_softmax_topk(logits, 2)[0], lutb.route_softmax_topk(logits.detach(), 2)[0])
