@@ -49,3 +49,22 @@ def test_fake_kernels_give_shapes_and_dtypes():
         assert r_ids.shape == (5, 3) and r_ids.dtype == torch.int32 and r_w.dtype == torch.float32
         p, c, s = torch.ops.lutb.quantize(torch.empty(3, 20, 130), "binned-dp", -1, 0, "w")
         assert p.shape == (3, 3, 3, 192) and c.shape == (3, 3, 3, 8) and s.shape == (3, 3, 3)
+
+
+def test_fullgraph_compile_with_out_argument():
+    """moe_experts(..., out=) is the mutating operator moe_experts_out: functionalised by the trace."""
+    g = torch.Generator().manual_seed(1)
+    w13 = lutb.quantize((torch.randn(4, 128, 64, generator=g) * 0.05).to(torch.bfloat16))
+    w2 = lutb.quantize((torch.randn(4, 64, 64, generator=g) * 0.05).to(torch.bfloat16))
+
+    def f(x, ids, wts, out):
+        lutb.moe_experts(x, ids, wts, w13, w2, out=out)
+        return out * 2
+
+    x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    ids = torch.randint(0, 5, (5, 2), generator=g)  # 4 = the expert-parallel marker
+    wts = torch.rand(5, 2, generator=g)
+    o1, o2 = (torch.empty(5, 64, dtype=torch.bfloat16) for _ in range(2))
+    r1 = f(x, ids, wts, o1)
+    r2 = torch.compile(f, fullgraph=True, backend="aot_eager")(x, ids, wts, o2)
+    assert torch.equal(r1, r2) and torch.equal(o1, o2)
