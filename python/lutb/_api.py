@@ -318,7 +318,8 @@ def moe_experts(x: Any, topk_ids: Any, topk_weights: Any, w13: LutbWeight, w2: L
     """The routed experts of a LUT-B MoE layer, spec 4 steps 2-6:
     a = mxfp8_qdq(x); g, u = a . w13[e]^T; h = mxfp8_qdq(bf16(silu(g) * u)); y = h . w2[e]^T;
     out = bf16(sum_j topk_weights[:, j] * y_j) (FP32 sums). act_format="bf16" drops both MXFP8 steps
-    (CPU only).
+    (a baseline; on CUDA it runs the library's BF16 kernels on weights dequantised for each call, exact
+    but not packed, and needs H and I multiples of 64).
 
     x: torch bfloat16 [T, H], contiguous, CPU or CUDA.
     topk_ids: int32 or int64 [T, k] (torch.topk's int64 is fine). Ids are local expert ids; an id >= E
@@ -383,12 +384,15 @@ def moe_experts(x: Any, topk_ids: Any, topk_weights: Any, w13: LutbWeight, w2: L
     if cuda:
         if not has_cuda():
             raise ValueError("x: a CUDA tensor, but this lutb build has no CUDA kernels (built without nvcc)")
-        if act_format != "mxfp8":
-            raise ValueError(f"act_format: '{act_format}' runs on the CPU only; the CUDA kernels run MXFP8 (spec 4)")
+        if act_format == "bf16" and (h % 64 or inter % 64):
+            raise ValueError(f"act_format: 'bf16' on CUDA needs H and I multiples of 64 (H = {h}, I = {inter})")
         if inter % 8:
             raise ValueError(f"w13: the CUDA kernels need I % 8 == 0 (I = {inter})")
-    args = (x, topk_ids, topk_weights, w13.kernel_packed(), w13.codebook, w13.scale, w2.kernel_packed(),
-            w2.codebook, w2.scale, inter, act_format, cuda)
+    lane_major = cuda and act_format == "mxfp8"
+    p13 = w13.kernel_packed() if lane_major else w13.packed
+    p2 = w2.kernel_packed() if lane_major else w2.packed
+    args = (x, topk_ids, topk_weights, p13, w13.codebook, w13.scale, p2, w2.codebook, w2.scale, inter, act_format,
+            lane_major)
     if out is None:
         return _ops().moe_experts(*args)
     if not A.is_torch(out) or out.dtype != torch.bfloat16 or tuple(out.shape) != (t, h):

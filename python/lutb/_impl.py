@@ -280,6 +280,27 @@ def moe_experts_cuda(x, topk_ids, topk_weights, w13p, w13c, w13s, w2p, w2c, w2s,
                            *(A.raw(v) for v in (w13p, w13c, w13s, w2p, w2c, w2s)), A.raw(out), ws, A.stream_of(x))
 
 
+def moe_experts_bf16_cuda(x, topk_ids, topk_weights, w13p, w13c, w13s, w2p, w2c, w2s, intermediate, out):
+    """act_format="bf16" on CUDA: the library's BF16 kernels on weights dequantised for this call
+    (exact in BF16, spec 2; checkpoint-order packed bytes; a baseline, so the BF16 copy is not kept)."""
+    torch = A.torch_module()
+    t, h = x.shape
+    k = topk_ids.shape[1]
+    e = w13p.shape[0]
+    if h % 64 or intermediate % 64:
+        raise ValueError(f"act_format: 'bf16' on CUDA needs H and I multiples of 64 (H = {h}, I = {intermediate})")
+    if t == 0:
+        return
+    w13 = dequantize_torch(w13p, w13c, w13s, (e, 2 * intermediate, h)).to(torch.bfloat16)
+    w2 = dequantize_torch(w2p, w2c, w2s, (e, h, intermediate)).to(torch.bfloat16)
+    local = topk_ids < e
+    ids = torch.where(local, topk_ids, torch.zeros_like(topk_ids)).to(torch.int32).contiguous()
+    weights = torch.where(local, topk_weights, torch.zeros_like(topk_weights)).contiguous()
+    ws = torch.empty(_lutb.moe_workspace_bytes(t, k, e, h, intermediate), dtype=torch.uint8, device=x.device)
+    _lutb.moe_experts_bf16_cuda(A.raw(x), t, h, ids, A.raw(weights), k, e, intermediate, A.raw(w13), A.raw(w2),
+                                A.raw(out), ws, A.stream_of(x))
+
+
 def lane_major_cuda(packed):
     """A copy of checkpoint-order packed bytes in the CUDA kernels' lane-major order (lutb/cuda/lane_major.hpp)."""
     out = packed.clone()

@@ -76,8 +76,9 @@ def normalised_error(a, b):
     return float(torch.linalg.norm(a.double() - b.double()) / torch.linalg.norm(b.double()))
 
 
+@pytest.mark.parametrize("act_format", ["mxfp8", "bf16"])
 @pytest.mark.parametrize("t", [1, 4, 16, 300])
-def test_moe_experts_equals_cpu(t):
+def test_moe_experts_equals_cpu(t, act_format):
     """CUDA vs CPU: the same values enter every product; only the FP32 summation order differs, which
     can flip a BF16 or E4M3 rounding of h and the BF16 rounding of the output on a few elements
     (normalised error well under 1e-3; a wrong tile or scale gives order 1)."""
@@ -87,9 +88,9 @@ def test_moe_experts_equals_cpu(t):
     ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(t)])
     ids[::3, 1] = 8  # expert-parallel marker: contributes nothing
     wts = torch.rand(t, 2, generator=g)
-    cpu = lutb.moe_experts(x, ids, wts, w13, w2)
+    cpu = lutb.moe_experts(x, ids, wts, w13, w2, act_format=act_format)
     w13d, w2d = w13.to(DEV), w2.to(DEV)
-    gpu = lutb.moe_experts(x.to(DEV), ids.to(DEV), wts.to(DEV), w13d, w2d)
+    gpu = lutb.moe_experts(x.to(DEV), ids.to(DEV), wts.to(DEV), w13d, w2d, act_format=act_format)
     assert gpu.dtype == torch.bfloat16
     assert not gpu.isnan().any()
     assert normalised_error(gpu.cpu(), cpu) < 1e-3
