@@ -126,3 +126,32 @@ def test_numpy_path_without_torch():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "ok"
+
+
+def test_lane_major_host_permutation_is_a_bijection_per_tile():
+    """lane_major_cpu (the reference of the CUDA copy) moves the same 1536 bits within each tile:
+    every index of the tile reads back at its position (lutb/cuda/lane_major.hpp's lane_col map)."""
+    from lutb import _lutb
+
+    q = lutb.quantize(weights((2, 16, 128), 9))
+    lm = torch.empty_like(q.packed)
+    _lutb.lane_major_cpu(q.packed, lm)
+    p = q.packed.reshape(-1, 64, 3).to(torch.int64)
+    word = p[..., 0] | (p[..., 1] << 8) | (p[..., 2] << 16)
+    idx = ((word.unsqueeze(-1) >> torch.arange(0, 24, 3)) & 7).reshape(-1, 8, 64)  # [tile, r, c]
+    b = lm.reshape(-1, 192).to(torch.int64)
+    x = b[:, 0:128:4] | (b[:, 1:128:4] << 8) | (b[:, 2:128:4] << 16) | (b[:, 3:128:4] << 24)  # [tile, lane]
+    y = b[:, 128::2] | (b[:, 129::2] << 8)
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        for j in range(16):
+            c = 8 * t + j if j < 8 else 32 + 8 * t + (j - 8)
+            if j < 8:
+                v = (x[:, lane] >> (4 * j)) & 7
+            elif j < 12:
+                v = (y[:, lane] >> (4 * (j - 8))) & 7
+            else:
+                k = j - 12
+                v = (((x[:, lane] >> (4 * k + 3)) & 1) | (((x[:, lane] >> (4 * (k + 4) + 3)) & 1) << 1)
+                     | (((y[:, lane] >> (4 * k + 3)) & 1) << 2))
+            assert torch.equal(v, idx[:, g, c]), (lane, j)
