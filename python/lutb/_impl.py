@@ -301,6 +301,41 @@ def moe_experts_bf16_cuda(x, topk_ids, topk_weights, w13p, w13c, w13s, w2p, w2c,
                                 A.raw(out), ws, A.stream_of(x))
 
 
+def _lane_slots(device):
+    """For lane L = 4g + t and slot j (0..15), the flat tile position g*64 + lane_col(t, j) of
+    lutb/cuda/lane_major.hpp, as a [32 * 16] index in (lane, j) order."""
+    torch = A.torch_module()
+    lane = torch.arange(32, device=device).unsqueeze(1)
+    j = torch.arange(16, device=device).unsqueeze(0)
+    g, t = lane // 4, lane % 4
+    col = torch.where(j < 8, 8 * t + j, 32 + 8 * t + (j - 8))
+    return (g * 64 + col).reshape(-1)
+
+
+def packed_from_lane_major(lm):
+    """Checkpoint-order packed bytes from lane-major ones, with torch operations on any device: the
+    inverse of the CUDA kernels' permutation (lutb/cuda/lane_major.hpp: per lane L, X = bytes 4L..4L+3
+    holds slots 0..7 in its nibbles' low bits and bits 0, 1 of slots 12..15 in nibble bit 3; Y = bytes
+    128+2L..129+2L holds slots 8..11 and bit 2 of slots 12..15)."""
+    torch = A.torch_module()
+    b = lm.reshape(-1, A.PACKED_BYTES).to(torch.int64)
+    x = b[:, 0:128:4] | (b[:, 1:128:4] << 8) | (b[:, 2:128:4] << 16) | (b[:, 3:128:4] << 24)  # [tiles, 32]
+    y = b[:, 128::2] | (b[:, 129::2] << 8)
+    x, y = x.unsqueeze(-1), y.unsqueeze(-1)
+    k8 = torch.arange(8, device=lm.device)
+    k4 = torch.arange(4, device=lm.device)
+    lo = (x >> (4 * k8)) & 7                                             # slots 0..7
+    mid = (y >> (4 * k4)) & 7                                            # slots 8..11
+    hi = (((x >> (4 * k4 + 3)) & 1) | (((x >> (4 * (k4 + 4) + 3)) & 1) << 1)
+          | (((y >> (4 * k4 + 3)) & 1) << 2))                             # slots 12..15
+    v = torch.cat([lo, mid, hi], dim=-1).reshape(b.shape[0], 512)         # (lane, j) order
+    idx = torch.empty_like(v)
+    idx[:, _lane_slots(lm.device)] = v                                    # flat order f = r*64 + c
+    word = (idx.reshape(-1, 64, 8) << (3 * k8)).sum(dim=-1)              # 8 indices per 24-bit word
+    out = torch.stack([word & 0xFF, (word >> 8) & 0xFF, (word >> 16) & 0xFF], dim=-1)
+    return out.to(torch.uint8).reshape(lm.shape)
+
+
 def lane_major_cuda(packed):
     """A copy of checkpoint-order packed bytes in the CUDA kernels' lane-major order (lutb/cuda/lane_major.hpp)."""
     out = packed.clone()

@@ -154,3 +154,21 @@ def test_lane_major_copy_equals_the_host_permutation():
     _lutb.lane_major_cpu(q.packed.cpu(), want)
     assert torch.equal(lm.cpu(), want)
     assert not torch.equal(lm, q.packed)
+
+
+def test_release_packed_keeps_one_copy_and_the_same_results():
+    w13, w2 = layer()
+    w13d, w2d = w13.to(DEV), w2.to(DEV)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(6, 256, generator=g).to(torch.bfloat16).to(DEV)
+    ids = torch.randint(0, 8, (6, 2), generator=g).to(DEV)
+    wts = torch.rand(6, 2, generator=g).to(DEV)
+    want = lutb.moe_experts(x, ids, wts, w13d, w2d)
+    w13d.release_packed()
+    w2d.release_packed()
+    assert w13d._packed is None
+    assert torch.equal(lutb.moe_experts(x, ids, wts, w13d, w2d), want)
+    assert torch.equal(w13d.packed.cpu(), w13.packed)  # recomputed from the lane-major copy
+    assert torch.equal(w2d.dequantize().cpu(), w2.dequantize())
+    w13d.drop_kernel_cache()
+    assert torch.equal(w13d._packed.cpu(), w13.packed)

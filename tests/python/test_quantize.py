@@ -155,3 +155,15 @@ def test_lane_major_host_permutation_is_a_bijection_per_tile():
                 v = (((x[:, lane] >> (4 * k + 3)) & 1) | (((x[:, lane] >> (4 * (k + 4) + 3)) & 1) << 1)
                      | (((y[:, lane] >> (4 * k + 3)) & 1) << 2))
             assert torch.equal(v, idx[:, g, c]), (lane, j)
+
+
+def test_packed_from_lane_major_inverts_the_permutation():
+    """The torch inverse (used after LutbWeight.release_packed on CUDA) undoes lane_major_cpu exactly."""
+    from lutb import _impl, _lutb
+
+    q = lutb.quantize(weights((3, 24, 192), 10))
+    lm = torch.empty_like(q.packed)
+    _lutb.lane_major_cpu(q.packed, lm)
+    assert torch.equal(_impl.packed_from_lane_major(lm), q.packed)
+    q.release_packed()  # no effect on the CPU
+    assert q._packed is not None and q.kernel_packed() is q.packed
