@@ -1,0 +1,399 @@
+"""The public API of lutb (re-exported by lutb/__init__.py). Spec references are to spec/lutb.md."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+from . import _arrays as A
+from . import _impl as I
+from . import _lutb
+
+_LLOYD_FITTERS = ("ct-lloyd", "multistart")  # no GPU kernel: CUDA inputs fit on the CPU
+
+
+def _ops():
+    return A.torch_module().ops.lutb
+
+
+def fitter_names() -> list[str]:
+    """Names of the fitters (spec 2.1), the default first."""
+    return list(_lutb.fitter_names())
+
+
+def default_fitter() -> str:
+    """Name of the default fitter ("binned-dp")."""
+    return _lutb.default_fitter()
+
+
+def has_cuda() -> bool:
+    """Whether this build of the extension has the CUDA kernels (lutb_cuda)."""
+    return bool(_lutb.has_cuda())
+
+
+# ---------------------------------------------------------------------------------------------
+# LutbWeight
+# ---------------------------------------------------------------------------------------------
+
+
+class LutbWeight:
+    """A LUT-B weight or expert stack (spec 2), as three uint8 arrays of the checkpoint layout (spec 2.2).
+
+    Attributes (torch tensors, or numpy arrays for a weight quantised from numpy; all on one device,
+    contiguous):
+      packed:   uint8 [..., Np/8, Kp/64, 192], 512 3-bit indices per 8x64 tile in spec 2's bit order
+      codebook: uint8 [..., Np/8, Kp/64, 8], E4M3 bytes (view as torch.float8_e4m3fn for the values)
+      scale:    uint8 [..., Np/8, Kp/64], UE8M0 bytes, 3..246
+      shape:    the logical shape (..., N, K); Np, Kp are N, K rounded up to 8 and 64 (zero padding)
+      device:   'cpu', 'cuda:0', ...
+    Values: w = e4m3(codebook[index]) * 2^(scale - 127).
+
+    Build one with lutb.quantize or LutbWeight.from_tensors. On CUDA, lutb.moe_experts keeps a copy
+    of `packed` in the kernels' lane-major bit order (lutb/cuda/lane_major.hpp; 192 bytes per tile,
+    as much as `packed`), made on first use and cached on the object; kernel_packed() makes it ahead
+    of time (call it before capturing a CUDA graph), drop_kernel_cache() frees it.
+    """
+
+    def __init__(self, packed: Any, codebook: Any, scale: Any, shape: tuple[int, ...]):
+        # Unchecked: use from_tensors for data from outside lutb.
+        self.packed = packed
+        self.codebook = codebook
+        self.scale = scale
+        self.shape = tuple(shape)
+        self._kernel_packed: Any = None
+
+    @property
+    def device(self) -> str:
+        return A.device_of(self.packed)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __repr__(self) -> str:
+        return f"LutbWeight(shape={self.shape}, device='{self.device}')"
+
+    # -- construction from checkpoint tensors ---------------------------------------------------
+    @classmethod
+    def from_tensors(cls, packed: Any, codebook: Any, scale: Any, shape: Any, name: Optional[str] = None
+                     ) -> "LutbWeight":
+        """Wraps spec 2.2 checkpoint tensors (no copy) after checking them.
+
+        packed: uint8 [..., Np/8, Kp/64, 192]; codebook: uint8 or float8_e4m3fn [..., Np/8, Kp/64, 8]
+        (kept as a uint8 view); scale: uint8 (or float8_e8m0fnu) [..., Np/8, Kp/64]; shape: the
+        logical (..., N, K). All torch tensors or all numpy arrays, on one device, contiguous.
+        `name` (the projection P) makes errors name the checkpoint tensors (P.weight_scale, ...).
+        Raises TypeError / ValueError naming the tensor: wrong type or dtype, sizes that do not match
+        `shape`, devices that differ, a non-contiguous tensor, and (reading the data; on CUDA this
+        synchronises) a scale byte outside 3..246 (255 is UE8M0 NaN) or a NaN codebook entry (0x7F,
+        0xFF), with the first bad tile.
+        """
+        names = ((f"{name}.weight_packed", f"{name}.weight_codebook", f"{name}.weight_scale") if name
+                 else ("packed", "codebook", "scale"))
+        arrays = (packed, codebook, scale)
+        for a, n in zip(arrays, names):
+            A.require_array(a, n)
+            A.require_device(a, n)
+        for a, n in zip(arrays[1:], names[1:]):
+            A.require_same_device(n, packed, names[0], a)
+        s = A.check_shape(shape, "shape")
+        lead, _, tn, tk = A.tiles_of(s)
+        want = (lead + (tn, tk, A.PACKED_BYTES), lead + (tn, tk, A.CODEBOOK_SIZE), lead + (tn, tk))
+        ok_dtypes = (("uint8",), ("uint8", "float8_e4m3fn"), ("uint8", "float8_e8m0fnu"))
+        for a, n, w, d in zip(arrays, names, want, ok_dtypes):
+            if A.dtype_str(a) not in d:
+                raise TypeError(f"{n}: dtype {A.dtype_str(a)} is not {' or '.join(d)}")
+            if tuple(a.shape) != w:
+                raise ValueError(f"{n}: shape {tuple(a.shape)} does not match the logical shape {s}: expected {w} "
+                                 f"(spec 2.2: N, K padded to multiples of 8 and 64)")
+            A.require_contiguous(a, n)
+        codebook, scale = A.raw(codebook), A.raw(scale)
+        I.validate_data(codebook, scale, s, names[1], names[2])
+        return cls(packed, codebook, scale, s)
+
+    # -- conversions ----------------------------------------------------------------------------
+    def dequantize(self, dtype: Any = None) -> Any:
+        """The weight of the logical shape (..., N, K), exact for scale bytes 3..246 (spec 2).
+
+        dtype: default torch.bfloat16 for torch tensors (exact), numpy.float32 for numpy arrays;
+        any float dtype of the same library. Same device as the weight.
+        """
+        if A.is_torch(self.packed):
+            torch = A.torch_module()
+            w = _ops().dequantize(self.packed, self.codebook, self.scale, list(self.shape))
+            return w.to(torch.bfloat16 if dtype is None else dtype)
+        w = I.dequantize_cpu(self.packed, self.codebook, self.scale, self.shape)
+        return w if dtype is None else w.astype(dtype)
+
+    def to(self, device: Any) -> "LutbWeight":
+        """A copy on `device` (torch devices only; numpy weights go to torch with torch.from_numpy first)."""
+        if not A.is_torch(self.packed):
+            raise TypeError("device: LutbWeight.to needs torch tensors; this weight holds numpy arrays")
+        return LutbWeight(self.packed.to(device), self.codebook.to(device), self.scale.to(device), self.shape)
+
+    def tensors(self, prefix: str) -> dict[str, Any]:
+        """The spec 2.2 checkpoint tensors of projection `prefix` (P):
+        {P.weight_packed: uint8, P.weight_codebook: float8_e4m3fn (torch; numpy: ml_dtypes.float8_e4m3fn
+        when ml_dtypes is installed, else uint8), P.weight_scale: uint8}. Views, no copy."""
+        if A.is_torch(self.codebook):
+            cb = self.codebook.view(A.torch_module().float8_e4m3fn)
+        else:
+            try:
+                import ml_dtypes
+
+                cb = self.codebook.view(ml_dtypes.float8_e4m3fn)
+            except ImportError:
+                cb = self.codebook
+        return {f"{prefix}.weight_packed": self.packed, f"{prefix}.weight_codebook": cb,
+                f"{prefix}.weight_scale": self.scale}
+
+    # -- the CUDA kernels' copy -----------------------------------------------------------------
+    def kernel_packed(self) -> Any:
+        """The packed bytes the experts kernels of this device read: `packed` itself on the CPU, on
+        CUDA a lane-major copy (made once, then cached on this object)."""
+        if not A.is_cuda(self.packed):
+            return self.packed
+        if self._kernel_packed is None:
+            self._kernel_packed = _ops().lane_major(self.packed)
+        return self._kernel_packed
+
+    def drop_kernel_cache(self) -> None:
+        """Frees the cached lane-major copy (the next CUDA moe_experts call makes it again)."""
+        self._kernel_packed = None
+
+
+# ---------------------------------------------------------------------------------------------
+# quantize
+# ---------------------------------------------------------------------------------------------
+
+
+def quantize(w: Any, fitter: Optional[str] = None, *, forced_scale: int = -1, threads: int = 0,
+             name: str = "w") -> LutbWeight:
+    """Fits a weight [N, K] or a stack [..., N, K] to LUT-B (spec 2.1) and returns a LutbWeight.
+
+    w: torch.Tensor (bfloat16, float16, float32; CPU or CUDA) or numpy.ndarray (float32, float16,
+       ml_dtypes.bfloat16), contiguous, every size >= 1. The result lives on w's device and is of
+       w's kind (numpy in, numpy out).
+    fitter: a name of fitter_names(); None = default_fitter() ("binned-dp"). CPU tensors fit with
+       the CPU fitter, CUDA tensors with the GPU fitter ("binned-dp", "optimal"): the same bytes as
+       `lutb quantize` gives for the same tensor, on either device. "ct-lloyd" and "multistart" have no
+       GPU kernel: CUDA tensors fit on the CPU for them (copied there and back).
+    forced_scale: -1 (the fitter's own scale) or a scale byte 3..246 for every tile.
+    threads: CPU threads (0 = all cores).
+    name: the tensor's name in error messages.
+    Raises TypeError (type, dtype) or ValueError (shape, non-contiguous, unknown fitter, a NaN or
+    +-Inf weight or a tile whose magnitude needs a scale byte above 246, named as
+    "quantize: tensor NAME, expert e, tile (tn, tk): NaN at row R col C"). On CUDA this synchronises
+    once (to read the error flag).
+    """
+    A.require_array(w, "w")
+    A.require_device(w, "w")
+    A.float_source_name(w, "w")
+    A.check_shape(tuple(w.shape), "w.shape")
+    A.require_contiguous(w, "w")
+    fitter = default_fitter() if fitter is None else fitter
+    if not isinstance(fitter, str):
+        raise TypeError(f"fitter: expected a str, got {type(fitter).__name__}")
+    _lutb.check_fitter_name(fitter)
+    if forced_scale != -1 and not (A.MIN_SCALE <= forced_scale <= A.MAX_SCALE):
+        raise ValueError(f"forced_scale: {forced_scale} is not -1 or a scale byte 3..246")
+    if threads < 0:
+        raise ValueError(f"threads: {threads} < 0")
+    shape = tuple(int(v) for v in w.shape)
+    if A.is_cuda(w):
+        if not has_cuda():
+            raise ValueError("w: a CUDA tensor, but this lutb build has no CUDA kernels (built without nvcc)")
+        if fitter in _LLOYD_FITTERS:
+            return quantize(w.cpu(), fitter, forced_scale=forced_scale, threads=threads, name=name).to(w.device)
+    if A.is_torch(w):
+        p, c, s = _ops().quantize(w, fitter, forced_scale, threads, name)
+    else:
+        p, c, s = I.quantize_cpu(w, fitter, forced_scale, threads, name)
+    return LutbWeight(p, c, s, shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# MXFP8 and routing
+# ---------------------------------------------------------------------------------------------
+
+
+def mxfp8_qdq(x: Any, rule: str = "rceil") -> Any:
+    """MXFP8 quantise-dequantise along the last axis (spec 3): blocks of 32, one UE8M0 scale each,
+    E4M3 elements (nearest even, saturating); a ragged last block is zero-padded; a block with NaN
+    or +-Inf decodes to NaN.
+
+    x: torch.Tensor (CPU or CUDA) or numpy.ndarray, bfloat16 / float16 / float32, ndim >= 1, contiguous.
+    rule: "rceil" (default: NVIDIA hardware) or "floor" (OCP reference).
+    Returns float32 of x's shape on x's device (the values are exact in FP32).
+    """
+    A.require_array(x, "x")
+    A.require_device(x, "x")
+    A.float_source_name(x, "x")
+    if len(x.shape) < 1:
+        raise ValueError("x: needs at least one dimension (blocks run along the last)")
+    A.require_contiguous(x, "x")
+    if rule not in ("rceil", "floor"):
+        raise ValueError(f"rule: '{rule}' is not 'rceil' or 'floor'")
+    if A.is_torch(x):
+        return _ops().mxfp8_qdq(x, rule)
+    return I.mxfp8_qdq_cpu(x, rule)
+
+
+def _router_logits(logits: Any) -> Any:
+    A.require_array(logits, "logits")
+    A.require_device(logits, "logits")
+    A.float_source_name(logits, "logits")
+    if len(logits.shape) != 2 or logits.shape[1] < 1:
+        raise ValueError(f"logits: shape {tuple(logits.shape)} is not [T, E] with E >= 1")
+    A.require_contiguous(logits, "logits")
+    if A.dtype_str(logits) != "float32":
+        logits = logits.float() if A.is_torch(logits) else logits.astype(np.float32)
+    return logits
+
+
+def _check_k(k: int, experts: int, cuda: bool) -> None:
+    if not isinstance(k, int) or not 1 <= k <= experts:
+        raise ValueError(f"k: {k} is not in 1..{experts} (the number of experts)")
+    if cuda and (k > 32 or experts > 1024):
+        raise ValueError(f"k: the CUDA router handles k <= 32 and E <= 1024 (k={k}, E={experts})")
+
+
+def route_softmax_topk(logits: Any, k: int, renormalize: bool = True) -> tuple[Any, Any]:
+    """softmax top-k routing (spec 5; Mixtral, Qwen2/3-MoE, OLMoE).
+
+    logits: [T, E] float (bfloat16/float16 are widened to float32 exactly), torch (CPU or CUDA) or numpy.
+    Returns (topk_ids int32 [T, k], topk_weights float32 [T, k]) on logits' device, each row in
+    descending probability (ties: lower expert); weights renormalised to sum 1 when `renormalize`.
+    """
+    logits = _router_logits(logits)
+    _check_k(k, int(logits.shape[1]), A.is_cuda(logits))
+    if A.is_torch(logits):
+        return _ops().route_softmax_topk(logits, k, bool(renormalize))
+    return I.route_cpu(logits, None, False, k, bool(renormalize), 1, 1, 1.0)
+
+
+def route_deepseek(logits: Any, correction_bias: Any, k: int, n_group: int, topk_group: int,
+                   renormalize: bool = True, routed_scaling_factor: float = 1.0) -> tuple[Any, Any]:
+    """DeepSeek-V3 grouped sigmoid top-k routing (spec 5; Kimi K2 too).
+
+    logits: [T, E] float; correction_bias: [E] float or None (zeros), same device. E % n_group == 0,
+    at least 2 experts per group, 1 <= topk_group <= n_group, k <= topk_group * E / n_group.
+    Returns (topk_ids int32 [T, k], topk_weights float32 [T, k]): weights are sigmoid(logits) of the
+    chosen experts, divided by their sum when `renormalize`, times routed_scaling_factor.
+    """
+    logits = _router_logits(logits)
+    e = int(logits.shape[1])
+    _check_k(k, e, A.is_cuda(logits))
+    if n_group < 1 or e % n_group != 0 or e // n_group < 2:
+        raise ValueError(f"n_group: {n_group} does not split E={e} experts into groups of >= 2")
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group: {topk_group} is not in 1..n_group={n_group}")
+    if k > topk_group * (e // n_group):
+        raise ValueError(f"k: {k} exceeds the experts of topk_group={topk_group} groups ({topk_group * (e // n_group)})")
+    if correction_bias is not None:
+        A.require_array(correction_bias, "correction_bias")
+        A.require_same_device("correction_bias", logits, "logits", correction_bias)
+        A.float_source_name(correction_bias, "correction_bias")
+        if tuple(correction_bias.shape) != (e,):
+            raise ValueError(f"correction_bias: shape {tuple(correction_bias.shape)} is not ({e},)")
+        if A.dtype_str(correction_bias) != "float32":
+            correction_bias = (correction_bias.float() if A.is_torch(correction_bias)
+                               else correction_bias.astype(np.float32))
+        A.require_contiguous(correction_bias, "correction_bias")
+    if A.is_torch(logits):
+        return _ops().route_deepseek(logits, correction_bias, k, n_group, topk_group, bool(renormalize),
+                                     float(routed_scaling_factor))
+    return I.route_cpu(logits, correction_bias, True, k, bool(renormalize), n_group, topk_group,
+                       float(routed_scaling_factor))
+
+
+# ---------------------------------------------------------------------------------------------
+# Experts
+# ---------------------------------------------------------------------------------------------
+
+
+def moe_experts(x: Any, topk_ids: Any, topk_weights: Any, w13: LutbWeight, w2: LutbWeight,
+                act_format: str = "mxfp8", out: Any = None) -> Any:
+    """The routed experts of a LUT-B MoE layer, spec 4 steps 2-6:
+    a = mxfp8_qdq(x); g, u = a . w13[e]^T; h = mxfp8_qdq(bf16(silu(g) * u)); y = h . w2[e]^T;
+    out = bf16(sum_j topk_weights[:, j] * y_j) (FP32 sums). act_format="bf16" drops both MXFP8 steps
+    (CPU only).
+
+    x: torch bfloat16 [T, H], contiguous, CPU or CUDA.
+    topk_ids: int32 or int64 [T, k] (torch.topk's int64 is fine). Ids are local expert ids; an id >= E
+       (transformers' expert-parallel marker for experts of other ranks) contributes nothing. A
+       negative id raises ValueError on the CPU; on CUDA it is not checked (no host synchronisation)
+       and gives NaN rows.
+    topk_weights: float32 [T, k] (bfloat16 / float16 are widened exactly).
+    w13: LutbWeight [E, 2I, H] (gate rows 0..I-1, then up); w2: LutbWeight [E, H, I]; same device as x.
+       CUDA needs I % 8 == 0.
+    out: optional bfloat16 [T, H] on x's device to write into (then returned); else a new tensor.
+    Runs on the current stream of x's device with no host synchronisation (CUDA-graph capturable once
+    w13.kernel_packed() and w2.kernel_packed() have run), through torch.ops.lutb.moe_experts(_out).
+    CUDA and CPU results agree up to the order of FP32 additions.
+    Raises TypeError / ValueError naming the argument: types, dtypes, shapes, devices that differ,
+    non-contiguous tensors, an unknown act_format.
+    """
+    if not A.is_torch(x):
+        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    torch = A.torch_module()
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"x: dtype {A.dtype_str(x)} is not bfloat16")
+    if x.dim() != 2:
+        raise ValueError(f"x: shape {tuple(x.shape)} is not [T, H]")
+    A.require_device(x, "x")
+    A.require_contiguous(x, "x")
+    t, h = (int(v) for v in x.shape)
+    for v, n in ((w13, "w13"), (w2, "w2")):
+        if not isinstance(v, LutbWeight):
+            raise TypeError(f"{n}: expected a LutbWeight, got {type(v).__name__}")
+        if not A.is_torch(v.packed):
+            raise TypeError(f"{n}: holds numpy arrays; wrap them with torch.from_numpy (LutbWeight.from_tensors)")
+        if len(v.shape) != 3:
+            raise ValueError(f"{n}: shape {v.shape} is not 3-D [E, N, K]")
+        A.require_same_device(n, x, "x", v.packed)
+    e, two_i, h13 = w13.shape
+    if h13 != h:
+        raise ValueError(f"w13: shape {w13.shape} has K={h13}, x has H={h} columns")
+    if two_i % 2:
+        raise ValueError(f"w13: shape {w13.shape} has an odd row count (expected [E, 2I, H])")
+    inter = two_i // 2
+    if w2.shape != (e, h, inter):
+        raise ValueError(f"w2: shape {w2.shape} is not (E, H, I) = {(e, h, inter)} from w13 {w13.shape}")
+    if not A.is_torch(topk_ids) or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"topk_ids: expected an int32 or int64 torch.Tensor, got "
+                        f"{A.dtype_str(topk_ids) if A.is_array(topk_ids) else type(topk_ids).__name__}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != t or topk_ids.shape[1] < 1:
+        raise ValueError(f"topk_ids: shape {tuple(topk_ids.shape)} is not [T={t}, k]")
+    k = int(topk_ids.shape[1])
+    if not A.is_torch(topk_weights):
+        raise TypeError(f"topk_weights: expected a torch.Tensor, got {type(topk_weights).__name__}")
+    A.float_source_name(topk_weights, "topk_weights")
+    if tuple(topk_weights.shape) != (t, k):
+        raise ValueError(f"topk_weights: shape {tuple(topk_weights.shape)} is not (T, k) = {(t, k)}")
+    for a, n in ((topk_ids, "topk_ids"), (topk_weights, "topk_weights")):
+        A.require_same_device(n, x, "x", a)
+        A.require_contiguous(a, n)
+    if topk_weights.dtype != torch.float32:
+        topk_weights = topk_weights.float()
+    if act_format not in ("mxfp8", "bf16"):
+        raise ValueError(f"act_format: '{act_format}' is not 'mxfp8' or 'bf16'")
+    cuda = A.is_cuda(x)
+    if cuda:
+        if not has_cuda():
+            raise ValueError("x: a CUDA tensor, but this lutb build has no CUDA kernels (built without nvcc)")
+        if act_format != "mxfp8":
+            raise ValueError(f"act_format: '{act_format}' runs on the CPU only; the CUDA kernels run MXFP8 (spec 4)")
+        if inter % 8:
+            raise ValueError(f"w13: the CUDA kernels need I % 8 == 0 (I = {inter})")
+    args = (x, topk_ids, topk_weights, w13.kernel_packed(), w13.codebook, w13.scale, w2.kernel_packed(),
+            w2.codebook, w2.scale, inter, act_format, cuda)
+    if out is None:
+        return _ops().moe_experts(*args)
+    if not A.is_torch(out) or out.dtype != torch.bfloat16 or tuple(out.shape) != (t, h):
+        raise ValueError(f"out: expected a bfloat16 torch.Tensor of shape ({t}, {h})")
+    A.require_same_device("out", x, "x", out)
+    A.require_contiguous(out, "out")
+    _ops().moe_experts_out(*args, out)
+    return out

@@ -1,0 +1,120 @@
+"""The torch.ops.lutb operators (registered when torch is importable; see lutb/__init__.py).
+
+Operators are defined with torch.library.Library(...).define/impl (lower per-call cost than
+torch.library.custom_op) with a CPU and a CUDA kernel and a fake (meta) kernel each, so
+torch.compile(fullgraph=True) traces callers without graph breaks. CUDA kernels run on the current
+stream of the input's device; moe_experts and moe_experts_out never synchronise with the host and
+allocate only through torch (CUDA-graph capture works).
+
+Schemas (all LUT-B tensors uint8, spec 2.2 layout; E = experts, I = intermediate size):
+  quantize(w, fitter, forced_scale, threads, name) -> (packed, codebook, scale)
+  dequantize(packed, codebook, scale, shape) -> float32 [shape]
+  lane_major(packed) -> packed bytes in the CUDA kernels' lane-major order (CUDA only)
+  mxfp8_qdq(x, rule) -> float32 like x
+  route_softmax_topk(logits, k, renormalize) -> (int32 ids [T, k], float32 weights [T, k])
+  route_deepseek(logits, correction_bias?, k, n_group, topk_group, renormalize, routed_scaling_factor) -> same
+  moe_experts(x, topk_ids, topk_weights, w13 packed/codebook/scale, w2 packed/codebook/scale,
+              intermediate, act_format, lane_major) -> bf16 [T, H]
+  moe_experts_out(..., out) -> ()   (writes out)
+lane_major must be False on the CPU and True on CUDA (the packed bytes the kernels read).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _arrays as A
+from . import _impl as I
+
+_lib = torch.library.Library("lutb", "DEF")
+
+
+def _define(schema: str, cpu=None, cuda=None, fake=None) -> None:
+    name = schema.split("(", 1)[0]
+    _lib.define(schema)
+    if cpu is not None:
+        _lib.impl(name, cpu, "CPU")
+    if cuda is not None:
+        _lib.impl(name, cuda, "CUDA")
+    torch.library.register_fake(f"lutb::{name}", fake, lib=_lib)
+
+
+# quantize ------------------------------------------------------------------------------------
+def _quantize_fake(w, fitter, forced_scale, threads, name):
+    lead, _, tn, tk = A.tiles_of(tuple(w.shape))
+    return (w.new_empty(lead + (tn, tk, A.PACKED_BYTES), dtype=torch.uint8),
+            w.new_empty(lead + (tn, tk, A.CODEBOOK_SIZE), dtype=torch.uint8),
+            w.new_empty(lead + (tn, tk), dtype=torch.uint8))
+
+
+_define("quantize(Tensor w, str fitter, int forced_scale, int threads, str name) -> (Tensor, Tensor, Tensor)",
+        cpu=lambda w, f, s, t, n: I.quantize_cpu(w, f, s, t, n),
+        cuda=lambda w, f, s, t, n: I.quantize_cuda(w, f, s, n),
+        fake=_quantize_fake)
+
+# dequantize ----------------------------------------------------------------------------------
+_define("dequantize(Tensor packed, Tensor codebook, Tensor scale, int[] shape) -> Tensor",
+        cpu=lambda p, c, s, shape: I.dequantize_cpu(p, c, s, tuple(shape)),
+        cuda=lambda p, c, s, shape: I.dequantize_torch(p, c, s, tuple(shape)),
+        fake=lambda p, c, s, shape: p.new_empty(tuple(shape), dtype=torch.float32))
+
+# lane-major copy of the packed bytes (CUDA) ----------------------------------------------------
+_define("lane_major(Tensor packed) -> Tensor", cuda=I.lane_major_cuda, fake=lambda p: torch.empty_like(p))
+
+# MXFP8 quantise-dequantise ---------------------------------------------------------------------
+_define("mxfp8_qdq(Tensor x, str rule) -> Tensor",
+        cpu=I.mxfp8_qdq_cpu, cuda=I.mxfp8_qdq_torch,
+        fake=lambda x, rule: torch.empty_like(x, dtype=torch.float32))
+
+
+# routing ---------------------------------------------------------------------------------------
+def _route_fake(logits, k):
+    t = logits.shape[0]
+    return logits.new_empty((t, k), dtype=torch.int32), logits.new_empty((t, k), dtype=torch.float32)
+
+
+_define("route_softmax_topk(Tensor logits, int k, bool renormalize) -> (Tensor, Tensor)",
+        cpu=lambda lg, k, r: I.route_cpu(lg, None, False, k, r, 1, 1, 1.0),
+        cuda=I.route_softmax_topk_cuda,
+        fake=lambda lg, k, r: _route_fake(lg, k))
+_define("route_deepseek(Tensor logits, Tensor? correction_bias, int k, int n_group, int topk_group, "
+        "bool renormalize, float routed_scaling_factor) -> (Tensor, Tensor)",
+        cpu=lambda lg, b, k, g, tg, r, s: I.route_cpu(lg, b, True, k, r, g, tg, s),
+        cuda=I.route_deepseek_cuda,
+        fake=lambda lg, b, k, g, tg, r, s: _route_fake(lg, k))
+
+# experts ---------------------------------------------------------------------------------------
+_EXPERTS_ARGS = ("Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13_packed, Tensor w13_codebook, "
+                 "Tensor w13_scale, Tensor w2_packed, Tensor w2_codebook, Tensor w2_scale, int intermediate, "
+                 "str act_format, bool lane_major")
+
+
+def _experts_cpu_out(x, ids, wts, p13, c13, s13, p2, c2, s2, inter, act, lane_major, out):
+    if lane_major:
+        raise ValueError("lane_major: the CPU kernels read checkpoint-order packed bytes (lane_major=False)")
+    I.moe_experts_cpu(x, ids, wts, p13, c13, s13, p2, c2, s2, inter, act, out)
+
+
+def _experts_cuda_out(x, ids, wts, p13, c13, s13, p2, c2, s2, inter, act, lane_major, out):
+    if not lane_major:
+        raise ValueError("lane_major: the CUDA kernels read lane-major packed bytes (torch.ops.lutb.lane_major)")
+    if act != "mxfp8":
+        raise ValueError(f"act_format='{act}': the CUDA kernels run MXFP8 activations only (spec 4); "
+                         "'bf16' runs on the CPU")
+    I.moe_experts_cuda(x, ids, wts, p13, c13, s13, p2, c2, s2, inter, out)
+
+
+def _functional(kernel):
+    def run(x, *args):
+        out = torch.empty_like(x)
+        kernel(x, *args, out)
+        return out
+    return run
+
+
+_define(f"moe_experts({_EXPERTS_ARGS}) -> Tensor",
+        cpu=_functional(_experts_cpu_out), cuda=_functional(_experts_cuda_out),
+        fake=lambda x, *args: torch.empty_like(x))
+_define(f"moe_experts_out({_EXPERTS_ARGS}, Tensor(a!) out) -> ()",
+        cpu=_experts_cpu_out, cuda=_experts_cuda_out,
+        fake=lambda *args: None)
