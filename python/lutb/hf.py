@@ -223,8 +223,16 @@ class LutbExperts(nn.Module):
                     self.register_buffer(f"{proj}_{part}", t)
 
     def lutb_weights(self):
-        """(w13, w2) as ``lutb.LutbWeight`` views of the module's current buffers."""
-        key = tuple(getattr(self, f"{p}_{q}").data_ptr() for p in _PROJS for q in _PARTS)
+        """(w13, w2) as ``lutb.LutbWeight`` views of the module's current buffers.
+
+        Built once per placement of the buffers (``from_tensors`` checks the data, which on CUDA
+        synchronises) and, on CUDA, with the kernels' lane-major copy of ``packed`` made at once, so
+        that a captured CUDA graph or a compiled forward only reads them. Under torch.compile the
+        cached pair is used as it is (build it before compiling: loading does).
+        """
+        if self._lutb_cache is not None and torch.compiler.is_compiling():
+            return self._lutb_cache[1]
+        key = tuple((t.device, t.data_ptr()) for t in (getattr(self, f"{p}_{q}") for p in _PROJS for q in _PARTS))
         if self._lutb_cache is None or self._lutb_cache[0] != key:
             ws = tuple(
                 lutb.LutbWeight.from_tensors(
@@ -233,6 +241,8 @@ class LutbExperts(nn.Module):
                 )
                 for p in _PROJS
             )
+            for w in ws:
+                w.kernel_packed()
             self._lutb_cache = (key, ws)
         return self._lutb_cache[1]
 
@@ -270,8 +280,9 @@ def lutb_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.T
             "weights: load the model with quantization_config=lutb.hf.LutbConfig(...)"
         )
     w13, w2 = self.lutb_weights()
-    x = hidden_states if hidden_states.dtype == torch.bfloat16 else hidden_states.to(torch.bfloat16)
-    out = lutb.moe_experts(x, top_k_index, top_k_weights.float(), w13, w2, act_format=self.act_format)
+    x = hidden_states.to(torch.bfloat16).contiguous()
+    out = lutb.moe_experts(x, top_k_index.contiguous(), top_k_weights.float().contiguous(), w13, w2,
+                           act_format=self.act_format)
     return out.to(hidden_states.dtype)
 
 
@@ -395,12 +406,13 @@ def _check_loaded(model, fit_errors: dict[str, str] | None = None) -> None:
                         f"the logical [E, N, K] {m.logical_shapes[proj]}"
                     )
             scale = getattr(m, f"{proj}_scale")
-            bad = (scale == 255).nonzero()
+            bad = ((scale < 3) | (scale > 246)).nonzero()
             if bad.numel():
                 e, tn, tk = bad[0].tolist()
                 raise ValueError(
                     f"{name}.{proj}_scale (from {stems.replace('.weight', '.weight_scale')}): expert {e}, tile "
-                    f"({tn}, {tk}) has scale byte 255, which UE8M0 reserves for NaN (spec 2)"
+                    f"({tn}, {tk}) has scale byte {int(scale[e, tn, tk])}, outside the 3..246 LUT-B writes "
+                    "(255 is UE8M0 NaN; spec 2)"
                 )
             cb = getattr(m, f"{proj}_codebook")
             bad = ((cb & 0x7F) == 0x7F).nonzero()
@@ -410,7 +422,8 @@ def _check_loaded(model, fit_errors: dict[str, str] | None = None) -> None:
                     f"{name}.{proj}_codebook (from {stems.replace('.weight', '.weight_codebook')}): expert {e}, "
                     f"tile ({tn}, {tk}) entry {j} is an E4M3 NaN (spec 1)"
                 )
-            m._lutb_cache = None
+        m._lutb_cache = None
+        m.lutb_weights()
 
 
 def _logical_shapes(model) -> dict[str, list[int]]:
