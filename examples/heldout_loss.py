@@ -39,8 +39,9 @@ def main(argv=None) -> int:
     kwargs = {}
     if a.lutb:
         kwargs["quantization_config"] = lutb.hf.LutbConfig(fitter=a.fitter, act_format=a.act_format)
-    model = AutoModelForCausalLM.from_pretrained(a.model_dir, dtype=getattr(torch, a.dtype), device_map=a.device,
-                                                 **kwargs)
+    if a.device != "cpu":  # device_map needs accelerate; the CPU is the default placement
+        kwargs["device_map"] = a.device
+    model = AutoModelForCausalLM.from_pretrained(a.model_dir, dtype=getattr(torch, a.dtype), **kwargs)
     model.eval()
     quantised = any(isinstance(m, lutb.hf.LutbExperts) for m in model.modules())
     r = perplexity(model, os.path.join(a.model_dir, "val_tokens.safetensors"), max_windows=a.max_windows,

@@ -90,7 +90,9 @@ def load_model(model_dir: str, device: str = "cpu", dtype: torch.dtype = torch.f
     with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
         stored = json.load(f).get("quantization_config")
     kwargs = {} if stored else {"quantization_config": lutb.hf.LutbConfig(fitter=fitter)}
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map=device, **kwargs)
+    if device != "cpu":  # device_map needs accelerate; the CPU is the default placement
+        kwargs["device_map"] = device
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kwargs)
     model.eval()
     return model, AutoTokenizer.from_pretrained(model_dir)
 

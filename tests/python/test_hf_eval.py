@@ -126,6 +126,7 @@ def _example():
 
 def test_lm_eval_example_runs_in_process(tmp_path):
     pytest.importorskip("lm_eval")
+    pytest.importorskip("accelerate")  # lm_eval's HFLM imports it
     ex = _example()
     folder = model_dir("tiny-qwen3-moe")
     model, tok = ex.load_model(str(folder), "cpu", torch.float32)
