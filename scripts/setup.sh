@@ -13,5 +13,5 @@ $SUDO apt-get install -y -qq --no-install-recommends \
   libgtest-dev libgmock-dev libbenchmark-dev \
   nlohmann-json3-dev libcli11-dev libfmt-dev \
   libopenblas-dev libhwy-dev libomp-dev \
-  python3 >/dev/null
+  python3 python3-dev python3-venv >/dev/null
 echo "lutb: dependencies installed"

@@ -52,20 +52,28 @@ class LutbWeight:
     Build one with lutb.quantize or LutbWeight.from_tensors. On CUDA, lutb.moe_experts keeps a copy
     of `packed` in the kernels' lane-major bit order (lutb/cuda/lane_major.hpp; 192 bytes per tile,
     as much as `packed`), made on first use and cached on the object; kernel_packed() makes it ahead
-    of time (call it before capturing a CUDA graph), drop_kernel_cache() frees it.
+    of time (call it before capturing a CUDA graph), drop_kernel_cache() frees it, and
+    release_packed() frees the checkpoint-order bytes instead (then held once, lane-major).
     """
 
     def __init__(self, packed: Any, codebook: Any, scale: Any, shape: tuple[int, ...]):
         # Unchecked: use from_tensors for data from outside lutb.
-        self.packed = packed
+        self._packed = packed
         self.codebook = codebook
         self.scale = scale
         self.shape = tuple(shape)
         self._kernel_packed: Any = None
 
     @property
+    def packed(self) -> Any:
+        """Checkpoint-order packed bytes; after release_packed(), recomputed from the kernel copy."""
+        if self._packed is None:
+            return I.packed_from_lane_major(self._kernel_packed)
+        return self._packed
+
+    @property
     def device(self) -> str:
-        return A.device_of(self.packed)
+        return A.device_of(self.scale)
 
     @property
     def ndim(self) -> int:
@@ -119,7 +127,7 @@ class LutbWeight:
         dtype: default torch.bfloat16 for torch tensors (exact), numpy.float32 for numpy arrays;
         any float dtype of the same library. Same device as the weight.
         """
-        if A.is_torch(self.packed):
+        if A.is_torch(self.scale):
             torch = A.torch_module()
             w = _ops().dequantize(self.packed, self.codebook, self.scale, list(self.shape))
             return w.to(torch.bfloat16 if dtype is None else dtype)
@@ -128,7 +136,7 @@ class LutbWeight:
 
     def to(self, device: Any) -> "LutbWeight":
         """A copy on `device` (torch devices only; numpy weights go to torch with torch.from_numpy first)."""
-        if not A.is_torch(self.packed):
+        if not A.is_torch(self.scale):
             raise TypeError("device: LutbWeight.to needs torch tensors; this weight holds numpy arrays")
         return LutbWeight(self.packed.to(device), self.codebook.to(device), self.scale.to(device), self.shape)
 
@@ -152,15 +160,28 @@ class LutbWeight:
     def kernel_packed(self) -> Any:
         """The packed bytes the experts kernels of this device read: `packed` itself on the CPU, on
         CUDA a lane-major copy (made once, then cached on this object)."""
-        if not A.is_cuda(self.packed):
-            return self.packed
-        if self._kernel_packed is None:
-            self._kernel_packed = _ops().lane_major(self.packed)
+        if self._kernel_packed is not None:
+            return self._kernel_packed
+        if not A.is_cuda(self._packed):
+            return self._packed
+        self._kernel_packed = _ops().lane_major(self._packed)
         return self._kernel_packed
 
     def drop_kernel_cache(self) -> None:
-        """Frees the cached lane-major copy (the next CUDA moe_experts call makes it again)."""
+        """Frees the cached lane-major copy (the next CUDA moe_experts call makes it again). After
+        release_packed() the checkpoint-order bytes are restored first."""
+        if self._packed is None:
+            self._packed = self.packed
         self._kernel_packed = None
+
+    def release_packed(self) -> None:
+        """CUDA: keeps only the kernels' lane-major copy, so the index bytes are held once (the
+        weight stays at 3.140625 bits per weight on the GPU). `packed` is then recomputed on each
+        access (an exact inverse permutation in torch operations; for tensors(), dequantize(), to()).
+        No effect on the CPU, where the kernels read `packed` itself."""
+        if A.is_cuda(self._packed if self._packed is not None else self._kernel_packed):
+            self.kernel_packed()
+            self._packed = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,7 +339,8 @@ def moe_experts(x: Any, topk_ids: Any, topk_weights: Any, w13: LutbWeight, w2: L
     """The routed experts of a LUT-B MoE layer, spec 4 steps 2-6:
     a = mxfp8_qdq(x); g, u = a . w13[e]^T; h = mxfp8_qdq(bf16(silu(g) * u)); y = h . w2[e]^T;
     out = bf16(sum_j topk_weights[:, j] * y_j) (FP32 sums). act_format="bf16" drops both MXFP8 steps
-    (CPU only).
+    (a baseline; on CUDA it runs the library's BF16 kernels on weights dequantised for each call, exact
+    but not packed, and needs H and I multiples of 64).
 
     x: torch bfloat16 [T, H], contiguous, CPU or CUDA.
     topk_ids: int32 or int64 [T, k] (torch.topk's int64 is fine). Ids are local expert ids; an id >= E
@@ -348,11 +370,11 @@ def moe_experts(x: Any, topk_ids: Any, topk_weights: Any, w13: LutbWeight, w2: L
     for v, n in ((w13, "w13"), (w2, "w2")):
         if not isinstance(v, LutbWeight):
             raise TypeError(f"{n}: expected a LutbWeight, got {type(v).__name__}")
-        if not A.is_torch(v.packed):
+        if not A.is_torch(v.scale):
             raise TypeError(f"{n}: holds numpy arrays; wrap them with torch.from_numpy (LutbWeight.from_tensors)")
         if len(v.shape) != 3:
             raise ValueError(f"{n}: shape {v.shape} is not 3-D [E, N, K]")
-        A.require_same_device(n, x, "x", v.packed)
+        A.require_same_device(n, x, "x", v.scale)
     e, two_i, h13 = w13.shape
     if h13 != h:
         raise ValueError(f"w13: shape {w13.shape} has K={h13}, x has H={h} columns")
@@ -383,12 +405,15 @@ def moe_experts(x: Any, topk_ids: Any, topk_weights: Any, w13: LutbWeight, w2: L
     if cuda:
         if not has_cuda():
             raise ValueError("x: a CUDA tensor, but this lutb build has no CUDA kernels (built without nvcc)")
-        if act_format != "mxfp8":
-            raise ValueError(f"act_format: '{act_format}' runs on the CPU only; the CUDA kernels run MXFP8 (spec 4)")
+        if act_format == "bf16" and (h % 64 or inter % 64):
+            raise ValueError(f"act_format: 'bf16' on CUDA needs H and I multiples of 64 (H = {h}, I = {inter})")
         if inter % 8:
             raise ValueError(f"w13: the CUDA kernels need I % 8 == 0 (I = {inter})")
-    args = (x, topk_ids, topk_weights, w13.kernel_packed(), w13.codebook, w13.scale, w2.kernel_packed(),
-            w2.codebook, w2.scale, inter, act_format, cuda)
+    lane_major = cuda and act_format == "mxfp8"
+    p13 = w13.kernel_packed() if lane_major else w13.packed
+    p2 = w2.kernel_packed() if lane_major else w2.packed
+    args = (x, topk_ids, topk_weights, p13, w13.codebook, w13.scale, p2, w2.codebook, w2.scale, inter, act_format,
+            lane_major)
     if out is None:
         return _ops().moe_experts(*args)
     if not A.is_torch(out) or out.dtype != torch.bfloat16 or tuple(out.shape) != (t, h):

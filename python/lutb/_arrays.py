@@ -58,11 +58,12 @@ def require_contiguous(a: Any, name: str) -> None:
 
 
 def require_same_device(name: str, ref: Any, ref_name: str, a: Any) -> None:
-    if device_of(a) != device_of(ref) or is_torch(a) != is_torch(ref):
-        raise ValueError(
-            f"{name}: on {device_of(a)} ({type(a).__name__}), but {ref_name} is on {device_of(ref)} "
-            f"({type(ref).__name__}); all arguments must be on the same device"
-        )
+    if is_torch(a) != is_torch(ref):
+        raise TypeError(f"{name}: a {type(a).__name__}, but {ref_name} is a {type(ref).__name__}; "
+                        "pass arrays of one kind (torch.from_numpy converts without a copy)")
+    if device_of(a) != device_of(ref):
+        raise ValueError(f"{name}: on {device_of(a)}, but {ref_name} is on {device_of(ref)}; "
+                         "all arguments must be on the same device")
 
 
 def dtype_str(a: Any) -> str:
@@ -82,7 +83,10 @@ def float_source_name(a: Any, name: str) -> str:
 
 
 def raw(a: Any) -> Any:
-    """A DLPack-exportable view of the same memory: 16-bit floats as int16, FP8 as uint8."""
+    """A DLPack-exportable view of the same memory: 16-bit floats as int16, FP8 as uint8; torch
+    tensors detached (torch refuses to export a tensor that requires grad; lutb has no autograd)."""
+    if is_torch(a):
+        a = a.detach()
     d = dtype_str(a)
     if d in ("bfloat16", "float16"):
         t = torch_module()

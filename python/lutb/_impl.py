@@ -230,21 +230,21 @@ def _route_outputs(logits: Any, k: int):
 
 def route_cpu(logits, bias, sigmoid, k, renormalize, n_group, topk_group, scaling):
     ids, weights = _route_outputs(logits, k)
-    _lutb.route_cpu(logits, logits.shape[0], logits.shape[1], bias, sigmoid, k, renormalize, n_group, topk_group,
+    _lutb.route_cpu(A.raw(logits), logits.shape[0], logits.shape[1], None if bias is None else A.raw(bias), sigmoid, k, renormalize, n_group, topk_group,
                     scaling, ids, weights)
     return ids, weights
 
 
 def route_softmax_topk_cuda(logits, k, renormalize):
     ids, weights = _route_outputs(logits, k)
-    _lutb.route_softmax_topk_cuda(logits, logits.shape[0], logits.shape[1], k, renormalize, ids, weights,
+    _lutb.route_softmax_topk_cuda(A.raw(logits), logits.shape[0], logits.shape[1], k, renormalize, ids, weights,
                                   A.stream_of(logits))
     return ids, weights
 
 
 def route_deepseek_cuda(logits, bias, k, n_group, topk_group, renormalize, scaling):
     ids, weights = _route_outputs(logits, k)
-    _lutb.route_deepseek_cuda(logits, bias, logits.shape[0], logits.shape[1], n_group, topk_group, k, renormalize,
+    _lutb.route_deepseek_cuda(A.raw(logits), None if bias is None else A.raw(bias), logits.shape[0], logits.shape[1], n_group, topk_group, k, renormalize,
                               scaling, ids, weights, A.stream_of(logits))
     return ids, weights
 
@@ -257,8 +257,9 @@ def route_deepseek_cuda(logits, bias, k, n_group, topk_group, renormalize, scali
 def moe_experts_cpu(x, topk_ids, topk_weights, w13p, w13c, w13s, w2p, w2c, w2s, intermediate, act_format, out):
     t, h = x.shape
     _lutb.moe_experts_cpu(
-        A.raw(x), t, h, topk_ids, 64 if A.dtype_str(topk_ids) == "int64" else 32, topk_weights,
-        topk_ids.shape[1], w13p.shape[0], intermediate, w13p, w13c, w13s, w2p, w2c, w2s, act_format, A.raw(out),
+        A.raw(x), t, h, A.raw(topk_ids), 64 if A.dtype_str(topk_ids) == "int64" else 32, A.raw(topk_weights),
+        topk_ids.shape[1], w13p.shape[0], intermediate, *(A.raw(v) for v in (w13p, w13c, w13s, w2p, w2c, w2s)),
+        act_format, A.raw(out),
     )
 
 
@@ -275,8 +276,64 @@ def moe_experts_cuda(x, topk_ids, topk_weights, w13p, w13c, w13s, w2p, w2c, w2s,
     ids = torch.where(local, topk_ids, torch.zeros_like(topk_ids)).to(torch.int32).contiguous()
     weights = torch.where(local, topk_weights, torch.zeros_like(topk_weights)).contiguous()
     ws = torch.empty(_lutb.moe_workspace_bytes(t, k, e, h, intermediate), dtype=torch.uint8, device=x.device)
-    _lutb.moe_experts_cuda(A.raw(x), t, h, ids, weights, k, e, intermediate, w13p, w13c, w13s, w2p, w2c, w2s,
-                           A.raw(out), ws, A.stream_of(x))
+    _lutb.moe_experts_cuda(A.raw(x), t, h, ids, A.raw(weights), k, e, intermediate,
+                           *(A.raw(v) for v in (w13p, w13c, w13s, w2p, w2c, w2s)), A.raw(out), ws, A.stream_of(x))
+
+
+def moe_experts_bf16_cuda(x, topk_ids, topk_weights, w13p, w13c, w13s, w2p, w2c, w2s, intermediate, out):
+    """act_format="bf16" on CUDA: the library's BF16 kernels on weights dequantised for this call
+    (exact in BF16, spec 2; checkpoint-order packed bytes; a baseline, so the BF16 copy is not kept)."""
+    torch = A.torch_module()
+    t, h = x.shape
+    k = topk_ids.shape[1]
+    e = w13p.shape[0]
+    if h % 64 or intermediate % 64:
+        raise ValueError(f"act_format: 'bf16' on CUDA needs H and I multiples of 64 (H = {h}, I = {intermediate})")
+    if t == 0:
+        return
+    w13 = dequantize_torch(w13p, w13c, w13s, (e, 2 * intermediate, h)).to(torch.bfloat16)
+    w2 = dequantize_torch(w2p, w2c, w2s, (e, h, intermediate)).to(torch.bfloat16)
+    local = topk_ids < e
+    ids = torch.where(local, topk_ids, torch.zeros_like(topk_ids)).to(torch.int32).contiguous()
+    weights = torch.where(local, topk_weights, torch.zeros_like(topk_weights)).contiguous()
+    ws = torch.empty(_lutb.moe_workspace_bytes(t, k, e, h, intermediate), dtype=torch.uint8, device=x.device)
+    _lutb.moe_experts_bf16_cuda(A.raw(x), t, h, ids, A.raw(weights), k, e, intermediate, A.raw(w13), A.raw(w2),
+                                A.raw(out), ws, A.stream_of(x))
+
+
+def _lane_slots(device):
+    """For lane L = 4g + t and slot j (0..15), the flat tile position g*64 + lane_col(t, j) of
+    lutb/cuda/lane_major.hpp, as a [32 * 16] index in (lane, j) order."""
+    torch = A.torch_module()
+    lane = torch.arange(32, device=device).unsqueeze(1)
+    j = torch.arange(16, device=device).unsqueeze(0)
+    g, t = lane // 4, lane % 4
+    col = torch.where(j < 8, 8 * t + j, 32 + 8 * t + (j - 8))
+    return (g * 64 + col).reshape(-1)
+
+
+def packed_from_lane_major(lm):
+    """Checkpoint-order packed bytes from lane-major ones, with torch operations on any device: the
+    inverse of the CUDA kernels' permutation (lutb/cuda/lane_major.hpp: per lane L, X = bytes 4L..4L+3
+    holds slots 0..7 in its nibbles' low bits and bits 0, 1 of slots 12..15 in nibble bit 3; Y = bytes
+    128+2L..129+2L holds slots 8..11 and bit 2 of slots 12..15)."""
+    torch = A.torch_module()
+    b = lm.reshape(-1, A.PACKED_BYTES).to(torch.int64)
+    x = b[:, 0:128:4] | (b[:, 1:128:4] << 8) | (b[:, 2:128:4] << 16) | (b[:, 3:128:4] << 24)  # [tiles, 32]
+    y = b[:, 128::2] | (b[:, 129::2] << 8)
+    x, y = x.unsqueeze(-1), y.unsqueeze(-1)
+    k8 = torch.arange(8, device=lm.device)
+    k4 = torch.arange(4, device=lm.device)
+    lo = (x >> (4 * k8)) & 7                                             # slots 0..7
+    mid = (y >> (4 * k4)) & 7                                            # slots 8..11
+    hi = (((x >> (4 * k4 + 3)) & 1) | (((x >> (4 * (k4 + 4) + 3)) & 1) << 1)
+          | (((y >> (4 * k4 + 3)) & 1) << 2))                             # slots 12..15
+    v = torch.cat([lo, mid, hi], dim=-1).reshape(b.shape[0], 512)         # (lane, j) order
+    idx = torch.empty_like(v)
+    idx[:, _lane_slots(lm.device)] = v                                    # flat order f = r*64 + c
+    word = (idx.reshape(-1, 64, 8) << (3 * k8)).sum(dim=-1)              # 8 indices per 24-bit word
+    out = torch.stack([word & 0xFF, (word >> 8) & 0xFF, (word >> 16) & 0xFF], dim=-1)
+    return out.to(torch.uint8).reshape(lm.shape)
 
 
 def lane_major_cuda(packed):

@@ -16,7 +16,8 @@ Schemas (all LUT-B tensors uint8, spec 2.2 layout; E = experts, I = intermediate
   moe_experts(x, topk_ids, topk_weights, w13 packed/codebook/scale, w2 packed/codebook/scale,
               intermediate, act_format, lane_major) -> bf16 [T, H]
   moe_experts_out(..., out) -> ()   (writes out)
-lane_major must be False on the CPU and True on CUDA (the packed bytes the kernels read).
+lane_major: the packed bytes are in the CUDA MXFP8 kernels' lane-major order (True only on CUDA with
+act_format "mxfp8"); otherwise checkpoint order (False).
 """
 
 from __future__ import annotations
@@ -96,11 +97,15 @@ def _experts_cpu_out(x, ids, wts, p13, c13, s13, p2, c2, s2, inter, act, lane_ma
 
 
 def _experts_cuda_out(x, ids, wts, p13, c13, s13, p2, c2, s2, inter, act, lane_major, out):
-    if not lane_major:
-        raise ValueError("lane_major: the CUDA kernels read lane-major packed bytes (torch.ops.lutb.lane_major)")
+    if act == "bf16":
+        if lane_major:
+            raise ValueError("lane_major: act_format='bf16' dequantises checkpoint-order packed bytes (lane_major=False)")
+        I.moe_experts_bf16_cuda(x, ids, wts, p13, c13, s13, p2, c2, s2, inter, out)
+        return
     if act != "mxfp8":
-        raise ValueError(f"act_format='{act}': the CUDA kernels run MXFP8 activations only (spec 4); "
-                         "'bf16' runs on the CPU")
+        raise ValueError(f"act_format: '{act}' is not 'mxfp8' or 'bf16'")
+    if not lane_major:
+        raise ValueError("lane_major: the CUDA MXFP8 kernels read lane-major packed bytes (torch.ops.lutb.lane_major)")
     I.moe_experts_cuda(x, ids, wts, p13, c13, s13, p2, c2, s2, inter, out)
 
 

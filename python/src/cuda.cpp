@@ -163,6 +163,41 @@ void moe_experts_cuda(const Array& x, std::int64_t tokens, std::int64_t hidden, 
                     static_cast<std::uint16_t*>(out.data()), workspace.data(), workspace.nbytes(), as_stream(stream));
 }
 
+// The BF16 pipeline (spec 4 without the MXFP8 steps) on BF16 weights: w13 [E, 2I, H] and w2 [E, H, I]
+// row-major BF16 (the caller dequantises LUT-B weights, exactly, for act_format="bf16").
+void moe_experts_bf16_cuda(const Array& x, std::int64_t tokens, std::int64_t hidden, const Array& topk_ids,
+                           const Array& topk_weights, int k, std::int64_t experts, std::int64_t intermediate,
+                           const Array& w13, const Array& w2, const Array& out, const Array& workspace,
+                           std::uintptr_t stream) {
+  DeviceScope scope(x);
+  if (experts < 1 || hidden < 1 || intermediate < 1 || k < 1 || tokens < 0)
+    throw std::invalid_argument("moe_experts: invalid sizes");
+  if (hidden % 64 != 0 || intermediate % 64 != 0)
+    throw std::invalid_argument("act_format='bf16': the CUDA BF16 kernels need H and I multiples of 64 (H = " +
+                                std::to_string(hidden) + ", I = " + std::to_string(intermediate) + ")");
+  require(w13, "w13", static_cast<std::size_t>(experts * 2 * intermediate * hidden) * 2, true);
+  require(w2, "w2", static_cast<std::size_t>(experts * hidden * intermediate) * 2, true);
+  require(x, "x", static_cast<std::size_t>(tokens * hidden) * 2, true);
+  require(topk_ids, "topk_ids", static_cast<std::size_t>(tokens * k) * sizeof(std::int32_t), true);
+  require(topk_weights, "topk_weights", static_cast<std::size_t>(tokens * k) * sizeof(float), true);
+  require(out, "out", static_cast<std::size_t>(tokens * hidden) * 2, true);
+  const std::size_t need = cuda::moe_workspace_bytes(tokens, k, experts, hidden, intermediate);
+  if (workspace.nbytes() < need)
+    throw std::invalid_argument("workspace: has " + std::to_string(workspace.nbytes()) + " bytes, needs " +
+                                std::to_string(need));
+  for (const Array* a : {&w13, &w2, &topk_ids, &topk_weights, &out, &workspace}) same_device(x, *a, "argument");
+  if (tokens == 0) return;
+  cuda::DeviceMoeWeightsBf16 w;
+  w.experts = experts;
+  w.hidden = hidden;
+  w.intermediate = intermediate;
+  w.w13 = static_cast<const std::uint16_t*>(w13.data());
+  w.w2 = static_cast<const std::uint16_t*>(w2.data());
+  cuda::moe_forward_bf16(w, static_cast<const std::uint16_t*>(x.data()), tokens, k,
+                         static_cast<const std::int32_t*>(topk_ids.data()), static_cast<const float*>(topk_weights.data()),
+                         static_cast<std::uint16_t*>(out.data()), workspace.data(), workspace.nbytes(), as_stream(stream));
+}
+
 }  // namespace
 
 void bind_cuda(nb::module_& m) {
@@ -178,6 +213,7 @@ void bind_cuda(nb::module_& m) {
     return cuda::moe_workspace_bytes(t, k, e, h, i);
   });
   m.def("moe_experts_cuda", &moe_experts_cuda);
+  m.def("moe_experts_bf16_cuda", &moe_experts_bf16_cuda);
 }
 
 }  // namespace lutb::python

@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "lutb/cuda/lane_major.hpp"
 #include "lutb/dtype.hpp"
 #include "lutb/fit.hpp"
 #include "lutb/moe.hpp"
@@ -233,6 +234,20 @@ void moe_experts_cpu(const Array& x, std::int64_t tokens, std::int64_t hidden, c
   for (std::size_t i = 0; i < acc.size(); ++i) o[i] = bf16_from_float(acc[i]);
 }
 
+// The lane-major permutation of the CUDA kernels (lutb/cuda/lane_major.hpp, host code) tile by tile:
+// the reference the CUDA copy of LutbWeight.kernel_packed() is tested against.
+void lane_major_cpu(const Array& packed, const Array& out) {
+  const std::size_t bytes = packed.nbytes();
+  if (bytes % kPackedBytes != 0) throw std::invalid_argument("packed: size is not a multiple of 192 bytes");
+  require(packed, "packed", bytes, false);
+  require(out, "out", bytes, false);
+  const auto* in = static_cast<const std::uint8_t*>(packed.data());
+  auto* o = static_cast<std::uint8_t*>(out.data());
+  if (in == o) throw std::invalid_argument("out: must not be packed itself");
+  for (std::size_t t = 0; t < bytes / kPackedBytes; ++t)
+    cuda::tile_to_lane_major(in + t * kPackedBytes, o + t * kPackedBytes);
+}
+
 }  // namespace
 }  // namespace lutb::python
 
@@ -258,5 +273,6 @@ NB_MODULE(_lutb, m) {
         nb::arg("bias").none(), nb::arg("sigmoid"), nb::arg("k"), nb::arg("renormalize"), nb::arg("n_group"),
         nb::arg("topk_group"), nb::arg("scaling"), nb::arg("ids"), nb::arg("weights"));
   m.def("moe_experts_cpu", &moe_experts_cpu);
+  m.def("lane_major_cpu", &lane_major_cpu);
   bind_cuda(m);
 }

@@ -1,0 +1,174 @@
+"""CUDA: the same bytes and numbers as the CPU, CUDA-graph capture and torch.compile (skipped without a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lutb
+
+pytestmark = pytest.mark.cuda
+DEV = "cuda"
+
+
+def weights(shape, seed, dtype=torch.bfloat16, scale=0.05):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("fitter", ["binned-dp", "optimal", "ct-lloyd"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_quantize_same_bytes_as_cpu(fitter, dtype):
+    w = weights((3, 20, 130), 1, dtype)
+    a = lutb.quantize(w, fitter)
+    b = lutb.quantize(w.to(DEV), fitter)
+    assert b.device.startswith("cuda")
+    for x, y in ((a.packed, b.packed), (a.codebook, b.codebook), (a.scale, b.scale)):
+        assert torch.equal(x, y.cpu())
+
+
+def test_quantize_errors_match_cpu():
+    w = torch.zeros(2, 16, 128)
+    w[1, 9, 70] = float("nan")
+    with pytest.raises(ValueError) as cpu:
+        lutb.quantize(w)
+    with pytest.raises(ValueError) as gpu:
+        lutb.quantize(w.to(DEV))
+    assert str(cpu.value) == str(gpu.value)
+    w[1, 9, 70] = 3.3e38
+    with pytest.raises(ValueError) as cpu:
+        lutb.quantize(w)
+    with pytest.raises(ValueError) as gpu:
+        lutb.quantize(w.to(DEV))
+    assert str(cpu.value) == str(gpu.value)
+
+
+def test_dequantize_and_mxfp8_equal_cpu():
+    q = lutb.quantize(weights((2, 20, 130), 2, torch.float32, 10.0))
+    assert torch.equal(q.to(DEV).dequantize(torch.float32).cpu(), q.dequantize(torch.float32))
+    x = torch.randn(9, 100) * 1e3
+    for rule in ("rceil", "floor"):
+        assert torch.equal(lutb.mxfp8_qdq(x.to(DEV), rule).cpu(), lutb.mxfp8_qdq(x, rule))
+
+
+def test_routing_equals_cpu():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(50, 64, generator=g)
+    bias = torch.randn(64, generator=g) * 0.1
+    for renorm in (True, False):
+        a = lutb.route_softmax_topk(logits, 6, renorm)
+        b = lutb.route_softmax_topk(logits.to(DEV), 6, renorm)
+        assert torch.equal(a[0], b[0].cpu())
+        torch.testing.assert_close(a[1], b[1].cpu(), rtol=1e-6, atol=0)
+        a = lutb.route_deepseek(logits, bias, 8, 8, 4, renorm, 2.5)
+        b = lutb.route_deepseek(logits.to(DEV), bias.to(DEV), 8, 8, 4, renorm, 2.5)
+        assert torch.equal(a[0], b[0].cpu())
+        torch.testing.assert_close(a[1], b[1].cpu(), rtol=1e-6, atol=0)
+
+
+def layer(e=8, h=256, i=128, seed=4):
+    w13 = lutb.quantize(weights((e, 2 * i, h), seed))
+    w2 = lutb.quantize(weights((e, h, i), seed + 1))
+    return w13, w2
+
+
+def normalised_error(a, b):
+    return float(torch.linalg.norm(a.double() - b.double()) / torch.linalg.norm(b.double()))
+
+
+@pytest.mark.parametrize("act_format", ["mxfp8", "bf16"])
+@pytest.mark.parametrize("t", [1, 4, 16, 300])
+def test_moe_experts_equals_cpu(t, act_format):
+    """CUDA vs CPU: the same values enter every product; only the FP32 summation order differs, which
+    can flip a BF16 or E4M3 rounding of h and the BF16 rounding of the output on a few elements
+    (normalised error well under 1e-3; a wrong tile or scale gives order 1)."""
+    w13, w2 = layer()
+    g = torch.Generator().manual_seed(t)
+    x = torch.randn(t, 256, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(t)])
+    ids[::3, 1] = 8  # expert-parallel marker: contributes nothing
+    wts = torch.rand(t, 2, generator=g)
+    cpu = lutb.moe_experts(x, ids, wts, w13, w2, act_format=act_format)
+    w13d, w2d = w13.to(DEV), w2.to(DEV)
+    gpu = lutb.moe_experts(x.to(DEV), ids.to(DEV), wts.to(DEV), w13d, w2d, act_format=act_format)
+    assert gpu.dtype == torch.bfloat16
+    assert not gpu.isnan().any()
+    assert normalised_error(gpu.cpu(), cpu) < 1e-3
+
+
+def test_moe_experts_cuda_graph_capture_and_replay():
+    w13, w2 = layer()
+    w13d, w2d = w13.to(DEV), w2.to(DEV)
+    w13d.kernel_packed(), w2d.kernel_packed()  # the lane-major copies, before capture
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 256, generator=g).to(torch.bfloat16).to(DEV)
+    ids = torch.randint(0, 9, (4, 2), generator=g).to(DEV)
+    wts = torch.rand(4, 2, generator=g).to(DEV)
+    out = torch.empty(4, 256, dtype=torch.bfloat16, device=DEV)
+    lutb.moe_experts(x, ids, wts, w13d, w2d, out=out)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        lutb.moe_experts(x, ids, wts, w13d, w2d, out=out)
+    for seed in (6, 7):
+        g = torch.Generator().manual_seed(seed)
+        x.copy_(torch.randn(4, 256, generator=g).to(torch.bfloat16))
+        ids.copy_(torch.randint(0, 9, (4, 2), generator=g))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, lutb.moe_experts(x, ids, wts, w13d, w2d))
+
+
+def test_moe_experts_torch_compile_fullgraph():
+    w13, w2 = layer()
+    w13d, w2d = w13.to(DEV), w2.to(DEV)
+    w13d.kernel_packed(), w2d.kernel_packed()
+    gate = weights((8, 256), 6).to(DEV)
+
+    def block(x):
+        ids, wts = lutb.route_softmax_topk(x.float() @ gate.float().t(), 2, True)
+        return lutb.moe_experts(x, ids, wts, w13d, w2d)
+
+    x = weights((16, 256), 7, scale=1.0).to(DEV)
+    assert torch.equal(torch.compile(block, fullgraph=True)(x), block(x))
+
+
+def test_moe_experts_device_mismatch():
+    w13, w2 = layer()
+    x = torch.zeros(2, 256, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(ValueError, match="w13: on cpu"):
+        lutb.moe_experts(x, torch.zeros(2, 2, dtype=torch.int64, device=DEV), torch.ones(2, 2, device=DEV), w13, w2)
+    with pytest.raises(ValueError, match="topk_ids: on cpu"):
+        lutb.moe_experts(x, torch.zeros(2, 2, dtype=torch.int64), torch.ones(2, 2, device=DEV), w13.to(DEV),
+                         w2.to(DEV))
+
+
+def test_lane_major_copy_equals_the_host_permutation():
+    """The cached kernel copy is lutb/cuda/lane_major.hpp's tile_to_lane_major of every tile."""
+    from lutb import _lutb
+
+    q = lutb.quantize(weights((2, 16, 128), 8)).to(DEV)
+    lm = q.kernel_packed()
+    assert lm is q.kernel_packed()  # cached
+    want = torch.empty_like(q.packed, device="cpu")
+    _lutb.lane_major_cpu(q.packed.cpu(), want)
+    assert torch.equal(lm.cpu(), want)
+    assert not torch.equal(lm, q.packed)
+
+
+def test_release_packed_keeps_one_copy_and_the_same_results():
+    w13, w2 = layer()
+    w13d, w2d = w13.to(DEV), w2.to(DEV)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(6, 256, generator=g).to(torch.bfloat16).to(DEV)
+    ids = torch.randint(0, 8, (6, 2), generator=g).to(DEV)
+    wts = torch.rand(6, 2, generator=g).to(DEV)
+    want = lutb.moe_experts(x, ids, wts, w13d, w2d)
+    w13d.release_packed()
+    w2d.release_packed()
+    assert w13d._packed is None
+    assert torch.equal(lutb.moe_experts(x, ids, wts, w13d, w2d), want)
+    assert torch.equal(w13d.packed.cpu(), w13.packed)  # recomputed from the lane-major copy
+    assert torch.equal(w2d.dequantize().cpu(), w2.dequantize())
+    w13d.drop_kernel_cache()
+    assert torch.equal(w13d._packed.cpu(), w13.packed)

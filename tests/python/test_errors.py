@@ -1,0 +1,124 @@
+"""Bad input raises TypeError / ValueError naming the argument and the reason, never a crash."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import lutb
+
+
+@pytest.fixture(scope="module")
+def layer():
+    g = torch.Generator().manual_seed(0)
+    w13 = lutb.quantize((torch.randn(4, 128, 64, generator=g) * 0.05).to(torch.bfloat16))
+    w2 = lutb.quantize((torch.randn(4, 64, 64, generator=g) * 0.05).to(torch.bfloat16))
+    return w13, w2
+
+
+@pytest.mark.parametrize("w, exc, words", [
+    ([[1.0]], TypeError, "w: expected a torch.Tensor or numpy.ndarray"),
+    (torch.zeros(8, 64, dtype=torch.int32), TypeError, "w: dtype int32"),
+    (torch.zeros(64), ValueError, "w.shape"),
+    (torch.zeros(0, 64), ValueError, "w.shape"),
+    (torch.zeros(64, 16).t(), ValueError, "w: must be contiguous"),
+])
+def test_quantize_bad_arrays(w, exc, words):
+    with pytest.raises(exc, match=words.replace("(", r"\(").replace(".", r"\.")):
+        lutb.quantize(w)
+
+
+def test_quantize_nan_names_the_tile():
+    w = torch.zeros(2, 16, 128)
+    w[1, 9, 70] = float("nan")
+    with pytest.raises(ValueError, match=r"quantize: tensor w, expert 1, tile \(1, 1\): NaN at row 9 col 70"):
+        lutb.quantize(w)
+    w[1, 9, 70] = 3.3e38
+    with pytest.raises(ValueError, match=r"tile \(1, 1\): magnitude 3.3e\+38 needs a scale byte above 246"):
+        lutb.quantize(w, name="experts.down_proj")
+
+
+def test_quantize_bad_options():
+    w = torch.zeros(8, 64)
+    with pytest.raises(ValueError, match="fitter"):
+        lutb.quantize(w, "k-means")
+    with pytest.raises(ValueError, match="forced_scale: 250"):
+        lutb.quantize(w, forced_scale=250)
+    with pytest.raises(ValueError, match="forced_scale"):
+        lutb.quantize(w, "ct-lloyd", forced_scale=120)
+
+
+def test_from_tensors_validation(layer):
+    w13, _ = layer
+    p, c, s = w13.packed, w13.codebook, w13.scale
+    with pytest.raises(ValueError, match=r"P\.weight_packed: shape .* does not match"):
+        lutb.LutbWeight.from_tensors(p[:, :3], c, s, w13.shape, name="P")
+    with pytest.raises(TypeError, match="codebook: dtype float32"):
+        lutb.LutbWeight.from_tensors(p, c.float(), s, w13.shape)
+    bad = s.clone()
+    bad[2, 5, 0] = 255
+    with pytest.raises(ValueError, match=r"P\.weight_scale: tile \(expert 2, tn 5, tk 0\) has scale byte 255"):
+        lutb.LutbWeight.from_tensors(p, c, bad, w13.shape, name="P")
+    bad[2, 5, 0] = 250
+    with pytest.raises(ValueError, match=r"scale: tile \(expert 2, tn 5, tk 0\) has scale byte 250 \(outside 3\.\.246"):
+        lutb.LutbWeight.from_tensors(p, c, bad, w13.shape)
+    badc = c.clone()
+    badc[0, 1, 0, 3] = 0xFF
+    with pytest.raises(ValueError, match=r"codebook: tile \(expert 0, tn 1, tk 0\) has a NaN codebook entry \(index 3, byte 0xFF\)"):
+        lutb.LutbWeight.from_tensors(p, badc, s, w13.shape)
+    with pytest.raises(TypeError, match="scale: a ndarray, but packed is a Tensor"):
+        lutb.LutbWeight.from_tensors(p, c, s.numpy(), w13.shape)
+    with pytest.raises(ValueError, match="shape"):
+        lutb.LutbWeight.from_tensors(p, c, s, (4, 128))
+    nc = torch.empty(4, 16, 1, 384, dtype=torch.uint8)[..., ::2]
+    with pytest.raises(ValueError, match="packed: must be contiguous"):
+        lutb.LutbWeight.from_tensors(nc, c, s, w13.shape)
+
+
+def test_moe_experts_bad_inputs(layer):
+    w13, w2 = layer
+    x = torch.zeros(3, 64, dtype=torch.bfloat16)
+    ids = torch.zeros(3, 2, dtype=torch.int64)
+    wts = torch.ones(3, 2)
+    cases = [
+        ((x.float(), ids, wts, w13, w2), {}, TypeError, "x: dtype float32 is not bfloat16"),
+        ((x[:, :32].contiguous(), ids, wts, w13, w2), {}, ValueError, "w13: shape .* has K=64, x has H=32"),
+        ((x, ids.float(), wts, w13, w2), {}, TypeError, "topk_ids: expected an int32 or int64"),
+        ((x, ids[:2], wts, w13, w2), {}, ValueError, "topk_ids: shape"),
+        ((x, ids, wts[:, :1], w13, w2), {}, ValueError, "topk_weights: shape"),
+        ((x, ids, wts, w2, w2), {}, ValueError, "w2: shape"),
+        ((x, ids, wts, w13.packed, w2), {}, TypeError, "w13: expected a LutbWeight"),
+        ((x, ids, wts, w13, w2), {"act_format": "fp4"}, ValueError, "act_format: 'fp4'"),
+        ((x, ids, wts, w13, w2), {"out": torch.zeros(3, 64)}, ValueError, "out: expected a bfloat16"),
+        ((x, torch.zeros(2, 3, dtype=torch.int64).t(), wts, w13, w2), {}, ValueError, "topk_ids: must be contiguous"),
+        ((x, -ids - 1, wts, w13, w2), {}, ValueError, "topk_ids: token 0 slot 0 holds expert id -1 < 0"),
+    ]
+    for args, kw, exc, words in cases:
+        with pytest.raises(exc, match=words):
+            lutb.moe_experts(*args, **kw)
+
+
+def test_routing_bad_inputs():
+    lg = torch.zeros(4, 16)
+    with pytest.raises(ValueError, match="k: 17 is not in 1..16"):
+        lutb.route_softmax_topk(lg, 17)
+    with pytest.raises(ValueError, match=r"logits: shape \(16,\)"):
+        lutb.route_softmax_topk(torch.zeros(16), 2)
+    with pytest.raises(ValueError, match="n_group: 5"):
+        lutb.route_deepseek(lg, None, 2, 5, 1)
+    with pytest.raises(ValueError, match="topk_group: 3"):
+        lutb.route_deepseek(lg, None, 2, 2, 3)
+    with pytest.raises(ValueError, match=r"correction_bias: shape \(8,\)"):
+        lutb.route_deepseek(lg, torch.zeros(8), 2, 4, 2)
+    with pytest.raises(TypeError, match="logits: dtype int64"):
+        lutb.route_softmax_topk(torch.zeros(4, 16, dtype=torch.int64), 2)
+
+
+def test_mxfp8_bad_inputs():
+    with pytest.raises(ValueError, match="rule: 'ceil'"):
+        lutb.mxfp8_qdq(torch.zeros(4, 32), "ceil")
+    with pytest.raises(TypeError, match="x: dtype float64"):
+        lutb.mxfp8_qdq(np.zeros((4, 32)))
+    with pytest.raises(ValueError, match="x: must be contiguous"):
+        lutb.mxfp8_qdq(torch.zeros(32, 4).t())
