@@ -297,3 +297,20 @@ def test_device_map_auto_over_two_gpus(cli_checkpoints):
     assert len(devices) == 2
     ids = torch.arange(3, 67).view(1, 64).cuda()
     assert torch.equal(one(ids).logits.cpu(), two(ids).logits.cpu())
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_static_cache_generate_compiled_matches_eager(cli_checkpoints):
+    """generate() with a static cache compiles the forward (torch.compile, CUDA graphs); the LUT-B
+    experts op runs inside it and gives the eager tokens."""
+    model = AutoModelForCausalLM.from_pretrained(cli_checkpoints["qwen3_moe"], dtype=torch.bfloat16,
+                                                 device_map="cuda")
+    ids = torch.arange(3, 35).view(2, 16).cuda()
+    kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, cache_implementation="static", pad_token_id=0)
+    model.generation_config.disable_compile = True
+    eager = model.generate(input_ids=ids, **kw)
+    model.generation_config.disable_compile = False
+    compiled = model.generate(input_ids=ids, **kw)
+    compiled = model.generate(input_ids=ids, **kw)  # the second call replays the compiled graph
+    assert torch.equal(eager, compiled)
