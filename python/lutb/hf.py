@@ -322,12 +322,11 @@ class LutbQuantize(ConversionOps):
         module = model.get_submodule(module_name)
         if not isinstance(module, LutbExperts) or proj not in _PROJS:
             raise RuntimeError(f"{full_layer_name}: not a routed-expert stack of a LutbExperts module")
-        if tuple(value.shape) != module.logical_shapes[proj]:
-            raise ValueError(
-                f"{full_layer_name}: shape {tuple(value.shape)} differs from {module.logical_shapes[proj]} of the config"
-            )
         try:
-            w = lutb.quantize(value, fitter=self.hf_quantizer.quantization_config.fitter)
+            if tuple(value.shape) != module.logical_shapes[proj]:
+                raise ValueError(f"shape {tuple(value.shape)} differs from {module.logical_shapes[proj]} of the config")
+            w = lutb.quantize(value.contiguous(), fitter=self.hf_quantizer.quantization_config.fitter,
+                              name=full_layer_name)
         except Exception as e:
             # The loader logs a conversion error and goes on; _check_loaded names it again and stops.
             self.hf_quantizer.fit_errors[full_layer_name] = f"{type(e).__name__}: {e}"

@@ -206,6 +206,22 @@ def test_unsupported_family_is_named(tmp_path):
         AutoModelForCausalLM.from_pretrained(tmp_path / "llama", quantization_config=lutb.hf.LutbConfig())
 
 
+def test_nan_weight_stops_the_load_naming_the_stack(tmp_path, capfd, caplog):
+    src = tiny_olmoe(tmp_path / "olmoe")
+    t = load_file(str(src / "model.safetensors"))
+    key = "model.layers.1.mlp.experts.2.up_proj.weight"
+    assert key in t
+    t[key][3, 5] = float("nan")
+    save_file(t, str(src / "model.safetensors"), metadata={"format": "pt"})
+    # transformers collects the error of the fit in its load report and stops the load with it
+    with pytest.raises(RuntimeError, match="automatic conversion of the weights"):
+        AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, quantization_config=lutb.hf.LutbConfig())
+    out, err = capfd.readouterr()
+    # expert 2's up rows follow its 64 gate rows in the fused stack: row 64 + 3
+    assert ("quantize: tensor model.layers.1.mlp.experts.gate_up_proj, expert 2, tile (8, 0): NaN at row 67 col 5"
+            in out + err + caplog.text)
+
+
 def corrupt_copy(src, dst, key, edit):
     shutil.copytree(src, dst)
     f = dst / "model.safetensors"
