@@ -263,6 +263,11 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_hf_generate: needs a CUDA GPU", file=sys.stderr)
         return 1
+    try:
+        import accelerate  # noqa: F401  (from_pretrained's device_map needs it)
+    except ImportError:
+        print("bench_hf_generate: needs accelerate (pip install accelerate) for device_map", file=sys.stderr)
+        return 1
     import lutb
     import lutb.hf
 

@@ -33,13 +33,12 @@ which needs ``moe_intermediate_size`` to be a multiple of 8.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch import nn
 from transformers.core_model_loading import ConversionOps
-from transformers.integrations.moe import ExpertsInterface
+from transformers.integrations.moe import ExpertsInterface, use_experts_implementation
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
 from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
 from transformers.utils.quantization_config import QuantizationConfigMixin
@@ -190,6 +189,49 @@ def _experts_dims(config) -> tuple[int, int, int]:
     return num_experts, int(config.hidden_size), inter
 
 
+def lutb_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                         top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The ``"lutb"`` experts implementation: ``lutb.moe_experts`` on a ``LutbExperts`` module.
+
+    Shapes as transformers' experts forward: ``hidden_states [T, H]``, ``top_k_index [T, k]``,
+    ``top_k_weights [T, k]``; returns ``[T, H]`` in ``hidden_states.dtype``.
+
+    Raises:
+        TypeError: the module holds BF16 experts (load the model with ``LutbConfig`` instead).
+    """
+    if not isinstance(self, LutbExperts):
+        raise TypeError(
+            f"experts implementation 'lutb' runs LUT-B experts only; {type(self).__name__} holds unquantised "
+            "weights: load the model with quantization_config=lutb.hf.LutbConfig(...)"
+        )
+    w13, w2 = self.lutb_weights()
+    x = hidden_states.to(torch.bfloat16).contiguous()
+    out = lutb.moe_experts(x, top_k_index.contiguous(), top_k_weights.float().contiguous(), w13, w2,
+                           act_format=self.act_format)
+    return out.to(hidden_states.dtype)
+
+
+class LutbExpertsInterface(ExpertsInterface):
+    """The experts implementations a ``LutbExperts`` module accepts: ``"lutb"`` (``"eager"`` and an
+    unset implementation mean the same). Any other name is an error rather than a BF16 kernel run on
+    packed weights."""
+
+    _global_mapping = {"lutb": lutb_experts_forward}
+
+    def get_interface(self, experts_implementation, default):
+        if experts_implementation in (None, "eager", "lutb"):
+            return lutb_experts_forward
+        raise ValueError(
+            f"experts implementation {experts_implementation!r}: a LUT-B model runs its experts with 'lutb' only"
+        )
+
+
+LUTB_EXPERTS_FUNCTIONS = LutbExpertsInterface()
+
+
+# LutbExperts dispatches through transformers' experts decorator like every experts class, on its
+# own interface ("lutb" only).
+@use_experts_implementation(experts_interface=LUTB_EXPERTS_FUNCTIONS)
 class LutbExperts(nn.Module):
     """The routed experts of one MoE block, held as LUT-B weights and run by ``lutb.moe_experts``.
 
@@ -264,44 +306,6 @@ def _empty_lutb(shape) -> dict[str, torch.Tensor]:
     }
 
 
-def lutb_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                         top_k_weights: torch.Tensor) -> torch.Tensor:
-    """The ``"lutb"`` experts implementation: ``lutb.moe_experts`` on a ``LutbExperts`` module.
-
-    Shapes as transformers' experts forward: ``hidden_states [T, H]``, ``top_k_index [T, k]``,
-    ``top_k_weights [T, k]``; returns ``[T, H]`` in ``hidden_states.dtype``.
-
-    Raises:
-        TypeError: the module holds BF16 experts (load the model with ``LutbConfig`` instead).
-    """
-    if not isinstance(self, LutbExperts):
-        raise TypeError(
-            f"experts implementation 'lutb' runs LUT-B experts only; {type(self).__name__} holds unquantised "
-            "weights: load the model with quantization_config=lutb.hf.LutbConfig(...)"
-        )
-    w13, w2 = self.lutb_weights()
-    x = hidden_states.to(torch.bfloat16).contiguous()
-    out = lutb.moe_experts(x, top_k_index.contiguous(), top_k_weights.float().contiguous(), w13, w2,
-                           act_format=self.act_format)
-    return out.to(hidden_states.dtype)
-
-
-class LutbExpertsInterface(ExpertsInterface):
-    """The experts implementations a ``LutbExperts`` module accepts: ``"lutb"`` (``"eager"`` and an
-    unset implementation mean the same). Any other name is an error rather than a BF16 kernel run on
-    packed weights."""
-
-    _global_mapping = {"lutb": lutb_experts_forward}
-
-    def get_interface(self, experts_implementation, default):
-        if experts_implementation in (None, "eager", "lutb"):
-            return lutb_experts_forward
-        raise ValueError(
-            f"experts implementation {experts_implementation!r}: a LUT-B model runs its experts with 'lutb' only"
-        )
-
-
-LUTB_EXPERTS_FUNCTIONS = LutbExpertsInterface()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -560,9 +564,4 @@ def _register() -> None:
     ExpertsInterface.register("lutb", lutb_experts_forward)
 
 
-# LutbExperts dispatches through transformers' experts decorator like every experts class, on its
-# own interface: "lutb" only.
-from transformers.integrations.moe import use_experts_implementation  # noqa: E402
-
-LutbExperts = use_experts_implementation(LutbExperts, experts_interface=LUTB_EXPERTS_FUNCTIONS)
 _register()

@@ -11,17 +11,9 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from conftest import REPO, shared_dir  # noqa: E402  (tests/python is on sys.path under pytest)
+
 FAMILY_MODELS = {"qwen3_moe": "tiny-qwen3-moe", "mixtral": "tiny-mixtral", "deepseek_v3": "tiny-deepseek-v3"}
-
-
-def shared_dir() -> Path | None:
-    """LUTB_SHARED_DIR, else ../shared beside the checkout; None when absent (as the C++ tests)."""
-    env = os.environ.get("LUTB_SHARED_DIR")
-    if env:
-        return Path(env) if Path(env).is_dir() else None
-    p = REPO.parent / "shared"
-    return p if p.is_dir() else None
 
 
 def model_dir(name: str) -> Path:
@@ -33,10 +25,10 @@ def model_dir(name: str) -> Path:
 
 
 def cli_path() -> Path:
-    """The lutb CLI: LUTB_CLI, else build/cpu/lutb or build/release/lutb of this checkout; skips the
-    test when none exists."""
+    """The lutb CLI, found as conftest's `cli` fixture finds it (LUTB_CLI, else build/release/lutb or
+    build/cpu/lutb, else PATH), for module-scoped fixtures; skips the test when none exists."""
     env = os.environ.get("LUTB_CLI")
-    candidates = [Path(env)] if env else [REPO / "build" / "cpu" / "lutb", REPO / "build" / "release" / "lutb"]
+    candidates = [Path(env)] if env else [REPO / "build" / "release" / "lutb", REPO / "build" / "cpu" / "lutb"]
     for c in candidates:
         if c.is_file() and os.access(c, os.X_OK):
             return c

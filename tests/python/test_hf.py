@@ -15,11 +15,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
-from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
 import lutb  # noqa: E402
 import lutb.hf  # noqa: E402
-from hf_support import FAMILY_MODELS, cli_path, model_dir, run_cli  # noqa: E402
+from hf_support import FAMILY_MODELS, model_dir, run_cli  # noqa: E402
 
 FAMILIES = list(FAMILY_MODELS)
 
@@ -286,6 +286,7 @@ cuda = pytest.mark.skipif(not (torch.cuda.is_available() and lutb.has_cuda()),
 @pytest.mark.cuda
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cuda_online_load_saves_the_cli_bytes(family, cli_checkpoints, tmp_path):
+    pytest.importorskip("accelerate")  # device_map needs it
     model = load_online(family, device_map="cuda")
     assert all(m.gate_up_proj_packed.is_cuda for m in model.modules() if isinstance(m, lutb.hf.LutbExperts))
     model.save_pretrained(tmp_path / "saved")
@@ -303,6 +304,7 @@ def test_cuda_online_load_saves_the_cli_bytes(family, cli_checkpoints, tmp_path)
 @pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_device_map_auto_over_two_gpus(cli_checkpoints):
+    pytest.importorskip("accelerate")
     path = cli_checkpoints["qwen3_moe"]
     one = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda:0")
     size = (path / "model.safetensors").stat().st_size
