@@ -44,6 +44,7 @@ from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 import lutb
+from lutb import _impl as lutb_impl
 
 __all__ = [
     "LutbConfig",
@@ -254,6 +255,9 @@ class LutbExperts(nn.Module):
         self.has_bias = False
         self.has_gate = True
         self._lutb_cache: tuple | None = None
+        # proj -> whether its *_packed buffer holds the CUDA kernels' lane-major order (lutb_weights)
+        self._lane_major = {p: False for p in _PROJS}
+        self.register_state_dict_post_hook(self._state_dict_in_checkpoint_order)
         E, H, I = self.num_experts, self.hidden_size, self.intermediate_size
         self.logical_shapes = {"gate_up_proj": (E, 2 * I, H), "down_proj": (E, H, I)}
         if online:
@@ -268,25 +272,44 @@ class LutbExperts(nn.Module):
         """(w13, w2) as ``lutb.LutbWeight`` views of the module's current buffers.
 
         Built once per placement of the buffers (``from_tensors`` checks the data, which on CUDA
-        synchronises) and, on CUDA, with the kernels' lane-major copy of ``packed`` made at once, so
-        that a captured CUDA graph or a compiled forward only reads them. Under torch.compile the
-        cached pair is used as it is (build it before compiling: loading does).
+        synchronises), so that a captured CUDA graph or a compiled forward only reads them; under
+        torch.compile the cached pair is used as it is (loading builds it).
+
+        On CUDA the kernels read ``packed`` in a lane-major order (``LutbWeight.kernel_packed``).
+        The module then holds that copy alone as its ``*_packed`` buffer, so the index bytes are
+        held once (3.14 bits per weight on the GPU); ``state_dict()`` (and so ``save_pretrained``)
+        returns them in checkpoint order, and a move to another device converts them back first.
         """
         if self._lutb_cache is not None and torch.compiler.is_compiling():
             return self._lutb_cache[1]
-        key = tuple((t.device, t.data_ptr()) for t in (getattr(self, f"{p}_{q}") for p in _PROJS for q in _PARTS))
-        if self._lutb_cache is None or self._lutb_cache[0] != key:
-            ws = tuple(
-                lutb.LutbWeight.from_tensors(
-                    getattr(self, f"{p}_packed"), getattr(self, f"{p}_codebook"), getattr(self, f"{p}_scale"),
-                    self.logical_shapes[p],
+        if self._lutb_cache is None or self._lutb_cache[0] != self._placement():
+            ws = []
+            for p in _PROJS:
+                packed = getattr(self, f"{p}_packed")
+                if self._lane_major[p]:
+                    packed = lutb_impl.packed_from_lane_major(packed)
+                w = lutb.LutbWeight.from_tensors(
+                    packed, getattr(self, f"{p}_codebook"), getattr(self, f"{p}_scale"), self.logical_shapes[p]
                 )
-                for p in _PROJS
-            )
-            for w in ws:
-                w.kernel_packed()
-            self._lutb_cache = (key, ws)
+                self._lane_major[p] = w.packed.is_cuda
+                if w.packed.is_cuda:
+                    w.release_packed()
+                    setattr(self, f"{p}_packed", w.kernel_packed())
+                else:
+                    setattr(self, f"{p}_packed", w.packed)
+                ws.append(w)
+            self._lutb_cache = (self._placement(), tuple(ws))
         return self._lutb_cache[1]
+
+    def _placement(self):
+        return tuple((t.device, t.data_ptr()) for t in (getattr(self, f"{p}_{q}") for p in _PROJS for q in _PARTS))
+
+    @staticmethod
+    def _state_dict_in_checkpoint_order(module, state_dict, prefix, local_metadata):
+        for p in _PROJS:
+            key = f"{prefix}{p}_packed"
+            if module._lane_major.get(p) and key in state_dict:
+                state_dict[key] = lutb_impl.packed_from_lane_major(state_dict[key])
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         return lutb_experts_forward(self, hidden_states, top_k_index, top_k_weights)
@@ -339,6 +362,7 @@ class LutbQuantize(ConversionOps):
         module._parameters.pop(proj, None)
         for part in _PARTS:
             module.register_buffer(f"{proj}_{part}", getattr(w, part))
+        module._lane_major[proj] = False
         module._lutb_cache = None
         if missing_keys is not None:
             missing_keys.discard(full_layer_name)

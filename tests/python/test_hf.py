@@ -159,6 +159,33 @@ def test_prequantized_load_does_not_refit(family, cli_checkpoints, monkeypatch):
     assert not torch.equal(bf16(ids).logits, got)
 
 
+def test_lane_major_buffers_save_and_move_in_checkpoint_order(cli_checkpoints):
+    """On CUDA a LutbExperts module holds its index bytes once, in the kernels' lane-major order.
+    Emulated here on the CPU with the host reference of that order: state_dict() gives checkpoint
+    order, and rebuilding the weights (as after a move) converts the buffer back."""
+    from lutb import _lutb
+
+    model = AutoModelForCausalLM.from_pretrained(cli_checkpoints["qwen3_moe"], dtype=torch.bfloat16)
+    ids = torch.arange(3, 35).view(1, 32)
+    want_logits = model(ids).logits
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    m = model.model.layers[1].mlp.experts
+    for p in ("gate_up_proj", "down_proj"):
+        packed = getattr(m, f"{p}_packed")
+        lm = torch.empty_like(packed)
+        _lutb.lane_major_cpu(packed, lm)
+        assert not torch.equal(lm, packed)
+        setattr(m, f"{p}_packed", lm)
+        m._lane_major[p] = True
+    got = model.state_dict()
+    for k in ("model.layers.1.mlp.experts.gate_up_proj_packed", "model.layers.1.mlp.experts.down_proj_packed"):
+        assert torch.equal(got[k], want[k]), k
+    m._lutb_cache = None  # as after .to(): the next forward rebuilds from the buffers
+    assert torch.equal(model(ids).logits, want_logits)
+    assert not any(m._lane_major.values())
+    assert torch.equal(m.down_proj_packed, want["model.layers.1.mlp.experts.down_proj_packed"])
+
+
 def test_saved_checkpoint_reads_in_cli_eval(cli_checkpoints, tmp_path):
     model = load_online("mixtral")
     model.save_pretrained(tmp_path / "saved")
