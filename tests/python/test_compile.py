@@ -68,3 +68,33 @@ def test_fullgraph_compile_with_out_argument():
     r1 = f(x, ids, wts, o1)
     r2 = torch.compile(f, fullgraph=True, backend="aot_eager")(x, ids, wts, o2)
     assert torch.equal(r1, r2) and torch.equal(o1, o2)
+
+
+def test_opcheck_of_every_operator():
+    """torch.library.opcheck: schema (mutation declared), fake kernels against the real ones, and AOT
+    dispatch with dynamic shapes."""
+    import pytest
+
+    g = torch.Generator().manual_seed(2)
+    w13 = lutb.quantize((torch.randn(4, 128, 64, generator=g) * 0.05).to(torch.bfloat16))
+    w2 = lutb.quantize((torch.randn(4, 64, 64, generator=g) * 0.05).to(torch.bfloat16))
+    x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    ids = torch.randint(0, 5, (5, 2), generator=g)
+    wts = torch.rand(5, 2, generator=g)
+    experts = (x, ids, wts, w13.packed, w13.codebook, w13.scale, w2.packed, w2.codebook, w2.scale, 64, "mxfp8",
+               False)
+    ops = torch.ops.lutb
+    cases = [
+        (ops.moe_experts.default, experts),
+        (ops.moe_experts_out.default, experts + (torch.empty(5, 64, dtype=torch.bfloat16),)),
+        (ops.route_softmax_topk.default, (torch.randn(5, 8, generator=g), 2, True)),
+        (ops.route_deepseek.default, (torch.randn(5, 8, generator=g), torch.randn(8, generator=g), 2, 4, 2, True, 2.5)),
+        (ops.mxfp8_qdq.default, (torch.randn(5, 40, generator=g), "rceil")),
+        (ops.dequantize.default, (w2.packed, w2.codebook, w2.scale, [4, 64, 64])),
+        (ops.quantize.default, (torch.randn(2, 16, 64, generator=g), "binned-dp", -1, 0, "w")),
+    ]
+    for op, args in cases:
+        try:
+            torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+        except Exception as e:  # noqa: BLE001 (report which operator failed)
+            pytest.fail(f"{op}: {e}")

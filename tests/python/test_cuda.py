@@ -172,3 +172,26 @@ def test_release_packed_keeps_one_copy_and_the_same_results():
     assert torch.equal(w2d.dequantize().cpu(), w2.dequantize())
     w13d.drop_kernel_cache()
     assert torch.equal(w13d._packed.cpu(), w13.packed)
+
+
+def test_opcheck_of_the_cuda_kernels():
+    w13, w2 = layer()
+    w13d, w2d = w13.to(DEV), w2.to(DEV)
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(5, 256, generator=g).to(torch.bfloat16).to(DEV)
+    ids = torch.randint(0, 9, (5, 2), generator=g).to(DEV)
+    wts = torch.rand(5, 2, generator=g).to(DEV)
+    experts = (x, ids, wts, w13d.kernel_packed(), w13d.codebook, w13d.scale, w2d.kernel_packed(), w2d.codebook,
+               w2d.scale, 128, "mxfp8", True)
+    ops = torch.ops.lutb
+    cases = [
+        (ops.moe_experts.default, experts),
+        (ops.moe_experts_out.default, experts + (torch.empty(5, 256, dtype=torch.bfloat16, device=DEV),)),
+        (ops.route_softmax_topk.default, (torch.randn(5, 8, device=DEV), 2, True)),
+        (ops.route_deepseek.default, (torch.randn(5, 8, device=DEV), torch.randn(8, device=DEV), 2, 4, 2, True, 2.5)),
+        (ops.mxfp8_qdq.default, (torch.randn(5, 40, device=DEV), "rceil")),
+        (ops.dequantize.default, (w2d.packed, w2d.codebook, w2d.scale, [8, 256, 128])),
+        (ops.lane_major.default, (w2d.packed,)),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
