@@ -213,7 +213,7 @@ TEST(MoeDecodePaths, FuseReduceRuleHostOnly) {
 // shapes at T = 1 on 132 SMs: Qwen3-30B 192 CTAs x 8 warps, 32 K-tiles (2 -> 3 half CTAs per SM:
 // split); DeepSeek-V3 512 x 4, 112 (4 -> 8: not); Qwen3-235B 384 x 4, 64 (3 -> 6: not); Mixtral 896 x 2.
 TEST(MoeDecodePaths, SplitRuleHostOnly) {
-  auto eq = [](cuda::DecodeSplit s, int ks, int w) { return s.ksplit == ks && s.warps == w; };
+  auto eq = [](hx::DecodeSplit s, int ks, int w) { return s.ksplit == ks && s.warps == w; };
   EXPECT_TRUE(eq(hx::decode_k_split(192, 32, 8, 132), 2, 4));
   EXPECT_TRUE(eq(hx::decode_k_split(512, 112, 4, 132), 1, 4));
   EXPECT_TRUE(eq(hx::decode_k_split(384, 64, 4, 132), 1, 4));
