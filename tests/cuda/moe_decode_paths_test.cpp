@@ -722,6 +722,78 @@ TEST(MoeActKernel, IssueShapesBitIdenticalToDefault) {
   expect_act_bit_identical({8, 4096, 1792, 0, 2, false}, 1814, {1, 2, 3, 4});   // Mixtral-8x7B, I / 8
 }
 
+// The option really moves the epilogue: after the forward, the workspace's GEMM1-sum rows of every
+// pair are written (finite FP32 values) with kDecodeActKernel, and with the default paths where
+// decode_act_kernel says so, and left as poisoned (all bytes 0xff) otherwise; where P x GEMM1's
+// split exceeds the workspace's rows (act_rows) the option is ignored: T = 64, 128 (512 and 1024
+// pairs: the kernel runs; 1024 = kActMaxRows), 129 (1032 pairs > 1024 rows: not) and the forced split
+// (mode 3: two ranks per pair, so T = 64 fills the 1024 rows and T = 128 does not fit).
+TEST(MoeDecodePaths, ActKernelWritesGemm1SumsOnlyWhenSelected) {
+  if (!gpu_here()) GTEST_SKIP() << "no CUDA device: skipping GPU test";
+  std::mt19937 rng(1820);
+  const std::int64_t E = 128, H = 256, I = 64, Ip = 64;
+  const int k = 8;
+  const Layer L(E, H, I, rng);
+  // The forced split needs cluster launches (sm_90a image, cc 9.x): mode 3 is skipped elsewhere.
+  int dev = 0, major = 0;
+  ckd(cudaGetDevice(&dev), "cudaGetDevice");
+  ckd(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "cc");
+  const bool split_here = major == 9;
+  EXPECT_EQ(hx::kActMaxRows, 1024);
+  EXPECT_EQ(hx::act_rows(1032, E), 1024);
+  EXPECT_EQ(hx::act_rows(136, E), 272);
+  for (std::int64_t T : {1, 4, 8, 16, 17, 64, 128, 129}) {
+    std::vector<int> allowed(E);
+    for (int e = 0; e < E; ++e) allowed[e] = e;
+    std::vector<std::int32_t> ids;
+    std::vector<float> wts;
+    routing(T, k, allowed, rng, ids, wts);
+    const auto x = rand_x(T * H, rng);
+    const std::int64_t P = T * k;
+    const std::size_t wsb = cuda::moe_workspace_bytes(T, k, E, H, I);
+    // The sums are the last region of the workspace (lutb_moe_steps.cu carve): act_rows(P, E) rows of
+    // 2 Ip FP32 (one per pair and split rank), 256-byte aligned.
+    const std::int64_t rows = hx::act_rows(P, E);
+    EXPECT_EQ(rows, std::min<std::int64_t>(2 * P, 1024));  // 36 E = 4608 does not bind here
+    const std::size_t part_floats = static_cast<std::size_t>(rows) * 2 * Ip;
+    const std::size_t part_bytes = part_floats * sizeof(float);
+    ASSERT_GE(wsb, part_bytes);
+    const std::size_t part_at = wsb - ((part_bytes + 255) / 256 * 256);
+    // Without the kernel, forced, the default (its rule), forced with GEMM1 split in two.
+    for (int mode = 0; mode < (split_here ? 4 : 3); ++mode) {
+      SCOPED_TRACE(::testing::Message() << "T " << T << " mode " << mode);
+      Buf<std::uint16_t> dx(x), out(static_cast<std::size_t>(T * H));
+      Buf<std::int32_t> did(ids);
+      Buf<float> dw(wts);
+      Buf<char> ws(wsb);
+      ckd(cudaMemset(ws.p, 0xff, wsb), "poison workspace");
+      const unsigned paths[4] = {kDecodePathsDefault & ~kDecodeActKernelRule, kDecodePathsDefault | kDecodeActKernel,
+                                 kDecodePathsDefault, kDecodePathsDefault | kDecodeActKernel};
+      // Nothing after GEMM1 and the activation kernel touches the sums' region.
+      cuda::detail::moe_forward_plan(L.w, dx.p, T, k, did.p, dw.p, out.p, ws.p, wsb, nullptr,
+                                     plan_of(L, T, k, paths[mode], mode == 3));
+      ckd(cudaDeviceSynchronize(), "moe_forward");
+      std::vector<float> part(part_floats);
+      ckd(cudaMemcpy(part.data(), ws.p + part_at, part_bytes, cudaMemcpyDeviceToHost), "D2H");
+      std::int64_t finite = 0, poisoned = 0;
+      for (float v : part) {
+        std::uint32_t b;
+        std::memcpy(&b, &v, 4);
+        finite += std::isfinite(v);
+        poisoned += b == 0xffffffffu;
+      }
+      // GEMM1 unsplit here by the rule (4 K-tiles): rank 0's row of each pair, 2 Ip values; mode 3
+      // two ranks' rows per pair. The rule says yes from T = 16 (1.55 pairs per expert), no at T = 1,
+      // 4, 8 (1.00, 1.10, 1.24).
+      const bool act = mode == 1 || mode == 3 || (mode == 2 && hx::decode_act_kernel(T, k, E, H));
+      EXPECT_EQ(hx::decode_act_kernel(T, k, E, H), T >= 16);
+      const std::int64_t ranks = mode == 3 ? 2 : 1;
+      const std::int64_t expect_written = act && P * ranks <= rows ? P * ranks * 2 * Ip : 0;
+      EXPECT_EQ(finite, expect_written);
+      EXPECT_EQ(poisoned, static_cast<std::int64_t>(part_floats) - expect_written);
+    }
+  }
+}
 
 }  // namespace
 }  // namespace lutb::test
