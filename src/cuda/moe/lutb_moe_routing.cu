@@ -1,11 +1,11 @@
-// src/cuda/routing.cu: router top-k kernels (spec section 5). One warp per token; the token's E
+// src/cuda/moe/lutb_moe_routing.cu: router top-k kernels (spec section 5). One warp per token; the token's E
 // scores live in shared memory; selections are warp arg-max rounds (ties: lower index), so the
 // output order is descending score, as the golden vectors expect.
 #include <cmath>
 #include <stdexcept>
 #include <string>
 
-#include "common.cuh"
+#include "cuda/common.cuh"
 #include "lutb/cuda/moe.hpp"
 
 namespace lutb::cuda {
@@ -28,7 +28,7 @@ __device__ __forceinline__ void warp_argmax(float& v, int& i) {
 }
 
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
-    sm80_softmax_topk_kernel(const float* __restrict__ logits, long long tokens, int E, int k, bool renorm,
+    lutb_moe_routing_softmax_topk(const float* __restrict__ logits, long long tokens, int E, int k, bool renorm,
                              int* __restrict__ ids, float* __restrict__ weights) {
   extern __shared__ float smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -75,7 +75,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
 }
 
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
-    sm80_deepseek_topk_kernel(const float* __restrict__ logits, const float* __restrict__ bias, long long tokens,
+    lutb_moe_routing_deepseek(const float* __restrict__ logits, const float* __restrict__ bias, long long tokens,
                               int E, int n_group, int topk_group, int k, bool renorm, float scaling,
                               int* __restrict__ ids, float* __restrict__ weights) {
   extern __shared__ float smem[];
@@ -158,9 +158,9 @@ void route_softmax_topk(const float* logits, std::int64_t tokens, int experts, i
   if (tokens <= 0) return;
   const auto blocks = static_cast<unsigned>(detail::ceil_div(tokens, kWarpsPerBlock));
   const std::size_t smem = sizeof(float) * kWarpsPerBlock * experts;
-  sm80_softmax_topk_kernel<<<blocks, kWarpsPerBlock * 32, smem, stream>>>(logits, tokens, experts, k, renormalize,
+  lutb_moe_routing_softmax_topk<<<blocks, kWarpsPerBlock * 32, smem, stream>>>(logits, tokens, experts, k, renormalize,
                                                                           topk_ids, topk_weights);
-  detail::check_launch("sm80_softmax_topk_kernel");
+  detail::check_launch("lutb_moe_routing_softmax_topk");
 }
 
 void route_deepseek(const float* logits, const float* bias, std::int64_t tokens, int experts, int n_group,
@@ -175,10 +175,10 @@ void route_deepseek(const float* logits, const float* bias, std::int64_t tokens,
   if (tokens <= 0) return;
   const auto blocks = static_cast<unsigned>(detail::ceil_div(tokens, kWarpsPerBlock));
   const std::size_t smem = sizeof(float) * kWarpsPerBlock * (2 * experts + n_group);
-  sm80_deepseek_topk_kernel<<<blocks, kWarpsPerBlock * 32, smem, stream>>>(
+  lutb_moe_routing_deepseek<<<blocks, kWarpsPerBlock * 32, smem, stream>>>(
       logits, bias, tokens, experts, n_group, topk_group, k, renormalize, routed_scaling_factor, topk_ids,
       topk_weights);
-  detail::check_launch("sm80_deepseek_topk_kernel");
+  detail::check_launch("lutb_moe_routing_deepseek");
 }
 
 }  // namespace lutb::cuda

@@ -1,8 +1,9 @@
-// src/cuda/moe_swapab.cuh: the small-batch (decode) LUT-B expert GEMMs, "swap AB": the WEIGHTS are
+// src/cuda/moe/sm80_lutb_moe_swapab.cuh: the small-batch (decode) LUT-B expert GEMMs, "swap AB": the WEIGHTS are
 // the M operand of mma.sync (m16n8k32 E4M3 or m16n8k16 FP16) and the tokens the N operand (8 tokens
-// per n-block), so one tensor-core instruction consumes 512 (FP8) or 256 (FP16) weights (the
-// token-as-M kernels of moe_gemm.cuh consume 128 and waste 15/16 of the token rows at one token per
-// expert). Kernel names: sm80_lutb_mxfp8_moe_gemm{1,2}_swapab (launch labels in moe_lutb.cu).
+// per n-block), so one tensor-core instruction consumes 256 weights (the token-as-M kernels of
+// sm80_moe_gemm_m16.cuh consume 128 and waste 15/16 of the token rows at one token per expert).
+// Kernels: sm80_lutb_moe_swapab_gemm1, sm80_lutb_moe_swapab_gemm2 (the same code runs on sm_90a
+// with the cvt decoder, thread-block clusters for split-K and the fused top-k reduction).
 //
 // Work split. A CTA owns one token tile (<= 8*NB pairs of one expert) and one "strip group": 4
 // pairs of tile row-strips (a, b), i.e. 4 m16 tiles whose rows g come from strip a and rows g+8
@@ -16,12 +17,8 @@
 //
 // Decoding (lane L = 4g + t; tiles in lane-major order, lutb/cuda/lane_major.hpp): per tile and
 // K-tile a lane loads X (4 B) and Y (2 B), builds 4 PRMT selectors and looks up its 16 E4M3 bytes
-// in the tile codebook (4 PRMT), 4 bytes = 4 consecutive columns per PRMT. Three decoders (kDec):
-//   kDecFp8 (default on sm_90): the looked-up bytes ARE the A operand of mma.m16n8k32.e4m3: per
-//     32-column block, registers {a0..a3} = {strip a cols 8t+0..3, strip b cols 8t+0..3, strip a
-//     cols 8t+4..7, strip b cols 8t+4..7} (k-slots 4t.., 4t.. (row g+8), 16+4t.., 16+4t..), and
-//     the B operand is token g's 8 E4M3 activation bytes at the same columns (one 8-byte load);
-//   kDecCvt: pairs of bytes -> FP16x2 by sm_89+ cvt, two mma.m16n8k16 per block (step s uses
+// in the tile codebook (4 PRMT), 4 bytes = 4 consecutive columns per PRMT. Two decoders (kDec):
+//   kDecCvt (sm_90a): pairs of bytes -> FP16x2 by sm_89+ cvt, two mma.m16n8k16 per block (step s uses
 //     columns 32*block + 8t + 4*(s%2) + {0,1 | 2,3}), FP16 activations at the same columns;
 //   kDecByte (any sm_80+): the exact byte trick, values times 2^-8 and pairs (0,2),(1,3), matched
 //     by quantize_x's swapped activation order.
@@ -33,90 +30,26 @@
 // of the FP32 additions differs from the CPU emulation.
 #pragma once
 
-#include "e4m3_encode.cuh"
-#include "moe_gemm.cuh"
-#include "moe_kernels.cuh"
-#include "swap_prologue.hpp"
-#ifdef LUTB_SWAPAB_PHASES
-#include "lutb/cuda/moe.hpp"
-#endif
+#include "cuda/e4m3_encode.cuh"
+#include "cuda/moe/sm80_moe_gemm_m16.cuh"
+#include "cuda/moe/lutb_moe_device.cuh"
+#include "cuda/moe/lutb_moe_swapab_prologue.hpp"
 
 namespace lutb::cuda::kern {
 
-// Phase timing (benchmark-only build flag LUTB_SWAPAB_PHASES; lutb/cuda/moe.hpp SwapPhaseRecord says
-// what each mark is). Without the flag swap_phase_mark is empty and swap_phase_wrap returns its
-// argument: the production kernels are unchanged. With it, lane 0 of each warp stores %globaltimer and
-// clock64 (the "memory" clobber keeps the compiler from moving loads / stores across a mark).
-#ifdef LUTB_SWAPAB_PHASES
-static __device__ SwapPhaseRecord* g_swap_phases;  // set_swap_phase_buffer (moe_lutb.cu)
-
-template <int kGemm>
-__device__ __forceinline__ void swap_phase_mark(int i, long long ktiles = -1) {
-  SwapPhaseRecord* const buf = g_swap_phases;
-  if (buf == nullptr || (threadIdx.x & 31) != 0) return;
-  const unsigned warp = threadIdx.x >> 5, nw = blockDim.x >> 5, cta = blockIdx.y * gridDim.x + blockIdx.x;
-  const unsigned long long idx = static_cast<unsigned long long>(cta) * nw + warp;
-  if (idx >= static_cast<unsigned long long>(kSwapPhaseMaxWarps)) return;
-  SwapPhaseRecord& r = buf[kGemm * kSwapPhaseMaxWarps + idx];
-  unsigned long long gt;
-  long long clk;
-  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(gt)::"memory");
-  asm volatile("mov.u64 %0, %%clock64;\n" : "=l"(clk)::"memory");
-  r.gt[i] = gt;
-  r.clk[i] = clk;
-  if (i == 0) {
-    unsigned sm;
-    asm volatile("mov.u32 %0, %%smid;\n" : "=r"(sm));
-    r.smid = sm;
-    r.cta = cta;
-    r.warp_info = warp | nw << 8 | static_cast<unsigned>(kGemm) << 16;
-  }
-  if (ktiles >= 0) r.ktiles = static_cast<unsigned>(ktiles);
-}
-
-/// The K-loop's `before_wait` with marks 2 and 3 around it and mark 4 (first ring data) through
-/// first_data(), which swap_warp_gemm calls when its BeforeWait has it.
-template <int kGemm, class F>
-struct SwapPhaseWait {
-  F& f;
-  __device__ __forceinline__ void operator()() const {
-    swap_phase_mark<kGemm>(2);
-    f();
-    swap_phase_mark<kGemm>(3);
-  }
-  __device__ __forceinline__ void first_data() const { swap_phase_mark<kGemm>(4); }
-};
-template <int kGemm, class F>
-__device__ __forceinline__ SwapPhaseWait<kGemm, F> swap_phase_wrap(F& f) {
-  return {f};
-}
-#else
-template <int kGemm>
-__device__ __forceinline__ void swap_phase_mark(int, long long = -1) {}
-template <int kGemm, class F>
-__device__ __forceinline__ F& swap_phase_wrap(F& f) {
-  return f;
-}
-#endif
-
-/// Bits of the swap-AB kernels' `one_token` argument (moe_lutb.cu sets them; tile-uniform tests on
+/// Bits of the swap-AB kernels' `one_token` argument (lutb_moe_forward.cu sets them; tile-uniform tests on
 /// tk.count == 1 apply them):
-///   kOneTokenLoop: one-token tiles take swap_warp_gemm's kOne K-loop (session 10; LUTB_SWAPAB_ONE=0
-///     clears it);
-///   kOneTokenTail (session 17, small17; set_decode_paths kDecodeOneTokenTail, or its rule
-///     kDecodeOneTokenTailRule, moe.hpp decode_one_token_tail): one-token tiles
-///     exchange only accumulator column 2t in swap_reduce / swap_cluster_combine and skip column
-///     2t + 1 in swap_epilogue1 (nothing reads it: bit-identical outputs).
-constexpr unsigned kOneTokenLoop = 1u, kOneTokenTail = 2u;
+///   kOneTokenTail (heuristics::decode_one_token_tail): one-token tiles exchange only accumulator
+///     column 2t in swap_reduce / swap_cluster_combine and skip column 2t + 1 in swap_epilogue1
+///     (nothing reads it: bit-identical outputs).
+/// One-token tiles always take swap_warp_gemm's kOne K-loop.
+constexpr unsigned kOneTokenTail = 2u;
 
 /// Per-warp ring stage: 8 strips x one K-tile (strip i = 2m + (0 for a, 1 for b)): index bytes and
 /// codebooks. The scale bytes (1 per tile) are loaded into registers one K-tile ahead instead.
 struct SwapRing {
   static constexpr int kStrips = 8;
-#ifndef LUTB_SWAPAB_STAGES
-#define LUTB_SWAPAB_STAGES 6
-#endif
-  static constexpr int kStages = LUTB_SWAPAB_STAGES;  // a tuning build may override it
+  static constexpr int kStages = 6;
   static constexpr int kCb = kStrips * 192;        // [8][8] codebook bytes
   static constexpr int kStageBytes = kCb + kStrips * 8;
   static constexpr int kWarpBytes = kStages * kStageBytes;
@@ -159,21 +92,6 @@ __device__ __forceinline__ void group_strips(long long G, long long tiles_n, lon
   }
 }
 
-
-/// m16n8k32 E4M3 x E4M3 -> FP32, C = 0 (sm_89+; never launched on older devices).
-__device__ __forceinline__ void mma_e4m3_zero(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%10,%10,%10,%10};\n"
-      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.0f));
-#else
-  (void)a; (void)b0; (void)b1;
-  d[0] = d[1] = d[2] = d[3] = 0.0f;
-  __trap();
-#endif
-}
 
 /// 4 codebook bytes (column order) -> two FP16x2 operand registers: lo = columns (+0,+1), hi =
 /// (+2,+3) (kCvt); byte trick: lo = (+0,+2), hi = (+1,+3), values times 2^-8.
@@ -259,7 +177,7 @@ struct SwapTileScales<true> {
 };
 
 /// One warp's K-range [k0, k1) of the swap-AB product for 8 strips and NB token n-blocks.
-/// arow[nb]: activation row of token g: FP16 E4M3 values, or E4M3 bytes for kDecFp8.
+/// arow[nb]: activation row of token g: FP16 E4M3 values.
 /// srow[nb][u]: FP32 block-scale row (2^(b-127) per 32 columns, written by quantize_x / GEMM1) of
 /// the token of accumulator column 2t+u. acc[m][nb][4]: FP32, rows (a: g, b: g+8) x cols (2t, 2t+1).
 ///
@@ -275,14 +193,13 @@ struct SwapTileScales<true> {
 /// t = 0) is ever stored: the promotion of columns 2t+1 (c1, c3) and their block-scale loads are
 /// skipped, a quarter fewer FP32 operations per K-tile (acc[..][1], acc[..][3] stay 0). Decode
 /// batches of large-E models are mostly one-token tiles (T = 1: all of them).
-/// kLateW (kDecodeLateScales, moe.hpp; session 16, dec16): the next K-tile's tile-scale byte is
+/// kLateW (heuristics::decode_late_scales): the next K-tile's tile-scale byte is
 /// loaded one K-tile ahead as before, but kept as the raw byte (one register) instead of 8
 /// shuffled FP32 values; it is converted at the top of the K-tile that uses it and each m16 tile
 /// shuffles its two values (strips 2m, 2m + 1) just before it applies them. Same values, same FP32
 /// operations in the same order (bit-identical to kLateW = false); 14 fewer values live across the
 /// K-loop (the two XTiles' fw[8] -> one byte each; ptxas -v: the one-block kernels 127-128 -> 120-124
-/// registers) and no wait for the byte's load inside the iteration that issues it. Measured in
-/// docs/perf/moe-gpu.md "Session 16" (1.01-1.06x on the short-K shapes, the rule decode_late_scales).
+/// registers) and no wait for the byte's load inside the iteration that issues it.
 template <int kDec, int NB, bool kOne, bool kLateW, class BeforeWait>
 __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, const long long (&strip)[8],
                                                const bool (&ok)[8], const void* const (&arow)[NB],
@@ -308,10 +225,8 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
   const long long tile0 = e * w.tiles_n * tiles_k + k0;  // tile index of (e, strip 0, k0)
   // Copies of one K-tile: lane L copies the 16-byte index chunks (L % 4) + 4 j (j = 0..2) of strip
   // L / 4, i.e. ONE source pointer with immediate offsets 0 / 64 / 128, and lanes 0..7 the 8-byte
-  // codebook of strip `lane`. Sources advance by 192 / 8 bytes per K-tile. (Until session 15 lane L
-  // copied chunk q % 12 of strip q / 12, q = L + 32 j: up to three strips, three 64-bit pointers per
-  // lane; this mapping, from helper dec15's SASS count, is 8-16 fewer instructions per K-tile and
-  // 1.01-1.035x faster on every decode row of device run slot15-run1, docs/perf/moe-gpu.md.)
+  // codebook of strip `lane`. Sources advance by 192 / 8 bytes per K-tile. One source pointer per
+  // lane (not one per strip touched) saves 8-16 instructions per K-tile (docs/perf/moe-gpu.md).
   const unsigned char* srci;
   const unsigned char* srcc;
   unsigned dsti, dstc, bytesi, bytesc;
@@ -393,11 +308,11 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
     }
   };
   // Per-lane bases at k0 (this lane's 8 columns of block 0), indexed by the 32-bit kk below.
-  const unsigned char* abase[NB];  // activation bytes (kDecFp8) or FP16 values, K-tile k0
+  const unsigned char* abase[NB];  // FP16 values, K-tile k0
   const float2* sbase[NB][2];      // the two block scales of K-tile k0
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
-    abase[nb] = static_cast<const unsigned char*>(arow[nb]) + (k0 * 64 + 8 * t) * (kDec == kDecFp8 ? 1 : 2);
+    abase[nb] = static_cast<const unsigned char*>(arow[nb]) + (k0 * 64 + 8 * t) * 2;
 #pragma unroll
     for (int u = 0; u < 2; ++u) sbase[nb][u] = reinterpret_cast<const float2*>(srow[nb][u] + 2 * k0);
   }
@@ -407,12 +322,7 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
       if (nb > 0 && nb >= nblocks) continue;
 #pragma unroll
       for (int blk = 0; blk < 2; ++blk) {
-        if constexpr (kDec == kDecFp8) {  // 8 E4M3 bytes: columns 8t..8t+7 of the block
-          const uint2 v = __ldg(reinterpret_cast<const uint2*>(abase[nb] + kk * 64 + 32 * blk));
-          x.v[nb][blk] = make_uint4(v.x, v.y, 0u, 0u);
-        } else {  // 8 FP16 values
-          x.v[nb][blk] = __ldg(reinterpret_cast<const uint4*>(abase[nb] + kk * 128 + 64 * blk));
-        }
+        x.v[nb][blk] = __ldg(reinterpret_cast<const uint4*>(abase[nb] + kk * 128 + 64 * blk));  // 8 FP16 values
       }
 #pragma unroll
       for (int u = 0; u < (kOne ? 1 : 2); ++u) {
@@ -446,10 +356,6 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
     if constexpr (kLateW) fw_lane = ue8m0_f(cur.w.wb) * wmul;
     cp_async_wait<R::kStages - 1>();
     __syncwarp();
-#ifdef LUTB_SWAPAB_PHASES
-    if constexpr (requires { before_wait.first_data(); })
-      if (kk == 0) before_wait.first_data();  // phase mark 4 (benchmark-only build)
-#endif
     const unsigned char* st = ring + rd_off;
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
@@ -476,15 +382,8 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
       float part[NB][4];  // this K-tile's sum over both blocks, activation scales applied
 #pragma unroll
       for (int blk = 0; blk < 2; ++blk) {
-        unsigned a0[4], a1[4];  // A operands: FP16 -> the block's two k16 steps; FP8 -> a0 = one k32 step
-        if constexpr (kDec == kDecFp8) {
-          // m16n8k32 E4M3: {row g k 4t..4t+3, row g+8 same, row g k 16+4t.., row g+8 same} =
-          // {strip a cols 8t+0..3, strip b cols 8t+0..3, strip a cols 8t+4..7, strip b cols 8t+4..7}.
-          a0[0] = prmt_raw(cb.x, cb.y, sel[0][2 * blk]);
-          a0[1] = prmt_raw(cb.z, cb.w, sel[1][2 * blk]);
-          a0[2] = prmt_raw(cb.x, cb.y, sel[0][2 * blk + 1]);
-          a0[3] = prmt_raw(cb.z, cb.w, sel[1][2 * blk + 1]);
-        } else {
+        unsigned a0[4], a1[4];  // A operands of the block's two k16 steps
+        {
           unsigned pa = prmt_raw(cb.x, cb.y, sel[0][2 * blk]), pb = prmt_raw(cb.z, cb.w, sel[1][2 * blk]);
           bytes_to_f16<kDec == kDecCvt>(pa, a0[0], a0[2]);
           bytes_to_f16<kDec == kDecCvt>(pb, a0[1], a0[3]);
@@ -498,12 +397,8 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
           if (nb > 0 && nb >= nblocks) continue;  // token block 0 always holds a token
           const uint4 xv = cur.v[nb][blk];
           float c[4];
-          if constexpr (kDec == kDecFp8) {
-            mma_e4m3_zero(c, a0, xv.x, xv.y);
-          } else {
-            mma_f16_zero(c, a0, xv.x, xv.y);
-            mma16816<false>(c, a1, xv.z, xv.w);
-          }
+          mma_f16_zero(c, a0, xv.x, xv.y);
+          mma16816<false>(c, a1, xv.z, xv.w);
           // Exact: the 32-column partial sum times the power-of-two block scale of each token.
           const float s0 = cur.sx[nb][blk][0], s1 = kOne ? 0.0f : cur.sx[nb][blk][1];
           if (blk == 0) {
@@ -598,23 +493,9 @@ constexpr int swap_max_warps(int nb) { return nb == 1 ? 16 : 8; }
 
 /// Resident CTAs of swap_max_warps(nb) warps per SM the compiler must allow (sets the register cap:
 /// 65536 / (32 * swap_max_warps * this) = 128 for NB = 1, 255 for NB = 2). Measured on the H200
-/// (docs/perf/moe-gpu.md); LUTB_SWAPAB_MINB1 / MINB2 override for tuning builds.
-#ifndef LUTB_SWAPAB_MINB1
-#define LUTB_SWAPAB_MINB1 1
-#endif
-#ifndef LUTB_SWAPAB_MINB2
-#define LUTB_SWAPAB_MINB2 1
-#endif
-constexpr int swap_min_blocks(int nb) { return nb == 1 ? LUTB_SWAPAB_MINB1 : (nb == 2 ? LUTB_SWAPAB_MINB2 : 1); }
-
-// Tuning builds only: LUTB_SWAPAB_MAXNREG1=N caps the one-token-block kernels at N registers
-// (__maxnreg__) instead of the minimum-blocks rule, e.g. 96 with LUTB_SWAPAB_STAGES=4 for 20 warps
-// per SM (spills ~100 bytes per thread; measured in docs/perf/moe-gpu.md).
-#if defined(LUTB_SWAPAB_MAXNREG1) && LUTB_SWAPAB_MAXNREG1 > 0
-#define LUTB_SWAPAB_BOUNDS(NB) __launch_bounds__(32 * swap_max_warps(NB)) __maxnreg__((NB) == 1 ? LUTB_SWAPAB_MAXNREG1 : 255)
-#else
+/// (docs/perf/moe-gpu.md).
+constexpr int swap_min_blocks(int) { return 1; }
 #define LUTB_SWAPAB_BOUNDS(NB) __launch_bounds__(32 * swap_max_warps(NB), swap_min_blocks(NB))
-#endif
 
 /// GEMM1's epilogue in warp 0 (acc = the reduced sums of all 8 strips, mma.sync m16n8 layout per
 /// m16 tile m): SiLU*up, BF16, the MXFP8 block of h, written in the decoder's activation form.
@@ -622,8 +503,7 @@ constexpr int swap_min_blocks(int nb) { return nb == 1 ? LUTB_SWAPAB_MINB1 : (nb
 /// skipped where no lane has a token in it (token block nb holds at most one token), instead of
 /// being computed up to the amax shuffles and then dropped; and the Cvt decoder's FP16 copy of an
 /// E4M3 element is converted by the hardware (cvt.rn.f16x2.e4m3x2, exact) instead of
-/// __float2half_rn(e4m3_to_float()) (exact too). Same bytes written (session 17, small17: the
-/// epilogue took 3.3-5.3 us of GEMM1's warp 0 at T = 1 and 4, docs/perf/moe-gpu.md "Session 17").
+/// __float2half_rn(e4m3_to_float()) (exact too). Same bytes written.
 template <int kDec, int NB>
 __device__ __forceinline__ void swap_epilogue1(const SwapTokens<NB>& tk, int nblocks, const bool (&ok)[8],
                                                const float (&acc)[4][NB][4], long long G, long long Ip, void* hq,
@@ -659,11 +539,7 @@ __device__ __forceinline__ void swap_epilogue1(const SwapTokens<NB>& tk, int nbl
         // mx_encode_dev: the hardware E4M3 conversion, the same bytes as mx_encode (e4m3_encode.cuh).
         const unsigned char q8 = (b == 255) ? 0 : mx_encode_dev(hv[m], b);
         const long long at = static_cast<long long>(p) * Ip + 8 * (4 * G + m);
-        if constexpr (kDec == kDecFp8) {
-          static_cast<unsigned char*>(hq)[at + g] = q8;
-        } else if constexpr (kDec == kDecWg) {  // the wgmma B order (wg_pos, moe_kernels.cuh)
-          static_cast<unsigned char*>(hq)[static_cast<long long>(p) * Ip + 32 * G + wg_pos(8 * m + g)] = q8;
-        } else if (kDec == kDecCvt && tail) {
+        if (kDec == kDecCvt && tail) {
           static_cast<uint16_t*>(hq)[at + perm8(g, false)] = static_cast<uint16_t>(e4m3x2_to_f16x2(q8) & 0xffffu);
         } else {
           static_cast<uint16_t*>(hq)[at + perm8(g, kDec == kDecByte)] = __half_as_ushort(__float2half_rn(e4m3_to_float(q8)));
@@ -674,11 +550,10 @@ __device__ __forceinline__ void swap_epilogue1(const SwapTokens<NB>& tk, int nbl
   }
 }
 
-/// Bit of the swap-AB GEMM1's `one_token` argument (beside kOneTokenLoop, kOneTokenTail; session 18,
-/// act18): GEMM1 writes its partial sums (swap_store_partials) to the buffer passed as `hq` instead
+/// Bit of the swap-AB GEMM1's `one_token` argument (beside kOneTokenTail): GEMM1 writes its partial sums (swap_store_partials) to the buffer passed as `hq` instead
 /// of running swap_cluster_combine and swap_epilogue1; hsf is not written; the activation kernel
-/// (moe_act.cuh swap_act_kernel) does the epilogue. Launch-uniform (the host sets it for the whole
-/// GEMM, moe_lutb.cu launch_swapab).
+/// (sm80_lutb_moe_swapab_act.cuh) does the epilogue. Launch-uniform (the host sets it for the whole
+/// GEMM, lutb_moe_forward.cu launch_swapab).
 constexpr unsigned kGemm1Partials = 4u;
 
 /// GEMM1's partial-sum workspace: for pair p and split rank q (0..ksplit-1) one row of 2 Ip FP32
@@ -742,7 +617,7 @@ __device__ __forceinline__ void swap_epilogue2(const SwapTokens<NB>& tk, int nbl
 /// Strip group of this CTA: blockIdx.x / ksplit (the CTAs of one split share it). Read from the
 /// special register each time it is needed (volatile), so that it is not kept in a register across
 /// the K-loop: the one-block kernels sit at their 128-register cap. kCluster (the split kernels,
-/// launched in clusters of (ksplit, 1, 1) CTAs, moe_lutb.cu; sm_90 only; session 18, cvt18): the
+/// launched in clusters of (ksplit, 1, 1) CTAs, lutb_moe_forward.cu; sm_90 only): the
 /// cluster's index %clusterid.x, which is that quotient without the division (%ctaid.x =
 /// %clusterid.x * %cluster_nctaid.x + %cluster_ctaid.x, PTX ISA "Special registers"). Otherwise
 /// %ctaid.x / ksplit (ksplit = 1 there: the unsplit kernels' constant). A runtime choice between
@@ -833,9 +708,9 @@ __device__ __forceinline__ bool swap_cluster_combine(bool warp0, float (&acc)[4]
 
 /// K-tile range [k0, k1) of warp `warp` of `nw` in share `part` of `ksplit` (the CTA's K split
 /// across warps, times the cluster's split across CTAs): contiguous, in (part, warp) order.
-/// `narrow` (GEMM1, session 18): in 32-bit arithmetic (swap_prologue.hpp swap_k_range32; tiles_k <=
+/// `narrow` (GEMM1): in 32-bit arithmetic (lutb_moe_swapab_prologue.hpp swap_k_range32; tiles_k <=
 /// kSwapMaxTilesK, the host's check), one 32-bit division instead of the 64-bit division's call;
-/// otherwise (GEMM2) the 64-bit formula of sessions 9-17 (swap_k_range64). Same numbers. Why not
+/// otherwise (GEMM2) the 64-bit formula (swap_k_range64). Same numbers. Why not
 /// GEMM2: without the 64-bit division's call ptxas allocates GEMM2's general K-loop differently at
 /// the 128-register cap (ok[] re-selected inside the loop: 315 -> 360.5 SASS instructions per
 /// K-tile, scripts/sass_kloop.py), and GEMM2's prologue overlaps its PDL wait anyway.
@@ -860,7 +735,7 @@ __device__ __forceinline__ void swap_k_range(long long tiles_k, int nw, int warp
 /// rank j = pair j. Each CTA keeps its FP32 rows y[p, 64G + r] in shared memory; after a cluster
 /// barrier (release / acquire) rank 0 reads the k rows through distributed shared memory and writes
 /// out[t, n] = bf16(sum_j w[t, j] * y[t*k + j, n]) with the same operations in the same j order as
-/// reduce_topk_kernel (moe_common.cu), so the outputs are bit-identical to the separate kernel's; an
+/// lutb_moe_steps_reduce_topk (lutb_moe_steps.cu), so the outputs are bit-identical to the separate kernel's; an
 /// expert id out of range gives the NaN row, as there. A second barrier keeps every CTA's shared
 /// memory alive until rank 0 has read it. `have`: this CTA computed its pair (false for an invalid
 /// expert id); acc is valid in warp 0 when `have`. Every thread of every CTA of the cluster calls
@@ -927,92 +802,25 @@ __device__ __forceinline__ void swap_cluster_reduce(bool have, const float (&acc
 #endif
 }
 
-/// L2 prefetch of GEMM2's weights by GEMM1's CTAs (moe.hpp set_decode_l2_prefetch; l2pf14): the w2
-/// stack (LutbW of w2), GEMM2's K ranges per row strip (`ranges` = its warps x its cluster split, each
-/// of `per` K-tiles, swap_k_range's split) and the K-tiles prefetched at the start of each range
-/// (`kpf`; 0: off). `evict_last`: the prefetches carry an L2::evict_last cache hint. `late`: issued
-/// after the CTA's K-loop instead of before its PDL wait.
-struct L2Prefetch {
-  const unsigned char* packed;
-  const unsigned char* codebook;
-  const unsigned char* scale;
-  long long tiles_n, tiles_k, total_tiles;
-  int ranges, per, kpf, evict_last, late;
-};
-
-/// cp.async.bulk.prefetch.L2 of the 16-byte granules of bytes [begin, end) of the buffer [buf,
-/// buf + size), rounded outwards to 16 bytes but never past the buffer's own 16-byte-aligned inner
-/// part (no prefetch touches memory outside it). sm_90 only (a no-op elsewhere: the host enables the
-/// prefetch on the sm_90a image only).
-__device__ __forceinline__ void l2_prefetch_range(const unsigned char* buf, unsigned long long size,
-                                                  unsigned long long begin, unsigned long long end, bool evict_last,
-                                                  unsigned long long policy) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const unsigned long long lo = reinterpret_cast<unsigned long long>(buf);
-  const unsigned long long lo16 = (lo + 15) & ~15ull, hi16 = (lo + size) & ~15ull;
-  const unsigned long long a = max((lo + begin) & ~15ull, lo16), z = min((lo + end + 15) & ~15ull, hi16);
-  if (z <= a) return;
-  const unsigned bytes = static_cast<unsigned>(z - a);
-  if (evict_last)
-    asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;\n" ::"l"(a), "r"(bytes), "l"(policy)
-                 : "memory");
-  else
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(a), "r"(bytes) : "memory");
-#else
-  (void)buf; (void)size; (void)begin; (void)end; (void)evict_last; (void)policy;
-#endif
-}
-
-/// One warp of a GEMM1 CTA prefetches this CTA's share (blockIdx.x of gridDim.x: every CTA of the
-/// token-tile slot works on the same expert e) of expert e's w2 slice into L2: the index bytes of
-/// the first pf.kpf K-tiles of every (row strip, GEMM2 K range) item, items dealt to (CTA, lane)
-/// round robin, one bulk prefetch per item; and the CTA's contiguous share of the expert's
-/// codebooks (lane 0) and tile scales (lane 1). Tile (e, strip, k) is e*tiles_n*tiles_k +
-/// strip*tiles_k + k (lane_major.hpp: 192 index bytes, 8 codebook bytes, 1 scale byte per tile).
-__device__ __forceinline__ void swap_l2_prefetch(const L2Prefetch& pf, long long e) {
-  const int lane = threadIdx.x & 31;
-  unsigned long long policy = 0;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (pf.evict_last) asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
-#endif
-  const long long tpe = pf.tiles_n * pf.tiles_k, base = e * tpe;
-  const unsigned long long tot = static_cast<unsigned long long>(pf.total_tiles);
-  const long long items = pf.tiles_n * pf.ranges, cta = blockIdx.x, nct = gridDim.x;
-  for (long long it = cta * 32 + lane; it < items; it += nct * 32) {
-    const long long s = it / pf.ranges, r = it - s * pf.ranges;
-    const long long k0 = min(pf.tiles_k, static_cast<long long>(pf.per) * r);
-    const long long k1 = min(min(pf.tiles_k, k0 + pf.kpf), static_cast<long long>(pf.per) * (r + 1));
-    if (k1 <= k0) continue;
-    const unsigned long long t0 = base + s * pf.tiles_k + k0;
-    l2_prefetch_range(pf.packed, tot * 192, t0 * 192, (t0 + (k1 - k0)) * 192, pf.evict_last, policy);
-  }
-  if (lane < 2) {
-    const unsigned long long b = base + tpe * cta / nct, z = base + tpe * (cta + 1) / nct;
-    if (lane == 0) l2_prefetch_range(pf.codebook, tot * 8, b * 8, z * 8, pf.evict_last, policy);
-    else l2_prefetch_range(pf.scale, tot, b, z, pf.evict_last, policy);
-  }
-}
-
 /// GEMM1 + SiLU*up + MXFP8 of h. Grid: (Ip/32 strip groups x ksplit, token tile slots); blockDim.x =
 /// 32 * warps (K split across the warps). xa: [T, a_cols] FP16 E4M3 values in the decoder's column
-/// order, or E4M3 bytes (natural order) for kDecFp8. Output hq [P, Ip] in the same form, hs [P, Ip/32]
-/// UE8M0. kLateW: swap_warp_gemm's late tile scales (kDecodeLateScales, moe.hpp), same results.
-/// With kGemm1Partials in `one_token` (every CTA of the launch; act18): after swap_reduce, warp 0
+/// order. Output hq [P, Ip] in the same form, hsf [P, Ip/32] FP32 block scales. kLateW: swap_warp_gemm's
+/// late tile scales, same results.
+/// With kGemm1Partials in `one_token` (every CTA of the launch): after swap_reduce, warp 0
 /// stores the CTA's FP32 gate / up sums to `hq`, taken as the float buffer of act_part_row (its rank
 /// in the cluster's split as the rank), and neither swap_cluster_combine nor swap_epilogue1 runs;
-/// hsf is untouched (moe_act.cuh swap_act_kernel writes hq and hsf from the sums).
+/// hsf is untouched (sm80_lutb_moe_swapab_act writes hq and hsf from the sums).
 template <int kDec, int NB, bool kSplit, bool kLateW>
 __device__ __forceinline__ void swapab_gemm1_body(LutbW w, const void* __restrict__ xa, const float* __restrict__ xsf,
                                                   long long a_cols, Routing r, long long I, long long Ip,
                                                   void* __restrict__ hq, float* __restrict__ hsf, unsigned one_token,
-                                                  int ksplit_arg, L2Prefetch pf) {
-  constexpr long long kEl = kDec == kDecFp8 ? 1 : 2;  // bytes per activation element
+                                                  int ksplit_arg) {
+  constexpr long long kEl = 2;  // bytes per activation element (FP16)
   // kSplit = false: no split, and none of its code (the one-block kernels sit at their 128-register
   // cap; the runtime split alone cost them a 12-byte spill).
   const int ksplit = kSplit ? ksplit_arg : 1;
   int e;
   SwapTokens<NB> tk;
-  swap_phase_mark<0>(0);
   if (!swap_tile<NB>(r, blockIdx.y, e, tk)) return;  // the whole cluster (same slot) returns
   const int warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   long long strip[8];
@@ -1037,91 +845,50 @@ __device__ __forceinline__ void swapab_gemm1_body(LutbW w, const void* __restric
   swap_k_range(w.tiles_k, nw, warp, ksplit, kSplit ? static_cast<int>(cluster_rank()) : 0, k0, k1, true);
   extern __shared__ __align__(16) unsigned char swap_smem[];
   float acc[4][NB][4];
-  // GEMM2's weights into L2 (set_decode_l2_prefetch): the last warp, after its own ring prologue and
-  // before the PDL wait (w2 is no earlier kernel's output).
-  auto before_wait = [&] {
-    if (pf.kpf > 0 && !pf.late && warp == nw - 1) swap_l2_prefetch(pf, e);
-    pdl_wait();
-    pdl_trigger();
-  };
-#ifdef LUTB_SWAPAB_PHASES
-  auto&& wait = swap_phase_wrap<0>(before_wait);
-#else
-  // before_wait itself, not through swap_phase_wrap: returning the lambda by reference through a
-  // function changed the register allocation of the one-block GEMM1's general K-loop (Cvt decoder,
-  // no late scales: 313.5 -> 337.0 SASS instructions per K-tile, S2R inside the loop), found after
-  // small17's merge with scripts/sass_kloop.py.
-  auto& wait = before_wait;
-#endif
-  swap_phase_mark<0>(1, k1 - k0);
+  PdlWaitAndTrigger wait;  // after the ring prologue: the weight prefetch overlaps the previous kernel
   // One-token tiles take the lighter K-loop (CTA-uniform branch; NB = 1 only).
-  if (NB == 1 && (one_token & kOneTokenLoop) && tk.count == 1)
+  if (NB == 1 && tk.count == 1)
     swap_warp_gemm<kDec, NB, NB == 1, kLateW>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
                                               swap_smem + warp * SwapRing::kWarpBytes, acc, wait);
   else
     swap_warp_gemm<kDec, NB, false, kLateW>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
                                             swap_smem + warp * SwapRing::kWarpBytes, acc, wait);
-  swap_phase_mark<0>(5);
-  if (pf.kpf > 0 && pf.late && warp == nw - 1) swap_l2_prefetch(pf, e);
   const bool tail = (one_token & kOneTokenTail) && tk.count == 1;
   bool warp0 = swap_reduce<NB>(swap_smem, acc, tail);
-  if (one_token & kGemm1Partials) {  // the activation kernel does the combine and the epilogue (act18)
-    swap_phase_mark<0>(6);
+  if (one_token & kGemm1Partials) {  // the activation kernel does the combine and the epilogue
     if (!warp0) return;
     swap_store_partials<NB>(tk, nblocks, acc, swap_strip_group(ksplit), Ip,
                             kSplit ? static_cast<int>(cluster_rank()) : 0, ksplit, static_cast<float*>(hq));
-    swap_phase_mark<0>(7);
     return;
   }
   if constexpr (kSplit) warp0 = swap_cluster_combine<NB>(warp0, acc, tail);
-  swap_phase_mark<0>(6);
   if (!warp0) return;
   swap_epilogue1<kDec, NB>(tk, nblocks, ok, acc, swap_strip_group<kSplit>(ksplit), Ip, hq, hsf, tail);
-  swap_phase_mark<0>(7);
 }
-
-/// Registers per thread of the kLateW kernels capped for more resident warps (swapab_gemm{1,2}_r96_kernel):
-/// 96 allows 21 warps per SM (65536 / (96 x 32)), i.e. 20 in CTAs of 2 or 4 warps, against 16 at
-/// the one-block kernels' 128. ptxas -v (sm_90a, nvcc 13): the unsplit kernels' K-loops stay free of
-/// spill loads (docs/perf/moe-gpu.md "Session 16"); without kLateW the same cap spills 76-112 bytes
-/// per thread. Measured 0.87-0.98x of the 128-register kernels on 10 of 16 decode rows: not used by
-/// default (kDecodeLateScales96 selects them).
-constexpr int kSwapR96Regs = 96;
 
 /// The GEMM1 kernel (swapab_gemm1_body above).
 template <int kDec, int NB, bool kSplit, bool kLateW = false>
 __global__ void LUTB_SWAPAB_BOUNDS(NB)
-    swapab_gemm1_kernel(LutbW w, const void* __restrict__ xa, const float* __restrict__ xsf,
-                        long long a_cols, Routing r, long long I, long long Ip, void* __restrict__ hq,
-                        float* __restrict__ hsf, unsigned one_token, int ksplit_arg, L2Prefetch pf) {
-  swapab_gemm1_body<kDec, NB, kSplit, kLateW>(w, xa, xsf, a_cols, r, I, Ip, hq, hsf, one_token, ksplit_arg, pf);
-}
-
-/// GEMM1 with kLateW at kSwapR96Regs registers (one token block; kDecodeLateScales96, moe.hpp).
-template <int kDec, bool kSplit>
-__global__ void __maxnreg__(kSwapR96Regs)
-    swapab_gemm1_r96_kernel(LutbW w, const void* __restrict__ xa, const float* __restrict__ xsf,
-                            long long a_cols, Routing r, long long I, long long Ip, void* __restrict__ hq,
-                            float* __restrict__ hsf, unsigned one_token, int ksplit_arg, L2Prefetch pf) {
-  swapab_gemm1_body<kDec, 1, kSplit, true>(w, xa, xsf, a_cols, r, I, Ip, hq, hsf, one_token, ksplit_arg, pf);
+    sm80_lutb_moe_swapab_gemm1(LutbW w, const void* __restrict__ xa, const float* __restrict__ xsf,
+                               long long a_cols, Routing r, long long I, long long Ip, void* __restrict__ hq,
+                               float* __restrict__ hsf, unsigned one_token, int ksplit_arg) {
+  swapab_gemm1_body<kDec, NB, kSplit, kLateW>(w, xa, xsf, a_cols, r, I, Ip, hq, hsf, one_token, ksplit_arg);
 }
 
 /// GEMM2: y[p, n] = h[p] . w2[e, n]^T (FP32). Grid: (ceil(tiles_n/8) strip groups, slots). kLateW
 /// as in GEMM1.
 /// out != null (direct forwards on sm_90, launched in clusters of (1, top_k)): the weighted top-k
 /// reduction is fused (swap_cluster_reduce): out [T, H] BF16 is written instead of y.
-template <int kDec, int NB, bool kSplit, bool kLateW>
+template <int kDec, int NB, bool kLateW>
 __device__ __forceinline__ void swapab_gemm2_body(LutbW w, const void* __restrict__ ha, const float* __restrict__ hsf,
                                                   long long Ip, Routing r, long long H, float* __restrict__ y,
                                                   unsigned one_token, const float* __restrict__ topk_w,
-                                                  uint16_t* __restrict__ out, int ksplit_arg) {
-  constexpr long long kEl = kDec == kDecFp8 ? 1 : 2;  // bytes per activation element
-  const int ksplit = kSplit ? ksplit_arg : 1;  // as in GEMM1
+                                                  uint16_t* __restrict__ out) {
+  constexpr long long kEl = 2;  // bytes per activation element (FP16)
   const bool fused = out != nullptr;
   int e;
   SwapTokens<NB> tk;
   float acc[4][NB][4];
-  swap_phase_mark<1>(0);
   if (!swap_tile<NB>(r, blockIdx.y, e, tk)) {
     if (fused) swap_cluster_reduce<NB>(false, acc, swap_strip_group(1), r, H, topk_w, out);
     return;
@@ -1129,7 +896,7 @@ __device__ __forceinline__ void swapab_gemm2_body(LutbW w, const void* __restric
   const int warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   long long strip[8];
   bool ok[8];
-  group_strips<false>(swap_strip_group<kSplit>(ksplit), w.tiles_n, 0, strip, ok);
+  group_strips<false>(swap_strip_group<false>(1), w.tiles_n, 0, strip, ok);
   const void* arow[NB];
   const float* srow[NB][2];
 #pragma unroll
@@ -1144,53 +911,33 @@ __device__ __forceinline__ void swapab_gemm2_body(LutbW w, const void* __restric
   }
   const int nblocks = (tk.count + 7) / 8;
   long long k0, k1;
-  swap_k_range(w.tiles_k, nw, warp, ksplit, kSplit ? static_cast<int>(cluster_rank()) : 0, k0, k1, false);
+  swap_k_range(w.tiles_k, nw, warp, 1, 0, k0, k1, false);
   extern __shared__ __align__(16) unsigned char swap_smem[];
-  PdlWaitAndTrigger pdl;
-#ifdef LUTB_SWAPAB_PHASES
-  auto&& wait = swap_phase_wrap<1>(pdl);
-#else
-  auto& wait = pdl;  // as in GEMM1: not through swap_phase_wrap
-#endif
-  swap_phase_mark<1>(1, k1 - k0);
+  PdlWaitAndTrigger wait;
   // One-token tiles take the lighter K-loop (CTA-uniform branch; NB = 1 only).
-  if (NB == 1 && (one_token & kOneTokenLoop) && tk.count == 1)
+  if (NB == 1 && tk.count == 1)
     swap_warp_gemm<kDec, NB, NB == 1, kLateW>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
                                               swap_smem + warp * SwapRing::kWarpBytes, acc, wait);
   else
     swap_warp_gemm<kDec, NB, false, kLateW>(w, e, strip, ok, arow, srow, nblocks, k0, k1,
                                             swap_smem + warp * SwapRing::kWarpBytes, acc, wait);
-  swap_phase_mark<1>(5);
   const bool tail = (one_token & kOneTokenTail) && tk.count == 1;  // only column 2t is read below
   bool warp0 = swap_reduce<NB>(swap_smem, acc, tail);
-  if constexpr (kSplit) warp0 = swap_cluster_combine<NB>(warp0, acc, tail);  // never with `fused` (the host's rule)
-  swap_phase_mark<1>(6);
   if (fused) {
     swap_cluster_reduce<NB>(true, acc, swap_strip_group(1), r, H, topk_w, out);
-    if (warp == 0) swap_phase_mark<1>(7);
     return;
   }
   if (!warp0) return;
   swap_epilogue2<NB>(tk, nblocks, strip, ok, acc, y, H);
-  swap_phase_mark<1>(7);
 }
 
 /// The GEMM2 kernel (swapab_gemm2_body above).
-template <int kDec, int NB, bool kSplit, bool kLateW = false>
+template <int kDec, int NB, bool kLateW = false>
 __global__ void LUTB_SWAPAB_BOUNDS(NB)
-    swapab_gemm2_kernel(LutbW w, const void* __restrict__ ha, const float* __restrict__ hsf, long long Ip,
-                        Routing r, long long H, float* __restrict__ y, unsigned one_token,
-                        const float* __restrict__ topk_w, uint16_t* __restrict__ out, int ksplit_arg) {
-  swapab_gemm2_body<kDec, NB, kSplit, kLateW>(w, ha, hsf, Ip, r, H, y, one_token, topk_w, out, ksplit_arg);
-}
-
-/// GEMM2 with kLateW at kSwapR96Regs registers (one token block; kDecodeLateScales96, moe.hpp).
-template <int kDec, bool kSplit>
-__global__ void __maxnreg__(kSwapR96Regs)
-    swapab_gemm2_r96_kernel(LutbW w, const void* __restrict__ ha, const float* __restrict__ hsf, long long Ip,
-                            Routing r, long long H, float* __restrict__ y, unsigned one_token,
-                            const float* __restrict__ topk_w, uint16_t* __restrict__ out, int ksplit_arg) {
-  swapab_gemm2_body<kDec, 1, kSplit, true>(w, ha, hsf, Ip, r, H, y, one_token, topk_w, out, ksplit_arg);
+    sm80_lutb_moe_swapab_gemm2(LutbW w, const void* __restrict__ ha, const float* __restrict__ hsf, long long Ip,
+                               Routing r, long long H, float* __restrict__ y, unsigned one_token,
+                               const float* __restrict__ topk_w, uint16_t* __restrict__ out) {
+  swapab_gemm2_body<kDec, NB, kLateW>(w, ha, hsf, Ip, r, H, y, one_token, topk_w, out);
 }
 
 }  // namespace lutb::cuda::kern

@@ -1,13 +1,13 @@
-// src/cuda/moe_encode_check.cu: the exhaustive GPU checks of moe_encode_check.hpp (test support:
+// src/cuda/e4m3_encode_check.cu: the exhaustive GPU checks of e4m3_encode_check.hpp (test support:
 // no forward calls these).
 #include <cstdint>
 #include <stdexcept>
 
-#include "common.cuh"
-#include "e4m3_encode.cuh"
+#include "cuda/common.cuh"
+#include "cuda/e4m3_encode.cuh"
 #include "lutb/mxfp8.hpp"
 #include "lutb/numerics.hpp"
-#include "moe_encode_check.hpp"
+#include "cuda/e4m3_encode_check.hpp"
 
 namespace lutb::cuda {
 namespace {
@@ -21,7 +21,7 @@ struct DevCounters {
 // Each thread takes 2^32 / (gridDim.x * blockDim.x) consecutive x (grid and block powers of two),
 // each against every b in [b0, b1] (b0 < 0: the plain encode, one case per x), and adds its counts
 // to the global counters once at the end.
-__global__ void __launch_bounds__(256) encode_check_kernel(int b0, int b1, DevCounters* c) {
+__global__ void __launch_bounds__(256) e4m3_encode_check(int b0, int b1, DevCounters* c) {
   const unsigned long long threads = static_cast<unsigned long long>(gridDim.x) * blockDim.x;
   const unsigned long long per = (1ull << 32) / threads;
   const unsigned long long tid = static_cast<unsigned long long>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -71,8 +71,8 @@ detail::EncodeCheck run_check(int b0, int b1) {
   detail::EncodeCheck r;
   try {
     LUTB_CUDA_CHECK(cudaMemcpy(d, &h, sizeof h, cudaMemcpyHostToDevice));
-    encode_check_kernel<<<1 << 14, 256>>>(b0, b1, d);  // 2^22 threads, 2^10 x each
-    detail::check_launch("encode_check_kernel");
+    e4m3_encode_check<<<1 << 14, 256>>>(b0, b1, d);  // 2^22 threads, 2^10 x each
+    detail::check_launch("e4m3_encode_check");
     LUTB_CUDA_CHECK(cudaMemcpy(&h, d, sizeof h, cudaMemcpyDeviceToHost));
   } catch (...) {
     cudaFree(d);

@@ -1,11 +1,11 @@
-// src/cuda/moe_lutb_prefill.cuh: kernels of the large-batch (prefill) LUT-B GEMM path
-// (moe_prefill.hpp says what and why; moe_lutb_prefill.cu launches them).
+// src/cuda/moe/sm80_lutb_moe_prefill.cuh: the large-batch (prefill) LUT-B GEMMs with mma.sync
+// (sm80_lutb_moe_prefill_gemm1, sm80_lutb_moe_prefill_gemm2, and sm80_lutb_moe_prefill_xa_to_bf16),
+// the prefill kernels of every device other than sm_90 (docs/design/cuda-moe.md; launched by
+// lutb_moe_prefill.cu).
 //
-// CTA tile (Cfg below; M64, the default off sm_90 (on sm_90 the wgmma tile WB64 of moe_lutb_prefill_sm90.cuh), is the session-10 kernel): 256 threads (8 warps, 2 along
-// tokens x 4 along weight rows, warp tile 32 x 32), 64 token rows (one token tile of the grouping,
-// one expert) x 128 weight rows (16 LUT-B row-strips) x K-tiles of 64 columns (one LUT-B tile
-// column). The other configurations (128 token rows; decode interleaved with the mma) follow the
-// same scheme with BM rows and 4*WM warps.
+// CTA tile (Cfg below): 256 threads (8 warps, 2 along tokens x 4 along weight rows, warp tile
+// 32 x 32), 64 token rows (one token tile of the grouping, one expert) x 128 weight rows (16 LUT-B
+// row-strips) x K-tiles of 64 columns (one LUT-B tile column), 2 CTAs per SM.
 //
 // Per K-tile kt, in shared memory:
 //   stage ring (kStages deep, cp.async): A tile [BM rows][64 BF16] (128-byte rows, 16-byte chunk c
@@ -19,8 +19,8 @@
 #pragma once
 
 #include "lutb/cuda/lane_major.hpp"
-#include "e4m3_encode.cuh"
-#include "moe_kernels.cuh"
+#include "cuda/e4m3_encode.cuh"
+#include "cuda/moe/lutb_moe_device.cuh"
 
 namespace lutb::cuda::kern::prefill {
 
@@ -39,16 +39,11 @@ constexpr int kPromoteTiles = 2;
 
 /// CTA tile configuration: BM token rows (= the grouping's tile rows) x 128 weight rows; WM warps
 /// along the tokens x 4 along the weight rows (warp tile (BM/WM) x 32); S: cp.async ring depth in
-/// K-tiles; IL: the decode of K-tile kt+1 interleaved strip by strip between the mma steps of K-tile
-/// kt (else all of it before them, as in session 10).
-///   Cfg<64, 2, 4, false>: the session-10 kernel (256 threads, 32 x 32 warp tiles, 2 CTAs per SM), M64.
-///   Cfg<64, 2, 4, true>:  the same tile, decode interleaved with the mma (M64IL).
-///   Cfg<128, 4, 4, true>: 512 threads, warp tile 32 x 32, 1 CTA per SM (each decoded tile feeds 128 tokens).
-///   Cfg<128, 2, 4, true>: 256 threads, warp tile 64 x 32, 1 CTA per SM (also half the ldmatrix per mma).
-template <int BM, int WM, int S, bool IL>
+/// K-tiles. Each K-tile's weights are decoded before its mma steps (decoding them between the mma
+/// steps, and 128-token tiles, were slower: docs/design/cuda-moe.md "Tried and not kept").
+template <int BM, int WM, int S>
 struct Cfg {
   static constexpr int kStages = S;
-  static constexpr bool kInterleave = IL;
   static constexpr int kBM = BM;
   static constexpr int kWM = WM;
   static constexpr int kWarps = 4 * WM;
@@ -65,10 +60,7 @@ struct Cfg {
   static_assert(kStrips * 13 <= kThreads, "one copy round per stage for the raw tiles");
   static_assert(kAQ * kThreads == BM * 8 && kSPW * kWarps == kStrips && kMI * 16 * WM == BM, "tiling");
 };
-using Cfg64 = Cfg<64, 2, 4, false>;
-using Cfg64IL = Cfg<64, 2, 4, true>;
-using Cfg128 = Cfg<128, 4, 4, true>;
-using Cfg128W = Cfg<128, 2, 4, true>;
+using Cfg64 = Cfg<64, 2, 4>;
 
 __device__ __forceinline__ void cp16_zfill(unsigned s, const void* g, bool ok) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(g), "r"(ok ? 16 : 0) : "memory");
@@ -88,7 +80,7 @@ __device__ __forceinline__ void ldsm_x4(unsigned addr, unsigned& r0, unsigned& r
 }
 
 /// BF16 bits of e4m3(q) * 2^(b-127) (b == 255 -> NaN), as spec 3 / mx_decode, rounded to BF16
-/// (exact for b >= 10, see moe_prefill.hpp).
+/// (exact for b >= 10, docs/design/cuda-moe.md "Prefill").
 __device__ __forceinline__ unsigned short scaled_bf16(float e4m3_value, unsigned b) {
   return bf16_from_float(ldexp_ue8m0(e4m3_value, static_cast<std::uint8_t>(b)));
 }
@@ -274,7 +266,7 @@ __device__ __forceinline__ void cta_gemm(const LutbW& w, long long e, long long 
     if (more) {
       sw = sw_next;
       sw_next = load_scale(kt + 2);
-      if constexpr (!C::kInterleave) decode(kt + 1, sw);
+      decode(kt + 1, sw);
     }
     const bool fresh = kt % kPromoteTiles == 0;
     const unsigned a_s = smem_s + static_cast<unsigned>(kt % kStages) * kStageBytes;
@@ -296,14 +288,6 @@ __device__ __forceinline__ void cta_gemm(const LutbW& w, long long e, long long 
           if (ks == 0 && fresh) mma_bf16_zero_c(part[mi][j], af[mi], bf[j][0], bf[j][1]);
           else mma16816<true>(part[mi][j], af[mi], bf[j][0], bf[j][1]);
         }
-      // Interleaved decode of K-tile kt+1 (into the other B buffer): the tables after step 0's mma
-      // were issued, strip s after step s's, so the tensor cores work while the warp decodes.
-      if constexpr (C::kInterleave) {
-        if (more) {
-          if (ks == 0) decode_tab(kt + 1, sw);
-          if (ks < kSPW) decode_strip(kt + 1, ks);
-        }
-      }
     }
     if (kt % kPromoteTiles == kPromoteTiles - 1 || kt + 1 == tiles_k) {
 #pragma unroll
@@ -325,8 +309,8 @@ __device__ __forceinline__ int pair_of(const Routing& r, int start, int count, i
 /// xa (FP16 E4M3 values, natural column order) with block scales xs -> BF16 mxfp8_qdq(x), in place.
 /// n8 = T * Hp / 8 groups of 8 values.
 __global__ void __launch_bounds__(256)
-    xa_to_bf16_kernel(uint16_t* __restrict__ xa, const unsigned char* __restrict__ xs, long long n8, long long Hp) {
-  pdl_wait();  // xa, xs come from the MXFP8 of x (PDL rules: moe_kernels.cuh)
+    sm80_lutb_moe_prefill_xa_to_bf16(uint16_t* __restrict__ xa, const unsigned char* __restrict__ xs, long long n8, long long Hp) {
+  pdl_wait();  // xa, xs come from the MXFP8 of x (PDL rules: lutb_moe_device.cuh)
   pdl_trigger();
   const long long i = static_cast<long long>(blockIdx.x) * 256 + threadIdx.x;
   if (i >= n8) return;
@@ -347,7 +331,7 @@ __global__ void __launch_bounds__(256)
 /// hq [P, Ip] receives BF16 mxfp8_qdq(bf16(silu(g) * u)) (zeros in the padded columns I..Ip-1).
 template <class C>
 __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
-    prefill_gemm1_kernel(LutbW w, const uint16_t* __restrict__ a, long long Hp, Routing r, long long I, long long Ip,
+    sm80_lutb_moe_prefill_gemm1(LutbW w, const uint16_t* __restrict__ a, long long Hp, Routing r, long long I, long long Ip,
                          uint16_t* __restrict__ hq) {
   constexpr int kMI = C::kMI;
   pdl_wait();
@@ -428,7 +412,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
 /// GEMM2: y[p, n] = h[p] . w2[e, n] (FP32) for n < H. grid (ceil(H/8 / 16), token-tile slots).
 template <class C>
 __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
-    prefill_gemm2_kernel(LutbW w, const uint16_t* __restrict__ hq, long long Ip, Routing r, long long H,
+    sm80_lutb_moe_prefill_gemm2(LutbW w, const uint16_t* __restrict__ hq, long long Ip, Routing r, long long H,
                          float* __restrict__ y) {
   constexpr int kMI = C::kMI;
   pdl_wait();

@@ -1,11 +1,11 @@
-// src/cuda/swap_prologue.hpp: the integer arithmetic of the swap-AB decode GEMMs' prologue
-// (src/cuda/moe_swapab.cuh), host and device, in 32 bits (session 18, cvt18): the K-tile range of a
+// src/cuda/moe/lutb_moe_swapab_prologue.hpp: the integer arithmetic of the swap-AB decode GEMMs' prologue
+// (sm80_lutb_moe_swapab.cuh), host and device, in 32 bits: the K-tile range of a
 // warp and the token of a pair. Host-testable (tests/cuda/moe_e4m3_encode_test.cpp).
 //
 // Why 32 bits suffice (all operands are non-negative):
 //   tiles_k  K-tiles of one row strip of one expert (201 bytes each, all in GPU memory): below
 //            kSwapMaxTilesK = 2^30 on any GPU (2^30 tiles are 216 GB; an H200 has 141 GB); the host
-//            refuses larger (launch_swapab, moe_lutb.cu).
+//            refuses larger (launch_swapab, lutb_moe_forward.cu).
 //   nw, ksplit, part, warp  at most 16 warps, 8 cluster CTAs: W = nw * ksplit <= 128 (<= 2^16 taken), gw < W.
 //   per = ceil(tiles_k / W) <= tiles_k; per * gw < per * W < tiles_k + W <= 2^30 + 2^16; k0 + per
 //            <= 2^31: no unsigned wrap-around anywhere.
@@ -48,7 +48,7 @@ LUTB_SWAP_HD unsigned swap_pair_token(int p, int top_k) {
   return static_cast<unsigned>(p) / static_cast<unsigned>(top_k);
 }
 
-/// The same range in 64-bit signed arithmetic (the formula of sessions 9-17; the reference).
+/// The same range in 64-bit signed arithmetic (the reference).
 LUTB_SWAP_HD void swap_k_range64(long long tiles_k, int nw, int warp, int ksplit, int part, long long& k0,
                                  long long& k1) {
   const long long W = static_cast<long long>(nw) * ksplit, gw = static_cast<long long>(part) * nw + warp;

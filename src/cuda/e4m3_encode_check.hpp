@@ -1,4 +1,4 @@
-// src/cuda/moe_encode_check.hpp: exhaustive GPU checks of the device E4M3 / MXFP8 encode
+// src/cuda/e4m3_encode_check.hpp: exhaustive GPU checks of the device E4M3 / MXFP8 encode
 // (src/cuda/e4m3_encode.cuh) against the reference (include/lutb/numerics.hpp, mxfp8.hpp), for
 // tests/cuda/moe_e4m3_encode_test.cpp. Plain C++ (no CUDA types).
 #pragma once

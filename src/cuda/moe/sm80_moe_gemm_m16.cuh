@@ -1,10 +1,10 @@
-// src/cuda/moe_gemm.cuh: grouped expert GEMM kernels (GEMM1 with fused SiLU*up and MXFP8 of h,
-// GEMM2), templated on the weight format (LUT-B packed or BF16) and the token tile (16*MT).
-// Instantiated in moe_lutb.cu and moe_bf16.cu.
+// src/cuda/moe/sm80_moe_gemm_m16.cuh: grouped expert GEMM kernels with tokens as the M operand in m16 tiles
+// (sm80_moe_gemm_m16_gemm1 with fused SiLU*up and MXFP8 of h, sm80_moe_gemm_m16_gemm2), templated on the weight format (LUT-B packed or BF16) and the token tile (16*MT).
+// Instantiated in lutb_moe_forward.cu (expert stacks beyond the swap-AB offsets) and bf16_moe_forward.cu.
 #pragma once
 
-#include "e4m3_encode.cuh"
-#include "moe_kernels.cuh"
+#include "cuda/e4m3_encode.cuh"
+#include "cuda/moe/lutb_moe_device.cuh"
 
 namespace lutb::cuda::kern {
 
@@ -263,7 +263,7 @@ constexpr int gemm1_cols() { return kWarps * 4 * NT; }
 /// BF16 output: hq [P, Ip] BF16 bits of bf16(silu(g)*u), natural order.
 template <bool kLutb, bool kCvt, int NT, int MT>
 __global__ void __launch_bounds__(kWarps * 32)
-    moe_gemm1_kernel(LutbW w, const uint16_t* __restrict__ wbf16, const uint16_t* __restrict__ xa,
+    sm80_moe_gemm_m16_gemm1(LutbW w, const uint16_t* __restrict__ wbf16, const uint16_t* __restrict__ xa,
                      const unsigned char* __restrict__ xs, long long a_cols, Routing r, long long I, long long Ip,
                      uint16_t* __restrict__ hq, unsigned char* __restrict__ hs) {
   constexpr int G = NT / 2;                 // gate strips per warp
@@ -374,7 +374,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 /// rows (blockIdx.x), token tile blockIdx.y.
 template <bool kLutb, bool kCvt, int NT, int MT>
 __global__ void __launch_bounds__(kWarps * 32)
-    moe_gemm2_kernel(LutbW w, const uint16_t* __restrict__ wbf16, const uint16_t* __restrict__ ha,
+    sm80_moe_gemm_m16_gemm2(LutbW w, const uint16_t* __restrict__ wbf16, const uint16_t* __restrict__ ha,
                      const unsigned char* __restrict__ hs, long long Ip, Routing r, long long H,
                      float* __restrict__ y) {
   pdl_wait();  // h comes from GEMM1

@@ -1,13 +1,16 @@
-// src/cuda/moe_bf16.cu: the BF16 baseline forward on the same kernel skeleton as the LUT-B one
-// (spec section 4, last paragraph: BF16 weights, no MXFP8 steps). Used by the benchmarks.
+// src/cuda/moe/bf16_moe_forward.cu: the BF16 baseline forward on the same kernel skeleton as the
+// LUT-B one (spec section 4, last paragraph: BF16 weights, no MXFP8 steps): the benchmark's
+// baseline and the CLI's --quant none on the GPU. Built only with LUTB_BENCH_BASELINES.
+#if LUTB_BENCH_BASELINES
 #include <cstdint>
 #include <stdexcept>
 #include <string>
 
-#include "common.cuh"
+#include "cuda/common.cuh"
+#include "cuda/heuristics/moe_heuristics.hpp"
 #include "lutb/cuda/moe.hpp"
-#include "moe_gemm.cuh"
-#include "moe_internal.hpp"
+#include "cuda/moe/sm80_moe_gemm_m16.cuh"
+#include "cuda/moe/lutb_moe_launch.hpp"
 
 namespace lutb::cuda {
 namespace {
@@ -22,12 +25,12 @@ void launch_gemms_bf16(const DeviceMoeWeightsBf16& w, const std::uint16_t* x, co
   constexpr int NT = 2;
   constexpr int smem = kern::kWarps * kern::Ring<false, NT>::kWarpBytes;
   const dim3 g1(static_cast<unsigned>(I / kern::gemm1_cols<NT>()), static_cast<unsigned>(slots));
-  detail::launch_kernel("sm80_bf16_moe_gemm1", true, kern::moe_gemm1_kernel<false, false, NT, MT>, g1,
+  detail::launch_kernel("sm80_moe_gemm_m16_gemm1 (BF16)", true, kern::sm80_moe_gemm_m16_gemm1<false, false, NT, MT>, g1,
                         dim3(kern::kWarps * 32), smem, stream, w13, w.w13, x, static_cast<const unsigned char*>(nullptr),
                         static_cast<long long>(H), r, static_cast<long long>(I), static_cast<long long>(I), ws.hq,
                         static_cast<unsigned char*>(nullptr));
   const dim3 g2(static_cast<unsigned>(detail::ceil_div(w2.tiles_n, kern::kWarps * NT)), static_cast<unsigned>(slots));
-  detail::launch_kernel("sm80_bf16_moe_gemm2", true, kern::moe_gemm2_kernel<false, false, NT, MT>, g2,
+  detail::launch_kernel("sm80_moe_gemm_m16_gemm2 (BF16)", true, kern::sm80_moe_gemm_m16_gemm2<false, false, NT, MT>, g2,
                         dim3(kern::kWarps * 32), smem, stream, w2, w.w2, static_cast<const uint16_t*>(ws.hq),
                         static_cast<const unsigned char*>(nullptr), static_cast<long long>(I), r,
                         static_cast<long long>(H), ws.y);
@@ -37,7 +40,7 @@ void launch_gemms_bf16(const DeviceMoeWeightsBf16& w, const std::uint16_t* x, co
 
 void moe_forward_bf16(const DeviceMoeWeightsBf16& w, const std::uint16_t* x, std::int64_t tokens, int top_k,
                       const std::int32_t* topk_ids, const float* topk_weights, std::uint16_t* out, void* workspace,
-                      std::size_t workspace_bytes, cudaStream_t stream, MoeStrategy strategy) {
+                      std::size_t workspace_bytes, cudaStream_t stream, const MoeOptions& options) {
   const std::int64_t E = w.experts, H = w.hidden, I = w.intermediate;
   if (E < 1 || E > 1024) throw std::invalid_argument("moe_forward_bf16: experts must be 1..1024");
   if (H < 64 || H % 64 != 0 || I < 64 || I % 64 != 0)
@@ -54,7 +57,10 @@ void moe_forward_bf16(const DeviceMoeWeightsBf16& w, const std::uint16_t* x, std
     throw std::invalid_argument("moe_forward_bf16: workspace of " + std::to_string(workspace_bytes) + " bytes, need " +
                                 std::to_string(ws.bytes));
   const std::int64_t P = tokens * top_k;
-  const int mt = detail::resolve_mt(strategy, tokens, top_k, E, false);
+  // 4 m16 token tiles per warp for Prefill, 1 for Decode.
+  const MoeStrategy s = options.strategy == MoeStrategy::Auto ? heuristics::choose_strategy(tokens, top_k, E, false)
+                                                              : options.strategy;
+  const int mt = s == MoeStrategy::Prefill ? 4 : 1;
   detail::launch_group(topk_ids, P, E, 16 * mt, ws, stream);
   const kern::Routing r{topk_ids, topk_weights, ws.sorted, ws.tile_expert, ws.tile_start, ws.tile_count, ws.num_tiles,
                         top_k};
@@ -64,3 +70,4 @@ void moe_forward_bf16(const DeviceMoeWeightsBf16& w, const std::uint16_t* x, std
 }
 
 }  // namespace lutb::cuda
+#endif  // LUTB_BENCH_BASELINES

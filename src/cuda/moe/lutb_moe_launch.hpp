@@ -1,5 +1,7 @@
-// src/cuda/moe_internal.hpp: host-side pieces shared by the LUT-B and BF16 forwards: workspace
-// layout, argument checks and the launches of the small kernels (MXFP8 of x, grouping, reduction).
+// src/cuda/moe/lutb_moe_launch.hpp: host-side pieces shared by the LUT-B and BF16 forwards: workspace
+// layout, device queries, kernel launches (programmatic dependent launch on sm_90), the launches of
+// the small kernels of lutb_moe_steps.cu (MXFP8 of x, grouping, reduction) and the entry points of
+// the GEMM paths. Private.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -8,16 +10,17 @@
 #include <cstdint>
 #include <utility>
 
-#include "common.cuh"
+#include "cuda/common.cuh"
+#include "cuda/heuristics/moe_heuristics.hpp"
+#include "cuda/moe/lutb_moe_forward_plan.hpp"
 #include "lutb/cuda/moe.hpp"
-#include "moe_kernels.cuh"
+#include "cuda/moe/lutb_moe_device.cuh"
 
 namespace lutb::cuda::detail {
 
 /// Carved workspace (all pointers 256-byte aligned).
 struct Workspace {
   std::uint16_t* xa = nullptr;     // [T, Hp] FP16 E4M3 values (LUT-B path)
-  std::uint8_t* xq8 = nullptr;     // [T, Hp] E4M3 bytes (swap-AB FP8 decoder)
   std::uint8_t* xs = nullptr;      // [T, Hp/32] UE8M0
   float* xsf = nullptr;            // [T, Hp/32] the same scales as FP32 2^(b-127) (swap-AB kernels)
   int* sorted = nullptr;           // [P]
@@ -26,12 +29,11 @@ struct Workspace {
   int* tile_count = nullptr;       // [max_tiles]
   int* num_tiles = nullptr;        // [1]
   std::uint16_t* hq = nullptr;     // [P, Ip]
-  std::uint8_t* hq8 = nullptr;     // [P, Ip] E4M3 bytes (swap-AB FP8 decoder)
   std::uint8_t* hs = nullptr;      // [P, Ip/32]
   float* hsf = nullptr;            // [P, Ip/32] FP32 block scales of h (swap-AB kernels)
   float* y = nullptr;              // [P, H]
-  float* hpart = nullptr;          // [hpart_rows, 2 Ip] GEMM1's sums per pair and split rank (kDecodeActKernel)
-  std::int64_t hpart_rows = 0;     // act_rows(P, E) (moe.hpp): the forward takes the kernel iff P x split fits
+  float* hpart = nullptr;          // [hpart_rows, 2 Ip] GEMM1's sums per pair and split rank (activation kernel)
+  std::int64_t hpart_rows = 0;     // heuristics::act_rows(P, E): the kernel runs iff P x split fits
   std::size_t bytes = 0;
 };
 
@@ -42,37 +44,17 @@ std::int64_t max_tiles(std::int64_t pairs, std::int64_t experts, int rows);
 Workspace carve(void* base, std::int64_t tokens, int top_k, std::int64_t experts, std::int64_t hidden,
                 std::int64_t intermediate);
 
-/// BF16 path: which mma tile to use, 1 (decode) or 4 (prefill) m16 tiles per warp.
-int resolve_mt(MoeStrategy s, std::int64_t tokens, int top_k, std::int64_t experts, bool packed);
-
-/// True when the weight decoder of a launch with `mt` m16 tiles per warp uses the sm_89+ E4M3
-/// conversion instruction on the current device (set_weight_decoder's policy).
-bool use_cvt_decoder(int mt);
-/// Weight decoder of the swap-AB kernels on the current device (kern::kDecByte / kDecCvt / kDecFp8):
-/// Auto and Cvt -> Cvt on sm_90 devices; Fp8Mma -> FP8 on sm_90; otherwise the byte trick.
-int swap_decoder();
-
-/// set_decode_paths' flags (kDecodePathsDefault unless changed) and set_forward_stop_after's stage.
-unsigned decode_paths();
-/// set_decode_l2_prefetch's budget (bytes, 0 = off), evict_last hint and after_k_loop placement.
-std::int64_t l2_prefetch_budget();
-bool l2_prefetch_evict_last();
-bool l2_prefetch_late();
-int forward_stop_after();
 /// SMs of the current device (cached per device).
 int sm_count();
-/// K split of swap-AB GEMM `gemm` (1 or 2): set_decode_split's forced value, else decode_k_split.
-DecodeSplit gemm_k_split(int gemm, std::int64_t ctas, std::int64_t tiles_k, int warps);
-/// True when the current device runs the sm_90a image (thread-block clusters, distributed shared memory).
-bool cluster_launch_ok();
+/// True when the current device runs the sm_90a image (cvt E4M3, thread-block clusters, wgmma).
+bool sm90a_device();
 
-/// True when the forward uses programmatic dependent launch: the device is sm_90+ and neither
-/// LUTB_PDL=0 (environment, read once) nor set_dependent_launch(false) turned it off.
+/// True when the forward uses programmatic dependent launch: the device is sm_90+.
 bool pdl_enabled();
 
 /// Launches `kernel` (named `name` in errors) on `stream`. `dependent`: a forward kernel after the
 /// first, launched with cudaLaunchAttributeProgrammaticStreamSerialization when pdl_enabled(); such a
-/// kernel must follow the PDL rules of moe_kernels.cuh (pdl_wait before reading its predecessor's
+/// kernel must follow the PDL rules of lutb_moe_device.cuh (pdl_wait before reading its predecessor's
 /// output, pdl_trigger only after pdl_wait). Capture-safe (no host synchronisation).
 template <class... Params, class... Args>
 void launch_kernel(const char* name, bool dependent, void (*kernel)(Params...), dim3 grid, dim3 block,
@@ -112,15 +94,12 @@ void launch_kernel_cluster(const char* name, bool dependent, void (*kernel)(Para
   check(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...), name);
 }
 
-/// x [T, H] BF16 -> MXFP8 (rceil) as FP16 E4M3 values in the decoder's column order (xa), as E4M3
-/// bytes in natural order (xq8, when not null), UE8M0 scales (xs) and the same scales as FP32
-/// (xsf, when not null). A dependent launch (it runs after launch_group), unless `first`: the
+/// x [T, H] BF16 -> MXFP8 (rceil) as FP16 E4M3 values in the decoder's column order (xa), UE8M0
+/// scales (xs) and the same scales as FP32 (xsf, when not null). A dependent launch (it runs after launch_group), unless `first`: the
 /// forward's first kernel when there is no grouping (the swap-AB decode of one token), a normal
 /// launch that waits for all earlier work in the stream (the caller's writes of x included).
-/// `q8_wg`: xq8 in the wgmma decoder's order (kern::wg_pos inside each 32-column block) instead.
 void launch_quantize_x(const std::uint16_t* x, std::int64_t T, std::int64_t H, std::int64_t Hp, bool swap,
-                       std::uint16_t* xa, std::uint8_t* xq8, std::uint8_t* xs, float* xsf, cudaStream_t stream,
-                       bool first = false, bool q8_wg = false);
+                       std::uint16_t* xa, std::uint8_t* xs, float* xsf, cudaStream_t stream, bool first = false);
 /// Groups the pairs p = t*k + j by expert into token tiles of `tile_rows` rows. The first kernel of
 /// every forward (never a dependent launch: it waits for all earlier work in the stream).
 void launch_group(const int* ids, std::int64_t pairs, std::int64_t experts, int tile_rows, const Workspace& ws,
@@ -129,5 +108,15 @@ void launch_group(const int* ids, std::int64_t pairs, std::int64_t experts, int 
 /// A dependent launch.
 void launch_reduce(const int* ids, const float* weights, const float* y, std::int64_t T, int k, std::int64_t E,
                    std::int64_t H, std::uint16_t* out, cudaStream_t stream);
+
+/// The prefill GEMMs (lutb_moe_prefill.cu) on the forward's workspace. Preconditions:
+///   - ws.xa/ws.xs: launch_quantize_x(x, T, H, Hp, /*swap=*/false, ...) (natural column order);
+///   - ws.sorted/tile_*: launch_group(ids, P, E, heuristics::prefill_tile_rows(kernel), ws, stream);
+///   - r: the Routing over that grouping (r.top_k = k), P = T * k.
+/// Effects: ws.xa is converted IN PLACE to BF16 a = mxfp8_qdq(x); ws.hq receives
+/// h = mxfp8_qdq(bf16(silu(g)*u)) as BF16 [P, Ip]; ws.y receives y [P, H] FP32 for every valid pair.
+/// Throws std::runtime_error for an sm_90a kernel on another device.
+void launch_lutb_prefill_gemms(const DeviceMoeWeights& w, const kern::Routing& r, const Workspace& ws, std::int64_t P,
+                               heuristics::PrefillKernel kernel, cudaStream_t stream);
 
 }  // namespace lutb::cuda::detail

@@ -1,5 +1,5 @@
-// src/cuda/moe_kernels.cuh: the kernels of the fused MoE forward (spec section 4), shared by the
-// LUT-B path and the BF16 baseline (same skeleton, kLutb = false).
+// src/cuda/moe/lutb_moe_device.cuh: device helpers of the fused MoE forward (spec section 4), shared
+// by the LUT-B kernels and the BF16 baseline (same skeleton, kLutb = false).
 //
 // Tensor-core mapping (mma.sync.m16n8k16, FP32 accumulators): M = 16 tokens (rows of the expert's
 // token list), N = 8 weight rows = exactly one LUT-B tile row-strip, K = 16. So every accumulator
@@ -28,22 +28,9 @@ namespace lutb::cuda::kern {
 
 constexpr int kWarps = 4;  // warps per CTA in the GEMM kernels
 
-/// Weight decoders of the swap-AB kernels (moe_swapab.cuh, template parameter kDec): the FP16 ones
-/// feed mma.m16n8k16.f16 (byte trick / sm_89+ cvt), kDecFp8 feeds the looked-up E4M3 bytes straight
-/// into mma.m16n8k32.e4m3 (sm_89+) with E4M3 activation bytes.
-/// kDecWg (sm_90a only): the same E4M3 bytes as the register A operand of wgmma.m64nNk32.e4m3
-/// (moe_swapab_sm90.cuh), E4M3 activation bytes in shared memory in wg_pos order.
-/// kDecWs (sm_90a only): kDecCvt's decode in the warp-specialised kernels of moe_swapab_ws_sm90.cuh
-/// (a bulk-copy producer warp per CTA); same activation forms as kDecCvt.
-constexpr int kDecByte = 0, kDecCvt = 1, kDecFp8 = 2, kDecWg = 3, kDecWs = 4;
-
-/// Storage position, inside its 32-column MXFP8 block, of column c (0..31) in the activation
-/// bytes of the wgmma decoder: the k-slot at which the lane-major decode puts that column in the A
-/// fragment (columns 8t..8t+3 -> k-slots 4t..4t+3, 8t+4..8t+7 -> 16+4t..16+4t+3), so that the B
-/// operand is staged in shared memory with plain 16-byte copies in its natural K-major layout.
-__host__ __device__ __forceinline__ int wg_pos(int c) {
-  return (c & 7) < 4 ? 4 * (c >> 3) + (c & 3) : 16 + 4 * (c >> 3) + (c & 3);
-}
+/// Weight decoders of the swap-AB kernels (sm80_lutb_moe_swapab.cuh, template parameter kDec): both
+/// feed mma.m16n8k16.f16, by the byte trick (any sm_80+) or sm_89+'s cvt (the sm_90a image).
+constexpr int kDecByte = 0, kDecCvt = 1;
 
 /// Storage position, inside its group of 8, of logical column c (swap order 0,2,1,3,4,6,5,7).
 __host__ __device__ __forceinline__ int perm8(int c, bool swap) {
@@ -84,7 +71,7 @@ __device__ __forceinline__ void e4m3x4_to_f16x2x2(unsigned p, unsigned& lo, unsi
 /// for sign replication) and that bits 16..31 may hold anything (PRMT reads only sel[15:0]).
 /// __byte_perm's contract ignores bit 3, so the compiler clears it with an extra LOP3 per call
 /// unless it can prove it zero; the swap-AB decoder's selectors are zero there by construction
-/// (moe_swapab.cuh), which saves 2 ALU instructions per strip and K-tile (ncu SASS, 2026-11-30).
+/// (sm80_lutb_moe_swapab.cuh), which saves 2 ALU instructions per strip and K-tile (ncu SASS).
 __device__ __forceinline__ unsigned prmt_raw(unsigned a, unsigned b, unsigned sel) {
   unsigned d;
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
@@ -147,7 +134,7 @@ __device__ __forceinline__ float ue8m0_f(unsigned b) {
 // ---------------------------------------------------------------------------
 // Programmatic dependent launch (PDL, sm_90+; CUDA programming guide, "Programmatic Dependent
 // Launch and Synchronization"). The forward launches every kernel after the first with
-// cudaLaunchAttributeProgrammaticStreamSerialization (moe_internal.hpp launch_kernel), so a kernel
+// cudaLaunchAttributeProgrammaticStreamSerialization (lutb_moe_launch.hpp launch_kernel), so a kernel
 // may start while its predecessor finishes. Rules every forward kernel follows:
 //  - pdl_wait() before reading anything the PREVIOUS kernel writes (it returns once that grid has
 //    completed and its memory is visible; a no-op when the launch had no programmatic dependency);
