@@ -5,9 +5,8 @@
 // the device's measured read bandwidth.
 //
 // Usage: bench_moe_gpu [--config NAME[,NAME...]] [--shape NAME] [--tokens T[,T...]]
-//   --config: lutb (the library's choice; default), bf16-baseline (moe_forward_bf16, built with
-//     -DLUTB_BENCH_BASELINES=ON), lutb-decode / lutb-prefill (the swap-AB decode or the prefill
-//     kernels forced at every T). Default: lutb and, when built, bf16-baseline.
+//   --config: lutb (the library's choice; default), bf16-baseline (moe_forward_bf16), lutb-decode / lutb-prefill (the swap-AB decode or the prefill
+//     kernels forced at every T). Default: lutb and bf16-baseline.
 //   --shape: deepseek-v3, qwen3-235b, qwen3-30b, mixtral-8x7b (default: all four).
 //   --tokens: default 1, 4, 16, 64, 256, 1024, 4096.
 // Method (bench/gpu/timing.cuh): each forward (routing precomputed by route_softmax_topk /
@@ -29,12 +28,6 @@
 
 namespace lutb::bench {
 namespace {
-
-#if LUTB_BENCH_BASELINES
-constexpr bool kHaveBaseline = true;
-#else
-constexpr bool kHaveBaseline = false;
-#endif
 
 __device__ __forceinline__ unsigned hash32(unsigned long long i, unsigned seed) {
   unsigned long long z = i * 0x9E3779B97F4A7C15ull + seed * 0xBF58476D1CE4E5B9ull;
@@ -131,9 +124,7 @@ const std::vector<Config>& known_configs() {
 /// Copies of one configuration's weight stacks, rotated so that HBM, not L2, serves the weights.
 struct Weights {
   std::vector<cuda::DeviceMoeWeights> lutb;
-#if LUTB_BENCH_BASELINES
   std::vector<cuda::DeviceMoeWeightsBf16> bf16;
-#endif
   std::vector<void*> buffers;
   ~Weights() {
     for (void* p : buffers) cudaFree(p);
@@ -149,12 +140,10 @@ void make_weights(Weights& w, const Shape& s, bool bf16, int copies, std::int64_
   for (int c = 0; c < copies; ++c) {
     const unsigned seed = 100 + 10 * c;
     if (bf16) {
-#if LUTB_BENCH_BASELINES
       auto* b13 = static_cast<std::uint16_t*>(device_fill(2ull * s.E * s.I * s.H, 2, Fill::Bf16Weight, seed));
       auto* b2 = static_cast<std::uint16_t*>(device_fill(1ull * s.E * s.H * s.I, 2, Fill::Bf16Weight, seed + 1));
       w.buffers.insert(w.buffers.end(), {b13, b2});
       w.bf16.push_back({s.E, s.H, s.I, b13, b2});
-#endif
       continue;
     }
     auto stack = [&](const LutbShape& sh, unsigned sd) {
@@ -185,9 +174,7 @@ double time_config(const Config& cfg, const Weights& w, const Shape& s, long lon
     const auto* xr = x + 1ull * r * Tmax * s.H;
     const int* id = ids + 1ull * r * Tmax * s.k;
     const float* wt = wts + 1ull * r * Tmax * s.k;
-#if LUTB_BENCH_BASELINES
     if (cfg.bf16) cuda::moe_forward_bf16(w.bf16[c], xr, T, s.k, id, wt, out, ws, wsb, st, opt);
-#endif
     if (!cfg.bf16) cuda::moe_forward(w.lutb[c], xr, T, s.k, id, wt, out, ws, wsb, st, opt);
     LUTB_BENCH_CHECK(cudaStreamEndCapture(st, &g));
     LUTB_BENCH_CHECK(cudaGraphInstantiate(&execs[j], g, 0));
@@ -278,13 +265,13 @@ std::vector<std::string> split_list(const char* s) {
 /// The configurations named in `names` (empty: lutb and, when built, bf16-baseline); exits on an unknown one.
 std::vector<Config> pick_configs(const std::vector<std::string>& names) {
   std::vector<std::string> want = names;
-  if (want.empty()) want = kHaveBaseline ? std::vector<std::string>{"lutb", "bf16-baseline"} : std::vector<std::string>{"lutb"};
+  if (want.empty()) want = {"lutb", "bf16-baseline"};
   std::vector<Config> v;
   for (const std::string& n : want) {
     auto it = std::find_if(known_configs().begin(), known_configs().end(), [&](const Config& c) { return c.name == n; });
-    if (it == known_configs().end() || (it->bf16 && !kHaveBaseline)) {
-      std::fprintf(stderr, "bench_moe_gpu: unknown or unbuilt --config %s (lutb, lutb-decode, lutb-prefill; "
-                           "bf16-baseline needs -DLUTB_BENCH_BASELINES=ON)\n", n.c_str());
+    if (it == known_configs().end()) {
+      std::fprintf(stderr, "bench_moe_gpu: unknown --config %s (lutb, bf16-baseline, "
+                           "lutb-decode, lutb-prefill)\n", n.c_str());
       std::exit(2);
     }
     v.push_back(*it);

@@ -86,11 +86,6 @@ void check_gpu_options(const model::MoeOptions& opt) {
     if (opt.activations != moe::ActivationFormat::BF16)
       throw UsageError("--device cuda with --quant none runs the BF16 baseline (BF16 activations, no MXFP8 steps); "
                        "drop --act-format mxfp8 or use --device cpu");
-#if defined(LUTB_WITH_CUDA) && !LUTB_BENCH_BASELINES
-    // The GPU BF16 baseline (moe_forward_bf16) is built only with the CMake option LUTB_BENCH_BASELINES.
-    throw UsageError("--device cuda with --quant none needs the GPU BF16 baseline, which this build leaves out "
-                     "(configure with -DLUTB_BENCH_BASELINES=ON); use --device cpu");
-#endif
   } else {
     throw UsageError("--device cuda: --quant " + model::quant_name(opt.quant) +
                      " has no GPU path (GPU: lutb, none); use --device cpu");

@@ -47,13 +47,9 @@ struct CliOut {
   std::string out;  // stdout (stderr goes to the test's log)
 };
 
-/// The --quant values with a GPU path in this build: none (the BF16 baseline) needs LUTB_BENCH_BASELINES.
+/// The --quant values with a GPU path: lutb and none (the BF16 baseline forward).
 std::vector<std::string> gpu_quants() {
-#if LUTB_BENCH_BASELINES
   return {"lutb", "none"};
-#else
-  return {"lutb"};
-#endif
 }
 
 CliOut run(const std::string& args) {
@@ -181,15 +177,6 @@ TEST(CliGpu, MoeOnCudaMatchesTheCpu) {
   }
 }
 
-#if !LUTB_BENCH_BASELINES
-// Without the CMake option LUTB_BENCH_BASELINES the GPU BF16 baseline is not built: --quant none
-// --device cuda is a usage error (exit 2) before any layer is built.
-TEST(CliGpu, QuantNoneOnCudaNeedsTheBaselineBuild) {
-  LUTB_CLI_GPU_OR_SKIP();
-  LUTB_MODEL_OR_SKIP(model, "tiny-qwen3-moe");
-  EXPECT_EQ(run("moe " + q(model) + " --layer 0 --quant none --device cuda --json").code, 2);
-}
-#endif
 
 // The default job with a GPU: its section reports the GPU fit's bytes equal to the CPU fit and the
 // fused forward's difference from the CPU emulation (bound as above for LUT-B).

@@ -260,7 +260,6 @@ TEST(MoeCuda, DependentLaunchBitIdenticalBackToBack) {
   ck(cudaStreamDestroy(st), "stream");
 }
 
-#if LUTB_BENCH_BASELINES
 // The BF16 baseline (moe_forward_bf16, the benchmarks' reference point: its speed is only
 // meaningful if it computes the same function) against a host computation of that function
 // (h = bf16(silu(g) * u), FP32 GEMMs, out = bf16(sum_j w_j y_j)), with decode and prefill tiles.
@@ -320,7 +319,6 @@ TEST(MoeCuda, Bf16BaselineMatchesHost) {
     }
   }
 }
-#endif
 
 TEST(MoeCuda, GoldenLayer) {
   // The host reference is checked against the golden layer first (no GPU needed), then the GPU.

@@ -70,16 +70,14 @@ struct DeviceMoeWeights {
   DeviceLutb w2;
 };
 
-#if LUTB_BENCH_BASELINES
 /// The same layer with BF16 weights ([E, 2I, H] and [E, H, I] row-major bits), for the BF16
 /// baseline forward (spec section 4 last paragraph: no MXFP8 steps). Needs H % 64 == 0 and
-/// I % 64 == 0. Built only with the CMake option LUTB_BENCH_BASELINES (off by default).
+/// I % 64 == 0.
 struct DeviceMoeWeightsBf16 {
   std::int64_t experts = 0, hidden = 0, intermediate = 0;
   const std::uint16_t* w13 = nullptr;
   const std::uint16_t* w2 = nullptr;
 };
-#endif
 
 // ---------------------------------------------------------------------------
 // Routing (spec section 5). Outputs are ordered by descending choice score (ties: lower expert).
@@ -135,14 +133,12 @@ void moe_forward(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t
                  const std::int32_t* topk_ids, const float* topk_weights, std::uint16_t* out, void* workspace,
                  std::size_t workspace_bytes, cudaStream_t stream, const MoeOptions& options = {});
 
-#if LUTB_BENCH_BASELINES
 /// The BF16 baseline on the same kernel skeleton: BF16 weights, BF16 activations, no MXFP8 steps
-/// (h = bf16(silu(g) * u)). Same arguments and workspace rule as moe_forward. Built only with the
-/// CMake option LUTB_BENCH_BASELINES (the benchmark's and the CLI's --quant none baseline).
+/// (h = bf16(silu(g) * u)). Same arguments and workspace rule as moe_forward. Used by the benchmark's
+/// baseline, the CLI's --quant none on the GPU and the Python package's act_format="bf16".
 void moe_forward_bf16(const DeviceMoeWeightsBf16& w, const std::uint16_t* x, std::int64_t tokens, int top_k,
                       const std::int32_t* topk_ids, const float* topk_weights, std::uint16_t* out, void* workspace,
                       std::size_t workspace_bytes, cudaStream_t stream, const MoeOptions& options = {});
-#endif
 
 /// Packed bytes (packed + codebook + scale) of one expert's w13 and w2, for bandwidth accounting:
 /// a forward reads touched_experts times this.

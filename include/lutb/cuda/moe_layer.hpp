@@ -47,8 +47,7 @@ class GpuMoeLayer {
   /// Needs I % 8 == 0. Throws std::invalid_argument naming the tensor for shapes that do not match.
   static GpuMoeLayer lutb(const LutbTensor& w13, const LutbTensor& w2);
   /// BF16 routed experts (the BF16 baseline moe_forward_bf16): host bits w13 [E, 2I, H], w2 [E, H, I]
-  /// row-major. Needs H % 64 == 0 and I % 64 == 0 (std::invalid_argument otherwise, naming H and I),
-  /// and a build with the CMake option LUTB_BENCH_BASELINES (std::invalid_argument otherwise).
+  /// row-major. Needs H % 64 == 0 and I % 64 == 0 (std::invalid_argument otherwise, naming H and I).
   static GpuMoeLayer bf16(const std::vector<std::uint16_t>& w13, const std::vector<std::uint16_t>& w2,
                           std::int64_t experts, std::int64_t hidden, std::int64_t intermediate);
 

@@ -1,7 +1,6 @@
 // src/cuda/moe/bf16_moe_forward.cu: the BF16 baseline forward on the same kernel skeleton as the
 // LUT-B one (spec section 4, last paragraph: BF16 weights, no MXFP8 steps): the benchmark's
-// baseline and the CLI's --quant none on the GPU. Built only with LUTB_BENCH_BASELINES.
-#if LUTB_BENCH_BASELINES
+// baseline, the CLI's --quant none on the GPU and the Python package's act_format="bf16" on CUDA.
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -70,4 +69,3 @@ void moe_forward_bf16(const DeviceMoeWeightsBf16& w, const std::uint16_t* x, std
 }
 
 }  // namespace lutb::cuda
-#endif  // LUTB_BENCH_BASELINES

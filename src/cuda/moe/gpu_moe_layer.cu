@@ -114,9 +114,7 @@ struct GpuMoeLayer::Impl {
   // weights
   DevBuf p13, c13, s13, p2, c2, s2, b13, b2;
   DeviceMoeWeights w{};
-#if LUTB_BENCH_BASELINES
   DeviceMoeWeightsBf16 wb{};
-#endif
   // router
   bool have_router = false;
   moe::RouterConfig rc;
@@ -142,13 +140,11 @@ struct GpuMoeLayer::Impl {
   void run_forward(std::int64_t T, int k) {
     const std::size_t wsb = moe_workspace_bytes(T, k, E, H, I);
     ws.reserve(wsb, "cudaMalloc (moe_forward workspace)");
-#if LUTB_BENCH_BASELINES
     if (!packed) {
       moe_forward_bf16(wb, x.as<std::uint16_t>(), T, k, ids.as<std::int32_t>(), tw.as<float>(), out.as<std::uint16_t>(),
                        ws.p, ws.n, stream);
       return;
     }
-#endif
     moe_forward(w, x.as<std::uint16_t>(), T, k, ids.as<std::int32_t>(), tw.as<float>(), out.as<std::uint16_t>(), ws.p,
                 ws.n, stream);
   }
@@ -213,15 +209,6 @@ GpuMoeLayer GpuMoeLayer::lutb(const LutbTensor& w13, const LutbTensor& w2) {
 
 GpuMoeLayer GpuMoeLayer::bf16(const std::vector<std::uint16_t>& w13, const std::vector<std::uint16_t>& w2,
                               std::int64_t E, std::int64_t H, std::int64_t I) {
-#if !LUTB_BENCH_BASELINES
-  (void)w13;
-  (void)w2;
-  (void)E;
-  (void)H;
-  (void)I;
-  throw std::invalid_argument("the GPU BF16 baseline (moe_forward_bf16) is not in this build; configure with "
-                              "-DLUTB_BENCH_BASELINES=ON, or use --device cpu");
-#else
   if (E < 1 || H < 1 || I < 1) throw std::invalid_argument("GpuMoeLayer: experts, hidden and intermediate must be >= 1");
   if (H % 64 != 0 || I % 64 != 0)
     throw std::invalid_argument("the GPU BF16 baseline (moe_forward_bf16) needs hidden_size and moe_intermediate_size "
@@ -241,7 +228,6 @@ GpuMoeLayer GpuMoeLayer::bf16(const std::vector<std::uint16_t>& w13, const std::
   m->wb = DeviceMoeWeightsBf16{E, H, I, m->b13.as<std::uint16_t>(), m->b2.as<std::uint16_t>()};
   check(cudaStreamSynchronize(m->stream), "upload of the BF16 experts");
   return GpuMoeLayer(std::move(m));
-#endif
 }
 
 std::int64_t GpuMoeLayer::experts() const { return impl_->E; }
