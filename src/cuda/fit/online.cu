@@ -1,4 +1,4 @@
-// src/cuda/fit_online.cu: the online LUT-B method on the GPU (lutb/cuda/online.hpp).
+// src/cuda/fit/online.cu: the online LUT-B method on the GPU (lutb/cuda/online.hpp).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -14,7 +14,7 @@
 #include <utility>
 #include <vector>
 
-#include "cuda/fit_internal.cuh"
+#include "cuda/fit/fit_internal.cuh"
 #include "lutb/cuda/lane_major.hpp"
 #include "lutb/cuda/online.hpp"
 #include "lutb/numerics.hpp"
@@ -41,17 +41,9 @@ void log_once(const GpuOnlineOptions& opt, const std::string& msg) {
   else std::fprintf(stderr, "[lutb] %s\n", msg.c_str());
 }
 
-// "NVIDIA H200 (sm_90)" for the selection message. cudaGetDeviceProperties takes milliseconds (it
-// fills every field), which the method before onl14 paid on every call; device_name_cached asks once
-// per device and process.
+// "NVIDIA H200 (sm_90)" for the selection message, asked once per device and process:
+// cudaGetDeviceProperties takes milliseconds (it fills every field).
 std::string device_name() {
-  int dev = 0;
-  cudaDeviceProp prop{};
-  if (cudaGetDevice(&dev) == cudaSuccess && cudaGetDeviceProperties(&prop, dev) == cudaSuccess)
-    return std::string(prop.name) + " (sm_" + std::to_string(prop.major) + std::to_string(prop.minor) + ")";
-  return "a CUDA device";
-}
-std::string device_name_cached() {
   static std::mutex mu;
   static std::vector<std::string> names;  // by device ordinal
   int dev = 0;
@@ -59,7 +51,12 @@ std::string device_name_cached() {
   std::lock_guard<std::mutex> lock(mu);
   if (names.size() <= static_cast<std::size_t>(dev)) names.resize(static_cast<std::size_t>(dev) + 1);
   std::string& n = names[static_cast<std::size_t>(dev)];
-  if (n.empty()) n = device_name();
+  if (n.empty()) {
+    cudaDeviceProp prop{};
+    n = cudaGetDeviceProperties(&prop, dev) == cudaSuccess
+            ? std::string(prop.name) + " (sm_" + std::to_string(prop.major) + std::to_string(prop.minor) + ")"
+            : "a CUDA device";
+  }
   return n;
 }
 
@@ -163,7 +160,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
-// What both ways of running the method share once the arguments are checked.
+// The method's state once the arguments are checked.
 struct Job {
   DeviceExpertSource& src;
   const GpuOnlineOptions& opt;
@@ -195,110 +192,8 @@ void throw_check_error(const Job& j, const Tensor& t, std::int64_t e0, const Gpu
   throw std::invalid_argument(describe_error(t, ex, local, j.src.dtype, j.esz));
 }
 
-// The method as it was before onl14 (GpuOnlineOptions::pipeline = false): the check pass on the fit
-// kernel (check_tiles_device) with a host synchronisation per launch, then per chunk and tensor: fit,
-// a synchronisation (error word), lane-major, the per-tile sums copied to pageable host memory and
-// added, a synchronisation per chunk, release.
-void run_serial(Job& j) {
-  const GpuOnlineOptions& opt = j.opt;
-  DeviceExpertSource& src = j.src;
-  const cudaStream_t st = opt.stream;
-  const std::string who = kWho;
-  const std::size_t esz = j.esz;
-  const std::int64_t E = j.E, per_chunk = j.per_chunk;
-  GpuOnlineReport::Seconds& sec = j.rep.seconds;
-
-  auto t0 = Clock::now();
-  const std::size_t temp = 256 + (opt.stats ? 2 * align256(j.chunk_tiles * sizeof(double)) : 0);
-  void* tmp = nullptr;
-  ok(cudaMalloc(&tmp, temp), "cudaMalloc (temporaries)");
-  struct FreeTmp {
-    void* p;
-    ~FreeTmp() { cudaFree(p); }
-  } free_tmp{tmp};
-  j.rep.temp_bytes = temp;
-  sec.alloc += since(t0);
-  auto* d_err = static_cast<unsigned long long*>(tmp);
-  double* d_sse = opt.stats ? reinterpret_cast<double*>(static_cast<std::uint8_t*>(tmp) + 256) : nullptr;
-  double* d_ssq = opt.stats ? d_sse + align256(j.chunk_tiles * sizeof(double)) / sizeof(double) : nullptr;
-
-  auto fetch_error = [&]() {
-    unsigned long long word = ~0ull;
-    ok(cudaMemcpyAsync(&word, d_err, sizeof(word), cudaMemcpyDeviceToHost, st), "cudaMemcpyAsync");
-    const auto w0 = Clock::now();
-    ok(cudaStreamSynchronize(st), "check kernel");
-    sec.wait += since(w0);
-    return decode_fit_error(word);
-  };
-  // Pass 1: check every tile; nothing is released, and the output not allocated, before it passes.
-  t0 = Clock::now();
-  for (Tensor& t : j.tens) {
-    auto check = [&](std::int64_t e, std::int64_t ne) {
-      const LutbShape v = stack_shape(ne, t.shape.rows, t.shape.cols);
-      check_tiles_device(t.expert_ptr(e, esz), src.dtype, v, d_err, st);
-      const GpuFitError err = fetch_error();
-      if (err.code != 0) throw_check_error(j, t, e, err);
-    };
-    if (t.ptrs->size() == 1) check(0, E);
-    else
-      for (std::int64_t e = 0; e < E; ++e) check(e, 1);
-  }
-  sec.check += since(t0);
-
-  t0 = Clock::now();
-  ok(cudaMalloc(&j.mem, j.total), "cudaMalloc (LUT-B output)");
-  sec.alloc += since(t0);
-  point_outputs(j);
-
-  t0 = Clock::now();
-  std::vector<double> h_sse(opt.stats ? j.chunk_tiles : 0), h_ssq(opt.stats ? j.chunk_tiles : 0);
-  for (std::int64_t e0 = 0; e0 < E; e0 += per_chunk) {
-    const std::int64_t e1 = std::min(E, e0 + per_chunk);
-    for (Tensor& t : j.tens) {
-      const std::int64_t tpe = t.shape.tiles_per_expert();
-      const std::int64_t n_tiles = (e1 - e0) * tpe;
-      auto fit = [&](std::int64_t e, std::int64_t ne) {
-        const LutbShape v = stack_shape(ne, t.shape.rows, t.shape.cols);
-        const std::int64_t t0i = e * tpe, lt0 = (e - e0) * tpe;
-        DeviceFitOut o{t.packed + t0i * kPackedBytes, t.codebook + t0i * kCodebookSize, t.scale + t0i,
-                       d_sse ? d_sse + lt0 : nullptr, d_ssq ? d_ssq + lt0 : nullptr};
-        fit_device(t.expert_ptr(e, esz), src.dtype, v, o, j.fitter, opt.forced_scale, d_err, st, GpuFitKernel::Warp);
-        const GpuFitError err = fetch_error();  // (checked in pass 1; a CUDA failure shows here)
-        if (err.code != 0) throw std::runtime_error(who + ": tile error after the check pass");
-      };
-      if (t.ptrs->size() == 1) fit(e0, e1 - e0);
-      else
-        for (std::int64_t e = e0; e < e1; ++e) fit(e, 1);
-      if (opt.lane_major) packed_to_lane_major(t.packed + e0 * tpe * kPackedBytes, n_tiles, st);
-      if (opt.stats) {  // summed in tile order, as lutb::quantize
-        ok(cudaMemcpyAsync(h_sse.data(), d_sse, static_cast<std::size_t>(n_tiles) * 8, cudaMemcpyDeviceToHost, st),
-           "cudaMemcpyAsync sse");
-        ok(cudaMemcpyAsync(h_ssq.data(), d_ssq, static_cast<std::size_t>(n_tiles) * 8, cudaMemcpyDeviceToHost, st),
-           "cudaMemcpyAsync sum_sq");
-        const auto w0 = Clock::now();
-        ok(cudaStreamSynchronize(st), "fit kernel");
-        sec.wait += since(w0);
-        const auto s0 = Clock::now();
-        for (std::int64_t i = 0; i < n_tiles; ++i) {
-          t.stats->sse += h_sse[static_cast<std::size_t>(i)];
-          t.stats->sum_sq += h_ssq[static_cast<std::size_t>(i)];
-        }
-        sec.sums += since(s0);
-      }
-    }
-    const auto w0 = Clock::now();
-    ok(cudaStreamSynchronize(st), "fit kernel");  // the chunk's source is no longer read
-    sec.wait += since(w0);
-    const auto r0 = Clock::now();
-    if (src.release) src.release(e0, e1);
-    sec.release += since(r0);
-    ++j.rep.chunks;
-  }
-  sec.loop += since(t0);
-}
-
-// The pipelined method (onl14, the default). The check pass on the check kernel (below). Work
-// items i = 2 * chunk + tensor (w13, then w2).
+// The method. The check pass on the check kernel (below). Work items i = 2 * chunk + tensor (w13,
+// then w2).
 // Main stream (opt.stream): the fits of item i (warp kernel, straight into the output and into the
 // per-tile sums buffer i % 2), an event, then the lane-major permutation of item i. The host:
 // enqueue item i + 1, then finish item i on a second stream that waits for item i's event: copy its
@@ -307,7 +202,7 @@ void run_serial(Job& j) {
 // call release(e0, e1). Item i + 2, which reuses buffer i % 2, is enqueued only after that copy has
 // completed. So the device is kept busy with the next fit while the host adds and releases, there is
 // no host synchronisation between two fits, and the temporaries are two buffers of one chunk's sums.
-void run_pipelined(Job& j) {
+void run(Job& j) {
   const GpuOnlineOptions& opt = j.opt;
   DeviceExpertSource& src = j.src;
   const cudaStream_t st = opt.stream;
@@ -383,9 +278,8 @@ void run_pipelined(Job& j) {
     const std::int64_t parts = t.ptrs->size() == 1 ? 1 : E, per = t.ptrs->size() == 1 ? E : 1;
     for (std::int64_t p = 0; p < parts; ++p) {
       fit_internal::KernelArgs a = view(t, p * per, per, p * per * tpe);  // t_base: tile index in the stack
-      a.check_only = true;
       a.err = d_err + ti;
-      fit_internal::launch_check(a, st);
+      fit_internal::launch_check_tiles(a, st);
     }
   }
   ok(cudaEventRecord(res.evc, st), "cudaEventRecord");
@@ -416,7 +310,7 @@ void run_pipelined(Job& j) {
       a.out = DeviceFitOut{t.packed + t0i * kPackedBytes, t.codebook + t0i * kCodebookSize, t.scale + t0i,
                            opt.stats ? d_sums[b][0] + lt0 : nullptr, opt.stats ? d_sums[b][1] + lt0 : nullptr};
       a.err = d_err + 2;
-      fit_internal::launch_warp(a, st);
+      fit_internal::launch_fit(a, st);
     };
     if (t.ptrs->size() == 1) fit(e0, e1 - e0);
     else
@@ -427,9 +321,8 @@ void run_pipelined(Job& j) {
   const auto loop0 = Clock::now();
   enqueue(0);
   // The host buffers of the per-tile sums, uninitialised (the copies write them), allocated while
-  // the device checks and fits: allocated and zeroed before the first fit is queued (as in the
-  // measured onl14-run1), they would leave the device idle meanwhile (a reordering made after that
-  // run, host-side only; not measured on the device).
+  // the device checks and fits: allocated and zeroed before the first fit is queued, they would
+  // leave the device idle meanwhile.
   if (opt.stats)
     for (auto& b : h_sums)
       for (auto& v : b) v.reset(new double[j.chunk_tiles]);
@@ -551,8 +444,7 @@ GpuOnlineReport quantize_experts_online(DeviceExpertSource& src, DeviceLutbLayer
   }
 
   try {
-    if (opt.pipeline) run_pipelined(j);
-    else run_serial(j);
+    run(j);
   } catch (...) {
     if (j.mem) cudaFree(j.mem);
     throw;
@@ -573,7 +465,7 @@ GpuOnlineReport quantize_experts_online(DeviceExpertSource& src, DeviceLutbLayer
   src.already_processed = true;
 
   const auto f0 = Clock::now();
-  const std::string devname = opt.pipeline ? device_name_cached() : device_name();
+  const std::string devname = device_name();
   log_once(opt, "LUT-B MoE on " + devname +
                     ": weights quantised on the GPU (" + gpu_fitter_name(fitter) + ") and kept packed for the CUDA LUT-B kernels "
                     "(emulated Rubin numerics; no native sm_107 path: built without sm_107 support)");
