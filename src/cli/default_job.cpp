@@ -68,8 +68,8 @@ double since(std::chrono::steady_clock::time_point t) {
 void run_default_job(const DefaultArgs& a) {
   namespace fs = std::filesystem;
   using clock = std::chrono::steady_clock;
-  // Every option is checked before any work (QA 2026-11-30: a bad --fitter failed only after the
-  // synthesis). The ranges of --tokens, --experts and --seed are checked by the parser.
+  // Every option is checked before any work (a bad --fitter failed only after the synthesis). The
+  // ranges of --tokens, --experts and --seed are checked by the parser.
   if (a.tokens < 1) throw UsageError(fmt::format("--tokens {}: must be at least 1", a.tokens));
   if (!a.fitter.empty()) check_fitter_value(a.fitter);
   if (!a.work_dir.empty() && fs::exists(a.work_dir) && !fs::is_directory(a.work_dir))
@@ -79,10 +79,9 @@ void run_default_job(const DefaultArgs& a) {
     probe.family = ModelFamily::qwen3_moe;
     probe.num_experts = a.experts;
     const ModelConfig pc = synth_config(probe);  // throws for an invalid --experts before anything is written
-    // The token buffers grow with --tokens: check them against the free memory up front (QA
-    // 2026-11-30: "--tokens 100000000" ended in a bare std::bad_alloc). Per token: the BF16 input,
-    // three FP32 outputs, the router logits and, per routed expert, the FP32 gate/up and down
-    // intermediates.
+    // The token buffers grow with --tokens: check them against the free memory up front ("--tokens
+    // 100000000" ended in a bare std::bad_alloc). Per token: the BF16 input, three FP32 outputs,
+    // the router logits and, per routed expert, the FP32 gate/up and down intermediates.
     const auto H = static_cast<std::uint64_t>(pc.hidden_size), I = static_cast<std::uint64_t>(pc.moe_intermediate_size),
                E = static_cast<std::uint64_t>(pc.num_experts), k = static_cast<std::uint64_t>(pc.num_experts_per_tok);
     const std::uint64_t per_token = 2 * H + 3 * 4 * H + 4 * E + 8 * k + k * (2 * I + I) * 4;
@@ -113,7 +112,7 @@ void run_default_job(const DefaultArgs& a) {
   if (a.work_dir.empty()) {
     // The folder named by TMPDIR (or TMP, TEMP, TEMPDIR: what temp_directory_path reads): when it did
     // not exist the error read "filesystem error: temp_directory_path: No such file or directory",
-    // naming neither the variable nor the folder (new-user QA, session 14).
+    // naming neither the variable nor the folder.
     std::error_code tec;
     const fs::path tmp_root = fs::temp_directory_path(tec);
     if (tec) {
@@ -138,9 +137,9 @@ void run_default_job(const DefaultArgs& a) {
   } else {
     work = a.work_dir;
     // The missing ancestors of --work-dir are created (as mkdir -p) and removed again at the end,
-    // deepest first and only while empty: the run leaves the filesystem as it found it (new-user QA
-    // session 9: "--work-dir a/b/c" left a and a/b behind). Existing ones are never touched.
-    std::error_code ec;  // (a bare "filesystem error: cannot create directories" before; QA session 9)
+    // deepest first and only while empty: the run leaves the filesystem as it found it ("--work-dir
+    // a/b/c" left a and a/b behind). Existing ones are never touched.
+    std::error_code ec;  // mkdir's reason is kept for the message
     for (fs::path p = fs::absolute(work, ec).lexically_normal(); p.has_relative_path() && !fs::exists(fs::symlink_status(p, ec));
          p = p.parent_path()) {
       if (!p.has_filename()) continue;  // "a/b/" -> "a/b"
@@ -150,7 +149,7 @@ void run_default_job(const DefaultArgs& a) {
     if (ec) {
       // The removal below has its own error_code: it reused `ec`, and fs::remove of a directory that
       // was never made clears it, so "--work-dir /proc/x" read "cannot create it: Success" (mkdir's
-      // ENOENT lost; new-user QA, session 21).
+      // ENOENT lost).
       const std::string why = ec.message();
       std::error_code rec;
       for (const auto& d : made_parents) fs::remove(d, rec);  // an empty directory only
@@ -162,7 +161,7 @@ void run_default_job(const DefaultArgs& a) {
   // A user's --work-dir is never removed or overwritten: only the two checkpoints this run writes
   // there are, and they must not exist beforehand. Looked up without following a symbolic link: a
   // dangling link there passed fs::exists, synth refused it with the advice of its -o option, and
-  // the cleanup then deleted the user's link (new-user QA, session 21).
+  // the cleanup then deleted the user's link.
   if (!own_work)
     for (const fs::path& p : {src_dir, q_dir}) {
       std::error_code sec;
@@ -181,7 +180,7 @@ void run_default_job(const DefaultArgs& a) {
     }
   // Only what this run created is removed: each checkpoint is added to the cleanup once written
   // (synthesize_checkpoint and quantize_checkpoint remove their own temporaries when they fail), so
-  // a failure can never remove an entry of the user's (new-user QA, session 21).
+  // a failure can never remove an entry of the user's.
   struct Cleanup {
     std::vector<fs::path> paths, parents;
     bool keep;
@@ -369,8 +368,7 @@ void add_default_job(CLI::App& app) {
   // An option of the default job before a command's name ("lutb --fitter optimal quantize IN -o OUT",
   // "lutb --json eval DIR") was parsed as the default job's and then ignored, since the default job
   // does not run with a command: quantize fitted with binned-dp and eval printed no JSON, exit status
-  // 0 (new-user QA, session 19). Refused before the command runs (this callback runs before the
-  // commands' own).
+  // 0. Refused before the command runs (this callback runs before the commands' own).
   app.parse_complete_callback([&app, g] {
     const std::vector<CLI::App*> cmds = app.get_subcommands();
     if (cmds.empty()) return;

@@ -63,7 +63,7 @@ void run_eval(const EvalArgs& a) {
   const model::TransformerConfig config = model::TransformerConfig::load(a.model_dir);
   // A checkpoint of `lutb synth` (or the default job's --keep) holds MoE blocks only: eval reported
   // "val_tokens.safetensors: tokens file not found", then "missing tensor model.embed_tokens.weight",
-  // never why (new-user QA, session 14).
+  // never why.
   if (config.raw.contains("lutb_synthetic"))
     throw model::ModelError(fmt::format(
         "{}: a synthetic checkpoint of lutb synth ({} has 'lutb_synthetic'): it holds MoE blocks only, no "
@@ -102,7 +102,7 @@ void run_eval(const EvalArgs& a) {
   const model::EvalResult r = model::evaluate(lm, tokens, eo);
   if (!std::isfinite(r.val_loss)) {
     // A NaN or Inf anywhere (e.g. a stored weight_scale of 2^127 or a NaN codebook entry) made the
-    // loss meaningless: an error, not a number to report (QA 2026-11-30: "val loss nan", exit 0).
+    // loss meaningless: an error, not a number to report ("val loss nan", exit 0).
     std::string where;
     for (const auto& s : moe.stats())
       if (const double v = s.sqnr_db(); std::isnan(v) || (std::isinf(v) && v < 0)) {
@@ -184,9 +184,9 @@ void add_eval(CLI::App& app) {
       cmd->add_option("model_dir", args->model_dir, "Hugging Face checkpoint directory (BF16 or LUT-B)")->required();
   // The activation format is --act-format, as in `lutb moe`, whose --activations names the
   // captured-activations file. eval took the format as --activations (--act-format was added as an
-  // alias in session 11), so the one flag meant a format here and a file there (new-user QA sessions
-  // 16-17). --activations FORMAT is still read, hidden from --help, with a note; a file name given to
-  // it is refused with what to use instead.
+  // alias later), so the one flag meant a format here and a file there. --activations FORMAT
+  // is still read, hidden from --help, with a note; a file name given to it is refused with what to
+  // use instead.
   args->quant.add_to(cmd, "--act-format");
   auto* old_act = cmd->add_option("--activations", args->old_activations,
                                   "old name of --act-format (lutb moe's --activations is a file)")
@@ -223,7 +223,7 @@ void add_eval(CLI::App& app) {
       args->quant.activations = v;
       args->old_activations_note = true;  // printed by run_eval, once (it may re-execute this process)
     }
-    check_not_empty(dir_opt, args->model_dir, "checkpoint directory name");  // ": no such directory" (QA session 14)
+    check_not_empty(dir_opt, args->model_dir, "checkpoint directory name");  // not ": no such directory"
     check_not_empty(tokens_opt, args->tokens, "tokens file name");
     run_eval(*args);
   });

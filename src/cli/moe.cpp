@@ -47,13 +47,12 @@ std::vector<float> captured(const SafetensorsFile& f, const std::string& name, s
   if (t.shape.size() != 2 || t.shape[1] != H)
     throw std::runtime_error(fmt::format("{}: tensor {} has shape [{}], expected [tokens, {}]", f.path().string(), name,
                                          fmt::join(t.shape, ", "), H));
-  // No tokens: the error printed as "rel_l2 -nan ... cosine -nan" with exit status 0 (new-user QA,
-  // session 13).
+  // No tokens: the error printed as "rel_l2 -nan ... cosine -nan" with exit status 0.
   if (t.shape[0] == 0)
     throw std::runtime_error(fmt::format("{}: tensor {} has shape [{}]: it holds no tokens to run the block on",
                                          f.path().string(), name, fmt::join(t.shape, ", ")));
   // Another dtype's message named the tensor but not the file ("tensor 'layers.0.moe_input': dtype I32
-  // cannot be read as floating point"; new-user QA, session 14).
+  // cannot be read as floating point").
   if (t.dtype != DType::BF16 && t.dtype != DType::F16 && t.dtype != DType::F32 && t.dtype != DType::F64 &&
       t.dtype != DType::F8_E4M3)
     throw std::runtime_error(fmt::format("{}: tensor {} has dtype {}; captured activations must be floating point "
@@ -61,7 +60,7 @@ std::vector<float> captured(const SafetensorsFile& f, const std::string& name, s
                                          f.path().string(), name, dtype_name(t.dtype)));
   std::vector<float> v = t.to_float();
   // A NaN / Inf in the captured activations printed "rel_l2 nan" and then an error naming neither
-  // the tensor nor the place (new-user QA, session 12): checked before computing.
+  // the tensor nor the place: checked before computing.
   for (std::size_t i = 0; i < v.size(); ++i)
     if (!std::isfinite(v[i]))
       throw std::runtime_error(fmt::format("{}: tensor {} holds {} at row {} col {} (token {}, hidden unit {}): the "
@@ -77,7 +76,7 @@ void run_moe(const MoeArgs& a) {
   const int threads = effective_threads(a.threads);
   model::set_threads(threads);
   // The model folder first: "lutb moe /no/such/dir --layer 0" was told that --activations was not
-  // given (new-user QA, session 14); TransformerConfig::load words it as lutb eval does.
+  // given; TransformerConfig::load words it as lutb eval does.
   if (!std::filesystem::is_directory(a.model_dir)) (void)model::TransformerConfig::load(a.model_dir);
   model::MoeOptions mo = a.quant.resolve(a.model_dir, threads);
   const bool gpu = a.device == "cuda";
@@ -94,7 +93,7 @@ void run_moe(const MoeArgs& a) {
   // The model folder's config.json before the activations file, as lutb eval checks it before its
   // tokens: an empty folder, a config.json that is a FIFO or holds [1,2] was reported as "--activations
   // not given and DIR holds no moe_activations.safetensors" (a usage error, exit 2), the real problem
-  // unsaid (new-user QA, session 21).
+  // unsaid.
   (void)model::TransformerConfig::load(a.model_dir);
   if (a.activations_file.empty())
     throw UsageError(fmt::format("--activations not given and {} holds no {} (the captured MoE inputs and "
@@ -113,7 +112,7 @@ void run_moe(const MoeArgs& a) {
   if (a.layer < 0 || a.layer >= cfg.num_layers)
     throw UsageError(fmt::format("--layer {} is out of range: {} has layers 0..{}", a.layer, a.model_dir, cfg.num_layers - 1));
   // A dense layer (DeepSeek's first_k_dense_replace, Qwen's mlp_only_layers) is a usage error too, as
-  // an index beyond the layers is: the library refused it with exit status 1 (new-user QA, session 18).
+  // an index beyond the layers is: the library refused it with exit status 1.
   if (!cfg.moe.is_moe_layer(a.layer)) {
     const auto ml = cfg.moe.moe_layers();
     throw UsageError(fmt::format("--layer {}: layer {} of {} is a dense (non-MoE) layer per {} (its MoE layers: {})",
@@ -138,8 +137,8 @@ void run_moe(const MoeArgs& a) {
                                          a.activations_file, a.layer));
   const std::int64_t T = static_cast<std::int64_t>(x.size()) / H;
   // The error is relative to the captured outputs: all zero, it is undefined, and lutb moe printed
-  // "rel_l2 inf ... cosine -nan" with exit status 0 (new-user QA, session 14). A MoE block's output is
-  // never exactly zero on real inputs: such a file was captured wrongly.
+  // "rel_l2 inf ... cosine -nan" with exit status 0. A MoE block's output is never exactly zero on
+  // real inputs: such a file was captured wrongly.
   if (std::all_of(ref.begin(), ref.end(), [](float v) { return v == 0.0f; }))
     throw std::runtime_error(fmt::format("{}: tensor layers.{}.moe_output is all zero ({} tokens): the error relative "
                                          "to it is undefined; were the outputs captured?",
@@ -162,11 +161,11 @@ void run_moe(const MoeArgs& a) {
     max_abs = std::isnan(d) ? d : std::max(max_abs, std::fabs(d));  // NaN propagates, never hides
   }
   if (non_finite > 0) {
-    // Refused before any result is printed: the line "rel_l2 nan ..." (and --json's "rel_l2": null)
-    // came first, then the error and exit status 1 (new-user QA, session 20).
-    // Name the tensor, as lutb eval does: the first of the layer with a non-finite SQNR (stored LUT-B
-    // weights), else the first stored tensor of the layer holding NaN / Inf (new-user QA, session 14:
-    // an infinite router weight gave only "a weight, scale or input of the layer is NaN or overflowed").
+    // Refused before any result is printed: the line "rel_l2 nan ..." (and --json's "rel_l2": null) came
+    // first, then the error and exit status 1. Name the tensor, as lutb eval does: the first of the
+    // layer with a non-finite SQNR (stored LUT-B weights), else the first stored tensor of the layer
+    // holding NaN / Inf (an infinite router weight gave only "a weight, scale or input of the layer is
+    // NaN or overflowed").
     std::string where;
     for (const auto& s : moe.stats())
       if (const double v = s.sqnr_db(); s.layer == a.layer && (std::isnan(v) || (std::isinf(v) && v < 0))) {
@@ -252,7 +251,7 @@ void add_moe(CLI::App& app) {
   cmd->add_option("--layer", args->layer,
                   "decoder layer L (0-based, counting dense layers too) whose MoE block runs; it must be a MoE layer")->required()->check(IntRange<int>(0, std::numeric_limits<int>::max()));
   // Not required: the model folders ship their captured activations as MODEL_DIR/moe_activations.safetensors,
-  // and `lutb moe MODEL_DIR --layer 0` refused to run without naming it (new-user QA, session 12).
+  // and `lutb moe MODEL_DIR --layer 0` refused to run without naming it.
   auto* acts_opt = cmd->add_option("--activations", args->activations_file,
                                    fmt::format("safetensors file with layers.L.moe_input and layers.L.moe_output "
                                                "[tokens, hidden] (default MODEL_DIR/{} when it exists)",
@@ -274,12 +273,12 @@ void add_moe(CLI::App& app) {
   cmd->callback([args, acts_opt, dir_opt, cmp, reps] {
     if (args->device != "cuda" && (cmp->count() > 0 || reps->count() > 0))
       throw UsageError(fmt::format("{} applies to --device cuda only", cmp->count() > 0 ? "--compare-cpu" : "--reps"));
-    check_not_empty(dir_opt, args->model_dir, "checkpoint directory name");  // QA session 14
+    check_not_empty(dir_opt, args->model_dir, "checkpoint directory name");
     check_not_empty(acts_opt, args->activations_file, "activations file name");
     if (acts_opt->count() == 0) {
       const std::filesystem::path d = std::filesystem::path(args->model_dir) / kDefaultActivations;
       // Without throwing: a folder without search permission made this "filesystem error: status:
-      // Permission denied [...]" before the model folder's own check could word it (QA session 21).
+      // Permission denied [...]" before the model folder's own check could word it.
       std::error_code ec;
       if (std::filesystem::is_regular_file(d, ec)) args->activations_file = d.string();
     }

@@ -1,7 +1,7 @@
 // Explanations of command lines that CLI11 rejects as "extras": arguments that no option or positional
 // of the command took. CLI11's own message lists them in reverse order and names neither the command
 // nor what would be valid ("The following arguments were not expected: 0 --threads" for `lutb
-// --threads 0`; "... /tmp/x -o DIR qunatize" for a misspelt command: new-user QA sessions 18-19).
+// --threads 0`; "... /tmp/x -o DIR qunatize" for a misspelt command).
 #pragma once
 
 #include <algorithm>

@@ -54,7 +54,7 @@ void check_shape(const LutbShape& s, const std::string& what) {
                                   s.experts, s.stacked));
   // The padded sizes and the byte counts must fit 64 bits: [2^40, 2^40] wrapped to 0 tiles and was
   // accepted as an empty tensor by LutbTensor, check_sizes and validate (signed overflow, undefined
-  // behaviour; new-user QA, session 14).
+  // behaviour).
   constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
   std::int64_t bytes = 0;
   const bool overflow = s.rows > kMax - (kTileRows - 1) || s.cols > kMax - (kTileCols - 1) ||

@@ -29,9 +29,9 @@ std::optional<std::int64_t> opt_int(const nlohmann::json& j, const char* key, co
   return detail::config_int(j, key, where);
 }
 // Sizes and counts are bounded by what the model parser (src/model/config.cpp) accepts, a 32-bit
-// int: a larger value is a corrupt config (QA session 9: num_hidden_layers 10^12 was accepted by
-// lutb quantize, which iterates over the layers, and refused only by lutb eval).
-// Upper bound of num_hidden_layers (see parse_model_config).
+// int: a larger value is a corrupt config (num_hidden_layers 10^12 was accepted by lutb quantize,
+// which iterates over the layers, and refused only by lutb eval). Upper bound of num_hidden_layers
+// (see parse_model_config).
 constexpr std::int64_t kMaxLayers = 65536;
 std::optional<std::int64_t> opt_size(const nlohmann::json& j, const char* key, const std::string& where) {
   const auto v = opt_int(j, key, where);
@@ -46,7 +46,7 @@ std::int64_t req_int(const nlohmann::json& j, const char* key, const std::string
 }
 // A required size whose range is checked later with its own words (hidden_size "must be positive",
 // num_experts_per_tok "must be in 1..E"): "num_experts_per_tok: must be non-negative, got -1" said
-// nothing of 0 or of the experts count (new-user QA, sessions 17-18).
+// nothing of 0 or of the experts count.
 std::int64_t req_size(const nlohmann::json& j, const char* key, const std::string& where) {
   return detail::config_required(opt_size(j, key, where), key, where);
 }
@@ -131,8 +131,8 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& where
   c.num_hidden_layers = req_int(j, "num_hidden_layers", where);
   // The parsers and the model keep per-layer state for every declared layer before they meet the
   // checkpoint's first missing one: num_hidden_layers 2e9 on a 4-layer checkpoint made lutb eval run
-  // for minutes and grow past 15 GB, and lutb moe take 45 s, before any error (new-user QA, session
-  // 13). Published models have at most about a hundred layers.
+  // for minutes and grow past 15 GB, and lutb moe take 45 s, before any error. Published models have
+  // at most about a hundred layers.
   if (c.num_hidden_layers > kMaxLayers)
     detail::throw_config_key(where, "num_hidden_layers",
                              fmt::format("{} is more than lutb supports ({}; published models have about a hundred): "
@@ -156,7 +156,7 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& where
   if (!experts)
     detail::throw_config_key(where, "num_experts",
                              "required but missing (nor are its variants 'num_local_experts', 'n_routed_experts')");
-  if (*experts < 1)  // else num_experts_per_tok would report "must be in 1..0" (QA 2026-11-30)
+  if (*experts < 1)  // else num_experts_per_tok would report "must be in 1..0"
     detail::throw_config_key(where, experts_key, fmt::format("the experts count must be >= 1, got {}", *experts));
   c.num_experts = *experts;
 
@@ -164,7 +164,7 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& where
   if (c.family == ModelFamily::mixtral) {
     const auto v = opt_size(j, "moe_intermediate_size", where);
     // Neither key (or "intermediate_size": null) read as width 0: "the expert width must be positive, got
-    // 0" for a value that was never given (new-user QA, session 19).
+    // 0" for a value that was never given.
     if (!v && !opt_size(j, "intermediate_size", where))
       detail::throw_config_key(where, "intermediate_size",
                                "required but missing or null (Mixtral's expert width; nor is 'moe_intermediate_size' "
@@ -195,8 +195,8 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& where
   // config.json. lutb read them for every family: a qwen3_moe config.json carrying
   // "routed_scaling_factor": 2.5 or "scoring_func": "sigmoid" was routed with them, and lutb eval
   // --quant none gave 4.040 or 3.919 nats instead of transformers' 3.843 on tiny-qwen3-moe (4
-  // windows) without a word; "n_group": 3 was refused (new-user QA, session 16). Other families keep
-  // the defaults (softmax, no groups, factor 1), whatever the keys say.
+  // windows) without a word; "n_group": 3 was refused. Other families keep the defaults (softmax, no
+  // groups, factor 1), whatever the keys say.
   if (is_deepseek(c.family)) {
     auto sf = opt_str(j, "scoring_func", where).value_or(ds3 ? "sigmoid" : "softmax");
     if (sf == "softmax") c.scoring_func = ScoringFunc::softmax;
@@ -205,8 +205,7 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& where
     c.topk_method = opt_str(j, "topk_method", where).value_or(ds3 ? "noaux_tc" : "greedy");
     // Only the methods lutb's routing implements (src/model/moe_block.cpp, spec 5): sigmoid scores
     // with the noaux_tc group selection; softmax scores with greedy or group_limited_greedy. Any other
-    // value (a typo included) was accepted and routed as one of them without a word (new-user QA,
-    // session 12).
+    // value (a typo included) was accepted and routed as one of them without a word.
     const bool sigmoid = c.scoring_func == ScoringFunc::sigmoid;
     const auto& m = c.topk_method;
     const bool known = m == "noaux_tc" || m == "greedy" || m == "group_limited_greedy";
@@ -232,7 +231,7 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& where
       detail::throw_config_key(where, "topk_group", fmt::format("must be in 1..n_group ({}), got {}", c.n_group, c.topk_group));
     // The group selection (sigmoid / noaux_tc, group_limited_greedy) needs enough experts in the kept
     // groups. These were refused only when a layer was built, as "router of deepseek_v3: RouterConfig:
-    // top_k=5 exceeds ...", naming neither config.json nor its keys (new-user QA, session 12).
+    // top_k=5 exceeds ...", naming neither config.json nor its keys.
     if (c.scoring_func == ScoringFunc::sigmoid || c.topk_method == "group_limited_greedy") {
       const std::int64_t per = c.num_experts / c.n_group;
       if (c.scoring_func == ScoringFunc::sigmoid && per < 2)
@@ -250,7 +249,7 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& where
     }
     c.routed_scaling_factor = opt_num(j, "routed_scaling_factor", where).value_or(1.0);
     // It multiplies the routing weights: a negative one flipped the sign of every expert's output
-    // without a word (new-user QA, session 12); zero switches the experts off.
+    // without a word; zero switches the experts off.
     if (!(std::isfinite(c.routed_scaling_factor) && c.routed_scaling_factor > 0))
       detail::throw_config_key(where, "routed_scaling_factor",
                                fmt::format("must be a finite number > 0, got {}", c.routed_scaling_factor));
@@ -283,8 +282,8 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& where
     detail::throw_config_key(where, "decoder_sparse_step", fmt::format("must be positive, got {}", c.decoder_sparse_step));
   if (c.moe_layer_freq <= 0)
     detail::throw_config_key(where, "moe_layer_freq", fmt::format("must be positive, got {}", c.moe_layer_freq));
-  // A negative count made layer 0, dense in the checkpoint, a MoE layer: the error named a missing router
-  // (new-user QA, session 13).
+  // A negative count made layer 0, dense in the checkpoint, a MoE layer: the error named a missing
+  // router.
   if (c.first_k_dense_replace < 0)
     detail::throw_config_key(where, "first_k_dense_replace",
                              fmt::format("must be >= 0 (the number of leading dense layers), got {}", c.first_k_dense_replace));
@@ -295,13 +294,13 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& where
 
   // A checkpoint quantised by another method stores its weights in that method's format: DeepSeek-V3's
   // official release is FP8 (F8_E4M3 weights with weight_scale_inv block scales), which lutb would read
-  // without the scales (new-user finding, session 12: lutb eval gave 7.84 nats instead of 3.89, and
-  // lutb quantize wrote a "lut_b" config over the FP8 one). Only LUT-B or no quantization_config loads.
+  // without the scales (lutb eval gave 7.84 nats instead of 3.89, and lutb quantize wrote a "lut_b"
+  // config over the FP8 one). Only LUT-B or no quantization_config loads.
   if (auto q = j.find("quantization_config"); q != j.end() && !q->is_null()) {
     // transformers refuses a quantization_config that is not an object or names no quant_method
     // ("The model's quantization config from the arguments has no `quant_method` attribute"): lutb
     // read the weights as plain floats without a word, and a non-string quant_method escaped as a
-    // bare nlohmann type_error (new-user QA, session 15).
+    // bare nlohmann type_error.
     if (!q->is_object())
       detail::throw_config_key(where, "quantization_config",
                                fmt::format("must be an object, got {}", detail::json_excerpt(*q)));
@@ -329,7 +328,7 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& where
 }
 
 ModelConfig load_model_config(const std::filesystem::path& p) {
-  if (const std::string why = detail::folder_access_problem(p); !why.empty()) throw ConfigError(why);  // QA session 21
+  if (const std::string why = detail::folder_access_problem(p); !why.empty()) throw ConfigError(why);
   std::filesystem::path file = std::filesystem::is_directory(p) ? p / "config.json" : p;
   if (std::filesystem::is_directory(file))  // reading a folder fails deep inside the stream
     throw ConfigError(fmt::format("{}: is a directory; the checkpoint's config.json must be a file", file.string()));
@@ -338,8 +337,8 @@ ModelConfig load_model_config(const std::filesystem::path& p) {
   errno = 0;
   std::ifstream in(file);
   if (!in) {
-    // Only a missing file is "no config.json": one readable by no one was reported so too (new-user
-    // QA, session 21); the reason is strerror's.
+    // Only a missing file is "no config.json": one readable by no one was reported so too; the
+    // reason is strerror's.
     const int err = errno;
     if (err == ENOENT && std::filesystem::is_directory(p))
       throw ConfigError(fmt::format("{}: no config.json in the checkpoint directory", p.string()));
@@ -404,8 +403,7 @@ std::optional<LutbQuantConfig> parse_lutb_quant_config(const nlohmann::json& con
   const auto& q = *it;
   LutbQuantConfig r;
   // A quant_method that is not a string (5, null, a list) escaped as nlohmann's "[json.exception.
-  // type_error.302] type must be string, but is number", naming neither config.json nor the key
-  // (new-user QA, session 15).
+  // type_error.302] type must be string, but is number", naming neither config.json nor the key.
   r.quant_method = detail::config_string(q, "quant_method", where, "quantization_config.quant_method").value_or("");
   auto str = [&](const nlohmann::json& o, const char* k) {
     auto i = o.find(k);

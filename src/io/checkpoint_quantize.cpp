@@ -47,24 +47,24 @@ struct TempGuard {
 
 // A write error of the output's temporary (a full disk) read "OUT.tmp.PID/model.safetensors.tmp.PID:
 // write failed: No space left on device": it named only a temporary that is removed as the error
-// propagates, and not whether OUT had been touched (new-user QA, session 15). Errors of the writer
-// (their text starts with the temporary's path) are reported against the output; others pass.
-// The same for the files written beside the shards (config.json, the index, the copied tokenizer and
-// other files: "OUT.tmp.PID/tokenizer.json: cannot write: No space left on device", new-user QA
-// session 17 on a full tmpfs). Returns "" for an error that is not about the temporary.
+// propagates, and not whether OUT had been touched. Errors of the writer (their text starts with the
+// temporary's path) are reported against the output; others pass. The same for the files written
+// beside the shards (config.json, the index, the copied tokenizer and other files:
+// "OUT.tmp.PID/tokenizer.json: cannot write: No space left on device" on a
+// full tmpfs). Returns "" for an error that is not about the temporary.
 std::string write_error_message(const std::string& m, const fs::path& tmp, const fs::path& out) {
   if (m.rfind(tmp.string(), 0) != 0) return {};
   return fmt::format("{}: writing the output failed ({}); the partial output was removed and {}", out.string(), m,
                      detail::target_left_clause(out));
 }
 
-// An error raised mid-run, after the temporary output exists (a NaN in an expert, an unreadable
-// input file, an invalid index), said "nothing written" or nothing at all about OUT; with --force
-// over an existing OUT "nothing written" reads as if OUT were gone (new-user QA, session 21). The
-// message ends with what became of OUT: a trailing "; nothing written" stays while OUT does not exist
-// and becomes "; OUT is as it was" when it does; a message without either gets "; the partial output
-// was removed and " + target_left_clause(OUT). One that already says it (write_error_message, an
-// interruption) is left as it is.
+// An error raised mid-run, after the temporary output exists (a NaN in an expert, an unreadable input
+// file, an invalid index), said "nothing written" or nothing at all about OUT; with --force over an
+// existing OUT "nothing written" reads as if OUT were gone. The message ends with what became of OUT:
+// a trailing "; nothing written" stays while OUT does not exist and becomes "; OUT is as it was" when
+// it does; a message without either gets "; the partial output was removed and " +
+// target_left_clause(OUT). One that already says it (write_error_message, an interruption) is left as
+// it is.
 std::string with_target_left(std::string m, const fs::path& out) {
   if (m.find(" is as it was") != std::string::npos || m.find("nothing was created at ") != std::string::npos) return m;
   constexpr std::string_view tail = "; nothing written";
@@ -87,7 +87,7 @@ bool same_path(const fs::path& a, const fs::path& b) {
   std::error_code ec;
   if (fs::exists(a, ec) && fs::exists(b, ec)) return fs::equivalent(a, b, ec);
   // weakly_canonical returns an empty path where it fails (a name too long, a loop of links): two
-  // such paths are not the same one (new-user QA, session 15).
+  // such paths are not the same one.
   const fs::path ca = fs::weakly_canonical(a, ec);
   if (ec || ca.empty()) return a.lexically_normal() == b.lexically_normal();
   const fs::path cb = fs::weakly_canonical(b, ec);
@@ -139,10 +139,10 @@ void declare(SafetensorsWriter& w, const Planned& p, const TensorView& v, Quanti
   s.output_bytes += b;
 }
 
-// An F64 weight whose magnitude is beyond the FP32 range (the fitters read F64 as F32, where it
-// became +-Inf and was reported as "+Inf at row R col C": new-user QA session 11) is reported with its
-// real magnitude, like a tile of too large FP32 values. Checked before narrowing; `file` names the
-// source file. Any such value is reported, wherever it is: its tile needs a scale byte above 246.
+// An F64 weight whose magnitude is beyond the FP32 range (the fitters read F64 as F32, where it became
+// +-Inf and was reported as "+Inf at row R col C") is reported with its real magnitude, like a tile of
+// too large FP32 values. Checked before narrowing; `file` names the source file. Any such value is
+// reported, wherever it is: its tile needs a scale byte above 246.
 void check_f64_range(const fs::path& file, const Planned& p, const TensorView& v) {
   const auto* b = static_cast<const unsigned char*>(v.data);
   const std::int64_t n = v.numel();
@@ -164,8 +164,8 @@ void check_f64_range(const fs::path& file, const Planned& p, const TensorView& v
 
 // After the fit refused a tile whose magnitude needs a scale byte above 246: the message as the F64
 // one above, with the row and column of the tile's largest magnitude (the fit's message named only
-// the tile: new-user QA, session 12; src/fit and the GPU fitters share that wording, so the place is
-// added here). Scans the tiles in the fit's order; "" when none is found.
+// the tile; src/fit and the GPU fitters share that wording, so the place is added here). Scans the
+// tiles in the fit's order; "" when none is found.
 std::string scale_overflow_at(const fs::path& file, const Planned& p, const TensorView& v) {
   const std::int64_t rows = p.shape.rows, cols = p.shape.cols, per = rows * cols;
   const std::int64_t tn_n = (rows + kTileRows - 1) / kTileRows, tk_n = (cols + kTileCols - 1) / kTileCols;
@@ -297,8 +297,8 @@ void emit(SafetensorsWriter& w, const Planned& p, const TensorView& v, const Fit
                       e.tiles_done, e.tiles_total);
   } catch (const std::invalid_argument& e) {
     // A data error of the fit (NaN / Inf / a magnitude needing a scale byte above 246, spec 2.1):
-    // "quantize: tensor T, expert E, tile (..): NaN at row R col C". The message named no file
-    // (new-user QA session 11); the caller's guard removes the temporary output as this unwinds.
+    // "quantize: tensor T, expert E, tile (..): NaN at row R col C". The message named no file; the
+    // caller's guard removes the temporary output as this unwinds.
     std::string m = e.what();
     if (m.rfind("quantize: ", 0) == 0) m.erase(0, 10);
     if (m.find("needs a scale byte above 246") != std::string::npos && m.find(" at row ") == std::string::npos)
@@ -355,9 +355,8 @@ bool other_weight_file(const std::string& name) {
   return starts("flax_model") && (ends(".msgpack") || ends(".msgpack.index.json"));
 }
 
-// The training state a checkpoint saved mid-training carries beside its weights (new-user QA
-// sessions 16-17: `lutb quantize` copied a Trainer's optimizer.pt, twice the size of the weights,
-// into the LUT-B output):
+// The training state a checkpoint saved mid-training carries beside its weights (`lutb quantize`
+// copied a Trainer's optimizer.pt, twice the size of the weights, into the LUT-B output):
 //  - transformers' Trainer (trainer.py, _save_optimizer_and_scheduler / _save_rng_state):
 //    optimizer.pt, scheduler.pt, scaler.pt, rng_state.pth / rng_state_N.pth, training_args.bin
 //    (a pickle);
@@ -376,9 +375,9 @@ bool training_state_file(const std::string& name) {
 
 // The reference losses of the source weights (reference_eval.json of the model folders, spec section
 // 8: transformers' held-out loss of the BF16 weights). Copied into the LUT-B output, it read as the
-// reference of weights it does not describe (new-user QA sessions 17-18): left out and listed. The
-// held-out tokens (val_tokens.safetensors) and the captured BF16 activations are still copied: lutb
-// eval and lutb moe read them from the output folder, as inputs to compare against.
+// reference of weights it does not describe: left out and listed. The held-out tokens
+// (val_tokens.safetensors) and the captured BF16 activations are still copied: lutb eval and lutb
+// moe read them from the output folder, as inputs to compare against.
 bool source_reference_file(const std::string& name) { return name == "reference_eval.json"; }
 
 // DeepSpeed's ZeRO checkpoint folders global_stepN/ (optimizer and model states of every rank,
@@ -396,11 +395,11 @@ bool skipped_folder(const std::string& name) {
 
 // The bytes of the files the copy of quantize_checkpoint will take from in_dir (its rules: not
 // config.json, the index, the shards, weights in another form, training state, skipped folders, or
-// anything that is not a regular file), for the free-space check before anything is written.
-// Each of them is also opened for reading once, and a folder that cannot be listed is refused: an
+// anything that is not a regular file), for the free-space check before anything is written. Each
+// of them is also opened for reading once, and a folder that cannot be listed is refused: an
 // unreadable tokenizer.json was found by the copy step after the whole fit, hours on a real model,
-// while the README promises that everything is checked before anything is written (new-user QA,
-// session 21). Throws CheckpointError naming the input file and the reason.
+// while the README promises that everything is checked before anything is written. Throws
+// CheckpointError naming the input file and the reason.
 std::uint64_t bytes_to_copy(const fs::path& in_dir, const std::set<std::string>& shards) {
   std::uint64_t n = 0;
   std::error_code ec;
@@ -452,9 +451,9 @@ Proj proj_of(const std::string& p) {
 }
 
 // Every MoE layer config.json declares must have all its routed experts, and every MoE layer with
-// any must have them all (QA session 9: a checkpoint missing an expert, or declaring more experts or
-// layers than it stores, was quantised into a checkpoint that lutb eval then refused). Throws
-// CheckpointError naming the first missing tensor.
+// any must have them all (a checkpoint missing an expert, or declaring more experts or layers than
+// it stores, was quantised into a checkpoint that lutb eval then refused). Throws CheckpointError
+// naming the first missing tensor.
 void check_experts_complete(const fs::path& in_dir, const ModelConfig& cfg, const SafetensorsCollection& st,
                             const std::map<std::int64_t, LayerExperts>& found) {
   const fs::path config = in_dir / "config.json";
@@ -556,9 +555,9 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
       // A tensor of a shard that model.safetensors.index.json leaves out is not a tensor of the checkpoint:
       // lutb eval and lutb moe do not read it (SafetensorsCollection follows the index). quantize read every
       // tensor of every shard, so it quantised such a tensor and wrote an index listing it: an input that
-      // eval refused ("tensor ... not found; SHARD holds it, but the weight_map does not list it") became
-      // a checkpoint eval ran, without a word (new-user QA, session 18). Now left out, with a warning; a
-      // routed expert left out is then reported missing (check_experts_complete, naming the shard).
+      // eval refused ("tensor ... not found; SHARD holds it, but the weight_map does not list it") became a
+      // checkpoint eval ran, without a word. Now left out, with a warning; a routed expert left out is then
+      // reported missing (check_experts_complete, naming the shard).
       if (!ck.tensors().contains(name)) {
         sum.warnings.push_back(fmt::format("{}: tensor {} is not listed in {}'s weight_map, so it is not part of the "
                                            "checkpoint (lutb does not read it); not copied",
@@ -568,8 +567,8 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
       }
       const TensorView& v = files[f]->get(name);
       Planned p{name, false, {}};
-      // A tensor of a layer config.json does not declare (new-user QA session 9: quantised, or
-      // copied, as if it belonged to the model).
+      // A tensor of a layer config.json does not declare (quantised, or copied, as if it belonged
+      // to the model).
       if (const std::int64_t L = layer_of(name); L >= layer_end)
         throw CheckpointError(fmt::format("{}: tensor {} belongs to layer {}, but {} declares num_hidden_layers {}{} "
                                           "(layers 0..{}): the checkpoint has layers the config does not; nothing "
@@ -588,7 +587,7 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
         throw CheckpointError(fmt::format("{}: tensor {} has a layer index that does not fit 63 bits; nothing written",
                                           files[f]->path().string(), name));
       // Routed experts in a layer config.json makes dense (first_k_dense_replace, mlp_only_layers,
-      // decoder_sparse_step, moe_layer_freq) were copied unquantised (new-user QA session 9).
+      // decoder_sparse_step, moe_layer_freq) were copied unquantised.
       if (std::regex_match(name, m, pattern) && !cfg.is_moe_layer(index_of(m[1].str()))) {
         const auto ml = cfg.moe_layers();
         throw CheckpointError(fmt::format(
@@ -607,8 +606,8 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
           throw CheckpointError(fmt::format("{}: routed-expert tensor {} has shape {}, expected {}; nothing written",
                                             files[f]->path().string(), name, detail::shape_str(v.shape),
                                             stacked ? "[E, N, K]" : "[N, K]"));
-        // The shape config.json implies, as the loader checks it: a checkpoint eval would reject
-        // is refused before anything is written (QA 2026-11-30).
+        // The shape config.json implies, as the loader checks it: a checkpoint eval would reject is
+        // refused before anything is written.
         const std::int64_t H = cfg.hidden_size, I = cfg.moe_intermediate_size, E = cfg.num_experts;
         const std::string proj = stacked ? m[4].str() : m[3].str();
         const bool down = proj == "down_proj" || proj == "w2";
@@ -648,8 +647,7 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
       })) {
     // Why none were found, when the names say it. LUT-B expert tensors and no float ones: a LUT-B
     // checkpoint whose config.json lost its quantization_config ("no routed-expert tensors found" named
-    // neither; new-user QA sessions 17-18). Otherwise the check eval and moe apply (misspelt expert names,
-    // experts in dense layers).
+    // neither). Otherwise the check eval and moe apply (misspelt expert names, experts in dense layers).
     constexpr std::string_view kPacked = "_packed";  // spec 2.2: P.weight_packed beside _codebook, _scale
     for (const auto& n : ck.tensors().names())
       if (n.size() > kPacked.size() && n.compare(n.size() - kPacked.size(), kPacked.size(), kPacked) == 0 &&
@@ -670,15 +668,14 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
   check_experts_complete(in_dir, cfg, ck.tensors(), found);
   // Tensors the model does not have: a misspelt expert name is refused (it would be copied
   // unquantised, and the loaders would not read it); any other stray tensor is copied with a warning
-  // (new-user QA, session 12: both were copied without a word). lutb eval and lutb moe apply the same
-  // check.
+  // (both were copied without a word). lutb eval and lutb moe apply the same check.
   for (auto& w : detail::check_tensor_names(cfg, ck.tensors(), in_dir / "config.json", "copied unquantised",
                                             "; nothing written"))
     sum.warnings.push_back(std::move(w));
   // Per-expert gate / up of width I % 8 != 0 are valid LUT-B tensors (spec 2.2: each padded to
   // whole 8-row tiles), but lutb runs an expert's gate and up as one [2I, H] matrix of 8-row tiles,
   // which the padded tiles cannot form (Checkpoint::lutb_experts refuses them). The checkpoint was
-  // written without a word (new-user QA session 11); it still is, with a warning and the remedies.
+  // written without a word; it still is, with a warning and the remedies.
   if (cfg.moe_intermediate_size % 8 != 0)
     for (const auto& [L, x] : found)
       if (!x.per_expert.empty()) {
@@ -693,9 +690,9 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
         break;
       }
 
-  // The tensors the model reads besides the routed experts (see QuantizeOptions::check_model):
-  // a router of the wrong shape, a missing embedding or an integer norm were copied and refused only
-  // by lutb eval, after the whole run (new-user QA, session 12).
+  // The tensors the model reads besides the routed experts (see QuantizeOptions::check_model): a
+  // router of the wrong shape, a missing embedding or an integer norm were copied and refused only
+  // by lutb eval, after the whole run.
   std::set<std::string> scan_finite;
   if (opt.check_model) {
     try {
@@ -707,11 +704,11 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
     }
   }
 
-  // Free space, before anything is written, as lutb synth checks it (new-user QA session 17: on a full
-  // disk quantize fitted the tensors and failed writing, at the end of what is hours for a large
-  // model): the tensors as written, the files copied beside them, and 64 KiB per shard for headers,
-  // config.json and the index. The old output of --force is removed only after the new one is
-  // complete, so it does not count as available.
+  // Free space, before anything is written, as lutb synth checks it (on a full disk quantize fitted
+  // the tensors and failed writing, at the end of what is hours for a large model): the tensors as
+  // written, the files copied beside them, and 64 KiB per shard for headers, config.json and the
+  // index. The old output of --force is removed only after the new one is complete, so it does not
+  // count as available.
   {
     std::uint64_t need = static_cast<std::uint64_t>(files.size() + 2) * (64u << 10);
     std::set<std::string> shards;
@@ -743,7 +740,7 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
       // The shard's path as the index names it, relative to the checkpoint: shards in subfolders
       // (a/w.safetensors, b/w.safetensors) were written flat under their file name, the second over the
       // first, and the index then listed tensors in a file that did not hold them, exit status 0; the
-      // original shards were also copied unquantised (new-user QA, session 14).
+      // original shards were also copied unquantised.
       const fs::path rel = files[f]->path().lexically_normal().lexically_relative(in_dir.lexically_normal());
       const std::string shard = rel.empty() || *rel.begin() == ".." ? files[f]->path().filename().generic_string()
                                                                     : rel.generic_string();
@@ -809,14 +806,14 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
       };
       write_text(tmp / "config.json", config.dump(2) + "\n");
 
-      // Every other file (tokenizer, generation config, ...), recursively, except the weights in
-      // another form: copied, they put the unquantised weights into the LUT-B checkpoint (a 90 GB
-      // consolidated.safetensors or pytorch_model*.bin beside the shards; QA session 9).
-      // Names are taken LEXICALLY relative to the input folder: fs::relative resolves symlinks, so in a
-      // Hugging Face cache snapshot (every file a symlink to ../../blobs/<sha>) it gave "../../blobs/<sha>"
-      // and the copy below truncated the source blob through tmp / "../../blobs/<sha>" (data loss, new-user
-      // QA session 9). A symlinked file is copied (its contents) under the link's own name; a symlinked
-      // folder is not descended into (the iterator does not follow it) and is left out.
+      // Every other file (tokenizer, generation config, ...), recursively, except the weights in another
+      // form: copied, they put the unquantised weights into the LUT-B checkpoint (a 90 GB
+      // consolidated.safetensors or pytorch_model*.bin beside the shards). Names are taken LEXICALLY
+      // relative to the input folder: fs::relative resolves symlinks, so in a Hugging Face cache snapshot
+      // (every file a symlink to ../../blobs/<sha>) it gave "../../blobs/<sha>" and the copy below
+      // truncated the source blob through tmp / "../../blobs/<sha>" (data loss). A symlinked file is copied
+      // (its contents) under the link's own name; a symlinked folder is not descended into (the iterator
+      // does not follow it) and is left out.
       for (auto it = fs::recursive_directory_iterator(in_dir); it != fs::recursive_directory_iterator(); ++it) {
         const fs::path rel = it->path().lexically_relative(in_dir);
         if (rel.empty() || *rel.begin() == "..")
@@ -830,7 +827,7 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
           // The download cache of `huggingface-cli download --local-dir` (.cache/huggingface/, older
           // versions .huggingface/: the source files' hashes and locks) and version control (.git/,
           // whose LFS store holds the unquantised weights again) describe the source repository, not
-          // this output: left out and listed (new-user QA session 11: they were copied).
+          // this output: left out and listed (they were copied).
           if (skipped_folder(rel.filename().string())) {
             sum.skipped_files.push_back(rel.string() + "/");
             it.disable_recursion_pending();
@@ -841,7 +838,7 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
         }
         // Not a regular file: a dangling link (a Hugging Face cache snapshot whose blob is missing: an
         // incomplete download), a named pipe, a socket. It was left out without a word, and the output
-        // lacked, e.g., its tokenizer.json (new-user QA, session 14): listed, with a warning for a link.
+        // lacked, e.g., its tokenizer.json: listed, with a warning for a link.
         if (!it->is_regular_file()) {
           sum.skipped_files.push_back(rel.string());
           std::error_code lec;
@@ -865,8 +862,7 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
         detail::check_interrupt(opt.interrupt, out_dir);
         // Another safetensors file (captured activations, tokens) is copied; one holding tensors of this
         // checkpoint (a stray shard, a copy of model.safetensors) puts unquantised routed experts into
-        // the LUT-B checkpoint: still copied (it is the user's data), with a warning (new-user QA
-        // session 11: nothing was said).
+        // the LUT-B checkpoint: still copied (it is the user's data), with a warning (nothing was said).
         if (rel.extension() == ".safetensors") {
           try {
             const SafetensorsFile other(it->path());
@@ -891,7 +887,7 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
                                              "need it",
                                              out_dir.string(), fname, static_cast<double>(it->file_size()) / 1e6));
         // Contents only: the output gets this process's default permissions, not the source's (a
-        // read-only source made the copies read-only; QA 2026-11-30).
+        // read-only source made the copies read-only).
         detail::copy_file_contents(it->path(), tmp / rel, opt.interrupt, out_dir);
       }
     } catch (const CheckpointError& e) {
@@ -925,7 +921,7 @@ QuantizeSummary quantize_file(const fs::path& in, const fs::path& out_arg, const
                                             "written",
                                             opt.fit.threads));
   // The arguments before the file system: an invalid --match was reported only after the checks of
-  // the output (new-user QA, session 12).
+  // the output.
   std::regex re;
   if (!match.empty()) {
     try {
@@ -940,7 +936,7 @@ QuantizeSummary quantize_file(const fs::path& in, const fs::path& out_arg, const
   if (fs::exists(out) && !opt.force)
     throw CheckpointError(fmt::format("{}: output file exists (use --force to replace it); nothing written", out.string()));
   // "lutb quantize DIR/model.safetensors -o OUT_DIR" wrote a safetensors file named OUT_DIR, which
-  // --force then refused to replace (QA session 9): the output must be named like what it is.
+  // --force then refused to replace: the output must be named like what it is.
   if (out.extension() != ".safetensors")
     throw CheckpointError(fmt::format("{}: the output of one quantised file must be named *.safetensors (to write a "
                                       "checkpoint directory, give the input checkpoint directory); nothing written",
@@ -949,8 +945,8 @@ QuantizeSummary quantize_file(const fs::path& in, const fs::path& out_arg, const
   // LUT-B tensors already in the file (X_packed U8 beside X_codebook): quantising them again was
   // refused as "U8 [..]: only 2-D or 3-D float tensors can be quantised" or "no 2-D or 3-D float
   // tensor to quantise", and --all quantised the float tensors a LUT-B checkpoint keeps unquantised
-  // (router, attention) without a word (new-user QA, session 12). `lutb_part` maps each of their
-  // tensor names to the quantised weight's name X.
+  // (router, attention) without a word. `lutb_part` maps each of their tensor names to the
+  // quantised weight's name X.
   std::map<std::string, std::string> lutb_part;
   std::string first_lutb;
   for (const auto& name : file.names()) {
@@ -1042,7 +1038,7 @@ QuantizeSummary quantize_file(const fs::path& in, const fs::path& out_arg, const
   }
   // The writer builds `tmp` under its own temporary name, tmp.tmp.PID: probe that one too (first: it
   // is the longer, so its error gives the binding limit), or an output name 236-245 bytes long failed
-  // only after the plan, naming the internal "OUT.tmp.PID.tmp.PID" (new-user QA, session 15).
+  // only after the plan, naming the internal "OUT.tmp.PID.tmp.PID".
   detail::CreatedParents parents;  // a missing parent is created (as lutb synth), removed if the run fails
   detail::create_parents(out, parents);
   detail::probe_temp_file(detail::temp_sibling(tmp), out);

@@ -130,9 +130,8 @@ void SafetensorsFile::parse_header(const std::uint8_t* data, std::size_t file_si
   if (data[8] != '{') fail(where, "header does not start with '{'");
   const char* hb = reinterpret_cast<const char*>(data + 8);
   // nlohmann's lexer reads a NUL byte as the end of its input: "{...}\0 anything" parsed as "{...}" and
-  // the rest of the header was ignored (new-user QA, session 18), where the reference reader's
-  // serde_json refuses the trailing characters. The header is UTF-8 JSON text, padded with spaces
-  // (0x20) only.
+  // the rest of the header was ignored, where the reference reader's serde_json refuses the trailing
+  // characters. The header is UTF-8 JSON text, padded with spaces (0x20) only.
   if (const void* nul = std::memchr(hb, '\0', n))
     fail(where, fmt::format("header holds a NUL byte at offset {} of its {} bytes: a safetensors header is UTF-8 JSON "
                             "text, padded with spaces only (a corrupt or truncated header?)",
@@ -192,7 +191,7 @@ void SafetensorsFile::parse_header(const std::uint8_t* data, std::size_t file_si
     if (e > buffer_size) {
       // A file cut short (an interrupted download or copy) was reported only as this tensor's offsets
       // "out of range: the data buffer has N bytes", which did not say that the file, not its header,
-      // is at fault (new-user QA, session 16): say how much data the header's tensors need.
+      // is at fault: say how much data the header's tensors need.
       std::uint64_t end = 0;
       for (const auto& [k, x] : h.items()) {
         std::uint64_t xb = 0, xe = 0;
@@ -223,7 +222,7 @@ void SafetensorsFile::parse_header(const std::uint8_t* data, std::size_t file_si
   });
   // Overlaps first, over the whole buffer: a tensor whose offsets were copied from another's leaves a
   // gap where its own bytes were, and that gap, reported first, named a third tensor (the one after
-  // it) instead of the two that share bytes (new-user QA, session 17).
+  // it) instead of the two that share bytes.
   std::uint64_t reach = 0;
   const std::string* last = nullptr;
   for (const Span& s : spans) {
@@ -254,8 +253,8 @@ void SafetensorsFile::parse_header(const std::uint8_t* data, std::size_t file_si
 SafetensorsFile::SafetensorsFile(const fs::path& path) : path_(path) {
   const std::string where = path.string();
   // O_NONBLOCK: open() of a named pipe blocks until a writer appears, and lutb hung on a
-  // model.safetensors or val_tokens.safetensors that was one, deaf to a first Ctrl-C (new-user QA,
-  // session 14). It is refused below as not a regular file; on a regular file the flag does nothing.
+  // model.safetensors or val_tokens.safetensors that was one, deaf to a first Ctrl-C. It is refused
+  // below as not a regular file; on a regular file the flag does nothing.
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) fail(where, fmt::format("cannot open: {}", std::strerror(errno)));
   struct stat st {};
@@ -405,7 +404,7 @@ SafetensorsCollection SafetensorsCollection::open_dir(const fs::path& dir) {
     if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
       fail(index.string(), "no 'weight_map' object");
     // An empty map made every tensor "missing", naming neither the index nor the shards that hold
-    // them (new-user QA, session 14).
+    // them.
     if (j["weight_map"].empty())
       fail(index.string(), "'weight_map' is empty: it lists no tensor (an index must name the shard of every tensor)");
     std::map<std::string, std::size_t> shard_ix;
@@ -417,8 +416,8 @@ SafetensorsCollection SafetensorsCollection::open_dir(const fs::path& dir) {
         fail(index.string(), fmt::format("weight_map entry '{}' names '{}', which is not a file inside {}", it.key(), shard,
                                          dir.string()));
       // One file named two ways ("model-00001-of-00002.safetensors" and "./model-00001-of-00002.safetensors",
-      // which transformers reads alike) was opened twice and refused as "tensor X appears in both A and
-      // ./A" (new-user QA, session 14): shards are told apart by their normalised path.
+      // which transformers reads alike) was opened twice and refused as "tensor X appears in both A and ./A":
+      // shards are told apart by their normalised path.
       const std::string key = rel.lexically_normal().string();
       auto s = shard_ix.find(key);
       if (s == shard_ix.end()) {
@@ -427,7 +426,7 @@ SafetensorsCollection SafetensorsCollection::open_dir(const fs::path& dir) {
           fail(index.string(), fmt::format("shard '{}' (holding tensor '{}') is missing: {} does not exist", shard, it.key(),
                                            p.string()));
         // The index's entry beside the shard's own error: "s/.: is a directory" or "s/config.json: not a
-        // safetensors file" did not say that the index had named them (new-user QA, session 14).
+        // safetensors file" did not say that the index had named them.
         try {
           c.files_.push_back(std::make_unique<SafetensorsFile>(p));
         } catch (const SafetensorsError& e) {
@@ -441,7 +440,7 @@ SafetensorsCollection SafetensorsCollection::open_dir(const fs::path& dir) {
       c.where_.emplace(it.key(), s->second);
     }
     // A tensor held by two shards is ambiguous (the reader used the index's, lutb quantize wrote
-    // both; QA session 9), as it is without an index (below).
+    // both), as it is without an index (below).
     for (const auto& [shard, ix] : shard_ix)
       for (const auto& n : c.files_[ix]->names()) {
         const auto w = c.where_.find(n);
@@ -460,7 +459,7 @@ SafetensorsCollection SafetensorsCollection::open_dir(const fs::path& dir) {
   // weights, except the data files lutb reads beside a model (val_tokens.safetensors,
   // moe_activations.safetensors) and Mistral's consolidated*.safetensors (the same weights under
   // other names). Those share tensor names ("input_ids"): a folder that had lost its
-  // model.safetensors failed with "tensor 'input_ids' appears in both ..." (new-user QA session 9).
+  // model.safetensors failed with "tensor 'input_ids' appears in both ...".
   std::vector<fs::path> files, data_files;
   std::vector<std::string> others;  // the folder's other entries, named in the error
   for (const auto& e : fs::directory_iterator(dir)) {
@@ -553,7 +552,7 @@ std::string SafetensorsCollection::absent_note(const std::string& name) const {
                        files_.size(), files_.size() == 1 ? "" : "s");
   }
   // The files searched: "checkpoint DIR: tensor X not found" left the user to guess which file should
-  // have held it (new-user QA sessions 18-19).
+  // have held it.
   if (files_.size() == 1) return fmt::format("; {} has no such tensor", files_.front()->path().string());
   std::string list;
   for (std::size_t i = 0; i < files_.size() && i < 4; ++i) list += (i ? ", " : "") + files_[i]->path().filename().string();
