@@ -123,8 +123,7 @@ class SafetensorsCollection {
   /// FILE has no such tensor" (one file), "; none of the N weight files of DIR (a, b, ...) holds it", ";
   /// INDEX's weight_map does not list it (nor does any of its N shards hold it)", or, when an index
   /// leaves out a tensor one of its shards holds, "; SHARD holds it, but INDEX's weight_map does not
-  /// list it (add it there)" (the tensor is invisible through the index, while `lutb quantize`, which
-  /// reads the shards, quantised it). "" for a name it exposes.
+  /// list it (add it there)" (the tensor is invisible through the index). "" for a name it exposes.
   std::string absent_note(const std::string& name) const;
 
  private:

@@ -61,9 +61,8 @@ void run_eval(const EvalArgs& a) {
   // The config and the tokens first, so that a bad file fails before the weights load; every
   // message names its file.
   const model::TransformerConfig config = model::TransformerConfig::load(a.model_dir);
-  // A checkpoint of `lutb synth` (or the default job's --keep) holds MoE blocks only: eval reported
-  // "val_tokens.safetensors: tokens file not found", then "missing tensor model.embed_tokens.weight",
-  // never why.
+  // A checkpoint of `lutb synth` (or the default job's --keep) holds MoE blocks only: say so, rather
+  // than "tokens file not found" or "missing tensor model.embed_tokens.weight".
   if (config.raw.contains("lutb_synthetic"))
     throw model::ModelError(fmt::format(
         "{}: a synthetic checkpoint of lutb synth ({} has 'lutb_synthetic'): it holds MoE blocks only, no "
@@ -183,8 +182,7 @@ void add_eval(CLI::App& app) {
   auto* dir_opt =
       cmd->add_option("model_dir", args->model_dir, "Hugging Face checkpoint directory (BF16 or LUT-B)")->required();
   // The activation format is --act-format, as in `lutb moe`, whose --activations names the
-  // captured-activations file. eval took the format as --activations (--act-format was added as an
-  // alias later), so the one flag meant a format here and a file there. --activations FORMAT
+  // captured-activations file; one flag must not mean a format here and a file there. --activations FORMAT
   // is still read, hidden from --help, with a note; a file name given to it is refused with what to
   // use instead.
   args->quant.add_to(cmd, "--act-format");

@@ -62,7 +62,7 @@ inline void ensure_runtime_env() {
 
 /// Warns on stderr about the tensors of `model_dir` that are not tensors of the model its config.json
 /// describes, and refuses a misspelt expert tensor (detail::check_tensor_names, the check `lutb
-/// quantize` applies): `lutb eval` ignored both without a word.
+/// quantize` applies), so that eval never ignores them silently.
 inline void check_model_tensor_names(const std::string& model_dir, const lutb::ModelConfig& cfg, const char* command) {
   const SafetensorsCollection st = SafetensorsCollection::open_dir(model_dir);
   for (const auto& w : detail::check_tensor_names(cfg, st, std::filesystem::path(model_dir) / "config.json",
@@ -73,8 +73,8 @@ inline void check_model_tensor_names(const std::string& model_dir, const lutb::M
 // After a non-finite loss: the first stored float tensor (in file and name order) holding a NaN or an
 // infinity, as "; FILE holds NaN in tensor NAME at [i, j]", or "" when every stored value is finite
 // (the overflow happened in the computation). Only tensors whose names start with `prefix` (lutb moe:
-// one layer's). Without it, a BF16 checkpoint with a NaN weight gave "non-finite loss" naming no
-// tensor, and lutb moe "outputs are NaN or infinite".
+// one layer's). It names the tensor behind a "non-finite loss" (eval) or "outputs are NaN or
+// infinite" (moe).
 inline std::string first_non_finite_stored(const std::string& model_dir, const std::string& prefix = {}) {
   try {
     const SafetensorsCollection c = SafetensorsCollection::open_dir(model_dir);
@@ -151,7 +151,7 @@ struct ModelQuantArgs {
     std::string q = quant;
     bool lutb_ckpt = false;
     try {
-      // Only a regular file: a named pipe blocked here for ever; anything else is reported by the
+      // Only a regular file: a named pipe would block here for ever; anything else is reported by the
       // loader.
       const std::filesystem::path config = std::filesystem::path(model_dir) / "config.json";
       std::ifstream in;
@@ -161,15 +161,15 @@ struct ModelQuantArgs {
       // a broken config.json is reported by the loader with its file name
     }
     if (q.empty()) q = lutb_ckpt ? "lutb" : "none";
-    // A stored LUT-B checkpoint is read as written: a fitter would be silently ignored.
+    // A stored LUT-B checkpoint is read as written: a --fitter would have no effect, so it is refused.
     if (lutb_ckpt && !fitter.empty())
       throw UsageError(fmt::format(
           "--fitter {}: {} holds stored LUT-B weights; --fitter applies only when quantising a BF16 checkpoint on "
           "the fly (--quant lutb)",
           fitter, model_dir));
     // Another --quant on stored LUT-B weights cannot apply (there are no BF16 experts to hold or to
-    // quantise otherwise): the library's refusal exited 1, where --fitter on the same checkpoint is a
-    // usage error (docs/cli.md "Every command").
+    // quantise otherwise): a usage error (exit 2) like --fitter on the same checkpoint, not the library's
+    // refusal (exit 1; docs/cli.md "Every command").
     if (lutb_ckpt && q != "lutb")
       throw UsageError(fmt::format(
           "--quant {}: {} holds stored LUT-B weights (its config.json has a LUT-B quantization_config), not BF16 "
@@ -182,8 +182,8 @@ struct ModelQuantArgs {
     if (!fitter.empty() && o.quant != model::Quant::Lutb)
       throw UsageError(fmt::format("--fitter {} only applies to --quant lutb", fitter));
     if (!fitter.empty()) check_fitter_value(fitter);
-    // Like --fitter: a LUT-B emulation kernel asked for with BF16 / INT3 / MXFP4 experts was silently
-    // ignored.
+    // Like --fitter: a LUT-B emulation kernel asked for with BF16 / INT3 / MXFP4 experts would have no
+    // effect, so it is refused.
     if (kernel_opt != nullptr && kernel_opt->count() > 0 && o.quant != model::Quant::Lutb)
       throw UsageError(fmt::format("--kernel {} only applies to LUT-B experts (--quant lutb, or a LUT-B "
                                    "checkpoint); the experts here are --quant {}",

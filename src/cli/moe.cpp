@@ -47,20 +47,19 @@ std::vector<float> captured(const SafetensorsFile& f, const std::string& name, s
   if (t.shape.size() != 2 || t.shape[1] != H)
     throw std::runtime_error(fmt::format("{}: tensor {} has shape [{}], expected [tokens, {}]", f.path().string(), name,
                                          fmt::join(t.shape, ", "), H));
-  // No tokens: the error printed as "rel_l2 -nan ... cosine -nan" with exit status 0.
+  // No tokens: the error is undefined ("rel_l2 -nan ... cosine -nan"), so the file is refused.
   if (t.shape[0] == 0)
     throw std::runtime_error(fmt::format("{}: tensor {} has shape [{}]: it holds no tokens to run the block on",
                                          f.path().string(), name, fmt::join(t.shape, ", ")));
-  // Another dtype's message named the tensor but not the file ("tensor 'layers.0.moe_input': dtype I32
-  // cannot be read as floating point").
+  // Another dtype is refused naming the file too, not only the tensor.
   if (t.dtype != DType::BF16 && t.dtype != DType::F16 && t.dtype != DType::F32 && t.dtype != DType::F64 &&
       t.dtype != DType::F8_E4M3)
     throw std::runtime_error(fmt::format("{}: tensor {} has dtype {}; captured activations must be floating point "
                                          "(BF16, F16, F32, F64 or F8_E4M3)",
                                          f.path().string(), name, dtype_name(t.dtype)));
   std::vector<float> v = t.to_float();
-  // A NaN / Inf in the captured activations printed "rel_l2 nan" and then an error naming neither
-  // the tensor nor the place: checked before computing.
+  // A NaN / Inf in the captured activations is refused before computing, naming the tensor and the
+  // place (after the run it would show only as "rel_l2 nan").
   for (std::size_t i = 0; i < v.size(); ++i)
     if (!std::isfinite(v[i]))
       throw std::runtime_error(fmt::format("{}: tensor {} holds {} at row {} col {} (token {}, hidden unit {}): the "
@@ -75,8 +74,8 @@ void run_moe(const MoeArgs& a) {
   ensure_runtime_env();
   const int threads = effective_threads(a.threads);
   model::set_threads(threads);
-  // The model folder first: "lutb moe /no/such/dir --layer 0" was told that --activations was not
-  // given; TransformerConfig::load words it as lutb eval does.
+  // The model folder first, worded by TransformerConfig::load as lutb eval does: a missing folder is
+  // the problem, not the --activations it would hold.
   if (!std::filesystem::is_directory(a.model_dir)) (void)model::TransformerConfig::load(a.model_dir);
   model::MoeOptions mo = a.quant.resolve(a.model_dir, threads);
   const bool gpu = a.device == "cuda";
@@ -91,9 +90,8 @@ void run_moe(const MoeArgs& a) {
   // --quant lutb on a BF16 checkpoint fits at load: with --device cuda on the GPU (the same bytes).
   const FitPlacement fit = place_fit(mo, gpu);
   // The model folder's config.json before the activations file, as lutb eval checks it before its
-  // tokens: an empty folder, a config.json that is a FIFO or holds [1,2] was reported as "--activations
-  // not given and DIR holds no moe_activations.safetensors" (a usage error, exit 2), the real problem
-  // unsaid.
+  // tokens: an empty folder, a config.json that is a FIFO or holds [1,2] is reported as such, not as
+  // "--activations not given and DIR holds no moe_activations.safetensors".
   (void)model::TransformerConfig::load(a.model_dir);
   if (a.activations_file.empty())
     throw UsageError(fmt::format("--activations not given and {} holds no {} (the captured MoE inputs and "
@@ -112,7 +110,7 @@ void run_moe(const MoeArgs& a) {
   if (a.layer < 0 || a.layer >= cfg.num_layers)
     throw UsageError(fmt::format("--layer {} is out of range: {} has layers 0..{}", a.layer, a.model_dir, cfg.num_layers - 1));
   // A dense layer (DeepSeek's first_k_dense_replace, Qwen's mlp_only_layers) is a usage error too, as
-  // an index beyond the layers is: the library refused it with exit status 1.
+  // an index beyond the layers is (exit 2, not the library's refusal with 1).
   if (!cfg.moe.is_moe_layer(a.layer)) {
     const auto ml = cfg.moe.moe_layers();
     throw UsageError(fmt::format("--layer {}: layer {} of {} is a dense (non-MoE) layer per {} (its MoE layers: {})",
@@ -136,9 +134,9 @@ void run_moe(const MoeArgs& a) {
     throw std::runtime_error(fmt::format("{}: layers.{}.moe_input and moe_output have different token counts",
                                          a.activations_file, a.layer));
   const std::int64_t T = static_cast<std::int64_t>(x.size()) / H;
-  // The error is relative to the captured outputs: all zero, it is undefined, and lutb moe printed
-  // "rel_l2 inf ... cosine -nan" with exit status 0. A MoE block's output is never exactly zero on
-  // real inputs: such a file was captured wrongly.
+  // The error is relative to the captured outputs: all zero, it is undefined ("rel_l2 inf ... cosine
+  // -nan"). A MoE block's output is never exactly zero on real inputs: such a file was captured
+  // wrongly, and is refused.
   if (std::all_of(ref.begin(), ref.end(), [](float v) { return v == 0.0f; }))
     throw std::runtime_error(fmt::format("{}: tensor layers.{}.moe_output is all zero ({} tokens): the error relative "
                                          "to it is undefined; were the outputs captured?",
@@ -161,11 +159,11 @@ void run_moe(const MoeArgs& a) {
     max_abs = std::isnan(d) ? d : std::max(max_abs, std::fabs(d));  // NaN propagates, never hides
   }
   if (non_finite > 0) {
-    // Refused before any result is printed: the line "rel_l2 nan ..." (and --json's "rel_l2": null) came
-    // first, then the error and exit status 1. Name the tensor, as lutb eval does: the first of the
+    // Refused before any result is printed, so that no "rel_l2 nan" line (or --json's "rel_l2": null)
+    // precedes the error. Name the tensor, as lutb eval does: the first of the
     // layer with a non-finite SQNR (stored LUT-B weights), else the first stored tensor of the layer
-    // holding NaN / Inf (an infinite router weight gave only "a weight, scale or input of the layer is
-    // NaN or overflowed").
+    // holding NaN / Inf (an infinite router weight, say), rather than only "a weight, scale or input of the
+    // layer is NaN or overflowed".
     std::string where;
     for (const auto& s : moe.stats())
       if (const double v = s.sqnr_db(); s.layer == a.layer && (std::isnan(v) || (std::isinf(v) && v < 0))) {
@@ -251,7 +249,7 @@ void add_moe(CLI::App& app) {
   cmd->add_option("--layer", args->layer,
                   "decoder layer L (0-based, counting dense layers too) whose MoE block runs; it must be a MoE layer")->required()->check(IntRange<int>(0, std::numeric_limits<int>::max()));
   // Not required: the model folders ship their captured activations as MODEL_DIR/moe_activations.safetensors,
-  // and `lutb moe MODEL_DIR --layer 0` refused to run without naming it.
+  // so `lutb moe MODEL_DIR --layer 0` runs on them.
   auto* acts_opt = cmd->add_option("--activations", args->activations_file,
                                    fmt::format("safetensors file with layers.L.moe_input and layers.L.moe_output "
                                                "[tokens, hidden] (default MODEL_DIR/{} when it exists)",

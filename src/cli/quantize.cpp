@@ -92,14 +92,13 @@ void add_quantize(CLI::App& app) {
                     "the CPU; the rest of the run stays on the CPU)");
   cmd->callback([args, fitter_opt, in_opt, out_opt] {
     namespace fs = std::filesystem;
-    // `-o ""` failed with "filesystem error: cannot make absolute path: Invalid argument []", and an
-    // empty input with ": no such checkpoint directory or file".
+    // Empty names are named as such (the file system would say "cannot make absolute path: Invalid
+    // argument []" for `-o ""`, or ": no such checkpoint directory or file").
     check_not_empty(in_opt, args->input, "input name");
     check_not_empty(out_opt, args->output, "output name");
     check_fitter_option(fitter_opt, args->fitter);
-    // Every argument is checked before the file system is looked at: with an existing output and a
-    // bad --match, the user was told about the output first, fixed it, and only then learnt that the
-    // regex was invalid.
+    // Every argument is checked before the file system is looked at, so that a bad --match is reported
+    // before an existing output, not after the user has fixed the output.
     if (!args->match.empty()) {
       try {
         (void)std::regex(args->match);
@@ -109,7 +108,7 @@ void add_quantize(CLI::App& app) {
     }
     // std::regex backtracks: a pattern with nested repetition such as (a|aa)*c takes exponential time
     // on a long tensor name, and once the guard below is installed a first Ctrl-C only sets a flag
-    // the matching never reads, so it took a second Ctrl-C. The names are matched once before the
+    // the matching never reads, so it would take a second Ctrl-C. The names are matched once before the
     // guard, while a signal still ends the process at once (nothing has been written yet); errors are
     // left to quantize_file, which reports them in its order.
     if (!args->match.empty() && fs::is_regular_file(args->input)) {
@@ -140,8 +139,8 @@ void add_quantize(CLI::App& app) {
     // The tensors lutb eval reads besides the routed experts, checked before anything is written (and
     // scanned for NaN / Inf while copied), and config.json by lutb eval's own validation
     // (model::TransformerConfig): a value lutb eval refuses (rms_norm_eps -1, num_key_value_heads not
-    // dividing num_attention_heads, partial_rotary_factor 2, a negative sliding_window, ...) was
-    // quantised without a word and refused only by eval. Not refused: a feature lutb's model does not
+    // dividing num_attention_heads, partial_rotary_factor 2, a negative sliding_window, ...) is refused
+    // here, not after the quantisation by eval. Not refused: a feature lutb's model does not
     // implement (model::UnsupportedConfigError: hidden_act other than silu, another rope type; the
     // output is still a valid LUT-B checkpoint for other runtimes), and a checkpoint of routed experts
     // only (lutb synth's, or a partial export: none of the embedding, the final norm and layer 0's

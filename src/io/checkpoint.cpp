@@ -103,8 +103,7 @@ const TensorView& Checkpoint::tensor(const std::string& name) const {
 namespace {
 
 // A float weight's dtype and shape, from its header only. `file` is the safetensors file that holds
-// the tensor (these errors named the checkpoint folder, which in a sharded checkpoint left the user to
-// find the shard); `origin` says where `expected` comes from (e.g. " from DIR/config.json (hidden_size
+// the tensor (in a sharded checkpoint the folder alone would leave the user to find the shard); `origin` says where `expected` comes from (e.g. " from DIR/config.json (hidden_size
 // 256, expert width 128)"), or is empty.
 void check_float_header(const std::string& file, const TensorView& v, const std::vector<std::int64_t>& expected,
                         const std::string& origin) {
@@ -129,8 +128,8 @@ void copy_float(const std::string& file, const TensorView& v, const std::vector<
     throw CheckpointError(fmt::format("{}: tensor {} has dtype {} but the other experts of the stack are {}", file,
                                       v.name, dtype_name(v.dtype), dtype_name(to)));
   detail::convert_to_f32(v.data, v.dtype, reinterpret_cast<float*>(dst), v.numel());
-  // An F64 value beyond the FP32 range became +-Inf silently: refused with its real magnitude and
-  // place.
+  // An F64 value beyond the FP32 range would become +-Inf when narrowed: refused with its real
+  // magnitude and place.
   if (v.dtype == DType::F64) {
     const auto* f = reinterpret_cast<const float*>(dst);
     for (std::int64_t i = 0; i < v.numel(); ++i) {
@@ -236,8 +235,8 @@ ExpertsSource Checkpoint::experts_source(std::int64_t L) const {
     return s;
   }
   // A routed expert that config.json implies but the checkpoint lacks: the message names the config, the
-  // layer and the files searched, as lutb quantize's does (eval and moe said "checkpoint DIR: tensor X
-  // not found", naming no file).
+  // layer and the files searched, as lutb quantize's does (not only "checkpoint DIR: tensor X
+  // not found").
   const auto expert_tensor = [&](const std::string& n) -> const TensorView& {
     if (!st_->contains(n))
       throw CheckpointError(fmt::format("checkpoint {}: layer {} is a MoE layer of {}, which declares {} routed "
@@ -258,7 +257,7 @@ ExpertsSource Checkpoint::experts_source(std::int64_t L) const {
         dt = DType::F32;
     }
   // Every expert's dtype and shape before the stacks are allocated at config.json's sizes: a corrupt
-  // moe_intermediate_size (2e9) ended in "out of memory (an allocation failed)", naming nothing.
+  // moe_intermediate_size (2e9) is a shape error naming the tensor, not "out of memory".
   const std::string origin = expected_from_config();
   for (std::int64_t e = 0; e < E; ++e)
     for (Proj p : {Proj::gate, Proj::up, Proj::down}) {
@@ -324,8 +323,8 @@ void Checkpoint::read_lutb(const std::string& weight_name, const LutbShape& one,
                                         file_of(v.name), v.name, who, detail::shape_str(v.shape), detail::shape_str(shape),
                                         one.stacked ? fmt::format("{}, ", one.experts) : "", one.rows, one.cols));
   };
-  // quantization_config.logical_shapes must agree with the shape config.json gives the tensor (it
-  // was ignored: a contradicting entry went unnoticed).
+  // quantization_config.logical_shapes must agree with the shape config.json gives the tensor; a
+  // contradicting entry is refused.
   if (quant_) {
     const auto ls = quant_->logical_shapes.find(weight_name);
     const std::vector<std::int64_t> logical =
@@ -438,7 +437,7 @@ LutbTensor Checkpoint::lutb_projection(std::int64_t L, Proj p) const {
   const bool down = p == Proj::down;
   LutbShape shape{E, down ? H : I, down ? I : H, true};
   // The stored shapes before anything is allocated at config.json's sizes: a corrupt
-  // moe_intermediate_size (2e9) ended in "out of memory (an allocation failed)", naming nothing.
+  // moe_intermediate_size (2e9) is a shape error naming the tensor, not "out of memory".
   check_lutb_headers(L, down ? Proj::down : Proj::gate);
   LutbTensor out(shape);
   const std::string gu = find_stacked(L, true, "_packed");

@@ -29,8 +29,8 @@ std::optional<std::int64_t> opt_int(const nlohmann::json& j, const char* key, co
   return detail::config_int(j, key, where);
 }
 // Sizes and counts are bounded by what the model parser (src/model/config.cpp) accepts, a 32-bit
-// int: a larger value is a corrupt config (num_hidden_layers 10^12 was accepted by lutb quantize,
-// which iterates over the layers, and refused only by lutb eval). Upper bound of num_hidden_layers
+// int: a larger value is a corrupt config (num_hidden_layers 10^12 must be refused by lutb quantize,
+// which iterates over the layers, as by lutb eval). Upper bound of num_hidden_layers
 // (see parse_model_config).
 constexpr std::int64_t kMaxLayers = 65536;
 std::optional<std::int64_t> opt_size(const nlohmann::json& j, const char* key, const std::string& where) {
@@ -45,8 +45,7 @@ std::int64_t req_int(const nlohmann::json& j, const char* key, const std::string
   return v;
 }
 // A required size whose range is checked later with its own words (hidden_size "must be positive",
-// num_experts_per_tok "must be in 1..E"): "num_experts_per_tok: must be non-negative, got -1" said
-// nothing of 0 or of the experts count.
+// num_experts_per_tok "must be in 1..E"), which say more than "must be non-negative".
 std::int64_t req_size(const nlohmann::json& j, const char* key, const std::string& where) {
   return detail::config_required(opt_size(j, key, where), key, where);
 }
@@ -163,8 +162,7 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& where
   // Expert width.
   if (c.family == ModelFamily::mixtral) {
     const auto v = opt_size(j, "moe_intermediate_size", where);
-    // Neither key (or "intermediate_size": null) read as width 0: "the expert width must be positive, got
-    // 0" for a value that was never given.
+    // Neither key (or "intermediate_size": null) is a missing key, not a width of 0.
     if (!v && !opt_size(j, "intermediate_size", where))
       detail::throw_config_key(where, "intermediate_size",
                                "required but missing or null (Mixtral's expert width; nor is 'moe_intermediate_size' "
@@ -192,10 +190,9 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& where
   // scoring_func, topk_method, n_group, topk_group and routed_scaling_factor are DeepSeek's keys. The
   // softmax top-k router of Qwen2/3-MoE, Mixtral and OLMoE (spec 5; transformers' Qwen3MoeTopKRouter,
   // MixtralTopKRouter, ...) has no such parameters and transformers ignores the keys in their
-  // config.json. lutb read them for every family: a qwen3_moe config.json carrying
-  // "routed_scaling_factor": 2.5 or "scoring_func": "sigmoid" was routed with them, and lutb eval
-  // --quant none gave 4.040 or 3.919 nats instead of transformers' 3.843 on tiny-qwen3-moe (4
-  // windows) without a word; "n_group": 3 was refused. Other families keep the defaults (softmax, no
+  // config.json: reading them for every family would route a qwen3_moe config.json carrying
+  // "routed_scaling_factor": 2.5 or "scoring_func": "sigmoid" with them (lutb eval --quant none 4.040
+  // or 3.919 nats instead of transformers' 3.843 on tiny-qwen3-moe, 4 windows). Other families keep the defaults (softmax, no
   // groups, factor 1), whatever the keys say.
   if (is_deepseek(c.family)) {
     auto sf = opt_str(j, "scoring_func", where).value_or(ds3 ? "sigmoid" : "softmax");
@@ -205,7 +202,7 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& where
     c.topk_method = opt_str(j, "topk_method", where).value_or(ds3 ? "noaux_tc" : "greedy");
     // Only the methods lutb's routing implements (src/model/moe_block.cpp, spec 5): sigmoid scores
     // with the noaux_tc group selection; softmax scores with greedy or group_limited_greedy. Any other
-    // value (a typo included) was accepted and routed as one of them without a word.
+    // value (a typo included) is refused, never routed as one of them.
     const bool sigmoid = c.scoring_func == ScoringFunc::sigmoid;
     const auto& m = c.topk_method;
     const bool known = m == "noaux_tc" || m == "greedy" || m == "group_limited_greedy";
@@ -230,8 +227,7 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& where
     if (c.topk_group <= 0 || c.topk_group > c.n_group)
       detail::throw_config_key(where, "topk_group", fmt::format("must be in 1..n_group ({}), got {}", c.n_group, c.topk_group));
     // The group selection (sigmoid / noaux_tc, group_limited_greedy) needs enough experts in the kept
-    // groups. These were refused only when a layer was built, as "router of deepseek_v3: RouterConfig:
-    // top_k=5 exceeds ...", naming neither config.json nor its keys.
+    // groups. Checked here, naming config.json and its keys, before a layer's router is built.
     if (c.scoring_func == ScoringFunc::sigmoid || c.topk_method == "group_limited_greedy") {
       const std::int64_t per = c.num_experts / c.n_group;
       if (c.scoring_func == ScoringFunc::sigmoid && per < 2)
@@ -248,8 +244,8 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& where
                                              c.n_group));
     }
     c.routed_scaling_factor = opt_num(j, "routed_scaling_factor", where).value_or(1.0);
-    // It multiplies the routing weights: a negative one flipped the sign of every expert's output
-    // without a word; zero switches the experts off.
+    // It multiplies the routing weights: a negative one would flip the sign of every expert's output;
+    // zero switches the experts off.
     if (!(std::isfinite(c.routed_scaling_factor) && c.routed_scaling_factor > 0))
       detail::throw_config_key(where, "routed_scaling_factor",
                                fmt::format("must be a finite number > 0, got {}", c.routed_scaling_factor));
@@ -294,13 +290,13 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& where
 
   // A checkpoint quantised by another method stores its weights in that method's format: DeepSeek-V3's
   // official release is FP8 (F8_E4M3 weights with weight_scale_inv block scales), which lutb would read
-  // without the scales (lutb eval gave 7.84 nats instead of 3.89, and lutb quantize wrote a "lut_b"
+  // without the scales (lutb eval 7.84 nats instead of 3.89, and lutb quantize would write a "lut_b"
   // config over the FP8 one). Only LUT-B or no quantization_config loads.
   if (auto q = j.find("quantization_config"); q != j.end() && !q->is_null()) {
     // transformers refuses a quantization_config that is not an object or names no quant_method
-    // ("The model's quantization config from the arguments has no `quant_method` attribute"): lutb
-    // read the weights as plain floats without a word, and a non-string quant_method escaped as a
-    // bare nlohmann type_error.
+    // ("The model's quantization config from the arguments has no `quant_method` attribute"); lutb
+    // refuses it too, rather than read the weights as plain floats, and words a non-string
+    // quant_method (not a bare nlohmann type_error).
     if (!q->is_object())
       detail::throw_config_key(where, "quantization_config",
                                fmt::format("must be an object, got {}", detail::json_excerpt(*q)));
@@ -337,8 +333,8 @@ ModelConfig load_model_config(const std::filesystem::path& p) {
   errno = 0;
   std::ifstream in(file);
   if (!in) {
-    // Only a missing file is "no config.json": one readable by no one was reported so too; the
-    // reason is strerror's.
+    // Only a missing file is "no config.json": one that cannot be read is reported with strerror's
+    // reason.
     const int err = errno;
     if (err == ENOENT && std::filesystem::is_directory(p))
       throw ConfigError(fmt::format("{}: no config.json in the checkpoint directory", p.string()));

@@ -288,8 +288,8 @@ ModelConfig synth_config(const SynthOptions& opt) {
     j["hidden_size"] = opt.hidden_size;
     // Families whose config.json has no head_dim (Mixtral, Qwen2-MoE, OLMoE) derive it as hidden_size
     // // num_attention_heads, as transformers does; the rotary embedding needs it even and positive.
-    // With --hidden-size 100, Mixtral's 32 heads gave head_dim 3, and lutb moe / eval refused the
-    // checkpoint that synth had just written ("key 'head_dim': ... rotary dimension of 3"). The fewest
+    // With --hidden-size 100, Mixtral's 32 heads would give head_dim 3, and lutb moe / eval would refuse
+    // the checkpoint synth just wrote. The fewest
     // heads are dropped that give an even head_dim (kv heads: the largest common divisor), else
     // (hidden_size 1 or 3) one head of explicit head_dim 2. DeepSeek's MLA widths and Qwen3's explicit
     // head_dim do not depend on hidden_size.
@@ -355,8 +355,8 @@ std::uint64_t synthesize_checkpoint(const fs::path& out_arg, const SynthOptions&
                                             "got {}; nothing written",
                                             opt.student_nu));
   const ModelConfig c = synth_config(opt);
-  // An empty path wrote the whole checkpoint to ".tmp.PID" in the current directory, then failed to
-  // rename it to "" with a bare filesystem error.
+  // An empty path is refused first: the temporary would be ".tmp.PID" in the current directory, and
+  // the final rename to "" would fail.
   if (out_dir.empty()) throw CheckpointError("synth: no output directory given; nothing written");
   detail::check_directory_output_name(out_dir, "synth");
   detail::check_replaceable(out_dir, /*want_directory=*/true, opt.force);
@@ -374,7 +374,7 @@ std::uint64_t synthesize_checkpoint(const fs::path& out_arg, const SynthOptions&
   const fs::path tmp = detail::temp_sibling(out_dir);
   fs::remove_all(tmp, ec);
   // Missing parents are created (as mkdir -p) and, when the run fails or is interrupted, removed
-  // again if still empty: a failed run leaves the filesystem as it was (they stayed).
+  // again if still empty: a failed run leaves the filesystem as it was.
   std::vector<fs::path> made;  // deepest first
   for (fs::path p = tmp.parent_path(); !p.empty() && !fs::exists(fs::symlink_status(p, ec)); p = p.parent_path()) {
     made.push_back(p);

@@ -37,8 +37,8 @@ std::string json_excerpt(const nlohmann::json& v);
 /// What `p` is when it exists but is not a regular file (symbolic links followed): "a named pipe
 /// (FIFO)", "a directory", "a character device", "a block device", "a socket" or "a special file";
 /// "" for a regular file or a path that does not exist. Readers check it before opening: a named
-/// pipe blocks open() until a writer appears, and `lutb eval` / `quantize` hung on a config.json or
-/// model.safetensors that was one.
+/// pipe blocks open() until a writer appears, so a config.json or model.safetensors that is one
+/// would hang the command.
 std::string non_regular_kind(const std::filesystem::path& p);
 
 /// Why the files of checkpoint folder `dir` cannot be looked up, as "DIR: cannot look inside the
@@ -48,8 +48,7 @@ std::string non_regular_kind(const std::filesystem::path& p);
 std::string folder_access_problem(const std::filesystem::path& dir);
 
 /// ": cannot open: REASON" for an open() that failed with `err` (errno; ": cannot open" when 0).
-/// config.json readable by no one was reported as "no config.json in the checkpoint directory" or
-/// "cannot open (not a Hugging Face checkpoint directory?)".
+/// The reason tells an unreadable config.json from a missing one.
 std::string cannot_open(int err);
 
 /// Readers: nullopt when `key` is absent or null; ConfigError in the format above when the value has

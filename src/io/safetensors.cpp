@@ -129,9 +129,8 @@ void SafetensorsFile::parse_header(const std::uint8_t* data, std::size_t file_si
   if (n < 2) fail(where, fmt::format("header length {} is too short for a JSON object", n));
   if (data[8] != '{') fail(where, "header does not start with '{'");
   const char* hb = reinterpret_cast<const char*>(data + 8);
-  // nlohmann's lexer reads a NUL byte as the end of its input: "{...}\0 anything" parsed as "{...}" and
-  // the rest of the header was ignored, where the reference reader's serde_json refuses the trailing
-  // characters. The header is UTF-8 JSON text, padded with spaces (0x20) only.
+  // nlohmann's lexer reads a NUL byte as the end of its input ("{...}\0 anything" parses as "{...}"),
+  // where the reference reader's serde_json refuses the trailing characters: so do we. The header is UTF-8 JSON text, padded with spaces (0x20) only.
   if (const void* nul = std::memchr(hb, '\0', n))
     fail(where, fmt::format("header holds a NUL byte at offset {} of its {} bytes: a safetensors header is UTF-8 JSON "
                             "text, padded with spaces only (a corrupt or truncated header?)",
@@ -189,9 +188,8 @@ void SafetensorsFile::parse_header(const std::uint8_t* data, std::size_t file_si
       fail_tensor(where, name, "'data_offsets' entries are not non-negative integers");
     if (b > e) fail_tensor(where, name, fmt::format("data_offsets [{}, {}] end before they begin", b, e));
     if (e > buffer_size) {
-      // A file cut short (an interrupted download or copy) was reported only as this tensor's offsets
-      // "out of range: the data buffer has N bytes", which did not say that the file, not its header,
-      // is at fault: say how much data the header's tensors need.
+      // A file cut short (an interrupted download or copy): say that the file, not its header, is at
+      // fault, and how much data the header's tensors need.
       std::uint64_t end = 0;
       for (const auto& [k, x] : h.items()) {
         std::uint64_t xb = 0, xe = 0;
@@ -221,7 +219,7 @@ void SafetensorsFile::parse_header(const std::uint8_t* data, std::size_t file_si
     return x.begin != y.begin ? x.begin < y.begin : (x.end != y.end ? x.end < y.end : *x.name < *y.name);
   });
   // Overlaps first, over the whole buffer: a tensor whose offsets were copied from another's leaves a
-  // gap where its own bytes were, and that gap, reported first, named a third tensor (the one after
+  // gap where its own bytes were; reporting the gap first would name a third tensor (the one after
   // it) instead of the two that share bytes.
   std::uint64_t reach = 0;
   const std::string* last = nullptr;
@@ -252,8 +250,7 @@ void SafetensorsFile::parse_header(const std::uint8_t* data, std::size_t file_si
 // ---------------------------------------------------------------------------
 SafetensorsFile::SafetensorsFile(const fs::path& path) : path_(path) {
   const std::string where = path.string();
-  // O_NONBLOCK: open() of a named pipe blocks until a writer appears, and lutb hung on a
-  // model.safetensors or val_tokens.safetensors that was one, deaf to a first Ctrl-C. It is refused
+  // O_NONBLOCK: open() of a named pipe blocks until a writer appears, deaf to a first Ctrl-C. It is refused
   // below as not a regular file; on a regular file the flag does nothing.
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) fail(where, fmt::format("cannot open: {}", std::strerror(errno)));
@@ -416,8 +413,7 @@ SafetensorsCollection SafetensorsCollection::open_dir(const fs::path& dir) {
         fail(index.string(), fmt::format("weight_map entry '{}' names '{}', which is not a file inside {}", it.key(), shard,
                                          dir.string()));
       // One file named two ways ("model-00001-of-00002.safetensors" and "./model-00001-of-00002.safetensors",
-      // which transformers reads alike) was opened twice and refused as "tensor X appears in both A and ./A":
-      // shards are told apart by their normalised path.
+      // which transformers reads alike) is one shard: shards are told apart by their normalised path.
       const std::string key = rel.lexically_normal().string();
       auto s = shard_ix.find(key);
       if (s == shard_ix.end()) {
@@ -458,8 +454,7 @@ SafetensorsCollection SafetensorsCollection::open_dir(const fs::path& dir) {
   // Neither an index nor model.safetensors: every *.safetensors file of the folder is read as the
   // weights, except the data files lutb reads beside a model (val_tokens.safetensors,
   // moe_activations.safetensors) and Mistral's consolidated*.safetensors (the same weights under
-  // other names). Those share tensor names ("input_ids"): a folder that had lost its
-  // model.safetensors failed with "tensor 'input_ids' appears in both ...".
+  // other names). Those share tensor names ("input_ids") and are never weights.
   std::vector<fs::path> files, data_files;
   std::vector<std::string> others;  // the folder's other entries, named in the error
   for (const auto& e : fs::directory_iterator(dir)) {
@@ -551,8 +546,7 @@ std::string SafetensorsCollection::absent_note(const std::string& name) const {
     return fmt::format("; {}'s weight_map does not list it (nor does any of its {} shard{} hold it)", source_.string(),
                        files_.size(), files_.size() == 1 ? "" : "s");
   }
-  // The files searched: "checkpoint DIR: tensor X not found" left the user to guess which file should
-  // have held it.
+  // The files searched, so that "checkpoint DIR: tensor X not found" says which file should hold it.
   if (files_.size() == 1) return fmt::format("; {} has no such tensor", files_.front()->path().string());
   std::string list;
   for (std::size_t i = 0; i < files_.size() && i < 4; ++i) list += (i ? ", " : "") + files_[i]->path().filename().string();

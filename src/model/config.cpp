@@ -131,8 +131,8 @@ RopeTable build_rope_table(const RopeConfig& r) {
 RopeTable make_rope_table(const RopeConfig& r) {
   RopeTable t = build_rope_table(r);
   // A guard behind TransformerConfig::from_json's checks of the rope values: a non-finite frequency
-  // or attention scaling made every loss NaN, which lutb eval blamed on the checkpoint's tensors
-  // (yarn with beta_fast 0, linear with factor 1e-300).
+  // or attention scaling would make every loss NaN and point at the checkpoint's tensors, so the
+  // table is refused here, naming the rope parameters.
   if (!std::isfinite(t.attention_scaling))
     throw ModelError(fmt::format("rope type \"{}\": the attention scaling computed from the rope values is {}, not a "
                                  "finite number",
@@ -158,8 +158,8 @@ TransformerConfig TransformerConfig::load(const std::filesystem::path& dir) {
     throw ModelError(fmt::format("{}: is {}; the checkpoint's config.json must be a regular file", path.string(), kind));
   errno = 0;
   std::ifstream in(path);
-  // The reason (strerror): an unreadable config.json was "cannot open (not a Hugging Face checkpoint
-  // directory?)"; the guess stays for a missing one.
+  // An unreadable config.json is reported with the reason (strerror); the guess "not a Hugging Face
+  // checkpoint directory?" is only for a missing one.
   if (!in) {
     const int err = errno;
     throw ModelError(fmt::format("{}{}{}", path.string(), detail::cannot_open(err),
@@ -176,13 +176,13 @@ TransformerConfig TransformerConfig::load(const std::filesystem::path& dir) {
 
 TransformerConfig TransformerConfig::from_json(const json& j, const std::string& where) {
   static const std::set<std::string> kFamilies = {"qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3"};
-  // The checkpoint parser's wording (lutb quantize): a JSON array, number or null was reported by lutb
-  // eval / moe as "key 'model_type': required but missing".
+  // The checkpoint parser's wording (lutb quantize): a JSON array, number or null is not an object,
+  // which says more than "key 'model_type': required but missing".
   if (!j.is_object()) throw ModelError(fmt::format("{}: not a JSON object", where));
   TransformerConfig c;
   c.raw = j;
   // The supported families are listed whether model_type is missing or unknown, as lutb quantize's
-  // parser lists them (eval and moe said only "required but missing").
+  // parser lists them.
   const std::string supported = fmt::format("{}", fmt::join(family_names(), ", "));
   const std::optional<std::string> type = read<std::string>(j, "model_type", where);
   if (!type) key_error(where, "model_type", fmt::format("required but missing (supported: {})", supported));
@@ -214,7 +214,7 @@ TransformerConfig TransformerConfig::from_json(const json& j, const std::string&
   if (c.num_heads % c.num_kv_heads != 0)
     key_error(where, "num_key_value_heads",
               fmt::format("{} must divide num_attention_heads ({})", c.num_kv_heads, c.num_heads));
-  // A negative epsilon gave a NaN loss (sqrt of a negative mean square).
+  // eps must be >= 0 and finite: rsqrt(mean_sq + eps) of a negative sum is NaN.
   if (!(std::isfinite(c.rms_norm_eps) && c.rms_norm_eps >= 0))
     key_error(where, "rms_norm_eps", fmt::format("must be a finite number >= 0, got {}", c.rms_norm_eps));
 
@@ -264,9 +264,9 @@ TransformerConfig TransformerConfig::from_json(const json& j, const std::string&
     }
     c.attention_scale = static_cast<float>(scale);
   } else {
-    // The rotary part of a head is its first head_dim x partial_rotary_factor values: a factor above
-    // 1 rotated values beyond the head (into the next head, and past the end of the buffer for the
-    // last one: a heap overflow that aborted in free()).
+    // The rotary part of a head is its first head_dim x partial_rotary_factor values: the factor must
+    // be in (0, 1], since a larger one rotates values of the next head and, for the last head, past
+    // the end of the buffer.
     if (!(partial > 0.0 && partial <= 1.0))
       key_error(where, partial_key,
                 fmt::format("must be in (0, 1] (the fraction of each head's {} dimensions that is rotated), got {}",
@@ -275,8 +275,8 @@ TransformerConfig TransformerConfig::from_json(const json& j, const std::string&
     c.attention_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.head_dim)));
   }
 
-  // The rotary table's inputs, checked here so that an error names config.json and the key (they
-  // were "rope dimension 0 must be even and positive", naming nothing).
+  // The rotary table's inputs, checked here so that an error names config.json and the key (the
+  // table's own check, "rope dimension 0 must be even and positive", names neither).
   if (r.dim <= 0 || r.dim % 2 != 0) {
     const std::string key = deepseek ? "qk_rope_head_dim" : (partial != 1.0 ? partial_key : "head_dim");
     key_error(where, key,
@@ -288,9 +288,9 @@ TransformerConfig TransformerConfig::from_json(const json& j, const std::string&
   // Per-head widths (after the rotary dimension's own check, which words a non-positive head_dim or
   // qk_rope_head_dim): the rotary table (head_dim x partial_rotary_factor / 2 FP32 values, or
   // qk_rope_head_dim / 2) is built before the attention tensors' shapes are compared with them, so a
-  // corrupt width of 2e9 allocated 4 GB and ran for a minute before the shape error. Published MoE
-  // models use 64-256 (DeepSeek's MLA: 64 + 128, v 128); the bound is far above any of them. A
-  // negative MLA width was reported as a tensor "expected [124, 64]".
+  // corrupt width (2e9) must be refused here, before it allocates gigabytes. Published MoE models use
+  // 64-256 (DeepSeek's MLA: 64 + 128, v 128); the bound is far above any of them. A negative MLA
+  // width is refused here too: the shape check would word it as a tensor "expected [124, 64]".
   {
     constexpr int kMaxHeadWidth = 65536;
     std::vector<std::pair<const char*, int>> widths;
@@ -323,7 +323,7 @@ TransformerConfig TransformerConfig::from_json(const json& j, const std::string&
   // _validate_linear_scaling_rope_parameters and _validate_yarn_parameters: factor >= 1, attention_factor
   // > 0, beta_fast not below beta_slow), plus what the formulas need to stay finite (beta_slow > 0, the
   // logarithm of a positive number of rotations; rope_theta > 1 for yarn, whose correction range divides
-  // by ln(rope_theta)). Values outside them gave a NaN loss that lutb eval blamed on the checkpoint's
+  // by ln(rope_theta)). Values outside them give a NaN loss that would point at the checkpoint's
   // tensors (yarn with factor 4 and beta_fast 0, yarn with beta_slow -1 and rope_theta 1, linear with
   // factor 1e-300). transformers only warns about most of these, and reads a beta of 0 as its default:
   // lutb refuses rather than guess.
@@ -377,8 +377,8 @@ TransformerConfig TransformerConfig::from_json(const json& j, const std::string&
   if (c.family == "mixtral") c.sliding_window = get_or<int>(j, "sliding_window", 0, where);
   if ((c.family == "qwen3_moe" || c.family == "qwen2_moe") && get_or<bool>(j, "use_sliding_window", false, where))
     c.sliding_window = get_or<int>(j, "sliding_window", 0, where);
-  // A negative window was taken as "no window" without a word; 0 or null mean none, as in
-  // transformers' configs.
+  // A negative window is refused, not read as "no window"; 0 or null mean none, as in transformers'
+  // configs.
   if (c.sliding_window < 0)
     key_error(where, "sliding_window",
               fmt::format("must be a positive number of tokens (or 0 / null for none), got {}", c.sliding_window));

@@ -42,8 +42,8 @@ namespace {
 /// Refuses BF16 expert weights that `q` cannot quantise before fitting them, naming the stored
 /// tensor, its file and the element: NaN / Inf for every format, and for LUT-B a magnitude that
 /// needs a tile scale byte above 246 (spec 2). Quant::None: a magnitude of 2^64 or more, before the
-/// forward pass overflows on it. The fitter reported the fused stack instead ("quantize: tensor
-/// w2_weight, expert 3, tile (0, 1): NaN at row 5 col 70": no file, layer or stored tensor).
+/// forward pass overflows on it. Checked here because the fitter sees only the fused stack and would
+/// name it ("quantize: tensor w2_weight, expert 3, tile (0, 1)"), not the file, layer or stored tensor.
 void check_quantizable(const ExpertSource& src, int layer, Quant q, const std::vector<std::uint16_t>& w, bool w13,
                        std::int64_t rows, std::int64_t cols) {
   const std::int64_t per = rows * cols;
@@ -52,8 +52,8 @@ void check_quantizable(const ExpertSource& src, int layer, Quant q, const std::v
     std::string what;
     if (q == Quant::None) {
       // NaN / Inf are left to the forward pass (its error names the first stored non-finite tensor); a
-      // finite weight of 2^64 or more (BF16 exponent byte >= 191) overflowed it with "non-finite loss"
-      // naming no tensor (one BF16-max weight, 3.39e38, in an expert).
+      // finite weight of 2^64 or more (BF16 exponent byte >= 191) overflows it into a "non-finite loss"
+      // that names no tensor, so it is refused here.
       if ((b & 0x7f80u) == 0x7f80u || (b & 0x7f80u) < (191u << 7)) continue;
       throw ModelError(fmt::format(
           "{}: magnitude {} is 2^64 or more, far beyond any trained weight: the FP32 products and sums of the layer "
@@ -82,8 +82,8 @@ void check_quantizable(const ExpertSource& src, int layer, Quant q, const std::v
 /// Refuses stored LUT-B weights of magnitude 2^64 or more, naming the scale tensor, the expert and the
 /// tile: the rule check_quantizable applies to BF16 weights for --quant none. Scale bytes 3..246 are
 /// valid LUT-B (spec section 2: every value exact in FP32), but 448 * 2^119 (scale byte 246) and
-/// anything from 2^64 up is far beyond a trained weight: the layer's FP32 products and sums overflow,
-/// and lutb eval reported "non-finite loss" naming no tensor (scale byte 246 on every tile). Scale
+/// anything from 2^64 up is far beyond a trained weight: the layer's FP32 products and sums overflow
+/// into a "non-finite loss" that names no tensor. Scale
 /// bytes above 246 whose weights pass FP32 are refused by the checkpoint reader.
 void check_lutb_magnitudes(const ExpertSource& src, int layer, const LutbTensor& w, bool w13) {
   const std::int64_t per = w.shape.tiles_per_expert(), tk = w.shape.tiles_k();
