@@ -16,6 +16,7 @@
 #include <fmt/core.h>
 #include <fmt/ranges.h>
 
+#include "cli/gpu.hpp"
 #include "cli/validators.hpp"
 #include "io/tensor_names.hpp"
 #include "lutb/checkpoint.hpp"
@@ -196,5 +197,16 @@ struct ModelQuantArgs {
     return o;
   }
 };
+
+/// --device cuda for eval and moe: a --kernel (a CPU emulation kernel) does not apply (UsageError);
+/// the GPU options and a usable GPU are checked before any work (check_gpu_options, require_cuda).
+inline void check_cuda_request(const ModelQuantArgs& q, const model::MoeOptions& mo) {
+  if (q.kernel_opt != nullptr && q.kernel_opt->count() > 0)
+    throw UsageError(fmt::format("--kernel {} selects a CPU emulation kernel; it does not apply to "
+                                 "--device cuda (the GPU runs its fused kernels)",
+                                 q.kernel));
+  check_gpu_options(mo);
+  require_cuda();
+}
 
 }  // namespace lutb::cli

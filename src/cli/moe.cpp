@@ -70,17 +70,6 @@ std::vector<float> captured(const SafetensorsFile& f, const std::string& name, s
   return v;
 }
 
-// --device cuda: a --kernel (a CPU emulation kernel) does not apply; the GPU options and a usable
-// GPU are checked before any work.
-void check_gpu_request(const MoeArgs& a, const model::MoeOptions& mo) {
-  if (a.quant.kernel_opt != nullptr && a.quant.kernel_opt->count() > 0)
-    throw UsageError(fmt::format("--kernel {} selects a CPU emulation kernel; it does not apply to "
-                                 "--device cuda (the GPU runs its fused kernels)",
-                                 a.quant.kernel));
-  check_gpu_options(mo);
-  require_cuda();
-}
-
 // The activations file: given (or found in the model folder) and present; eval's --activations
 // takes a format, so a format given here is a usage error naming the right option.
 void check_activations_file(const MoeArgs& a) {
@@ -216,7 +205,7 @@ void run_moe(const MoeArgs& a) {
   if (!std::filesystem::is_directory(a.model_dir)) (void)model::TransformerConfig::load(a.model_dir);
   model::MoeOptions mo = a.quant.resolve(a.model_dir, threads);
   const bool gpu = a.device == "cuda";
-  if (gpu) check_gpu_request(a, mo);
+  if (gpu) check_cuda_request(a.quant, mo);
   // --quant lutb on a BF16 checkpoint fits at load: with --device cuda on the GPU (the same bytes).
   const FitPlacement fit = place_fit(mo, gpu);
   // The model folder's config.json before the activations file, as lutb eval checks it before its
