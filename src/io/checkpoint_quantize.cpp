@@ -480,6 +480,13 @@ void check_experts_complete(const fs::path& in_dir, const ModelConfig& cfg, cons
   }
 }
 
+void check_threads(const FitOptions& f) {
+  if (f.threads < 0)
+    throw std::invalid_argument(fmt::format("quantize: FitOptions::threads {}: must be >= 0 (0 = all cores); nothing "
+                                            "written",
+                                            f.threads));
+}
+
 std::string resolved_fitter(const FitOptions& f) {
   if (f.fitter.empty()) return default_fitter();
   check_fitter_name(f.fitter);
@@ -518,10 +525,7 @@ namespace {
 
 // Step 1: the options and the output, before the input is read.
 void check_output(const fs::path& in_dir, const fs::path& out_dir, const QuantizeOptions& opt) {
-  if (opt.fit.threads < 0)
-    throw std::invalid_argument(fmt::format("quantize: FitOptions::threads {}: must be >= 0 (0 = all cores); nothing "
-                                            "written",
-                                            opt.fit.threads));
+  check_threads(opt.fit);
   if (out_dir.empty()) throw CheckpointError("quantize: no output directory given");
   detail::check_directory_output_name(out_dir, "quantize");
   if (same_path(in_dir, out_dir))
@@ -1031,18 +1035,14 @@ QuantizeSummary quantize_checkpoint(const fs::path& in_dir, const fs::path& out_
   return sum;
 }
 
-QuantizeSummary quantize_file(const fs::path& in, const fs::path& out_arg, const std::string& match,
-                              const QuantizeOptions& opt) {
-  const double t0 = detail::now_seconds();
-  const fs::path out = detail::output_path(out_arg);  // "out.safetensors/." -> "out.safetensors"
-  QuantizeSummary sum;
-  sum.fitter = resolved_fitter(opt.fit);
-  if (opt.fit.threads < 0)
-    throw std::invalid_argument(fmt::format("quantize: FitOptions::threads {}: must be >= 0 (0 = all cores); nothing "
-                                            "written",
-                                            opt.fit.threads));
-  // The arguments before the file system: an invalid --match is reported before the checks of the
-  // output.
+namespace {
+
+// ---------------------------------------------------------------------------
+// quantize_file, step by step: check the arguments and the output, find the LUT-B tensors already
+// in the file, plan, refuse what cannot be quantised, check the space, write, commit.
+// ---------------------------------------------------------------------------
+
+std::regex compile_match(const std::string& match) {
   std::regex re;
   if (!match.empty()) {
     try {
@@ -1051,63 +1051,83 @@ QuantizeSummary quantize_file(const fs::path& in, const fs::path& out_arg, const
       throw std::invalid_argument(fmt::format("--match \"{}\": invalid regular expression: {}", match, e.what()));
     }
   }
+  return re;
+}
+
+void check_file_output(const fs::path& in, const fs::path& out, const QuantizeOptions& opt) {
   if (same_path(in, out)) throw CheckpointError(fmt::format("{}: the output file is the input file", out.string()));
   detail::check_output_location(in, out);
   detail::check_replaceable(out, /*want_directory=*/false, opt.force);
   if (fs::exists(out) && !opt.force)
     throw CheckpointError(fmt::format("{}: output file exists (use --force to replace it); nothing written", out.string()));
-  // "lutb quantize DIR/model.safetensors -o OUT_DIR" wrote a safetensors file named OUT_DIR, which
-  // --force then refused to replace: the output must be named like what it is.
+  // A safetensors file named like a folder ("lutb quantize DIR/model.safetensors -o OUT_DIR") would
+  // then be refused by --force: the output must be named like what it is.
   if (out.extension() != ".safetensors")
     throw CheckpointError(fmt::format("{}: the output of one quantised file must be named *.safetensors (to write a "
                                       "checkpoint directory, give the input checkpoint directory); nothing written",
                                       out.string()));
-  SafetensorsFile file(in);
-  // LUT-B tensors already in the file (X_packed U8 beside X_codebook): the file is already LUT-B,
-  // which says more than "only 2-D or 3-D float tensors can be quantised", and --all must not quantise
-  // the float tensors a LUT-B checkpoint keeps unquantised (router, attention). `lutb_part` maps each of their tensor names to the
-  // quantised weight's name X.
-  std::map<std::string, std::string> lutb_part;
-  std::string first_lutb;
+}
+
+// LUT-B tensors already in the file (X_packed U8 beside X_codebook): the file is already LUT-B, which
+// says more than "only 2-D or 3-D float tensors can be quantised", and --all must not quantise the
+// float tensors a LUT-B checkpoint keeps unquantised (router, attention).
+struct LutbParts {
+  std::map<std::string, std::string> part;  // each LUT-B tensor's name -> the quantised weight's name X
+  std::string first;                        // the first quantised weight by name (stable messages)
+  std::string example;                      // "X_packed with X_codebook and X_scale, and N more LUT-B weights"
+};
+
+LutbParts find_lutb_parts(const SafetensorsFile& file) {
+  LutbParts l;
   for (const auto& name : file.names()) {
     static constexpr std::string_view kPacked = "_packed";
     if (name.size() <= kPacked.size() || name.compare(name.size() - kPacked.size(), kPacked.size(), kPacked) != 0) continue;
     const std::string base = name.substr(0, name.size() - kPacked.size());
     const LutbNames n = lutb_names(base);
     if (n.packed != name || file.get(name).dtype != DType::U8 || !file.contains(n.codebook)) continue;
-    for (const auto* x : {&n.packed, &n.codebook, &n.scale}) lutb_part[*x] = base;
-    if (first_lutb.empty() || base < first_lutb) first_lutb = base;  // the first by name: stable messages
+    for (const auto* x : {&n.packed, &n.codebook, &n.scale}) l.part[*x] = base;
+    if (l.first.empty() || base < l.first) l.first = base;  // the first by name: stable messages
   }
-  const std::size_t lutb_count = static_cast<std::size_t>(std::count_if(
-      lutb_part.begin(), lutb_part.end(), [](const auto& kv) { return kv.first == lutb_names(kv.second).packed; }));
-  const std::string lutb_example =
-      first_lutb.empty() ? std::string()
-                         : fmt::format("{} with {} and {}{}", lutb_names(first_lutb).packed,
-                                       lutb_names(first_lutb).codebook, lutb_names(first_lutb).scale,
-                                       lutb_count > 1 ? fmt::format(", and {} more LUT-B weights", lutb_count - 1) : "");
+  const std::size_t count = static_cast<std::size_t>(std::count_if(
+      l.part.begin(), l.part.end(), [](const auto& kv) { return kv.first == lutb_names(kv.second).packed; }));
+  if (!l.first.empty())
+    l.example = fmt::format("{} with {} and {}{}", lutb_names(l.first).packed, lutb_names(l.first).codebook,
+                            lutb_names(l.first).scale,
+                            count > 1 ? fmt::format(", and {} more LUT-B weights", count - 1) : "");
+  return l;
+}
+
+// Whether one tensor is quantised: every quantisable tensor without --match; with it, a matching
+// tensor that is not LUT-B already and is quantisable (else refused).
+bool selected(const fs::path& in, const std::string& name, const TensorView& v, const std::string& match,
+              const std::regex& re, const LutbParts& lutb) {
+  if (match.empty()) return quantizable(v);
+  if (!std::regex_search(name, re)) return false;
+  if (const auto it = lutb.part.find(name); it != lutb.part.end())
+    throw CheckpointError(fmt::format(
+        "{}: tensor {} matches --match \"{}\" but is already LUT-B (part of the quantised weight {}: {}, {}, {}) "
+        "and cannot be quantised again; to quantise {} anew (e.g. with another --fitter), start from the original "
+        "float file; to quantise other tensors, narrow --match; nothing written",
+        in.string(), name, match, it->second, lutb_names(it->second).packed, lutb_names(it->second).codebook,
+        lutb_names(it->second).scale, it->second));
+  if (!quantizable(v))
+    throw CheckpointError(fmt::format("{}: tensor {} matches --match \"{}\" but is {} {}; only 2-D [N, K] or 3-D "
+                                      "[E, N, K] BF16/F16/F32 tensors can be quantised",
+                                      in.string(), name, match, dtype_name(v.dtype), detail::shape_str(v.shape)));
+  return true;
+}
+
+// Every tensor of the file, quantised or copied; the logical shapes of padded tensors go to `meta`.
+std::vector<Planned> plan_file(const SafetensorsFile& file, const fs::path& in, const fs::path& out,
+                               const std::string& match, const std::regex& re, const LutbParts& lutb,
+                               const QuantizeOptions& opt, std::map<std::string, std::string>& meta,
+                               std::uint64_t& total, QuantizeSummary& sum) {
   std::vector<Planned> plan;
-  std::map<std::string, std::string> meta = file.metadata();
-  std::uint64_t total = 0;
   for (const auto& name : file.names()) {
     detail::check_interrupt(opt.interrupt, out);  // matching a slow --match over many names
     const TensorView& v = file.get(name);
     Planned p{name, false, {}};
-    if (match.empty()) {
-      p.quantize = quantizable(v);
-    } else if (std::regex_search(name, re)) {
-      if (const auto it = lutb_part.find(name); it != lutb_part.end())
-        throw CheckpointError(fmt::format(
-            "{}: tensor {} matches --match \"{}\" but is already LUT-B (part of the quantised weight {}: {}, {}, {}) "
-            "and cannot be quantised again; to quantise {} anew (e.g. with another --fitter), start from the original "
-            "float file; to quantise other tensors, narrow --match; nothing written",
-            in.string(), name, match, it->second, lutb_names(it->second).packed, lutb_names(it->second).codebook,
-            lutb_names(it->second).scale, it->second));
-      if (!quantizable(v))
-        throw CheckpointError(fmt::format("{}: tensor {} matches --match \"{}\" but is {} {}; only 2-D [N, K] or 3-D "
-                                          "[E, N, K] BF16/F16/F32 tensors can be quantised",
-                                          in.string(), name, match, dtype_name(v.dtype), detail::shape_str(v.shape)));
-      p.quantize = true;
-    }
+    p.quantize = selected(in, name, v, match, re, lutb);
     if (p.quantize) {
       p.shape = shape_of(v);
       const LutbNames n = lutb_names(name);
@@ -1121,20 +1141,56 @@ QuantizeSummary quantize_file(const fs::path& in, const fs::path& out_arg, const
     sum.input_bytes += v.nbytes;
     plan.push_back(std::move(p));
   }
-  if (match.empty() && !first_lutb.empty()) {
-    const auto n = std::count_if(plan.begin(), plan.end(), [](const Planned& p) { return p.quantize; });
-    const auto first = std::find_if(plan.begin(), plan.end(), [](const Planned& p) { return p.quantize; });
-    if (n == 0)
-      throw CheckpointError(fmt::format("{}: the file is already LUT-B ({}) and holds no float tensor left to quantise; "
-                                        "nothing to do: to quantise anew (e.g. with another --fitter), start from the "
-                                        "original float file; nothing written",
-                                        in.string(), lutb_example));
-    throw CheckpointError(fmt::format(
-        "{}: the file already holds LUT-B tensors ({}); --all (the default without --match) would quantise its {} "
-        "remaining float tensor{} too (e.g. {}), which a LUT-B checkpoint keeps unquantised. To quantise some of them, "
-        "name them with --match REGEX; to quantise anew, start from the original float file; nothing written",
-        in.string(), lutb_example, n, n == 1 ? "" : "s", first->name));
-  }
+  return plan;
+}
+
+// Without --match, a file that already holds LUT-B tensors is refused: there is nothing left to
+// quantise, or --all would quantise float tensors a LUT-B checkpoint keeps unquantised.
+void check_not_partly_lutb(const std::vector<Planned>& plan, const LutbParts& lutb, const fs::path& in,
+                           const std::string& match) {
+  if (!match.empty() || lutb.first.empty()) return;
+  const auto n = std::count_if(plan.begin(), plan.end(), [](const Planned& p) { return p.quantize; });
+  const auto first = std::find_if(plan.begin(), plan.end(), [](const Planned& p) { return p.quantize; });
+  if (n == 0)
+    throw CheckpointError(fmt::format("{}: the file is already LUT-B ({}) and holds no float tensor left to quantise; "
+                                      "nothing to do: to quantise anew (e.g. with another --fitter), start from the "
+                                      "original float file; nothing written",
+                                      in.string(), lutb.example));
+  throw CheckpointError(fmt::format(
+      "{}: the file already holds LUT-B tensors ({}); --all (the default without --match) would quantise its {} "
+      "remaining float tensor{} too (e.g. {}), which a LUT-B checkpoint keeps unquantised. To quantise some of them, "
+      "name them with --match REGEX; to quantise anew, start from the original float file; nothing written",
+      in.string(), lutb.example, n, n == 1 ? "" : "s", first->name));
+}
+
+// Free space first, as for a checkpoint (64 KiB for the header).
+void check_file_space(const SafetensorsFile& file, const std::vector<Planned>& plan, const fs::path& out) {
+  std::uint64_t need = 64u << 10;
+  for (const auto& p : plan)
+    need += p.quantize ? static_cast<std::uint64_t>(p.shape.tiles()) * (kPackedBytes + kCodebookSize + 1)
+                       : file.get(p.name).nbytes;
+  detail::check_free_space(out, need, "the output file");
+}
+
+}  // namespace
+
+QuantizeSummary quantize_file(const fs::path& in, const fs::path& out_arg, const std::string& match,
+                              const QuantizeOptions& opt) {
+  const double t0 = detail::now_seconds();
+  const fs::path out = detail::output_path(out_arg);  // "out.safetensors/." -> "out.safetensors"
+  QuantizeSummary sum;
+  sum.fitter = resolved_fitter(opt.fit);
+  check_threads(opt.fit);
+  // The arguments before the file system: an invalid --match is reported before the checks of the
+  // output.
+  const std::regex re = compile_match(match);
+  check_file_output(in, out, opt);
+  SafetensorsFile file(in);
+  const LutbParts lutb = find_lutb_parts(file);
+  std::map<std::string, std::string> meta = file.metadata();
+  std::uint64_t total = 0;
+  const std::vector<Planned> plan = plan_file(file, in, out, match, re, lutb, opt, meta, total, sum);
+  check_not_partly_lutb(plan, lutb, in, match);
   if (std::none_of(plan.begin(), plan.end(), [](const Planned& p) { return p.quantize; }))
     throw CheckpointError(match.empty()
                               ? fmt::format("{}: no 2-D or 3-D float tensor to quantise", in.string())
@@ -1142,13 +1198,7 @@ QuantizeSummary quantize_file(const fs::path& in, const fs::path& out_arg, const
   meta["lutb.quant_method"] = "lut_b";
   meta["lutb.fitter"] = sum.fitter;
   meta["lutb.tile"] = "[8, 64]";
-  {  // free space first, as for a checkpoint (64 KiB for the header)
-    std::uint64_t need = 64u << 10;
-    for (const auto& p : plan)
-      need += p.quantize ? static_cast<std::uint64_t>(p.shape.tiles()) * (kPackedBytes + kCodebookSize + 1)
-                         : file.get(p.name).nbytes;
-    detail::check_free_space(out, need, "the output file");
-  }
+  check_file_space(file, plan, out);
 
   // Written to a temporary sibling, then installed (the writer itself is atomic too).
   const fs::path tmp = detail::temp_sibling(out);
@@ -1158,7 +1208,8 @@ QuantizeSummary quantize_file(const fs::path& in, const fs::path& out_arg, const
   }
   // The writer builds `tmp` under its own temporary name, tmp.tmp.PID: probe that one too (first: it
   // is the longer, so its error gives the binding limit), so that an output name 236-245 bytes long is
-  // refused before the plan, not after it with the internal "OUT.tmp.PID.tmp.PID".
+  // refused before any tensor is fitted, naming the output rather than the internal
+  // "OUT.tmp.PID.tmp.PID".
   detail::CreatedParents parents;  // a missing parent is created (as lutb synth), removed if the run fails
   detail::create_parents(out, parents);
   detail::probe_temp_file(detail::temp_sibling(tmp), out);
