@@ -380,70 +380,160 @@ SafetensorsCollection SafetensorsCollection::open_file(const fs::path& file) {
   return c;
 }
 
+namespace {
+
+using ShardFiles = std::vector<std::unique_ptr<SafetensorsFile>>;
+using TensorShards = std::map<std::string, std::size_t>;  // tensor -> index into ShardFiles
+
+// model.safetensors.index.json, parsed, with a non-empty weight_map object.
+json read_index(const fs::path& index) {
+  if (const std::string kind = detail::non_regular_kind(index); !kind.empty())  // a FIFO would block open() for ever
+    fail(index.string(), fmt::format("is {}; the index must be a regular file", kind));
+  json j;
+  {
+    std::ifstream in(index);
+    if (!in) fail(index.string(), "cannot open");
+    try {
+      j = json::parse(in);
+    } catch (const json::exception& e) {
+      fail(index.string(), "invalid JSON: " + detail::json_error_text(e.what()));
+    }
+  }
+  if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
+    fail(index.string(), "no 'weight_map' object");
+  // An empty map would make every tensor "missing", naming neither the index nor the shards that
+  // hold them.
+  if (j["weight_map"].empty())
+    fail(index.string(), "'weight_map' is empty: it lists no tensor (an index must name the shard of every tensor)");
+  return j;
+}
+
+// One weight_map entry's shard: a file name inside the checkpoint folder.
+fs::path index_entry_shard(const fs::path& index, const fs::path& dir, const std::string& tensor, const json& value) {
+  if (!value.is_string()) fail(index.string(), fmt::format("weight_map entry '{}' is not a file name", tensor));
+  const std::string shard = value.get<std::string>();
+  const fs::path rel(shard);
+  if (shard.empty() || rel.is_absolute() || std::any_of(rel.begin(), rel.end(), [](const fs::path& p) { return p == ".."; }))
+    fail(index.string(), fmt::format("weight_map entry '{}' names '{}', which is not a file inside {}", tensor, shard,
+                                     dir.string()));
+  return rel;
+}
+
+// Opens the shard an index entry names, reporting the index's entry beside the shard's own error
+// ("s/.: is a directory" or "s/config.json: not a safetensors file" alone would not say that the
+// index named them).
+std::unique_ptr<SafetensorsFile> open_index_shard(const fs::path& index, const fs::path& dir, const std::string& tensor,
+                                                  const std::string& shard, const fs::path& rel) {
+  const fs::path p = dir / rel;
+  if (!fs::exists(p))
+    fail(index.string(), fmt::format("shard '{}' (holding tensor '{}') is missing: {} does not exist", shard, tensor,
+                                     p.string()));
+  try {
+    return std::make_unique<SafetensorsFile>(p);
+  } catch (const SafetensorsError& e) {
+    fail(index.string(), fmt::format("weight_map entry '{}' names shard '{}', which cannot be read: {}", tensor,
+                                     shard, e.what()));
+  }
+}
+
+// A tensor held by two shards is ambiguous (a reader would take the index's, a writer of every shard
+// both), as it is without an index.
+void check_held_once(const fs::path& index, const std::map<std::string, std::size_t>& shard_ix, const ShardFiles& files,
+                     const TensorShards& where) {
+  for (const auto& [shard, ix] : shard_ix)
+    for (const auto& n : files[ix]->names()) {
+      const auto w = where.find(n);
+      if (w != where.end() && w->second != ix)
+        fail(index.string(), fmt::format("tensor '{}' appears in both {} (where the index lists it) and {}", n,
+                                         files[w->second]->path().string(), files[ix]->path().string()));
+    }
+}
+
+// The *.safetensors files of a folder without an index or model.safetensors: the weights, the data
+// files lutb reads beside a model, and the folder's other entries (named in errors).
+struct FolderFiles {
+  std::vector<fs::path> weights, data;
+  std::vector<std::string> others;
+};
+
+FolderFiles list_folder(const fs::path& dir) {
+  FolderFiles f;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string fname = e.path().filename().string();
+    if (!(e.is_regular_file() && e.path().extension() == ".safetensors")) {
+      f.others.push_back(fname);
+      continue;
+    }
+    if (fname == "val_tokens.safetensors" || fname == "moe_activations.safetensors" || fname.rfind("consolidated", 0) == 0)
+      f.data.push_back(e.path());
+    else
+      f.weights.push_back(e.path());
+  }
+  std::sort(f.weights.begin(), f.weights.end());
+  std::sort(f.data.begin(), f.data.end());
+  std::sort(f.others.begin(), f.others.end());
+  return f;
+}
+
+void check_has_weights(const fs::path& dir, const FolderFiles& f) {
+  if (!f.weights.empty()) return;
+  std::string found;
+  for (const auto& p : f.data) found += (found.empty() ? "" : ", ") + p.filename().string();
+  for (const auto& o : f.others) found += (found.empty() ? "" : ", ") + o;
+  fail(dir.string(),
+       fmt::format("no model weights: the folder has no model.safetensors.index.json (sharded checkpoint), no "
+                   "model.safetensors and no other *.safetensors weight file{}{}",
+                   f.data.empty() ? "" : " (val_tokens.safetensors, moe_activations.safetensors and consolidated*.safetensors are not read as weights)",
+                   found.empty() ? "; it is empty" : "; it holds only: " + found));
+}
+
+// Hugging Face shards without their index: all N of model-XXXXX-of-NNNNN must be there.
+void check_shard_sets_complete(const fs::path& dir, const std::vector<fs::path>& files) {
+  static const std::regex shard_re(R"(^(.*)-(\d{5})-of-(\d{5})\.safetensors$)");
+  std::map<std::pair<std::string, std::string>, std::set<std::string>> sets;  // (stem, N) -> indices present
+  for (const auto& p : files) {
+    std::smatch m;
+    const std::string fname = p.filename().string();
+    if (std::regex_match(fname, m, shard_re)) sets[{m[1].str(), m[3].str()}].insert(m[2].str());
+  }
+  for (const auto& [key, have] : sets) {
+    const int n = std::stoi(key.second);
+    for (int i = 1; i <= n; ++i) {
+      const std::string want = fmt::format("{}-{:05d}-of-{}.safetensors", key.first, i, key.second);
+      if (!have.count(fmt::format("{:05d}", i)))
+        fail(dir.string(), fmt::format("shard {} is missing (the folder has {} of the {} shards {}-NNNNN-of-{}"
+                                       ".safetensors and no model.safetensors.index.json that lists them)",
+                                       want, have.size(), n, key.first, key.second));
+    }
+  }
+}
+
+}  // namespace
+
 SafetensorsCollection SafetensorsCollection::open_dir(const fs::path& dir) {
   if (!fs::is_directory(dir)) fail(dir.string(), "not a directory");
   const fs::path index = dir / "model.safetensors.index.json";
   if (fs::exists(index)) {
     SafetensorsCollection c;
     c.source_ = index;
-    if (const std::string kind = detail::non_regular_kind(index); !kind.empty())  // a FIFO blocked open() for ever
-      fail(index.string(), fmt::format("is {}; the index must be a regular file", kind));
-    json j;
-    {
-      std::ifstream in(index);
-      if (!in) fail(index.string(), "cannot open");
-      try {
-        j = json::parse(in);
-      } catch (const json::exception& e) {
-        fail(index.string(), "invalid JSON: " + detail::json_error_text(e.what()));
-      }
-    }
-    if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
-      fail(index.string(), "no 'weight_map' object");
-    // An empty map made every tensor "missing", naming neither the index nor the shards that hold
-    // them.
-    if (j["weight_map"].empty())
-      fail(index.string(), "'weight_map' is empty: it lists no tensor (an index must name the shard of every tensor)");
+    const json j = read_index(index);
     std::map<std::string, std::size_t> shard_ix;
     for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
-      if (!it.value().is_string()) fail(index.string(), fmt::format("weight_map entry '{}' is not a file name", it.key()));
+      const fs::path rel = index_entry_shard(index, dir, it.key(), it.value());
       const std::string shard = it.value().get<std::string>();
-      const fs::path rel(shard);
-      if (shard.empty() || rel.is_absolute() || std::any_of(rel.begin(), rel.end(), [](const fs::path& p) { return p == ".."; }))
-        fail(index.string(), fmt::format("weight_map entry '{}' names '{}', which is not a file inside {}", it.key(), shard,
-                                         dir.string()));
       // One file named two ways ("model-00001-of-00002.safetensors" and "./model-00001-of-00002.safetensors",
       // which transformers reads alike) is one shard: shards are told apart by their normalised path.
       const std::string key = rel.lexically_normal().string();
       auto s = shard_ix.find(key);
       if (s == shard_ix.end()) {
-        const fs::path p = dir / rel;
-        if (!fs::exists(p))
-          fail(index.string(), fmt::format("shard '{}' (holding tensor '{}') is missing: {} does not exist", shard, it.key(),
-                                           p.string()));
-        // The index's entry beside the shard's own error: "s/.: is a directory" or "s/config.json: not a
-        // safetensors file" did not say that the index had named them.
-        try {
-          c.files_.push_back(std::make_unique<SafetensorsFile>(p));
-        } catch (const SafetensorsError& e) {
-          fail(index.string(), fmt::format("weight_map entry '{}' names shard '{}', which cannot be read: {}", it.key(),
-                                           shard, e.what()));
-        }
+        c.files_.push_back(open_index_shard(index, dir, it.key(), shard, rel));
         s = shard_ix.emplace(key, c.files_.size() - 1).first;
       }
       if (!c.files_[s->second]->contains(it.key()))
         fail(index.string(), fmt::format("tensor '{}' is listed in shard '{}' but that file does not hold it", it.key(), shard));
       c.where_.emplace(it.key(), s->second);
     }
-    // A tensor held by two shards is ambiguous (the reader used the index's, lutb quantize wrote
-    // both), as it is without an index (below).
-    for (const auto& [shard, ix] : shard_ix)
-      for (const auto& n : c.files_[ix]->names()) {
-        const auto w = c.where_.find(n);
-        if (w != c.where_.end() && w->second != ix)
-          fail(index.string(), fmt::format("tensor '{}' appears in both {} (where the index lists it) and {}", n,
-                                           c.files_[w->second]->path().string(), c.files_[ix]->path().string()));
-      }
+    check_held_once(index, shard_ix, c.files_, c.where_);
     return c;
   }
   if (fs::exists(dir / "model.safetensors")) {
@@ -455,55 +545,12 @@ SafetensorsCollection SafetensorsCollection::open_dir(const fs::path& dir) {
   // weights, except the data files lutb reads beside a model (val_tokens.safetensors,
   // moe_activations.safetensors) and Mistral's consolidated*.safetensors (the same weights under
   // other names). Those share tensor names ("input_ids") and are never weights.
-  std::vector<fs::path> files, data_files;
-  std::vector<std::string> others;  // the folder's other entries, named in the error
-  for (const auto& e : fs::directory_iterator(dir)) {
-    const std::string fname = e.path().filename().string();
-    if (!(e.is_regular_file() && e.path().extension() == ".safetensors")) {
-      others.push_back(fname);
-      continue;
-    }
-    if (fname == "val_tokens.safetensors" || fname == "moe_activations.safetensors" || fname.rfind("consolidated", 0) == 0)
-      data_files.push_back(e.path());
-    else
-      files.push_back(e.path());
-  }
-  std::sort(files.begin(), files.end());
-  std::sort(data_files.begin(), data_files.end());
-  std::sort(others.begin(), others.end());
-  if (files.empty()) {
-    std::string found;
-    for (const auto& p : data_files) found += (found.empty() ? "" : ", ") + p.filename().string();
-    for (const auto& o : others) found += (found.empty() ? "" : ", ") + o;
-    fail(dir.string(),
-         fmt::format("no model weights: the folder has no model.safetensors.index.json (sharded checkpoint), no "
-                     "model.safetensors and no other *.safetensors weight file{}{}",
-                     data_files.empty() ? "" : " (val_tokens.safetensors, moe_activations.safetensors and consolidated*.safetensors are not read as weights)",
-                     found.empty() ? "; it is empty" : "; it holds only: " + found));
-  }
-  // Hugging Face shards without their index: all N of model-XXXXX-of-NNNNN must be there.
-  {
-    static const std::regex shard_re(R"(^(.*)-(\d{5})-of-(\d{5})\.safetensors$)");
-    std::map<std::pair<std::string, std::string>, std::set<std::string>> sets;  // (stem, N) -> indices present
-    for (const auto& p : files) {
-      std::smatch m;
-      const std::string fname = p.filename().string();
-      if (std::regex_match(fname, m, shard_re)) sets[{m[1].str(), m[3].str()}].insert(m[2].str());
-    }
-    for (const auto& [key, have] : sets) {
-      const int n = std::stoi(key.second);
-      for (int i = 1; i <= n; ++i) {
-        const std::string want = fmt::format("{}-{:05d}-of-{}.safetensors", key.first, i, key.second);
-        if (!have.count(fmt::format("{:05d}", i)))
-          fail(dir.string(), fmt::format("shard {} is missing (the folder has {} of the {} shards {}-NNNNN-of-{}"
-                                         ".safetensors and no model.safetensors.index.json that lists them)",
-                                         want, have.size(), n, key.first, key.second));
-      }
-    }
-  }
+  const FolderFiles folder = list_folder(dir);
+  check_has_weights(dir, folder);
+  check_shard_sets_complete(dir, folder.weights);
   SafetensorsCollection c;
   c.source_ = dir;
-  for (const auto& p : files) {
+  for (const auto& p : folder.weights) {
     c.files_.push_back(std::make_unique<SafetensorsFile>(p));
     for (const auto& n : c.files_.back()->names()) {
       const auto [it, inserted] = c.where_.emplace(n, c.files_.size() - 1);
