@@ -113,12 +113,11 @@ bool json_u64(const json& j, std::uint64_t& out) {
 // ---------------------------------------------------------------------------
 // Header parsing
 // ---------------------------------------------------------------------------
-void SafetensorsFile::parse_header(const std::uint8_t* data, std::size_t file_size, const std::string& where,
-                                   std::map<std::string, TensorView>& tensors, std::vector<std::string>& names,
-                                   std::map<std::string, std::string>& metadata) {
-  tensors.clear();
-  names.clear();
-  metadata.clear();
+namespace {
+
+// The header's length from the first 8 bytes, checked against the file, the format's limit and the
+// JSON text it must hold.
+std::uint64_t header_length(const std::uint8_t* data, std::size_t file_size, const std::string& where) {
   if (file_size < 8) fail(where, fmt::format("file of {} bytes is too small for a safetensors header length", file_size));
   std::uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | data[i];
@@ -130,91 +129,79 @@ void SafetensorsFile::parse_header(const std::uint8_t* data, std::size_t file_si
   if (data[8] != '{') fail(where, "header does not start with '{'");
   const char* hb = reinterpret_cast<const char*>(data + 8);
   // nlohmann's lexer reads a NUL byte as the end of its input ("{...}\0 anything" parses as "{...}"),
-  // where the reference reader's serde_json refuses the trailing characters: so do we. The header is UTF-8 JSON text, padded with spaces (0x20) only.
+  // where the reference reader's serde_json refuses the trailing characters: so do we. The header is
+  // UTF-8 JSON text, padded with spaces (0x20) only.
   if (const void* nul = std::memchr(hb, '\0', n))
     fail(where, fmt::format("header holds a NUL byte at offset {} of its {} bytes: a safetensors header is UTF-8 JSON "
                             "text, padded with spaces only (a corrupt or truncated header?)",
                             static_cast<const char*>(nul) - hb, n));
-  const json h = parse_header_json(hb, hb + n, where);
-  if (!h.is_object()) fail(where, "header is not a JSON object");
+  return n;
+}
 
-  const std::uint8_t* buffer = data + 8 + n;
-  const std::uint64_t buffer_size = file_size - 8 - n;
-  struct Span {
-    std::uint64_t begin, end;
-    const std::string* name;
-  };
-  std::vector<Span> spans;
-  spans.reserve(h.size());
-
-  for (auto it = h.begin(); it != h.end(); ++it) {
-    const std::string& name = it.key();
-    const json& v = it.value();
-    if (name == "__metadata__") {
-      if (!v.is_object()) fail(where, "__metadata__ is not an object of strings");
-      for (auto m = v.begin(); m != v.end(); ++m) {
-        if (!m.value().is_string()) fail(where, fmt::format("__metadata__ entry '{}' is not a string", m.key()));
-        metadata.emplace(m.key(), m.value().get<std::string>());
-      }
-      continue;
-    }
-    if (!v.is_object()) fail_tensor(where, name, "entry is not an object");
-    const auto f_dtype = v.find("dtype"), f_shape = v.find("shape"), f_off = v.find("data_offsets");
-    if (f_dtype == v.end() || f_shape == v.end() || f_off == v.end())
-      fail_tensor(where, name, "entry lacks one of 'dtype', 'shape', 'data_offsets'");
-    if (!f_dtype->is_string()) fail_tensor(where, name, "'dtype' is not a string");
-    const auto dt = dtype_from_name(f_dtype->get<std::string>());
-    if (!dt) fail_tensor(where, name, fmt::format("unknown dtype '{}'", f_dtype->get<std::string>()));
-    if (!f_shape->is_array()) fail_tensor(where, name, "'shape' is not an array");
-    TensorView tv;
-    tv.name = name;
-    tv.dtype = *dt;
-    std::uint64_t numel = 1;
-    bool overflow = false;
-    for (const json& d : *f_shape) {
-      std::uint64_t dim = 0;
-      if (!json_u64(d, dim)) fail_tensor(where, name, fmt::format("shape entry {} is not a non-negative integer", d.dump()));
-      if (dim > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
-        fail_tensor(where, name, fmt::format("shape entry {} is too large", dim));
-      tv.shape.push_back(static_cast<std::int64_t>(dim));
-      overflow |= __builtin_mul_overflow(numel, dim, &numel);
-    }
-    std::uint64_t nbytes = 0;
-    overflow |= __builtin_mul_overflow(numel, static_cast<std::uint64_t>(dtype_size(*dt)), &nbytes);
-    if (overflow) fail_tensor(where, name, fmt::format("shape {} overflows 64-bit byte counts", shape_str(tv.shape)));
-    if (!f_off->is_array() || f_off->size() != 2) fail_tensor(where, name, "'data_offsets' is not an array of 2 integers");
-    std::uint64_t b = 0, e = 0;
-    if (!json_u64((*f_off)[0], b) || !json_u64((*f_off)[1], e))
-      fail_tensor(where, name, "'data_offsets' entries are not non-negative integers");
-    if (b > e) fail_tensor(where, name, fmt::format("data_offsets [{}, {}] end before they begin", b, e));
-    if (e > buffer_size) {
-      // A file cut short (an interrupted download or copy): say that the file, not its header, is at
-      // fault, and how much data the header's tensors need.
-      std::uint64_t end = 0;
-      for (const auto& [k, x] : h.items()) {
-        std::uint64_t xb = 0, xe = 0;
-        if (k != "__metadata__" && x.is_object() && x.contains("data_offsets") && x["data_offsets"].is_array() &&
-            x["data_offsets"].size() == 2 && json_u64(x["data_offsets"][0], xb) && json_u64(x["data_offsets"][1], xe) &&
-            xb <= xe)
-          end = std::max(end, xe);
-      }
-      fail_tensor(where, name,
-                  fmt::format("data_offsets [{}, {}] out of range: the data buffer has {} bytes; the header's tensors "
-                              "need {} bytes of data, {} more than the file ({} bytes) holds: the file is truncated (an "
-                              "interrupted download or copy?) or its header is corrupt",
-                              b, e, buffer_size, end, end - buffer_size, file_size));
-    }
-    if (e - b != nbytes)
-      fail_tensor(where, name, fmt::format("data_offsets [{}, {}] span {} bytes, but shape {} x {} needs {}", b, e, e - b,
-                                           shape_str(tv.shape), dtype_name(*dt), nbytes));
-    tv.data = buffer + b;
-    tv.nbytes = static_cast<std::size_t>(nbytes);
-    auto [pos, inserted] = tensors.emplace(name, std::move(tv));
-    if (!inserted) fail_tensor(where, name, "duplicate tensor name");  // the JSON check catches this first
-    spans.push_back({b, e, &pos->first});
+void read_metadata(const json& v, const std::string& where, std::map<std::string, std::string>& metadata) {
+  if (!v.is_object()) fail(where, "__metadata__ is not an object of strings");
+  for (auto m = v.begin(); m != v.end(); ++m) {
+    if (!m.value().is_string()) fail(where, fmt::format("__metadata__ entry '{}' is not a string", m.key()));
+    metadata.emplace(m.key(), m.value().get<std::string>());
   }
+}
 
-  // The tensors must tile the data buffer exactly: no overlap, no gap, no trailing bytes.
+// A tensor's dtype and shape, and the bytes they need (overflow refused).
+std::uint64_t read_dtype_and_shape(const json& v, const std::string& where, const std::string& name, TensorView& tv) {
+  if (!v.is_object()) fail_tensor(where, name, "entry is not an object");
+  const auto f_dtype = v.find("dtype"), f_shape = v.find("shape"), f_off = v.find("data_offsets");
+  if (f_dtype == v.end() || f_shape == v.end() || f_off == v.end())
+    fail_tensor(where, name, "entry lacks one of 'dtype', 'shape', 'data_offsets'");
+  if (!f_dtype->is_string()) fail_tensor(where, name, "'dtype' is not a string");
+  const auto dt = dtype_from_name(f_dtype->get<std::string>());
+  if (!dt) fail_tensor(where, name, fmt::format("unknown dtype '{}'", f_dtype->get<std::string>()));
+  if (!f_shape->is_array()) fail_tensor(where, name, "'shape' is not an array");
+  tv.name = name;
+  tv.dtype = *dt;
+  std::uint64_t numel = 1;
+  bool overflow = false;
+  for (const json& d : *f_shape) {
+    std::uint64_t dim = 0;
+    if (!json_u64(d, dim)) fail_tensor(where, name, fmt::format("shape entry {} is not a non-negative integer", d.dump()));
+    if (dim > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
+      fail_tensor(where, name, fmt::format("shape entry {} is too large", dim));
+    tv.shape.push_back(static_cast<std::int64_t>(dim));
+    overflow |= __builtin_mul_overflow(numel, dim, &numel);
+  }
+  std::uint64_t nbytes = 0;
+  overflow |= __builtin_mul_overflow(numel, static_cast<std::uint64_t>(dtype_size(*dt)), &nbytes);
+  if (overflow) fail_tensor(where, name, fmt::format("shape {} overflows 64-bit byte counts", shape_str(tv.shape)));
+  return nbytes;
+}
+
+// A file cut short (an interrupted download or copy): say that the file, not its header, is at
+// fault, and how much data the header's tensors need.
+[[noreturn]] void refuse_truncated(const json& h, const std::string& where, const std::string& name, std::uint64_t b,
+                                   std::uint64_t e, std::uint64_t buffer_size, std::size_t file_size) {
+  std::uint64_t end = 0;
+  for (const auto& [k, x] : h.items()) {
+    std::uint64_t xb = 0, xe = 0;
+    if (k != "__metadata__" && x.is_object() && x.contains("data_offsets") && x["data_offsets"].is_array() &&
+        x["data_offsets"].size() == 2 && json_u64(x["data_offsets"][0], xb) && json_u64(x["data_offsets"][1], xe) &&
+        xb <= xe)
+      end = std::max(end, xe);
+  }
+  fail_tensor(where, name,
+              fmt::format("data_offsets [{}, {}] out of range: the data buffer has {} bytes; the header's tensors "
+                          "need {} bytes of data, {} more than the file ({} bytes) holds: the file is truncated (an "
+                          "interrupted download or copy?) or its header is corrupt",
+                          b, e, buffer_size, end, end - buffer_size, file_size));
+}
+
+struct Span {
+  std::uint64_t begin, end;
+  const std::string* name;
+};
+
+// The tensors must tile the data buffer exactly: no overlap, no gap, no trailing bytes. Appends the
+// names in data order.
+void check_tiling(std::vector<Span>& spans, std::uint64_t buffer_size, const std::string& where,
+                  std::vector<std::string>& names) {
   std::sort(spans.begin(), spans.end(), [](const Span& x, const Span& y) {
     return x.begin != y.begin ? x.begin < y.begin : (x.end != y.end ? x.end < y.end : *x.name < *y.name);
   });
@@ -243,6 +230,51 @@ void SafetensorsFile::parse_header(const std::uint8_t* data, std::size_t file_si
   if (pos != buffer_size)
     fail(where, fmt::format("{} bytes of trailing data after the last tensor (data buffer {} bytes, tensors cover {})",
                             buffer_size - pos, buffer_size, pos));
+}
+
+}  // namespace
+
+void SafetensorsFile::parse_header(const std::uint8_t* data, std::size_t file_size, const std::string& where,
+                                   std::map<std::string, TensorView>& tensors, std::vector<std::string>& names,
+                                   std::map<std::string, std::string>& metadata) {
+  tensors.clear();
+  names.clear();
+  metadata.clear();
+  const std::uint64_t n = header_length(data, file_size, where);
+  const char* hb = reinterpret_cast<const char*>(data + 8);
+  const json h = parse_header_json(hb, hb + n, where);
+  if (!h.is_object()) fail(where, "header is not a JSON object");
+
+  const std::uint8_t* buffer = data + 8 + n;
+  const std::uint64_t buffer_size = file_size - 8 - n;
+  std::vector<Span> spans;
+  spans.reserve(h.size());
+  for (auto it = h.begin(); it != h.end(); ++it) {
+    const std::string& name = it.key();
+    const json& v = it.value();
+    if (name == "__metadata__") {
+      read_metadata(v, where, metadata);
+      continue;
+    }
+    TensorView tv;
+    const std::uint64_t nbytes = read_dtype_and_shape(v, where, name, tv);
+    const json& off = v["data_offsets"];
+    if (!off.is_array() || off.size() != 2) fail_tensor(where, name, "'data_offsets' is not an array of 2 integers");
+    std::uint64_t b = 0, e = 0;
+    if (!json_u64(off[0], b) || !json_u64(off[1], e))
+      fail_tensor(where, name, "'data_offsets' entries are not non-negative integers");
+    if (b > e) fail_tensor(where, name, fmt::format("data_offsets [{}, {}] end before they begin", b, e));
+    if (e > buffer_size) refuse_truncated(h, where, name, b, e, buffer_size, file_size);
+    if (e - b != nbytes)
+      fail_tensor(where, name, fmt::format("data_offsets [{}, {}] span {} bytes, but shape {} x {} needs {}", b, e, e - b,
+                                           shape_str(tv.shape), dtype_name(tv.dtype), nbytes));
+    tv.data = buffer + b;
+    tv.nbytes = static_cast<std::size_t>(nbytes);
+    auto [pos, inserted] = tensors.emplace(name, std::move(tv));
+    if (!inserted) fail_tensor(where, name, "duplicate tensor name");  // the JSON check catches this first
+    spans.push_back({b, e, &pos->first});
+  }
+  check_tiling(spans, buffer_size, where, names);
 }
 
 // ---------------------------------------------------------------------------
