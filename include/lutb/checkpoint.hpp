@@ -447,8 +447,7 @@ std::string format_summary(const QuantizeSummary& s);
 /// Typical fits keep 13-15 dB; an all-zero reconstruction is 0 dB. The upstream fitters ct-lloyd and
 /// multistart fit no tile scale (scale byte 127, spec 2.1), so their codebook holds only magnitudes
 /// 2^-9..448: on weights far outside that range (scaled to 1e-30, or 1e30) every tile is lost or
-/// clipped, and the warning says so and names the scaled fitters (new-user QA sessions 16-17: 0 dB
-/// was reported without a word).
+/// clipped, and the warning says so and names the scaled fitters.
 std::string low_sqnr_warning(const std::string& where, double sse, double sum_sq, std::int64_t weights,
                              const std::string& method);
 

@@ -312,7 +312,7 @@ class LanguageModel {
   /// correction bias and the shared experts) against config.json: present, of the shape the config
   /// implies, of a float dtype. Throws ModelError with load()'s wording (naming the file and the
   /// tensor); returns the names checked. For `lutb quantize`, which copies these tensors: a broken one
-  /// was found only by `lutb eval` after the whole quantisation (new-user QA, session 12).
+  /// is refused before the quantisation, not by `lutb eval` after it.
   static std::vector<std::string> check_tensors(const std::filesystem::path& dir);
 
   LanguageModel(LanguageModel&&) noexcept;

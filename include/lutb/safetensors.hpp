@@ -119,12 +119,11 @@ class SafetensorsCollection {
   /// The file that holds `name` (same error when absent).
   const SafetensorsFile& file_of(const std::string& name) const;
   const std::vector<std::unique_ptr<SafetensorsFile>>& files() const { return files_; }
-  /// For a name the collection does not expose, where it was looked for, for "not found" messages:
-  /// "; FILE has no such tensor" (one file), "; none of the N weight files of DIR (a, b, ...) holds it",
-  /// "; INDEX's weight_map does not list it (nor does any of its N shards hold it)", or, when an index
+  /// For a name the collection does not expose, where it was looked for, for "not found" messages: ";
+  /// FILE has no such tensor" (one file), "; none of the N weight files of DIR (a, b, ...) holds it", ";
+  /// INDEX's weight_map does not list it (nor does any of its N shards hold it)", or, when an index
   /// leaves out a tensor one of its shards holds, "; SHARD holds it, but INDEX's weight_map does not
-  /// list it (add it there)" (the tensor is invisible through the index, while `lutb quantize`, which
-  /// reads the shards, quantised it; new-user QA, session 12). "" for a name it exposes.
+  /// list it (add it there)" (the tensor is invisible through the index). "" for a name it exposes.
   std::string absent_note(const std::string& name) const;
 
  private:

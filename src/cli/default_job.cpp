@@ -65,208 +65,202 @@ double since(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
 }
 
-void run_default_job(const DefaultArgs& a) {
-  namespace fs = std::filesystem;
-  using clock = std::chrono::steady_clock;
-  // Every option is checked before any work (QA 2026-11-30: a bad --fitter failed only after the
-  // synthesis). The ranges of --tokens, --experts and --seed are checked by the parser.
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+// The token buffers grow with --tokens: checked against the free memory up front, rather than
+// ending in a bare std::bad_alloc. Per token: the BF16 input, three FP32 outputs, the router logits
+// and, per routed expert, the FP32 gate/up and down intermediates.
+void check_token_memory(const DefaultArgs& a) {
+  SynthOptions probe;
+  probe.family = ModelFamily::qwen3_moe;
+  probe.num_experts = a.experts;
+  const ModelConfig pc = synth_config(probe);  // throws for an invalid --experts before anything is written
+  const auto H = static_cast<std::uint64_t>(pc.hidden_size), I = static_cast<std::uint64_t>(pc.moe_intermediate_size),
+             E = static_cast<std::uint64_t>(pc.num_experts), k = static_cast<std::uint64_t>(pc.num_experts_per_tok);
+  const std::uint64_t per_token = 2 * H + 3 * 4 * H + 4 * E + 8 * k + k * (2 * I + I) * 4;
+  const std::uint64_t need = per_token * static_cast<std::uint64_t>(a.tokens);
+  std::uint64_t avail = 0;
+  {
+    std::ifstream mi("/proc/meminfo");
+    std::string key;
+    std::uint64_t kb = 0;
+    std::string unit;
+    while (mi >> key >> kb >> unit)
+      if (key == "MemAvailable:") {
+        avail = kb * 1024;
+        break;
+      }
+  }
+  if (avail > 0 && need > avail)
+    throw std::invalid_argument(fmt::format(
+        "--tokens {}: the token buffers would need about {:.1f} GB ({} bytes per token), but only {:.1f} GB of "
+        "memory is available; use fewer tokens (at most about {})",
+        a.tokens, need / 1e9, per_token, avail / 1e9, avail / per_token));
+}
+
+// Step 1: every option is checked before any work (a bad --fitter must not fail only after the
+// synthesis). The ranges of --tokens, --experts and --seed are checked by the parser.
+void check_default_args(const DefaultArgs& a) {
   if (a.tokens < 1) throw UsageError(fmt::format("--tokens {}: must be at least 1", a.tokens));
   if (!a.fitter.empty()) check_fitter_value(a.fitter);
   if (!a.work_dir.empty() && fs::exists(a.work_dir) && !fs::is_directory(a.work_dir))
     throw std::invalid_argument(fmt::format("--work-dir {}: exists and is not a directory", a.work_dir));
-  {
-    SynthOptions probe;
-    probe.family = ModelFamily::qwen3_moe;
-    probe.num_experts = a.experts;
-    const ModelConfig pc = synth_config(probe);  // throws for an invalid --experts before anything is written
-    // The token buffers grow with --tokens: check them against the free memory up front (QA
-    // 2026-11-30: "--tokens 100000000" ended in a bare std::bad_alloc). Per token: the BF16 input,
-    // three FP32 outputs, the router logits and, per routed expert, the FP32 gate/up and down
-    // intermediates.
-    const auto H = static_cast<std::uint64_t>(pc.hidden_size), I = static_cast<std::uint64_t>(pc.moe_intermediate_size),
-               E = static_cast<std::uint64_t>(pc.num_experts), k = static_cast<std::uint64_t>(pc.num_experts_per_tok);
-    const std::uint64_t per_token = 2 * H + 3 * 4 * H + 4 * E + 8 * k + k * (2 * I + I) * 4;
-    const std::uint64_t need = per_token * static_cast<std::uint64_t>(a.tokens);
-    std::uint64_t avail = 0;
-    {
-      std::ifstream mi("/proc/meminfo");
-      std::string key;
-      std::uint64_t kb = 0;
-      std::string unit;
-      while (mi >> key >> kb >> unit)
-        if (key == "MemAvailable:") {
-          avail = kb * 1024;
-          break;
-        }
-    }
-    if (avail > 0 && need > avail)
-      throw std::invalid_argument(fmt::format(
-          "--tokens {}: the token buffers would need about {:.1f} GB ({} bytes per token), but only {:.1f} GB of "
-          "memory is available; use fewer tokens (at most about {})",
-          a.tokens, need / 1e9, per_token, avail / 1e9, avail / per_token));
-  }
+  check_token_memory(a);
+}
 
-  InterruptGuard on_signal;  // Ctrl-C: the Cleanup below removes what this run wrote
-  fs::path work;
-  bool own_work = false;  // true when this run created `work` and may remove it whole
+// Where the two checkpoints are written.
+struct WorkDir {
+  fs::path path;
+  bool own = false;                    // true when this run created `path` and may remove it whole
   std::vector<fs::path> made_parents;  // ancestors of --work-dir this run created, deepest first
-  if (a.work_dir.empty()) {
-    // The folder named by TMPDIR (or TMP, TEMP, TEMPDIR: what temp_directory_path reads): when it did
-    // not exist the error read "filesystem error: temp_directory_path: No such file or directory",
-    // naming neither the variable nor the folder (new-user QA, session 14).
-    std::error_code tec;
-    const fs::path tmp_root = fs::temp_directory_path(tec);
-    if (tec) {
-      std::string var = "TMPDIR", val;
-      for (const char* v : {"TMPDIR", "TMP", "TEMP", "TEMPDIR"})
-        if (const char* e = std::getenv(v)) {
-          var = v;
-          val = e;
-          break;
-        }
-      throw std::runtime_error(fmt::format("the temporary folder {}={} is not usable ({}): set {} to an existing "
-                                           "folder, or give --work-dir DIR",
-                                           var, val, tec.message(), var));
-    }
-    std::string tmpl = (tmp_root / "lutb-default-XXXXXX").string();
-    if (!mkdtemp(tmpl.data()))
-      throw std::runtime_error(fmt::format("cannot create a temporary directory under {}: {} (set TMPDIR to another "
-                                           "folder, or give --work-dir DIR)",
-                                           tmp_root.string(), std::strerror(errno)));
-    work = tmpl;
-    own_work = true;
-  } else {
-    work = a.work_dir;
-    // The missing ancestors of --work-dir are created (as mkdir -p) and removed again at the end,
-    // deepest first and only while empty: the run leaves the filesystem as it found it (new-user QA
-    // session 9: "--work-dir a/b/c" left a and a/b behind). Existing ones are never touched.
-    std::error_code ec;  // (a bare "filesystem error: cannot create directories" before; QA session 9)
-    for (fs::path p = fs::absolute(work, ec).lexically_normal(); p.has_relative_path() && !fs::exists(fs::symlink_status(p, ec));
-         p = p.parent_path()) {
-      if (!p.has_filename()) continue;  // "a/b/" -> "a/b"
-      made_parents.push_back(p);
-    }
-    own_work = fs::create_directories(work, ec);
-    if (ec) {
-      // The removal below has its own error_code: it reused `ec`, and fs::remove of a directory that
-      // was never made clears it, so "--work-dir /proc/x" read "cannot create it: Success" (mkdir's
-      // ENOENT lost; new-user QA, session 21).
-      const std::string why = ec.message();
-      std::error_code rec;
-      for (const auto& d : made_parents) fs::remove(d, rec);  // an empty directory only
-      throw std::runtime_error(fmt::format("--work-dir {}: cannot create it: {}", work.string(), why));
-    }
-    if (!made_parents.empty()) made_parents.erase(made_parents.begin());  // `work` itself: removed whole below
-  }
-  const fs::path src_dir = work / "qwen3-30b-a3b-layer-bf16", q_dir = work / "qwen3-30b-a3b-layer-lutb";
-  // A user's --work-dir is never removed or overwritten: only the two checkpoints this run writes
-  // there are, and they must not exist beforehand. Looked up without following a symbolic link: a
-  // dangling link there passed fs::exists, synth refused it with the advice of its -o option, and
-  // the cleanup then deleted the user's link (new-user QA, session 21).
-  if (!own_work)
-    for (const fs::path& p : {src_dir, q_dir}) {
-      std::error_code sec;
-      const fs::file_status st = fs::symlink_status(p, sec);
-      if (!fs::exists(st)) continue;
-      std::string what;
-      if (fs::is_symlink(st)) {
-        std::error_code lec, tec;
-        const fs::path to = fs::read_symlink(p, lec);
-        what = fmt::format(" (a symbolic link to {}{})", lec ? std::string("?") : to.string(),
-                           fs::exists(fs::status(p, tec)) ? "" : ", which does not exist");
+};
+
+// A fresh temporary folder under the folder named by TMPDIR (or TMP, TEMP, TEMPDIR: what
+// temp_directory_path reads). When that folder is not usable the message names the variable and the
+// folder, not only "temp_directory_path: No such file or directory".
+WorkDir temporary_work_dir() {
+  std::error_code tec;
+  const fs::path tmp_root = fs::temp_directory_path(tec);
+  if (tec) {
+    std::string var = "TMPDIR", val;
+    for (const char* v : {"TMPDIR", "TMP", "TEMP", "TEMPDIR"})
+      if (const char* e = std::getenv(v)) {
+        var = v;
+        val = e;
+        break;
       }
-      throw std::runtime_error(fmt::format("{}: the work directory already holds {}{}, the name this run writes a "
-                                           "checkpoint to; choose another --work-dir or remove it; nothing written",
-                                           p.string(), p.filename().string(), what));
+    throw std::runtime_error(fmt::format("the temporary folder {}={} is not usable ({}): set {} to an existing "
+                                         "folder, or give --work-dir DIR",
+                                         var, val, tec.message(), var));
+  }
+  std::string tmpl = (tmp_root / "lutb-default-XXXXXX").string();
+  if (!mkdtemp(tmpl.data()))
+    throw std::runtime_error(fmt::format("cannot create a temporary directory under {}: {} (set TMPDIR to another "
+                                         "folder, or give --work-dir DIR)",
+                                         tmp_root.string(), std::strerror(errno)));
+  return {tmpl, true, {}};
+}
+
+// --work-dir: its missing ancestors are created (as mkdir -p) and removed again at the end, deepest
+// first and only while empty, so the run leaves the filesystem as it found it. Existing ones are
+// never touched.
+WorkDir user_work_dir(const std::string& dir) {
+  WorkDir w;
+  w.path = dir;
+  std::error_code ec;  // mkdir's reason is kept for the message
+  for (fs::path p = fs::absolute(w.path, ec).lexically_normal(); p.has_relative_path() && !fs::exists(fs::symlink_status(p, ec));
+       p = p.parent_path()) {
+    if (!p.has_filename()) continue;  // "a/b/" -> "a/b"
+    w.made_parents.push_back(p);
+  }
+  w.own = fs::create_directories(w.path, ec);
+  if (ec) {
+    // The removal below has its own error_code: fs::remove of a directory that was never made
+    // clears it, and mkdir's reason (ENOENT for "--work-dir /proc/x") must reach the message.
+    const std::string why = ec.message();
+    std::error_code rec;
+    for (const auto& d : w.made_parents) fs::remove(d, rec);  // an empty directory only
+    throw std::runtime_error(fmt::format("--work-dir {}: cannot create it: {}", w.path.string(), why));
+  }
+  if (!w.made_parents.empty()) w.made_parents.erase(w.made_parents.begin());  // `path` itself: removed whole
+  return w;
+}
+
+// A user's --work-dir is never removed or overwritten: only the two checkpoints this run writes
+// there are, and they must not exist beforehand. Looked up without following a symbolic link, so
+// that a dangling link there is refused (and never deleted by the cleanup).
+void check_checkpoint_names_free(const fs::path& src_dir, const fs::path& q_dir) {
+  for (const fs::path& p : {src_dir, q_dir}) {
+    std::error_code sec;
+    const fs::file_status st = fs::symlink_status(p, sec);
+    if (!fs::exists(st)) continue;
+    std::string what;
+    if (fs::is_symlink(st)) {
+      std::error_code lec, tec;
+      const fs::path to = fs::read_symlink(p, lec);
+      what = fmt::format(" (a symbolic link to {}{})", lec ? std::string("?") : to.string(),
+                         fs::exists(fs::status(p, tec)) ? "" : ", which does not exist");
     }
-  // Only what this run created is removed: each checkpoint is added to the cleanup once written
-  // (synthesize_checkpoint and quantize_checkpoint remove their own temporaries when they fail), so
-  // a failure can never remove an entry of the user's (new-user QA, session 21).
-  struct Cleanup {
-    std::vector<fs::path> paths, parents;
-    bool keep;
-    ~Cleanup() {
-      std::error_code ec;
-      if (keep) return;
-      for (const auto& p : paths) fs::remove_all(p, ec);
-      for (const auto& d : parents) fs::remove(d, ec);  // removes an empty directory only
-    }
-  } cleanup{own_work ? std::vector<fs::path>{work} : std::vector<fs::path>{}, made_parents, a.keep};
+    throw std::runtime_error(fmt::format("{}: the work directory already holds {}{}, the name this run writes a "
+                                         "checkpoint to; choose another --work-dir or remove it; nothing written",
+                                         p.string(), p.filename().string(), what));
+  }
+}
 
-  SynthOptions so;
-  so.family = ModelFamily::qwen3_moe;
-  so.layers = 1;
-  so.force = own_work;
-  so.num_experts = a.experts;
-  so.interrupt = interrupt_flag();
-  const ModelConfig cfg = synth_config(so);
-  const std::int64_t E = cfg.num_experts, H = cfg.hidden_size, I = cfg.moe_intermediate_size;
-  const int k = static_cast<int>(cfg.num_experts_per_tok);
-  fmt::print("lutb: the main job on its built-in default\n");
-  fmt::print("  one Qwen3-30B-A3B MoE layer{}: E {} experts, H {}, I {}, top-{}; synthetic Student-t(5) BF16 weights\n",
-             a.experts > 0 ? " (fewer experts: --experts)" : "", E, H, I, k);
-  fmt::print("  work directory {}{}\n\n", work.string(), a.keep ? " (kept)" : (own_work ? " (removed at the end)" : " (its two checkpoints removed at the end)"));
+// Only what this run created is removed: each checkpoint is added to the cleanup once written
+// (synthesize_checkpoint and quantize_checkpoint remove their own temporaries when they fail), so a
+// failure can never remove an entry of the user's.
+struct Cleanup {
+  std::vector<fs::path> paths, parents;
+  bool keep;
+  ~Cleanup() {
+    std::error_code ec;
+    if (keep) return;
+    for (const auto& p : paths) fs::remove_all(p, ec);
+    for (const auto& d : parents) fs::remove(d, ec);  // removes an empty directory only
+  }
+};
 
-  auto t = clock::now();
-  synthesize_checkpoint(src_dir, so);
-  if (!own_work) cleanup.paths.push_back(src_dir);
-  const double t_synth = since(t);
-  fmt::print("{:<48}{:8.2f} s\n", "1. synthesised the BF16 checkpoint", t_synth);
+// Random tokens (standard normal, BF16) routed with the layer's router (softmax top-k).
+struct RoutedTokens {
+  std::vector<std::uint16_t> x;  // [T][H] BF16
+  moe::Routing routing;
+};
 
-  QuantizeOptions qo;
-  qo.fit.fitter = a.fitter;
-  qo.force = own_work;
-  qo.interrupt = interrupt_flag();
-  t = clock::now();
-  const QuantizeSummary qs = quantize_checkpoint(src_dir, q_dir, qo);
-  if (!own_work) cleanup.paths.push_back(q_dir);
-  const double t_quant = since(t);
-  fmt::print("{:<48}{:8.2f} s\n", fmt::format("2. quantised it to LUT-B (fitter {})", qs.fitter), t_quant);
-  for (const auto& w : qs.warnings) fmt::print(stderr, "lutb: warning: {}\n", w);  // e.g. a low SQNR (--fitter)
-
-  check_interrupted("after the quantisation");
-  t = clock::now();
-  Checkpoint bf(src_dir), lq(q_dir);
-  ExpertsSource src = bf.experts_source(0);
-  ExpertsLutb lut = lq.lutb_experts(0);
-  const RouterWeights router = lq.router(0);  // copied bit for bit: same as the source router
-  const double t_load = since(t);
-  fmt::print("{:<48}{:8.2f} s\n", "3. loaded the experts of both checkpoints", t_load);
-
-  check_interrupted("after loading the checkpoints");
-  // Random tokens (standard normal, BF16) and routing with the layer's router.
-  const std::int64_t T = a.tokens;
-  std::vector<std::uint16_t> x(static_cast<std::size_t>(T * H));
+RoutedTokens route_random_tokens(const DefaultArgs& a, const ModelConfig& cfg, const RouterWeights& router) {
+  const std::int64_t T = a.tokens, E = cfg.num_experts, H = cfg.hidden_size;
+  RoutedTokens r;
+  r.x.resize(static_cast<std::size_t>(T * H));
   std::mt19937_64 rng(a.seed);
   std::normal_distribution<float> nd(0.0f, 1.0f);
-  for (auto& v : x) v = bf16_from_float(nd(rng));
+  for (auto& v : r.x) v = bf16_from_float(nd(rng));
   std::vector<float> logits(static_cast<std::size_t>(T * E));
   const std::vector<std::uint16_t> gate = router.weight.to_bf16();
-  moe::router_logits_bf16(x.data(), gate.data(), T, H, static_cast<int>(E), true, logits.data());
+  moe::router_logits_bf16(r.x.data(), gate.data(), T, H, static_cast<int>(E), true, logits.data());
   moe::RouterConfig rc;
   rc.scoring = moe::ScoringFunc::Softmax;
   rc.num_experts = static_cast<int>(E);
-  rc.top_k = k;
+  rc.top_k = static_cast<int>(cfg.num_experts_per_tok);
   rc.norm_topk_prob = cfg.renormalize();
-  const moe::Routing routing = moe::route(rc, logits, T);
-  const moe::TopK topk{routing.ids.data(), routing.weights.data(), k};
-  const moe::HiddenStates hs = moe::HiddenStates::bf16(x.data(), T);
+  r.routing = moe::route(rc, logits, T);
+  return r;
+}
 
+moe::MoeConfig layer_moe_config(const ModelConfig& cfg) {
   moe::MoeConfig mc;
-  mc.global_experts = static_cast<int>(E);
-  mc.top_k = k;
-  mc.hidden_size = H;
-  mc.intermediate_size_per_partition = I;
+  mc.global_experts = static_cast<int>(cfg.num_experts);
+  mc.top_k = static_cast<int>(cfg.num_experts_per_tok);
+  mc.hidden_size = cfg.hidden_size;
+  mc.intermediate_size_per_partition = cfg.moe_intermediate_size;
   mc.finalize();
+  return mc;
+}
 
-  std::vector<float> ref(static_cast<std::size_t>(T * H)), out(ref.size()), out_bf16act(ref.size());
+// The layer's outputs and costs: the BF16 reference, the LUT-B emulation with MXFP8 and with BF16
+// activations, and the GPU section when a usable GPU is present.
+struct LayerRun {
+  std::vector<float> ref, out, out_bf16act;
   std::size_t ref_bytes = 0, lut_bytes = 0;
-  // The GPU section (src/cli/gpu.cpp): run when a usable GPU is present, else one line says why not.
-  std::string gpu_skip = cuda_unavailable_reason();
-  // The reason is worded for --device cuda; the default job has no --device option, so its hint goes.
-  if (const auto p = gpu_skip.find(", or use --device cpu"); p != std::string::npos) gpu_skip.erase(p);
-  DefaultJobGpu gpu;
   double t_ref = 0, t_lut = 0;
+  std::string gpu_skip;  // why the GPU section did not run; empty when it ran
+  DefaultJobGpu gpu;
+};
+
+// Step 4: the layer on the routed tokens.
+LayerRun run_layer(const DefaultArgs& a, const moe::MoeConfig& mc, const RoutedTokens& tokens, ExpertsSource& src,
+                   ExpertsLutb& lut) {
+  const std::int64_t T = a.tokens;
+  const moe::TopK topk{tokens.routing.ids.data(), tokens.routing.weights.data(), mc.top_k};
+  const moe::HiddenStates hs = moe::HiddenStates::bf16(tokens.x.data(), T);
+  LayerRun r;
+  r.ref.resize(static_cast<std::size_t>(T * mc.hidden_size));
+  r.out.resize(r.ref.size());
+  r.out_bf16act.resize(r.ref.size());
+  // The GPU section (src/cli/gpu.cpp): run when a usable GPU is present, else one line says why not.
+  r.gpu_skip = cuda_unavailable_reason();
+  // The reason is worded for --device cuda; the default job has no --device option, so its hint goes.
+  if (const auto p = r.gpu_skip.find(", or use --device cpu"); p != std::string::npos) r.gpu_skip.erase(p);
   {
     // Convert one stack at a time and free its source at once: peak = source + one BF16 copy.
     std::vector<std::uint16_t> w13 = src.w13.to_bf16();
@@ -274,31 +268,39 @@ void run_default_job(const DefaultArgs& a) {
     std::vector<std::uint16_t> w2 = src.w2.to_bf16();
     src.w2 = {};
     moe::DenseExperts dense(mc, std::move(w13), std::move(w2), moe::ActivationFormat::BF16);
-    ref_bytes = dense.weight_bytes();
-    t = clock::now();
-    dense.apply_f32(hs, topk, ref.data());
-    t_ref = since(t);
-    if (gpu_skip.empty()) default_job_gpu_fit(gpu, dense.w13(), dense.w2(), mc, lut.w13, lut.w2, a.fitter);
+    r.ref_bytes = dense.weight_bytes();
+    const auto t = Clock::now();
+    dense.apply_f32(hs, topk, r.ref.data());
+    r.t_ref = since(t);
+    if (r.gpu_skip.empty()) default_job_gpu_fit(r.gpu, dense.w13(), dense.w2(), mc, lut.w13, lut.w2, a.fitter);
   }
   check_interrupted("after the BF16 reference");
   {
     auto bf16act = moe::make_lutb_experts(mc, lut.w13, lut.w2, moe::EmulationKernel::Fast, moe::ActivationFormat::BF16);
-    bf16act->apply_f32(hs, topk, out_bf16act.data());
+    bf16act->apply_f32(hs, topk, r.out_bf16act.data());
   }
-  {
-    auto experts = moe::make_lutb_experts(mc, std::move(lut.w13), std::move(lut.w2), moe::EmulationKernel::Fast,
-                                          moe::ActivationFormat::MXFP8);
-    lut_bytes = experts->weight_bytes();
-    t = clock::now();
-    experts->apply_f32(hs, topk, out.data());
-    t_lut = since(t);
-    if (gpu_skip.empty()) default_job_gpu_forward(gpu, *experts, x.data(), T, topk, out.data(), 20);
-    fmt::print("4. ran the layer on {} random tokens: BF16 reference {:.3f} s, LUT-B emulation ({}) {:.3f} s\n\n", T,
-               t_ref, experts->name(), t_lut);
-  }
-  const Err e = compare(out, ref), ew = compare(out_bf16act, ref);
-  const double sqnr = qs.stats.sqnr_db();
+  auto experts = moe::make_lutb_experts(mc, std::move(lut.w13), std::move(lut.w2), moe::EmulationKernel::Fast,
+                                        moe::ActivationFormat::MXFP8);
+  r.lut_bytes = experts->weight_bytes();
+  const auto t = Clock::now();
+  experts->apply_f32(hs, topk, r.out.data());
+  r.t_lut = since(t);
+  if (r.gpu_skip.empty()) default_job_gpu_forward(r.gpu, *experts, tokens.x.data(), T, topk, r.out.data(), 20);
+  fmt::print("4. ran the layer on {} random tokens: BF16 reference {:.3f} s, LUT-B emulation ({}) {:.3f} s\n\n", T,
+             r.t_ref, experts->name(), r.t_lut);
+  return r;
+}
 
+// Timings of steps 1-2, for the JSON summary.
+struct StepTimes {
+  double synth = 0, quantize = 0;
+};
+
+// Step 5: the report, and with --json its summary as the last line.
+void print_report(const DefaultArgs& a, const ModelConfig& cfg, const QuantizeSummary& qs, const LayerRun& r,
+                  const StepTimes& times) {
+  const Err e = compare(r.out, r.ref), ew = compare(r.out_bf16act, r.ref);
+  const double sqnr = qs.stats.sqnr_db();
   fmt::print("routed experts          BF16 {:.1f} MB -> LUT-B {:.1f} MB ({:.2f}x smaller)\n", qs.bytes_before / 1e6,
              qs.bytes_after / 1e6, static_cast<double>(qs.bytes_before) / static_cast<double>(qs.bytes_after));
   fmt::print("bits per weight         {:.6f} (BF16: 16)\n", qs.bits_per_weight());
@@ -307,43 +309,99 @@ void run_default_job(const DefaultArgs& a) {
              e.rel_l2, e.cosine, e.max_abs);
   fmt::print("                        rel L2 {:.4f}, cosine {:.6f}  (LUT-B weights, BF16 activations)\n", ew.rel_l2,
              ew.cosine);
-  fmt::print("resident expert weights BF16 reference {:.1f} MB, LUT-B emulation {:.1f} MB\n", ref_bytes / 1e6, lut_bytes / 1e6);
+  fmt::print("resident expert weights BF16 reference {:.1f} MB, LUT-B emulation {:.1f} MB\n", r.ref_bytes / 1e6,
+             r.lut_bytes / 1e6);
   fmt::print("peak RSS                {:.1f} MB\n", peak_rss_bytes() / 1e6);
-  if (gpu_skip.empty()) {
+  if (r.gpu_skip.empty()) {
     fmt::print("GPU                     {}\n", cuda_device_description());
-    for (const auto& l : gpu.lines) fmt::print("{}\n", l);
+    for (const auto& l : r.gpu.lines) fmt::print("{}\n", l);
   } else {
-    fmt::print("GPU section skipped:    {}\n", gpu_skip);
+    fmt::print("GPU section skipped:    {}\n", r.gpu_skip);
   }
-  if (a.json) {
-    nlohmann::json j = {{"model", "Qwen3-30B-A3B layer (synthetic)"},
-                        {"experts", E},
-                        {"hidden_size", H},
-                        {"moe_intermediate_size", I},
-                        {"top_k", k},
-                        {"tokens", T},
-                        {"fitter", qs.fitter},
-                        {"bytes_bf16", qs.bytes_before},
-                        {"bytes_lutb", qs.bytes_after},
-                        {"bits_per_weight", qs.bits_per_weight()},
-                        {"sqnr_db", sqnr},
-                        {"rel_l2", e.rel_l2},
-                        {"cosine", e.cosine},
-                        {"max_abs", e.max_abs},
-                        {"rel_l2_bf16_activations", ew.rel_l2},
-                        {"seconds_synth", t_synth},
-                        {"seconds_quantize", t_quant},
-                        {"seconds_reference", t_ref},
-                        {"seconds_lutb", t_lut},
-                        {"peak_rss_bytes", peak_rss_bytes()}};
-    if (gpu_skip.empty()) {
-      j["gpu"] = gpu.json;
-      j["gpu"]["device"] = cuda_device_description();
-    } else {
-      j["gpu_skipped"] = gpu_skip;
-    }
-    fmt::print("{}\n", j.dump());
+  if (!a.json) return;
+  nlohmann::json j = {{"model", "Qwen3-30B-A3B layer (synthetic)"},
+                      {"experts", cfg.num_experts},
+                      {"hidden_size", cfg.hidden_size},
+                      {"moe_intermediate_size", cfg.moe_intermediate_size},
+                      {"top_k", static_cast<int>(cfg.num_experts_per_tok)},
+                      {"tokens", a.tokens},
+                      {"fitter", qs.fitter},
+                      {"bytes_bf16", qs.bytes_before},
+                      {"bytes_lutb", qs.bytes_after},
+                      {"bits_per_weight", qs.bits_per_weight()},
+                      {"sqnr_db", sqnr},
+                      {"rel_l2", e.rel_l2},
+                      {"cosine", e.cosine},
+                      {"max_abs", e.max_abs},
+                      {"rel_l2_bf16_activations", ew.rel_l2},
+                      {"seconds_synth", times.synth},
+                      {"seconds_quantize", times.quantize},
+                      {"seconds_reference", r.t_ref},
+                      {"seconds_lutb", r.t_lut},
+                      {"peak_rss_bytes", peak_rss_bytes()}};
+  if (r.gpu_skip.empty()) {
+    j["gpu"] = r.gpu.json;
+    j["gpu"]["device"] = cuda_device_description();
+  } else {
+    j["gpu_skipped"] = r.gpu_skip;
   }
+  fmt::print("{}\n", j.dump());
+}
+
+void run_default_job(const DefaultArgs& a) {
+  check_default_args(a);
+
+  InterruptGuard on_signal;  // Ctrl-C: the Cleanup below removes what this run wrote
+  const WorkDir work = a.work_dir.empty() ? temporary_work_dir() : user_work_dir(a.work_dir);
+  const fs::path src_dir = work.path / "qwen3-30b-a3b-layer-bf16", q_dir = work.path / "qwen3-30b-a3b-layer-lutb";
+  if (!work.own) check_checkpoint_names_free(src_dir, q_dir);
+  Cleanup cleanup{work.own ? std::vector<fs::path>{work.path} : std::vector<fs::path>{}, work.made_parents, a.keep};
+
+  SynthOptions so;
+  so.family = ModelFamily::qwen3_moe;
+  so.layers = 1;
+  so.force = work.own;
+  so.num_experts = a.experts;
+  so.interrupt = interrupt_flag();
+  const ModelConfig cfg = synth_config(so);
+  fmt::print("lutb: the main job on its built-in default\n");
+  fmt::print("  one Qwen3-30B-A3B MoE layer{}: E {} experts, H {}, I {}, top-{}; synthetic Student-t(5) BF16 weights\n",
+             a.experts > 0 ? " (fewer experts: --experts)" : "", cfg.num_experts, cfg.hidden_size,
+             cfg.moe_intermediate_size, static_cast<int>(cfg.num_experts_per_tok));
+  fmt::print("  work directory {}{}\n\n", work.path.string(),
+             a.keep ? " (kept)" : (work.own ? " (removed at the end)" : " (its two checkpoints removed at the end)"));
+
+  // Steps 2-3: synthesise and quantise.
+  StepTimes times;
+  auto t = Clock::now();
+  synthesize_checkpoint(src_dir, so);
+  if (!work.own) cleanup.paths.push_back(src_dir);
+  times.synth = since(t);
+  fmt::print("{:<48}{:8.2f} s\n", "1. synthesised the BF16 checkpoint", times.synth);
+
+  QuantizeOptions qo;
+  qo.fit.fitter = a.fitter;
+  qo.force = work.own;
+  qo.interrupt = interrupt_flag();
+  t = Clock::now();
+  const QuantizeSummary qs = quantize_checkpoint(src_dir, q_dir, qo);
+  if (!work.own) cleanup.paths.push_back(q_dir);
+  times.quantize = since(t);
+  fmt::print("{:<48}{:8.2f} s\n", fmt::format("2. quantised it to LUT-B (fitter {})", qs.fitter), times.quantize);
+  for (const auto& w : qs.warnings) fmt::print(stderr, "lutb: warning: {}\n", w);  // e.g. a low SQNR (--fitter)
+
+  check_interrupted("after the quantisation");
+  t = Clock::now();
+  Checkpoint bf(src_dir), lq(q_dir);
+  ExpertsSource src = bf.experts_source(0);
+  ExpertsLutb lut = lq.lutb_experts(0);
+  const RouterWeights router = lq.router(0);  // copied bit for bit: same as the source router
+  fmt::print("{:<48}{:8.2f} s\n", "3. loaded the experts of both checkpoints", since(t));
+
+  check_interrupted("after loading the checkpoints");
+  const RoutedTokens tokens = route_random_tokens(a, cfg, router);
+  const LayerRun r = run_layer(a, layer_moe_config(cfg), tokens, src, lut);
+  print_report(a, cfg, qs, r, times);
 }
 
 }  // namespace
@@ -369,8 +427,7 @@ void add_default_job(CLI::App& app) {
   // An option of the default job before a command's name ("lutb --fitter optimal quantize IN -o OUT",
   // "lutb --json eval DIR") was parsed as the default job's and then ignored, since the default job
   // does not run with a command: quantize fitted with binned-dp and eval printed no JSON, exit status
-  // 0 (new-user QA, session 19). Refused before the command runs (this callback runs before the
-  // commands' own).
+  // 0. Refused before the command runs (this callback runs before the commands' own).
   app.parse_complete_callback([&app, g] {
     const std::vector<CLI::App*> cmds = app.get_subcommands();
     if (cmds.empty()) return;

@@ -38,6 +38,108 @@ struct EvalArgs {
 
 nlohmann::json number_or_null(double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(nullptr); }
 
+// A checkpoint of `lutb synth` (or the default job's --keep) holds MoE blocks only: say so, rather
+// than "tokens file not found" or "missing tensor model.embed_tokens.weight".
+void refuse_synthetic(const EvalArgs& a, const model::TransformerConfig& config) {
+  if (config.raw.contains("lutb_synthetic"))
+    throw model::ModelError(fmt::format(
+        "{}: a synthetic checkpoint of lutb synth ({} has 'lutb_synthetic'): it holds MoE blocks only, no "
+        "embeddings or attention, so it is not a language model lutb eval can run; run one of its MoE blocks with "
+        "lutb moe {} --layer L --activations FILE",
+        a.model_dir, (std::filesystem::path(a.model_dir) / "config.json").string(), a.model_dir));
+}
+
+// The evaluation tokens: at least one window, every id inside the vocabulary.
+std::vector<std::int32_t> load_tokens(const EvalArgs& a, const model::TransformerConfig& config,
+                                      const model::EvalOptions& eo) {
+  const std::filesystem::path tokens_path =
+      a.tokens.empty() ? std::filesystem::path(a.model_dir) / "val_tokens.safetensors" : std::filesystem::path(a.tokens);
+  std::vector<std::int32_t> tokens = model::load_token_ids(tokens_path);
+  if (static_cast<std::int64_t>(tokens.size()) < eo.window)
+    throw model::ModelError(fmt::format("{}: input_ids holds {} tokens, fewer than one evaluation window of {}",
+                                        tokens_path.string(), tokens.size(), eo.window));
+  for (std::size_t i = 0; i < tokens.size(); ++i)
+    if (tokens[i] < 0 || tokens[i] >= config.vocab_size)
+      throw model::ModelError(fmt::format("{}: input_ids[{}] = {} is outside the vocabulary [0, {}) of {}",
+                                          tokens_path.string(), i, tokens[i], config.vocab_size, a.model_dir));
+  return tokens;
+}
+
+// A NaN or Inf anywhere (e.g. a stored weight_scale of 2^127 or a NaN codebook entry) makes the loss
+// meaningless: an error naming the first tensor with non-finite values, not a number to report.
+[[noreturn]] void refuse_non_finite_loss(const EvalArgs& a, const model::CheckpointMoe& moe,
+                                         const model::EvalResult& r) {
+  std::string where;
+  for (const auto& s : moe.stats())
+    if (const double v = s.sqnr_db(); std::isnan(v) || (std::isinf(v) && v < 0)) {
+      where = fmt::format("; the first tensor with non-finite values is {} (layer {})", s.name, s.layer);
+      break;
+    }
+  if (where.empty()) where = first_non_finite_stored(a.model_dir);
+  throw model::ModelError(fmt::format(
+      "{}: non-finite loss ({}) over {} predicted tokens: a weight, scale or activation overflowed or is NaN{}; "
+      "the checkpoint's tensors are likely corrupt",
+      a.model_dir, r.val_loss, r.tokens, where));
+}
+
+// What the report says besides the loss.
+struct EvalReport {
+  std::string quant, act, fitter;
+  double sqnr = 0, tps = 0, load_s = 0;
+  bool fitted = false;
+};
+
+void print_eval_json(const EvalArgs& a, const model::TransformerConfig& cfg, const model::CheckpointMoe& moe,
+                     const model::EvalResult& r, const EvalReport& rep, const FitPlacement& fit) {
+  nlohmann::json j;
+  j["model"] = a.model_dir;
+  j["family"] = cfg.family;
+  j["val_loss"] = r.val_loss;
+  j["tokens"] = r.tokens;
+  j["windows"] = r.windows;
+  j["quant"] = rep.quant;
+  j["activations"] = rep.act;
+  j["fitter"] = rep.fitter.empty() ? nlohmann::json(nullptr) : nlohmann::json(rep.fitter);
+  j["lutb_checkpoint"] = moe.lutb_checkpoint();
+  j["sqnr_db"] = number_or_null(rep.sqnr);
+  j["bits_per_weight"] = moe.bits_per_weight();
+  j["expert_bytes_bf16"] = moe.source_bytes();
+  j["expert_bytes"] = moe.held_bytes();
+  j["seconds"] = r.seconds;
+  j["load_seconds"] = rep.load_s;
+  if (rep.fitted) add_fit_json(j, fit);
+  j["device"] = a.device;
+  j["tokens_per_second"] = rep.tps;
+  nlohmann::json tensors = nlohmann::json::array();
+  for (const auto& s : moe.stats())
+    tensors.push_back({{"name", s.name}, {"layer", s.layer}, {"sqnr_db", number_or_null(s.sqnr_db())},
+                       {"weights", s.weights}, {"bytes", s.quantized_bytes}});
+  j["tensors"] = tensors;
+  fmt::print("{}\n", j.dump());
+}
+
+void print_eval_report(const EvalArgs& a, const model::TransformerConfig& cfg, const model::CheckpointMoe& moe,
+                       const model::MoeOptions& mo, const model::EvalResult& r, const model::EvalOptions& eo,
+                       const EvalReport& rep, const FitPlacement& fit) {
+  fmt::print("model        {} ({}, {} layers, hidden {}, {} experts x {})\n", a.model_dir, cfg.family, cfg.num_layers,
+             cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size);
+  fmt::print("experts      quant {}{}, activations {}{}\n", rep.quant,
+             rep.fitter.empty() ? "" : " (fitter " + rep.fitter + ")", rep.act,
+             moe.lutb_checkpoint() ? ", stored LUT-B weights" : "");
+  for (const auto& s : moe.stats())
+    fmt::print("  {:<48} SQNR {:7.3f} dB\n", s.name, s.sqnr_db());
+  if (!moe.stats().empty()) fmt::print("  aggregate SQNR {:.3f} dB\n", rep.sqnr);
+  fmt::print("size         routed experts {} bytes as BF16, {} bytes held ({:.4f} bits per weight)\n",
+             moe.source_bytes(), moe.held_bytes(), moe.bits_per_weight());
+  fmt::print("val loss     {:.6f} nats over {} predicted tokens ({} window{} of {})\n", r.val_loss, r.tokens, r.windows,
+             r.windows == 1 ? "" : "s", eo.window);
+  fmt::print("time         load {:.2f} s, eval {:.2f} s, {:.0f} tokens/s\n", rep.load_s, r.seconds, rep.tps);
+  if (rep.fitted) print_fit_line(fit, mo.fit.fitter);
+  if (a.device == "cuda")
+    fmt::print("device       cuda, {}: routed experts of every MoE block on the GPU\n", cuda_device_description());
+  if (a.json) print_eval_json(a, cfg, moe, r, rep, fit);
+}
+
 void run_eval(const EvalArgs& a) {
   ensure_runtime_env();
   if (a.old_activations_note)
@@ -48,41 +150,17 @@ void run_eval(const EvalArgs& a) {
   model::set_threads(threads);
   model::MoeOptions mo = a.quant.resolve(a.model_dir, threads);
   const bool gpu = a.device == "cuda";
-  if (gpu) {
-    if (a.quant.kernel_opt != nullptr && a.quant.kernel_opt->count() > 0)
-      throw UsageError(fmt::format("--kernel {} selects a CPU emulation kernel; it does not apply to "
-                                   "--device cuda (the GPU runs its fused kernels)",
-                                   a.quant.kernel));
-    check_gpu_options(mo);
-    require_cuda();
-  }
+  if (gpu) check_cuda_request(a.quant, mo);
   // --quant lutb on a BF16 checkpoint fits at load: with --device cuda on the GPU (the same bytes).
   const FitPlacement fit = place_fit(mo, gpu);
   // The config and the tokens first, so that a bad file fails before the weights load; every
   // message names its file.
   const model::TransformerConfig config = model::TransformerConfig::load(a.model_dir);
-  // A checkpoint of `lutb synth` (or the default job's --keep) holds MoE blocks only: eval reported
-  // "val_tokens.safetensors: tokens file not found", then "missing tensor model.embed_tokens.weight",
-  // never why (new-user QA, session 14).
-  if (config.raw.contains("lutb_synthetic"))
-    throw model::ModelError(fmt::format(
-        "{}: a synthetic checkpoint of lutb synth ({} has 'lutb_synthetic'): it holds MoE blocks only, no "
-        "embeddings or attention, so it is not a language model lutb eval can run; run one of its MoE blocks with "
-        "lutb moe {} --layer L --activations FILE",
-        a.model_dir, (std::filesystem::path(a.model_dir) / "config.json").string(), a.model_dir));
-  const std::filesystem::path tokens_path =
-      a.tokens.empty() ? std::filesystem::path(a.model_dir) / "val_tokens.safetensors" : std::filesystem::path(a.tokens);
-  const std::vector<std::int32_t> tokens = model::load_token_ids(tokens_path);
+  refuse_synthetic(a, config);
   model::EvalOptions eo;
   eo.max_windows = a.max_windows;
   eo.batch = a.batch;
-  if (static_cast<std::int64_t>(tokens.size()) < eo.window)
-    throw model::ModelError(fmt::format("{}: input_ids holds {} tokens, fewer than one evaluation window of {}",
-                                        tokens_path.string(), tokens.size(), eo.window));
-  for (std::size_t i = 0; i < tokens.size(); ++i)
-    if (tokens[i] < 0 || tokens[i] >= config.vocab_size)
-      throw model::ModelError(fmt::format("{}: input_ids[{}] = {} is outside the vocabulary [0, {}) of {}",
-                                          tokens_path.string(), i, tokens[i], config.vocab_size, a.model_dir));
+  const std::vector<std::int32_t> tokens = load_tokens(a, config, eo);
   check_model_tensor_names(a.model_dir, config.moe, "eval");
   const auto t0 = std::chrono::steady_clock::now();
   model::CheckpointMoe moe(a.model_dir, mo);
@@ -90,7 +168,8 @@ void run_eval(const EvalArgs& a) {
   // rest of the model on the CPU.
   model::LanguageModel lm =
       model::LanguageModel::load(a.model_dir, gpu ? gpu_factory(moe.factory(), mo) : moe.factory());
-  const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EvalReport rep;
+  rep.load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
   const bool tty = isatty(fileno(stderr));
   if (tty && !a.json)
@@ -100,76 +179,20 @@ void run_eval(const EvalArgs& a) {
     };
   warn_low_sqnr(moe, mo);
   const model::EvalResult r = model::evaluate(lm, tokens, eo);
-  if (!std::isfinite(r.val_loss)) {
-    // A NaN or Inf anywhere (e.g. a stored weight_scale of 2^127 or a NaN codebook entry) made the
-    // loss meaningless: an error, not a number to report (QA 2026-11-30: "val loss nan", exit 0).
-    std::string where;
-    for (const auto& s : moe.stats())
-      if (const double v = s.sqnr_db(); std::isnan(v) || (std::isinf(v) && v < 0)) {
-        where = fmt::format("; the first tensor with non-finite values is {} (layer {})", s.name, s.layer);
-        break;
-      }
-    if (where.empty()) where = first_non_finite_stored(a.model_dir);
-    throw model::ModelError(fmt::format(
-        "{}: non-finite loss ({}) over {} predicted tokens: a weight, scale or activation overflowed or is NaN{}; "
-        "the checkpoint's tensors are likely corrupt",
-        a.model_dir, r.val_loss, r.tokens, where));
-  }
+  if (!std::isfinite(r.val_loss)) refuse_non_finite_loss(a, moe, r);
 
   const auto& cfg = lm.config();
-  const std::string quant = model::quant_name(mo.quant);
-  const std::string act = activation_name(mo.activations);
-  std::string fitter = mo.quant == model::Quant::Lutb ? mo.fit.fitter : "";
+  rep.quant = model::quant_name(mo.quant);
+  rep.act = activation_name(mo.activations);
+  rep.fitter = mo.quant == model::Quant::Lutb ? mo.fit.fitter : "";
   if (moe.lutb_checkpoint()) {  // the fitter that wrote the stored weights
     const auto qc = parse_lutb_quant_config(cfg.raw);
-    fitter = qc ? qc->fitter : "";
+    rep.fitter = qc ? qc->fitter : "";
   }
-  const double sqnr = moe.aggregate_sqnr_db();
-  const double tps = r.seconds > 0 ? static_cast<double>(r.windows * eo.window) / r.seconds : 0.0;
-
-  fmt::print("model        {} ({}, {} layers, hidden {}, {} experts x {})\n", a.model_dir, cfg.family, cfg.num_layers,
-             cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size);
-  fmt::print("experts      quant {}{}, activations {}{}\n", quant, fitter.empty() ? "" : " (fitter " + fitter + ")", act,
-             moe.lutb_checkpoint() ? ", stored LUT-B weights" : "");
-  for (const auto& s : moe.stats())
-    fmt::print("  {:<48} SQNR {:7.3f} dB\n", s.name, s.sqnr_db());
-  if (!moe.stats().empty()) fmt::print("  aggregate SQNR {:.3f} dB\n", sqnr);
-  fmt::print("size         routed experts {} bytes as BF16, {} bytes held ({:.4f} bits per weight)\n",
-             moe.source_bytes(), moe.held_bytes(), moe.bits_per_weight());
-  fmt::print("val loss     {:.6f} nats over {} predicted tokens ({} window{} of {})\n", r.val_loss, r.tokens, r.windows,
-             r.windows == 1 ? "" : "s", eo.window);
-  fmt::print("time         load {:.2f} s, eval {:.2f} s, {:.0f} tokens/s\n", load_s, r.seconds, tps);
-  const bool fitted = fit.fits && !moe.lutb_checkpoint();
-  if (fitted) print_fit_line(fit, mo.fit.fitter);
-  if (gpu) fmt::print("device       cuda, {}: routed experts of every MoE block on the GPU\n", cuda_device_description());
-
-  if (a.json) {
-    nlohmann::json j;
-    j["model"] = a.model_dir;
-    j["family"] = cfg.family;
-    j["val_loss"] = r.val_loss;
-    j["tokens"] = r.tokens;
-    j["windows"] = r.windows;
-    j["quant"] = quant;
-    j["activations"] = act;
-    j["fitter"] = fitter.empty() ? nlohmann::json(nullptr) : nlohmann::json(fitter);
-    j["lutb_checkpoint"] = moe.lutb_checkpoint();
-    j["sqnr_db"] = number_or_null(sqnr);
-    j["bits_per_weight"] = moe.bits_per_weight();
-    j["expert_bytes_bf16"] = moe.source_bytes();
-    j["expert_bytes"] = moe.held_bytes();
-    j["seconds"] = r.seconds;
-    j["load_seconds"] = load_s;
-    if (fitted) add_fit_json(j, fit);
-    j["device"] = a.device;
-    j["tokens_per_second"] = tps;
-    nlohmann::json tensors = nlohmann::json::array();
-    for (const auto& s : moe.stats())
-      tensors.push_back({{"name", s.name}, {"layer", s.layer}, {"sqnr_db", number_or_null(s.sqnr_db())},
-                         {"weights", s.weights}, {"bytes", s.quantized_bytes}});
-    j["tensors"] = tensors;
-    fmt::print("{}\n", j.dump());
-  }
+  rep.sqnr = moe.aggregate_sqnr_db();
+  rep.tps = r.seconds > 0 ? static_cast<double>(r.windows * eo.window) / r.seconds : 0.0;
+  rep.fitted = fit.fits && !moe.lutb_checkpoint();
+  print_eval_report(a, cfg, moe, mo, r, eo, rep, fit);
   std::fflush(stdout);
 }
 
@@ -183,10 +206,9 @@ void add_eval(CLI::App& app) {
   auto* dir_opt =
       cmd->add_option("model_dir", args->model_dir, "Hugging Face checkpoint directory (BF16 or LUT-B)")->required();
   // The activation format is --act-format, as in `lutb moe`, whose --activations names the
-  // captured-activations file. eval took the format as --activations (--act-format was added as an
-  // alias in session 11), so the one flag meant a format here and a file there (new-user QA sessions
-  // 16-17). --activations FORMAT is still read, hidden from --help, with a note; a file name given to
-  // it is refused with what to use instead.
+  // captured-activations file; one flag must not mean a format here and a file there. --activations FORMAT
+  // is still read, hidden from --help, with a note; a file name given to it is refused with what to
+  // use instead.
   args->quant.add_to(cmd, "--act-format");
   auto* old_act = cmd->add_option("--activations", args->old_activations,
                                   "old name of --act-format (lutb moe's --activations is a file)")
@@ -223,7 +245,7 @@ void add_eval(CLI::App& app) {
       args->quant.activations = v;
       args->old_activations_note = true;  // printed by run_eval, once (it may re-execute this process)
     }
-    check_not_empty(dir_opt, args->model_dir, "checkpoint directory name");  // ": no such directory" (QA session 14)
+    check_not_empty(dir_opt, args->model_dir, "checkpoint directory name");  // not ": no such directory"
     check_not_empty(tokens_opt, args->tokens, "tokens file name");
     run_eval(*args);
   });

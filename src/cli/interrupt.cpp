@@ -27,8 +27,8 @@ std::atomic<long long> g_first_ns{0};
 static_assert(std::atomic<long long>::is_always_lock_free, "the signal handler needs a lock-free clock slot");
 // A signal this soon after the first is the same request delivered twice: GNU timeout (without
 // --foreground) and `kill -- -PGID` signal the process and then its whole group, and with
-// SA_RESETHAND that second copy killed the process at once, with no message and the temporary left
-// behind (new-user QA, session 21: 3 of 120 `timeout -s INT` runs).
+// SA_RESETHAND that second copy would kill the process at once, with no message and the temporary
+// left behind.
 constexpr long long kSameRequestNs = 1000000000LL;
 
 long long monotonic_ns() {

@@ -16,6 +16,7 @@
 #include <fmt/core.h>
 #include <fmt/ranges.h>
 
+#include "cli/gpu.hpp"
 #include "cli/validators.hpp"
 #include "io/tensor_names.hpp"
 #include "lutb/checkpoint.hpp"
@@ -62,7 +63,7 @@ inline void ensure_runtime_env() {
 
 /// Warns on stderr about the tensors of `model_dir` that are not tensors of the model its config.json
 /// describes, and refuses a misspelt expert tensor (detail::check_tensor_names, the check `lutb
-/// quantize` applies): `lutb eval` ignored both without a word (new-user QA, session 12).
+/// quantize` applies), so that eval never ignores them silently.
 inline void check_model_tensor_names(const std::string& model_dir, const lutb::ModelConfig& cfg, const char* command) {
   const SafetensorsCollection st = SafetensorsCollection::open_dir(model_dir);
   for (const auto& w : detail::check_tensor_names(cfg, st, std::filesystem::path(model_dir) / "config.json",
@@ -70,11 +71,11 @@ inline void check_model_tensor_names(const std::string& model_dir, const lutb::M
     fmt::print(stderr, "lutb: warning: {}\n", w);
 }
 
-// After a non-finite loss: the first stored float tensor (in file and name order) holding a NaN or
-// an infinity, as "; FILE holds NaN in tensor NAME at [i, j]", or "" when every stored value is
-// finite (the overflow happened in the computation). Only tensors whose names start with `prefix`
-// (lutb moe: one layer's). Without it, a BF16 checkpoint with a NaN weight gave "non-finite loss"
-// naming no tensor (new-user QA session 11), and lutb moe "outputs are NaN or infinite" (session 14).
+// After a non-finite loss: the first stored float tensor (in file and name order) holding a NaN or an
+// infinity, as "; FILE holds NaN in tensor NAME at [i, j]", or "" when every stored value is finite
+// (the overflow happened in the computation). Only tensors whose names start with `prefix` (lutb moe:
+// one layer's). It names the tensor behind a "non-finite loss" (eval) or "outputs are NaN or
+// infinite" (moe).
 inline std::string first_non_finite_stored(const std::string& model_dir, const std::string& prefix = {}) {
   try {
     const SafetensorsCollection c = SafetensorsCollection::open_dir(model_dir);
@@ -103,8 +104,8 @@ inline std::string first_non_finite_stored(const std::string& model_dir, const s
 }
 
 /// Warns on stderr about every routed-expert stack built so far whose quantisation lost at least half
-/// of its energy (low_sqnr_warning: ct-lloyd / multistart on weights far from magnitude 1, new-user QA
-/// sessions 16-17). Nothing for BF16 experts or stored LUT-B weights (no source to compare with).
+/// of its energy (low_sqnr_warning: ct-lloyd / multistart on weights far from magnitude 1). Nothing
+/// for BF16 experts or stored LUT-B weights (no source to compare with).
 inline void warn_low_sqnr(const model::CheckpointMoe& moe, const model::MoeOptions& mo) {
   const std::string method = mo.quant == model::Quant::Lutb ? mo.fit.fitter : model::quant_name(mo.quant);
   for (const auto& s : moe.stats())
@@ -136,7 +137,7 @@ struct ModelQuantArgs {
                                  "LUT-B fitter of --quant lutb on a BF16 checkpoint (the online method): " + fitter_list());
     // The kernels compute the same values (spec section 4) and differ only in the order of their FP32
     // additions: the loss of --kernel reference differed from the default's in the 6th significant
-    // digit and a new user took it for a bug (QA, session 12).
+    // digit, which reads like a bug unless the help says why.
     kernel_opt = cmd->add_option("--kernel", kernel,
                                  "LUT-B emulation kernel: fast (default), reference (the plain loops of spec section "
                                  "4), dequantized. All three compute the same MXFP8 x LUT-B products; only the order "
@@ -151,8 +152,8 @@ struct ModelQuantArgs {
     std::string q = quant;
     bool lutb_ckpt = false;
     try {
-      // Only a regular file: a named pipe blocked here for ever (new-user QA, session 14); anything
-      // else is reported by the loader.
+      // Only a regular file: a named pipe would block here for ever; anything else is reported by the
+      // loader.
       const std::filesystem::path config = std::filesystem::path(model_dir) / "config.json";
       std::ifstream in;
       if (std::filesystem::is_regular_file(config)) in.open(config);
@@ -161,15 +162,15 @@ struct ModelQuantArgs {
       // a broken config.json is reported by the loader with its file name
     }
     if (q.empty()) q = lutb_ckpt ? "lutb" : "none";
-    // A stored LUT-B checkpoint is read as written: a fitter would be silently ignored (QA 2026-11-30).
+    // A stored LUT-B checkpoint is read as written: a --fitter would have no effect, so it is refused.
     if (lutb_ckpt && !fitter.empty())
       throw UsageError(fmt::format(
           "--fitter {}: {} holds stored LUT-B weights; --fitter applies only when quantising a BF16 checkpoint on "
           "the fly (--quant lutb)",
           fitter, model_dir));
     // Another --quant on stored LUT-B weights cannot apply (there are no BF16 experts to hold or to
-    // quantise otherwise): the library's refusal exited 1, where --fitter on the same checkpoint is a
-    // usage error (README "Exit status"; new-user QA, session 19).
+    // quantise otherwise): a usage error (exit 2) like --fitter on the same checkpoint, not the library's
+    // refusal (exit 1; docs/cli.md "Every command").
     if (lutb_ckpt && q != "lutb")
       throw UsageError(fmt::format(
           "--quant {}: {} holds stored LUT-B weights (its config.json has a LUT-B quantization_config), not BF16 "
@@ -182,8 +183,8 @@ struct ModelQuantArgs {
     if (!fitter.empty() && o.quant != model::Quant::Lutb)
       throw UsageError(fmt::format("--fitter {} only applies to --quant lutb", fitter));
     if (!fitter.empty()) check_fitter_value(fitter);
-    // Like --fitter: a LUT-B emulation kernel asked for with BF16 / INT3 / MXFP4 experts was silently
-    // ignored (new-user QA session 11).
+    // Like --fitter: a LUT-B emulation kernel asked for with BF16 / INT3 / MXFP4 experts would have no
+    // effect, so it is refused.
     if (kernel_opt != nullptr && kernel_opt->count() > 0 && o.quant != model::Quant::Lutb)
       throw UsageError(fmt::format("--kernel {} only applies to LUT-B experts (--quant lutb, or a LUT-B "
                                    "checkpoint); the experts here are --quant {}",
@@ -196,5 +197,16 @@ struct ModelQuantArgs {
     return o;
   }
 };
+
+/// --device cuda for eval and moe: a --kernel (a CPU emulation kernel) does not apply (UsageError);
+/// the GPU options and a usable GPU are checked before any work (check_gpu_options, require_cuda).
+inline void check_cuda_request(const ModelQuantArgs& q, const model::MoeOptions& mo) {
+  if (q.kernel_opt != nullptr && q.kernel_opt->count() > 0)
+    throw UsageError(fmt::format("--kernel {} selects a CPU emulation kernel; it does not apply to "
+                                 "--device cuda (the GPU runs its fused kernels)",
+                                 q.kernel));
+  check_gpu_options(mo);
+  require_cuda();
+}
 
 }  // namespace lutb::cli

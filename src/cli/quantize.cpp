@@ -50,6 +50,121 @@ nlohmann::json summary_json(const QuantizeSummary& s, const std::string& in, con
           {"skipped_files", s.skipped_files},
           {"warnings", s.warnings}};
 }
+
+// The tensors lutb eval reads besides the routed experts, checked before anything is written (and
+// scanned for NaN / Inf while copied), and config.json by lutb eval's own validation
+// (model::TransformerConfig): a value lutb eval refuses (rms_norm_eps -1, num_key_value_heads not
+// dividing num_attention_heads, partial_rotary_factor 2, a negative sliding_window, ...) is refused
+// here, not after the quantisation by eval. Not refused: a feature lutb's model does not
+// implement (model::UnsupportedConfigError: hidden_act other than silu, another rope type; the
+// output is still a valid LUT-B checkpoint for other runtimes), and a checkpoint of routed experts
+// only (lutb synth's, or a partial export: none of the embedding, the final norm and layer 0's
+// input norm), which lutb eval cannot run anyway.
+std::vector<std::string> check_model_as_eval(const std::filesystem::path& dir) {
+  {
+    const auto st = SafetensorsCollection::open_dir(dir);
+    if (!st.contains("model.embed_tokens.weight") && !st.contains("model.norm.weight") &&
+        !st.contains("model.layers.0.input_layernorm.weight"))
+      return {};
+  }
+  try {
+    (void)model::TransformerConfig::load(dir);
+  } catch (const model::UnsupportedConfigError&) {
+    return {};
+  } catch (const model::ModelError& e) {
+    throw model::ModelError(fmt::format("{} (lutb eval refuses this value; quantize checks config.json as eval does)",
+                                        e.what()));
+  }
+  return model::LanguageModel::check_tensors(dir);
+}
+
+// --match, checked and matched once before the interrupt guard is installed.
+void check_match(const QuantizeArgs& a) {
+  // Every argument is checked before the file system is looked at, so that a bad --match is reported
+  // before an existing output, not after the user has fixed the output.
+  if (!a.match.empty()) {
+    try {
+      (void)std::regex(a.match);
+    } catch (const std::regex_error& e) {
+      throw UsageError(fmt::format("--match \"{}\": invalid regular expression: {}", a.match, e.what()));
+    }
+  }
+  // std::regex backtracks: a pattern with nested repetition such as (a|aa)*c takes exponential time
+  // on a long tensor name, and once the guard below is installed a first Ctrl-C only sets a flag
+  // the matching never reads, so it would take a second Ctrl-C. The names are matched once before the
+  // guard, while a signal still ends the process at once (nothing has been written yet); errors are
+  // left to quantize_file, which reports them in its order.
+  if (!a.match.empty() && std::filesystem::is_regular_file(a.input)) {
+    try {
+      const std::regex re(a.match);
+      const SafetensorsFile f(a.input);
+      for (const auto& n : f.names()) (void)std::regex_search(n, re);
+    } catch (const std::exception&) {
+    }
+  }
+}
+
+// The summary on stdout, the warnings on stderr, and with --json the summary as JSON.
+void print_quantize_report(const QuantizeArgs& a, const QuantizeSummary& s, const GpuFitTally& tally) {
+  const bool gpu = a.device == "cuda";
+  fmt::print("lutb quantize: {} -> {}\n{}", a.input, a.output, format_summary(s));
+  const double wps = tally.seconds > 0 ? static_cast<double>(tally.weights) / tally.seconds : 0.0;
+  if (gpu)
+    fmt::print("device               cuda, {}: GPU fit {:.3f} s for {} weights ({:.3g} weights/s, host-device "
+               "copies included)\n",
+               cuda_device_description(), tally.seconds, tally.weights, wps);
+  std::fflush(stdout);
+  for (const auto& w : s.warnings) fmt::print(stderr, "lutb: warning: {}\n", w);
+  if (a.json) {
+    nlohmann::json j = summary_json(s, a.input, a.output);
+    j["device"] = a.device;
+    if (gpu) {
+      j["gpu"] = cuda_device_description();
+      j["gpu_fit_seconds"] = tally.seconds;
+      j["gpu_fit_weights_per_second"] = wps;
+    }
+    fmt::print("{}\n", j.dump());
+  }
+}
+
+void run_quantize(const QuantizeArgs& a) {
+  namespace fs = std::filesystem;
+  check_match(a);
+  // --device cuda: a fitter without a GPU kernel, a CPU-only build or no usable GPU is refused
+  // here, before the file system is touched.
+  const bool gpu = a.device == "cuda";
+  if (gpu) {
+    check_gpu_fitter(a.fitter);
+    require_cuda();
+  }
+  InterruptGuard on_signal;
+  warn_stale_temporaries(a.output);
+  QuantizeOptions opt;
+  opt.interrupt = interrupt_flag();
+  opt.fit.fitter = a.fitter;
+  opt.fit.threads = effective_threads(a.threads);
+  opt.force = a.force;
+  opt.progress = !a.no_progress;
+  auto tally = std::make_shared<GpuFitTally>();
+  if (gpu) opt.fit_function = gpu_fit_function(tally);
+  opt.check_model = check_model_as_eval;
+  QuantizeSummary s;
+  if (fs::is_directory(a.input)) {
+    if (!a.match.empty() || a.all)
+      throw UsageError("--match/--all apply to a single .safetensors file, not a checkpoint directory");
+    s = quantize_checkpoint(a.input, a.output, opt);
+  } else if (fs::is_regular_file(a.input)) {
+    s = quantize_file(a.input, a.output, a.match, opt);
+  } else if (const std::string kind = lutb::detail::non_regular_kind(a.input); !kind.empty()) {
+    // /dev/null or a FIFO: say what it is, not that it does not exist.
+    throw std::invalid_argument(fmt::format("{}: is {}, not a checkpoint directory or a regular .safetensors file",
+                                            a.input, kind));
+  } else {
+    throw std::invalid_argument(fmt::format("{}: no such checkpoint directory or file", a.input));
+  }
+  print_quantize_report(a, s, *tally);
+}
+
 }  // namespace
 
 void add_quantize(CLI::App& app) {
@@ -91,110 +206,12 @@ void add_quantize(CLI::App& app) {
                     "the fit of the routed experts (cuda: the GPU fitters binned-dp and optimal, the same bytes as "
                     "the CPU; the rest of the run stays on the CPU)");
   cmd->callback([args, fitter_opt, in_opt, out_opt] {
-    namespace fs = std::filesystem;
-    // `-o ""` failed with "filesystem error: cannot make absolute path: Invalid argument []", and an
-    // empty input with ": no such checkpoint directory or file" (new-user QA, session 14).
+    // Empty names are named as such (the file system would say "cannot make absolute path: Invalid
+    // argument []" for `-o ""`, or ": no such checkpoint directory or file").
     check_not_empty(in_opt, args->input, "input name");
     check_not_empty(out_opt, args->output, "output name");
     check_fitter_option(fitter_opt, args->fitter);
-    // Every argument is checked before the file system is looked at: with an existing output and a
-    // bad --match, the user was told about the output first, fixed it, and only then learnt that the
-    // regex was invalid (new-user QA, session 12).
-    if (!args->match.empty()) {
-      try {
-        (void)std::regex(args->match);
-      } catch (const std::regex_error& e) {
-        throw UsageError(fmt::format("--match \"{}\": invalid regular expression: {}", args->match, e.what()));
-      }
-    }
-    // std::regex backtracks: a pattern with nested repetition such as (a|aa)*c takes exponential time
-    // on a long tensor name, and once the guard below is installed a first Ctrl-C only sets a flag
-    // the matching never reads, so it took a second Ctrl-C (new-user QA, session 12). The names are
-    // matched once before the guard, while a signal still ends the process at once (nothing has been
-    // written yet); errors are left to quantize_file, which reports them in its order.
-    if (!args->match.empty() && fs::is_regular_file(args->input)) {
-      try {
-        const std::regex re(args->match);
-        const SafetensorsFile f(args->input);
-        for (const auto& n : f.names()) (void)std::regex_search(n, re);
-      } catch (const std::exception&) {
-      }
-    }
-    // --device cuda: a fitter without a GPU kernel, a CPU-only build or no usable GPU is refused
-    // here, before the file system is touched.
-    const bool gpu = args->device == "cuda";
-    if (gpu) {
-      check_gpu_fitter(args->fitter);
-      require_cuda();
-    }
-    InterruptGuard on_signal;
-    warn_stale_temporaries(args->output);
-    QuantizeOptions opt;
-    opt.interrupt = interrupt_flag();
-    opt.fit.fitter = args->fitter;
-    opt.fit.threads = effective_threads(args->threads);
-    opt.force = args->force;
-    opt.progress = !args->no_progress;
-    auto tally = std::make_shared<GpuFitTally>();
-    if (gpu) opt.fit_function = gpu_fit_function(tally);
-    // The tensors lutb eval reads besides the routed experts, checked before anything is written (and
-    // scanned for NaN / Inf while copied), and config.json by lutb eval's own validation
-    // (model::TransformerConfig): a value lutb eval refuses (rms_norm_eps -1, num_key_value_heads not
-    // dividing num_attention_heads, partial_rotary_factor 2, a negative sliding_window, ...) was
-    // quantised without a word and refused only by eval (new-user QA, session 15). Not refused: a
-    // feature lutb's model does not implement (model::UnsupportedConfigError: hidden_act other than
-    // silu, another rope type; the output is still a valid LUT-B checkpoint for other runtimes), and a
-    // checkpoint of routed experts only (lutb synth's, or a partial export: none of the embedding, the
-    // final norm and layer 0's input norm), which lutb eval cannot run anyway.
-    opt.check_model = [](const fs::path& dir) -> std::vector<std::string> {
-      {
-        const auto st = SafetensorsCollection::open_dir(dir);
-        if (!st.contains("model.embed_tokens.weight") && !st.contains("model.norm.weight") &&
-            !st.contains("model.layers.0.input_layernorm.weight"))
-          return {};
-      }
-      try {
-        (void)model::TransformerConfig::load(dir);
-      } catch (const model::UnsupportedConfigError&) {
-        return {};
-      } catch (const model::ModelError& e) {
-        throw model::ModelError(fmt::format("{} (lutb eval refuses this value; quantize checks config.json as eval does)",
-                                            e.what()));
-      }
-      return model::LanguageModel::check_tensors(dir);
-    };
-    QuantizeSummary s;
-    if (fs::is_directory(args->input)) {
-      if (!args->match.empty() || args->all)
-        throw UsageError("--match/--all apply to a single .safetensors file, not a checkpoint directory");
-      s = quantize_checkpoint(args->input, args->output, opt);
-    } else if (fs::is_regular_file(args->input)) {
-      s = quantize_file(args->input, args->output, args->match, opt);
-    } else if (const std::string kind = lutb::detail::non_regular_kind(args->input); !kind.empty()) {
-      // /dev/null or a FIFO "did not exist" (new-user QA, session 21).
-      throw std::invalid_argument(fmt::format("{}: is {}, not a checkpoint directory or a regular .safetensors file",
-                                              args->input, kind));
-    } else {
-      throw std::invalid_argument(fmt::format("{}: no such checkpoint directory or file", args->input));
-    }
-    fmt::print("lutb quantize: {} -> {}\n{}", args->input, args->output, format_summary(s));
-    const double wps = tally->seconds > 0 ? static_cast<double>(tally->weights) / tally->seconds : 0.0;
-    if (gpu)
-      fmt::print("device               cuda, {}: GPU fit {:.3f} s for {} weights ({:.3g} weights/s, host-device "
-                 "copies included)\n",
-                 cuda_device_description(), tally->seconds, tally->weights, wps);
-    std::fflush(stdout);
-    for (const auto& w : s.warnings) fmt::print(stderr, "lutb: warning: {}\n", w);
-    if (args->json) {
-      nlohmann::json j = summary_json(s, args->input, args->output);
-      j["device"] = args->device;
-      if (gpu) {
-        j["gpu"] = cuda_device_description();
-        j["gpu_fit_seconds"] = tally->seconds;
-        j["gpu_fit_weights_per_second"] = wps;
-      }
-      fmt::print("{}\n", j.dump());
-    }
+    run_quantize(*args);
   });
 }
 

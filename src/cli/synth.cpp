@@ -27,8 +27,8 @@ struct SynthArgs {
   bool no_progress = false;
 };
 
-// Decimal bytes in the unit that keeps three digits: "3.15 MB", "61.35 GB", "26 bytes" (a small
-// checkpoint was announced as "0.00 GB": new-user QA, session 20).
+// Decimal bytes in the unit that keeps three digits: "3.15 MB", "61.35 GB", "26 bytes" (never
+// "0.00 GB" for a small checkpoint).
 std::string size_text(std::uint64_t bytes) {
   const double b = static_cast<double>(bytes);
   if (b >= 1e12) return fmt::format("{:.2f} TB", b / 1e12);
@@ -61,8 +61,7 @@ void add_synth(CLI::App& app) {
       ->check(IntRange<std::uint64_t>(0, std::numeric_limits<std::uint64_t>::max()));
   auto* nu_opt = cmd->add_option("--nu", args->opt.student_nu, "Student-t degrees of freedom, a number in (2, 1e6] (default 5)");
   cmd->add_flag("--stacked", args->opt.stacked, "write stacked gate_up_proj [E, 2I, H] / down_proj [E, H, I] tensors");
-  // "override hidden_size (tests)" gave neither the default nor a reason to use it (new-user QA,
-  // session 19).
+  // The help gives the default and the reason to use a smaller size.
   cmd->add_option("--hidden-size", args->opt.hidden_size,
                   "hidden size H (default: the family's, e.g. 2048 for qwen3_moe, 4096 for mixtral); smaller sizes "
                   "make a quick checkpoint for tests")
@@ -78,14 +77,13 @@ void add_synth(CLI::App& app) {
                 "above it)");
   cmd->add_flag("--no-progress", args->no_progress, "no progress bar on stderr");
   cmd->callback([args, fams, nu_opt, out_opt] {
-    // `-o ""` was refused by the library as "synth: no output directory given" with exit status 1, where
-    // quantize names the option (new-user QA, session 18).
+    // `-o ""` is a usage error naming the option, as in quantize (the library's refusal, "synth: no
+    // output directory given", exits 1).
     check_not_empty(out_opt, args->output, "output name");
     auto f = family_from_name(args->family);
     if (!f) throw UsageError(fmt::format("--family {}: unknown family (supported: {})", args->family, fams));
-    // The value as typed ("--nu 1e400" was reported as "--nu inf"), and the library's upper bound
-    // (1e7 passed this check, then failed as "synth: student_nu must be in (2, 1e6]"): new-user QA
-    // session 11.
+    // The value as typed ("--nu 1e400", not "--nu inf"), and the library's upper bound, so that the
+    // library's own check ("synth: student_nu must be in (2, 1e6]") is never the first to refuse.
     if (!std::isfinite(args->opt.student_nu) || !(args->opt.student_nu > 2.0) || args->opt.student_nu > 1e6)
       throw UsageError(fmt::format(
           "--nu {}: must be a number in (2, 1e6] (the Student-t variance is finite only above 2; above 1e6 the "
@@ -100,7 +98,7 @@ void add_synth(CLI::App& app) {
     // Announced only once the library has checked everything (destination, free space) and
     // created its temporary: a refusal prints nothing but the error.
     args->opt.on_start = [out = args->output](std::uint64_t planned) {
-      // ("8 bytes (8 bytes)" below a kilobyte: new-user QA, session 21.)
+      // ("8 bytes (8 bytes)" below a kilobyte.)
       fmt::print("lutb synth: will write {} bytes{} of BF16 tensors to {}\n", planned,
                  planned >= 1000 ? " (" + size_text(planned) + ")" : std::string(), out);
       std::fflush(stdout);

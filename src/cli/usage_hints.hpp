@@ -1,7 +1,7 @@
 // Explanations of command lines that CLI11 rejects as "extras": arguments that no option or positional
 // of the command took. CLI11's own message lists them in reverse order and names neither the command
 // nor what would be valid ("The following arguments were not expected: 0 --threads" for `lutb
-// --threads 0`; "... /tmp/x -o DIR qunatize" for a misspelt command: new-user QA sessions 18-19).
+// --threads 0`; "... /tmp/x -o DIR qunatize" for a misspelt command).
 #pragma once
 
 #include <algorithm>
@@ -15,14 +15,15 @@
 
 namespace lutb::cli {
 
-/// The exit-status paragraph of every --help (README "Exit status"). CLI11 shows a subcommand's own
-/// footer in place of the app's, so commands with their own footer (quantize, synth) append this to
-/// it: `lutb synth --help` had no exit statuses (new-user QA, session 20).
+/// The exit-status paragraph of every --help, and where the full reference is (docs/cli.md). CLI11
+/// shows a subcommand's own footer in place of the app's, so commands with their own footer
+/// (quantize, synth) append this to it: every --help ends with the exit statuses.
 inline constexpr const char* kExitStatusHelp =
     "Exit status: 0 success; 1 the work failed (an input missing, unreadable or invalid, a destination that cannot "
     "be written, too little space or memory, no usable GPU); 2 a usage error (an unknown option, a value outside "
     "its range, options that contradict each other or do not apply), reported before any work; 130 / 143 / 129 "
-    "interrupted by Ctrl-C / SIGTERM / SIGHUP (the output is left as it was).";
+    "interrupted by Ctrl-C / SIGTERM / SIGHUP (the output is left as it was). Every option, check and refusal, by "
+    "command: docs/cli.md in the lutb source tree.";
 
 /// The --help group of the default job's options (lutb with no command; src/cli/default_job.cpp).
 inline constexpr const char* kDefaultJobGroup = "Default job (lutb with no subcommand)";

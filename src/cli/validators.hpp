@@ -19,9 +19,9 @@
 
 namespace lutb::cli {
 
-/// Exit status 2: the command line is wrong as such. The one convention of every lutb command (README
-/// "Exit status"; new-user QA sessions 16-18: CLI11's parse errors exited 2 but the tool's own option
-/// checks exited 1, so `--threads -1` and `--fitter nope` ended differently):
+/// Exit status 2: the command line is wrong as such. The one convention of every lutb command
+/// (docs/cli.md "Every command"; CLI11's parse errors exited 2 but the tool's own option checks
+/// exited 1, so `--threads -1` and `--fitter nope` ended differently):
 ///  - 0: success;
 ///  - 1: the work failed: an input that is missing, unreadable or invalid (a corrupt file, a
 ///    config.json value, weights that contradict it), a destination that cannot be written or
@@ -51,7 +51,7 @@ CLI::Validator IntRange(T lo, T hi) {
   static_assert(std::is_integral_v<T>);
   return CLI::Validator(
       [lo, hi](std::string& in) -> std::string {
-        // `--threads ""` read "--threads:  is not an integer" (new-user QA, session 19).
+        // `--threads ""` read "--threads:  is not an integer".
         if (in.empty()) return fmt::format("an empty value was given; expected an integer {}..{}", lo, hi);
         const char* b = in.data();
         const char* e = in.data() + in.size();
@@ -88,8 +88,8 @@ inline int available_processors() {
 }
 
 /// --threads as used: 0 stays 0 (all processors); more threads than available processors are
-/// reduced to that number with a note on stderr (new-user QA session 11: `--threads 4096` on 2
-/// cores was accepted silently and made `lutb eval` 100x slower: oversubscribed OpenMP threads).
+/// reduced to that number with a note on stderr (`--threads 4096` on 2 cores was accepted silently
+/// and made `lutb eval` 100x slower: oversubscribed OpenMP threads).
 inline int effective_threads(int requested) {
   const int n = available_processors();
   if (requested <= n) return requested;
@@ -115,9 +115,9 @@ inline void check_fitter_value(const std::string& name) {
   }
 }
 
-/// A --fitter given on the command line (`opt` was used): an empty name is refused (new-user QA
-/// session 11: `--fitter ""` was taken as "not given", the default fitter), an unknown one too, as
-/// UsageError "--fitter: ..." (exit status 2, before any work).
+/// A --fitter given on the command line (`opt` was used): an empty name is refused (`--fitter ""`
+/// was taken as "not given", the default fitter), an unknown one too, as UsageError "--fitter: ..."
+/// (exit status 2, before any work).
 inline void check_fitter_option(const CLI::Option* opt, const std::string& name) {
   if (opt == nullptr || opt->count() == 0) return;
   if (name.empty()) {
@@ -129,8 +129,7 @@ inline void check_fitter_option(const CLI::Option* opt, const std::string& name)
 }
 
 /// A file or directory option given on the command line with an empty value (`--tokens ""`) was
-/// taken as "not given" and its default used silently (new-user QA session 11): refused, naming
-/// the option (UsageError).
+/// taken as "not given" and its default used silently: refused, naming the option (UsageError).
 inline void check_not_empty(const CLI::Option* opt, const std::string& value, const char* what) {
   if (opt != nullptr && opt->count() > 0 && value.empty())
     throw UsageError(fmt::format("{}: an empty {} was given", opt->get_name(), what));

@@ -52,9 +52,9 @@ void check_shape(const LutbShape& s, const std::string& what) {
   if (s.experts < 1 || s.rows < 1 || s.cols < 1 || (!s.stacked && s.experts != 1))
     throw FormatError(fmt::format("{}: invalid LUT-B shape {} (experts {}, stacked {})", what, shape_str(s),
                                   s.experts, s.stacked));
-  // The padded sizes and the byte counts must fit 64 bits: [2^40, 2^40] wrapped to 0 tiles and was
-  // accepted as an empty tensor by LutbTensor, check_sizes and validate (signed overflow, undefined
-  // behaviour; new-user QA, session 14).
+  // The padded sizes and the byte counts must fit 64 bits: otherwise [2^40, 2^40] wraps to 0 tiles
+  // (signed overflow, undefined behaviour) and would pass LutbTensor, check_sizes and validate as an
+  // empty tensor.
   constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
   std::int64_t bytes = 0;
   const bool overflow = s.rows > kMax - (kTileRows - 1) || s.cols > kMax - (kTileCols - 1) ||

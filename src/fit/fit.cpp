@@ -56,9 +56,9 @@ std::string check_tile(const float* x) {
              position(f);
     amax = std::max(amax, std::fabs(x[f]));
   }
-  // The shortest decimal that reads back as amax ("3.3e+38"; std::to_string printed
-  // "329999996548271212625250308919809540096.000000", new-user QA session 11). The GPU fitter's
-  // message (src/cuda/fit/quantize_gpu.cu) formats it the same way: the tests compare them.
+  // The shortest decimal that reads back as amax ("3.3e+38", where std::to_string gives
+  // "329999996548271212625250308919809540096.000000"). The GPU fitter's message
+  // (src/cuda/fit/quantize_gpu.cu) formats it the same way: the tests compare them.
   if (amax != 0.0f && rceil_scale(amax) > kMaxScale) {
     char buf[32];
     const auto r = std::to_chars(buf, buf + sizeof(buf), amax);
@@ -140,8 +140,8 @@ FitStats quantize(const void* src, DType src_type, const LutbShape& shape, LutbT
   if (shape.rows < 0 || shape.cols < 0 || shape.experts < 1 || (!shape.stacked && shape.experts != 1))
     throw std::invalid_argument("quantize: tensor " + name + " has an invalid shape");
   {
-    // [2^40, 2^40] wrapped to 0 tiles and returned an empty tensor without a word, and E = 2^63 - 1
-    // failed as "cannot create std::vector larger than max_size()" (new-user QA, session 14).
+    // The tile count and the output's bytes must fit 64 bits: otherwise [2^40, 2^40] wraps to 0 tiles
+    // (an empty tensor) and E = 2^63 - 1 fails as "cannot create std::vector larger than max_size()".
     constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
     std::int64_t bytes = 0;
     const bool overflow = shape.rows > kMax - (kTileRows - 1) || shape.cols > kMax - (kTileCols - 1) ||

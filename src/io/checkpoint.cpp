@@ -103,9 +103,8 @@ const TensorView& Checkpoint::tensor(const std::string& name) const {
 namespace {
 
 // A float weight's dtype and shape, from its header only. `file` is the safetensors file that holds
-// the tensor (new-user QA sessions 16-17: these errors named the checkpoint folder, which in a sharded
-// checkpoint left the user to find the shard); `origin` says where `expected` comes from (e.g.
-// " from DIR/config.json (hidden_size 256, expert width 128)"), or is empty.
+// the tensor (in a sharded checkpoint the folder alone would leave the user to find the shard); `origin` says where `expected` comes from (e.g. " from DIR/config.json (hidden_size
+// 256, expert width 128)"), or is empty.
 void check_float_header(const std::string& file, const TensorView& v, const std::vector<std::int64_t>& expected,
                         const std::string& origin) {
   if (!dtype_is_float_source(v.dtype))
@@ -129,8 +128,8 @@ void copy_float(const std::string& file, const TensorView& v, const std::vector<
     throw CheckpointError(fmt::format("{}: tensor {} has dtype {} but the other experts of the stack are {}", file,
                                       v.name, dtype_name(v.dtype), dtype_name(to)));
   detail::convert_to_f32(v.data, v.dtype, reinterpret_cast<float*>(dst), v.numel());
-  // An F64 value beyond the FP32 range became +-Inf silently (new-user QA session 11): refused with
-  // its real magnitude and place.
+  // An F64 value beyond the FP32 range would become +-Inf when narrowed: refused with its real
+  // magnitude and place.
   if (v.dtype == DType::F64) {
     const auto* f = reinterpret_cast<const float*>(dst);
     for (std::int64_t i = 0; i < v.numel(); ++i) {
@@ -236,8 +235,8 @@ ExpertsSource Checkpoint::experts_source(std::int64_t L) const {
     return s;
   }
   // A routed expert that config.json implies but the checkpoint lacks: the message names the config, the
-  // layer and the files searched, as lutb quantize's does (eval and moe said "checkpoint DIR: tensor X
-  // not found", naming no file; new-user QA sessions 18-19).
+  // layer and the files searched, as lutb quantize's does (not only "checkpoint DIR: tensor X
+  // not found").
   const auto expert_tensor = [&](const std::string& n) -> const TensorView& {
     if (!st_->contains(n))
       throw CheckpointError(fmt::format("checkpoint {}: layer {} is a MoE layer of {}, which declares {} routed "
@@ -249,8 +248,7 @@ ExpertsSource Checkpoint::experts_source(std::int64_t L) const {
   const TensorView& first = expert_tensor(expert_weight_name(config_, L, 0, Proj::gate));
   // Experts of different float dtypes (one F32 expert among BF16 ones) are stacked as F32, each
   // converted exactly: lutb quantize takes such a layer (it fits each tensor on its own) and eval
-  // refused it ("F32 but the other experts of the stack are BF16"; new-user QA, session 12). Only the
-  // headers are read here.
+  // refused it ("F32 but the other experts of the stack are BF16"). Only the headers are read here.
   DType dt = stack_dtype(first.dtype);
   for (std::int64_t e = 0; e < E && dt != DType::F32; ++e)
     for (Proj p : {Proj::gate, Proj::up, Proj::down}) {
@@ -259,8 +257,7 @@ ExpertsSource Checkpoint::experts_source(std::int64_t L) const {
         dt = DType::F32;
     }
   // Every expert's dtype and shape before the stacks are allocated at config.json's sizes: a corrupt
-  // moe_intermediate_size (2e9) ended in "out of memory (an allocation failed)", naming nothing
-  // (new-user QA, session 13).
+  // moe_intermediate_size (2e9) is a shape error naming the tensor, not "out of memory".
   const std::string origin = expected_from_config();
   for (std::int64_t e = 0; e < E; ++e)
     for (Proj p : {Proj::gate, Proj::up, Proj::down}) {
@@ -293,8 +290,8 @@ std::string Checkpoint::expected_from_config() const {
 }
 
 // Errors name the file that holds the tensor, the tensor as stored, the layer (and expert for
-// per-expert tensors) and the reason (new-user QA session 9: they named the internal stacks "w13" /
-// "w2" and the checkpoint folder only).
+// per-expert tensors) and the reason (they named the internal stacks "w13" / "w2" and the
+// checkpoint folder only).
 void Checkpoint::read_lutb(const std::string& weight_name, const LutbShape& one, LutbTensor& out,
                            std::int64_t tile_offset, std::int64_t layer, std::int64_t expert, bool headers_only) const {
   const LutbNames n = lutb_names(weight_name);
@@ -326,8 +323,8 @@ void Checkpoint::read_lutb(const std::string& weight_name, const LutbShape& one,
                                         file_of(v.name), v.name, who, detail::shape_str(v.shape), detail::shape_str(shape),
                                         one.stacked ? fmt::format("{}, ", one.experts) : "", one.rows, one.cols));
   };
-  // quantization_config.logical_shapes must agree with the shape config.json gives the tensor
-  // (it was ignored: a contradicting entry went unnoticed; QA session 9).
+  // quantization_config.logical_shapes must agree with the shape config.json gives the tensor; a
+  // contradicting entry is refused.
   if (quant_) {
     const auto ls = quant_->logical_shapes.find(weight_name);
     const std::vector<std::int64_t> logical =
@@ -373,9 +370,9 @@ void Checkpoint::read_lutb(const std::string& weight_name, const LutbShape& one,
         throw FormatError(fmt::format("{}: tensor {} ({}): {} has scale byte 255, which is UE8M0 NaN and invalid in "
                                       "LUT-B (spec 2)",
                                       file_of(s.name), s.name, who, tile_at(t)));
-    // A scale byte above 246 is valid UE8M0, but with a large codebook entry the weight
-    // e4m3 * 2^(s - 127) is beyond FP32 (>= 2^128): it decoded to Inf and `lutb eval` reported a
-    // NaN loss naming no tensor (new-user QA session 11). Such a tile is refused here, by name.
+    // A scale byte above 246 is valid UE8M0, but with a large codebook entry the weight e4m3 * 2^(s
+    // - 127) is beyond FP32 (>= 2^128): it decoded to Inf and `lutb eval` reported a NaN loss
+    // naming no tensor. Such a tile is refused here, by name.
     for (std::int64_t t = 0; t < tiles; ++t) {
       if (sc[t] <= 246) continue;  // spec 2: every value of scale bytes up to 246 is exact in FP32
       for (int j = 0; j < kCodebookSize; ++j) {
@@ -399,9 +396,9 @@ void Checkpoint::read_lutb(const std::string& weight_name, const LutbShape& one,
   }
 }
 
-// Per-expert LUT-B gate and up cannot be joined into the [E, 2I, H] stack the MoE kernels run when
-// I % 8 != 0: each is padded to whole 8-row tiles on its own (new-user QA session 9: the error named
-// a library function, not the file, the tensor or what to do).
+// Per-expert LUT-B gate and up cannot be joined into the [E, 2I, H] stack the MoE kernels run when I
+// % 8 != 0: each is padded to whole 8-row tiles on its own (the error named a library function, not
+// the file, the tensor or what to do).
 [[noreturn]] void Checkpoint::throw_unstackable(std::int64_t L) const {
   const std::int64_t I = config_.moe_intermediate_size;
   const std::string g = lutb_names(expert_weight_name(config_, L, 0, Proj::gate)).packed;
@@ -440,8 +437,7 @@ LutbTensor Checkpoint::lutb_projection(std::int64_t L, Proj p) const {
   const bool down = p == Proj::down;
   LutbShape shape{E, down ? H : I, down ? I : H, true};
   // The stored shapes before anything is allocated at config.json's sizes: a corrupt
-  // moe_intermediate_size (2e9) ended in "out of memory (an allocation failed)", naming nothing
-  // (new-user QA, session 13).
+  // moe_intermediate_size (2e9) is a shape error naming the tensor, not "out of memory".
   check_lutb_headers(L, down ? Proj::down : Proj::gate);
   LutbTensor out(shape);
   const std::string gu = find_stacked(L, true, "_packed");
@@ -495,7 +491,7 @@ namespace {
 // The first source weight of a fused expert stack the LUT-B fit refuses (NaN, +-Inf, or a magnitude
 // whose tile would need a scale byte above 246, spec 2), located with Checkpoint::expert_location,
 // as std::invalid_argument. The fit reported "quantize: tensor model.layers.0.mlp w13, expert 1,
-// tile (8, 0): NaN at row 69 col 7": a fused stack, no file (new-user QA session 11).
+// tile (8, 0): NaN at row 69 col 7": a fused stack, no file.
 void check_fittable(const Checkpoint& ck, std::int64_t L, bool w13, const DenseStack& s) {
   const std::int64_t n = s.numel(), per = s.rows * s.cols;
   std::vector<float> v(static_cast<std::size_t>(std::min<std::int64_t>(n, per)));

@@ -56,9 +56,9 @@ double now_seconds();
 void check_output_location(const std::filesystem::path& in, const std::filesystem::path& out);
 
 /// Refuses a checkpoint-directory output named "*.safetensors" (a trailing separator ignored): it
-/// was written as a folder that every reader takes for one file (new-user QA session 11: `lutb
-/// quantize MODEL_DIR -o q.safetensors`, `lutb synth -o s.safetensors`). Throws CheckpointError
-/// naming the path; `what` is the command ("quantize", "synth") for the remedy.
+/// would be written as a folder that every reader takes for one file (`lutb quantize MODEL_DIR -o
+/// q.safetensors`, `lutb synth -o s.safetensors`). Throws CheckpointError naming the path; `what`
+/// is the command ("quantize", "synth") for the remedy.
 void check_directory_output_name(const std::filesystem::path& out_dir, const char* what);
 
 /// Refuses to replace an existing `target` of the other kind: a directory output never replaces a
@@ -86,9 +86,8 @@ void install_replacing(const std::filesystem::path& tmp, const std::filesystem::
 /// is a file, ...) throws CheckpointError naming `target`, the user's path, not the temporary one.
 void create_temp_dir(const std::filesystem::path& tmp, const std::filesystem::path& target);
 /// The missing ancestor directories of output `target`, created (as mkdir -p) by create_parents and
-/// removed again, deepest first and only while empty, when destroyed armed: a failed or interrupted
-/// run leaves the file system as it was. lutb quantize and lutb synth both create a missing parent
-/// (quantize refused "parent directory does not exist" while synth created it: new-user QA, session 15).
+/// removed again, deepest first and only while empty, when destroyed armed: a failed or interrupted run
+/// leaves the file system as it was. lutb quantize and lutb synth both create a missing parent.
 struct CreatedParents {
   std::vector<std::filesystem::path> made;  // deepest first
   bool armed = true;
@@ -111,9 +110,9 @@ void probe_temp_file(const std::filesystem::path& tmp, const std::filesystem::pa
 void check_free_space(const std::filesystem::path& target, std::uint64_t need, std::string_view what = "the checkpoint");
 
 /// The output path as given, less trailing separators and "." components: "out/" and "out/." are
-/// "out". "-o newq/." built the output under "newq/..tmp.PID", then refused to rename it ("appeared
-/// while the output was being written") and threw the finished work away (new-user QA, session 21).
-/// "." and "/" stay as they are (the --force rules refuse them).
+/// "out" (with "-o newq/." kept as given, the temporary would be "newq/..tmp.PID", which cannot be
+/// renamed to the output at the end). "." and "/" stay as they
+/// are (the --force rules refuse them).
 std::filesystem::path output_path(const std::filesystem::path& p);
 
 /// Temporary sibling name of `target`: "<target>.tmp.<pid>" (a trailing separator is ignored).
@@ -122,8 +121,7 @@ std::filesystem::path temp_sibling(const std::filesystem::path& target);
 
 /// What a failed or interrupted run left at `target`, for the end of its error message: "T is as it
 /// was" when `target` exists (it was there before the run, which never replaces it before the final
-/// rename) and "nothing was created at T" when it does not (the messages said "T is as it was" of an
-/// output that had never existed: new-user QA, session 20).
+/// rename) and "nothing was created at T" when it does not.
 std::string target_left_clause(const std::filesystem::path& target);
 
 /// Throws Interrupted naming `target` when `flag` is set (nonzero). No-op for a null flag.

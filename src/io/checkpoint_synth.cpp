@@ -51,8 +51,8 @@ nlohmann::json real_config(ModelFamily f) {
                   {"routed_scaling_factor", 2.5}, {"scoring_func", "sigmoid"}, {"topk_method", "noaux_tc"},
                   {"norm_topk_prob", true}, {"first_k_dense_replace", 0}, {"moe_layer_freq", 1},
                   {"num_attention_heads", 128}, {"kv_lora_rank", 512}, {"q_lora_rank", 1536}, {"rms_norm_eps", 1e-6},
-                  // The attention keys lutb moe / eval parse (missing, lutb moe refused synth's
-                  // DeepSeek checkpoints: "key 'qk_nope_head_dim': required but missing"; QA session 9).
+                  // The attention keys lutb moe / eval parse (missing, lutb moe refused synth's DeepSeek
+                  // checkpoints: "key 'qk_nope_head_dim': required but missing").
                   {"qk_nope_head_dim", 128}, {"qk_rope_head_dim", 64}, {"v_head_dim", 128},
                   {"max_position_embeddings", 163840}, {"rope_theta", 10000},
                   {"rope_scaling", {{"type", "yarn"}, {"factor", 40}, {"original_max_position_embeddings", 4096},
@@ -288,11 +288,11 @@ ModelConfig synth_config(const SynthOptions& opt) {
     j["hidden_size"] = opt.hidden_size;
     // Families whose config.json has no head_dim (Mixtral, Qwen2-MoE, OLMoE) derive it as hidden_size
     // // num_attention_heads, as transformers does; the rotary embedding needs it even and positive.
-    // With --hidden-size 100, Mixtral's 32 heads gave head_dim 3, and lutb moe / eval refused the
-    // checkpoint that synth had just written ("key 'head_dim': ... rotary dimension of 3"; new-user
-    // QA, session 19). The fewest heads are dropped that give an even head_dim (kv heads: the largest
-    // common divisor), else (hidden_size 1 or 3) one head of explicit head_dim 2. DeepSeek's MLA widths
-    // and Qwen3's explicit head_dim do not depend on hidden_size.
+    // With --hidden-size 100, Mixtral's 32 heads would give head_dim 3, and lutb moe / eval would refuse
+    // the checkpoint synth just wrote. The fewest
+    // heads are dropped that give an even head_dim (kv heads: the largest common divisor), else
+    // (hidden_size 1 or 3) one head of explicit head_dim 2. DeepSeek's MLA widths and Qwen3's explicit
+    // head_dim do not depend on hidden_size.
     if (!j.contains("head_dim") && !j.contains("qk_rope_head_dim")) {
       const std::int64_t H = opt.hidden_size;
       const std::int64_t heads0 = j["num_attention_heads"].get<std::int64_t>();
@@ -322,11 +322,11 @@ ModelConfig synth_config(const SynthOptions& opt) {
     const std::int64_t E = opt.num_experts;
     if (j["num_experts_per_tok"].get<std::int64_t>() > E) j["num_experts_per_tok"] = E;
     if (j.contains("n_group")) {
-      // Group-limited routing stays consistent for any E (new-user QA session 9: --experts 8 kept
-      // DeepSeek-V3's 8 groups, i.e. groups of one expert, 4 kept groups and top-8, which no router
-      // can satisfy, and sigmoid scoring ranks a group by its 2 best experts). n_group: the largest
-      // divisor of E up to the family's value that leaves at least 2 experts per group; topk_group:
-      // the family's value, capped at n_group and raised until the kept groups hold top-k experts.
+      // Group-limited routing stays consistent for any E (--experts 8 kept DeepSeek-V3's 8 groups,
+      // i.e. groups of one expert, 4 kept groups and top-8, which no router can satisfy, and
+      // sigmoid scoring ranks a group by its 2 best experts). n_group: the largest divisor of E up
+      // to the family's value that leaves at least 2 experts per group; topk_group: the family's
+      // value, capped at n_group and raised until the kept groups hold top-k experts.
       const std::int64_t k = j["num_experts_per_tok"].get<std::int64_t>();
       const bool sigmoid = j.value("scoring_func", std::string()) == "sigmoid";
       if (sigmoid && E < 2)
@@ -347,16 +347,16 @@ ModelConfig synth_config(const SynthOptions& opt) {
 
 std::uint64_t synthesize_checkpoint(const fs::path& out_arg, const SynthOptions& opt) {
   const fs::path out_dir = detail::output_path(out_arg);  // "out/", "out/." -> "out"
-  // Above 1e6 the sampler's lgamma difference cancels (lgamma(nu/2) ~ 1e16 at nu = 1e15: NaN weights,
-  // new-user QA session 9); such a t distribution is a Gaussian to every printed digit anyway.
+  // Above 1e6 the sampler's lgamma difference cancels (lgamma(nu/2) ~ 1e16 at nu = 1e15: NaN
+  // weights); such a t distribution is a Gaussian to every printed digit anyway.
   if (!(opt.student_nu > 2.0 && opt.student_nu <= 1e6))
     throw std::invalid_argument(fmt::format("synth: student_nu must be in (2, 1e6] (finite variance; above 1e6 the "
                                             "t distribution is numerically Gaussian and its sampler loses precision), "
                                             "got {}; nothing written",
                                             opt.student_nu));
   const ModelConfig c = synth_config(opt);
-  // An empty path wrote the whole checkpoint to ".tmp.PID" in the current directory, then failed to
-  // rename it to "" with a bare filesystem error (QA session 9).
+  // An empty path is refused first: the temporary would be ".tmp.PID" in the current directory, and
+  // the final rename to "" would fail.
   if (out_dir.empty()) throw CheckpointError("synth: no output directory given; nothing written");
   detail::check_directory_output_name(out_dir, "synth");
   detail::check_replaceable(out_dir, /*want_directory=*/true, opt.force);
@@ -374,7 +374,7 @@ std::uint64_t synthesize_checkpoint(const fs::path& out_arg, const SynthOptions&
   const fs::path tmp = detail::temp_sibling(out_dir);
   fs::remove_all(tmp, ec);
   // Missing parents are created (as mkdir -p) and, when the run fails or is interrupted, removed
-  // again if still empty: a failed run leaves the filesystem as it was (QA session 9: they stayed).
+  // again if still empty: a failed run leaves the filesystem as it was.
   std::vector<fs::path> made;  // deepest first
   for (fs::path p = tmp.parent_path(); !p.empty() && !fs::exists(fs::symlink_status(p, ec)); p = p.parent_path()) {
     made.push_back(p);

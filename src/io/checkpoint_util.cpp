@@ -84,8 +84,8 @@ void Progress::draw(bool force) {
 namespace {
 // A path made absolute and normalised, links resolved where it can be: when the file system cannot
 // resolve it (a name longer than NAME_MAX, a loop of links), weakly_canonical returns an empty path,
-// and path_within took the empty `outer` for the root of everything: "-o" with a 260-character name
-// or through a looping link was refused as "the output contains the input" (new-user QA, session 15).
+// which path_within must not take for the root of everything (then every output would "contain
+// the input").
 std::filesystem::path resolved_path(const std::filesystem::path& p) {
   std::error_code ec;
   const auto abs = std::filesystem::absolute(p, ec);
@@ -144,9 +144,9 @@ void check_output_location(const std::filesystem::path& in, const std::filesyste
                                       out.string(), in.string()));
   // A link inside the input folder that leads into the output: `quantize inp -o victim --force` with
   // inp/model.safetensors -> ../victim/model.safetensors replaced the only copy of the BF16 weights by
-  // LUT-B ones, exit 0 (new-user QA, session 21: the checks above compare the folders, not the files
-  // read). Every link below the input (files and folders; folders through links are not followed) is
-  // resolved; the walk is bounded, as is a checkpoint folder.
+  // LUT-B ones, exit 0 (the checks above compare the folders, not the files read). Every link below
+  // the input (files and folders; folders through links are not followed) is resolved; the walk is
+  // bounded, as is a checkpoint folder.
   std::error_code ec;
   if (!std::filesystem::is_directory(in, ec) || !std::filesystem::exists(out, ec)) return;
   std::filesystem::recursive_directory_iterator it(in, std::filesystem::directory_options::skip_permission_denied, ec);
@@ -187,8 +187,8 @@ void check_replaceable(const std::filesystem::path& target, bool want_directory,
   std::error_code ec;
   const auto st = std::filesystem::symlink_status(target, ec);
   // A path the file system cannot look up (a name longer than it allows, a loop of links, a parent
-  // that cannot be searched) was let through, and the next std::filesystem call reported it as
-  // "filesystem error: status: File name too long [OUT]" (new-user QA, session 15).
+  // that cannot be searched) is refused for what it is, before a std::filesystem call reports it as
+  // "filesystem error: status: File name too long [OUT]".
   if (ec && st.type() != std::filesystem::file_type::not_found)
     throw CheckpointError(fmt::format("{}: cannot be used as the output: {}{}; nothing written", target.string(),
                                       ec.message(),
@@ -197,9 +197,8 @@ void check_replaceable(const std::filesystem::path& target, bool want_directory,
                                           : ""));
   if (ec || !std::filesystem::exists(st)) return;
   // An output given as a symbolic link: the output is renamed into place, which would replace the
-  // link itself, never what it points to. It was refused as "exists and is not a directory" (a link
-  // to a folder, or a dangling one) or "not a regular .safetensors file", which left the user
-  // looking at a folder that plainly exists (new-user QA, session 12): say what it is and what to do.
+  // link itself, never what it points to. Say that it is a link and what to give instead, rather than
+  // "exists and is not a directory" about a folder that plainly exists.
   if (std::filesystem::is_symlink(st)) {
     const auto to = std::filesystem::read_symlink(target, ec);
     std::error_code rec;
@@ -220,10 +219,9 @@ void check_replaceable(const std::filesystem::path& target, bool want_directory,
     throw CheckpointError(fmt::format("{}: exists and is a directory; refusing to replace it with a file",
                                       target.string()));
   if (!force) {
-    // The caller refuses an existing output with "use --force to replace it"; when --force would refuse
-    // it too (the current folder, a folder of other files), that advice led to a second refusal
-    // (new-user QA, session 19: "-o ." was told to use --force, then "is the current directory or one of
-    // its ancestors; refusing to replace it with --force"). Said at once, with the --force check's reason.
+    // The caller refuses an existing output with "use --force to replace it"; when --force would refuse it
+    // too (the current folder, a folder of other files), that advice would lead to a second refusal,
+    // so the --force check's reason is given at once.
     try {
       check_replaceable(target, want_directory, /*force=*/true);
     } catch (const CheckpointError& e) {
@@ -238,7 +236,7 @@ void check_replaceable(const std::filesystem::path& target, bool want_directory,
     return;
   }
   // --force deletes the old output, so it may only ever hit something this tool could have written
-  // (QA 2026-11-30: "-o d --force" deleted any directory d, even the current one, with its notes).
+  // (never any directory d of "-o d --force", the current one or one holding the user's notes).
   std::error_code cec;
   const auto cwd = std::filesystem::current_path(cec);
   if (!cec && path_within(cwd, target))
@@ -254,7 +252,7 @@ void check_replaceable(const std::filesystem::path& target, bool want_directory,
   }
   // quantize copies every other file of its source (README.md, LICENSE, .gitattributes, subfolders of
   // a Hugging Face repository), so a LUT-B checkpoint this tool wrote is recognised by its config,
-  // not by its file names (new-user QA session 9: "--force" refused lutb's own output).
+  // not by its file names ("--force" refused lutb's own output).
   if (written_by_lutb(target / "config.json")) return;
   for (std::filesystem::directory_iterator it(target, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
@@ -325,7 +323,7 @@ void install_replacing(const fs::path& tmp, const fs::path& target, bool want_di
   }
   // The target exists now. The caller checked it at the start, but it may have appeared since (a
   // second run, the user): never replace it without force, and with force apply the --force rules
-  // again to what is there now (new-user QA session 9: a folder created mid-run was deleted).
+  // again to what is there now (a folder created mid-run is not lutb's to delete).
   if (!force)
     throw CheckpointError(fmt::format("{}: appeared while the output was being written; refusing to replace it "
                                       "without --force; the new output was removed and {} is as it was",
@@ -333,10 +331,9 @@ void install_replacing(const fs::path& tmp, const fs::path& target, bool want_di
   check_replaceable(t, want_directory, /*force=*/true);
   const fs::path old = t.parent_path() / (t.filename().string() + ".old." + std::to_string(::getpid()));
   fs::remove_all(old, ec);
-  // The old output is moved aside, the new one renamed into place, then the old one removed. A
-  // folder where the old output cannot be moved (sticky, owned by another user) failed with
-  // "filesystem error: cannot rename: Operation not permitted [out] [out.old.PID]", naming an internal
-  // name and not the outcome (new-user QA, session 21).
+  // The old output is moved aside, the new one renamed into place, then the old one removed. A folder
+  // where the old output cannot be moved (sticky, owned by another user) is reported with the
+  // outcome, not as "filesystem error: cannot rename: ... [out] [out.old.PID]".
   fs::rename(t, old, ec);
   if (ec)
     throw CheckpointError(fmt::format("{}: cannot move the existing output aside to replace it ({} -> {}: {}); the new "
@@ -353,9 +350,9 @@ void install_replacing(const fs::path& tmp, const fs::path& target, bool want_di
                                       ec ? fmt::format("the old one is at {}", old.string())
                                          : fmt::format("{} is as it was", target.string())));
   }
-  // The old output could be renamed but not removed (a folder owned by another user inside it): it
-  // stayed as OUT.old.PID without a word, and the next run called it a leftover of an interrupted run
-  // (new-user QA, session 21).
+  // The old output could be renamed but not removed (a folder owned by another user inside it): the
+  // message says that OUT.old.PID remains, so that the next run does not take it for the leftover of
+  // an interrupted run.
   fs::remove_all(old, ec);
   if (ec || fs::exists(fs::symlink_status(old, ec)))
     fmt::print(stderr, "lutb: warning: {} replaced, but its old contents could not be removed ({}); they are at {}: "
@@ -364,9 +361,9 @@ void install_replacing(const fs::path& tmp, const fs::path& target, bool want_di
 }
 
 namespace {
-// "cannot create the output: File name too long" for an output whose own name is within the file
-// system's limit but whose temporary (NAME.tmp.PID, for a single file NAME.tmp.PID.tmp.PID) is not
-// left the user looking at a name that is valid (new-user QA, session 15): say which name was too long.
+// The reason an output cannot be created. For ENAMETOOLONG on an output whose own name is within
+// the file system's limit but whose temporary (NAME.tmp.PID, for a single file NAME.tmp.PID.tmp.PID)
+// is not, it names the name that is too long, not only the valid one the user gave.
 std::string create_failure(const fs::path& tmp, const fs::path& target, int err) {
   if (err != ENAMETOOLONG) return std::strerror(err);
   const fs::path dir = tmp.has_parent_path() ? tmp.parent_path() : fs::path(".");
@@ -430,10 +427,9 @@ fs::path output_path(const fs::path& p) {
   fs::path r = p;
   while (r.has_parent_path() && r.parent_path() != r && (r.filename().empty() || r.filename() == "."))
     r = r.parent_path();
-  // "-o new/x/.." ran the whole job, then failed to rename its output into place ("appeared while the
-  // output was being written"): what ".." names depends on links and on whether new/x exists. The
-  // output is named by its own name (new-user QA, session 21). A bare ".." stays: the --force rules
-  // refuse it as an ancestor of the current folder.
+  // "-o new/x/.." is refused at once: what ".." names depends on links and on whether new/x exists,
+  // and the final rename would fail after the whole job. The output is named by its own name. A bare ".." stays: the --force rules refuse it as an ancestor of
+  // the current folder.
   if (r.filename() == ".." && r.has_parent_path())
     throw CheckpointError(fmt::format("{}: an output path may not end in '..'; give the folder by its own name; "
                                       "nothing written",
@@ -461,8 +457,8 @@ void check_free_space(const fs::path& target, std::uint64_t need, std::string_vi
   while (!fs::exists(probe, ec) && probe.parent_path() != probe)  // the nearest existing ancestor
     probe = probe.parent_path().empty() ? fs::path(".") : probe.parent_path();
   const fs::space_info sp = fs::space(probe, ec);
-  // GB, or MB below 1 GB ("needs 0.01 GB but only 0.01 GB are free" read as a contradiction).
-  // (TB and PB for absurd sizes: "108113329.17 GB" read as a number to decode; new-user QA, session 21.)
+  // GB, or MB below 1 GB ("needs 0.01 GB but only 0.01 GB are free" read as a contradiction). (TB and PB
+  // for absurd sizes: "108113329.17 GB" read as a number to decode.)
   const auto size = [](std::uint64_t b) {
     const double d = static_cast<double>(b);
     if (d >= 1e15) return fmt::format("{:.2f} PB", d / 1e15);
@@ -471,9 +467,9 @@ void check_free_space(const fs::path& target, std::uint64_t need, std::string_vi
   };
   if (ec || sp.available >= need) return;
   // Too little space, or a place where nothing can be written at all: /proc and /sys report 0 bytes
-  // free, and `quantize -o /proc/x` was told it needed more free space (new-user QA, session 20). An
-  // empty probe directory tells them apart: it is removed at once, and only ENOSPC / EDQUOT (or
-  // success) leaves the verdict to the free-space figures.
+  // free, which must not read as "needs more free space". An empty probe directory
+  // tells them apart: it is removed at once, and only ENOSPC / EDQUOT (or success) leaves the
+  // verdict to the free-space figures.
   const fs::path dir_probe = probe / (".lutb-probe." + std::to_string(::getpid()));
   if (::mkdir(dir_probe.c_str(), 0700) == 0) {
     ::rmdir(dir_probe.c_str());
@@ -523,8 +519,8 @@ void copy_file_contents(const fs::path& from, const fs::path& to, const std::ato
     if (!error.empty()) break;
   }
   ::close(in);
-  // The copy reaches the disk before the output folder is renamed into place (nu16: only the
-  // safetensors files were synced, so a power cut could leave a finished checkpoint with empty copies).
+  // The copy reaches the disk before the output folder is renamed into place, as the safetensors
+  // files do: after a power cut a finished checkpoint never holds empty copies.
   if (error.empty() && sig == 0 && ::fsync(out) != 0)
     error = fmt::format("{}: cannot write (fsync): {}", to.string(), std::strerror(errno));
   if (::close(out) != 0 && error.empty()) error = fmt::format("{}: cannot write: {}", to.string(), std::strerror(errno));
@@ -608,10 +604,8 @@ std::string format_summary(const QuantizeSummary& s) {
                           : fmt::format("aggregate SQNR       {:.2f} dB\n", sqnr);
   out += fmt::format("time                 {:.2f} s\n", s.seconds);
   out += fmt::format("peak RSS             {:.1f} MB\n", mb(s.peak_rss_bytes));
-  // Each file with its own reason, files of one reason together: the line gave every reason lutb has
-  // after the one file of a model folder, "reference_eval.json (the unquantised weights in another
-  // format, training state, ..., files that are not regular: dangling links, pipes)" (new-user QA,
-  // session 19).
+  // Each file with its own reason, files of one reason together (not every reason lutb has after
+  // every file).
   if (!s.skipped_files.empty()) {
     std::vector<std::pair<std::string, std::vector<std::string>>> by_reason;
     for (const auto& f : s.skipped_files) {

@@ -24,7 +24,7 @@ std::string config_key_message(std::string_view where, std::string_view key, std
 [[noreturn]] void throw_config_key(std::string_view where, std::string_view key, std::string_view reason);
 /// nlohmann::json's exception text without its "[json.exception.parse_error.101] " tag, which named
 /// the library's error id to the user ("invalid JSON: [json.exception.parse_error.101] parse error at
-/// line 1, column 21: ...", new-user QA session 17).
+/// line 1, column 21: ...").
 inline std::string json_error_text(const char* what) {
   std::string m = what;
   if (m.rfind("[json.exception.", 0) == 0)
@@ -35,21 +35,20 @@ inline std::string json_error_text(const char* what) {
 std::string json_excerpt(const nlohmann::json& v);
 
 /// What `p` is when it exists but is not a regular file (symbolic links followed): "a named pipe
-/// (FIFO)", "a directory", "a character device", "a block device", "a socket" or "a special
-/// file"; "" for a regular file or a path that does not exist. Readers check it before opening: a
-/// named pipe blocks open() until a writer appears, and `lutb eval` / `quantize` hung on a
-/// config.json or model.safetensors that was one (new-user QA, session 14).
+/// (FIFO)", "a directory", "a character device", "a block device", "a socket" or "a special file";
+/// "" for a regular file or a path that does not exist. Readers check it before opening: a named
+/// pipe blocks open() until a writer appears, so a config.json or model.safetensors that is one
+/// would hang the command.
 std::string non_regular_kind(const std::filesystem::path& p);
 
 /// Why the files of checkpoint folder `dir` cannot be looked up, as "DIR: cannot look inside the
 /// checkpoint directory: REASON" ("" when they can, or when `dir` is not a directory). A folder
 /// without search permission (mode 0) made std::filesystem throw "filesystem error: status:
-/// Permission denied [qu/config.json]", naming a file and not the folder (new-user QA, session 21).
+/// Permission denied [qu/config.json]", naming a file and not the folder.
 std::string folder_access_problem(const std::filesystem::path& dir);
 
 /// ": cannot open: REASON" for an open() that failed with `err` (errno; ": cannot open" when 0).
-/// config.json readable by no one was reported as "no config.json in the checkpoint directory" or
-/// "cannot open (not a Hugging Face checkpoint directory?)" (new-user QA, session 21).
+/// The reason tells an unreadable config.json from a missing one.
 std::string cannot_open(int err);
 
 /// Readers: nullopt when `key` is absent or null; ConfigError in the format above when the value has

@@ -113,12 +113,11 @@ bool json_u64(const json& j, std::uint64_t& out) {
 // ---------------------------------------------------------------------------
 // Header parsing
 // ---------------------------------------------------------------------------
-void SafetensorsFile::parse_header(const std::uint8_t* data, std::size_t file_size, const std::string& where,
-                                   std::map<std::string, TensorView>& tensors, std::vector<std::string>& names,
-                                   std::map<std::string, std::string>& metadata) {
-  tensors.clear();
-  names.clear();
-  metadata.clear();
+namespace {
+
+// The header's length from the first 8 bytes, checked against the file, the format's limit and the
+// JSON text it must hold.
+std::uint64_t header_length(const std::uint8_t* data, std::size_t file_size, const std::string& where) {
   if (file_size < 8) fail(where, fmt::format("file of {} bytes is too small for a safetensors header length", file_size));
   std::uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | data[i];
@@ -129,101 +128,86 @@ void SafetensorsFile::parse_header(const std::uint8_t* data, std::size_t file_si
   if (n < 2) fail(where, fmt::format("header length {} is too short for a JSON object", n));
   if (data[8] != '{') fail(where, "header does not start with '{'");
   const char* hb = reinterpret_cast<const char*>(data + 8);
-  // nlohmann's lexer reads a NUL byte as the end of its input: "{...}\0 anything" parsed as "{...}" and
-  // the rest of the header was ignored (new-user QA, session 18), where the reference reader's
-  // serde_json refuses the trailing characters. The header is UTF-8 JSON text, padded with spaces
-  // (0x20) only.
+  // nlohmann's lexer reads a NUL byte as the end of its input ("{...}\0 anything" parses as "{...}"),
+  // where the reference reader's serde_json refuses the trailing characters: so do we. The header is
+  // UTF-8 JSON text, padded with spaces (0x20) only.
   if (const void* nul = std::memchr(hb, '\0', n))
     fail(where, fmt::format("header holds a NUL byte at offset {} of its {} bytes: a safetensors header is UTF-8 JSON "
                             "text, padded with spaces only (a corrupt or truncated header?)",
                             static_cast<const char*>(nul) - hb, n));
-  const json h = parse_header_json(hb, hb + n, where);
-  if (!h.is_object()) fail(where, "header is not a JSON object");
+  return n;
+}
 
-  const std::uint8_t* buffer = data + 8 + n;
-  const std::uint64_t buffer_size = file_size - 8 - n;
-  struct Span {
-    std::uint64_t begin, end;
-    const std::string* name;
-  };
-  std::vector<Span> spans;
-  spans.reserve(h.size());
-
-  for (auto it = h.begin(); it != h.end(); ++it) {
-    const std::string& name = it.key();
-    const json& v = it.value();
-    if (name == "__metadata__") {
-      if (!v.is_object()) fail(where, "__metadata__ is not an object of strings");
-      for (auto m = v.begin(); m != v.end(); ++m) {
-        if (!m.value().is_string()) fail(where, fmt::format("__metadata__ entry '{}' is not a string", m.key()));
-        metadata.emplace(m.key(), m.value().get<std::string>());
-      }
-      continue;
-    }
-    if (!v.is_object()) fail_tensor(where, name, "entry is not an object");
-    const auto f_dtype = v.find("dtype"), f_shape = v.find("shape"), f_off = v.find("data_offsets");
-    if (f_dtype == v.end() || f_shape == v.end() || f_off == v.end())
-      fail_tensor(where, name, "entry lacks one of 'dtype', 'shape', 'data_offsets'");
-    if (!f_dtype->is_string()) fail_tensor(where, name, "'dtype' is not a string");
-    const auto dt = dtype_from_name(f_dtype->get<std::string>());
-    if (!dt) fail_tensor(where, name, fmt::format("unknown dtype '{}'", f_dtype->get<std::string>()));
-    if (!f_shape->is_array()) fail_tensor(where, name, "'shape' is not an array");
-    TensorView tv;
-    tv.name = name;
-    tv.dtype = *dt;
-    std::uint64_t numel = 1;
-    bool overflow = false;
-    for (const json& d : *f_shape) {
-      std::uint64_t dim = 0;
-      if (!json_u64(d, dim)) fail_tensor(where, name, fmt::format("shape entry {} is not a non-negative integer", d.dump()));
-      if (dim > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
-        fail_tensor(where, name, fmt::format("shape entry {} is too large", dim));
-      tv.shape.push_back(static_cast<std::int64_t>(dim));
-      overflow |= __builtin_mul_overflow(numel, dim, &numel);
-    }
-    std::uint64_t nbytes = 0;
-    overflow |= __builtin_mul_overflow(numel, static_cast<std::uint64_t>(dtype_size(*dt)), &nbytes);
-    if (overflow) fail_tensor(where, name, fmt::format("shape {} overflows 64-bit byte counts", shape_str(tv.shape)));
-    if (!f_off->is_array() || f_off->size() != 2) fail_tensor(where, name, "'data_offsets' is not an array of 2 integers");
-    std::uint64_t b = 0, e = 0;
-    if (!json_u64((*f_off)[0], b) || !json_u64((*f_off)[1], e))
-      fail_tensor(where, name, "'data_offsets' entries are not non-negative integers");
-    if (b > e) fail_tensor(where, name, fmt::format("data_offsets [{}, {}] end before they begin", b, e));
-    if (e > buffer_size) {
-      // A file cut short (an interrupted download or copy) was reported only as this tensor's offsets
-      // "out of range: the data buffer has N bytes", which did not say that the file, not its header,
-      // is at fault (new-user QA, session 16): say how much data the header's tensors need.
-      std::uint64_t end = 0;
-      for (const auto& [k, x] : h.items()) {
-        std::uint64_t xb = 0, xe = 0;
-        if (k != "__metadata__" && x.is_object() && x.contains("data_offsets") && x["data_offsets"].is_array() &&
-            x["data_offsets"].size() == 2 && json_u64(x["data_offsets"][0], xb) && json_u64(x["data_offsets"][1], xe) &&
-            xb <= xe)
-          end = std::max(end, xe);
-      }
-      fail_tensor(where, name,
-                  fmt::format("data_offsets [{}, {}] out of range: the data buffer has {} bytes; the header's tensors "
-                              "need {} bytes of data, {} more than the file ({} bytes) holds: the file is truncated (an "
-                              "interrupted download or copy?) or its header is corrupt",
-                              b, e, buffer_size, end, end - buffer_size, file_size));
-    }
-    if (e - b != nbytes)
-      fail_tensor(where, name, fmt::format("data_offsets [{}, {}] span {} bytes, but shape {} x {} needs {}", b, e, e - b,
-                                           shape_str(tv.shape), dtype_name(*dt), nbytes));
-    tv.data = buffer + b;
-    tv.nbytes = static_cast<std::size_t>(nbytes);
-    auto [pos, inserted] = tensors.emplace(name, std::move(tv));
-    if (!inserted) fail_tensor(where, name, "duplicate tensor name");  // the JSON check catches this first
-    spans.push_back({b, e, &pos->first});
+void read_metadata(const json& v, const std::string& where, std::map<std::string, std::string>& metadata) {
+  if (!v.is_object()) fail(where, "__metadata__ is not an object of strings");
+  for (auto m = v.begin(); m != v.end(); ++m) {
+    if (!m.value().is_string()) fail(where, fmt::format("__metadata__ entry '{}' is not a string", m.key()));
+    metadata.emplace(m.key(), m.value().get<std::string>());
   }
+}
 
-  // The tensors must tile the data buffer exactly: no overlap, no gap, no trailing bytes.
+// A tensor's dtype and shape, and the bytes they need (overflow refused).
+std::uint64_t read_dtype_and_shape(const json& v, const std::string& where, const std::string& name, TensorView& tv) {
+  if (!v.is_object()) fail_tensor(where, name, "entry is not an object");
+  const auto f_dtype = v.find("dtype"), f_shape = v.find("shape"), f_off = v.find("data_offsets");
+  if (f_dtype == v.end() || f_shape == v.end() || f_off == v.end())
+    fail_tensor(where, name, "entry lacks one of 'dtype', 'shape', 'data_offsets'");
+  if (!f_dtype->is_string()) fail_tensor(where, name, "'dtype' is not a string");
+  const auto dt = dtype_from_name(f_dtype->get<std::string>());
+  if (!dt) fail_tensor(where, name, fmt::format("unknown dtype '{}'", f_dtype->get<std::string>()));
+  if (!f_shape->is_array()) fail_tensor(where, name, "'shape' is not an array");
+  tv.name = name;
+  tv.dtype = *dt;
+  std::uint64_t numel = 1;
+  bool overflow = false;
+  for (const json& d : *f_shape) {
+    std::uint64_t dim = 0;
+    if (!json_u64(d, dim)) fail_tensor(where, name, fmt::format("shape entry {} is not a non-negative integer", d.dump()));
+    if (dim > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
+      fail_tensor(where, name, fmt::format("shape entry {} is too large", dim));
+    tv.shape.push_back(static_cast<std::int64_t>(dim));
+    overflow |= __builtin_mul_overflow(numel, dim, &numel);
+  }
+  std::uint64_t nbytes = 0;
+  overflow |= __builtin_mul_overflow(numel, static_cast<std::uint64_t>(dtype_size(*dt)), &nbytes);
+  if (overflow) fail_tensor(where, name, fmt::format("shape {} overflows 64-bit byte counts", shape_str(tv.shape)));
+  return nbytes;
+}
+
+// A file cut short (an interrupted download or copy): say that the file, not its header, is at
+// fault, and how much data the header's tensors need.
+[[noreturn]] void refuse_truncated(const json& h, const std::string& where, const std::string& name, std::uint64_t b,
+                                   std::uint64_t e, std::uint64_t buffer_size, std::size_t file_size) {
+  std::uint64_t end = 0;
+  for (const auto& [k, x] : h.items()) {
+    std::uint64_t xb = 0, xe = 0;
+    if (k != "__metadata__" && x.is_object() && x.contains("data_offsets") && x["data_offsets"].is_array() &&
+        x["data_offsets"].size() == 2 && json_u64(x["data_offsets"][0], xb) && json_u64(x["data_offsets"][1], xe) &&
+        xb <= xe)
+      end = std::max(end, xe);
+  }
+  fail_tensor(where, name,
+              fmt::format("data_offsets [{}, {}] out of range: the data buffer has {} bytes; the header's tensors "
+                          "need {} bytes of data, {} more than the file ({} bytes) holds: the file is truncated (an "
+                          "interrupted download or copy?) or its header is corrupt",
+                          b, e, buffer_size, end, end - buffer_size, file_size));
+}
+
+struct Span {
+  std::uint64_t begin, end;
+  const std::string* name;
+};
+
+// The tensors must tile the data buffer exactly: no overlap, no gap, no trailing bytes. Appends the
+// names in data order.
+void check_tiling(std::vector<Span>& spans, std::uint64_t buffer_size, const std::string& where,
+                  std::vector<std::string>& names) {
   std::sort(spans.begin(), spans.end(), [](const Span& x, const Span& y) {
     return x.begin != y.begin ? x.begin < y.begin : (x.end != y.end ? x.end < y.end : *x.name < *y.name);
   });
   // Overlaps first, over the whole buffer: a tensor whose offsets were copied from another's leaves a
-  // gap where its own bytes were, and that gap, reported first, named a third tensor (the one after
-  // it) instead of the two that share bytes (new-user QA, session 17).
+  // gap where its own bytes were; reporting the gap first would name a third tensor (the one after
+  // it) instead of the two that share bytes.
   std::uint64_t reach = 0;
   const std::string* last = nullptr;
   for (const Span& s : spans) {
@@ -248,14 +232,58 @@ void SafetensorsFile::parse_header(const std::uint8_t* data, std::size_t file_si
                             buffer_size - pos, buffer_size, pos));
 }
 
+}  // namespace
+
+void SafetensorsFile::parse_header(const std::uint8_t* data, std::size_t file_size, const std::string& where,
+                                   std::map<std::string, TensorView>& tensors, std::vector<std::string>& names,
+                                   std::map<std::string, std::string>& metadata) {
+  tensors.clear();
+  names.clear();
+  metadata.clear();
+  const std::uint64_t n = header_length(data, file_size, where);
+  const char* hb = reinterpret_cast<const char*>(data + 8);
+  const json h = parse_header_json(hb, hb + n, where);
+  if (!h.is_object()) fail(where, "header is not a JSON object");
+
+  const std::uint8_t* buffer = data + 8 + n;
+  const std::uint64_t buffer_size = file_size - 8 - n;
+  std::vector<Span> spans;
+  spans.reserve(h.size());
+  for (auto it = h.begin(); it != h.end(); ++it) {
+    const std::string& name = it.key();
+    const json& v = it.value();
+    if (name == "__metadata__") {
+      read_metadata(v, where, metadata);
+      continue;
+    }
+    TensorView tv;
+    const std::uint64_t nbytes = read_dtype_and_shape(v, where, name, tv);
+    const json& off = v["data_offsets"];
+    if (!off.is_array() || off.size() != 2) fail_tensor(where, name, "'data_offsets' is not an array of 2 integers");
+    std::uint64_t b = 0, e = 0;
+    if (!json_u64(off[0], b) || !json_u64(off[1], e))
+      fail_tensor(where, name, "'data_offsets' entries are not non-negative integers");
+    if (b > e) fail_tensor(where, name, fmt::format("data_offsets [{}, {}] end before they begin", b, e));
+    if (e > buffer_size) refuse_truncated(h, where, name, b, e, buffer_size, file_size);
+    if (e - b != nbytes)
+      fail_tensor(where, name, fmt::format("data_offsets [{}, {}] span {} bytes, but shape {} x {} needs {}", b, e, e - b,
+                                           shape_str(tv.shape), dtype_name(tv.dtype), nbytes));
+    tv.data = buffer + b;
+    tv.nbytes = static_cast<std::size_t>(nbytes);
+    auto [pos, inserted] = tensors.emplace(name, std::move(tv));
+    if (!inserted) fail_tensor(where, name, "duplicate tensor name");  // the JSON check catches this first
+    spans.push_back({b, e, &pos->first});
+  }
+  check_tiling(spans, buffer_size, where, names);
+}
+
 // ---------------------------------------------------------------------------
 // SafetensorsFile
 // ---------------------------------------------------------------------------
 SafetensorsFile::SafetensorsFile(const fs::path& path) : path_(path) {
   const std::string where = path.string();
-  // O_NONBLOCK: open() of a named pipe blocks until a writer appears, and lutb hung on a
-  // model.safetensors or val_tokens.safetensors that was one, deaf to a first Ctrl-C (new-user QA,
-  // session 14). It is refused below as not a regular file; on a regular file the flag does nothing.
+  // O_NONBLOCK: open() of a named pipe blocks until a writer appears, deaf to a first Ctrl-C. It is refused
+  // below as not a regular file; on a regular file the flag does nothing.
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) fail(where, fmt::format("cannot open: {}", std::strerror(errno)));
   struct stat st {};
@@ -384,71 +412,160 @@ SafetensorsCollection SafetensorsCollection::open_file(const fs::path& file) {
   return c;
 }
 
+namespace {
+
+using ShardFiles = std::vector<std::unique_ptr<SafetensorsFile>>;
+using TensorShards = std::map<std::string, std::size_t>;  // tensor -> index into ShardFiles
+
+// model.safetensors.index.json, parsed, with a non-empty weight_map object.
+json read_index(const fs::path& index) {
+  if (const std::string kind = detail::non_regular_kind(index); !kind.empty())  // a FIFO would block open() for ever
+    fail(index.string(), fmt::format("is {}; the index must be a regular file", kind));
+  json j;
+  {
+    std::ifstream in(index);
+    if (!in) fail(index.string(), "cannot open");
+    try {
+      j = json::parse(in);
+    } catch (const json::exception& e) {
+      fail(index.string(), "invalid JSON: " + detail::json_error_text(e.what()));
+    }
+  }
+  if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
+    fail(index.string(), "no 'weight_map' object");
+  // An empty map would make every tensor "missing", naming neither the index nor the shards that
+  // hold them.
+  if (j["weight_map"].empty())
+    fail(index.string(), "'weight_map' is empty: it lists no tensor (an index must name the shard of every tensor)");
+  return j;
+}
+
+// One weight_map entry's shard: a file name inside the checkpoint folder.
+fs::path index_entry_shard(const fs::path& index, const fs::path& dir, const std::string& tensor, const json& value) {
+  if (!value.is_string()) fail(index.string(), fmt::format("weight_map entry '{}' is not a file name", tensor));
+  const std::string shard = value.get<std::string>();
+  const fs::path rel(shard);
+  if (shard.empty() || rel.is_absolute() || std::any_of(rel.begin(), rel.end(), [](const fs::path& p) { return p == ".."; }))
+    fail(index.string(), fmt::format("weight_map entry '{}' names '{}', which is not a file inside {}", tensor, shard,
+                                     dir.string()));
+  return rel;
+}
+
+// Opens the shard an index entry names, reporting the index's entry beside the shard's own error
+// ("s/.: is a directory" or "s/config.json: not a safetensors file" alone would not say that the
+// index named them).
+std::unique_ptr<SafetensorsFile> open_index_shard(const fs::path& index, const fs::path& dir, const std::string& tensor,
+                                                  const std::string& shard, const fs::path& rel) {
+  const fs::path p = dir / rel;
+  if (!fs::exists(p))
+    fail(index.string(), fmt::format("shard '{}' (holding tensor '{}') is missing: {} does not exist", shard, tensor,
+                                     p.string()));
+  try {
+    return std::make_unique<SafetensorsFile>(p);
+  } catch (const SafetensorsError& e) {
+    fail(index.string(), fmt::format("weight_map entry '{}' names shard '{}', which cannot be read: {}", tensor,
+                                     shard, e.what()));
+  }
+}
+
+// A tensor held by two shards is ambiguous (a reader would take the index's, a writer of every shard
+// both), as it is without an index.
+void check_held_once(const fs::path& index, const std::map<std::string, std::size_t>& shard_ix, const ShardFiles& files,
+                     const TensorShards& where) {
+  for (const auto& [shard, ix] : shard_ix)
+    for (const auto& n : files[ix]->names()) {
+      const auto w = where.find(n);
+      if (w != where.end() && w->second != ix)
+        fail(index.string(), fmt::format("tensor '{}' appears in both {} (where the index lists it) and {}", n,
+                                         files[w->second]->path().string(), files[ix]->path().string()));
+    }
+}
+
+// The *.safetensors files of a folder without an index or model.safetensors: the weights, the data
+// files lutb reads beside a model, and the folder's other entries (named in errors).
+struct FolderFiles {
+  std::vector<fs::path> weights, data;
+  std::vector<std::string> others;
+};
+
+FolderFiles list_folder(const fs::path& dir) {
+  FolderFiles f;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string fname = e.path().filename().string();
+    if (!(e.is_regular_file() && e.path().extension() == ".safetensors")) {
+      f.others.push_back(fname);
+      continue;
+    }
+    if (fname == "val_tokens.safetensors" || fname == "moe_activations.safetensors" || fname.rfind("consolidated", 0) == 0)
+      f.data.push_back(e.path());
+    else
+      f.weights.push_back(e.path());
+  }
+  std::sort(f.weights.begin(), f.weights.end());
+  std::sort(f.data.begin(), f.data.end());
+  std::sort(f.others.begin(), f.others.end());
+  return f;
+}
+
+void check_has_weights(const fs::path& dir, const FolderFiles& f) {
+  if (!f.weights.empty()) return;
+  std::string found;
+  for (const auto& p : f.data) found += (found.empty() ? "" : ", ") + p.filename().string();
+  for (const auto& o : f.others) found += (found.empty() ? "" : ", ") + o;
+  fail(dir.string(),
+       fmt::format("no model weights: the folder has no model.safetensors.index.json (sharded checkpoint), no "
+                   "model.safetensors and no other *.safetensors weight file{}{}",
+                   f.data.empty() ? "" : " (val_tokens.safetensors, moe_activations.safetensors and consolidated*.safetensors are not read as weights)",
+                   found.empty() ? "; it is empty" : "; it holds only: " + found));
+}
+
+// Hugging Face shards without their index: all N of model-XXXXX-of-NNNNN must be there.
+void check_shard_sets_complete(const fs::path& dir, const std::vector<fs::path>& files) {
+  static const std::regex shard_re(R"(^(.*)-(\d{5})-of-(\d{5})\.safetensors$)");
+  std::map<std::pair<std::string, std::string>, std::set<std::string>> sets;  // (stem, N) -> indices present
+  for (const auto& p : files) {
+    std::smatch m;
+    const std::string fname = p.filename().string();
+    if (std::regex_match(fname, m, shard_re)) sets[{m[1].str(), m[3].str()}].insert(m[2].str());
+  }
+  for (const auto& [key, have] : sets) {
+    const int n = std::stoi(key.second);
+    for (int i = 1; i <= n; ++i) {
+      const std::string want = fmt::format("{}-{:05d}-of-{}.safetensors", key.first, i, key.second);
+      if (!have.count(fmt::format("{:05d}", i)))
+        fail(dir.string(), fmt::format("shard {} is missing (the folder has {} of the {} shards {}-NNNNN-of-{}"
+                                       ".safetensors and no model.safetensors.index.json that lists them)",
+                                       want, have.size(), n, key.first, key.second));
+    }
+  }
+}
+
+}  // namespace
+
 SafetensorsCollection SafetensorsCollection::open_dir(const fs::path& dir) {
   if (!fs::is_directory(dir)) fail(dir.string(), "not a directory");
   const fs::path index = dir / "model.safetensors.index.json";
   if (fs::exists(index)) {
     SafetensorsCollection c;
     c.source_ = index;
-    if (const std::string kind = detail::non_regular_kind(index); !kind.empty())  // a FIFO blocked open() for ever
-      fail(index.string(), fmt::format("is {}; the index must be a regular file", kind));
-    json j;
-    {
-      std::ifstream in(index);
-      if (!in) fail(index.string(), "cannot open");
-      try {
-        j = json::parse(in);
-      } catch (const json::exception& e) {
-        fail(index.string(), "invalid JSON: " + detail::json_error_text(e.what()));
-      }
-    }
-    if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
-      fail(index.string(), "no 'weight_map' object");
-    // An empty map made every tensor "missing", naming neither the index nor the shards that hold
-    // them (new-user QA, session 14).
-    if (j["weight_map"].empty())
-      fail(index.string(), "'weight_map' is empty: it lists no tensor (an index must name the shard of every tensor)");
+    const json j = read_index(index);
     std::map<std::string, std::size_t> shard_ix;
     for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
-      if (!it.value().is_string()) fail(index.string(), fmt::format("weight_map entry '{}' is not a file name", it.key()));
+      const fs::path rel = index_entry_shard(index, dir, it.key(), it.value());
       const std::string shard = it.value().get<std::string>();
-      const fs::path rel(shard);
-      if (shard.empty() || rel.is_absolute() || std::any_of(rel.begin(), rel.end(), [](const fs::path& p) { return p == ".."; }))
-        fail(index.string(), fmt::format("weight_map entry '{}' names '{}', which is not a file inside {}", it.key(), shard,
-                                         dir.string()));
       // One file named two ways ("model-00001-of-00002.safetensors" and "./model-00001-of-00002.safetensors",
-      // which transformers reads alike) was opened twice and refused as "tensor X appears in both A and
-      // ./A" (new-user QA, session 14): shards are told apart by their normalised path.
+      // which transformers reads alike) is one shard: shards are told apart by their normalised path.
       const std::string key = rel.lexically_normal().string();
       auto s = shard_ix.find(key);
       if (s == shard_ix.end()) {
-        const fs::path p = dir / rel;
-        if (!fs::exists(p))
-          fail(index.string(), fmt::format("shard '{}' (holding tensor '{}') is missing: {} does not exist", shard, it.key(),
-                                           p.string()));
-        // The index's entry beside the shard's own error: "s/.: is a directory" or "s/config.json: not a
-        // safetensors file" did not say that the index had named them (new-user QA, session 14).
-        try {
-          c.files_.push_back(std::make_unique<SafetensorsFile>(p));
-        } catch (const SafetensorsError& e) {
-          fail(index.string(), fmt::format("weight_map entry '{}' names shard '{}', which cannot be read: {}", it.key(),
-                                           shard, e.what()));
-        }
+        c.files_.push_back(open_index_shard(index, dir, it.key(), shard, rel));
         s = shard_ix.emplace(key, c.files_.size() - 1).first;
       }
       if (!c.files_[s->second]->contains(it.key()))
         fail(index.string(), fmt::format("tensor '{}' is listed in shard '{}' but that file does not hold it", it.key(), shard));
       c.where_.emplace(it.key(), s->second);
     }
-    // A tensor held by two shards is ambiguous (the reader used the index's, lutb quantize wrote
-    // both; QA session 9), as it is without an index (below).
-    for (const auto& [shard, ix] : shard_ix)
-      for (const auto& n : c.files_[ix]->names()) {
-        const auto w = c.where_.find(n);
-        if (w != c.where_.end() && w->second != ix)
-          fail(index.string(), fmt::format("tensor '{}' appears in both {} (where the index lists it) and {}", n,
-                                           c.files_[w->second]->path().string(), c.files_[ix]->path().string()));
-      }
+    check_held_once(index, shard_ix, c.files_, c.where_);
     return c;
   }
   if (fs::exists(dir / "model.safetensors")) {
@@ -459,57 +576,13 @@ SafetensorsCollection SafetensorsCollection::open_dir(const fs::path& dir) {
   // Neither an index nor model.safetensors: every *.safetensors file of the folder is read as the
   // weights, except the data files lutb reads beside a model (val_tokens.safetensors,
   // moe_activations.safetensors) and Mistral's consolidated*.safetensors (the same weights under
-  // other names). Those share tensor names ("input_ids"): a folder that had lost its
-  // model.safetensors failed with "tensor 'input_ids' appears in both ..." (new-user QA session 9).
-  std::vector<fs::path> files, data_files;
-  std::vector<std::string> others;  // the folder's other entries, named in the error
-  for (const auto& e : fs::directory_iterator(dir)) {
-    const std::string fname = e.path().filename().string();
-    if (!(e.is_regular_file() && e.path().extension() == ".safetensors")) {
-      others.push_back(fname);
-      continue;
-    }
-    if (fname == "val_tokens.safetensors" || fname == "moe_activations.safetensors" || fname.rfind("consolidated", 0) == 0)
-      data_files.push_back(e.path());
-    else
-      files.push_back(e.path());
-  }
-  std::sort(files.begin(), files.end());
-  std::sort(data_files.begin(), data_files.end());
-  std::sort(others.begin(), others.end());
-  if (files.empty()) {
-    std::string found;
-    for (const auto& p : data_files) found += (found.empty() ? "" : ", ") + p.filename().string();
-    for (const auto& o : others) found += (found.empty() ? "" : ", ") + o;
-    fail(dir.string(),
-         fmt::format("no model weights: the folder has no model.safetensors.index.json (sharded checkpoint), no "
-                     "model.safetensors and no other *.safetensors weight file{}{}",
-                     data_files.empty() ? "" : " (val_tokens.safetensors, moe_activations.safetensors and consolidated*.safetensors are not read as weights)",
-                     found.empty() ? "; it is empty" : "; it holds only: " + found));
-  }
-  // Hugging Face shards without their index: all N of model-XXXXX-of-NNNNN must be there.
-  {
-    static const std::regex shard_re(R"(^(.*)-(\d{5})-of-(\d{5})\.safetensors$)");
-    std::map<std::pair<std::string, std::string>, std::set<std::string>> sets;  // (stem, N) -> indices present
-    for (const auto& p : files) {
-      std::smatch m;
-      const std::string fname = p.filename().string();
-      if (std::regex_match(fname, m, shard_re)) sets[{m[1].str(), m[3].str()}].insert(m[2].str());
-    }
-    for (const auto& [key, have] : sets) {
-      const int n = std::stoi(key.second);
-      for (int i = 1; i <= n; ++i) {
-        const std::string want = fmt::format("{}-{:05d}-of-{}.safetensors", key.first, i, key.second);
-        if (!have.count(fmt::format("{:05d}", i)))
-          fail(dir.string(), fmt::format("shard {} is missing (the folder has {} of the {} shards {}-NNNNN-of-{}"
-                                         ".safetensors and no model.safetensors.index.json that lists them)",
-                                         want, have.size(), n, key.first, key.second));
-      }
-    }
-  }
+  // other names). Those share tensor names ("input_ids") and are never weights.
+  const FolderFiles folder = list_folder(dir);
+  check_has_weights(dir, folder);
+  check_shard_sets_complete(dir, folder.weights);
   SafetensorsCollection c;
   c.source_ = dir;
-  for (const auto& p : files) {
+  for (const auto& p : folder.weights) {
     c.files_.push_back(std::make_unique<SafetensorsFile>(p));
     for (const auto& n : c.files_.back()->names()) {
       const auto [it, inserted] = c.where_.emplace(n, c.files_.size() - 1);
@@ -552,8 +625,7 @@ std::string SafetensorsCollection::absent_note(const std::string& name) const {
     return fmt::format("; {}'s weight_map does not list it (nor does any of its {} shard{} hold it)", source_.string(),
                        files_.size(), files_.size() == 1 ? "" : "s");
   }
-  // The files searched: "checkpoint DIR: tensor X not found" left the user to guess which file should
-  // have held it (new-user QA sessions 18-19).
+  // The files searched, so that "checkpoint DIR: tensor X not found" says which file should hold it.
   if (files_.size() == 1) return fmt::format("; {} has no such tensor", files_.front()->path().string());
   std::string list;
   for (std::size_t i = 0; i < files_.size() && i < 4; ++i) list += (i ? ", " : "") + files_[i]->path().filename().string();

@@ -129,9 +129,9 @@ Verdict classify(const Ctx& x, const std::string& name) {
   const ModelConfig& c = x.c;
   // Block scales of weights quantised by another method (FP8: DeepSeek-V3's release stores F8_E4M3
   // weights with *.weight_scale_inv, compressed-tensors FP8 *.weight_scale). Without a
-  // quantization_config (refused when present, parse_model_config) the F8_E4M3 weight was read as
-  // plain floats, without its scale (new-user QA, session 12). A routed expert's *.weight_scale is
-  // refused below as a LUT-B tensor without a LUT-B config.
+  // quantization_config (refused when present, parse_model_config) the F8_E4M3 weight would be read
+  // as plain floats, without its scale, so they are refused. A routed expert's *.weight_scale is refused below as a LUT-B
+  // tensor without a LUT-B config.
   if (!x.lutb && (ends(name, ".weight_scale_inv") || (ends(name, ".weight_scale") && !contains(name, ".experts."))))
     return {Kind::Scale, {}};
   if (name == "model.embed_tokens.weight" || name == "model.norm.weight" || name == "lm_head.weight")
@@ -161,8 +161,8 @@ Verdict classify(const Ctx& x, const std::string& name) {
     } else {
       linears = {"q_proj", "k_proj", "v_proj", "o_proj"};
       // q/k norms are the family's (transformers: Qwen3-MoE and OLMoE attention have them, Mixtral and
-      // Qwen2-MoE not): a Mixtral checkpoint's stray q_norm/k_norm were applied by lutb eval without a
-      // word (new-user QA, session 21); it now leaves them unread, as any other unknown tensor.
+      // Qwen2-MoE not): a Mixtral checkpoint's stray q_norm/k_norm are left unread, as any other unknown
+      // tensor.
       if (c.family == ModelFamily::qwen3_moe || c.family == ModelFamily::olmoe) norms = {"q_norm", "k_norm"};
     }
     for (std::string_view l : linears)
@@ -209,9 +209,8 @@ std::vector<std::string> check_tensor_names(const ModelConfig& cfg, const Safete
   for (const std::string& n : names) {
     const Verdict v = classify(x, n);
     // A layer with both stacked (gate_up_proj) and per-expert (experts.0.gate_proj) tensors, or, for
-    // Mixtral, experts under both block_sparse_moe. and mlp.: the readers took one layout and ignored
-    // the other without a word (lutb eval reported the loss of whichever they took; lutb quantize
-    // wrote both; new-user QA, session 14).
+    // Mixtral, experts under both block_sparse_moe. and mlp.: refused, since a reader would take one
+    // layout and ignore the other.
     if (!v.layout.empty()) {
       const auto [it, first] = layouts.emplace(v.layer, std::make_pair(v.layout, n));
       if (!first && it->second.first != v.layout)
@@ -229,8 +228,8 @@ std::vector<std::string> check_tensor_names(const ModelConfig& cfg, const Safete
           st.file_of(n).path().string(), n, x.config, error_suffix));
     // A LUT-B expert tensor without a LUT-B quantization_config: either the checkpoint's experts are
     // LUT-B and config.json lost the entry that says how to read them (spec 2.2), or a stray tensor sits
-    // among float experts. "lutb would not read it: rename or remove it" (the advice for a misspelt
-    // expert) fitted only the second (new-user QA sessions 17-18).
+    // among float experts. The message names both, not only the
+    // advice for a misspelt expert ("lutb would not read it: rename or remove it").
     if (v.kind == Kind::LutbWithoutConfig)
       throw CheckpointError(fmt::format(
           "{}: tensor {} is a LUT-B tensor of a routed expert, but {} has no LUT-B quantization_config (the "
@@ -253,7 +252,7 @@ std::vector<std::string> check_tensor_names(const ModelConfig& cfg, const Safete
                               st.file_of(unknown[i]).path().string(), unknown[i], cfg.model_type, x.config, hints[i],
                               consequence));
   if (unknown.size() > kListed)
-    // "1 more tensors are not ...; lutb eval does not read it" (new-user QA, session 21).
+    // "1 more tensors are not ...; lutb eval does not read it".
     out.push_back(fmt::format("{} more {} not {} of the {} model {} describes (the first {} are listed above); for "
                               "each: {}",
                               unknown.size() - kListed, unknown.size() - kListed == 1 ? "tensor is" : "tensors are",

@@ -1,7 +1,6 @@
 // Tensor names of a checkpoint against what its config.json describes, for `lutb quantize`
 // (checkpoint mode), `lutb eval` and `lutb moe`: one classification, so that both commands treat a
-// stray or misspelt tensor alike (new-user QA, session 12: eval ignored such tensors silently and
-// quantize copied them without a word).
+// stray or misspelt tensor alike and says so.
 #pragma once
 
 #include <filesystem>

@@ -67,12 +67,11 @@ struct Loader {
   std::vector<float> tensor(const std::string& name, std::vector<std::int64_t> shape) const {
     if (!st.contains(name)) throw ModelError(fmt::format("{}: missing tensor {}{}", dir, name, st.absent_note(name)));
     const TensorView& t = st.get(name);
-    // Errors name the file that holds the tensor (new-user finding, session 12: they named the folder,
-    // and a dtype error repeated the tensor: "m: tensor X: tensor 'X': dtype I16 cannot be read ...").
+    // Errors name the file that holds the tensor (not the folder: a sharded checkpoint has many), and
+    // the tensor once.
     const std::string file = st.file_of(name).path().string();
-    // The expected shape comes from config.json's sizes, which may be the wrong side: said (new-user QA
-    // session 17: "embed_tokens.weight has shape [2048, 256], expected [2048, 512]" for a config.json
-    // whose hidden_size was wrong did not say where 512 came from).
+    // The expected shape comes from config.json's sizes, which may be the wrong side, so the message
+    // says where the expected sizes come from (config.json and its keys).
     if (t.shape != shape)
       throw ModelError(fmt::format("{}: tensor {} has shape [{}], expected [{}] from the sizes in {}", file, name,
                                    fmt::join(t.shape, ", "), fmt::join(shape, ", "),
@@ -152,9 +151,8 @@ void load_tensors(ModelImpl& m, const Loader& ld, const SafetensorsCollection& s
 
 // Tensors of layers config.json does not declare (num_hidden_layers, plus DeepSeek-V3's
 // num_nextn_predict_layers stored after them) would be skipped without a word, and the loss would be
-// that of a shorter model (new-user QA, session 11): refused, as lutb quantize does. lutb moe ran a
-// layer of such a checkpoint and called the stored layers beyond the config "out of range" (new-user
-// QA sessions 18-19): CheckpointMoe refuses them too.
+// that of a shorter model: refused, as lutb quantize does. CheckpointMoe (lutb moe) refuses them
+// too, rather than calling the stored layers beyond the config "out of range".
 void check_declared_layers(const TransformerConfig& c, const SafetensorsCollection& st, const std::filesystem::path& dir) {
   std::int64_t extra = 0;
   if (const auto it = c.raw.find("num_nextn_predict_layers");
@@ -248,10 +246,10 @@ void load_tensors(ModelImpl& m, const Loader& ld, const SafetensorsCollection& s
       L.o = ld.linear(a + "o_proj", H, nq);
       // Whether the attention has q/k norms is the family's (transformers' Qwen3MoeAttention and
       // OlmoeAttention have them; MixtralAttention and Qwen2MoeAttention do not), never the checkpoint's:
-      // they were applied whenever q_norm was stored, so a Qwen3-MoE checkpoint without its q_norm ran
-      // that layer without QK-norm (a different loss, no error), and a Mixtral checkpoint with stray
-      // q/k norms applied them (new-user QA, session 21). Required where the family has them; elsewhere
-      // such tensors are ones eval does not read (io/tensor_names.cpp warns about them).
+      // deciding by the stored tensors would run a Qwen3-MoE layer that lacks its q_norm without QK-norm
+      // (a different loss, no error) and apply stray norms of a Mixtral checkpoint. Required where the
+      // family has them; elsewhere such tensors are ones eval does not read (io/tensor_names.cpp warns
+      // about them).
       if (c.moe.family == ModelFamily::qwen3_moe || c.moe.family == ModelFamily::olmoe) {
         // qwen3_moe: per-head norm [head_dim]; olmoe: whole projection [heads*head_dim].
         const bool per_head = c.moe.family == ModelFamily::qwen3_moe;
@@ -278,7 +276,7 @@ void load_tensors(ModelImpl& m, const Loader& ld, const SafetensorsCollection& s
 void LanguageModel::Impl::attention(const Layer& L, const float* h, std::int64_t B, std::int64_t T, float* out) const {
   const TransformerConfig& c = cfg;
   if (c.sliding_window > 0 && T > c.sliding_window)
-    throw ModelError(detail::config_key_message(  // named the family only (new-user QA, session 12)
+    throw ModelError(detail::config_key_message(  // names the key, not only the family
         c.moe.source, "sliding_window",
         fmt::format("{} sets sliding-window attention with a window of {} tokens, which lutb does not implement, and "
                     "the sequences here are {} tokens long",
@@ -411,7 +409,7 @@ double LanguageModel::forward(const std::int32_t* tokens, std::int64_t batch, st
     linear(x.data() + b * T * H, m.head(), nullptr, lg, T, V, H);
     // Per-position losses in parallel, summed in position order: an OpenMP reduction combines the
     // threads' partial sums in an unspecified order, which made the loss differ in its last bit
-    // between two runs of the same command (CliGpu.EvalGpuFitEqualsStoredCpuFit, session 17).
+    // between two runs of the same command (CliGpu.EvalGpuFitEqualsStoredCpuFit checks it).
     std::vector<double> per(static_cast<std::size_t>(T > 1 ? T - 1 : 0));
 #pragma omp parallel for schedule(static)
     for (std::int64_t t = 0; t < T - 1; ++t) per[static_cast<std::size_t>(t)] = nll(lg + t * V, V, tokens[b * T + t + 1]);

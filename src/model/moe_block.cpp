@@ -42,9 +42,8 @@ namespace {
 /// Refuses BF16 expert weights that `q` cannot quantise before fitting them, naming the stored
 /// tensor, its file and the element: NaN / Inf for every format, and for LUT-B a magnitude that
 /// needs a tile scale byte above 246 (spec 2). Quant::None: a magnitude of 2^64 or more, before the
-/// forward pass overflows on it. The fitter reported the fused stack instead
-/// ("quantize: tensor w2_weight, expert 3, tile (0, 1): NaN at row 5 col 70": no file, layer or
-/// stored tensor; new-user QA session 11).
+/// forward pass overflows on it. Checked here because the fitter sees only the fused stack and would
+/// name it ("quantize: tensor w2_weight, expert 3, tile (0, 1)"), not the file, layer or stored tensor.
 void check_quantizable(const ExpertSource& src, int layer, Quant q, const std::vector<std::uint16_t>& w, bool w13,
                        std::int64_t rows, std::int64_t cols) {
   const std::int64_t per = rows * cols;
@@ -53,8 +52,8 @@ void check_quantizable(const ExpertSource& src, int layer, Quant q, const std::v
     std::string what;
     if (q == Quant::None) {
       // NaN / Inf are left to the forward pass (its error names the first stored non-finite tensor); a
-      // finite weight of 2^64 or more (BF16 exponent byte >= 191) overflowed it with "non-finite loss"
-      // naming no tensor (new-user QA, session 12: one BF16-max weight, 3.39e38, in an expert).
+      // finite weight of 2^64 or more (BF16 exponent byte >= 191) overflows it into a "non-finite loss"
+      // that names no tensor, so it is refused here.
       if ((b & 0x7f80u) == 0x7f80u || (b & 0x7f80u) < (191u << 7)) continue;
       throw ModelError(fmt::format(
           "{}: magnitude {} is 2^64 or more, far beyond any trained weight: the FP32 products and sums of the layer "
@@ -83,9 +82,9 @@ void check_quantizable(const ExpertSource& src, int layer, Quant q, const std::v
 /// Refuses stored LUT-B weights of magnitude 2^64 or more, naming the scale tensor, the expert and the
 /// tile: the rule check_quantizable applies to BF16 weights for --quant none. Scale bytes 3..246 are
 /// valid LUT-B (spec section 2: every value exact in FP32), but 448 * 2^119 (scale byte 246) and
-/// anything from 2^64 up is far beyond a trained weight: the layer's FP32 products and sums overflow,
-/// and lutb eval reported "non-finite loss" naming no tensor (new-user QA, session 15: scale byte 246
-/// on every tile). Scale bytes above 246 whose weights pass FP32 are refused by the checkpoint reader.
+/// anything from 2^64 up is far beyond a trained weight: the layer's FP32 products and sums overflow
+/// into a "non-finite loss" that names no tensor. Scale
+/// bytes above 246 whose weights pass FP32 are refused by the checkpoint reader.
 void check_lutb_magnitudes(const ExpertSource& src, int layer, const LutbTensor& w, bool w13) {
   const std::int64_t per = w.shape.tiles_per_expert(), tk = w.shape.tiles_k();
   for (std::int64_t t = 0; t < w.shape.tiles(); ++t) {
@@ -180,9 +179,9 @@ class RoutedBlock final : public MoeBlock {
   // Spec section 4 at both ends of the routed experts: their input x is BF16 and their output is
   // out = bf16(sum_k weight_k * y_e). The FP32 model rounds x to BF16 for the routed experts only
   // (the router logits and the shared experts read the FP32 x, spec 5: they stay as loaded), and the
-  // routed sum to BF16 before the shared experts are added. Until session 16 both stayed FP32, while
-  // the GPU kernel (moe_forward) reads BF16 x and writes BF16: eval --device cuda differed from the
-  // CPU by 1e-4..5e-4 of the loss; now the two differ only by FP32 summation order.
+  // routed sum to BF16 before the shared experts are added. The GPU kernel (moe_forward) reads BF16 x
+  // and writes BF16 too, so eval on the two devices differs only by FP32 summation order (FP32 at
+  // both ends moved the CPU loss by 1e-4..5e-4 away from the GPU's).
   void forward(const float* x, std::int64_t T, float* out) override {
     const int E = rc_.num_experts, k = rc_.top_k;
     std::vector<float> logits(static_cast<std::size_t>(T * E)), w(static_cast<std::size_t>(T * k));

@@ -105,7 +105,7 @@ LutBOnlineMoEMethod::LutBOnlineMoEMethod(MoeConfig cfg, OnlineOptions options)
   } else {
     backend_ = Backend::Emulation;
     reason_ = support.supported ? "hidden and intermediate sizes must be multiples of 128" : support.reason;
-    // Worded for a CPU user, who has nothing to fix (QA 2026-11-30: "falls back" read as a fault).
+    // Worded for a CPU user, who has nothing to fix: not as a fault ("falls back").
     log_once(LogLevel::Info, "LUT-B MoE: CPU emulation of Rubin's LUT-B numerics (native sm_107 path not used: " +
                                  reason_ + ")");
   }
