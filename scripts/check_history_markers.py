@@ -9,6 +9,7 @@ one and exits 1 when it finds any (0 when none, 2 when git cannot list the files
 
 Where a marker may stand:
 - CHANGELOG.md: anywhere (it is the history).
+- this script, whose comments show the patterns it looks for.
 - docs/design/*.md: the rows (`| ... |` lines) of a table under a heading that contains
   "Tried and not kept"; each row names the commit and the date of a rejected experiment.
 - docs/perf/*.md, dates only: a perf page states the machine, driver, CUDA, commit and date of its
@@ -24,18 +25,20 @@ import sys
 from pathlib import Path
 
 # Experiment code names (fit13, small17, nu14, l2pf3, cli16b, ...): a run prefix followed by one or
-# two digits and at most one letter, as a word of its own.
+# two digits and at most one letter, as a word of its own. "CLI11", the command-line parser library,
+# is a name, not a run: the code names are written in lower case.
 CODE_NAME = r"\b(?:nu|fit|act|small|tick|h2s|epi|alu|dec|onl|wg|l2pf|sass|slot|cvt|pf|cli)[0-9]{1,2}[a-z]?\b"
 MARKER = re.compile(
-    r"\bsession [0-9]+"
-    r"|\bround [0-9]+"
+    r"\bsessions? [0-9]+"
+    r"|\brounds? [0-9]+"
     r"|\bnew[- ]user (?:QA|trial|round|finding)"
     r"|\bQA round"
-    r"|" + CODE_NAME,
+    r"|(?!(?-i:CLI11)\b)" + CODE_NAME,
     re.IGNORECASE,
 )
 DATE = re.compile(r"\b20[0-9]{2}-[01][0-9]-[0-3][0-9]\b")
 HEADING = re.compile(r"^#{1,6}\s")
+SELF = "scripts/check_history_markers.py"
 
 
 def tracked_files(paths):
@@ -79,7 +82,7 @@ def main(argv):
         return 2
     count = 0
     for path in files:
-        if path == "CHANGELOG.md":
+        if path in ("CHANGELOG.md", SELF):
             continue
         if MARKER.search(path) or DATE.search(path):
             print(f"{path}:0: (the path itself)")
