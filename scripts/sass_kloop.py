@@ -7,12 +7,12 @@ Usage:
   cuobjdump -sass -fun <mangled kernel name> /tmp/moe_lutb.o > k.sass   # names: cuobjdump -elf ... | grep swapab_gemm
   scripts/sass_kloop.py k.sass [--per-ktile-hmma 16]
 
-Besides the opcode mix, each loop's count per K-tile by sm_90 issue pipe (session 17, alu17; PIPES
+Besides the opcode mix, each loop's count per K-tile by sm_90 issue pipe (PIPES
 below): alu (integer/logic/select/permute/F2FP, half rate), fmaheavy (IMAD*), fma (FP32 / FP16x2
 arithmetic, either FMA half), lsu (shared/global/constant loads, cp.async, shuffles), tensor
 (HMMA), xu, uniform (U* datapath), branch (ADU / CBU) and other (unclassified: printed by opcode).
-Checked against Nsight Compute's sm__inst_executed_pipe_* counts of GEMM1 at DeepSeek-V3 T = 16 in
-device run alu17-run1 (docs/perf/moe-gpu.md "Session 17"): moving 48 selector instructions per
+Checked against Nsight Compute's sm__inst_executed_pipe_* counts of GEMM1 at DeepSeek-V3 T = 16
+(docs/perf/moe-gpu.md): moving 48 selector instructions per
 K-tile from LOP3 / SHF / LEA to IMAD / IMAD.HI moved 33.65 M instructions from pipe_alu to
 pipe_fmaheavy, 48 x the 0.70 M warp-K-tiles the HMMA count gives (33.7 M); pipe_alu's total (131.8 M)
 needs F2FP on the ALU pipe (without it the loops alone would give ~84 M); lsu matches (28.9 M

@@ -24,16 +24,12 @@ namespace fs = std::filesystem;
 using test::CliOut;
 using test::has;
 using test::q;
+using test::read_file;
 using test::run;
 
 /// The reason --device cuda cannot run here, as the tool words it (one of the two).
 bool names_no_cuda(const CliOut& r) {
   return has(r, "--device cuda: no usable CUDA GPU (") || has(r, "--device cuda: this lutb was built without CUDA");
-}
-
-std::string read_all(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
 }
 
 TEST(CliDevice, BadDeviceValuesAreRefusedByTheParser) {
@@ -69,7 +65,7 @@ TEST(CliDevice, QuantizeOnCudaWithoutAGpuFailsAndWritesNothing) {
   const CliOut f = run("quantize " + q(model) + " -o " + q(out) + " --device cuda --force --no-progress");
   EXPECT_NE(f.code, 0);
   EXPECT_TRUE(names_no_cuda(f)) << f.out;
-  EXPECT_EQ(read_all(out / "config.json"), "{\"keep\": 1}");
+  EXPECT_EQ(read_file(out / "config.json"), "{\"keep\": 1}");
   EXPECT_EQ(std::distance(fs::directory_iterator(t.path), fs::directory_iterator()), 1);
 }
 
@@ -126,7 +122,7 @@ TEST(CliDevice, DefaultJobSaysWhyTheGpuSectionIsSkipped) {
       << r.out;
   // Exactly one line about it, the rest of the report unchanged.
   EXPECT_EQ(r.out.find("GPU section skipped"), r.out.rfind("GPU section skipped"));
-  // The default job has no --device option: its skip line must not tell the user to use one (nu16).
+  // The default job has no --device option: its skip line must not tell the user to use one.
   const std::size_t at = r.out.find("GPU section skipped");
   const std::string line = r.out.substr(at, r.out.find('\n', at) - at);
   EXPECT_EQ(line.find("--device"), std::string::npos) << line;
@@ -134,9 +130,9 @@ TEST(CliDevice, DefaultJobSaysWhyTheGpuSectionIsSkipped) {
   EXPECT_FALSE(fs::exists(t.path / "w"));
 }
 
-// nu16: on a machine with no NVIDIA driver at all, the CUDA runtime's own words ("CUDA driver version
-// is insufficient for CUDA runtime version") sent users looking for a driver update; a build with CUDA
-// now says that no driver is loaded. Runs where the driver's proc file is absent (CI, this machine).
+// On a machine with no NVIDIA driver at all, a build with CUDA says that no driver is loaded: the CUDA
+// runtime's own words ("CUDA driver version is insufficient for CUDA runtime version") send users
+// looking for a driver update. Runs where the driver's proc file is absent (CI, this machine).
 TEST(CliDevice, NoDriverIsNamedAsSuch) {
   if (fs::exists("/proc/driver/nvidia/version")) GTEST_SKIP() << "an NVIDIA driver is loaded here";
   test::TempDir t;

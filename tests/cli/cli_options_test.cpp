@@ -1,4 +1,4 @@
-// Option checking of the lutb command line (QA 2026-11-30): integer ranges printed as integers with
+// Option checking of the lutb command line: integer ranges printed as integers with
 // the valid range named, synth size overrides and free space, the default job validating every
 // option before any work.
 #include <gtest/gtest.h>
@@ -55,9 +55,9 @@ TEST(CliOptions, RangeMessagesPrintIntegersAndTheValidRange) {
   EXPECT_FALSE(fs::exists(t.path / "s"));
 }
 
-// nu16: CLI11's parse errors ended with its own exit codes (105 for a bad value, 109 for an unknown
-// option) and without the "lutb: error:" prefix every other error has. A usage error now exits 2
-// with the prefix; --help and --version still exit 0.
+// CLI11's parse errors end as every other usage error does: exit status 2 (not CLI11's own codes, 105
+// for a bad value, 109 for an unknown option) with the "lutb: error:" prefix; --help and --version
+// exit 0.
 TEST(CliOptions, UsageErrorsExitTwoWithThePrefix) {
   test::TempDir t;
   for (const std::string& args : {std::string("--bogus"), "quantize " + q(t.path) + " -o " + q(t.path / "o") + " --bogus",
@@ -113,9 +113,8 @@ TEST(CliOptions, SynthRejectsBadSizesAndChecksFreeSpace) {
   EXPECT_TRUE(has(ok, "lutb synth: will write " + std::to_string(2 * 2 * (4 * 64 + 3 * 4 * 32 * 64)) + " bytes")) << ok.out;
 }
 
-// Regression (QA 2026-11-30, session 9): `lutb synth` printed "lutb synth: will write N bytes ..." and
-// then refused (destination not replaceable, already there, not creatable, space short). Every check
-// now runs before that line; a refusal prints only the error.
+// Every check of lutb synth (destination not replaceable, already there, not creatable, space short)
+// runs before its "lutb synth: will write N bytes ..." line: a refusal prints only the error.
 TEST(CliOptions, SynthAnnouncesNothingBeforeARefusal) {
   test::TempDir t;
   const std::string small = "synth --family qwen3_moe --layers 1 --hidden-size 64 --moe-intermediate-size 32 "
@@ -153,18 +152,17 @@ TEST(CliOptions, SynthAnnouncesNothingBeforeARefusal) {
   EXPECT_TRUE(has(ok, "lutb synth: will write " + std::to_string(2 * (2 * 64 + 3 * 2 * 32 * 64)) + " bytes")) << ok.out;
 }
 
-// Regressions (QA session 9): bad option values that ended in bare library messages.
+// Odd option values get an error naming the option, never a bare library message.
 TEST(CliOptions, OddValuesGiveClearErrors) {
   test::TempDir t;
-  // synth -o '' wrote the checkpoint to ".tmp.PID", then failed to rename it to "". It is refused as a
-  // usage error naming the option, as quantize -o '' is (nu18: "synth: no output directory given",
-  // exit status 1).
+  // synth -o '' is a usage error naming the option, as quantize -o '' is: written, the checkpoint would
+  // go to ".tmp.PID" and then fail to be renamed to "".
   const CliOut empty = run("synth --family qwen3_moe --layers 1 --hidden-size 64 --moe-intermediate-size 32 --experts 2 "
                            "--no-progress -o ''");
   EXPECT_EQ(empty.code, 2) << empty.out;
   EXPECT_TRUE(has(empty, "lutb: error: --output: an empty output name was given")) << empty.out;
   EXPECT_FALSE(has(empty, "will write")) << empty.out;
-  // moe --layer beyond int: CLI11's "Could not convert" (exit 104).
+  // moe --layer beyond int: the valid range, not CLI11's "Could not convert".
   const CliOut layer = run("moe " + q(t.path) + " --activations x --layer 99999999999999999999");
   EXPECT_NE(layer.code, 0) << layer.out;
   EXPECT_TRUE(has(layer, "--layer: 99999999999999999999 is outside the valid range 0..2147483647")) << layer.out;
@@ -182,7 +180,7 @@ TEST(CliOptions, DefaultJobValidatesBeforeWork) {
   test::TempDir t;
   const fs::path w = t.path / "w";
   const CliOut r = run("--fitter nope --experts 2 --tokens 4 --work-dir " + q(w));
-  EXPECT_EQ(r.code, 2) << r.out;  // a usage error (nu18)
+  EXPECT_EQ(r.code, 2) << r.out;  // a usage error
   EXPECT_TRUE(has(r, "--fitter: unknown fitter 'nope'")) << r.out;
   EXPECT_FALSE(has(r, "synthesised")) << r.out;
   EXPECT_FALSE(has(r, "the main job")) << r.out;
@@ -195,8 +193,8 @@ TEST(CliOptions, DefaultJobValidatesBeforeWork) {
   EXPECT_FALSE(has(f, "synthesised")) << f.out;
 }
 
-// Regression (QA 2026-11-30): a huge --tokens ended in a bare "std::bad_alloc". The buffers are now
-// sized against the free memory before any work, and the message says how much they would need.
+// A huge --tokens is refused before any work, saying how much memory the buffers would need: they are
+// sized against the free memory, never left to end in a bare "std::bad_alloc".
 TEST(CliOptions, DefaultJobChecksTokenMemoryUpFront) {
   std::uint64_t avail_kb = 0;
   {

@@ -2,10 +2,6 @@
 // binary at LUTB_CLI_PATH), checking exit codes, messages and the --json summaries.
 #include <gtest/gtest.h>
 
-#include <sys/wait.h>
-
-#include <array>
-#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -14,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "lutb/checkpoint.hpp"
+#include "support/cli_support.hpp"
 #include "support/test_support.hpp"
 
 namespace lutb {
@@ -21,48 +18,23 @@ namespace {
 
 namespace fs = std::filesystem;
 
-struct CliRun {
-  int code = -1;
-  std::string out;  // stdout and stderr
-  nlohmann::json last_json() const {
-    const auto end = out.find_last_not_of('\n');
-    const auto begin = out.rfind('\n', end);
-    return nlohmann::json::parse(out.substr(begin == std::string::npos ? 0 : begin + 1, end - begin));
-  }
-};
-
-CliRun run(const std::string& args) {
-  const std::string cmd = std::string(LUTB_CLI_PATH) + " " + args + " 2>&1";
-  CliRun r;
-  FILE* p = popen(cmd.c_str(), "r");
-  if (!p) return r;
-  std::array<char, 4096> buf;
-  std::size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
-  const int st = pclose(p);
-  r.code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-  return r;
-}
-
-std::string q(const fs::path& p) {
-  std::string s = "'";
-  s += p.string();
-  s += "'";
-  return s;
-}
+using test::CliOut;
+using test::last_json_line;
+using test::q;
+using test::run;
 
 TEST(Cli, SynthThenQuantizeJson) {
   test::TempDir t;
-  CliRun s = run("synth --family mixtral --layers 2 --hidden-size 128 --moe-intermediate-size 64 --experts 4 -o " +
+  CliOut s = run("synth --family mixtral --layers 2 --hidden-size 128 --moe-intermediate-size 64 --experts 4 -o " +
               q(t.path / "in"));
   ASSERT_EQ(s.code, 0) << s.out;
   EXPECT_NE(s.out.find("mixtral"), std::string::npos) << s.out;
   const ModelConfig c = load_model_config(t.path / "in");
   EXPECT_EQ(c.num_experts, 4);
   EXPECT_EQ(c.moe_intermediate_size, 64);
-  CliRun r = run("quantize " + q(t.path / "in") + " -o " + q(t.path / "out") + " --threads 1 --json");
+  CliOut r = run("quantize " + q(t.path / "in") + " -o " + q(t.path / "out") + " --threads 1 --json");
   ASSERT_EQ(r.code, 0) << r.out;
-  const nlohmann::json j = r.last_json();
+  const nlohmann::json j = last_json_line(r.out);
   EXPECT_EQ(j["tensors_quantized"], 2 * 4 * 3);
   EXPECT_EQ(j["tensors_copied"], 2);  // the two routers
   EXPECT_DOUBLE_EQ(j["bits_per_weight"].get<double>(), kBitsPerWeight);
@@ -70,13 +42,13 @@ TEST(Cli, SynthThenQuantizeJson) {
   EXPECT_EQ(j["fitter"], default_fitter());
   EXPECT_TRUE(Checkpoint(t.path / "out").is_lutb());
   // Same run again: the output exists.
-  CliRun again = run("quantize " + q(t.path / "in") + " -o " + q(t.path / "out"));
+  CliOut again = run("quantize " + q(t.path / "in") + " -o " + q(t.path / "out"));
   EXPECT_EQ(again.code, 1);
   EXPECT_NE(again.out.find("exists"), std::string::npos) << again.out;
   // A LUT-B checkpoint with another fitter, --force.
-  CliRun f = run("quantize " + q(t.path / "in") + " -o " + q(t.path / "out") + " --force --fitter ct-lloyd --json");
+  CliOut f = run("quantize " + q(t.path / "in") + " -o " + q(t.path / "out") + " --force --fitter ct-lloyd --json");
   ASSERT_EQ(f.code, 0) << f.out;
-  EXPECT_EQ(f.last_json()["fitter"], "ct-lloyd");
+  EXPECT_EQ(last_json_line(f.out)["fitter"], "ct-lloyd");
   EXPECT_EQ(Checkpoint(t.path / "out").quant_config()->fitter, "ct-lloyd");
 }
 
@@ -91,17 +63,17 @@ TEST(Cli, QuantizeFileMatchAll) {
   ts.push_back({"x.weight", OwnedTensor{DType::BF16, {24, 100}, w}});
   ts.push_back({"y.weight", OwnedTensor{DType::BF16, {24, 100}, w}});
   write_safetensors(t.path / "in.safetensors", ts);
-  CliRun m = run("quantize " + q(t.path / "in.safetensors") + " -o " + q(t.path / "m.safetensors") + " --match '^x' --json");
+  CliOut m = run("quantize " + q(t.path / "in.safetensors") + " -o " + q(t.path / "m.safetensors") + " --match '^x' --json");
   ASSERT_EQ(m.code, 0) << m.out;
-  EXPECT_EQ(m.last_json()["tensors_quantized"], 1);
+  EXPECT_EQ(last_json_line(m.out)["tensors_quantized"], 1);
   SafetensorsFile f(t.path / "m.safetensors");
   EXPECT_TRUE(f.contains("x.weight_packed"));
   EXPECT_TRUE(f.contains("y.weight"));
   EXPECT_EQ(f.metadata().at("lutb.logical_shape.x.weight"), "[24, 100]");
-  CliRun a = run("quantize " + q(t.path / "in.safetensors") + " -o " + q(t.path / "a.safetensors") + " --all --json");
+  CliOut a = run("quantize " + q(t.path / "in.safetensors") + " -o " + q(t.path / "a.safetensors") + " --all --json");
   ASSERT_EQ(a.code, 0) << a.out;
-  EXPECT_EQ(a.last_json()["tensors_quantized"], 2);
-  CliRun both = run("quantize " + q(t.path / "in.safetensors") + " -o " + q(t.path / "b.safetensors") + " --all --match x");
+  EXPECT_EQ(last_json_line(a.out)["tensors_quantized"], 2);
+  CliOut both = run("quantize " + q(t.path / "in.safetensors") + " -o " + q(t.path / "b.safetensors") + " --all --match x");
   EXPECT_NE(both.code, 0);
   EXPECT_NE(both.out.find("excludes"), std::string::npos) << both.out;
   EXPECT_FALSE(fs::exists(t.path / "b.safetensors"));
@@ -109,20 +81,20 @@ TEST(Cli, QuantizeFileMatchAll) {
 
 TEST(Cli, ErrorsAreClear) {
   test::TempDir t;
-  CliRun fam = run("synth --family llama --layers 1 -o " + q(t.path / "x"));
-  EXPECT_EQ(fam.code, 2);  // a usage error (nu18)
+  CliOut fam = run("synth --family llama --layers 1 -o " + q(t.path / "x"));
+  EXPECT_EQ(fam.code, 2);  // a usage error
   EXPECT_NE(fam.out.find("llama"), std::string::npos) << fam.out;
   EXPECT_NE(fam.out.find("deepseek_v3"), std::string::npos) << fam.out;
   EXPECT_FALSE(fs::exists(t.path / "x"));
-  CliRun missing = run("quantize " + q(t.path / "nothing") + " -o " + q(t.path / "y"));
+  CliOut missing = run("quantize " + q(t.path / "nothing") + " -o " + q(t.path / "y"));
   EXPECT_EQ(missing.code, 1);
   EXPECT_NE(missing.out.find("nothing"), std::string::npos) << missing.out;
-  CliRun noout = run("quantize " + q(t.path));
+  CliOut noout = run("quantize " + q(t.path));
   EXPECT_NE(noout.code, 0);
   EXPECT_NE(noout.out.find("--output"), std::string::npos) << noout.out;
   fs::create_directories(t.path / "c");
   std::ofstream(t.path / "c" / "config.json") << R"({"model_type": "gpt2", "hidden_size": 8})";
-  CliRun unk = run("quantize " + q(t.path / "c") + " -o " + q(t.path / "z"));
+  CliOut unk = run("quantize " + q(t.path / "c") + " -o " + q(t.path / "z"));
   EXPECT_EQ(unk.code, 1);
   EXPECT_NE(unk.out.find("unsupported model_type \"gpt2\""), std::string::npos) << unk.out;
   EXPECT_FALSE(fs::exists(t.path / "z"));
@@ -132,13 +104,12 @@ TEST(Cli, ErrorsAreClear) {
 // pipeline (synthesise, quantise to a LUT-B checkpoint, load, BF16 reference vs LUT-B emulation).
 TEST(Cli, DefaultJobSmall) {
   test::TempDir t;
-  // A user's existing --work-dir keeps its other contents (regression, QA 2026-11-30: it was
-  // removed whole at the end).
+  // A user's existing --work-dir keeps its other contents: the job removes only what it created.
   fs::create_directories(t.path / "w");
   std::ofstream(t.path / "w" / "precious.txt") << "keep me";
-  CliRun r = run("--experts 4 --tokens 16 --json --work-dir " + q(t.path / "w"));
+  CliOut r = run("--experts 4 --tokens 16 --json --work-dir " + q(t.path / "w"));
   ASSERT_EQ(r.code, 0) << r.out;
-  const nlohmann::json j = r.last_json();
+  const nlohmann::json j = last_json_line(r.out);
   EXPECT_EQ(j["experts"], 4);
   EXPECT_EQ(j["hidden_size"], 2048);
   EXPECT_EQ(j["moe_intermediate_size"], 768);

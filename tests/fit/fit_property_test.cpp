@@ -209,9 +209,8 @@ TEST(FitProperty, NonFiniteValuesNameTheTile) {
   }
 }
 
-// Regression (new-user QA session 11): a magnitude needing a scale byte above 246 was printed by
-// std::to_string: "magnitude 329999996548271212625250308919809540096.000000 needs ...". Now the
-// shortest decimal that reads back as the value (the GPU fitter's message is the same).
+// A magnitude needing a scale byte above 246 is printed as the shortest decimal that reads back as the
+// value (the GPU fitter's message is the same), not std::to_string's 39 digits and ".000000".
 TEST(FitProperty, TooLargeMagnitudeIsReadable) {
   std::vector<float> x(512, 0.01f);
   x[2 * 64 + 5] = -3.3e38f;

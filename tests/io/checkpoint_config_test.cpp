@@ -151,7 +151,7 @@ TEST(ModelConfig, OlmoeAndMixtralWidths) {
   EXPECT_TRUE(mc.renormalize());
 }
 
-// Regression (QA 2026-11-30): num_local_experts 0 was reported as "num_experts_per_tok: must be in 1..0".
+// num_local_experts 0 names its own key, not "num_experts_per_tok: must be in 1..0".
 TEST(ModelConfig, ZeroExpertsNamesTheKey) {
   json j = base("mixtral");
   j["num_local_experts"] = 0;
@@ -223,9 +223,8 @@ TEST(ModelConfig, LutbQuantConfig) {
   EXPECT_EQ(lutb_names("a.experts.gate_up_proj").scale, "a.experts.gate_up_proj_scale");
 }
 
-// Regression (QA 2026-11-30): a stored quantization_config claiming another tile, index width, format
-// or activation was accepted and the weights still read as 3-bit 8x64. Each mismatch is now a
-// ConfigError in the project's format, naming the file and the key.
+// A stored quantization_config claiming another tile, index width, format or activation is a
+// ConfigError naming the file and the key: the weights would otherwise be read as 3-bit 8x64 anyway.
 TEST(ModelConfig, LutbQuantConfigMismatchesAreRejected) {
   const json good = {{"quant_method", "lut_b"},        {"format", "lut-b"},          {"tile", {8, 64}},
                      {"index_bits", 3},                {"codebook_size", 8},         {"codebook_dtype", "float8_e4m3fn"},
@@ -280,15 +279,10 @@ namespace lutb {
 namespace {
 
 std::string config_error(const nlohmann::json& j) {
-  try {
-    parse_model_config(j, "m/config.json");
-  } catch (const ConfigError& e) {
-    return e.what();
-  }
-  return "no exception";
+  return test::error_of<ConfigError>([&] { parse_model_config(j, "m/config.json"); });
 }
 
-// Regression (QA 2026-11-30): one wording for key faults, "FILE: key 'K': reason", the same as the
+// One wording for key faults, "FILE: key 'K': reason", the same as the
 // model's TransformerConfig parser (tests/model/config_test.cpp compares the two).
 TEST(ModelConfig, KeyErrorsNameFileKeyAndReason) {
   json j = base("qwen3_moe");
@@ -309,8 +303,8 @@ TEST(ModelConfig, KeyErrorsNameFileKeyAndReason) {
             "m/config.json: key 'num_experts_per_tok': must be in 1..4 (the experts count), got 9");
   EXPECT_EQ(with("norm_topk_prob", "yes"), "m/config.json: key 'norm_topk_prob': must be true or false, got \"yes\"");
   {
-    // scoring_func is DeepSeek's key: a qwen3_moe router ignores it, as transformers does (new-user QA,
-    // session 16, tests/io/checkpoint_new_user_nu16_test.cpp).
+    // scoring_func is DeepSeek's key: a qwen3_moe router ignores it, as transformers does
+    // (tests/model/config_validation_test.cpp).
     json d = j;
     d["model_type"] = "deepseek_v3";
     d["scoring_func"] = "relu";

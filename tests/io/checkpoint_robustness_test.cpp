@@ -1,5 +1,5 @@
-// Robustness of the checkpoint writers found by the new-user QA pass (2026-11-30): interruption,
-// output permissions, synth size checks and free space, stale temporaries.
+// Robustness of the checkpoint writers: interruption, output permissions, synth size checks and free
+// space, stale temporaries, and inputs that must be refused or left out.
 #include <gtest/gtest.h>
 
 #include <signal.h>
@@ -17,12 +17,17 @@
 
 #include "io/checkpoint_internal.hpp"
 #include "lutb/checkpoint.hpp"
+#include "support/checkpoint_support.hpp"
 #include "support/test_support.hpp"
 
 namespace lutb {
 namespace {
 
 namespace fs = std::filesystem;
+using test::edit_config;
+using test::error_of;
+using test::quiet;
+using test::read_file;
 using test::TempDir;
 
 SynthOptions small(std::int64_t layers = 1) {
@@ -34,24 +39,6 @@ SynthOptions small(std::int64_t layers = 1) {
   o.num_experts = 4;
   o.progress = false;
   return o;
-}
-
-QuantizeOptions quiet() {
-  QuantizeOptions q;
-  q.progress = false;
-  return q;
-}
-
-template <class Ex, class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Ex& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    return std::string("wrong exception type: ") + e.what();
-  }
-  return "no exception";
 }
 
 // Every entry of `dir` whose name starts with `prefix`.
@@ -71,17 +58,10 @@ mode_t current_umask() {
 
 fs::perms mode_of(const fs::path& p) { return fs::status(p).permissions() & fs::perms::mask; }
 
-std::string slurp(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
-}
-
-// Regression (data loss, new-user QA session 9): in a Hugging Face cache snapshot every file is a
-// symlink to ../../blobs/<sha>. The other-files copy took fs::relative(path, in_dir), which resolves
-// the link to "../../blobs/<sha>", so it wrote tmp / "../../blobs/<sha>" = the blob itself with
-// O_TRUNC: quantize emptied the source checkpoint and exited 0. Failed on the old code (every blob
-// 0 bytes). Now the link's own name is used, the contents are copied, symlinked folders are left
-// out and listed, and the sources are untouched.
+// In a Hugging Face cache snapshot every file is a symlink to ../../blobs/<sha>. The copy of the other
+// files uses the link's own name, never fs::relative(path, in_dir), which resolves the link: writing
+// tmp / "../../blobs/<sha>" with O_TRUNC would empty the source blob. The contents are copied,
+// symlinked folders are left out and listed, and the sources stay byte for byte as they were.
 TEST(QuantizeInput, HuggingFaceCacheSymlinksLeaveTheSourcesIntact) {
   TempDir t;
   synthesize_checkpoint(t.path / "src", small());
@@ -96,31 +76,29 @@ TEST(QuantizeInput, HuggingFaceCacheSymlinksLeaveTheSourcesIntact) {
     const std::string name = e.path().filename().string();
     fs::copy_file(e.path(), blobs / ("sha-" + name));
     fs::create_symlink(fs::path("..") / ".." / "blobs" / ("sha-" + name), snap / name);
-    before[name] = slurp(e.path());
+    before[name] = read_file(e.path());
   }
   fs::create_directory_symlink(t.path / "extra", snap / "linked_dir");
   ASSERT_GE(before.size(), 3u);
   for (const fs::path& out : {t.path / "cache" / "snapshots" / "rev1-lutb", t.path / "out"}) {
     const QuantizeSummary sum = quantize_checkpoint(snap, out, quiet());
     for (const auto& [name, bytes] : before) {
-      EXPECT_EQ(slurp(blobs / ("sha-" + name)), bytes) << "source blob of " << name << " changed";
+      EXPECT_EQ(read_file(blobs / ("sha-" + name)), bytes) << "source blob of " << name << " changed";
       EXPECT_TRUE(fs::exists(out / name)) << name;
       EXPECT_FALSE(fs::is_symlink(out / name)) << name;
     }
-    EXPECT_EQ(slurp(out / "tokenizer.json"), before["tokenizer.json"]);
+    EXPECT_EQ(read_file(out / "tokenizer.json"), before["tokenizer.json"]);
     EXPECT_TRUE(Checkpoint(out).is_lutb());
     EXPECT_FALSE(fs::exists(out / "linked_dir"));
     EXPECT_NE(std::find(sum.skipped_files.begin(), sum.skipped_files.end(), "linked_dir/"), sum.skipped_files.end());
-    EXPECT_EQ(slurp(t.path / "extra" / "notes.txt"), "not part of the checkpoint");
+    EXPECT_EQ(read_file(t.path / "extra" / "notes.txt"), "not part of the checkpoint");
     EXPECT_TRUE(entries(out.parent_path(), out.filename().string() + ".tmp.").empty());
   }
 }
 
-// Regression (new-user QA session 9): quantize copies a Hugging Face repository's README.md,
-// LICENSE, .gitattributes and subfolders into its output, and the next "quantize --force" then
-// refused to replace that output ("does not look like a checkpoint this tool wrote ('.gitattributes'
-// ...)", which was false). A folder whose config.json says lutb wrote it is now replaceable; the
-// same files without such a config are still refused.
+// quantize copies a Hugging Face repository's README.md, LICENSE, .gitattributes and subfolders into
+// its output, so the next "quantize --force" must recognise that output as its own: a folder whose
+// config.json says lutb wrote it is replaceable; the same files without such a config are refused.
 TEST(QuantizeOutput, ForceReplacesOwnOutputOfAHuggingFaceRepository) {
   TempDir t;
   synthesize_checkpoint(t.path / "in", small());
@@ -150,21 +128,19 @@ TEST(QuantizeOutput, ForceReplacesOwnOutputOfAHuggingFaceRepository) {
   std::ofstream(t.path / "theirs" / "README.md") << "theirs";
   const std::string e = error_of<CheckpointError>([&] { quantize_checkpoint(t.path / "in", t.path / "theirs", f); });
   EXPECT_NE(e.find("README.md"), std::string::npos) << e;
-  EXPECT_EQ(slurp(t.path / "theirs" / "README.md"), "theirs");
+  EXPECT_EQ(read_file(t.path / "theirs" / "README.md"), "theirs");
   // A config.json that is a symlink to a LUT-B config does not count.
   fs::create_directories(t.path / "linked");
   fs::create_symlink(t.path / "out" / "config.json", t.path / "linked" / "config.json");
   std::ofstream(t.path / "linked" / "README.md") << "keep";
   EXPECT_NE(error_of<CheckpointError>([&] { quantize_checkpoint(t.path / "in", t.path / "linked", f); }).find("refusing"),
             std::string::npos);
-  EXPECT_EQ(slurp(t.path / "linked" / "README.md"), "keep");
+  EXPECT_EQ(read_file(t.path / "linked" / "README.md"), "keep");
 }
 
-// Regression (data loss, new-user QA session 9): the existence and --force checks ran only at the
-// start, and the final rename replaced whatever was at the destination by then: a folder created
-// during a run (another run, the user) was deleted without --force. install_replacing now creates an
-// absent destination with RENAME_NOREPLACE, refuses an existing one without force, and re-applies
-// the --force rules to it. (The old function had no force argument: it replaced unconditionally.)
+// A destination that appears during a run (another run, the user) is never replaced without --force:
+// the checks at the start are not enough, so install_replacing creates an absent destination with
+// RENAME_NOREPLACE, refuses an existing one without force, and re-applies the --force rules to it.
 TEST(QuantizeOutput, DestinationThatAppearedDuringTheRunIsNotReplaced) {
   TempDir t;
   const fs::path tmp = t.path / "out.tmp.1", out = t.path / "out";
@@ -175,20 +151,20 @@ TEST(QuantizeOutput, DestinationThatAppearedDuringTheRunIsNotReplaced) {
   const std::string e1 = error_of<CheckpointError>([&] { detail::install_replacing(tmp, out, true, false); });
   EXPECT_NE(e1.find("appeared while the output was being written"), std::string::npos) << e1;
   EXPECT_NE(e1.find("--force"), std::string::npos) << e1;
-  EXPECT_EQ(slurp(out / "notes.txt"), "precious");
+  EXPECT_EQ(read_file(out / "notes.txt"), "precious");
   EXPECT_TRUE(fs::exists(out / "sub"));
   EXPECT_TRUE(fs::exists(tmp / "model.safetensors"));  // left for the caller's guard
   // With force, the --force rules apply to what is there now (notes.txt and sub/ are not checkpoint
   // entries; either may be named first).
   const std::string e2 = error_of<CheckpointError>([&] { detail::install_replacing(tmp, out, true, true); });
   EXPECT_NE(e2.find("does not look like a checkpoint this tool wrote"), std::string::npos) << e2;
-  EXPECT_EQ(slurp(out / "notes.txt"), "precious");
+  EXPECT_EQ(read_file(out / "notes.txt"), "precious");
   // A checkpoint-like destination is replaced with force; an absent one is created.
   fs::remove_all(out);
   fs::create_directories(out);
   std::ofstream(out / "config.json") << "{}";
   detail::install_replacing(tmp, out, true, true);
-  EXPECT_EQ(slurp(out / "model.safetensors"), "new");
+  EXPECT_EQ(read_file(out / "model.safetensors"), "new");
   EXPECT_FALSE(fs::exists(out / "config.json"));
   EXPECT_FALSE(fs::exists(tmp));
   const fs::path tmp2 = t.path / "two.tmp.1", out2 = t.path / "two";
@@ -201,7 +177,7 @@ TEST(QuantizeOutput, DestinationThatAppearedDuringTheRunIsNotReplaced) {
   const std::string e3 = error_of<CheckpointError>(
       [&] { detail::install_replacing(t.path / "f.safetensors.tmp.1", t.path / "f.safetensors", false, false); });
   EXPECT_NE(e3.find("appeared"), std::string::npos) << e3;
-  EXPECT_EQ(slurp(t.path / "f.safetensors"), "someone else's");
+  EXPECT_EQ(read_file(t.path / "f.safetensors"), "someone else's");
 }
 
 // Regression: quantize_checkpoint copied the other files with std::filesystem::copy_file, which
@@ -273,7 +249,7 @@ TEST(QuantizeOutput, InterruptFlagLeavesTheDestinationAsItWas) {
   EXPECT_TRUE(Checkpoint(t.path / "out").is_lutb());
 }
 
-// FitOptions::interrupt (QA session 9: one tensor's fit could not be interrupted). A set flag stops
+// FitOptions::interrupt makes one tensor's fit interruptible. A set flag stops
 // the fit before its next tile with Interrupted naming the tensor and the progress; a zero flag
 // changes nothing (same bytes and statistics as no flag).
 TEST(QuantizeOutput, FitReadsTheInterruptFlagBeforeEveryTile) {
@@ -332,9 +308,9 @@ TEST(QuantizeOutput, FitReadsTheInterruptFlagBeforeEveryTile) {
             std::string::npos);
 }
 
-// Regression (QA 2026-11-30, data loss): --force deleted ANY existing destination, e.g. a directory
-// holding the user's notes, or the current directory itself. It now replaces only what looks like
-// a checkpoint, and refuses anything else naming the path and the offending entry, changing nothing.
+// --force replaces only what looks like a checkpoint, never any existing destination (a directory
+// holding the user's notes, the current directory): anything else is refused naming the path and the
+// offending entry, changing nothing.
 TEST(ForceOutput, ReplacesOnlyCheckpointLikeDestinations) {
   TempDir t;
   synthesize_checkpoint(t.path / "in", small());
@@ -397,8 +373,8 @@ TEST(ForceOutput, ReplacesOnlyCheckpointLikeDestinations) {
   EXPECT_TRUE(fs::is_regular_file(t.path / "x.safetensors"));
 }
 
-// Regression (QA 2026-11-30): an output that cannot be created (no permission; here, as the tests may
-// run as root, a parent that is a file) was reported under the temporary path ".../out.tmp.PID".
+// An output that cannot be created (no permission; here, as the tests may run as root, a parent that
+// is a file) is reported under the user's path, not the temporary ".../out.tmp.PID".
 TEST(ForceOutput, CreationErrorsNameTheUsersPath) {
   TempDir t;
   synthesize_checkpoint(t.path / "in", small());
@@ -427,8 +403,8 @@ TEST(Synth, NegativeOverridesAreRejected) {
             std::string::npos);
 }
 
-// Regression (new-user QA session 9): --nu 1e16 wrote NaN weights and exited 0 (the sampler's
-// lgamma difference cancels); --nu 1e15 gave a wrong distribution. nu is now limited to (2, 1e6].
+// nu is limited to (2, 1e6]: beyond it the sampler's lgamma difference cancels (--nu 1e16 gives NaN
+// weights, 1e15 a wrong distribution).
 TEST(Synth, StudentNuOutsideItsRangeIsRefusedBeforeWriting) {
   TempDir t;
   for (const double nu : {1e16, 1e7, 2.0, -1.0}) {
@@ -481,8 +457,7 @@ TEST(Synth, FreeSpaceIsCheckedBeforeWriting) {
   EXPECT_TRUE(entries(t.path, "big").empty());
 }
 
-// SynthOptions::on_start (QA session 9: lutb synth announced "will write N bytes" before a refusal):
-// never called when a check refuses, called once with the planned bytes when the write starts.
+// SynthOptions::on_start (lutb synth's "will write N bytes" line) is never called when a check refuses, called once with the planned bytes when the write starts.
 TEST(Synth, OnStartOnlyAfterEveryCheckPassed) {
   TempDir t;
   std::vector<std::uint64_t> calls;
@@ -511,7 +486,7 @@ TEST(Synth, OnStartOnlyAfterEveryCheckPassed) {
 }
 
 // ---------------------------------------------------------------------------
-// Bad inputs found by the QA pass of session 9
+// Bad inputs
 // ---------------------------------------------------------------------------
 // Rewrites safetensors file `p` without the tensors named in `drop` and with `add` appended.
 void rewrite(const fs::path& p, const std::vector<std::string>& drop,
@@ -527,16 +502,6 @@ void rewrite(const fs::path& p, const std::vector<std::string>& drop,
   }
   keep.insert(keep.end(), add.begin(), add.end());
   write_safetensors(p, keep, {{"format", "pt"}});
-}
-
-void edit_config(const fs::path& dir, const std::function<void(nlohmann::json&)>& f) {
-  nlohmann::json j;
-  {
-    std::ifstream in(dir / "config.json");
-    in >> j;
-  }
-  f(j);
-  std::ofstream(dir / "config.json") << j.dump(2);
 }
 
 // Regression: lutb synth -o "" wrote the whole checkpoint to ".tmp.PID" in the current directory,
@@ -625,11 +590,9 @@ TEST(QuantizeInput, IncompleteRoutedExpertsAreRefused) {
   EXPECT_EQ(quantize_checkpoint(t.path / "oks", t.path / "out", quiet()).tensors_quantized, 2);
 }
 
-// Regression: quantize_checkpoint copied every other file, including the unquantised weights in
-// other forms (pytorch_model*.bin, Mistral's consolidated.safetensors, original/*.pth), into the
-// LUT-B checkpoint. They are now left out and listed; other files (other safetensors data too) are
-// still copied. Training state (optimizer.pt, training_args.bin) was copied too until nu17 (session
-// 17): it is now left out as well.
+// quantize_checkpoint leaves the unquantised weights in other forms (pytorch_model*.bin, Mistral's
+// consolidated.safetensors, original/*.pth) and training state (optimizer.pt, training_args.bin) out
+// of the LUT-B checkpoint and lists them; other files (other safetensors data too) are copied.
 TEST(QuantizeInput, OtherFormatWeightFilesAreNotCopied) {
   TempDir t;
   synthesize_checkpoint(t.path / "in", small(1));
@@ -683,7 +646,7 @@ TEST(QuantizeInput, ConfigSizesBeyond32BitsAreRefused) {
               std::string("c.json: key '") + key + "': 1000000000000 does not fit a 32-bit integer");
   }
   nlohmann::json j = synth_config(small()).raw;
-  j["num_hidden_layers"] = 65536;  // the largest accepted (a larger count is refused as corrupt: NewUserNu13)
+  j["num_hidden_layers"] = 65536;  // the largest accepted (a larger count is refused as corrupt: ConfigValidation.ImplausibleLayerCountRefused)
   EXPECT_EQ(parse_model_config(j, "c.json").num_hidden_layers, 65536);
 }
 
@@ -728,9 +691,9 @@ TEST(QuantizeInput, LogicalShapesMustAgreeWithConfig) {
 namespace lutb {
 namespace {
 
-// Regression (new-user test, session 10): the safetensors format does not align tensor data, and
-// the F16 fit path and the F64 conversion read it through typed pointers (a misaligned load, which
-// UBSan aborts on in the asan preset). A file whose F16 and F64 tensors start at odd addresses must
+// The safetensors format does not align tensor data, so the F16 fit path and the F64 conversion must
+// not read it through typed pointers (a misaligned load, which UBSan aborts on in the asan preset). A
+// file whose F16 and F64 tensors start at odd addresses must
 // quantise to the same bytes as the same values in FP32.
 TEST(QuantizeFile, MisalignedF16AndF64TensorData) {
   test::TempDir t;

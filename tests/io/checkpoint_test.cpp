@@ -243,7 +243,7 @@ void check_round_trip(const fs::path& in, const fs::path& out, const QuantizeSum
   EXPECT_DOUBLE_EQ(sum.stats.sse, total.sse);
   EXPECT_DOUBLE_EQ(sum.stats.sum_sq, total.sum_sq);
   EXPECT_GT(sum.stats.sqnr_db(), 10.0);
-  // Other files copied, except the source weights' reference losses (nu18: listed as not copied).
+  // Other files copied, except the source weights' reference losses (listed as not copied).
   for (const auto& e : fs::directory_iterator(in)) {
     const std::string f = e.path().filename().string();
     if (f == "config.json" || f.find("model") == 0) continue;
@@ -287,8 +287,8 @@ TEST(Quantize, TinyQwen3RoundTrip) {
   EXPECT_EQ(online.w13.scale, x.w13.scale);
   EXPECT_EQ(online.w2.packed, x.w2.packed);
   expect_error<CheckpointError>([&] { q.experts_source(2); }, {"stored as LUT-B"});
-  // Regression (QA 2026-11-30): without its quantization_config the message named an internal
-  // function ("use lutb_experts"); it now says what is missing.
+  // Without its quantization_config the message says what is missing, not an internal function
+  // ("use lutb_experts").
   {
     nlohmann::json cfg = q.config().raw;
     cfg.erase("quantization_config");
@@ -357,7 +357,7 @@ TEST(Quantize, PerExpertPaddedIntermediate) {
   EXPECT_EQ(q.quant_config()->logical_shapes.at("model.layers.0.mlp.experts.1.gate_proj.weight"),
             (std::vector<std::int64_t>{12, 64}));
   // gate and up are padded separately to 16 rows: a stacked w13 [E, 24, 64] would need straddling tiles.
-  // (The message names the file, the tensor and the remedies, not a library function: QA session 9.)
+  // (The message names the file, the tensor and the remedies, not a library function.)
   expect_error<FormatError>([&] { q.lutb_experts(0); },
                             {"model.safetensors: tensor model.layers.0.mlp.experts.0.gate_proj.weight_packed (layer 0)",
                              "not a multiple of 8", "--quant lutb"});
@@ -409,8 +409,8 @@ TEST(Quantize, CompressedTensorsWithoutScaleReadsAs127) {
   expect_error<CheckpointError>([&] { Checkpoint(t.path / "ct").lutb_experts(0); }, {"weight_scale", "not found"});
 }
 
-// Regression (QA 2026-11-30): a stored checkpoint whose quantization_config claims another tile was
-// read as 8x64 anyway; opening it now fails naming its config.json and the key.
+// A stored checkpoint whose quantization_config claims another tile fails to open, naming its
+// config.json and the key (its weights would otherwise be read as 8x64).
 TEST(Quantize, StoredQuantizationConfigIsValidated) {
   TempDir t;
   synthesize_checkpoint(t.path / "in", small(ModelFamily::qwen3_moe, 1, 64, 16, 2));
@@ -473,8 +473,9 @@ TEST(QuantizeErrors, OutputExistsUnlessForce) {
   expect_no_temp(t.path / "out2");
 }
 
-// Regression (QA, 2026-11-30): with --force an output that contains the input (its parent) was
-// swapped out and deleted together with the input; an output inside the input recursed into itself.
+// An output nested with the input is refused even with --force: an output that contains the input
+// (its parent) would be swapped out and deleted together with the input, and an output inside the
+// input would recurse into itself.
 TEST(QuantizeErrors, OutputNestedWithTheInputIsRefusedEvenWithForce) {
   TempDir t;
   synthesize_checkpoint(t.path / "par" / "m", small(ModelFamily::mixtral, 1));
@@ -489,7 +490,7 @@ TEST(QuantizeErrors, OutputNestedWithTheInputIsRefusedEvenWithForce) {
   expect_no_temp(t.path / "par" / "m" / "sub");
 }
 
-// Regression (QA, 2026-11-30): --force replaced a file with a directory and the reverse.
+// --force never replaces a file with a directory, or the reverse.
 TEST(QuantizeErrors, ForceNeverReplacesTheOtherKind) {
   TempDir t;
   synthesize_checkpoint(t.path / "in", small(ModelFamily::mixtral, 1));
@@ -534,9 +535,9 @@ TEST(QuantizeErrors, WrongDtype) {
   expect_no_temp(t.path / "out");
 }
 
-// Regression (QA 2026-11-30): quantize did not check the expert shapes against config.json (swapped
-// dims, or hidden_size doubled in the config) and wrote a checkpoint eval rejected. Now it fails
-// naming the shard, the tensor and both shapes, and writes nothing.
+// quantize checks the expert shapes against config.json (swapped dims, or hidden_size doubled in the
+// config) before writing: it fails naming the shard, the tensor and both shapes, and writes nothing,
+// rather than a checkpoint eval would reject.
 TEST(QuantizeErrors, ExpertShapeMustMatchTheConfig) {
   TempDir t;
   synthesize_checkpoint(t.path / "in", small(ModelFamily::qwen3_moe, 1, 64, 16, 2));

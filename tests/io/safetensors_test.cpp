@@ -23,6 +23,7 @@
 namespace lutb {
 namespace {
 namespace fs = std::filesystem;
+using test::read_file;
 using test::TempDir;
 
 constexpr DType kAllDTypes[] = {DType::BOOL, DType::U8,  DType::I8,   DType::U16,     DType::I16,     DType::U32,
@@ -34,11 +35,6 @@ std::vector<std::uint8_t> random_bytes(std::size_t n, std::uint32_t seed) {
   std::vector<std::uint8_t> v(n);
   for (auto& b : v) b = static_cast<std::uint8_t>(rng());
   return v;
-}
-
-std::string read_all(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
 }
 
 // A raw file: 8-byte length, the header text as given, then `data`.
@@ -79,7 +75,7 @@ TEST(Safetensors, WriteThenReadEveryDType) {
   ASSERT_FALSE(fs::exists(p.string() + ".tmp." + std::to_string(::getpid())));
 
   // The header is 8-byte padded with spaces, as the reference implementation writes it.
-  const std::string raw = read_all(p);
+  const std::string raw = read_file(p);
   std::uint64_t n = 0;
   std::memcpy(&n, raw.data(), 8);
   EXPECT_EQ((8 + n) % 8, 0u);
@@ -193,7 +189,7 @@ TEST(Safetensors, AtomicWriteLeavesDestinationUntouchedOnFailure) {
   TempDir tmp;
   const fs::path p = tmp.path / "model.safetensors";
   write_safetensors(p, {{"old", OwnedTensor{DType::U8, {4}, {1, 2, 3, 4}}}});
-  const std::string before = read_all(p);
+  const std::string before = read_file(p);
   const auto tmps = [&] {
     int n = 0;
     for (const auto& e : fs::directory_iterator(tmp.path)) n += e.path().filename() != "model.safetensors";
@@ -206,7 +202,7 @@ TEST(Safetensors, AtomicWriteLeavesDestinationUntouchedOnFailure) {
     w.write(half.data(), half.size() * 4);
     EXPECT_EQ(tmps(), 1);
   }
-  EXPECT_EQ(read_all(p), before);
+  EXPECT_EQ(read_file(p), before);
   EXPECT_EQ(tmps(), 0);
   {  // Commit with missing bytes fails, naming the tensor.
     SafetensorsWriter w(p);
@@ -220,7 +216,7 @@ TEST(Safetensors, AtomicWriteLeavesDestinationUntouchedOnFailure) {
       EXPECT_NE(std::string(e.what()).find("'new': only 2000 of 4000 bytes"), std::string::npos) << e.what();
     }
   }
-  EXPECT_EQ(read_all(p), before);
+  EXPECT_EQ(read_file(p), before);
   EXPECT_EQ(tmps(), 0);
   // A destination whose directory does not exist: a clear error naming it.
   try {
@@ -328,7 +324,7 @@ TEST(SafetensorsHostile, EveryTruncationAndByteFlipIsHandled) {
   write_safetensors(p, {{"a", OwnedTensor{DType::BF16, {2, 3}, random_bytes(12, 1)}},
                         {"b", OwnedTensor{DType::U8, {5}, random_bytes(5, 2)}}},
                     {{"format", "pt"}});
-  const std::string raw = read_all(p);
+  const std::string raw = read_file(p);
   std::map<std::string, TensorView> t;
   std::vector<std::string> names;
   std::map<std::string, std::string> meta;
@@ -417,9 +413,8 @@ void open_with_little_memory(const fs::path& p, std::uint64_t file_size, const s
 }
 
 // The header-length field is checked against the file size and the 100 MB limit (safetensors'
-// MAX_HEADER_SIZE, 100,000,000 bytes) before the header is read or anything of its size allocated
-// (QA session 9: the limit itself was untested; the earlier "over 100 MB" case had a 10-byte file
-// and so only reached the file-size check).
+// MAX_HEADER_SIZE, 100,000,000 bytes) before the header is read or anything of its size allocated.
+// The files hold that many bytes (sparse), so the limit itself is reached, not the file-size check.
 TEST(SafetensorsHostile, HeaderLengthLimitIsCheckedBeforeAllocating) {
   TempDir tmp;
   constexpr std::uint64_t kLimit = 100'000'000;
@@ -429,7 +424,7 @@ TEST(SafetensorsHostile, HeaderLengthLimitIsCheckedBeforeAllocating) {
   expect_broken(over, "header length 100000001 exceeds the 100 MB limit");
   open_with_little_memory(over, 8 + kLimit + 1 + 8, "header length 100000001 exceeds the 100 MB limit");
   // Exactly at the limit: accepted as a length, then read (and rejected) as header text: zeros are NUL
-  // bytes, which no header holds (nu18; before, the JSON parser's error).
+  // bytes, which no header holds (not the JSON parser's error).
   const fs::path at = tmp.path / "at.safetensors";
   write_sparse(at, kLimit, 8 + kLimit);
   expect_broken(at, "header holds a NUL byte at offset 1 of its 100000000 bytes");
@@ -492,8 +487,8 @@ TEST(SafetensorsCollection, ShardedCheckpoint) {
   expect_error("no 'weight_map' object");
   write_index(R"({"weight_map":)");
   expect_error("invalid JSON");
-  // A tensor held by two shards, the index naming one (QA session 9: accepted; lutb quantize wrote
-  // both copies and the reader used one).
+  // A tensor held by two shards, the index naming one, is refused: lutb quantize would write both
+  // copies and the reader use one.
   write_safetensors(tmp.path / "model-00002-of-00002.safetensors",
                     {{"z.weight", OwnedTensor{DType::U8, {4}, random_bytes(4, 3)}},
                      {"x.weight", OwnedTensor{DType::BF16, {2, 2}, random_bytes(8, 4)}}});

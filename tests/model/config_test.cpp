@@ -96,9 +96,9 @@ TEST(TransformerConfigTest, Errors) {
   EXPECT_THROW(TransformerConfig::load(tmp.path), ModelError);  // no config.json
 }
 
-// Regression (new-user test, session 10): a config.json that is a directory failed with the stream's
-// "basic_filebuf::underflow error reading the file: Is a directory" (no file named), and a model
-// path that is a file gave "FILE/config.json: cannot open". Both now say what is wrong with which path.
+// A config.json that is a directory, and a model path that is a file, are named with what is wrong
+// with them, not the stream's "basic_filebuf::underflow error reading the file: Is a directory" or
+// "FILE/config.json: cannot open".
 TEST(TransformerConfigTest, PathErrorsNameThePathAndTheProblem) {
   lutb::test::TempDir tmp;
   std::filesystem::create_directory(tmp.path / "config.json");
@@ -125,10 +125,8 @@ TEST(TransformerConfigTest, PathErrorsNameThePathAndTheProblem) {
                 "*.safetensors)");
 }
 
-// Regression (QA 2026-11-30): the quantize path (lutb::parse_model_config) and the eval path
-// (TransformerConfig::from_json) worded the same fault differently ("required key "K" is missing"
-// vs "missing key "K""; "must be an integer" vs "has the wrong type"). Both now read
-// "FILE: key 'K': reason", from one helper.
+// The quantize path (lutb::parse_model_config) and the eval path (TransformerConfig::from_json) word
+// the same fault the same way, "FILE: key 'K': reason", from one helper.
 TEST(TransformerConfigTest, ErrorsWordedAsTheCheckpointParser) {
   const std::string where = "m/config.json";
   struct Case {
@@ -142,7 +140,7 @@ TEST(TransformerConfigTest, ErrorsWordedAsTheCheckpointParser) {
       {"vocab_size", nullptr, "m/config.json: key 'vocab_size': required but missing"},
       {"num_hidden_layers", true, "m/config.json: key 'num_hidden_layers': must be an integer, got true"},
       {"hidden_size", 0, "m/config.json: key 'hidden_size': must be positive, got 0"},
-      // The supported families are listed by both parsers (nu18: eval's said only "required but missing").
+      // The supported families are listed by both parsers.
       {"model_type", nullptr,
        "m/config.json: key 'model_type': required but missing (supported: qwen3_moe, qwen2_moe, mixtral, "
        "deepseek_v3, deepseek_v2, olmoe)"},
@@ -150,7 +148,7 @@ TEST(TransformerConfigTest, ErrorsWordedAsTheCheckpointParser) {
       {"rms_norm_eps", "1e-6", "m/config.json: key 'rms_norm_eps': must be a number, got \"1e-6\""},
       {"tie_word_embeddings", 1, "m/config.json: key 'tie_word_embeddings': must be true or false, got 1"},
       {"num_experts_per_tok", "2", "m/config.json: key 'num_experts_per_tok': must be an integer, got \"2\""},
-      // A negative value is worded as 0 and 5 are, with the range (nu18: "must be non-negative, got -1").
+      // A negative value is worded as 0 and 5 are, with the range.
       {"num_experts_per_tok", -1,
        "m/config.json: key 'num_experts_per_tok': must be in 1..4 (the experts count), got -1"},
       {"num_experts_per_tok", 0, "m/config.json: key 'num_experts_per_tok': must be in 1..4 (the experts count), got 0"},

@@ -5,7 +5,7 @@
 #include <cmath>
 #include <fstream>
 
-#include "model/model_test_util.hpp"
+#include "support/cli_support.hpp"
 
 using namespace lutb::test;
 
@@ -16,7 +16,7 @@ void check_reference(const std::string& name) {
   std::ifstream in(dir / "reference_eval.json");
   if (!in) GTEST_SKIP() << name << ": reference_eval.json absent";
   const nlohmann::json ref = nlohmann::json::parse(in);
-  const CliResult r = run_cli("eval " + quote(dir) + " --quant none --json");
+  const CliResult r = run_cli("eval " + q(dir) + " --quant none --json");
   ASSERT_EQ(r.status, 0) << r.err;
   const nlohmann::json j = r.json();
   EXPECT_EQ(j["quant"], "none");

@@ -77,10 +77,9 @@ TEST(ModelForward, BatchingDoesNotChangeTheLoss) {
   const EvalResult a = evaluate(lm, tokens, one), b = evaluate(lm, tokens, three);
   EXPECT_EQ(a.windows, 3);
   EXPECT_EQ(a.tokens, 3 * 255);
-  // Batching changes only the FP32 summation order; since session 16 the MoE blocks round their routed
-  // sums (and inputs) to BF16 (spec section 4), so a reordered sum next to a rounding boundary moves
-  // one output by a BF16 unit: measured 6.3e-6 nats here (1.6e-6 relative; it was below 1e-6 with FP32
-  // block outputs). Bounded as --device cuda against cpu, the same mechanism
+  // Batching changes only the FP32 summation order; the MoE blocks round their routed sums (and
+  // inputs) to BF16 (spec section 4), so a reordered sum next to a rounding boundary moves one output
+  // by a BF16 unit: measured 6.3e-6 nats here (1.6e-6 relative). Bounded as --device cuda against cpu, the same mechanism
   // (tests/cuda/cli_gpu_test.cpp: 5e-5 relative).
   EXPECT_NEAR(a.val_loss, b.val_loss, 5e-5 * a.val_loss);
   // the loss is the mean of the per-window sums
@@ -91,8 +90,8 @@ TEST(ModelForward, BatchingDoesNotChangeTheLoss) {
 
 TEST(ModelForward, LossIsThePositionOrderSumOfTheLogitsNll) {
   // The returned loss is the sum of nll() over positions 0..T-2 in position order, bit for bit,
-  // whatever the thread count (an OpenMP reduction there combined the threads' partial sums in an
-  // unspecified order: two runs of one command differed in the last bit, session 17).
+  // whatever the thread count (an OpenMP reduction would combine the threads' partial sums in an
+  // unspecified order, and two runs of one command would differ in the last bit).
   LUTB_MODEL_OR_SKIP(dir, "tiny-mixtral");
   CheckpointMoe moe(dir, MoeOptions{});
   LanguageModel lm = LanguageModel::load(dir, moe.factory());
@@ -210,7 +209,7 @@ TEST(ModelErrors, TokenFiles) {
   EXPECT_EQ(ids[1], 7);
 }
 
-// Regression (QA, 2026-11-30): a valid file whose header length is not a multiple of 4 puts the
+// A valid file whose header length is not a multiple of 4 puts the
 // int32 data at an unaligned offset; it must load, not fail on alignment.
 TEST(ModelErrors, UnalignedTokenDataLoads) {
   test::TempDir tmp;

@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <random>
 #include <stdexcept>
 
@@ -67,6 +68,11 @@ float f32_hex(const std::string& s) {
   float f;
   std::memcpy(&f, &u, 4);
   return f;
+}
+
+std::string read_file(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
 }
 
 TempDir::TempDir() {

@@ -4,9 +4,11 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <exception>
 #include <filesystem>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -29,6 +31,12 @@ std::vector<std::uint8_t> parse_hex_bytes(const std::string& s);
 /// FP32 from its hex bit pattern.
 float f32_hex(const std::string& s);
 
+/// The bytes of file `p` ("" when it cannot be read).
+std::string read_file(const std::filesystem::path& p);
+
+/// Whether `text` contains `part`.
+inline bool has(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
 /// A fresh temporary directory, removed by the destructor.
 struct TempDir {
   TempDir();
@@ -37,6 +45,22 @@ struct TempDir {
   TempDir& operator=(const TempDir&) = delete;
   std::filesystem::path path;
 };
+
+/// The message of the exception `f` throws when it is an `Ex`; "wrong exception type: WHAT" for any
+/// other std::exception, "no exception" when `f` returns. Tests compare it with the whole expected
+/// message, so a failure prints both.
+template <class Ex = std::exception, class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    if constexpr (!std::is_same_v<Ex, std::exception>) {
+      if (dynamic_cast<const Ex*>(&e) == nullptr) return std::string("wrong exception type: ") + e.what();
+    }
+    return e.what();
+  }
+  return "no exception";
+}
 
 }  // namespace lutb::test
 

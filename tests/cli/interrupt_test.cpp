@@ -1,6 +1,7 @@
-// Ctrl-C / SIGTERM during `lutb quantize` (QA 2026-11-30: the run died and left OUT.tmp.PID behind)
-// and the report of temporaries left by dead processes. The binary is spawned (LUTB_CLI_PATH), the
-// signal sent once its temporary output exists, i.e. while it streams tensors.
+// Ctrl-C / SIGTERM during `lutb quantize`: the run stops and removes its temporaries (OUT.tmp.PID),
+// an existing output stays as it was, and temporaries left by dead processes are reported. The binary
+// is spawned (LUTB_CLI_PATH), the signal sent once its temporary output exists, i.e. while it streams
+// tensors.
 #include <gtest/gtest.h>
 
 #include <fcntl.h>
@@ -9,49 +10,35 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
+#include <fmt/core.h>
+#include <nlohmann/json.hpp>
+
 #include "lutb/checkpoint.hpp"
+#include "lutb/safetensors.hpp"
+#include "support/cli_support.hpp"
 #include "support/test_support.hpp"
 
 namespace lutb {
 namespace {
 
 namespace fs = std::filesystem;
-
-// Starts `lutb ARGS...` with stdout+stderr to `log` and the default action for the signals under
-// test (a test run from a non-interactive background shell inherits SIGINT ignored).
-pid_t spawn(const std::vector<std::string>& args, const fs::path& log) {
-  const pid_t pid = ::fork();
-  if (pid != 0) return pid;
-  for (int s : {SIGINT, SIGTERM, SIGHUP}) ::signal(s, SIG_DFL);
-  const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  if (fd >= 0) {
-    ::dup2(fd, 1);
-    ::dup2(fd, 2);
-  }
-  std::vector<char*> argv;
-  std::string exe = LUTB_CLI_PATH;
-  argv.push_back(exe.data());
-  std::vector<std::string> copy = args;
-  for (auto& a : copy) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  ::execv(exe.c_str(), argv.data());
-  ::_exit(127);
-}
-
-std::string slurp(const fs::path& p) {
-  std::ifstream f(p);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
+using test::CliOut;
+using test::has;
+using test::q;
+using test::read_file;
+using test::run;
+using test::spawn;
 
 // Names in `dir` starting with `prefix`, sorted.
 std::vector<std::string> names_with_prefix(const fs::path& dir, const std::string& prefix) {
@@ -107,9 +94,52 @@ SignalledRun quantize_and_signal(const fs::path& in, const fs::path& out, int si
     for (int i = 0; i < times; ++i) ::kill(pid, sig);  // times > 1: back to back, as `timeout` does
     ::waitpid(pid, &r.status, 0);
   }
-  r.log = slurp(log);
+  r.log = read_file(log);
   EXPECT_FALSE(exited) << "quantize ended before its temporary appeared:\n" << r.log;
   return r;
+}
+
+// A pid that no longer exists: a child that has exited and been reaped.
+pid_t dead_pid() {
+  const pid_t p = ::fork();
+  if (p == 0) ::_exit(0);
+  int st = 0;
+  ::waitpid(p, &st, 0);
+  return p;
+}
+
+// A --match with nested repetition takes exponential time on a long tensor name (std::regex backtracks), and
+// the signal handler only sets a flag that the matching never reads: the names are matched before the handler
+// is installed, so one Ctrl-C stops it.
+TEST(CliInterrupt, OneCtrlCStopsACatastrophicMatch) {
+  test::TempDir t;
+  const fs::path f = t.path / "long.safetensors";
+  // (a|aa)*c against 60 a's: about 10^12 backtracking steps, hours.
+  write_safetensors(f, {{"model." + std::string(60, 'a'),
+                         OwnedTensor{DType::BF16, {8, 64}, std::vector<std::uint8_t>(8 * 64 * 2, 0)}}});
+  const fs::path log = t.path / "log.txt";
+  const pid_t pid =
+      spawn({"quantize", f.string(), "-o", (t.path / "o.safetensors").string(), "--match", "(a|aa)*c", "--no-progress"},
+            log);
+  ASSERT_GT(pid, 0);
+  std::this_thread::sleep_for(std::chrono::seconds(1));  // well into the matching
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, WNOHANG), 0) << "quantize ended before the signal";
+  ::kill(pid, SIGINT);
+  // One signal must end it; the bound only keeps a failing run from hanging the suite.
+  bool ended = false;
+  for (int i = 0; i < 300 && !ended; ++i) {
+    ended = ::waitpid(pid, &status, WNOHANG) == pid;
+    if (!ended) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  if (!ended) {
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, &status, 0);
+  }
+  EXPECT_TRUE(ended) << "one SIGINT did not stop quantize within 30 s";
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGINT) << "status " << status;
+  EXPECT_FALSE(fs::exists(t.path / "o.safetensors"));
+  EXPECT_TRUE(has(run("quantize --help"), "a pattern with nested repetition such as (a|aa)*c can take exponential time"));
 }
 
 TEST(CliInterrupt, SigintDuringForcedQuantizeKeepsTheOldOutput) {
@@ -125,14 +155,13 @@ TEST(CliInterrupt, SigintDuringForcedQuantizeKeepsTheOldOutput) {
   EXPECT_NE(r.log.find("interrupted by signal 2"), std::string::npos) << r.log;
   EXPECT_EQ(names_with_prefix(t.path, "out"), std::vector<std::string>{"out"});  // no out.tmp.*, out.old.*
   EXPECT_EQ(names_with_prefix(t.path / "out", ""), std::vector<std::string>{"keep.json"});
-  EXPECT_EQ(slurp(t.path / "out" / "keep.json"), "the previous output");
+  EXPECT_EQ(read_file(t.path / "out" / "keep.json"), "the previous output");
 }
 
 // GNU timeout (without --foreground) and `kill -- -PGID` signal the process and then its group: the
-// same request twice within microseconds. With SA_RESETHAND the second copy, landing on another
-// thread while the first handler ran, killed the process at once: no message, OUT.tmp.PID left
-// behind (new-user QA, session 21: 3 of 120 `timeout -s INT` runs). A signal within a second of the
-// first is now the same request.
+// same request twice within microseconds. A signal within a second of the first is the same request:
+// with SA_RESETHAND the second copy, landing on another thread while the first handler ran, would kill
+// the process at once, with no message and OUT.tmp.PID left behind.
 TEST(CliInterrupt, TheSameSignalTwiceAtOnceStillCleansUp) {
   test::TempDir t;
   make_input(t.path / "in");
@@ -156,11 +185,9 @@ TEST(CliInterrupt, SigtermDuringQuantizeLeavesNothing) {
   EXPECT_EQ(Checkpoint(t.path / "in").config().num_hidden_layers, 8);  // the input is untouched
 }
 
-// Regression (session 9): a single tensor's fit was not interruptible: a signal that arrived while a
-// large projection was being fitted took effect only once the whole tensor was fitted (seconds to
-// minutes for a real model's stacked experts). The fitter now polls the flag between tiles and the
-// message says where it stopped. One expert of 2048 x 2048 projections (8192 tiles each) with the
-// exact "optimal" fitter on one thread: every projection takes seconds, so the signal, sent once the
+// A signal that arrives while a large projection is being fitted stops that fit: the fitter polls the flag
+// between tiles and the message says where it stopped. One expert of 2048 x 2048 projections (8192 tiles each)
+// with the exact "optimal" fitter on one thread: every projection takes seconds, so the signal, sent once the
 // temporary exists and the router (a few KB) is copied, lands inside a fit.
 TEST(CliInterrupt, SigintInsideOneTensorsFitStopsThatFit) {
   test::TempDir t;
@@ -187,13 +214,13 @@ TEST(CliInterrupt, SigintInsideOneTensorsFitStopsThatFit) {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
-  ASSERT_FALSE(exited) << slurp(log);
+  ASSERT_FALSE(exited) << read_file(log);
   std::this_thread::sleep_for(std::chrono::milliseconds(100));  // past the router copy, into the first fit
   const auto t0 = std::chrono::steady_clock::now();
   ::kill(pid, SIGINT);
   ::waitpid(pid, &status, 0);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  const std::string text = slurp(log);
+  const std::string text = read_file(log);
   std::printf("[ info ] the run ended %.3f s after the signal\n", seconds);  // informational, not asserted
   ASSERT_TRUE(WIFSIGNALED(status)) << "status " << status << "\n" << text;
   EXPECT_EQ(WTERMSIG(status), SIGINT) << text;
@@ -207,13 +234,13 @@ TEST(CliInterrupt, SigintInsideOneTensorsFitStopsThatFit) {
   EXPECT_EQ(total, 8192) << text;
   EXPECT_GE(done, 0) << text;
   EXPECT_LT(done, total) << text;  // stopped inside the tensor, not after it
-  // out never existed: "nothing was created at OUT", not "OUT is as it was" (new-user QA, session 20).
+  // out never existed: "nothing was created at OUT", not "OUT is as it was".
   EXPECT_NE(text.find("nothing was created at " + out.string()), std::string::npos) << text;
   EXPECT_TRUE(names_with_prefix(t.path, "out").empty()) << text;  // no out, no out.tmp.*
 }
 
-// Regression (session 9): the other files of a checkpoint were copied without polling the flag, so
-// a signal during the copy of a large one (here 2 GB, sparse) waited for the whole copy.
+// The copy of the other files of a checkpoint polls the flag, so a signal during the copy of a large one (here
+// 2 GB, sparse) stops it.
 TEST(CliInterrupt, SigintWhileCopyingALargeFileStopsTheCopy) {
   test::TempDir t;
   SynthOptions so;
@@ -241,10 +268,10 @@ TEST(CliInterrupt, SigintWhileCopyingALargeFileStopsTheCopy) {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
-  ASSERT_FALSE(exited) << slurp(log);
+  ASSERT_FALSE(exited) << read_file(log);
   ::kill(pid, SIGINT);
   ::waitpid(pid, &status, 0);
-  const std::string text = slurp(log);
+  const std::string text = read_file(log);
   ASSERT_TRUE(WIFSIGNALED(status)) << "status " << status << "\n" << text;
   EXPECT_EQ(WTERMSIG(status), SIGINT) << text;
   EXPECT_NE(text.find(out.string() + ": interrupted by signal 2 (Interrupt) while copying " +
@@ -252,15 +279,6 @@ TEST(CliInterrupt, SigintWhileCopyingALargeFileStopsTheCopy) {
             std::string::npos)
       << text;
   EXPECT_TRUE(names_with_prefix(t.path, "out").empty()) << text;
-}
-
-// A pid that no longer exists: a child that has exited and been reaped.
-pid_t dead_pid() {
-  const pid_t p = ::fork();
-  if (p == 0) ::_exit(0);
-  int st = 0;
-  ::waitpid(p, &st, 0);
-  return p;
 }
 
 TEST(CliInterrupt, StaleTemporariesAreReportedNotRemoved) {
@@ -289,7 +307,7 @@ TEST(CliInterrupt, StaleTemporariesAreReportedNotRemoved) {
                           t.path / "log.txt");
   int st = 0;
   ::waitpid(pid, &st, 0);
-  const std::string log = slurp(t.path / "log.txt");
+  const std::string log = read_file(t.path / "log.txt");
   ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << log;
   EXPECT_NE(log.find("warning: " + stale.string() + " was left by an interrupted run"), std::string::npos) << log;
   EXPECT_NE(log.find("warning: " + stale_old.string()), std::string::npos) << log;

@@ -1,8 +1,8 @@
-// Session 16 (cli16): a checkpoint's MoE block follows spec section 4 at both ends of its routed
-// experts: they read BF16 tokens, and their weighted sum is rounded to BF16 (step 6) before the shared
-// experts are added. Until then the CPU block kept both in FP32 while the GPU kernel (moe_forward)
-// reads BF16 and writes BF16, and `lutb eval --device cuda` differed from `--device cpu` by 1e-4..5e-4
-// of the loss. The test failed on that code (forward(x) summed FP32 products of the off-grid x, unrounded).
+// A checkpoint's MoE block follows spec section 4 at both ends of its routed experts: they read BF16
+// tokens, and their weighted sum is rounded to BF16 (step 6) before the shared experts are added, as
+// the GPU kernel (moe_forward) reads and writes BF16. A CPU block that kept both in FP32 would make
+// `lutb eval --device cuda` differ from `--device cpu` by 1e-4..5e-4 of the loss; off-grid inputs
+// show whether forward(x) rounds them.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -42,7 +42,7 @@ std::vector<float> off_grid_inputs(const std::filesystem::path& dir, int layer) 
 // forward(x) = bf16(experts(bf16(x), route(logits(x)))) + shared(x), bit for bit, recomputed from the
 // block's own parts (model::MoeBlockParts), for BF16 and LUT-B experts, with and without shared
 // experts (DeepSeek-V3 has one).
-TEST(ModelSpec4Rounding, BlockForwardRoundsTokensAndRoutedSumToBf16) {
+TEST(MoeBlockRounding, BlockForwardRoundsTokensAndRoutedSumToBf16) {
   for (const std::string name : {"tiny-qwen3-moe", "tiny-deepseek-v3"}) {
     LUTB_MODEL_OR_SKIP(dir, name);
     const int layer = name == "tiny-deepseek-v3" ? 1 : 0;  // DeepSeek's layer 0 is dense

@@ -1,7 +1,5 @@
-// Shapes whose LUT-B byte counts overflow 64 bits, given to the public API (new-user QA, session 14):
-// [2^40, 2^40] made shape.tiles() wrap to 0 (signed overflow), and LutbTensor, check_sizes, validate
-// and lutb::quantize accepted it as an empty tensor without a word; 2^63 - 1 experts failed as
-// "cannot create std::vector larger than max_size()". Each assertion failed before the fix.
+// Shapes whose LUT-B byte counts overflow 64 bits, given to the public API, are refused naming the
+// shape: [2^40, 2^40] must not wrap shape.tiles() to 0 (signed overflow) and pass as an empty tensor.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -12,10 +10,12 @@
 
 #include "lutb/fit.hpp"
 #include "lutb/tile.hpp"
+#include "support/test_support.hpp"
 
 namespace lutb {
 namespace {
 
+using test::error_of;
 constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
 
 LutbShape shape(std::int64_t e, std::int64_t n, std::int64_t k) {
@@ -27,19 +27,7 @@ LutbShape shape(std::int64_t e, std::int64_t n, std::int64_t k) {
   return s;
 }
 
-template <class E, class F>
-std::string error_of(F f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    return std::string("other exception: ") + e.what();
-  }
-  return "no exception";
-}
-
-TEST(NewUserNu14, OverflowingLutbShapesRefused) {
+TEST(LutbShapeOverflow, ByteCountsBeyond64BitsAreRefused) {
   const LutbShape huge = shape(1, std::int64_t{1} << 40, std::int64_t{1} << 40);
   EXPECT_EQ(error_of<FormatError>([&] { LutbTensor t(huge); }),
             "LutbTensor: LUT-B shape [1099511627776, 1099511627776] is too large: its packed bytes overflow 64-bit "
