@@ -33,7 +33,7 @@ MARKER = re.compile(
     r"|\brounds? [0-9]+"
     r"|\bnew[- ]user (?:QA|trial|round|finding)"
     r"|\bQA round"
-    r"|(?!(?-i:CLI11)\b)" + CODE_NAME,
+    r"|(?!CLI11\b)" + CODE_NAME,
     re.IGNORECASE,
 )
 DATE = re.compile(r"\b20[0-9]{2}-[01][0-9]-[0-3][0-9]\b")

@@ -1,5 +1,5 @@
 // src/cuda/e4m3_encode.cuh: the device's FP32 -> E4M3 encode (spec section 1) through the hardware
-// conversion, and the MXFP8 element encode built on it (session 18, cvt18).
+// conversion, and the MXFP8 element encode built on it.
 //
 // On sm_89+ `cvt.rn.satfinite.e4m3x2.f32` converts two FP32 values to two E4M3 bytes in one
 // instruction (PTX ISA, "cvt": .rn round to nearest even, .satfinite: finite values beyond the

@@ -67,7 +67,7 @@ CliOut run(const std::string& args) {
 }
 
 // Appended to one string: "'" + p.string() + "'" made GCC 12 warn of a possibly overlapping memcpy
-// (-Wrestrict, a false positive; see tests/cli/cli_new_user_s11_test.cpp).
+// (-Wrestrict, a false positive).
 std::string q(const fs::path& p) {
   std::string r = "'";
   r += p.string();
@@ -120,17 +120,16 @@ TEST(CliGpu, QuantizeOnCudaWritesTheCpuBytes) {
 
 // lutb moe --device cuda vs --device cpu on captured activations, tiny-qwen3-moe (softmax top-k) and
 // tiny-deepseek-v3 (DeepSeek-V3 grouped sigmoid routing and a shared expert; its layer 0 is dense).
-// Since session 16 both backends follow spec section 4 the same way: the routed experts read bf16(x)
-// and their weighted sum is rounded to BF16 (the CPU block kept both FP32 until then, and the GPU's
-// BF16 output alone made a relative L2 difference of 1.66e-3). What is left is FP32 summation order
+// Both backends follow spec section 4 the same way: the routed experts read bf16(x) and their
+// weighted sum is rounded to BF16 (an FP32 CPU block against the GPU's BF16 output would differ by
+// a relative L2 of about 1.66e-3 from that rounding alone). What is left is FP32 summation order
 // inside the fused kernel (~1e-6 relative before rounding), which moves a BF16 output by one unit
 // (2^-8..2^-7 of it) only where the FP32 sum lies within that distance of a rounding boundary: a
 // fraction ~1e-6 / 2^-8 ~ 3e-4 of the outputs at most, so the relative L2 difference is at most about
-// sqrt(3e-4) * 2^-7.5 ~ 1e-4. Measured on an H200 (run cli16-run1): LUT-B 5.0e-7 to 1.1e-5, the BF16
+// sqrt(3e-4) * 2^-7.5 ~ 1e-4. Measured on an H200: LUT-B 5.0e-7 to 1.1e-5, the BF16
 // baseline 6.3e-5 to 1.01e-4 (its h = bf16(silu(g) u) rounds once more inside the pipeline, where a
 // reordered g or u can flip it too). Asserted < 3e-4: about 3x the largest measured value, and the
-// routing must agree (one flipped choice among the 512 tokens would add ~1e-2). Until session 16 the
-// bound was 2.5e-3 for the output rounding alone (measured 1.66e-3).
+// routing must agree (one flipped choice among the 512 tokens would add ~1e-2).
 // And the error against the captured outputs can differ from the CPU's only by that difference
 // (triangle inequality): |rel_gpu - rel_cpu| <= vs_cpu * |cpu| / |ref| <= vs_cpu * (1 + rel_cpu).
 constexpr double kMoeVsCpuBound = 3e-4;
@@ -197,12 +196,11 @@ TEST(CliGpu, DefaultJobGpuSection) {
 }
 
 // eval --device cuda: the routed experts of every block on the GPU inside the CPU model, the LUT-B fit
-// of --quant lutb on the GPU too. Since session 16 the two backends differ only by FP32 summation
-// order (above): BF16 units flipped in a small fraction of the block outputs, which moves the loss by
-// far less than the 1.3e-4..4.5e-4 relative the BF16 output rounding alone made (run cli15-run1).
-// Measured (run cli16-run1, 4 windows): LUT-B 8.5e-7 and 1.3e-6 relative, BF16 4.9e-6 and 7.2e-6
-// (one window of tiny-qwen3-moe LUT-B: 1.6e-5, cli_commands.log). Asserted within 5e-5 relative
-// (was 1e-3): 7x the largest 4-window value, 3x the 1-window one. The fit: the GPU fitter's bytes and FitStats are the CPU's, so every
+// of --quant lutb on the GPU too. The two backends differ only by FP32 summation order
+// (above): BF16 units flipped in a small fraction of the block outputs, which moves the loss by far
+// less than the 1.3e-4..4.5e-4 relative that a BF16-against-FP32 output rounding would make.
+// Measured on an H200 (4 windows): LUT-B 8.5e-7 and 1.3e-6 relative, BF16 4.9e-6 and 7.2e-6
+// (one window of tiny-qwen3-moe LUT-B: 1.6e-5). Asserted within 5e-5 relative: 7x the largest 4-window value, 3x the 1-window one. The fit: the GPU fitter's bytes and FitStats are the CPU's, so every
 // tensor's SQNR is equal, exactly.
 TEST(CliGpu, EvalOnCudaMatchesTheCpuLoss) {
   LUTB_CLI_GPU_OR_SKIP();

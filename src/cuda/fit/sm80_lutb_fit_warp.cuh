@@ -834,7 +834,7 @@ __device__ __forceinline__ float load1(const void* src, int dtype, std::int64_t 
   return dtype == 1 ? bf16_to_float(h) : fp16_to_float(h);
 }
 
-__device__ __forceinline__ float cvt16(std::uint16_t h, int dtype) {
+__device__ __forceinline__ float bits16_to_float(std::uint16_t h, int dtype) {
   return dtype == 1 ? bf16_to_float(h) : fp16_to_float(h);
 }
 
@@ -866,8 +866,8 @@ __device__ __forceinline__ void load_tile(const KernelArgs& a, std::int64_t lt, 
         const std::uint32_t wv[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
         for (int h = 0; h < 4; ++h) {
-          x[8 * v + 2 * h] = cvt16(static_cast<std::uint16_t>(wv[h] & 0xffffu), a.dtype);
-          x[8 * v + 2 * h + 1] = cvt16(static_cast<std::uint16_t>(wv[h] >> 16), a.dtype);
+          x[8 * v + 2 * h] = bits16_to_float(static_cast<std::uint16_t>(wv[h] & 0xffffu), a.dtype);
+          x[8 * v + 2 * h + 1] = bits16_to_float(static_cast<std::uint16_t>(wv[h] >> 16), a.dtype);
         }
       }
     }
