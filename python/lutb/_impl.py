@@ -259,7 +259,7 @@ def moe_experts_cpu(x, topk_ids, topk_weights, w13p, w13c, w13s, w2p, w2c, w2s, 
     _lutb.moe_experts_cpu(
         A.raw(x), t, h, A.raw(topk_ids), 64 if A.dtype_str(topk_ids) == "int64" else 32, A.raw(topk_weights),
         topk_ids.shape[1], w13p.shape[0], intermediate, *(A.raw(v) for v in (w13p, w13c, w13s, w2p, w2c, w2s)),
-        act_format, A.raw(out),
+        act_format, A.raw(out), A.dtype_str(out) == "float32",
     )
 
 
