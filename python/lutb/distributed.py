@@ -5,6 +5,8 @@
   load_model_experts(checkpoint, shard, device, layers)  the same for every MoE layer
   ep_moe_experts(x, topk_ids, topk_weights, w13_local, w2_local, shard, group, mode)
                                                          the routed experts of one layer across ranks
+  allreduce_local_experts(x, local_ids, weights, w13_local, w2_local, group)
+                                                         the same on transformers' local ids + marker
 
 The router stays replicated: every rank routes its tokens to global expert ids, and ep_moe_experts
 brings each (token, slot) to the rank that holds the expert. Two modes (docs/design/expert-parallel.md):
@@ -15,7 +17,8 @@ brings each (token, slot) to the rank that holds the expert. Two modes (docs/des
      FP32 rows back; the home rank forms sum_j weight_j * y_j in slot order in FP32 and rounds to
      BF16 once. This is the order of the single-device kernels (spec 4 step 6; CPU and CUDA add
      fl(w * y) in slot order), so on the CPU the result is bit-identical to lutb.moe_experts on one
-     device holding all experts.
+     device holding all experts (on CUDA, equal up to the GEMMs' FP32 accumulation order, which
+     depends on the number of pairs per call).
   "allreduce": the tokens are replicated; each rank computes its experts' partial FP32 sums for
      every token (non-local slots get the marker id E_local and contribute nothing), all_reduce
      sums them in FP32 and the sum is rounded to BF16 once. Equal to the single-device result up
@@ -297,9 +300,6 @@ def _check(x, topk_ids, topk_weights, w13_local, w2_local, shard, mode, replicat
         if v.shape[0] != shard.local_experts:
             raise ValueError(f"{n}: holds {v.shape[0]} experts, shard {shard.rank} of {shard.world} holds "
                              f"{shard.local_experts} (experts {shard.start}..{shard.stop - 1})")
-    if x.device.type == "cuda":
-        raise ValueError("x: expert parallelism needs the experts' FP32 sums before rounding, which the "
-                         "CUDA kernels do not write yet (lutb.moe_experts out=float32 is CPU-only)")
     if x.device.type == "cpu" and topk_ids.numel() and int(topk_ids.min()) < 0:
         raise ValueError("topk_ids: holds a negative expert id")
 
@@ -310,8 +310,9 @@ def ep_moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     """The routed experts of one MoE layer (spec 4 steps 2-6) with the experts spread over ranks.
 
     x: bfloat16 [T, H]; topk_ids: int32/int64 [T, k] GLOBAL expert ids (0..E-1; an id >= E, e.g.
-       transformers' marker, contributes nothing; a negative id raises ValueError); topk_weights:
-       float [T, k] (widened to float32 exactly). Same device; CPU only for now (see Raises).
+       transformers' marker, contributes nothing; a negative id raises ValueError on the CPU and
+       contributes nothing on CUDA, where it is not checked); topk_weights: float [T, k] (widened to
+       float32 exactly). One device: CPU (gloo) or this rank's GPU (NCCL).
     w13_local [E_local, 2I, H], w2_local [E_local, H, I]: this rank's experts shard.start..stop-1
        (load_local_experts). shard: expert_shard(E, rank, world) of this rank in `group`.
     group: the torch.distributed process group of the expert-parallel ranks (None = the default).
@@ -323,12 +324,14 @@ def ep_moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
        T may differ per rank); only "all_to_all" applies then ("auto" picks it).
     act_format: as lutb.moe_experts.
     Returns bfloat16 [T, H]: bf16(sum_j topk_weights[:, j] * y_j) with the sum in FP32 and one
-       rounding. "all_to_all" adds in slot order like the single-device kernels (bit-identical to
-       lutb.moe_experts with all E experts on one CPU); "allreduce" sums per rank, then across ranks
-       (equal to it up to the order of those FP32 additions).
+       rounding. "all_to_all" adds in slot order like the single-device kernels: on the CPU
+       bit-identical to lutb.moe_experts with all E experts on one device; on CUDA the kernels' GEMM
+       accumulation order depends on how many pairs a call has, so equal up to FP32 summation order.
+       "allreduce" sums per rank, then across ranks (equal up to the order of those FP32 additions).
     Every rank of `group` must call it with the same mode, replicated, act_format and k (collectives).
-    Raises TypeError / ValueError naming the argument; ValueError for CUDA tensors (the CUDA kernels
-    write BF16 sums only; expert parallelism needs their FP32 sums).
+    "all_to_all" reads the pair counts on the host (one synchronisation; not CUDA-graph capturable);
+    "allreduce" has no host synchronisation.
+    Raises TypeError / ValueError naming the argument.
     """
     _check(x, topk_ids, topk_weights, w13_local, w2_local, shard, mode, replicated)
     if mode == "auto":
@@ -354,14 +357,33 @@ def ep_moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
 
 
 def _allreduce(x, topk_ids, topk_weights, w13, w2, shard, group, act_format):
-    """Replicated tokens: partial FP32 sums of this rank's experts, all_reduce(SUM), one rounding."""
+    """Replicated tokens with global ids: remapped to this rank's local ids, then allreduce_local_experts."""
     ids = topk_ids.long()
     local = (ids >= shard.start) & (ids < shard.stop)
     # Non-local slots: the marker id E_local (lutb.moe_experts skips ids >= its E) and weight 0.
     lid = torch.where(local, ids - shard.start, torch.full_like(ids, shard.local_experts))
     wts = torch.where(local, topk_weights, torch.zeros_like(topk_weights))
+    return allreduce_local_experts(x, lid, wts, w13, w2, group, act_format)
+
+
+def allreduce_local_experts(x: torch.Tensor, local_topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                            w13_local: LutbWeight, w2_local: LutbWeight, group: Any = None,
+                            act_format: str = "mxfp8") -> torch.Tensor:
+    """The "allreduce" mode on ids already local to this rank: what an experts forward under
+    transformers' expert-parallel mode calls. There EpRouterParallel has remapped each rank's slots
+    to local ids (0..E_local-1), non-local slots to the marker E_local with weight 0, and the hidden
+    states are replicated.
+
+    x: bfloat16 [T, H], the same on every rank; local_topk_ids: int32/int64 [T, k] (ids >= E_local
+    contribute nothing); topk_weights: float [T, k]; w13_local, w2_local: this rank's experts.
+    Returns bfloat16 [T, H], the same on every rank: bf16(all_reduce_sum(p_rank)) where p_rank is
+    lutb.moe_experts' FP32 sum over this rank's slots (out=float32). One BF16 rounding, after the
+    FP32 all_reduce; no host synchronisation. The caller must not all-reduce the result again
+    (transformers' MoeExpertsParallel all-reduces an experts module's output only when the module
+    has DTensor-sharded parameters).
+    """
     partial = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    moe_experts(x, lid, wts, w13, w2, act_format=act_format, out=partial)
+    moe_experts(x, local_topk_ids, topk_weights, w13_local, w2_local, act_format=act_format, out=partial)
     dist.all_reduce(partial, op=dist.ReduceOp.SUM, group=group)
     return partial.to(torch.bfloat16)
 
@@ -380,7 +402,7 @@ def _all_to_all(x, topk_ids, topk_weights, w13, w2, shard, group, act_format):
     k = topk_ids.shape[1]
     world = shard.world
     ids = topk_ids.long().reshape(-1)
-    valid = ids < shard.experts
+    valid = (ids >= 0) & (ids < shard.experts)
     pair = torch.nonzero(valid).reshape(-1)  # pair index t * k + j, ascending
     owner = shard.owner(ids[pair])
     order = torch.argsort(owner, stable=True)

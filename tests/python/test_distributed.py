@@ -85,6 +85,34 @@ def _cases() -> dict:
     return c
 
 
+def _transformers_local_ids(ids: torch.Tensor, wts: torch.Tensor, experts: int) -> list | None:
+    """Per rank, transformers' EpRouterParallel remap of (ids, weights): local ids, marker E / world
+    with weight 0 for other ranks' experts. None when transformers is not installed."""
+    try:
+        from transformers.distributed.tensor_parallel import EpRouterParallel
+    except ImportError:
+        return None
+
+    class Mesh:
+        def __init__(self, rank):
+            self.rank = rank
+
+        def get_local_rank(self):
+            return self.rank
+
+        def size(self):
+            return WORLD
+
+    class Router(torch.nn.Module):
+        num_experts = experts
+
+    out = []
+    for r in range(WORLD):
+        _, w, i = EpRouterParallel().transform_output_post_forward(Router(), (None, wts, ids), Mesh(r))
+        out.append((i.contiguous(), w.contiguous()))
+    return out
+
+
 def _local(w: lutb.LutbWeight, shard: ld.ExpertShard) -> lutb.LutbWeight:
     s = slice(shard.start, shard.stop)
     return lutb.LutbWeight(w.packed[s].contiguous(), w.codebook[s].contiguous(), w.scale[s].contiguous(),
@@ -109,6 +137,9 @@ def _worker(rank: int, port: int, path: str) -> None:
             args = (c["x"], c["ids"], c["wts"], w13, w2, shard)
             for mode in ("all_to_all", "allreduce", "auto"):
                 out[(name, mode)] = ld.ep_moe_experts(*args, mode=mode)
+            if c.get("hf_local") is not None:
+                lid, lw = c["hf_local"][rank]
+                out[(name, "hf_local")] = ld.allreduce_local_experts(c["x"], lid, lw, w13, w2)
             # Data-parallel tokens: rank r keeps tokens r, r + 2, ... (rank 1 holds none for one token).
             own = slice(rank, None, WORLD)
             out[(name, "local")] = ld.ep_moe_experts(
@@ -129,6 +160,11 @@ def ranks(tmp_path_factory):
     shared = _shared_layer()
     if shared is not None:
         cases["shared"] = shared
+    for name in ("markers", "shared"):  # E divisible by the world, as transformers requires
+        if name in cases:
+            c = cases[name]
+            e = c["experts"] if name == "shared" else c["w13"].shape[0]
+            c["hf_local"] = _transformers_local_ids(c["ids"].long(), c["wts"], e)
     torch.save(cases, os.path.join(path, "cases.pt"))
     mp.spawn(_worker, args=(_free_port(), path), nprocs=WORLD, join=True)
     return cases, [torch.load(os.path.join(path, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
@@ -204,6 +240,17 @@ def test_auto_follows_the_rule(ranks, name):
     want = ld.choose_mode(c["x"].shape[0])
     for r in range(WORLD):
         assert torch.equal(outs[r][(name, "auto")], outs[r][(name, want)])
+
+
+@pytest.mark.parametrize("name", ["markers", "shared"])
+def test_transformers_local_ids_give_the_allreduce_result(ranks, name):
+    """Ids remapped by transformers' EpRouterParallel (local ids, marker E / world, weight 0) through
+    allreduce_local_experts: the same bits as mode "allreduce" on global ids."""
+    c, outs = _case(ranks, name)
+    if c.get("hf_local") is None:
+        pytest.skip("transformers is not installed")
+    for r in range(WORLD):
+        assert torch.equal(outs[r][(name, "hf_local")], outs[r][(name, "allreduce")]), f"rank {r}"
 
 
 def test_shard_rule():
