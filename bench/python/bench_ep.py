@@ -24,6 +24,7 @@ model.safetensors.index.json); every rank then runs lutb.distributed.load_model_
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import statistics
@@ -185,7 +186,8 @@ def measure_load(shape: dict, shard: ld.ExpertShard, device: torch.device, layer
 def main() -> None:
     args = parse_args()
     cuda = torch.cuda.is_available() and not args.tiny
-    dist.init_process_group("nccl" if cuda else "gloo")
+    # Rank 0 may spend many minutes writing the synthetic checkpoint while the others wait in a barrier.
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=2))
     rank, world = dist.get_rank(), dist.get_world_size()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
