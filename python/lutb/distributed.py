@@ -300,8 +300,19 @@ def _check(x, topk_ids, topk_weights, w13_local, w2_local, shard, mode, replicat
         if v.shape[0] != shard.local_experts:
             raise ValueError(f"{n}: holds {v.shape[0]} experts, shard {shard.rank} of {shard.world} holds "
                              f"{shard.local_experts} (experts {shard.start}..{shard.stop - 1})")
+    for a, n in ((topk_ids, "topk_ids"), (topk_weights, "topk_weights"), (w13_local.scale, "w13_local"),
+                 (w2_local.scale, "w2_local")):
+        if not isinstance(a, torch.Tensor) or a.device != x.device:
+            raise ValueError(f"{n}: not a torch tensor on x's device {x.device}")
     if x.device.type == "cpu" and topk_ids.numel() and int(topk_ids.min()) < 0:
         raise ValueError("topk_ids: holds a negative expert id")
+
+
+def _check_group(shard: ExpertShard, group: Any) -> None:
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if (shard.rank, shard.world) != (rank, world):
+        raise ValueError(f"shard: made for rank {shard.rank} of {shard.world}, but this process is rank {rank} "
+                         f"of {world} in the group")
 
 
 def ep_moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13_local: LutbWeight,
@@ -334,6 +345,7 @@ def ep_moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     Raises TypeError / ValueError naming the argument.
     """
     _check(x, topk_ids, topk_weights, w13_local, w2_local, shard, mode, replicated)
+    _check_group(shard, group)
     if mode == "auto":
         mode = choose_mode(int(x.shape[0])) if replicated else "all_to_all"
     topk_weights = topk_weights.float()

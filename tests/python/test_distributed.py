@@ -145,6 +145,13 @@ def _worker(rank: int, port: int, path: str) -> None:
             out[(name, "local")] = ld.ep_moe_experts(
                 c["x"][own].contiguous(), c["ids"][own].contiguous(), c["wts"][own].contiguous(), w13, w2, shard,
                 replicated=False)
+        # A shard made for the other rank is refused before any collective.
+        c = cases["one_token"]
+        other = ld.expert_shard(c["w13"].shape[0], 1 - rank, WORLD)
+        try:
+            ld.ep_moe_experts(c["x"], c["ids"], c["wts"], _local(c["w13"], other), _local(c["w2"], other), other)
+        except ValueError as e:
+            out["wrong_shard"] = str(e)
         torch.save(out, os.path.join(path, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -260,6 +267,13 @@ def test_shard_rule():
     assert shard.owner(torch.arange(10)).tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 3, 3]
     assert ld.choose_mode(ld.ALLREDUCE_MAX_TOKENS) == "allreduce"
     assert ld.choose_mode(ld.ALLREDUCE_MAX_TOKENS + 1) == "all_to_all"
+
+
+def test_a_shard_of_another_rank_is_refused(ranks):
+    _, outs = ranks
+    for r in range(WORLD):
+        assert outs[r].get("wrong_shard") == (f"shard: made for rank {1 - r} of 2, but this process is rank {r} "
+                                              "of 2 in the group")
 
 
 @pytest.mark.parametrize("args, message", [
