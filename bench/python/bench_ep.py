@@ -15,7 +15,8 @@ Method: tokens, routing and weights are random (same seed on every rank: the rou
 replicated); weights are random valid LUT-B bytes (the kernels' time does not depend on the
 values). Per (T, mode): --warmup calls, then --iters calls, each between barriers, median reported.
 Communication time comes from a second pass with every collective timed alone (synchronised before
-and after): comm share = that time / the median of the first pass.
+and after): comm share = that time / the median of the first pass (capped at 1; a collective's time includes
+waiting for the slowest rank).
 Loading: rank 0 writes a synthetic checkpoint of --load-layers layers in the per-expert layout of
 DeepSeek-V3 (model.layers.L.mlp.experts.e.{gate,up,down}_proj.weight, one shard per layer, with
 model.safetensors.index.json); every rank then runs lutb.distributed.load_model_experts on it.
