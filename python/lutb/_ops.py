@@ -15,7 +15,7 @@ Schemas (all LUT-B tensors uint8, spec 2.2 layout; E = experts, I = intermediate
   route_deepseek(logits, correction_bias?, k, n_group, topk_group, renormalize, routed_scaling_factor) -> same
   moe_experts(x, topk_ids, topk_weights, w13 packed/codebook/scale, w2 packed/codebook/scale,
               intermediate, act_format, lane_major) -> bf16 [T, H]
-  moe_experts_out(..., out) -> ()   (writes out: bfloat16, or on the CPU float32 = the sums before rounding)
+  moe_experts_out(..., out) -> ()   (writes out: bfloat16, or float32 = the sums before rounding)
 lane_major: the packed bytes are in the CUDA MXFP8 kernels' lane-major order (True only on CUDA with
 act_format "mxfp8"); otherwise checkpoint order (False).
 """
@@ -97,8 +97,6 @@ def _experts_cpu_out(x, ids, wts, p13, c13, s13, p2, c2, s2, inter, act, lane_ma
 
 
 def _experts_cuda_out(x, ids, wts, p13, c13, s13, p2, c2, s2, inter, act, lane_major, out):
-    if out.dtype != torch.bfloat16:
-        raise ValueError("out: the CUDA kernels write bfloat16 only (a float32 out is CPU-only)")
     if act == "bf16":
         if lane_major:
             raise ValueError("lane_major: act_format='bf16' dequantises checkpoint-order packed bytes (lane_major=False)")

@@ -400,7 +400,7 @@ void set_swap_phase_buffer(SwapPhaseRecord* buf) {  // benchmark-only build (moe
 
 void moe_forward(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t tokens, int top_k,
                  const std::int32_t* topk_ids, const float* topk_weights, std::uint16_t* out, void* workspace,
-                 std::size_t workspace_bytes, cudaStream_t stream, MoeStrategy strategy) {
+                 std::size_t workspace_bytes, cudaStream_t stream, MoeStrategy strategy, float* out_f32) {
   const std::int64_t E = w.experts, H = w.hidden, I = w.intermediate;
   if (E < 1 || E > 1024) throw std::invalid_argument("moe_forward: experts must be 1..1024");
   if (H < 1 || I < 8 || I % 8 != 0) throw std::invalid_argument("moe_forward: need H >= 1 and I a positive multiple of 8");
@@ -467,7 +467,8 @@ void moe_forward(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t
     // The top-k reduction inside GEMM2 (clusters of top_k CTAs, one token each): direct forwards of
     // the mma.sync kernels on sm_90a, small GEMM2 grids (decode_fuse_reduce, moe.hpp).
     const std::int64_t gemm2_ctas = detail::ceil_div(w.w2.shape.tiles_n(), 8) * P;
-    const bool fuse = direct && top_k <= 8 && dec != kern::kDecWg && dec != kern::kDecWs && detail::cluster_launch_ok() &&
+    // The fused reduction writes BF16 only: an FP32 output takes the separate reduction.
+    const bool fuse = out_f32 == nullptr && direct && top_k <= 8 && dec != kern::kDecWg && dec != kern::kDecWs && detail::cluster_launch_ok() &&
                       ((paths & kDecodeClusterReduceAlways) ||
                        ((paths & kDecodeClusterReduce) && decode_fuse_reduce(gemm2_ctas, top_k, detail::sm_count())));
     auto go = [&](auto dec_c) {
@@ -515,7 +516,7 @@ void moe_forward(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t
     if (cvt) launch_gemms<true, 1>(w, r, ws, P, stream);
     else launch_gemms<false, 1>(w, r, ws, P, stream);
   }
-  detail::launch_reduce(topk_ids, topk_weights, ws.y, tokens, top_k, E, H, out, stream);
+  detail::launch_reduce(topk_ids, topk_weights, ws.y, tokens, top_k, E, H, out, stream, out_f32);
 }
 
 }  // namespace lutb::cuda

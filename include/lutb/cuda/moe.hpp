@@ -421,15 +421,19 @@ std::size_t moe_workspace_bytes(std::int64_t max_tokens, int top_k, std::int64_t
 /// topk_ids: [T, k] int32 in 0..E-1 (checked on the device: an id out of range writes NaN rows);
 /// topk_weights: [T, k] FP32. workspace: moe_workspace_bytes(T, k, E, H, I) bytes, 256-aligned.
 /// Every output element is written. No host synchronisation.
+/// out_f32: when non-null, [T, H] FP32 receives the sums before their BF16 rounding and `out` is not
+/// written (expert parallelism adds the partial sums of several ranks, then rounds once).
 void moe_forward(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t tokens, int top_k,
                  const std::int32_t* topk_ids, const float* topk_weights, std::uint16_t* out, void* workspace,
-                 std::size_t workspace_bytes, cudaStream_t stream, MoeStrategy strategy = MoeStrategy::Auto);
+                 std::size_t workspace_bytes, cudaStream_t stream, MoeStrategy strategy = MoeStrategy::Auto,
+                 float* out_f32 = nullptr);
 
 /// The BF16 baseline on the same kernel skeleton: BF16 weights, BF16 activations, no MXFP8 steps
 /// (h = bf16(silu(g) * u)). Same arguments and workspace rule as moe_forward.
 void moe_forward_bf16(const DeviceMoeWeightsBf16& w, const std::uint16_t* x, std::int64_t tokens, int top_k,
                       const std::int32_t* topk_ids, const float* topk_weights, std::uint16_t* out, void* workspace,
-                      std::size_t workspace_bytes, cudaStream_t stream, MoeStrategy strategy = MoeStrategy::Auto);
+                      std::size_t workspace_bytes, cudaStream_t stream, MoeStrategy strategy = MoeStrategy::Auto,
+                      float* out_f32 = nullptr);
 
 /// Weight decoder (process-wide; for testing and benchmarking). All are exact in the products:
 ///   BytePermute: codebook lookup by PRMT, E4M3 -> FP16 by bit moves (any sm_80+ device);
