@@ -1,40 +1,60 @@
 #!/usr/bin/env bash
-# Stages what scripts/gpu_run.sh needs into DEST (default: .gpu in this checkout, git-ignored) for a GPU machine that
-# receives only that checkout: the sources, googletest and nlohmann-json sources from this machine's
-# Debian packages, the golden vectors and the tiny-qwen3-moe model (more with STAGE_MODELS, below).
+# Fills the two git-ignored folders that travel with this checkout to a GPU machine that has CMake,
+# ninja and CUDA but none of our Debian packages and no network:
+#   .deps/    every third-party dependency of the `gpu` preset (-DLUTB_DEPS_DIR; the layout is
+#             described in cmake/dependencies.cmake), taken from this machine's Debian packages
+#             (scripts/setup.sh installs them)
+#   .shared/  the golden vectors and the tiny models the GPU tests read (LUTB_SHARED_DIR)
+#
+#   scripts/gpu_stage.sh
+#     LUTB_SHARED_DIR  where the golden vectors and models are (default: ../shared)
+#     STAGE_MODELS     the models to stage (default: tiny-qwen3-moe tiny-deepseek-v3, the two that
+#                      tests/cuda reads; with tiny-mixtral the carried tree would pass 64 MiB)
 set -euo pipefail
-SRC=$(cd "$(dirname "$0")/.." && pwd)
-DEST=${1:-$SRC/.gpu}
-SHARED=${SHARED:-$SRC/../shared}
-rm -rf "$DEST/include" "$DEST/src" "$DEST/tests" "$DEST/bench" "$DEST/scripts"
-mkdir -p "$DEST/deps/include" "$DEST/shared/models"
-cp -r "$SRC/include" "$SRC/src" "$SRC/tests" "$SRC/bench" "$SRC/scripts" "$DEST/"
-[ -d "$DEST/deps/googletest" ] || cp -r /usr/src/googletest/googletest "$DEST/deps/googletest"
-[ -d "$DEST/deps/include/nlohmann" ] || cp -r /usr/include/nlohmann "$DEST/deps/include/"
-[ -d "$DEST/deps/include/fmt" ] || cp -r /usr/include/fmt "$DEST/deps/include/"
-[ -d "$DEST/deps/include/hwy" ] || cp -r /usr/include/hwy "$DEST/deps/include/"
-mkdir -p "$DEST/deps/lib"
-cp -L /usr/lib/x86_64-linux-gnu/libhwy.so.1 "$DEST/deps/lib/libhwy.so.1"
-ln -sf libhwy.so.1 "$DEST/deps/lib/libhwy.so"
-# The lutb tool (gpu_run.sh cli): CLI11's headers, cblas.h, and OpenBLAS with its Fortran runtime,
-# xz-compressed (36 MB -> 4 MB: the carried tree must stay under 64 MiB).
-[ -d "$DEST/deps/include/CLI" ] || cp -r /usr/include/CLI "$DEST/deps/include/"
-cp /usr/include/x86_64-linux-gnu/openblas-pthread/cblas.h /usr/include/x86_64-linux-gnu/openblas-pthread/openblas_config.h \
-  "$DEST/deps/include/"
-mkdir -p "$DEST/deps/blas"
-for l in /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 /lib/x86_64-linux-gnu/libgfortran.so.5 \
-         /lib/x86_64-linux-gnu/libquadmath.so.0; do
-  [ -f "$DEST/deps/blas/$(basename "$l").xz" ] || xz -T2 -6 -c "$l" > "$DEST/deps/blas/$(basename "$l").xz"
-done
-cp -r "$SHARED/golden" "$DEST/shared/"
-# STAGE_MODELS: the shared models to stage (default tiny-qwen3-moe, 29 MB; the cli mode also runs
-# tiny-deepseek-v3, 16 MB: STAGE_MODELS="tiny-qwen3-moe tiny-deepseek-v3"; tiny-mixtral, 13 MB more,
-# would pass the 64 MiB carry limit with both).
-for m in ${STAGE_MODELS:-tiny-qwen3-moe}; do
-  mkdir -p "$DEST/shared/models/$m"
-  for f in config.json model.safetensors moe_activations.safetensors val_tokens.safetensors; do
-    cp "$SHARED/models/$m/$f" "$DEST/shared/models/$m/"
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+DEPS=$ROOT/.deps
+DATA=$ROOT/.shared
+SHARED=$(cd "${LUTB_SHARED_DIR:-$ROOT/../shared}" && pwd)
+[ "$SHARED" != "$DATA" ] || { echo "gpu_stage.sh: LUTB_SHARED_DIR is the staged copy itself; point it at ../shared" >&2; exit 2; }
+LIB=/usr/lib/x86_64-linux-gnu
+
+rm -rf "$DEPS" "$DATA"
+# headers NAME PATH...: PATHs into .deps/NAME/include.
+headers() {
+  local name=$1; shift
+  mkdir -p "$DEPS/$name/include"
+  cp -r "$@" "$DEPS/$name/include/"
+}
+headers nlohmann_json /usr/include/nlohmann
+headers cli11 /usr/include/CLI
+headers fmt /usr/include/fmt
+headers hwy /usr/include/hwy
+rm -rf "$DEPS/hwy/include/hwy/tests" "$DEPS/hwy/include/hwy/contrib"
+mkdir -p "$DEPS/hwy/lib"
+cp -L "$LIB/libhwy.so.1" "$DEPS/hwy/lib/"
+headers openblas /usr/include/x86_64-linux-gnu/openblas-pthread/{cblas.h,openblas_config.h}
+# OpenBLAS and its Fortran runtime, named by their sonames.
+blas=$(mktemp -d)
+trap 'rm -rf "$blas"' EXIT
+cp -L "$LIB/openblas-pthread/libopenblas.so.0" "$LIB/libgfortran.so.5" "$LIB/libquadmath.so.0" "$blas/"
+tar -C "$blas" -cf - libopenblas.so.0 libgfortran.so.5 libquadmath.so.0 | xz -T2 -6 > "$DEPS/openblas/lib.tar.xz"
+# GoogleTest's sources without googlemock, its tests, samples and docs.
+mkdir -p "$DEPS/googletest/googletest"
+cp /usr/src/googletest/CMakeLists.txt "$DEPS/googletest/"
+cp -r /usr/src/googletest/googletest/{CMakeLists.txt,cmake,include,src} "$DEPS/googletest/googletest/"
+
+mkdir -p "$DATA/models"
+cp -r "$SHARED/golden" "$DATA/"
+for m in ${STAGE_MODELS:-tiny-qwen3-moe tiny-deepseek-v3}; do
+  mkdir -p "$DATA/models/$m"
+  for f in config.json model.safetensors moe_activations.safetensors val_tokens.safetensors reference_eval.json; do
+    cp "$SHARED/models/$m/$f" "$DATA/models/$m/"
   done
 done
-chmod -R u+w "$DEST"
-du -sh "$DEST"
+chmod -R u+w "$DEPS" "$DATA"
+# What travels: the checkout (tracked and untracked-not-ignored files) and the two folders.
+checkout=$(cd "$ROOT" && git ls-files -z --cached --others --exclude-standard | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
+staged=$(du -sb "$DEPS" "$DATA" | awk '{s += $1} END {print s}')
+awk -v c="$checkout" -v s="$staged" 'BEGIN {
+  printf "gpu_stage.sh: checkout %.1f MiB + .deps and .shared %.1f MiB = %.1f MiB to carry (limit 64 MiB)\n",
+         c / 1048576, s / 1048576, (c + s) / 1048576 }'

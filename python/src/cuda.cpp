@@ -161,7 +161,7 @@ void moe_experts_cuda(const Array& x, std::int64_t tokens, std::int64_t hidden, 
   cuda::moe_forward(w, static_cast<const std::uint16_t*>(x.data()), tokens, k,
                     static_cast<const std::int32_t*>(topk_ids.data()), static_cast<const float*>(topk_weights.data()),
                     out_f32 ? nullptr : static_cast<std::uint16_t*>(out.data()), workspace.data(), workspace.nbytes(),
-                    as_stream(stream), cuda::MoeStrategy::Auto, out_f32 ? static_cast<float*>(out.data()) : nullptr);
+                    as_stream(stream), cuda::MoeOptions{}, out_f32 ? static_cast<float*>(out.data()) : nullptr);
 }
 
 // The BF16 pipeline (spec 4 without the MXFP8 steps) on BF16 weights: w13 [E, 2I, H] and w2 [E, H, I]
@@ -197,7 +197,7 @@ void moe_experts_bf16_cuda(const Array& x, std::int64_t tokens, std::int64_t hid
   cuda::moe_forward_bf16(w, static_cast<const std::uint16_t*>(x.data()), tokens, k,
                          static_cast<const std::int32_t*>(topk_ids.data()), static_cast<const float*>(topk_weights.data()),
                          out_f32 ? nullptr : static_cast<std::uint16_t*>(out.data()), workspace.data(),
-                         workspace.nbytes(), as_stream(stream), cuda::MoeStrategy::Auto,
+                         workspace.nbytes(), as_stream(stream), cuda::MoeOptions{},
                          out_f32 ? static_cast<float*>(out.data()) : nullptr);
 }
 

@@ -58,7 +58,7 @@ std::string check_tile(const float* x) {
   }
   // The shortest decimal that reads back as amax ("3.3e+38"; std::to_string printed
   // "329999996548271212625250308919809540096.000000", new-user QA session 11). The GPU fitter's
-  // message (src/cuda/fit_binned_dp.cu) formats it the same way: the tests compare them.
+  // message (src/cuda/fit/quantize_gpu.cu) formats it the same way: the tests compare them.
   if (amax != 0.0f && rceil_scale(amax) > kMaxScale) {
     char buf[32];
     const auto r = std::to_chars(buf, buf + sizeof(buf), amax);

@@ -1,6 +1,6 @@
 // src/fit/fit_scalar.hpp: the scalar arithmetic of the DP fitters that decides bytes, shared by the
 // CPU fitters (src/fit, compiled with -ffp-contract=off) and the GPU fitter
-// (src/cuda/fit_binned_dp_warp.cu, compiled with -fmad=false), so the two cannot drift apart.
+// (src/cuda/fit/sm80_lutb_fit_warp.cuh, compiled with -fmad=false), so the two cannot drift apart.
 //
 // Every operation is a plain IEEE double add, subtract, multiply, divide, compare or bit operation;
 // neither build contracts them to FMA, so host and device give identical bits. Callers must keep

@@ -1,5 +1,5 @@
 // src/fit/fit_scalar_fast.hpp: cheaper formulations of the DP's run cost (fit_scalar.hpp run_cost)
-// that return the SAME BITS, for the GPU fitter's inner loop (src/cuda/fit_binned_dp_warp.cu). The
+// that return the SAME BITS, for the GPU fitter's inner loop (src/cuda/fit/sm80_lutb_fit_warp.cuh). The
 // CPU fitter keeps fit_scalar.hpp; these functions are __host__ __device__ so that the CPU tests
 // (tests/fit/fit_scalar_fast_test.cpp) run literally the code the kernel runs and compare it with
 // fit_scalar.hpp bit for bit.

@@ -15,6 +15,7 @@
 #include <iterator>
 #include <map>
 #include <string>
+#include <vector>
 
 #include <cuda_runtime.h>
 #include <nlohmann/json.hpp>
@@ -45,6 +46,11 @@ struct CliOut {
   int code = -1;
   std::string out;  // stdout (stderr goes to the test's log)
 };
+
+/// The --quant values with a GPU path: lutb and none (the BF16 baseline forward).
+std::vector<std::string> gpu_quants() {
+  return {"lutb", "none"};
+}
 
 CliOut run(const std::string& args) {
   const std::string cmd = std::string(kCli) + " " + args;
@@ -139,7 +145,7 @@ TEST(CliGpu, MoeOnCudaMatchesTheCpu) {
   for (const Case& m : {Case{"tiny-qwen3-moe", {0, 3}, "gpu (softmax top-k)"},
                         Case{"tiny-deepseek-v3", {1, 3}, "gpu (DeepSeek grouped sigmoid)"}}) {
     LUTB_MODEL_OR_SKIP(model, m.model);
-    for (const std::string quant : {"lutb", "none"}) {
+    for (const std::string& quant : gpu_quants()) {
       for (const int layer : m.layers) {
         std::string trace = m.model;
         trace += " " + quant + " layer " + std::to_string(layer);
@@ -171,6 +177,7 @@ TEST(CliGpu, MoeOnCudaMatchesTheCpu) {
   }
 }
 
+
 // The default job with a GPU: its section reports the GPU fit's bytes equal to the CPU fit and the
 // fused forward's difference from the CPU emulation (bound as above for LUT-B).
 TEST(CliGpu, DefaultJobGpuSection) {
@@ -201,7 +208,7 @@ TEST(CliGpu, EvalOnCudaMatchesTheCpuLoss) {
   LUTB_CLI_GPU_OR_SKIP();
   for (const char* name : {"tiny-qwen3-moe", "tiny-deepseek-v3"}) {
     LUTB_MODEL_OR_SKIP(model, name);
-    for (const std::string quant : {"lutb", "none"}) {
+    for (const std::string& quant : gpu_quants()) {
       const std::string base = "eval " + q(model) + " --quant " + quant + " --max-windows 4 --json";
       const CliOut c = run(base + " --device cpu");
       ASSERT_EQ(c.code, 0);

@@ -1,9 +1,9 @@
-// tests/cuda/moe_e4m3_encode_test.cpp: session 18 (cvt18). The device E4M3 encode through the
+// tests/cuda/moe_e4m3_encode_test.cpp: the device E4M3 encode through the
 // hardware conversion cvt.rn.satfinite.e4m3x2.f32 (src/cuda/e4m3_encode.cuh), used by the forward's
 // MXFP8 of x and GEMM1's epilogue, against the reference encode of spec section 1
 // (lutb::e4m3_from_float, lutb::mx_encode) over ALL 2^32 FP32 bit patterns, and for the MXFP8 encode
 // every scale byte 0..254 too; plus the 32-bit prologue arithmetic of the swap-AB GEMMs
-// (src/cuda/swap_prologue.hpp) against the 64-bit formula (host only). The forward's own bytes are
+// (src/cuda/moe/lutb_moe_swapab_prologue.hpp) against the 64-bit formula (host only). The forward's own bytes are
 // checked by the MoE GPU tests (moe_vs_cpu_test.cpp, moe_decode_paths_test.cpp: the CPU emulation
 // and the bit-identity tests), unchanged.
 #include <cuda_runtime.h>
@@ -14,8 +14,8 @@
 #include <cstdio>
 #include <random>
 
-#include "cuda/moe_encode_check.hpp"
-#include "cuda/swap_prologue.hpp"
+#include "cuda/e4m3_encode_check.hpp"
+#include "cuda/moe/lutb_moe_swapab_prologue.hpp"
 #include "lutb/numerics.hpp"
 
 namespace lutb::test {
@@ -90,7 +90,7 @@ TEST(E4m3EncodeGpu, MxEncodeEqualsReferenceForEveryScaleOnAllFloats) {
   EXPECT_EQ(r.nan_not_nan, 0u);
 }
 
-// The 32-bit K range of a warp equals the 64-bit formula of sessions 9-17 on the bounds' corners
+// The 32-bit K range of a warp equals the 64-bit formula on the bounds' corners
 // (tiles_k up to kSwapMaxTilesK = 2^30, W = warps x split up to 128, every warp and part) and on
 // random inputs; the ranges tile [0, tiles_k) in (part, warp) order without gaps or overlaps.
 TEST(SwapPrologue, KRangeEquals64BitFormula) {

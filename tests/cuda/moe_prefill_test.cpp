@@ -1,5 +1,5 @@
-// tests/cuda/moe_prefill_test.cpp: the large-batch (prefill) LUT-B path (src/cuda/moe_prefill.hpp)
-// against the plain host reference of spec section 4 (tests/cuda/reference.hpp): random weights
+// tests/cuda/moe_prefill_test.cpp: the large-batch (prefill) LUT-B kernels (src/cuda/moe/lutb_moe_prefill.cu:
+// the mma.sync tile, and on sm_90 the wgmma tiles of 64 and 128 rows) against the plain host reference of spec section 4 (tests/cuda/reference.hpp): random weights
 // uploaded in lane-major order, padded odd shapes, empty experts, 1..300 tokens per expert, the
 // DeepSeek-V3 / Qwen3 layer shapes (H, I, k as the models; fewer experts) at moderate T. Outputs
 // and workspace are poisoned (NaN bytes) before every run. GPU tests skip without a device.
@@ -17,7 +17,7 @@
 #include <thread>
 #include <vector>
 
-#include "cuda/moe_prefill.hpp"
+#include "cuda/moe_paths.hpp"
 #include "cuda/reference.hpp"
 #include "lutb/cuda/lane_major.hpp"
 #include "lutb/cuda/moe.hpp"
@@ -129,10 +129,12 @@ Cmp compare_bf16(const std::vector<std::uint16_t>& got, const std::vector<std::u
   return c;
 }
 
-/// The prefill forward on device stacks; out [T][H] poisoned (0xffff = NaN) before the run.
+using cuda::heuristics::PrefillKernel;
+
+/// The prefill forward with `kernel` on device stacks; out [T][H] poisoned (0xffff = NaN) before the run.
 std::vector<std::uint16_t> run_prefill(const cuda::DeviceMoeWeights& w, const std::vector<std::uint16_t>& x,
                                        std::int64_t T, int k, const std::vector<std::int32_t>& ids,
-                                       const std::vector<float>& wts) {
+                                       const std::vector<float>& wts, PrefillKernel kernel) {
   DevBuf<std::uint16_t> dx(x), out(static_cast<std::size_t>(T * w.hidden));
   DevBuf<std::int32_t> did(ids);
   DevBuf<float> dw(wts);
@@ -140,8 +142,10 @@ std::vector<std::uint16_t> run_prefill(const cuda::DeviceMoeWeights& w, const st
   DevBuf<char> ws(wsb);
   ck(cudaMemset(out.p, 0xff, out.n * 2), "poison out");
   ck(cudaMemset(ws.p, 0xff, wsb), "poison workspace");
-  cuda::moe_forward_lutb_prefill(w, dx.p, T, k, did.p, dw.p, out.p, ws.p, wsb, nullptr);
-  ck(cudaDeviceSynchronize(), "moe_forward_lutb_prefill");
+  cuda::heuristics::MoePlan plan = default_plan(T, k, w.experts, w.hidden, cuda::MoeStrategy::Prefill);
+  plan.prefill = kernel;
+  cuda::detail::moe_forward_plan(w, dx.p, T, k, did.p, dw.p, out.p, ws.p, wsb, nullptr, plan);
+  ck(cudaDeviceSynchronize(), "moe_forward (prefill)");
   return out.down();
 }
 
@@ -168,77 +172,37 @@ V take_rows(const V& v, std::int64_t width, const std::vector<std::int64_t>& row
   return out;
 }
 
-/// fp8: the experimental FP8-wgmma tiles (W64, W64D), whose tensor core rounds inside each 32-product
-/// block sum: they are held to the bounds MEASURED for them on the H200 (rel. L2 <= 4.2e-3, >= 64 %
-/// bit-equal, docs/perf/moe-gpu-prefill.md session 13) with margin, NOT to the contract's 1e-3 / 80 %,
-/// which is why no heuristic picks them. Every other tile is held to 1e-3 and 80 %.
-void expect_matches(const std::vector<std::uint16_t>& got, const std::vector<std::uint16_t>& ref, bool fp8 = false) {
+/// The contract: rel. L2 below 1e-3 and at least 80 % bit-equal BF16 outputs (FP32 order only differs).
+void expect_matches(const std::vector<std::uint16_t>& got, const std::vector<std::uint16_t>& ref) {
   const Cmp r = compare_bf16(got, ref);
   std::cout << "  vs host reference: rel. L2 " << r.rel_l2 << ", bit-equal " << r.exact << " of " << r.n << "\n";
   EXPECT_EQ(r.nan, 0) << "unwritten or NaN outputs";
-  EXPECT_LT(r.rel_l2, fp8 ? 1e-2 : 1e-3) << "exact " << r.exact << " of " << r.n;
-  EXPECT_GT(r.exact, r.n * (fp8 ? 5 : 8) / 10) << "bit-equal BF16 outputs (FP32 order only differs); rel L2 "
+  EXPECT_LT(r.rel_l2, 1e-3) << "exact " << r.exact << " of " << r.n;
+  EXPECT_GT(r.exact, r.n * 8 / 10) << "bit-equal BF16 outputs (FP32 order only differs); rel L2 "
                                                << r.rel_l2;
 }
 
-bool device_is_sm90() {
-  int dev = 0, major = 0, minor = 0;
-  return cudaGetDevice(&dev) == cudaSuccess &&
-         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
-         cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess && major == 9 &&
-         minor == 0;
-}
-/// Every tile setting the device runs: the heuristic's, the four sm_80 tiles, and on sm_90 devices
-/// the wgmma tiles (WB64, WB64D, WB64T, W64, W64D, WS64, WB128; their kernels are built for sm_90a only).
-std::vector<cuda::PrefillTile> all_tiles() {
-  std::vector<cuda::PrefillTile> v = {cuda::PrefillTile::Auto, cuda::PrefillTile::M64, cuda::PrefillTile::M64IL,
-                                      cuda::PrefillTile::M128, cuda::PrefillTile::M128W};
-  if (device_is_sm90())
-    for (auto t : {cuda::PrefillTile::WB64, cuda::PrefillTile::WB64D, cuda::PrefillTile::WB64T, cuda::PrefillTile::W64,
-                   cuda::PrefillTile::W64D, cuda::PrefillTile::WS64, cuda::PrefillTile::WB128,
-                   cuda::PrefillTile::WB128P})
-      v.push_back(t);
-  // LUTB_PREFILL_TEST_WS=0: every tile but the warp-specialised WS64; =only: M64 and WS64 (a device
-  // run can then verify the other tiles in a process that a WS64 fault cannot take down).
-  const char* ws = std::getenv("LUTB_PREFILL_TEST_WS");
-  if (ws && std::string(ws) == "0") v.erase(std::remove(v.begin(), v.end(), cuda::PrefillTile::WS64), v.end());
-  if (ws && std::string(ws) == "only") {
-    const bool has = std::find(v.begin(), v.end(), cuda::PrefillTile::WS64) != v.end();
-    v = {cuda::PrefillTile::M64};
-    if (has) v.push_back(cuda::PrefillTile::WS64);
+/// Every prefill kernel the device runs: the mma.sync tile, and on sm_90 the wgmma tiles.
+std::vector<PrefillKernel> all_tiles() {
+  std::vector<PrefillKernel> v = {PrefillKernel::Sm80Mma64};
+  if (cuda::detail::moe_device().sm90a) {
+    v.push_back(PrefillKernel::Sm90Wgmma64);
+    v.push_back(PrefillKernel::Sm90Wgmma128);
   }
   return v;
 }
-bool is_fp8(cuda::PrefillTile t) { return t == cuda::PrefillTile::W64 || t == cuda::PrefillTile::W64D; }
-bool is_wgmma(cuda::PrefillTile t) {
-  return is_fp8(t) || t == cuda::PrefillTile::WB64 || t == cuda::PrefillTile::WB64D || t == cuda::PrefillTile::WB64T ||
-         t == cuda::PrefillTile::WS64 || t == cuda::PrefillTile::WB128 ||
-         t == cuda::PrefillTile::WB128P;
-}
-const char* tile_name(cuda::PrefillTile t) {
+const char* tile_name(PrefillKernel t) {
   switch (t) {
-    case cuda::PrefillTile::W64: return "W64";
-    case cuda::PrefillTile::W64D: return "W64D";
-    case cuda::PrefillTile::WB64: return "WB64";
-    case cuda::PrefillTile::WB64D: return "WB64D";
-    case cuda::PrefillTile::WB64T: return "WB64T";
-    case cuda::PrefillTile::WS64: return "WS64";
-    case cuda::PrefillTile::WB128: return "WB128";
-    case cuda::PrefillTile::WB128P: return "WB128P";
-    case cuda::PrefillTile::M64IL: return "M64IL";
-    case cuda::PrefillTile::M128: return "M128";
-    case cuda::PrefillTile::M128W: return "M128W";
-    case cuda::PrefillTile::M64: return "M64";
-    default: return "Auto";
+    case PrefillKernel::Sm80Mma64: return "sm80 mma.sync 64";
+    case PrefillKernel::Sm90Wgmma64: return "sm90 wgmma 64";
+    case PrefillKernel::Sm90Wgmma128: return "sm90 wgmma 128";
   }
+  return "?";
 }
-/// Forces the prefill CTA tile for the scope (set_prefill_tile), back to the heuristic afterwards.
-struct ForcedTile {
-  explicit ForcedTile(cuda::PrefillTile t) { cuda::set_prefill_tile(t); }
-  ~ForcedTile() { cuda::set_prefill_tile(cuda::PrefillTile::Auto); }
-  ForcedTile(const ForcedTile&) = delete;
-  ForcedTile& operator=(const ForcedTile&) = delete;
-};
+/// The strategy rule of the LUT-B forward (heuristics::choose_strategy) as a yes / no.
+bool prefer_prefill(std::int64_t T, int k, std::int64_t E, bool wgmma = false) {
+  return T > 0 && cuda::heuristics::choose_strategy(T, k, E, true, wgmma) == cuda::MoeStrategy::Prefill;
+}
 
 struct Case {
   const char* name;
@@ -277,27 +241,21 @@ TEST_P(PrefillRandom, MatchesHostReference) {
   }
   const auto ref = moe_reference(w13, w2, c.H, c.I, take_rows(x, c.H, rows), static_cast<std::int64_t>(rows.size()),
                                  c.k, take_rows(ids, c.k, rows), take_rows(wts, c.k, rows));
-  // Every CTA tile configuration (the heuristic's choice and each forced one) against the same reference.
+  // Every prefill kernel against the same reference.
   std::vector<std::uint16_t> m64;
-  for (const cuda::PrefillTile tile : all_tiles()) {
+  for (const PrefillKernel tile : all_tiles()) {
     SCOPED_TRACE(tile_name(tile));
     std::cout << "  tile " << tile_name(tile) << "\n";
-    ForcedTile forced(tile);
-    const auto got = run_prefill(w, x, c.T, c.k, ids, wts);
-    expect_matches(take_rows(got, c.H, rows), ref, is_fp8(tile));
-    if (tile == cuda::PrefillTile::M64) m64 = got;
-    if (is_wgmma(tile) && !m64.empty()) {
-      // A wgmma tile against M64 (the sm_80 BF16-fold mma.sync kernel, the default off sm_90) on the
-      // same inputs, all rows.
-      // The BF16-fold tiles (WB64, WB64D, WB64T, WS64, WB128, WB128P) use M64's numerics (exact operands, tensor-core
-      // sums over the same 128 columns, the same FP32 promotion): asserted bit-identical (measured so
-      // in sessions 13's runs). FP8 tiles: reported only (asserted against the reference above).
+    const auto got = run_prefill(w, x, c.T, c.k, ids, wts, tile);
+    expect_matches(take_rows(got, c.H, rows), ref);
+    if (tile == PrefillKernel::Sm80Mma64) m64 = got;
+    if (tile != PrefillKernel::Sm80Mma64 && !m64.empty()) {
+      // The wgmma tiles use the mma.sync tile's numerics (exact BF16 operands, tensor-core sums over
+      // the same 128 columns, the same FP32 promotion): bit-identical on all rows.
       const Cmp d = compare_bf16(got, m64);
-      std::cout << "  " << tile_name(tile) << " vs M64 (all rows): rel. L2 " << d.rel_l2 << ", bit-equal " << d.exact
-                << " of " << d.n << "\n";
-      if (!is_fp8(tile)) {
-        EXPECT_EQ(d.exact, d.n) << tile_name(tile) << " is not bit-identical to M64";
-      }
+      std::cout << "  " << tile_name(tile) << " vs mma.sync (all rows): rel. L2 " << d.rel_l2 << ", bit-equal "
+                << d.exact << " of " << d.n << "\n";
+      EXPECT_EQ(d.exact, d.n) << tile_name(tile) << " is not bit-identical to the mma.sync tile";
     }
     if (c.check_tokens != 0) {
       // Every row written and finite (the sampled check covers the values).
@@ -318,8 +276,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"deepseek_v3_shape", 12, 7168, 2048, 96, 8, false, 2},
                       Case{"qwen3_235b_shape", 16, 4096, 1536, 160, 8, false, 3},
                       Case{"qwen3_30b_shape", 32, 2048, 768, 256, 8, false, 8},
-                      // >= 128 pairs per expert (the heuristic picks M128): full 128-row tiles and a
-                      // ragged last tile per expert, H and I padded in K and N.
+                      // >= 128 pairs per expert: full 128-row tiles and a ragged last tile per expert,
+                      // H and I padded in K and N.
                       Case{"m128_ragged", 4, 328, 136, 600, 2, false, 0},
                       // 128-row tiles with odd experts empty (E=16, 8 used, k=4: 4 * 700 / 8 = 350 pairs each).
                       Case{"m128_empty_experts", 16, 512, 256, 700, 4, true, 0},
@@ -354,10 +312,9 @@ TEST(PrefillCuda, SkewedRouting1To300TokensPerExpert) {
   }
   DevLutbLM d13(w13), d2(w2);
   const auto ref = moe_reference(w13, w2, H, I, x, T, k, ids, wts);
-  for (const cuda::PrefillTile tile : all_tiles()) {  // 300 rows: 2 full 128-row tiles + 44, or 4 x 64 + 44
+  for (const PrefillKernel tile : all_tiles()) {  // 300 rows: 2 full 128-row tiles + 44, or 4 x 64 + 44
     SCOPED_TRACE(tile_name(tile));
-    ForcedTile forced(tile);
-    expect_matches(run_prefill({E, H, I, d13.view, d2.view}, x, T, k, ids, wts), ref, is_fp8(tile));
+    expect_matches(run_prefill({E, H, I, d13.view, d2.view}, x, T, k, ids, wts, tile), ref);
   }
 }
 
@@ -372,19 +329,14 @@ TEST(PrefillCuda, InvalidExpertIdWritesNanRowOnly) {
   const std::vector<float> wts = {0.5f, 0.5f, 0.3f, 0.7f, 0.6f, 0.4f};
   DevLutbLM d13(w13), d2(w2);
   const auto ref = moe_reference(w13, w2, H, I, x, T, k, ids, wts);
-  for (const cuda::PrefillTile tile : all_tiles()) {
+  for (const PrefillKernel tile : all_tiles()) {
     SCOPED_TRACE(tile_name(tile));
-    ForcedTile forced(tile);
-    const auto got = run_prefill({E, H, I, d13.view, d2.view}, x, T, k, ids, wts);
+    const auto got = run_prefill({E, H, I, d13.view, d2.view}, x, T, k, ids, wts, tile);
     for (std::int64_t c = 0; c < H; ++c) {
       EXPECT_TRUE(std::isnan(bf16_to_float(got[1 * H + c])));
-      if (!is_fp8(tile)) {
-        EXPECT_EQ(got[0 * H + c], ref[0 * H + c]) << "column " << c;
-      }
+      EXPECT_EQ(got[0 * H + c], ref[0 * H + c]) << "column " << c;
       EXPECT_FALSE(std::isnan(bf16_to_float(got[2 * H + c])));
     }
-    if (is_fp8(tile))  // FP8 tensor-core rounding (expect_matches): token 0 close, not bit-equal
-      expect_matches(take_rows(got, H, {0}), take_rows(ref, H, {0}), true);
   }
 }
 
@@ -403,149 +355,122 @@ TEST(PrefillCuda, NonFiniteActivationBlockGivesNanRowLikeTheReference) {
   random_routing(T, k, {0, 1, 2, 3}, rng, ids, wts);
   DevLutbLM d13(w13), d2(w2);
   const auto ref = moe_reference(w13, w2, H, I, x, T, k, ids, wts);
-  for (const cuda::PrefillTile tile : all_tiles()) {
+  for (const PrefillKernel tile : all_tiles()) {
     SCOPED_TRACE(tile_name(tile));
-    ForcedTile forced(tile);
-    const auto got = run_prefill({E, H, I, d13.view, d2.view}, x, T, k, ids, wts);
+    const auto got = run_prefill({E, H, I, d13.view, d2.view}, x, T, k, ids, wts, tile);
     for (std::int64_t c = 0; c < H; ++c) {
       EXPECT_TRUE(std::isnan(bf16_to_float(ref[2 * H + c])));
       EXPECT_TRUE(std::isnan(bf16_to_float(got[2 * H + c]))) << "column " << c;
     }
     const std::vector<std::int64_t> rows = {0, 1, 3, 4};
-    expect_matches(take_rows(got, H, rows), take_rows(ref, H, rows), is_fp8(tile));
+    expect_matches(take_rows(got, H, rows), take_rows(ref, H, rows));
   }
 }
 
-// The measured crossover (include/lutb/cuda/moe.hpp, kPrefillMinTokensPerExpert): swap-AB decode up
-// to 32 pairs per touched expert, where it was 1.13-1.18x faster on the H200; prefill from 40, where
-// it was 1.01-1.19x faster; the benchmark shapes' batch sizes on either side.
-// With the sm_90a wgmma prefill tile (session 13) the crossover moved down: swap-AB decode was
-// 1.11-1.15x faster at 24 pairs per touched expert on three shapes, prefill 1.07-1.23x faster at 32
-// on all four (include/lutb/cuda/moe.hpp, kPrefillMinTokensPerExpertWgmma).
+// The measured crossover (src/cuda/heuristics/moe_heuristics.hpp, kPrefillMinTokensPerExpert):
+// swap-AB decode up to 32 pairs per touched expert, prefill from 40; with the sm_90a wgmma prefill
+// tile (kPrefillMinTokensPerExpertWgmma) decode up to 24, prefill from 32; the benchmark shapes'
+// batch sizes on either side.
 TEST(PrefillCuda, HeuristicThresholdIs28PairsPerTouchedExpertWithTheWgmmaTile) {
-  EXPECT_EQ(cuda::kPrefillMinTokensPerExpertWgmma, 28.0);
-  EXPECT_FALSE(cuda::prefer_lutb_prefill(768, 8, 256, true));   // DeepSeek-V3, T = 768: 24
-  EXPECT_FALSE(cuda::prefer_lutb_prefill(892, 8, 256, true));   // 27.9
-  EXPECT_TRUE(cuda::prefer_lutb_prefill(896, 8, 256, true));    // 28
-  EXPECT_TRUE(cuda::prefer_lutb_prefill(1024, 8, 256, true));   // DeepSeek-V3, T = 1024: 32
-  EXPECT_FALSE(cuda::prefer_lutb_prefill(384, 8, 128, true));   // Qwen3, T = 384: 24
-  EXPECT_TRUE(cuda::prefer_lutb_prefill(512, 8, 128, true));    // Qwen3, T = 512: 32
-  EXPECT_FALSE(cuda::prefer_lutb_prefill(96, 2, 8, true));      // Mixtral, T = 96: 24
-  EXPECT_TRUE(cuda::prefer_lutb_prefill(128, 2, 8, true));      // Mixtral, T = 128: 32
-  EXPECT_FALSE(cuda::prefer_lutb_prefill(0, 8, 256, true));
-  EXPECT_EQ(cuda::choose_strategy(1024, 8, 256, true, true), cuda::MoeStrategy::Prefill);
-  EXPECT_EQ(cuda::choose_strategy(1024, 8, 256, true, false), cuda::MoeStrategy::Decode);
-  EXPECT_EQ(cuda::choose_strategy(256, 8, 256, true, true), cuda::MoeStrategy::Decode);
+  EXPECT_EQ(cuda::heuristics::kPrefillMinTokensPerExpertWgmma, 28.0);
+  EXPECT_FALSE(prefer_prefill(768, 8, 256, true));   // DeepSeek-V3, T = 768: 24
+  EXPECT_FALSE(prefer_prefill(892, 8, 256, true));   // 27.9
+  EXPECT_TRUE(prefer_prefill(896, 8, 256, true));    // 28
+  EXPECT_TRUE(prefer_prefill(1024, 8, 256, true));   // DeepSeek-V3, T = 1024: 32
+  EXPECT_FALSE(prefer_prefill(384, 8, 128, true));   // Qwen3, T = 384: 24
+  EXPECT_TRUE(prefer_prefill(512, 8, 128, true));    // Qwen3, T = 512: 32
+  EXPECT_FALSE(prefer_prefill(96, 2, 8, true));      // Mixtral, T = 96: 24
+  EXPECT_TRUE(prefer_prefill(128, 2, 8, true));      // Mixtral, T = 128: 32
+  EXPECT_FALSE(prefer_prefill(0, 8, 256, true));
+  EXPECT_EQ(cuda::heuristics::choose_strategy(1024, 8, 256, true, true), cuda::MoeStrategy::Prefill);
+  EXPECT_EQ(cuda::heuristics::choose_strategy(1024, 8, 256, true, false), cuda::MoeStrategy::Decode);
+  EXPECT_EQ(cuda::heuristics::choose_strategy(256, 8, 256, true, true), cuda::MoeStrategy::Decode);
   // The BF16 baseline's rule does not depend on the LUT-B prefill tile.
-  EXPECT_EQ(cuda::choose_strategy(1024, 8, 256, false, true), cuda::MoeStrategy::Decode);
+  EXPECT_EQ(cuda::heuristics::choose_strategy(1024, 8, 256, false, true), cuda::MoeStrategy::Decode);
 }
 
 TEST(PrefillCuda, HeuristicThresholdIs36PairsPerTouchedExpert) {
-  EXPECT_EQ(cuda::kPrefillMinTokensPerExpert, 36.0);
-  EXPECT_FALSE(cuda::prefer_lutb_prefill(256, 8, 256));   // DeepSeek-V3, T = 256: 8 pairs per expert
-  EXPECT_FALSE(cuda::prefer_lutb_prefill(1024, 8, 256));  // DeepSeek-V3, T = 1024: 32
-  EXPECT_FALSE(cuda::prefer_lutb_prefill(1136, 8, 256));  // 35.5
-  EXPECT_TRUE(cuda::prefer_lutb_prefill(1152, 8, 256));   // 36
-  EXPECT_TRUE(cuda::prefer_lutb_prefill(1280, 8, 256));   // 40
-  EXPECT_FALSE(cuda::prefer_lutb_prefill(512, 8, 128));   // Qwen3, T = 512: 32
-  EXPECT_TRUE(cuda::prefer_lutb_prefill(640, 8, 128));    // Qwen3, T = 640: 40
-  EXPECT_FALSE(cuda::prefer_lutb_prefill(128, 2, 8));     // Mixtral, T = 128: 32
-  EXPECT_TRUE(cuda::prefer_lutb_prefill(160, 2, 8));      // Mixtral, T = 160: 40
-  EXPECT_FALSE(cuda::prefer_lutb_prefill(4, 2, 8));       // 8 pairs over 8 experts
-  EXPECT_FALSE(cuda::prefer_lutb_prefill(0, 8, 256));
+  EXPECT_EQ(cuda::heuristics::kPrefillMinTokensPerExpert, 36.0);
+  EXPECT_FALSE(prefer_prefill(256, 8, 256));   // DeepSeek-V3, T = 256: 8 pairs per expert
+  EXPECT_FALSE(prefer_prefill(1024, 8, 256));  // DeepSeek-V3, T = 1024: 32
+  EXPECT_FALSE(prefer_prefill(1136, 8, 256));  // 35.5
+  EXPECT_TRUE(prefer_prefill(1152, 8, 256));   // 36
+  EXPECT_TRUE(prefer_prefill(1280, 8, 256));   // 40
+  EXPECT_FALSE(prefer_prefill(512, 8, 128));   // Qwen3, T = 512: 32
+  EXPECT_TRUE(prefer_prefill(640, 8, 128));    // Qwen3, T = 640: 40
+  EXPECT_FALSE(prefer_prefill(128, 2, 8));     // Mixtral, T = 128: 32
+  EXPECT_TRUE(prefer_prefill(160, 2, 8));      // Mixtral, T = 160: 40
+  EXPECT_FALSE(prefer_prefill(4, 2, 8));       // 8 pairs over 8 experts
+  EXPECT_FALSE(prefer_prefill(0, 8, 256));
   // The dispatcher (choose_strategy) applies the same rule.
-  EXPECT_EQ(cuda::choose_strategy(1, 8, 256), cuda::MoeStrategy::Decode);
-  EXPECT_EQ(cuda::choose_strategy(1024, 8, 256), cuda::MoeStrategy::Decode);
-  EXPECT_EQ(cuda::choose_strategy(640, 8, 128), cuda::MoeStrategy::Prefill);
-  EXPECT_EQ(cuda::choose_strategy(4096, 8, 256), cuda::MoeStrategy::Prefill);
-  EXPECT_EQ(cuda::decode_token_blocks(1, 8, 256), 1);
+  EXPECT_EQ(cuda::heuristics::choose_strategy(1, 8, 256), cuda::MoeStrategy::Decode);
+  EXPECT_EQ(cuda::heuristics::choose_strategy(1024, 8, 256), cuda::MoeStrategy::Decode);
+  EXPECT_EQ(cuda::heuristics::choose_strategy(640, 8, 128), cuda::MoeStrategy::Prefill);
+  EXPECT_EQ(cuda::heuristics::choose_strategy(4096, 8, 256), cuda::MoeStrategy::Prefill);
+  EXPECT_EQ(cuda::heuristics::decode_token_blocks(1, 8, 256), 1);
   // One 8-token block up to 10 tokens per expert (measured crossover between 8 and 12), two above.
-  EXPECT_EQ(cuda::kSwapOneBlockMaxTokensPerExpert, 10.0);
-  EXPECT_EQ(cuda::decode_token_blocks(192, 8, 256), 1);   // 6 pairs per expert
-  EXPECT_EQ(cuda::decode_token_blocks(256, 8, 256), 1);   // 8: one block was 1.10x faster
-  EXPECT_EQ(cuda::decode_token_blocks(320, 8, 256), 1);   // 10
-  EXPECT_EQ(cuda::decode_token_blocks(384, 8, 256), 2);   // 12: two blocks were 1.08x faster
-  EXPECT_EQ(cuda::decode_token_blocks(128, 8, 128), 1);   // Qwen3, 8
-  EXPECT_EQ(cuda::decode_token_blocks(256, 8, 128), 2);   // 16: two 16-token tiles per expert
-  EXPECT_EQ(cuda::decode_token_blocks(32, 2, 8), 1);      // Mixtral, 8
-  EXPECT_EQ(cuda::decode_token_blocks(48, 2, 8), 2);      // Mixtral, 12
-  EXPECT_EQ(cuda::decode_token_blocks(1024, 8, 256), 2);  // 32: the decode side of the threshold
+  EXPECT_EQ(cuda::heuristics::kSwapOneBlockMaxTokensPerExpert, 10.0);
+  EXPECT_EQ(cuda::heuristics::decode_token_blocks(192, 8, 256), 1);   // 6 pairs per expert
+  EXPECT_EQ(cuda::heuristics::decode_token_blocks(256, 8, 256), 1);   // 8: one block was 1.10x faster
+  EXPECT_EQ(cuda::heuristics::decode_token_blocks(320, 8, 256), 1);   // 10
+  EXPECT_EQ(cuda::heuristics::decode_token_blocks(384, 8, 256), 2);   // 12: two blocks were 1.08x faster
+  EXPECT_EQ(cuda::heuristics::decode_token_blocks(128, 8, 128), 1);   // Qwen3, 8
+  EXPECT_EQ(cuda::heuristics::decode_token_blocks(256, 8, 128), 2);   // 16: two 16-token tiles per expert
+  EXPECT_EQ(cuda::heuristics::decode_token_blocks(32, 2, 8), 1);      // Mixtral, 8
+  EXPECT_EQ(cuda::heuristics::decode_token_blocks(48, 2, 8), 2);      // Mixtral, 12
+  EXPECT_EQ(cuda::heuristics::decode_token_blocks(1024, 8, 256), 2);  // 32: the decode side of the threshold
 }
 
-TEST(PrefillCuda, TileHeuristicPicksWb128From320PairsPerExpertOnSm90ElseWb64OrM64UnlessForced) {
-  using cuda::PrefillTile;
-  // M128 measured slower on every shape (kPrefillTile128MinPairs = 0): never. On sm_90 the BF16-fold
-  // wgmma tiles (bit-identical output, asserted in MatchesHostReference): WB128 from 320 pairs per
-  // touched expert (pf14 run 1 and rules15-run1 on the H200: 1.02-1.12x WB64 at 512..4096, 1.00-1.06x
-  // at 320..448, 0.98-1.04x at 256, 0.59-0.95x at 32..192), WB64 below; M64 on every other device
-  // (host-only check, no device query).
-  static_assert(cuda::kPrefillTile128MinPairs == 0);
-  static_assert(cuda::kPrefillWb128MinPairs == 320);
+TEST(PrefillCuda, TileHeuristicPicksWgmma128From320PairsPerExpertOnSm90ElseWgmma64OrMma64) {
+  // On sm_90 the wgmma tiles (bit-identical output, asserted in MatchesHostReference): 128 rows from
+  // 320 pairs per touched expert, 64 below; the mma.sync tile on every other device (host only).
+  static_assert(cuda::heuristics::kPrefillWgmma128MinPairs == 320);
   for (const bool sm90 : {false, true}) {
-    const PrefillTile small = sm90 ? PrefillTile::WB64 : PrefillTile::M64;
-    const PrefillTile large = sm90 ? PrefillTile::WB128 : PrefillTile::M64;
-    EXPECT_EQ(cuda::prefill_tile_for(1024 * 8, 256, sm90), small);   // DeepSeek-V3, T = 1024: 32 pairs per expert
-    EXPECT_EQ(cuda::prefill_tile_for(4096 * 8, 256, sm90), small);   // DeepSeek-V3, T = 4096: 128
-    EXPECT_EQ(cuda::prefill_tile_for(4096 * 8, 128, sm90), small);   // Qwen3, T = 4096: 256
-    EXPECT_EQ(cuda::prefill_tile_for(1024 * 2, 8, sm90), small);     // Mixtral, T = 1024: 256
-    EXPECT_EQ(cuda::prefill_tile_for(10239 * 8, 256, sm90), small);  // 319.97
-    EXPECT_EQ(cuda::prefill_tile_for(10240 * 8, 256, sm90), large);  // DeepSeek-V3, T = 10240: 320
-    EXPECT_EQ(cuda::prefill_tile_for(1279 * 2, 8, sm90), small);     // Mixtral, T = 1279: 319.75
-    EXPECT_EQ(cuda::prefill_tile_for(1280 * 2, 8, sm90), large);     // Mixtral, T = 1280: 320
-    EXPECT_EQ(cuda::prefill_tile_for(5120 * 8, 128, sm90), large);   // Qwen3, T = 5120: 320
-    EXPECT_EQ(cuda::prefill_tile_for(16384 * 8, 256, sm90), large);  // DeepSeek-V3, T = 16384: 512
-    EXPECT_EQ(cuda::prefill_tile_for(8192 * 8, 128, sm90), large);   // Qwen3, T = 8192: 512
-    EXPECT_EQ(cuda::prefill_tile_for(16384 * 8, 128, sm90), large);  // Qwen3, T = 16384: 1024
-    EXPECT_EQ(cuda::prefill_tile_for(4096 * 2, 8, sm90), large);     // Mixtral, T = 4096: 1024
-    EXPECT_EQ(cuda::prefill_tile_for(2048 * 2, 8, sm90), large);     // Mixtral, T = 2048: 512
-    EXPECT_EQ(cuda::prefill_tile_for(100, 1024, sm90), small);       // 100 pairs over 100 touched experts
-    EXPECT_EQ(cuda::prefill_tile_for(600, 1, sm90), large);          // one expert, 600 pairs
-    EXPECT_EQ(cuda::prefill_tile_for(320, 1, sm90), large);
-    EXPECT_EQ(cuda::prefill_tile_for(319, 1, sm90), small);
+    const PrefillKernel small = sm90 ? PrefillKernel::Sm90Wgmma64 : PrefillKernel::Sm80Mma64;
+    const PrefillKernel large = sm90 ? PrefillKernel::Sm90Wgmma128 : PrefillKernel::Sm80Mma64;
+    EXPECT_EQ(cuda::heuristics::prefill_kernel(1024 * 8, 256, sm90), small);   // DeepSeek-V3, T = 1024: 32 pairs per expert
+    EXPECT_EQ(cuda::heuristics::prefill_kernel(4096 * 8, 256, sm90), small);   // DeepSeek-V3, T = 4096: 128
+    EXPECT_EQ(cuda::heuristics::prefill_kernel(4096 * 8, 128, sm90), small);   // Qwen3, T = 4096: 256
+    EXPECT_EQ(cuda::heuristics::prefill_kernel(1024 * 2, 8, sm90), small);     // Mixtral, T = 1024: 256
+    EXPECT_EQ(cuda::heuristics::prefill_kernel(10239 * 8, 256, sm90), small);  // 319.97
+    EXPECT_EQ(cuda::heuristics::prefill_kernel(10240 * 8, 256, sm90), large);  // DeepSeek-V3, T = 10240: 320
+    EXPECT_EQ(cuda::heuristics::prefill_kernel(1279 * 2, 8, sm90), small);     // Mixtral, T = 1279: 319.75
+    EXPECT_EQ(cuda::heuristics::prefill_kernel(1280 * 2, 8, sm90), large);     // Mixtral, T = 1280: 320
+    EXPECT_EQ(cuda::heuristics::prefill_kernel(5120 * 8, 128, sm90), large);   // Qwen3, T = 5120: 320
+    EXPECT_EQ(cuda::heuristics::prefill_kernel(16384 * 8, 256, sm90), large);  // DeepSeek-V3, T = 16384: 512
+    EXPECT_EQ(cuda::heuristics::prefill_kernel(8192 * 8, 128, sm90), large);   // Qwen3, T = 8192: 512
+    EXPECT_EQ(cuda::heuristics::prefill_kernel(16384 * 8, 128, sm90), large);  // Qwen3, T = 16384: 1024
+    EXPECT_EQ(cuda::heuristics::prefill_kernel(4096 * 2, 8, sm90), large);     // Mixtral, T = 4096: 1024
+    EXPECT_EQ(cuda::heuristics::prefill_kernel(2048 * 2, 8, sm90), large);     // Mixtral, T = 2048: 512
+    EXPECT_EQ(cuda::heuristics::prefill_kernel(100, 1024, sm90), small);       // 100 pairs over 100 touched experts
+    EXPECT_EQ(cuda::heuristics::prefill_kernel(600, 1, sm90), large);          // one expert, 600 pairs
+    EXPECT_EQ(cuda::heuristics::prefill_kernel(320, 1, sm90), large);
+    EXPECT_EQ(cuda::heuristics::prefill_kernel(319, 1, sm90), small);
   }
-  EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::M64), 64);
-  EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::M64IL), 64);
-  EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::M128), 128);
-  EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::M128W), 128);
-  EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::WB128), 128);  // groups 128-row token tiles (session 14)
-  EXPECT_EQ(cuda::prefill_tile_rows(PrefillTile::WB128P), 128);
-  // The session-13 sm_90 wgmma tiles group 64-row token tiles (WB128: 128, above). The FP8 ones
-  // (W64, W64D) miss the error bounds and are never chosen.
-  for (PrefillTile t : {PrefillTile::W64, PrefillTile::W64D, PrefillTile::WB64, PrefillTile::WB64D, PrefillTile::WB64T,
-                        PrefillTile::WS64})
-    EXPECT_EQ(cuda::prefill_tile_rows(t), 64);
-  {
-    ForcedTile forced(PrefillTile::WS64);
-    EXPECT_EQ(cuda::prefill_tile(4096 * 8, 128), PrefillTile::WS64);
-  }
-  {
-    ForcedTile forced(PrefillTile::M128W);
-    EXPECT_EQ(cuda::prefill_tile(1, 8), PrefillTile::M128W);
-  }
-  if (have_gpu()) {  // back to the heuristic (unforced, prefill_tile queries the current device)
-    EXPECT_EQ(cuda::prefill_tile(1, 8), device_is_sm90() ? PrefillTile::WB64 : PrefillTile::M64);
-  }
+  EXPECT_EQ(cuda::heuristics::prefill_tile_rows(PrefillKernel::Sm80Mma64), 64);
+  EXPECT_EQ(cuda::heuristics::prefill_tile_rows(PrefillKernel::Sm90Wgmma64), 64);
+  EXPECT_EQ(cuda::heuristics::prefill_tile_rows(PrefillKernel::Sm90Wgmma128), 128);
 }
 
 TEST(PrefillCuda, BadArgumentsThrowBeforeAnyLaunch) {
   // Argument checks run before any CUDA call: no device needed.
   cuda::DeviceMoeWeights w{4, 64, 60, {}, {}};
-  EXPECT_THROW(cuda::moe_forward_lutb_prefill(w, nullptr, 1, 2, nullptr, nullptr, nullptr, nullptr, 0, nullptr),
+  EXPECT_THROW(cuda::moe_forward(w, nullptr, 1, 2, nullptr, nullptr, nullptr, nullptr, 0, nullptr, {cuda::MoeStrategy::Prefill}),
                std::invalid_argument);  // I % 8 != 0
   w.intermediate = 64;
   w.w13.shape = {4, 128, 64, true};
   w.w2.shape = {4, 64, 32, true};  // wrong K
-  EXPECT_THROW(cuda::moe_forward_lutb_prefill(w, nullptr, 1, 2, nullptr, nullptr, nullptr, nullptr, 0, nullptr),
+  EXPECT_THROW(cuda::moe_forward(w, nullptr, 1, 2, nullptr, nullptr, nullptr, nullptr, 0, nullptr, {cuda::MoeStrategy::Prefill}),
                std::invalid_argument);
   w.w2.shape = {4, 64, 64, true};
-  EXPECT_THROW(cuda::moe_forward_lutb_prefill(w, nullptr, 1, 2, nullptr, nullptr, nullptr, nullptr, 0, nullptr),
+  EXPECT_THROW(cuda::moe_forward(w, nullptr, 1, 2, nullptr, nullptr, nullptr, nullptr, 0, nullptr, {cuda::MoeStrategy::Prefill}),
                std::invalid_argument);  // null stacks
   alignas(16) static const std::uint8_t dummy[256] = {};
   w.w13.packed = w.w13.codebook = w.w13.scale = dummy;
   w.w2.packed = w.w2.codebook = w.w2.scale = dummy;
   w.w13.lane_major = true;  // w2 still in checkpoint order
   try {
-    cuda::moe_forward_lutb_prefill(w, nullptr, 1, 2, nullptr, nullptr, nullptr, nullptr, 0, nullptr);
+    cuda::moe_forward(w, nullptr, 1, 2, nullptr, nullptr, nullptr, nullptr, 0, nullptr, {cuda::MoeStrategy::Prefill});
     ADD_FAILURE() << "checkpoint-order w2 accepted";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("to_lane_major"), std::string::npos) << e.what();

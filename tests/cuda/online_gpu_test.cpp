@@ -354,7 +354,7 @@ TEST(OnlineGpu, MemoryBoundedByChunk) {
   std::printf("layer %zu B, output %zu B, temporaries %zu B, peak extra over the sources %zu B\n", layer,
               rep.quantized_bytes, rep.temp_bytes, worst_excess);
   EXPECT_EQ(rep.chunks, E);
-  // Two chunks' per-tile sums (the pipelined method double-buffers them: onl14) + the error words:
+  // Two chunks' per-tile sums (double-buffered) + the error words:
   // 2 x 2 x 8 B x 2048 tiles of w13 + 256 = 65,792 B for this 3 MiB chunk.
   EXPECT_LE(rep.temp_bytes, expert_bytes / 32 + 1024);
   // Extra memory at any release point: at most the output + temporaries (+ granularity), which is
@@ -381,18 +381,15 @@ TEST(OnlineGpu, ErrorsBeforeAnythingIsReleased) {
   ASSERT_EQ(cpu_msg.rfind("quantize: ", 0), 0u);
   for (bool with_w13_error : {false, true}) {
     if (with_w13_error) l.w13[static_cast<std::size_t>(1 * 128 * 128 + 9 * 128 + 100)] = 0xff80;  // -Inf
-    // Both methods (pipelined: the check kernel, all launches queued; serial: the fit kernel's check
-    // per launch), per-expert and stacked sources.
-    for (int way = 0; way < 4; ++way) {
-      const bool pipeline = way < 2, stacked = way % 2 == 1;
-      SCOPED_TRACE(std::string(pipeline ? "pipelined" : "serial") + (stacked ? ", stacked" : ", per expert"));
+    // Per-expert and stacked sources.
+    for (bool stacked : {false, true}) {
+      SCOPED_TRACE(stacked ? "stacked" : "per expert");
       DeviceSource d;
       cuda::DeviceExpertSource src;
       upload(l, stacked, d, src);
       int releases = 0;
       src.release = [&](std::int64_t, std::int64_t) { ++releases; };
       cuda::GpuOnlineOptions opt;
-      opt.pipeline = pipeline;
       opt.chunk_bytes = 1;
       cuda::DeviceLutbLayer out;
       std::string msg;
@@ -447,8 +444,8 @@ TEST(OnlineGpu, ErrorsBeforeAnythingIsReleased) {
 }
 
 // A weight too large for any scale byte <= 246 (BF16 0x7f78 = 3.3e38): the online method's message
-// equals the CPU fitter's, magnitude printed as the shortest round-trip decimal (both sides use
-// std::to_chars since session 11; std::to_string printed 39 digits and ".000000").
+// equals the CPU fitter's, magnitude printed as the shortest round-trip decimal (std::to_chars on
+// both sides, not std::to_string's 39 digits and ".000000").
 TEST(OnlineGpu, TooLargeMagnitudeMatchesCpu) {
   LUTB_GPU_OR_SKIP();
   HostLayer l = random_layer(2, 128, 64, DType::BF16, 7);
@@ -463,21 +460,17 @@ TEST(OnlineGpu, TooLargeMagnitudeMatchesCpu) {
   ASSERT_EQ(cpu_msg.rfind("quantize: ", 0), 0u) << cpu_msg;
   EXPECT_NE(cpu_msg.find("magnitude 3.29"), std::string::npos) << cpu_msg;
   EXPECT_NE(cpu_msg.find("e+38 needs a scale byte above 246"), std::string::npos) << cpu_msg;
-  for (bool pipeline : {true, false}) {
-    DeviceSource d;
-    cuda::DeviceExpertSource src;
-    upload(l, false, d, src);
-    cuda::GpuOnlineOptions opt;
-    opt.pipeline = pipeline;
-    cuda::DeviceLutbLayer out;
-    std::string msg;
-    try {
-      cuda::quantize_experts_online(src, out, opt);
-    } catch (const std::invalid_argument& e) {
-      msg = e.what();
-    }
-    EXPECT_EQ(msg, "quantize_experts_online: " + cpu_msg.substr(10)) << (pipeline ? "pipelined" : "serial");
+  DeviceSource d;
+  cuda::DeviceExpertSource src;
+  upload(l, false, d, src);
+  cuda::DeviceLutbLayer out;
+  std::string msg;
+  try {
+    cuda::quantize_experts_online(src, out);
+  } catch (const std::invalid_argument& e) {
+    msg = e.what();
   }
+  EXPECT_EQ(msg, "quantize_experts_online: " + cpu_msg.substr(10));
 }
 
 TEST(OnlineGpu, SelectionLoggedOnce) {
@@ -499,12 +492,11 @@ TEST(OnlineGpu, SelectionLoggedOnce) {
   }
 }
 
-// onl14: the pipelined method (the default) and the serial one (pipeline = false) write the CPU
-// method's bytes and FitStats and release the same chunks in the same order, over chunkings that
-// reuse the double-buffered sums many times (one expert per chunk: 14 work items), a partial last
-// chunk, stacked and per-expert sources, F16, checkpoint order, without stats, and on a caller's
-// non-blocking stream.
-TEST(OnlineGpu, PipelineMatchesSerialAndCpu) {
+// The method writes the CPU method's bytes and FitStats and releases the chunks in expert order,
+// over chunkings that reuse the double-buffered sums many times (one expert per chunk: 14 work
+// items), a partial last chunk, stacked and per-expert sources, F16, checkpoint order, without
+// stats, and on a caller's non-blocking stream.
+TEST(OnlineGpu, ChunkingsMatchCpu) {
   LUTB_GPU_OR_SKIP();
   struct Case {
     DType dt;
@@ -524,17 +516,16 @@ TEST(OnlineGpu, PipelineMatchesSerialAndCpu) {
   for (const Case& c : cases) {
     const HostLayer& l = c.dt == DType::BF16 ? lb : lf;
     const Expected& x = c.dt == DType::BF16 ? (c.lane_major ? xb : xb_ck) : (c.lane_major ? xf : xf_ck);
-    std::vector<std::pair<std::int64_t, std::int64_t>> rel[2];
-    for (int p = 0; p < 2; ++p) {
-      SCOPED_TRACE(std::string(p == 0 ? "pipelined" : "serial") + ", " + (c.dt == DType::BF16 ? "BF16" : "F16") +
+    std::vector<std::pair<std::int64_t, std::int64_t>> rel;
+    {
+      SCOPED_TRACE(std::string(c.dt == DType::BF16 ? "BF16" : "F16") +
                    (c.stacked ? ", stacked" : ", per expert") + ", " + std::to_string(c.per_chunk) +
                    " experts per chunk" + (c.stats ? "" : ", no stats") + (c.own_stream ? ", own stream" : ""));
       DeviceSource d;
       cuda::DeviceExpertSource src;
       upload(l, c.stacked, d, src);
-      src.release = [&](std::int64_t e0, std::int64_t e1) { rel[p].emplace_back(e0, e1); };
+      src.release = [&](std::int64_t e0, std::int64_t e1) { rel.emplace_back(e0, e1); };
       cuda::GpuOnlineOptions opt;
-      opt.pipeline = p == 0;
       opt.chunk_bytes = static_cast<std::size_t>(c.per_chunk) * expert_bytes;
       opt.lane_major = c.lane_major;
       opt.stats = c.stats;
@@ -544,10 +535,10 @@ TEST(OnlineGpu, PipelineMatchesSerialAndCpu) {
       const std::int64_t chunks = (E + c.per_chunk - 1) / c.per_chunk;
       EXPECT_EQ(rep.experts_per_chunk, c.per_chunk);
       EXPECT_EQ(rep.chunks, chunks);
-      ASSERT_EQ(rel[p].size(), static_cast<std::size_t>(chunks));
+      ASSERT_EQ(rel.size(), static_cast<std::size_t>(chunks));
       for (std::int64_t k = 0; k < chunks; ++k) {
-        EXPECT_EQ(rel[p][static_cast<std::size_t>(k)].first, k * c.per_chunk);
-        EXPECT_EQ(rel[p][static_cast<std::size_t>(k)].second, std::min(E, (k + 1) * c.per_chunk));
+        EXPECT_EQ(rel[static_cast<std::size_t>(k)].first, k * c.per_chunk);
+        EXPECT_EQ(rel[static_cast<std::size_t>(k)].second, std::min(E, (k + 1) * c.per_chunk));
       }
       EXPECT_EQ(rep.w13.tiles, x.s13.tiles);
       EXPECT_EQ(rep.w2.tiles, x.s2.tiles);
@@ -563,12 +554,11 @@ TEST(OnlineGpu, PipelineMatchesSerialAndCpu) {
       EXPECT_EQ(out.weights().w13.lane_major, c.lane_major);
       expect_equal_layer(out, x);
     }
-    EXPECT_EQ(rel[0], rel[1]);
   }
   CUDA_OK(cudaStreamDestroy(own));
 }
 
-// onl14: release(e0, e1) comes only after the device has finished reading experts [e0, e1) although
+// release(e0, e1) comes only after the device has finished reading experts [e0, e1) although
 // the next chunk is already queued: the callback overwrites the released experts with NaN (0xffff,
 // BF16 and F16) on a stream of its own, at once, while the next chunk's fit runs. A premature release
 // would change the bytes or raise "tile error after the check pass".
@@ -610,9 +600,8 @@ TEST(OnlineGpu, ReleasedChunksAreNoLongerRead) {
   CUDA_OK(cudaStreamDestroy(poison));
 }
 
-// onl14: the lowest failing tile over the experts of one tensor (the check kernel's launches share
-// one error word per tensor, the tile index global in the stack), BF16 and F16, both methods, both
-// source kinds; the message is the CPU fitter's for the same stack.
+// The lowest failing tile over the experts of one tensor (the check kernel's launches share one
+// error word per tensor, the tile index global in the stack), BF16 and F16, both source kinds; the message is the CPU fitter's for the same stack.
 TEST(OnlineGpu, LowestFailingTileAcrossExperts) {
   LUTB_GPU_OR_SKIP();
   for (DType dt : {DType::BF16, DType::F16}) {
@@ -631,17 +620,14 @@ TEST(OnlineGpu, LowestFailingTileAcrossExperts) {
       cpu_msg = e.what();
     }
     ASSERT_EQ(cpu_msg, "quantize: tensor w2_weight, expert 1, tile (15, 0): +Inf at row 126 col 7");
-    for (int way = 0; way < 4; ++way) {
-      const bool pipeline = way < 2, stacked = way % 2 == 1;
-      SCOPED_TRACE(std::string(dt == DType::BF16 ? "BF16, " : "F16, ") + (pipeline ? "pipelined" : "serial") +
-                   (stacked ? ", stacked" : ", per expert"));
+    for (bool stacked : {false, true}) {
+      SCOPED_TRACE(std::string(dt == DType::BF16 ? "BF16, " : "F16, ") + (stacked ? "stacked" : "per expert"));
       DeviceSource d;
       cuda::DeviceExpertSource src;
       upload(l, stacked, d, src);
       int releases = 0;
       src.release = [&](std::int64_t, std::int64_t) { ++releases; };
       cuda::GpuOnlineOptions opt;
-      opt.pipeline = pipeline;
       cuda::DeviceLutbLayer out;
       std::string msg;
       try {

@@ -204,7 +204,7 @@ void check_tile_pairs(const std::vector<float>& x, int scale, PairStats& ps) {
     s1[i] = st.p1[i] * inv;
     s2[i] = st.p2[i] * inv2;
     // The GPU kernel scales the prefix sums in place, once per scale and from one scale to the
-    // next (src/cuda/fit_binned_dp_warp.cu, prescale): exact because every product stays normal.
+    // next (src/cuda/fit/sm80_lutb_fit_warp.cuh, prescale): exact because every product stays normal.
     for (const double v : {s1[i], s2[i]}) {
       ASSERT_TRUE(v == 0.0 || (std::fabs(v) >= DBL_MIN && std::fabs(v) <= 0x1p600)) << std::hexfloat << v;
     }

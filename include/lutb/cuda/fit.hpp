@@ -3,24 +3,16 @@
 // BYTES as the CPU fitters. The Lloyd fitters ("ct-lloyd", "multistart") have no GPU kernel: asking
 // for them throws std::invalid_argument (use lutb::quantize on the CPU).
 //
-// Byte equality with lutb::quantize(..., FitOptions{fitter, forced_scale}) holds for every kernel
-// (GpuFitKernel below):
-//  - Warp (default, src/cuda/fit_binned_dp_warp.cu): one warp per 8x64 tile, tables in shared
-//    memory (binned-dp ~9.2 KiB per warp when the per-tile sums are written, else ~13.3 KiB;
-//    optimal ~26 KiB; no local memory); one kernel source
-//    templated on the fitter. The byte-deciding scalar arithmetic is the CPU fitter's own
-//    (src/fit/fit_scalar.hpp, compiled with -fmad=false here and -ffp-contract=off there); the
-//    sort, the DP levels, the refinement tables and the encoding are spread over the lanes in ways
-//    that cannot change a result, and the order-dependent double sums (prefix sums, per-tile error
-//    sums, optimal's saturation bound) stay sequential in the CPU's order (argued in the .cu file).
-//  - Thread (binned-dp only, src/cuda/fit_binned_dp.cu): the first port, operation for operation,
-//    one thread per tile, every decision-making operation an IEEE round-to-nearest intrinsic
-//    (__dadd_rn, ...); about 19 KiB of per-thread local memory, for which the CUDA context reserves
-//    local memory for every resident thread (~5 GiB on an H200 at full occupancy, once per context,
-//    not bounded by the chunk size). Kept as the benchmark baseline and an independent second port.
-// Tested in tests/cuda/fit_gpu_test.cpp (random, edge and real tiles, every kernel and fitter,
-// against lutb::quantize). Speed on an H200: docs/perf/fit-gpu.md. The online method built on the
-// warp kernel (device BF16/FP16 experts in, packed LUT-B out): lutb/cuda/online.hpp.
+// Byte equality with lutb::quantize(..., FitOptions{fitter, forced_scale}): one warp per 8x64 tile,
+// per-warp tables in shared memory (binned-dp ~13.7 KiB, optimal ~26 KiB; no local memory), the
+// byte-deciding scalar arithmetic the CPU fitter's own (src/fit/fit_scalar.hpp, compiled with
+// -fmad=false here and -ffp-contract=off there); the sort, the DP levels, the refinement tables and
+// the encoding are spread over the lanes in ways that cannot change a result, and the
+// order-dependent double sums (prefix sums, per-tile error sums, optimal's saturation bound) stay
+// sequential in the CPU's order (docs/design/cuda-fit.md, src/cuda/fit/sm80_lutb_fit_warp.cuh).
+// Tested in tests/cuda/fit_gpu_test.cpp (random, edge and real tiles, both fitters, against
+// lutb::quantize). Speed: docs/perf/fit-gpu.md. The online method built on these kernels (device
+// BF16/FP16 experts in, packed LUT-B out): lutb/cuda/online.hpp.
 //
 // Layout of the outputs: the LutbTensor layout of lutb/tile.hpp (spec section 2.2):
 //   packed [E, Np/8, Kp/64, 192] u8, codebook [E, Np/8, Kp/64, 8] E4M3, scale [E, Np/8, Kp/64] UE8M0,
@@ -52,14 +44,6 @@ GpuFitter gpu_fitter(std::string_view name);
 /// The lutb::fit name of a GPU fitter ("binned-dp" or "optimal").
 const char* gpu_fitter_name(GpuFitter f);
 
-/// Which kernel fits the tiles. Both give the CPU fitter's bytes.
-///   Warp (default): one warp per tile, per-warp tables in shared memory (9-13 KiB), the sort, the
-///     DP levels, the refinement tables and the encoding spread over the lanes
-///     (src/cuda/fit_binned_dp_warp.cu); no local-memory reservation.
-///   Thread: the first port, one thread per tile with ~19 KiB of local memory per thread
-///     (src/cuda/fit_binned_dp.cu); binned-dp only; kept as the benchmark baseline.
-enum class GpuFitKernel : std::uint8_t { Warp, Thread };
-
 /// Options of the GPU fitter.
 struct GpuFitOptions {
   /// A lutb::fit fitter name with a GPU kernel: "" or "binned-dp" (the default), or "optimal"
@@ -71,15 +55,11 @@ struct GpuFitOptions {
   int forced_scale = -1;
   /// Bound on the source bytes staged on the device at once (quantize_gpu only). Peak extra device
   /// memory is about chunk_bytes + (chunk tiles) * 217 bytes (192 packed + 8 codebook + 1 scale +
-  /// 16 for the per-tile sse/sum_sq), plus, with GpuFitKernel::Thread, the local-memory
-  /// reservation described above. A chunk
-  /// holds whole experts when one expert fits, else whole tile rows (8 matrix rows) of one expert;
-  /// at least one tile row is staged whatever the bound.
+  /// 16 for the per-tile sse/sum_sq). A chunk holds whole experts when one expert fits, else whole
+  /// tile rows (8 matrix rows) of one expert; at least one tile row is staged whatever the bound.
   std::size_t chunk_bytes = std::size_t{512} << 20;
   /// Device to run on (-1: the current device).
   int device = -1;
-  /// Thread supports only binned-dp (optimal with Thread throws std::invalid_argument).
-  GpuFitKernel kernel = GpuFitKernel::Warp;
 };
 
 /// Quantizes a host-resident weight or expert stack to LUT-B on the GPU with opt.fitter.
@@ -90,7 +70,7 @@ struct GpuFitOptions {
 /// Returns the same FitStats as the CPU (per-tile sse / sum of squares in double, summed in tile
 /// order on the host).
 /// Errors (std::invalid_argument, `out` reset): a fitter without a GPU kernel or an unknown name,
-/// optimal with GpuFitKernel::Thread, an unsupported dtype, an invalid shape, a null source,
+/// an unsupported dtype, an invalid shape, a null source,
 /// forced_scale outside 3..246; a tile with NaN/Inf or a magnitude needing a scale above 246
 /// (spec section 2), reported for the lowest such tile exactly as lutb::quantize words it but
 /// prefixed "quantize_gpu:" ("tensor NAME, expert e, tile (tn, tk): NaN at row R col C").
@@ -127,19 +107,17 @@ GpuFitError decode_fit_error(unsigned long long word);
 /// receives the smallest failing tile's word (decode_fit_error); outputs of failing tiles are left
 /// unwritten. With sse / sum_sq null the per-tile sums are not computed (binned-dp is then ~10 %
 /// faster; optimal computes the tile error anyway for its scale search). Throws
-/// std::invalid_argument for bad arguments (optimal with GpuFitKernel::Thread included) and
-/// std::runtime_error when the launch fails.
+/// std::invalid_argument for bad arguments and std::runtime_error when the launch fails.
 void fit_device(const void* d_src, DType src_type, const LutbShape& shape, const DeviceFitOut& out, GpuFitter fitter,
-                int forced_scale, unsigned long long* d_error, cudaStream_t stream,
-                GpuFitKernel kernel = GpuFitKernel::Warp);
+                int forced_scale, unsigned long long* d_error, cudaStream_t stream);
 
 /// fit_device with GpuFitter::BinnedDp (the default fitter).
 void fit_binned_dp_device(const void* d_src, DType src_type, const LutbShape& shape, const DeviceFitOut& out,
-                          int forced_scale, unsigned long long* d_error, cudaStream_t stream,
-                          GpuFitKernel kernel = GpuFitKernel::Warp);
+                          int forced_scale, unsigned long long* d_error, cudaStream_t stream);
 
 /// Only the tile check of fit_device (NaN / Inf / magnitude, same error word in d_error,
-/// set to all ones first): reads the stack once, writes nothing else. Asynchronous on `stream`.
+/// set to all ones first) on a memory-bound check kernel: reads the stack once, writes nothing
+/// else. Asynchronous on `stream`.
 void check_tiles_device(const void* d_src, DType src_type, const LutbShape& shape, unsigned long long* d_error,
                         cudaStream_t stream);
 

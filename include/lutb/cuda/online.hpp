@@ -1,4 +1,4 @@
-// lutb/cuda/online.hpp: the online LUT-B method on the GPU (issue 6, spec section 6): a layer's
+// lutb/cuda/online.hpp: the online LUT-B method on the GPU (spec section 6): a layer's
 // BF16/FP16 routed experts already on the device in, packed LUT-B out on the device (in the
 // lane-major bit order the CUDA MoE kernels read, lutb/cuda/lane_major.hpp), the source released
 // chunk by chunk, with temporaries bounded by the chunk size rather than the layer size.
@@ -15,12 +15,18 @@
 //  - the backend selection reason is logged once per process (the seed's logger.info_once).
 //
 // Device memory: the output (3.140625 bits per weight, one allocation owned by DeviceLutbLayer) is
-// allocated once (while the check pass runs, and freed again if it fails); the only temporaries are the per-tile error sums of two
-// chunks (16 bytes per 512 weights of the larger matrix of a chunk, double-buffered so that one
-// chunk's sums are copied to the host while the next chunk is fitted; only when stats are asked for;
-// GpuOnlineOptions::pipeline = false: one chunk) and three 8-byte error words. The fit kernel keeps
-// its tables in shared memory (no local-memory reservation). So the peak device memory during the
+// allocated once (while the check pass runs, and freed again if it fails); the only temporaries
+// are the per-tile error sums of two chunks (16 bytes per 512 weights of the larger matrix of a
+// chunk, double-buffered so that one chunk's sums are copied to the host while the next chunk is
+// fitted; only when stats are asked for) and three 8-byte error words. The fit kernels keep their
+// tables in shared memory (no local-memory reservation). So the peak device memory during the
 // call is (source not yet released) + (output) + (temporaries <= chunk_bytes / 32 + 256).
+//
+// The steps: the check pass on a memory-bound check kernel (all launches queued; its result read
+// once the first fit is queued behind it, before anything is released), then the chunks' fits
+// queued back to back while the host copies the previous chunk's per-tile sums on a second stream,
+// adds them and releases it (no host synchronisation between two fits; the release follows the
+// chunk's completion through an event).
 #pragma once
 
 #include <cstddef>
@@ -95,23 +101,12 @@ struct GpuOnlineOptions {
   /// -1: the fitter's own scale per tile, else a scale byte 3..246 for every tile.
   int forced_scale = -1;
   /// Compute FitStats (per-tile error sums, copied to the host and summed in tile order exactly as
-  /// lutb::quantize does). The pipelined method copies and adds a chunk's sums while the next chunk
-  /// is fitted.
+  /// lutb::quantize does), a chunk's sums while the next chunk is fitted.
   bool stats = true;
   /// Permute each tile's index bytes to the lane-major order of lutb/cuda/lane_major.hpp (what the
   /// CUDA MoE kernels read). false keeps the checkpoint (spec 2.2) order.
   bool lane_major = true;
   cudaStream_t stream = nullptr;
-  /// true (the default, onl14): the pipelined method: the check pass on a memory-bound check kernel
-  /// (all launches queued; its result read once the first fit is queued behind it, before anything
-  /// is released), then the chunks' fits queued back to back while the host copies the previous
-  /// chunk's per-tile sums on a second stream, adds them and releases it (no host synchronisation
-  /// between two fits; the release follows the chunk's completion through an event); temporaries
-  /// two chunks' per-tile sums. false: the method before onl14 (check pass on the fit kernel, a host
-  /// synchronisation after every fit and every chunk), kept for the benchmark's same-run
-  /// comparison. Same bytes, FitStats, releases and errors either way (tested). On the H200 the
-  /// pipelined method took 0.916-0.924x the serial one's time (docs/perf/fit-gpu.md, "onl14").
-  bool pipeline = true;
   /// Receives the once-per-process selection message; empty: stderr as "[lutb] message".
   std::function<void(const std::string&)> log;
 };
@@ -124,9 +119,9 @@ struct GpuOnlineReport {
   std::size_t temp_bytes = 0;      // device temporaries allocated by the call
   std::int64_t experts_per_chunk = 0;
   std::int64_t chunks = 0;
-  /// Host wall-clock seconds of the call's parts (diagnostics for the benchmark; docs/perf/fit-gpu.md
-  /// section "onl14"): check = the check pass from the first launch to its result; alloc = cudaMalloc
-  /// of the temporaries and the output (and the pipeline's stream and events); loop = the chunks, from
+  /// Host wall-clock seconds of the call's parts (diagnostics for the benchmark): check = the check
+  /// pass from the first launch to its result; alloc = cudaMalloc of the temporaries and the
+  /// output (and the second stream and events); loop = the chunks, from
   /// the first fit's launch to the last chunk's completion; wait = the host blocked on the device
   /// (synchronisations and blocking copies, check pass included); sums = adding the per-tile sums;
   /// release = inside the release callbacks; finish = the selection message after the loop;
