@@ -350,7 +350,10 @@ def moe_experts(x: Any, topk_ids: Any, topk_weights: Any, w13: LutbWeight, w2: L
     topk_weights: float32 [T, k] (bfloat16 / float16 are widened exactly).
     w13: LutbWeight [E, 2I, H] (gate rows 0..I-1, then up); w2: LutbWeight [E, H, I]; same device as x.
        CUDA needs I % 8 == 0.
-    out: optional bfloat16 [T, H] on x's device to write into (then returned); else a new tensor.
+    out: optional [T, H] on x's device to write into (then returned); else a new bfloat16 tensor.
+       bfloat16, or float32: the FP32 sums of step 6 before their BF16 rounding, so that partial sums
+       over disjoint experts (expert parallelism, lutb.distributed) are rounded once after they are
+       added.
     Runs on the current stream of x's device with no host synchronisation (CUDA-graph capturable once
     w13.kernel_packed() and w2.kernel_packed() have run), through torch.ops.lutb.moe_experts(_out).
     CUDA and CPU results agree up to the order of FP32 additions.
@@ -416,8 +419,8 @@ def moe_experts(x: Any, topk_ids: Any, topk_weights: Any, w13: LutbWeight, w2: L
             lane_major)
     if out is None:
         return _ops().moe_experts(*args)
-    if not A.is_torch(out) or out.dtype != torch.bfloat16 or tuple(out.shape) != (t, h):
-        raise ValueError(f"out: expected a bfloat16 torch.Tensor of shape ({t}, {h})")
+    if not A.is_torch(out) or out.dtype not in (torch.bfloat16, torch.float32) or tuple(out.shape) != (t, h):
+        raise ValueError(f"out: expected a bfloat16 or float32 torch.Tensor of shape ({t}, {h})")
     A.require_same_device("out", x, "x", out)
     A.require_contiguous(out, "out")
     _ops().moe_experts_out(*args, out)

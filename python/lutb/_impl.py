@@ -259,7 +259,7 @@ def moe_experts_cpu(x, topk_ids, topk_weights, w13p, w13c, w13s, w2p, w2c, w2s, 
     _lutb.moe_experts_cpu(
         A.raw(x), t, h, A.raw(topk_ids), 64 if A.dtype_str(topk_ids) == "int64" else 32, A.raw(topk_weights),
         topk_ids.shape[1], w13p.shape[0], intermediate, *(A.raw(v) for v in (w13p, w13c, w13s, w2p, w2c, w2s)),
-        act_format, A.raw(out),
+        act_format, A.raw(out), A.dtype_str(out) == "float32",
     )
 
 
@@ -277,7 +277,8 @@ def moe_experts_cuda(x, topk_ids, topk_weights, w13p, w13c, w13s, w2p, w2c, w2s,
     weights = torch.where(local, topk_weights, torch.zeros_like(topk_weights)).contiguous()
     ws = torch.empty(_lutb.moe_workspace_bytes(t, k, e, h, intermediate), dtype=torch.uint8, device=x.device)
     _lutb.moe_experts_cuda(A.raw(x), t, h, ids, A.raw(weights), k, e, intermediate,
-                           *(A.raw(v) for v in (w13p, w13c, w13s, w2p, w2c, w2s)), A.raw(out), ws, A.stream_of(x))
+                           *(A.raw(v) for v in (w13p, w13c, w13s, w2p, w2c, w2s)), A.raw(out),
+                           A.dtype_str(out) == "float32", ws, A.stream_of(x))
 
 
 def moe_experts_bf16_cuda(x, topk_ids, topk_weights, w13p, w13c, w13s, w2p, w2c, w2s, intermediate, out):
@@ -298,7 +299,7 @@ def moe_experts_bf16_cuda(x, topk_ids, topk_weights, w13p, w13c, w13s, w2p, w2c,
     weights = torch.where(local, topk_weights, torch.zeros_like(topk_weights)).contiguous()
     ws = torch.empty(_lutb.moe_workspace_bytes(t, k, e, h, intermediate), dtype=torch.uint8, device=x.device)
     _lutb.moe_experts_bf16_cuda(A.raw(x), t, h, ids, A.raw(weights), k, e, intermediate, A.raw(w13), A.raw(w2),
-                                A.raw(out), ws, A.stream_of(x))
+                                A.raw(out), A.dtype_str(out) == "float32", ws, A.stream_of(x))
 
 
 def _lane_slots(device):

@@ -15,7 +15,7 @@ Schemas (all LUT-B tensors uint8, spec 2.2 layout; E = experts, I = intermediate
   route_deepseek(logits, correction_bias?, k, n_group, topk_group, renormalize, routed_scaling_factor) -> same
   moe_experts(x, topk_ids, topk_weights, w13 packed/codebook/scale, w2 packed/codebook/scale,
               intermediate, act_format, lane_major) -> bf16 [T, H]
-  moe_experts_out(..., out) -> ()   (writes out)
+  moe_experts_out(..., out) -> ()   (writes out: bfloat16, or float32 = the sums before rounding)
 lane_major: the packed bytes are in the CUDA MXFP8 kernels' lane-major order (True only on CUDA with
 act_format "mxfp8"); otherwise checkpoint order (False).
 """

@@ -122,7 +122,7 @@ void moe_experts_cuda(const Array& x, std::int64_t tokens, std::int64_t hidden, 
                       const Array& topk_weights, int k, std::int64_t experts, std::int64_t intermediate,
                       const Array& w13_packed, const Array& w13_codebook, const Array& w13_scale,
                       const Array& w2_packed, const Array& w2_codebook, const Array& w2_scale, const Array& out,
-                      const Array& workspace, std::uintptr_t stream) {
+                      bool out_f32, const Array& workspace, std::uintptr_t stream) {
   DeviceScope scope(x);
   if (experts < 1 || hidden < 1 || intermediate < 1 || k < 1 || tokens < 0)
     throw std::invalid_argument("moe_experts: invalid sizes");
@@ -151,7 +151,7 @@ void moe_experts_cuda(const Array& x, std::int64_t tokens, std::int64_t hidden, 
   require(x, "x", static_cast<std::size_t>(tokens * hidden) * 2, true);
   require(topk_ids, "topk_ids", static_cast<std::size_t>(tokens * k) * sizeof(std::int32_t), true);
   require(topk_weights, "topk_weights", static_cast<std::size_t>(tokens * k) * sizeof(float), true);
-  require(out, "out", static_cast<std::size_t>(tokens * hidden) * 2, true);
+  require(out, "out", static_cast<std::size_t>(tokens * hidden) * (out_f32 ? 4 : 2), true);
   const std::size_t need = cuda::moe_workspace_bytes(tokens, k, experts, hidden, intermediate);
   if (workspace.nbytes() < need)
     throw std::invalid_argument("workspace: has " + std::to_string(workspace.nbytes()) + " bytes, needs " +
@@ -160,15 +160,16 @@ void moe_experts_cuda(const Array& x, std::int64_t tokens, std::int64_t hidden, 
   if (tokens == 0) return;
   cuda::moe_forward(w, static_cast<const std::uint16_t*>(x.data()), tokens, k,
                     static_cast<const std::int32_t*>(topk_ids.data()), static_cast<const float*>(topk_weights.data()),
-                    static_cast<std::uint16_t*>(out.data()), workspace.data(), workspace.nbytes(), as_stream(stream));
+                    out_f32 ? nullptr : static_cast<std::uint16_t*>(out.data()), workspace.data(), workspace.nbytes(),
+                    as_stream(stream), cuda::MoeOptions{}, out_f32 ? static_cast<float*>(out.data()) : nullptr);
 }
 
 // The BF16 pipeline (spec 4 without the MXFP8 steps) on BF16 weights: w13 [E, 2I, H] and w2 [E, H, I]
 // row-major BF16 (the caller dequantises LUT-B weights, exactly, for act_format="bf16").
 void moe_experts_bf16_cuda(const Array& x, std::int64_t tokens, std::int64_t hidden, const Array& topk_ids,
                            const Array& topk_weights, int k, std::int64_t experts, std::int64_t intermediate,
-                           const Array& w13, const Array& w2, const Array& out, const Array& workspace,
-                           std::uintptr_t stream) {
+                           const Array& w13, const Array& w2, const Array& out, bool out_f32,
+                           const Array& workspace, std::uintptr_t stream) {
   DeviceScope scope(x);
   if (experts < 1 || hidden < 1 || intermediate < 1 || k < 1 || tokens < 0)
     throw std::invalid_argument("moe_experts: invalid sizes");
@@ -180,7 +181,7 @@ void moe_experts_bf16_cuda(const Array& x, std::int64_t tokens, std::int64_t hid
   require(x, "x", static_cast<std::size_t>(tokens * hidden) * 2, true);
   require(topk_ids, "topk_ids", static_cast<std::size_t>(tokens * k) * sizeof(std::int32_t), true);
   require(topk_weights, "topk_weights", static_cast<std::size_t>(tokens * k) * sizeof(float), true);
-  require(out, "out", static_cast<std::size_t>(tokens * hidden) * 2, true);
+  require(out, "out", static_cast<std::size_t>(tokens * hidden) * (out_f32 ? 4 : 2), true);
   const std::size_t need = cuda::moe_workspace_bytes(tokens, k, experts, hidden, intermediate);
   if (workspace.nbytes() < need)
     throw std::invalid_argument("workspace: has " + std::to_string(workspace.nbytes()) + " bytes, needs " +
@@ -195,7 +196,9 @@ void moe_experts_bf16_cuda(const Array& x, std::int64_t tokens, std::int64_t hid
   w.w2 = static_cast<const std::uint16_t*>(w2.data());
   cuda::moe_forward_bf16(w, static_cast<const std::uint16_t*>(x.data()), tokens, k,
                          static_cast<const std::int32_t*>(topk_ids.data()), static_cast<const float*>(topk_weights.data()),
-                         static_cast<std::uint16_t*>(out.data()), workspace.data(), workspace.nbytes(), as_stream(stream));
+                         out_f32 ? nullptr : static_cast<std::uint16_t*>(out.data()), workspace.data(),
+                         workspace.nbytes(), as_stream(stream), cuda::MoeOptions{},
+                         out_f32 ? static_cast<float*>(out.data()) : nullptr);
 }
 
 }  // namespace

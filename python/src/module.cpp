@@ -179,7 +179,7 @@ void moe_experts_cpu(const Array& x, std::int64_t tokens, std::int64_t hidden, c
                      const Array& topk_weights, int k, std::int64_t experts, std::int64_t intermediate,
                      const Array& w13_packed, const Array& w13_codebook, const Array& w13_scale,
                      const Array& w2_packed, const Array& w2_codebook, const Array& w2_scale,
-                     const std::string& act_format, const Array& out) {
+                     const std::string& act_format, const Array& out, bool out_f32) {
   if (act_format != "mxfp8" && act_format != "bf16")
     throw std::invalid_argument("act_format='" + act_format + "' is not 'mxfp8' or 'bf16'");
   if (experts < 1 || experts > (1 << 30) || hidden < 1 || intermediate < 1 || k < 1 || tokens < 0)
@@ -194,7 +194,7 @@ void moe_experts_cpu(const Array& x, std::int64_t tokens, std::int64_t hidden, c
   if (id_bits != 32 && id_bits != 64) throw std::invalid_argument("topk_ids: expected int32 or int64");
   require(topk_ids, "topk_ids", static_cast<std::size_t>(tokens * k) * (id_bits / 8), false);
   require(topk_weights, "topk_weights", static_cast<std::size_t>(tokens * k) * sizeof(float), false);
-  require(out, "out", static_cast<std::size_t>(tokens * hidden) * 2, false);
+  require(out, "out", static_cast<std::size_t>(tokens * hidden) * (out_f32 ? 4 : 2), false);
 
   const int E = static_cast<int>(experts);
   moe::MoeConfig cfg;
@@ -230,6 +230,12 @@ void moe_experts_cpu(const Array& x, std::int64_t tokens, std::int64_t hidden, c
                                n0, n1, a, ntok, c);
       },
       /*job_weights=*/std::int64_t{1} << 16, acc.data());
+  // out_f32: the FP32 sums of step 6 before its BF16 rounding (expert parallelism rounds once, after
+  // adding the ranks' partial sums).
+  if (out_f32) {
+    std::copy(acc.begin(), acc.end(), static_cast<float*>(out.data()));
+    return;
+  }
   auto* o = static_cast<std::uint16_t*>(out.data());
   for (std::size_t i = 0; i < acc.size(); ++i) o[i] = bf16_from_float(acc[i]);
 }

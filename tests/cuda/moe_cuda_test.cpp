@@ -260,6 +260,65 @@ TEST(MoeCuda, DependentLaunchBitIdenticalBackToBack) {
   ck(cudaStreamDestroy(st), "stream");
 }
 
+// out_f32 (the FP32 sums of the last step, for expert parallelism): rounded to BF16 they equal, bit
+// for bit, the default forward's output, for every strategy and Auto (whose small batches fuse the
+// reduction into GEMM2 on sm_90a: the FP32 form takes the separate kernel with the same operations
+// in the same order), for moe_forward and moe_forward_bf16; `out` is then not written. An invalid
+// expert id gives a NaN row in both forms.
+TEST(MoeCuda, OutF32RoundsToTheDefaultOutput) {
+  LUTB_GPU_OR_SKIP();
+  const std::int64_t E = 32, H = 512, I = 256;
+  const int k = 8;
+  std::mt19937 rng(91);
+  const HostLutb w13 = random_lutb({E, 2 * I, H, true}, rng);
+  const HostLutb w2 = random_lutb({E, H, I, true}, rng);
+  DevLutb d13(w13), d2(w2);
+  const cuda::DeviceMoeWeights w{E, H, I, d13.view, d2.view};
+  const auto b13 = random_bf16(E * 2 * I * H, rng, 0.05f), b2 = random_bf16(E * H * I, rng, 0.05f);
+  DevBuf<std::uint16_t> db13(b13), db2(b2);
+  const cuda::DeviceMoeWeightsBf16 wb{E, H, I, db13.p, db2.p};
+  std::vector<int> allowed(E);
+  for (int e = 0; e < E; ++e) allowed[e] = e;
+  for (const std::int64_t T : {std::int64_t{1}, std::int64_t{3}, std::int64_t{40}, std::int64_t{200}}) {
+    std::vector<std::int32_t> ids;
+    std::vector<float> wts;
+    random_routing(T, k, allowed, rng, ids, wts);
+    if (T > 1) ids[k + 1] = static_cast<std::int32_t>(E);  // token 1: an invalid id, a NaN row
+    DevBuf<std::uint16_t> dx(random_bf16(T * H, rng)), out(static_cast<std::size_t>(T * H));
+    DevBuf<float> out32(static_cast<std::size_t>(T * H));
+    DevBuf<std::int32_t> did(ids);
+    DevBuf<float> dw(wts);
+    const std::size_t wsb = cuda::moe_workspace_bytes(T, k, E, H, I);
+    DevBuf<char> ws(wsb);
+    for (const auto s : {cuda::MoeStrategy::Auto, cuda::MoeStrategy::Decode, cuda::MoeStrategy::Prefill}) {
+      for (const bool bf16 : {false, true}) {
+        SCOPED_TRACE(::testing::Message() << "T " << T << " strategy " << static_cast<int>(s) << " bf16 " << bf16);
+        ck(cudaMemset(out.p, 0xff, out.n * 2), "poison out");
+        if (bf16) cuda::moe_forward_bf16(wb, dx.p, T, k, did.p, dw.p, out.p, ws.p, wsb, nullptr, {s});
+        else cuda::moe_forward(w, dx.p, T, k, did.p, dw.p, out.p, ws.p, wsb, nullptr, {s});
+        ck(cudaDeviceSynchronize(), "forward");
+        const auto ref = out.down();
+        ck(cudaMemset(out.p, 0x5a, out.n * 2), "mark out");
+        ck(cudaMemset(out32.p, 0xff, out32.n * 4), "poison out_f32");
+        if (bf16) cuda::moe_forward_bf16(wb, dx.p, T, k, did.p, dw.p, nullptr, ws.p, wsb, nullptr, {s}, out32.p);
+        else cuda::moe_forward(w, dx.p, T, k, did.p, dw.p, nullptr, ws.p, wsb, nullptr, {s}, out32.p);
+        ck(cudaDeviceSynchronize(), "forward out_f32");
+        const auto got = out32.down();
+        int differ = 0, nan = 0;
+        for (std::int64_t i = 0; i < T * H; ++i) {
+          const bool bad = T > 1 && i / H == 1;
+          nan += std::isnan(got[i]) ? 1 : 0;
+          if (bad) continue;
+          differ += bf16_from_float(got[i]) != ref[i] ? 1 : 0;
+        }
+        EXPECT_EQ(differ, 0);
+        EXPECT_EQ(nan, T > 1 ? H : 0);
+        for (std::uint16_t v : out.down()) ASSERT_EQ(v, 0x5a5a) << "out written";
+      }
+    }
+  }
+}
+
 // The BF16 baseline (moe_forward_bf16, the benchmarks' reference point: its speed is only
 // meaningful if it computes the same function) against a host computation of that function
 // (h = bf16(silu(g) * u), FP32 GEMMs, out = bf16(sum_j w_j y_j)), with decode and prefill tiles.

@@ -96,6 +96,22 @@ def test_moe_experts_equals_cpu(t, act_format):
     assert normalised_error(gpu.cpu(), cpu) < 1e-3
 
 
+@pytest.mark.parametrize("act_format", ["mxfp8", "bf16"])
+@pytest.mark.parametrize("t", [1, 4, 300])
+def test_moe_experts_float32_out_rounds_to_the_bf16_out(t, act_format):
+    """out=float32 is the FP32 sum of step 6 (the separate reduction, never the fused one): rounded
+    once, it is the BF16 output bit for bit."""
+    w13, w2 = layer()
+    g = torch.Generator().manual_seed(t)
+    x = torch.randn(t, 256, generator=g).to(torch.bfloat16).to(DEV)
+    ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(t)]).to(DEV)
+    wts = torch.rand(t, 2, generator=g).to(DEV)
+    w13d, w2d = w13.to(DEV), w2.to(DEV)
+    f = torch.empty(t, 256, device=DEV)
+    lutb.moe_experts(x, ids, wts, w13d, w2d, act_format=act_format, out=f)
+    assert torch.equal(f.to(torch.bfloat16), lutb.moe_experts(x, ids, wts, w13d, w2d, act_format=act_format))
+
+
 def test_moe_experts_cuda_graph_capture_and_replay():
     w13, w2 = layer()
     w13d, w2d = w13.to(DEV), w2.to(DEV)

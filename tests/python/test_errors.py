@@ -90,7 +90,9 @@ def test_moe_experts_bad_inputs(layer):
         ((x, ids, wts, w2, w2), {}, ValueError, "w2: shape"),
         ((x, ids, wts, w13.packed, w2), {}, TypeError, "w13: expected a LutbWeight"),
         ((x, ids, wts, w13, w2), {"act_format": "fp4"}, ValueError, "act_format: 'fp4'"),
-        ((x, ids, wts, w13, w2), {"out": torch.zeros(3, 64)}, ValueError, "out: expected a bfloat16"),
+        ((x, ids, wts, w13, w2), {"out": torch.zeros(3, 64, dtype=torch.float16)}, ValueError,
+         "out: expected a bfloat16 or float32"),
+        ((x, ids, wts, w13, w2), {"out": torch.zeros(3, 63)}, ValueError, "out: expected a bfloat16 or float32"),
         ((x, torch.zeros(2, 3, dtype=torch.int64).t(), wts, w13, w2), {}, ValueError, "topk_ids: must be contiguous"),
         ((x, -ids - 1, wts, w13, w2), {}, ValueError, "topk_ids: token 0 slot 0 holds expert id -1 < 0"),
     ]

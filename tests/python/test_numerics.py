@@ -153,6 +153,24 @@ def test_moe_experts_out_argument_and_bf16_weights():
     assert torch.equal(out, lutb.moe_experts(x, ids, wts.to(torch.bfloat16).float(), w13, w2))
 
 
+def test_moe_experts_float32_out_is_the_sum_before_rounding():
+    """out=float32 holds step 6's FP32 sum: rounded once it is the BF16 result, and with top-1 and
+    weight 1 it is the expert output y itself, so weighted slot-order sums of those rebuild it."""
+    w13, w2 = layer()
+    ids, wts = routing(7, 3, 6)
+    ids[2, 1] = 6  # marker
+    x = torch.randn(7, 192, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    f = torch.full((7, 192), 7.0)
+    assert lutb.moe_experts(x, ids, wts, w13, w2, out=f) is f
+    assert torch.equal(f.to(torch.bfloat16), lutb.moe_experts(x, ids, wts, w13, w2))
+    acc = torch.zeros(7, 192)
+    for j in range(3):
+        y = torch.empty(7, 192)
+        lutb.moe_experts(x, ids[:, j:j + 1].contiguous(), torch.ones(7, 1), w13, w2, out=y)
+        acc = acc + y * wts[:, j:j + 1]
+    assert torch.equal(acc, f)
+
+
 def test_moe_experts_no_tokens():
     w13, w2 = layer()
     x = torch.empty(0, 192, dtype=torch.bfloat16)

@@ -129,16 +129,26 @@ std::size_t moe_workspace_bytes(std::int64_t max_tokens, int top_k, std::int64_t
 /// Every output element is written. No host synchronisation. On sm_90 devices the forward's
 /// kernels after the first use programmatic dependent launch (each starts while its predecessor
 /// finishes; results are the same either way).
+/// out_f32: optional second form of the output. When null (the default) the forward is the one
+/// described above. When non-null it points to [T, H] FP32 on the device, which receives the FP32
+/// sums of the last step, sum_j topk_weights[t, j] * y, before their BF16 rounding (NaN rows for an
+/// invalid expert id, as in `out`); `out` is then not written and may be null. The sums come from the
+/// separate top-k reduction kernel (the reduction fused into GEMM2 writes BF16 only), so their FP32
+/// addition order is the one above. Expert parallelism uses it: every rank sums the pairs of its own
+/// experts, the ranks add their partial sums, and the total is rounded to BF16 once.
 void moe_forward(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t tokens, int top_k,
                  const std::int32_t* topk_ids, const float* topk_weights, std::uint16_t* out, void* workspace,
-                 std::size_t workspace_bytes, cudaStream_t stream, const MoeOptions& options = {});
+                 std::size_t workspace_bytes, cudaStream_t stream, const MoeOptions& options = {},
+                 float* out_f32 = nullptr);
 
 /// The BF16 baseline on the same kernel skeleton: BF16 weights, BF16 activations, no MXFP8 steps
-/// (h = bf16(silu(g) * u)). Same arguments and workspace rule as moe_forward. Used by the benchmark's
-/// baseline, the CLI's --quant none on the GPU and the Python package's act_format="bf16".
+/// (h = bf16(silu(g) * u)). Same arguments (out_f32 included) and workspace rule as moe_forward. Used
+/// by the benchmark's baseline, the CLI's --quant none on the GPU and the Python package's
+/// act_format="bf16".
 void moe_forward_bf16(const DeviceMoeWeightsBf16& w, const std::uint16_t* x, std::int64_t tokens, int top_k,
                       const std::int32_t* topk_ids, const float* topk_weights, std::uint16_t* out, void* workspace,
-                      std::size_t workspace_bytes, cudaStream_t stream, const MoeOptions& options = {});
+                      std::size_t workspace_bytes, cudaStream_t stream, const MoeOptions& options = {},
+                      float* out_f32 = nullptr);
 
 /// Packed bytes (packed + codebook + scale) of one expert's w13 and w2, for bandwidth accounting:
 /// a forward reads touched_experts times this.

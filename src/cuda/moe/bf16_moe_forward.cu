@@ -39,7 +39,7 @@ void launch_gemms_bf16(const DeviceMoeWeightsBf16& w, const std::uint16_t* x, co
 
 void moe_forward_bf16(const DeviceMoeWeightsBf16& w, const std::uint16_t* x, std::int64_t tokens, int top_k,
                       const std::int32_t* topk_ids, const float* topk_weights, std::uint16_t* out, void* workspace,
-                      std::size_t workspace_bytes, cudaStream_t stream, const MoeOptions& options) {
+                      std::size_t workspace_bytes, cudaStream_t stream, const MoeOptions& options, float* out_f32) {
   const std::int64_t E = w.experts, H = w.hidden, I = w.intermediate;
   if (E < 1 || E > 1024) throw std::invalid_argument("moe_forward_bf16: experts must be 1..1024");
   if (H < 64 || H % 64 != 0 || I < 64 || I % 64 != 0)
@@ -65,7 +65,7 @@ void moe_forward_bf16(const DeviceMoeWeightsBf16& w, const std::uint16_t* x, std
                         top_k};
   if (mt == 4) launch_gemms_bf16<4>(w, x, r, ws, P, stream);
   else launch_gemms_bf16<1>(w, x, r, ws, P, stream);
-  detail::launch_reduce(topk_ids, topk_weights, ws.y, tokens, top_k, E, H, out, stream);
+  detail::launch_reduce(topk_ids, topk_weights, ws.y, tokens, top_k, E, H, out, stream, out_f32);
 }
 
 }  // namespace lutb::cuda

@@ -204,7 +204,7 @@ namespace detail {
 
 void moe_forward_plan(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t tokens, int top_k,
                       const std::int32_t* topk_ids, const float* topk_weights, std::uint16_t* out, void* workspace,
-                      std::size_t workspace_bytes, cudaStream_t stream, const hx::MoePlan& plan) {
+                      std::size_t workspace_bytes, cudaStream_t stream, const hx::MoePlan& plan, float* out_f32) {
   check_args(w, tokens, top_k);
   if (plan.token_blocks != 1 && plan.token_blocks != 2)
     throw std::invalid_argument("moe_forward: the plan's token blocks must be 1 or 2");
@@ -233,8 +233,9 @@ void moe_forward_plan(const DeviceMoeWeights& w, const std::uint16_t* x, std::in
       }
       launch_quantize_x(x, tokens, H, Hp, /*swap=*/!cvt, ws.xa, ws.xs, ws.xsf, stream, /*first=*/direct);
       // The top-k reduction inside GEMM2 needs one pair per tile (direct), at most 8 CTAs per cluster
-      // and distributed shared memory (sm_90a).
-      const bool fuse = plan.fuse_reduce && direct && top_k <= 8 && sm90a_device();
+      // and distributed shared memory (sm_90a). It writes BF16 only: an FP32 output takes the
+      // separate reduction.
+      const bool fuse = plan.fuse_reduce && direct && top_k <= 8 && sm90a_device() && out_f32 == nullptr;
       run_swapab(w, r, ws, P, stream, cvt, fuse, topk_weights, out, plan);
       if (fuse) return;
       break;
@@ -251,20 +252,21 @@ void moe_forward_plan(const DeviceMoeWeights& w, const std::uint16_t* x, std::in
       else launch_gemms_m16<false, 1>(w, r, ws, P, stream);
       break;
   }
-  launch_reduce(topk_ids, topk_weights, ws.y, tokens, top_k, E, H, out, stream);
+  launch_reduce(topk_ids, topk_weights, ws.y, tokens, top_k, E, H, out, stream, out_f32);
 }
 
 }  // namespace detail
 
 void moe_forward(const DeviceMoeWeights& w, const std::uint16_t* x, std::int64_t tokens, int top_k,
                  const std::int32_t* topk_ids, const float* topk_weights, std::uint16_t* out, void* workspace,
-                 std::size_t workspace_bytes, cudaStream_t stream, const MoeOptions& options) {
+                 std::size_t workspace_bytes, cudaStream_t stream, const MoeOptions& options, float* out_f32) {
   check_args(w, tokens, top_k);
   if (tokens == 0) return;
   // The swap-AB kernels use 32-bit byte offsets inside one expert's stack.
   const bool small_experts = std::max(w.w13.shape.tiles_per_expert(), w.w2.shape.tiles_per_expert()) * 192 < (1ll << 31);
   const hx::MoePlan plan = hx::plan_moe(tokens, top_k, w.experts, w.hidden, small_experts, options, detail::moe_device());
-  detail::moe_forward_plan(w, x, tokens, top_k, topk_ids, topk_weights, out, workspace, workspace_bytes, stream, plan);
+  detail::moe_forward_plan(w, x, tokens, top_k, topk_ids, topk_weights, out, workspace, workspace_bytes, stream, plan,
+                           out_f32);
 }
 
 }  // namespace lutb::cuda

@@ -105,9 +105,9 @@ void launch_quantize_x(const std::uint16_t* x, std::int64_t T, std::int64_t H, s
 void launch_group(const int* ids, std::int64_t pairs, std::int64_t experts, int tile_rows, const Workspace& ws,
                   cudaStream_t stream);
 /// out[t, n] = bf16(sum_j w[t, j] * y[t*k + j, n]); NaN rows for tokens with an invalid expert id.
-/// A dependent launch.
+/// With out_f32 non-null the FP32 sums go there instead and out is not written. A dependent launch.
 void launch_reduce(const int* ids, const float* weights, const float* y, std::int64_t T, int k, std::int64_t E,
-                   std::int64_t H, std::uint16_t* out, cudaStream_t stream);
+                   std::int64_t H, std::uint16_t* out, cudaStream_t stream, float* out_f32 = nullptr);
 
 /// The prefill GEMMs (lutb_moe_prefill.cu) on the forward's workspace. Preconditions:
 ///   - ws.xa/ws.xs: launch_quantize_x(x, T, H, Hp, /*swap=*/false, ...) (natural column order);

@@ -104,9 +104,14 @@ __global__ void __launch_bounds__(1024)
   }
 }
 
+__device__ __forceinline__ void store_sum(uint16_t* out, long long i, float v) { out[i] = bf16_from_float(v); }
+__device__ __forceinline__ void store_sum(float* out, long long i, float v) { out[i] = v; }
+
+// OutT uint16_t: BF16 bits (spec 4 step 6); float: the FP32 sums before that rounding.
+template <typename OutT>
 __global__ void __launch_bounds__(256)
     lutb_moe_steps_reduce_topk(const int* __restrict__ ids, const float* __restrict__ w, const float* __restrict__ y,
-                               long long T, int k, int E, long long H, uint16_t* __restrict__ out) {
+                               long long T, int k, int E, long long H, OutT* __restrict__ out) {
   kern::pdl_wait();  // y comes from GEMM2
   kern::pdl_trigger();
   const long long t = blockIdx.y;
@@ -122,7 +127,7 @@ __global__ void __launch_bounds__(256)
     }
     acc = __fadd_rn(acc, __fmul_rn(w[p], y[p * H + n]));
   }
-  out[t * H + n] = bf16_from_float(acc);
+  store_sum(out, t * H + n, acc);
 }
 
 std::size_t align256(std::size_t v) { return (v + 255) / 256 * 256; }
@@ -227,10 +232,14 @@ void launch_group(const int* ids, std::int64_t P, std::int64_t E, int tile_rows,
 }
 
 void launch_reduce(const int* ids, const float* weights, const float* y, std::int64_t T, int k, std::int64_t E,
-                   std::int64_t H, std::uint16_t* out, cudaStream_t stream) {
+                   std::int64_t H, std::uint16_t* out, cudaStream_t stream, float* out_f32) {
   const dim3 grid(static_cast<unsigned>(ceil_div(H, 256)), static_cast<unsigned>(T));
-  launch_kernel("lutb_moe_steps_reduce_topk", true, lutb_moe_steps_reduce_topk, grid, dim3(256), 0, stream, ids, weights, y,
-                static_cast<long long>(T), k, static_cast<int>(E), static_cast<long long>(H), out);
+  if (out_f32 != nullptr)
+    launch_kernel("lutb_moe_steps_reduce_topk", true, lutb_moe_steps_reduce_topk<float>, grid, dim3(256), 0, stream,
+                  ids, weights, y, static_cast<long long>(T), k, static_cast<int>(E), static_cast<long long>(H), out_f32);
+  else
+    launch_kernel("lutb_moe_steps_reduce_topk", true, lutb_moe_steps_reduce_topk<uint16_t>, grid, dim3(256), 0, stream,
+                  ids, weights, y, static_cast<long long>(T), k, static_cast<int>(E), static_cast<long long>(H), out);
 }
 
 }  // namespace detail
