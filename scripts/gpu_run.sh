@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU machine's run: builds the `gpu` preset (dependencies from .deps, scripts/gpu_stage.sh),
-# then runs one step, or all of them in order. Logs go to $OUT (default build/gpu/out).
+# then runs one step, or all of them in order; it builds the targets that step runs
+# (`cmake --build --preset gpu` builds every one). Logs go to $OUT (default build/gpu/out).
 #
 #   scripts/gpu_run.sh [all]              test, sanitize, then bench_moe_gpu and bench_fit_gpu
 #                                         with their default arguments
@@ -13,8 +14,8 @@
 # scripts/gpu_stage.sh). Exit status: 1 when any step failed, after running the others.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-cd "$ROOT"
-export PATH="$PATH:/usr/local/cuda/bin"
+cd "$ROOT" || exit 2
+export PATH="$PATH:/usr/local/cuda/bin:/usr/local/cuda/compute-sanitizer"
 [ -n "${LUTB_SHARED_DIR:-}" ] || [ ! -d .shared ] || export LUTB_SHARED_DIR="$ROOT/.shared"
 OUT=${OUT:-$ROOT/build/gpu/out}
 mkdir -p "$OUT"
@@ -50,16 +51,16 @@ sanitize() {
   done
 }
 
-# bench NAME [ARGS...]: the benchmark's table goes to $OUT/NAME.md.
+# bench NAME [ARGS...]: the benchmark's tables are appended to $OUT/NAME.md under the command.
 bench() {
   local name=$1; shift
-  "build/gpu/bench/$name" "$@" 2>&1 | tee "$OUT/$name.md" || failed=1
+  { echo "## $name $*"; "build/gpu/bench/$name" "$@"; } 2>&1 | tee -a "$OUT/$name.md" || failed=1
 }
 
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv; nvcc --version | tail -n 2
   git -C "$ROOT" log -1 --format='commit %h %s' 2>/dev/null; date -u; } > "$OUT/gpu.txt" 2>&1
 case $STEP in
-  all) build; run_tests; sanitize; bench bench_moe_gpu; bench bench_fit_gpu;;
+  all) build lutb_cuda_tests lutb_cli bench_moe_gpu bench_fit_gpu; run_tests; sanitize; bench bench_moe_gpu; bench bench_fit_gpu;;
   test) build lutb_cuda_tests lutb_cli; run_tests "$@";;
   sanitize) build lutb_cuda_tests lutb_cli; sanitize;;
   bench) [ $# -ge 1 ] || { echo "usage: gpu_run.sh bench NAME [ARGS...]" >&2; exit 2; }
