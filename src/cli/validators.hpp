@@ -131,6 +131,13 @@ inline void check_fitter_option(const CLI::Option* opt, const std::string& name)
 /// A file or directory option given on the command line with an empty value (`--tokens ""`) was
 /// taken as "not given" and its default used silently (new-user QA session 11): refused, naming
 /// the option (UsageError).
+/// --calibration needs a fitter with a weighted objective (FitOptions::column_weights).
+inline void check_calibrated_fitter(const std::string& fitter) {
+  if (!fitter.empty() && fitter != "binned-dp" && fitter != "optimal")
+    throw UsageError(fmt::format("--fitter {} has no weighted objective; --calibration needs binned-dp or optimal",
+                                 fitter));
+}
+
 inline void check_not_empty(const CLI::Option* opt, const std::string& value, const char* what) {
   if (opt != nullptr && opt->count() > 0 && value.empty())
     throw UsageError(fmt::format("{}: an empty {} was given", opt->get_name(), what));
