@@ -42,6 +42,8 @@ struct SortedTile {
 /// `w512`: null (unweighted) or 512 finite positive weights in flat tile order; the weights of
 /// equal values are summed in flat order (so the sums are deterministic).
 void build_sorted(const float* x512, const float* w512, SortedTile& st);
+/// Unweighted.
+inline void build_sorted(const float* x512, SortedTile& st) { build_sorted(x512, nullptr, st); }
 
 /// Final encoding shared by every fitter: writes `entries` (n <= 8 E4M3 bytes, any order, no NaN)
 /// sorted ascending by value, padded with duplicates of the largest entry to 8 (only happens when
