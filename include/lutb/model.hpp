@@ -380,11 +380,17 @@ EvalResult evaluate(LanguageModel& model, const std::vector<std::int32_t>& token
 /// pass, MXFP8 activations: what w2 meets in the quantised model; a second pass over the tokens).
 enum class DownInput : std::uint8_t { Bf16Model, QuantizedW13 };
 
+/// How the tokens routed to an expert count in its statistics: all alike, or by the square of their
+/// routing weight for it (the block's output is sum_k weight_k * y_e, so an error of y_e reaches the
+/// model scaled by weight_k: E[weight^2 (dW x)^2] is then the output error of the block).
+enum class TokenWeight : std::uint8_t { Uniform, RoutingWeight };
+
 struct CalibrateOptions {
   std::int64_t window = 256;     // tokens per sequence (non-overlapping windows from index 0)
   std::int64_t batch = 8;        // windows per forward call
   std::int64_t max_tokens = 0;   // use only the first N tokens (0 = all); whole windows only
   DownInput down_input = DownInput::Bf16Model;
+  TokenWeight token_weight = TokenWeight::Uniform;
   FitOptions fit;                // the fit of w13 for DownInput::QuantizedW13 (threads, fitter)
   /// Called after each batch with (windows done, windows total) over all passes.
   std::function<void(std::int64_t, std::int64_t)> progress;

@@ -25,6 +25,7 @@ namespace {
 struct CalibrateArgs {
   std::string model_dir, tokens, output;
   std::string down_input = "bf16";
+  std::string token_weight = "uniform";
   std::int64_t max_tokens = 0;
   int threads = 0;
   bool force = false, json = false;
@@ -55,6 +56,7 @@ void run_calibrate(const CalibrateArgs& a) {
   co.max_tokens = a.max_tokens;
   co.down_input = a.down_input == "quantized-w13" ? model::DownInput::QuantizedW13 : model::DownInput::Bf16Model;
   co.fit.threads = threads;
+  co.token_weight = a.token_weight == "routing" ? model::TokenWeight::RoutingWeight : model::TokenWeight::Uniform;
   if (isatty(fileno(stderr)) && !a.json)
     co.progress = [](std::int64_t done, std::int64_t total) {
       fmt::print(stderr, "\r  windows {}/{}", done, total);
@@ -108,6 +110,10 @@ void add_calibrate(CLI::App& app) {
                   "what the statistics of down (w2) describe: bf16 (h of the BF16 model, default) or quantized-w13 "
                   "(h with w13 already fitted to LUT-B under the gate_up statistics, MXFP8 activations; a second pass)")
       ->check(CLI::IsMember({"bf16", "quantized-w13"}));
+  cmd->add_option("--token-weight", args->token_weight,
+                  "how a routed token counts in its expert's statistics: uniform (default) or routing (by the square "
+                  "of its routing weight, which scales the expert's output error)")
+      ->check(CLI::IsMember({"uniform", "routing"}));
   cmd->add_option("--threads", args->threads, "threads (default: all cores)")->check(ThreadCount());
   cmd->add_flag("--force", args->force, "replace an existing statistics file");
   cmd->add_flag("--json", args->json, "print one JSON object as the last line of stdout");

@@ -6,7 +6,10 @@
 // (MoeBlockParts), and for every expert e and the tokens routed to it accumulates
 //   gate_up: x_c^2 with x = bf16(token)                       (the experts read BF16 tokens)
 //   down:    h_c^2 with h = bf16(silu(g) * u), [g, u] = x . w13[e]^T in FP32
-// in double, in token order. With `down_input = QuantizedW13`, w13 is the LUT-B fit of w13 under the
+// in double, in token order, each token weighted by q: 1 (TokenWeight::Uniform), or the square of
+// its routing weight for that expert (TokenWeight::RoutingWeight: the block's output is
+// sum_k weight_k * y_e, so an error of y_e reaches the model scaled by weight_k). The means are the
+// q-weighted means. With `down_input = QuantizedW13`, w13 is the LUT-B fit of w13 under the
 // gate_up statistics of a first pass and x enters it through MXFP8 (what w2 sees in the quantised
 // model); gate_up statistics always come from the BF16 model (w13's own input does not depend on w13).
 #include <cmath>
@@ -26,9 +29,11 @@ namespace {
 struct LayerSums {
   std::string prefix;
   std::int64_t E = 0, H = 0, I = 0;
-  std::vector<double> gu, dn, tokens;  // [E][H], [E][I], [E]
+  std::vector<double> gu, dn, tokens;  // [E][H], [E][I], [E]: sums of q * x^2, q * h^2, 1
+  std::vector<double> qsum;            // [E]: sum of the token weights q (q = 1, or the routing weight^2)
   std::vector<float> w13;              // [E][2I][H] FP32: the weights h is computed with
   bool mxfp8_input = false;            // x enters w13 through MXFP8 (QuantizedW13)
+  bool gate_weighted = false;          // q = routing weight^2 (TokenWeight::RoutingWeight)
 };
 
 class RecordingBlock final : public MoeBlock {
@@ -45,8 +50,14 @@ class RecordingBlock final : public MoeBlock {
     p->router_logits(x, T, logits.data());
     p->route(logits.data(), T, ids.data(), w.data());
     std::vector<std::vector<std::int64_t>> rows(static_cast<std::size_t>(E));
+    std::vector<std::vector<double>> qs(static_cast<std::size_t>(E));
     for (std::int64_t t = 0; t < T; ++t)
-      for (int j = 0; j < k; ++j) rows[static_cast<std::size_t>(ids[static_cast<std::size_t>(t * k + j)])].push_back(t);
+      for (int j = 0; j < k; ++j) {
+        const std::size_t i = static_cast<std::size_t>(t * k + j);
+        const double g = w[i];
+        rows[static_cast<std::size_t>(ids[i])].push_back(t);
+        qs[static_cast<std::size_t>(ids[i])].push_back(s_->gate_weighted ? g * g : 1.0);
+      }
     for (int e = 0; e < E; ++e) {
       const auto& r = rows[static_cast<std::size_t>(e)];
       const std::int64_t n = static_cast<std::int64_t>(r.size());
@@ -54,11 +65,12 @@ class RecordingBlock final : public MoeBlock {
       std::vector<float> xe(static_cast<std::size_t>(n * H));
       for (std::int64_t i = 0; i < n; ++i)
         for (std::int64_t c = 0; c < H; ++c) xe[static_cast<std::size_t>(i * H + c)] = bf16_round(x[r[static_cast<std::size_t>(i)] * H + c]);
+      const std::vector<double>& q = qs[static_cast<std::size_t>(e)];
       if (record_gate_up_)
         for (std::int64_t i = 0; i < n; ++i)
           for (std::int64_t c = 0; c < H; ++c) {
             const double v = xe[static_cast<std::size_t>(i * H + c)];
-            s_->gu[static_cast<std::size_t>(e * H + c)] += v * v;
+            s_->gu[static_cast<std::size_t>(e * H + c)] += q[static_cast<std::size_t>(i)] * (v * v);
           }
       if (s_->mxfp8_input) mxfp8_qdq_rows(xe.data(), n, H, xe.data());
       std::vector<float> gu(static_cast<std::size_t>(n * 2 * I));
@@ -67,9 +79,10 @@ class RecordingBlock final : public MoeBlock {
         for (std::int64_t c = 0; c < I; ++c) {
           const float g = gu[static_cast<std::size_t>(i * 2 * I + c)], u = gu[static_cast<std::size_t>(i * 2 * I + I + c)];
           const double h = bf16_round(g / (1.0f + std::exp(-g)) * u);
-          s_->dn[static_cast<std::size_t>(e * I + c)] += h * h;
+          s_->dn[static_cast<std::size_t>(e * I + c)] += q[static_cast<std::size_t>(i)] * (h * h);
         }
       s_->tokens[static_cast<std::size_t>(e)] += static_cast<double>(n);
+      for (double v : q) s_->qsum[static_cast<std::size_t>(e)] += v;
     }
     inner_->forward(x, T, out);
   }
@@ -126,6 +139,8 @@ CalibrationStats collect_calibration(const std::filesystem::path& dir, const std
     s.gu.assign(static_cast<std::size_t>(s.E * s.H), 0.0);
     s.dn.assign(static_cast<std::size_t>(s.E * s.I), 0.0);
     s.tokens.assign(static_cast<std::size_t>(s.E), 0.0);
+    s.qsum.assign(static_cast<std::size_t>(s.E), 0.0);
+    s.gate_weighted = opt.token_weight == TokenWeight::RoutingWeight;
     s.w13 = ck.experts_source(l).w13.to_float();
   }
   const bool two_pass = opt.down_input == DownInput::QuantizedW13;
@@ -141,20 +156,21 @@ CalibrationStats collect_calibration(const std::filesystem::path& dir, const std
       lc.gate_up_x2.resize(s.gu.size());
       lc.down_x2.resize(s.dn.size());
       for (std::int64_t e = 0; e < s.E; ++e) {
-        const double n = s.tokens[static_cast<std::size_t>(e)];
+        const double n = s.tokens[static_cast<std::size_t>(e)], qn = s.qsum[static_cast<std::size_t>(e)];
         for (std::int64_t c = 0; c < s.H; ++c) {
           const std::size_t i = static_cast<std::size_t>(e * s.H + c);
-          lc.gate_up_x2[i] = n > 0 ? static_cast<float>(s.gu[i] / n) : 0.0f;
+          lc.gate_up_x2[i] = qn > 0 ? static_cast<float>(s.gu[i] / qn) : 0.0f;
         }
         for (std::int64_t c = 0; c < s.I; ++c) {
           const std::size_t i = static_cast<std::size_t>(e * s.I + c);
-          lc.down_x2[i] = n > 0 ? static_cast<float>(s.dn[i] / n) : 0.0f;
+          lc.down_x2[i] = qn > 0 ? static_cast<float>(s.dn[i] / qn) : 0.0f;
         }
         lc.tokens.push_back(static_cast<float>(n));
       }
     }
     out.metadata["tokens"] = std::to_string(windows * opt.window);
     out.metadata["down_input"] = two_pass ? "quantized-w13" : "bf16";
+    out.metadata["token_weight"] = opt.token_weight == TokenWeight::RoutingWeight ? "routing" : "uniform";
     return out;
   };
   if (!two_pass) return to_stats();
@@ -170,6 +186,7 @@ CalibrationStats collect_calibration(const std::filesystem::path& dir, const std
     s.mxfp8_input = true;
     std::fill(s.dn.begin(), s.dn.end(), 0.0);
     std::fill(s.tokens.begin(), s.tokens.end(), 0.0);
+    std::fill(s.qsum.begin(), s.qsum.end(), 0.0);
   }
   run_pass(dir, tokens, windows, opt, sums, false, 1, 2);
   return to_stats();
