@@ -147,7 +147,7 @@ struct ModelQuantArgs {
     cmd->add_option("--calibration", calibration,
                     "calibration statistics of `lutb calibrate` (STATS.safetensors): --quant lutb of a BF16 checkpoint "
                     "fits each expert projection under its inputs' second moments (fitters binned-dp, optimal; CPU "
-                    "only)");
+                    "only; default: none, the data-free fit)");
   }
 
   model::MoeOptions resolve(const std::string& model_dir, int threads) const {

@@ -109,7 +109,7 @@ void add_quantize(CLI::App& app) {
   cmd->add_option("--calibration", args->calibration,
                   "calibration statistics of `lutb calibrate` (STATS.safetensors): fit each routed-expert projection "
                   "under its inputs' second moments (fitters binned-dp, optimal; CPU only). The output format is "
-                  "unchanged");
+                  "unchanged (default: none, the data-free fit)");
   add_device_option(cmd, args->device,
                     "the fit of the routed experts (cuda: the GPU fitters binned-dp and optimal, the same bytes as "
                     "the CPU; the rest of the run stays on the CPU)");
