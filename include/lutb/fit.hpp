@@ -70,6 +70,18 @@ struct FitOptions {
   /// signal V, tiles_done K, tiles_total N. A fit that completes is unaffected: same bytes, same
   /// statistics. fit_tile() does not read it.
   const InterruptFlag* interrupt = nullptr;
+  /// Column weights d_c > 0 of the weighted objective sum d_c (w_rc - w_hat_rc)^2 (null: unweighted,
+  /// d_c = 1). For a projection y = W x, d_c = E[x_c^2] over the tokens it sees makes this the
+  /// diagonal part of the output error E[(dW x)^2] (issue 25; lutb/calibration.hpp builds them).
+  /// quantize(): float32 [experts][cols] (one row per expert of the logical shape, row-major);
+  /// fit_tile(): float32 [64], the tile's columns. Rows share their column's weight. Every value
+  /// must be finite and > 0 (std::invalid_argument naming the tensor, expert and column otherwise).
+  /// A tile whose weights are all equal is fitted unweighted (the objective is the same up to a
+  /// constant factor), so constant weights give exactly the unweighted bytes; zero-padded columns
+  /// (cols not a multiple of 64) take the smallest weight of the tile's logical columns. Only
+  /// "optimal" and "binned-dp" minimise a weighted objective: the Lloyd fitters reject weights.
+  /// The GPU fitters (lutb/cuda/fit.hpp) do not read it: callers must not pass it to them.
+  const float* column_weights = nullptr;
 };
 
 /// Result of fitting one tile.
@@ -77,6 +89,9 @@ struct TileFit {
   TileBlock block;     // packed indices, ascending codebook, scale
   double sse = 0.0;    // sum over the 512 values of (w - w_hat)^2, in double
   double sum_sq = 0.0; // sum of w^2
+  /// The fit's objective: sum over the 512 values of d_c (w - w_hat)^2 with the column weights d_c
+  /// of FitOptions::column_weights, in double in flat order; == sse for an unweighted fit.
+  double weighted_sse = 0.0;
 };
 
 /// Aggregate error of a bulk fit.
@@ -96,10 +111,11 @@ std::string default_fitter();
 /// Throws std::invalid_argument naming `name` and the allowed names when it is not a fitter.
 void check_fitter_name(std::string_view name);
 
-/// Fits one tile of 512 FP32 values in flat tile order (f = r*64 + c).
+/// Fits one tile of 512 FP32 values in flat tile order (f = r*64 + c), weighted by
+/// opt.column_weights[0..64) when set.
 /// Throws std::invalid_argument if a value is NaN or +-Inf ("NaN at tile row r col c"), if the
-/// tile's magnitude needs a scale byte above 246 (spec section 2), for an unknown fitter name or an
-/// invalid forced_scale. Thread-safe (each call uses only thread-local scratch).
+/// tile's magnitude needs a scale byte above 246 (spec section 2), for an unknown fitter name, an
+/// invalid forced_scale or invalid column weights. Thread-safe (each call uses only thread-local scratch).
 TileFit fit_tile(const float* values512, const FitOptions& opt = {});
 
 /// Fits a 2-D weight [rows][cols] or an expert stack [experts][rows][cols] (row-major, logical

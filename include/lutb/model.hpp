@@ -32,6 +32,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "lutb/calibration.hpp"
 #include "lutb/checkpoint.hpp"
 #include "lutb/fit.hpp"
 #include "lutb/moe.hpp"
@@ -243,6 +244,11 @@ struct MoeOptions {
   /// (lutb::cuda::quantize_gpu: the same bytes and FitStats as the CPU).
   moe::FitFunction fit_function;
   moe::EmulationKernel kernel = moe::EmulationKernel::Fast;
+  /// Calibration statistics (lutb/calibration.hpp; Lutb on BF16 weights only): w13 and w2 of each
+  /// layer are fitted with its column weights (FitOptions::column_weights, passed to fit_function).
+  /// Null: the data-free fit. build() throws ModelError when a layer has no statistics or their
+  /// shapes differ from the model's.
+  std::shared_ptr<const CalibrationStats> calibration;
 };
 
 /// Quantisation error of one expert stack (w13 or w2 of one layer, all experts).
@@ -364,5 +370,38 @@ struct EvalResult {
 /// mean NLL over the window-1 predicted positions of every window. Throws ModelError when fewer
 /// tokens than one window are given.
 EvalResult evaluate(LanguageModel& model, const std::vector<std::int32_t>& tokens, const EvalOptions& opt = {});
+
+// -------------------------------------------------------------------------------------------------
+// Calibration statistics (issue 25; the file and the weights they give: lutb/calibration.hpp)
+// -------------------------------------------------------------------------------------------------
+
+/// Which input the statistics of down (w2) describe: h of the BF16 model (the default), or h of the
+/// model whose w13 is already LUT-B (fitted with binned-dp under the gate_up statistics of a first
+/// pass, MXFP8 activations: what w2 meets in the quantised model; a second pass over the tokens).
+enum class DownInput : std::uint8_t { Bf16Model, QuantizedW13 };
+
+/// How the tokens routed to an expert count in its statistics: all alike, or by the square of their
+/// routing weight for it (the block's output is sum_k weight_k * y_e, so an error of y_e reaches the
+/// model scaled by weight_k: E[weight^2 (dW x)^2] is then the output error of the block).
+enum class TokenWeight : std::uint8_t { Uniform, RoutingWeight };
+
+struct CalibrateOptions {
+  std::int64_t window = 256;     // tokens per sequence (non-overlapping windows from index 0)
+  std::int64_t batch = 8;        // windows per forward call
+  std::int64_t max_tokens = 0;   // use only the first N tokens (0 = all); whole windows only
+  DownInput down_input = DownInput::Bf16Model;
+  TokenWeight token_weight = TokenWeight::Uniform;
+  FitOptions fit;                // the fit of w13 for DownInput::QuantizedW13 (threads, fitter)
+  /// Called after each batch with (windows done, windows total) over all passes.
+  std::function<void(std::int64_t, std::int64_t)> progress;
+};
+
+/// Runs the BF16 checkpoint `dir` (the BF16 reference of spec section 4) over the calibration tokens
+/// and returns, per MoE layer and routed expert, the mean squares of the inputs of gate/up and of
+/// down over the tokens routed to it, and their number (src/model/calibrate.cpp says exactly what is
+/// measured). Throws ModelError for a LUT-B checkpoint, fewer tokens than one window, or what
+/// LanguageModel::load throws.
+CalibrationStats collect_calibration(const std::filesystem::path& dir, const std::vector<std::int32_t>& tokens,
+                                     const CalibrateOptions& opt = {});
 
 }  // namespace lutb::model

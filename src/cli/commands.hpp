@@ -13,6 +13,8 @@ void add_quantize(CLI::App& app);
 void add_eval(CLI::App& app);
 /// `lutb moe` (src/cli/moe.cpp).
 void add_moe(CLI::App& app);
+/// `lutb calibrate` (src/cli/calibrate.cpp).
+void add_calibrate(CLI::App& app);
 /// `lutb synth` (src/cli/synth.cpp).
 void add_synth(CLI::App& app);
 

@@ -78,6 +78,9 @@ void check_gpu_fitter(const std::string& fitter) {
 }
 
 void check_gpu_options(const model::MoeOptions& opt) {
+  // The GPU fitters minimise the unweighted error only (FitOptions::column_weights is CPU-only).
+  if (opt.calibration)
+    throw UsageError("--calibration: calibrated fitting runs on the CPU only; drop --device cuda (or --calibration)");
   if (opt.quant == model::Quant::Lutb) {
     if (opt.activations != moe::ActivationFormat::MXFP8)
       throw UsageError("--device cuda runs LUT-B experts with MXFP8 activations (spec section 4) only; drop "

@@ -28,6 +28,7 @@ int main(int argc, char** argv) {
   lutb::cli::add_default_job(app);
   lutb::cli::add_quantize(app);
   lutb::cli::add_eval(app);
+  lutb::cli::add_calibrate(app);
   lutb::cli::add_moe(app);
   lutb::cli::add_synth(app);
   try {

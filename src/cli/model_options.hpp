@@ -122,6 +122,7 @@ struct ModelQuantArgs {
   std::string activations;  // empty = mxfp8 with LUT-B weights, bf16 otherwise
   std::string fitter;       // empty = the default fitter
   std::string kernel = "fast";
+  std::string calibration;  // --calibration STATS.safetensors (lutb calibrate), empty = data-free fit
   const CLI::Option* fitter_opt = nullptr;  // to tell `--fitter ""` from no --fitter
   const CLI::Option* kernel_opt = nullptr;  // to tell a given --kernel from the default
 
@@ -144,6 +145,10 @@ struct ModelQuantArgs {
                                  "of the FP32 additions differs (spec section 4), so results agree to FP32 rounding: "
                                  "losses typically differ in the 5th-6th significant digit (e.g. 3.862777 vs 3.862791)")
                      ->check(CLI::IsMember({"fast", "reference", "dequantized"}));
+    cmd->add_option("--calibration", calibration,
+                    "calibration statistics of `lutb calibrate` (STATS.safetensors): --quant lutb of a BF16 checkpoint "
+                    "fits each expert projection under its inputs' second moments (fitters binned-dp, optimal; CPU "
+                    "only; default: none, the data-free fit)");
   }
 
   model::MoeOptions resolve(const std::string& model_dir, int threads) const {
@@ -191,6 +196,14 @@ struct ModelQuantArgs {
                                    kernel, q));
     o.fit.fitter = fitter.empty() ? default_fitter() : fitter;
     o.fit.threads = threads;
+    if (!calibration.empty()) {
+      if (o.quant != model::Quant::Lutb || lutb_ckpt)
+        throw UsageError(fmt::format("--calibration {} applies to --quant lutb of a BF16 checkpoint (the fit); the "
+                                     "experts here are {}",
+                                     calibration, lutb_ckpt ? "stored LUT-B weights" : "--quant " + q));
+      check_calibrated_fitter(o.fit.fitter);
+      o.calibration = std::make_shared<const CalibrationStats>(CalibrationStats::load(calibration));
+    }
     o.kernel = kernel == "reference" ? moe::EmulationKernel::Reference
                : kernel == "dequantized" ? moe::EmulationKernel::Dequantized
                                          : moe::EmulationKernel::Fast;

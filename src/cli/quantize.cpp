@@ -17,6 +17,7 @@
 #include "cli/usage_hints.hpp"
 #include "cli/validators.hpp"
 #include "io/config_json.hpp"
+#include "lutb/calibration.hpp"
 #include "lutb/checkpoint.hpp"
 #include "lutb/model.hpp"
 #include "lutb/safetensors.hpp"
@@ -25,11 +26,29 @@ namespace lutb::cli {
 
 namespace {
 struct QuantizeArgs {
-  std::string input, output, fitter, match;
+  std::string input, output, fitter, match, calibration;
   std::string device = "cpu";
   int threads = 0;
   bool all = false, force = false, no_progress = false, json = false;
 };
+
+// The CPU fit of each tensor with the column weights of the statistics file (lutb/calibration.hpp),
+// found by the tensor's name; a tensor the statistics do not describe is an error (a file of another
+// model would otherwise fit some tensors unweighted without a word).
+QuantizeOptions::FitFunction calibrated_fit_function(const std::string& file) {
+  auto stats = std::make_shared<const CalibrationStats>(CalibrationStats::load(file));
+  return [stats, file](const void* src, DType t, const LutbShape& s, LutbTensor& out, const FitOptions& fit,
+                       const std::string& name) {
+    const std::optional<std::vector<float>> w = stats->weights_for_tensor(name, s.experts, s.cols, file);
+    if (!w)
+      throw std::runtime_error(fmt::format("{}: no calibration statistics for tensor {} (no layer's experts prefix "
+                                           "matches; were they collected on this model?)",
+                                           file, name));
+    FitOptions f = fit;
+    f.column_weights = w->data();
+    return quantize(src, t, s, out, f, name);
+  };
+}
 
 nlohmann::json summary_json(const QuantizeSummary& s, const std::string& in, const std::string& out) {
   const double sqnr = s.stats.sqnr_db();
@@ -133,6 +152,9 @@ void run_quantize(const QuantizeArgs& a) {
   // --device cuda: a fitter without a GPU kernel, a CPU-only build or no usable GPU is refused
   // here, before the file system is touched.
   const bool gpu = a.device == "cuda";
+  if (gpu && !a.calibration.empty())
+    throw UsageError("--calibration: calibrated fitting runs on the CPU only; drop --device cuda (or --calibration)");
+  if (!a.calibration.empty()) check_calibrated_fitter(a.fitter);
   if (gpu) {
     check_gpu_fitter(a.fitter);
     require_cuda();
@@ -147,6 +169,7 @@ void run_quantize(const QuantizeArgs& a) {
   opt.progress = !a.no_progress;
   auto tally = std::make_shared<GpuFitTally>();
   if (gpu) opt.fit_function = gpu_fit_function(tally);
+  if (!a.calibration.empty()) opt.fit_function = calibrated_fit_function(a.calibration);
   opt.check_model = check_model_as_eval;
   QuantizeSummary s;
   if (fs::is_directory(a.input)) {
@@ -202,6 +225,10 @@ void add_quantize(CLI::App& app) {
                 "built aside and swapped in at the end");
   cmd->add_flag("--no-progress", args->no_progress, "no progress bar on stderr");
   cmd->add_flag("--json", args->json, "print a JSON summary as the last line of stdout");
+  cmd->add_option("--calibration", args->calibration,
+                  "calibration statistics of `lutb calibrate` (STATS.safetensors): fit each routed-expert projection "
+                  "under its inputs' second moments (fitters binned-dp, optimal; CPU only). The output format is "
+                  "unchanged (default: none, the data-free fit)");
   add_device_option(cmd, args->device,
                     "the fit of the routed experts (cuda: the GPU fitters binned-dp and optimal, the same bytes as "
                     "the CPU; the rest of the run stays on the CPU)");

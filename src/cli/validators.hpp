@@ -128,6 +128,13 @@ inline void check_fitter_option(const CLI::Option* opt, const std::string& name)
   check_fitter_value(name);
 }
 
+/// --calibration needs a fitter with a weighted objective (FitOptions::column_weights).
+inline void check_calibrated_fitter(const std::string& fitter) {
+  if (!fitter.empty() && fitter != "binned-dp" && fitter != "optimal")
+    throw UsageError(fmt::format("--fitter {} has no weighted objective; --calibration needs binned-dp or optimal",
+                                 fitter));
+}
+
 /// A file or directory option given on the command line with an empty value (`--tokens ""`) was
 /// taken as "not given" and its default used silently: refused, naming the option (UsageError).
 inline void check_not_empty(const CLI::Option* opt, const std::string& value, const char* what) {

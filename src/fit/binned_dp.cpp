@@ -10,6 +10,8 @@
 //    step 1. (Snapped Lloyd iterations from the binned solution were tried first and stayed
 //    0.17-0.3 dB short of optimal on i.i.d. tiles; the local DP is within a few millidecibels.)
 // Tiles with at most kBins distinct values get the exact DP directly.
+// Weighted (FitOptions::column_weights): the bins stay equal-count (they only restrict where the
+// first DP may put boundaries); both DPs minimise the weighted error (dp.cpp).
 // Scale: rceil only. Larger scales never help (optimal.cpp). rceil-1 can beat rceil by at most
 // 3 * 512 * 2^-20 * 4^(rceil-127) in squared error (optimal.cpp derives the bound): negligible
 // against any non-trivial tile's error, so the fast fitter does not spend a second DP on it.
@@ -30,9 +32,9 @@ constexpr int kRounds = 4;   // re-centred refinements at most
 
 }  // namespace
 
-TileFit fit_binned_dp(const float* x512, int forced_scale) {
+TileFit fit_binned_dp(const float* x512, int forced_scale, const float* w512) {
   SortedTile st;
-  build_sorted(x512, st);
+  build_sorted(x512, w512, st);
   int pos[kBins + 2 * kTail + 2];
   int m = 0;
   if (st.n <= kBins) {
@@ -66,15 +68,15 @@ TileFit fit_binned_dp(const float* x512, int forced_scale) {
   };
   if (forced_scale >= 0) {
     const DpResult r = solve(forced_scale);
-    return encode_tile(x512, forced_scale, r.entries, r.n_entries);
+    return encode_tile(x512, forced_scale, r.entries, r.n_entries, w512);
   }
   if (st.amax == 0.0f) {
     const std::uint8_t zero = 0x00;
-    return encode_tile(x512, 127, &zero, 1);
+    return encode_tile(x512, 127, &zero, 1, w512);
   }
   const int r = std::max(rceil_scale(st.amax), kMinScale);
   const DpResult d = solve(r);
-  return encode_tile(x512, r, d.entries, d.n_entries);
+  return encode_tile(x512, r, d.entries, d.n_entries, w512);
 }
 
 }  // namespace lutb::fit_detail

@@ -26,6 +26,14 @@
 // cost evaluations (Grønlund et al., "Fast exact k-means, k-medians and Bregman divergence
 // clustering in 1D", 2017, section 2).
 //
+// Weighted objective (FitOptions::column_weights): every value x carries a weight w > 0 and the
+// error is sum w (x - c)^2. All of the above holds with "count" read as "total weight" and "mean"
+// as "weighted mean": cost(run) = V_w(run) + W * (mean_w - c)^2 is still a parabola in c with its
+// vertex at the weighted mean, nearest assignment still makes optimal clusters contiguous (each
+// value's own weight does not change which entry is nearest to it), and the quadrangle argument
+// sums h with positive weights. The prefix arrays carry W, sum w x, sum w x^2 (SortedTile); with
+// all weights 1 they are bit for bit the unweighted ones.
+//
 // Precision: prefix sums in double in scaled units (power-of-two scaling is exact). The DP value
 // is accurate to ~1e-14 of the tile's energy; the reported error is recomputed exactly afterwards.
 #include "fit/dp.hpp"
@@ -81,7 +89,7 @@ inline void row_costs(const double* prev, const double* cd, const double* s1, co
 
 struct Dp {
   // Prefix arrays at the allowed boundary positions, scaled units.
-  double cd[kTileSize + 1];  // prefix counts (exact in double)
+  double cd[kTileSize + 1];  // prefix counts (exact in double), or prefix weights
   double s1[kTileSize + 1];
   double s2[kTileSize + 1];
   int m = 0;
@@ -143,7 +151,7 @@ DpResult dp_fit(const SortedTile& st, const int* pos, int m, int scale) {
   const double inv_scale2 = inv_scale * inv_scale;
   dp.m = m;
   for (int i = 0; i <= m; ++i) {
-    dp.cd[i] = st.cnt[pos[i]];
+    dp.cd[i] = st.wc[pos[i]];
     dp.s1[i] = st.p1[pos[i]] * inv_scale;
     dp.s2[i] = st.p2[pos[i]] * inv_scale2;
   }
@@ -198,7 +206,7 @@ void dp_refine(const SortedTile& st, int scale, int w, int rounds, DpResult& res
   const double inv_scale = pow2(127 - scale);
   const double inv_scale2 = inv_scale * inv_scale;
   for (int i = 0; i <= m; ++i) {
-    dp.cd[i] = st.cnt[i];
+    dp.cd[i] = st.wc[i];
     dp.s1[i] = st.p1[i] * inv_scale;
     dp.s2[i] = st.p2[i] * inv_scale2;
   }

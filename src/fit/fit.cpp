@@ -67,14 +67,52 @@ std::string check_tile(const float* x) {
   return {};
 }
 
-TileFit fit_checked(const float* x, Which w, int forced_scale) {
+// w512: null or the tile's 512 weights; tiles with equal weights are fitted unweighted.
+TileFit fit_checked(const float* x, Which w, int forced_scale, const float* w512 = nullptr) {
+  if (w512) {
+    bool equal = true;
+    for (int f = 1; f < kTileSize; ++f) equal = equal && w512[f] == w512[0];
+    if (equal) {
+      TileFit t = fit_checked(x, w, forced_scale, nullptr);
+      t.weighted_sse = w512[0] * t.sse;
+      return t;
+    }
+  }
   switch (w) {
-    case Which::kOptimal: return fit_optimal(x, forced_scale);
-    case Which::kBinnedDp: return fit_binned_dp(x, forced_scale);
+    case Which::kOptimal: return fit_optimal(x, forced_scale, w512);
+    case Which::kBinnedDp: return fit_binned_dp(x, forced_scale, w512);
     case Which::kCtLloyd: return fit_ct_lloyd(x);
     case Which::kMultistart: return fit_multistart(x);
   }
   return {};
+}
+
+// "" when every one of the n column weights is finite and > 0, else what is wrong with the first bad one.
+std::string check_weights(const float* cw, std::int64_t n) {
+  for (std::int64_t c = 0; c < n; ++c)
+    if (!(cw[c] > 0.0f) || !f32_is_finite(cw[c])) {
+      char buf[32];
+      const auto r = std::to_chars(buf, buf + sizeof(buf), cw[c]);
+      return "column weight " + std::to_string(c) + " is " + std::string(buf, r.ptr) +
+             "; column weights must be finite and > 0";
+    }
+  return {};
+}
+
+void check_weighted_fitter(const FitOptions& opt, Which w) {
+  if (opt.column_weights && (w == Which::kCtLloyd || w == Which::kMultistart))
+    throw std::invalid_argument("fitter '" + std::string(kNames[static_cast<int>(w)]) +
+                                "' has no weighted objective: column weights (calibration) need binned-dp or optimal");
+}
+
+// The 512 per-element weights of tile tk from one expert's column weights cw[cols]: column c of the
+// tile weighs cw[64 tk + c]; zero-padded columns take the smallest weight of the logical columns.
+void gather_weights(const float* cw, std::int64_t cols, std::int64_t tk, float* w512) {
+  const std::int64_t c0 = tk * kTileCols, nc = std::min<std::int64_t>(kTileCols, cols - c0);
+  float lo = cw[c0];
+  for (std::int64_t c = 1; c < nc; ++c) lo = std::min(lo, cw[c0 + c]);
+  for (int r = 0; r < kTileRows; ++r)
+    for (int c = 0; c < kTileCols; ++c) w512[r * kTileCols + c] = c < nc ? cw[c0 + c] : lo;
 }
 
 void check_forced(const FitOptions& opt, Which w) {
@@ -125,9 +163,15 @@ void check_fitter_name(std::string_view name) {
 TileFit fit_tile(const float* values512, const FitOptions& opt) {
   const Which w = resolve(opt.fitter);
   check_forced(opt, w);
+  check_weighted_fitter(opt, w);
   const std::string err = check_tile(values512);
   if (!err.empty()) throw std::invalid_argument("fit_tile: " + err);
-  return fit_checked(values512, w, opt.forced_scale);
+  if (!opt.column_weights) return fit_checked(values512, w, opt.forced_scale);
+  if (const std::string e = check_weights(opt.column_weights, kTileCols); !e.empty())
+    throw std::invalid_argument("fit_tile: " + e);
+  float w512[kTileSize];
+  gather_weights(opt.column_weights, kTileCols, 0, w512);
+  return fit_checked(values512, w, opt.forced_scale, w512);
 }
 
 FitStats quantize(const void* src, DType src_type, const LutbShape& shape, LutbTensor& out,
@@ -158,6 +202,16 @@ FitStats quantize(const void* src, DType src_type, const LutbShape& shape, LutbT
   if (opt.threads < 0)
     throw std::invalid_argument("quantize: tensor " + name + ": FitOptions::threads " + std::to_string(opt.threads) +
                                 ": must be >= 0 (0 = all cores)");
+  try {
+    check_weighted_fitter(opt, w);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument("quantize: tensor " + name + ": " + e.what());
+  }
+  if (opt.column_weights)
+    for (std::int64_t e = 0; e < shape.experts; ++e)
+      if (const std::string msg = check_weights(opt.column_weights + e * shape.cols, shape.cols); !msg.empty())
+        throw std::invalid_argument("quantize: tensor " + name +
+                                    (shape.stacked ? ", expert " + std::to_string(e) : std::string()) + ": " + msg);
 
   const std::int64_t tiles = shape.tiles();
   const std::int64_t tpe = shape.tiles_per_expert();
@@ -197,7 +251,9 @@ FitStats quantize(const void* src, DType src_type, const LutbShape& shape, LutbT
     std::string err = check_tile(x);
     if (err.empty()) {
       try {
-        const TileFit f = fit_checked(x, w, opt.forced_scale);
+        float wt[kTileSize];
+        if (opt.column_weights) gather_weights(opt.column_weights + e * shape.cols, shape.cols, tk, wt);
+        const TileFit f = fit_checked(x, w, opt.forced_scale, opt.column_weights ? wt : nullptr);
         std::memcpy(&out.packed[static_cast<std::size_t>(t) * kPackedBytes], f.block.packed, kPackedBytes);
         std::memcpy(&out.codebook[static_cast<std::size_t>(t) * kCodebookSize], f.block.codebook, kCodebookSize);
         out.scale[static_cast<std::size_t>(t)] = f.block.scale;

@@ -26,34 +26,43 @@ inline constexpr int kMaxScale = 246;
 // (shared with the GPU fitter).
 
 /// Sorted, de-duplicated tile: u[0..n) ascending distinct values with multiplicities, and prefix
-/// sums over them (cnt, sum x, sum x^2) in double, unscaled.
+/// sums over them (cnt, weight, sum w*x, sum w*x^2) in double, unscaled. Unweighted, every value
+/// weighs 1: wc[i] == cnt[i] and the sums are those of the plain squared error.
 struct SortedTile {
   int n = 0;                 // number of distinct values
   float u[kTileSize];        // distinct values, ascending
   int cnt[kTileSize + 1];    // prefix counts: cnt[i] = number of values among u[0..i)
-  double p1[kTileSize + 1];  // prefix sum of values
-  double p2[kTileSize + 1];  // prefix sum of squared values
+  double wc[kTileSize + 1];  // prefix weights (== cnt unweighted); the DP's run "count"
+  double p1[kTileSize + 1];  // prefix sum of weight * value
+  double p2[kTileSize + 1];  // prefix sum of weight * value^2
   float amax = 0.0f;
 };
 
 /// Sorts and de-duplicates 512 finite values (+0 and -0 are merged) and builds prefix sums.
-void build_sorted(const float* x512, SortedTile& st);
+/// `w512`: null (unweighted) or 512 finite positive weights in flat tile order; the weights of
+/// equal values are summed in flat order (so the sums are deterministic).
+void build_sorted(const float* x512, const float* w512, SortedTile& st);
+/// Unweighted.
+inline void build_sorted(const float* x512, SortedTile& st) { build_sorted(x512, nullptr, st); }
 
 /// Final encoding shared by every fitter: writes `entries` (n <= 8 E4M3 bytes, any order, no NaN)
 /// sorted ascending by value, padded with duplicates of the largest entry to 8 (only happens when
 /// fewer than 8 distinct entries are needed), assigns each value to the nearest dequantised entry
 /// (ties to the lower index; exact comparisons against midpoints computed exactly in double),
-/// packs the indices and computes sse and sum_sq in double in flat order. Throws
-/// std::invalid_argument when n_entries is outside 0..8.
-TileFit encode_tile(const float* x512, int scale, const std::uint8_t* entries, int n_entries);
+/// packs the indices and computes sse, weighted_sse (with `w512`, else = sse) and sum_sq in double in
+/// flat order. Nearest assignment does not depend on the weights (each value has its own weight).
+/// Throws std::invalid_argument when n_entries is outside 0..8.
+TileFit encode_tile(const float* x512, int scale, const std::uint8_t* entries, int n_entries,
+                    const float* w512 = nullptr);
 
 /// Exact squared error of `x512` against a sorted codebook of 8 dequantised values (double,
 /// flat-order summation), with nearest/ties-to-lower assignment; optionally writes the indices.
 double assign_sse(const float* x512, const float* sorted_values8, std::uint8_t* idx512);
 
 /// Fitters (src/fit/*.cpp). Each returns the final TileFit. `forced_scale` is -1 or 3..246.
-TileFit fit_optimal(const float* x512, int forced_scale);
-TileFit fit_binned_dp(const float* x512, int forced_scale);
+/// `w512`: null (minimise sum (x - x_hat)^2) or 512 positive weights (minimise sum w (x - x_hat)^2).
+TileFit fit_optimal(const float* x512, int forced_scale, const float* w512 = nullptr);
+TileFit fit_binned_dp(const float* x512, int forced_scale, const float* w512 = nullptr);
 TileFit fit_ct_lloyd(const float* x512);
 TileFit fit_multistart(const float* x512);
 

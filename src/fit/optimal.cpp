@@ -24,6 +24,8 @@
 //    In practice rceil-1 is evaluated and rceil-2 is usually cut by the bound.
 //  * Scale bytes are limited to 3..246 (spec section 2): tiles with rceil < 3 use 3 (everything
 //    above is dominated as shown), tiles with rceil > 246 are rejected by fit_tile.
+// Weighted (FitOptions::column_weights): every argument above holds term by term with each value's
+// squared error multiplied by its positive weight; scales are compared by the weighted error.
 // Ties between scales keep the larger scale (no saturation), then the scale found first.
 #include <cmath>
 #include <stdexcept>
@@ -42,52 +44,52 @@ struct Identity {
 };
 const Identity kIdentity;
 
-// Lower bound on the squared error at scale s from saturation alone.
+// Lower bound on the (weighted) squared error at scale s from saturation alone.
 double saturation_bound(const SortedTile& st, int s) {
   const double top = 448.0 * pow2(s - 127);
   double lb = 0.0;
   for (int i = 0; i < st.n && -static_cast<double>(st.u[i]) > top; ++i) {
     const double d = -static_cast<double>(st.u[i]) - top;
-    lb += (st.cnt[i + 1] - st.cnt[i]) * (d * d);
+    lb += (st.wc[i + 1] - st.wc[i]) * (d * d);
   }
   for (int i = st.n - 1; i >= 0 && static_cast<double>(st.u[i]) > top; --i) {
     const double d = static_cast<double>(st.u[i]) - top;
-    lb += (st.cnt[i + 1] - st.cnt[i]) * (d * d);
+    lb += (st.wc[i + 1] - st.wc[i]) * (d * d);
   }
   return lb;
 }
 
 template <class Solve>
-TileFit search_scales(const float* x512, const SortedTile& st, int forced_scale, Solve&& solve) {
+TileFit search_scales(const float* x512, const float* w512, const SortedTile& st, int forced_scale, Solve&& solve) {
   if (forced_scale >= 0) {
     const DpResult r = solve(forced_scale);
-    return encode_tile(x512, forced_scale, r.entries, r.n_entries);
+    return encode_tile(x512, forced_scale, r.entries, r.n_entries, w512);
   }
   if (st.amax == 0.0f) {
     const std::uint8_t zero = 0x00;
-    return encode_tile(x512, 127, &zero, 1);
+    return encode_tile(x512, 127, &zero, 1, w512);
   }
   const int r = rceil_scale(st.amax);
   if (r > kMaxScale) throw std::invalid_argument("tile magnitude needs a scale byte above 246");
   const int s_hi = std::max(r, kMinScale);
   DpResult d = solve(s_hi);
-  TileFit best = encode_tile(x512, s_hi, d.entries, d.n_entries);
+  TileFit best = encode_tile(x512, s_hi, d.entries, d.n_entries, w512);
   for (int s = s_hi - 1; s >= kMinScale; --s) {
-    if (saturation_bound(st, s) >= best.sse) break;
+    if (saturation_bound(st, s) >= best.weighted_sse) break;
     d = solve(s);
-    if (d.cost > best.sse * (1.0 + 1e-12)) continue;  // cannot beat the best even after reassigning
-    TileFit t = encode_tile(x512, s, d.entries, d.n_entries);
-    if (t.sse < best.sse) best = t;
+    if (d.cost > best.weighted_sse * (1.0 + 1e-12)) continue;  // cannot beat the best even after reassigning
+    TileFit t = encode_tile(x512, s, d.entries, d.n_entries, w512);
+    if (t.weighted_sse < best.weighted_sse) best = t;
   }
   return best;
 }
 
 }  // namespace
 
-TileFit fit_optimal(const float* x512, int forced_scale) {
+TileFit fit_optimal(const float* x512, int forced_scale, const float* w512) {
   SortedTile st;
-  build_sorted(x512, st);
-  return search_scales(x512, st, forced_scale,
+  build_sorted(x512, w512, st);
+  return search_scales(x512, w512, st, forced_scale,
                        [&](int s) { return dp_fit(st, kIdentity.v, st.n, s); });
 }
 

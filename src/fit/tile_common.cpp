@@ -43,9 +43,43 @@ void radix_sort512(std::uint32_t* a) {
   if (src != a) std::memcpy(a, src, sizeof(tmp));
 }
 
+// build_sorted with weights: positions sorted by (value, flat index), so the weights of equal
+// values are summed in flat order; each distinct value x of total weight W adds W*x and W*x^2, as
+// the unweighted path adds c*x and c*x^2.
+void build_sorted_weighted(const float* x512, const float* w512, SortedTile& st) {
+  std::uint64_t keys[kTileSize];
+  for (int i = 0; i < kTileSize; ++i)
+    keys[i] = (static_cast<std::uint64_t>(sort_key(x512[i] == 0.0f ? 0.0f : x512[i])) << 32) | static_cast<unsigned>(i);
+  std::sort(keys, keys + kTileSize);
+  int n = 0;
+  st.cnt[0] = 0;
+  st.wc[0] = 0.0;
+  st.p1[0] = 0.0;
+  st.p2[0] = 0.0;
+  for (int i = 0; i < kTileSize;) {
+    const std::uint32_t k = static_cast<std::uint32_t>(keys[i] >> 32);
+    const float x = from_key(k);
+    double wsum = 0.0;
+    int j = i;
+    for (; j < kTileSize && static_cast<std::uint32_t>(keys[j] >> 32) == k; ++j)
+      wsum += w512[keys[j] & 0xffffffffu];
+    const double xd = x;
+    st.u[n] = x;
+    st.cnt[n + 1] = st.cnt[n] + (j - i);
+    st.wc[n + 1] = st.wc[n] + wsum;
+    st.p1[n + 1] = st.p1[n] + wsum * xd;
+    st.p2[n + 1] = st.p2[n] + wsum * (xd * xd);
+    ++n;
+    i = j;
+  }
+  st.n = n;
+  st.amax = std::max(std::fabs(st.u[0]), std::fabs(st.u[n - 1]));
+}
+
 }  // namespace
 
-void build_sorted(const float* x512, SortedTile& st) {
+void build_sorted(const float* x512, const float* w512, SortedTile& st) {
+  if (w512) return build_sorted_weighted(x512, w512, st);
   std::uint32_t keys[kTileSize];
   for (int i = 0; i < kTileSize; ++i) keys[i] = sort_key(x512[i]);
   radix_sort512(keys);
@@ -54,6 +88,7 @@ void build_sorted(const float* x512, SortedTile& st) {
   v[kTileSize] = INFINITY;  // sentinel (values are finite)
   int n = 0;
   st.cnt[0] = 0;
+  st.wc[0] = 0.0;
   st.p1[0] = 0.0;
   st.p2[0] = 0.0;
   for (int i = 0; i < kTileSize;) {
@@ -64,6 +99,7 @@ void build_sorted(const float* x512, SortedTile& st) {
     const double xd = x;
     st.u[n] = x == 0.0f ? 0.0f : x;
     st.cnt[n + 1] = st.cnt[n] + c;
+    st.wc[n + 1] = st.cnt[n + 1];
     st.p1[n + 1] = st.p1[n] + c * xd;
     st.p2[n + 1] = st.p2[n] + c * (xd * xd);
     ++n;
@@ -110,7 +146,7 @@ double assign_sse(const float* x512, const float* cb, std::uint8_t* idx512) {
   return sse;
 }
 
-TileFit encode_tile(const float* x512, int scale, const std::uint8_t* entries, int n_entries) {
+TileFit encode_tile(const float* x512, int scale, const std::uint8_t* entries, int n_entries, const float* w512) {
   // At most kCodebookSize distinct entries fit the codebook (every fitter hands over <= 8; the bound
   // also lets the compiler see that m stays in 1..8 below).
   if (n_entries < 0 || n_entries > kCodebookSize)
@@ -154,6 +190,15 @@ TileFit encode_tile(const float* x512, int scale, const std::uint8_t* entries, i
   for (int j = 0; j < kCodebookSize; ++j) deq[j] = ldexp_ue8m0(vals[j], static_cast<std::uint8_t>(scale));
   std::uint8_t idx[kTileSize];
   out.sse = assign_sse(x512, deq, idx);
+  out.weighted_sse = out.sse;
+  if (w512) {
+    double wsse = 0.0;
+    for (int f = 0; f < kTileSize; ++f) {
+      const double d = static_cast<double>(x512[f]) - deq[idx[f]];
+      wsse += w512[f] * (d * d);
+    }
+    out.weighted_sse = wsse;
+  }
   double ss = 0.0;
   for (int f = 0; f < kTileSize; ++f) ss += static_cast<double>(x512[f]) * x512[f];
   out.sum_sq = ss;

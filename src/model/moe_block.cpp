@@ -106,6 +106,30 @@ void check_lutb_magnitudes(const ExpertSource& src, int layer, const LutbTensor&
   }
 }
 
+/// The fit of layer `layer`'s w13 [E, 2I, H] and w2 [E, H, I] with the column weights of `cal`
+/// (lutb/calibration.hpp): `base` (or lutb::quantize) called with FitOptions::column_weights set, w13
+/// and w2 told apart by their shapes (rows 2I and cols H is w13; 2I == H == I cannot occur with I > 0).
+moe::FitFunction calibrated_fit(const CalibrationStats& cal, int layer, std::int64_t E, std::int64_t H, std::int64_t I,
+                                moe::FitFunction base) {
+  const auto it = cal.layers.find(layer);
+  const std::string file = cal.source.empty() ? std::string("calibration statistics") : cal.source;
+  if (it == cal.layers.end())
+    throw ModelError(fmt::format("{}: no statistics for MoE layer {} (were they collected on this model?)", file, layer));
+  const LayerCalibration& lc = it->second;
+  if (lc.experts != E || lc.hidden != H || lc.intermediate != I)
+    throw ModelError(fmt::format("{}: layer {} ({}) has statistics of {} experts, hidden {}, intermediate {}; the model "
+                                 "has {}, {}, {}",
+                                 file, layer, lc.prefix, lc.experts, lc.hidden, lc.intermediate, E, H, I));
+  auto w13 = std::make_shared<const std::vector<float>>(cal.column_weights(layer, CalibratedInput::kGateUp));
+  auto w2 = std::make_shared<const std::vector<float>>(cal.column_weights(layer, CalibratedInput::kDown));
+  return [w13, w2, H, I, base = std::move(base)](const void* src, DType t, const LutbShape& s, LutbTensor& out,
+                                                 const FitOptions& o, const std::string& name) {
+    FitOptions f = o;
+    f.column_weights = (s.rows == 2 * I && s.cols == H ? w13 : w2)->data();
+    return base ? base(src, t, s, out, f, name) : quantize(src, t, s, out, f, name);
+  };
+}
+
 /// DeepSeek-V2 "group_limited_greedy" (transformers modeling_deepseek_v2 DeepseekV2Moe.route_tokens):
 /// softmax scores; group score = the max of its experts; keep topk_group groups; top-k of the
 /// scores inside them; weights = scores (renormalised when norm_topk_prob) * routed_scaling_factor.
@@ -383,6 +407,7 @@ std::unique_ptr<MoeBlock> CheckpointMoe::build(int layer) {
         moe::OnlineOptions oo;
         oo.fit = m.opt.fit;
         oo.fit_function = m.opt.fit_function;
+        if (m.opt.calibration) oo.fit_function = calibrated_fit(*m.opt.calibration, layer, E, H, I, oo.fit_function);
         oo.emulation = m.opt.kernel;
         oo.activations = m.opt.activations;
         auto method = std::make_shared<moe::LutBOnlineMoEMethod>(mc, oo);

@@ -132,22 +132,22 @@ TEST(CliArguments, UnexpectedArgumentsAreExplained) {
   } cases[] = {
       {"--threads 0",
        {"lutb: error: --threads is not an option of the default job (lutb with no command); it is an option of lutb "
-        "quantize, eval and moe: give it after the command name (e.g. lutb quantize ... --threads ...)",
+        "quantize, eval, calibrate and moe: give it after the command name (e.g. lutb quantize ... --threads ...)",
         "the default job's options are --tokens, --experts, --fitter, --seed, --work-dir, --keep and --json"}},
       {"--threads=2", {"--threads is not an option of the default job"}},
-      {"-o x", {"-o is not an option of the default job (lutb with no command); it is an option of lutb quantize and "
-                "synth"}},
-      {"--tokns 5", {"unknown option --tokns (did you mean --tokens?)", "the commands are quantize, eval, moe and synth"}},
+      {"-o x", {"-o is not an option of the default job (lutb with no command); it is an option of lutb quantize, "
+                "calibrate and synth"}},
+      {"--tokns 5", {"unknown option --tokns (did you mean --tokens?)", "the commands are quantize, eval, calibrate, moe and synth"}},
       {"qunatize " + in + " -o " + q(t.path / "out"),
-       {"unknown command 'qunatize' (did you mean 'quantize'?); the commands are quantize, eval, moe and synth (lutb "
+       {"unknown command 'qunatize' (did you mean 'quantize'?); the commands are quantize, eval, calibrate, moe and synth (lutb "
         "with no command runs the built-in example)"}},
       {"evaluate " + in, {"unknown command 'evaluate' (did you mean 'eval'?)"}},
       {"--threads 2 eval " + in,
        {"--threads must follow the command name: arguments before 'eval' are options of the default job (lutb with no "
         "command); write lutb eval ... --threads ..."}},
       {"moe " + in + " --layer 0 --tokens 5",
-       {"--tokens is not an option of lutb moe; it is an option of lutb eval and the default job (lutb with no "
-        "command); lutb moe --help lists the options of lutb moe"}},
+       {"--tokens is not an option of lutb moe; it is an option of lutb eval, lutb calibrate and the default job (lutb "
+        "with no command); lutb moe --help lists the options of lutb moe"}},
       {"eval " + in + " --thread 2", {"lutb eval: unknown option --thread (did you mean --threads?)"}},
       {"eval " + in + " extra",
        {"lutb eval: unexpected argument 'extra': lutb eval takes one positional argument (model_dir)"}},

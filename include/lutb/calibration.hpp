@@ -1,0 +1,83 @@
+// lutb/calibration.hpp: calibration statistics of the routed experts and the column weights of the
+// weighted fit they give (issue 25).
+//
+// For one output row of a projection y = W x, the output error of a weight error dW is
+// E[(dW x)^2] = dW^T C dW with C = E[x x^T] over the tokens that reach the projection. Its diagonal
+// d_c = E[x_c^2] (one importance per input column) turns each tile's objective into
+// sum d_c (w_rc - w_hat_rc)^2, which the DP fitters minimise exactly (FitOptions::column_weights).
+//
+// The statistics file (`lutb calibrate -o STATS.safetensors`, read by `lutb quantize/eval
+// --calibration`) is an ordinary safetensors file, every tensor F32, per MoE layer with experts
+// under PREFIX (the checkpoint's own, e.g. "model.layers.1.mlp.experts", Mixtral
+// "model.layers.1.block_sparse_moe.experts") and expert e:
+//   PREFIX.e.gate_up.x2  [hidden_size]            E[x_c^2] of the expert's input (gate and up share it)
+//   PREFIX.e.down.x2     [moe_intermediate_size]  E[h_c^2] of down's input h = bf16(silu(g) * u)
+//   PREFIX.e.tokens      [1]                      tokens routed to the expert (0: both x2 are 0)
+// The means are over the tokens routed to the expert (each token once per expert that takes it).
+// Metadata: "format" = "lutb-calibration", "model", "tokens_file", "tokens".
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "lutb/tile.hpp"
+
+namespace lutb {
+
+/// Statistics of one MoE layer's routed experts.
+struct LayerCalibration {
+  std::string prefix;               // tensor-name prefix of the layer's experts, e.g. "model.layers.1.mlp.experts"
+  std::int64_t experts = 0, hidden = 0, intermediate = 0;
+  std::vector<float> gate_up_x2;    // [experts][hidden]: E[x_c^2] of the input of gate/up (w13)
+  std::vector<float> down_x2;       // [experts][intermediate]: E[h_c^2] of the input of down (w2)
+  std::vector<float> tokens;        // [experts]: tokens routed to each expert
+};
+
+/// Which projection's input: gate/up (w13, hidden_size columns) or down (w2, intermediate columns).
+enum class CalibratedInput { kGateUp, kDown };
+
+/// The rule for rarely routed experts (issue 25): an expert's statistics are blended with the
+/// layer's by token count,
+///     d_e = (n_e * m_e + n0 * m_layer) / (n_e + n0),   m_layer = sum_e n_e m_e / sum_e n_e,
+/// so an expert that no calibration token reaches (n_e = 0) takes the layer's statistics and one
+/// with n_e >> n0 keeps its own. Then d_e is divided by its mean over the columns (the fit only
+/// sees ratios) and raised to at least kMinRelativeWeight (a column that never carried signal in
+/// calibration may carry some later; a zero weight would also leave the DP a run of weight 0).
+/// A layer without any calibration token (sum n_e = 0) gives all-ones weights: the unweighted fit.
+inline constexpr double kPriorTokens = 32.0;
+inline constexpr double kMinRelativeWeight = 1e-3;
+
+/// Calibration statistics of a whole model.
+class CalibrationStats {
+ public:
+  /// Layers by layer index.
+  std::map<int, LayerCalibration> layers;
+  std::map<std::string, std::string> metadata;
+  std::string source;  // the file load() read, for messages ("" when built in memory)
+
+  /// Reads a statistics file (format above). Throws std::runtime_error naming the file and the
+  /// tensor for a missing or ill-shaped tensor, a dtype other than F32, a negative or non-finite value.
+  static CalibrationStats load(const std::filesystem::path& file);
+  /// Writes the file atomically (a temporary name, renamed when complete).
+  void save(const std::filesystem::path& file) const;
+
+  /// Column weights [experts][cols] of one layer's projection input after the rule above: finite,
+  /// >= kMinRelativeWeight, mean 1 per expert (or all 1). Throws std::runtime_error when the layer
+  /// has no statistics.
+  std::vector<float> column_weights(int layer, CalibratedInput input) const;
+
+  /// Column weights for a routed-expert tensor of a checkpoint as `lutb quantize` fits it, by name:
+  /// per-expert PREFIX.e.{gate_proj,up_proj,w1,w3}.weight -> gate/up of expert e, PREFIX.e.
+  /// {down_proj,w2}.weight -> down of expert e; stacked PREFIX.gate_up_proj / PREFIX.down_proj -> all
+  /// experts. `cols` is the tensor's column count, checked against the statistics. nullopt when the
+  /// name is under no layer's prefix; throws std::runtime_error (naming `file_for_errors`, the tensor
+  /// and the shapes) for an expert tensor the statistics do not fit.
+  std::optional<std::vector<float>> weights_for_tensor(const std::string& name, std::int64_t experts,
+                                                       std::int64_t cols, const std::string& file_for_errors) const;
+};
+
+}  // namespace lutb

@@ -1,0 +1,128 @@
+// `lutb calibrate MODEL_DIR --tokens FILE -o STATS.safetensors`: the second moments of the routed
+// experts' projection inputs over calibration tokens (lutb/calibration.hpp), for the weighted fit of
+// `lutb quantize/eval --calibration STATS`.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <string>
+
+#include <unistd.h>
+
+#include <fmt/core.h>
+#include <nlohmann/json.hpp>
+
+#include "cli/commands.hpp"
+#include "cli/model_options.hpp"
+#include "cli/validators.hpp"
+#include "lutb/calibration.hpp"
+#include "lutb/model.hpp"
+
+namespace lutb::cli {
+namespace {
+
+struct CalibrateArgs {
+  std::string model_dir, tokens, output;
+  std::string down_input = "bf16";
+  std::string token_weight = "uniform";
+  std::int64_t max_tokens = 0;
+  int threads = 0;
+  bool force = false, json = false;
+};
+
+void run_calibrate(const CalibrateArgs& a) {
+  namespace fs = std::filesystem;
+  ensure_runtime_env();
+  const int threads = effective_threads(a.threads);
+  model::set_threads(threads);
+  // The held-out tokens measure the result: statistics taken from them would leak into it.
+  const fs::path val = fs::path(a.model_dir) / "val_tokens.safetensors";
+  std::error_code ec;
+  if (fs::exists(val) && fs::exists(a.tokens) && fs::equivalent(val, a.tokens, ec))
+    throw UsageError(fmt::format("--tokens {} is the model's held-out evaluation set (val_tokens); calibrate on "
+                                 "training tokens (e.g. ../shared/calib/train_tokens.safetensors)",
+                                 a.tokens));
+  if (fs::exists(a.output) && !a.force)
+    throw UsageError(fmt::format("-o {}: the file exists; give --force to replace it", a.output));
+  if (fs::is_directory(a.output)) throw UsageError(fmt::format("-o {}: is a directory, expected a .safetensors file", a.output));
+  const std::vector<std::int32_t> tokens = model::load_token_ids(a.tokens);
+  const model::TransformerConfig cfg = model::TransformerConfig::load(a.model_dir);
+  for (std::size_t i = 0; i < tokens.size(); ++i)
+    if (tokens[i] < 0 || tokens[i] >= cfg.vocab_size)
+      throw model::ModelError(fmt::format("{}: input_ids[{}] = {} is outside the vocabulary [0, {}) of {}", a.tokens, i,
+                                          tokens[i], cfg.vocab_size, a.model_dir));
+  model::CalibrateOptions co;
+  co.max_tokens = a.max_tokens;
+  co.down_input = a.down_input == "quantized-w13" ? model::DownInput::QuantizedW13 : model::DownInput::Bf16Model;
+  co.fit.threads = threads;
+  co.token_weight = a.token_weight == "routing" ? model::TokenWeight::RoutingWeight : model::TokenWeight::Uniform;
+  if (isatty(fileno(stderr)) && !a.json)
+    co.progress = [](std::int64_t done, std::int64_t total) {
+      fmt::print(stderr, "\r  windows {}/{}", done, total);
+      if (done == total) fmt::print(stderr, "\n");
+    };
+  const auto t0 = std::chrono::steady_clock::now();
+  CalibrationStats st = model::collect_calibration(a.model_dir, tokens, co);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  st.metadata["model"] = a.model_dir;
+  st.metadata["tokens_file"] = a.tokens;
+  st.save(a.output);
+
+  fmt::print("lutb calibrate: {} over {} tokens of {} -> {} ({:.1f} s)\n", a.model_dir, st.metadata["tokens"], a.tokens,
+             a.output, secs);
+  fmt::print("down input   {}\n", a.down_input == "quantized-w13" ? "h of the model with w13 fitted to LUT-B (MXFP8)"
+                                                                    : "h of the BF16 model");
+  nlohmann::json layers = nlohmann::json::array();
+  for (const auto& [l, lc] : st.layers) {
+    const auto [mn, mx] = std::minmax_element(lc.tokens.begin(), lc.tokens.end());
+    const auto unreached = std::count(lc.tokens.begin(), lc.tokens.end(), 0.0f);
+    fmt::print("  layer {:<3} {} experts, tokens per expert {:.0f}..{:.0f}{}\n", l, lc.experts, *mn, *mx,
+               unreached ? fmt::format(", {} never reached (they take the layer's statistics)", unreached) : "");
+    layers.push_back({{"layer", l}, {"prefix", lc.prefix}, {"experts", lc.experts}, {"tokens", lc.tokens}});
+  }
+  if (a.json) {
+    nlohmann::json j{{"model", a.model_dir},   {"tokens_file", a.tokens},      {"output", a.output},
+                     {"tokens", std::stoll(st.metadata["tokens"])}, {"down_input", a.down_input},
+                     {"seconds", secs},        {"layers", layers}};
+    fmt::print("{}\n", j.dump());
+  }
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+void add_calibrate(CLI::App& app) {
+  auto args = std::make_shared<CalibrateArgs>();
+  auto* cmd = app.add_subcommand(
+      "calibrate",
+      "Run a BF16 MoE checkpoint over calibration tokens and store, per layer, routed expert and projection, the "
+      "input channels' second moments and the tokens routed (for quantize/eval --calibration)");
+  auto* dir_opt = cmd->add_option("model_dir", args->model_dir, "Hugging Face checkpoint directory (BF16)")->required();
+  auto* tok_opt = cmd->add_option("--tokens", args->tokens,
+                                  "safetensors file with input_ids (training tokens; never the held-out val_tokens)")
+                      ->required();
+  auto* out_opt = cmd->add_option("-o,--output", args->output, "statistics file to write (.safetensors)")->required();
+  cmd->add_option("--max-tokens", args->max_tokens,
+                  "use only the first N tokens, in whole windows of 256 (default 0 = all)")
+      ->check(IntRange<std::int64_t>(0, std::numeric_limits<std::int64_t>::max()));
+  cmd->add_option("--down-input", args->down_input,
+                  "what the statistics of down (w2) describe: bf16 (h of the BF16 model, default) or quantized-w13 "
+                  "(h with w13 already fitted to LUT-B under the gate_up statistics, MXFP8 activations; a second pass)")
+      ->check(CLI::IsMember({"bf16", "quantized-w13"}));
+  cmd->add_option("--token-weight", args->token_weight,
+                  "how a routed token counts in its expert's statistics: uniform (default) or routing (by the square "
+                  "of its routing weight, which scales the expert's output error)")
+      ->check(CLI::IsMember({"uniform", "routing"}));
+  cmd->add_option("--threads", args->threads, "threads (default: all cores)")->check(ThreadCount());
+  cmd->add_flag("--force", args->force, "replace an existing statistics file");
+  cmd->add_flag("--json", args->json, "print one JSON object as the last line of stdout");
+  cmd->callback([args, dir_opt, tok_opt, out_opt] {
+    check_not_empty(dir_opt, args->model_dir, "checkpoint directory name");
+    check_not_empty(tok_opt, args->tokens, "tokens file name");
+    check_not_empty(out_opt, args->output, "output name");
+    run_calibrate(*args);
+  });
+}
+
+}  // namespace lutb::cli
