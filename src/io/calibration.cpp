@@ -18,10 +18,6 @@ constexpr const char* kGateUp = ".gate_up.x2";
 constexpr const char* kDown = ".down.x2";
 constexpr const char* kTokens = ".tokens";
 
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
 std::vector<float> read_f32(const std::filesystem::path& file, const TensorView& v) {
   if (v.dtype != DType::F32)
     throw std::runtime_error(fmt::format("{}: tensor {} has dtype {}; calibration statistics are F32", file.string(),
