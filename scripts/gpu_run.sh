@@ -25,9 +25,9 @@ failed=0
 
 # The sanitizers' cases: small shapes of every kernel family (decode, prefill, fitters, online
 # method, routing), a few seconds each under memcheck.
-MEMCHECK='Shapes/MoeRandom.*E16_H200*:Shapes/MoeRandom.*E8_H320*:Shapes/MoeRandom.*E8_H256*:MoeCuda.ToLaneMajor*:MoeCuda.GoldenLayer:MoeCuda.InvalidExpertIdWritesNanRow:MoeCuda.Bf16BaselineMatchesHost:MoeCuda.SingleTokenInvalidAndRepeatedExperts:RoutingCuda.*:MoeCudaVsCpu.*:MoeDecodePaths*:Shapes/PrefillRandom.MatchesHostReference/padded_odd:Shapes/PrefillRandom.MatchesHostReference/m128_ragged:PrefillCuda.InvalidExpertIdWritesNanRowOnly:FitGpu.EdgeTiles:FitGpu.FullRangeDpEdgeTiles:FitGpu.ErrorsMatchCpu:FitGpu.DeviceEntryWithoutStats:FitGpu.ScanVariantsSameBytes:FitGpuOptimal.EdgeTiles:FitGpuOptimal.ScaleSearchBelowRceil:FitGpuOptimal.DeviceEntryWithoutStats:OnlineGpu.RandomLayer*:OnlineGpu.Errors*:OnlineGpu.LaneMajor*:OnlineGpu.Optimal*:OnlineGpu.Pipeline*:OnlineGpu.Released*:OnlineGpu.Lowest*:OnlineGpu.TooLarge*'
-RACECHECK='MoeCuda.GoldenLayer:Shapes/MoeDecodePathsRandom.*/E16_H200*:Shapes/PrefillRandom.MatchesHostReference/padded_odd:FitGpu.EdgeTiles:FitGpu.FullRangeDpEdgeTiles:FitGpuOptimal.EdgeTiles:FitGpuOptimal.ScaleSearchBelowRceil:OnlineGpu.LaneMajor*'
-SYNCCHECK='MoeCuda.GoldenLayer:FitGpu.EdgeTiles:FitGpu.FullRangeDpEdgeTiles:FitGpuOptimal.EdgeTiles'
+MEMCHECK='MoeCuda.GoldenLayer:MoeCuda.SingleTokenInvalidAndRepeatedExperts:RoutingCuda.*:MoeDecodePaths.ActKernelBitIdenticalToDefault:MoeDecodePaths.ActKernelAbove128PairsSanitizerCase:MoeDecodePaths.FusedBackToBackBitIdentical:Shapes/MoeRandom.*E16_H200*:Shapes/PrefillRandom.MatchesHostReference/padded_odd:PrefillCuda.InvalidExpertIdWritesNanRowOnly:FitGpuSmall.*:FitGpu.EdgeTiles:FitGpu.DeviceEntryWithoutStats:FitGpuOptimal.EdgeTiles:OnlineGpu.RandomLayer*'
+RACECHECK='MoeCuda.GoldenLayer:MoeDecodePaths.ActKernelAbove128PairsSanitizerCase:Shapes/MoeRandom.*E16_H200*:Shapes/PrefillRandom.MatchesHostReference/padded_odd:FitGpuSmall.*'
+SYNCCHECK='MoeCuda.GoldenLayer:Shapes/MoeRandom.*E16_H200*:FitGpuSmall.*'
 
 # build [TARGET...]: configure and build the gpu preset (every target when none is named).
 build() {
@@ -45,6 +45,13 @@ sanitize() {
   local tool filter
   for tool in memcheck racecheck synccheck; do
     case $tool in memcheck) filter=$MEMCHECK;; racecheck) filter=$RACECHECK;; synccheck) filter=$SYNCCHECK;; esac
+    # A renamed test would silently drop out of a filter: every pattern must still match a test.
+    local pattern patterns
+    IFS=: read -ra patterns <<< "$filter"
+    for pattern in "${patterns[@]}"; do
+      build/gpu/tests/lutb_cuda_tests --gtest_list_tests --gtest_filter="$pattern" | grep -q '^  ' ||
+        { echo "gpu_run.sh: the $tool filter pattern $pattern matches no test"; failed=1; }
+    done
     compute-sanitizer --tool "$tool" --error-exitcode 9 build/gpu/tests/lutb_cuda_tests --gtest_filter="$filter" \
       > "$OUT/sanitizer_$tool.log" 2>&1 || failed=1
     echo "== $tool"; tail -n 4 "$OUT/sanitizer_$tool.log"
