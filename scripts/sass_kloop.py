@@ -1,10 +1,17 @@
 #!/usr/bin/env python3
-"""Instruction mix per K-tile of the swap-AB decode K-loops, from SASS (no GPU needed).
+r"""Instruction mix per K-tile of the swap-AB decode K-loops, from SASS (no GPU needed).
+
+Input: one kernel's SASS as cuobjdump prints it. The decode kernels are the templates
+sm80_lutb_moe_swapab_gemm1 / sm80_lutb_moe_swapab_gemm2 of src/cuda/moe/sm80_lutb_moe_swapab.cuh,
+instantiated in src/cuda/moe/lutb_moe_forward.cu: take them from the `gpu` preset's object of that
+file (build/gpu/CMakeFiles/lutb_cuda.dir/src/cuda/moe/lutb_moe_forward.cu.o) or compile the file
+alone with the preset's CUDA flags:
 
 Usage:
   nvcc -std=c++20 -O3 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -Iinclude -Isrc \
-       -c src/cuda/moe_lutb.cu -o /tmp/moe_lutb.o
-  cuobjdump -sass -fun <mangled kernel name> /tmp/moe_lutb.o > k.sass   # names: cuobjdump -elf ... | grep swapab_gemm
+       -c src/cuda/moe/lutb_moe_forward.cu -o /tmp/lutb_moe_forward.o
+  cuobjdump -elf /tmp/lutb_moe_forward.o | grep -o '_Z[A-Za-z0-9_]*swapab_gemm[12][A-Za-z0-9_]*' | sort -u
+  cuobjdump -sass -fun <a mangled name of that list> /tmp/lutb_moe_forward.o > k.sass   # nvdisasm on PATH
   scripts/sass_kloop.py k.sass [--per-ktile-hmma 16]
 
 Besides the opcode mix, each loop's count per K-tile by sm_90 issue pipe (PIPES

@@ -327,9 +327,9 @@ TEST(MoeDecodePaths, LateScalesRuleHostOnly) {
 // (one-token K-loop, fused reduction), the grouped general K-loop, two token blocks (NB = 2), forced
 // split-K; shapes with padded H and I (H % 64 != 0), empty experts, odd K-tile counts and long K
 // ranges (the ring wraps); T = 1, 4, 16, 64; outputs and workspace poisoned before every forward
-// (forward() above). Named MoeDecodePaths.* so that gpu_run.sh's memcheck covers it. On devices where
-// the Cvt decoder does not run (below sm_90) the flags change nothing and the equalities hold
-// trivially.
+// (forward() above). Not in the filters of scripts/gpu_run.sh sanitize, which run the small
+// MoeDecodePaths cases below. On devices where the Cvt decoder does not run (below sm_90) the flags
+// change nothing and the equalities hold trivially.
 TEST(MoeDecodePaths, LateScalesBitIdenticalToDefault) {
   if (!gpu_here()) GTEST_SKIP() << "no CUDA device: skipping GPU test";
   const PathCase cases[] = {
@@ -671,7 +671,7 @@ TEST(MoeDecodePaths, ActRowsHostOnly) {
   EXPECT_EQ(hx::act_rows(8, 0), 0);
 }
 
-// Small and odd shapes (also run under compute-sanitizer memcheck by scripts/gpu_run.sh moetests).
+// Small and odd shapes (also run under compute-sanitizer memcheck by scripts/gpu_run.sh sanitize).
 TEST(MoeDecodePaths, ActKernelBitIdenticalToDefault) {
   if (!gpu_here()) GTEST_SKIP() << "no CUDA device: skipping GPU test";
   expect_act_bit_identical({128, 256, 64, 0, 8, false}, 1801, {1, 2, 3, 4});  // direct, fused, clusters of 8
@@ -702,9 +702,9 @@ TEST(MoeDecodePaths, ActKernelBitIdenticalToDefaultAbove128Pairs) {
   expect_act_bit_identical({16, 200, 72, 0, 8, true}, 1903, {20});
 }
 
-// One case above 128 pairs for compute-sanitizer memcheck / racecheck (scripts/gpu_run.sh moetests'
-// filters are too slow for the whole test above): E 32, T 20, k 8 (160 pairs, the rule on: 5 pairs
-// per expert), the default paths unsplit and with GEMM1 split in two.
+// One case above 128 pairs for compute-sanitizer memcheck / racecheck (the whole test above is too
+// slow for the filters of scripts/gpu_run.sh sanitize): E 32, T 20, k 8 (160 pairs, the rule on:
+// 5 pairs per expert), the default paths unsplit and with GEMM1 split in two.
 TEST(MoeDecodePaths, ActKernelAbove128PairsSanitizerCase) {
   if (!gpu_here()) GTEST_SKIP() << "no CUDA device: skipping GPU test";
   ASSERT_TRUE(hx::decode_act_kernel(20, 8, 32, 256));

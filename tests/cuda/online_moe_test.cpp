@@ -1,7 +1,7 @@
 // tests/cuda/online_moe_test.cpp: the online GPU method's output (lutb/cuda/online.hpp) feeds the
 // CUDA MoE forward directly: moe_forward on it gives bit-identical outputs to moe_forward on the
 // CPU method's bytes (lutb::quantize on the host, uploaded, to_lane_major). Needs the MoE kernels,
-// so it is built by CMake and `scripts/gpu_run.sh tests`, not by the fitter-only `fit` mode.
+// so it is part of lutb_cuda_tests with them (`scripts/gpu_run.sh test`).
 // Skips without a GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
