@@ -2,7 +2,11 @@
 
 Operators are defined with torch.library.Library(...).define/impl (lower per-call cost than
 torch.library.custom_op) with a CPU and a CUDA kernel and a fake (meta) kernel each, so
-torch.compile(fullgraph=True) traces callers without graph breaks. CUDA kernels run on the current
+torch.compile(fullgraph=True) traces callers without graph breaks. The CPU and CUDA kernels run the
+argument checks of the lutb.* functions (lutb._api), so a direct torch.ops.lutb call with a
+non-contiguous tensor or a wrong dtype, size or integer raises the same TypeError / ValueError
+naming the argument; the fake kernels check nothing. moe_experts has an autograd kernel whose
+backward raises RuntimeError (inference only). CUDA kernels run on the current
 stream of the input's device; moe_experts and moe_experts_out never synchronise with the host and
 allocate only through torch (CUDA-graph capture works).
 
