@@ -13,6 +13,78 @@ from . import _lutb
 _LLOYD_FITTERS = ("ct-lloyd", "multistart")  # no GPU kernel: CUDA inputs fit on the CPU
 
 
+MAX_THREADS = 4096  # the CLI's --threads range (src/cli/validators.hpp ThreadCount)
+
+
+def _int_arg(v: Any, name: str) -> int:
+    """v as an int (Python or numpy integer; bool refused), or TypeError naming `name`."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
+    return int(v)
+
+
+def _float_arg(v: Any, name: str) -> float:
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name}: expected a float, got {type(v).__name__}")
+    return float(v)
+
+
+def _str_arg(v: Any, name: str) -> str:
+    if not isinstance(v, str):
+        raise TypeError(f"{name}: expected a str, got {type(v).__name__}")
+    return v
+
+
+def _check_quantize(w: Any, fitter: Any, forced_scale: Any, threads: Any, name: Any) -> tuple[int, int]:
+    """The checks of lutb.quantize (also run by torch.ops.lutb.quantize); returns (forced_scale, threads)."""
+    A.require_array(w, "w")
+    A.require_device(w, "w")
+    A.float_source_name(w, "w")
+    A.check_shape(tuple(w.shape), "w.shape")
+    A.require_contiguous(w, "w")
+    _lutb.check_fitter_name(_str_arg(fitter, "fitter"))
+    forced_scale = _int_arg(forced_scale, "forced_scale")
+    if forced_scale != -1 and not (A.MIN_SCALE <= forced_scale <= A.MAX_SCALE):
+        raise ValueError(f"forced_scale: {forced_scale} is not -1 or a scale byte 3..246")
+    threads = _int_arg(threads, "threads")
+    if not 0 <= threads <= MAX_THREADS:
+        raise ValueError(f"threads: {threads} is not in 0..{MAX_THREADS} (0 = all cores)")
+    _str_arg(name, "name")
+    return forced_scale, threads
+
+
+def _check_lutb_tensors(arrays: tuple[Any, Any, Any], names: tuple[str, str, str], shape: Any,
+                        ok_dtypes: tuple[tuple[str, ...], ...]) -> tuple[int, ...]:
+    """Kinds, devices, dtypes, sizes and contiguity of (packed, codebook, scale) for a logical shape."""
+    for a, n in zip(arrays, names):
+        A.require_array(a, n)
+        A.require_device(a, n)
+    for a, n in zip(arrays[1:], names[1:]):
+        A.require_same_device(n, arrays[0], names[0], a)
+    s = A.check_shape(shape, "shape")
+    lead, _, tn, tk = A.tiles_of(s)
+    want = (lead + (tn, tk, A.PACKED_BYTES), lead + (tn, tk, A.CODEBOOK_SIZE), lead + (tn, tk))
+    for a, n, w, d in zip(arrays, names, want, ok_dtypes):
+        if A.dtype_str(a) not in d:
+            raise TypeError(f"{n}: dtype {A.dtype_str(a)} is not {' or '.join(d)}")
+        if tuple(a.shape) != w:
+            raise ValueError(f"{n}: shape {tuple(a.shape)} does not match the logical shape {s}: expected {w} "
+                             f"(spec 2.2: N, K padded to multiples of 8 and 64)")
+        A.require_contiguous(a, n)
+    return s
+
+
+def _check_mxfp8(x: Any, rule: Any) -> None:
+    A.require_array(x, "x")
+    A.require_device(x, "x")
+    A.float_source_name(x, "x")
+    if len(x.shape) < 1:
+        raise ValueError("x: needs at least one dimension (blocks run along the last)")
+    A.require_contiguous(x, "x")
+    if rule not in ("rceil", "floor"):
+        raise ValueError(f"rule: {rule!r} is not 'rceil' or 'floor'")
+
+
 def _ops():
     return A.torch_module().ops.lutb
 
@@ -49,7 +121,11 @@ class LutbWeight:
       device:   'cpu', 'cuda:0', ...
     Values: w = e4m3(codebook[index]) * 2^(scale - 127).
 
-    Build one with lutb.quantize or LutbWeight.from_tensors. On CUDA, lutb.moe_experts keeps a copy
+    Build one with lutb.quantize or LutbWeight.from_tensors. The constructor LutbWeight(packed,
+    codebook, scale, shape) is unchecked (for arrays lutb made): it checks no dtype, size, device,
+    scale byte or codebook entry, and bad data gives wrong results rather than an error (a NaN
+    codebook byte, 0x7F or 0xFF, decodes as a finite value in moe_experts). Wrap arrays from
+    anywhere else with LutbWeight.from_tensors. On CUDA, lutb.moe_experts keeps a copy
     of `packed` in the kernels' lane-major bit order (lutb/cuda/lane_major.hpp; 192 bytes per tile,
     as much as `packed`), made on first use and cached on the object; kernel_packed() makes it ahead
     of time (call it before capturing a CUDA graph), drop_kernel_cache() frees it, and
@@ -99,23 +175,8 @@ class LutbWeight:
         """
         names = ((f"{name}.weight_packed", f"{name}.weight_codebook", f"{name}.weight_scale") if name
                  else ("packed", "codebook", "scale"))
-        arrays = (packed, codebook, scale)
-        for a, n in zip(arrays, names):
-            A.require_array(a, n)
-            A.require_device(a, n)
-        for a, n in zip(arrays[1:], names[1:]):
-            A.require_same_device(n, packed, names[0], a)
-        s = A.check_shape(shape, "shape")
-        lead, _, tn, tk = A.tiles_of(s)
-        want = (lead + (tn, tk, A.PACKED_BYTES), lead + (tn, tk, A.CODEBOOK_SIZE), lead + (tn, tk))
-        ok_dtypes = (("uint8",), ("uint8", "float8_e4m3fn"), ("uint8", "float8_e8m0fnu"))
-        for a, n, w, d in zip(arrays, names, want, ok_dtypes):
-            if A.dtype_str(a) not in d:
-                raise TypeError(f"{n}: dtype {A.dtype_str(a)} is not {' or '.join(d)}")
-            if tuple(a.shape) != w:
-                raise ValueError(f"{n}: shape {tuple(a.shape)} does not match the logical shape {s}: expected {w} "
-                                 f"(spec 2.2: N, K padded to multiples of 8 and 64)")
-            A.require_contiguous(a, n)
+        s = _check_lutb_tensors((packed, codebook, scale), names, shape,
+                                (("uint8",), ("uint8", "float8_e4m3fn"), ("uint8", "float8_e8m0fnu")))
         codebook, scale = A.raw(codebook), A.raw(scale)
         I.validate_data(codebook, scale, s, names[1], names[2])
         return cls(packed, codebook, scale, s)
@@ -201,26 +262,16 @@ def quantize(w: Any, fitter: Optional[str] = None, *, forced_scale: int = -1, th
        `lutb quantize` gives for the same tensor, on either device. "ct-lloyd" and "multistart" have no
        GPU kernel: CUDA tensors fit on the CPU for them (copied there and back).
     forced_scale: -1 (the fitter's own scale) or a scale byte 3..246 for every tile.
-    threads: CPU threads (0 = all cores).
+    threads: CPU threads, an int 0..4096 (0 = all cores; the CLI's --threads range).
     name: the tensor's name in error messages.
+    Integer arguments take Python or numpy integers (not bool); another type raises TypeError naming it.
     Raises TypeError (type, dtype) or ValueError (shape, non-contiguous, unknown fitter, a NaN or
     +-Inf weight or a tile whose magnitude needs a scale byte above 246, named as
     "quantize: tensor NAME, expert e, tile (tn, tk): NaN at row R col C"). On CUDA this synchronises
     once (to read the error flag).
     """
-    A.require_array(w, "w")
-    A.require_device(w, "w")
-    A.float_source_name(w, "w")
-    A.check_shape(tuple(w.shape), "w.shape")
-    A.require_contiguous(w, "w")
     fitter = default_fitter() if fitter is None else fitter
-    if not isinstance(fitter, str):
-        raise TypeError(f"fitter: expected a str, got {type(fitter).__name__}")
-    _lutb.check_fitter_name(fitter)
-    if forced_scale != -1 and not (A.MIN_SCALE <= forced_scale <= A.MAX_SCALE):
-        raise ValueError(f"forced_scale: {forced_scale} is not -1 or a scale byte 3..246")
-    if threads < 0:
-        raise ValueError(f"threads: {threads} < 0")
+    forced_scale, threads = _check_quantize(w, fitter, forced_scale, threads, name)
     shape = tuple(int(v) for v in w.shape)
     if A.is_cuda(w):
         if not has_cuda():
@@ -248,14 +299,7 @@ def mxfp8_qdq(x: Any, rule: str = "rceil") -> Any:
     rule: "rceil" (default: NVIDIA hardware) or "floor" (OCP reference).
     Returns float32 of x's shape on x's device (the values are exact in FP32).
     """
-    A.require_array(x, "x")
-    A.require_device(x, "x")
-    A.float_source_name(x, "x")
-    if len(x.shape) < 1:
-        raise ValueError("x: needs at least one dimension (blocks run along the last)")
-    A.require_contiguous(x, "x")
-    if rule not in ("rceil", "floor"):
-        raise ValueError(f"rule: '{rule}' is not 'rceil' or 'floor'")
+    _check_mxfp8(x, rule)
     if A.is_torch(x):
         return _ops().mxfp8_qdq(x, rule)
     return I.mxfp8_qdq_cpu(x, rule)
@@ -273,39 +317,23 @@ def _router_logits(logits: Any) -> Any:
     return logits
 
 
-def _check_k(k: int, experts: int, cuda: bool) -> None:
-    if not isinstance(k, int) or not 1 <= k <= experts:
+def _check_k(k: Any, experts: int, cuda: bool) -> int:
+    k = _int_arg(k, "k")
+    if not 1 <= k <= experts:
         raise ValueError(f"k: {k} is not in 1..{experts} (the number of experts)")
     if cuda and (k > 32 or experts > 1024):
         raise ValueError(f"k: the CUDA router handles k <= 32 and E <= 1024 (k={k}, E={experts})")
+    return k
 
 
-def route_softmax_topk(logits: Any, k: int, renormalize: bool = True) -> tuple[Any, Any]:
-    """softmax top-k routing (spec 5; Mixtral, Qwen2/3-MoE, OLMoE).
-
-    logits: [T, E] float (bfloat16/float16 are widened to float32 exactly), torch (CPU or CUDA) or numpy.
-    Returns (topk_ids int32 [T, k], topk_weights float32 [T, k]) on logits' device, each row in
-    descending probability (ties: lower expert); weights renormalised to sum 1 when `renormalize`.
-    """
-    logits = _router_logits(logits)
-    _check_k(k, int(logits.shape[1]), A.is_cuda(logits))
-    if A.is_torch(logits):
-        return _ops().route_softmax_topk(logits, k, bool(renormalize))
-    return I.route_cpu(logits, None, False, k, bool(renormalize), 1, 1, 1.0)
-
-
-def route_deepseek(logits: Any, correction_bias: Any, k: int, n_group: int, topk_group: int,
-                   renormalize: bool = True, routed_scaling_factor: float = 1.0) -> tuple[Any, Any]:
-    """DeepSeek-V3 grouped sigmoid top-k routing (spec 5; Kimi K2 too).
-
-    logits: [T, E] float; correction_bias: [E] float or None (zeros), same device. E % n_group == 0,
-    at least 2 experts per group, 1 <= topk_group <= n_group, k <= topk_group * E / n_group.
-    Returns (topk_ids int32 [T, k], topk_weights float32 [T, k]): weights are sigmoid(logits) of the
-    chosen experts, divided by their sum when `renormalize`, times routed_scaling_factor.
-    """
+def _check_deepseek(logits: Any, correction_bias: Any, k: Any, n_group: Any, topk_group: Any):
+    """The checks of route_deepseek (also run by torch.ops.lutb.route_deepseek): float32 logits and
+    bias (widened exactly), and k, n_group, topk_group as ints."""
     logits = _router_logits(logits)
     e = int(logits.shape[1])
-    _check_k(k, e, A.is_cuda(logits))
+    k = _check_k(k, e, A.is_cuda(logits))
+    n_group = _int_arg(n_group, "n_group")
+    topk_group = _int_arg(topk_group, "topk_group")
     if n_group < 1 or e % n_group != 0 or e // n_group < 2:
         raise ValueError(f"n_group: {n_group} does not split E={e} experts into groups of >= 2")
     if not 1 <= topk_group <= n_group:
@@ -322,6 +350,35 @@ def route_deepseek(logits: Any, correction_bias: Any, k: int, n_group: int, topk
             correction_bias = (correction_bias.float() if A.is_torch(correction_bias)
                                else correction_bias.astype(np.float32))
         A.require_contiguous(correction_bias, "correction_bias")
+    return logits, correction_bias, k, n_group, topk_group
+
+
+def route_softmax_topk(logits: Any, k: int, renormalize: bool = True) -> tuple[Any, Any]:
+    """softmax top-k routing (spec 5; Mixtral, Qwen2/3-MoE, OLMoE).
+
+    logits: [T, E] float (bfloat16/float16 are widened to float32 exactly), torch (CPU or CUDA) or numpy.
+    Returns (topk_ids int32 [T, k], topk_weights float32 [T, k]) on logits' device, each row in
+    descending probability (ties: lower expert); weights renormalised to sum 1 when `renormalize`.
+    """
+    logits = _router_logits(logits)
+    k = _check_k(k, int(logits.shape[1]), A.is_cuda(logits))
+    if A.is_torch(logits):
+        return _ops().route_softmax_topk(logits, k, bool(renormalize))
+    return I.route_cpu(logits, None, False, k, bool(renormalize), 1, 1, 1.0)
+
+
+def route_deepseek(logits: Any, correction_bias: Any, k: int, n_group: int, topk_group: int,
+                   renormalize: bool = True, routed_scaling_factor: float = 1.0) -> tuple[Any, Any]:
+    """DeepSeek-V3 grouped sigmoid top-k routing (spec 5; Kimi K2 too).
+
+    logits: [T, E] float; correction_bias: [E] float or None (zeros), same device. E % n_group == 0,
+    at least 2 experts per group, 1 <= topk_group <= n_group, k <= topk_group * E / n_group.
+    Returns (topk_ids int32 [T, k], topk_weights float32 [T, k]): weights are sigmoid(logits) of the
+    chosen experts, divided by their sum when `renormalize`, times routed_scaling_factor.
+    """
+    logits, correction_bias, k, n_group, topk_group = _check_deepseek(logits, correction_bias, k, n_group,
+                                                                      topk_group)
+    routed_scaling_factor = _float_arg(routed_scaling_factor, "routed_scaling_factor")
     if A.is_torch(logits):
         return _ops().route_deepseek(logits, correction_bias, k, n_group, topk_group, bool(renormalize),
                                      float(routed_scaling_factor))
@@ -358,7 +415,11 @@ def moe_experts(x: Any, topk_ids: Any, topk_weights: Any, w13: LutbWeight, w2: L
     w13.kernel_packed() and w2.kernel_packed() have run), through torch.ops.lutb.moe_experts(_out).
     CUDA and CPU results agree up to the order of FP32 additions.
     Raises TypeError / ValueError naming the argument: types, dtypes, shapes, devices that differ,
-    non-contiguous tensors, an unknown act_format.
+    non-contiguous tensors, an unknown act_format. torch.ops.lutb.moe_experts(_out) called directly
+    check their tensors the same way (naming w13_packed, ..., w2_scale).
+    No autograd: the result requires grad when x or topk_weights does, but backward() through it
+    raises RuntimeError("moe_experts: no backward ..."); run inference under torch.no_grad() or
+    torch.inference_mode().
     """
     if not A.is_torch(x):
         raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
@@ -386,24 +447,15 @@ def moe_experts(x: Any, topk_ids: Any, topk_weights: Any, w13: LutbWeight, w2: L
     inter = two_i // 2
     if w2.shape != (e, h, inter):
         raise ValueError(f"w2: shape {w2.shape} is not (E, H, I) = {(e, h, inter)} from w13 {w13.shape}")
-    if not A.is_torch(topk_ids) or topk_ids.dtype not in (torch.int32, torch.int64):
+    # Non-tensors here would meet torch's schema check first; the rest of topk_ids, topk_weights and
+    # out is checked by the operator (_check_experts_op).
+    if not A.is_torch(topk_ids):
         raise TypeError(f"topk_ids: expected an int32 or int64 torch.Tensor, got "
                         f"{A.dtype_str(topk_ids) if A.is_array(topk_ids) else type(topk_ids).__name__}")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != t or topk_ids.shape[1] < 1:
-        raise ValueError(f"topk_ids: shape {tuple(topk_ids.shape)} is not [T={t}, k]")
-    k = int(topk_ids.shape[1])
     if not A.is_torch(topk_weights):
         raise TypeError(f"topk_weights: expected a torch.Tensor, got {type(topk_weights).__name__}")
-    A.float_source_name(topk_weights, "topk_weights")
-    if tuple(topk_weights.shape) != (t, k):
-        raise ValueError(f"topk_weights: shape {tuple(topk_weights.shape)} is not (T, k) = {(t, k)}")
-    for a, n in ((topk_ids, "topk_ids"), (topk_weights, "topk_weights")):
-        A.require_same_device(n, x, "x", a)
-        A.require_contiguous(a, n)
-    if topk_weights.dtype != torch.float32:
-        topk_weights = topk_weights.float()
     if act_format not in ("mxfp8", "bf16"):
-        raise ValueError(f"act_format: '{act_format}' is not 'mxfp8' or 'bf16'")
+        raise ValueError(f"act_format: {act_format!r} is not 'mxfp8' or 'bf16'")
     cuda = A.is_cuda(x)
     if cuda:
         if not has_cuda():
@@ -419,9 +471,64 @@ def moe_experts(x: Any, topk_ids: Any, topk_weights: Any, w13: LutbWeight, w2: L
             lane_major)
     if out is None:
         return _ops().moe_experts(*args)
-    if not A.is_torch(out) or out.dtype not in (torch.bfloat16, torch.float32) or tuple(out.shape) != (t, h):
+    if not A.is_torch(out):
         raise ValueError(f"out: expected a bfloat16 or float32 torch.Tensor of shape ({t}, {h})")
-    A.require_same_device("out", x, "x", out)
-    A.require_contiguous(out, "out")
     _ops().moe_experts_out(*args, out)
     return out
+
+
+def _check_experts_op(x: Any, topk_ids: Any, topk_weights: Any, p13: Any, c13: Any, s13: Any, p2: Any, c2: Any,
+                      s2: Any, intermediate: Any, act_format: Any, lane_major: Any, out: Any = None) -> Any:
+    """The checks of torch.ops.lutb.moe_experts(_out) called directly (lutb.moe_experts checks the
+    same before it calls them); returns topk_weights as float32 (widened exactly)."""
+    torch = A.torch_module()
+    if not A.is_torch(x):
+        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"x: dtype {A.dtype_str(x)} is not bfloat16")
+    if x.dim() != 2:
+        raise ValueError(f"x: shape {tuple(x.shape)} is not [T, H]")
+    A.require_device(x, "x")
+    A.require_contiguous(x, "x")
+    t, h = (int(v) for v in x.shape)
+    inter = _int_arg(intermediate, "intermediate")
+    if inter < 1:
+        raise ValueError(f"intermediate: {inter} < 1")
+    if not A.is_torch(p13) or p13.dim() != 4:
+        raise ValueError(f"w13_packed: expected a uint8 torch.Tensor [E, 2I/8, H/64, 192], got "
+                         f"{tuple(p13.shape) if A.is_array(p13) else type(p13).__name__}")
+    e = int(p13.shape[0])
+    u8 = (("uint8",),) * 3
+    for ts, pre, shape in (((p13, c13, s13), "w13", (e, 2 * inter, h)), ((p2, c2, s2), "w2", (e, h, inter))):
+        names = (f"{pre}_packed", f"{pre}_codebook", f"{pre}_scale")
+        for a, n in zip(ts, names):
+            A.require_array(a, n)
+            A.require_same_device(n, x, "x", a)
+        _check_lutb_tensors(ts, names, shape, u8)
+    if not A.is_torch(topk_ids) or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"topk_ids: expected an int32 or int64 torch.Tensor, got "
+                        f"{A.dtype_str(topk_ids) if A.is_array(topk_ids) else type(topk_ids).__name__}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != t or topk_ids.shape[1] < 1:
+        raise ValueError(f"topk_ids: shape {tuple(topk_ids.shape)} is not [T={t}, k]")
+    k = int(topk_ids.shape[1])
+    if not A.is_torch(topk_weights):
+        raise TypeError(f"topk_weights: expected a torch.Tensor, got {type(topk_weights).__name__}")
+    A.float_source_name(topk_weights, "topk_weights")
+    if tuple(topk_weights.shape) != (t, k):
+        raise ValueError(f"topk_weights: shape {tuple(topk_weights.shape)} is not (T, k) = {(t, k)}")
+    for a, n in ((topk_ids, "topk_ids"), (topk_weights, "topk_weights")):
+        A.require_same_device(n, x, "x", a)
+        A.require_contiguous(a, n)
+    if act_format not in ("mxfp8", "bf16"):
+        raise ValueError(f"act_format: {act_format!r} is not 'mxfp8' or 'bf16'")
+    if A.is_cuda(x):
+        if not has_cuda():
+            raise ValueError("x: a CUDA tensor, but this lutb build has no CUDA kernels (built without nvcc)")
+        if inter % 8:
+            raise ValueError(f"w13: the CUDA kernels need I % 8 == 0 (I = {inter})")
+    if out is not None:
+        if not A.is_torch(out) or out.dtype not in (torch.bfloat16, torch.float32) or tuple(out.shape) != (t, h):
+            raise ValueError(f"out: expected a bfloat16 or float32 torch.Tensor of shape ({t}, {h})")
+        A.require_same_device("out", x, "x", out)
+        A.require_contiguous(out, "out")
+    return topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()

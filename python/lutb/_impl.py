@@ -1,6 +1,7 @@
 """Device implementations behind the public functions and the torch.ops.lutb operators.
 
-Arguments are already checked by lutb._api (dtypes, shapes, devices, contiguity). CPU work runs in
+Arguments are already checked by lutb._api (dtypes, shapes, devices, contiguity), from the
+lutb.* functions and from the torch.ops.lutb kernels (lutb._ops). CPU work runs in
 the C++ library (lutb._lutb); CUDA work runs in the library's CUDA kernels on the current stream of
 the tensor's device, or, for the two small element-wise operations without a CUDA entry point in
 the library (dequantize, mxfp8_qdq), in exact torch arithmetic (float64 products of E4M3 values and

@@ -2,7 +2,11 @@
 
 Operators are defined with torch.library.Library(...).define/impl (lower per-call cost than
 torch.library.custom_op) with a CPU and a CUDA kernel and a fake (meta) kernel each, so
-torch.compile(fullgraph=True) traces callers without graph breaks. CUDA kernels run on the current
+torch.compile(fullgraph=True) traces callers without graph breaks. The CPU and CUDA kernels run the
+argument checks of the lutb.* functions (lutb._api), so a direct torch.ops.lutb call with a
+non-contiguous tensor or a wrong dtype, size or integer raises the same TypeError / ValueError
+naming the argument; the fake kernels check nothing. moe_experts has an autograd kernel whose
+backward raises RuntimeError (inference only). CUDA kernels run on the current
 stream of the input's device; moe_experts and moe_experts_out never synchronise with the host and
 allocate only through torch (CUDA-graph capture works).
 
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _api as P
 from . import _arrays as A
 from . import _impl as I
 
@@ -48,23 +53,50 @@ def _quantize_fake(w, fitter, forced_scale, threads, name):
             w.new_empty(lead + (tn, tk), dtype=torch.uint8))
 
 
+def _quantize_cpu(w, fitter, forced_scale, threads, name):
+    P._check_quantize(w, fitter, forced_scale, threads, name)
+    return I.quantize_cpu(w, fitter, forced_scale, threads, name)
+
+
+def _quantize_cuda(w, fitter, forced_scale, threads, name):
+    P._check_quantize(w, fitter, forced_scale, threads, name)
+    if fitter in P._LLOYD_FITTERS:
+        raise ValueError(f"fitter: {fitter!r} has no GPU kernel; lutb.quantize fits CUDA tensors on the CPU for it")
+    return I.quantize_cuda(w, fitter, forced_scale, name)
+
+
 _define("quantize(Tensor w, str fitter, int forced_scale, int threads, str name) -> (Tensor, Tensor, Tensor)",
-        cpu=lambda w, f, s, t, n: I.quantize_cpu(w, f, s, t, n),
-        cuda=lambda w, f, s, t, n: I.quantize_cuda(w, f, s, n),
+        cpu=_quantize_cpu, cuda=_quantize_cuda,
         fake=_quantize_fake)
 
 # dequantize ----------------------------------------------------------------------------------
+_U8 = (("uint8",),) * 3
+
+
+def _dequantize(kernel):
+    def run(p, c, s, shape):
+        shape = P._check_lutb_tensors((p, c, s), ("packed", "codebook", "scale"), shape, _U8)
+        return kernel(p, c, s, shape)
+    return run
+
+
 _define("dequantize(Tensor packed, Tensor codebook, Tensor scale, int[] shape) -> Tensor",
-        cpu=lambda p, c, s, shape: I.dequantize_cpu(p, c, s, tuple(shape)),
-        cuda=lambda p, c, s, shape: I.dequantize_torch(p, c, s, tuple(shape)),
+        cpu=_dequantize(I.dequantize_cpu), cuda=_dequantize(I.dequantize_torch),
         fake=lambda p, c, s, shape: p.new_empty(tuple(shape), dtype=torch.float32))
 
 # lane-major copy of the packed bytes (CUDA) ----------------------------------------------------
 _define("lane_major(Tensor packed) -> Tensor", cuda=I.lane_major_cuda, fake=lambda p: torch.empty_like(p))
 
 # MXFP8 quantise-dequantise ---------------------------------------------------------------------
+def _checked_mxfp8(kernel):
+    def run(x, rule):
+        P._check_mxfp8(x, rule)
+        return kernel(x, rule)
+    return run
+
+
 _define("mxfp8_qdq(Tensor x, str rule) -> Tensor",
-        cpu=I.mxfp8_qdq_cpu, cuda=I.mxfp8_qdq_torch,
+        cpu=_checked_mxfp8(I.mxfp8_qdq_cpu), cuda=_checked_mxfp8(I.mxfp8_qdq_torch),
         fake=lambda x, rule: torch.empty_like(x, dtype=torch.float32))
 
 
@@ -74,14 +106,37 @@ def _route_fake(logits, k):
     return logits.new_empty((t, k), dtype=torch.int32), logits.new_empty((t, k), dtype=torch.float32)
 
 
+def _softmax_args(lg, k):
+    lg = P._router_logits(lg)
+    return lg, P._check_k(k, int(lg.shape[1]), A.is_cuda(lg))
+
+
+def _softmax_cpu(lg, k, r):
+    lg, k = _softmax_args(lg, k)
+    return I.route_cpu(lg, None, False, k, r, 1, 1, 1.0)
+
+
+def _softmax_cuda(lg, k, r):
+    lg, k = _softmax_args(lg, k)
+    return I.route_softmax_topk_cuda(lg, k, r)
+
+
+def _deepseek_cpu(lg, b, k, g, tg, r, s):
+    lg, b, k, g, tg = P._check_deepseek(lg, b, k, g, tg)
+    return I.route_cpu(lg, b, True, k, r, g, tg, s)
+
+
+def _deepseek_cuda(lg, b, k, g, tg, r, s):
+    lg, b, k, g, tg = P._check_deepseek(lg, b, k, g, tg)
+    return I.route_deepseek_cuda(lg, b, k, g, tg, r, s)
+
+
 _define("route_softmax_topk(Tensor logits, int k, bool renormalize) -> (Tensor, Tensor)",
-        cpu=lambda lg, k, r: I.route_cpu(lg, None, False, k, r, 1, 1, 1.0),
-        cuda=I.route_softmax_topk_cuda,
+        cpu=_softmax_cpu, cuda=_softmax_cuda,
         fake=lambda lg, k, r: _route_fake(lg, k))
 _define("route_deepseek(Tensor logits, Tensor? correction_bias, int k, int n_group, int topk_group, "
         "bool renormalize, float routed_scaling_factor) -> (Tensor, Tensor)",
-        cpu=lambda lg, b, k, g, tg, r, s: I.route_cpu(lg, b, True, k, r, g, tg, s),
-        cuda=I.route_deepseek_cuda,
+        cpu=_deepseek_cpu, cuda=_deepseek_cuda,
         fake=lambda lg, b, k, g, tg, r, s: _route_fake(lg, k))
 
 # experts ---------------------------------------------------------------------------------------
@@ -91,12 +146,14 @@ _EXPERTS_ARGS = ("Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13_pac
 
 
 def _experts_cpu_out(x, ids, wts, p13, c13, s13, p2, c2, s2, inter, act, lane_major, out):
+    wts = P._check_experts_op(x, ids, wts, p13, c13, s13, p2, c2, s2, inter, act, lane_major, out)
     if lane_major:
         raise ValueError("lane_major: the CPU kernels read checkpoint-order packed bytes (lane_major=False)")
     I.moe_experts_cpu(x, ids, wts, p13, c13, s13, p2, c2, s2, inter, act, out)
 
 
 def _experts_cuda_out(x, ids, wts, p13, c13, s13, p2, c2, s2, inter, act, lane_major, out):
+    wts = P._check_experts_op(x, ids, wts, p13, c13, s13, p2, c2, s2, inter, act, lane_major, out)
     if act == "bf16":
         if lane_major:
             raise ValueError("lane_major: act_format='bf16' dequantises checkpoint-order packed bytes (lane_major=False)")
@@ -123,3 +180,18 @@ _define(f"moe_experts({_EXPERTS_ARGS}) -> Tensor",
 _define(f"moe_experts_out({_EXPERTS_ARGS}, Tensor(a!) out) -> ()",
         cpu=_experts_cpu_out, cuda=_experts_cuda_out,
         fake=lambda *args: None)
+
+
+def _experts_setup_context(ctx, inputs, output):
+    pass
+
+
+def _experts_backward(ctx, grad):
+    raise RuntimeError("moe_experts: no backward (lutb's experts are inference only: LUT-B weights are not "
+                       "trainable and the MXFP8 steps have no gradient); run the forward under torch.no_grad() "
+                       "or torch.inference_mode(), or detach its inputs")
+
+
+# Without an autograd kernel torch would warn and return a gradient of zeros ("silently incorrect").
+torch.library.register_autograd("lutb::moe_experts", _experts_backward, setup_context=_experts_setup_context,
+                                lib=_lib)

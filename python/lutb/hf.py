@@ -17,7 +17,7 @@ Then::
                                                  device_map="cuda")
     # LUT-B checkpoint written by `lutb quantize` or by save_pretrained: loaded without refitting
     model = AutoModelForCausalLM.from_pretrained(lutb_dir, device_map="cuda")
-    model.save_pretrained(out_dir)  # per-expert spec 2.2 tensors, readable by `lutb eval`
+    model.save_pretrained(out_dir)  # per-expert spec 2.2 tensors; `lutb eval out_dir --tokens FILE`
 
 Only routed experts are quantised (spec 5): the router, shared experts, dense MLP layers, attention
 and embeddings stay as loaded. Supported families: ``SUPPORTED_MODEL_TYPES``.
@@ -103,7 +103,7 @@ class LutbConfig(QuantizationConfigMixin):
             modules, logical_shapes); each is checked against what LUT-B stores.
 
     Raises:
-        ValueError: an unknown act_format, an empty fitter, or a stored key that says the weights
+        ValueError: an unknown act_format, a fitter not in ``lutb.fitter_names()``, or a stored key that says the weights
             are not 3-bit LUT-B tiles of 8x64 with E4M3 codebooks and UE8M0 scales.
     """
 
@@ -117,6 +117,8 @@ class LutbConfig(QuantizationConfigMixin):
             raise ValueError(f"LutbConfig: act_format {act_format!r} is not one of {ACT_FORMATS}")
         if not isinstance(fitter, str) or not fitter:
             raise ValueError(f"LutbConfig: fitter must be a non-empty string, got {fitter!r}")
+        if fitter not in lutb.fitter_names():
+            raise ValueError(f"LutbConfig: fitter {fitter!r} is not one of {lutb.fitter_names()}")
         expected = {
             "format": "lut-b",
             "tile": [TILE_ROWS, TILE_COLS],
