@@ -3,12 +3,16 @@
 # then runs one step, or all of them in order; it builds the targets that step runs
 # (`cmake --build --preset gpu` builds every one). Logs go to $OUT (default build/gpu/out).
 #
-#   scripts/gpu_run.sh [all]              test, sanitize, then bench_moe_gpu and bench_fit_gpu
+#   scripts/gpu_run.sh [all]              test, python, sanitize, then bench_moe_gpu and bench_fit_gpu
 #                                         with their default arguments
 #   scripts/gpu_run.sh test [CTEST ARGS]  ctest -L cuda: every GPU test (e.g. -R Prefill)
 #   scripts/gpu_run.sh sanitize           compute-sanitizer memcheck, racecheck and synccheck on
 #                                         the small cases of the GPU tests
 #   scripts/gpu_run.sh bench NAME [ARGS]  one GPU benchmark (bench/gpu/NAME.cu) with ARGS
+#   scripts/gpu_run.sh python [PYTEST ARGS]
+#                                         the Python package on the gpu build (pip install
+#                                         --no-build-isolation into the machine's python3), then
+#                                         its CUDA tests (pytest -m cuda tests/python)
 #
 # The tests read the golden vectors and models from LUTB_SHARED_DIR (default: .shared, staged by
 # scripts/gpu_stage.sh). Exit status: 1 when any step failed, after running the others.
@@ -58,6 +62,15 @@ sanitize() {
   done
 }
 
+# python [PYTEST ARGS...]: the package built in build/gpu, then pytest's CUDA tests.
+python_tests() {
+  python3 -m pip install --no-build-isolation -C build-dir=build/gpu "$ROOT" > "$OUT/pip.log" 2>&1 ||
+    { tail -n 30 "$OUT/pip.log"; echo "gpu_run.sh: the Python package did not build ($OUT/pip.log)"; failed=1; return; }
+  LUTB_CLI="$ROOT/build/gpu/lutb" python3 -m pytest "$ROOT/tests/python" -q -rs -m cuda -p no:cacheprovider "$@" \
+    > "$OUT/pytest.log" 2>&1 || failed=1
+  tail -n 15 "$OUT/pytest.log"
+}
+
 # bench NAME [ARGS...]: the benchmark's tables are appended to $OUT/NAME.md under the command.
 bench() {
   local name=$1; shift
@@ -67,12 +80,13 @@ bench() {
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv; nvcc --version | tail -n 2
   git -C "$ROOT" log -1 --format='commit %h %s' 2>/dev/null; date -u; } > "$OUT/gpu.txt" 2>&1
 case $STEP in
-  all) build lutb_cuda_tests lutb_cli bench_moe_gpu bench_fit_gpu; run_tests; sanitize; bench bench_moe_gpu; bench bench_fit_gpu;;
+  all) build lutb_cuda_tests lutb_cli bench_moe_gpu bench_fit_gpu; run_tests; python_tests; sanitize; bench bench_moe_gpu; bench bench_fit_gpu;;
   test) build lutb_cuda_tests lutb_cli; run_tests "$@";;
   sanitize) build lutb_cuda_tests lutb_cli; sanitize;;
+  python) build lutb_cuda lutb_cli; python_tests "$@";;
   bench) [ $# -ge 1 ] || { echo "usage: gpu_run.sh bench NAME [ARGS...]" >&2; exit 2; }
          build "$1"; bench "$@";;
-  *) echo "usage: gpu_run.sh [all | test [CTEST ARGS] | sanitize | bench NAME [ARGS...]]" >&2; exit 2;;
+  *) echo "usage: gpu_run.sh [all | test [CTEST ARGS] | sanitize | python [PYTEST ARGS] | bench NAME [ARGS...]]" >&2; exit 2;;
 esac
 echo "gpu_run.sh $STEP: ${SECONDS} s, $([ $failed = 0 ] && echo 'every step passed' || echo 'a step FAILED (logs in '"$OUT"')')"
 exit $failed
