@@ -223,6 +223,21 @@ class Experts {
   MoeConfig cfg_;
 };
 
+/// Instruction sets of the vectorised CPU kernels (LutbCpuExperts, DenseExperts):
+///   Scalar  portable C++;
+///   Avx2    AVX2 + FMA;
+///   Avx512  AVX-512 F, VL, BW and VBMI (Ice Lake and later).
+/// All three compute the same exact products; only the order of FP32 additions may differ
+/// (tests/moe/experts_test.cpp checks each one the machine supports against the golden layer).
+enum class CpuIsa : std::uint8_t { Scalar, Avx2, Avx512 };
+
+/// The best instruction set this CPU supports (runtime detection, cached).
+CpuIsa best_cpu_isa();
+/// "scalar", "avx2" or "avx512".
+const char* cpu_isa_name(CpuIsa isa);
+/// cpu_isa_name(best_cpu_isa()).
+std::string cpu_isa();
+
 /// Experts with 16-bit (BF16 bits) dense weights, FP32 accumulation of exact products.
 ///   ActivationFormat::BF16  = the BF16 reference of spec section 4 (no MXFP8 steps).
 ///   ActivationFormat::MXFP8 = the "dequantised" emulation mode: with weights dequantised from
@@ -233,8 +248,10 @@ class Experts {
 /// kernel), so that it is a fair baseline.
 class DenseExperts final : public Experts {
  public:
+  /// isa: the instruction set to use, capped at best_cpu_isa() (a request the CPU cannot run
+  /// falls back to the best it can; name() says which one runs).
   DenseExperts(MoeConfig cfg, std::vector<std::uint16_t> w13_bf16, std::vector<std::uint16_t> w2_bf16,
-               ActivationFormat act = ActivationFormat::BF16);
+               ActivationFormat act = ActivationFormat::BF16, CpuIsa isa = best_cpu_isa());
   std::string name() const override;
   void apply_f32(const HiddenStates& x, const TopK& topk, float* out) const override;
   std::size_t weight_bytes() const override;
@@ -244,6 +261,7 @@ class DenseExperts final : public Experts {
  private:
   std::vector<std::uint16_t> w13_, w2_;
   ActivationFormat act_;
+  CpuIsa isa_;
 };
 
 /// LUT-B emulation, reference implementation: spec section 4 step by step, one token and one
@@ -274,7 +292,9 @@ class LutbReferenceExperts final : public Experts {
 /// LutbReferenceExperts up to FP32 summation order. Same shape rules as LutbReferenceExperts.
 class LutbCpuExperts final : public Experts {
  public:
-  LutbCpuExperts(MoeConfig cfg, LutbTensor w13, LutbTensor w2, ActivationFormat act = ActivationFormat::MXFP8);
+  /// isa: as DenseExperts (capped at best_cpu_isa()).
+  LutbCpuExperts(MoeConfig cfg, LutbTensor w13, LutbTensor w2, ActivationFormat act = ActivationFormat::MXFP8,
+                 CpuIsa isa = best_cpu_isa());
   std::string name() const override;  // "lutb-cpu/<isa>"
   void apply_f32(const HiddenStates& x, const TopK& topk, float* out) const override;
   std::size_t weight_bytes() const override { return w13_.bytes() + w2_.bytes(); }
@@ -284,16 +304,9 @@ class LutbCpuExperts final : public Experts {
  private:
   LutbTensor w13_, w2_;
   ActivationFormat act_;
+  CpuIsa isa_;
 };
 
-/// Instruction set the fast kernels (LutbCpuExperts, DenseExperts) use now: "avx512" (needs
-/// AVX-512 F, VL, BW and VBMI: Ice Lake and later), "avx2" (AVX2 + FMA) or "scalar" (portable C++):
-/// the best the CPU supports (runtime detection), capped by the environment variable
-/// LUTB_ISA=scalar|avx2|avx512 and by set_cpu_isa_cap().
-std::string cpu_isa();
-/// Caps the instruction set for later calls ("scalar", "avx2", "avx512"; "" removes the cap), so
-/// tests can cover every path on one machine. Throws std::invalid_argument for other names.
-void set_cpu_isa_cap(std::string_view isa);
 
 /// Which LUT-B emulation implementation to build.
 enum class EmulationKernel : std::uint8_t {

@@ -338,45 +338,28 @@ void run_grouped(const MoeConfig& cfg, const HiddenStates& x, const TopK& topk, 
   }
 }
 
-namespace {
-std::atomic<int> g_isa_cap{2};
-}
-
-int isa_level() {
-  static const int hw = [] {
-    int l = 0;
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) l = 1;
-    if (l == 1 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi"))
-      l = 2;
-    if (const char* cap = std::getenv("LUTB_ISA")) {
-      const std::string c(cap);
-      if (c == "scalar") l = 0;
-      else if (c == "avx2") l = std::min(l, 1);
-    }
-    return l;
-  }();
-  return std::min(hw, g_isa_cap.load(std::memory_order_relaxed));
-}
-
 }  // namespace detail
 
-void set_cpu_isa_cap(std::string_view isa) {
-  int cap;
-  if (isa.empty() || isa == "avx512") cap = 2;
-  else if (isa == "avx2") cap = 1;
-  else if (isa == "scalar") cap = 0;
-  else throw std::invalid_argument(fmt::format("set_cpu_isa_cap: '{}' is not one of scalar, avx2, avx512", isa));
-  detail::g_isa_cap.store(cap, std::memory_order_relaxed);
+CpuIsa best_cpu_isa() {
+  static const CpuIsa best = [] {
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return CpuIsa::Scalar;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi"))
+      return CpuIsa::Avx512;
+    return CpuIsa::Avx2;
+  }();
+  return best;
 }
 
-std::string cpu_isa() {
-  switch (detail::isa_level()) {
-    case 2: return "avx512";
-    case 1: return "avx2";
+const char* cpu_isa_name(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::Avx512: return "avx512";
+    case CpuIsa::Avx2: return "avx2";
     default: return "scalar";
   }
 }
+
+std::string cpu_isa() { return cpu_isa_name(best_cpu_isa()); }
 
 }  // namespace lutb::moe

@@ -209,28 +209,28 @@ void dense_gemm(const std::uint16_t* w, std::int64_t K, std::int64_t n0, std::in
 // ---------------------------------------------------------------------------
 // Dispatch
 // ---------------------------------------------------------------------------
-void lutb_gemm(const std::uint8_t* packed, const std::uint8_t* codebook, const std::uint8_t* scale, std::int64_t TK,
+void lutb_gemm(CpuIsa isa, const std::uint8_t* packed, const std::uint8_t* codebook, const std::uint8_t* scale, std::int64_t TK,
                std::int64_t N, std::int64_t n0, std::int64_t n1, const float* const* a, int ntok, float* const* c) {
-  switch (isa_level()) {
-    case 2: return avx512::lutb_gemm(packed, codebook, scale, TK, N, n0, n1, a, ntok, c);
-    case 1: return avx2::lutb_gemm(packed, codebook, scale, TK, N, n0, n1, a, ntok, c);
+  switch (isa) {
+    case CpuIsa::Avx512: return avx512::lutb_gemm(packed, codebook, scale, TK, N, n0, n1, a, ntok, c);
+    case CpuIsa::Avx2: return avx2::lutb_gemm(packed, codebook, scale, TK, N, n0, n1, a, ntok, c);
     default: return scalar::lutb_gemm(packed, codebook, scale, TK, N, n0, n1, a, ntok, c);
   }
 }
 
-void lutb_decode_codebook_dispatch(const std::uint8_t* codebook8, std::uint8_t scale, float* out8) {
-  switch (isa_level()) {
-    case 2: return avx512::simd::decode_codebook(codebook8, scale, out8);
-    case 1: return avx2::simd::decode_codebook(codebook8, scale, out8);
+void lutb_decode_codebook_dispatch(CpuIsa isa, const std::uint8_t* codebook8, std::uint8_t scale, float* out8) {
+  switch (isa) {
+    case CpuIsa::Avx512: return avx512::simd::decode_codebook(codebook8, scale, out8);
+    case CpuIsa::Avx2: return avx2::simd::decode_codebook(codebook8, scale, out8);
     default: return lutb_decode_codebook(codebook8, scale, out8);
   }
 }
 
-void dense_gemm(const std::uint16_t* w, std::int64_t K, std::int64_t n0, std::int64_t n1, const float* const* a,
+void dense_gemm(CpuIsa isa, const std::uint16_t* w, std::int64_t K, std::int64_t n0, std::int64_t n1, const float* const* a,
                 int ntok, float* const* c) {
-  switch (isa_level()) {
-    case 2: return avx512::dense_gemm(w, K, n0, n1, a, ntok, c);
-    case 1: return avx2::dense_gemm(w, K, n0, n1, a, ntok, c);
+  switch (isa) {
+    case CpuIsa::Avx512: return avx512::dense_gemm(w, K, n0, n1, a, ntok, c);
+    case CpuIsa::Avx2: return avx2::dense_gemm(w, K, n0, n1, a, ntok, c);
     default: return scalar::dense_gemm(w, K, n0, n1, a, ntok, c);
   }
 }

@@ -14,8 +14,9 @@ namespace lutb::moe {
 // DenseExperts
 // ---------------------------------------------------------------------------
 DenseExperts::DenseExperts(MoeConfig cfg, std::vector<std::uint16_t> w13_bf16, std::vector<std::uint16_t> w2_bf16,
-                           ActivationFormat act)
-    : Experts(std::move(cfg)), w13_(std::move(w13_bf16)), w2_(std::move(w2_bf16)), act_(act) {
+                           ActivationFormat act, CpuIsa isa)
+    : Experts(std::move(cfg)), w13_(std::move(w13_bf16)), w2_(std::move(w2_bf16)), act_(act),
+      isa_(detail::runnable_isa(isa)) {
   const std::size_t E = static_cast<std::size_t>(cfg_.local_experts());
   const std::size_t H = static_cast<std::size_t>(cfg_.hidden_size), I = static_cast<std::size_t>(cfg_.intermediate_size_per_partition);
   if (w13_.size() != E * 2 * I * H)
@@ -27,7 +28,7 @@ DenseExperts::DenseExperts(MoeConfig cfg, std::vector<std::uint16_t> w13_bf16, s
 }
 
 std::string DenseExperts::name() const {
-  return (act_ == ActivationFormat::BF16 ? "bf16-reference/" : "dequantized-mxfp8/") + cpu_isa();
+  return (act_ == ActivationFormat::BF16 ? "bf16-reference/" : "dequantized-mxfp8/") + std::string(cpu_isa_name(isa_));
 }
 
 std::size_t DenseExperts::weight_bytes() const { return (w13_.size() + w2_.size()) * sizeof(std::uint16_t); }
@@ -40,9 +41,9 @@ void DenseExperts::apply_f32(const HiddenStates& x, const TopK& topk, float* out
       cfg_, x, topk, act_,
       [&](int which, int e, std::int64_t n0, std::int64_t n1, const float* const* a, int ntok, float* const* c) {
         if (which == 0)
-          detail::dense_gemm(w13 + static_cast<std::int64_t>(e) * 2 * I * H, H, n0, n1, a, ntok, c);
+          detail::dense_gemm(isa_, w13 + static_cast<std::int64_t>(e) * 2 * I * H, H, n0, n1, a, ntok, c);
         else
-          detail::dense_gemm(w2 + static_cast<std::int64_t>(e) * H * I, I, n0, n1, a, ntok, c);
+          detail::dense_gemm(isa_, w2 + static_cast<std::int64_t>(e) * H * I, I, n0, n1, a, ntok, c);
       },
       /*job_weights=*/std::int64_t{1} << 15, out);
 }

@@ -54,9 +54,8 @@ using GroupedGemm = std::function<void(int which, int e, std::int64_t n_begin, s
 void run_grouped(const MoeConfig& cfg, const HiddenStates& x, const TopK& topk, ActivationFormat act,
                  const GroupedGemm& gemm, std::int64_t job_weights, float* out);
 
-/// Which ISA the dispatching kernels use: 0 scalar, 1 AVX2+FMA, 2 AVX-512 (F, VL). Cached; the
-/// LUTB_ISA environment variable caps it.
-int isa_level();
+/// isa, capped at best_cpu_isa(): what a kernel asked for `isa` runs.
+inline CpuIsa runnable_isa(CpuIsa isa) { return isa < best_cpu_isa() ? isa : best_cpu_isa(); }
 
 }  // namespace lutb::moe::detail
 

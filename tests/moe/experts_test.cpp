@@ -17,11 +17,13 @@ namespace {
 using test::make_config;
 using test::rel_l2;
 
-/// Restores the ISA cap when a test ends.
-struct IsaCap {
-  explicit IsaCap(const char* isa) { set_cpu_isa_cap(isa); }
-  ~IsaCap() { set_cpu_isa_cap(""); }
-};
+/// Every instruction set of the CPU kernels that this CPU runs.
+std::vector<CpuIsa> runnable_isas() {
+  std::vector<CpuIsa> v;
+  for (CpuIsa isa : {CpuIsa::Scalar, CpuIsa::Avx2, CpuIsa::Avx512})
+    if (isa <= best_cpu_isa()) v.push_back(isa);
+  return v;
+}
 
 // ---------------------------------------------------------------------------
 // Golden: ../shared/golden/lutb_moe_layer.json (spec section 4 with given routing)
@@ -94,9 +96,9 @@ TEST(MoeGolden, LutbMoeLayerBothEmulations) {
   LUTB_GOLDEN_OR_SKIP(g, "lutb_moe_layer.json");
   const GoldenLayer L = load_golden_layer(g);
   check_golden(LutbReferenceExperts(L.cfg, L.w13, L.w2), L, "lutb-reference");
-  for (const char* isa : {"scalar", "avx2", "avx512"}) {
-    IsaCap cap(isa);
-    LutbCpuExperts fast(L.cfg, L.w13, L.w2);
+  for (CpuIsa isa : runnable_isas()) {
+    LutbCpuExperts fast(L.cfg, L.w13, L.w2, ActivationFormat::MXFP8, isa);
+    EXPECT_EQ(fast.name(), std::string("lutb-cpu/") + cpu_isa_name(isa));
     check_golden(fast, L, fast.name());
   }
   check_golden(*make_lutb_experts(L.cfg, L.w13, L.w2, EmulationKernel::Dequantized), L, "dequantized-mxfp8");
@@ -118,17 +120,16 @@ TEST(MoeGolden, BreakingOneStepIsDetected) {
 TEST(Experts, KernelTableDecodeIsExactForEveryByteAndScale) {
   // The SIMD kernels decode a tile's table as bits((b & 0x7F) << 20) * 2^120 * 2^(s-127); it must
   // equal e4m3_to_float(b) scaled by ldexp_ue8m0 for every non-NaN byte and every scale 0..254.
-  for (const char* isa : {"scalar", "avx2", "avx512"}) {
-    IsaCap cap(isa);
+  for (CpuIsa isa : runnable_isas()) {
     for (int s = 0; s <= 254; ++s)
       for (int b0 = 0; b0 < 256; b0 += 8) {
         std::uint8_t cb[8];
         for (int i = 0; i < 8; ++i) cb[i] = static_cast<std::uint8_t>(e4m3_is_nan(b0 + i) ? 0 : b0 + i);
         float got[8];
-        detail::lutb_decode_codebook_dispatch(cb, static_cast<std::uint8_t>(s), got);
+        detail::lutb_decode_codebook_dispatch(isa, cb, static_cast<std::uint8_t>(s), got);
         for (int i = 0; i < 8; ++i) {
           const float want = ldexp_ue8m0(e4m3_to_float(cb[i]), static_cast<std::uint8_t>(s));
-          ASSERT_EQ(f32_bits(got[i]), f32_bits(want)) << isa << " byte " << int(cb[i]) << " scale " << s;
+          ASSERT_EQ(f32_bits(got[i]), f32_bits(want)) << cpu_isa_name(isa) << " byte " << int(cb[i]) << " scale " << s;
         }
       }
   }
@@ -172,9 +173,8 @@ TEST_P(FastVsReference, EqualUpToSummationOrder) {
   for (std::int64_t t = 0; t < c.T; ++t)
     for (std::int64_t i = Hu; i < c.H; ++i) ASSERT_EQ(ref[t * c.H + i], 0.0f) << "padded output column";
 
-  for (const char* isa : {"scalar", "avx2", "avx512"}) {
-    IsaCap cap(isa);
-    LutbCpuExperts fast(cfg, w13, w2);
+  for (CpuIsa isa : runnable_isas()) {
+    LutbCpuExperts fast(cfg, w13, w2, ActivationFormat::MXFP8, isa);
     std::vector<float> got(ref.size(), std::nanf(""));  // poisoned: every element must be written
     fast.apply_f32(HiddenStates::bf16(x.data(), c.T), topk, got.data());
     for (std::size_t i = 0; i < got.size(); ++i) {
@@ -325,9 +325,8 @@ TEST(Experts, Bf16ReferenceMatchesIndependentLoop) {
         want[t * H + n] += w[t * k + j] * y;
       }
     }
-  for (const char* isa : {"scalar", "avx2", "avx512"}) {
-    IsaCap cap(isa);
-    DenseExperts ref(cfg, w13, w2);
+  for (CpuIsa isa : runnable_isas()) {
+    DenseExperts ref(cfg, w13, w2, ActivationFormat::BF16, isa);
     std::vector<float> got(T * H);
     ref.apply_f32(HiddenStates::bf16(x.data(), T), {ids.data(), w.data(), k}, got.data());
     double num = 0, den = 0;
