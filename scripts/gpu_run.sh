@@ -13,6 +13,10 @@
 #                                         the Python package on the gpu build (pip install
 #                                         --no-build-isolation into the machine's python3), then
 #                                         its CUDA tests (pytest -m cuda tests/python)
+#   scripts/gpu_run.sh peers [ARGS]       the MoE layers a user would pick instead of LUT-B
+#                                         (triton_kernels' MXFP4 matmul_ogs, torch BF16 _grouped_mm):
+#                                         bench/peer-moe/peer_moe.py of the shared data with ARGS;
+#                                         run it in the same call as bench_moe_gpu to compare
 #
 # The tests read the golden vectors and models from LUTB_SHARED_DIR (default: .shared, staged by
 # scripts/gpu_stage.sh). Exit status: 1 when any step failed, after running the others.
@@ -77,6 +81,16 @@ bench() {
   { echo "## $name $*"; "build/gpu/bench/$name" "$@"; } 2>&1 | tee -a "$OUT/$name.md" || failed=1
 }
 
+# peers [ARGS...]: ../shared/bench/peer-moe/peer_moe.py (triton_kernels unpacked from its tarball);
+# its table is appended to $OUT/peer_moe.md, its JSONL to $OUT/peer.jsonl.
+peers() {
+  local dir=$LUTB_SHARED_DIR/bench/peer-moe tk=$ROOT/build/gpu/peer-moe
+  mkdir -p "$tk" && tar -xJf "$dir"/triton_kernels-*.tar.xz -C "$tk" ||
+    { echo "gpu_run.sh: no peer benchmark under $dir (scripts/gpu_stage.sh stages it)"; failed=1; return; }
+  { echo "## peer_moe $*"; PYTHONPATH="$tk/triton_kernels" PYTHONUNBUFFERED=1 OUT="$OUT" python3 "$dir/peer_moe.py" "$@"; } 2>&1 |
+    tee -a "$OUT/peer_moe.md" || failed=1
+}
+
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv; nvcc --version | tail -n 2
   git -C "$ROOT" log -1 --format='commit %h %s' 2>/dev/null; date -u; } > "$OUT/gpu.txt" 2>&1
 case $STEP in
@@ -84,9 +98,10 @@ case $STEP in
   test) build lutb_cuda_tests lutb_cli; run_tests "$@";;
   sanitize) build lutb_cuda_tests lutb_cli; sanitize;;
   python) build lutb_cuda lutb_cli; python_tests "$@";;
+  peers) peers "$@";;
   bench) [ $# -ge 1 ] || { echo "usage: gpu_run.sh bench NAME [ARGS...]" >&2; exit 2; }
          build "$1"; bench "$@";;
-  *) echo "usage: gpu_run.sh [all | test [CTEST ARGS] | sanitize | python [PYTEST ARGS] | bench NAME [ARGS...]]" >&2; exit 2;;
+  *) echo "usage: gpu_run.sh [all | test [CTEST ARGS] | sanitize | python [PYTEST ARGS] | bench NAME [ARGS...] | peers [ARGS...]]" >&2; exit 2;;
 esac
 echo "gpu_run.sh $STEP: ${SECONDS} s, $([ $failed = 0 ] && echo 'every step passed' || echo 'a step FAILED (logs in '"$OUT"')')"
 exit $failed
