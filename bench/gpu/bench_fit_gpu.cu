@@ -3,6 +3,9 @@
 // configuration:
 //   binned-dp         fit_device with the default fitter, writing the per-tile sums (the default);
 //   optimal           fit_device with the exact fitter;
+//   binned-dp-weighted, optimal-weighted
+//                     the same with column weights (the calibrated fit: fit_device's
+//                     d_column_weights), log-uniform over 1e-3..1e3 per expert and column;
 //   binned-dp-thread  the thread-per-tile baseline (only in a build with -DLUTB_BENCH_BASELINES=ON);
 //   online            quantize_experts_online (check + fit + lane-major + stats, host-timed) on a
 //                     layer of w13 = the stack [E, N, K] and w2 [E, K, N/2] (N a multiple of 16).
@@ -20,6 +23,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -49,7 +53,19 @@ bool known_config(const std::string& c) {
 #ifdef LUTB_BENCH_BASELINES
   if (c == "binned-dp-thread") return true;
 #endif
-  return c == "binned-dp" || c == "optimal" || c == "online";
+  return c == "binned-dp" || c == "optimal" || c == "binned-dp-weighted" || c == "optimal-weighted" || c == "online";
+}
+
+bool weighted(const std::string& c) { return c == "binned-dp-weighted" || c == "optimal-weighted"; }
+
+// Column weights [E][K], log-uniform over 1e-3..1e3 (a fixed hash of expert and column).
+std::vector<float> column_weights(std::int64_t E, std::int64_t K) {
+  std::vector<float> w(static_cast<std::size_t>(E * K));
+  for (std::size_t i = 0; i < w.size(); ++i) {
+    const unsigned long long h = (i + 1) * 0x9e3779b97f4a7c15ull;
+    w[i] = std::pow(10.0f, -3.0f + 6.0f * static_cast<float>((h >> 40) & 0xffffffu) / 16777216.0f);
+  }
+  return w;
 }
 
 Args parse(int argc, char** argv) {
@@ -66,7 +82,8 @@ Args parse(int argc, char** argv) {
     ++i;
     if (!good) {
       std::fprintf(stderr,
-                   "usage: bench_fit_gpu [--config binned-dp|optimal|online%s]... [--data gaussian|student-t]... "
+                   "usage: bench_fit_gpu [--config binned-dp|optimal|binned-dp-weighted|optimal-weighted|online%s]... "
+                   "[--data gaussian|student-t]... "
                    "[--shape E,N,K] [--check-rows R]\n",
 #ifdef LUTB_BENCH_BASELINES
                    "|binned-dp-thread"
@@ -142,8 +159,9 @@ struct DeviceOut {
 };
 
 // The GPU bytes of the first `rows` rows of expert 0 (whole tile rows: the leading tiles of the
-// output) against lutb::quantize of those rows with `fitter`.
-bool sample_equals_cpu(const std::uint16_t* d_w, const Args& a, const DeviceOut& out, const char* fitter) {
+// output) against lutb::quantize of those rows with `fitter` (and expert 0's column weights `cw`).
+bool sample_equals_cpu(const std::uint16_t* d_w, const Args& a, const DeviceOut& out, const char* fitter,
+                       const float* cw) {
   const std::int64_t rows = std::min(a.N, a.check_rows / lutb::kTileRows * lutb::kTileRows);
   const lutb::LutbShape s = stack(1, rows, a.K);
   const std::size_t nt = static_cast<std::size_t>(s.tiles());
@@ -152,6 +170,7 @@ bool sample_equals_cpu(const std::uint16_t* d_w, const Args& a, const DeviceOut&
   lutb::LutbTensor cpu;
   lutb::FitOptions fo;
   fo.fitter = fitter;
+  fo.column_weights = cw;
   lutb::quantize(h.data(), lutb::DType::BF16, s, cpu, fo, "sample");
   std::vector<std::uint8_t> p(nt * lutb::kPackedBytes), c(nt * lutb::kCodebookSize), sc(nt);
   LUTB_BENCH_CHECK(cudaMemcpy(p.data(), out.o.packed, p.size(), cudaMemcpyDeviceToHost));
@@ -172,20 +191,30 @@ Row run_kernel(const std::string& config, const std::uint16_t* d_w, const Args& 
   DeviceOut out(static_cast<std::size_t>(s.tiles()));
   unsigned long long* d_err = nullptr;
   LUTB_BENCH_CHECK(cudaMalloc(&d_err, 8));
-  const cuda::GpuFitter fitter = cuda::gpu_fitter(config == "optimal" ? "optimal" : "binned-dp");
+  const cuda::GpuFitter fitter =
+      cuda::gpu_fitter(config == "optimal" || config == "optimal-weighted" ? "optimal" : "binned-dp");
+  std::vector<float> cw;
+  float* d_cw = nullptr;
+  if (weighted(config)) {
+    cw = column_weights(a.E, a.K);
+    LUTB_BENCH_CHECK(cudaMalloc(&d_cw, cw.size() * sizeof(float)));
+    LUTB_BENCH_CHECK(cudaMemcpy(d_cw, cw.data(), cw.size() * sizeof(float), cudaMemcpyHostToDevice));
+  }
   auto launch = [&](std::int64_t) {
 #ifdef LUTB_BENCH_BASELINES
     if (config == "binned-dp-thread")
       return cuda::fit_internal::launch_binned_dp_thread(
           cuda::fit_internal::stack_args(d_w, lutb::DType::BF16, s, out.o, -1, d_err, fitter), nullptr);
 #endif
-    cuda::fit_device(d_w, lutb::DType::BF16, s, out.o, fitter, -1, d_err, nullptr);
+    cuda::fit_device(d_w, lutb::DType::BF16, s, out.o, fitter, -1, d_err, nullptr, d_cw);
   };
   Row r;
   r.seconds = time_launches(launch, nullptr, TimingOptions{1, 3, 5}).median_us * 1e-6;
   r.stats = out.stats();
-  if (a.check_rows > 0) r.check = sample_equals_cpu(d_w, a, out, cuda::gpu_fitter_name(fitter)) ? "yes" : "NO";
+  if (a.check_rows > 0)
+    r.check = sample_equals_cpu(d_w, a, out, cuda::gpu_fitter_name(fitter), d_cw ? cw.data() : nullptr) ? "yes" : "NO";
   cudaFree(d_err);
+  cudaFree(d_cw);
   return r;
 }
 

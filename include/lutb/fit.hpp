@@ -80,7 +80,8 @@ struct FitOptions {
   /// constant factor), so constant weights give exactly the unweighted bytes; zero-padded columns
   /// (cols not a multiple of 64) take the smallest weight of the tile's logical columns. Only
   /// "optimal" and "binned-dp" minimise a weighted objective: the Lloyd fitters reject weights.
-  /// The GPU fitters (lutb/cuda/fit.hpp) do not read it: callers must not pass it to them.
+  /// The GPU fitters take the same weights (lutb/cuda/fit.hpp GpuFitOptions::column_weights) and
+  /// give the same bytes.
   const float* column_weights = nullptr;
 };
 
@@ -110,6 +111,12 @@ std::vector<std::string> fitter_names();
 std::string default_fitter();
 /// Throws std::invalid_argument naming `name` and the allowed names when it is not a fitter.
 void check_fitter_name(std::string_view name);
+
+/// The rule of FitOptions::column_weights on n weights cw[0..n): "" when every one is finite and
+/// > 0, else the reason for the first bad one: "column weight C is X; column weights must be finite
+/// and > 0" (X the shortest decimal that reads back as the value). quantize() and the GPU fitters
+/// (lutb/cuda/fit.hpp) word their errors with it.
+std::string column_weights_error(const float* cw, std::int64_t n);
 
 /// Fits one tile of 512 FP32 values in flat tile order (f = r*64 + c), weighted by
 /// opt.column_weights[0..64) when set.

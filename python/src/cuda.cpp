@@ -53,14 +53,23 @@ void same_device(const Array& a, const Array& b, const char* what) {
     throw std::invalid_argument(std::string(what) + ": not on the same CUDA device as the first argument");
 }
 
+// column_weights: None (the unweighted fit) or float32 [experts][cols] on the same device
+// (FitOptions::column_weights); a tile whose weights break their rule fails with error code 5.
 void quantize_cuda(const Array& src, const std::string& dtype, std::int64_t experts, std::int64_t rows,
-                   std::int64_t cols, bool stacked, const std::string& fitter, int forced_scale, const Array& packed,
-                   const Array& codebook, const Array& scale, const Array& error_word, std::uintptr_t stream) {
+                   std::int64_t cols, bool stacked, const std::string& fitter, int forced_scale,
+                   const std::optional<Array>& column_weights, const Array& packed, const Array& codebook,
+                   const Array& scale, const Array& error_word, std::uintptr_t stream) {
   DeviceScope scope(src);
   const DType t = source_dtype(dtype);
   const LutbShape s = make_shape(experts, rows, cols, stacked);
   const auto tiles = static_cast<std::size_t>(s.tiles());
   require(src, "w", static_cast<std::size_t>(experts * rows * cols) * dtype_size(t), true);
+  if (column_weights) {
+    if (column_weights->dtype() != nb::dtype<float>())
+      throw std::invalid_argument("column_weights: expected float32");
+    require(*column_weights, "column_weights", static_cast<std::size_t>(experts * cols) * sizeof(float), true);
+    same_device(src, *column_weights, "column_weights");
+  }
   require(packed, "packed", tiles * kPackedBytes, true);
   require(codebook, "codebook", tiles * kCodebookSize, true);
   require(scale, "scale", tiles, true);
@@ -71,7 +80,8 @@ void quantize_cuda(const Array& src, const std::string& dtype, std::int64_t expe
   out.codebook = static_cast<std::uint8_t*>(codebook.data());
   out.scale = static_cast<std::uint8_t*>(scale.data());
   cuda::fit_device(src.data(), t, s, out, cuda::gpu_fitter(fitter), forced_scale,
-                   static_cast<unsigned long long*>(error_word.data()), as_stream(stream));
+                   static_cast<unsigned long long*>(error_word.data()), as_stream(stream),
+                   column_weights ? static_cast<const float*>(column_weights->data()) : nullptr);
 }
 
 nb::tuple decode_fit_error(std::uint64_t word) {
@@ -205,7 +215,10 @@ void moe_experts_bf16_cuda(const Array& x, std::int64_t tokens, std::int64_t hid
 
 void bind_cuda(nb::module_& m) {
   m.def("has_cuda", [] { return true; });
-  m.def("quantize_cuda", &quantize_cuda);
+  m.def("quantize_cuda", &quantize_cuda, nb::arg("src"), nb::arg("dtype"), nb::arg("experts"), nb::arg("rows"),
+        nb::arg("cols"), nb::arg("stacked"), nb::arg("fitter"), nb::arg("forced_scale"),
+        nb::arg("column_weights").none(), nb::arg("packed"), nb::arg("codebook"), nb::arg("scale"),
+        nb::arg("error_word"), nb::arg("stream"));
   m.def("decode_fit_error", &decode_fit_error);
   m.def("packed_to_lane_major", &packed_to_lane_major);
   m.def("route_softmax_topk_cuda", &route_softmax_topk_cuda);

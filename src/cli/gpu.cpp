@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <stdexcept>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -78,9 +79,6 @@ void check_gpu_fitter(const std::string& fitter) {
 }
 
 void check_gpu_options(const model::MoeOptions& opt) {
-  // The GPU fitters minimise the unweighted error only (FitOptions::column_weights is CPU-only).
-  if (opt.calibration)
-    throw UsageError("--calibration: calibrated fitting runs on the CPU only; drop --device cuda (or --calibration)");
   if (opt.quant == model::Quant::Lutb) {
     if (opt.activations != moe::ActivationFormat::MXFP8)
       throw UsageError("--device cuda runs LUT-B experts with MXFP8 activations (spec section 4) only; drop "
@@ -102,13 +100,26 @@ QuantizeOptions::FitFunction gpu_fit_function(std::shared_ptr<GpuFitTally> tally
     cuda::GpuFitOptions go;
     go.fitter = fit.fitter;
     go.forced_scale = fit.forced_scale;
+    // Column weights (calibration): every expert's checked before any group is fitted, as
+    // lutb::quantize checks them before any tile, with its words.
+    if (fit.column_weights)
+      for (std::int64_t e = 0; e < shape.experts; ++e)
+        if (const std::string msg = column_weights_error(fit.column_weights + e * shape.cols, shape.cols); !msg.empty())
+          throw std::invalid_argument("quantize: tensor " + name +
+                                      (shape.stacked ? ", expert " + std::to_string(e) : std::string()) + ": " + msg);
     const auto t0 = std::chrono::steady_clock::now();
     // quantize_gpu does not poll an interrupt flag: a stack is fitted in groups of whole experts of
     // at most 2^28 weights (binned-dp ~30 ms, optimal ~0.6 s of GPU time on an H200,
     // docs/perf/fit-gpu.md) with the flag read between groups, so Ctrl-C stops within about one group.
+    std::int64_t e0 = 0;  // the group's first expert: the groups come in expert order
     const FitStats st = fit_in_expert_groups(
         src, dt, shape, out, name, fit.interrupt, std::int64_t{1} << 28,
-        [&](const void* p, DType d, const LutbShape& ps, LutbTensor& o) { return cuda::quantize_gpu(p, d, ps, o, go, name); });
+        [&](const void* p, DType d, const LutbShape& ps, LutbTensor& o) {
+          go.column_weights = fit.column_weights ? fit.column_weights + e0 * shape.cols : nullptr;
+          const FitStats g = cuda::quantize_gpu(p, d, ps, o, go, name);
+          e0 += ps.experts;
+          return g;
+        });
     tally->seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     tally->weights += shape.experts * shape.rows * shape.cols;
     return st;

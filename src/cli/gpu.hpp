@@ -51,7 +51,9 @@ struct GpuFitTally {
 };
 /// A QuantizeOptions::FitFunction that fits on the GPU with lutb::cuda::quantize_gpu (same bytes as
 /// lutb::quantize; its chunking bounds the device memory), adding each call's wall time and weights
-/// to *tally. Errors are reworded "quantize: tensor ..." as lutb::quantize words them. A stacked
+/// to *tally. With FitOptions::column_weights (calibration) the GPU's weighted fit, the same bytes
+/// as lutb::quantize with those weights. Errors are reworded "quantize: tensor ..." as lutb::quantize
+/// words them. A stacked
 /// tensor is fitted in groups of whole experts of at most 2^28 weights, and `fit.interrupt` is
 /// polled between groups (Interrupted, as lutb::quantize throws it); the FitStats are then summed
 /// group by group (the bytes do not depend on the grouping).

@@ -147,8 +147,8 @@ struct ModelQuantArgs {
                      ->check(CLI::IsMember({"fast", "reference", "dequantized"}));
     cmd->add_option("--calibration", calibration,
                     "calibration statistics of `lutb calibrate` (STATS.safetensors): --quant lutb of a BF16 checkpoint "
-                    "fits each expert projection under its inputs' second moments (fitters binned-dp, optimal; CPU "
-                    "only; default: none, the data-free fit)");
+                    "fits each expert projection under its inputs' second moments (fitters binned-dp, optimal; with "
+                    "--device cuda on the GPU, the same bytes; default: none, the data-free fit)");
   }
 
   model::MoeOptions resolve(const std::string& model_dir, int threads) const {

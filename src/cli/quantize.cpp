@@ -32,13 +32,14 @@ struct QuantizeArgs {
   bool all = false, force = false, no_progress = false, json = false;
 };
 
-// The CPU fit of each tensor with the column weights of the statistics file (lutb/calibration.hpp),
-// found by the tensor's name; a tensor the statistics do not describe is an error (a file of another
-// model would otherwise fit some tensors unweighted without a word).
-QuantizeOptions::FitFunction calibrated_fit_function(const std::string& file) {
+// The fit of each tensor with the column weights of the statistics file (lutb/calibration.hpp),
+// found by the tensor's name: `base` (the GPU fit of --device cuda) or lutb::quantize called with
+// FitOptions::column_weights set; a tensor the statistics do not describe is an error (a file of
+// another model would otherwise fit some tensors unweighted without a word).
+QuantizeOptions::FitFunction calibrated_fit_function(const std::string& file, QuantizeOptions::FitFunction base) {
   auto stats = std::make_shared<const CalibrationStats>(CalibrationStats::load(file));
-  return [stats, file](const void* src, DType t, const LutbShape& s, LutbTensor& out, const FitOptions& fit,
-                       const std::string& name) {
+  return [stats, file, base = std::move(base)](const void* src, DType t, const LutbShape& s, LutbTensor& out,
+                                               const FitOptions& fit, const std::string& name) {
     const std::optional<std::vector<float>> w = stats->weights_for_tensor(name, s.experts, s.cols, file);
     if (!w)
       throw std::runtime_error(fmt::format("{}: no calibration statistics for tensor {} (no layer's experts prefix "
@@ -46,7 +47,7 @@ QuantizeOptions::FitFunction calibrated_fit_function(const std::string& file) {
                                            file, name));
     FitOptions f = fit;
     f.column_weights = w->data();
-    return quantize(src, t, s, out, f, name);
+    return base ? base(src, t, s, out, f, name) : quantize(src, t, s, out, f, name);
   };
 }
 
@@ -152,8 +153,6 @@ void run_quantize(const QuantizeArgs& a) {
   // --device cuda: a fitter without a GPU kernel, a CPU-only build or no usable GPU is refused
   // here, before the file system is touched.
   const bool gpu = a.device == "cuda";
-  if (gpu && !a.calibration.empty())
-    throw UsageError("--calibration: calibrated fitting runs on the CPU only; drop --device cuda (or --calibration)");
   if (!a.calibration.empty()) check_calibrated_fitter(a.fitter);
   if (gpu) {
     check_gpu_fitter(a.fitter);
@@ -169,7 +168,7 @@ void run_quantize(const QuantizeArgs& a) {
   opt.progress = !a.no_progress;
   auto tally = std::make_shared<GpuFitTally>();
   if (gpu) opt.fit_function = gpu_fit_function(tally);
-  if (!a.calibration.empty()) opt.fit_function = calibrated_fit_function(a.calibration);
+  if (!a.calibration.empty()) opt.fit_function = calibrated_fit_function(a.calibration, opt.fit_function);
   opt.check_model = check_model_as_eval;
   QuantizeSummary s;
   if (fs::is_directory(a.input)) {
@@ -227,8 +226,8 @@ void add_quantize(CLI::App& app) {
   cmd->add_flag("--json", args->json, "print a JSON summary as the last line of stdout");
   cmd->add_option("--calibration", args->calibration,
                   "calibration statistics of `lutb calibrate` (STATS.safetensors): fit each routed-expert projection "
-                  "under its inputs' second moments (fitters binned-dp, optimal; CPU only). The output format is "
-                  "unchanged (default: none, the data-free fit)");
+                  "under its inputs' second moments (fitters binned-dp, optimal; with --device cuda on the GPU, the "
+                  "same bytes). The output format is unchanged (default: none, the data-free fit)");
   add_device_option(cmd, args->device,
                     "the fit of the routed experts (cuda: the GPU fitters binned-dp and optimal, the same bytes as "
                     "the CPU; the rest of the run stays on the CPU)");

@@ -87,18 +87,6 @@ TileFit fit_checked(const float* x, Which w, int forced_scale, const float* w512
   return {};
 }
 
-// "" when every one of the n column weights is finite and > 0, else what is wrong with the first bad one.
-std::string check_weights(const float* cw, std::int64_t n) {
-  for (std::int64_t c = 0; c < n; ++c)
-    if (!(cw[c] > 0.0f) || !f32_is_finite(cw[c])) {
-      char buf[32];
-      const auto r = std::to_chars(buf, buf + sizeof(buf), cw[c]);
-      return "column weight " + std::to_string(c) + " is " + std::string(buf, r.ptr) +
-             "; column weights must be finite and > 0";
-    }
-  return {};
-}
-
 void check_weighted_fitter(const FitOptions& opt, Which w) {
   if (opt.column_weights && (w == Which::kCtLloyd || w == Which::kMultistart))
     throw std::invalid_argument("fitter '" + std::string(kNames[static_cast<int>(w)]) +
@@ -150,6 +138,17 @@ void gather(const void* src, DType type, std::int64_t rows, std::int64_t cols, s
 
 std::vector<std::string> fitter_names() { return {std::begin(kNames), std::end(kNames)}; }
 
+std::string column_weights_error(const float* cw, std::int64_t n) {
+  for (std::int64_t c = 0; c < n; ++c)
+    if (!(cw[c] > 0.0f) || !f32_is_finite(cw[c])) {
+      char buf[32];
+      const auto r = std::to_chars(buf, buf + sizeof(buf), cw[c]);
+      return "column weight " + std::to_string(c) + " is " + std::string(buf, r.ptr) +
+             "; column weights must be finite and > 0";
+    }
+  return {};
+}
+
 std::string default_fitter() { return kNames[0]; }
 
 void check_fitter_name(std::string_view name) {
@@ -167,7 +166,7 @@ TileFit fit_tile(const float* values512, const FitOptions& opt) {
   const std::string err = check_tile(values512);
   if (!err.empty()) throw std::invalid_argument("fit_tile: " + err);
   if (!opt.column_weights) return fit_checked(values512, w, opt.forced_scale);
-  if (const std::string e = check_weights(opt.column_weights, kTileCols); !e.empty())
+  if (const std::string e = column_weights_error(opt.column_weights, kTileCols); !e.empty())
     throw std::invalid_argument("fit_tile: " + e);
   float w512[kTileSize];
   gather_weights(opt.column_weights, kTileCols, 0, w512);
@@ -209,7 +208,7 @@ FitStats quantize(const void* src, DType src_type, const LutbShape& shape, LutbT
   }
   if (opt.column_weights)
     for (std::int64_t e = 0; e < shape.experts; ++e)
-      if (const std::string msg = check_weights(opt.column_weights + e * shape.cols, shape.cols); !msg.empty())
+      if (const std::string msg = column_weights_error(opt.column_weights + e * shape.cols, shape.cols); !msg.empty())
         throw std::invalid_argument("quantize: tensor " + name +
                                     (shape.stacked ? ", expert " + std::to_string(e) : std::string()) + ": " + msg);
 

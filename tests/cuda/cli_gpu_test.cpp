@@ -1,8 +1,9 @@
 // The GPU from the command line (`--device cuda`), end to end through the lutb binary on the shared
 // tiny-qwen3-moe and tiny-deepseek-v3 models: quantise on the GPU = quantise on the CPU, byte for byte
-// in every output file; `lutb moe --device cuda` against `--device cpu`; the default job's GPU
-// section; `lutb eval --device cuda` against the CPU, and its GPU fit against the CPU's. Skips without a usable GPU, without the model, or when the lutb
-// binary's path was not compiled in (LUTB_CLI_PATH).
+// in every output file, data-free and with --calibration; `lutb moe --device cuda` against
+// `--device cpu`; the default job's GPU section; `lutb eval --device cuda` against the CPU, and its
+// GPU fit (data-free and calibrated) against the CPU's. Skips without a usable GPU, without the
+// model, or when the lutb binary's path was not compiled in (LUTB_CLI_PATH).
 #include <gtest/gtest.h>
 
 #include <sys/wait.h>
@@ -14,12 +15,14 @@
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <random>
 #include <string>
 #include <vector>
 
 #include <cuda_runtime.h>
 #include <nlohmann/json.hpp>
 
+#include "lutb/calibration.hpp"
 #include "support/test_support.hpp"
 
 namespace lutb {
@@ -253,6 +256,96 @@ TEST(CliGpu, EvalGpuFitEqualsStoredCpuFit) {
   EXPECT_EQ(b["lutb_checkpoint"], true);
   EXPECT_EQ(a["val_loss"].get<double>(), b["val_loss"].get<double>());
   std::printf("CliGpu.EvalGpuFitEqualsStoredCpuFit: GPU-fitted %.10f, CPU-fitted stored %.10f\n",
+              a["val_loss"].get<double>(), b["val_loss"].get<double>());
+}
+
+// Calibration statistics for every MoE layer of a Qwen3-MoE checkpoint (prefix
+// model.layers.L.mlp.experts; sizes from its config.json): log-normal second moments spread over
+// about six decades, token counts 0..200 (expert 3 of layer 1 never reached: it takes the layer's
+// statistics), saved to `file`. `lutb calibrate` needs calibration tokens, which the GPU machine's
+// staged data lacks; the fit sees only the column weights these give (CalibrationStats::column_weights).
+void synthetic_calibration(const fs::path& model, const fs::path& file) {
+  std::ifstream cf(model / "config.json");
+  const nlohmann::json c = nlohmann::json::parse(cf);
+  const std::int64_t E = c.contains("num_experts") ? c["num_experts"].get<std::int64_t>()
+                                                   : c["num_local_experts"].get<std::int64_t>();
+  const std::int64_t H = c["hidden_size"], I = c["moe_intermediate_size"];
+  const int layers = c["num_hidden_layers"];
+  std::mt19937 g(2025);
+  std::normal_distribution<float> nd(0.0f, 1.6f);
+  std::uniform_int_distribution<int> tokens(0, 200);
+  CalibrationStats st;
+  st.metadata["model"] = model.string();
+  for (int l = 0; l < layers; ++l) {
+    LayerCalibration& lc = st.layers[l];
+    lc.prefix = "model.layers." + std::to_string(l) + ".mlp.experts";
+    lc.experts = E;
+    lc.hidden = H;
+    lc.intermediate = I;
+    for (std::int64_t e = 0; e < E; ++e) {
+      const bool silent = l == 1 && e == 3;
+      lc.tokens.push_back(silent ? 0.0f : static_cast<float>(tokens(g)));
+      for (std::int64_t h = 0; h < H; ++h) lc.gate_up_x2.push_back(silent ? 0.0f : std::exp(nd(g)));
+      for (std::int64_t i = 0; i < I; ++i) lc.down_x2.push_back(silent ? 0.0f : std::exp(nd(g)));
+    }
+  }
+  st.save(file);
+}
+
+// --calibration with --device cuda: the GPU's weighted fitters write the CPU's checkpoint byte for
+// byte (both fitters), and the calibrated checkpoint differs from the data-free one.
+TEST(CliGpu, QuantizeCalibratedOnCudaWritesTheCpuBytes) {
+  LUTB_CLI_GPU_OR_SKIP();
+  LUTB_MODEL_OR_SKIP(model, "tiny-qwen3-moe");
+  test::TempDir t;
+  const fs::path stats = t.path / "stats.safetensors";
+  synthetic_calibration(model, stats);
+  for (const std::string fitter : {"binned-dp", "optimal"}) {
+    SCOPED_TRACE(fitter);
+    const std::string common = " --fitter " + fitter + " --calibration " + q(stats) + " --no-progress --json";
+    const CliOut c = run("quantize " + q(model) + " -o " + q(t.path / ("cpu-" + fitter)) + " --device cpu" + common);
+    ASSERT_EQ(c.code, 0);
+    const CliOut g = run("quantize " + q(model) + " -o " + q(t.path / ("cuda-" + fitter)) + " --device cuda" + common);
+    ASSERT_EQ(g.code, 0);
+    EXPECT_EQ(last_json(g)["device"], "cuda");
+    const auto a = tree(t.path / ("cpu-" + fitter)), b = tree(t.path / ("cuda-" + fitter));
+    ASSERT_EQ(a.size(), b.size());
+    ASSERT_GE(a.size(), 2u);
+    for (const auto& [name, bytes] : a) {
+      ASSERT_TRUE(b.count(name)) << name << " missing from the GPU output";
+      EXPECT_TRUE(b.at(name) == bytes) << name << " differs (" << bytes.size() << " vs " << b.at(name).size() << " bytes)";
+    }
+    if (fitter == "binned-dp") {
+      const CliOut plain = run("quantize " + q(model) + " -o " + q(t.path / "plain") + " --device cuda --no-progress");
+      ASSERT_EQ(plain.code, 0);
+      EXPECT_FALSE(tree(t.path / "plain").at("model.safetensors") == a.at("model.safetensors"));
+    }
+    std::printf("CliGpu.QuantizeCalibratedOnCudaWritesTheCpuBytes (%s): %zu files identical\n", fitter.c_str(), a.size());
+  }
+}
+
+// lutb eval --quant lutb --calibration --device cuda (the calibrated fit on the GPU at load) and the
+// calibrated checkpoint written by quantize --device cpu run the same bytes through the same
+// kernels: equal losses, bit for bit.
+TEST(CliGpu, EvalCalibratedGpuFitEqualsStoredCpuFit) {
+  LUTB_CLI_GPU_OR_SKIP();
+  LUTB_MODEL_OR_SKIP(model, "tiny-qwen3-moe");
+  test::TempDir t;
+  const fs::path stats = t.path / "stats.safetensors";
+  synthetic_calibration(model, stats);
+  const CliOut qz =
+      run("quantize " + q(model) + " -o " + q(t.path / "q") + " --calibration " + q(stats) + " --device cpu --no-progress");
+  ASSERT_EQ(qz.code, 0);
+  const CliOut online = run("eval " + q(model) + " --quant lutb --calibration " + q(stats) +
+                            " --device cuda --max-windows 4 --json");
+  ASSERT_EQ(online.code, 0);
+  const CliOut stored = run("eval " + q(t.path / "q") + " --tokens " + q(model / "val_tokens.safetensors") +
+                            " --device cuda --max-windows 4 --json");
+  ASSERT_EQ(stored.code, 0);
+  const nlohmann::json a = last_json(online), b = last_json(stored);
+  EXPECT_EQ(a["fit_device"], "cuda");
+  EXPECT_EQ(a["val_loss"].get<double>(), b["val_loss"].get<double>());
+  std::printf("CliGpu.EvalCalibratedGpuFitEqualsStoredCpuFit: GPU-fitted %.10f, CPU-fitted stored %.10f\n",
               a["val_loss"].get<double>(), b["val_loss"].get<double>());
 }
 

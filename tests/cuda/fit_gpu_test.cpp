@@ -651,5 +651,428 @@ TEST(FitGpu, TinyQwen3MoeExpertStacks) {
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// The weighted (calibrated) fit: GpuFitOptions::column_weights / fit_device's d_column_weights
+// against lutb::quantize with FitOptions::column_weights.
+// ---------------------------------------------------------------------------------------------
+
+enum class Weights { kLogUniform, kTies, kCalibLike };
+
+// Column weights [experts][cols]: log-uniform over 1e-3..1e3 (the extreme ratios), few distinct
+// values (ties between columns: equal values of different columns with equal or unequal weights),
+// or log-normal normalised to mean 1 per expert and raised to at least 1e-3 (the shape of
+// CalibrationStats::column_weights).
+std::vector<float> column_weights(std::int64_t experts, std::int64_t cols, Weights kind, std::uint32_t seed) {
+  std::mt19937 g(seed);
+  std::uniform_real_distribution<float> ud(-3.0f, 3.0f);
+  std::normal_distribution<float> nd(0.0f, 1.5f);
+  std::uniform_int_distribution<int> pick(0, 3);
+  const float ties[4] = {0.25f, 1.0f, 1.0f, 4.0f};
+  std::vector<float> w(static_cast<std::size_t>(experts * cols));
+  for (std::int64_t e = 0; e < experts; ++e) {
+    float* r = w.data() + e * cols;
+    for (std::int64_t c = 0; c < cols; ++c)
+      r[c] = kind == Weights::kLogUniform ? std::pow(10.0f, ud(g)) : kind == Weights::kTies ? ties[pick(g)] : std::exp(nd(g));
+    if (kind == Weights::kCalibLike) {
+      double mean = 0.0;
+      for (std::int64_t c = 0; c < cols; ++c) mean += r[c];
+      mean /= static_cast<double>(cols);
+      for (std::int64_t c = 0; c < cols; ++c) r[c] = std::max(static_cast<float>(r[c] / mean), 1e-3f);
+    }
+  }
+  return w;
+}
+
+// Tiles whose packed indices or codebook differ between two fits of the same shape.
+std::int64_t tiles_differing(const LutbTensor& a, const LutbTensor& b) {
+  std::int64_t n = 0;
+  for (std::int64_t t = 0; t < a.shape.tiles(); ++t)
+    n += std::memcmp(a.packed.data() + t * kPackedBytes, b.packed.data() + t * kPackedBytes, kPackedBytes) != 0 ||
+         std::memcmp(a.codebook.data() + t * kCodebookSize, b.codebook.data() + t * kCodebookSize, kCodebookSize) != 0 ||
+         a.scale[static_cast<std::size_t>(t)] != b.scale[static_cast<std::size_t>(t)];
+  return n;
+}
+
+// The weighted fit on the CPU and on the GPU (quantize_gpu, host weights [experts][cols]): equal
+// bytes and FitStats. Returns the CPU's fit.
+LutbTensor expect_same_weighted(const void* src, DType type, const LutbShape& shape, const std::vector<float>& cw,
+                                const std::string& fitter, int forced_scale = -1,
+                                std::size_t chunk_bytes = std::size_t{512} << 20) {
+  EXPECT_EQ(cw.size(), static_cast<std::size_t>(shape.experts * shape.cols));
+  FitOptions fo;
+  fo.fitter = fitter;
+  fo.forced_scale = forced_scale;
+  fo.column_weights = cw.data();
+  LutbTensor cpu, gpu;
+  const FitStats sc = quantize(src, type, shape, cpu, fo, "t");
+  cuda::GpuFitOptions go;
+  go.fitter = fitter;
+  go.forced_scale = forced_scale;
+  go.chunk_bytes = chunk_bytes;
+  go.column_weights = cw.data();
+  SCOPED_TRACE(fitter + ", weighted");
+  const FitStats sg = cuda::quantize_gpu(src, type, shape, gpu, go, "t");
+  EXPECT_EQ(sg.tiles, sc.tiles);
+  EXPECT_EQ(sg.sse, sc.sse);
+  EXPECT_EQ(sg.sum_sq, sc.sum_sq);
+  EXPECT_EQ(gpu.scale, cpu.scale);
+  std::int64_t bad = -1, bad_cb = -1;
+  for (std::int64_t t = 0; t < shape.tiles() && bad < 0; ++t)
+    if (std::memcmp(gpu.packed.data() + t * kPackedBytes, cpu.packed.data() + t * kPackedBytes, kPackedBytes) != 0)
+      bad = t;
+  for (std::int64_t t = 0; t < shape.tiles() && bad_cb < 0; ++t)
+    if (std::memcmp(gpu.codebook.data() + t * kCodebookSize, cpu.codebook.data() + t * kCodebookSize, kCodebookSize) !=
+        0)
+      bad_cb = t;
+  EXPECT_EQ(bad, -1) << "packed indices differ first at tile " << bad;
+  EXPECT_EQ(bad_cb, -1) << "codebooks differ first at tile " << bad_cb;
+  return cpu;
+}
+
+// The unweighted CPU fit, to show that the weights changed the bytes (else an equality test
+// would not see a GPU that ignores them).
+LutbTensor cpu_unweighted(const void* src, DType type, const LutbShape& shape, const std::string& fitter,
+                          int forced_scale = -1) {
+  FitOptions fo;
+  fo.fitter = fitter;
+  fo.forced_scale = forced_scale;
+  LutbTensor t;
+  quantize(src, type, shape, t, fo, "t");
+  return t;
+}
+
+struct WeightedCase {
+  Dist dist;
+  std::int64_t e, n, k;
+  bool bf16;
+  Weights weights;
+  bool optimal = false;
+};
+
+void PrintTo(const WeightedCase& c, std::ostream* os) {
+  static const char* const kDist[] = {"gauss", "student-t3", "laplace"};
+  static const char* const kW[] = {"log-uniform", "ties", "calib-like"};
+  *os << (c.optimal ? "optimal " : "binned-dp ") << kDist[static_cast<int>(c.dist)] << " [" << c.e << ", " << c.n
+      << ", " << c.k << "] " << (c.bf16 ? "BF16" : "F32") << " weights " << kW[static_cast<int>(c.weights)];
+}
+
+std::string weighted_case_name(const ::testing::TestParamInfo<WeightedCase>& i) {
+  static const char* const kDist[] = {"gauss", "student_t3", "laplace"};
+  static const char* const kW[] = {"loguniform", "ties", "caliblike"};
+  const WeightedCase& c = i.param;
+  return std::string(kDist[static_cast<int>(c.dist)]) + "_" + std::to_string(c.e) + "x" + std::to_string(c.n) + "x" +
+         std::to_string(c.k) + (c.bf16 ? "_bf16_" : "_f32_") + kW[static_cast<int>(c.weights)];
+}
+
+class FitGpuWeightedRandom : public ::testing::TestWithParam<WeightedCase> {};
+
+TEST_P(FitGpuWeightedRandom, SameBytesAsCpu) {
+  LUTB_GPU_OR_SKIP();
+  const WeightedCase c = GetParam();
+  const LutbShape s = stack(c.e, c.n, c.k);
+  const std::uint32_t seed = static_cast<std::uint32_t>((c.optimal ? 53 : 29) * c.n + c.k + 7 * static_cast<int>(c.weights));
+  const auto v = random_values(static_cast<std::size_t>(c.e * c.n * c.k), c.dist, 0.02f, seed);
+  const auto cw = column_weights(c.e, c.k, c.weights, seed + 1);
+  const std::string fitter = c.optimal ? "optimal" : "binned-dp";
+  const auto b = to_bf16(v);
+  const void* src = c.bf16 ? static_cast<const void*>(b.data()) : static_cast<const void*>(v.data());
+  const DType type = c.bf16 ? DType::BF16 : DType::F32;
+  const LutbTensor cpu = expect_same_weighted(src, type, s, cw, fitter);
+  // The weights change the fit of most tiles with more than 8 distinct values.
+  if (s.tiles() >= 4) {
+    EXPECT_GT(tiles_differing(cpu, cpu_unweighted(src, type, s, fitter)), s.tiles() / 4);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, FitGpuWeightedRandom,
+                         ::testing::Values(WeightedCase{Dist::kGauss, 2, 64, 512, true, Weights::kLogUniform},
+                                           WeightedCase{Dist::kStudentT3, 2, 64, 512, true, Weights::kTies},
+                                           WeightedCase{Dist::kLaplace, 2, 64, 512, true, Weights::kCalibLike},
+                                           WeightedCase{Dist::kGauss, 3, 21, 200, false, Weights::kLogUniform},  // N%8, K%64
+                                           WeightedCase{Dist::kStudentT3, 3, 21, 200, true, Weights::kCalibLike},
+                                           WeightedCase{Dist::kLaplace, 1, 13, 70, true, Weights::kTies},
+                                           WeightedCase{Dist::kGauss, 1, 5, 33, true, Weights::kLogUniform},  // one padded tile
+                                           // FP32: 512 distinct values per tile (the most bin edges)
+                                           WeightedCase{Dist::kStudentT3, 2, 128, 1024, false, Weights::kLogUniform},
+                                           WeightedCase{Dist::kLaplace, 2, 64, 1024, false, Weights::kCalibLike}),
+                         weighted_case_name);
+
+INSTANTIATE_TEST_SUITE_P(Optimal, FitGpuWeightedRandom,
+                         ::testing::Values(WeightedCase{Dist::kGauss, 2, 64, 512, true, Weights::kLogUniform, true},
+                                           WeightedCase{Dist::kStudentT3, 1, 64, 512, true, Weights::kTies, true},
+                                           WeightedCase{Dist::kLaplace, 1, 64, 512, true, Weights::kCalibLike, true},
+                                           WeightedCase{Dist::kGauss, 3, 21, 200, false, Weights::kCalibLike, true},
+                                           WeightedCase{Dist::kLaplace, 1, 13, 70, true, Weights::kLogUniform, true},
+                                           WeightedCase{Dist::kGauss, 1, 5, 33, true, Weights::kTies, true},
+                                           // FP32: 512 distinct values per tile (the deepest DP trees)
+                                           WeightedCase{Dist::kStudentT3, 1, 32, 1024, false, Weights::kLogUniform, true}),
+                         weighted_case_name);
+
+// The edge tiles (edge_tiles) under each kind of weights, FP32 and BF16, and forced scales.
+void weighted_edge_tiles_case(const std::string& fitter) {
+  std::int64_t nt = 0;
+  const std::vector<float> m = edge_tiles(nt);
+  const LutbShape s = stack(1, 8, 64 * nt);
+  const auto b = to_bf16(m);
+  for (Weights kind : {Weights::kLogUniform, Weights::kTies, Weights::kCalibLike}) {
+    SCOPED_TRACE(static_cast<int>(kind));
+    const auto cw = column_weights(1, 64 * nt, kind, 71 + static_cast<std::uint32_t>(kind));
+    expect_same_weighted(m.data(), DType::F32, s, cw, fitter);
+    expect_same_weighted(b.data(), DType::BF16, s, cw, fitter);
+  }
+  const auto small = random_values(8 * 64 * 4, Dist::kStudentT3, 0.02f, 9);
+  const auto cw = column_weights(1, 256, Weights::kLogUniform, 19);
+  for (int fs : {3, 100, 120, 127, 246}) expect_same_weighted(small.data(), DType::F32, stack(1, 8, 256), cw, fitter, fs);
+}
+
+TEST(FitGpuWeighted, EdgeTiles) {
+  LUTB_GPU_OR_SKIP();
+  weighted_edge_tiles_case("binned-dp");
+}
+
+TEST(FitGpuWeightedOptimal, EdgeTiles) {
+  LUTB_GPU_OR_SKIP();
+  weighted_edge_tiles_case("optimal");
+}
+
+// The equal-weights rule (fit.cpp): a tile whose 64 column weights are all equal is fitted
+// unweighted. Weights constant per expert (0.37, 5, 1e-3), equal within each tile but different
+// between tiles, and a padded last tile whose 36 logical columns share one weight (its padding takes
+// that weight too): the GPU's weighted fit writes the unweighted bytes; with four columns of one tile
+// column weighing 1000 instead, those tiles are fitted weighted again.
+TEST(FitGpuWeighted, EqualWeightsGiveTheUnweightedBytes) {
+  LUTB_GPU_OR_SKIP();
+  const LutbShape s = stack(3, 24, 164);  // tiles (3 tile rows) x (64, 64, 36 columns)
+  const auto v = to_bf16(random_values(static_cast<std::size_t>(3 * 24 * 164), Dist::kStudentT3, 0.02f, 61));
+  std::vector<float> per_expert(3 * 164), per_tile(3 * 164);
+  for (int e = 0; e < 3; ++e)
+    for (int c = 0; c < 164; ++c) {
+      per_expert[static_cast<std::size_t>(e * 164 + c)] = e == 0 ? 0.37f : (e == 1 ? 5.0f : 1e-3f);
+      per_tile[static_cast<std::size_t>(e * 164 + c)] = static_cast<float>(1 + (c / 64) + 3 * e) * 0.5f;
+    }
+  for (const std::string fitter : {"binned-dp", "optimal"}) {
+    SCOPED_TRACE(fitter);
+    const LutbTensor plain = cpu_unweighted(v.data(), DType::BF16, s, fitter);
+    for (const auto* cw : {&per_expert, &per_tile}) {
+      const LutbTensor w = expect_same_weighted(v.data(), DType::BF16, s, *cw, fitter);
+      EXPECT_EQ(tiles_differing(w, plain), 0);
+    }
+    std::vector<float> one_off = per_tile;
+    for (int c = 70; c < 74; ++c) one_off[static_cast<std::size_t>(1 * 164 + c)] = 1000.0f;  // expert 1, tile column 1
+    const LutbTensor w = expect_same_weighted(v.data(), DType::BF16, s, one_off, fitter);
+    EXPECT_GT(tiles_differing(w, plain), 0);
+  }
+}
+
+// optimal's scale search under weights. The small values of FitGpuOptimal.ScaleSearchBelowRceil
+// (odd multiples of 2^-10: halfway between scale 127's grid points, exact on scale 126's) and one
+// value 232 + 2^-10 alone in its column (the column's other values 0): at 127 it rounds to 240, at
+// 126 it saturates to 224, (8 + 2^-10)^2 against (8 - 2^-10)^2, 2^-5 more, while the small values
+// save 2^-20 each at 126 (about 5e-4 in all). Unweighted, and with that column weighing 1e3 and
+// the others 1e-3, 127 wins; with the weights the other way round the small values' savings
+// outweigh the saturation and 126 wins: the scales are compared by the weighted error.
+TEST(FitGpuWeightedOptimal, ScaleSearchUsesTheWeightedError) {
+  LUTB_GPU_OR_SKIP();
+  std::vector<float> t(512);
+  for (int f = 0; f < 512; ++f) {
+    const int q = (f * 13) % 7;
+    t[static_cast<std::size_t>(f)] = f % 64 == 36 ? 0.0f : std::ldexp(static_cast<float>(2 * (q - 3) + 1), -10);
+  }
+  t[100] = 232.0f + std::ldexp(1.0f, -10);  // row 1, column 36
+  std::vector<float> heavy(64, 1e-3f), light(64, 1e3f);
+  heavy[36] = 1e3f;
+  light[36] = 1e-3f;
+  const LutbShape s = stack(1, 8, 64);
+  EXPECT_EQ(cpu_unweighted(t.data(), DType::F32, s, "optimal").scale[0], 127);
+  EXPECT_EQ(expect_same_weighted(t.data(), DType::F32, s, heavy, "optimal").scale[0], 127);
+  EXPECT_EQ(expect_same_weighted(t.data(), DType::F32, s, light, "optimal").scale[0], 126);
+}
+
+TEST(FitGpuWeighted, ChunkingDoesNotChangeBytes) {
+  LUTB_GPU_OR_SKIP();
+  const LutbShape s = stack(4, 30, 130);
+  const auto b = to_bf16(random_values(static_cast<std::size_t>(4 * 30 * 130), Dist::kGauss, 0.05f, 13));
+  const auto cw = column_weights(4, 130, Weights::kLogUniform, 14);
+  for (const std::string fitter : {"binned-dp", "optimal"}) {
+    expect_same_weighted(b.data(), DType::BF16, s, cw, fitter, -1, 1);                  // one tile row per chunk
+    expect_same_weighted(b.data(), DType::BF16, s, cw, fitter, -1, 30 * 130 * 2);       // one expert per chunk
+    expect_same_weighted(b.data(), DType::BF16, s, cw, fitter, -1, 3 * 30 * 130 * 2);   // three experts, then one
+  }
+}
+
+// fit_device with device column weights, without the per-tile sums, on a stream (both entry
+// points); then a column weight that breaks the rule: error code 5 at the lowest tile that reads it,
+// its tile column as the position, and the CPU refuses the same weights.
+TEST(FitGpuWeighted, DeviceEntryWithDeviceWeights) {
+  LUTB_GPU_OR_SKIP();
+  const LutbShape s = stack(3, 40, 300);
+  const auto b = to_bf16(random_values(static_cast<std::size_t>(3 * 40 * 300), Dist::kStudentT3, 0.02f, 27));
+  auto cw = column_weights(3, 300, Weights::kCalibLike, 28);
+  const DeviceStack d(b, s);
+  float* d_cw = nullptr;
+  ASSERT_EQ(cudaMalloc(&d_cw, cw.size() * sizeof(float)), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(d_cw, cw.data(), cw.size() * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
+  cudaStream_t st = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&st), cudaSuccess);
+  const std::size_t nt = d.tiles;
+  for (cuda::GpuFitter f : {cuda::GpuFitter::BinnedDp, cuda::GpuFitter::Optimal}) {
+    SCOPED_TRACE(cuda::gpu_fitter_name(f));
+    FitOptions fo;
+    fo.fitter = cuda::gpu_fitter_name(f);
+    fo.column_weights = cw.data();
+    LutbTensor cpu;
+    quantize(b.data(), DType::BF16, s, cpu, fo, "t");
+    EXPECT_GT(tiles_differing(cpu, cpu_unweighted(b.data(), DType::BF16, s, fo.fitter)), 0);
+    for (int entry = 0; entry < (f == cuda::GpuFitter::BinnedDp ? 2 : 1); ++entry) {
+      ASSERT_EQ(cudaMemset(d.out, 0, nt * (kPackedBytes + kCodebookSize + 1)), cudaSuccess);
+      if (entry == 0) cuda::fit_device(d.src, DType::BF16, s, d.fit_out(), f, -1, d.err, st, d_cw);
+      else cuda::fit_binned_dp_device(d.src, DType::BF16, s, d.fit_out(), -1, d.err, st, d_cw);
+      ASSERT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+      std::vector<std::uint8_t> h(nt * (kPackedBytes + kCodebookSize + 1));
+      unsigned long long word = 0;
+      ASSERT_EQ(cudaMemcpy(h.data(), d.out, h.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(&word, d.err, 8, cudaMemcpyDeviceToHost), cudaSuccess);
+      EXPECT_EQ(cuda::decode_fit_error(word).code, 0);
+      EXPECT_TRUE(std::equal(cpu.packed.begin(), cpu.packed.end(), h.begin()));
+      EXPECT_TRUE(std::equal(cpu.codebook.begin(), cpu.codebook.end(), h.begin() + nt * kPackedBytes));
+      EXPECT_TRUE(std::equal(cpu.scale.begin(), cpu.scale.end(), h.begin() + nt * (kPackedBytes + kCodebookSize)));
+    }
+  }
+  // Bad weights: expert 2 column 5 is 0, expert 1 column 130 NaN (tile column 2, position 2): the
+  // lowest failing tile is expert 1's tile (0, 2).
+  cw[2 * 300 + 5] = 0.0f;
+  cw[1 * 300 + 130] = std::numeric_limits<float>::quiet_NaN();
+  ASSERT_EQ(cudaMemcpy(d_cw, cw.data(), cw.size() * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
+  for (cuda::GpuFitter f : {cuda::GpuFitter::BinnedDp, cuda::GpuFitter::Optimal}) {
+    cuda::fit_device(d.src, DType::BF16, s, d.fit_out(), f, -1, d.err, st, d_cw);
+    ASSERT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+    unsigned long long word = 0;
+    ASSERT_EQ(cudaMemcpy(&word, d.err, 8, cudaMemcpyDeviceToHost), cudaSuccess);
+    const cuda::GpuFitError e = cuda::decode_fit_error(word);
+    EXPECT_EQ(e.code, 5);
+    EXPECT_EQ(e.tile, 1 * s.tiles_per_expert() + 2);
+    EXPECT_EQ(e.pos, 2);
+  }
+  FitOptions fo;
+  fo.column_weights = cw.data();
+  LutbTensor t;
+  EXPECT_THROW(quantize(b.data(), DType::BF16, s, t, fo, "t"), std::invalid_argument);
+  cudaStreamDestroy(st);
+  cudaFree(d_cw);
+}
+
+// Weights that break the rule are refused before any GPU work, worded as lutb::quantize words them
+// (so this runs without a GPU too).
+TEST(FitGpuHost, BadColumnWeightsWordedAsOnTheCpu) {
+  const std::vector<float> v(2 * 16 * 100, 0.5f);
+  for (const bool stacked : {true, false}) {
+    const LutbShape s = stacked ? stack(2, 16, 100) : stack(1, 16, 100);
+    for (const float bad : {0.0f, -1.0f, std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()}) {
+      std::vector<float> cw(static_cast<std::size_t>(s.experts * 100), 1.5f);
+      cw[cw.size() - 100 + 77] = bad;  // last expert, column 77
+      FitOptions fo;
+      fo.column_weights = cw.data();
+      cuda::GpuFitOptions go;
+      go.column_weights = cw.data();
+      std::string cpu_msg, gpu_msg;
+      LutbTensor t;
+      try {
+        quantize(v.data(), DType::F32, s, t, fo, "w2");
+      } catch (const std::invalid_argument& e) {
+        cpu_msg = e.what();
+      }
+      try {
+        cuda::quantize_gpu(v.data(), DType::F32, s, t, go, "w2");
+      } catch (const std::invalid_argument& e) {
+        gpu_msg = e.what();
+      }
+      ASSERT_EQ(cpu_msg.rfind("quantize: tensor w2", 0), 0u) << cpu_msg;
+      EXPECT_NE(cpu_msg.find("column weight 77 is "), std::string::npos) << cpu_msg;
+      ASSERT_EQ(gpu_msg.rfind("quantize_gpu: ", 0), 0u) << gpu_msg;
+      EXPECT_EQ(gpu_msg.substr(14), cpu_msg.substr(10));
+      EXPECT_TRUE(t.packed.empty());
+    }
+  }
+}
+
+// The real routed experts of tiny-qwen3-moe (layer 0 gate_proj and down_proj stacks) under
+// calibration-like and log-uniform weights, both fitters.
+TEST(FitGpuWeighted, TinyQwen3MoeExpertStacks) {
+  LUTB_GPU_OR_SKIP();
+  LUTB_MODEL_OR_SKIP(dir, "tiny-qwen3-moe");
+  SafetensorsFile f(dir / "model.safetensors");
+  for (const char* proj : {"gate_proj", "down_proj"}) {
+    std::vector<std::uint16_t> data;
+    std::int64_t e = 0, rows = 0, cols = 0;
+    for (;; ++e) {
+      const std::string name = "model.layers.0.mlp.experts." + std::to_string(e) + "." + proj + ".weight";
+      if (!f.contains(name)) break;
+      const TensorView& tv = f.get(name);
+      ASSERT_EQ(tv.dtype, DType::BF16);
+      rows = tv.shape[0];
+      cols = tv.shape[1];
+      const auto span = tv.as<std::uint16_t>(DType::BF16);
+      data.insert(data.end(), span.begin(), span.end());
+    }
+    ASSERT_GT(e, 0);
+    const LutbShape s = stack(e, rows, cols);
+    const auto calib = column_weights(e, cols, Weights::kCalibLike, 101);
+    const auto wide = column_weights(e, cols, Weights::kLogUniform, 102);
+    const LutbTensor cb = expect_same_weighted(data.data(), DType::BF16, s, calib, "binned-dp");
+    EXPECT_GT(tiles_differing(cb, cpu_unweighted(data.data(), DType::BF16, s, "binned-dp")), s.tiles() / 2);
+    expect_same_weighted(data.data(), DType::BF16, s, wide, "binned-dp");
+    expect_same_weighted(data.data(), DType::BF16, s, calib, "optimal");
+  }
+}
+
+// A small weighted case for the sanitizers (FitGpuSmall.*): the edge tiles and two FP32 tiles of 512
+// distinct values under log-uniform weights, with a tile of equal weights among them; both fitters,
+// with the per-tile sums (quantize_gpu) and without (fit_device).
+TEST(FitGpuSmall, WeightedBothFittersWithAndWithoutSums) {
+  LUTB_GPU_OR_SKIP();
+  std::int64_t ne = 0;
+  const std::vector<float> edges = edge_tiles(ne);
+  const std::int64_t nr = 2, nt = ne + nr;
+  const auto rnd = random_values(static_cast<std::size_t>(512 * nr), Dist::kStudentT3, 0.02f, 43);
+  std::vector<float> m(static_cast<std::size_t>(512 * nt));
+  for (int r = 0; r < 8; ++r)
+    for (std::int64_t c = 0; c < 64 * nt; ++c)
+      m[static_cast<std::size_t>(r * 64 * nt + c)] = c < 64 * ne ? edges[static_cast<std::size_t>(r * 64 * ne + c)]
+                                                                 : rnd[static_cast<std::size_t>(r * 64 * nr + (c - 64 * ne))];
+  const LutbShape s = stack(1, 8, 64 * nt);
+  auto cw = column_weights(1, 64 * nt, Weights::kLogUniform, 44);
+  std::fill(cw.begin() + 64, cw.begin() + 128, 3.0f);  // tile 1: equal weights
+  const std::size_t n = static_cast<std::size_t>(nt);
+  float* d_src = nullptr;
+  float* d_cw = nullptr;
+  std::uint8_t* d_out = nullptr;
+  unsigned long long* d_err = nullptr;
+  ASSERT_EQ(cudaMalloc(&d_src, m.size() * 4), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&d_cw, cw.size() * 4), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&d_out, n * (kPackedBytes + kCodebookSize + 1)), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&d_err, 8), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(d_src, m.data(), m.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(d_cw, cw.data(), cw.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  const cuda::DeviceFitOut o{d_out, d_out + n * kPackedBytes, d_out + n * (kPackedBytes + kCodebookSize), nullptr,
+                             nullptr};
+  for (cuda::GpuFitter f : {cuda::GpuFitter::BinnedDp, cuda::GpuFitter::Optimal}) {
+    SCOPED_TRACE(cuda::gpu_fitter_name(f));
+    const LutbTensor cpu = expect_same_weighted(m.data(), DType::F32, s, cw, cuda::gpu_fitter_name(f));
+    cuda::fit_device(d_src, DType::F32, s, o, f, -1, d_err, nullptr, d_cw);
+    std::vector<std::uint8_t> h(n * (kPackedBytes + kCodebookSize + 1));
+    unsigned long long word = 0;
+    ASSERT_EQ(cudaMemcpy(h.data(), d_out, h.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(&word, d_err, 8, cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(cuda::decode_fit_error(word).code, 0);
+    EXPECT_TRUE(std::equal(cpu.packed.begin(), cpu.packed.end(), h.begin()));
+    EXPECT_TRUE(std::equal(cpu.codebook.begin(), cpu.codebook.end(), h.begin() + n * kPackedBytes));
+    EXPECT_TRUE(std::equal(cpu.scale.begin(), cpu.scale.end(), h.begin() + n * (kPackedBytes + kCodebookSize)));
+  }
+  cudaFree(d_src);
+  cudaFree(d_cw);
+  cudaFree(d_out);
+  cudaFree(d_err);
+}
+
 }  // namespace
 }  // namespace lutb::test

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -61,17 +62,20 @@ HostLayer random_layer(std::int64_t E, std::int64_t H, std::int64_t I, DType dt,
   return l;
 }
 
-// The CPU method's bytes: lutb::quantize (binned-dp, or `fitter`), then every tile permuted to
-// lane-major.
+// The CPU method's bytes: lutb::quantize (binned-dp, or `fitter`; with column weights w13 [E][H]
+// and w2 [E][I] when given), then every tile permuted to lane-major.
 struct Expected {
   LutbTensor w13, w2;
   FitStats s13, s2;
 };
-Expected cpu_expected(const HostLayer& l, bool lane_major, const std::string& fitter = "") {
+Expected cpu_expected(const HostLayer& l, bool lane_major, const std::string& fitter = "",
+                      const float* w13_weights = nullptr, const float* w2_weights = nullptr) {
   Expected x;
   FitOptions fo;
   fo.fitter = fitter;
+  fo.column_weights = w13_weights;
   x.s13 = quantize(l.w13.data(), l.dtype, stack(l.E, 2 * l.I, l.H), x.w13, fo, "w13_weight");
+  fo.column_weights = w2_weights;
   x.s2 = quantize(l.w2.data(), l.dtype, stack(l.E, l.H, l.I), x.w2, fo, "w2_weight");
   if (lane_major)
     for (LutbTensor* t : {&x.w13, &x.w2})
@@ -239,6 +243,83 @@ TEST(OnlineGpu, OptimalFitterMatchesCpu) {
   EXPECT_EQ(released2, 0);
   EXPECT_TRUE(out2.empty());
   EXPECT_FALSE(src2.already_processed);
+}
+
+// The online method with column weights (GpuOnlineOptions::w13_column_weights / w2_column_weights,
+// device memory, log-uniform over 1e-3..1e3): the CPU's weighted bytes and FitStats with both
+// fitters, per-expert and stacked sources, and w13 alone weighted; a column weight that breaks the
+// rule is refused before anything is released, in lutb::quantize's words.
+TEST(OnlineGpu, WeightedLayerMatchesCpu) {
+  LUTB_GPU_OR_SKIP();
+  const HostLayer l = random_layer(3, 200, 40, DType::BF16, 9);  // padded tiles in both matrices
+  std::mt19937 g(10);
+  std::uniform_real_distribution<float> ud(-3.0f, 3.0f);
+  std::vector<float> w13(3 * 200), w2(3 * 40);
+  for (auto* v : {&w13, &w2})
+    for (float& x : *v) x = std::pow(10.0f, ud(g));
+  float* d_w13 = nullptr;
+  float* d_w2 = nullptr;
+  CUDA_OK(cudaMalloc(&d_w13, w13.size() * sizeof(float)));
+  CUDA_OK(cudaMalloc(&d_w2, w2.size() * sizeof(float)));
+  CUDA_OK(cudaMemcpy(d_w13, w13.data(), w13.size() * sizeof(float), cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(d_w2, w2.data(), w2.size() * sizeof(float), cudaMemcpyHostToDevice));
+  const Expected plain = cpu_expected(l, true);
+  for (const std::string fitter : {"", "optimal"}) {
+    for (const bool w2_too : {true, false}) {
+      for (const bool stacked : {false, true}) {
+        SCOPED_TRACE(fitter + (w2_too ? " both weighted" : " w13 weighted") + (stacked ? " stacked" : " per expert"));
+        const Expected x = cpu_expected(l, true, fitter, w13.data(), w2_too ? w2.data() : nullptr);
+        EXPECT_NE(x.w13.codebook, plain.w13.codebook);  // (the weights matter)
+        DeviceSource d;
+        cuda::DeviceExpertSource src;
+        upload(l, stacked, d, src);
+        cuda::GpuOnlineOptions opt;
+        opt.fitter = fitter;
+        opt.chunk_bytes = 1;  // one expert per chunk: the weights' offsets
+        opt.w13_column_weights = d_w13;
+        opt.w2_column_weights = w2_too ? d_w2 : nullptr;
+        cuda::DeviceLutbLayer out;
+        const cuda::GpuOnlineReport rep = cuda::quantize_experts_online(src, out, opt);
+        EXPECT_EQ(rep.w13.sse, x.s13.sse);
+        EXPECT_EQ(rep.w13.sum_sq, x.s13.sum_sq);
+        EXPECT_EQ(rep.w2.sse, x.s2.sse);
+        expect_equal_layer(out, x);
+      }
+    }
+  }
+  std::vector<float> bad = w2;
+  bad[2 * 40 + 7] = -0.5f;  // expert 2, column 7
+  CUDA_OK(cudaMemcpy(d_w2, bad.data(), bad.size() * sizeof(float), cudaMemcpyHostToDevice));
+  FitOptions fo;
+  fo.column_weights = bad.data();
+  std::string cpu_msg, msg;
+  LutbTensor t;
+  try {
+    quantize(l.w2.data(), DType::BF16, stack(3, 200, 40), t, fo, "w2_weight");
+  } catch (const std::invalid_argument& e) {
+    cpu_msg = e.what();
+  }
+  EXPECT_EQ(cpu_msg, "quantize: tensor w2_weight, expert 2: column weight 7 is -0.5; column weights must be finite and > 0");
+  DeviceSource d;
+  cuda::DeviceExpertSource src;
+  upload(l, false, d, src);
+  int releases = 0;
+  src.release = [&](std::int64_t, std::int64_t) { ++releases; };
+  cuda::GpuOnlineOptions opt;
+  opt.w13_column_weights = d_w13;
+  opt.w2_column_weights = d_w2;
+  cuda::DeviceLutbLayer out;
+  try {
+    cuda::quantize_experts_online(src, out, opt);
+  } catch (const std::invalid_argument& e) {
+    msg = e.what();
+  }
+  EXPECT_EQ(msg, "quantize_experts_online: " + cpu_msg.substr(10));
+  EXPECT_EQ(releases, 0);
+  EXPECT_TRUE(out.empty());
+  EXPECT_FALSE(src.already_processed);
+  cudaFree(d_w13);
+  cudaFree(d_w2);
 }
 
 TEST(OnlineGpu, StackedF16CheckpointOrder) {

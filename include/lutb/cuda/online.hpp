@@ -100,6 +100,13 @@ struct GpuOnlineOptions {
   std::string fitter;
   /// -1: the fitter's own scale per tile, else a scale byte 3..246 for every tile.
   int forced_scale = -1;
+  /// Column weights of the weighted (calibrated) fit (lutb::FitOptions::column_weights), device
+  /// memory, float32, row-major: w13's [E][H] (the input of gate and up) and w2's [E][I]; each
+  /// null: that tensor is fitted unweighted. Read back once and checked before anything else (every
+  /// value finite and > 0); the bytes are lutb::quantize's with the same weights. Must stay valid
+  /// until the call returns.
+  const float* w13_column_weights = nullptr;
+  const float* w2_column_weights = nullptr;
   /// Compute FitStats (per-tile error sums, copied to the host and summed in tile order exactly as
   /// lutb::quantize does), a chunk's sums while the next chunk is fitted.
   bool stats = true;
@@ -134,6 +141,8 @@ struct GpuOnlineReport {
 /// Quantises `src` into `out` (replacing its contents) on the GPU; see the file comment.
 /// Errors: std::invalid_argument ("quantize_experts_online: ..." naming the reason: a fitter without
 /// a GPU kernel or an unknown fitter name, dtype not BF16 or F16, bad sizes, I % 8 != 0, wrong number of or null pointers, forced_scale outside 3..246,
+/// a column weight that is not finite and > 0 ("tensor w2_weight, expert e: column weight C is X;
+/// column weights must be finite and > 0"),
 /// or a tile with NaN/Inf or a magnitude needing a scale above 246: "tensor w13_weight, expert e,
 /// tile (tn, tk): NaN at row R col C", as lutb::quantize words it); nothing is released and `out`
 /// is unchanged. CUDA failures: std::runtime_error with the CUDA error string (chunks already

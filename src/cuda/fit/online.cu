@@ -79,12 +79,15 @@ struct Tensor {
   std::uint8_t* codebook;
   std::uint8_t* scale;
   FitStats* stats;
+  const float* cw;  // device column weights [E][cols], or null (unweighted)
   // Device pointer to experts [e0, e0 + n) when contiguous (stacked source, or n == 1).
   const void* expert_ptr(std::int64_t e, std::size_t esz) const {
     if (ptrs->size() == 1)
       return static_cast<const std::uint8_t*>((*ptrs)[0]) + static_cast<std::size_t>(e * shape.rows * shape.cols) * esz;
     return (*ptrs)[static_cast<std::size_t>(e)];
   }
+  // The column weights from expert e on (null when unweighted).
+  const float* weights_from(std::int64_t e) const { return cw ? cw + e * shape.cols : nullptr; }
 };
 
 std::string describe_error(const Tensor& t, std::int64_t expert, const GpuFitError& err, DType dtype,
@@ -279,7 +282,7 @@ void run(Job& j) {
     for (std::int64_t p = 0; p < parts; ++p) {
       fit_internal::KernelArgs a = view(t, p * per, per, p * per * tpe);  // t_base: tile index in the stack
       a.err = d_err + ti;
-      fit_internal::launch_check_tiles(a, st);
+      fit_internal::launch_check_tiles(a, st);  // (the column weights are checked on the host)
     }
   }
   ok(cudaEventRecord(res.evc, st), "cudaEventRecord");
@@ -310,7 +313,7 @@ void run(Job& j) {
       a.out = DeviceFitOut{t.packed + t0i * kPackedBytes, t.codebook + t0i * kCodebookSize, t.scale + t0i,
                            opt.stats ? d_sums[b][0] + lt0 : nullptr, opt.stats ? d_sums[b][1] + lt0 : nullptr};
       a.err = d_err + 2;
-      fit_internal::launch_fit(a, st);
+      fit_internal::launch_fit(a, st, t.weights_from(e));
     };
     if (t.ptrs->size() == 1) fit(e0, e1 - e0);
     else
@@ -420,6 +423,21 @@ GpuOnlineReport quantize_experts_online(DeviceExpertSource& src, DeviceLutbLayer
   if (opt.forced_scale >= 0 && (opt.forced_scale < 3 || opt.forced_scale > 246))
     throw std::invalid_argument(who + ": forced_scale " + std::to_string(opt.forced_scale) +
                                 " is outside the scale bytes 3..246 fitters may choose (spec section 2)");
+  // The column weights, read back once and checked as lutb::quantize checks them, before the tiles
+  // (its words: "tensor w13_weight, expert e: column weight C is X; ...").
+  for (int ti = 0; ti < 2; ++ti) {
+    const float* cw = ti == 0 ? opt.w13_column_weights : opt.w2_column_weights;
+    if (!cw) continue;
+    const std::int64_t cols = ti == 0 ? H : I;
+    std::vector<float> h(static_cast<std::size_t>(E * cols));
+    ok(cudaMemcpyAsync(h.data(), cw, h.size() * sizeof(float), cudaMemcpyDeviceToHost, opt.stream),
+       "cudaMemcpyAsync (column weights)");
+    ok(cudaStreamSynchronize(opt.stream), "cudaStreamSynchronize (column weights)");
+    for (std::int64_t e = 0; e < E; ++e)
+      if (const std::string msg = column_weights_error(h.data() + e * cols, cols); !msg.empty())
+        throw std::invalid_argument(who + ": tensor " + (ti == 0 ? "w13_weight" : "w2_weight") + ", expert " +
+                                    std::to_string(e) + ": " + msg);
+  }
 
   const std::size_t esz = 2;
   const LutbShape s13 = stack_shape(E, 2 * I, H), s2 = stack_shape(E, H, I);
@@ -432,8 +450,8 @@ GpuOnlineReport quantize_experts_online(DeviceExpertSource& src, DeviceLutbLayer
   st13.tiles = s13.tiles();
   st2.tiles = s2.tiles();
   Job j{src, opt, fitter, E, per_chunk, esz,
-        {{"w13_weight", s13, &src.w13, nullptr, nullptr, nullptr, &st13},
-         {"w2_weight", s2, &src.w2, nullptr, nullptr, nullptr, &st2}},
+        {{"w13_weight", s13, &src.w13, nullptr, nullptr, nullptr, &st13, opt.w13_column_weights},
+         {"w2_weight", s2, &src.w2, nullptr, nullptr, nullptr, &st2, opt.w2_column_weights}},
         {}, 0, static_cast<std::size_t>(per_chunk * std::max(tpe13, tpe2)), rep};
   // Output: one allocation, six 256-aligned parts.
   const std::size_t t13 = static_cast<std::size_t>(s13.tiles()), t2 = static_cast<std::size_t>(s2.tiles());

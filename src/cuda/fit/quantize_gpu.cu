@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -52,6 +53,15 @@ void check_args(DType src_type, const LutbShape& shape, int forced_scale, const 
                                 " is outside the scale bytes 3..246 fitters may choose (spec section 2)");
 }
 
+// Whether each of the n rows of `cols` column weights holds one value: then every tile of those
+// experts is fitted unweighted (fit.cpp's equal-weights rule), and the unweighted kernels run.
+bool constant_rows(const float* cw, std::int64_t n, std::int64_t cols) {
+  for (std::int64_t e = 0; e < n; ++e)
+    for (std::int64_t c = 1; c < cols; ++c)
+      if (cw[e * cols + c] != cw[e * cols]) return false;
+  return true;
+}
+
 float host_load(const void* src, DType t, std::int64_t i) {
   if (t == DType::F32) return static_cast<const float*>(src)[i];
   const std::uint16_t h = static_cast<const std::uint16_t*>(src)[i];
@@ -92,18 +102,20 @@ GpuFitError decode_fit_error(unsigned long long word) {
 }
 
 void fit_device(const void* d_src, DType src_type, const LutbShape& shape, const DeviceFitOut& out, GpuFitter fitter,
-                int forced_scale, unsigned long long* d_error, cudaStream_t stream) {
+                int forced_scale, unsigned long long* d_error, cudaStream_t stream, const float* d_column_weights) {
   check_args(src_type, shape, forced_scale, "fit_device");
   if (!d_error || !out.packed || !out.codebook || !out.scale)
     throw std::invalid_argument("fit_device: null output pointer");
   if (shape.rows > 0 && shape.cols > 0 && !d_src) throw std::invalid_argument("fit_device: null source");
   ok(cudaMemsetAsync(d_error, 0xff, sizeof(unsigned long long), stream), "cudaMemsetAsync");
-  fit_internal::launch_fit(fit_internal::stack_args(d_src, src_type, shape, out, forced_scale, d_error, fitter), stream);
+  fit_internal::launch_fit(fit_internal::stack_args(d_src, src_type, shape, out, forced_scale, d_error, fitter), stream,
+                           d_column_weights);
 }
 
 void fit_binned_dp_device(const void* d_src, DType src_type, const LutbShape& shape, const DeviceFitOut& out,
-                          int forced_scale, unsigned long long* d_error, cudaStream_t stream) {
-  fit_device(d_src, src_type, shape, out, GpuFitter::BinnedDp, forced_scale, d_error, stream);
+                          int forced_scale, unsigned long long* d_error, cudaStream_t stream,
+                          const float* d_column_weights) {
+  fit_device(d_src, src_type, shape, out, GpuFitter::BinnedDp, forced_scale, d_error, stream, d_column_weights);
 }
 
 void check_tiles_device(const void* d_src, DType src_type, const LutbShape& shape, unsigned long long* d_error,
@@ -127,6 +139,13 @@ FitStats quantize_gpu(const void* src, DType src_type, const LutbShape& shape, L
   check_args(src_type, shape, opt.forced_scale, ("quantize_gpu: tensor " + name).c_str());
   if (shape.rows > 0 && shape.cols > 0 && src == nullptr)
     throw std::invalid_argument("quantize_gpu: tensor " + name + ": null source");
+  // The column weights before any tile, worded as lutb::quantize words them.
+  const float* cw = opt.column_weights;
+  if (cw)
+    for (std::int64_t e = 0; e < shape.experts; ++e)
+      if (const std::string msg = column_weights_error(cw + e * shape.cols, shape.cols); !msg.empty())
+        throw std::invalid_argument("quantize_gpu: tensor " + name +
+                                    (shape.stacked ? ", expert " + std::to_string(e) : std::string()) + ": " + msg);
   {
     // Without a usable GPU (no device, no or too old a driver) say so plainly instead of CUDA's raw
     // "CUDA driver version is insufficient for CUDA runtime version" at the first allocation.
@@ -164,6 +183,9 @@ FitStats quantize_gpu(const void* src, DType src_type, const LutbShape& shape, L
   const std::int64_t chunk_tiles = experts_per_chunk * tile_rows_per_chunk * tk_n;
   const std::size_t chunk_src = std::max(static_cast<std::size_t>(experts_per_chunk) * expert_bytes,
                                          std::min(expert_bytes, static_cast<std::size_t>(tile_rows_per_chunk) * tile_row_bytes));
+  // The chunk's column weights: its experts' rows (a chunk of tile rows reads its expert's row).
+  std::unique_ptr<DevBuf> d_cw;
+  if (cw) d_cw = std::make_unique<DevBuf>(static_cast<std::size_t>(experts_per_chunk * shape.cols) * sizeof(float));
   DevBuf d_src(chunk_src), d_packed(static_cast<std::size_t>(chunk_tiles) * kPackedBytes),
       d_cb(static_cast<std::size_t>(chunk_tiles) * kCodebookSize), d_scale(static_cast<std::size_t>(chunk_tiles)),
       d_sse(static_cast<std::size_t>(chunk_tiles) * 8), d_ssq(static_cast<std::size_t>(chunk_tiles) * 8),
@@ -203,7 +225,12 @@ FitStats quantize_gpu(const void* src, DType src_type, const LutbShape& shape, L
       a.err = d_err.as<unsigned long long>();
       a.optimal = fitter == GpuFitter::Optimal;
       if (bytes) ok(cudaMemcpy(d_src.p, from, bytes, cudaMemcpyHostToDevice), "cudaMemcpy to device");
-      fit_internal::launch_fit(a, nullptr);
+      const bool weighted = cw && !constant_rows(cw + e0 * shape.cols, ne, shape.cols);
+      if (weighted && tn0 == 0)  // (the weights of experts [e0, e0 + ne), kept for the expert's further tile rows)
+        ok(cudaMemcpy(d_cw->p, cw + e0 * shape.cols, static_cast<std::size_t>(ne * shape.cols) * sizeof(float),
+                      cudaMemcpyHostToDevice),
+           "cudaMemcpy (column weights)");
+      fit_internal::launch_fit(a, nullptr, weighted ? d_cw->as<float>() : nullptr);
       unsigned long long word = ~0ull;
       ok(cudaMemcpy(&word, d_err.p, sizeof(word), cudaMemcpyDeviceToHost), "fit kernel");
       const GpuFitError err = decode_fit_error(word);
@@ -212,6 +239,13 @@ FitStats quantize_gpu(const void* src, DType src_type, const LutbShape& shape, L
         std::string where = "tensor " + name + (shape.stacked ? ", expert " + std::to_string(e) : std::string()) +
                             ", tile (" + std::to_string(tn) + ", " + std::to_string(tk) + ")";
         std::string what;
+        if (err.code == 5) {  // (not reached: the weights were checked above and copied as they are)
+          out = LutbTensor();
+          throw std::invalid_argument("quantize_gpu: tensor " + name +
+                                      (shape.stacked ? ", expert " + std::to_string(e) : std::string()) +
+                                      ": column weight " + std::to_string(tk * kTileCols + err.pos) +
+                                      ": column weights must be finite and > 0");
+        }
         if (err.code <= 3) {
           what = std::string(err.code == 1 ? "NaN" : (err.code == 2 ? "+Inf" : "-Inf")) + " at row " +
                  std::to_string(tn * kTileRows + err.pos / kTileCols) + " col " +

@@ -37,6 +37,17 @@
 //  - encoding: each lane assigns its 16 values (the CPU's midpoint rule, ties to the lower index);
 //    the per-tile sse and sum of squares are double sums in flat order, so they are accumulated in
 //    exactly that order (lane 0 and lane 1 at once), and only when needed.
+// Weighted fit (FitOptions::column_weights; the kernels' template parameter W, so the unweighted
+// kernels are the code above unchanged): the tile's 64 column weights are read with it
+// (tile_weights_warp: fit.cpp gather_weights and check_weights); the sort carries each value's weight
+// and is stable, so equal values keep their flat order and their weights are summed in that order,
+// as build_sorted_weighted sums them (one lane per distinct value: the sums are independent); the
+// prefix arrays are the weight, sum w x and sum w x^2 (three sequential running sums); the run cost
+// is fit_scalar.hpp run_cost itself (an IEEE division by the run's weight: the table of RN(1/count)
+// covers integer counts only); optimal's saturation bound and scale choice use the weighted error
+// (a third flat-order sum). A tile whose 64 weights are all equal runs the same code with unit
+// weights: every weight sum is then the exact count and every weighted error the plain one, the
+// unweighted fitter's values bit for bit, as fit.cpp fits such a tile unweighted.
 // Keep in step with src/fit: tests/cuda/fit_gpu_test.cpp compares the bytes with the CPU's.
 #pragma once
 
@@ -45,6 +56,7 @@
 #include <climits>
 #include <cstdint>
 #include <cub/warp/warp_merge_sort.cuh>
+#include <type_traits>
 
 #include "cuda/fit/fit_internal.cuh"
 #include "cuda/heuristics/fit.hpp"
@@ -59,6 +71,7 @@ namespace {
 using fit_detail::CountRecip;
 using fit_detail::from_key;
 using fit_detail::pow2;
+using fit_detail::run_cost;
 using fit_detail::run_cost_fast;
 using fit_detail::run_entry;
 using fit_detail::sort_key;
@@ -95,7 +108,14 @@ __device__ __forceinline__ double cost_of(int c, double a, double b) {
   return run_cost_fast(t.x, t.y, a, b);
 }
 
+// The kernels' arguments: a view (KernelArgs), and its column weights for the weighted fit (W).
+template <bool W>
+using FitArgs = std::conditional_t<W, WeightedKernelArgs, KernelArgs>;
+
 using WarpSort = cub::WarpMergeSort<std::uint32_t, kIpt, 32>;
+// The weighted sort: keys with each value's weight as the item. StableSort keeps equal keys in their
+// input (flat) order.
+using WarpSortWeighted = cub::WarpMergeSort<std::uint32_t, kIpt, 32, float>;
 struct KeyLess {
   __device__ bool operator()(std::uint32_t a, std::uint32_t b) const { return a < b; }
 };
@@ -127,17 +147,28 @@ struct DpTables {
 };
 template <>
 struct DpTables<true> {
-  double buf[2][kN + 1];  // (also the encoding's scratch for the flat-order sums)
+  double buf[2][kN + 1];  // (also the encoding's scratch for the flat-order sums: Smem::enc)
   std::int16_t opt[kOptRows][kN + 1];
   Node nodes[2][32];  // the nodes of one tree level while it has at most 32
 };
 
-// Per-warp shared memory (binned-dp ~13 KiB, optimal ~26 KiB). The union members are used one
-// after the other.
-template <bool Opt>
-struct Smem {
+// What the weighted kernels add per warp (nothing for the unweighted ones: an empty base).
+template <bool W>
+struct SmemWeights {};
+template <>
+struct SmemWeights<true> {
+  double wc[kN + 1];      // prefix weights over the distinct values (SortedTile::wc)
+  float cw[kTileCols];    // the tile's column weights (all 1 when they are all equal)
+};
+
+// Per-warp shared memory (binned-dp ~13.7 KiB, optimal ~26 KiB; weighted (W) 4.3 KiB more). The
+// union members are used one after the other.
+template <bool Opt, bool W = false>
+struct Smem : SmemWeights<W> {
+  static constexpr bool kWeighted = W;
   union {
     WarpSort::TempStorage sort;
+    WarpSortWeighted::TempStorage sort_weighted;
     float u[Opt ? 1 : kN];  // binned-dp: distinct values, ascending (+0 for zero); dead after the prefix sums
     DpTables<Opt> dp;
     struct {
@@ -145,6 +176,9 @@ struct Smem {
       double V[kWin][kWin];  // V[j - jl][i - il] = F[k-1][i - il] + cost(i, j)
       std::int16_t arg[kCodebookSize + 1][kWin];
     } rf;
+    // optimal: the encoding's flat-order sums (sse, sum of squares, weighted error) over dp.buf
+    // (rows 0, 1) and dp.opt (row 2), dead by then.
+    double enc[Opt ? 3 : 1][Opt ? kN + 1 : 1];
   };
   float su[Opt ? kN : 1];       // optimal: distinct values, kept for the saturation bound
   double p[2][kN + 1];          // prefix sums of x and x^2 (unscaled), over distinct values
@@ -165,9 +199,10 @@ struct Smem {
     else return u;
   }
   // Scratch for the encoding's two flat-order sums: the prefix sums are dead by then in
-  // binned-dp; optimal needs them for the next scale, and uses the DP buffers instead.
+  // binned-dp; optimal needs them for the next scale, and uses the DP tables instead (enc, whose
+  // row 2 holds the weighted error's terms).
   __device__ double (*scratch())[kN + 1] {
-    if constexpr (Opt) return dp.buf;
+    if constexpr (Opt) return enc;
     else return p;
   }
 };
@@ -212,15 +247,29 @@ __device__ __forceinline__ void running_sum(double* P, int n) {
 }
 
 // dp.cpp Dp::cost on the bin-edge tables (the count cd[j] - cd[i] is the exact integer
-// ci[j] - ci[i], the table's index).
-__device__ __forceinline__ double cost_bin(const Smem<false>& s, int i, int j) {
-  return cost_of(s.dp.ci[j] - s.dp.ci[i], s.dp.s1[j] - s.dp.s1[i], s.dp.s2[j] - s.dp.s2[i]);
+// ci[j] - ci[i], the table's index). Weighted: cd holds the prefix weights, and the cost is
+// run_cost's own IEEE division by the run's weight.
+template <bool W>
+__device__ __forceinline__ double cost_bin(const Smem<false, W>& s, int i, int j) {
+  if constexpr (W) return run_cost(s.dp.cd[j] - s.dp.cd[i], s.dp.s1[j] - s.dp.s1[i], s.dp.s2[j] - s.dp.s2[i]);
+  else return cost_of(s.dp.ci[j] - s.dp.ci[i], s.dp.s1[j] - s.dp.s1[i], s.dp.s2[j] - s.dp.s2[i]);
 }
 // dp.cpp's cost over every distinct value (dp_fit with identity positions, dp_refine), on the
-// prefix sums scaled in place (prescale): dp.cpp's tables (p1 * inv, p2 * inv2) bit for bit.
+// prefix sums scaled in place (prescale): dp.cpp's tables (p1 * inv, p2 * inv2) bit for bit; the
+// count is st.wc's (the prefix weights when weighted).
 template <class S>
 __device__ __forceinline__ double cost_full(const S& s, int i, int j) {
-  return cost_of(static_cast<int>(s.cnt[j]) - static_cast<int>(s.cnt[i]), s.p[0][j] - s.p[0][i], s.p[1][j] - s.p[1][i]);
+  if constexpr (S::kWeighted) return run_cost(s.wc[j] - s.wc[i], s.p[0][j] - s.p[0][i], s.p[1][j] - s.p[1][i]);
+  else
+    return cost_of(static_cast<int>(s.cnt[j]) - static_cast<int>(s.cnt[i]), s.p[0][j] - s.p[0][i],
+                   s.p[1][j] - s.p[1][i]);
+}
+// A run's count as dp.cpp's tables hold it (st.wc): the prefix weights' difference when weighted,
+// else the count's.
+template <class S>
+__device__ __forceinline__ double run_weight(const S& s, int i, int j) {
+  if constexpr (S::kWeighted) return s.wc[j] - s.wc[i];
+  else return static_cast<double>(s.cnt[j]) - static_cast<double>(s.cnt[i]);
 }
 
 // Leftmost minimum of prev[i] + cost(i, j) over i = i0, i0 + step, ... <= hi, folded into (bv, bi)
@@ -497,9 +546,11 @@ __device__ bool dp_layer_chunk(S& s, int lane, int k, int m, const double* prev,
 // p * 2^(127 - s) for every prefix sum and scale 3..246, because the sums are 0 or multiples of
 // 2^-149 (x^2: 2^-298) below 2^137 (x^2: 2^265), so the products lie in [2^-536, 2^513], far inside
 // the normal range; hence p[j] * inv - p[i] * inv (dp.cpp's scaled tables) == (p[j] * inv) -
-// (p[i] * inv) read from the scaled array, bit for bit.
-template <bool Opt>
-__device__ __forceinline__ void prescale(Smem<Opt>& s, int lane, int n, int from, int to) {
+// (p[i] * inv) read from the scaled array, bit for bit. Weighted, each term is a rounded product of
+// a sum of float weights (at least 2^-149, below 2^137) and x (x^2), so the sums are 0 or multiples
+// of 2^-350 (x^2: 2^-499) below 2^265 (x^2: 2^393), and the products lie in [2^-737, 2^641]: exact too.
+template <class S>
+__device__ __forceinline__ void prescale(S& s, int lane, int n, int from, int to) {
   const double f = pow2(from - to), f2 = f * f;
   for (int i = lane; i <= n; i += 32) {
     s.p[0][i] = s.p[0][i] * f;
@@ -513,17 +564,21 @@ __device__ __forceinline__ void prescale(Smem<Opt>& s, int lane, int n, int from
 // s.bounds and (optimal) s.cost = the DP minimum / inv^2. Layers 2..K-1: binned-dp takes
 // dp_layer_chunk's full-range minima when they are monotone, else recomputes the layer by
 // dp_layer's divide and conquer; optimal runs dp_layer (up to 512 positions: the full ranges would
-// be up to 130,000 pairs a layer).
-template <bool Opt>
-__device__ void dp_fit_warp(Smem<Opt>& s, int lane, int m, int scale) {
+// be up to 130,000 pairs a layer). Weighted (W): the runs' counts are the prefix weights s.wc.
+template <bool Opt, bool W>
+__device__ void dp_fit_warp(Smem<Opt, W>& s, int lane, int m, int scale) {
   constexpr int U = kUnroll<Opt>;
   const double inv = pow2(127 - scale);
   [[maybe_unused]] const double inv2 = inv * inv;
   if constexpr (!Opt) {
     for (int i = lane; i <= m; i += 32) {
       const int p = s.pos[i];
-      s.dp.cd[i] = static_cast<double>(s.cnt[p]);
-      s.dp.ci[i] = static_cast<std::int16_t>(s.cnt[p]);
+      if constexpr (W) {
+        s.dp.cd[i] = s.wc[p];
+      } else {
+        s.dp.cd[i] = static_cast<double>(s.cnt[p]);
+        s.dp.ci[i] = static_cast<std::int16_t>(s.cnt[p]);
+      }
       s.dp.s1[i] = s.p[0][p];
       s.dp.s2[i] = s.p[1][p];
     }
@@ -580,7 +635,7 @@ __device__ void dp_fit_warp(Smem<Opt>& s, int lane, int m, int scale) {
     if (lane <= K) s.bounds[lane] = s.seg[lane];
     if (lane < K) {
       const int i = s.seg[lane], j = s.seg[lane + 1];
-      s.entries[lane] = run_entry(s.p[0][j] - s.p[0][i], static_cast<double>(s.cnt[j]) - static_cast<double>(s.cnt[i]));
+      s.entries[lane] = run_entry(s.p[0][j] - s.p[0][i], run_weight(s, i, j));
     }
   } else {
     if (lane <= K) s.bounds[lane] = s.pos[s.seg[lane]];
@@ -595,7 +650,8 @@ __device__ void dp_fit_warp(Smem<Opt>& s, int lane, int m, int scale) {
 
 // dp.cpp dp_refine with w = kWindow, rounds = kRounds, over n distinct values (binned-dp), on the
 // prefix sums scaled to the tile's scale (prescale).
-__device__ void dp_refine_warp(Smem<false>& s, int lane, int n) {
+template <bool W>
+__device__ void dp_refine_warp(Smem<false, W>& s, int lane, int n) {
   const int K = s.K;
   const int m = n;
   if (K < 2 || K >= m) return;
@@ -665,23 +721,29 @@ __device__ void dp_refine_warp(Smem<false>& s, int lane, int n) {
   }
   if (lane < K) {
     const int i = s.bounds[lane], j = s.bounds[lane + 1];
-    s.entries[lane] = run_entry(s.p[0][j] - s.p[0][i], static_cast<double>(s.cnt[j]) - static_cast<double>(s.cnt[i]));
+    s.entries[lane] = run_entry(s.p[0][j] - s.p[0][i], run_weight(s, i, j));
   }
   __syncwarp();
 }
 
-// optimal.cpp saturation_bound (lane 0; the CPU's order): a lower bound on the error at scale s.
-__device__ double saturation_bound(Smem<true>& s, int n, int sc) {
+// optimal.cpp saturation_bound (lane 0; the CPU's order): a lower bound on the (weighted) error at
+// scale s; each value's squared excess counts with its multiplicity (weighted: its weight).
+template <bool W>
+__device__ double saturation_bound(Smem<true, W>& s, int n, int sc) {
   const double top = 448.0 * pow2(sc - 127);
   const float* u = s.su;
+  auto weight = [&](int i) {
+    if constexpr (W) return s.wc[i + 1] - s.wc[i];
+    else return static_cast<double>(static_cast<int>(s.cnt[i + 1]) - static_cast<int>(s.cnt[i]));
+  };
   double lb = 0.0;
   for (int i = 0; i < n && -static_cast<double>(u[i]) > top; ++i) {
     const double d = -static_cast<double>(u[i]) - top;
-    lb += static_cast<double>(static_cast<int>(s.cnt[i + 1]) - static_cast<int>(s.cnt[i])) * (d * d);
+    lb += weight(i) * (d * d);
   }
   for (int i = n - 1; i >= 0 && static_cast<double>(u[i]) > top; --i) {
     const double d = static_cast<double>(u[i]) - top;
-    lb += static_cast<double>(static_cast<int>(s.cnt[i + 1]) - static_cast<int>(s.cnt[i])) * (d * d);
+    lb += weight(i) * (d * d);
   }
   return lb;
 }
@@ -735,10 +797,11 @@ __device__ __forceinline__ void build_codebook(S& s, int scale, int n_entries) {
 
 // First part of the encoding (all lanes): the codebook, every value's index into w, and, when
 // `sums`, the terms of the two flat-order sums into the scratch rows 1..512 (row 0 sse, row 1 sum
-// of squares).
-template <bool Opt>
-__device__ __forceinline__ void encode_assign(Smem<Opt>& s, int lane, const float (&x)[kIpt], int scale, int n_entries,
-                                              bool sums, std::uint32_t (&w)[2]) {
+// of squares); when `werr` (weighted optimal), those of the weighted error, w_c * (x - x_hat)^2
+// (encode_tile's weighted_sse), into row 2.
+template <bool Opt, bool W>
+__device__ __forceinline__ void encode_assign(Smem<Opt, W>& s, int lane, const float (&x)[kIpt], int scale,
+                                              int n_entries, bool sums, bool werr, std::uint32_t (&w)[2]) {
   if (lane == 0) build_codebook(s, scale, n_entries);
   __syncwarp();
   // assign_sse: run boundaries where the dequantised value changes; a value goes to run r when it
@@ -780,12 +843,19 @@ __device__ __forceinline__ void encode_assign(Smem<Opt>& s, int lane, const floa
       scr[1][kIpt * lane + q + 1] = xsq[q];
     }
   }
+  if constexpr (Opt && W) {
+    if (werr) {  // lane L's values are columns 16 (L % 4) + q of the tile
+#pragma unroll
+      for (int q = 0; q < kIpt; ++q)
+        s.enc[2][kIpt * lane + q + 1] = static_cast<double>(s.cw[kIpt * (lane & 3) + q]) * dsq[q];
+    }
+  }
 }
 
 // Last part (all lanes): writes the packed indices w, the codebook and the scale, and sse / ssq
 // where o asks for them.
-template <bool Opt>
-__device__ __forceinline__ void encode_write(const Smem<Opt>& s, int lane, const std::uint32_t (&w)[2], int scale,
+template <class S>
+__device__ __forceinline__ void encode_write(const S& s, int lane, const std::uint32_t (&w)[2], int scale,
                                              const TileOut& o, double sse, double ssq) {
   {
     // Lane L holds flat positions 16L..16L+15: bytes 6L..6L+5 of the packed stream.
@@ -803,29 +873,38 @@ __device__ __forceinline__ void encode_write(const Smem<Opt>& s, int lane, const
   }
 }
 
-// tile_common.cpp encode_tile + assign_sse. Entries in s.entries[0..n_entries). Computes the
-// tile's sse (the CPU's flat-order double sum) when `need_sse` or the caller wants the per-tile
-// sums, returns it to every lane (0 when not computed), and writes the outputs only when
-// !need_sse or sse < write_below (optimal's scale search: strictly better than the best so far).
-template <bool Opt>
-__device__ double encode_warp(Smem<Opt>& s, int lane, const float (&x)[kIpt], int scale, int n_entries,
+// tile_common.cpp encode_tile + assign_sse. Entries in s.entries[0..n_entries). With `need_sse`
+// (optimal's scale search) computes the tile's error, the CPU's flat-order double sum: the sse, or
+// weighted (W) the weighted error; returns it to every lane (0 when not computed), and writes the
+// outputs only when !need_sse or that error < write_below (strictly better than the best so far).
+// The per-tile sse / sum of squares are computed when the caller wants them.
+template <bool Opt, bool W>
+__device__ double encode_warp(Smem<Opt, W>& s, int lane, const float (&x)[kIpt], int scale, int n_entries,
                               const TileOut& o, bool need_sse, double write_below) {
-  const bool sums = need_sse || o.sse || o.ssq;
+  const bool werr = Opt && W && need_sse;  // (binned-dp never needs the error: no scale search)
+  const bool sums = (need_sse && !W) || o.sse || o.ssq;
   std::uint32_t w[2];
-  encode_assign(s, lane, x, scale, n_entries, sums, w);
-  double sse = 0.0, ssq = 0.0;
-  if (sums) {  // flat-order double sums in the scratch rows, lane 0 sse and lane 1 sum of squares
+  encode_assign(s, lane, x, scale, n_entries, sums, werr, w);
+  double sse = 0.0, ssq = 0.0, err = 0.0;
+  if (sums || werr) {  // flat-order double sums: lane 0 sse, lane 1 sum of squares, lane 2 weighted error
     double(*scr)[kN + 1] = s.scratch();
     __syncwarp();
-    if (lane < 2 && (lane == 0 || o.ssq)) running_sum(scr[lane], kN);
+    if (sums && lane < 2 && (lane == 0 || o.ssq)) running_sum(scr[lane], kN);
+    if constexpr (Opt && W) {
+      if (werr && lane == 2) running_sum(s.enc[2], kN);
+    }
     __syncwarp();
-    sse = scr[0][kN];
-    ssq = scr[1][kN];
+    if (sums) {
+      sse = scr[0][kN];
+      ssq = scr[1][kN];
+    }
+    if constexpr (Opt && W) err = werr ? s.enc[2][kN] : 0.0;
+    else err = sse;
     __syncwarp();  // (the scratch is reused by the caller's next step)
   }
-  if (!need_sse || sse < write_below) encode_write(s, lane, w, scale, o, sse, ssq);
+  if (!need_sse || err < write_below) encode_write(s, lane, w, scale, o, sse, ssq);
   __syncwarp();
-  return sse;
+  return err;
 }
 
 __device__ __forceinline__ float load1(const void* src, int dtype, std::int64_t i) {
@@ -911,6 +990,38 @@ __device__ __forceinline__ bool check_tile_warp(const KernelArgs& a, std::int64_
   return true;
 }
 
+// The column weights of tile lt (a.cw: [experts of the view][cols]), fit.cpp gather_weights and
+// check_weights for the whole warp: lane L gets the weights of tile columns L (w0) and L + 32 (w1);
+// columns past the matrix (zero padding) take the smallest weight of the tile's logical columns. A
+// weight of a logical column that is not finite and > 0 sets the error word (code 5, the first such
+// column of the tile as the position) and returns false. `equal`: all 64 weights are equal (all
+// lanes). Used by the weighted fit kernels and by the check kernel.
+__device__ __forceinline__ bool tile_weights_warp(const WeightedKernelArgs& a, std::int64_t lt, int lane, float& w0,
+                                                  float& w1, bool& equal) {
+  const std::int64_t tpe = a.tiles_n * a.tiles_k;
+  const std::int64_t e = lt / tpe, tk = (lt - e * tpe) % a.tiles_k;
+  const std::int64_t c0 = tk * kTileCols;
+  const std::int64_t nc = a.cols - c0 < kTileCols ? a.cols - c0 : kTileCols;  // >= 1 logical columns
+  const float* cw = a.cw + e * a.cols + c0;
+  const float inf_f = __int_as_float(0x7f800000);
+  w0 = lane < nc ? cw[lane] : inf_f;
+  w1 = lane + 32 < nc ? cw[lane + 32] : inf_f;
+  const bool bad0 = lane < nc && !(w0 > 0.0f && f32_is_finite(w0));
+  const bool bad1 = lane + 32 < nc && !(w1 > 0.0f && f32_is_finite(w1));
+  const unsigned b0 = __ballot_sync(kFull, bad0), b1 = __ballot_sync(kFull, bad1);
+  if (b0 | b1) {
+    const int col = b0 ? __ffs(b0) - 1 : 32 + __ffs(b1) - 1;
+    if (lane == 0) atomicMin(a.err, error_word(a.t_base + lt, 5, col));
+    return false;
+  }
+  float lo = fminf(w0, w1);  // (every logical weight is finite here, padding is +inf)
+  for (int off = 16; off > 0; off >>= 1) lo = fminf(lo, __shfl_xor_sync(kFull, lo, off));
+  if (lane >= nc) w0 = lo;
+  if (lane + 32 >= nc) w1 = lo;
+  const float first = __shfl_sync(kFull, w0, 0);
+  equal = __all_sync(kFull, w0 == first && w1 == first);
+  return true;
+}
 
 __device__ __forceinline__ TileOut tile_out(const KernelArgs& a, std::int64_t lt) {
   return TileOut{a.out.packed + lt * kPackedBytes, a.out.codebook + lt * kCodebookSize, a.out.scale + lt,
@@ -921,20 +1032,48 @@ __device__ __forceinline__ TileOut tile_out(const KernelArgs& a, std::int64_t lt
 // build_sorted (sort, de-duplication, the terms c * x and c * x^2 of every distinct value into
 // s.p[.][1..n]). Returns false when the tile is done (error); else n = the number
 // of distinct values and am = the largest magnitude. The running sums are the caller's.
-template <bool Opt>
-__device__ __forceinline__ bool fit_front_a(Smem<Opt>& s, int lane, const KernelArgs& a, std::int64_t lt,
+// Weighted (W): the weights are checked first (fit.cpp checks them before the tiles) and kept in
+// s.cw (all 1 when the tile's weights are all equal: fit.cpp fits such a tile unweighted, and unit
+// weights give exactly the unweighted values); build_sorted_weighted: the terms W_d * x and
+// W_d * x^2 with W_d the weight of distinct value d, and W_d itself into s.wc[1..n].
+template <bool Opt, bool W>
+__device__ __forceinline__ bool fit_front_a(Smem<Opt, W>& s, int lane, const FitArgs<W>& a, std::int64_t lt,
                                             float (&x)[kIpt], float& am_out, int& n_out) {
   load_tile(a, lt, lane, x);
+  if constexpr (W) {
+    float w0, w1;
+    bool equal;
+    if (!tile_weights_warp(a, lt, lane, w0, w1, equal)) return false;
+    s.cw[lane] = equal ? 1.0f : w0;
+    s.cw[lane + 32] = equal ? 1.0f : w1;
+  }
   float am;
   if (!check_tile_warp(a, lt, lane, x, am)) return false;
 
-  // tile_common.cpp build_sorted.
+  // tile_common.cpp build_sorted (weighted: build_sorted_weighted).
   float* const u = s.uv();
   {
     std::uint32_t keys[kIpt];
+    if constexpr (W) {
+      // Keys of (value, flat index), +0 for -0 (build_sorted_weighted's order): the stable sort of
+      // the keys in flat order (lane L holds flat positions 16L..16L+15) with each value's weight,
+      // the weight of its column 16 (L % 4) + q, as the item.
+      float wv[kIpt];
+      __syncwarp();  // (s.cw)
 #pragma unroll
-    for (int q = 0; q < kIpt; ++q) keys[q] = sort_key(x[q]);
-    WarpSort(s.sort).Sort(keys, KeyLess());
+      for (int q = 0; q < kIpt; ++q) {
+        keys[q] = sort_key(x[q] == 0.0f ? 0.0f : x[q]);
+        wv[q] = s.cw[kIpt * (lane & 3) + q];
+      }
+      WarpSortWeighted(s.sort_weighted).StableSort(keys, wv, KeyLess());
+      // The weights in sorted order into s.p[1][0..511] (free until the terms below).
+#pragma unroll
+      for (int q = 0; q < kIpt; ++q) s.p[1][kIpt * lane + q] = static_cast<double>(wv[q]);
+    } else {
+#pragma unroll
+      for (int q = 0; q < kIpt; ++q) keys[q] = sort_key(x[q]);
+      WarpSort(s.sort).Sort(keys, KeyLess());
+    }
     __syncwarp();
     float v[kIpt];
 #pragma unroll
@@ -968,13 +1107,30 @@ __device__ __forceinline__ bool fit_front_a(Smem<Opt>& s, int lane, const Kernel
   }
   __syncwarp();
   const int n = s.m;
-  // The terms c * x and c * x^2 of every distinct value (independent: all lanes), then the running
-  // sums in the CPU's order (lane 0 sum x, lane 1 sum x^2), loads batched ahead of the adds.
-  for (int d = lane; d < n; d += 32) {
-    const double c = static_cast<double>(s.cnt[d + 1] - s.cnt[d]);
-    const double xd = static_cast<double>(u[d]);
-    s.p[0][d + 1] = c * xd;
-    s.p[1][d + 1] = c * (xd * xd);
+  if constexpr (W) {
+    // The weight of each distinct value: its elements' weights summed in double in sorted (= flat)
+    // order from 0, as build_sorted_weighted's wsum (one lane per value: the sums are independent).
+    for (int d = lane; d < n; d += 32) {
+      double wsum = 0.0;
+      for (int i = s.cnt[d]; i < s.cnt[d + 1]; ++i) wsum += s.p[1][i];
+      s.wc[d + 1] = wsum;
+    }
+    __syncwarp();
+    for (int d = lane; d < n; d += 32) {
+      const double wsum = s.wc[d + 1];
+      const double xd = static_cast<double>(u[d]);
+      s.p[0][d + 1] = wsum * xd;
+      s.p[1][d + 1] = wsum * (xd * xd);
+    }
+  } else {
+    // The terms c * x and c * x^2 of every distinct value (independent: all lanes), then the running
+    // sums in the CPU's order (lane 0 sum x, lane 1 sum x^2), loads batched ahead of the adds.
+    for (int d = lane; d < n; d += 32) {
+      const double c = static_cast<double>(s.cnt[d + 1] - s.cnt[d]);
+      const double xd = static_cast<double>(u[d]);
+      s.p[0][d + 1] = c * xd;
+      s.p[1][d + 1] = c * (xd * xd);
+    }
   }
   __syncwarp();
   am_out = am;
@@ -985,8 +1141,8 @@ __device__ __forceinline__ bool fit_front_a(Smem<Opt>& s, int lane, const Kernel
 // Second part, the whole warp, after the running sums (s.p, s.cnt complete): bin edges
 // (binned-dp), the scale; all-zero tiles are encoded here. Returns true when the DP must run, with
 // m = the DP's positions (bin edges, or n) and sc = the scale (prefix sums already scaled to it).
-template <bool Opt>
-__device__ __forceinline__ bool fit_front_b(Smem<Opt>& s, int lane, const KernelArgs& a, std::int64_t lt,
+template <bool Opt, bool W>
+__device__ __forceinline__ bool fit_front_b(Smem<Opt, W>& s, int lane, const KernelArgs& a, std::int64_t lt,
                                             const float (&x)[kIpt], float am, int n, int& m_out, int& sc_out) {
   int m = n;
   if constexpr (!Opt) {
@@ -1044,14 +1200,17 @@ __device__ __forceinline__ bool fit_front_b(Smem<Opt>& s, int lane, const Kernel
 }
 
 // The whole fit of tile lt by the warp: fit.cpp quantize_tile with binned_dp.cpp's fit (binned-dp)
-// or optimal.cpp's (Opt).
-template <bool Opt>
-__device__ __forceinline__ void fit_one(Smem<Opt>& s, int lane, const KernelArgs& a, std::int64_t lt) {
+// or optimal.cpp's (Opt), weighted by the column weights a.cw (W).
+template <bool Opt, bool W>
+__device__ __forceinline__ void fit_one(Smem<Opt, W>& s, int lane, const FitArgs<W>& a, std::int64_t lt) {
   float x[kIpt];
   float am;
   int n, m, sc;
   if (!fit_front_a(s, lane, a, lt, x, am, n)) return;
   if (lane < 2) running_sum(s.p[lane], n);
+  if constexpr (W) {
+    if (lane == 2) running_sum(s.wc, n);  // the prefix weights (SortedTile::wc)
+  }
   // (binned-dp: the other lanes go on to the bin edges, which read only cnt and sync before the DP)
   if constexpr (Opt) __syncwarp();
   if (!fit_front_b(s, lane, a, lt, x, am, n, m, sc)) return;
