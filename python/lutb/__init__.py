@@ -7,6 +7,7 @@ built with nvcc).
 
   quantize(w, fitter=None) -> LutbWeight           fit [..., N, K] (spec 2.1)
   LutbWeight.from_tensors(packed, codebook, scale, shape)   checkpoint tensors (spec 2.2)
+  packed_from_lane_major(kernel_packed)            checkpoint-order bytes from the CUDA kernels' copy
   mxfp8_qdq(x, rule="rceil")                       MXFP8 quantise-dequantise (spec 3)
   route_softmax_topk / route_deepseek              routing (spec 5)
   moe_experts(x, topk_ids, topk_weights, w13, w2)  experts, spec 4 steps 2-6
@@ -27,6 +28,7 @@ from ._api import (
     has_cuda,
     moe_experts,
     mxfp8_qdq,
+    packed_from_lane_major,
     quantize,
     route_deepseek,
     route_softmax_topk,
@@ -41,6 +43,7 @@ __all__ = [
     "has_cuda",
     "moe_experts",
     "mxfp8_qdq",
+    "packed_from_lane_major",
     "quantize",
     "route_deepseek",
     "route_softmax_topk",

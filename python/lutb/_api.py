@@ -285,6 +285,25 @@ def quantize(w: Any, fitter: Optional[str] = None, *, forced_scale: int = -1, th
     return LutbWeight(p, c, s, shape)
 
 
+def packed_from_lane_major(kernel_packed: Any) -> Any:
+    """Checkpoint-order packed bytes (spec 2) from the CUDA kernels' lane-major copy
+    (LutbWeight.kernel_packed(); lutb/cuda/lane_major.hpp): the exact inverse permutation, tile by tile.
+
+    kernel_packed: uint8 torch.Tensor [..., 192] (any leading shape, e.g. [..., Np/8, Kp/64, 192]),
+       on any device. Returns a new uint8 tensor of the same shape and device, computed with torch
+       operations (no host synchronisation).
+    Raises TypeError (not a uint8 torch.Tensor) or ValueError (last size not 192).
+    """
+    if not A.is_torch(kernel_packed):
+        raise TypeError(f"kernel_packed: expected a uint8 torch.Tensor, got {type(kernel_packed).__name__}")
+    if A.dtype_str(kernel_packed) != "uint8":
+        raise TypeError(f"kernel_packed: dtype {A.dtype_str(kernel_packed)} is not uint8")
+    if kernel_packed.dim() < 1 or kernel_packed.shape[-1] != A.PACKED_BYTES:
+        raise ValueError(f"kernel_packed: shape {tuple(kernel_packed.shape)} does not end in {A.PACKED_BYTES} "
+                         "(the packed bytes of one tile)")
+    return I.packed_from_lane_major(kernel_packed)
+
+
 # ---------------------------------------------------------------------------------------------
 # MXFP8 and routing
 # ---------------------------------------------------------------------------------------------

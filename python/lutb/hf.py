@@ -44,7 +44,6 @@ from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 import lutb
-from lutb import _impl as lutb_impl
 
 __all__ = [
     "LutbConfig",
@@ -289,7 +288,7 @@ class LutbExperts(nn.Module):
             for p in _PROJS:
                 packed = getattr(self, f"{p}_packed")
                 if self._lane_major[p]:
-                    packed = lutb_impl.packed_from_lane_major(packed)
+                    packed = lutb.packed_from_lane_major(packed)
                 w = lutb.LutbWeight.from_tensors(
                     packed, getattr(self, f"{p}_codebook"), getattr(self, f"{p}_scale"), self.logical_shapes[p]
                 )
@@ -311,7 +310,7 @@ class LutbExperts(nn.Module):
         for p in _PROJS:
             key = f"{prefix}{p}_packed"
             if module._lane_major.get(p) and key in state_dict:
-                state_dict[key] = lutb_impl.packed_from_lane_major(state_dict[key])
+                state_dict[key] = lutb.packed_from_lane_major(state_dict[key])
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         return lutb_experts_forward(self, hidden_states, top_k_index, top_k_weights)
