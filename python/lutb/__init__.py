@@ -5,7 +5,9 @@ UE8M0 scale (3.140625 bits per weight). This package fits weights to it and runs
 the emulated Rubin numerics of the C++ library (CPU kernels, and Ampere / Hopper CUDA kernels when
 built with nvcc).
 
-  quantize(w, fitter=None) -> LutbWeight           fit [..., N, K] (spec 2.1)
+  quantize(w, fitter=None, column_weights=None) -> LutbWeight   fit [..., N, K] (spec 2.1), optionally
+                                                   weighted by input column (docs/calibration.md)
+  CalibrationStats(path)                           statistics of `lutb calibrate`, column weights
   LutbWeight.from_tensors(packed, codebook, scale, shape)   checkpoint tensors (spec 2.2)
   packed_from_lane_major(kernel_packed)            checkpoint-order bytes from the CUDA kernels' copy
   mxfp8_qdq(x, rule="rceil")                       MXFP8 quantise-dequantise (spec 3)
@@ -33,10 +35,13 @@ from ._api import (
     route_deepseek,
     route_softmax_topk,
 )
+from ._calibration import CalibrationLayer, CalibrationStats
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CalibrationLayer",
+    "CalibrationStats",
     "LutbWeight",
     "default_fitter",
     "fitter_names",
