@@ -39,6 +39,28 @@ def cli_path() -> Path:
     pytest.skip("lutb CLI not found (build it with `cmake --build --preset cpu --target lutb_cli` or set LUTB_CLI)")
 
 
+def read_tensors(folder: Path) -> dict:
+    """Every tensor of a checkpoint folder's *.safetensors (torch), but the shared models' token and
+    activation files."""
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        if f.name in ("val_tokens.safetensors", "moe_activations.safetensors"):
+            continue
+        with safe_open(str(f), "pt") as h:
+            for k in h.keys():
+                out[k] = h.get_tensor(k)
+    return out
+
+
+def raw_bytes(t):
+    """A torch tensor's bytes as uint8 (for byte-for-byte comparisons of any dtype)."""
+    import torch
+
+    return t.contiguous().view(torch.uint8)
+
+
 def calibration_tokens() -> Path:
     """../shared/calib/train_tokens.safetensors (the calibration set; never the models' val_tokens);
     skips the test when it is absent."""
