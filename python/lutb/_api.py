@@ -11,6 +11,8 @@ from . import _impl as I
 from . import _lutb
 
 _LLOYD_FITTERS = ("ct-lloyd", "multistart")  # no GPU kernel: CUDA inputs fit on the CPU
+# The fitters with a weighted objective (lutb/fit.hpp FitOptions::column_weights); the Lloyd fitters have none.
+_WEIGHTED_FITTERS = ("binned-dp", "optimal")
 
 
 MAX_THREADS = 4096  # the CLI's --threads range (src/cli/validators.hpp ThreadCount)
@@ -35,8 +37,10 @@ def _str_arg(v: Any, name: str) -> str:
     return v
 
 
-def _check_quantize(w: Any, fitter: Any, forced_scale: Any, threads: Any, name: Any) -> tuple[int, int]:
-    """The checks of lutb.quantize (also run by torch.ops.lutb.quantize); returns (forced_scale, threads)."""
+def _check_quantize(w: Any, fitter: Any, forced_scale: Any, threads: Any, name: Any,
+                    column_weights: Any = None) -> tuple[int, int, Any]:
+    """The checks of lutb.quantize (also run by torch.ops.lutb.quantize); returns (forced_scale,
+    threads, column_weights as a contiguous float32 [E, K] array of w's kind and device, or None)."""
     A.require_array(w, "w")
     A.require_device(w, "w")
     A.float_source_name(w, "w")
@@ -50,7 +54,48 @@ def _check_quantize(w: Any, fitter: Any, forced_scale: Any, threads: Any, name: 
     if not 0 <= threads <= MAX_THREADS:
         raise ValueError(f"threads: {threads} is not in 0..{MAX_THREADS} (0 = all cores)")
     _str_arg(name, "name")
-    return forced_scale, threads
+    return forced_scale, threads, _check_column_weights(column_weights, w, fitter)
+
+
+def _check_column_weights(cw: Any, w: Any, fitter: str) -> Any:
+    """column_weights of lutb.quantize: None, or float32 [K] or [E, K] (E = the experts of w's stack,
+    the product of its leading sizes; [K] is used for every expert) of w's kind and device, every value
+    finite and > 0 (lutb/fit.hpp FitOptions::column_weights). Returns a contiguous [E, K] array (a copy
+    when broadcast or strided) or None. Reading the values synchronises on CUDA."""
+    if cw is None:
+        return None
+    A.require_array(cw, "column_weights")
+    A.require_device(cw, "column_weights")
+    A.require_same_device("column_weights", w, "w", cw)
+    if A.dtype_str(cw) != "float32":
+        raise TypeError(f"column_weights: dtype {A.dtype_str(cw)} is not float32")
+    if fitter not in _WEIGHTED_FITTERS:
+        raise ValueError(f"column_weights: fitter {fitter!r} has no weighted objective; column weights need "
+                         f"{' or '.join(repr(f) for f in _WEIGHTED_FITTERS)}")
+    shape = tuple(int(v) for v in w.shape)
+    _, e, _, _ = A.tiles_of(shape)
+    k = shape[-1]
+    got = tuple(int(v) for v in cw.shape)
+    if got not in ((k,), (e, k)):
+        raise ValueError(f"column_weights: shape {got} is not [K] = ({k},) or [E, K] = ({e}, {k}) for w of shape "
+                         f"{shape}")
+    if A.is_torch(cw):
+        torch = A.torch_module()
+        bad = torch.nonzero(~((cw > 0) & torch.isfinite(cw)).reshape(-1)).flatten()
+        first = int(bad[0].item()) if bad.numel() else -1
+        value = float(cw.reshape(-1)[first].item()) if first >= 0 else 0.0
+        full = cw.expand(e, k).contiguous()
+    else:
+        bad = np.flatnonzero(~((cw > 0) & np.isfinite(cw)))
+        first = int(bad[0]) if bad.size else -1
+        value = float(cw.reshape(-1)[first]) if first >= 0 else 0.0
+        full = np.broadcast_to(cw, (e, k))
+        if not (full.flags["C_CONTIGUOUS"] and full.flags["WRITEABLE"]):  # the binding takes writeable arrays
+            full = np.array(full, order="C")
+    if first >= 0:
+        where = f"column {first}" if len(got) == 1 else f"expert {first // k}, column {first % k}"
+        raise ValueError(f"column_weights: {where} is {np.float32(value)}; column weights must be finite and > 0")
+    return full
 
 
 def _check_lutb_tensors(arrays: tuple[Any, Any, Any], names: tuple[str, str, str], shape: Any,
@@ -250,8 +295,8 @@ class LutbWeight:
 # ---------------------------------------------------------------------------------------------
 
 
-def quantize(w: Any, fitter: Optional[str] = None, *, forced_scale: int = -1, threads: int = 0,
-             name: str = "w") -> LutbWeight:
+def quantize(w: Any, fitter: Optional[str] = None, *, column_weights: Any = None, forced_scale: int = -1,
+             threads: int = 0, name: str = "w") -> LutbWeight:
     """Fits a weight [N, K] or a stack [..., N, K] to LUT-B (spec 2.1) and returns a LutbWeight.
 
     w: torch.Tensor (bfloat16, float16, float32; CPU or CUDA) or numpy.ndarray (float32, float16,
@@ -261,28 +306,57 @@ def quantize(w: Any, fitter: Optional[str] = None, *, forced_scale: int = -1, th
        the CPU fitter, CUDA tensors with the GPU fitter ("binned-dp", "optimal"): the same bytes as
        `lutb quantize` gives for the same tensor, on either device. "ct-lloyd" and "multistart" have no
        GPU kernel: CUDA tensors fit on the CPU for them (copied there and back).
+    column_weights: None (the data-free fit: each tile's squared error) or the importance d_c > 0 of
+       each input column, so that each tile minimises sum_rc d_c (w_rc - w_hat_rc)^2 (docs/calibration.md;
+       d_c = E[x_c^2] over the inputs x of the projection; CalibrationStats.column_weights gives them).
+       float32, [K] (the same weights for every expert) or [E, K] with E the product of w's leading
+       sizes (1 for a 2-D w), of w's kind and on w's device; any strides. Only "binned-dp" and
+       "optimal" have a weighted objective. Constant weights give exactly the data-free bytes. The
+       bytes are those of the C++ weighted fit (`lutb quantize --calibration`).
     forced_scale: -1 (the fitter's own scale) or a scale byte 3..246 for every tile.
     threads: CPU threads, an int 0..4096 (0 = all cores; the CLI's --threads range).
     name: the tensor's name in error messages.
     Integer arguments take Python or numpy integers (not bool); another type raises TypeError naming it.
-    Raises TypeError (type, dtype) or ValueError (shape, non-contiguous, unknown fitter, a NaN or
-    +-Inf weight or a tile whose magnitude needs a scale byte above 246, named as
-    "quantize: tensor NAME, expert e, tile (tn, tk): NaN at row R col C"). On CUDA this synchronises
-    once (to read the error flag).
+    Raises TypeError (type, dtype; column_weights not float32 or of another kind than w) or ValueError
+    (shape, non-contiguous w, unknown fitter, a NaN or +-Inf weight or a tile whose magnitude needs a
+    scale byte above 246, named as "quantize: tensor NAME, expert e, tile (tn, tk): NaN at row R col
+    C"; column_weights of another shape or device, with a Lloyd fitter, or holding a value that is
+    not finite and > 0: "column_weights: expert e, column c is 0.0; column weights must be finite and
+    > 0"). On CUDA this synchronises once to read the error flag, and once more to check
+    column_weights.
     """
     fitter = default_fitter() if fitter is None else fitter
-    forced_scale, threads = _check_quantize(w, fitter, forced_scale, threads, name)
+    forced_scale, threads, cw = _check_quantize(w, fitter, forced_scale, threads, name, column_weights)
     shape = tuple(int(v) for v in w.shape)
     if A.is_cuda(w):
         if not has_cuda():
             raise ValueError("w: a CUDA tensor, but this lutb build has no CUDA kernels (built without nvcc)")
-        if fitter in _LLOYD_FITTERS:
+        if fitter in _LLOYD_FITTERS:  # never with column weights (refused above)
             return quantize(w.cpu(), fitter, forced_scale=forced_scale, threads=threads, name=name).to(w.device)
     if A.is_torch(w):
-        p, c, s = _ops().quantize(w, fitter, forced_scale, threads, name)
+        p, c, s = _ops().quantize(w, fitter, forced_scale, threads, name, cw)
     else:
-        p, c, s = I.quantize_cpu(w, fitter, forced_scale, threads, name)
+        p, c, s = I.quantize_cpu(w, fitter, forced_scale, threads, name, cw)
     return LutbWeight(p, c, s, shape)
+
+
+def packed_from_lane_major(kernel_packed: Any) -> Any:
+    """Checkpoint-order packed bytes (spec 2) from the CUDA kernels' lane-major copy
+    (LutbWeight.kernel_packed(); lutb/cuda/lane_major.hpp): the exact inverse permutation, tile by tile.
+
+    kernel_packed: uint8 torch.Tensor [..., 192] (any leading shape, e.g. [..., Np/8, Kp/64, 192]),
+       on any device. Returns a new uint8 tensor of the same shape and device, computed with torch
+       operations (no host synchronisation).
+    Raises TypeError (not a uint8 torch.Tensor) or ValueError (last size not 192).
+    """
+    if not A.is_torch(kernel_packed):
+        raise TypeError(f"kernel_packed: expected a uint8 torch.Tensor, got {type(kernel_packed).__name__}")
+    if A.dtype_str(kernel_packed) != "uint8":
+        raise TypeError(f"kernel_packed: dtype {A.dtype_str(kernel_packed)} is not uint8")
+    if kernel_packed.dim() < 1 or kernel_packed.shape[-1] != A.PACKED_BYTES:
+        raise ValueError(f"kernel_packed: shape {tuple(kernel_packed.shape)} does not end in {A.PACKED_BYTES} "
+                         "(the packed bytes of one tile)")
+    return I.packed_from_lane_major(kernel_packed)
 
 
 # ---------------------------------------------------------------------------------------------

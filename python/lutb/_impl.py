@@ -23,13 +23,14 @@ from . import _lutb
 # ---------------------------------------------------------------------------------------------
 
 
-def quantize_cpu(w: Any, fitter: str, forced_scale: int, threads: int, name: str):
-    """(packed, codebook, scale) as uint8 arrays of w's kind (numpy or torch), shapes of spec 2.2."""
+def quantize_cpu(w: Any, fitter: str, forced_scale: int, threads: int, name: str, column_weights: Any = None):
+    """(packed, codebook, scale) as uint8 arrays of w's kind (numpy or torch), shapes of spec 2.2.
+    column_weights: None or float32 [E, K], contiguous, of w's kind (checked by lutb._api)."""
     shape = tuple(w.shape)
     lead, e, tn, tk = A.tiles_of(shape)
     packed, codebook, scale, _, _ = _lutb.quantize_cpu(
         A.raw(w), A.float_source_name(w, "w"), e, shape[-2], shape[-1], len(shape) > 2, fitter, forced_scale,
-        threads, name,
+        None if column_weights is None else A.raw(column_weights), threads, name,
     )
     out = (
         packed.reshape(lead + (tn, tk, A.PACKED_BYTES)),
@@ -45,8 +46,9 @@ def quantize_cpu(w: Any, fitter: str, forced_scale: int, threads: int, name: str
 _FIT_ERRORS = {1: "NaN", 2: "+Inf", 3: "-Inf"}
 
 
-def quantize_cuda(w: Any, fitter: str, forced_scale: int, name: str):
-    """The GPU fitter (same bytes as the CPU one); synchronises once to read the error word."""
+def quantize_cuda(w: Any, fitter: str, forced_scale: int, name: str, column_weights: Any = None):
+    """The GPU fitter (same bytes as the CPU one); synchronises once to read the error word.
+    column_weights: None or a float32 [E, K] CUDA tensor on w's device, contiguous (checked by lutb._api)."""
     torch = A.torch_module()
     shape = tuple(w.shape)
     lead, e, tn, tk = A.tiles_of(shape)
@@ -57,7 +59,7 @@ def quantize_cuda(w: Any, fitter: str, forced_scale: int, name: str):
     err = torch.empty(1, dtype=torch.int64, device=dev)
     _lutb.quantize_cuda(
         A.raw(w), A.float_source_name(w, "w"), e, shape[-2], shape[-1], len(shape) > 2, fitter, forced_scale,
-        packed, codebook, scale, err, A.stream_of(w),
+        None if column_weights is None else A.raw(column_weights), packed, codebook, scale, err, A.stream_of(w),
     )
     word = int(err.item()) & 0xFFFFFFFFFFFFFFFF
     code, tile, pos = _lutb.decode_fit_error(word)

@@ -11,7 +11,8 @@ stream of the input's device; moe_experts and moe_experts_out never synchronise 
 allocate only through torch (CUDA-graph capture works).
 
 Schemas (all LUT-B tensors uint8, spec 2.2 layout; E = experts, I = intermediate size):
-  quantize(w, fitter, forced_scale, threads, name) -> (packed, codebook, scale)
+  quantize(w, fitter, forced_scale, threads, name, column_weights=None) -> (packed, codebook, scale)
+      column_weights: None or float32 [K] / [E, K] on w's device (lutb.quantize documents it)
   dequantize(packed, codebook, scale, shape) -> float32 [shape]
   lane_major(packed) -> packed bytes in the CUDA kernels' lane-major order (CUDA only)
   mxfp8_qdq(x, rule) -> float32 like x
@@ -46,26 +47,27 @@ def _define(schema: str, cpu=None, cuda=None, fake=None) -> None:
 
 
 # quantize ------------------------------------------------------------------------------------
-def _quantize_fake(w, fitter, forced_scale, threads, name):
+def _quantize_fake(w, fitter, forced_scale, threads, name, column_weights=None):
     lead, _, tn, tk = A.tiles_of(tuple(w.shape))
     return (w.new_empty(lead + (tn, tk, A.PACKED_BYTES), dtype=torch.uint8),
             w.new_empty(lead + (tn, tk, A.CODEBOOK_SIZE), dtype=torch.uint8),
             w.new_empty(lead + (tn, tk), dtype=torch.uint8))
 
 
-def _quantize_cpu(w, fitter, forced_scale, threads, name):
-    P._check_quantize(w, fitter, forced_scale, threads, name)
-    return I.quantize_cpu(w, fitter, forced_scale, threads, name)
+def _quantize_cpu(w, fitter, forced_scale, threads, name, column_weights=None):
+    _, _, cw = P._check_quantize(w, fitter, forced_scale, threads, name, column_weights)
+    return I.quantize_cpu(w, fitter, forced_scale, threads, name, cw)
 
 
-def _quantize_cuda(w, fitter, forced_scale, threads, name):
-    P._check_quantize(w, fitter, forced_scale, threads, name)
+def _quantize_cuda(w, fitter, forced_scale, threads, name, column_weights=None):
+    _, _, cw = P._check_quantize(w, fitter, forced_scale, threads, name, column_weights)
     if fitter in P._LLOYD_FITTERS:
         raise ValueError(f"fitter: {fitter!r} has no GPU kernel; lutb.quantize fits CUDA tensors on the CPU for it")
-    return I.quantize_cuda(w, fitter, forced_scale, name)
+    return I.quantize_cuda(w, fitter, forced_scale, name, cw)
 
 
-_define("quantize(Tensor w, str fitter, int forced_scale, int threads, str name) -> (Tensor, Tensor, Tensor)",
+_define("quantize(Tensor w, str fitter, int forced_scale, int threads, str name, Tensor? column_weights=None) "
+        "-> (Tensor, Tensor, Tensor)",
         cpu=_quantize_cpu, cuda=_quantize_cuda,
         fake=_quantize_fake)
 

@@ -15,6 +15,10 @@ Then::
     # BF16 checkpoint: the routed experts are fitted while loading, on the device they load to
     model = AutoModelForCausalLM.from_pretrained(bf16_dir, quantization_config=lutb.hf.LutbConfig(),
                                                  device_map="cuda")
+    # the same, each stack fitted with the column weights of `lutb calibrate` statistics (the bytes of
+    # `lutb quantize --calibration STATS.safetensors`)
+    model = AutoModelForCausalLM.from_pretrained(
+        bf16_dir, quantization_config=lutb.hf.LutbConfig(calibration="STATS.safetensors"))
     # LUT-B checkpoint written by `lutb quantize` or by save_pretrained: loaded without refitting
     model = AutoModelForCausalLM.from_pretrained(lutb_dir, device_map="cuda")
     model.save_pretrained(out_dir)  # per-expert spec 2.2 tensors; `lutb eval out_dir --tokens FILE`
@@ -33,8 +37,10 @@ which needs ``moe_intermediate_size`` to be a multiple of 8.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from transformers.core_model_loading import ConversionOps
@@ -44,7 +50,6 @@ from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 import lutb
-from lutb import _impl as lutb_impl
 
 __all__ = [
     "LutbConfig",
@@ -98,16 +103,27 @@ class LutbConfig(QuantizationConfigMixin):
             pre-quantized checkpoint records the fitter that wrote it and is never refitted.
         act_format: the activations of the expert GEMMs: ``"mxfp8"`` (spec 3 and 4, the Rubin
             numerics) or ``"bf16"``.
+        calibration: a statistics file of ``lutb calibrate`` (str or os.PathLike; docs/calibration.md)
+            or None. When set, quantising while loading fits each MoE layer's ``gate_up_proj`` (w13)
+            with the column weights of its ``gate_up`` statistics and ``down_proj`` (w2) with those of
+            ``down``, found by the checkpoint's tensor names as ``lutb quantize --calibration`` finds
+            them: the same bytes. The file is read, and checked against every experts module of the
+            model, before any weight is loaded. It is a loading option, not part of the stored block
+            (``to_dict`` leaves it out, as ``lutb quantize`` does); transformers ignores a
+            ``quantization_config`` argument for a LUT-B checkpoint (it uses the stored one).
         **kwargs: the other keys of a stored ``quantization_config`` block (format, tile,
             index_bits, codebook_size, codebook_dtype, scale_dtype, activation, activation_block,
             modules, logical_shapes); each is checked against what LUT-B stores.
 
     Raises:
-        ValueError: an unknown act_format, a fitter not in ``lutb.fitter_names()``, or a stored key that says the weights
-            are not 3-bit LUT-B tiles of 8x64 with E4M3 codebooks and UE8M0 scales.
+        ValueError: an unknown act_format, a fitter not in ``lutb.fitter_names()``, calibration with a
+            fitter without a weighted objective (``"ct-lloyd"``, ``"multistart"``), or a stored key that
+            says the weights are not 3-bit LUT-B tiles of 8x64 with E4M3 codebooks and UE8M0 scales.
+        TypeError: calibration neither None, a str nor an os.PathLike.
     """
 
-    def __init__(self, fitter: str = "binned-dp", act_format: str | None = None, **kwargs: Any):
+    def __init__(self, fitter: str = "binned-dp", act_format: str | None = None,
+                 calibration: "str | os.PathLike[str] | None" = None, **kwargs: Any):
         self.quant_method = QUANT_METHOD
         kwargs.pop("quant_method", None)
         activation = kwargs.pop("activation", None)
@@ -119,6 +135,14 @@ class LutbConfig(QuantizationConfigMixin):
             raise ValueError(f"LutbConfig: fitter must be a non-empty string, got {fitter!r}")
         if fitter not in lutb.fitter_names():
             raise ValueError(f"LutbConfig: fitter {fitter!r} is not one of {lutb.fitter_names()}")
+        if calibration is not None:
+            if not isinstance(calibration, (str, os.PathLike)):
+                raise TypeError(f"LutbConfig: calibration must be a path (str or os.PathLike), got "
+                                f"{type(calibration).__name__}")
+            calibration = os.fspath(calibration)
+            if fitter not in ("binned-dp", "optimal"):
+                raise ValueError(f"LutbConfig: fitter {fitter!r} has no weighted objective; calibration needs "
+                                 "'binned-dp' or 'optimal'")
         expected = {
             "format": "lut-b",
             "tile": [TILE_ROWS, TILE_COLS],
@@ -134,6 +158,7 @@ class LutbConfig(QuantizationConfigMixin):
                 raise ValueError(f"quantization_config.{key}: {got!r} is not supported; LUT-B stores {want!r}")
         self.fitter = fitter
         self.act_format = act_format
+        self.calibration = calibration
         self.modules = kwargs.pop("modules", None)
         self.logical_shapes = dict(kwargs.pop("logical_shapes", None) or {})
         # Keys another writer added are kept and written back unchanged.
@@ -289,7 +314,7 @@ class LutbExperts(nn.Module):
             for p in _PROJS:
                 packed = getattr(self, f"{p}_packed")
                 if self._lane_major[p]:
-                    packed = lutb_impl.packed_from_lane_major(packed)
+                    packed = lutb.packed_from_lane_major(packed)
                 w = lutb.LutbWeight.from_tensors(
                     packed, getattr(self, f"{p}_codebook"), getattr(self, f"{p}_scale"), self.logical_shapes[p]
                 )
@@ -311,7 +336,7 @@ class LutbExperts(nn.Module):
         for p in _PROJS:
             key = f"{prefix}{p}_packed"
             if module._lane_major.get(p) and key in state_dict:
-                state_dict[key] = lutb_impl.packed_from_lane_major(state_dict[key])
+                state_dict[key] = lutb.packed_from_lane_major(state_dict[key])
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         return lutb_experts_forward(self, hidden_states, top_k_index, top_k_weights)
@@ -338,8 +363,9 @@ def _empty_lutb(shape) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------------------------------------
 class LutbQuantize(ConversionOps):
     """Fits one fused expert stack (``gate_up_proj`` or ``down_proj``, already merged and
-    concatenated by the model's conversion mapping, on its target device) and stores its LUT-B
-    buffers on the module. The BF16 stack is released when this returns: nothing keeps it."""
+    concatenated by the model's conversion mapping, on its target device), with its column weights
+    when the config names calibration statistics, and stores its LUT-B buffers on the module. The
+    BF16 stack is released when this returns: nothing keeps it."""
 
     def __init__(self, hf_quantizer: "LutbHfQuantizer"):
         self.hf_quantizer = hf_quantizer
@@ -354,7 +380,11 @@ class LutbQuantize(ConversionOps):
         try:
             if tuple(value.shape) != module.logical_shapes[proj]:
                 raise ValueError(f"shape {tuple(value.shape)} differs from {module.logical_shapes[proj]} of the config")
+            cw = self.hf_quantizer.column_weights.get(full_layer_name)
+            if self.hf_quantizer.quantization_config.calibration is not None and cw is None:
+                raise RuntimeError(f"{full_layer_name}: no column weights were prepared for this stack")
             w = lutb.quantize(value.contiguous(), fitter=self.hf_quantizer.quantization_config.fitter,
+                              column_weights=None if cw is None else torch.from_numpy(cw).to(value.device),
                               name=full_layer_name)
         except Exception as e:
             # The loader logs a conversion error and goes on; _check_loaded names it again and stops.
@@ -395,11 +425,43 @@ def _replace_experts(model, act_format: str, online: bool) -> list[str]:
     return replaced
 
 
+def _calibration_weights(model, file: str) -> dict[str, np.ndarray]:
+    """"MODULE.gate_up_proj" / "MODULE.down_proj" of every LutbExperts module -> float32 [E, K], the
+    column weights of that fused stack from the statistics `file`, found by the checkpoint's name of
+    the stack (PREFIX.gate_up_proj, PREFIX.down_proj with the family's PREFIX, e.g. Mixtral's
+    block_sparse_moe) by the C++ rule of `lutb quantize --calibration`.
+
+    Raises OSError / ValueError naming the file (unreadable, not statistics), and ValueError naming
+    the file and the tensor for a stack the statistics do not describe (no layer's prefix matches:
+    a missing layer) or whose experts or columns differ (statistics of another model).
+    """
+    stats = lutb.CalibrationStats(file)
+    family = _family_of(model.config.get_text_config())
+    out: dict[str, np.ndarray] = {}
+    for name, m in model.named_modules():
+        if not isinstance(m, LutbExperts):
+            continue
+        prefix = _checkpoint_prefix(family, name)
+        for proj, cols in (("gate_up_proj", m.hidden_size), ("down_proj", m.intermediate_size)):
+            tensor = f"{prefix}.{proj}"
+            w = stats.weights_for_tensor(tensor, m.num_experts, cols)
+            if w is None:
+                raise ValueError(f"{file}: no calibration statistics for tensor {tensor} (no layer's experts prefix "
+                                 f"matches; the file has layers {list(stats.layers)}; were they collected on this "
+                                 "model?)")
+            out[f"{name}.{proj}"] = w
+    return out
+
+
+def _checkpoint_prefix(family: str, module_name: str) -> str:
+    """The checkpoint's name prefix of an experts module's tensors (Mixtral: ``block_sparse_moe``)."""
+    return module_name.replace(".mlp.experts", f".{_FAMILIES[family][2]}.experts")
+
+
 def _checkpoint_names(family: str, module_name: str, proj: str) -> list[str]:
     """Per-expert checkpoint tensor stems (before the expert index is filled) of a fused stack."""
     gate, up, down = _FAMILIES[family][1]
-    block = _FAMILIES[family][2]
-    prefix = module_name.replace(".mlp.experts", f".{block}.experts")
+    prefix = _checkpoint_prefix(family, module_name)
     if proj == "gate_up_proj":
         return [f"{prefix}.{{e}}.{gate}.weight", f"{prefix}.{{e}}.{up}.weight"]
     return [f"{prefix}.{{e}}.{down}.weight"]
@@ -513,16 +575,24 @@ class LutbHfQuantizer(HfQuantizer):
     * BF16 checkpoint + ``quantization_config=LutbConfig(...)``: the experts modules are replaced on
       the meta device by ``LutbExperts``; each fused BF16 stack is fitted by ``lutb.quantize`` on
       the device it was loaded to (the GPU fitter for CUDA tensors, same bytes as the CPU) as soon as
-      the loader has built it, and then released.
+      the loader has built it, and then released. With ``LutbConfig(calibration=STATS)`` the
+      statistics are read and their column weights prepared for every stack before loading starts
+      (so statistics of another model stop the load before any weight is read), and each stack is
+      fitted with its own.
     * LUT-B checkpoint (``config.json`` quant_method ``"lut_b"``): the per-expert tensors are
       stacked by the model's own conversion mapping into the module's buffers, then checked.
     """
 
+    # transformers' flag means "loads pre-quantized checkpoints only". LUT-B fits BF16 weights while
+    # loading, data-free or with a statistics file (LutbConfig.calibration), which is an input of that
+    # fit and not a pre-quantized checkpoint.
     requires_calibration = False
 
     def __init__(self, quantization_config, **kwargs):
         super().__init__(quantization_config, **kwargs)
         self.fit_errors: dict[str, str] = {}
+        # "MODULE.gate_up_proj" -> float32 [E, K] column weights of the stack (LutbConfig.calibration)
+        self.column_weights: dict[str, np.ndarray] = {}
 
     def validate_environment(self, *args, **kwargs):
         device_map = kwargs.get("device_map")
@@ -548,11 +618,18 @@ class LutbHfQuantizer(HfQuantizer):
         return super().param_element_size(model, param_name, param)
 
     def _process_model_before_weight_loading(self, model, **kwargs):
+        calibration = getattr(self.quantization_config, "calibration", None)
+        if calibration is not None and self.pre_quantized:
+            raise ValueError(f"LutbConfig: calibration {calibration} applies to fitting BF16 experts while loading; "
+                             "this checkpoint is already LUT-B")
         _replace_experts(model, self.quantization_config.act_format, online=not self.pre_quantized)
+        if calibration is not None:
+            self.column_weights = _calibration_weights(model, calibration)
         for cfg in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
             cfg._experts_implementation = "lutb"
 
     def _process_model_after_weight_loading(self, model, **kwargs):
+        self.column_weights = {}
         _check_loaded(model, self.fit_errors)
         q = self.quantization_config
         family = _family_of(model.config.get_text_config())

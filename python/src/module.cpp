@@ -2,13 +2,15 @@
 //
 // Thin entry points over the C++ library. Arrays cross by DLPack (nb::ndarray, zero copy, numpy or
 // torch, CPU or CUDA); 16-bit floats arrive as int16 views and FP8 / UE8M0 bytes as uint8 views, so
-// only raw pointers and the dtype name are read here. The Python layer (python/lutb/_core.py) checks
+// only raw pointers and the dtype name are read here. The Python layer (python/lutb/_api.py) checks
 // dtypes, shapes, devices and contiguity and names the argument in its errors; the checks below are
 // the last line (a wrong size here would read or write out of bounds) and raise ValueError too.
 // Outputs are allocated by the caller (torch.empty / numpy.empty) except quantize_cpu's, which
-// returns the fitter's own buffers without a copy.
+// returns the fitter's own buffers without a copy, and the calibration statistics' arrays (copies
+// owned by numpy). CalibrationStats is the C++ class itself (python/lutb/_calibration.py wraps it).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/map.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
@@ -16,11 +18,13 @@
 
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <numeric>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "lutb/calibration.hpp"
 #include "lutb/cuda/lane_major.hpp"
 #include "lutb/dtype.hpp"
 #include "lutb/fit.hpp"
@@ -80,6 +84,13 @@ nb::ndarray<nb::numpy, std::uint8_t> owned_bytes(std::vector<T>&& v) {
   return nb::ndarray<nb::numpy, std::uint8_t>(heap->data(), {n}, owner);
 }
 
+// A float32 numpy array [rows, cols] that owns `v` (rows * cols values, row-major).
+nb::ndarray<nb::numpy, float> owned_floats(std::vector<float>&& v, std::size_t rows, std::size_t cols) {
+  auto* heap = new std::vector<float>(std::move(v));
+  nb::capsule owner(heap, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
+  return nb::ndarray<nb::numpy, float>(heap->data(), {rows, cols}, owner);
+}
+
 LutbView view_of(const LutbShape& s, const Array& packed, const Array& codebook, const Array& scale,
                  const char* what, bool cuda) {
   const auto tiles = static_cast<std::size_t>(s.tiles());
@@ -91,10 +102,11 @@ LutbView view_of(const LutbShape& s, const Array& packed, const Array& codebook,
 }
 
 // Fits on the CPU; returns packed, codebook and scale as flat uint8 numpy arrays owning the fitter's
-// buffers, and the total squared error and squared weight.
+// buffers, and the total squared error and squared weight. column_weights: None (unweighted) or a CPU
+// float32 array of experts * cols values (FitOptions::column_weights, row-major [experts][cols]).
 nb::tuple quantize_cpu(const Array& src, const std::string& dtype, std::int64_t experts, std::int64_t rows,
-                       std::int64_t cols, bool stacked, const std::string& fitter, int forced_scale, int threads,
-                       const std::string& name) {
+                       std::int64_t cols, bool stacked, const std::string& fitter, int forced_scale,
+                       const std::optional<Array>& column_weights, int threads, const std::string& name) {
   const DType t = source_dtype(dtype);
   const LutbShape s = make_shape(experts, rows, cols, stacked);
   require(src, "w", static_cast<std::size_t>(experts * rows * cols) * dtype_size(t), false);
@@ -102,6 +114,12 @@ nb::tuple quantize_cpu(const Array& src, const std::string& dtype, std::int64_t 
   opt.fitter = fitter;
   opt.forced_scale = forced_scale;
   opt.threads = threads;
+  if (column_weights) {
+    if (column_weights->dtype() != nb::dtype<float>())
+      throw std::invalid_argument("column_weights: expected float32");
+    require(*column_weights, "column_weights", static_cast<std::size_t>(experts * cols) * sizeof(float), false);
+    opt.column_weights = static_cast<const float*>(column_weights->data());
+  }
   LutbTensor out;
   FitStats st;
   {
@@ -254,6 +272,84 @@ void lane_major_cpu(const Array& packed, const Array& out) {
     cuda::tile_to_lane_major(in + t * kPackedBytes, o + t * kPackedBytes);
 }
 
+// Calibration statistics (lutb/calibration.hpp). The reader and the rule throw std::runtime_error
+// naming the file and the tensor; Python sees ValueError with the same message.
+template <class F>
+auto value_errors(F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const std::runtime_error& e) {
+    throw nb::value_error(e.what());
+  }
+}
+
+CalibratedInput calibrated_input(const std::string& projection) {
+  if (projection == "gate_up") return CalibratedInput::kGateUp;
+  if (projection == "down") return CalibratedInput::kDown;
+  throw std::invalid_argument("projection: '" + projection + "' is not 'gate_up' or 'down'");
+}
+
+const LayerCalibration& calibrated_layer(const CalibrationStats& s, int layer) {
+  const auto it = s.layers.find(layer);
+  if (it == s.layers.end())
+    throw std::invalid_argument(s.source + ": no statistics for layer " + std::to_string(layer));
+  return it->second;
+}
+
+// (prefix, experts, hidden, intermediate, tokens [E, 1], gate_up_x2 [E, hidden], down_x2 [E, intermediate]):
+// the statistics of one layer as stored, copied into numpy arrays.
+nb::tuple calibration_layer(const CalibrationStats& s, int layer) {
+  const LayerCalibration& lc = calibrated_layer(s, layer);
+  const auto E = static_cast<std::size_t>(lc.experts);
+  return nb::make_tuple(lc.prefix, lc.experts, lc.hidden, lc.intermediate,
+                        owned_floats(std::vector<float>(lc.tokens), E, 1),
+                        owned_floats(std::vector<float>(lc.gate_up_x2), E, static_cast<std::size_t>(lc.hidden)),
+                        owned_floats(std::vector<float>(lc.down_x2), E, static_cast<std::size_t>(lc.intermediate)));
+}
+
+// CalibrationStats::column_weights as float32 [experts, cols].
+nb::ndarray<nb::numpy, float> calibration_column_weights(const CalibrationStats& s, int layer,
+                                                         const std::string& projection) {
+  const CalibratedInput in = calibrated_input(projection);
+  const LayerCalibration& lc = calibrated_layer(s, layer);
+  const auto cols = static_cast<std::size_t>(in == CalibratedInput::kGateUp ? lc.hidden : lc.intermediate);
+  std::vector<float> w = value_errors([&] { return s.column_weights(layer, in); });
+  return owned_floats(std::move(w), static_cast<std::size_t>(lc.experts), cols);
+}
+
+// CalibrationStats::weights_for_tensor as float32 [experts, cols], or None.
+std::optional<nb::ndarray<nb::numpy, float>> calibration_weights_for_tensor(const CalibrationStats& s,
+                                                                            const std::string& name,
+                                                                            std::int64_t experts, std::int64_t cols,
+                                                                            const std::string& file_for_errors) {
+  if (experts < 1 || cols < 1) throw std::invalid_argument("weights_for_tensor: experts and cols must be >= 1");
+  std::optional<std::vector<float>> w =
+      value_errors([&] { return s.weights_for_tensor(name, experts, cols, file_for_errors); });
+  if (!w) return std::nullopt;
+  return owned_floats(std::move(*w), static_cast<std::size_t>(experts), static_cast<std::size_t>(cols));
+}
+
+void bind_calibration(nb::module_& m) {
+  nb::class_<CalibrationStats>(m, "CalibrationStats")
+      .def_static("load",
+                  [](const std::string& file) {
+                    return value_errors([&] { return CalibrationStats::load(std::filesystem::path(file)); });
+                  })
+      .def_ro("metadata", &CalibrationStats::metadata)
+      .def_ro("source", &CalibrationStats::source)
+      .def("layer_indices",
+           [](const CalibrationStats& s) {
+             std::vector<int> v;
+             for (const auto& kv : s.layers) v.push_back(kv.first);
+             return v;
+           })
+      .def("layer", &calibration_layer)
+      .def("column_weights", &calibration_column_weights)
+      .def("weights_for_tensor", &calibration_weights_for_tensor);
+  m.attr("CALIBRATION_PRIOR_TOKENS") = kPriorTokens;
+  m.attr("CALIBRATION_MIN_RELATIVE_WEIGHT") = kMinRelativeWeight;
+}
+
 }  // namespace
 }  // namespace lutb::python
 
@@ -271,7 +367,9 @@ NB_MODULE(_lutb, m) {
   m.def("default_fitter", &lutb::default_fitter);
   m.def("check_fitter_name", [](const std::string& n) { lutb::check_fitter_name(n); });
   m.def("cpu_isa", &lutb::moe::cpu_isa);
-  m.def("quantize_cpu", &quantize_cpu);
+  m.def("quantize_cpu", &quantize_cpu, nb::arg("src"), nb::arg("dtype"), nb::arg("experts"), nb::arg("rows"),
+        nb::arg("cols"), nb::arg("stacked"), nb::arg("fitter"), nb::arg("forced_scale"),
+        nb::arg("column_weights").none(), nb::arg("threads"), nb::arg("name"));
   m.def("dequantize_cpu", &dequantize_cpu);
   m.def("validate_cpu", &validate_cpu);
   m.def("mxfp8_qdq_cpu", &mxfp8_qdq_cpu);
@@ -280,5 +378,6 @@ NB_MODULE(_lutb, m) {
         nb::arg("topk_group"), nb::arg("scaling"), nb::arg("ids"), nb::arg("weights"));
   m.def("moe_experts_cpu", &moe_experts_cpu);
   m.def("lane_major_cpu", &lane_major_cpu);
+  bind_calibration(m);
   bind_cuda(m);
 }

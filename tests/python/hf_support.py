@@ -1,5 +1,6 @@
-"""Shared helpers of the transformers tests: where the shared models and the lutb CLI are, and one
-CLI runner. Tests that need either skip when it is absent."""
+"""Shared helpers of the transformers and calibration tests: where the shared models, the calibration
+tokens and the lutb CLI are, one CLI runner and calibration statistics made by it. Tests that need
+any of them skip when it is absent."""
 
 from __future__ import annotations
 
@@ -36,6 +37,45 @@ def cli_path() -> Path:
     if found and not env:
         return Path(found)
     pytest.skip("lutb CLI not found (build it with `cmake --build --preset cpu --target lutb_cli` or set LUTB_CLI)")
+
+
+def read_tensors(folder: Path) -> dict:
+    """Every tensor of a checkpoint folder's *.safetensors (torch), but the shared models' token and
+    activation files."""
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        if f.name in ("val_tokens.safetensors", "moe_activations.safetensors"):
+            continue
+        with safe_open(str(f), "pt") as h:
+            for k in h.keys():
+                out[k] = h.get_tensor(k)
+    return out
+
+
+def raw_bytes(t):
+    """A torch tensor's bytes as uint8 (for byte-for-byte comparisons of any dtype)."""
+    import torch
+
+    return t.contiguous().view(torch.uint8)
+
+
+def calibration_tokens() -> Path:
+    """../shared/calib/train_tokens.safetensors (the calibration set; never the models' val_tokens);
+    skips the test when it is absent."""
+    s = shared_dir()
+    if s is None or not (s / "calib" / "train_tokens.safetensors").is_file():
+        pytest.skip("shared calibration tokens not found (set LUTB_SHARED_DIR)")
+    return s / "calib" / "train_tokens.safetensors"
+
+
+def calibrate(model: Path, out: Path, max_tokens: int = 1024) -> Path:
+    """`lutb calibrate MODEL --tokens ../shared/calib/train_tokens.safetensors --max-tokens N -o OUT`
+    (1024 tokens: under a second on the shared models); returns OUT."""
+    run_cli("calibrate", str(model), "--tokens", str(calibration_tokens()), "--max-tokens", str(max_tokens), "-o",
+            str(out))
+    return out
 
 
 def run_cli(*args: str, threads: int = 1) -> dict:

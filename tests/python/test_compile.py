@@ -49,6 +49,8 @@ def test_fake_kernels_give_shapes_and_dtypes():
         assert r_ids.shape == (5, 3) and r_ids.dtype == torch.int32 and r_w.dtype == torch.float32
         p, c, s = torch.ops.lutb.quantize(torch.empty(3, 20, 130), "binned-dp", -1, 0, "w")
         assert p.shape == (3, 3, 3, 192) and c.shape == (3, 3, 3, 8) and s.shape == (3, 3, 3)
+        p, c, s = torch.ops.lutb.quantize(torch.empty(3, 20, 130), "optimal", -1, 0, "w", torch.empty(130))
+        assert p.shape == (3, 3, 3, 192) and c.shape == (3, 3, 3, 8) and s.shape == (3, 3, 3)
 
 
 def test_fullgraph_compile_with_out_argument():
@@ -92,6 +94,8 @@ def test_opcheck_of_every_operator():
         (ops.mxfp8_qdq.default, (torch.randn(5, 40, generator=g), "rceil")),
         (ops.dequantize.default, (w2.packed, w2.codebook, w2.scale, [4, 64, 64])),
         (ops.quantize.default, (torch.randn(2, 16, 64, generator=g), "binned-dp", -1, 0, "w")),
+        (ops.quantize.default, (torch.randn(2, 16, 64, generator=g), "optimal", -1, 0, "w",
+                                torch.rand(2, 64, generator=g) + 0.5)),
     ]
     for op, args in cases:
         try:

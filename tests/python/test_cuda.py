@@ -208,6 +208,8 @@ def test_opcheck_of_the_cuda_kernels():
         (ops.mxfp8_qdq.default, (torch.randn(5, 40, device=DEV), "rceil")),
         (ops.dequantize.default, (w2d.packed, w2d.codebook, w2d.scale, [8, 256, 128])),
         (ops.lane_major.default, (w2d.packed,)),
+        (ops.quantize.default, (torch.randn(2, 16, 64, device=DEV), "optimal", -1, 0, "w",
+                                torch.rand(2, 64, device=DEV) + 0.5)),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))

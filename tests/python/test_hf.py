@@ -13,30 +13,14 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import lutb  # noqa: E402
 import lutb.hf  # noqa: E402
-from hf_support import FAMILY_MODELS, model_dir, run_cli  # noqa: E402
+from hf_support import FAMILY_MODELS, model_dir, raw_bytes, read_tensors, run_cli  # noqa: E402
 
 FAMILIES = list(FAMILY_MODELS)
-
-
-def read_tensors(folder) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        if f.name in ("val_tokens.safetensors", "moe_activations.safetensors"):
-            continue
-        with safe_open(str(f), "pt") as h:
-            for k in h.keys():
-                out[k] = h.get_tensor(k)
-    return out
-
-
-def raw_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
 
 
 @pytest.fixture(scope="module")

@@ -159,11 +159,19 @@ def test_lane_major_host_permutation_is_a_bijection_per_tile():
 
 def test_packed_from_lane_major_inverts_the_permutation():
     """The torch inverse (used after LutbWeight.release_packed on CUDA) undoes lane_major_cpu exactly."""
-    from lutb import _impl, _lutb
+    from lutb import _lutb
 
     q = lutb.quantize(weights((3, 24, 192), 10))
     lm = torch.empty_like(q.packed)
     _lutb.lane_major_cpu(q.packed, lm)
-    assert torch.equal(_impl.packed_from_lane_major(lm), q.packed)
+    assert not torch.equal(lm, q.packed)
+    assert torch.equal(lutb.packed_from_lane_major(lm), q.packed)
+    assert torch.equal(lutb.packed_from_lane_major(lm.reshape(-1, 192)), q.packed.reshape(-1, 192))
+    with pytest.raises(TypeError, match="kernel_packed: dtype int16 is not uint8"):
+        lutb.packed_from_lane_major(lm.view(torch.int16))
+    with pytest.raises(ValueError, match=r"kernel_packed: shape \(3, 3, 3, 96\) does not end in 192"):
+        lutb.packed_from_lane_major(lm[..., :96])
+    with pytest.raises(TypeError, match="kernel_packed: expected a uint8 torch.Tensor, got ndarray"):
+        lutb.packed_from_lane_major(lm.numpy())
     q.release_packed()  # no effect on the CPU
     assert q._packed is not None and q.kernel_packed() is q.packed

@@ -1,0 +1,131 @@
+"""Calibration statistics of `lutb calibrate` (docs/calibration.md), read by the C++ reader.
+
+CalibrationStats wraps lutb::CalibrationStats (lutb/calibration.hpp) through the extension: the
+file's checks, the column weights and the rule for rarely routed experts are the C++ library's, so
+lutb.quantize(w, column_weights=...) with them gives the bytes of `lutb quantize --calibration`.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from typing import Any, NamedTuple, Optional
+
+import numpy as np
+
+from . import _lutb
+
+PROJECTIONS = ("gate_up", "down")  # the input of w13 (gate and up) and of w2 (down)
+
+
+class CalibrationLayer(NamedTuple):
+    """The statistics of one MoE layer as stored (means over the tokens routed to each expert).
+
+    layer: the layer index L; prefix: the checkpoint's name prefix of the layer's experts
+    ("model.layers.L.mlp.experts", Mixtral "model.layers.L.block_sparse_moe.experts");
+    experts, hidden, intermediate: E, hidden_size, moe_intermediate_size;
+    tokens: float32 [E], the tokens routed to each expert;
+    gate_up_x2: float32 [E, hidden], E[x_c^2] of the experts' input;
+    down_x2: float32 [E, intermediate], E[h_c^2] of down's input h = bf16(silu(g) * u).
+    """
+
+    layer: int
+    prefix: str
+    experts: int
+    hidden: int
+    intermediate: int
+    tokens: np.ndarray
+    gate_up_x2: np.ndarray
+    down_x2: np.ndarray
+
+
+def _int(v: Any, name: str) -> int:
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
+    return int(v)
+
+
+class CalibrationStats:
+    """The calibration statistics file of `lutb calibrate -o STATS.safetensors` (docs/calibration.md).
+
+    CalibrationStats(path) reads the whole file (a few KiB per layer) with the C++ reader.
+    Raises OSError (FileNotFoundError, IsADirectoryError, PermissionError) naming the path when it
+    cannot be read, TypeError when path is not a str or os.PathLike, and ValueError naming the file
+    and the tensor for a file that is not calibration statistics: a tensor name that is not
+    PREFIX.E.{gate_up.x2, down.x2, tokens}, a dtype other than F32, a negative or non-finite value,
+    experts of one layer with different column counts, a missing statistic.
+
+    Attributes:
+        path: the file read (str).
+        metadata: the file's safetensors metadata (dict of str): "format" ("lutb-calibration"),
+            "model", "tokens_file", "tokens", "down_input", ...
+        model: metadata["model"], the model folder the statistics were collected on (None if absent).
+        tokens: the number of calibration tokens (int; None if absent).
+        layers: the indices of the MoE layers with statistics, ascending (tuple of int).
+    """
+
+    def __init__(self, path: "str | os.PathLike[str]"):
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path: expected a str or os.PathLike, got {type(path).__name__}")
+        path = os.fspath(path)
+        st = os.stat(path)  # FileNotFoundError / PermissionError naming the path
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(errno.EISDIR, "is a directory, not a calibration statistics file", path)
+        if not os.access(path, os.R_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+        self._stats = _lutb.CalibrationStats.load(path)
+        self.path = path
+        self.metadata = dict(self._stats.metadata)
+        self.layers = tuple(self._stats.layer_indices())
+
+    @property
+    def model(self) -> Optional[str]:
+        return self.metadata.get("model")
+
+    @property
+    def tokens(self) -> Optional[int]:
+        t = self.metadata.get("tokens")
+        return int(t) if t is not None and t.isdigit() else None
+
+    def __repr__(self) -> str:
+        return f"CalibrationStats(path={self.path!r}, model={self.model!r}, tokens={self.tokens}, layers={self.layers})"
+
+    def layer(self, layer: int) -> CalibrationLayer:
+        """The stored statistics of MoE layer `layer` (copies). ValueError when it has none."""
+        layer = _int(layer, "layer")
+        prefix, e, h, i, tokens, gate_up, down = self._stats.layer(layer)
+        return CalibrationLayer(layer, prefix, int(e), int(h), int(i), tokens.reshape(-1), gate_up, down)
+
+    def column_weights(self, layer: int, projection: str) -> np.ndarray:
+        """The column weights of the weighted fit of layer `layer`'s experts, by the C++ rule
+        (CalibrationStats::column_weights; docs/calibration.md "rarely routed experts"): each
+        expert's statistics blended with the layer's by token count, divided by their mean over the
+        columns, raised to at least 1e-3; all ones for a layer no calibration token reached.
+
+        projection: "gate_up" (the input of w13 = [gate; up], K = hidden_size) or "down" (the input
+        of w2, K = moe_intermediate_size).
+        Returns float32 [E, K] (finite, >= 1e-3, mean 1 per expert or all 1), a new numpy array; pass
+        row e as lutb.quantize(w_e, column_weights=...) for expert e's [N, K] weight, or the whole
+        array for the stack [E, N, K].
+        Raises ValueError: no statistics for `layer`, or projection not "gate_up" / "down".
+        """
+        layer = _int(layer, "layer")
+        if projection not in PROJECTIONS:
+            raise ValueError(f"projection: {projection!r} is not 'gate_up' or 'down'")
+        return self._stats.column_weights(layer, projection)
+
+    def weights_for_tensor(self, name: str, experts: int, cols: int) -> Optional[np.ndarray]:
+        """The column weights for a routed-expert tensor of a checkpoint, found by its name as
+        `lutb quantize --calibration` finds them (CalibrationStats::weights_for_tensor): per-expert
+        PREFIX.e.{gate_proj, up_proj, w1, w3}.weight and PREFIX.e.{down_proj, w2}.weight, or the
+        stacks PREFIX.gate_up_proj / PREFIX.down_proj.
+
+        experts, cols: the tensor's expert count (1 for a per-expert tensor) and column count K.
+        Returns float32 [experts, cols], or None when `name` lies under no layer's prefix.
+        Raises ValueError naming this file, the tensor and both shapes when the statistics do not
+        fit the tensor (statistics of another model).
+        """
+        if not isinstance(name, str):
+            raise TypeError(f"name: expected a str, got {type(name).__name__}")
+        return self._stats.weights_for_tensor(name, _int(experts, "experts"), _int(cols, "cols"), self.path)
