@@ -74,6 +74,9 @@ def _fit_error_message(w: Any, name: str, code: int, tile: int, pos: int, tn: in
     e, rem = divmod(tile, tn * tk)
     i, j = divmod(rem, tk)
     where = f"tensor {name}" + (f", expert {e}" if len(shape) > 2 else "") + f", tile ({i}, {j})"
+    if code == 5:  # a column weight that is not finite and > 0 (pos: the column inside the tile)
+        return (f"tensor {name}" + (f", expert {e}" if len(shape) > 2 else "") +
+                f": column weight {j * A.TILE_COLS + pos} is not finite and > 0; column weights must be finite and > 0")
     if code in _FIT_ERRORS:
         r, c = divmod(pos, A.TILE_COLS)
         return f"{where}: {_FIT_ERRORS[code]} at row {i * A.TILE_ROWS + r} col {j * A.TILE_COLS + c}"
