@@ -444,19 +444,6 @@ TEST(Synth, PlannedBytesEqualTheBytesWritten) {
   EXPECT_EQ(synth_checkpoint_bytes(small(3)), 3u * 2u * (4u * 128u + 3u * 4u * 64u * 128u));
 }
 
-// More than any disk holds: refused before anything is written, naming both sizes.
-TEST(Synth, FreeSpaceIsCheckedBeforeWriting) {
-  TempDir t;
-  SynthOptions o = small(1024);
-  o.hidden_size = 65536;
-  o.moe_intermediate_size = 65536;
-  o.num_experts = 4096;
-  const std::string w = error_of<CheckpointError>([&] { synthesize_checkpoint(t.path / "big", o); });
-  EXPECT_NE(w.find((t.path / "big").string() + ": the checkpoint needs"), std::string::npos) << w;
-  EXPECT_NE(w.find("are free on the filesystem of"), std::string::npos) << w;
-  EXPECT_TRUE(entries(t.path, "big").empty());
-}
-
 // SynthOptions::on_start (lutb synth's "will write N bytes" line) is never called when a check refuses, called once with the planned bytes when the write starts.
 TEST(Synth, OnStartOnlyAfterEveryCheckPassed) {
   TempDir t;
