@@ -25,6 +25,7 @@ namespace {
 
 namespace fs = std::filesystem;
 using test::edit_config;
+using test::entries;
 using test::error_of;
 using test::quiet;
 using test::read_file;
@@ -39,15 +40,6 @@ SynthOptions small(std::int64_t layers = 1) {
   o.num_experts = 4;
   o.progress = false;
   return o;
-}
-
-// Every entry of `dir` whose name starts with `prefix`.
-std::vector<std::string> entries(const fs::path& dir, const std::string& prefix) {
-  std::vector<std::string> v;
-  for (const auto& e : fs::directory_iterator(dir))
-    if (e.path().filename().string().rfind(prefix, 0) == 0) v.push_back(e.path().filename().string());
-  std::sort(v.begin(), v.end());
-  return v;
 }
 
 mode_t current_umask() {

@@ -76,10 +76,13 @@ inline std::filesystem::path small_checkpoint(const std::filesystem::path& dir, 
 /// small_checkpoint() of two layers: one shard per layer, with model.safetensors.index.json.
 inline std::filesystem::path two_shard_checkpoint(const std::filesystem::path& dir) { return small_checkpoint(dir, 2); }
 
-/// The names in folder `d`, sorted.
-inline std::vector<std::string> entries(const std::filesystem::path& d) {
+/// The names in folder `d` that start with `prefix` (every name by default), sorted.
+inline std::vector<std::string> entries(const std::filesystem::path& d, const std::string& prefix = "") {
   std::vector<std::string> v;
-  for (const auto& e : std::filesystem::directory_iterator(d)) v.push_back(e.path().filename().string());
+  for (const auto& e : std::filesystem::directory_iterator(d)) {
+    std::string name = e.path().filename().string();
+    if (name.rfind(prefix, 0) == 0) v.push_back(std::move(name));
+  }
   std::sort(v.begin(), v.end());
   return v;
 }
