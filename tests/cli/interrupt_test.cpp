@@ -46,14 +46,7 @@ using test::spawn;
 // A qwen3_moe checkpoint of `layers` layers of `experts` experts of width `width` at hidden size `hidden`.
 void make_checkpoint(const fs::path& dir, std::int64_t layers, std::int64_t hidden, std::int64_t width,
                      std::int64_t experts) {
-  SynthOptions so;
-  so.family = ModelFamily::qwen3_moe;
-  so.layers = layers;
-  so.hidden_size = hidden;
-  so.moe_intermediate_size = width;
-  so.num_experts = experts;
-  so.progress = false;
-  synthesize_checkpoint(dir, so);
+  synthesize_checkpoint(dir, test::synth_options(hidden, width, experts, layers));
 }
 
 // A BF16 checkpoint whose quantisation takes a second or two on one thread (8 layers x 8 experts of
