@@ -20,13 +20,8 @@ using test::TempDir;
 
 // A small synthetic checkpoint (fast to write and quantise).
 SynthOptions small(ModelFamily f, std::int64_t layers = 2, std::int64_t H = 128, std::int64_t I = 64, std::int64_t E = 4) {
-  SynthOptions o;
+  SynthOptions o = test::synth_options(H, I, E, layers);
   o.family = f;
-  o.layers = layers;
-  o.hidden_size = H;
-  o.moe_intermediate_size = I;
-  o.num_experts = E;
-  o.progress = false;
   o.seed = 99;
   return o;
 }
@@ -529,12 +524,7 @@ TEST(QuantizeErrors, ExpertShapeMustMatchTheConfig) {
   TempDir t;
   synthesize_checkpoint(t.path / "in", small(ModelFamily::qwen3_moe, 1, 64, 16, 2));
   const std::string n = "model.layers.0.mlp.experts.1.up_proj.weight";  // [16, 64]
-  std::vector<std::uint8_t> b;
-  {
-    Checkpoint ck(t.path / "in");
-    const TensorView& v = ck.tensor(n);
-    b.assign(v.data, v.data + v.nbytes);
-  }
+  std::vector<std::uint8_t> b = test::owned(Checkpoint(t.path / "in").tensor(n)).bytes;
   {
     std::vector<std::pair<std::string, OwnedTensor>> ts;
     SafetensorsFile f(t.path / "in" / "model.safetensors");
@@ -578,12 +568,7 @@ TEST(QuantizeErrors, NaNWeightNamesTensorAndTile) {
   TempDir t;
   synthesize_checkpoint(t.path / "in", small(ModelFamily::qwen3_moe, 1, 128, 16, 2));
   const std::string n = "model.layers.0.mlp.experts.1.down_proj.weight";  // [128, 16]
-  std::vector<std::uint8_t> b;
-  {
-    Checkpoint ck(t.path / "in");
-    const TensorView& v = ck.tensor(n);
-    b.assign(v.data, v.data + v.nbytes);
-  }
+  std::vector<std::uint8_t> b = test::owned(Checkpoint(t.path / "in").tensor(n)).bytes;
   const std::uint16_t nan = 0x7fc0;
   std::memcpy(b.data() + (100 * 16 + 3) * 2, &nan, 2);  // row 100 col 3: tile (12, 0)
   test::replace_tensor(t.path / "in" / "model.safetensors", n, DType::BF16, b);
