@@ -173,10 +173,18 @@ TileFit fit_tile(const float* values512, const FitOptions& opt) {
   return fit_checked(values512, w, opt.forced_scale, w512);
 }
 
-FitStats quantize(const void* src, DType src_type, const LutbShape& shape, LutbTensor& out,
-                  const FitOptions& opt, const std::string& name) {
-  const Which w = resolve(opt.fitter);
-  check_forced(opt, w);
+namespace {
+
+// ---------------------------------------------------------------------------
+// quantize, step by step: check the arguments, fit every tile (in parallel), then report an
+// interruption or the first tile that could not be fitted, else the summed statistics.
+// ---------------------------------------------------------------------------
+
+// The arguments of quantize, each refusal naming the tensor: the source dtype, the shape (and that its
+// tile count and packed bytes fit 64 bits), the source pointer, the thread count, the fitter's objective
+// and every expert's column weights.
+void check_quantize_args(const void* src, DType src_type, const LutbShape& shape, const FitOptions& opt, Which w,
+                         const std::string& name) {
   if (src_type != DType::F32 && src_type != DType::BF16 && src_type != DType::F16)
     throw std::invalid_argument("quantize: tensor " + name + " has dtype " + std::string(dtype_name(src_type)) +
                                 "; LUT-B fitting reads F32, BF16 or F16");
@@ -211,18 +219,71 @@ FitStats quantize(const void* src, DType src_type, const LutbShape& shape, LutbT
       if (const std::string msg = column_weights_error(opt.column_weights + e * shape.cols, shape.cols); !msg.empty())
         throw std::invalid_argument("quantize: tensor " + name +
                                     (shape.stacked ? ", expert " + std::to_string(e) : std::string()) + ": " + msg);
+}
+
+// Tile t of a tensor of `shape`: its expert and its tile row and column within the expert.
+struct TilePos {
+  std::int64_t e, tn, tk;
+};
+
+TilePos tile_pos(const LutbShape& shape, std::int64_t t) {
+  const std::int64_t tpe = shape.tiles_per_expert(), tk_n = shape.tiles_k();
+  return {t / tpe, (t % tpe) / tk_n, t % tk_n};
+}
+
+// Fits the tile at `p` of `src` (experts of [rows][cols] `src_type` values), weighted by the expert's
+// column weights when opt has them. Throws with the tile check's or the fitter's reason, which names
+// the element as "at tile row R col C".
+TileFit fit_source_tile(const void* src, DType src_type, const LutbShape& shape, const FitOptions& opt, Which w,
+                        const TilePos& p) {
+  const std::size_t expert_bytes = static_cast<std::size_t>(shape.rows * shape.cols) * dtype_size(src_type);
+  float x[kTileSize];
+  gather(static_cast<const std::uint8_t*>(src) + p.e * expert_bytes, src_type, shape.rows, shape.cols, p.tn, p.tk,
+         x);
+  if (const std::string err = check_tile(x); !err.empty()) throw std::invalid_argument(err);
+  float wt[kTileSize];
+  if (opt.column_weights) gather_weights(opt.column_weights + p.e * shape.cols, shape.cols, p.tk, wt);
+  return fit_checked(x, w, opt.forced_scale, opt.column_weights ? wt : nullptr);
+}
+
+// Stores tile t's fit in `out`.
+void store_tile(LutbTensor& out, std::int64_t t, const TileFit& f) {
+  std::memcpy(&out.packed[static_cast<std::size_t>(t) * kPackedBytes], f.block.packed, kPackedBytes);
+  std::memcpy(&out.codebook[static_cast<std::size_t>(t) * kCodebookSize], f.block.codebook, kCodebookSize);
+  out.scale[static_cast<std::size_t>(t)] = f.block.scale;
+}
+
+// The message for a tile that could not be fitted: the tensor, the expert (stacked tensors) and the
+// tile named, "at tile row R col C" rewritten as the tensor's row and column.
+std::string tile_error(const std::string& name, const LutbShape& shape, const TilePos& p, std::string err) {
+  const std::string where = "tensor " + name + (shape.stacked ? ", expert " + std::to_string(p.e) : std::string()) +
+                            ", tile (" + std::to_string(p.tn) + ", " + std::to_string(p.tk) + ")";
+  const auto at = err.find("at tile row ");
+  if (at != std::string::npos) {
+    int r = 0, c = 0;
+    std::sscanf(err.c_str() + at, "at tile row %d col %d", &r, &c);
+    err = err.substr(0, at) + "at row " + std::to_string(p.tn * kTileRows + r) + " col " +
+          std::to_string(p.tk * kTileCols + c);
+  }
+  return where + ": " + err;
+}
+
+}  // namespace
+
+FitStats quantize(const void* src, DType src_type, const LutbShape& shape, LutbTensor& out,
+                  const FitOptions& opt, const std::string& name) {
+  const Which w = resolve(opt.fitter);
+  check_forced(opt, w);
+  check_quantize_args(src, src_type, shape, opt, w, name);
 
   const std::int64_t tiles = shape.tiles();
-  const std::int64_t tpe = shape.tiles_per_expert();
-  const std::int64_t tk_n = shape.tiles_k();
   out.shape = shape;
   out.packed.assign(static_cast<std::size_t>(tiles) * kPackedBytes, 0);
   out.codebook.assign(static_cast<std::size_t>(tiles) * kCodebookSize, 0);
   out.scale.assign(static_cast<std::size_t>(tiles), kUE8M0One);
 
   std::vector<double> sse(static_cast<std::size_t>(tiles)), ssq(static_cast<std::size_t>(tiles));
-  const std::size_t esz = dtype_size(src_type);
-  const std::size_t expert_elems = static_cast<std::size_t>(shape.rows * shape.cols);
+  // The first tile (by index) that could not be fitted, whichever thread met it first.
   std::int64_t bad_tile = std::numeric_limits<std::int64_t>::max();
   std::string bad_msg;
   const int nthreads = opt.threads > 0 ? opt.threads : omp_get_max_threads();
@@ -243,40 +304,22 @@ FitStats quantize(const void* src, DType src_type, const LutbShape& shape, LutbT
       }
       fitted[static_cast<std::size_t>(t)] = 1;
     }
-    const std::int64_t e = t / tpe, tn = (t % tpe) / tk_n, tk = t % tk_n;
-    float x[kTileSize];
-    gather(static_cast<const std::uint8_t*>(src) + e * expert_elems * esz, src_type, shape.rows, shape.cols, tn,
-           tk, x);
-    std::string err = check_tile(x);
-    if (err.empty()) {
-      try {
-        float wt[kTileSize];
-        if (opt.column_weights) gather_weights(opt.column_weights + e * shape.cols, shape.cols, tk, wt);
-        const TileFit f = fit_checked(x, w, opt.forced_scale, opt.column_weights ? wt : nullptr);
-        std::memcpy(&out.packed[static_cast<std::size_t>(t) * kPackedBytes], f.block.packed, kPackedBytes);
-        std::memcpy(&out.codebook[static_cast<std::size_t>(t) * kCodebookSize], f.block.codebook, kCodebookSize);
-        out.scale[static_cast<std::size_t>(t)] = f.block.scale;
-        sse[static_cast<std::size_t>(t)] = f.sse;
-        ssq[static_cast<std::size_t>(t)] = f.sum_sq;
-      } catch (const std::exception& ex) {
-        err = ex.what();
-      }
+    const TilePos p = tile_pos(shape, t);
+    std::string err;
+    try {
+      const TileFit f = fit_source_tile(src, src_type, shape, opt, w, p);
+      store_tile(out, t, f);
+      sse[static_cast<std::size_t>(t)] = f.sse;
+      ssq[static_cast<std::size_t>(t)] = f.sum_sq;
+    } catch (const std::exception& ex) {
+      err = ex.what();
     }
     if (!err.empty()) {
-      // Tile-relative row/col -> tensor row/col for the message.
-      std::string where = "tensor " + name + (shape.stacked ? ", expert " + std::to_string(e) : std::string()) +
-                          ", tile (" + std::to_string(tn) + ", " + std::to_string(tk) + ")";
-      const auto p = err.find("at tile row ");
-      if (p != std::string::npos) {
-        int r = 0, c = 0;
-        std::sscanf(err.c_str() + p, "at tile row %d col %d", &r, &c);
-        err = err.substr(0, p) + "at row " + std::to_string(tn * kTileRows + r) + " col " +
-              std::to_string(tk * kTileCols + c);
-      }
+      std::string msg = tile_error(name, shape, p, std::move(err));
 #pragma omp critical(lutb_fit_error)
       if (t < bad_tile) {
         bad_tile = t;
-        bad_msg = where + ": " + err;
+        bad_msg = std::move(msg);
       }
     }
   }

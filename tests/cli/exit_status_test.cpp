@@ -105,6 +105,25 @@ TEST(CliExitStatus, UsageErrorIsTwoFailureIsOne) {
   EXPECT_TRUE(has(help, "2 a usage error")) << help.out;
 }
 
+// CLI11's parse errors end as every other usage error does: exit status 2 (not CLI11's own codes, 105
+// for a bad value, 109 for an unknown option) with the "lutb: error:" prefix; --help and --version
+// exit 0.
+TEST(CliExitStatus, ParseErrorsExitTwoWithThePrefix) {
+  test::TempDir t;
+  for (const std::string& args : {std::string("--bogus"), "quantize " + q(t.path) + " -o " + q(t.path / "o") + " --bogus",
+                                 "eval " + q(t.path) + " --device gpu", "quantize " + q(t.path),
+                                 "moe " + q(t.path) + " --layer 0 --threads -1"}) {
+    const CliOut r = run(args);
+    EXPECT_EQ(r.code, 2) << args << "\n" << r.out;
+    EXPECT_EQ(r.out.rfind("lutb: error: ", 0), 0u) << args << "\n" << r.out;
+    EXPECT_TRUE(has(r, "--help")) << args << "\n" << r.out;
+  }
+  EXPECT_EQ(run("--help").code, 0);
+  EXPECT_EQ(run("eval --help").code, 0);
+  EXPECT_EQ(run("--version").code, 0);
+  EXPECT_FALSE(fs::exists(t.path / "o"));
+}
+
 // A dense layer given to lutb moe (DeepSeek-V3's layer 0) is a usage error of --layer, as an index beyond the
 // layers is.
 TEST(CliExitStatus, MoeOnADenseLayerIsAUsageError) {

@@ -18,6 +18,7 @@
 #include <future>
 #include <iterator>
 #include <string>
+#include <vector>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -229,6 +230,20 @@ TEST(CliInputPaths, QuantizeKeepsShardsInSubfolders) {
   for (const auto& n : c.names()) EXPECT_EQ(n.find("_proj.weight"), n.find("_proj.weight_")) << n;
 }
 
+// quantize, eval and moe of checkpoint `m`, run through `as` (an unprivileged user): each fails (exit status
+// 1) printing `want` and none of `not_said`; quantize's output `out` is not created.
+void expect_each_command_refuses(const fs::path& m, const fs::path& out, const std::string& as, const std::string& want,
+                                 const std::vector<std::string>& not_said) {
+  for (const std::string& args : {"quantize " + q(m) + " -o " + q(out) + " --no-progress",
+                                  "eval " + q(m) + " --max-windows 1", "moe " + q(m) + " --layer 0"}) {
+    const CliOut r = run(args, as);
+    EXPECT_EQ(r.code, 1) << args << "\n" << r.out;
+    EXPECT_TRUE(has(r, want)) << args << "\n" << r.out;
+    for (const std::string& n : not_said) EXPECT_FALSE(has(r, n)) << args << "\n" << r.out;
+  }
+  EXPECT_FALSE(fs::exists(out));
+}
+
 // A config.json that cannot be read (mode 000) is named with the reason (permission denied) by quantize, moe
 // and eval alike, not as missing.
 TEST(CliInputPaths, UnreadableConfigJsonSaysWhy) {
@@ -238,17 +253,8 @@ TEST(CliInputPaths, UnreadableConfigJsonSaysWhy) {
   const fs::path m = open_folder(t);
   const fs::path config = m / "config.json";
   fs::permissions(config, fs::perms::none);
-  const std::string want = "lutb: error: " + config.string() + ": cannot open: Permission denied";
-  for (const std::string& args : {"quantize " + q(m) + " -o " + q(t.path / "lb") + " --no-progress",
-                                  "eval " + q(m) + " --max-windows 1",
-                                  "moe " + q(m) + " --layer 0"}) {
-    const CliOut r = run(args, as);
-    EXPECT_EQ(r.code, 1) << args << "\n" << r.out;
-    EXPECT_TRUE(has(r, want)) << args << "\n" << r.out;
-    EXPECT_FALSE(has(r, "no config.json")) << args << "\n" << r.out;
-    EXPECT_FALSE(has(r, "not a Hugging Face checkpoint directory")) << args << "\n" << r.out;
-  }
-  EXPECT_FALSE(fs::exists(t.path / "lb"));
+  expect_each_command_refuses(m, t.path / "lb", as, "lutb: error: " + config.string() + ": cannot open: Permission denied",
+                              {"no config.json", "not a Hugging Face checkpoint directory"});
 }
 
 // A checkpoint folder of mode 0 is named with the reason, not the library's "filesystem error: status:
@@ -259,18 +265,11 @@ TEST(CliInputPaths, FolderWithoutPermissionsNamed) {
   TempDir t;
   const fs::path m = open_folder(t);
   fs::permissions(m, fs::perms::none);
-  const std::string want =
-      "lutb: error: " + m.string() + ": cannot look inside the checkpoint directory: Permission denied";
-  for (const std::string& args : {"quantize " + q(m) + " -o " + q(t.path / "lb") + " --no-progress",
-                                  "eval " + q(m) + " --max-windows 1",
-                                  "moe " + q(m) + " --layer 0"}) {
-    const CliOut r = run(args, as);
-    EXPECT_EQ(r.code, 1) << args << "\n" << r.out;
-    EXPECT_TRUE(has(r, want)) << args << "\n" << r.out;
-    EXPECT_FALSE(has(r, "filesystem error")) << args << "\n" << r.out;
-  }
+  expect_each_command_refuses(
+      m, t.path / "lb", as,
+      "lutb: error: " + m.string() + ": cannot look inside the checkpoint directory: Permission denied",
+      {"filesystem error"});
   fs::permissions(m, fs::perms::owner_all);  // for TempDir's removal as non-root
-  EXPECT_FALSE(fs::exists(t.path / "lb"));
 }
 
 // `lutb quantize /dev/null -o x.safetensors` (or a FIFO) names what the input is (a character device, a FIFO),

@@ -12,9 +12,12 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <ostream>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -26,6 +29,7 @@
 
 #include "lutb/checkpoint.hpp"
 #include "lutb/safetensors.hpp"
+#include "support/checkpoint_support.hpp"
 #include "support/cli_support.hpp"
 #include "support/test_support.hpp"
 
@@ -33,70 +37,69 @@ namespace lutb {
 namespace {
 
 namespace fs = std::filesystem;
-using test::CliOut;
+using test::entries;
 using test::has;
-using test::q;
 using test::read_file;
 using test::run;
 using test::spawn;
 
-// Names in `dir` starting with `prefix`, sorted.
-std::vector<std::string> names_with_prefix(const fs::path& dir, const std::string& prefix) {
-  std::vector<std::string> v;
-  for (const auto& e : fs::directory_iterator(dir)) {
-    const std::string n = e.path().filename().string();
-    if (n.rfind(prefix, 0) == 0) v.push_back(n);
-  }
-  std::sort(v.begin(), v.end());
-  return v;
+// A qwen3_moe checkpoint of `layers` layers of `experts` experts of width `width` at hidden size `hidden`.
+void make_checkpoint(const fs::path& dir, std::int64_t layers, std::int64_t hidden, std::int64_t width,
+                     std::int64_t experts) {
+  synthesize_checkpoint(dir, test::synth_options(hidden, width, experts, layers));
 }
 
 // A BF16 checkpoint whose quantisation takes a second or two on one thread (8 layers x 8 experts of
 // 256 x 512: 192 projections), so that a signal sent once the temporary exists lands mid-stream.
-void make_input(const fs::path& dir) {
-  SynthOptions so;
-  so.family = ModelFamily::qwen3_moe;
-  so.layers = 8;
-  so.hidden_size = 512;
-  so.moe_intermediate_size = 256;
-  so.num_experts = 8;
-  so.progress = false;
-  synthesize_checkpoint(dir, so);
+void make_input(const fs::path& dir) { make_checkpoint(dir, 8, 512, 256, 8); }
+
+// OUT.tmp.PID: the temporary output of the run `pid` writing OUT.
+fs::path temporary_of(const fs::path& out, pid_t pid) {
+  return out.parent_path() / (out.filename().string() + ".tmp." + std::to_string(pid));
 }
 
 struct SignalledRun {
-  int status = 0;
-  std::string log;
+  bool ended_first = false;  // the run ended before `appears` existed: no signal was sent
+  int status = 0;            // waitpid's status
+  double seconds = 0;        // from the first signal to the end
+  std::string log;           // stdout and stderr
 };
 
-// Runs quantize IN -o OUT (extra args), waits until OUT.tmp.PID exists, sends `sig`, waits for the end.
-SignalledRun quantize_and_signal(const fs::path& in, const fs::path& out, int sig, const std::vector<std::string>& extra,
-                                 int times = 1) {
-  const fs::path log = out.parent_path() / "log.txt";
-  std::vector<std::string> args = {"quantize", in.string(), "-o", out.string(), "--no-progress"};
-  args.insert(args.end(), extra.begin(), extra.end());
-  if (std::find(extra.begin(), extra.end(), "--threads") == extra.end()) args.insert(args.end(), {"--threads", "1"});
-  const pid_t pid = spawn(args, log);
-  EXPECT_GT(pid, 0);
-  const fs::path tmp = out.parent_path() / (out.filename().string() + ".tmp." + std::to_string(pid));
+// Spawns `lutb ARGS`, waits (2 minutes at most) until the path `appears(pid)` exists, waits `settle` more,
+// sends `sig` `times` times back to back (as `timeout` does), and waits for the end.
+SignalledRun signal_once_it_exists(const std::vector<std::string>& args, const fs::path& log,
+                                   const std::function<fs::path(pid_t)>& appears, int sig, int times = 1,
+                                   std::chrono::milliseconds settle = std::chrono::milliseconds(0)) {
   SignalledRun r;
+  const pid_t pid = spawn(args, log);
+  if (pid <= 0) {  // never kill(-1, sig)
+    ADD_FAILURE() << "fork failed";
+    r.ended_first = true;
+    return r;
+  }
+  const fs::path path = appears(pid);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  bool exited = false;
-  while (!fs::exists(tmp)) {
+  while (!fs::exists(path) && std::chrono::steady_clock::now() < deadline) {
     if (::waitpid(pid, &r.status, WNOHANG) == pid) {
-      exited = true;
-      break;
+      r.ended_first = true;
+      r.log = read_file(log);
+      return r;
     }
-    if (std::chrono::steady_clock::now() > deadline) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
-  if (!exited) {
-    for (int i = 0; i < times; ++i) ::kill(pid, sig);  // times > 1: back to back, as `timeout` does
-    ::waitpid(pid, &r.status, 0);
-  }
+  std::this_thread::sleep_for(settle);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < times; ++i) ::kill(pid, sig);
+  ::waitpid(pid, &r.status, 0);
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   r.log = read_file(log);
-  EXPECT_FALSE(exited) << "quantize ended before its temporary appeared:\n" << r.log;
   return r;
+}
+
+// Whether wait status `status` is death by signal `sig` (the handler re-raises it: shell status 128 + sig).
+::testing::AssertionResult killed_by(int status, int sig) {
+  if (WIFSIGNALED(status) && WTERMSIG(status) == sig) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "wait status " << status << ", not death by signal " << sig;
 }
 
 // A pid that no longer exists: a child that has exited and been reaped.
@@ -142,48 +145,62 @@ TEST(CliInterrupt, OneCtrlCStopsACatastrophicMatch) {
   EXPECT_TRUE(has(run("quantize --help"), "a pattern with nested repetition such as (a|aa)*c can take exponential time"));
 }
 
-TEST(CliInterrupt, SigintDuringForcedQuantizeKeepsTheOldOutput) {
-  test::TempDir t;
-  make_input(t.path / "in");
-  // An existing destination replaced with --force: it must survive an interrupted run untouched.
-  fs::create_directories(t.path / "out");
-  // (a file a checkpoint holds: --force refuses to replace a directory holding anything else)
-  std::ofstream(t.path / "out" / "keep.json") << "the previous output";
-  const SignalledRun r = quantize_and_signal(t.path / "in", t.path / "out", SIGINT, {"--force"});
-  ASSERT_TRUE(WIFSIGNALED(r.status)) << "status " << r.status << "\n" << r.log;  // re-raised: shell status 130
-  EXPECT_EQ(WTERMSIG(r.status), SIGINT) << r.log;
-  EXPECT_NE(r.log.find("interrupted by signal 2"), std::string::npos) << r.log;
-  EXPECT_EQ(names_with_prefix(t.path, "out"), std::vector<std::string>{"out"});  // no out.tmp.*, out.old.*
-  EXPECT_EQ(names_with_prefix(t.path / "out", ""), std::vector<std::string>{"keep.json"});
-  EXPECT_EQ(read_file(t.path / "out" / "keep.json"), "the previous output");
-}
+// A signal while quantize streams tensors (once OUT.tmp.PID exists) stops the run: it dies by that signal
+// (re-raised), says so, removes its temporaries (no OUT.tmp.*, no OUT.old.*), leaves an existing
+// destination it was replacing with --force untouched, and never touches the input.
+struct SignalCase {
+  const char* name;
+  int signal;
+  int times;        // sent back to back
+  const char* threads;
+  bool replacing;   // --force onto an existing output
+};
 
-// GNU timeout (without --foreground) and `kill -- -PGID` signal the process and then its group: the
-// same request twice within microseconds. A signal within a second of the first is the same request:
-// with SA_RESETHAND the second copy, landing on another thread while the first handler ran, would kill
-// the process at once, with no message and OUT.tmp.PID left behind.
-TEST(CliInterrupt, TheSameSignalTwiceAtOnceStillCleansUp) {
+void PrintTo(const SignalCase& c, std::ostream* os) { *os << c.name; }
+
+class SignalDuringQuantize : public ::testing::TestWithParam<SignalCase> {};
+
+TEST_P(SignalDuringQuantize, StopsAndCleansUp) {
+  const SignalCase& c = GetParam();
   test::TempDir t;
   make_input(t.path / "in");
-  for (const int sig : {SIGINT, SIGTERM}) {
-    const SignalledRun r = quantize_and_signal(t.path / "in", t.path / "out", sig, {"--threads", "2"}, /*times=*/3);
-    ASSERT_TRUE(WIFSIGNALED(r.status)) << "status " << r.status << "\n" << r.log;
-    EXPECT_EQ(WTERMSIG(r.status), sig) << r.log;
-    EXPECT_NE(r.log.find("interrupted by signal " + std::to_string(sig)), std::string::npos) << r.log;
-    EXPECT_EQ(r.log.find("lutb: second signal"), std::string::npos) << r.log;
-    EXPECT_TRUE(names_with_prefix(t.path, "out").empty()) << r.log;  // no out, no out.tmp.*
+  std::vector<std::string> args = {"quantize", (t.path / "in").string(), "-o", (t.path / "out").string(),
+                                   "--no-progress", "--threads", c.threads};
+  if (c.replacing) {
+    // (a file a checkpoint holds: --force refuses to replace a directory holding anything else)
+    fs::create_directories(t.path / "out");
+    std::ofstream(t.path / "out" / "keep.json") << "the previous output";
+    args.push_back("--force");
   }
+  const SignalledRun r = signal_once_it_exists(
+      args, t.path / "log.txt", [&](pid_t pid) { return temporary_of(t.path / "out", pid); }, c.signal, c.times);
+  ASSERT_FALSE(r.ended_first) << "quantize ended before its temporary appeared:\n" << r.log;
+  ASSERT_TRUE(killed_by(r.status, c.signal)) << r.log;
+  EXPECT_TRUE(has(r.log, "interrupted by signal " + std::to_string(c.signal))) << r.log;
+  EXPECT_FALSE(has(r.log, "lutb: second signal")) << r.log;
+  if (c.replacing) {
+    EXPECT_EQ(entries(t.path, "out"), std::vector<std::string>{"out"});
+    EXPECT_EQ(entries(t.path / "out"), std::vector<std::string>{"keep.json"});
+    EXPECT_EQ(read_file(t.path / "out" / "keep.json"), "the previous output");
+  } else {
+    EXPECT_TRUE(entries(t.path, "out").empty()) << r.log;
+  }
+  EXPECT_EQ(Checkpoint(t.path / "in").config().num_hidden_layers, 8);
 }
 
-TEST(CliInterrupt, SigtermDuringQuantizeLeavesNothing) {
-  test::TempDir t;
-  make_input(t.path / "in");
-  const SignalledRun r = quantize_and_signal(t.path / "in", t.path / "out", SIGTERM, {});
-  ASSERT_TRUE(WIFSIGNALED(r.status)) << "status " << r.status << "\n" << r.log;  // shell status 143
-  EXPECT_EQ(WTERMSIG(r.status), SIGTERM) << r.log;
-  EXPECT_TRUE(names_with_prefix(t.path, "out").empty()) << r.log;
-  EXPECT_EQ(Checkpoint(t.path / "in").config().num_hidden_layers, 8);  // the input is untouched
-}
+const SignalCase kSignalCases[] = {
+    {"sigint_replacing_an_output_keeps_it", SIGINT, 1, "1", true},
+    {"sigterm_leaves_nothing", SIGTERM, 1, "1", false},
+    // GNU timeout (without --foreground) and `kill -- -PGID` signal the process and then its group: the
+    // same request twice within microseconds. A signal within a second of the first is the same request:
+    // with SA_RESETHAND the second copy, landing on another thread while the first handler ran, would kill
+    // the process at once, with no message and OUT.tmp.PID left behind.
+    {"sigint_three_times_at_once", SIGINT, 3, "2", false},
+    {"sigterm_three_times_at_once", SIGTERM, 3, "2", false},
+};
+
+INSTANTIATE_TEST_SUITE_P(CliInterrupt, SignalDuringQuantize, ::testing::ValuesIn(kSignalCases),
+                         [](const ::testing::TestParamInfo<SignalCase>& info) { return std::string(info.param.name); });
 
 // A signal that arrives while a large projection is being fitted stops that fit: the fitter polls the flag
 // between tiles and the message says where it stopped. One expert of 2048 x 2048 projections (8192 tiles each)
@@ -191,39 +208,17 @@ TEST(CliInterrupt, SigtermDuringQuantizeLeavesNothing) {
 // temporary exists and the router (a few KB) is copied, lands inside a fit.
 TEST(CliInterrupt, SigintInsideOneTensorsFitStopsThatFit) {
   test::TempDir t;
-  SynthOptions so;
-  so.family = ModelFamily::qwen3_moe;
-  so.layers = 1;
-  so.hidden_size = 2048;
-  so.moe_intermediate_size = 2048;
-  so.num_experts = 1;
-  so.progress = false;
-  synthesize_checkpoint(t.path / "in", so);
-  const fs::path out = t.path / "out", log = t.path / "log.txt";
-  const pid_t pid = spawn({"quantize", (t.path / "in").string(), "-o", out.string(), "--threads", "1", "--fitter",
-                           "optimal", "--no-progress"},
-                          log);
-  ASSERT_GT(pid, 0);
-  const fs::path tmp = t.path / ("out.tmp." + std::to_string(pid));
-  int status = 0;
-  bool exited = false;
-  while (!fs::exists(tmp)) {
-    if (::waitpid(pid, &status, WNOHANG) == pid) {
-      exited = true;
-      break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-  ASSERT_FALSE(exited) << read_file(log);
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // past the router copy, into the first fit
-  const auto t0 = std::chrono::steady_clock::now();
-  ::kill(pid, SIGINT);
-  ::waitpid(pid, &status, 0);
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  const std::string text = read_file(log);
-  std::printf("[ info ] the run ended %.3f s after the signal\n", seconds);  // informational, not asserted
-  ASSERT_TRUE(WIFSIGNALED(status)) << "status " << status << "\n" << text;
-  EXPECT_EQ(WTERMSIG(status), SIGINT) << text;
+  make_checkpoint(t.path / "in", 1, 2048, 2048, 1);
+  const fs::path out = t.path / "out";
+  // Past the router copy, into the first fit: 100 ms after the temporary appeared.
+  const SignalledRun r = signal_once_it_exists(
+      {"quantize", (t.path / "in").string(), "-o", out.string(), "--threads", "1", "--fitter", "optimal",
+       "--no-progress"},
+      t.path / "log.txt", [&](pid_t pid) { return temporary_of(out, pid); }, SIGINT, 1, std::chrono::milliseconds(100));
+  ASSERT_FALSE(r.ended_first) << r.log;
+  std::printf("[ info ] the run ended %.3f s after the signal\n", r.seconds);  // informational, not asserted
+  ASSERT_TRUE(killed_by(r.status, SIGINT)) << r.log;
+  const std::string& text = r.log;
   // "...: interrupted by signal 2 (Interrupt) while fitting tensor T after K of 8192 tiles; ..."
   const auto at = text.find("while fitting tensor model.layers.0.mlp.experts.0.");
   ASSERT_NE(at, std::string::npos) << text;
@@ -236,61 +231,33 @@ TEST(CliInterrupt, SigintInsideOneTensorsFitStopsThatFit) {
   EXPECT_LT(done, total) << text;  // stopped inside the tensor, not after it
   // out never existed: "nothing was created at OUT", not "OUT is as it was".
   EXPECT_NE(text.find("nothing was created at " + out.string()), std::string::npos) << text;
-  EXPECT_TRUE(names_with_prefix(t.path, "out").empty()) << text;  // no out, no out.tmp.*
+  EXPECT_TRUE(entries(t.path, "out").empty()) << text;  // no out, no out.tmp.*
 }
 
 // The copy of the other files of a checkpoint polls the flag, so a signal during the copy of a large one (here
 // 2 GB, sparse) stops it.
 TEST(CliInterrupt, SigintWhileCopyingALargeFileStopsTheCopy) {
   test::TempDir t;
-  SynthOptions so;
-  so.family = ModelFamily::qwen3_moe;
-  so.layers = 1;
-  so.hidden_size = 64;
-  so.moe_intermediate_size = 64;
-  so.num_experts = 2;
-  so.progress = false;
-  synthesize_checkpoint(t.path / "in", so);
+  make_checkpoint(t.path / "in", 1, 64, 64, 2);
   {
     std::ofstream(t.path / "in" / "training_state.dat") << "x";
     fs::resize_file(t.path / "in" / "training_state.dat", std::uintmax_t{2} << 30);
   }
-  const fs::path out = t.path / "out", log = t.path / "log.txt";
-  const pid_t pid = spawn({"quantize", (t.path / "in").string(), "-o", out.string(), "--no-progress"}, log);
-  ASSERT_GT(pid, 0);
-  const fs::path copy = t.path / ("out.tmp." + std::to_string(pid)) / "training_state.dat";
-  int status = 0;
-  bool exited = false;
-  while (!fs::exists(copy)) {
-    if (::waitpid(pid, &status, WNOHANG) == pid) {
-      exited = true;
-      break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-  ASSERT_FALSE(exited) << read_file(log);
-  ::kill(pid, SIGINT);
-  ::waitpid(pid, &status, 0);
-  const std::string text = read_file(log);
-  ASSERT_TRUE(WIFSIGNALED(status)) << "status " << status << "\n" << text;
-  EXPECT_EQ(WTERMSIG(status), SIGINT) << text;
-  EXPECT_NE(text.find(out.string() + ": interrupted by signal 2 (Interrupt) while copying " +
-                      (t.path / "in" / "training_state.dat").string() + "; the partial output was removed"),
-            std::string::npos)
-      << text;
-  EXPECT_TRUE(names_with_prefix(t.path, "out").empty()) << text;
+  const fs::path out = t.path / "out";
+  const SignalledRun r = signal_once_it_exists(
+      {"quantize", (t.path / "in").string(), "-o", out.string(), "--no-progress"}, t.path / "log.txt",
+      [&](pid_t pid) { return temporary_of(out, pid) / "training_state.dat"; }, SIGINT);
+  ASSERT_FALSE(r.ended_first) << r.log;
+  ASSERT_TRUE(killed_by(r.status, SIGINT)) << r.log;
+  EXPECT_TRUE(has(r.log, out.string() + ": interrupted by signal 2 (Interrupt) while copying " +
+                             (t.path / "in" / "training_state.dat").string() + "; the partial output was removed"))
+      << r.log;
+  EXPECT_TRUE(entries(t.path, "out").empty()) << r.log;
 }
 
 TEST(CliInterrupt, StaleTemporariesAreReportedNotRemoved) {
   test::TempDir t;
-  SynthOptions so;
-  so.family = ModelFamily::qwen3_moe;
-  so.layers = 1;
-  so.hidden_size = 64;
-  so.moe_intermediate_size = 64;
-  so.num_experts = 2;
-  so.progress = false;
-  synthesize_checkpoint(t.path / "in", so);
+  make_checkpoint(t.path / "in", 1, 64, 64, 2);
   const pid_t dead = dead_pid();
   ASSERT_NE(::kill(dead, 0), 0);
   const fs::path stale = t.path / ("out.tmp." + std::to_string(dead));

@@ -251,14 +251,7 @@ TEST(CliTensorChecks, ForeignBlockScalesRefused) {
 TEST(CliTensorChecks, ExpertsStoredInTwoLayoutsRefused) {
   TempDir t;
   const fs::path bf = t.path / "bf", out = t.path / "lb";
-  SynthOptions o;
-  o.family = ModelFamily::qwen3_moe;
-  o.layers = 1;  // one file, model.safetensors
-  o.hidden_size = 128;
-  o.moe_intermediate_size = 64;
-  o.num_experts = 4;
-  o.progress = false;
-  synthesize_checkpoint(bf, o);
+  synthesize_checkpoint(bf, test::small_synth());  // one layer: one file, model.safetensors
   // Layer 0 gains a stacked copy of its experts (zeros).
   {
     std::vector<std::pair<std::string, OwnedTensor>> all;
@@ -322,22 +315,7 @@ TEST(CliTensorChecks, MissingRoutedExpertNamesTheFileSearched) {
   const fs::path in = t.path / "in";
   ASSERT_EQ(run(kSynthDefaultLayers + "--layers 1 -o " + q(in)).code, 0);
   const std::string gone = "model.layers.0.mlp.experts.3.gate_proj.weight";
-  {
-    std::vector<std::pair<std::string, OwnedTensor>> ts;
-    std::vector<fs::path> shards;
-    {
-      const SafetensorsCollection c = SafetensorsCollection::open_dir(in);
-      for (const auto& n : c.names()) {
-        if (n == gone) continue;
-        const TensorView& v = c.get(n);
-        ts.push_back({n, OwnedTensor{v.dtype, v.shape, std::vector<std::uint8_t>(v.data, v.data + v.nbytes)}});
-      }
-      for (const auto& f : c.files()) shards.push_back(f->path());
-    }
-    for (const auto& s : shards) fs::remove(s);
-    fs::remove(in / "model.safetensors.index.json");
-    write_safetensors(in / "model.safetensors", ts);
-  }
+  test::merge_without(in, gone);
   write_activations_of_layers(t.path / "acts.safetensors", 128, 1);
   const CliOut r = run("moe " + q(in) + " --layer 0 --activations " + q(t.path / "acts.safetensors"));
   EXPECT_EQ(r.code, 1) << r.out;

@@ -9,6 +9,7 @@
 
 #include "lutb/checkpoint.hpp"
 #include "lutb/fit.hpp"
+#include "support/checkpoint_support.hpp"
 #include "support/test_support.hpp"
 
 namespace lutb {
@@ -19,13 +20,8 @@ using test::TempDir;
 
 // A small synthetic checkpoint (fast to write and quantise).
 SynthOptions small(ModelFamily f, std::int64_t layers = 2, std::int64_t H = 128, std::int64_t I = 64, std::int64_t E = 4) {
-  SynthOptions o;
+  SynthOptions o = test::synth_options(H, I, E, layers);
   o.family = f;
-  o.layers = layers;
-  o.hidden_size = H;
-  o.moe_intermediate_size = I;
-  o.num_experts = E;
-  o.progress = false;
   o.seed = 99;
   return o;
 }
@@ -510,25 +506,11 @@ TEST(QuantizeErrors, ForceNeverReplacesTheOtherKind) {
   EXPECT_EQ(read_file(t.path / "file.txt"), "precious");
 }
 
-// Rewrites model.safetensors of `dir` with tensor `name` replaced by `bytes` of `dtype`.
-void replace_tensor(const fs::path& dir, const std::string& name, DType dtype, std::vector<std::uint8_t> bytes) {
-  std::vector<std::pair<std::string, OwnedTensor>> ts;
-  {
-    SafetensorsFile f(dir / "model.safetensors");
-    for (const auto& n : f.names()) {
-      const TensorView& v = f.get(n);
-      if (n == name) ts.push_back({n, OwnedTensor{dtype, v.shape, bytes}});
-      else ts.push_back({n, OwnedTensor{v.dtype, v.shape, std::vector<std::uint8_t>(v.data, v.data + v.nbytes)}});
-    }
-  }
-  write_safetensors(dir / "model.safetensors", ts);
-}
-
 TEST(QuantizeErrors, WrongDtype) {
   TempDir t;
   synthesize_checkpoint(t.path / "in", small(ModelFamily::qwen3_moe, 1, 64, 16, 2));
   const std::string n = "model.layers.0.mlp.experts.1.up_proj.weight";
-  replace_tensor(t.path / "in", n, DType::I16, std::vector<std::uint8_t>(16 * 64 * 2, 1));
+  test::replace_tensor(t.path / "in" / "model.safetensors", n, DType::I16, std::vector<std::uint8_t>(16 * 64 * 2, 1));
   expect_error<CheckpointError>([&] { quantize_checkpoint(t.path / "in", t.path / "out", quiet()); }, {n, "I16", "BF16"});
   EXPECT_FALSE(fs::exists(t.path / "out"));
   expect_error<CheckpointError>([&] { Checkpoint(t.path / "in").experts_source(0); }, {n, "I16"});
@@ -542,12 +524,7 @@ TEST(QuantizeErrors, ExpertShapeMustMatchTheConfig) {
   TempDir t;
   synthesize_checkpoint(t.path / "in", small(ModelFamily::qwen3_moe, 1, 64, 16, 2));
   const std::string n = "model.layers.0.mlp.experts.1.up_proj.weight";  // [16, 64]
-  std::vector<std::uint8_t> b;
-  {
-    Checkpoint ck(t.path / "in");
-    const TensorView& v = ck.tensor(n);
-    b.assign(v.data, v.data + v.nbytes);
-  }
+  std::vector<std::uint8_t> b = test::owned(Checkpoint(t.path / "in").tensor(n)).bytes;
   {
     std::vector<std::pair<std::string, OwnedTensor>> ts;
     SafetensorsFile f(t.path / "in" / "model.safetensors");
@@ -567,7 +544,7 @@ TEST(QuantizeErrors, ExpertShapeMustMatchTheConfig) {
   expect_no_temp(t.path / "out");
 
   // The tensors right, the config wrong: hidden_size doubled.
-  replace_tensor(t.path / "in", n, DType::BF16, b);
+  test::replace_tensor(t.path / "in" / "model.safetensors", n, DType::BF16, b);
   nlohmann::json cfg = Checkpoint(t.path / "in").config().raw;
   cfg["hidden_size"] = 128;
   std::ofstream(t.path / "in" / "config.json") << cfg.dump();
@@ -579,16 +556,9 @@ TEST(QuantizeErrors, ExpertShapeMustMatchTheConfig) {
 TEST(QuantizeErrors, ExpertBiasIsRefused) {
   TempDir t;
   synthesize_checkpoint(t.path / "in", small(ModelFamily::qwen3_moe, 1, 64, 16, 2));
-  std::vector<std::pair<std::string, OwnedTensor>> ts;
-  {
-    SafetensorsFile f(t.path / "in" / "model.safetensors");
-    for (const auto& n : f.names()) {
-      const TensorView& v = f.get(n);
-      ts.push_back({n, OwnedTensor{v.dtype, v.shape, std::vector<std::uint8_t>(v.data, v.data + v.nbytes)}});
-    }
-  }
-  ts.push_back({"model.layers.0.mlp.experts.0.up_proj.bias", OwnedTensor{DType::BF16, {16}, std::vector<std::uint8_t>(32)}});
-  write_safetensors(t.path / "in" / "model.safetensors", ts);
+  test::rewrite_safetensors(
+      t.path / "in" / "model.safetensors", {},
+      {{"model.layers.0.mlp.experts.0.up_proj.bias", OwnedTensor{DType::BF16, {16}, std::vector<std::uint8_t>(32)}}});
   expect_error<CheckpointError>([&] { quantize_checkpoint(t.path / "in", t.path / "out", quiet()); },
                                 {"up_proj.bias", "does not support bias"});
   EXPECT_FALSE(fs::exists(t.path / "out"));
@@ -598,15 +568,10 @@ TEST(QuantizeErrors, NaNWeightNamesTensorAndTile) {
   TempDir t;
   synthesize_checkpoint(t.path / "in", small(ModelFamily::qwen3_moe, 1, 128, 16, 2));
   const std::string n = "model.layers.0.mlp.experts.1.down_proj.weight";  // [128, 16]
-  std::vector<std::uint8_t> b;
-  {
-    Checkpoint ck(t.path / "in");
-    const TensorView& v = ck.tensor(n);
-    b.assign(v.data, v.data + v.nbytes);
-  }
+  std::vector<std::uint8_t> b = test::owned(Checkpoint(t.path / "in").tensor(n)).bytes;
   const std::uint16_t nan = 0x7fc0;
   std::memcpy(b.data() + (100 * 16 + 3) * 2, &nan, 2);  // row 100 col 3: tile (12, 0)
-  replace_tensor(t.path / "in", n, DType::BF16, b);
+  test::replace_tensor(t.path / "in" / "model.safetensors", n, DType::BF16, b);
   expect_error<std::invalid_argument>([&] { quantize_checkpoint(t.path / "in", t.path / "out", quiet()); }, {n, "12"});
   EXPECT_FALSE(fs::exists(t.path / "out"));
   expect_no_temp(t.path / "out");

@@ -56,16 +56,9 @@ using test::tiny_synth;
 
 // Rewrites `file` with BF16 [2, 2] zero tensors `extra` added.
 void add_tensors(const fs::path& file, const std::vector<std::string>& extra) {
-  std::vector<std::pair<std::string, OwnedTensor>> ts;
-  {
-    SafetensorsFile f(file);
-    for (const auto& n : f.names()) {
-      const TensorView& v = f.get(n);
-      ts.push_back({n, OwnedTensor{v.dtype, v.shape, std::vector<std::uint8_t>(v.data, v.data + v.nbytes)}});
-    }
-  }
-  for (const auto& n : extra) ts.push_back({n, OwnedTensor{DType::BF16, {2, 2}, std::vector<std::uint8_t>(8, 0)}});
-  write_safetensors(file, ts);
+  std::vector<std::pair<std::string, OwnedTensor>> add;
+  for (const auto& n : extra) add.push_back({n, test::bf16_zeros_2x2()});
+  test::rewrite_safetensors(file, {}, add);
 }
 
 // Files lutb quantize cannot copy (a tokenizer.json blob missing from a Hugging Face cache snapshot, i.e. a
@@ -194,12 +187,7 @@ TEST(CopiedFiles, LargeUnknownFileIsCopiedWithAWarning) {
 // folder).
 TEST(CopiedFiles, QuantizeDoesNotCopyTheSourceReferenceLosses) {
   TempDir t;
-  SynthOptions o;
-  o.hidden_size = 128;
-  o.moe_intermediate_size = 64;
-  o.num_experts = 2;
-  o.progress = false;
-  synthesize_checkpoint(t.path / "m", o);
+  synthesize_checkpoint(t.path / "m", test::synth_options(128, 64, 2));
   std::ofstream(t.path / "m" / "reference_eval.json") << "{\"val_loss_fp32_compute\": 3.97}";
   std::ofstream(t.path / "m" / "tokenizer.json") << "{}";
   write_safetensors(t.path / "m" / "val_tokens.safetensors",

@@ -23,6 +23,7 @@
 #include "lutb/model.hpp"
 #include "lutb/numerics.hpp"
 #include "lutb/safetensors.hpp"
+#include "support/checkpoint_support.hpp"
 #include "support/cli_support.hpp"
 #include "support/test_support.hpp"
 
@@ -64,13 +65,8 @@ TEST(FitWarnings, QuantizeWarnsWhenAnUnscaledFitterLosesTheTensor) {
 // The same warning through `lutb moe --quant lutb --fitter ct-lloyd` (the online fit of a BF16 checkpoint).
 TEST(FitWarnings, MoeWarnsWhenAnUnscaledFitterLosesTheExperts) {
   TempDir t;
-  SynthOptions so;
-  so.progress = false;
-  so.hidden_size = 64;
-  so.moe_intermediate_size = 64;
-  so.num_experts = 4;
   const fs::path ck = t.path / "ck";
-  synthesize_checkpoint(ck, so);
+  synthesize_checkpoint(ck, test::synth_options(64, 64, 4));
   {  // the routed experts scaled by 1e-30 (exact in BF16's FP32 exponent range)
     const fs::path file = ck / "model.safetensors";
     std::vector<std::pair<std::string, OwnedTensor>> out;

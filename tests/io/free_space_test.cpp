@@ -1,5 +1,6 @@
-// Free-space checks: quantize (checkpoint and file mode) refuses an output larger than the free space
-// before anything is written, and a pseudo file system is named as such, not as full.
+// Free-space checks: quantize (checkpoint and file mode) and synth refuse an output larger than the free
+// space before anything is written, naming both sizes, and a pseudo file system is named as such, not as
+// full.
 #include <gtest/gtest.h>
 
 #include <sys/wait.h>
@@ -122,6 +123,31 @@ TEST(FreeSpace, QuantizeFileChecksFreeSpaceFirst) {
   EXPECT_NE(e.find("are free on the filesystem of " + t.path.string() + "; nothing written"), std::string::npos) << e;
   EXPECT_FALSE(fs::exists(t.path / "sub"));
   EXPECT_EQ(std::distance(fs::directory_iterator(t.path), fs::directory_iterator()), 1);  // only the input
+}
+
+// lutb synth's checkpoint of 1024 layers of 4096 experts of 65536 x 65536 is more than any disk holds:
+// refused before anything is written, naming both sizes.
+TEST(FreeSpace, SynthChecksFreeSpaceFirst) {
+  TempDir t;
+  SynthOptions o = test::small_synth(65536, false, 1024);
+  o.hidden_size = 65536;
+  o.num_experts = 4096;
+  const std::string w = error_of<CheckpointError>([&] { synthesize_checkpoint(t.path / "big", o); });
+  EXPECT_NE(w.find((t.path / "big").string() + ": the checkpoint needs"), std::string::npos) << w;
+  EXPECT_NE(w.find("are free on the filesystem of"), std::string::npos) << w;
+  EXPECT_TRUE(test::entries(t.path).empty());
+}
+
+// The same through the command line: refused before writing, and before announcing what it would write.
+TEST(FreeSpace, SynthCommandRefusesBeforeAnnouncing) {
+  TempDir t;
+  const CliOut big = run("synth --family qwen3_moe --layers 1000 --hidden-size 65536 --experts 4096 --no-progress -o " +
+                         q(t.path / "big"));
+  EXPECT_EQ(big.code, 1) << big.out;
+  EXPECT_FALSE(has(big, "will write")) << big.out;
+  EXPECT_TRUE(has(big, ": the checkpoint needs")) << big.out;
+  EXPECT_TRUE(has(big, "are free on the filesystem of")) << big.out;
+  EXPECT_TRUE(fs::is_empty(t.path)) << "something was written";
 }
 
 }  // namespace

@@ -328,12 +328,7 @@ TEST(OutputPaths, UnresolvableOutputsAreNamedForWhatTheyAre) {
   fs::create_directory(ck);
   const std::string mq = error_of([&] { quantize_checkpoint(ck, t.path / huge, quiet_one_thread()); });
   EXPECT_EQ(mq.rfind((t.path / huge).string() + ": cannot be used as the output: File name too long", 0), 0u) << mq;
-  SynthOptions so;
-  so.progress = false;
-  so.hidden_size = 64;
-  so.moe_intermediate_size = 64;
-  so.num_experts = 2;
-  const std::string ms = error_of([&] { synthesize_checkpoint(t.path / "loop" / "y", so); });
+  const std::string ms = error_of([&] { synthesize_checkpoint(t.path / "loop" / "y", test::synth_options(64, 64, 2)); });
   EXPECT_EQ(ms.rfind((t.path / "loop" / "y").string() + ": cannot be used as the output: ", 0), 0u) << ms;
   fs::remove(ck);
   EXPECT_EQ(entries(t.path), before);

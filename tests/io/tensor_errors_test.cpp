@@ -33,10 +33,13 @@ namespace fs = std::filesystem;
 using test::edit_header;
 using test::error_of;
 using test::has;
+using test::merge_without;
 using test::poke_bytes;
 using test::quiet;
 using test::quiet_one_thread;
 using test::read_json;
+using test::replace_tensor;
+using test::rewrite_safetensors;
 using test::small_checkpoint;
 using test::small_synth;
 using test::small_synth_layers;
@@ -59,54 +62,6 @@ fs::path unlist(const fs::path& dir, const std::string& tensor) {
   j["weight_map"].erase(tensor);
   write_json(index, j);
   return shard;
-}
-
-// Rewrites the safetensors file `file` with one more tensor `name` (BF16 [2, 2], zeros).
-void add_tensor(const fs::path& file, const std::string& name) {
-  std::vector<std::pair<std::string, OwnedTensor>> ts;
-  {
-    const SafetensorsFile f(file);
-    for (const auto& n : f.names()) {
-      const TensorView& v = f.get(n);
-      ts.push_back({n, OwnedTensor{v.dtype, v.shape, std::vector<std::uint8_t>(v.data, v.data + v.nbytes)}});
-    }
-  }
-  ts.push_back({name, OwnedTensor{DType::BF16, {2, 2}, std::vector<std::uint8_t>(8, 0)}});
-  write_safetensors(file, ts);
-}
-
-// Rewrites the checkpoint's shards as one model.safetensors (no index) without tensor `drop`.
-void merge_without(const fs::path& dir, const std::string& drop) {
-  std::vector<std::pair<std::string, OwnedTensor>> ts;
-  std::vector<fs::path> shards;
-  {
-    const SafetensorsCollection c = SafetensorsCollection::open_dir(dir);
-    for (const auto& n : c.names()) {
-      if (n == drop) continue;
-      const TensorView& v = c.get(n);
-      ts.push_back({n, OwnedTensor{v.dtype, v.shape, std::vector<std::uint8_t>(v.data, v.data + v.nbytes)}});
-    }
-    for (const auto& f : c.files()) shards.push_back(f->path());
-  }
-  for (const auto& s : shards) fs::remove(s);
-  fs::remove(dir / "model.safetensors.index.json");
-  write_safetensors(dir / "model.safetensors", ts);
-}
-
-// Rewrites `file` with tensor `name` replaced by `bytes` of `dtype` (same shape).
-void replace_tensor(const fs::path& file, const std::string& name, DType dtype, std::vector<std::uint8_t> bytes) {
-  std::vector<std::pair<std::string, OwnedTensor>> ts;
-  {
-    SafetensorsFile f(file);
-    for (const auto& n : f.names()) {
-      const TensorView& v = f.get(n);
-      if (n == name)
-        ts.push_back({n, OwnedTensor{dtype, v.shape, bytes}});
-      else
-        ts.push_back({n, OwnedTensor{v.dtype, v.shape, std::vector<std::uint8_t>(v.data, v.data + v.nbytes)}});
-    }
-  }
-  write_safetensors(file, ts);
 }
 
 std::vector<std::uint8_t> f64_bytes(const std::vector<double>& v) {
@@ -195,7 +150,7 @@ TEST(TensorErrors, QuantizeReadsOnlyTheTensorsTheIndexLists) {
   const fs::path dir2 = two_shard_checkpoint(t.path / "m2");
   const nlohmann::json idx = read_json(dir2 / "model.safetensors.index.json");
   const fs::path shard2 = dir2 / idx.at("weight_map").at("model.layers.0.mlp.gate.weight").get<std::string>();
-  add_tensor(shard2, "model.stray.weight");
+  rewrite_safetensors(shard2, {}, {{"model.stray.weight", test::bf16_zeros_2x2()}});
   const QuantizeSummary s = quantize_checkpoint(dir2, t.path / "q2", quiet_one_thread());
   EXPECT_EQ(s.warnings, std::vector<std::string>{shard2.string() +
                                                  ": tensor model.stray.weight is not listed in " +
@@ -213,12 +168,7 @@ TEST(TensorErrors, QuantizeReadsOnlyTheTensorsTheIndexLists) {
 // tensors it found and the missing key, not only "no routed-expert tensors found".
 TEST(TensorErrors, QuantizeNamesLutbTensorsWithoutTheirConfig) {
   TempDir t;
-  SynthOptions o;
-  o.hidden_size = 128;
-  o.moe_intermediate_size = 64;
-  o.num_experts = 2;
-  o.progress = false;
-  synthesize_checkpoint(t.path / "bf16", o);
+  synthesize_checkpoint(t.path / "bf16", test::synth_options(128, 64, 2));
   (void)quantize_checkpoint(t.path / "bf16", t.path / "lutb", quiet_one_thread());
   nlohmann::json cfg = read_json(t.path / "lutb" / "config.json");
   ASSERT_TRUE(cfg.contains("quantization_config"));
@@ -256,23 +206,8 @@ TEST(TensorErrors, MissingTensorThroughAnIndexNamesTheIndex) {
   const std::string gone = "model.layers.1.mlp.experts.0.down_proj.weight";
   // Drop it from the index and from its shard.
   const fs::path index = dir / "model.safetensors.index.json";
-  nlohmann::json j = read_json(index);
-  const fs::path shard = dir / j.at("weight_map").at(gone).get<std::string>();
-  j["weight_map"].erase(gone);
-  write_json(index, j);
-  {
-    std::vector<std::pair<std::string, OwnedTensor>> ts;
-    {
-      const SafetensorsFile f(shard);
-      for (const auto& n : f.names()) {
-        if (n == gone) continue;
-        const TensorView& v = f.get(n);
-        ts.push_back({n, OwnedTensor{v.dtype, v.shape, std::vector<std::uint8_t>(v.data, v.data + v.nbytes)}});
-      }
-    }
-    fs::remove(shard);
-    write_safetensors(shard, ts);
-  }
+  const fs::path shard = unlist(dir, gone);
+  rewrite_safetensors(shard, {gone});
   const std::string err = error_of([&] { (void)Checkpoint(dir).experts_source(1); });
   EXPECT_TRUE(has(err, "routed-expert tensor " + gone + " is missing")) << err;
   EXPECT_TRUE(has(err, "; " + index.string() + "'s weight_map does not list it (nor does any of its 2 shards hold it)"))

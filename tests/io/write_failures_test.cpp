@@ -53,13 +53,8 @@ TEST(WriteFailures, FailedWriteNamesTheOutputAndLeavesItAsItWas) {
   TempDir t;
   const fs::path work = t.path / "w";
   fs::create_directory(work);
-  SynthOptions so;
-  so.progress = false;
-  so.hidden_size = 64;
-  so.moe_intermediate_size = 128;
-  so.num_experts = 4;
   const fs::path ck = t.path / "ck";
-  synthesize_checkpoint(ck, so);  // 4 x 3 x 64 x 128 BF16 experts: about 39 KB of LUT-B
+  synthesize_checkpoint(ck, test::synth_options(64, 128, 4));  // 4 x 3 x 64 x 128 BF16 experts: about 39 KB of LUT-B
   {
     SafetensorsFile f(ck / "model.safetensors");
     std::vector<std::pair<std::string, OwnedTensor>> one;
@@ -111,13 +106,8 @@ TEST(WriteFailures, FailedWriteNamesTheOutputAndLeavesItAsItWas) {
 // shard itself below it): the output is named and said to be as it was.
 TEST(WriteFailures, FailedCopyNamesTheOutputAndLeavesItAsItWas) {
   TempDir t;
-  SynthOptions so;
-  so.progress = false;
-  so.hidden_size = 64;
-  so.moe_intermediate_size = 32;
-  so.num_experts = 2;
   const fs::path ck = t.path / "ck";
-  synthesize_checkpoint(ck, so);
+  synthesize_checkpoint(ck, test::tiny_synth());
   ASSERT_LT(fs::file_size(ck / "model.safetensors"), 32u * 1024);  // its LUT-B output is below the limit
   { std::ofstream(ck / "tokenizer.json") << std::string(64 * 1024, 'x'); }
   const fs::path work = t.path / "w";

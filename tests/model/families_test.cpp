@@ -39,9 +39,33 @@ struct Writer {
     add(p + ".up_proj.weight", {I, H});
     add(p + ".down_proj.weight", {H, I});
   }
+  // The token embedding, the final norm (ones) and the LM head.
+  void ends();
+  // Layer `l`'s two RMSNorm weights (ones); returns the layer's name prefix "model.layers.L.".
+  std::string layer(int l);
+  // The router and the routed experts under prefix `p` ("model.layers.L.mlp.").
+  void routed_experts(const std::string& p);
 };
 
 constexpr std::int64_t H = 64, V = 97, E = 4, I = 64, L = 2;
+
+void Writer::ends() {
+  add("model.embed_tokens.weight", {V, H}, 1.0f);
+  add("model.norm.weight", {H}, 0, 1);
+  add("lm_head.weight", {V, H});
+}
+
+std::string Writer::layer(int l) {
+  const std::string p = "model.layers." + std::to_string(l) + ".";
+  add(p + "input_layernorm.weight", {H}, 0, 1);
+  add(p + "post_attention_layernorm.weight", {H}, 0, 1);
+  return p;
+}
+
+void Writer::routed_experts(const std::string& p) {
+  add(p + "gate.weight", {E, H});
+  for (int e = 0; e < E; ++e) mlp(p + "experts." + std::to_string(e), H, I);
+}
 
 void write_model(const std::filesystem::path& dir, const json& cfg, Writer& w) {
   std::filesystem::create_directories(dir);
@@ -65,21 +89,16 @@ TEST(ModelFamilies, Qwen2MoeBiasAndGatedSharedExpert) {
   test::TempDir tmp;
   Writer w;
   const std::int64_t nh = 4, nkv = 2, hd = 16;
-  w.add("model.embed_tokens.weight", {V, H}, 1.0f);
-  w.add("model.norm.weight", {H}, 0, 1);
-  w.add("lm_head.weight", {V, H});
+  w.ends();
   for (int l = 0; l < L; ++l) {
-    const std::string p = "model.layers." + std::to_string(l) + ".";
-    w.add(p + "input_layernorm.weight", {H}, 0, 1);
-    w.add(p + "post_attention_layernorm.weight", {H}, 0, 1);
+    const std::string p = w.layer(l);
     for (const char* n : {"q", "k", "v"}) {
       const std::int64_t out = std::string(n) == "q" ? nh * hd : nkv * hd;
       w.add(p + "self_attn." + n + "_proj.weight", {out, H});
       w.add(p + "self_attn." + n + "_proj.bias", {out});
     }
     w.add(p + "self_attn.o_proj.weight", {H, nh * hd});
-    w.add(p + "mlp.gate.weight", {E, H});
-    for (int e = 0; e < E; ++e) w.mlp(p + "mlp.experts." + std::to_string(e), H, I);
+    w.routed_experts(p + "mlp.");
     w.mlp(p + "mlp.shared_expert", H, 96);
     w.add(p + "mlp.shared_expert_gate.weight", {1, H});
   }
@@ -97,19 +116,14 @@ TEST(ModelFamilies, OlmoeWholeProjectionQkNormAndClip) {
   test::TempDir tmp;
   Writer w;
   const std::int64_t nh = 4, hd = 16;
-  w.add("model.embed_tokens.weight", {V, H}, 1.0f);
-  w.add("model.norm.weight", {H}, 0, 1);
-  w.add("lm_head.weight", {V, H});
+  w.ends();
   for (int l = 0; l < L; ++l) {
-    const std::string p = "model.layers." + std::to_string(l) + ".";
-    w.add(p + "input_layernorm.weight", {H}, 0, 1);
-    w.add(p + "post_attention_layernorm.weight", {H}, 0, 1);
+    const std::string p = w.layer(l);
     for (const char* n : {"q", "k", "v"}) w.add(p + "self_attn." + n + "_proj.weight", {nh * hd, H});
     w.add(p + "self_attn.q_norm.weight", {nh * hd}, 0, 1);
     w.add(p + "self_attn.k_norm.weight", {nh * hd}, 0, 1);
     w.add(p + "self_attn.o_proj.weight", {H, nh * hd});
-    w.add(p + "mlp.gate.weight", {E, H});
-    for (int e = 0; e < E; ++e) w.mlp(p + "mlp.experts." + std::to_string(e), H, I);
+    w.routed_experts(p + "mlp.");
   }
   json cfg = {{"model_type", "olmoe"}, {"hidden_size", H}, {"num_hidden_layers", L}, {"vocab_size", V},
               {"num_attention_heads", nh}, {"num_experts", E}, {"num_experts_per_tok", 2},
@@ -123,13 +137,9 @@ TEST(ModelFamilies, DeepseekV2MlaWithoutQLoraGroupLimitedGreedy) {
   test::TempDir tmp;
   Writer w;
   const std::int64_t nh = 2, nope = 16, rd = 8, vd = 16, r = 32;
-  w.add("model.embed_tokens.weight", {V, H}, 1.0f);
-  w.add("model.norm.weight", {H}, 0, 1);
-  w.add("lm_head.weight", {V, H});
+  w.ends();
   for (int l = 0; l < L; ++l) {
-    const std::string p = "model.layers." + std::to_string(l) + ".";
-    w.add(p + "input_layernorm.weight", {H}, 0, 1);
-    w.add(p + "post_attention_layernorm.weight", {H}, 0, 1);
+    const std::string p = w.layer(l);
     w.add(p + "self_attn.q_proj.weight", {nh * (nope + rd), H});
     w.add(p + "self_attn.kv_a_proj_with_mqa.weight", {r + rd, H});
     w.add(p + "self_attn.kv_a_layernorm.weight", {r}, 0, 1);
@@ -139,8 +149,7 @@ TEST(ModelFamilies, DeepseekV2MlaWithoutQLoraGroupLimitedGreedy) {
       w.mlp(p + "mlp", H, 128);
       continue;
     }
-    w.add(p + "mlp.gate.weight", {E, H});
-    for (int e = 0; e < E; ++e) w.mlp(p + "mlp.experts." + std::to_string(e), H, I);
+    w.routed_experts(p + "mlp.");
     w.mlp(p + "mlp.shared_experts", H, 2 * I);
   }
   const json cfg = {{"model_type", "deepseek_v2"}, {"hidden_size", H}, {"num_hidden_layers", L}, {"vocab_size", V},

@@ -3,9 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <exception>
 #include <filesystem>
-#include <fstream>
-#include <functional>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -21,53 +20,22 @@ namespace lutb {
 namespace {
 
 namespace fs = std::filesystem;
+using test::copy_model;
+using test::edit_config;
 using test::edit_header;
 using test::error_of;
 using test::poke_bf16;
+using test::small_synth;
 using test::TempDir;
 
-// Sets the dtype of tensor `name` in the header of `file` (same element size), keeping the header length.
-void set_dtype(const fs::path& file, const std::string& name, const std::string& dtype) {
-  edit_header(file, [&](nlohmann::json& j) { j[name]["dtype"] = dtype; });
-}
-
-// Edits config.json of checkpoint folder `dir`.
-void edit_config(const fs::path& dir, const std::function<void(nlohmann::json&)>& edit) {
-  nlohmann::json j;
-  {
-    std::ifstream in(dir / "config.json");
-    j = nlohmann::json::parse(in);
-  }
-  edit(j);
-  std::ofstream(dir / "config.json") << j.dump(1);
-}
-
+// The message of building layer 0's MoE block of checkpoint `dir` with quantisation `q` (one fit
+// thread), when it throws an `Ex`; "no exception" when it builds.
+template <class Ex = std::exception>
 std::string build_error(const fs::path& dir, model::Quant q) {
   model::MoeOptions o;
   o.quant = q;
   o.fit.threads = 1;
-  return error_of([&] {
-    model::CheckpointMoe moe(dir, o);
-    moe.build(0);
-  });
-}
-
-SynthOptions small(bool stacked) {
-  SynthOptions o;
-  o.family = ModelFamily::qwen3_moe;
-  o.layers = 1;
-  o.hidden_size = 128;
-  o.moe_intermediate_size = 64;
-  o.num_experts = 4;
-  o.stacked = stacked;
-  o.progress = false;
-  return o;
-}
-
-std::string model_error_of_build(const fs::path& dir, model::Quant q) {
-  model::MoeOptions o;
-  o.quant = q;
-  return error_of<model::ModelError>([&] {
+  return error_of<Ex>([&] {
     model::CheckpointMoe moe(dir, o);
     moe.build(0);
   });
@@ -76,13 +44,9 @@ std::string model_error_of_build(const fs::path& dir, model::Quant q) {
 TEST(ModelLoadErrors, NonFloatTensorErrorNamesTheFileOnce) {
   LUTB_MODEL_OR_SKIP(dir, "tiny-mixtral");
   TempDir t;
-  const fs::path m = t.path / "m";
-  fs::create_directories(m);
-  for (const char* f : {"config.json", "model.safetensors", "val_tokens.safetensors"}) {
-    fs::copy_file(dir / f, m / f);
-    fs::permissions(m / f, fs::perms::owner_read | fs::perms::owner_write);
-  }
-  set_dtype(m / "model.safetensors", "model.layers.0.input_layernorm.weight", "I16");
+  const fs::path m = copy_model(dir, t.path / "m");
+  edit_header(m / "model.safetensors",
+              [](nlohmann::json& j) { j["model.layers.0.input_layernorm.weight"]["dtype"] = "I16"; });
   const test::CliResult r = test::run_cli("eval " + test::q(m) + " --max-windows 1");
   EXPECT_EQ(r.status, 1);
   EXPECT_NE(r.err.find("lutb: error: " + (m / "model.safetensors").string() +
@@ -92,83 +56,78 @@ TEST(ModelLoadErrors, NonFloatTensorErrorNamesTheFileOnce) {
 }
 
 // moe_intermediate_size 2e9 (a corrupt config.json) on a checkpoint of width 64 is refused naming the stored
-// tensor: the stored shapes are checked before the expert stacks are allocated at config.json's size.
+// tensor: the stored shapes are checked before the expert stacks are allocated at config.json's size. The
+// shard that holds the tensor is named, and where the expected shape comes from (the folder's config.json).
 TEST(ModelLoadErrors, HugeExpertWidthNamesTheTensorBeforeAllocating) {
+  const struct {
+    bool stacked;
+    const char* bf16_shapes;  // the BF16 checkpoint's first expert tensor, its shape and the expected one
+    model::Quant other_quant;  // a quantisation on the fly, besides LUT-B or none
+    const char* lutb_error;   // the LUT-B checkpoint's, after "FILE: "
+  } cases[] = {
+      {true, "tensor model.layers.0.mlp.experts.gate_up_proj has shape [4, 128, 128], expected [4, 4000000000, 128]",
+       model::Quant::Lutb,
+       "tensor model.layers.0.mlp.experts.gate_up_proj_packed (layer 0) has shape [4, 16, 2, 192], expected [4, "
+       "500000000, 2, 192] for logical shape [4, 4000000000, 128] (spec 2.2)"},
+      {false, "tensor model.layers.0.mlp.experts.0.gate_proj.weight has shape [64, 128], expected [2000000000, 128]",
+       model::Quant::Int3G128,
+       "tensor model.layers.0.mlp.experts.0.gate_proj.weight_packed (layer 0, expert 0) has shape [8, 2, 192], "
+       "expected [250000000, 2, 192] for logical shape [2000000000, 128] (spec 2.2)"},
+  };
   TempDir t;
-  for (bool stacked : {false, true}) {
-    SynthOptions o;
-    o.family = ModelFamily::qwen3_moe;
-    o.layers = 1;
-    o.hidden_size = 128;
-    o.moe_intermediate_size = 64;
-    o.num_experts = 4;
-    o.stacked = stacked;
-    o.progress = false;
-    const fs::path bf = t.path / (stacked ? "bf_st" : "bf_pe"), lb = t.path / (stacked ? "lb_st" : "lb_pe");
-    synthesize_checkpoint(bf, o);
-    QuantizeOptions q;
-    q.progress = false;
-    q.fit.threads = 1;
-    quantize_checkpoint(bf, lb, q);
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.stacked ? "stacked" : "per expert");
+    const fs::path bf = t.path / (c.stacked ? "bf_st" : "bf_pe"), lb = t.path / (c.stacked ? "lb_st" : "lb_pe");
+    synthesize_checkpoint(bf, small_synth(64, c.stacked));
+    quantize_checkpoint(bf, lb, test::quiet_one_thread());
     const auto huge = [](nlohmann::json& j) { j["moe_intermediate_size"] = 2000000000; };
     edit_config(bf, huge);
     edit_config(lb, huge);
-    const std::string file = (lb / "model.safetensors").string();
-    if (stacked) {
-      // The shard that holds the tensor and where the expected shape comes from (the folder).
-      const std::string want = (bf / "model.safetensors").string() +
-                               ": tensor model.layers.0.mlp.experts.gate_up_proj has shape [4, 128, 128], expected "
-                               "[4, 4000000000, 128] from " +
-                               (bf / "config.json").string() + " (hidden_size 128, expert width 2000000000, 4 experts)";
-      EXPECT_EQ(build_error(bf, model::Quant::None), want);
-      EXPECT_EQ(build_error(bf, model::Quant::Lutb), want);
-      EXPECT_EQ(build_error(lb, model::Quant::Lutb),
-                file + ": tensor model.layers.0.mlp.experts.gate_up_proj_packed (layer 0) has shape [4, 16, 2, 192], "
-                       "expected [4, 500000000, 2, 192] for logical shape [4, 4000000000, 128] (spec 2.2)");
-    } else {
-      const std::string want = (bf / "model.safetensors").string() +
-                               ": tensor model.layers.0.mlp.experts.0.gate_proj.weight has shape [64, 128], expected "
-                               "[2000000000, 128] from " +
-                               (bf / "config.json").string() + " (hidden_size 128, expert width 2000000000, 4 experts)";
-      EXPECT_EQ(build_error(bf, model::Quant::None), want);
-      EXPECT_EQ(build_error(bf, model::Quant::Int3G128), want);
-      EXPECT_EQ(build_error(lb, model::Quant::Lutb),
-                file + ": tensor model.layers.0.mlp.experts.0.gate_proj.weight_packed (layer 0, expert 0) has shape "
-                       "[8, 2, 192], expected [250000000, 2, 192] for logical shape [2000000000, 128] (spec 2.2)");
-    }
+    const std::string want = (bf / "model.safetensors").string() + ": " + c.bf16_shapes + " from " +
+                             (bf / "config.json").string() + " (hidden_size 128, expert width 2000000000, 4 experts)";
+    EXPECT_EQ(build_error(bf, model::Quant::None), want);
+    EXPECT_EQ(build_error(bf, c.other_quant), want);
+    EXPECT_EQ(build_error(lb, model::Quant::Lutb), (lb / "model.safetensors").string() + ": " + c.lutb_error);
   }
 }
 
+// A weight that cannot be quantised on the fly (non-finite, or too large for LUT-B's scale) is named with its
+// stored tensor, layer, expert, row and column; the BF16 reference (no quantisation) runs as stored.
 TEST(ModelLoadErrors, OnTheFlyQuantisationNamesTheStoredTensor) {
-  TempDir t;
-  synthesize_checkpoint(t.path / "pe", small(false));
-  const fs::path file = t.path / "pe" / "model.safetensors";
-  // Per-expert: expert 1's up_proj [64, 128], row 5 col 7 (row 69 of the fused [2I, H] stack).
-  poke_bf16(file, "model.layers.0.mlp.experts.1.up_proj.weight", 5 * 128 + 7, 0x7fc0);
-  EXPECT_EQ(model_error_of_build(t.path / "pe", model::Quant::Lutb),
-            file.string() +
-                ": tensor model.layers.0.mlp.experts.1.up_proj.weight (layer 0, expert 1), row 5 col 7: NaN; a "
-                "non-finite weight cannot be quantised to LUT-B (spec 2.1)");
-  EXPECT_EQ(model_error_of_build(t.path / "pe", model::Quant::Int3G128),
-            file.string() +
-                ": tensor model.layers.0.mlp.experts.1.up_proj.weight (layer 0, expert 1), row 5 col 7: NaN; a "
-                "non-finite weight cannot be quantised to int3-g128");
-  EXPECT_EQ(model_error_of_build(t.path / "pe", model::Quant::None), "no exception");  // the BF16 reference runs as stored
-
-  // Stacked: expert 2's gate_up_proj rows, -Inf in the up half; and a magnitude too large for LUT-B
-  // in down_proj.
-  synthesize_checkpoint(t.path / "st", small(true));
-  const fs::path sf = t.path / "st" / "model.safetensors";
-  poke_bf16(sf, "model.layers.0.mlp.experts.down_proj", 3 * 128 * 64 + 100 * 64 + 9, 0x7f7f);  // 3.39e38
-  EXPECT_EQ(model_error_of_build(t.path / "st", model::Quant::Lutb),
-            sf.string() +
-                ": tensor model.layers.0.mlp.experts.down_proj (layer 0, expert 3), row 100 col 9: magnitude "
-                "3.3895314e+38 needs a scale byte above 246 (spec section 2); it cannot be quantised to LUT-B");
-  poke_bf16(sf, "model.layers.0.mlp.experts.gate_up_proj", 2 * 128 * 128 + 70 * 128 + 3, 0xff80);
-  EXPECT_EQ(model_error_of_build(t.path / "st", model::Quant::Mxfp4),
-            sf.string() +
-                ": tensor model.layers.0.mlp.experts.gate_up_proj (layer 0, expert 2), row 70 col 3: -Inf; a "
-                "non-finite weight cannot be quantised to mxfp4");
+  const struct {
+    bool stacked;
+    const char* tensor;
+    std::int64_t index;  // the element poked
+    std::uint16_t bf16;  // its new bits
+    model::Quant quant;
+    const char* error;  // after "FILE: "; "no exception" when the block builds
+  } cases[] = {
+      // Per-expert: expert 1's up_proj [64, 128], row 5 col 7 (row 69 of the fused [2I, H] stack).
+      {false, "model.layers.0.mlp.experts.1.up_proj.weight", 5 * 128 + 7, 0x7fc0, model::Quant::Lutb,
+       "tensor model.layers.0.mlp.experts.1.up_proj.weight (layer 0, expert 1), row 5 col 7: NaN; a non-finite weight "
+       "cannot be quantised to LUT-B (spec 2.1)"},
+      {false, "model.layers.0.mlp.experts.1.up_proj.weight", 5 * 128 + 7, 0x7fc0, model::Quant::Int3G128,
+       "tensor model.layers.0.mlp.experts.1.up_proj.weight (layer 0, expert 1), row 5 col 7: NaN; a non-finite weight "
+       "cannot be quantised to int3-g128"},
+      {false, "model.layers.0.mlp.experts.1.up_proj.weight", 5 * 128 + 7, 0x7fc0, model::Quant::None, "no exception"},
+      // Stacked: a magnitude too large for LUT-B in expert 3's down_proj (3.39e38); -Inf in the up half of
+      // expert 2's gate_up_proj rows.
+      {true, "model.layers.0.mlp.experts.down_proj", 3 * 128 * 64 + 100 * 64 + 9, 0x7f7f, model::Quant::Lutb,
+       "tensor model.layers.0.mlp.experts.down_proj (layer 0, expert 3), row 100 col 9: magnitude 3.3895314e+38 needs "
+       "a scale byte above 246 (spec section 2); it cannot be quantised to LUT-B"},
+      {true, "model.layers.0.mlp.experts.gate_up_proj", 2 * 128 * 128 + 70 * 128 + 3, 0xff80, model::Quant::Mxfp4,
+       "tensor model.layers.0.mlp.experts.gate_up_proj (layer 0, expert 2), row 70 col 3: -Inf; a non-finite weight "
+       "cannot be quantised to mxfp4"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.error);
+    TempDir t;
+    synthesize_checkpoint(t.path / "m", small_synth(64, c.stacked));
+    const fs::path file = t.path / "m" / "model.safetensors";
+    poke_bf16(file, c.tensor, c.index, c.bf16);
+    const std::string want = c.error == std::string("no exception") ? c.error : file.string() + ": " + c.error;
+    EXPECT_EQ(build_error<model::ModelError>(t.path / "m", c.quant), want);
+  }
 }
 
 // `lutb eval` on a LUT-B checkpoint whose stored scale bytes make the weights overflow FP32: the loader names
@@ -195,12 +154,7 @@ TEST(ModelLoadErrors, EvalOnOverflowingStoredScalesNamesTheTensor) {
 TEST(ModelLoadErrors, NonFiniteLossNamesTheStoredTensor) {
   LUTB_MODEL_OR_SKIP(dir, "tiny-mixtral");
   TempDir t;
-  const fs::path m = t.path / "m";
-  fs::create_directories(m);
-  for (const char* f : {"config.json", "model.safetensors", "val_tokens.safetensors"}) {
-    fs::copy_file(dir / f, m / f);
-    fs::permissions(m / f, fs::perms::owner_read | fs::perms::owner_write);
-  }
+  const fs::path m = copy_model(dir, t.path / "m");
   for (int e = 0; e < 8; ++e)
     poke_bf16(m / "model.safetensors", "model.layers.1.block_sparse_moe.experts." + std::to_string(e) + ".w2.weight", 0,
               0x7fc0);

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <random>
 #include <string>
 #include <utility>
@@ -37,30 +38,31 @@ inline QuantizeOptions quiet_one_thread() {
   return q;
 }
 
-/// A small synthetic qwen3_moe checkpoint: hidden 128, 4 experts of width `width`, `layers` MoE
-/// layers, stacked (transformers-5 gate_up_proj / down_proj) or per expert; no progress display.
-inline SynthOptions small_synth(std::int64_t width = 64, bool stacked = false, std::int64_t layers = 1) {
+/// A synthetic qwen3_moe checkpoint of `layers` MoE layers of `experts` experts of width `width` at hidden
+/// size `hidden`, per expert; no progress display.
+inline SynthOptions synth_options(std::int64_t hidden, std::int64_t width, std::int64_t experts,
+                                  std::int64_t layers = 1) {
   SynthOptions o;
   o.family = ModelFamily::qwen3_moe;
   o.layers = layers;
-  o.hidden_size = 128;
+  o.hidden_size = hidden;
   o.moe_intermediate_size = width;
-  o.num_experts = 4;
-  o.stacked = stacked;
+  o.num_experts = experts;
   o.progress = false;
+  return o;
+}
+
+/// A small synthetic qwen3_moe checkpoint: hidden 128, 4 experts of width `width`, `layers` MoE
+/// layers, stacked (transformers-5 gate_up_proj / down_proj) or per expert; no progress display.
+inline SynthOptions small_synth(std::int64_t width = 64, bool stacked = false, std::int64_t layers = 1) {
+  SynthOptions o = synth_options(128, width, 4, layers);
+  o.stacked = stacked;
   return o;
 }
 
 /// The smallest synthetic checkpoint the tests use: one qwen3_moe layer, hidden 64, 2 experts of width
 /// 32; no progress display.
-inline SynthOptions tiny_synth() {
-  SynthOptions o;
-  o.hidden_size = 64;
-  o.moe_intermediate_size = 32;
-  o.num_experts = 2;
-  o.progress = false;
-  return o;
-}
+inline SynthOptions tiny_synth() { return synth_options(64, 32, 2); }
 
 /// small_synth() with `layers` layers, per expert.
 inline SynthOptions small_synth_layers(std::int64_t layers = 1, std::int64_t width = 64) {
@@ -76,10 +78,68 @@ inline std::filesystem::path small_checkpoint(const std::filesystem::path& dir, 
 /// small_checkpoint() of two layers: one shard per layer, with model.safetensors.index.json.
 inline std::filesystem::path two_shard_checkpoint(const std::filesystem::path& dir) { return small_checkpoint(dir, 2); }
 
-/// The names in folder `d`, sorted.
-inline std::vector<std::string> entries(const std::filesystem::path& d) {
+/// A copy of the tensor `v` views (dtype, shape, bytes).
+inline OwnedTensor owned(const TensorView& v) {
+  return OwnedTensor{v.dtype, v.shape, std::vector<std::uint8_t>(v.data, v.data + v.nbytes)};
+}
+
+/// A BF16 [2, 2] tensor of zeros: a stray tensor to add to a checkpoint.
+inline OwnedTensor bf16_zeros_2x2() { return OwnedTensor{DType::BF16, {2, 2}, std::vector<std::uint8_t>(8, 0)}; }
+
+/// Rewrites safetensors file `file` (its metadata kept) without the tensors named in `drop` and with
+/// `add` appended.
+inline void rewrite_safetensors(const std::filesystem::path& file, const std::vector<std::string>& drop,
+                                const std::vector<std::pair<std::string, OwnedTensor>>& add = {}) {
+  std::vector<std::pair<std::string, OwnedTensor>> keep;
+  std::map<std::string, std::string> metadata;
+  {
+    const SafetensorsFile f(file);
+    metadata = f.metadata();
+    for (const auto& n : f.names())
+      if (std::find(drop.begin(), drop.end(), n) == drop.end()) keep.push_back({n, owned(f.get(n))});
+  }
+  keep.insert(keep.end(), add.begin(), add.end());
+  write_safetensors(file, keep, metadata);
+}
+
+/// Rewrites safetensors file `file` with tensor `name` holding `bytes` of `dtype` (its shape and place kept).
+inline void replace_tensor(const std::filesystem::path& file, const std::string& name, DType dtype,
+                           std::vector<std::uint8_t> bytes) {
+  std::vector<std::pair<std::string, OwnedTensor>> ts;
+  std::map<std::string, std::string> metadata;
+  {
+    const SafetensorsFile f(file);
+    metadata = f.metadata();
+    for (const auto& n : f.names()) {
+      if (n == name) ts.push_back({n, OwnedTensor{dtype, f.get(n).shape, bytes}});
+      else ts.push_back({n, owned(f.get(n))});
+    }
+  }
+  write_safetensors(file, ts, metadata);
+}
+
+/// Rewrites the shards of checkpoint `dir` as one model.safetensors (no index) without tensor `drop`.
+inline void merge_without(const std::filesystem::path& dir, const std::string& drop) {
+  std::vector<std::pair<std::string, OwnedTensor>> ts;
+  std::vector<std::filesystem::path> shards;
+  {
+    const SafetensorsCollection c = SafetensorsCollection::open_dir(dir);
+    for (const auto& n : c.names())
+      if (n != drop) ts.push_back({n, owned(c.get(n))});
+    for (const auto& f : c.files()) shards.push_back(f->path());
+  }
+  for (const auto& s : shards) std::filesystem::remove(s);
+  std::filesystem::remove(dir / "model.safetensors.index.json");
+  write_safetensors(dir / "model.safetensors", ts);
+}
+
+/// The names in folder `d` that start with `prefix` (every name by default), sorted.
+inline std::vector<std::string> entries(const std::filesystem::path& d, const std::string& prefix = "") {
   std::vector<std::string> v;
-  for (const auto& e : std::filesystem::directory_iterator(d)) v.push_back(e.path().filename().string());
+  for (const auto& e : std::filesystem::directory_iterator(d)) {
+    std::string name = e.path().filename().string();
+    if (name.rfind(prefix, 0) == 0) v.push_back(std::move(name));
+  }
   std::sort(v.begin(), v.end());
   return v;
 }
