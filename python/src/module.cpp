@@ -236,6 +236,7 @@ void moe_experts_cpu(const Array& x, std::int64_t tokens, std::int64_t hidden, c
     ids[p] = static_cast<std::int32_t>(id < experts ? id : experts);
   }
   nb::gil_scoped_release release;
+  const moe::CpuIsa isa = moe::best_cpu_isa();  // the packed kernel of LutbCpuExperts, on the best ISA
   std::vector<float> acc(static_cast<std::size_t>(tokens * hidden));
   const moe::HiddenStates hs = moe::HiddenStates::bf16(static_cast<const std::uint16_t*>(x.data()), tokens);
   const moe::TopK topk{ids.data(), static_cast<const float*>(topk_weights.data()), k};
@@ -244,7 +245,7 @@ void moe_experts_cpu(const Array& x, std::int64_t tokens, std::int64_t hidden, c
       [&](int which, int e, std::int64_t n0, std::int64_t n1, const float* const* a, int ntok, float* const* c) {
         const LutbView& w = which == 0 ? v13 : v2;
         const std::int64_t t0 = static_cast<std::int64_t>(e) * w.shape.tiles_per_expert();
-        moe::detail::lutb_gemm(w.tile_packed(t0), w.tile_codebook(t0), w.scale + t0, w.shape.tiles_k(), w.shape.rows,
+        moe::detail::lutb_gemm(isa, w.tile_packed(t0), w.tile_codebook(t0), w.scale + t0, w.shape.tiles_k(), w.shape.rows,
                                n0, n1, a, ntok, c);
       },
       /*job_weights=*/std::int64_t{1} << 16, acc.data());
