@@ -14,7 +14,8 @@
 //   PREFIX.e.down.x2     [moe_intermediate_size]  E[h_c^2] of down's input h = bf16(silu(g) * u)
 //   PREFIX.e.tokens      [1]                      tokens routed to the expert (0: both x2 are 0)
 // The means are over the tokens routed to the expert (each token once per expert that takes it).
-// Metadata: "format" = "lutb-calibration", "model", "tokens_file", "tokens".
+// Metadata: "format" = "lutb-calibration", "model", "tokens_file", "tokens", "down_input",
+// "token_weight". Every value is finite and >= 0.
 #pragma once
 
 #include <cstdint>
@@ -59,11 +60,26 @@ class CalibrationStats {
   std::map<std::string, std::string> metadata;
   std::string source;  // the file load() read, for messages ("" when built in memory)
 
-  /// Reads a statistics file (format above). Throws std::runtime_error naming the file and the
-  /// tensor for a missing or ill-shaped tensor, a dtype other than F32, a negative or non-finite value.
+  /// Reads a statistics file (format above). Throws std::runtime_error naming the file: for a file
+  /// of another kind (a metadata "format" other than "lutb-calibration", such as a checkpoint's "pt"),
+  /// and, naming the tensor too, for a name outside the pattern (a file without "format" is read by
+  /// its names), a missing or ill-shaped tensor, a dtype other than F32, a negative or non-finite value.
   static CalibrationStats load(const std::filesystem::path& file);
-  /// Writes the file atomically (a temporary name, renamed when complete).
+  /// Writes the file atomically (a temporary name, renamed when complete; an existing file is
+  /// replaced), with "format" = "lutb-calibration" added to the metadata. Refuses, before anything is
+  /// written, what check() refuses ("FILE: " + its message + "; nothing written"). Throws
+  /// std::runtime_error naming `file` (never the temporary) when the write fails: "FILE: cannot write
+  /// the calibration statistics (REASON); nothing was created at FILE" (or "FILE is as it was").
+  /// The parent directory must exist.
   void save(const std::filesystem::path& file) const;
+
+  /// Checks what save() writes: per layer, gate_up_x2 of experts x hidden values, down_x2 of experts x
+  /// intermediate and tokens of experts, all finite and >= 0. Throws std::runtime_error for the first
+  /// offence, layer by layer, expert by expert, gate_up.x2 before down.x2 before tokens:
+  /// "the calibration statistics of layer L (PREFIX), expert E, gate_up.x2 column C is NaN; statistics
+  /// are finite and >= 0" (NaN, +Inf, -Inf or the negative value), or "... of layer L (PREFIX),
+  /// down.x2 holds N values, expected experts x intermediate = E x I".
+  void check() const;
 
   /// Column weights [experts][cols] of one layer's projection input after the rule above: finite,
   /// >= kMinRelativeWeight, mean 1 per expert (or all 1). Throws std::runtime_error when the layer

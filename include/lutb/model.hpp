@@ -394,13 +394,19 @@ struct CalibrateOptions {
   FitOptions fit;                // the fit of w13 for DownInput::QuantizedW13 (threads, fitter)
   /// Called after each batch with (windows done, windows total) over all passes.
   std::function<void(std::int64_t, std::int64_t)> progress;
+  /// Cancellation (lutb/fit.hpp): polled after each batch and by the fit of the second pass; when it
+  /// reads nonzero, Interrupted is thrown ("calibration: interrupted (flag V) after W of N windows").
+  const InterruptFlag* interrupt = nullptr;
 };
 
 /// Runs the BF16 checkpoint `dir` (the BF16 reference of spec section 4) over the calibration tokens
 /// and returns, per MoE layer and routed expert, the mean squares of the inputs of gate/up and of
 /// down over the tokens routed to it, and their number (src/model/calibrate.cpp says exactly what is
-/// measured). Throws ModelError for a LUT-B checkpoint, fewer tokens than one window, or what
-/// LanguageModel::load throws.
+/// measured). Throws ModelError for a LUT-B checkpoint, fewer tokens than one window, a NaN or
+/// infinite routed-expert weight (before the model runs, named as Checkpoint::expert_location names
+/// it: "FILE: tensor NAME (layer L, expert E), row R col C: NaN; ..."), or what LanguageModel::load
+/// throws. A non-finite weight elsewhere (attention, norms) is not looked for: it makes the returned
+/// statistics non-finite, which CalibrationStats::check() and save() refuse.
 CalibrationStats collect_calibration(const std::filesystem::path& dir, const std::vector<std::int32_t>& tokens,
                                      const CalibrateOptions& opt = {});
 

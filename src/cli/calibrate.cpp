@@ -3,10 +3,14 @@
 // `lutb quantize/eval --calibration STATS`.
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <limits>
 #include <memory>
+#include <stdexcept>
 #include <string>
+#include <vector>
 
 #include <unistd.h>
 
@@ -14,9 +18,13 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.hpp"
+#include "cli/interrupt.hpp"
 #include "cli/model_options.hpp"
+#include "cli/usage_hints.hpp"
 #include "cli/validators.hpp"
+#include "io/checkpoint_internal.hpp"
 #include "lutb/calibration.hpp"
+#include "lutb/checkpoint.hpp"
 #include "lutb/model.hpp"
 
 namespace lutb::cli {
@@ -31,11 +39,14 @@ struct CalibrateArgs {
   bool force = false, json = false;
 };
 
-void run_calibrate(const CalibrateArgs& a) {
+// The options and the output's name, before any work (exit status 2). The name as typed.
+void check_usage(const CalibrateArgs& a) {
   namespace fs = std::filesystem;
-  ensure_runtime_env();
-  const int threads = effective_threads(a.threads);
-  model::set_threads(threads);
+  const std::int64_t window = model::CalibrateOptions{}.window;
+  if (a.max_tokens != 0 && a.max_tokens < window)
+    throw UsageError(fmt::format("--max-tokens {}: fewer than one window of {} tokens; give 0 (all the tokens) or at "
+                                 "least {}",
+                                 a.max_tokens, window, window));
   // The held-out tokens measure the result: statistics taken from them would leak into it.
   const fs::path val = fs::path(a.model_dir) / "val_tokens.safetensors";
   std::error_code ec;
@@ -43,31 +54,90 @@ void run_calibrate(const CalibrateArgs& a) {
     throw UsageError(fmt::format("--tokens {} is the model's held-out evaluation set (val_tokens); calibrate on "
                                  "training tokens (e.g. ../shared/calib/train_tokens.safetensors)",
                                  a.tokens));
-  if (fs::exists(a.output) && !a.force)
-    throw UsageError(fmt::format("-o {}: the file exists; give --force to replace it", a.output));
   if (fs::is_directory(a.output)) throw UsageError(fmt::format("-o {}: is a directory, expected a .safetensors file", a.output));
+  // As quantize's file mode: the output is named like what it is, the file quantize/eval --calibration
+  // read ("s.safetensors/." is "s.safetensors").
+  if (lutb::detail::output_path(a.output).extension() != ".safetensors")
+    throw UsageError(fmt::format("-o {}: the statistics file must be named *.safetensors (the file quantize and eval "
+                                 "--calibration read)",
+                                 a.output));
+  if (fs::exists(fs::symlink_status(a.output, ec)) && !a.force)
+    throw UsageError(fmt::format("-o {}: the file exists; give --force to replace it", a.output));
+}
+
+// Bytes of the statistics file: per MoE layer and expert, gate_up.x2 [H], down.x2 [I] and tokens [1]
+// as F32, a header entry of at most 256 bytes per tensor, and 64 KiB of metadata.
+std::uint64_t statistics_bytes(const model::TransformerConfig& cfg) {
+  std::uint64_t n = 64u << 10;
+  for (int l = 0; l < cfg.num_layers; ++l)
+    if (cfg.sparse_layer[static_cast<std::size_t>(l)])
+      n += static_cast<std::uint64_t>(cfg.num_experts) *
+           (static_cast<std::uint64_t>(cfg.hidden_size + cfg.moe_intermediate_size + 1) * 4u + 3u * 256u);
+  return n;
+}
+
+void run_calibrate(const CalibrateArgs& a) {
+  namespace fs = std::filesystem;
+  check_usage(a);
+  ensure_runtime_env();
+  const int threads = effective_threads(a.threads);
+  model::set_threads(threads);
+  // The output is checked, its missing parents created and its temporary name tried before the model
+  // runs, as lutb quantize's file mode does; errors name the output, never the temporary.
+  const fs::path out = lutb::detail::output_path(a.output);
+  lutb::detail::check_replaceable(out, /*want_directory=*/false, a.force);
   const std::vector<std::int32_t> tokens = model::load_token_ids(a.tokens);
   const model::TransformerConfig cfg = model::TransformerConfig::load(a.model_dir);
   for (std::size_t i = 0; i < tokens.size(); ++i)
     if (tokens[i] < 0 || tokens[i] >= cfg.vocab_size)
       throw model::ModelError(fmt::format("{}: input_ids[{}] = {} is outside the vocabulary [0, {}) of {}", a.tokens, i,
                                           tokens[i], cfg.vocab_size, a.model_dir));
+  lutb::detail::check_free_space(out, statistics_bytes(cfg), "the statistics file");
+  InterruptGuard on_signal;
+  warn_stale_temporaries(out);
+  lutb::detail::CreatedParents parents;  // removed again if the run fails
+  lutb::detail::create_parents(out, parents);
+  lutb::detail::probe_temp_file(lutb::detail::temp_sibling(out), out);  // CalibrationStats::save writes OUT.tmp.PID
   model::CalibrateOptions co;
   co.max_tokens = a.max_tokens;
   co.down_input = a.down_input == "quantized-w13" ? model::DownInput::QuantizedW13 : model::DownInput::Bf16Model;
   co.fit.threads = threads;
   co.token_weight = a.token_weight == "routing" ? model::TokenWeight::RoutingWeight : model::TokenWeight::Uniform;
+  co.interrupt = interrupt_flag();
   if (isatty(fileno(stderr)) && !a.json)
     co.progress = [](std::int64_t done, std::int64_t total) {
       fmt::print(stderr, "\r  windows {}/{}", done, total);
       if (done == total) fmt::print(stderr, "\n");
     };
   const auto t0 = std::chrono::steady_clock::now();
-  CalibrationStats st = model::collect_calibration(a.model_dir, tokens, co);
+  CalibrationStats st;
+  try {
+    st = model::collect_calibration(a.model_dir, tokens, co);
+  } catch (const Interrupted& e) {
+    throw Interrupted(e.signal, fmt::format("{}; {}", e.what(), lutb::detail::target_left_clause(out)));
+  } catch (const model::ModelError& e) {
+    throw model::ModelError(fmt::format("{}; nothing written", e.what()));
+  }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   st.metadata["model"] = a.model_dir;
   st.metadata["tokens_file"] = a.tokens;
-  st.save(a.output);
+  // Non-finite statistics come from a NaN or infinity the routed experts' check does not see (attention,
+  // norms, the embedding): named, with the first stored tensor that holds one, and never written.
+  try {
+    st.check();
+  } catch (const std::runtime_error& e) {
+    throw model::ModelError(
+        fmt::format("{}: {}{}; nothing written", out.string(), e.what(), first_non_finite_stored(a.model_dir)));
+  }
+  // An output that appeared during the run is replaced only with --force, and only a regular
+  // .safetensors file.
+  lutb::detail::check_replaceable(out, /*want_directory=*/false, a.force);
+  if (!a.force && fs::exists(fs::symlink_status(out)))
+    throw CheckpointError(fmt::format("{}: appeared while the statistics were collected (give --force to replace it); "
+                                      "nothing written",
+                                      out.string()));
+  st.save(out);
+  parents.armed = false;
 
   fmt::print("lutb calibrate: {} over {} tokens of {} -> {} ({:.1f} s)\n", a.model_dir, st.metadata["tokens"], a.tokens,
              a.output, secs);
@@ -98,13 +168,21 @@ void add_calibrate(CLI::App& app) {
       "calibrate",
       "Run a BF16 MoE checkpoint over calibration tokens and store, per layer, routed expert and projection, the "
       "input channels' second moments and the tokens routed (for quantize/eval --calibration)");
+  cmd->footer(
+      "Checks the output (its name, free space, that it can be created; missing parent directories are created) and "
+      "refuses a NaN or infinite routed-expert weight before the model runs; statistics that are not finite are never "
+      "written. Written under OUT.tmp.PID and renamed at the end: Ctrl-C, SIGTERM or SIGHUP stop the run after the "
+      "current batch of windows and leave OUT as it was (exit status of the signal: 130 / 143 / 129).\n\n" +
+      std::string(kExitStatusHelp));
   auto* dir_opt = cmd->add_option("model_dir", args->model_dir, "Hugging Face checkpoint directory (BF16)")->required();
   auto* tok_opt = cmd->add_option("--tokens", args->tokens,
                                   "safetensors file with input_ids (training tokens; never the held-out val_tokens)")
                       ->required();
-  auto* out_opt = cmd->add_option("-o,--output", args->output, "statistics file to write (.safetensors)")->required();
+  auto* out_opt = cmd->add_option("-o,--output", args->output,
+                                  "statistics file to write (*.safetensors; missing parent directories are created)")
+                      ->required();
   cmd->add_option("--max-tokens", args->max_tokens,
-                  "use only the first N tokens, in whole windows of 256 (default 0 = all)")
+                  "use only the first N tokens, in whole windows of 256 (default 0 = all; else at least 256)")
       ->check(IntRange<std::int64_t>(0, std::numeric_limits<std::int64_t>::max()));
   cmd->add_option("--down-input", args->down_input,
                   "what the statistics of down (w2) describe: bf16 (h of the BF16 model, default) or quantized-w13 "
@@ -115,7 +193,7 @@ void add_calibrate(CLI::App& app) {
                   "of its routing weight, which scales the expert's output error)")
       ->check(CLI::IsMember({"uniform", "routing"}));
   cmd->add_option("--threads", args->threads, "threads (default: all cores)")->check(ThreadCount());
-  cmd->add_flag("--force", args->force, "replace an existing statistics file");
+  cmd->add_flag("--force", args->force, "replace an existing statistics file (a regular .safetensors file)");
   cmd->add_flag("--json", args->json, "print one JSON object as the last line of stdout");
   cmd->callback([args, dir_opt, tok_opt, out_opt] {
     check_not_empty(dir_opt, args->model_dir, "checkpoint directory name");

@@ -54,6 +54,11 @@ std::vector<std::int32_t> load_tokens(const EvalArgs& a, const model::Transforme
                                       const model::EvalOptions& eo) {
   const std::filesystem::path tokens_path =
       a.tokens.empty() ? std::filesystem::path(a.model_dir) / "val_tokens.safetensors" : std::filesystem::path(a.tokens);
+  // The default file missing: say which option replaces it.
+  if (a.tokens.empty() && !std::filesystem::exists(tokens_path))
+    throw model::ModelError(fmt::format("{}: tokens file not found (the default of --tokens); pass --tokens FILE, a "
+                                        "safetensors file with input_ids",
+                                        tokens_path.string()));
   std::vector<std::int32_t> tokens = model::load_token_ids(tokens_path);
   if (static_cast<std::int64_t>(tokens.size()) < eo.window)
     throw model::ModelError(fmt::format("{}: input_ids holds {} tokens, fewer than one evaluation window of {}",

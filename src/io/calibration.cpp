@@ -9,6 +9,7 @@
 
 #include <fmt/core.h>
 
+#include "io/checkpoint_internal.hpp"
 #include "lutb/safetensors.hpp"
 
 namespace lutb {
@@ -17,6 +18,14 @@ namespace {
 constexpr const char* kGateUp = ".gate_up.x2";
 constexpr const char* kDown = ".down.x2";
 constexpr const char* kTokens = ".tokens";
+constexpr const char* kFormat = "lutb-calibration";  // the metadata "format" save() writes
+
+// A statistic for messages: "NaN", "+Inf", "-Inf", or the number.
+std::string value_text(float v) {
+  if (std::isnan(v)) return "NaN";
+  if (std::isinf(v)) return v > 0 ? "+Inf" : "-Inf";
+  return fmt::format("{}", v);
+}
 
 std::vector<float> read_f32(const std::filesystem::path& file, const TensorView& v) {
   if (v.dtype != DType::F32)
@@ -38,6 +47,12 @@ CalibrationStats CalibrationStats::load(const std::filesystem::path& file) {
   CalibrationStats s;
   s.metadata = f.metadata();
   s.source = file.string();
+  // A checkpoint's weights carry transformers' "format" "pt": named as a file of another kind, rather
+  // than by its first tensor that is not a statistic.
+  if (const auto it = s.metadata.find("format"); it != s.metadata.end() && it->second != kFormat)
+    throw std::runtime_error(fmt::format("{}: not a statistics file of lutb calibrate (its metadata \"format\" is "
+                                         "\"{}\", not \"{}\"); give the file that lutb calibrate -o wrote",
+                                         file.string(), it->second, kFormat));
   // PREFIX.e.{gate_up.x2, down.x2, tokens}; the layer index is the number after "layers." in PREFIX.
   static const std::regex name_re(R"(^(.*\.layers\.(\d+)\..*)\.(\d+)\.(gate_up\.x2|down\.x2|tokens)$)");
   struct Seen {
@@ -48,9 +63,13 @@ CalibrationStats CalibrationStats::load(const std::filesystem::path& file) {
     std::smatch m;
     if (!std::regex_match(n, m, name_re))
       throw std::runtime_error(fmt::format(
-          "{}: tensor {} is not a calibration statistic (expected PREFIX.layers.L....E.gate_up.x2, .down.x2 or "
-          ".tokens; lutb/calibration.hpp)",
-          file.string(), n));
+          "{}: tensor {} is not a calibration statistic (expected PREFIX.e.gate_up.x2, PREFIX.e.down.x2 or "
+          "PREFIX.e.tokens, with PREFIX the experts' prefix such as model.layers.L.mlp.experts and e the expert; "
+          "lutb/calibration.hpp){}",
+          file.string(), n,
+          s.metadata.count("format") ? ""
+                                     : ", and its metadata has no \"format\": \"lutb-calibration\": it is not a "
+                                       "statistics file of lutb calibrate"));
     const int layer = std::stoi(m[2].str());
     const std::int64_t e = std::stoll(m[3].str());
     LayerCalibration& lc = s.layers[layer];
@@ -96,7 +115,40 @@ CalibrationStats CalibrationStats::load(const std::filesystem::path& file) {
   return s;
 }
 
+void CalibrationStats::check() const {
+  for (const auto& [layer, lc] : layers) {
+    const std::string where = fmt::format("the calibration statistics of layer {} ({})", layer, lc.prefix);
+    const auto sized = [&](const std::vector<float>& v, const char* what, const char* dims, std::int64_t cols) {
+      const auto want = static_cast<std::size_t>(lc.experts * cols);
+      if (lc.experts < 0 || cols < 0 || v.size() != want)
+        throw std::runtime_error(fmt::format("{}, {} holds {} values, expected {} = {} x {}", where, what, v.size(),
+                                             dims, lc.experts, cols));
+    };
+    sized(lc.gate_up_x2, "gate_up.x2", "experts x hidden", lc.hidden);
+    sized(lc.down_x2, "down.x2", "experts x intermediate", lc.intermediate);
+    sized(lc.tokens, "tokens", "experts x 1", 1);
+    for (std::int64_t e = 0; e < lc.experts; ++e) {
+      const auto columns = [&](const std::vector<float>& v, std::int64_t cols, const char* what) {
+        for (std::int64_t c = 0; c < cols; ++c)
+          if (const float x = v[static_cast<std::size_t>(e * cols + c)]; !std::isfinite(x) || x < 0.0f)
+            throw std::runtime_error(fmt::format("{}, expert {}, {} column {} is {}; statistics are finite and >= 0",
+                                                 where, e, what, c, value_text(x)));
+      };
+      columns(lc.gate_up_x2, lc.hidden, "gate_up.x2");
+      columns(lc.down_x2, lc.intermediate, "down.x2");
+      if (const float n = lc.tokens[static_cast<std::size_t>(e)]; !std::isfinite(n) || n < 0.0f)
+        throw std::runtime_error(
+            fmt::format("{}, expert {}, tokens is {}; statistics are finite and >= 0", where, e, value_text(n)));
+    }
+  }
+}
+
 void CalibrationStats::save(const std::filesystem::path& file) const {
+  try {
+    check();
+  } catch (const std::runtime_error& e) {
+    throw std::runtime_error(fmt::format("{}: {}; nothing written", file.string(), e.what()));
+  }
   std::vector<std::pair<std::string, OwnedTensor>> t;
   auto add = [&](const std::string& name, const float* p, std::int64_t n) {
     OwnedTensor o{DType::F32, {n}, std::vector<std::uint8_t>(static_cast<std::size_t>(n) * sizeof(float))};
@@ -111,8 +163,17 @@ void CalibrationStats::save(const std::filesystem::path& file) const {
       add(base + kTokens, lc.tokens.data() + e, 1);
     }
   std::map<std::string, std::string> md = metadata;
-  md["format"] = "lutb-calibration";
-  write_safetensors(file, t, md);
+  md["format"] = kFormat;
+  // The writer's errors name its temporary (FILE.tmp.PID), which is gone when they propagate: they are
+  // reported against FILE, with what became of it.
+  try {
+    write_safetensors(file, t, md);
+  } catch (const SafetensorsError& e) {
+    const std::string tmp = detail::temp_sibling(file).string(), m = e.what();
+    if (m.rfind(tmp + ": ", 0) != 0) throw;
+    throw std::runtime_error(fmt::format("{}: cannot write the calibration statistics ({}); {}", file.string(),
+                                         m.substr(tmp.size() + 2), detail::target_left_clause(file)));
+  }
 }
 
 std::vector<float> CalibrationStats::column_weights(int layer, CalibratedInput input) const {

@@ -109,6 +109,27 @@ void run_pass(const std::filesystem::path& dir, const std::vector<std::int32_t>&
     const std::int64_t b = std::min(batch, windows - w);
     lm.forward(tokens.data() + w * opt.window, b, opt.window);
     if (opt.progress) opt.progress(pass * windows + w + b, passes * windows);
+    if (const int sig = opt.interrupt ? opt.interrupt->load(std::memory_order_relaxed) : 0)
+      throw Interrupted(sig, fmt::format("calibration: interrupted (flag {}) after {} of {} windows", sig,
+                                         pass * windows + w + b, passes * windows));
+  }
+}
+
+// Refuses a NaN or infinite weight of a routed expert's stack (w13 [E, 2I, H] or w2 [E, H, I]) before
+// the model runs, named in the stored tensor's own rows: the BF16 forward would carry it into the
+// statistics of every token the expert takes and of every later layer, and no fit accepts it either.
+// `v` holds the stack's elements as FP32 (exact for every float dtype's non-finite values).
+void check_finite_weights(const Checkpoint& ck, int layer, bool w13, const DenseStack& s, const std::vector<float>& v) {
+  const std::int64_t per = s.rows * s.cols;
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    const float x = v[i];
+    if (std::isfinite(x)) continue;
+    const auto at = static_cast<std::int64_t>(i);
+    throw ModelError(fmt::format(
+        "{}: {}; a non-finite weight makes the statistics of the tokens it reaches NaN (and cannot be quantised to "
+        "LUT-B, spec 2.1)",
+        ck.expert_location(layer, w13, at / per, (at % per) / s.cols, at % s.cols),
+        std::isnan(x) ? "NaN" : (x > 0 ? "+Inf" : "-Inf")));
   }
 }
 
@@ -141,7 +162,11 @@ CalibrationStats collect_calibration(const std::filesystem::path& dir, const std
     s.tokens.assign(static_cast<std::size_t>(s.E), 0.0);
     s.qsum.assign(static_cast<std::size_t>(s.E), 0.0);
     s.gate_weighted = opt.token_weight == TokenWeight::RoutingWeight;
-    s.w13 = ck.experts_source(l).w13.to_float();
+    ExpertsSource src = ck.experts_source(l);
+    s.w13 = src.w13.to_float();
+    check_finite_weights(ck, l, true, src.w13, s.w13);
+    src.w13.data = {};
+    check_finite_weights(ck, l, false, src.w2, src.w2.to_float());
   }
   const bool two_pass = opt.down_input == DownInput::QuantizedW13;
   run_pass(dir, tokens, windows, opt, sums, true, 0, two_pass ? 2 : 1);
@@ -180,6 +205,7 @@ CalibrationStats collect_calibration(const std::filesystem::path& dir, const std
     const std::vector<float> cw = first.column_weights(l, CalibratedInput::kGateUp);
     FitOptions fo = opt.fit;
     fo.column_weights = cw.data();
+    if (opt.interrupt) fo.interrupt = opt.interrupt;
     const LutbShape shape{s.E, 2 * s.I, s.H, true};
     const LutbTensor q = quantize(s.w13.data(), shape, fo, nullptr, s.prefix + ".w13");
     dequantize(q.view(), s.w13.data());

@@ -1,35 +1,59 @@
 // `lutb calibrate` and `--calibration` of quantize / eval on a shared model (skipped without
 // ../shared): the statistics' names and counts, an expert no calibration token reaches (no NaN, a
-// deterministic fit), and the refusals (and --device cuda, which takes --calibration).
+// deterministic fit), the refusals (and --device cuda, which takes --calibration), non-finite
+// weights and statistics, and the output file's paths and options as quantize and synth treat them.
 #include <gtest/gtest.h>
 
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "lutb/calibration.hpp"
 #include "lutb/safetensors.hpp"
+#include "support/checkpoint_support.hpp"
 #include "support/cli_support.hpp"
 #include "support/test_support.hpp"
 
 namespace lutb {
 namespace {
 
+namespace fs = std::filesystem;
 using test::has;
+using test::kUsageHint;
 using test::q;
 using test::run;
 
 struct Shared {
-  std::filesystem::path model, tokens;
+  fs::path model, tokens;
 };
 
-std::optional<Shared> shared_mixtral() {
-  const auto m = test::model_dir("tiny-mixtral");
+std::optional<Shared> shared_model(const std::string& name) {
+  const auto m = test::model_dir(name);
   const auto s = test::shared_dir();
-  if (!m || !s || !std::filesystem::exists(*s / "calib/train_tokens.safetensors")) return std::nullopt;
+  if (!m || !s || !fs::exists(*s / "calib/train_tokens.safetensors")) return std::nullopt;
   return Shared{*m, *s / "calib/train_tokens.safetensors"};
+}
+
+std::optional<Shared> shared_mixtral() { return shared_model("tiny-mixtral"); }
+
+// The entries of `dir`, sorted (an output's temporaries or created parents show up here).
+std::vector<std::string> listing(const fs::path& dir) {
+  std::vector<std::string> v;
+  for (const auto& e : fs::directory_iterator(dir)) v.push_back(e.path().filename().string());
+  std::sort(v.begin(), v.end());
+  return v;
 }
 
 // The last JSON line of a run's output.
@@ -137,12 +161,188 @@ TEST(CliCalibrate, Refusals) {
   r = run("eval " + q(sh->model) + " --quant mxfp4 --calibration " + q(stats));
   EXPECT_EQ(r.code, 2) << r.out;
   EXPECT_TRUE(has(r, "--calibration")) << r.out;
+  // A checkpoint's weights given as the statistics: named as a file of another kind (its metadata
+  // "format" is transformers' "pt"), by quantize and by the online fit alike.
+  const fs::path weights = sh->model / "model.safetensors";
+  for (const std::string& cmd : {"quantize " + q(sh->model) + " -o " + q(dir.path / "o3"),
+                                 "eval " + q(sh->model) + " --quant lutb --max-windows 1"}) {
+    r = run(cmd + " --calibration " + q(weights));
+    EXPECT_EQ(r.code, 1) << cmd << "\n" << r.out;
+    EXPECT_TRUE(has(r, "lutb: error: " + weights.string() + ": not a statistics file of lutb calibrate (its metadata "
+                       "\"format\" is \"pt\", not \"lutb-calibration\")"))
+        << cmd << "\n" << r.out;
+  }
+  EXPECT_FALSE(fs::exists(dir.path / "o3"));
   // Statistics of another model: tiny-qwen3-moe's layers are under model.layers.L.mlp.experts.
   if (const auto qwen = test::model_dir("tiny-qwen3-moe")) {
     r = run("quantize " + q(*qwen) + " -o " + q(dir.path / "o2") + " --calibration " + q(stats));
     EXPECT_EQ(r.code, 1) << r.out;
     EXPECT_TRUE(has(r, "no calibration statistics for tensor model.layers.")) << r.out;
   }
+}
+
+// A NaN or an infinity in a routed expert's weight is refused before the model runs, named as lutb eval
+// --quant lutb names it (file, tensor, layer, expert, row and column in the stored tensor's own rows),
+// and nothing is written: no file, no temporary, no parent directory (statistics with NaN would be
+// refused by quantize --calibration and lutb.CalibrationStats only after the run).
+TEST(CliCalibrate, ANonFiniteExpertWeightIsRefusedByName) {
+  const auto sh = shared_model("tiny-qwen3-moe");
+  if (!sh) GTEST_SKIP() << "../shared models or calib tokens absent";
+  test::TempDir dir;
+  const fs::path m = test::copy_model(sh->model, dir.path / "m");
+  const fs::path out = dir.path / "new" / "sub" / "stats.safetensors";
+  const std::string args =
+      "calibrate " + q(m) + " --tokens " + q(sh->tokens) + " --max-tokens 512 --threads 1 -o " + q(out);
+  const std::string down = "model.layers.2.mlp.experts.3.down_proj.weight";  // [H 256, I 256]
+  test::poke_bf16(m / "model.safetensors", down, 0, 0x7fc0);               // NaN at row 0 col 0
+  auto r = run(args);
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_EQ(r.out, "lutb: error: " + (m / "model.safetensors").string() + ": tensor " + down +
+                       " (layer 2, expert 3), row 0 col 0: NaN; a non-finite weight makes the statistics of the "
+                       "tokens it reaches NaN (and cannot be quantised to LUT-B, spec 2.1); nothing written\n")
+      << r.out;
+  EXPECT_FALSE(fs::exists(out));
+  EXPECT_EQ(listing(dir.path), std::vector<std::string>{"m"}) << "the created parents are removed again";
+  // +Inf in up_proj of layer 0, expert 15, row 5 col 7 ([I 256, H 256]): named in up_proj's own rows.
+  test::poke_bf16(m / "model.safetensors", down, 0, 0x3f80);
+  const std::string up = "model.layers.0.mlp.experts.15.up_proj.weight";
+  test::poke_bf16(m / "model.safetensors", up, 5 * 256 + 7, 0x7f80);
+  r = run(args + " --down-input quantized-w13");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(has(r, ": tensor " + up + " (layer 0, expert 15), row 5 col 7: +Inf; ")) << r.out;
+  EXPECT_EQ(listing(dir.path), std::vector<std::string>{"m"});
+}
+
+// Second line of defence: statistics that are not finite (here from a NaN outside the routed experts,
+// which the model carries into every later layer) are never written; the error names the layer, the
+// expert, the projection and the column, and the first stored tensor holding a NaN.
+TEST(CliCalibrate, NonFiniteStatisticsAreNeverWritten) {
+  const auto sh = shared_model("tiny-qwen3-moe");
+  if (!sh) GTEST_SKIP() << "../shared models or calib tokens absent";
+  test::TempDir dir;
+  const fs::path m = test::copy_model(sh->model, dir.path / "m");
+  const std::string o_proj = "model.layers.1.self_attn.o_proj.weight";
+  test::poke_bf16(m / "model.safetensors", o_proj, 3, 0x7fc0);  // [256, 256]: row 0 col 3
+  const fs::path out = dir.path / "stats.safetensors";
+  const auto r = run("calibrate " + q(m) + " --tokens " + q(sh->tokens) + " --max-tokens 256 --threads 1 -o " + q(out));
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(has(r, "lutb: error: " + out.string() + ": the calibration statistics of layer 1 "
+                         "(model.layers.1.mlp.experts), expert "))
+      << r.out;
+  EXPECT_TRUE(has(r, ", gate_up.x2 column 0 is NaN; statistics are finite and >= 0")) << r.out;
+  EXPECT_TRUE(has(r, "; " + (m / "model.safetensors").string() + " holds NaN in tensor " + o_proj + " at [0, 3]"))
+      << r.out;
+  EXPECT_TRUE(has(r, "; nothing written")) << r.out;
+  EXPECT_EQ(listing(dir.path), std::vector<std::string>{"m"});
+}
+
+// The output as lutb quantize's file mode and lutb synth treat theirs: missing parents are created;
+// a place where nothing can be written is named by the output's path (never by its temporary) before
+// the model runs; the name must be *.safetensors; and the option values are usage errors (exit 2)
+// before any work.
+TEST(CliCalibrate, OutputPathsAndOptionValues) {
+  const auto sh = shared_model("tiny-qwen3-moe");
+  if (!sh) GTEST_SKIP() << "../shared models or calib tokens absent";
+  test::TempDir dir;
+  const std::string base = "calibrate " + q(sh->model) + " --tokens " + q(sh->tokens) + " --max-tokens 256 --threads 1";
+  const fs::path deep = dir.path / "a" / "b" / "stats.safetensors";
+  auto r = run(base + " -o " + q(deep));
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(CalibrationStats::load(deep).layers.size(), 4u);
+  EXPECT_EQ(listing(deep.parent_path()), std::vector<std::string>{"stats.safetensors"});
+
+  // /proc takes no new file: named by the output, before the model runs.
+  const std::string in_proc = "/proc/lutb-calibrate-" + std::to_string(::getpid()) + "/stats.safetensors";
+  r = run(base + " -o " + q(in_proc));
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_EQ(r.out.rfind("lutb: error: " + in_proc + ": nothing can be created in /proc: ", 0), 0u) << r.out;
+  EXPECT_TRUE(has(r, "; nothing written")) << r.out;
+  EXPECT_FALSE(has(r, ".tmp.")) << r.out;
+  EXPECT_FALSE(has(r, "lutb calibrate: ")) << "refused before the run: " << r.out;
+
+  // A folder the user may not write (uid 65534; root writes anywhere).
+  if (test::can_run_as_nobody()) {
+    fs::permissions(dir.path, fs::perms::all);
+    const fs::path ro = dir.path / "ro";
+    fs::create_directory(ro);
+    fs::permissions(ro, fs::perms::owner_all | fs::perms::group_read | fs::perms::group_exec |
+                            fs::perms::others_read | fs::perms::others_exec);
+    r = run(base + " -o " + q(ro / "stats.safetensors"), test::kAsNobody);
+    EXPECT_EQ(r.code, 1) << r.out;
+    EXPECT_EQ(r.out, "lutb: error: " + (ro / "stats.safetensors").string() +
+                         ": cannot create the output: Permission denied; nothing written\n")
+        << r.out;
+    r = run(base + " -o " + q(ro / "sub" / "stats.safetensors"), test::kAsNobody);
+    EXPECT_EQ(r.code, 1) << r.out;
+    EXPECT_EQ(r.out, "lutb: error: " + (ro / "sub" / "stats.safetensors").string() + ": cannot create its parent "
+                         "directory " + (ro / "sub").string() + ": Permission denied; nothing written\n")
+        << r.out;
+    EXPECT_TRUE(listing(ro).empty());
+  }
+
+  // Usage errors, reported before any work (the model folder need not even exist).
+  struct Case {
+    std::string args, expect;
+  } usage[] = {
+      {" -o " + q(dir.path / "s.txt"),
+       "-o " + (dir.path / "s.txt").string() + ": the statistics file must be named *.safetensors"},
+      {" -o " + q(dir.path / "s.safetensors") + " --max-tokens 100",
+       "--max-tokens 100: fewer than one window of 256 tokens; give 0 (all the tokens) or at least 256"},
+      {" -o " + q(dir.path / "s.safetensors") + " --max-tokens 255", "--max-tokens 255: fewer than one window"},
+  };
+  for (const auto& c : usage)
+    for (const std::string& model : {q(sh->model), q(dir.path / "no-such-model")}) {
+      r = run("calibrate " + model + " --tokens " + q(sh->tokens) + c.args);
+      EXPECT_EQ(r.code, 2) << c.args << "\n" << r.out;
+      EXPECT_EQ(r.out.rfind("lutb: error: " + c.expect, 0), 0u) << c.args << "\n" << r.out;
+      EXPECT_TRUE(has(r, kUsageHint)) << r.out;
+    }
+  EXPECT_FALSE(fs::exists(dir.path / "s.txt"));
+  EXPECT_FALSE(fs::exists(dir.path / "s.safetensors"));
+
+  // A tokens file shorter than one window is an input that cannot be used: exit 1.
+  const fs::path few = dir.path / "few.safetensors";
+  std::vector<std::uint8_t> ids(100 * 4, 0);
+  write_safetensors(few, {{"input_ids", OwnedTensor{DType::I32, {100}, ids}}});
+  r = run("calibrate " + q(sh->model) + " --tokens " + q(few) + " -o " + q(dir.path / "s.safetensors"));
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(has(r, "100 calibration tokens are fewer than one window of 256")) << r.out;
+  EXPECT_FALSE(fs::exists(dir.path / "s.safetensors"));
+}
+
+// Ctrl-C stops the run after the current batch of windows, as quantize stops: the signal's own exit
+// status, the message, and nothing left behind (no file, no temporary, no created parent directory).
+TEST(CliCalibrate, SigintStopsTheRunAndLeavesNothing) {
+  const auto sh = shared_model("tiny-qwen3-moe");
+  if (!sh) GTEST_SKIP() << "../shared models or calib tokens absent";
+  test::TempDir dir;
+  const fs::path out = dir.path / "new" / "stats.safetensors";
+  // Every training token (1,365 windows) on one thread: well over a minute, so the signal, sent once the
+  // missing parent has been created (just before the model loads), lands mid-run.
+  const pid_t pid = test::spawn({"calibrate", sh->model.string(), "--tokens", sh->tokens.string(), "--threads", "1",
+                                 "-o", out.string()},
+                                dir.path / "log.txt");
+  ASSERT_GT(pid, 0);
+  int status = 0;
+  bool ended = false;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (!fs::exists(out.parent_path()) && std::chrono::steady_clock::now() < deadline)
+    if (::waitpid(pid, &status, WNOHANG) == pid) {
+      ended = true;
+      break;
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  if (!ended) {
+    ::kill(pid, SIGINT);
+    ::waitpid(pid, &status, 0);
+  }
+  const std::string log = test::read_file(dir.path / "log.txt");
+  ASSERT_FALSE(ended) << log;
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGINT) << "wait status " << status << "\n" << log;
+  EXPECT_TRUE(has(log, "lutb: calibration: interrupted (flag 2) after ")) << log;
+  EXPECT_TRUE(has(log, " windows; nothing was created at " + out.string())) << log;
+  EXPECT_EQ(listing(dir.path), std::vector<std::string>{"log.txt"});
 }
 
 }  // namespace

@@ -148,6 +148,18 @@ TEST(CliEval, BadInputs) {
   r = run_cli("eval /nonexistent/model");
   EXPECT_EQ(r.status, 1);
   EXPECT_NE(r.err.find("/nonexistent/model"), std::string::npos) << r.err;
+  // Without --tokens, a checkpoint that has no val_tokens.safetensors (transformers' own files only): the
+  // error names the default and the option that replaces it.
+  {
+    lutb::test::TempDir t;
+    for (const char* f : {"config.json", "model.safetensors"}) std::filesystem::create_symlink(dir / f, t.path / f);
+    r = run_cli("eval " + lutb::test::q(t.path));
+    EXPECT_EQ(r.status, 1);
+    EXPECT_EQ(r.err, "lutb: error: " + (t.path / "val_tokens.safetensors").string() +
+                         ": tokens file not found (the default of --tokens); pass --tokens FILE, a safetensors file "
+                         "with input_ids\n")
+        << r.err;
+  }
   r = run_cli("eval " + lutb::test::q(dir) + " --quant int4");
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.err.find("int4"), std::string::npos) << r.err;

@@ -49,7 +49,7 @@ TEST(CliHelp, NamesDefaultsAndChoices) {
 // Every option of every command that takes a value and is not required says its default in --help (what
 // happens without it), and the usage line names the tool, not the path of the binary.
 TEST(CliHelp, StatesEveryDefault) {
-  for (const std::string cmd : {"", "quantize", "eval", "moe", "synth"}) {
+  for (const std::string cmd : {"", "quantize", "eval", "calibrate", "moe", "synth"}) {
     const CliOut r = run(cmd + " --help");
     ASSERT_EQ(r.code, 0) << r.out;
     EXPECT_TRUE(has(r, "Usage: lutb " + (cmd.empty() ? std::string("[OPTIONS] [SUBCOMMAND]") : cmd + " [OPTIONS]")))
@@ -96,7 +96,7 @@ TEST(CliHelp, EvalHelpNamesTheGpu) {
 // Every --help ends with the exit statuses: CLI11 shows a command's own footer in place of the app's,
 // so each command carries the statuses in its own footer.
 TEST(CliHelp, EveryHelpEndsWithTheExitStatuses) {
-  for (const char* cmd : {"", "quantize ", "eval ", "moe ", "synth "}) {
+  for (const char* cmd : {"", "quantize ", "eval ", "calibrate ", "moe ", "synth "}) {
     const CliOut r = run(std::string(cmd) + "--help");
     EXPECT_EQ(r.code, 0) << cmd << r.out;
     const auto at = r.out.rfind(kExit);
@@ -106,6 +106,39 @@ TEST(CliHelp, EveryHelpEndsWithTheExitStatuses) {
   // The commands' own paragraphs are still there.
   EXPECT_TRUE(has(run("synth --help"), "Checks the destination and the free space first"));
   EXPECT_TRUE(has(run("quantize --help"), "Interruption: the output is built under OUT.tmp.PID"));
+}
+
+// docs/cli.md promises every command and option: each command has its section ("## `lutb CMD`"), and
+// every long option its --help lists is named in that section.
+TEST(CliHelp, TheReferenceNamesEveryCommandAndOption) {
+  const std::string doc = test::read_file(fs::path(LUTB_SOURCE_DIR) / "docs" / "cli.md");
+  ASSERT_FALSE(doc.empty());
+  for (const std::string cmd : {"", "quantize", "eval", "calibrate", "moe", "synth"}) {
+    const std::string title = cmd.empty() ? "## `lutb` (the default job)" : "## `lutb " + cmd + "`";
+    const auto at = doc.find("\n" + title + "\n");
+    ASSERT_NE(at, std::string::npos) << "docs/cli.md has no section " << title;
+    const auto end = doc.find("\n## ", at + 1);
+    const std::string section = doc.substr(at, end == std::string::npos ? std::string::npos : end - at);
+    const CliOut r = run(cmd + " --help");
+    ASSERT_EQ(r.code, 0) << r.out;
+    // Option entries start a line: "  -o,--output TEXT", "  --threads INT"; the long name after the comma.
+    int named = 0;
+    std::size_t p = 0;
+    while (p < r.out.size()) {
+      const std::size_t e = r.out.find('\n', p);
+      const std::string line = r.out.substr(p, e == std::string::npos ? std::string::npos : e - p);
+      p = e == std::string::npos ? r.out.size() : e + 1;
+      if (line.rfind("  -", 0) != 0) continue;
+      const auto dd = line.find("--");
+      if (dd == std::string::npos) continue;
+      const std::string opt = line.substr(dd, line.find_first_of(" ,", dd) - dd);
+      if (opt == "--help" || opt == "--version") continue;
+      ++named;
+      // In a table cell: "`--threads N`", or "`-o, --output PATH`".
+      EXPECT_TRUE(has(section, "`" + opt) || has(section, ", " + opt)) << title << " of docs/cli.md does not name " << opt;
+    }
+    EXPECT_GE(named, 2) << r.out;
+  }
 }
 
 }  // namespace

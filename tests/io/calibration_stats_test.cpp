@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <string>
 #include <vector>
@@ -119,9 +120,64 @@ TEST(CalibrationStats, BadFilesAreRefusedByName) {
                            {"model.layers.1.mlp.experts.0.tokens", f32({3})}});
   msg = error_of([&] { CalibrationStats::load(file); });
   EXPECT_NE(msg.find("lacks tensor model.layers.1.mlp.experts.0.down.x2"), std::string::npos) << msg;
+  // A file without the "format" metadata is read by its tensor names; one that matches none is named
+  // with the pattern of lutb/calibration.hpp.
   write_safetensors(file, {{"lm_head.weight", f32({1})}});
   msg = error_of([&] { CalibrationStats::load(file); });
-  EXPECT_NE(msg.find("tensor lm_head.weight is not a calibration statistic"), std::string::npos) << msg;
+  EXPECT_EQ(msg, file.string() + ": tensor lm_head.weight is not a calibration statistic (expected "
+                                 "PREFIX.e.gate_up.x2, PREFIX.e.down.x2 or PREFIX.e.tokens, with PREFIX the experts' "
+                                 "prefix such as model.layers.L.mlp.experts and e the expert; lutb/calibration.hpp), "
+                                 "and its metadata has no \"format\": \"lutb-calibration\": it is not a statistics "
+                                 "file of lutb calibrate")
+      << msg;
+  // A file of another kind ("format" "pt": transformers' weights) is named as such, whatever it holds.
+  write_safetensors(file, {{"model.layers.1.mlp.experts.0.gate_up.x2", f32({1, 2})}}, {{"format", "pt"}});
+  msg = error_of([&] { CalibrationStats::load(file); });
+  EXPECT_EQ(msg, file.string() + ": not a statistics file of lutb calibrate (its metadata \"format\" is \"pt\", not "
+                                 "\"lutb-calibration\"); give the file that lutb calibrate -o wrote")
+      << msg;
+}
+
+// save() writes only finite, non-negative statistics of consistent sizes: the first bad value is named
+// by layer, prefix, expert, projection and column, and no file is created (the second line of defence
+// behind lutb calibrate's check of the weights: a NaN outside the routed experts reaches the statistics).
+TEST(CalibrationStats, NonFiniteStatisticsAreNeverWritten) {
+  test::TempDir dir;
+  const auto file = dir.path / "stats.safetensors";
+  const std::string head = file.string() + ": the calibration statistics of layer 1 (model.layers.1.mlp.experts), ";
+  struct Case {
+    std::function<void(LayerCalibration&)> edit;
+    std::string expect;
+  } cases[] = {
+      {[](LayerCalibration& l) { l.gate_up_x2[2 * 4 + 1] = std::nanf(""); }, "expert 2, gate_up.x2 column 1 is NaN"},
+      {[](LayerCalibration& l) { l.down_x2[1] = INFINITY; }, "expert 0, down.x2 column 1 is +Inf"},
+      {[](LayerCalibration& l) { l.down_x2[5] = -INFINITY; }, "expert 2, down.x2 column 1 is -Inf"},
+      {[](LayerCalibration& l) { l.tokens[1] = -1; }, "expert 1, tokens is -1"},
+  };
+  for (const auto& c : cases) {
+    CalibrationStats s = small_stats();
+    c.edit(s.layers[1]);
+    const std::string msg = error_of([&] { s.save(file); });
+    EXPECT_EQ(msg, head + c.expect + "; statistics are finite and >= 0; nothing written");
+    EXPECT_EQ(error_of([&] { s.check(); }), head.substr(file.string().size() + 2) + c.expect +
+                                                "; statistics are finite and >= 0");
+    EXPECT_FALSE(std::filesystem::exists(file));
+  }
+  CalibrationStats s = small_stats();
+  s.layers[1].down_x2.pop_back();
+  EXPECT_EQ(error_of([&] { s.save(file); }),
+            head + "down.x2 holds 5 values, expected experts x intermediate = 3 x 2; nothing written");
+  EXPECT_TRUE(std::filesystem::is_empty(dir.path));
+}
+
+// A write that fails names the file asked for, not the writer's temporary name.
+TEST(CalibrationStats, AFailedWriteNamesTheFile) {
+  test::TempDir dir;
+  const auto file = dir.path / "missing" / "stats.safetensors";
+  const std::string msg = error_of([&] { small_stats().save(file); });
+  EXPECT_EQ(msg.rfind(file.string() + ": cannot write the calibration statistics (cannot create: ", 0), 0u) << msg;
+  EXPECT_NE(msg.find("No such file or directory"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("; nothing was created at " + file.string()), std::string::npos) << msg;
 }
 
 TEST(CalibrationStats, WeightsForCheckpointTensorsByName) {
