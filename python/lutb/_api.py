@@ -211,9 +211,12 @@ class LutbWeight:
 
         packed: uint8 [..., Np/8, Kp/64, 192]; codebook: uint8 or float8_e4m3fn [..., Np/8, Kp/64, 8]
         (kept as a uint8 view); scale: uint8 (or float8_e8m0fnu) [..., Np/8, Kp/64]; shape: the
-        logical (..., N, K). All torch tensors or all numpy arrays, on one device, contiguous.
+        logical (..., N, K), a sequence of ints (tuple, list, torch.Size). All torch tensors or all
+        numpy arrays, on one device, contiguous.
         `name` (the projection P) makes errors name the checkpoint tensors (P.weight_scale, ...).
-        Raises TypeError / ValueError naming the tensor: wrong type or dtype, sizes that do not match
+        Raises TypeError naming `shape` when it is not a sequence of ints (a str such as "8,64", a
+        float size), ValueError naming it when it has fewer than 2 sizes or a size < 1, and
+        TypeError / ValueError naming the tensor: wrong type or dtype, sizes that do not match
         `shape`, devices that differ, a non-contiguous tensor, and (reading the data; on CUDA this
         synchronises) a scale byte outside 3..246 (255 is UE8M0 NaN) or a NaN codebook entry (0x7F,
         0xFF), with the first bad tile.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -71,6 +73,16 @@ def test_from_tensors_validation(layer):
         lutb.LutbWeight.from_tensors(p, c, s.numpy(), w13.shape)
     with pytest.raises(ValueError, match="shape"):
         lutb.LutbWeight.from_tensors(p, c, s, (4, 128))
+    # the logical shape must be a sequence of ints: a str or a float size is refused, naming `shape`
+    for bad_shape, shown in [("4,128,64", "str '4,128,64'"), (4, "int"), ((4, 128.0, 64), "holds a float"),
+                             ((4, True, 64), "holds a bool"), ([4, "128", 64], "holds a str")]:
+        with pytest.raises(TypeError, match=r"^shape: expected a sequence of ints, got .*" + re.escape(shown)):
+            lutb.LutbWeight.from_tensors(p, c, s, bad_shape)
+    with pytest.raises(ValueError, match=r"^shape: \(4, 0, 64\) is not a logical weight shape"):
+        lutb.LutbWeight.from_tensors(p, c, s, (4, 0, 64))
+    # list, torch.Size and numpy integers are sequences of ints
+    for good in ([4, 128, 64], torch.Size([4, 128, 64]), tuple(np.array([4, 128, 64]))):
+        assert lutb.LutbWeight.from_tensors(p, c, s, good).shape == (4, 128, 64)
     nc = torch.empty(4, 16, 1, 384, dtype=torch.uint8)[..., ::2]
     with pytest.raises(ValueError, match="packed: must be contiguous"):
         lutb.LutbWeight.from_tensors(nc, c, s, w13.shape)
