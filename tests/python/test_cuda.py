@@ -139,6 +139,32 @@ def test_moe_experts_equals_cpu(t, act_format):
 
 
 @pytest.mark.parametrize("act_format", ["mxfp8", "bf16"])
+@pytest.mark.parametrize("t", [5, 300])
+def test_moe_experts_nan_values_propagate_as_on_the_cpu(t, act_format):
+    """Values are not checked: NaN / Inf in x or topk_weights make those tokens' rows non-finite, as on
+    the CPU; a NaN weight on an id >= E changes nothing; the other rows equal the clean call's."""
+    w13, w2 = layer()
+    g = torch.Generator().manual_seed(t)
+    x = torch.randn(t, 256, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(t)])
+    wts = torch.rand(t, 2, generator=g)
+    bad_x, bad_w = x.clone(), wts.clone()
+    bad_x[1, 7], bad_x[2, 100] = float("nan"), float("inf")
+    bad_w[3, 1] = float("nan")
+    ids[4, 1], bad_w[4, 1] = 8, float("nan")  # expert-parallel marker with a NaN weight
+    w13d, w2d = w13.to(DEV), w2.to(DEV)
+    gpu = lutb.moe_experts(bad_x.to(DEV), ids.to(DEV), bad_w.to(DEV), w13d, w2d, act_format=act_format).cpu()
+    cpu = lutb.moe_experts(bad_x, ids, bad_w, w13, w2, act_format=act_format)
+    assert torch.equal(torch.isfinite(gpu), torch.isfinite(cpu))
+    assert not torch.isfinite(gpu[1:4]).any(dim=1).any() and torch.isfinite(gpu[[0, 4]]).all()
+    clean_w = wts.clone()
+    clean_w[4, 1] = 0.0
+    clean = lutb.moe_experts(x.to(DEV), ids.to(DEV), clean_w.to(DEV), w13d, w2d, act_format=act_format).cpu()
+    rest = [r for r in range(t) if r not in (1, 2, 3)]
+    assert torch.equal(gpu[rest], clean[rest])
+
+
+@pytest.mark.parametrize("act_format", ["mxfp8", "bf16"])
 @pytest.mark.parametrize("t", [1, 4, 300])
 def test_moe_experts_float32_out_rounds_to_the_bf16_out(t, act_format):
     """out=float32 is the FP32 sum of step 6 (the separate reduction, never the fused one): rounded
