@@ -1,14 +1,19 @@
 """Run lm-evaluation-harness in process on a model whose routed experts are LUT-B.
 
-    python examples/lm_eval_quantized.py MODEL_DIR [--device cpu|cuda] [--docs 64] [--work-dir DIR]
+    python examples/lm_eval_quantized.py MODEL_DIR [--tokens FILE] [--tokenizer DIR] [--calibration STATS]
+                                          [--device cpu|cuda] [--docs 64] [--work-dir DIR]
 
-MODEL_DIR is a BF16 Hugging Face MoE checkpoint (quantised while loading with ``LutbConfig``) or a
-LUT-B checkpoint written by ``lutb quantize`` / ``save_pretrained`` (loaded as stored). The task
-needs no download: it is a local multiple-choice task built from the model's own held-out tokens
-(``val_tokens.safetensors``): each document is a passage of held-out text, and the choices are its
-true continuation and the continuations of three other passages; ``acc`` is the share of documents
-where the model gives the true continuation the highest log-likelihood. The task YAML and its
-JSONL dataset are written to ``--work-dir`` (a temporary folder by default).
+MODEL_DIR is a BF16 Hugging Face MoE checkpoint (quantised while loading with ``LutbConfig``,
+weighted by the statistics of ``lutb calibrate`` given with --calibration) or a LUT-B checkpoint
+written by ``lutb quantize`` / ``save_pretrained`` (loaded as stored). The task needs no download:
+it is a local multiple-choice task built from held-out tokens (--tokens, by default
+MODEL_DIR/val_tokens.safetensors): each document is a passage of held-out text, and the choices are
+its true continuation and the continuations of three other passages; ``acc`` is the share of
+documents where the model gives the true continuation the highest log-likelihood. The task YAML and
+its JSONL dataset are written to ``--work-dir`` (a temporary folder by default). A
+``save_pretrained`` output holds neither the token ids nor the tokenizer: pass the source model's
+with --tokens SRC_DIR/val_tokens.safetensors --tokenizer SRC_DIR.
+Exit status: 0 success; 1 an input that is missing or invalid (one line on stderr); 2 a usage error.
 
 The same ``HFLM(pretrained=model, tokenizer=tok)`` + ``lm_eval.simple_evaluate(...)`` call runs any
 installed lm-eval task on the quantised model when its dataset is available.
@@ -23,28 +28,31 @@ import sys
 import tempfile
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import lutb.hf
+from lutb.eval import load_tokens
 
 TASK_NAME = "lutb_heldout_continuation"
 
 
-def write_task(model_dir: str, tokenizer, work_dir: str, docs: int, context_tokens: int = 96,
+def write_task(tokens, tokenizer, work_dir: str, docs: int, context_tokens: int = 96,
                choice_tokens: int = 16) -> str:
-    """Write ``TASK_NAME``'s YAML and JSONL under ``work_dir`` from ``model_dir``'s
-    ``val_tokens.safetensors``; returns the folder to pass to ``TaskManager(include_path=...)``.
+    """Write ``TASK_NAME``'s YAML and JSONL under ``work_dir`` from held-out ``tokens`` (a
+    safetensors file of ``input_ids`` or ids, as ``lutb.eval.load_tokens`` takes); returns the folder
+    to pass to ``TaskManager(include_path=...)``.
 
     Document d uses tokens ``[d * stride, d * stride + context_tokens + choice_tokens)``; its
     distractors are the continuations of documents d+1, d+2, d+3 (mod docs), so every choice is real
     text of the same length in tokens.
 
     Raises:
-        FileNotFoundError: ``model_dir`` has no ``val_tokens.safetensors``.
+        FileNotFoundError: the ``tokens`` file does not exist.
         ValueError: too few held-out tokens for ``docs`` documents, or docs < 4.
     """
-    from lutb.eval import load_tokens
-
     if docs < 4:
         raise ValueError(f"docs: a document needs 3 distractors from other documents, so docs >= 4; got {docs}")
-    ids = load_tokens(os.path.join(model_dir, "val_tokens.safetensors"))
+    ids = load_tokens(tokens)
     span = context_tokens + choice_tokens
     stride = ids.numel() // docs
     if stride < span:
@@ -81,20 +89,24 @@ def write_task(model_dir: str, tokenizer, work_dir: str, docs: int, context_toke
     return work_dir
 
 
-def load_model(model_dir: str, device: str = "cpu", dtype: torch.dtype = torch.float32, fitter: str = "binned-dp"):
-    """The model of ``model_dir`` with LUT-B routed experts: fitted while loading when the checkpoint
-    is BF16, as stored when it is LUT-B. Returns ``(model, tokenizer)``."""
-    import lutb.hf
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def is_lutb_checkpoint(model_dir: str) -> bool:
+    """Whether ``model_dir``'s config.json has a LUT-B ``quantization_config`` (quant_method "lut_b")."""
     with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
-        stored = json.load(f).get("quantization_config")
-    kwargs = {} if stored else {"quantization_config": lutb.hf.LutbConfig(fitter=fitter)}
+        return (json.load(f).get("quantization_config") or {}).get("quant_method") == "lut_b"
+
+
+def load_model(model_dir: str, device: str = "cpu", dtype: torch.dtype = torch.float32, fitter: str = "binned-dp",
+               calibration: str | None = None, tokenizer_dir: str | None = None):
+    """The model of ``model_dir`` with LUT-B routed experts: fitted while loading when the checkpoint
+    is BF16 (weighted by the ``calibration`` statistics when given), as stored when it is LUT-B.
+    Returns ``(model, tokenizer)``, the tokenizer of ``tokenizer_dir`` (default ``model_dir``)."""
+    config = None if is_lutb_checkpoint(model_dir) else lutb.hf.LutbConfig(fitter=fitter, calibration=calibration)
+    kwargs = {} if config is None else {"quantization_config": config}
     if device != "cpu":  # device_map needs accelerate; the CPU is the default placement
         kwargs["device_map"] = device
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **kwargs)
     model.eval()
-    return model, AutoTokenizer.from_pretrained(model_dir)
+    return model, AutoTokenizer.from_pretrained(tokenizer_dir or model_dir)
 
 
 def evaluate(model, tokenizer, task_dir: str, limit: int | None = None, batch_size: int = 8) -> dict:
@@ -109,21 +121,61 @@ def evaluate(model, tokenizer, task_dir: str, limit: int | None = None, batch_si
                                    log_samples=False)
 
 
+def docs_arg(s: str) -> int:
+    if not s.isdigit() or int(s) < 4:
+        raise argparse.ArgumentTypeError(f"{s!r} is not an integer >= 4 (a document takes 3 others' continuations)")
+    return int(s)
+
+
+def fail(message: str) -> int:
+    print(f"lm_eval_quantized.py: {message}", file=sys.stderr)
+    return 1
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("model_dir")
+    p.add_argument("model_dir", metavar="MODEL_DIR")
+    p.add_argument("--tokens", metavar="FILE", help="held-out token ids (default MODEL_DIR/val_tokens.safetensors)")
+    p.add_argument("--tokenizer", metavar="DIR", help="folder of the tokenizer (default MODEL_DIR)")
+    p.add_argument("--calibration", metavar="STATS", help="statistics of `lutb calibrate` for fitting a BF16 model")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.add_argument("--docs", type=int, default=64, help="documents in the local task (default 64)")
+    p.add_argument("--docs", metavar="N", type=docs_arg, default=64, help="documents in the local task (default 64)")
     p.add_argument("--work-dir", default=None, help="where the task YAML and JSONL go (default: a temporary folder)")
     a = p.parse_args(argv)
+
+    if not os.path.isfile(os.path.join(a.model_dir, "config.json")):
+        return fail(f"MODEL_DIR: {a.model_dir} " + ("has no config.json" if os.path.isdir(a.model_dir)
+                                                   else "is not a folder"))
+    if a.calibration and is_lutb_checkpoint(a.model_dir):
+        p.error(f"--calibration: {a.model_dir} is a LUT-B checkpoint, loaded as stored (nothing is fitted)")
+    tokens = a.tokens or os.path.join(a.model_dir, "val_tokens.safetensors")
+    if not os.path.isfile(tokens):
+        hint = "" if a.tokens else "; pass the token ids with --tokens FILE"
+        return fail(f"tokens: {tokens} does not exist{hint}")
+    # transformers gives a folder without tokenizer files an empty tokenizer rather than an error
+    tok_dir = a.tokenizer or a.model_dir
+    if not any(os.path.isfile(os.path.join(tok_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        hint = "" if a.tokenizer else "; pass the source model's folder with --tokenizer DIR"
+        return fail(f"tokenizer: {tok_dir} has no tokenizer.json or tokenizer_config.json{hint}")
+    if a.calibration and not os.path.isfile(a.calibration):
+        return fail(f"calibration: {a.calibration} does not exist")
+    try:
+        ids = load_tokens(tokens)
+    except ValueError as e:  # no input_ids tensor, or ids that are not integers >= 0
+        return fail(str(e))
+
     dtype = torch.float32 if a.device == "cpu" else torch.bfloat16
-    model, tok = load_model(a.model_dir, a.device, dtype)
     with tempfile.TemporaryDirectory() as tmp:
-        task_dir = write_task(a.model_dir, tok, a.work_dir or tmp, a.docs)
+        try:
+            model, tok = load_model(a.model_dir, a.device, dtype, calibration=a.calibration, tokenizer_dir=tok_dir)
+            task_dir = write_task(ids, tok, a.work_dir or tmp, a.docs)
+        except (OSError, ValueError) as e:  # an unreadable or invalid checkpoint, statistics or token file
+            return fail(str(e))
         res = evaluate(model, tok, task_dir)
     acc = res["results"][TASK_NAME]["acc,none"]
     err = res["results"][TASK_NAME].get("acc_stderr,none")
-    print(f"{TASK_NAME}: acc {acc:.4f}" + (f" +- {err:.4f}" if isinstance(err, float) else "") + f" ({a.docs} documents)")
+    spread = f" +- {err:.4f}" if isinstance(err, float) else ""
+    print(f"{TASK_NAME}: acc {acc:.4f}{spread} ({a.docs} documents)")
     return 0
 
 

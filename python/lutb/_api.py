@@ -211,9 +211,12 @@ class LutbWeight:
 
         packed: uint8 [..., Np/8, Kp/64, 192]; codebook: uint8 or float8_e4m3fn [..., Np/8, Kp/64, 8]
         (kept as a uint8 view); scale: uint8 (or float8_e8m0fnu) [..., Np/8, Kp/64]; shape: the
-        logical (..., N, K). All torch tensors or all numpy arrays, on one device, contiguous.
+        logical (..., N, K), a sequence of ints (tuple, list, torch.Size). All torch tensors or all
+        numpy arrays, on one device, contiguous.
         `name` (the projection P) makes errors name the checkpoint tensors (P.weight_scale, ...).
-        Raises TypeError / ValueError naming the tensor: wrong type or dtype, sizes that do not match
+        Raises TypeError naming `shape` when it is not a sequence of ints (a str such as "8,64", a
+        float size), ValueError naming it when it has fewer than 2 sizes or a size < 1, and
+        TypeError / ValueError naming the tensor: wrong type or dtype, sizes that do not match
         `shape`, devices that differ, a non-contiguous tensor, and (reading the data; on CUDA this
         synchronises) a scale byte outside 3..246 (255 is UE8M0 NaN) or a NaN codebook entry (0x7F,
         0xFF), with the first bad tile.
@@ -400,10 +403,14 @@ def _check_k(k: Any, experts: int, cuda: bool) -> int:
     return k
 
 
-def _check_deepseek(logits: Any, correction_bias: Any, k: Any, n_group: Any, topk_group: Any):
+def _check_deepseek(logits: Any, correction_bias: Any, k: Any, n_group: Any, topk_group: Any,
+                    routed_scaling_factor: Any):
     """The checks of route_deepseek (also run by torch.ops.lutb.route_deepseek): float32 logits and
-    bias (widened exactly), and k, n_group, topk_group as ints."""
+    bias (widened exactly), k, n_group, topk_group as ints, and a finite routed_scaling_factor."""
     logits = _router_logits(logits)
+    scaling = _float_arg(routed_scaling_factor, "routed_scaling_factor")
+    if not np.isfinite(scaling):
+        raise ValueError(f"routed_scaling_factor: {scaling} is not finite")
     e = int(logits.shape[1])
     k = _check_k(k, e, A.is_cuda(logits))
     n_group = _int_arg(n_group, "n_group")
@@ -433,6 +440,11 @@ def route_softmax_topk(logits: Any, k: int, renormalize: bool = True) -> tuple[A
     logits: [T, E] float (bfloat16/float16 are widened to float32 exactly), torch (CPU or CUDA) or numpy.
     Returns (topk_ids int32 [T, k], topk_weights float32 [T, k]) on logits' device, each row in
     descending probability (ties: lower expert); weights renormalised to sum 1 when `renormalize`.
+    Raises TypeError / ValueError naming the argument: type, dtype, shape, non-contiguous logits, k
+    outside 1..E (on CUDA also k > 32 or E > 1024).
+    Values are not checked (reading them would synchronise on CUDA): a row of logits holding a NaN or
+    +Inf, or only -Inf, has NaN probabilities, so its ids are 0..k-1 (the tie order) and its weights
+    NaN; CPU and CUDA give the same ids.
     """
     logits = _router_logits(logits)
     k = _check_k(k, int(logits.shape[1]), A.is_cuda(logits))
@@ -449,10 +461,17 @@ def route_deepseek(logits: Any, correction_bias: Any, k: int, n_group: int, topk
     at least 2 experts per group, 1 <= topk_group <= n_group, k <= topk_group * E / n_group.
     Returns (topk_ids int32 [T, k], topk_weights float32 [T, k]): weights are sigmoid(logits) of the
     chosen experts, divided by their sum when `renormalize`, times routed_scaling_factor.
+    Raises TypeError / ValueError naming the argument: types, dtypes, shapes, devices that differ,
+    non-contiguous tensors, k, n_group or topk_group out of range, a routed_scaling_factor that is not
+    a finite number.
+    Values are not checked (reading them would synchronise on CUDA): a NaN logit or correction_bias
+    entry ranks its expert below every number, in its group's score and in the choice (chosen only
+    when the kept groups hold fewer than k others; ties: lower expert), and a chosen expert with a
+    NaN logit has weight NaN, which makes the whole row NaN when `renormalize`; CPU and CUDA give the
+    same ids. Logits of +-Inf have sigmoid 1 and 0.
     """
     logits, correction_bias, k, n_group, topk_group = _check_deepseek(logits, correction_bias, k, n_group,
-                                                                      topk_group)
-    routed_scaling_factor = _float_arg(routed_scaling_factor, "routed_scaling_factor")
+                                                                      topk_group, routed_scaling_factor)
     if A.is_torch(logits):
         return _ops().route_deepseek(logits, correction_bias, k, n_group, topk_group, bool(renormalize),
                                      float(routed_scaling_factor))
@@ -491,6 +510,10 @@ def moe_experts(x: Any, topk_ids: Any, topk_weights: Any, w13: LutbWeight, w2: L
     Raises TypeError / ValueError naming the argument: types, dtypes, shapes, devices that differ,
     non-contiguous tensors, an unknown act_format. torch.ops.lutb.moe_experts(_out) called directly
     check their tensors the same way (naming w13_packed, ..., w2_scale).
+    Values are not checked (as in torch's own operators and FlashInfer's MoE kernels): reading them
+    would synchronise with the host. A token whose row of x or of topk_weights holds NaN or +-Inf gets
+    NaN or +-Inf in its output row, as does one whose GEMM sums overflow FP32; a slot whose id is >= E
+    contributes nothing, whatever its weight.
     No autograd: the result requires grad when x or topk_weights does, but backward() through it
     raises RuntimeError("moe_experts: no backward ..."); run inference under torch.no_grad() or
     torch.inference_mode().

@@ -105,10 +105,19 @@ def tiles_of(shape: tuple[int, ...]) -> tuple[tuple[int, ...], int, int, int]:
 
 
 def check_shape(shape: Any, name: str) -> tuple[int, ...]:
+    """shape as a tuple of ints: a sequence (tuple, list, torch.Size) of ints or numpy integers, bool
+    refused; TypeError naming `name` for anything else (a str such as "8,64", a float size), ValueError
+    for fewer than 2 sizes or a size < 1."""
+    if isinstance(shape, (str, bytes)):
+        raise TypeError(f"{name}: expected a sequence of ints, got {type(shape).__name__} {shape!r}")
     try:
-        s = tuple(int(v) for v in shape)
+        items = tuple(shape)
     except TypeError:
-        raise TypeError(f"{name}: expected a tuple of ints, got {shape!r}") from None
+        raise TypeError(f"{name}: expected a sequence of ints, got {type(shape).__name__}") from None
+    for v in items:
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+            raise TypeError(f"{name}: expected a sequence of ints, got {shape!r} (holds a {type(v).__name__})")
+    s = tuple(int(v) for v in items)
     if len(s) < 2 or any(v < 1 for v in s):
         raise ValueError(f"{name}: {s} is not a logical weight shape (..., N, K) with every size >= 1")
     return s

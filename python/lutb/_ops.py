@@ -124,12 +124,12 @@ def _softmax_cuda(lg, k, r):
 
 
 def _deepseek_cpu(lg, b, k, g, tg, r, s):
-    lg, b, k, g, tg = P._check_deepseek(lg, b, k, g, tg)
+    lg, b, k, g, tg = P._check_deepseek(lg, b, k, g, tg, s)
     return I.route_cpu(lg, b, True, k, r, g, tg, s)
 
 
 def _deepseek_cuda(lg, b, k, g, tg, r, s):
-    lg, b, k, g, tg = P._check_deepseek(lg, b, k, g, tg)
+    lg, b, k, g, tg = P._check_deepseek(lg, b, k, g, tg, s)
     return I.route_deepseek_cuda(lg, b, k, g, tg, r, s)
 
 

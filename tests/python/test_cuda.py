@@ -66,6 +66,48 @@ def test_routing_equals_cpu():
         torch.testing.assert_close(a[1], b[1].cpu(), rtol=1e-6, atol=0)
 
 
+def test_routing_of_nan_and_inf_logits_equals_cpu():
+    """Logit values are not checked; rows with NaN or +-Inf logits (and a NaN / +-Inf correction bias)
+    route as on the CPU: a NaN score ranks below every number, every id is in 0..E-1."""
+    g = torch.Generator().manual_seed(5)
+    t, e = 64, 64
+    logits = torch.randn(t, e, generator=g)
+    for r in range(t):
+        kind = r % 8
+        if kind == 1:
+            logits[r, r % e] = float("nan")
+        elif kind == 2:
+            logits[r] = float("nan")
+        elif kind == 3:
+            logits[r, (7 * r) % e] = float("inf")
+        elif kind == 4:
+            logits[r] = -float("inf")
+        elif kind == 5:
+            logits[r, ::2] = float("nan")
+        elif kind == 6:
+            logits[r, :40] = float("nan")  # most groups without two numbers
+        elif kind == 7:
+            logits[r, (3 * r) % e] = -float("inf")
+    bias = torch.randn(e, generator=g) * 0.1
+    bias[3], bias[9], bias[17] = float("nan"), float("inf"), -float("inf")
+
+    def same(a, b):
+        assert torch.equal(a[0], b[0].cpu())
+        assert int(b[0].min()) >= 0 and int(b[0].max()) < e
+        assert torch.equal(torch.isnan(a[1]), torch.isnan(b[1].cpu()))
+        torch.testing.assert_close(a[1], b[1].cpu(), rtol=1e-6, atol=0, equal_nan=True)
+
+    for renorm in (True, False):
+        for k in (6, 32):
+            same(lutb.route_softmax_topk(logits, k, renorm), lutb.route_softmax_topk(logits.to(DEV), k, renorm))
+        for b in (bias, None):
+            for k, n_group, topk_group in ((8, 8, 4), (32, 32, 16)):
+                same(lutb.route_deepseek(logits, b, k, n_group, topk_group, renorm, 2.5),
+                     lutb.route_deepseek(logits.to(DEV), None if b is None else b.to(DEV), k, n_group, topk_group,
+                                         renorm, 2.5))
+    torch.cuda.synchronize()  # no fault: the kernels never index outside the row
+
+
 def layer(e=8, h=256, i=128, seed=4):
     w13 = lutb.quantize(weights((e, 2 * i, h), seed))
     w2 = lutb.quantize(weights((e, h, i), seed + 1))
@@ -94,6 +136,32 @@ def test_moe_experts_equals_cpu(t, act_format):
     assert gpu.dtype == torch.bfloat16
     assert not gpu.isnan().any()
     assert normalised_error(gpu.cpu(), cpu) < 1e-3
+
+
+@pytest.mark.parametrize("act_format", ["mxfp8", "bf16"])
+@pytest.mark.parametrize("t", [5, 300])
+def test_moe_experts_nan_values_propagate_as_on_the_cpu(t, act_format):
+    """Values are not checked: NaN / Inf in x or topk_weights make those tokens' rows non-finite, as on
+    the CPU; a NaN weight on an id >= E changes nothing; the other rows equal the clean call's."""
+    w13, w2 = layer()
+    g = torch.Generator().manual_seed(t)
+    x = torch.randn(t, 256, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(t)])
+    wts = torch.rand(t, 2, generator=g)
+    bad_x, bad_w = x.clone(), wts.clone()
+    bad_x[1, 7], bad_x[2, 100] = float("nan"), float("inf")
+    bad_w[3, 1] = float("nan")
+    ids[4, 1], bad_w[4, 1] = 8, float("nan")  # expert-parallel marker with a NaN weight
+    w13d, w2d = w13.to(DEV), w2.to(DEV)
+    gpu = lutb.moe_experts(bad_x.to(DEV), ids.to(DEV), bad_w.to(DEV), w13d, w2d, act_format=act_format).cpu()
+    cpu = lutb.moe_experts(bad_x, ids, bad_w, w13, w2, act_format=act_format)
+    assert torch.equal(torch.isfinite(gpu), torch.isfinite(cpu))
+    assert not torch.isfinite(gpu[1:4]).any(dim=1).any() and torch.isfinite(gpu[[0, 4]]).all()
+    clean_w = wts.clone()
+    clean_w[4, 1] = 0.0
+    clean = lutb.moe_experts(x.to(DEV), ids.to(DEV), clean_w.to(DEV), w13d, w2d, act_format=act_format).cpu()
+    rest = [r for r in range(t) if r not in (1, 2, 3)]
+    assert torch.equal(gpu[rest], clean[rest])
 
 
 @pytest.mark.parametrize("act_format", ["mxfp8", "bf16"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -71,6 +73,16 @@ def test_from_tensors_validation(layer):
         lutb.LutbWeight.from_tensors(p, c, s.numpy(), w13.shape)
     with pytest.raises(ValueError, match="shape"):
         lutb.LutbWeight.from_tensors(p, c, s, (4, 128))
+    # the logical shape must be a sequence of ints: a str or a float size is refused, naming `shape`
+    for bad_shape, shown in [("4,128,64", "str '4,128,64'"), (4, "int"), ((4, 128.0, 64), "holds a float"),
+                             ((4, True, 64), "holds a bool"), ([4, "128", 64], "holds a str")]:
+        with pytest.raises(TypeError, match=r"^shape: expected a sequence of ints, got .*" + re.escape(shown)):
+            lutb.LutbWeight.from_tensors(p, c, s, bad_shape)
+    with pytest.raises(ValueError, match=r"^shape: \(4, 0, 64\) is not a logical weight shape"):
+        lutb.LutbWeight.from_tensors(p, c, s, (4, 0, 64))
+    # list, torch.Size and numpy integers are sequences of ints
+    for good in ([4, 128, 64], torch.Size([4, 128, 64]), tuple(np.array([4, 128, 64]))):
+        assert lutb.LutbWeight.from_tensors(p, c, s, good).shape == (4, 128, 64)
     nc = torch.empty(4, 16, 1, 384, dtype=torch.uint8)[..., ::2]
     with pytest.raises(ValueError, match="packed: must be contiguous"):
         lutb.LutbWeight.from_tensors(nc, c, s, w13.shape)
@@ -115,6 +127,55 @@ def test_routing_bad_inputs():
         lutb.route_deepseek(lg, torch.zeros(8), 2, 4, 2)
     with pytest.raises(TypeError, match="logits: dtype int64"):
         lutb.route_softmax_topk(torch.zeros(4, 16, dtype=torch.int64), 2)
+    for bad in (float("nan"), float("inf"), np.float32("-inf")):
+        with pytest.raises(ValueError, match=f"^routed_scaling_factor: {float(bad)} is not finite$"):
+            lutb.route_deepseek(lg, None, 2, 4, 2, True, bad)
+        with pytest.raises(ValueError, match=f"^routed_scaling_factor: {float(bad)} is not finite$"):
+            torch.ops.lutb.route_deepseek(lg, None, 2, 4, 2, True, float(bad))
+
+
+# Values are not checked (docs: moe_experts never synchronises on CUDA); NaN and Inf propagate.
+def test_routing_values_are_not_checked():
+    nan, inf = float("nan"), float("inf")
+    lg = torch.randn(5, 8, generator=torch.Generator().manual_seed(2))
+    lg[0, 3] = nan           # one NaN: every probability of the row is NaN
+    lg[1, 6] = inf           # +Inf: inf - inf in the max-subtracted softmax
+    lg[2, :] = -inf          # only -Inf: 0 / 0
+    lg[3, 5] = -inf          # one -Inf among numbers: probability 0, the row is fine
+    ids, w = lutb.route_softmax_topk(lg, 3)
+    assert ids[:3].tolist() == [[0, 1, 2]] * 3 and torch.isnan(w[:3]).all()
+    ref = torch.softmax(lg[3:], -1).topk(3)
+    assert torch.equal(ids[3:], ref.indices.int()) and not torch.isnan(w[3:]).any()
+    torch.testing.assert_close(w[3:], ref.values / ref.values.sum(-1, keepdim=True))
+    # DeepSeek: a NaN logit ranks its expert below every number; chosen, it makes the row NaN
+    lg = torch.tensor([[0.0, 3.0, nan, 2.0, 1.0, 0.5, -1.0, -2.0],
+                       [nan, nan, nan, 2.0, nan, nan, nan, nan]])
+    ids, w = lutb.route_deepseek(lg, None, 2, 2, 1)
+    assert ids[0].tolist() == [1, 3] and not torch.isnan(w[0]).any()
+    assert ids[1].tolist() == [3, 0] and torch.isnan(w[1]).all()  # group 0: 2.0 and NaN beat group 1's NaN, NaN
+    ids, w = lutb.route_deepseek(lg[1:], None, 2, 2, 1, renormalize=False)
+    assert w[0, 0].item() == pytest.approx(torch.sigmoid(torch.tensor(2.0)).item()) and torch.isnan(w[0, 1])
+    # a NaN correction bias only ranks the expert last
+    ids, w = lutb.route_deepseek(torch.zeros(1, 8), torch.tensor([nan, 0, 0, 0, 0, 0, 0, 0.5]), 2, 2, 2)
+    assert ids.tolist() == [[7, 1]] and w.tolist() == [[0.5, 0.5]]
+
+
+def test_moe_experts_values_are_not_checked(layer):
+    w13, w2 = layer
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    ids = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0], [1, 4]])  # 4 >= E: expert of another rank
+    wts = torch.full((5, 2), 0.5)
+    x[1, 7] = float("nan")
+    x[2, 40] = float("inf")
+    wts[3, 1] = float("nan")
+    wts[4, 1] = float("nan")  # a slot of an id >= E contributes nothing, whatever its weight
+    for fmt in ("mxfp8", "bf16"):
+        y = lutb.moe_experts(x, ids, wts, w13, w2, act_format=fmt)
+        assert torch.isnan(y[1:4]).all() and torch.isfinite(y[[0, 4]]).all(), fmt
+        clean = lutb.moe_experts(x[[0, 4]].contiguous(), ids[[0, 4]].contiguous(),
+                                 torch.tensor([[0.5, 0.5], [0.5, 0.0]]), w13, w2, act_format=fmt)
+        assert torch.equal(y[[0, 4]], clean), fmt
 
 
 def test_mxfp8_bad_inputs():

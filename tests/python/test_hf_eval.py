@@ -6,7 +6,6 @@ increase over BF16 must agree within 1e-3 nats, from the same fitted bytes."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -18,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import lutb.hf  # noqa: E402
-from hf_support import FAMILY_MODELS, REPO, model_dir, run_cli  # noqa: E402
+from hf_support import FAMILY_MODELS, model_dir, run_cli  # noqa: E402
 from lutb.eval import load_tokens, perplexity  # noqa: E402
 
 WINDOWS = int(os.environ.get("LUTB_EVAL_WINDOWS", "8"))
@@ -116,28 +115,3 @@ def test_lutb_increase_over_bf16_agrees_with_cli(family, tmp_path):
         ref = json.loads((folder / "reference_eval.json").read_text())
         assert base.loss == pytest.approx(ref["val_loss_fp32_compute"], abs=2e-4)
 
-
-def _example():
-    spec = importlib.util.spec_from_file_location("lm_eval_quantized", REPO / "examples" / "lm_eval_quantized.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_lm_eval_example_runs_in_process(tmp_path):
-    pytest.importorskip("lm_eval")
-    pytest.importorskip("accelerate")  # lm_eval's HFLM imports it
-    ex = _example()
-    folder = model_dir("tiny-qwen3-moe")
-    model, tok = ex.load_model(str(folder), "cpu", torch.float32)
-    assert any(isinstance(m, lutb.hf.LutbExperts) for m in model.modules())
-    task_dir = ex.write_task(str(folder), tok, str(tmp_path / "task"), docs=16)
-    lines = (tmp_path / "task" / "heldout_continuation.jsonl").read_text().splitlines()
-    docs = [json.loads(x) for x in lines]
-    assert len(docs) == 16 and [d["label"] for d in docs[:5]] == [0, 1, 2, 3, 0]
-    assert all(len(d["choices"]) == 4 and len(set(d["choices"])) == 4 for d in docs)
-    res = ex.evaluate(model, tok, task_dir, batch_size=4)
-    r = res["results"][ex.TASK_NAME]
-    assert res["n-samples"][ex.TASK_NAME]["effective"] == 16
-    # a model trained on this text finds the true continuation far more often than chance (0.25)
-    assert 0.5 <= r["acc,none"] <= 1.0

@@ -80,7 +80,8 @@ struct DeviceMoeWeightsBf16 {
 };
 
 // ---------------------------------------------------------------------------
-// Routing (spec section 5). Outputs are ordered by descending choice score (ties: lower expert).
+// Routing (spec section 5). Outputs are ordered by descending choice score (ties: lower expert); a
+// NaN score ranks below every number, as in lutb::moe::route, so ids are in 0..E-1 for any logits.
 // ---------------------------------------------------------------------------
 /// softmax top-k (Mixtral, Qwen2/3-MoE, OLMoE): p = softmax(logits[t, :]) in FP32 (max-subtracted,
 /// expf), the k largest p (ties: lower expert index), renormalised to sum 1 when `renormalize`.
