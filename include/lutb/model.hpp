@@ -17,6 +17,9 @@
 // are pluggable (MoeBlock below, built by a MoeFactory, normally CheckpointMoe): router and shared
 // experts in FP32, routed experts through lutb/moe.hpp (BF16 reference, LUT-B emulation, or a
 // baseline format quantise-dequantised).
+// Threads: the forward pass runs on the calling thread's OpenMP team (omp_get_max_threads(): what
+// OMP_NUM_THREADS or the caller's omp_set_num_threads chose) and OpenBLAS's threads; the library
+// sets no process-wide thread count, so a host process (the Python package, a server) keeps its own.
 // Memory: the dense weights are held in FP32 (fine for the small models this CPU evaluator is
 // meant for); routed experts are whatever the MoeBlock holds (BF16 or packed LUT-B).
 #pragma once
@@ -160,9 +163,6 @@ void causal_attention(const float* q, const float* k, const float* v, float* out
 /// `accumulate`: y += instead of y =.
 void linear(const float* x, const float* W, const float* bias, float* y, std::int64_t T, std::int64_t N,
             std::int64_t K, bool accumulate = false);
-
-/// Sets the threads used by OpenMP and OpenBLAS (n >= 1); n <= 0 leaves the defaults (all cores).
-void set_threads(int n);
 
 /// The OpenBLAS kernel family in use (openblas_get_corename(): "SkylakeX", "Haswell", "Prescott"...).
 std::string blas_core_name();

@@ -80,8 +80,7 @@ void run_calibrate(const CalibrateArgs& a) {
   namespace fs = std::filesystem;
   check_usage(a);
   ensure_runtime_env();
-  const int threads = effective_threads(a.threads);
-  model::set_threads(threads);
+  const int threads = use_threads(a.threads);
   // The output is checked, its missing parents created and its temporary name tried before the model
   // runs, as lutb quantize's file mode does; errors name the output, never the temporary.
   const fs::path out = lutb::detail::output_path(a.output);

@@ -151,8 +151,7 @@ void run_eval(const EvalArgs& a) {
     fmt::print(stderr, "lutb: note: `lutb eval --activations {}` is the old spelling of --act-format {} (lutb moe's "
                        "--activations names a file); use --act-format\n",
                a.old_activations, a.old_activations);
-  const int threads = effective_threads(a.threads);
-  model::set_threads(threads);
+  const int threads = use_threads(a.threads);
   model::MoeOptions mo = a.quant.resolve(a.model_dir, threads);
   const bool gpu = a.device == "cuda";
   if (gpu) check_cuda_request(a.quant, mo);

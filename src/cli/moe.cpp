@@ -198,8 +198,7 @@ GpuReport report_gpu(const MoeArgs& a, GpuMoeBlock& gpu_block, const Captured& i
 
 void run_moe(const MoeArgs& a) {
   ensure_runtime_env();
-  const int threads = effective_threads(a.threads);
-  model::set_threads(threads);
+  const int threads = use_threads(a.threads);
   // The model folder first, worded by TransformerConfig::load as lutb eval does: a missing folder is
   // the problem, not the --activations it would hold.
   if (!std::filesystem::is_directory(a.model_dir)) (void)model::TransformerConfig::load(a.model_dir);

@@ -1,6 +1,7 @@
 // Option validators of the lutb command line.
 #pragma once
 
+#include <omp.h>
 #include <sched.h>
 
 #include <charconv>
@@ -88,14 +89,22 @@ inline int available_processors() {
 }
 
 /// --threads as used: 0 stays 0 (all processors); more threads than available processors are
-/// reduced to that number with a note on stderr (`--threads 4096` on 2 cores was accepted silently
-/// and made `lutb eval` 100x slower: oversubscribed OpenMP threads).
+/// reduced to that number with a note on stderr, since oversubscribed OpenMP threads spin against
+/// each other (a forward pass runs many times slower than on the available processors alone).
 inline int effective_threads(int requested) {
   const int n = available_processors();
   if (requested <= n) return requested;
   fmt::print(stderr, "lutb: --threads {} is more than the {} processor{} available to this process; using {}\n",
              requested, n, n == 1 ? "" : "s", n);
   return n;
+}
+
+/// effective_threads(requested), made the OpenMP team size of this (the CLI's main) thread when it
+/// is positive: the command owns its process, the library only reads the team size it is given.
+inline int use_threads(int requested) {
+  const int threads = effective_threads(requested);
+  if (threads > 0) omp_set_num_threads(threads);
+  return threads;
 }
 
 /// The fitter names for --help: "binned-dp, optimal, ct-lloyd, multistart (default binned-dp)".

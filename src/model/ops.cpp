@@ -153,10 +153,6 @@ std::string blas_coretype_override() {
   return "";
 }
 
-void set_threads(int n) {
-  if (n > 0) omp_set_num_threads(n);
-}
-
 double nll(const float* logits, std::int64_t V, std::int64_t target) {
   float m = -std::numeric_limits<float>::infinity();
   for (std::int64_t i = 0; i < V; ++i) m = std::max(m, logits[i]);

@@ -3,6 +3,8 @@
 // (within a band computed from the model itself), bad inputs get clear errors.
 #include <gtest/gtest.h>
 
+#include <omp.h>
+
 #include <cmath>
 #include <fstream>
 
@@ -98,7 +100,7 @@ TEST(ModelForward, LossIsThePositionOrderSumOfTheLogitsNll) {
   const auto tokens = load_token_ids(dir / "val_tokens.safetensors");
   const std::int64_t T = 256, V = lm.config().vocab_size;
   std::vector<float> logits(static_cast<std::size_t>(T * V));
-  set_threads(8);
+  omp_set_num_threads(8);
   const double got = lm.forward(tokens.data(), 1, T, logits.data());
   double want = 0.0;
   for (std::int64_t t = 0; t < T - 1; ++t) want += nll(logits.data() + t * V, V, tokens[static_cast<std::size_t>(t + 1)]);
