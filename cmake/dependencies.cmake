@@ -87,6 +87,10 @@ set_target_properties(BLAS::BLAS PROPERTIES
   IMPORTED_LOCATION "${LUTB_OPENBLAS_LIB_DIR}/libopenblas.so.0"
   INTERFACE_INCLUDE_DIRECTORIES "${dir}/include"
   INTERFACE_LINK_OPTIONS "LINKER:--disable-new-dtags")
+# Where the shared libraries above live: the build tree's executables find them by their build
+# RPATH; an installed module (the Python extension, python/CMakeLists.txt) is given these as its
+# install RPATH.
+set(LUTB_DEPS_RUNTIME_DIRS "${LUTB_DEPS_DIR}/hwy/lib" "${LUTB_OPENBLAS_LIB_DIR}")
 
 if(LUTB_TESTS)
   lutb_dep_dir(dir googletest)

@@ -13,6 +13,9 @@
 #                                         the Python package on the gpu build (pip install
 #                                         --no-build-isolation into the machine's python3), then
 #                                         its CUDA tests (pytest -m cuda tests/python)
+#   scripts/gpu_run.sh bench-hf [ARGS]    the package, then transformers end to end on one GPU:
+#                                         bench/python/bench_hf_generate.py with ARGS (--small: a
+#                                         minute)
 #   scripts/gpu_run.sh peers [ARGS]       the MoE layers a user would pick instead of LUT-B
 #                                         (triton_kernels' MXFP4 matmul_ogs, torch BF16 _grouped_mm):
 #                                         bench/peer-moe/peer_moe.py of the shared data with ARGS;
@@ -66,13 +69,26 @@ sanitize() {
   done
 }
 
-# python [PYTEST ARGS...]: the package built in build/gpu, then pytest's CUDA tests.
+# install_python: the package built in build/gpu, installed into the machine's python3.
+install_python() {
+  python3 -m pip install --no-build-isolation -C build-dir=build/gpu "$ROOT" > "$OUT/pip.log" 2>&1 && return
+  tail -n 30 "$OUT/pip.log"; echo "gpu_run.sh: the Python package did not build ($OUT/pip.log)"; failed=1; return 1
+}
+
+# python [PYTEST ARGS...]: the package, then pytest's CUDA tests.
 python_tests() {
-  python3 -m pip install --no-build-isolation -C build-dir=build/gpu "$ROOT" > "$OUT/pip.log" 2>&1 ||
-    { tail -n 30 "$OUT/pip.log"; echo "gpu_run.sh: the Python package did not build ($OUT/pip.log)"; failed=1; return; }
+  install_python || return
   LUTB_CLI="$ROOT/build/gpu/lutb" python3 -m pytest "$ROOT/tests/python" -q -rs -m cuda -p no:cacheprovider "$@" \
     > "$OUT/pytest.log" 2>&1 || failed=1
   tail -n 15 "$OUT/pytest.log"
+}
+
+# bench_hf [ARGS...]: the package, then bench/python/bench_hf_generate.py; its table is appended to
+# $OUT/bench_hf_generate.md.
+bench_hf() {
+  install_python || return
+  { echo "## bench_hf_generate $*"; PYTHONUNBUFFERED=1 python3 "$ROOT/bench/python/bench_hf_generate.py" "$@"; } 2>&1 |
+    tee -a "$OUT/bench_hf_generate.md" || failed=1
 }
 
 # bench NAME [ARGS...]: the benchmark's tables are appended to $OUT/NAME.md under the command.
@@ -98,10 +114,11 @@ case $STEP in
   test) build lutb_cuda_tests lutb_cli; run_tests "$@";;
   sanitize) build lutb_cuda_tests lutb_cli; sanitize;;
   python) build lutb_cuda lutb_cli; python_tests "$@";;
+  bench-hf) build lutb_cuda lutb_cli; bench_hf "$@";;
   peers) peers "$@";;
   bench) [ $# -ge 1 ] || { echo "usage: gpu_run.sh bench NAME [ARGS...]" >&2; exit 2; }
          build "$1"; bench "$@";;
-  *) echo "usage: gpu_run.sh [all | test [CTEST ARGS] | sanitize | python [PYTEST ARGS] | bench NAME [ARGS...] | peers [ARGS...]]" >&2; exit 2;;
+  *) echo "usage: gpu_run.sh [all | test [CTEST ARGS] | sanitize | python [PYTEST ARGS] | bench NAME [ARGS...] | bench-hf [ARGS...] | peers [ARGS...]]" >&2; exit 2;;
 esac
 echo "gpu_run.sh $STEP: ${SECONDS} s, $([ $failed = 0 ] && echo 'every step passed' || echo 'a step FAILED (logs in '"$OUT"')')"
 exit $failed

@@ -144,9 +144,14 @@ def default_fitter() -> str:
     return _lutb.default_fitter()
 
 
+# Read once at import: a Python constant, so torch.compile traces the CUDA branches of quantize and
+# moe_experts without calling into the extension (dynamo cannot trace a nanobind function).
+_HAS_CUDA = bool(_lutb.has_cuda())
+
+
 def has_cuda() -> bool:
     """Whether this build of the extension has the CUDA kernels (lutb_cuda)."""
-    return bool(_lutb.has_cuda())
+    return _HAS_CUDA
 
 
 # ---------------------------------------------------------------------------------------------

@@ -82,8 +82,9 @@ def _fit_error_message(w: Any, name: str, code: int, tile: int, pos: int, tn: in
         return f"{where}: {_FIT_ERRORS[code]} at row {i * A.TILE_ROWS + r} col {j * A.TILE_COLS + c}"
     w3 = w.reshape(-1, shape[-2], shape[-1])
     amax = w3[e, i * A.TILE_ROWS:(i + 1) * A.TILE_ROWS, j * A.TILE_COLS:(j + 1) * A.TILE_COLS].abs().max()
-    # str(np.float32) is the shortest decimal that reads back as the value, as the C++ message prints it.
-    return f"{where}: magnitude {np.float32(amax.float().item())} needs a scale byte above 246 (spec section 2)"
+    # str(np.float32) is the shortest decimal that reads back as the value, as the C++ message prints
+    # it ("3.3e+38"); format() of an np.float32, as an f-string field, would print the double.
+    return f"{where}: magnitude {np.float32(amax.float().item())!s} needs a scale byte above 246 (spec section 2)"
 
 
 # ---------------------------------------------------------------------------------------------

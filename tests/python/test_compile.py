@@ -32,6 +32,16 @@ def test_fullgraph_compile_of_a_moe_block():
     assert torch.equal(compiled(x2), block(x2))
 
 
+def test_has_cuda_traces_as_a_constant():
+    # moe_experts and quantize branch on has_cuda(); a call into the extension there would break the
+    # graph of every compiled model on CUDA (dynamo cannot trace a nanobind function).
+    def f(x):
+        return x + 1 if lutb.has_cuda() else x - 1
+
+    x = torch.zeros(2)
+    assert torch.equal(torch.compile(f, fullgraph=True, backend="aot_eager")(x), f(x))
+
+
 def test_fake_kernels_give_shapes_and_dtypes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

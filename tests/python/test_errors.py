@@ -41,6 +41,21 @@ def test_quantize_nan_names_the_tile():
         lutb.quantize(w, name="experts.down_proj")
 
 
+def test_gpu_fit_error_message_words_the_magnitude_as_the_cpu():
+    # The CUDA fitter reports a failing tile by code; lutb words it in Python from the tensor (code 4:
+    # the magnitude needs a scale byte above 246). Its text must be the CPU fitter's, shortest decimal
+    # included ("3.3e+38", not the double 3.299999965482712e+38).
+    from lutb import _impl
+
+    w = torch.zeros(2, 16, 128)
+    w[1, 9, 70] = 3.3e38
+    with pytest.raises(ValueError) as cpu:
+        lutb.quantize(w)
+    tn, tk = 2, 2
+    tile = 1 * tn * tk + 1 * tk + 1  # expert 1, tile (1, 1)
+    assert "quantize: " + _impl._fit_error_message(w, "w", 4, tile, 0, tn, tk) == str(cpu.value)
+
+
 def test_quantize_bad_options():
     w = torch.zeros(8, 64)
     with pytest.raises(ValueError, match="fitter"):
