@@ -195,6 +195,195 @@ void throw_check_error(const Job& j, const Tensor& t, std::int64_t e0, const Gpu
   throw std::invalid_argument(describe_error(t, ex, local, j.src.dtype, j.esz));
 }
 
+// The temporaries and the second stream of run(), released after the work queued on them (also
+// after an exception: the queued fits are then done with the memory first).
+struct RunResources {
+  void* p = nullptr;
+  cudaStream_t cs = nullptr;
+  cudaEvent_t ev[2] = {nullptr, nullptr};
+  cudaEvent_t evc = nullptr;  // the check pass queued
+  cudaStream_t main = nullptr;
+  ~RunResources() {
+    if (!p) return;  // the temporaries' allocation failed: nothing was queued or created
+    cudaStreamSynchronize(main);  // (after an exception: the queued fits are done with the memory)
+    if (cs) cudaStreamSynchronize(cs);
+    for (cudaEvent_t e : {ev[0], ev[1], evc})
+      if (e) cudaEventDestroy(e);
+    if (cs) cudaStreamDestroy(cs);
+    cudaFree(p);  // (synchronises with work still in flight after an exception)
+  }
+};
+
+// run()'s state shared by its steps. h_sums is declared after res: it is freed before res waits
+// for the streams, as the method's locals were.
+struct RunState {
+  Job& j;
+  RunResources res;
+  unsigned long long* d_err = nullptr;                              // [0] w13 check, [1] w2 check, [2] fits
+  double* d_sums[2][2] = {{nullptr, nullptr}, {nullptr, nullptr}};  // [buffer][sse, sum_sq]
+  std::unique_ptr<double[]> h_sums[2][2];  // allocated once the first fit is queued (run)
+};
+
+// The kernel arguments of experts [e, e + ne) of tensor t; t_base: their first tile's index in the stack.
+fit_internal::KernelArgs kernel_view(const Job& j, const Tensor& t, std::int64_t e, std::int64_t ne,
+                                     std::int64_t t_base) {
+  fit_internal::KernelArgs a{};
+  a.src = t.expert_ptr(e, j.esz);
+  a.dtype = j.src.dtype == DType::BF16 ? 1 : 2;  // fit_internal::KernelArgs::dtype
+  a.rows = t.shape.rows;
+  a.cols = t.shape.cols;
+  a.tiles_n = t.shape.tiles_n();
+  a.tiles_k = t.shape.tiles_k();
+  a.tiles = ne * t.shape.tiles_per_expert();
+  a.t_base = t_base;
+  a.forced_scale = j.opt.forced_scale;
+  a.optimal = j.fitter == GpuFitter::Optimal;
+  return a;
+}
+
+// Temporaries: 3 error words (check pass w13, w2; the fits), then 2 x (sse, sum_sq) of one chunk;
+// the second stream and the events.
+void allocate_temporaries(RunState& s) {
+  const GpuOnlineOptions& opt = s.j.opt;
+  const auto t0 = Clock::now();
+  const std::size_t sums_bytes = align256(s.j.chunk_tiles * sizeof(double));
+  const std::size_t temp = 256 + (opt.stats ? 4 * sums_bytes : 0);
+  void* tmp = nullptr;
+  ok(cudaMalloc(&tmp, temp), "cudaMalloc (temporaries)");
+  s.res.p = tmp;
+  s.res.main = opt.stream;
+  // Non-blocking: no implicit ordering with the legacy default stream, which opt.stream may be.
+  ok(cudaStreamCreateWithFlags(&s.res.cs, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+  for (cudaEvent_t* e : {&s.res.ev[0], &s.res.ev[1], &s.res.evc})
+    ok(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "cudaEventCreate");
+  s.j.rep.temp_bytes = temp;
+  s.j.rep.seconds.alloc += since(t0);
+  s.d_err = static_cast<unsigned long long*>(tmp);
+  if (opt.stats)
+    for (int b = 0; b < 2; ++b)
+      for (int q = 0; q < 2; ++q)
+        s.d_sums[b][q] = reinterpret_cast<double*>(static_cast<std::uint8_t*>(tmp) + 256 + (2 * b + q) * sums_bytes);
+}
+
+// Pass 1 queued: every tile of both tensors checked by the memory-bound check kernel, all launches
+// at once, then the event evc. Then the output allocated (timed as allocation, not as the check).
+void queue_check_pass(RunState& s) {
+  Job& j = s.j;
+  const cudaStream_t st = j.opt.stream;
+  const std::int64_t E = j.E;
+  ok(cudaMemsetAsync(s.d_err, 0xff, 3 * sizeof(unsigned long long), st), "cudaMemsetAsync");
+  for (int ti = 0; ti < 2; ++ti) {
+    const Tensor& t = j.tens[ti];
+    const std::int64_t tpe = t.shape.tiles_per_expert();
+    const std::int64_t parts = t.ptrs->size() == 1 ? 1 : E, per = t.ptrs->size() == 1 ? E : 1;
+    for (std::int64_t p = 0; p < parts; ++p) {
+      fit_internal::KernelArgs a = kernel_view(j, t, p * per, per, p * per * tpe);  // t_base: tile index in the stack
+      a.err = s.d_err + ti;
+      fit_internal::launch_check_tiles(a, st);  // (the column weights are checked on the host)
+    }
+  }
+  ok(cudaEventRecord(s.res.evc, st), "cudaEventRecord");
+  {
+    const auto a0 = Clock::now();
+    ok(cudaMalloc(&j.mem, j.total), "cudaMalloc (LUT-B output)");
+    const double da = since(a0);
+    j.rep.seconds.alloc += da;
+    j.rep.seconds.check -= da;
+  }
+  point_outputs(j);
+}
+
+// Experts [e0, e1) of work item i (chunk i / 2).
+void item_range(const Job& j, std::int64_t i, std::int64_t& e0, std::int64_t& e1) {
+  e0 = (i / 2) * j.per_chunk;
+  e1 = std::min(j.E, e0 + j.per_chunk);
+}
+
+// Item i queued on the main stream: its fits (into the output and the sums buffer i % 2), the
+// event ev[i % 2], then its lane-major permutation.
+void enqueue_item(RunState& s, std::int64_t i) {
+  const Job& j = s.j;
+  const GpuOnlineOptions& opt = j.opt;
+  const cudaStream_t st = opt.stream;
+  std::int64_t e0, e1;
+  item_range(j, i, e0, e1);
+  const Tensor& t = j.tens[i % 2];
+  const int b = static_cast<int>(i % 2);
+  const std::int64_t tpe = t.shape.tiles_per_expert();
+  auto fit = [&](std::int64_t e, std::int64_t ne) {
+    fit_internal::KernelArgs a = kernel_view(j, t, e, ne, e * tpe);
+    const std::int64_t t0i = e * tpe, lt0 = (e - e0) * tpe;
+    a.out = DeviceFitOut{t.packed + t0i * kPackedBytes, t.codebook + t0i * kCodebookSize, t.scale + t0i,
+                         opt.stats ? s.d_sums[b][0] + lt0 : nullptr, opt.stats ? s.d_sums[b][1] + lt0 : nullptr};
+    a.err = s.d_err + 2;
+    fit_internal::launch_fit(a, st, t.weights_from(e));
+  };
+  if (t.ptrs->size() == 1) fit(e0, e1 - e0);
+  else
+    for (std::int64_t e = e0; e < e1; ++e) fit(e, 1);
+  ok(cudaEventRecord(s.res.ev[b], st), "cudaEventRecord");  // the item's source is read, its sums written
+  if (opt.lane_major) packed_to_lane_major(t.packed + e0 * tpe * kPackedBytes, (e1 - e0) * tpe, st);
+}
+
+// The check pass's error words read on the second stream (after evc); throws on a failing tile
+// (the lowest of w13, else of w2: the CPU method fits w13 first).
+void read_check_words(RunState& s) {
+  unsigned long long words[2] = {~0ull, ~0ull};
+  ok(cudaStreamWaitEvent(s.res.cs, s.res.evc, 0), "cudaStreamWaitEvent");
+  const auto w0 = Clock::now();
+  ok(cudaMemcpyAsync(words, s.d_err, sizeof(words), cudaMemcpyDeviceToHost, s.res.cs), "cudaMemcpyAsync");
+  ok(cudaStreamSynchronize(s.res.cs), "check kernel");
+  s.j.rep.seconds.wait += since(w0);
+  for (int ti = 0; ti < 2; ++ti) {
+    const GpuFitError err = decode_fit_error(words[ti]);
+    if (err.code != 0) throw_check_error(s.j, s.j.tens[ti], 0, err);
+  }
+}
+
+// Item i finished on the second stream (after ev[i % 2]): its per-tile sums and the fits' error
+// word copied back (blocking), the sums added in tile order, and after a chunk's w2 item the
+// chunk's source released.
+void finish_item(RunState& s, std::int64_t i) {
+  Job& j = s.j;
+  const GpuOnlineOptions& opt = j.opt;
+  GpuOnlineReport::Seconds& sec = j.rep.seconds;
+  std::int64_t e0, e1;
+  item_range(j, i, e0, e1);
+  Tensor& t = j.tens[i % 2];
+  const int b = static_cast<int>(i % 2);
+  const std::size_t n_tiles = static_cast<std::size_t>((e1 - e0) * t.shape.tiles_per_expert());
+  ok(cudaStreamWaitEvent(s.res.cs, s.res.ev[b], 0), "cudaStreamWaitEvent");
+  unsigned long long word = ~0ull;
+  const auto w0 = Clock::now();
+  if (opt.stats)
+    for (int q = 0; q < 2; ++q)
+      ok(cudaMemcpyAsync(s.h_sums[b][q].get(), s.d_sums[b][q], n_tiles * 8, cudaMemcpyDeviceToHost, s.res.cs),
+         "cudaMemcpyAsync (per-tile sums)");
+  ok(cudaMemcpyAsync(&word, s.d_err + 2, sizeof(word), cudaMemcpyDeviceToHost, s.res.cs), "cudaMemcpyAsync");
+  ok(cudaStreamSynchronize(s.res.cs), "fit kernel");
+  sec.wait += since(w0);
+  if (decode_fit_error(word).code != 0) throw std::runtime_error(std::string(kWho) + ": tile error after the check pass");
+  if (opt.stats) {  // summed in tile order, as lutb::quantize
+    const auto s0 = Clock::now();
+    const double* hs = s.h_sums[b][0].get();
+    const double* hq = s.h_sums[b][1].get();
+    double sse = t.stats->sse, ssq = t.stats->sum_sq;
+    for (std::size_t k = 0; k < n_tiles; ++k) {
+      sse += hs[k];
+      ssq += hq[k];
+    }
+    t.stats->sse = sse;
+    t.stats->sum_sq = ssq;
+    sec.sums += since(s0);
+  }
+  if (i % 2 == 1) {  // both tensors of the chunk fitted: its source is no longer read
+    const auto r0 = Clock::now();
+    if (j.src.release) j.src.release(e0, e1);
+    sec.release += since(r0);
+    ++j.rep.chunks;
+  }
+}
+
 // The method. The check pass on the check kernel (below). Work items i = 2 * chunk + tensor (w13,
 // then w2).
 // Main stream (opt.stream): the fits of item i (warp kernel, straight into the output and into the
@@ -207,185 +396,35 @@ void throw_check_error(const Job& j, const Tensor& t, std::int64_t e0, const Gpu
 // no host synchronisation between two fits, and the temporaries are two buffers of one chunk's sums.
 void run(Job& j) {
   const GpuOnlineOptions& opt = j.opt;
-  DeviceExpertSource& src = j.src;
-  const cudaStream_t st = opt.stream;
-  const std::string who = kWho;
-  const std::size_t esz = j.esz;
-  const std::int64_t E = j.E, per_chunk = j.per_chunk;
-  const int dt = src.dtype == DType::BF16 ? 1 : 2;  // fit_internal::KernelArgs::dtype
   GpuOnlineReport::Seconds& sec = j.rep.seconds;
+  RunState s{j};
+  allocate_temporaries(s);
 
+  // Pass 1: the lowest failing tile of w13, else of w2. While the device checks, the host allocates
+  // the output and queues the first item's fit behind the check (same stream), then reads the
+  // check's words on the second stream, so that the device does not wait for the host between the
+  // check and the first fit. On a failing tile nothing has been released, `out` is untouched, and
+  // the output is freed again (the first fit, if it ran, wrote only there and into the temporaries).
   auto t0 = Clock::now();
-  // Temporaries: 3 error words (check pass w13, w2; the fits), then 2 x (sse, sum_sq) of one chunk.
-  const std::size_t sums_bytes = align256(j.chunk_tiles * sizeof(double));
-  const std::size_t temp = 256 + (opt.stats ? 4 * sums_bytes : 0);
-  void* tmp = nullptr;
-  ok(cudaMalloc(&tmp, temp), "cudaMalloc (temporaries)");
-  struct Res {
-    void* p = nullptr;
-    cudaStream_t cs = nullptr;
-    cudaEvent_t ev[2] = {nullptr, nullptr};
-    cudaEvent_t evc = nullptr;  // the check pass queued
-    cudaStream_t main = nullptr;
-    ~Res() {
-      cudaStreamSynchronize(main);  // (after an exception: the queued fits are done with the memory)
-      if (cs) cudaStreamSynchronize(cs);
-      for (cudaEvent_t e : {ev[0], ev[1], evc})
-        if (e) cudaEventDestroy(e);
-      if (cs) cudaStreamDestroy(cs);
-      cudaFree(p);  // (synchronises with work still in flight after an exception)
-    }
-  } res;
-  res.p = tmp;
-  res.main = st;
-  // Non-blocking: no implicit ordering with the legacy default stream, which opt.stream may be.
-  ok(cudaStreamCreateWithFlags(&res.cs, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
-  for (cudaEvent_t* e : {&res.ev[0], &res.ev[1], &res.evc})
-    ok(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "cudaEventCreate");
-  j.rep.temp_bytes = temp;
-  sec.alloc += since(t0);
-  auto* d_err = static_cast<unsigned long long*>(tmp);  // [0] w13 check, [1] w2 check, [2] fits
-  double* d_sums[2][2] = {{nullptr, nullptr}, {nullptr, nullptr}};  // [buffer][sse, sum_sq]
-  if (opt.stats)
-    for (int b = 0; b < 2; ++b)
-      for (int q = 0; q < 2; ++q)
-        d_sums[b][q] = reinterpret_cast<double*>(static_cast<std::uint8_t*>(tmp) + 256 + (2 * b + q) * sums_bytes);
-
-  auto view = [&](const Tensor& t, std::int64_t e, std::int64_t ne, std::int64_t t_base) {
-    fit_internal::KernelArgs a{};
-    a.src = t.expert_ptr(e, esz);
-    a.dtype = dt;
-    a.rows = t.shape.rows;
-    a.cols = t.shape.cols;
-    a.tiles_n = t.shape.tiles_n();
-    a.tiles_k = t.shape.tiles_k();
-    a.tiles = ne * t.shape.tiles_per_expert();
-    a.t_base = t_base;
-    a.forced_scale = opt.forced_scale;
-    a.optimal = j.fitter == GpuFitter::Optimal;
-    return a;
-  };
-
-  // Pass 1: every tile of both tensors checked by the memory-bound check kernel, all launches queued
-  // at once. The lowest failing tile of w13, else of w2 (the CPU method fits w13 first). While the
-  // device checks, the host allocates the output and queues the first item's fit behind the check
-  // (same stream), then reads the check's words on the second stream, so that the device does not
-  // wait for the host between the check and the first fit. On a failing tile nothing has been
-  // released, `out` is untouched, and the output is freed again (the first fit, if it ran, wrote
-  // only there and into the temporaries).
-  t0 = Clock::now();
-  ok(cudaMemsetAsync(d_err, 0xff, 3 * sizeof(unsigned long long), st), "cudaMemsetAsync");
-  for (int ti = 0; ti < 2; ++ti) {
-    const Tensor& t = j.tens[ti];
-    const std::int64_t tpe = t.shape.tiles_per_expert();
-    const std::int64_t parts = t.ptrs->size() == 1 ? 1 : E, per = t.ptrs->size() == 1 ? E : 1;
-    for (std::int64_t p = 0; p < parts; ++p) {
-      fit_internal::KernelArgs a = view(t, p * per, per, p * per * tpe);  // t_base: tile index in the stack
-      a.err = d_err + ti;
-      fit_internal::launch_check_tiles(a, st);  // (the column weights are checked on the host)
-    }
-  }
-  ok(cudaEventRecord(res.evc, st), "cudaEventRecord");
-  {
-    const auto a0 = Clock::now();
-    ok(cudaMalloc(&j.mem, j.total), "cudaMalloc (LUT-B output)");
-    const double da = since(a0);
-    sec.alloc += da;
-    sec.check -= da;
-  }
-  point_outputs(j);
-
-  const std::int64_t chunks = (E + per_chunk - 1) / per_chunk, items = 2 * chunks;
-  std::unique_ptr<double[]> h_sums[2][2];  // allocated once the first fit is queued (below)
-  auto range = [&](std::int64_t i, std::int64_t& e0, std::int64_t& e1) {
-    e0 = (i / 2) * per_chunk;
-    e1 = std::min(E, e0 + per_chunk);
-  };
-  auto enqueue = [&](std::int64_t i) {
-    std::int64_t e0, e1;
-    range(i, e0, e1);
-    const Tensor& t = j.tens[i % 2];
-    const int b = static_cast<int>(i % 2);
-    const std::int64_t tpe = t.shape.tiles_per_expert();
-    auto fit = [&](std::int64_t e, std::int64_t ne) {
-      fit_internal::KernelArgs a = view(t, e, ne, e * tpe);
-      const std::int64_t t0i = e * tpe, lt0 = (e - e0) * tpe;
-      a.out = DeviceFitOut{t.packed + t0i * kPackedBytes, t.codebook + t0i * kCodebookSize, t.scale + t0i,
-                           opt.stats ? d_sums[b][0] + lt0 : nullptr, opt.stats ? d_sums[b][1] + lt0 : nullptr};
-      a.err = d_err + 2;
-      fit_internal::launch_fit(a, st, t.weights_from(e));
-    };
-    if (t.ptrs->size() == 1) fit(e0, e1 - e0);
-    else
-      for (std::int64_t e = e0; e < e1; ++e) fit(e, 1);
-    ok(cudaEventRecord(res.ev[b], st), "cudaEventRecord");  // the item's source is read, its sums written
-    if (opt.lane_major) packed_to_lane_major(t.packed + e0 * tpe * kPackedBytes, (e1 - e0) * tpe, st);
-  };
+  queue_check_pass(s);
+  const std::int64_t chunks = (j.E + j.per_chunk - 1) / j.per_chunk, items = 2 * chunks;
   const auto loop0 = Clock::now();
-  enqueue(0);
+  enqueue_item(s, 0);
   // The host buffers of the per-tile sums, uninitialised (the copies write them), allocated while
   // the device checks and fits: allocated and zeroed before the first fit is queued, they would
   // leave the device idle meanwhile.
   if (opt.stats)
-    for (auto& b : h_sums)
+    for (auto& b : s.h_sums)
       for (auto& v : b) v.reset(new double[j.chunk_tiles]);
-  {
-    unsigned long long words[2] = {~0ull, ~0ull};
-    ok(cudaStreamWaitEvent(res.cs, res.evc, 0), "cudaStreamWaitEvent");
-    const auto w0 = Clock::now();
-    ok(cudaMemcpyAsync(words, d_err, sizeof(words), cudaMemcpyDeviceToHost, res.cs), "cudaMemcpyAsync");
-    ok(cudaStreamSynchronize(res.cs), "check kernel");
-    sec.wait += since(w0);
-    for (int ti = 0; ti < 2; ++ti) {
-      const GpuFitError err = decode_fit_error(words[ti]);
-      if (err.code != 0) throw_check_error(j, j.tens[ti], 0, err);
-    }
-  }
+  read_check_words(s);
   sec.check += since(t0);
   t0 = loop0;
-  auto finish = [&](std::int64_t i) {
-    std::int64_t e0, e1;
-    range(i, e0, e1);
-    Tensor& t = j.tens[i % 2];
-    const int b = static_cast<int>(i % 2);
-    const std::size_t n_tiles = static_cast<std::size_t>((e1 - e0) * t.shape.tiles_per_expert());
-    ok(cudaStreamWaitEvent(res.cs, res.ev[b], 0), "cudaStreamWaitEvent");
-    unsigned long long word = ~0ull;
-    const auto w0 = Clock::now();
-    if (opt.stats)
-      for (int q = 0; q < 2; ++q)
-        ok(cudaMemcpyAsync(h_sums[b][q].get(), d_sums[b][q], n_tiles * 8, cudaMemcpyDeviceToHost, res.cs),
-           "cudaMemcpyAsync (per-tile sums)");
-    ok(cudaMemcpyAsync(&word, d_err + 2, sizeof(word), cudaMemcpyDeviceToHost, res.cs), "cudaMemcpyAsync");
-    ok(cudaStreamSynchronize(res.cs), "fit kernel");
-    sec.wait += since(w0);
-    if (decode_fit_error(word).code != 0) throw std::runtime_error(who + ": tile error after the check pass");
-    if (opt.stats) {  // summed in tile order, as lutb::quantize
-      const auto s0 = Clock::now();
-      const double* hs = h_sums[b][0].get();
-      const double* hq = h_sums[b][1].get();
-      double sse = t.stats->sse, ssq = t.stats->sum_sq;
-      for (std::size_t k = 0; k < n_tiles; ++k) {
-        sse += hs[k];
-        ssq += hq[k];
-      }
-      t.stats->sse = sse;
-      t.stats->sum_sq = ssq;
-      sec.sums += since(s0);
-    }
-    if (i % 2 == 1) {  // both tensors of the chunk fitted: its source is no longer read
-      const auto r0 = Clock::now();
-      if (src.release) src.release(e0, e1);
-      sec.release += since(r0);
-      ++j.rep.chunks;
-    }
-  };
   for (std::int64_t i = 0; i < items; ++i) {
-    if (i + 1 < items) enqueue(i + 1);
-    finish(i);
+    if (i + 1 < items) enqueue_item(s, i + 1);
+    finish_item(s, i);
   }
   const auto w0 = Clock::now();
-  ok(cudaStreamSynchronize(st), "lane-major kernel");  // the last item's permutation
+  ok(cudaStreamSynchronize(opt.stream), "lane-major kernel");  // the last item's permutation
   sec.wait += since(w0);
   sec.loop += since(t0);
 }

@@ -128,8 +128,12 @@ void check_tiles_device(const void* d_src, DType src_type, const LutbShape& shap
       fit_internal::stack_args(d_src, src_type, shape, DeviceFitOut{}, -1, d_error, GpuFitter::BinnedDp), stream);
 }
 
-FitStats quantize_gpu(const void* src, DType src_type, const LutbShape& shape, LutbTensor& out,
-                      const GpuFitOptions& opt, const std::string& name) {
+namespace {
+
+// The fitter named by opt, once the arguments and the column weights are checked and a usable GPU
+// is found; every message names the tensor.
+GpuFitter checked_fitter(const void* src, DType src_type, const LutbShape& shape, const GpuFitOptions& opt,
+                         const std::string& name) {
   GpuFitter fitter;
   try {
     fitter = gpu_fitter(opt.fitter);
@@ -156,10 +160,104 @@ FitStats quantize_gpu(const void* src, DType src_type, const LutbShape& shape, L
                                (e != cudaSuccess ? std::string(cudaGetErrorString(e)) : std::string("no device")) +
                                "); lutb::quantize fits on the CPU");
   }
+  return fitter;
+}
+
+// Chunk plan: whole experts when one fits, else whole tile rows of one expert. chunk_src: the
+// device source buffer's bytes.
+struct ChunkPlan {
+  std::int64_t experts_per_chunk = 1, tile_rows_per_chunk, chunk_tiles;
+  std::size_t chunk_src;
+};
+
+ChunkPlan plan_chunks(const LutbShape& shape, std::size_t expert_bytes, std::size_t tile_row_bytes,
+                      std::size_t chunk_bytes) {
+  ChunkPlan c;
+  c.tile_rows_per_chunk = shape.tiles_n();
+  if (expert_bytes <= chunk_bytes) {
+    c.experts_per_chunk = expert_bytes == 0 ? shape.experts
+                                            : std::max<std::int64_t>(1, static_cast<std::int64_t>(chunk_bytes / expert_bytes));
+    c.experts_per_chunk = std::min(c.experts_per_chunk, shape.experts);
+  } else {
+    c.tile_rows_per_chunk = std::max<std::int64_t>(1, static_cast<std::int64_t>(chunk_bytes / tile_row_bytes));
+  }
+  c.chunk_tiles = c.experts_per_chunk * c.tile_rows_per_chunk * shape.tiles_k();
+  c.chunk_src = std::max(static_cast<std::size_t>(c.experts_per_chunk) * expert_bytes,
+                         std::min(expert_bytes, static_cast<std::size_t>(c.tile_rows_per_chunk) * tile_row_bytes));
+  return c;
+}
+
+// The kernel arguments of the chunk of experts [e0, e0 + ne) and tile rows [tn0, tn0 + ntn) (all of
+// them, or of expert e0 only), and where its source lies in host memory (from, bytes).
+KernelArgs chunk_args(const std::uint8_t* s8, DType src_type, const LutbShape& shape, std::size_t expert_bytes,
+                      std::size_t row_bytes, std::int64_t e0, std::int64_t ne, std::int64_t tn0, std::int64_t ntn,
+                      const std::uint8_t*& from, std::size_t& bytes) {
+  const std::int64_t tn_n = shape.tiles_n(), tk_n = shape.tiles_k();
+  KernelArgs a{};
+  a.dtype = dtype_code(src_type);
+  a.cols = shape.cols;
+  a.tiles_k = tk_n;
+  if (ntn == tn_n) {  // whole experts
+    from = s8 + static_cast<std::size_t>(e0) * expert_bytes;
+    bytes = static_cast<std::size_t>(ne) * expert_bytes;
+    a.rows = shape.rows;
+    a.tiles_n = tn_n;
+  } else {  // tile rows [tn0, tn0 + ntn) of expert e0
+    const std::int64_t r0 = tn0 * kTileRows, r1 = std::min(shape.rows, (tn0 + ntn) * kTileRows);
+    from = s8 + static_cast<std::size_t>(e0) * expert_bytes + static_cast<std::size_t>(r0) * row_bytes;
+    bytes = static_cast<std::size_t>(r1 - r0) * row_bytes;
+    a.rows = r1 - r0;
+    a.tiles_n = ntn;
+  }
+  a.tiles = ne * a.tiles_n * tk_n;
+  a.t_base = e0 * shape.tiles_per_expert() + tn0 * tk_n;
+  return a;
+}
+
+// Throws the message of the fits' failing tile `err` (as the CPU words it), after clearing out.
+[[noreturn]] void throw_fit_error(const void* src, DType src_type, const LutbShape& shape, const std::string& name,
+                                  const GpuFitError& err, LutbTensor& out) {
+  const std::int64_t tpe = shape.tiles_per_expert(), tk_n = shape.tiles_k();
+  const std::int64_t t = err.tile, e = t / tpe, tn = (t % tpe) / tk_n, tk = t % tk_n;
+  std::string where = "tensor " + name + (shape.stacked ? ", expert " + std::to_string(e) : std::string()) +
+                      ", tile (" + std::to_string(tn) + ", " + std::to_string(tk) + ")";
+  std::string what;
+  if (err.code == 5) {  // (not reached: the weights were checked above and copied as they are)
+    out = LutbTensor();
+    throw std::invalid_argument("quantize_gpu: tensor " + name +
+                                (shape.stacked ? ", expert " + std::to_string(e) : std::string()) +
+                                ": column weight " + std::to_string(tk * kTileCols + err.pos) +
+                                ": column weights must be finite and > 0");
+  }
+  if (err.code <= 3) {
+    what = std::string(err.code == 1 ? "NaN" : (err.code == 2 ? "+Inf" : "-Inf")) + " at row " +
+           std::to_string(tn * kTileRows + err.pos / kTileCols) + " col " +
+           std::to_string(tk * kTileCols + err.pos % kTileCols);
+  } else {
+    float amax = 0.0f;
+    for (int r = 0; r < kTileRows; ++r) {
+      const std::int64_t row = tn * kTileRows + r;
+      if (row >= shape.rows) break;
+      for (std::int64_t c = tk * kTileCols; c < std::min(shape.cols, (tk + 1) * kTileCols); ++c)
+        amax = std::max(amax, std::fabs(host_load(src, src_type, (e * shape.rows + row) * shape.cols + c)));
+    }
+    char buf[32];  // shortest round-trip decimal, as the CPU message (src/fit/fit.cpp check_tile)
+    const auto r = std::to_chars(buf, buf + sizeof(buf), amax);
+    what = "magnitude " + std::string(buf, r.ptr) + " needs a scale byte above 246 (spec section 2)";
+  }
+  out = LutbTensor();
+  throw std::invalid_argument("quantize_gpu: " + where + ": " + what);
+}
+
+}  // namespace
+
+FitStats quantize_gpu(const void* src, DType src_type, const LutbShape& shape, LutbTensor& out,
+                      const GpuFitOptions& opt, const std::string& name) {
+  const GpuFitter fitter = checked_fitter(src, src_type, shape, opt, name);
+  const float* cw = opt.column_weights;
   if (opt.device >= 0) ok(cudaSetDevice(opt.device), "cudaSetDevice");
 
-  const std::int64_t tiles = shape.tiles(), tpe = shape.tiles_per_expert(), tn_n = shape.tiles_n(),
-                     tk_n = shape.tiles_k();
+  const std::int64_t tiles = shape.tiles(), tn_n = shape.tiles_n();
   out.shape = shape;
   out.packed.assign(static_cast<std::size_t>(tiles) * kPackedBytes, 0);
   out.codebook.assign(static_cast<std::size_t>(tiles) * kCodebookSize, 0);
@@ -170,23 +268,12 @@ FitStats quantize_gpu(const void* src, DType src_type, const LutbShape& shape, L
   const std::size_t esz = dtype_size(src_type);
   const std::size_t row_bytes = static_cast<std::size_t>(shape.cols) * esz;
   const std::size_t expert_bytes = static_cast<std::size_t>(shape.rows) * row_bytes;
-  const std::size_t tile_row_bytes = row_bytes * kTileRows;
-  // Chunk plan: whole experts when one fits, else whole tile rows of one expert.
-  std::int64_t experts_per_chunk = 1, tile_rows_per_chunk = tn_n;
-  if (expert_bytes <= opt.chunk_bytes) {
-    experts_per_chunk = expert_bytes == 0 ? shape.experts
-                                          : std::max<std::int64_t>(1, static_cast<std::int64_t>(opt.chunk_bytes / expert_bytes));
-    experts_per_chunk = std::min(experts_per_chunk, shape.experts);
-  } else {
-    tile_rows_per_chunk = std::max<std::int64_t>(1, static_cast<std::int64_t>(opt.chunk_bytes / tile_row_bytes));
-  }
-  const std::int64_t chunk_tiles = experts_per_chunk * tile_rows_per_chunk * tk_n;
-  const std::size_t chunk_src = std::max(static_cast<std::size_t>(experts_per_chunk) * expert_bytes,
-                                         std::min(expert_bytes, static_cast<std::size_t>(tile_rows_per_chunk) * tile_row_bytes));
+  const ChunkPlan plan = plan_chunks(shape, expert_bytes, row_bytes * kTileRows, opt.chunk_bytes);
+  const std::int64_t experts_per_chunk = plan.experts_per_chunk, chunk_tiles = plan.chunk_tiles;
   // The chunk's column weights: its experts' rows (a chunk of tile rows reads its expert's row).
   std::unique_ptr<DevBuf> d_cw;
   if (cw) d_cw = std::make_unique<DevBuf>(static_cast<std::size_t>(experts_per_chunk * shape.cols) * sizeof(float));
-  DevBuf d_src(chunk_src), d_packed(static_cast<std::size_t>(chunk_tiles) * kPackedBytes),
+  DevBuf d_src(plan.chunk_src), d_packed(static_cast<std::size_t>(chunk_tiles) * kPackedBytes),
       d_cb(static_cast<std::size_t>(chunk_tiles) * kCodebookSize), d_scale(static_cast<std::size_t>(chunk_tiles)),
       d_sse(static_cast<std::size_t>(chunk_tiles) * 8), d_ssq(static_cast<std::size_t>(chunk_tiles) * 8),
       d_err(sizeof(unsigned long long));
@@ -197,28 +284,11 @@ FitStats quantize_gpu(const void* src, DType src_type, const LutbShape& shape, L
 
   for (std::int64_t e0 = 0; e0 < shape.experts; e0 += experts_per_chunk) {
     const std::int64_t ne = std::min(experts_per_chunk, shape.experts - e0);
-    for (std::int64_t tn0 = 0; tn0 < tn_n; tn0 += tile_rows_per_chunk) {
-      const std::int64_t ntn = std::min(tile_rows_per_chunk, tn_n - tn0);
-      KernelArgs a{};
-      a.dtype = dtype_code(src_type);
-      a.cols = shape.cols;
-      a.tiles_k = tk_n;
+    for (std::int64_t tn0 = 0; tn0 < tn_n; tn0 += plan.tile_rows_per_chunk) {
+      const std::int64_t ntn = std::min(plan.tile_rows_per_chunk, tn_n - tn0);
       std::size_t bytes;
       const std::uint8_t* from;
-      if (ntn == tn_n) {  // whole experts
-        from = s8 + static_cast<std::size_t>(e0) * expert_bytes;
-        bytes = static_cast<std::size_t>(ne) * expert_bytes;
-        a.rows = shape.rows;
-        a.tiles_n = tn_n;
-      } else {  // tile rows [tn0, tn0 + ntn) of expert e0
-        const std::int64_t r0 = tn0 * kTileRows, r1 = std::min(shape.rows, (tn0 + ntn) * kTileRows);
-        from = s8 + static_cast<std::size_t>(e0) * expert_bytes + static_cast<std::size_t>(r0) * row_bytes;
-        bytes = static_cast<std::size_t>(r1 - r0) * row_bytes;
-        a.rows = r1 - r0;
-        a.tiles_n = ntn;
-      }
-      a.tiles = ne * a.tiles_n * tk_n;
-      a.t_base = e0 * tpe + tn0 * tk_n;
+      KernelArgs a = chunk_args(s8, src_type, shape, expert_bytes, row_bytes, e0, ne, tn0, ntn, from, bytes);
       a.src = d_src.p;
       a.out = dout;
       a.forced_scale = opt.forced_scale;
@@ -234,37 +304,7 @@ FitStats quantize_gpu(const void* src, DType src_type, const LutbShape& shape, L
       unsigned long long word = ~0ull;
       ok(cudaMemcpy(&word, d_err.p, sizeof(word), cudaMemcpyDeviceToHost), "fit kernel");
       const GpuFitError err = decode_fit_error(word);
-      if (err.code != 0) {
-        const std::int64_t t = err.tile, e = t / tpe, tn = (t % tpe) / tk_n, tk = t % tk_n;
-        std::string where = "tensor " + name + (shape.stacked ? ", expert " + std::to_string(e) : std::string()) +
-                            ", tile (" + std::to_string(tn) + ", " + std::to_string(tk) + ")";
-        std::string what;
-        if (err.code == 5) {  // (not reached: the weights were checked above and copied as they are)
-          out = LutbTensor();
-          throw std::invalid_argument("quantize_gpu: tensor " + name +
-                                      (shape.stacked ? ", expert " + std::to_string(e) : std::string()) +
-                                      ": column weight " + std::to_string(tk * kTileCols + err.pos) +
-                                      ": column weights must be finite and > 0");
-        }
-        if (err.code <= 3) {
-          what = std::string(err.code == 1 ? "NaN" : (err.code == 2 ? "+Inf" : "-Inf")) + " at row " +
-                 std::to_string(tn * kTileRows + err.pos / kTileCols) + " col " +
-                 std::to_string(tk * kTileCols + err.pos % kTileCols);
-        } else {
-          float amax = 0.0f;
-          for (int r = 0; r < kTileRows; ++r) {
-            const std::int64_t row = tn * kTileRows + r;
-            if (row >= shape.rows) break;
-            for (std::int64_t c = tk * kTileCols; c < std::min(shape.cols, (tk + 1) * kTileCols); ++c)
-              amax = std::max(amax, std::fabs(host_load(src, src_type, (e * shape.rows + row) * shape.cols + c)));
-          }
-          char buf[32];  // shortest round-trip decimal, as the CPU message (src/fit/fit.cpp check_tile)
-          const auto r = std::to_chars(buf, buf + sizeof(buf), amax);
-          what = "magnitude " + std::string(buf, r.ptr) + " needs a scale byte above 246 (spec section 2)";
-        }
-        out = LutbTensor();
-        throw std::invalid_argument("quantize_gpu: " + where + ": " + what);
-      }
+      if (err.code != 0) throw_fit_error(src, src_type, shape, name, err, out);
       const std::size_t t0 = static_cast<std::size_t>(a.t_base), nt = static_cast<std::size_t>(a.tiles);
       ok(cudaMemcpy(out.packed.data() + t0 * kPackedBytes, d_packed.p, nt * kPackedBytes, cudaMemcpyDeviceToHost),
          "cudaMemcpy packed");

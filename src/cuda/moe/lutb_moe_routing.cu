@@ -40,6 +40,18 @@ __device__ __forceinline__ void warp_argmax(float& v, int& i) {
   }
 }
 
+/// The best entry by `better` among score[e], e < n, whose flag[e] is 0, over the warp: (v, i) in
+/// every lane, or (NaN, kNone) when every entry is flagged. One top-k selection round.
+__device__ __forceinline__ void warp_best_unflagged(const float* score, const unsigned char* flag, int n, int lane,
+                                                    float& v, int& i) {
+  for (int e = lane; e < n; e += 32)
+    if (!flag[e] && better(score[e], e, v, i)) {
+      v = score[e];
+      i = e;
+    }
+  warp_argmax(v, i);
+}
+
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     lutb_moe_routing_softmax_topk(const float* __restrict__ logits, long long tokens, int E, int k, bool renorm,
                              int* __restrict__ ids, float* __restrict__ weights) {
@@ -73,12 +85,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   for (int j = 0; j < k; ++j) {
     float v = NAN;
     int i = kNone;
-    for (int e = lane; e < E; e += 32)
-      if (!taken[e] && better(p[e], e, v, i)) {
-        v = p[e];
-        i = e;
-      }
-    warp_argmax(v, i);  // k <= E untaken entries remain, so i < E
+    warp_best_unflagged(p, taken, E, lane, v, i);  // k <= E untaken entries remain, so i < E
     if (lane == 0) {
       ids[t * k + j] = i;
       weights[t * k + j] = v;
@@ -149,12 +156,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   for (int j = 0; j < k; ++j) {
     float v = NAN;
     int i = kNone;
-    for (int e = lane; e < E; e += 32)
-      if (!excluded[e] && better(ch[e], e, v, i)) {
-        v = ch[e];
-        i = e;
-      }
-    warp_argmax(v, i);  // k <= topk_group * per candidates, so i < E
+    warp_best_unflagged(ch, excluded, E, lane, v, i);  // k <= topk_group * per candidates, so i < E
     const float w = sc[i];
     if (lane == 0) {
       ids[t * k + j] = i;

@@ -111,6 +111,132 @@ __device__ __forceinline__ void mma_bf16_zero_c(float (&d)[4], const unsigned (&
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.0f), "f"(0.0f), "f"(0.0f), "f"(0.0f));
 }
 
+/// This thread's copy descriptors of cta_gemm's stages (kt = 0). raw: threads 0..191 one 16-byte
+/// chunk of a strip's packed tile, 192..207 a strip's codebook (kind 0 none, 1 packed chunk, 2
+/// codebook). A: chunk a_chunk = tid & 7 of rows tid/8 + q * kThreads/8, stored at a_dst[q].
+template <class C>
+struct StageCopies {
+  const unsigned char* raw_src = nullptr;
+  long long raw_step = 0;
+  int raw_dst = 0, raw_kind = 0;
+  int a_chunk;
+  int a_dst[C::kAQ];
+};
+
+/// The copy descriptors of thread tid for the strips of this CTA (expert e).
+template <class C, bool kGemm1>
+__device__ __forceinline__ void stage_copy_plan(const LutbW& w, long long e, long long I, long long tiles_k, int tid,
+                                                StageCopies<C>& c) {
+  if (tid < kStrips * 13) {
+    const int sl = tid < kStrips * 12 ? tid / 12 : tid - kStrips * 12;
+    long long strip;
+    bool ok;
+    strip_of<kGemm1>(sl, w.tiles_n, I, strip, ok);
+    if (ok) {
+      const long long tile0 = (e * w.tiles_n + strip) * tiles_k;
+      if (tid < kStrips * 12) {
+        c.raw_kind = 1;
+        c.raw_src = w.packed + tile0 * 192 + (tid % 12) * 16;
+        c.raw_step = 192;
+        c.raw_dst = C::kABytes + sl * 192 + (tid % 12) * 16;
+      } else {
+        c.raw_kind = 2;
+        c.raw_src = w.codebook + tile0 * 8;
+        c.raw_step = 8;
+        c.raw_dst = C::kABytes + kRawPacked + sl * 8;
+      }
+    }
+  }
+  c.a_chunk = tid & 7;
+#pragma unroll
+  for (int q = 0; q < C::kAQ; ++q) {
+    const int row = (tid >> 3) + (C::kThreads / 8) * q;
+    c.a_dst[q] = row * 128 + ((c.a_chunk ^ (row & 7)) << 4);
+  }
+}
+
+/// Issues this thread's copies of K-tile kt (kt < tiles_k) into stage kt % kStages and commits a
+/// group (empty past the end). Rows without a pair (arow null) are zero-filled from a_base.
+template <class C>
+__device__ __forceinline__ void stage_issue(const StageCopies<C>& c, const uint16_t* const (&arow)[C::kAQ],
+                                            const uint16_t* a_base, unsigned smem_s, long long kt,
+                                            long long tiles_k) {
+  if (kt < tiles_k) {
+    const unsigned st = smem_s + static_cast<unsigned>(kt % C::kStages) * C::kStageBytes;
+#pragma unroll
+    for (int q = 0; q < C::kAQ; ++q) {
+      const uint16_t* src = arow[q] ? arow[q] + kt * 64 + c.a_chunk * 8 : a_base;
+      cp16_zfill(st + c.a_dst[q], src, arow[q] != nullptr);
+    }
+    if (c.raw_kind == 1) cp16_zfill(st + c.raw_dst, c.raw_src + kt * c.raw_step, true);
+    else if (c.raw_kind == 2) cp8(st + c.raw_dst, c.raw_src + kt * c.raw_step);
+  }
+  cp_commit();
+}
+
+/// The decoder role of a warp: it decodes strips kSPW*warp .. +kSPW-1; lanes 0..8*kSPW-1 build their
+/// tables (lane: strip tab_s = lane >> 3, entry tab_j = lane & 7) from the codebook byte and the
+/// scale byte of sc_ptr (null: invalid strip).
+struct DecodeRole {
+  unsigned char* tab;  // [strip s][lo/hi][8]
+  int tab_s, tab_j;
+  const unsigned char* sc_ptr;
+};
+
+/// The warp's scaled BF16 lo/hi byte tables of stage st (tile scale byte sw); invalid strips decode
+/// to zeros.
+template <class C>
+__device__ __forceinline__ void decode_table(const DecodeRole& d, const unsigned char* st, int warp, int lane,
+                                             unsigned sw) {
+  if (lane < 8 * C::kSPW) {
+    unsigned short v = 0;  // invalid strips decode to zeros
+    if (d.sc_ptr)
+      v = scaled_bf16(e4m3_to_float(st[C::kABytes + kRawPacked + (C::kSPW * warp + d.tab_s) * 8 + d.tab_j]), sw);
+    d.tab[d.tab_s * 16 + d.tab_j] = static_cast<unsigned char>(v & 0xff);
+    d.tab[d.tab_s * 16 + 8 + d.tab_j] = static_cast<unsigned char>(v >> 8);
+  }
+  __syncwarp();
+}
+
+/// Strip s of the warp from stage st into B buffer bdst: 16 PRMT of the lane's lane-major index
+/// bytes against the tables, row g, chunks t and 4 + t (swizzled).
+template <class C>
+__device__ __forceinline__ void decode_strip(const unsigned char* tab, const unsigned char* st, unsigned char* bdst,
+                                             int warp, int lane, int s) {
+  const int g = lane >> 2, t = lane & 3;
+  const int sl = C::kSPW * warp + s;
+  const unsigned char* raw = st + C::kABytes + sl * 192;
+  const std::uint32_t X = *reinterpret_cast<const std::uint32_t*>(raw + 4 * lane);
+  const std::uint32_t Y = *reinterpret_cast<const unsigned short*>(raw + 128 + 2 * lane);
+  std::uint32_t sel[4];
+  lane_selectors(X, Y, sel);
+  const uint2 tl = *reinterpret_cast<const uint2*>(tab + s * 16);
+  const uint2 th = *reinterpret_cast<const uint2*>(tab + s * 16 + 8);
+  unsigned o[8];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const unsigned lo = __byte_perm(tl.x, tl.y, sel[q]);
+    const unsigned hi = __byte_perm(th.x, th.y, sel[q]);
+    o[2 * q] = __byte_perm(lo, hi, 0x5140);      // columns 4q' + 0, 1 of the lane's 8
+    o[2 * q + 1] = __byte_perm(lo, hi, 0x7362);  // columns 4q' + 2, 3
+  }
+  // selectors 0, 1: columns 8t .. 8t+7 (chunk t); 2, 3: columns 32 + 8t .. (chunk 4 + t).
+  const int row = 8 * sl + g;
+  *reinterpret_cast<uint4*>(bdst + row * 128 + ((t ^ g) << 4)) = make_uint4(o[0], o[1], o[2], o[3]);
+  *reinterpret_cast<uint4*>(bdst + row * 128 + (((4 + t) ^ g) << 4)) = make_uint4(o[4], o[5], o[6], o[7]);
+}
+
+/// Decode of K-tile kt (tile scale byte sw) in two parts: the warp's tables, then its strips into
+/// B buffer kt & 1.
+template <class C>
+__device__ __forceinline__ void decode_ktile(const DecodeRole& d, unsigned char* smem, unsigned char* bsm, int warp,
+                                             int lane, long long kt, unsigned sw) {
+  decode_table<C>(d, smem + (kt % C::kStages) * C::kStageBytes, warp, lane, sw);
+#pragma unroll
+  for (int s = 0; s < C::kSPW; ++s)
+    decode_strip<C>(d.tab, smem + (kt % C::kStages) * C::kStageBytes, bsm + (kt & 1) * kBBytes, warp, lane, s);
+}
+
 /// The CTA's GEMM over K = 64 * w.tiles_k: acc[mi][j][4] for token rows kWTM*wm + 16mi + {g, g+8}
 /// and weight rows (Bs rows) 32wn + 8j + {2t, 2t+1} (wm = warp % kWM, wn = warp / kWM). a: BF16 rows
 /// [*, a_cols]; arow: per A chunk copy q of this thread (row tid/8 + q*kThreads/8) the source row or
@@ -118,8 +244,7 @@ __device__ __forceinline__ void mma_bf16_zero_c(float (&d)[4], const unsigned (&
 template <class C, bool kGemm1>
 __device__ __forceinline__ void cta_gemm(const LutbW& w, long long e, long long I, const uint16_t* const (&arow)[C::kAQ],
                                          const uint16_t* a_base, unsigned char* smem, float (&acc)[C::kMI][4][4]) {
-  constexpr int kMI = C::kMI, kSPW = C::kSPW, kABytes = C::kABytes, kStageBytes = C::kStageBytes,
-                kStages = C::kStages;
+  constexpr int kMI = C::kMI, kSPW = C::kSPW, kStageBytes = C::kStageBytes, kStages = C::kStages;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int wm = warp % C::kWM, wn = warp / C::kWM;
   const long long tiles_k = w.tiles_k;
@@ -136,108 +261,21 @@ __device__ __forceinline__ void cta_gemm(const LutbW& w, long long e, long long 
 #pragma unroll
       for (int r = 0; r < 4; ++r) acc[mi][j][r] = part[mi][j][r] = 0.0f;
 
-  // ---- copy descriptors (kt = 0) of this thread
-  // raw: threads 0..191 one 16-byte chunk of a strip's packed tile, 192..207 a strip's codebook.
-  const unsigned char* raw_src = nullptr;
-  long long raw_step = 0;
-  int raw_dst = 0, raw_kind = 0;  // 0 none, 1 packed chunk, 2 codebook
-  if (tid < kStrips * 13) {
-    const int sl = tid < kStrips * 12 ? tid / 12 : tid - kStrips * 12;
-    long long strip;
-    bool ok;
-    strip_of<kGemm1>(sl, w.tiles_n, I, strip, ok);
-    if (ok) {
-      const long long tile0 = (e * w.tiles_n + strip) * tiles_k;
-      if (tid < kStrips * 12) {
-        raw_kind = 1;
-        raw_src = w.packed + tile0 * 192 + (tid % 12) * 16;
-        raw_step = 192;
-        raw_dst = kABytes + sl * 192 + (tid % 12) * 16;
-      } else {
-        raw_kind = 2;
-        raw_src = w.codebook + tile0 * 8;
-        raw_step = 8;
-        raw_dst = kABytes + kRawPacked + sl * 8;
-      }
-    }
-  }
-  // A: chunk c = tid & 7 of rows tid/8 + q * kThreads/8.
-  const int a_chunk = tid & 7;
-  int a_dst[C::kAQ];
-#pragma unroll
-  for (int q = 0; q < C::kAQ; ++q) {
-    const int row = (tid >> 3) + (C::kThreads / 8) * q;
-    a_dst[q] = row * 128 + ((a_chunk ^ (row & 7)) << 4);
-  }
-  auto issue = [&](long long kt) {
-    if (kt < tiles_k) {
-      const unsigned st = smem_s + static_cast<unsigned>(kt % kStages) * kStageBytes;
-#pragma unroll
-      for (int q = 0; q < C::kAQ; ++q) {
-        const uint16_t* src = arow[q] ? arow[q] + kt * 64 + a_chunk * 8 : a_base;
-        cp16_zfill(st + a_dst[q], src, arow[q] != nullptr);
-      }
-      if (raw_kind == 1) cp16_zfill(st + raw_dst, raw_src + kt * raw_step, true);
-      else if (raw_kind == 2) cp8(st + raw_dst, raw_src + kt * raw_step);
-    }
-    cp_commit();
-  };
-
-  // ---- decoder role: warp decodes strips kSPW*warp .. +kSPW-1; lanes 0..8*kSPW-1 build their
-  // tables (lane: strip s = lane >> 3, entry lane & 7) from the codebook byte and the scale byte.
-  const int tab_s = (lane >> 3) % kSPW, tab_j = lane & 7;
-  const unsigned char* sc_ptr = nullptr;
+  StageCopies<C> cp;
+  stage_copy_plan<C, kGemm1>(w, e, I, tiles_k, tid, cp);
+  // ---- decoder role: the warp's tables and the scale bytes of its table lanes' strip
+  DecodeRole dr;
+  dr.tab = tab;
+  dr.tab_s = (lane >> 3) % kSPW;
+  dr.tab_j = lane & 7;
+  dr.sc_ptr = nullptr;
   {
     long long strip;
     bool ok;
-    strip_of<kGemm1>(kSPW * warp + tab_s, w.tiles_n, I, strip, ok);
-    if (ok) sc_ptr = w.scale + (e * w.tiles_n + strip) * tiles_k;
+    strip_of<kGemm1>(kSPW * warp + dr.tab_s, w.tiles_n, I, strip, ok);
+    if (ok) dr.sc_ptr = w.scale + (e * w.tiles_n + strip) * tiles_k;
   }
-  auto load_scale = [&](long long kt) -> unsigned { return (sc_ptr && kt < tiles_k) ? __ldg(sc_ptr + kt) : 0u; };
-  const int g = lane >> 2, t = lane & 3;
-
-  // Decode of K-tile kt in two parts: the warp's scaled lo/hi byte tables, then strip s of the warp.
-  auto decode_tab = [&](long long kt, unsigned sw) {
-    const unsigned char* st = smem + (kt % kStages) * kStageBytes;
-    if (lane < 8 * kSPW) {
-      unsigned short v = 0;  // invalid strips decode to zeros
-      if (sc_ptr) v = scaled_bf16(e4m3_to_float(st[kABytes + kRawPacked + (kSPW * warp + tab_s) * 8 + tab_j]), sw);
-      tab[tab_s * 16 + tab_j] = static_cast<unsigned char>(v & 0xff);
-      tab[tab_s * 16 + 8 + tab_j] = static_cast<unsigned char>(v >> 8);
-    }
-    __syncwarp();
-  };
-  auto decode_strip = [&](long long kt, int s) {
-    const unsigned char* st = smem + (kt % kStages) * kStageBytes;
-    unsigned char* bdst = bsm + (kt & 1) * kBBytes;
-    {
-      const int sl = kSPW * warp + s;
-      const unsigned char* raw = st + kABytes + sl * 192;
-      const std::uint32_t X = *reinterpret_cast<const std::uint32_t*>(raw + 4 * lane);
-      const std::uint32_t Y = *reinterpret_cast<const unsigned short*>(raw + 128 + 2 * lane);
-      std::uint32_t sel[4];
-      lane_selectors(X, Y, sel);
-      const uint2 tl = *reinterpret_cast<const uint2*>(tab + s * 16);
-      const uint2 th = *reinterpret_cast<const uint2*>(tab + s * 16 + 8);
-      unsigned o[8];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const unsigned lo = __byte_perm(tl.x, tl.y, sel[q]);
-        const unsigned hi = __byte_perm(th.x, th.y, sel[q]);
-        o[2 * q] = __byte_perm(lo, hi, 0x5140);      // columns 4q' + 0, 1 of the lane's 8
-        o[2 * q + 1] = __byte_perm(lo, hi, 0x7362);  // columns 4q' + 2, 3
-      }
-      // selectors 0, 1: columns 8t .. 8t+7 (chunk t); 2, 3: columns 32 + 8t .. (chunk 4 + t).
-      const int row = 8 * sl + g;
-      *reinterpret_cast<uint4*>(bdst + row * 128 + ((t ^ g) << 4)) = make_uint4(o[0], o[1], o[2], o[3]);
-      *reinterpret_cast<uint4*>(bdst + row * 128 + (((4 + t) ^ g) << 4)) = make_uint4(o[4], o[5], o[6], o[7]);
-    }
-  };
-  auto decode = [&](long long kt, unsigned sw) {
-    decode_tab(kt, sw);
-#pragma unroll
-    for (int s = 0; s < kSPW; ++s) decode_strip(kt, s);
-  };
+  auto load_scale = [&](long long kt) -> unsigned { return (dr.sc_ptr && kt < tiles_k) ? __ldg(dr.sc_ptr + kt) : 0u; };
 
   // ---- ldmatrix lane addresses (row part; the chunk part depends on ks)
   const int lq = lane >> 3, r8 = lane & 7;
@@ -250,27 +288,29 @@ __device__ __forceinline__ void cta_gemm(const LutbW& w, long long e, long long 
 
   // ---- prologue
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) issue(s);
+  for (int s = 0; s < kStages - 1; ++s) stage_issue<C>(cp, arow, a_base, smem_s, s, tiles_k);
   unsigned sw_next = load_scale(0);
   cp_wait<kStages - 2>();
   __syncthreads();
-  decode(0, sw_next);
+  decode_ktile<C>(dr, smem, bsm, warp, lane, 0, sw_next);
   sw_next = load_scale(1);
 
   for (long long kt = 0; kt < tiles_k; ++kt) {
     cp_wait<kStages - 3>();
     __syncthreads();
-    issue(kt + kStages - 1);
+    stage_issue<C>(cp, arow, a_base, smem_s, kt + kStages - 1, tiles_k);
     const bool more = kt + 1 < tiles_k;
     unsigned sw = 0;
     if (more) {
       sw = sw_next;
       sw_next = load_scale(kt + 2);
-      decode(kt + 1, sw);
+      decode_ktile<C>(dr, smem, bsm, warp, lane, kt + 1, sw);
     }
     const bool fresh = kt % kPromoteTiles == 0;
     const unsigned a_s = smem_s + static_cast<unsigned>(kt % kStages) * kStageBytes;
     const unsigned b_s = bsm_s + static_cast<unsigned>(kt & 1) * kBBytes;
+    // The ldmatrix / mma steps stay in this body: as a separate step they changed ptxas's register
+    // allocation of the sm_80 GEMM1 (127 -> 128 registers).
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
       unsigned af[kMI][4], bf[4][2];

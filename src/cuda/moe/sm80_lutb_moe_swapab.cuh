@@ -176,6 +176,184 @@ struct SwapTileScales<true> {
   unsigned wb;
 };
 
+/// Activations of one K-tile in swap_warp_gemm: token g's E4M3 bytes (or FP16 values) of both
+/// 32-column blocks, the FP32 block scales of tokens 2t, 2t+1, and the 8 tile scales as FP32
+/// (times 2^8 for the byte decoder).
+template <int NB, bool kLateW>
+struct SwapXTile {
+  uint4 v[NB][2];
+  float sx[NB][2][2];  // [nb][block][u]
+  SwapTileScales<kLateW> w;
+};
+
+/// The cp.async sources of one lane for swap_warp_gemm's K-tiles: lane L copies the 16-byte index
+/// chunks (L % 4) + 4 j (j = 0..2) of strip L / 4, i.e. ONE source pointer with immediate offsets
+/// 0 / 64 / 128, and lanes 0..7 the 8-byte codebook of strip `lane`. Sources advance by 192 / 8
+/// bytes per K-tile. One source pointer per lane (not one per strip touched) saves 8-16
+/// instructions per K-tile (docs/perf/moe-gpu.md). scp: the tile-scale bytes of strip lane & 7
+/// (missing strips read strip 0's: their codebooks are zero, so any finite scale gives zero
+/// products).
+struct SwapCopies {
+  const unsigned char* srci;
+  const unsigned char* srcc;
+  unsigned dsti, dstc, bytesi, bytesc;
+  bool cb_lane;
+  const unsigned char* scp;
+};
+
+/// strip[i], ok[i] for a lane-dependent i, selected without indexing the arrays (they stay in registers).
+__device__ __forceinline__ void swap_select_strip(const long long (&strip)[8], const bool (&ok)[8], int i,
+                                                  long long& si, bool& sok) {
+  si = 0;
+  sok = false;
+#pragma unroll
+  for (int u = 0; u < SwapRing::kStrips; ++u)
+    if (u == i) {
+      si = strip[u];
+      sok = ok[u];
+    }
+}
+
+/// This lane's copy sources at K-tile k0; tile0 = tile index of (e, strip 0, k0).
+__device__ __forceinline__ void swap_copies_init(const LutbW& w, const long long (&strip)[8], const bool (&ok)[8],
+                                                 long long tile0, long long tiles_k, int lane, SwapCopies& c) {
+  using R = SwapRing;
+  {
+    const int i = lane >> 2;
+    long long si;
+    bool sok;
+    swap_select_strip(strip, ok, i, si, sok);
+    const long long tile = tile0 + (sok ? si : 0) * tiles_k;
+    c.srci = w.packed + tile * 192 + (lane & 3) * 16;
+    c.dsti = static_cast<unsigned>(i * 192 + (lane & 3) * 16);
+    c.bytesi = sok ? 16u : 0u;
+  }
+  {
+    const int i = lane & 7;
+    long long si;
+    bool sok;
+    swap_select_strip(strip, ok, i, si, sok);
+    const long long tile = tile0 + (sok ? si : 0) * tiles_k;
+    c.srcc = w.codebook + tile * 8;
+    c.dstc = static_cast<unsigned>(R::kCb + 8 * i);
+    c.bytesc = sok ? 8u : 0u;
+  }
+  c.cb_lane = lane < R::kStrips;
+  {
+    const int i = lane & 7;
+    long long si;
+    bool sok;
+    swap_select_strip(strip, ok, i, si, sok);
+    c.scp = w.scale + tile0 + (sok ? si : 0) * tiles_k;
+  }
+}
+
+/// Issues the copies of K-tile kk (kk < n; the sources are running pointers: K-tiles are issued in
+/// order) into the ring stage at slot_addr, and commits a group (empty past the range).
+__device__ __forceinline__ void swap_issue(SwapCopies& c, int kk, int n, unsigned slot_addr) {
+  if (kk < n) {
+#pragma unroll
+    for (int j = 0; j < 3; ++j) cp_async16_zfill(slot_addr + c.dsti + 64 * j, c.srci + 64 * j, c.bytesi);
+    c.srci += 192;
+    if (c.cb_lane) cp_async8_zfill(slot_addr + c.dstc, c.srcc, c.bytesc);
+    c.srcc += 8;
+  }
+  cp_async_commit();
+}
+
+/// The tile scales of K-tile kk into xw (wmul: the byte trick's 2^-8 folded in).
+template <bool kLateW>
+__device__ __forceinline__ void swap_load_w(const unsigned char* scp, float wmul, int kk,
+                                            SwapTileScales<kLateW>& xw) {
+  if constexpr (kLateW) {
+    xw.wb = __ldg(scp + kk);
+  } else {
+    const float f = ue8m0_f(__ldg(scp + kk)) * wmul;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) xw.fw[i] = __shfl_sync(0xffffffffu, f, i);
+  }
+}
+
+/// The activations and block scales of K-tile kk into x (abase, sbase: this lane's bases at k0).
+template <int NB, bool kOne, bool kLateW>
+__device__ __forceinline__ void swap_load_x(const unsigned char* const (&abase)[NB], const float2* const (&sbase)[NB][2],
+                                            int nblocks, int kk, SwapXTile<NB, kLateW>& x) {
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    if (nb > 0 && nb >= nblocks) continue;
+#pragma unroll
+    for (int blk = 0; blk < 2; ++blk) {
+      x.v[nb][blk] = __ldg(reinterpret_cast<const uint4*>(abase[nb] + kk * 128 + 64 * blk));  // 8 FP16 values
+    }
+#pragma unroll
+    for (int u = 0; u < (kOne ? 1 : 2); ++u) {
+      const float2 sc = __ldg(sbase[nb][u] + kk);
+      x.sx[nb][0][u] = sc.x;
+      x.sx[nb][1][u] = sc.y;
+    }
+  }
+}
+
+/// Block blk of m16 tile m: decodes the A operands of its two k16 steps from the codebooks cb
+/// (strips a: x, y; b: z, w), multiplies them by every token block's activations and adds the
+/// block-scaled 32-column sums into part (blk 0 writes, blk 1 accumulates).
+template <int kDec, int NB, bool kOne, bool kLateW>
+__device__ __forceinline__ void swap_block_mma(const uint4& cb, const unsigned (&sel)[2][4], int blk, int nblocks,
+                                               const SwapXTile<NB, kLateW>& cur, float (&part)[NB][4]) {
+  unsigned a0[4], a1[4];  // A operands of the block's two k16 steps
+  {
+    unsigned pa = prmt_raw(cb.x, cb.y, sel[0][2 * blk]), pb = prmt_raw(cb.z, cb.w, sel[1][2 * blk]);
+    bytes_to_f16<kDec == kDecCvt>(pa, a0[0], a0[2]);
+    bytes_to_f16<kDec == kDecCvt>(pb, a0[1], a0[3]);
+    pa = prmt_raw(cb.x, cb.y, sel[0][2 * blk + 1]);
+    pb = prmt_raw(cb.z, cb.w, sel[1][2 * blk + 1]);
+    bytes_to_f16<kDec == kDecCvt>(pa, a1[0], a1[2]);
+    bytes_to_f16<kDec == kDecCvt>(pb, a1[1], a1[3]);
+  }
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    if (nb > 0 && nb >= nblocks) continue;  // token block 0 always holds a token
+    const uint4 xv = cur.v[nb][blk];
+    float c[4];
+    mma_f16_zero(c, a0, xv.x, xv.y);
+    mma16816<false>(c, a1, xv.z, xv.w);
+    // Exact: the 32-column partial sum times the power-of-two block scale of each token.
+    const float s0 = cur.sx[nb][blk][0], s1 = kOne ? 0.0f : cur.sx[nb][blk][1];
+    if (blk == 0) {
+      part[nb][0] = c[0] * s0;
+      part[nb][2] = c[2] * s0;
+      if constexpr (!kOne) {
+        part[nb][1] = c[1] * s1;
+        part[nb][3] = c[3] * s1;
+      }
+    } else {
+      part[nb][0] = fmaf(c[0], s0, part[nb][0]);
+      part[nb][2] = fmaf(c[2], s0, part[nb][2]);
+      if constexpr (!kOne) {
+        part[nb][1] = fmaf(c[1], s1, part[nb][1]);
+        part[nb][3] = fmaf(c[3], s1, part[nb][3]);
+      }
+    }
+  }
+}
+
+/// acc[m] += part times the tile scales (powers of two, exact) of strips a (rows g: fa) and b
+/// (rows g+8: fb).
+template <int NB, bool kOne>
+__device__ __forceinline__ void swap_add_tile(const float (&part)[NB][4], float fa, float fb, int nblocks,
+                                              float (&accm)[NB][4]) {
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    if (nb > 0 && nb >= nblocks) continue;
+    accm[nb][0] = fmaf(part[nb][0], fa, accm[nb][0]);
+    accm[nb][2] = fmaf(part[nb][2], fb, accm[nb][2]);
+    if constexpr (!kOne) {
+      accm[nb][1] = fmaf(part[nb][1], fa, accm[nb][1]);
+      accm[nb][3] = fmaf(part[nb][3], fb, accm[nb][3]);
+    }
+  }
+}
+
 /// One warp's K-range [k0, k1) of the swap-AB product for 8 strips and NB token n-blocks.
 /// arow[nb]: activation row of token g: FP16 E4M3 values.
 /// srow[nb][u]: FP32 block-scale row (2^(b-127) per 32 columns, written by quantize_x / GEMM1) of
@@ -223,90 +401,10 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
   const int n = static_cast<int>(k1 - k0);
   const unsigned ring_s = static_cast<unsigned>(__cvta_generic_to_shared(ring));
   const long long tile0 = e * w.tiles_n * tiles_k + k0;  // tile index of (e, strip 0, k0)
-  // Copies of one K-tile: lane L copies the 16-byte index chunks (L % 4) + 4 j (j = 0..2) of strip
-  // L / 4, i.e. ONE source pointer with immediate offsets 0 / 64 / 128, and lanes 0..7 the 8-byte
-  // codebook of strip `lane`. Sources advance by 192 / 8 bytes per K-tile. One source pointer per
-  // lane (not one per strip touched) saves 8-16 instructions per K-tile (docs/perf/moe-gpu.md).
-  const unsigned char* srci;
-  const unsigned char* srcc;
-  unsigned dsti, dstc, bytesi, bytesc;
-  {
-    const int i = lane >> 2;
-    long long si = 0;
-    bool sok = false;
-#pragma unroll
-    for (int u = 0; u < R::kStrips; ++u)
-      if (u == i) {
-        si = strip[u];
-        sok = ok[u];
-      }
-    const long long tile = tile0 + (sok ? si : 0) * tiles_k;
-    srci = w.packed + tile * 192 + (lane & 3) * 16;
-    dsti = static_cast<unsigned>(i * 192 + (lane & 3) * 16);
-    bytesi = sok ? 16u : 0u;
-  }
-  {
-    const int i = lane & 7;
-    long long si = 0;
-    bool sok = false;
-#pragma unroll
-    for (int u = 0; u < R::kStrips; ++u)
-      if (u == i) {
-        si = strip[u];
-        sok = ok[u];
-      }
-    const long long tile = tile0 + (sok ? si : 0) * tiles_k;
-    srcc = w.codebook + tile * 8;
-    dstc = static_cast<unsigned>(R::kCb + 8 * i);
-    bytesc = sok ? 8u : 0u;
-  }
-  const bool cb_lane = lane < R::kStrips;
-  // Tile scales: lane i (mod 8) reads strip i's byte (missing strips read strip 0's: their
-  // codebooks are zero, so any finite scale gives zero products).
-  const unsigned char* scp;
-  {
-    const int i = lane & 7;
-    long long si = 0;
-    bool sok = false;
-#pragma unroll
-    for (int u = 0; u < R::kStrips; ++u)
-      if (u == i) {
-        si = strip[u];
-        sok = ok[u];
-      }
-    scp = w.scale + tile0 + (sok ? si : 0) * tiles_k;
-  }
+  SwapCopies cp;
+  swap_copies_init(w, strip, ok, tile0, tiles_k, lane, cp);
 
-  // K-tiles are issued in order, so the sources are running pointers.
-  auto issue = [&](int kk, unsigned slot_addr) {
-    if (kk < n) {
-#pragma unroll
-      for (int j = 0; j < 3; ++j) cp_async16_zfill(slot_addr + dsti + 64 * j, srci + 64 * j, bytesi);
-      srci += 192;
-      if (cb_lane) cp_async8_zfill(slot_addr + dstc, srcc, bytesc);
-      srcc += 8;
-    }
-    cp_async_commit();
-  };
-
-  // Activations of one K-tile: token g's E4M3 bytes (or FP16 values) of both 32-column blocks, the
-  // FP32 block scales of tokens 2t, 2t+1, and the 8 tile scales as FP32 (times 2^8 for the byte
-  // decoder).
-  struct XTile {
-    uint4 v[NB][2];
-    float sx[NB][2][2];  // [nb][block][u]
-    SwapTileScales<kLateW> w;
-  };
   const float wmul = kDec == kDecByte ? 256.0f : 1.0f;  // the byte trick's 2^-8
-  auto load_w = [&](int kk, XTile& x) {
-    if constexpr (kLateW) {
-      x.w.wb = __ldg(scp + kk);
-    } else {
-      const float f = ue8m0_f(__ldg(scp + kk)) * wmul;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) x.w.fw[i] = __shfl_sync(0xffffffffu, f, i);
-    }
-  };
   // Per-lane bases at k0 (this lane's 8 columns of block 0), indexed by the 32-bit kk below.
   const unsigned char* abase[NB];  // FP16 values, K-tile k0
   const float2* sbase[NB][2];      // the two block scales of K-tile k0
@@ -316,46 +414,32 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
 #pragma unroll
     for (int u = 0; u < 2; ++u) sbase[nb][u] = reinterpret_cast<const float2*>(srow[nb][u] + 2 * k0);
   }
-  auto load_x = [&](int kk, XTile& x) {
-#pragma unroll
-    for (int nb = 0; nb < NB; ++nb) {
-      if (nb > 0 && nb >= nblocks) continue;
-#pragma unroll
-      for (int blk = 0; blk < 2; ++blk) {
-        x.v[nb][blk] = __ldg(reinterpret_cast<const uint4*>(abase[nb] + kk * 128 + 64 * blk));  // 8 FP16 values
-      }
-#pragma unroll
-      for (int u = 0; u < (kOne ? 1 : 2); ++u) {
-        const float2 sc = __ldg(sbase[nb][u] + kk);
-        x.sx[nb][0][u] = sc.x;
-        x.sx[nb][1][u] = sc.y;
-      }
-    }
-  };
 
 #pragma unroll
-  for (int s = 0; s < R::kStages - 1; ++s) issue(s, ring_s + s * R::kStageBytes);
-  XTile cur;
-  load_w(0, cur);
+  for (int s = 0; s < R::kStages - 1; ++s) swap_issue(cp, s, n, ring_s + s * R::kStageBytes);
+  SwapXTile<NB, kLateW> cur;
+  swap_load_w<kLateW>(cp.scp, wmul, 0, cur.w);
   before_wait();
-  load_x(0, cur);
+  swap_load_x<NB, kOne>(abase, sbase, nblocks, 0, cur);
   unsigned rd_off = 0, wr_off = (R::kStages - 1) * R::kStageBytes;  // ring byte offsets
 
   // Unrolled by two so that cur / nxt alternate registers instead of being copied.
 #pragma unroll 2
   for (int kk = 0; kk < n; ++kk) {
-    issue(kk + R::kStages - 1, ring_s + wr_off);
+    swap_issue(cp, kk + R::kStages - 1, n, ring_s + wr_off);
     // Next K-tile's scales and activations (the last iteration reloads its own: no test on the
     // register copy below).
-    XTile nxt;
+    SwapXTile<NB, kLateW> nxt;
     const int kn = kk + 1 < n ? kk + 1 : kk;
-    load_w(kn, nxt);
-    load_x(kn, nxt);
+    swap_load_w<kLateW>(cp.scp, wmul, kn, nxt.w);
+    swap_load_x<NB, kOne>(abase, sbase, nblocks, kn, nxt);
     // kLateW: this K-tile's tile scale of strip lane & 7, from the byte loaded one K-tile ago.
     float fw_lane = 0.0f;
     if constexpr (kLateW) fw_lane = ue8m0_f(cur.w.wb) * wmul;
     cp_async_wait<R::kStages - 1>();
     __syncwarp();
+    // The shared-memory loads (codebooks, index words) and the selectors stay in this body: as a
+    // separate step they changed ptxas's register allocation of most instances (ptxas -v).
     const unsigned char* st = ring + rd_off;
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
@@ -381,43 +465,7 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
       }
       float part[NB][4];  // this K-tile's sum over both blocks, activation scales applied
 #pragma unroll
-      for (int blk = 0; blk < 2; ++blk) {
-        unsigned a0[4], a1[4];  // A operands of the block's two k16 steps
-        {
-          unsigned pa = prmt_raw(cb.x, cb.y, sel[0][2 * blk]), pb = prmt_raw(cb.z, cb.w, sel[1][2 * blk]);
-          bytes_to_f16<kDec == kDecCvt>(pa, a0[0], a0[2]);
-          bytes_to_f16<kDec == kDecCvt>(pb, a0[1], a0[3]);
-          pa = prmt_raw(cb.x, cb.y, sel[0][2 * blk + 1]);
-          pb = prmt_raw(cb.z, cb.w, sel[1][2 * blk + 1]);
-          bytes_to_f16<kDec == kDecCvt>(pa, a1[0], a1[2]);
-          bytes_to_f16<kDec == kDecCvt>(pb, a1[1], a1[3]);
-        }
-#pragma unroll
-        for (int nb = 0; nb < NB; ++nb) {
-          if (nb > 0 && nb >= nblocks) continue;  // token block 0 always holds a token
-          const uint4 xv = cur.v[nb][blk];
-          float c[4];
-          mma_f16_zero(c, a0, xv.x, xv.y);
-          mma16816<false>(c, a1, xv.z, xv.w);
-          // Exact: the 32-column partial sum times the power-of-two block scale of each token.
-          const float s0 = cur.sx[nb][blk][0], s1 = kOne ? 0.0f : cur.sx[nb][blk][1];
-          if (blk == 0) {
-            part[nb][0] = c[0] * s0;
-            part[nb][2] = c[2] * s0;
-            if constexpr (!kOne) {
-              part[nb][1] = c[1] * s1;
-              part[nb][3] = c[3] * s1;
-            }
-          } else {
-            part[nb][0] = fmaf(c[0], s0, part[nb][0]);
-            part[nb][2] = fmaf(c[2], s0, part[nb][2]);
-            if constexpr (!kOne) {
-              part[nb][1] = fmaf(c[1], s1, part[nb][1]);
-              part[nb][3] = fmaf(c[3], s1, part[nb][3]);
-            }
-          }
-        }
-      }
+      for (int blk = 0; blk < 2; ++blk) swap_block_mma<kDec, NB, kOne, kLateW>(cb, sel, blk, nblocks, cur, part);
       // Tile scales (powers of two, exact) of strips a (rows g) and b (rows g+8).
       float fa, fb;
       if constexpr (kLateW) {
@@ -427,16 +475,7 @@ __device__ __forceinline__ void swap_warp_gemm(const LutbW& w, long long e, cons
         fa = cur.w.fw[2 * m];
         fb = cur.w.fw[2 * m + 1];
       }
-#pragma unroll
-      for (int nb = 0; nb < NB; ++nb) {
-        if (nb > 0 && nb >= nblocks) continue;
-        acc[m][nb][0] = fmaf(part[nb][0], fa, acc[m][nb][0]);
-        acc[m][nb][2] = fmaf(part[nb][2], fb, acc[m][nb][2]);
-        if constexpr (!kOne) {
-          acc[m][nb][1] = fmaf(part[nb][1], fa, acc[m][nb][1]);
-          acc[m][nb][3] = fmaf(part[nb][3], fb, acc[m][nb][3]);
-        }
-      }
+      swap_add_tile<NB, kOne>(part, fa, fb, nblocks, acc[m]);
     }
     __syncwarp();
     cur = nxt;

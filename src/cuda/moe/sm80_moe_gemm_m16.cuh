@@ -39,6 +39,110 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 
+/// This lane's copy descriptors of warp_gemm's ring (kt = 0), computed once: source, source step
+/// per K-tile, smem offset inside a stage, kind (0 none, 1: 16 B, 2: 8 B, 3: scale word).
+template <bool kLutb, int NT>
+struct RingCopies {
+  using R = Ring<kLutb, NT>;
+  const unsigned char* src[R::kRounds];
+  long long step[R::kRounds];
+  int dst[R::kRounds], kind[R::kRounds];
+};
+
+/// The copy descriptors of this lane for strips strip[] of expert e (K = 64 * tiles_k columns).
+template <bool kLutb, int NT>
+__device__ __forceinline__ void m16_copy_plan(const LutbW& w, const uint16_t* __restrict__ wbf16, long long e,
+                                              const long long (&strip)[NT], const bool (&strip_ok)[NT], int lane,
+                                              long long tiles_k, long long K, RingCopies<kLutb, NT>& c) {
+  using R = Ring<kLutb, NT>;
+#pragma unroll
+  for (int j = 0; j < R::kRounds; ++j) {
+    const int q = lane + 32 * j;
+    c.kind[j] = 0;
+    c.src[j] = nullptr;
+    c.step[j] = 0;
+    c.dst[j] = 0;
+    if (q >= R::kCopies) continue;
+    if constexpr (kLutb) {
+      int i, k2;
+      if (q < 12 * NT) { i = q / 12; k2 = 1; }
+      else if (q < 13 * NT) { i = q - 12 * NT; k2 = 2; }
+      else { i = q - 13 * NT; k2 = 3; }
+      long long tb = 0;
+      bool ok = false;
+#pragma unroll
+      for (int u = 0; u < NT; ++u)
+        if (u == i) { tb = (e * w.tiles_n + strip[u]) * tiles_k; ok = strip_ok[u]; }
+      if (!ok) continue;
+      c.kind[j] = k2;
+      if (k2 == 1) { c.src[j] = w.packed + tb * 192 + (q % 12) * 16; c.step[j] = 192; c.dst[j] = i * 192 + (q % 12) * 16; }
+      else if (k2 == 2) { c.src[j] = w.codebook + tb * 8; c.step[j] = 8; c.dst[j] = R::kCb + i * 8; }
+      else { c.src[j] = w.scale + tb; c.step[j] = 1; c.dst[j] = R::kSc + i * 4; }
+    } else {
+      const int i = q >> 6, row = (q >> 3) & 7, cc = q & 7;
+      long long sn = 0;
+      bool ok = false;
+#pragma unroll
+      for (int u = 0; u < NT; ++u)
+        if (u == i) { sn = strip[u]; ok = strip_ok[u]; }
+      if (!ok) continue;
+      c.kind[j] = 1;
+      c.src[j] = reinterpret_cast<const unsigned char*>(wbf16 + ((e * w.tiles_n + sn) * 8 + row) * K + cc * 8);
+      c.step[j] = 128;
+      c.dst[j] = i * 1536 + row * 192 + cc * 16;
+    }
+  }
+}
+
+/// Issues this lane's copies of K-tile kt (kt < tiles_k) into ring stage kt % kStages and commits a
+/// group (empty past the end).
+template <bool kLutb, int NT>
+__device__ __forceinline__ void m16_issue(const RingCopies<kLutb, NT>& c, long long kt, long long tiles_k,
+                                          unsigned ring_s, unsigned long long scale_end) {
+  using R = Ring<kLutb, NT>;
+  if (kt < tiles_k) {
+    const unsigned st = ring_s + static_cast<unsigned>(kt % R::kStages) * R::kStageBytes;
+#pragma unroll
+    for (int j = 0; j < R::kRounds; ++j) {
+      const unsigned char* p = c.src[j] + kt * c.step[j];
+      if (c.kind[j] == 1) cp_async16(st + c.dst[j], p);
+      else if (c.kind[j] == 2) cp_async8(st + c.dst[j], p);
+      else if (c.kind[j] == 3) {
+        // The aligned word holding the scale byte (read directly at use when it would pass the end).
+        const unsigned long long a = reinterpret_cast<unsigned long long>(p) & ~3ull;
+        if (a + 4 <= scale_end) cp_async4(st + c.dst[j], reinterpret_cast<const void*>(a));
+      }
+    }
+  }
+  cp_async_commit();
+}
+
+/// Activation operand of one K-tile of warp_gemm (prefetched one K-tile ahead when MT <= 2).
+template <int MT>
+struct M16ATile {
+  uint4 r[2][MT][2];
+  float sx[2][MT][2];
+};
+
+/// Loads the activation operand of K-tile kt (this lane's 8 columns of rows g, g+8 per m16 tile;
+/// LUT-B: and the block scales as FP32).
+template <bool kLutb, int MT>
+__device__ __forceinline__ void m16_load_a_tile(const uint16_t* const (&arow)[MT][2],
+                                                const unsigned char* const (&srow)[MT][2], int t, long long kt,
+                                                M16ATile<MT>& at) {
+#pragma unroll
+  for (int blk = 0; blk < 2; ++blk) {
+    const long long col = kt * 64 + 32 * blk + 8 * t;
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        at.r[blk][m][h] = arow[m][h] ? __ldg(reinterpret_cast<const uint4*>(arow[m][h] + col)) : make_uint4(0, 0, 0, 0);
+        if constexpr (kLutb) at.sx[blk][m][h] = srow[m][h] ? ue8m0_f(__ldg(srow[m][h] + kt * 2 + blk)) : 0.0f;
+      }
+  }
+}
+
 /// One warp's share of a grouped GEMM: NT n8 weight strips (rows strip[i]*8..+7 of expert e) times
 /// MT m16 token tiles, over K = 64 * tiles_k columns. acc[i][m][4] FP32.
 /// LUT-B: A = FP16 E4M3 values + UE8M0 block scales; B decoded from the packed tiles.
@@ -62,103 +166,27 @@ __device__ __forceinline__ void warp_gemm(const LutbW& w, const uint16_t* __rest
   const long long K = tiles_k * 64;
   const unsigned ring_s = static_cast<unsigned>(__cvta_generic_to_shared(ring));
   const unsigned long long scale_end = reinterpret_cast<unsigned long long>(w.scale + w.total_tiles);
-
-  // Copy descriptors of this lane (kt = 0), computed once: source, source step per K-tile, smem
-  // offset inside a stage, kind (0 none, 1: 16 B, 2: 8 B, 3: scale word).
-  const unsigned char* src[R::kRounds];
-  long long step[R::kRounds];
-  int dst[R::kRounds], kind[R::kRounds];
-#pragma unroll
-  for (int j = 0; j < R::kRounds; ++j) {
-    const int q = lane + 32 * j;
-    kind[j] = 0;
-    src[j] = nullptr;
-    step[j] = 0;
-    dst[j] = 0;
-    if (q >= R::kCopies) continue;
-    if constexpr (kLutb) {
-      int i, k2;
-      if (q < 12 * NT) { i = q / 12; k2 = 1; }
-      else if (q < 13 * NT) { i = q - 12 * NT; k2 = 2; }
-      else { i = q - 13 * NT; k2 = 3; }
-      long long tb = 0;
-      bool ok = false;
-#pragma unroll
-      for (int u = 0; u < NT; ++u)
-        if (u == i) { tb = (e * w.tiles_n + strip[u]) * tiles_k; ok = strip_ok[u]; }
-      if (!ok) continue;
-      kind[j] = k2;
-      if (k2 == 1) { src[j] = w.packed + tb * 192 + (q % 12) * 16; step[j] = 192; dst[j] = i * 192 + (q % 12) * 16; }
-      else if (k2 == 2) { src[j] = w.codebook + tb * 8; step[j] = 8; dst[j] = R::kCb + i * 8; }
-      else { src[j] = w.scale + tb; step[j] = 1; dst[j] = R::kSc + i * 4; }
-    } else {
-      const int i = q >> 6, row = (q >> 3) & 7, c = q & 7;
-      long long sn = 0;
-      bool ok = false;
-#pragma unroll
-      for (int u = 0; u < NT; ++u)
-        if (u == i) { sn = strip[u]; ok = strip_ok[u]; }
-      if (!ok) continue;
-      kind[j] = 1;
-      src[j] = reinterpret_cast<const unsigned char*>(wbf16 + ((e * w.tiles_n + sn) * 8 + row) * K + c * 8);
-      step[j] = 128;
-      dst[j] = i * 1536 + row * 192 + c * 16;
-    }
-  }
-
-  auto issue = [&](long long kt) {
-    if (kt < tiles_k) {
-      const unsigned st = ring_s + static_cast<unsigned>(kt % R::kStages) * R::kStageBytes;
-#pragma unroll
-      for (int j = 0; j < R::kRounds; ++j) {
-        const unsigned char* p = src[j] + kt * step[j];
-        if (kind[j] == 1) cp_async16(st + dst[j], p);
-        else if (kind[j] == 2) cp_async8(st + dst[j], p);
-        else if (kind[j] == 3) {
-          // The aligned word holding the scale byte (read directly at use when it would pass the end).
-          const unsigned long long a = reinterpret_cast<unsigned long long>(p) & ~3ull;
-          if (a + 4 <= scale_end) cp_async4(st + dst[j], reinterpret_cast<const void*>(a));
-        }
-      }
-    }
-    cp_async_commit();
-  };
-
-  // Activation operand of one K-tile (prefetched one K-tile ahead when MT <= 2).
-  struct ATile {
-    uint4 r[2][MT][2];
-    float sx[2][MT][2];
-  };
-  auto load_a_tile = [&](long long kt, ATile& at) {
-#pragma unroll
-    for (int blk = 0; blk < 2; ++blk) {
-      const long long col = kt * 64 + 32 * blk + 8 * t;
-#pragma unroll
-      for (int m = 0; m < MT; ++m)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          at.r[blk][m][h] = arow[m][h] ? __ldg(reinterpret_cast<const uint4*>(arow[m][h] + col)) : make_uint4(0, 0, 0, 0);
-          if constexpr (kLutb) at.sx[blk][m][h] = srow[m][h] ? ue8m0_f(__ldg(srow[m][h] + kt * 2 + blk)) : 0.0f;
-        }
-    }
-  };
+  RingCopies<kLutb, NT> cp;
+  m16_copy_plan<kLutb, NT>(w, wbf16, e, strip, strip_ok, lane, tiles_k, K, cp);
 
 #pragma unroll
-  for (int s = 0; s < R::kStages - 1; ++s) issue(s);
-  ATile cur;
-  if constexpr (MT <= 2) load_a_tile(0, cur);
+  for (int s = 0; s < R::kStages - 1; ++s) m16_issue(cp, s, tiles_k, ring_s, scale_end);
+  M16ATile<MT> cur;
+  if constexpr (MT <= 2) m16_load_a_tile<kLutb, MT>(arow, srow, t, 0, cur);
 
   for (long long kt = 0; kt < tiles_k; ++kt) {
-    issue(kt + R::kStages - 1);
-    ATile nxt;
+    m16_issue(cp, kt + R::kStages - 1, tiles_k, ring_s, scale_end);
+    M16ATile<MT> nxt;
     if constexpr (MT <= 2) {
-      if (kt + 1 < tiles_k) load_a_tile(kt + 1, nxt);
+      if (kt + 1 < tiles_k) m16_load_a_tile<kLutb, MT>(arow, srow, t, kt + 1, nxt);
     } else {
-      load_a_tile(kt, cur);
+      m16_load_a_tile<kLutb, MT>(arow, srow, t, kt, cur);
     }
     cp_async_wait<R::kStages - 1>();
     __syncwarp();
     const unsigned char* st = ring + (kt % R::kStages) * R::kStageBytes;
+    // The codebook, scale and fragment steps stay in this body: as separate steps they changed
+    // ptxas's register allocation (ptxas -v: up to +4 registers).
     // ---- codebooks and scales of this K-tile
     unsigned cbl[NT], cbh[NT];
     float fw[NT];

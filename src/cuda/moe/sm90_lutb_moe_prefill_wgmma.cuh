@@ -169,32 +169,24 @@ __device__ __forceinline__ void wgmma_64x64x16_bf16(float (&d)[32], unsigned lon
       : "l"(da), "l"(db), "r"(acc_in));
 }
 
-/// The CTA's GEMM over K = 64 * w.tiles_k. acc[4j + 2h + c] (wgmma D layout): token row
-/// 16*(warp%4) + g + 8h, B row 64*wg + 8j + 2t + c (wg = warp/4; B row 8*slot + i = row i of strip
-/// slot). arow[q]: this thread's A copy q source row (row (tid + 256q)/(RB/16)) or null (zero fill).
-template <class C, bool kGemm1>
-__device__ __forceinline__ void cta_gemm90(const LutbW& w, long long e, long long I,
-                                           const unsigned char* const (&arow)[C::kAQ], const unsigned char* a_base,
-                                           unsigned char* smem, float (&acc)[32]) {
-  constexpr int kStages = C::kStages, kStageBytes = C::kStageBytes, kBBytes = C::kBBytes, RB = C::kRowBytes;
-  constexpr int kChunks = RB / 16;  // A 16-byte chunks per row and K-tile
-  constexpr int kThreads = C::kThreads, kSPW = C::kSPW;
-  // warpgroup wg: token rows 64 wm.., B rows 64 wn.. (64-row tile: wm = 0, wn = wg)
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2, wn = wg & 1, wm = wg >> 1;
-  const int nb = blockIdx.x;
-  const long long tiles_k = w.tiles_k;
-  const unsigned smem_s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  const unsigned bsm_s = smem_s + kStages * kStageBytes;
-  unsigned char* const bsm = smem + kStages * kStageBytes;
-
-  // ---- copy descriptors: A chunks (row (tid + 256q) / kChunks, chunk (tid % kChunks)); raw:
-  // threads 0..191 one 16-byte chunk of a strip's tile, 192..207 a strip's codebook.
+/// This thread's copy descriptors of cta_gemm90's stages (kt = 0): A chunks (row (tid + 256q) /
+/// kChunks, chunk (tid % kChunks)) at a_dst[q]; raw: threads 0..191 one 16-byte chunk of a strip's
+/// tile, 192..207 a strip's codebook (kind 0 none, 1 packed chunk, 2 codebook).
+template <class C>
+struct Sw128Copies {
   int a_dst[C::kAQ];
-#pragma unroll
-  for (int q = 0; q < C::kAQ; ++q) a_dst[q] = sw128_off((tid + kThreads * q) / kChunks, (tid % kChunks) * 16);
   const unsigned char* raw_src = nullptr;
   long long raw_step = 0;
   int raw_dst = 0, raw_kind = 0;
+};
+
+/// The copy descriptors of thread tid for the strips of N-block nb (expert e).
+template <class C, bool kGemm1>
+__device__ __forceinline__ void plan_stage_copies(const LutbW& w, long long e, long long I, int nb, long long tiles_k,
+                                                  int tid, Sw128Copies<C>& c) {
+  constexpr int kChunks = C::kRowBytes / 16;  // A 16-byte chunks per row and K-tile
+#pragma unroll
+  for (int q = 0; q < C::kAQ; ++q) c.a_dst[q] = sw128_off((tid + C::kThreads * q) / kChunks, (tid % kChunks) * 16);
   if (tid < kStrips * 13) {
     const int sl = tid < kStrips * 12 ? tid / 12 : tid - kStrips * 12;
     long long strip;
@@ -203,38 +195,136 @@ __device__ __forceinline__ void cta_gemm90(const LutbW& w, long long e, long lon
     if (ok) {
       const long long tile0 = (e * w.tiles_n + strip) * tiles_k;
       if (tid < kStrips * 12) {
-        raw_kind = 1;
-        raw_src = w.packed + tile0 * 192 + (tid % 12) * 16;
-        raw_step = 192;
-        raw_dst = C::kRawOff + sl * 192 + (tid % 12) * 16;
+        c.raw_kind = 1;
+        c.raw_src = w.packed + tile0 * 192 + (tid % 12) * 16;
+        c.raw_step = 192;
+        c.raw_dst = C::kRawOff + sl * 192 + (tid % 12) * 16;
       } else {
-        raw_kind = 2;
-        raw_src = w.codebook + tile0 * 8;
-        raw_step = 8;
-        raw_dst = C::kCbOff + sl * 8;
+        c.raw_kind = 2;
+        c.raw_src = w.codebook + tile0 * 8;
+        c.raw_step = 8;
+        c.raw_dst = C::kCbOff + sl * 8;
       }
     }
   }
-  auto issue = [&](long long kt) {
-    if (kt < tiles_k) {
-      const unsigned st = smem_s + static_cast<unsigned>(kt % kStages) * kStageBytes;
-#pragma unroll
-      for (int q = 0; q < C::kAQ; ++q)
-        prefill::cp16_zfill(st + a_dst[q], arow[q] ? arow[q] + kt * RB + (tid % kChunks) * 16 : a_base,
-                            arow[q] != nullptr);
-      if (raw_kind == 1) prefill::cp16_zfill(st + raw_dst, raw_src + kt * raw_step, true);
-      else if (raw_kind == 2) prefill::cp8(st + raw_dst, raw_src + kt * raw_step);
-    }
-    prefill::cp_commit();
-  };
+}
 
-  // ---- decode: warp decodes slots kSPW*warp .. +kSPW-1 (64 rows: its own warpgroup's B rows; 128: one
-  // strip each, the B tile is shared by the two token-half warpgroups); lane L = 4g + t:
-  // row g, columns 8t..8t+7 and 32+8t..32+8t+7 (lutb/cuda/lane_major.hpp). Invalid strips decode to
-  // zeros (zero codebook / table, whatever stale index bytes the stage holds).
+/// Issues this thread's copies of K-tile kt (kt < tiles_k) into stage kt % kStages and commits a
+/// group (empty past the end). Rows without a pair (arow null) are zero-filled from a_base.
+template <class C>
+__device__ __forceinline__ void issue_stage_copies(const Sw128Copies<C>& c, const unsigned char* const (&arow)[C::kAQ],
+                                                   const unsigned char* a_base, unsigned smem_s, int tid,
+                                                   long long kt, long long tiles_k) {
+  constexpr int RB = C::kRowBytes, kChunks = RB / 16;
+  if (kt < tiles_k) {
+    const unsigned st = smem_s + static_cast<unsigned>(kt % C::kStages) * C::kStageBytes;
+#pragma unroll
+    for (int q = 0; q < C::kAQ; ++q)
+      prefill::cp16_zfill(st + c.a_dst[q], arow[q] ? arow[q] + kt * RB + (tid % kChunks) * 16 : a_base,
+                          arow[q] != nullptr);
+    if (c.raw_kind == 1) prefill::cp16_zfill(st + c.raw_dst, c.raw_src + kt * c.raw_step, true);
+    else if (c.raw_kind == 2) prefill::cp8(st + c.raw_dst, c.raw_src + kt * c.raw_step);
+  }
+  prefill::cp_commit();
+}
+
+/// Decode of K-tile kt: warp decodes slots kSPW*warp .. +kSPW-1 (64 rows: its own warpgroup's B
+/// rows; 128: one strip each, the B tile is shared by the two token-half warpgroups) into B buffer
+/// kt % kBBufs. Lanes 0..8*kSPW-1 first build the scaled BF16 lo/hi byte tables (lane: strip s =
+/// lane >> 3, entry lane & 7) from the codebook byte and the tile's scale byte tsc. Invalid strips
+/// (tsc_ptr null) decode to zeros (zero table, whatever stale index bytes the stage holds).
+/// g = lane >> 2, t = lane & 3 come from the caller: computed here, they changed ptxas's register
+/// allocation of the wgmma kernels (112 -> 110, 118 -> 114 registers).
+template <class C>
+__device__ __forceinline__ void decode_ktile_sw128(unsigned char* smem, unsigned char* bsm, unsigned char* tab,
+                                                   const unsigned char* tsc_ptr, int warp, int lane, int g, int t,
+                                                   long long kt, unsigned tsc) {
+  constexpr int kSPW = C::kSPW;
+  const unsigned char* st = smem + (kt % C::kStages) * C::kStageBytes;
+  unsigned char* bdst = bsm + (kt % C::kBBufs) * C::kBBytes;
+  if (lane < 8 * kSPW) {
+    const int s = lane >> 3, j = lane & 7;
+    unsigned short v = 0;
+    if (tsc_ptr) v = prefill::scaled_bf16(e4m3_to_float(st[C::kCbOff + (kSPW * warp + s) * 8 + j]), tsc);
+    tab[s * 16 + j] = static_cast<unsigned char>(v & 0xff);
+    tab[s * 16 + 8 + j] = static_cast<unsigned char>(v >> 8);
+  }
+  __syncwarp();
+#pragma unroll
+  for (int s = 0; s < kSPW; ++s) {
+    const int sl = kSPW * warp + s;
+    const unsigned char* raw = st + C::kRawOff + sl * 192;
+    const std::uint32_t X = *reinterpret_cast<const std::uint32_t*>(raw + 4 * lane);
+    const std::uint32_t Y = *reinterpret_cast<const unsigned short*>(raw + 128 + 2 * lane);
+    std::uint32_t sel[4];
+    lane_selectors(X, Y, sel);
+    {
+      // Store order (SW128): the lane holds row g, chunks t (selectors 0, 1) and 4 + t (2, 3). Lanes
+      // with odd g store chunk 4 + t first (selector pairs swapped): a quarter warp (g = 2i, 2i+1,
+      // t = 0..3) then writes physical chunks {t ^ 2i} and {(4 + t) ^ (2i+1)}, one of them
+      // {0..3} and the other {4..7}: 8 different bank groups per store, conflict-free (without
+      // the swap, {t ^ 2i} and {t ^ (2i+1)} overlap: 2-way, as in the mma.sync tile's decode).
+      const bool odd = g & 1;
+      if (odd) {
+        const std::uint32_t s0 = sel[0], s1 = sel[1];
+        sel[0] = sel[2];
+        sel[1] = sel[3];
+        sel[2] = s0;
+        sel[3] = s1;
+      }
+      const uint2 tl = *reinterpret_cast<const uint2*>(tab + s * 16);
+      const uint2 th = *reinterpret_cast<const uint2*>(tab + s * 16 + 8);
+      unsigned o[8];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const unsigned lo = __byte_perm(tl.x, tl.y, sel[q]);
+        const unsigned hi = __byte_perm(th.x, th.y, sel[q]);
+        o[2 * q] = __byte_perm(lo, hi, 0x5140);      // columns 4q' + 0, 1
+        o[2 * q + 1] = __byte_perm(lo, hi, 0x7362);  // columns 4q' + 2, 3
+      }
+      // columns 8t..8t+7 = bytes 16t.. (chunk t), columns 32 + 8t.. = chunk 4 + t; odd g: swapped
+      *reinterpret_cast<uint4*>(bdst + sw128_off(8 * sl + g, 16 * (t + (odd ? 4 : 0)))) =
+          make_uint4(o[0], o[1], o[2], o[3]);
+      *reinterpret_cast<uint4*>(bdst + sw128_off(8 * sl + g, 16 * (t + (odd ? 0 : 4)))) =
+          make_uint4(o[4], o[5], o[6], o[7]);
+    }
+  }
+  __syncwarp();  // the table is rewritten by the next decode
+}
+
+/// Issues the 4 wgmma of one K-tile (A and B descriptors da, db) into d0 and commits them (fresh:
+/// the first overwrites d0, the start of a promotion group).
+__device__ __forceinline__ void issue_ktile_wgmma(float (&d0)[32], unsigned long long da, unsigned long long db,
+                                                  bool fresh) {
+  reg_fence(d0);
+  wg_fence();
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks)
+    wgmma_64x64x16_bf16(d0, da + kstep_desc<true>(ks), db + kstep_desc<true>(ks), (ks == 0 && fresh) ? 0 : 1);
+  wg_commit();
+}
+
+/// The CTA's GEMM over K = 64 * w.tiles_k. acc[4j + 2h + c] (wgmma D layout): token row
+/// 16*(warp%4) + g + 8h, B row 64*wg + 8j + 2t + c (wg = warp/4; B row 8*slot + i = row i of strip
+/// slot). arow[q]: this thread's A copy q source row (row (tid + 256q)/(RB/16)) or null (zero fill).
+template <class C, bool kGemm1>
+__device__ __forceinline__ void cta_gemm90(const LutbW& w, long long e, long long I,
+                                           const unsigned char* const (&arow)[C::kAQ], const unsigned char* a_base,
+                                           unsigned char* smem, float (&acc)[32]) {
+  constexpr int kStages = C::kStages, kStageBytes = C::kStageBytes, kBBytes = C::kBBytes, RB = C::kRowBytes;
+  constexpr int kSPW = C::kSPW;
+  // warpgroup wg: token rows 64 wm.., B rows 64 wn.. (64-row tile: wm = 0, wn = wg)
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2, wn = wg & 1, wm = wg >> 1;
+  const int nb = blockIdx.x;
+  const long long tiles_k = w.tiles_k;
+  const unsigned smem_s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const unsigned bsm_s = smem_s + kStages * kStageBytes;
+  unsigned char* const bsm = smem + kStages * kStageBytes;
+
+  Sw128Copies<C> cp;
+  plan_stage_copies<C, kGemm1>(w, e, I, nb, tiles_k, tid, cp);
   const int g = lane >> 2, t = lane & 3;
-  // Lanes 0..8*kSPW-1 build the scaled BF16 lo/hi byte tables (lane: strip s = lane >> 3, entry
-  // lane & 7) from the codebook byte and the tile's scale byte (loaded one K-tile ahead).
+  // The table lanes' tile scale bytes (loaded one K-tile ahead).
   const unsigned char* tsc_ptr = nullptr;
   {
     long long strip;
@@ -244,58 +334,6 @@ __device__ __forceinline__ void cta_gemm90(const LutbW& w, long long e, long lon
   }
   unsigned char* const tab = smem + C::kTabOff + warp * 32;
   auto load_tsc = [&](long long kt) -> unsigned { return (tsc_ptr && kt < tiles_k) ? __ldg(tsc_ptr + kt) : 0u; };
-  auto decode = [&](long long kt, unsigned tsc) {
-    const unsigned char* st = smem + (kt % kStages) * kStageBytes;
-    unsigned char* bdst = bsm + (kt % C::kBBufs) * kBBytes;
-    if (lane < 8 * kSPW) {
-      const int s = lane >> 3, j = lane & 7;
-      unsigned short v = 0;
-      if (tsc_ptr) v = prefill::scaled_bf16(e4m3_to_float(st[C::kCbOff + (kSPW * warp + s) * 8 + j]), tsc);
-      tab[s * 16 + j] = static_cast<unsigned char>(v & 0xff);
-      tab[s * 16 + 8 + j] = static_cast<unsigned char>(v >> 8);
-    }
-    __syncwarp();
-#pragma unroll
-    for (int s = 0; s < kSPW; ++s) {
-      const int sl = kSPW * warp + s;
-      const unsigned char* raw = st + C::kRawOff + sl * 192;
-      const std::uint32_t X = *reinterpret_cast<const std::uint32_t*>(raw + 4 * lane);
-      const std::uint32_t Y = *reinterpret_cast<const unsigned short*>(raw + 128 + 2 * lane);
-      std::uint32_t sel[4];
-      lane_selectors(X, Y, sel);
-      {
-        // Store order (SW128): the lane holds row g, chunks t (selectors 0, 1) and 4 + t (2, 3). Lanes
-        // with odd g store chunk 4 + t first (selector pairs swapped): a quarter warp (g = 2i, 2i+1,
-        // t = 0..3) then writes physical chunks {t ^ 2i} and {(4 + t) ^ (2i+1)}, one of them
-        // {0..3} and the other {4..7}: 8 different bank groups per store, conflict-free (without
-        // the swap, {t ^ 2i} and {t ^ (2i+1)} overlap: 2-way, as in the mma.sync tile's decode).
-        const bool odd = g & 1;
-        if (odd) {
-          const std::uint32_t s0 = sel[0], s1 = sel[1];
-          sel[0] = sel[2];
-          sel[1] = sel[3];
-          sel[2] = s0;
-          sel[3] = s1;
-        }
-        const uint2 tl = *reinterpret_cast<const uint2*>(tab + s * 16);
-        const uint2 th = *reinterpret_cast<const uint2*>(tab + s * 16 + 8);
-        unsigned o[8];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const unsigned lo = __byte_perm(tl.x, tl.y, sel[q]);
-          const unsigned hi = __byte_perm(th.x, th.y, sel[q]);
-          o[2 * q] = __byte_perm(lo, hi, 0x5140);      // columns 4q' + 0, 1
-          o[2 * q + 1] = __byte_perm(lo, hi, 0x7362);  // columns 4q' + 2, 3
-        }
-        // columns 8t..8t+7 = bytes 16t.. (chunk t), columns 32 + 8t.. = chunk 4 + t; odd g: swapped
-        *reinterpret_cast<uint4*>(bdst + sw128_off(8 * sl + g, 16 * (t + (odd ? 4 : 0)))) =
-            make_uint4(o[0], o[1], o[2], o[3]);
-        *reinterpret_cast<uint4*>(bdst + sw128_off(8 * sl + g, 16 * (t + (odd ? 0 : 4)))) =
-            make_uint4(o[4], o[5], o[6], o[7]);
-      }
-    }
-    __syncwarp();  // the table is rewritten by the next decode
-  };
 
 #pragma unroll
   for (int i = 0; i < 32; ++i) acc[i] = 0.0f;
@@ -309,11 +347,11 @@ __device__ __forceinline__ void cta_gemm90(const LutbW& w, long long e, long lon
 
   // ---- prologue
 #pragma unroll
-  for (int s = 0; s < C::kLook; ++s) issue(s);
+  for (int s = 0; s < C::kLook; ++s) issue_stage_copies<C>(cp, arow, a_base, smem_s, tid, s, tiles_k);
   unsigned tsc_next = load_tsc(0);
   prefill::cp_wait<C::kLook - 1>();
   __syncthreads();
-  decode(0, tsc_next);
+  decode_ktile_sw128<C>(smem, bsm, tab, tsc_ptr, warp, lane, g, t, 0, tsc_next);
   tsc_next = load_tsc(1);
 
   for (long long kt = 0; kt < tiles_k; ++kt) {
@@ -321,7 +359,7 @@ __device__ __forceinline__ void cta_gemm90(const LutbW& w, long long e, long lon
     fence_async_smem();
     __syncthreads();
     // stage (kt + kLook) % kStages: the one read by K-tile kt-1 (waited)
-    issue(kt + C::kLook);
+    issue_stage_copies<C>(cp, arow, a_base, smem_s, tid, kt + C::kLook, tiles_k);
     // descriptors advance in 16-byte units: stage kt's A, buffer kt&1's B; +256 bytes = 2 K chunks
     const unsigned long long da = da0 + static_cast<unsigned long long>((kt % kStages) * kStageBytes >> 4);
     const unsigned long long db = db0 + static_cast<unsigned long long>((kt % C::kBBufs) * kBBytes >> 4);
@@ -329,14 +367,9 @@ __device__ __forceinline__ void cta_gemm90(const LutbW& w, long long e, long lon
       const bool fresh = kt % prefill::kPromoteTiles == 0;
       const unsigned tsc = tsc_next;
       tsc_next = load_tsc(kt + 2);
-      reg_fence(d0);
-      wg_fence();
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks)
-        wgmma_64x64x16_bf16(d0, da + kstep_desc<true>(ks), db + kstep_desc<true>(ks),
-                            (ks == 0 && fresh) ? 0 : 1);
-      wg_commit();
-      if (kt + 1 < tiles_k) decode(kt + 1, tsc);  // into B[(kt+1) % kBBufs]: not read by a group in flight
+      issue_ktile_wgmma(d0, da, db, fresh);
+      // into B[(kt+1) % kBBufs]: not read by a group in flight
+      if (kt + 1 < tiles_k) decode_ktile_sw128<C>(smem, bsm, tab, tsc_ptr, warp, lane, g, t, kt + 1, tsc);
       const bool promote = kt % prefill::kPromoteTiles == prefill::kPromoteTiles - 1 || kt + 1 == tiles_k;
       wg_wait0();
       reg_fence(d0);
