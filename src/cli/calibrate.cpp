@@ -57,10 +57,7 @@ void check_usage(const CalibrateArgs& a) {
   if (fs::is_directory(a.output)) throw UsageError(fmt::format("-o {}: is a directory, expected a .safetensors file", a.output));
   // As quantize's file mode: the output is named like what it is, the file quantize/eval --calibration
   // read ("s.safetensors/." is "s.safetensors").
-  if (lutb::detail::output_path(a.output).extension() != ".safetensors")
-    throw UsageError(fmt::format("-o {}: the statistics file must be named *.safetensors (the file quantize and eval "
-                                 "--calibration read)",
-                                 a.output));
+  check_file_output_name(a.output, "the statistics file", "the file quantize and eval --calibration read");
   if (fs::exists(fs::symlink_status(a.output, ec)) && !a.force)
     throw UsageError(fmt::format("-o {}: the file exists; give --force to replace it", a.output));
 }

@@ -66,6 +66,22 @@ TEST(CliExitStatus, UsageErrorIsTwoFailureIsOne) {
       {"synth --family qwen3_moe --layers 1 --nu 1 " + out, "--nu 1: must be a number in (2, 1e6]"},
       {"synth --family qwen3_moe --layers 1 -o ''", "--output: an empty output name was given"},
       {"--fitter nope --experts 1 --tokens 1", "--fitter: unknown fitter 'nope'"},
+      // An output named against what it will be, in every command that writes one.
+      {"quantize " + q(t.path / "in" / "model.safetensors") + " -o " + q(t.path / "o.bin"),
+       "-o " + (t.path / "o.bin").string() +
+           ": the output of one quantised file must be named *.safetensors (to write a checkpoint directory, give "
+           "the input checkpoint directory)"},
+      {"quantize " + in + " -o " + q(t.path / "o.safetensors"),
+       "-o " + (t.path / "o.safetensors").string() +
+           ": a checkpoint directory must not be named *.safetensors (readers take that name for one safetensors "
+           "file; to quantise the tensors of one file, give that .safetensors file as the input)"},
+      {"synth --family qwen3_moe --layers 1 -o " + q(t.path / "o.safetensors"),
+       "-o " + (t.path / "o.safetensors").string() +
+           ": a checkpoint directory must not be named *.safetensors (readers take that name for one safetensors "
+           "file; a checkpoint is a folder of config.json and *.safetensors files)"},
+      {"calibrate " + in + " --tokens " + q(t.path / "in" / "model.safetensors") + " -o " + q(t.path / "o.bin"),
+       "-o " + (t.path / "o.bin").string() +
+           ": the statistics file must be named *.safetensors (the file quantize and eval --calibration read)"},
       // CLI11's own parse errors.
       {"quantize " + in + out + " --threads -1", "--threads: -1 is outside the valid range 0..4096"},
       // CLI11's "The following argument was not expected: --bogus", explained (usage_hints.hpp).
@@ -80,6 +96,7 @@ TEST(CliExitStatus, UsageErrorIsTwoFailureIsOne) {
   }
   EXPECT_FALSE(fs::exists(t.path / "o"));
   EXPECT_FALSE(fs::exists(t.path / "o.safetensors"));
+  EXPECT_FALSE(fs::exists(t.path / "o.bin"));
 
   // Failures of the work: exit status 1, without the usage hint.
   std::ofstream(t.path / "file") << "x";
