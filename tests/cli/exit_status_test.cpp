@@ -100,10 +100,22 @@ TEST(CliExitStatus, UsageErrorIsTwoFailureIsOne) {
 
   // Failures of the work: exit status 1, without the usage hint.
   std::ofstream(t.path / "file") << "x";
+  std::ofstream(t.path / "file.safetensors") << "x";
   fs::create_directory(t.path / "exists");
+  fs::create_directory(t.path / "dir.safetensors");
+  const std::string calibrate = "calibrate " + in + " --tokens " + q(t.path / "in" / "model.safetensors");
   const Case failures[] = {
       {"quantize " + q(t.path / "nothing") + out, (t.path / "nothing").string() + ": no such checkpoint directory or file"},
       {"quantize " + in + " -o " + q(t.path / "exists"), (t.path / "exists").string() + ": output directory exists"},
+      // What is already at the output is the destination's state, the same failure in every command.
+      {"quantize " + q(t.path / "in" / "model.safetensors") + " -o " + q(t.path / "file.safetensors"),
+       (t.path / "file.safetensors").string() + ": output file exists (use --force to replace it); nothing written"},
+      {calibrate + " -o " + q(t.path / "file.safetensors"),
+       (t.path / "file.safetensors").string() + ": output file exists (use --force to replace it); nothing written"},
+      {"quantize " + q(t.path / "in" / "model.safetensors") + " -o " + q(t.path / "dir.safetensors"),
+       (t.path / "dir.safetensors").string() + ": exists and is a directory; refusing to replace it with a file"},
+      {calibrate + " -o " + q(t.path / "dir.safetensors"),
+       (t.path / "dir.safetensors").string() + ": exists and is a directory; refusing to replace it with a file"},
       {"eval " + q(t.path / "nothing"), (t.path / "nothing").string() + ": no such directory"},
       {"moe " + in + " --layer 0 --activations " + q(t.path / "none.safetensors"),
        (t.path / "none.safetensors").string() + ": activations file not found"},
