@@ -35,6 +35,50 @@ def positive_int(s: str) -> int:
     return int(s)
 
 
+def device_arg(s: str) -> str:
+    """--device: cpu, cuda or cuda:N (a usage error otherwise, exit status 2)."""
+    try:
+        kind = torch.device(s).type
+    except RuntimeError:  # "Invalid device string", an empty string
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{s!r} is not cpu, cuda or cuda:N")
+    return s
+
+
+def device_problem(device: str) -> str | None:
+    """Why ``device`` (as device_arg returns it) cannot run here, or None: a CUDA device needs a
+    usable GPU, which transformers would otherwise report as a traceback from torch's CUDA init."""
+    d = torch.device(device)
+    if d.type != "cuda":
+        return None
+    if not torch.cuda.is_available():
+        return f"device: {device}: no usable CUDA device here (torch.cuda.is_available() is False)"
+    if d.index is not None and d.index >= torch.cuda.device_count():
+        return f"device: {device}: there are only {torch.cuda.device_count()} CUDA devices"
+    return None
+
+
+def is_lutb_checkpoint(model_dir: str) -> bool:
+    """Whether ``model_dir``'s config.json has a LUT-B ``quantization_config`` (quant_method "lut_b").
+
+    Raises:
+        ValueError: config.json cannot be read or is not a JSON object (the message names the file).
+    """
+    path = os.path.join(model_dir, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except OSError as e:
+        raise ValueError(f"MODEL_DIR: {path} cannot be read: {e.strerror}") from None
+    except ValueError as e:  # not UTF-8, not JSON
+        raise ValueError(f"MODEL_DIR: {path} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"MODEL_DIR: {path} is not a JSON object")
+    quant = config.get("quantization_config")
+    return isinstance(quant, dict) and quant.get("quant_method") == "lut_b"
+
+
 def fail(message: str) -> int:
     print(f"heldout_loss.py: {message}", file=sys.stderr)
     return 1
@@ -48,7 +92,7 @@ def main(argv=None) -> int:
     p.add_argument("--calibration", metavar="STATS", help="statistics of `lutb calibrate` for the --lutb fit")
     p.add_argument("--act-format", default="mxfp8", choices=["mxfp8", "bf16"])
     p.add_argument("--fitter", default="binned-dp", choices=lutb.fitter_names())
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", type=device_arg, help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--max-windows", metavar="N", type=positive_int, default=None, help="the first N windows only")
     p.add_argument("--batch-size", metavar="N", type=positive_int, default=4, help="windows per forward pass")
@@ -60,16 +104,20 @@ def main(argv=None) -> int:
     if not os.path.isfile(config):
         return fail(f"MODEL_DIR: {a.model_dir} " + ("has no config.json" if os.path.isdir(a.model_dir)
                                                    else "is not a folder"))
-    with open(config, encoding="utf-8") as f:
-        stored = (json.load(f).get("quantization_config") or {}).get("quant_method") == "lut_b"
+    try:
+        stored = is_lutb_checkpoint(a.model_dir)
+    except ValueError as e:
+        return fail(str(e))
     if a.calibration and stored:
         p.error(f"--calibration: {a.model_dir} is a LUT-B checkpoint, loaded as stored (nothing is fitted)")
     tokens = a.tokens or os.path.join(a.model_dir, "val_tokens.safetensors")
-    if not os.path.isfile(tokens):
+    if not os.path.exists(tokens):  # a folder is refused by load_tokens, as not a regular file
         hint = "" if a.tokens else "; pass the token ids with --tokens FILE"
         return fail(f"tokens: {tokens} does not exist{hint}")
     if a.calibration and not os.path.isfile(a.calibration):
         return fail(f"calibration: {a.calibration} does not exist")
+    if problem := device_problem(a.device):
+        return fail(problem)
     try:
         ids = load_tokens(tokens)
     except ValueError as e:  # no input_ids tensor, or ids that are not integers >= 0

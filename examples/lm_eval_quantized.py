@@ -89,10 +89,48 @@ def write_task(tokens, tokenizer, work_dir: str, docs: int, context_tokens: int 
     return work_dir
 
 
+def device_arg(s: str) -> str:
+    """--device: cpu, cuda or cuda:N (a usage error otherwise, exit status 2)."""
+    try:
+        kind = torch.device(s).type
+    except RuntimeError:  # "Invalid device string", an empty string
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{s!r} is not cpu, cuda or cuda:N")
+    return s
+
+
+def device_problem(device: str) -> str | None:
+    """Why ``device`` (as device_arg returns it) cannot run here, or None: a CUDA device needs a
+    usable GPU, which transformers would otherwise report as a traceback from torch's CUDA init."""
+    d = torch.device(device)
+    if d.type != "cuda":
+        return None
+    if not torch.cuda.is_available():
+        return f"device: {device}: no usable CUDA device here (torch.cuda.is_available() is False)"
+    if d.index is not None and d.index >= torch.cuda.device_count():
+        return f"device: {device}: there are only {torch.cuda.device_count()} CUDA devices"
+    return None
+
+
 def is_lutb_checkpoint(model_dir: str) -> bool:
-    """Whether ``model_dir``'s config.json has a LUT-B ``quantization_config`` (quant_method "lut_b")."""
-    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
-        return (json.load(f).get("quantization_config") or {}).get("quant_method") == "lut_b"
+    """Whether ``model_dir``'s config.json has a LUT-B ``quantization_config`` (quant_method "lut_b").
+
+    Raises:
+        ValueError: config.json cannot be read or is not a JSON object (the message names the file).
+    """
+    path = os.path.join(model_dir, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except OSError as e:
+        raise ValueError(f"MODEL_DIR: {path} cannot be read: {e.strerror}") from None
+    except ValueError as e:  # not UTF-8, not JSON
+        raise ValueError(f"MODEL_DIR: {path} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"MODEL_DIR: {path} is not a JSON object")
+    quant = config.get("quantization_config")
+    return isinstance(quant, dict) and quant.get("quant_method") == "lut_b"
 
 
 def load_model(model_dir: str, device: str = "cpu", dtype: torch.dtype = torch.float32, fitter: str = "binned-dp",
@@ -138,7 +176,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", metavar="FILE", help="held-out token ids (default MODEL_DIR/val_tokens.safetensors)")
     p.add_argument("--tokenizer", metavar="DIR", help="folder of the tokenizer (default MODEL_DIR)")
     p.add_argument("--calibration", metavar="STATS", help="statistics of `lutb calibrate` for fitting a BF16 model")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--device", default="cpu", type=device_arg, help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--docs", metavar="N", type=docs_arg, default=64, help="documents in the local task (default 64)")
     p.add_argument("--work-dir", default=None, help="where the task YAML and JSONL go (default: a temporary folder)")
     a = p.parse_args(argv)
@@ -146,10 +184,14 @@ def main(argv=None) -> int:
     if not os.path.isfile(os.path.join(a.model_dir, "config.json")):
         return fail(f"MODEL_DIR: {a.model_dir} " + ("has no config.json" if os.path.isdir(a.model_dir)
                                                    else "is not a folder"))
-    if a.calibration and is_lutb_checkpoint(a.model_dir):
+    try:
+        stored = is_lutb_checkpoint(a.model_dir)
+    except ValueError as e:
+        return fail(str(e))
+    if a.calibration and stored:
         p.error(f"--calibration: {a.model_dir} is a LUT-B checkpoint, loaded as stored (nothing is fitted)")
     tokens = a.tokens or os.path.join(a.model_dir, "val_tokens.safetensors")
-    if not os.path.isfile(tokens):
+    if not os.path.exists(tokens):  # a folder is refused by load_tokens, as not a regular file
         hint = "" if a.tokens else "; pass the token ids with --tokens FILE"
         return fail(f"tokens: {tokens} does not exist{hint}")
     # transformers gives a folder without tokenizer files an empty tokenizer rather than an error
@@ -159,6 +201,13 @@ def main(argv=None) -> int:
         return fail(f"tokenizer: {tok_dir} has no tokenizer.json or tokenizer_config.json{hint}")
     if a.calibration and not os.path.isfile(a.calibration):
         return fail(f"calibration: {a.calibration} does not exist")
+    if problem := device_problem(a.device):
+        return fail(problem)
+    if a.work_dir:  # before the model loads: the task files are written after it
+        try:
+            os.makedirs(a.work_dir, exist_ok=True)
+        except OSError as e:
+            return fail(f"--work-dir: {a.work_dir}: cannot create it: {e.strerror}")
     try:
         ids = load_tokens(tokens)
     except ValueError as e:  # no input_ids tensor, or ids that are not integers >= 0

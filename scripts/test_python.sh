@@ -12,8 +12,11 @@ cd "$(dirname "$0")/.."
 venv="${LUTB_VENV:-build/venv}"
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 # The build requirements live in the venv (no isolated build environment), so the build folder keeps
-# pointing at the same nanobind sources and a second run recompiles nothing.
-"$venv/bin/python" -m pip install -q --upgrade pip "scikit-build-core>=0.10" "nanobind>=2.0"
+# pointing at the same nanobind sources and a second run recompiles nothing. Without isolation a test
+# requirement published only as an sdist (lm-eval's rouge-score) is built with the venv's own
+# setuptools, which before 70.1 has no bdist_wheel without the wheel package ("invalid command
+# 'bdist_wheel'" in a fresh venv of Python 3.11, which bundles setuptools 65).
+"$venv/bin/python" -m pip install -q --upgrade pip "scikit-build-core>=0.10" "nanobind>=2.0" wheel
 "$venv/bin/python" -m pip install -q --no-build-isolation ".[test]"
 rc=0
 "$venv/bin/python" -m pytest tests/python -q "$@" || rc=$?

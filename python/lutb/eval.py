@@ -37,15 +37,23 @@ def load_tokens(tokens: "str | os.PathLike | torch.Tensor | Sequence[int]") -> t
 
     Raises:
         FileNotFoundError: the file does not exist.
-        ValueError: the file has no ``input_ids`` tensor, or the ids are not integers or are negative.
+        ValueError: the path is not a regular file, the file is not a readable safetensors file
+            (truncated, a corrupt header), it has no ``input_ids`` tensor, or the ids are not integers
+            or are negative.
     """
     if isinstance(tokens, (str, os.PathLike)):
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
         path = os.fspath(tokens)
         if not os.path.exists(path):
             raise FileNotFoundError(f"tokens: {path} does not exist")
-        data = load_file(path)
+        if not os.path.isfile(path):  # safetensors says "No such device (os error 19)" of a folder
+            raise ValueError(f"tokens: {path} is not a regular file")
+        try:
+            data = load_file(path)
+        except SafetensorError as e:  # neither an OSError nor a ValueError: the message alone names no file
+            raise ValueError(f"tokens: {path} is not a readable safetensors file: {e}") from None
         if "input_ids" not in data:
             raise ValueError(f"tokens: {path} holds no 'input_ids' tensor (it has {sorted(data)})")
         ids = data["input_ids"]

@@ -54,15 +54,10 @@ void check_usage(const CalibrateArgs& a) {
     throw UsageError(fmt::format("--tokens {} is the model's held-out evaluation set (val_tokens); calibrate on "
                                  "training tokens (e.g. ../shared/calib/train_tokens.safetensors)",
                                  a.tokens));
-  if (fs::is_directory(a.output)) throw UsageError(fmt::format("-o {}: is a directory, expected a .safetensors file", a.output));
   // As quantize's file mode: the output is named like what it is, the file quantize/eval --calibration
-  // read ("s.safetensors/." is "s.safetensors").
-  if (lutb::detail::output_path(a.output).extension() != ".safetensors")
-    throw UsageError(fmt::format("-o {}: the statistics file must be named *.safetensors (the file quantize and eval "
-                                 "--calibration read)",
-                                 a.output));
-  if (fs::exists(fs::symlink_status(a.output, ec)) && !a.force)
-    throw UsageError(fmt::format("-o {}: the file exists; give --force to replace it", a.output));
+  // read ("s.safetensors/." is "s.safetensors"). What is already there (a folder, a file without
+  // --force) is the destination's state, not the command line's: refused in run_calibrate, exit 1.
+  check_file_output_name(a.output, "the statistics file", "the file quantize and eval --calibration read");
 }
 
 // Bytes of the statistics file: per MoE layer and expert, gate_up.x2 [H], down.x2 [I] and tokens [1]
@@ -85,6 +80,9 @@ void run_calibrate(const CalibrateArgs& a) {
   // runs, as lutb quantize's file mode does; errors name the output, never the temporary.
   const fs::path out = lutb::detail::output_path(a.output);
   lutb::detail::check_replaceable(out, /*want_directory=*/false, a.force);
+  if (std::error_code ec; fs::exists(fs::symlink_status(out, ec)) && !a.force)
+    throw CheckpointError(fmt::format("{}: output file exists (use --force to replace it); nothing written",
+                                      out.string()));
   const std::vector<std::int32_t> tokens = model::load_token_ids(a.tokens);
   const model::TransformerConfig cfg = model::TransformerConfig::load(a.model_dir);
   for (std::size_t i = 0; i < tokens.size(); ++i)

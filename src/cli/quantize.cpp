@@ -147,9 +147,22 @@ void print_quantize_report(const QuantizeArgs& a, const QuantizeSummary& s, cons
   }
 }
 
+// The output's name against the input's kind, before any work: a checkpoint folder for a folder, a
+// *.safetensors file for one file.
+void check_output_name(const QuantizeArgs& a) {
+  namespace fs = std::filesystem;
+  if (fs::is_directory(a.input))
+    check_directory_output_name(a.output, "to quantise the tensors of one file, give that .safetensors file as the "
+                                          "input");
+  else if (fs::is_regular_file(a.input))
+    check_file_output_name(a.output, "the output of one quantised file",
+                           "to write a checkpoint directory, give the input checkpoint directory");
+}
+
 void run_quantize(const QuantizeArgs& a) {
   namespace fs = std::filesystem;
   check_match(a);
+  check_output_name(a);
   // --device cuda: a fitter without a GPU kernel, a CPU-only build or no usable GPU is refused
   // here, before the file system is touched.
   const bool gpu = a.device == "cuda";

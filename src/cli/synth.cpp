@@ -80,6 +80,7 @@ void add_synth(CLI::App& app) {
     // `-o ""` is a usage error naming the option, as in quantize (the library's refusal, "synth: no
     // output directory given", exits 1).
     check_not_empty(out_opt, args->output, "output name");
+    check_directory_output_name(args->output, "a checkpoint is a folder of config.json and *.safetensors files");
     auto f = family_from_name(args->family);
     if (!f) throw UsageError(fmt::format("--family {}: unknown family (supported: {})", args->family, fams));
     // The value as typed ("--nu 1e400", not "--nu inf"), and the library's upper bound, so that the

@@ -6,9 +6,11 @@
 
 #include <charconv>
 #include <cstdint>
+#include <filesystem>
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <system_error>
 #include <thread>
 #include <type_traits>
@@ -16,6 +18,7 @@
 #include <CLI/CLI.hpp>
 #include <fmt/core.h>
 
+#include "io/checkpoint_internal.hpp"
 #include "lutb/fit.hpp"
 
 namespace lutb::cli {
@@ -28,8 +31,8 @@ namespace lutb::cli {
 ///    config.json value, weights that contradict it), a destination that cannot be written or
 ///    replaced, too little free space or memory, no usable GPU;
 ///  - 2: a usage error, detected before any work: an unknown option or command, a missing or extra
-///    argument, a value outside its allowed set or range, an empty name, options that contradict each
-///    other or do not apply to this input (--fitter on stored LUT-B weights, --kernel without LUT-B
+///    argument, a value outside its allowed set or range, an empty name, an output named against what
+///    it will be (check_file_output_name), options that contradict each other or do not apply to this input (--fitter on stored LUT-B weights, --kernel without LUT-B
 ///    experts, --reps without --device cuda, --match with a checkpoint folder, --layer beyond the
 ///    model's layers, ...);
 ///  - 130 / 143 / 129: interrupted by SIGINT / SIGTERM / SIGHUP (the signal's status; the output is left as it was).
@@ -149,6 +152,30 @@ inline void check_calibrated_fitter(const std::string& fitter) {
 inline void check_not_empty(const CLI::Option* opt, const std::string& value, const char* what) {
   if (opt != nullptr && opt->count() > 0 && value.empty())
     throw UsageError(fmt::format("{}: an empty {} was given", opt->get_name(), what));
+}
+
+/// The output's name says what it is, judged from the arguments alone, so a wrong one is a UsageError
+/// in every command (the library refuses the same names with CheckpointError, for its own callers):
+/// a file output is named *.safetensors, what quantize and eval read back, and a checkpoint folder
+/// is not, since every reader takes that name for one file. The name as normalised for writing
+/// ("out.safetensors/." is "out.safetensors", lutb::detail::output_path); messages quote it as typed.
+inline bool named_safetensors(const std::string& output) {
+  return lutb::detail::output_path(output).filename().extension() == ".safetensors";
+}
+
+/// -o of one file: UsageError "-o OUT: WHAT must be named *.safetensors (WHY)".
+inline void check_file_output_name(const std::string& output, std::string_view what, std::string_view why) {
+  if (!named_safetensors(output))
+    throw UsageError(fmt::format("-o {}: {} must be named *.safetensors ({})", output, what, why));
+}
+
+/// -o of a checkpoint folder: UsageError "-o OUT: a checkpoint directory must not be named
+/// *.safetensors (readers take that name for one safetensors file; REMEDY)".
+inline void check_directory_output_name(const std::string& output, std::string_view remedy) {
+  if (named_safetensors(output))
+    throw UsageError(fmt::format("-o {}: a checkpoint directory must not be named *.safetensors (readers take that "
+                                 "name for one safetensors file; {})",
+                                 output, remedy));
 }
 
 }  // namespace lutb::cli

@@ -84,10 +84,11 @@ TEST(CliCalibrate, StatisticsCountTheRoutedTokens) {
     for (float v : lc.gate_up_x2) EXPECT_TRUE(std::isfinite(v) && v >= 0);
   }
   EXPECT_TRUE(SafetensorsFile(stats).contains("model.layers.0.block_sparse_moe.experts.7.down.x2"));
-  // The file exists now: refused without --force.
+  // The file exists now: refused without --force, as quantize refuses an existing output (exit status 1).
   const auto again = run("calibrate " + q(sh->model) + " --tokens " + q(sh->tokens) + " -o " + q(stats));
-  EXPECT_EQ(again.code, 2) << again.out;
-  EXPECT_TRUE(has(again, "the file exists; give --force")) << again.out;
+  EXPECT_EQ(again.code, 1) << again.out;
+  EXPECT_TRUE(has(again, stats.string() + ": output file exists (use --force to replace it); nothing written"))
+      << again.out;
 }
 
 TEST(CliCalibrate, AnExpertNoTokenReachesFitsDeterministically) {

@@ -66,6 +66,22 @@ TEST(CliExitStatus, UsageErrorIsTwoFailureIsOne) {
       {"synth --family qwen3_moe --layers 1 --nu 1 " + out, "--nu 1: must be a number in (2, 1e6]"},
       {"synth --family qwen3_moe --layers 1 -o ''", "--output: an empty output name was given"},
       {"--fitter nope --experts 1 --tokens 1", "--fitter: unknown fitter 'nope'"},
+      // An output named against what it will be, in every command that writes one.
+      {"quantize " + q(t.path / "in" / "model.safetensors") + " -o " + q(t.path / "o.bin"),
+       "-o " + (t.path / "o.bin").string() +
+           ": the output of one quantised file must be named *.safetensors (to write a checkpoint directory, give "
+           "the input checkpoint directory)"},
+      {"quantize " + in + " -o " + q(t.path / "o.safetensors"),
+       "-o " + (t.path / "o.safetensors").string() +
+           ": a checkpoint directory must not be named *.safetensors (readers take that name for one safetensors "
+           "file; to quantise the tensors of one file, give that .safetensors file as the input)"},
+      {"synth --family qwen3_moe --layers 1 -o " + q(t.path / "o.safetensors"),
+       "-o " + (t.path / "o.safetensors").string() +
+           ": a checkpoint directory must not be named *.safetensors (readers take that name for one safetensors "
+           "file; a checkpoint is a folder of config.json and *.safetensors files)"},
+      {"calibrate " + in + " --tokens " + q(t.path / "in" / "model.safetensors") + " -o " + q(t.path / "o.bin"),
+       "-o " + (t.path / "o.bin").string() +
+           ": the statistics file must be named *.safetensors (the file quantize and eval --calibration read)"},
       // CLI11's own parse errors.
       {"quantize " + in + out + " --threads -1", "--threads: -1 is outside the valid range 0..4096"},
       // CLI11's "The following argument was not expected: --bogus", explained (usage_hints.hpp).
@@ -80,13 +96,26 @@ TEST(CliExitStatus, UsageErrorIsTwoFailureIsOne) {
   }
   EXPECT_FALSE(fs::exists(t.path / "o"));
   EXPECT_FALSE(fs::exists(t.path / "o.safetensors"));
+  EXPECT_FALSE(fs::exists(t.path / "o.bin"));
 
   // Failures of the work: exit status 1, without the usage hint.
   std::ofstream(t.path / "file") << "x";
+  std::ofstream(t.path / "file.safetensors") << "x";
   fs::create_directory(t.path / "exists");
+  fs::create_directory(t.path / "dir.safetensors");
+  const std::string calibrate = "calibrate " + in + " --tokens " + q(t.path / "in" / "model.safetensors");
   const Case failures[] = {
       {"quantize " + q(t.path / "nothing") + out, (t.path / "nothing").string() + ": no such checkpoint directory or file"},
       {"quantize " + in + " -o " + q(t.path / "exists"), (t.path / "exists").string() + ": output directory exists"},
+      // What is already at the output is the destination's state, the same failure in every command.
+      {"quantize " + q(t.path / "in" / "model.safetensors") + " -o " + q(t.path / "file.safetensors"),
+       (t.path / "file.safetensors").string() + ": output file exists (use --force to replace it); nothing written"},
+      {calibrate + " -o " + q(t.path / "file.safetensors"),
+       (t.path / "file.safetensors").string() + ": output file exists (use --force to replace it); nothing written"},
+      {"quantize " + q(t.path / "in" / "model.safetensors") + " -o " + q(t.path / "dir.safetensors"),
+       (t.path / "dir.safetensors").string() + ": exists and is a directory; refusing to replace it with a file"},
+      {calibrate + " -o " + q(t.path / "dir.safetensors"),
+       (t.path / "dir.safetensors").string() + ": exists and is a directory; refusing to replace it with a file"},
       {"eval " + q(t.path / "nothing"), (t.path / "nothing").string() + ": no such directory"},
       {"moe " + in + " --layer 0 --activations " + q(t.path / "none.safetensors"),
        (t.path / "none.safetensors").string() + ": activations file not found"},

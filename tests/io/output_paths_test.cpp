@@ -137,18 +137,19 @@ TEST(OutputPaths, OutputGivenWithTrailingDot) {
   }
 }
 
-// lutb quantize and lutb synth refuse a checkpoint folder named *.safetensors, writing nothing.
+// lutb quantize and lutb synth refuse a checkpoint folder named *.safetensors, writing nothing: a usage
+// error (exit status 2), as calibrate's output not named *.safetensors is.
 TEST(OutputPaths, CommandsRefuseACheckpointNamedSafetensors) {
   test::TempDir t;
   ASSERT_EQ(run(kSynthAnyWidth + "--moe-intermediate-size 64 -o " + q(t.path / "in")).code, 0);
   const CliOut r = run("quantize " + q(t.path / "in") + " -o " + q(t.path / "q.safetensors") + " --no-progress");
-  EXPECT_EQ(r.code, 1) << r.out;
-  EXPECT_TRUE(has(r, "lutb: error: " + (t.path / "q.safetensors").string() +
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_TRUE(has(r, "lutb: error: -o " + (t.path / "q.safetensors").string() +
                          ": a checkpoint directory must not be named *.safetensors"))
       << r.out;
   EXPECT_FALSE(fs::exists(t.path / "q.safetensors"));
   const CliOut s = run(kSynthAnyWidth + "--moe-intermediate-size 64 -o " + q(t.path / "s.safetensors"));
-  EXPECT_EQ(s.code, 1) << s.out;
+  EXPECT_EQ(s.code, 2) << s.out;
   EXPECT_TRUE(has(s, ": a checkpoint directory must not be named *.safetensors")) << s.out;
   EXPECT_FALSE(fs::exists(t.path / "s.safetensors"));
 }

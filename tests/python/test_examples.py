@@ -98,10 +98,15 @@ def write_ids(path, **tensors):
 
 
 # (argv with SRC = tiny-qwen3-moe, SAVED = its save_pretrained output, TMP = an empty folder,
-#  IDS = a safetensors file without input_ids; exit status; what stderr's last line holds)
+#  IDS = a safetensors file without input_ids, BADJSON / LIST = folders whose config.json is cut short /
+#  a JSON list; exit status; what stderr's last line holds)
 HELDOUT_ERRORS = [
     (["/nonexistent"], 1, "heldout_loss.py: MODEL_DIR: /nonexistent is not a folder"),
     (["TMP"], 1, "heldout_loss.py: MODEL_DIR: TMP has no config.json"),
+    (["BADJSON"], 1,
+     "heldout_loss.py: MODEL_DIR: BADJSON/config.json is not valid JSON: Expecting value: line 1 column 15 (char 14)"),
+    (["LIST"], 1, "heldout_loss.py: MODEL_DIR: LIST/config.json is not a JSON object"),
+    (["SRC", "--tokens", "TMP"], 1, "heldout_loss.py: tokens: TMP is not a regular file"),
     (["SRC", "--tokens", "TMP/missing.safetensors"], 1,
      "heldout_loss.py: tokens: TMP/missing.safetensors does not exist"),
     (["SRC", "--tokens", "IDS"], 1, "heldout_loss.py: tokens: IDS holds no 'input_ids' tensor (it has ['ids'])"),
@@ -115,13 +120,24 @@ HELDOUT_ERRORS = [
     (["SRC", "--fitter", "k-means"], 2, "error: argument --fitter: invalid choice: 'k-means'"),
     (["SRC", "--max-windows", "0"], 2, "error: argument --max-windows: '0' is not an integer >= 1"),
     (["SRC", "--tokens"], 2, "error: argument --tokens: expected one argument"),
+    (["SRC", "--device", "gpu"], 2, "error: argument --device: 'gpu' is not cpu, cuda or cuda:N"),
 ]
+
+
+def broken_configs(tmp_path) -> dict:
+    """BADJSON and LIST: model folders whose config.json is cut short and is a JSON list."""
+    folders = {}
+    for key, text in (("BADJSON", '{"model_type":'), ("LIST", "[]")):
+        folders[key] = tmp_path / key.lower()
+        folders[key].mkdir()
+        (folders[key] / "config.json").write_text(text)
+    return {k: str(v) for k, v in folders.items()}
 
 
 @pytest.mark.parametrize("argv, status, message", HELDOUT_ERRORS, ids=[" ".join(c[0]) for c in HELDOUT_ERRORS])
 def test_heldout_loss_user_errors(argv, status, message, source, saved, tmp_path, capsys):
     names = {"SRC": str(source), "SAVED": str(saved), "TMP": str(tmp_path),
-             "IDS": str(write_ids(tmp_path / "ids.safetensors", ids=torch.tensor([1])))}
+             "IDS": str(write_ids(tmp_path / "ids.safetensors", ids=torch.tensor([1]))), **broken_configs(tmp_path)}
 
     def fill(s: str) -> str:
         for k, v in names.items():
@@ -161,6 +177,32 @@ def test_lm_eval_example_user_errors(source, saved, tmp_path, capsys):
     rc, out, err = run_main("lm_eval_quantized", [source, "--docs", "3"], capsys)
     assert rc == 2 and err.splitlines()[-1].endswith("error: argument --docs: '3' is not an integer >= 4 (a document "
                                                      "takes 3 others' continuations)")
+
+
+@pytest.mark.parametrize("name", ["heldout_loss", "lm_eval_quantized"])
+def test_examples_refuse_bad_inputs_in_one_line(name, source, tmp_path, capsys):
+    """A config.json that is not JSON, a truncated tokens file and --device cuda without a GPU are
+    one line naming the file or argument, exit status 1, never a traceback."""
+    bad = broken_configs(tmp_path)["BADJSON"]
+    rc, out, err = run_main(name, [bad], capsys)
+    assert (rc, out, err) == (1, "", f"{name}.py: MODEL_DIR: {bad}/config.json is not valid JSON: Expecting value: "
+                                     "line 1 column 15 (char 14)\n")
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes((source / "val_tokens.safetensors").read_bytes()[:100])
+    rc, out, err = run_main(name, [source, "--tokens", cut], capsys)
+    assert (rc, out) == (1, "") and len(err.splitlines()) == 1, err
+    assert err.startswith(f"{name}.py: tokens: {cut} is not a readable safetensors file: "), err
+    if not torch.cuda.is_available():
+        rc, out, err = run_main(name, [source, "--device", "cuda"], capsys)
+        assert (rc, out, err) == (1, "", f"{name}.py: device: cuda: no usable CUDA device here "
+                                         "(torch.cuda.is_available() is False)\n")
+
+
+def test_lm_eval_example_checks_work_dir_before_loading(source, tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    rc, out, err = run_main("lm_eval_quantized", [source, "--work-dir", tmp_path / "file" / "task"], capsys)
+    assert (rc, out, err) == (1, "", f"lm_eval_quantized.py: --work-dir: {tmp_path / 'file' / 'task'}: cannot create "
+                                     "it: Not a directory\n")
 
 
 def test_lm_eval_example_runs_in_process(source, tmp_path):
