@@ -4,8 +4,8 @@
 #   .deps/    every third-party dependency of the `gpu` preset (-DLUTB_DEPS_DIR; the layout is
 #             described in cmake/dependencies.cmake), taken from this machine's Debian packages
 #             (scripts/setup.sh installs them)
-#   .shared/  the golden vectors and the tiny models the GPU tests read (LUTB_SHARED_DIR), and the
-#             peer MoE benchmark (bench/peer-moe: gpu_run.sh peers)
+#   .shared/  the golden vectors, the tiny models and the calibration tokens the GPU tests read
+#             (LUTB_SHARED_DIR), and the peer MoE benchmark (bench/peer-moe: gpu_run.sh peers)
 #
 #   scripts/gpu_stage.sh
 #     LUTB_SHARED_DIR  where the golden vectors and models are (default: ../shared)
@@ -46,7 +46,8 @@ cp -r /usr/src/googletest/googletest/{CMakeLists.txt,cmake,include,src} "$DEPS/g
 
 mkdir -p "$DATA/models"
 cp -r "$SHARED/golden" "$DATA/"
-mkdir -p "$DATA/bench"
+mkdir -p "$DATA/calib" "$DATA/bench"
+cp "$SHARED/calib/train_tokens.safetensors" "$DATA/calib/"
 cp -r "$SHARED/bench/peer-moe" "$DATA/bench/"
 for m in ${STAGE_MODELS:-tiny-qwen3-moe tiny-deepseek-v3}; do
   mkdir -p "$DATA/models/$m"
