@@ -32,9 +32,9 @@ namespace lutb::cli {
 ///    replaced, too little free space or memory, no usable GPU;
 ///  - 2: a usage error, detected before any work: an unknown option or command, a missing or extra
 ///    argument, a value outside its allowed set or range, an empty name, an output named against what
-///    it will be (check_file_output_name), options that contradict each other or do not apply to this input (--fitter on stored LUT-B weights, --kernel without LUT-B
-///    experts, --reps without --device cuda, --match with a checkpoint folder, --layer beyond the
-///    model's layers, ...);
+///    it will be (check_file_output_name), options that contradict each other or do not apply to
+///    this input (--fitter on stored LUT-B weights, --kernel without LUT-B experts, --reps without
+///    --device cuda, --match with a checkpoint folder, --layer beyond the model's layers, ...);
 ///  - 130 / 143 / 129: interrupted by SIGINT / SIGTERM / SIGHUP (the signal's status; the output is left as it was).
 /// main.cpp maps UsageError and CLI11's parse errors to 2, every other exception to 1. The message
 /// names the option, as CLI11's do ("--threads: -3 is outside the valid range 0..4096").
