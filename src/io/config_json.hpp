@@ -14,6 +14,7 @@
 #include <string>
 #include <string_view>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 namespace lutb::detail {
@@ -23,13 +24,35 @@ std::string config_key_message(std::string_view where, std::string_view key, std
 /// Throws ConfigError(config_key_message(where, key, reason)).
 [[noreturn]] void throw_config_key(std::string_view where, std::string_view key, std::string_view reason);
 /// nlohmann::json's exception text without its "[json.exception.parse_error.101] " tag, which named
-/// the library's error id to the user ("invalid JSON: [json.exception.parse_error.101] parse error at
-/// line 1, column 21: ...").
+/// the library's error id to the user, and with the bytes a terminal cannot show written as \xNN: the
+/// text quotes the input ("last read: '...'"), which may hold control characters or bytes that are not
+/// UTF-8 (a config.json saved in Latin-1). Well-formed UTF-8 sequences stay as they are.
 inline std::string json_error_text(const char* what) {
   std::string m = what;
   if (m.rfind("[json.exception.", 0) == 0)
     if (const std::size_t p = m.find("] "); p != std::string::npos) m.erase(0, p + 2);
-  return m;
+  std::string out;
+  out.reserve(m.size());
+  const auto byte = [&](std::size_t i) { return static_cast<unsigned char>(m[i]); };
+  for (std::size_t i = 0; i < m.size();) {
+    const unsigned char b = byte(i);
+    // The length of the UTF-8 sequence a lead byte starts (RFC 3629: C2..DF, E0..EF, F0..F4), else 0.
+    const std::size_t n = b < 0x80                 ? 1
+                          : b >= 0xC2 && b <= 0xDF ? 2
+                          : b >= 0xE0 && b <= 0xEF ? 3
+                          : b >= 0xF0 && b <= 0xF4 ? 4
+                                                   : 0;
+    bool ok = n > 0 && i + n <= m.size() && !(n == 1 && (b < 0x20 || b == 0x7F));
+    for (std::size_t k = 1; ok && k < n; ++k) ok = (byte(i + k) & 0xC0) == 0x80;
+    if (ok) {
+      out.append(m, i, n);
+      i += n;
+    } else {
+      out += fmt::format("\\x{:02X}", b);
+      ++i;
+    }
+  }
+  return out;
 }
 /// A JSON value for a message: its dump, cut to 60 characters.
 std::string json_excerpt(const nlohmann::json& v);

@@ -19,6 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include "io/checkpoint_internal.hpp"
+#include "io/config_json.hpp"
 #include "lutb/checkpoint.hpp"
 #include "lutb/model.hpp"
 #include "lutb/safetensors.hpp"
@@ -92,6 +93,19 @@ TEST(SafetensorsErrors, JsonErrorsWithoutTheLibraryTag) {
   EXPECT_EQ(c.rfind((dir / "model.safetensors.index.json").string() + ": invalid JSON: parse error at line 1", 0), 0u)
       << c;
   for (const std::string& e : {a, b, c}) EXPECT_EQ(e.find("json.exception"), std::string::npos) << e;
+}
+
+// The message quotes the input; a byte that is not UTF-8 (a config.json saved in Latin-1) or a control
+// character is written as \xNN, so the one-line message prints as text. UTF-8 stays as it is.
+TEST(SafetensorsErrors, JsonErrorsShowBytesThatAreNotTextEscaped) {
+  TempDir t;
+  const fs::path dir = two_shard_checkpoint(t.path / "m");
+  std::ofstream(dir / "config.json", std::ios::binary) << "{\"name\": \"caf\xE9\"}";
+  const std::string a = error_of([&] { (void)model::TransformerConfig::load(dir); });
+  EXPECT_NE(a.find("\\xE9"), std::string::npos) << a;
+  for (const char ch : a) EXPECT_LT(static_cast<unsigned char>(ch), 0x80) << a;
+  EXPECT_EQ(detail::json_error_text("[json.exception.parse_error.101] x: 'caf\xC3\xA9\x01\xC3'"),
+            "x: 'caf\xC3\xA9\\x01\\xC3'");
 }
 
 // A NUL byte ends nlohmann's input, so a header "{...}\0<anything>" would parse as "{...}", a file the
