@@ -69,8 +69,12 @@ sanitize() {
   done
 }
 
-# install_python: the package built in build/gpu, installed into the machine's python3.
+# install_python: the package built in build/gpu, installed into the machine's python3, and the
+# test requirements the image lacks from the carried wheels (.deps/wheels, scripts/gpu_stage.sh).
 install_python() {
+  python3 -c 'import accelerate' 2>/dev/null || [ ! -d .deps/wheels ] ||
+    python3 -m pip install -q --no-index --no-deps .deps/wheels/*.whl > "$OUT/pip_wheels.log" 2>&1 ||
+    { tail -n 10 "$OUT/pip_wheels.log"; echo "gpu_run.sh: the carried wheels did not install"; failed=1; }
   python3 -m pip install --no-build-isolation -C build-dir=build/gpu "$ROOT" > "$OUT/pip.log" 2>&1 && return
   tail -n 30 "$OUT/pip.log"; echo "gpu_run.sh: the Python package did not build ($OUT/pip.log)"; failed=1; return 1
 }

@@ -4,6 +4,8 @@
 #   .deps/    every third-party dependency of the `gpu` preset (-DLUTB_DEPS_DIR; the layout is
 #             described in cmake/dependencies.cmake), taken from this machine's Debian packages
 #             (scripts/setup.sh installs them)
+#   .deps/wheels  accelerate and psutil (device_map in the Python CUDA tests; the machine's image
+#             has torch and transformers but not these), from PyPI
 #   .shared/  the golden vectors, the tiny models and the calibration tokens the GPU tests read
 #             (LUTB_SHARED_DIR), and the peer MoE benchmark (bench/peer-moe: gpu_run.sh peers)
 #
@@ -43,6 +45,9 @@ tar -C "$blas" -cf - libopenblas.so.0 libgfortran.so.5 libquadmath.so.0 | xz -T2
 mkdir -p "$DEPS/googletest/googletest"
 cp /usr/src/googletest/CMakeLists.txt "$DEPS/googletest/"
 cp -r /usr/src/googletest/googletest/{CMakeLists.txt,cmake,include,src} "$DEPS/googletest/googletest/"
+
+# The pure-Python accelerate and psutil's abi3 wheel (any CPython >= 3.6).
+python3 -m pip download -q --no-deps --only-binary=:all: -d "$DEPS/wheels" accelerate==1.16.0 psutil==7.2.2
 
 mkdir -p "$DATA/models"
 cp -r "$SHARED/golden" "$DATA/"
