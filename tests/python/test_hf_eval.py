@@ -91,27 +91,47 @@ def test_bf16_loss_matches_transformers_loss():
     assert perplexity(model, ids, max_windows=2).loss == pytest.approx(own, abs=2e-6)
 
 
-@pytest.mark.parametrize("family", list(FAMILY_MODELS))
-def test_lutb_increase_over_bf16_agrees_with_cli(family, tmp_path):
+def _increase_agrees_with_cli(family, tmp_path, device, windows):
+    """transformers on `device` (FP32 compute) against `lutb eval` on the CPU, from the bytes the
+    transformers model holds: the LUT-B increase over BF16 within 1e-3 nats (issue 24)."""
     folder = model_dir(FAMILY_MODELS[family])
     tokens = folder / "val_tokens.safetensors"
-    bf16 = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    base = perplexity(bf16, tokens, max_windows=WINDOWS, batch_size=4)
+    placement = {} if device == "cpu" else {"device_map": device}
+    bf16 = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **placement)
+    base = perplexity(bf16, tokens, max_windows=windows, batch_size=4)
     del bf16
-    quant = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+    quant = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **placement,
                                                  quantization_config=lutb.hf.LutbConfig(act_format="mxfp8"))
-    lut = perplexity(quant, tokens, max_windows=WINDOWS, batch_size=4)
+    lut = perplexity(quant, tokens, max_windows=windows, batch_size=4)
     # the CLI reads the bytes this model holds
     quant.save_pretrained(tmp_path / "saved")
     (tmp_path / "saved" / "val_tokens.safetensors").write_bytes(tokens.read_bytes())
-    cli_base = run_cli("eval", str(folder), "--quant", "none", "--max-windows", str(WINDOWS))
-    cli_lut = run_cli("eval", str(tmp_path / "saved"), "--act-format", "mxfp8", "--max-windows", str(WINDOWS))
-    assert cli_lut["lutb_checkpoint"] and base.windows == cli_base["windows"] == WINDOWS
+    cli_base = run_cli("eval", str(folder), "--quant", "none", "--max-windows", str(windows))
+    cli_lut = run_cli("eval", str(tmp_path / "saved"), "--act-format", "mxfp8", "--max-windows", str(windows))
+    assert cli_lut["lutb_checkpoint"] and base.windows == cli_base["windows"] == windows
     hf_increase = lut.loss - base.loss
     cli_increase = cli_lut["val_loss"] - cli_base["val_loss"]
+    print(f"{family} {device} windows {windows}: transformers BF16 {base.loss:.6f} LUT-B {lut.loss:.6f} "
+          f"increase {hf_increase:+.6f}; lutb eval BF16 {cli_base['val_loss']:.6f} "
+          f"LUT-B {cli_lut['val_loss']:.6f} increase {cli_increase:+.6f}")
     assert abs(hf_increase - cli_increase) < 1e-3, (hf_increase, cli_increase)
     assert abs(base.loss - cli_base["val_loss"]) < 2e-3  # the CLI rounds expert inputs and outputs to BF16
-    if WINDOWS >= 151:  # the full protocol: transformers' own figure of reference_eval.json
+    if windows >= 151 and device == "cpu":  # the full protocol: transformers' own figure of reference_eval.json
         ref = json.loads((folder / "reference_eval.json").read_text())
         assert base.loss == pytest.approx(ref["val_loss_fp32_compute"], abs=2e-4)
+
+
+@pytest.mark.parametrize("family", list(FAMILY_MODELS))
+def test_lutb_increase_over_bf16_agrees_with_cli(family, tmp_path):
+    _increase_agrees_with_cli(family, tmp_path, "cpu", WINDOWS)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and lutb.has_cuda()),
+                    reason="needs a CUDA device and a CUDA build of lutb")
+@pytest.mark.parametrize("family", list(FAMILY_MODELS))
+def test_cuda_lutb_increase_over_bf16_agrees_with_cli(family, tmp_path):
+    """The same on the GPU (lutb's CUDA kernels in transformers), all 151 windows: a few seconds there."""
+    pytest.importorskip("accelerate")  # device_map needs it
+    _increase_agrees_with_cli(family, tmp_path, "cuda", 151)
 
