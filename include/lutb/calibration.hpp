@@ -13,9 +13,14 @@
 //   PREFIX.e.gate_up.x2  [hidden_size]            E[x_c^2] of the expert's input (gate and up share it)
 //   PREFIX.e.down.x2     [moe_intermediate_size]  E[h_c^2] of down's input h = bf16(silu(g) * u)
 //   PREFIX.e.tokens      [1]                      tokens routed to the expert (0: both x2 are 0)
+// and, with `lutb calibrate --full-moments` (the full second moments of cross-column error feedback,
+// FitOptions::error_feedback), for every expert of every layer:
+//   PREFIX.e.gate_up.xxT [hidden_size, hidden_size]                       E[x x^T] of gate/up's input
+//   PREFIX.e.down.hhT    [moe_intermediate_size, moe_intermediate_size]   E[h h^T] of down's input
 // The means are over the tokens routed to the expert (each token once per expert that takes it).
 // Metadata: "format" = "lutb-calibration", "model", "tokens_file", "tokens", "down_input",
-// "token_weight". Every value is finite and >= 0.
+// "token_weight". Every value is finite; x2, tokens and the diagonals of the full moments are >= 0.
+// The diagonal of xxT is x2 up to the rounding of its sums (a blocked product in double).
 #pragma once
 
 #include <cstdint>
@@ -36,6 +41,12 @@ struct LayerCalibration {
   std::vector<float> gate_up_x2;    // [experts][hidden]: E[x_c^2] of the input of gate/up (w13)
   std::vector<float> down_x2;       // [experts][intermediate]: E[h_c^2] of the input of down (w2)
   std::vector<float> tokens;        // [experts]: tokens routed to each expert
+  /// The full second moments (lutb calibrate --full-moments): [experts][hidden][hidden] E[x x^T] and
+  /// [experts][intermediate][intermediate] E[h h^T]. Empty when not gathered, and after load(), which
+  /// only checks their names, dtypes and shapes: CalibrationStats::second_moments() reads them from the
+  /// file a layer at a time (hidden^2 floats per expert: they stay out of memory until a fit needs them).
+  std::vector<float> gate_up_xxT, down_hhT;
+  bool full_moments = false;        // the layer has them (in memory, or in the file load() read)
 };
 
 /// Which projection's input: gate/up (w13, hidden_size columns) or down (w2, intermediate columns).
@@ -74,7 +85,9 @@ class CalibrationStats {
   void save(const std::filesystem::path& file) const;
 
   /// Checks what save() writes: per layer, gate_up_x2 of experts x hidden values, down_x2 of experts x
-  /// intermediate and tokens of experts, all finite and >= 0. Throws std::runtime_error for the first
+  /// intermediate and tokens of experts, all finite and >= 0; with full moments in memory,
+  /// gate_up_xxT of experts x hidden^2 and down_hhT of experts x intermediate^2 values, finite with a
+  /// diagonal >= 0 ("..., expert E, gate_up.xxT [i][j] is NaN; ..."). Throws std::runtime_error for the first
   /// offence, layer by layer, expert by expert, gate_up.x2 before down.x2 before tokens:
   /// "the calibration statistics of layer L (PREFIX), expert E, gate_up.x2 column C is NaN; statistics
   /// are finite and >= 0" (NaN, +Inf, -Inf or the negative value), or "... of layer L (PREFIX),
@@ -94,6 +107,24 @@ class CalibrationStats {
   /// and the shapes) for an expert tensor the statistics do not fit.
   std::optional<std::vector<float>> weights_for_tensor(const std::string& name, std::int64_t experts,
                                                        std::int64_t cols, const std::string& file_for_errors) const;
+
+  /// Whether every layer has the full second moments (`lutb calibrate --full-moments`).
+  bool has_second_moments() const;
+  /// Second moments [n][cols][cols] (float32, both triangles) of experts e0..e0+n of one layer's
+  /// projection input, blended with the layer by token count as column_weights() blends the
+  /// diagonal: C_e = (n_e M_e + kPriorTokens M_layer) / (n_e + kPriorTokens), M_layer = sum_e n_e M_e /
+  /// sum_e n_e, in double. An expert no token reaches takes the layer's moments; a layer no token
+  /// reaches gives zeros (FitOptions::error_feedback then fits without feedback, as column_weights()
+  /// gives the unweighted fit). Reads the layer from the file when they are not in memory (memory:
+  /// cols^2 doubles for the layer sum and the n experts' floats). Throws std::runtime_error naming the
+  /// file and the tensor: no full moments, a dtype other than F32, a shape other than [cols, cols], a
+  /// value that is not finite or a negative diagonal.
+  std::vector<float> second_moments(int layer, CalibratedInput input, std::int64_t e0, std::int64_t n) const;
+  /// second_moments() for a routed-expert tensor, by name as weights_for_tensor() finds it (the same
+  /// errors for a tensor the statistics do not fit); nullopt when the name is under no layer's prefix.
+  std::optional<std::vector<float>> second_moments_for_tensor(const std::string& name, std::int64_t experts,
+                                                              std::int64_t cols,
+                                                              const std::string& file_for_errors) const;
 };
 
 }  // namespace lutb

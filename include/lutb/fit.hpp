@@ -83,6 +83,30 @@ struct FitOptions {
   /// The GPU fitters take the same weights (lutb/cuda/fit.hpp GpuFitOptions::column_weights) and
   /// give the same bytes.
   const float* column_weights = nullptr;
+  /// Cross-column error feedback (GPTQ, Frantar et al. 2022, within LUT-B's tiles; docs/calibration.md,
+  /// "Cross-column error feedback"). quantize() only: the feedback crosses tiles, so fit_tile()
+  /// ignores it. See ErrorFeedback.
+  struct ErrorFeedback {
+    /// Null: no feedback (every tile fitted on its own, the bytes of the plain or column-weighted fit).
+    /// Else the second moments C_e = E[x x^T] of each expert's input, float32 [experts][cols][cols]
+    /// (row-major, logical cols; lutb/calibration.hpp's CalibrationStats::second_moments gives them
+    /// blended with the layer by token count). Only the lower triangle is read (C is symmetric).
+    /// Every value must be finite and every diagonal value >= 0 (std::invalid_argument naming the
+    /// tensor, expert, row and column otherwise).
+    const float* second_moments = nullptr;
+    /// lambda of H = C_e + lambda * mean(diag C_e) * I (GPTQ's dampening): finite and >= 0. With
+    /// lambda = 0 a singular C_e is refused (not positive definite).
+    double damping = 0.01;
+  };
+  /// With error_feedback.second_moments, quantize() fits each expert over K in blocks of 64 columns
+  /// (one tile column span): the block's tiles get codebook and scale from the fitter (with
+  /// column_weights as above) on the current, error-updated weights; then column by column each
+  /// weight takes its tile's nearest entry, and its error divided by U[c][c] is fed back, times
+  /// U[c][j], into every later column j (U the upper Cholesky factor of H^-1). An expert with
+  /// mean(diag C_e) == 0 (no signal at all) is fitted without feedback. Needs "binned-dp" or
+  /// "optimal". Deterministic: the strips of 8 rows are independent and each is computed by one
+  /// thread in a fixed order. The GPU fitters do not take it (lutb/cuda/fit.hpp).
+  ErrorFeedback error_feedback;
 };
 
 /// Result of fitting one tile.
@@ -133,7 +157,11 @@ TileFit fit_tile(const float* values512, const FitOptions& opt = {});
 /// Multithreaded over tiles (OpenMP, opt.threads); the bytes and the returned FitStats (summed in
 /// tile order) do not depend on the thread count. Memory: the output plus 16 bytes per tile (17
 /// with opt.interrupt). Cancellable through opt.interrupt (see FitOptions); a stop takes precedence
-/// over a bad tile found before it.
+/// over a bad tile found before it. With opt.error_feedback.second_moments (FitOptions): the block
+/// loop described there, parallel over strips of 8 rows (a tile row) of every expert, the same
+/// errors for bad source values, and also "tensor X, expert e: ... not positive definite" for
+/// moments whose H has no Cholesky factor; memory: the output, the experts' U in double (8 cols^2
+/// bytes each) and 8 rows of double per thread.
 FitStats quantize(const void* src, DType src_type, const LutbShape& shape, LutbTensor& out,
                   const FitOptions& opt = {}, const std::string& name = "weight");
 

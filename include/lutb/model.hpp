@@ -249,6 +249,10 @@ struct MoeOptions {
   /// Null: the data-free fit. build() throws ModelError when a layer has no statistics or their
   /// shapes differ from the model's.
   std::shared_ptr<const CalibrationStats> calibration;
+  /// With calibration statistics that hold the full second moments (lutb calibrate --full-moments):
+  /// true fits w13 and w2 with cross-column error feedback under them (FitOptions::error_feedback,
+  /// damping 0.01; the CPU fitters only), false with the column weights alone.
+  bool error_feedback = true;
 };
 
 /// Quantisation error of one expert stack (w13 or w2 of one layer, all experts).
@@ -391,6 +395,10 @@ struct CalibrateOptions {
   std::int64_t max_tokens = 0;   // use only the first N tokens (0 = all); whole windows only
   DownInput down_input = DownInput::Bf16Model;
   TokenWeight token_weight = TokenWeight::Uniform;
+  /// Also gather the full second moments E[x x^T] and E[h h^T] of every expert's inputs
+  /// (LayerCalibration::gate_up_xxT / down_hhT, for FitOptions::error_feedback): E * (H^2 + I^2) doubles
+  /// while the model runs.
+  bool full_moments = false;
   FitOptions fit;                // the fit of w13 for DownInput::QuantizedW13 (threads, fitter)
   /// Called after each batch with (windows done, windows total) over all passes.
   std::function<void(std::int64_t, std::int64_t)> progress;

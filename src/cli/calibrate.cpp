@@ -36,7 +36,7 @@ struct CalibrateArgs {
   std::string token_weight = "uniform";
   std::int64_t max_tokens = 0;
   int threads = 0;
-  bool force = false, json = false;
+  bool force = false, json = false, full_moments = false;
 };
 
 // The options and the output's name, before any work (exit status 2). The name as typed.
@@ -101,6 +101,7 @@ void run_calibrate(const CalibrateArgs& a) {
   co.fit.threads = threads;
   co.token_weight = a.token_weight == "routing" ? model::TokenWeight::RoutingWeight : model::TokenWeight::Uniform;
   co.interrupt = interrupt_flag();
+  co.full_moments = a.full_moments;
   if (isatty(fileno(stderr)) && !a.json)
     co.progress = [](std::int64_t done, std::int64_t total) {
       fmt::print(stderr, "\r  windows {}/{}", done, total);
@@ -151,7 +152,8 @@ void run_calibrate(const CalibrateArgs& a) {
   if (a.json) {
     nlohmann::json j{{"model", a.model_dir},   {"tokens_file", a.tokens},      {"output", a.output},
                      {"tokens", std::stoll(st.metadata["tokens"])}, {"down_input", a.down_input},
-                     {"seconds", secs},        {"layers", layers}};
+                     {"seconds", secs},        {"layers", layers},
+                     {"full_moments", a.full_moments}};
     fmt::print("{}\n", j.dump());
   }
   std::fflush(stdout);
@@ -189,6 +191,10 @@ void add_calibrate(CLI::App& app) {
                   "how a routed token counts in its expert's statistics: uniform (default) or routing (by the square "
                   "of its routing weight, which scales the expert's output error)")
       ->check(CLI::IsMember({"uniform", "routing"}));
+  cmd->add_flag("--full-moments", args->full_moments,
+                "also store the full second moments E[x x^T] and E[h h^T] of every expert's inputs (PREFIX.e.gate_up.xxT, "
+                "PREFIX.e.down.hhT: hidden_size^2 + moe_intermediate_size^2 floats per expert), which quantize/eval "
+                "--calibration use for cross-column error feedback (docs/calibration.md)");
   cmd->add_option("--threads", args->threads, "threads (default: all cores)")->check(ThreadCount());
   cmd->add_flag("--force", args->force, "replace an existing statistics file (a regular .safetensors file)");
   cmd->add_flag("--json", args->json, "print one JSON object as the last line of stdout");

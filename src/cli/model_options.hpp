@@ -123,6 +123,7 @@ struct ModelQuantArgs {
   std::string fitter;       // empty = the default fitter
   std::string kernel = "fast";
   std::string calibration;  // --calibration STATS.safetensors (lutb calibrate), empty = data-free fit
+  std::string error_feedback = "on";  // --error-feedback on|off (with full second moments in the statistics)
   const CLI::Option* fitter_opt = nullptr;  // to tell `--fitter ""` from no --fitter
   const CLI::Option* kernel_opt = nullptr;  // to tell a given --kernel from the default
 
@@ -149,6 +150,8 @@ struct ModelQuantArgs {
                     "calibration statistics of `lutb calibrate` (STATS.safetensors): --quant lutb of a BF16 checkpoint "
                     "fits each expert projection under its inputs' second moments (fitters binned-dp, optimal; with "
                     "--device cuda on the GPU, the same bytes; default: none, the data-free fit)");
+    cmd->add_option("--error-feedback", error_feedback, std::string(kErrorFeedbackHelp))
+        ->check(CLI::IsMember({"on", "off"}));
   }
 
   model::MoeOptions resolve(const std::string& model_dir, int threads) const {
@@ -204,6 +207,7 @@ struct ModelQuantArgs {
       check_calibrated_fitter(o.fit.fitter);
       o.calibration = std::make_shared<const CalibrationStats>(CalibrationStats::load(calibration));
     }
+    o.error_feedback = error_feedback == "on";
     o.kernel = kernel == "reference" ? moe::EmulationKernel::Reference
                : kernel == "dequantized" ? moe::EmulationKernel::Dequantized
                                          : moe::EmulationKernel::Fast;
@@ -219,6 +223,7 @@ inline void check_cuda_request(const ModelQuantArgs& q, const model::MoeOptions&
                                  "--device cuda (the GPU runs its fused kernels)",
                                  q.kernel));
   check_gpu_options(mo);
+  check_gpu_error_feedback(mo.calibration.get(), mo.error_feedback);
   require_cuda();
 }
 

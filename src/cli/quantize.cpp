@@ -27,6 +27,7 @@ namespace lutb::cli {
 namespace {
 struct QuantizeArgs {
   std::string input, output, fitter, match, calibration;
+  std::string error_feedback = "on";
   std::string device = "cpu";
   int threads = 0;
   bool all = false, force = false, no_progress = false, json = false;
@@ -34,12 +35,16 @@ struct QuantizeArgs {
 
 // The fit of each tensor with the column weights of the statistics file (lutb/calibration.hpp),
 // found by the tensor's name: `base` (the GPU fit of --device cuda) or lutb::quantize called with
-// FitOptions::column_weights set; a tensor the statistics do not describe is an error (a file of
-// another model would otherwise fit some tensors unweighted without a word).
-QuantizeOptions::FitFunction calibrated_fit_function(const std::string& file, QuantizeOptions::FitFunction base) {
-  auto stats = std::make_shared<const CalibrationStats>(CalibrationStats::load(file));
-  return [stats, file, base = std::move(base)](const void* src, DType t, const LutbShape& s, LutbTensor& out,
-                                               const FitOptions& fit, const std::string& name) {
+// FitOptions::column_weights set, and with `error_feedback` FitOptions::error_feedback with the
+// tensor's blended second moments (read for that tensor only); a tensor the statistics do not
+// describe is an error (a file of another model would otherwise fit some tensors unweighted without
+// a word).
+QuantizeOptions::FitFunction calibrated_fit_function(std::shared_ptr<const CalibrationStats> stats,
+                                                     const std::string& file, bool error_feedback,
+                                                     QuantizeOptions::FitFunction base) {
+  return [stats, file, error_feedback, base = std::move(base)](const void* src, DType t, const LutbShape& s,
+                                                               LutbTensor& out, const FitOptions& fit,
+                                                               const std::string& name) {
     const std::optional<std::vector<float>> w = stats->weights_for_tensor(name, s.experts, s.cols, file);
     if (!w)
       throw std::runtime_error(fmt::format("{}: no calibration statistics for tensor {} (no layer's experts prefix "
@@ -47,6 +52,11 @@ QuantizeOptions::FitFunction calibrated_fit_function(const std::string& file, Qu
                                            file, name));
     FitOptions f = fit;
     f.column_weights = w->data();
+    std::optional<std::vector<float>> moments;
+    if (error_feedback) {
+      moments = stats->second_moments_for_tensor(name, s.experts, s.cols, file);
+      f.error_feedback.second_moments = moments->data();
+    }
     return base ? base(src, t, s, out, f, name) : quantize(src, t, s, out, f, name);
   };
 }
@@ -166,7 +176,12 @@ void run_quantize(const QuantizeArgs& a) {
   // --device cuda: a fitter without a GPU kernel, a CPU-only build or no usable GPU is refused
   // here, before the file system is touched.
   const bool gpu = a.device == "cuda";
-  if (!a.calibration.empty()) check_calibrated_fitter(a.fitter);
+  std::shared_ptr<const CalibrationStats> stats;
+  if (!a.calibration.empty()) {
+    check_calibrated_fitter(a.fitter);
+    stats = std::make_shared<const CalibrationStats>(CalibrationStats::load(a.calibration));
+    if (gpu) check_gpu_error_feedback(stats.get(), a.error_feedback == "on");
+  }
   if (gpu) {
     check_gpu_fitter(a.fitter);
     require_cuda();
@@ -181,7 +196,10 @@ void run_quantize(const QuantizeArgs& a) {
   opt.progress = !a.no_progress;
   auto tally = std::make_shared<GpuFitTally>();
   if (gpu) opt.fit_function = gpu_fit_function(tally);
-  if (!a.calibration.empty()) opt.fit_function = calibrated_fit_function(a.calibration, opt.fit_function);
+  if (stats)
+    opt.fit_function = calibrated_fit_function(stats, a.calibration,
+                                               a.error_feedback == "on" && stats->has_second_moments(),
+                                               opt.fit_function);
   opt.check_model = check_model_as_eval;
   QuantizeSummary s;
   if (fs::is_directory(a.input)) {
@@ -241,6 +259,8 @@ void add_quantize(CLI::App& app) {
                   "calibration statistics of `lutb calibrate` (STATS.safetensors): fit each routed-expert projection "
                   "under its inputs' second moments (fitters binned-dp, optimal; with --device cuda on the GPU, the "
                   "same bytes). The output format is unchanged (default: none, the data-free fit)");
+  cmd->add_option("--error-feedback", args->error_feedback, std::string(kErrorFeedbackHelp))
+      ->check(CLI::IsMember({"on", "off"}));
   add_device_option(cmd, args->device,
                     "the fit of the routed experts (cuda: the GPU fitters binned-dp and optimal, the same bytes as "
                     "the CPU; the rest of the run stays on the CPU)");

@@ -19,6 +19,7 @@
 #include <fmt/core.h>
 
 #include "io/checkpoint_internal.hpp"
+#include "lutb/calibration.hpp"
 #include "lutb/fit.hpp"
 
 namespace lutb::cli {
@@ -138,6 +139,22 @@ inline void check_fitter_option(const CLI::Option* opt, const std::string& name)
     throw UsageError(msg + " (leave --fitter out for the default, " + default_fitter() + ")");
   }
   check_fitter_value(name);
+}
+
+/// --error-feedback's help (quantize, eval, moe).
+inline constexpr const char* kErrorFeedbackHelp =
+    "with --calibration statistics that hold the full second moments (lutb calibrate --full-moments): on (default) "
+    "fits with cross-column error feedback (GPTQ within the tiles, docs/calibration.md; CPU only), off with the "
+    "column weights alone";
+
+/// --device cuda with statistics that hold full second moments and --error-feedback on: the feedback
+/// runs on the CPU only (FitOptions::error_feedback; the GPU fitters do not take it).
+inline void check_gpu_error_feedback(const CalibrationStats* stats, bool error_feedback) {
+  if (stats && error_feedback && stats->has_second_moments())
+    throw UsageError(fmt::format("--calibration {}: the statistics hold full second moments, and the fit with "
+                                 "cross-column error feedback runs on the CPU only; use --device cpu, or "
+                                 "--error-feedback off for the GPU's fit with the column weights alone",
+                                 stats->source));
 }
 
 /// --calibration needs a fitter with a weighted objective (FitOptions::column_weights).

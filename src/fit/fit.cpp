@@ -33,7 +33,9 @@ FitStats& FitStats::operator+=(const FitStats& o) {
 
 namespace {
 constexpr const char* kNames[] = {"binned-dp", "optimal", "ct-lloyd", "multistart"};
-enum class Which { kBinnedDp, kOptimal, kCtLloyd, kMultistart };
+}  // namespace
+
+namespace fit_detail {
 
 Which resolve(std::string_view name) {
   if (name.empty()) return Which::kBinnedDp;
@@ -43,7 +45,7 @@ Which resolve(std::string_view name) {
   return Which::kBinnedDp;
 }
 
-std::string position(int f) {
+static std::string position(int f) {
   return "row " + std::to_string(f / kTileCols) + " col " + std::to_string(f % kTileCols);
 }
 
@@ -68,7 +70,7 @@ std::string check_tile(const float* x) {
 }
 
 // w512: null or the tile's 512 weights; tiles with equal weights are fitted unweighted.
-TileFit fit_checked(const float* x, Which w, int forced_scale, const float* w512 = nullptr) {
+TileFit fit_checked(const float* x, Which w, int forced_scale, const float* w512) {
   if (w512) {
     bool equal = true;
     for (int f = 1; f < kTileSize; ++f) equal = equal && w512[f] == w512[0];
@@ -134,7 +136,7 @@ void gather(const void* src, DType type, std::int64_t rows, std::int64_t cols, s
   }
 }
 
-}  // namespace
+}  // namespace fit_detail
 
 std::vector<std::string> fitter_names() { return {std::begin(kNames), std::end(kNames)}; }
 
@@ -180,6 +182,36 @@ namespace {
 // interruption or the first tile that could not be fitted, else the summed statistics.
 // ---------------------------------------------------------------------------
 
+// FitOptions::error_feedback: a fitter that takes weights, a finite damping >= 0, and moments that are
+// finite with a diagonal >= 0 (only the lower triangle is read).
+void check_error_feedback(const LutbShape& shape, const FitOptions& opt, Which w, const std::string& name) {
+  if (w == Which::kCtLloyd || w == Which::kMultistart)
+    throw std::invalid_argument("quantize: tensor " + name + ": fitter '" + kNames[static_cast<int>(w)] +
+                                "' has no weighted objective: error feedback (second moments) needs binned-dp or optimal");
+  const double lambda = opt.error_feedback.damping;
+  if (!std::isfinite(lambda) || lambda < 0.0) {
+    char buf[32];
+    const auto r = std::to_chars(buf, buf + sizeof(buf), lambda);
+    throw std::invalid_argument("quantize: tensor " + name + ": error feedback damping " + std::string(buf, r.ptr) +
+                                "; it must be finite and >= 0");
+  }
+  const std::int64_t K = shape.cols;
+  for (std::int64_t e = 0; e < shape.experts; ++e) {
+    const float* C = opt.error_feedback.second_moments + e * K * K;
+    for (std::int64_t i = 0; i < K; ++i)
+      for (std::int64_t j = 0; j <= i; ++j) {
+        const float v = C[i * K + j];
+        if (f32_is_finite(v) && (i != j || v >= 0.0f)) continue;
+        char buf[32];
+        const auto r = std::to_chars(buf, buf + sizeof(buf), v);
+        throw std::invalid_argument("quantize: tensor " + name +
+                                    (shape.stacked ? ", expert " + std::to_string(e) : std::string()) +
+                                    ": second moment [" + std::to_string(i) + "][" + std::to_string(j) + "] is " +
+                                    std::string(buf, r.ptr) + "; second moments must be finite, the diagonal >= 0");
+      }
+  }
+}
+
 // The arguments of quantize, each refusal naming the tensor: the source dtype, the shape (and that its
 // tile count and packed bytes fit 64 bits), the source pointer, the thread count, the fitter's objective
 // and every expert's column weights.
@@ -219,14 +251,14 @@ void check_quantize_args(const void* src, DType src_type, const LutbShape& shape
       if (const std::string msg = column_weights_error(opt.column_weights + e * shape.cols, shape.cols); !msg.empty())
         throw std::invalid_argument("quantize: tensor " + name +
                                     (shape.stacked ? ", expert " + std::to_string(e) : std::string()) + ": " + msg);
+  if (opt.error_feedback.second_moments) check_error_feedback(shape, opt, w, name);
 }
 
-// Tile t of a tensor of `shape`: its expert and its tile row and column within the expert.
-struct TilePos {
-  std::int64_t e, tn, tk;
-};
+}  // namespace
 
-TilePos tile_pos(const LutbShape& shape, std::int64_t t) {
+namespace fit_detail {
+
+static TilePos tile_pos(const LutbShape& shape, std::int64_t t) {
   const std::int64_t tpe = shape.tiles_per_expert(), tk_n = shape.tiles_k();
   return {t / tpe, (t % tpe) / tk_n, t % tk_n};
 }
@@ -234,7 +266,7 @@ TilePos tile_pos(const LutbShape& shape, std::int64_t t) {
 // Fits the tile at `p` of `src` (experts of [rows][cols] `src_type` values), weighted by the expert's
 // column weights when opt has them. Throws with the tile check's or the fitter's reason, which names
 // the element as "at tile row R col C".
-TileFit fit_source_tile(const void* src, DType src_type, const LutbShape& shape, const FitOptions& opt, Which w,
+static TileFit fit_source_tile(const void* src, DType src_type, const LutbShape& shape, const FitOptions& opt, Which w,
                         const TilePos& p) {
   const std::size_t expert_bytes = static_cast<std::size_t>(shape.rows * shape.cols) * dtype_size(src_type);
   float x[kTileSize];
@@ -268,13 +300,14 @@ std::string tile_error(const std::string& name, const LutbShape& shape, const Ti
   return where + ": " + err;
 }
 
-}  // namespace
+}  // namespace fit_detail
 
 FitStats quantize(const void* src, DType src_type, const LutbShape& shape, LutbTensor& out,
                   const FitOptions& opt, const std::string& name) {
   const Which w = resolve(opt.fitter);
   check_forced(opt, w);
   check_quantize_args(src, src_type, shape, opt, w, name);
+  if (opt.error_feedback.second_moments) return quantize_error_feedback(src, src_type, shape, out, opt, w, name);
 
   const std::int64_t tiles = shape.tiles();
   out.shape = shape;

@@ -12,6 +12,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
+#include <string_view>
 
 #include "lutb/fit.hpp"
 #include "lutb/numerics.hpp"
@@ -65,6 +67,42 @@ TileFit fit_optimal(const float* x512, int forced_scale, const float* w512 = nul
 TileFit fit_binned_dp(const float* x512, int forced_scale, const float* w512 = nullptr);
 TileFit fit_ct_lloyd(const float* x512);
 TileFit fit_multistart(const float* x512);
+
+// ---------------------------------------------------------------------------------------------
+// The pieces of the bulk fit (src/fit/fit.cpp) that the error-feedback fit
+// (src/fit/error_feedback.cpp) shares with it.
+// ---------------------------------------------------------------------------------------------
+
+/// The fitters, in the order of fitter_names().
+enum class Which { kBinnedDp, kOptimal, kCtLloyd, kMultistart };
+/// The fitter of a name ("" = the default); throws check_fitter_name's error for another.
+Which resolve(std::string_view name);
+/// "" when the 512 values of a tile can be fitted, else the reason ("NaN at tile row r col c", or a
+/// magnitude beyond scale byte 246).
+std::string check_tile(const float* x512);
+/// Fits a checked tile with fitter w; `w512` null or the tile's 512 weights (a tile of equal weights
+/// is fitted unweighted).
+TileFit fit_checked(const float* x512, Which w, int forced_scale, const float* w512 = nullptr);
+/// The 512 weights of tile column tk from one expert's column weights cw[cols] (padded columns take
+/// the smallest weight of the tile's logical columns).
+void gather_weights(const float* cw, std::int64_t cols, std::int64_t tk, float* w512);
+/// Tile (tn, tk) of a row-major [rows][cols] matrix of F32, BF16 or F16 as 512 floats, zero-padded.
+void gather(const void* src, DType type, std::int64_t rows, std::int64_t cols, std::int64_t tn, std::int64_t tk,
+            float* out);
+/// Tile t of a tensor of `shape`: its expert and its tile row and column within the expert.
+struct TilePos {
+  std::int64_t e, tn, tk;
+};
+/// Stores tile t's fit in `out`.
+void store_tile(LutbTensor& out, std::int64_t t, const TileFit& f);
+/// "tensor NAME[, expert e], tile (tn, tk): ERR", with "at tile row R col C" in ERR rewritten as the
+/// tensor's row and column.
+std::string tile_error(const std::string& name, const LutbShape& shape, const TilePos& p, std::string err);
+
+/// quantize() with FitOptions::error_feedback.second_moments set (src/fit/error_feedback.cpp); the
+/// arguments other than the moments and the damping are checked by the caller.
+FitStats quantize_error_feedback(const void* src, DType src_type, const LutbShape& shape, LutbTensor& out,
+                                 const FitOptions& opt, Which w, const std::string& name);
 
 /// Smallest scale byte without saturation (spec 2.1 rceil) for the tile's amax, as an int
 /// (127 for an all-zero tile). May be outside 3..246; callers clamp / reject.

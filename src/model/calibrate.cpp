@@ -12,6 +12,11 @@
 // q-weighted means. With `down_input = QuantizedW13`, w13 is the LUT-B fit of w13 under the
 // gate_up statistics of a first pass and x enters it through MXFP8 (what w2 sees in the quantised
 // model); gate_up statistics always come from the BF16 model (w13's own input does not depend on w13).
+// With `full_moments`, the same tokens also give the full q-weighted sums of x x^T and h h^T per
+// expert (cblas_dsyrk on the rows sqrt(q) * x, in double; OpenBLAS runs single-threaded, so the sums do
+// not depend on the thread count).
+#include <cblas.h>
+
 #include <cmath>
 #include <memory>
 
@@ -31,10 +36,25 @@ struct LayerSums {
   std::int64_t E = 0, H = 0, I = 0;
   std::vector<double> gu, dn, tokens;  // [E][H], [E][I], [E]: sums of q * x^2, q * h^2, 1
   std::vector<double> qsum;            // [E]: sum of the token weights q (q = 1, or the routing weight^2)
+  std::vector<double> gu_full, dn_full;  // [E][H][H], [E][I][I]: upper triangles of sum q x x^T, q h h^T
+                                         // (empty without CalibrateOptions::full_moments)
   std::vector<float> w13;              // [E][2I][H] FP32: the weights h is computed with
   bool mxfp8_input = false;            // x enters w13 through MXFP8 (QuantizedW13)
   bool gate_weighted = false;          // q = routing weight^2 (TokenWeight::RoutingWeight)
 };
+
+// sum[C][C] (upper triangle, row-major) += sum_i q_i v_i v_i^T over the n rows v_i of v [n][C], in
+// double: cblas_dsyrk on the rows sqrt(q_i) * v_i.
+void add_outer(const float* v, std::int64_t n, std::int64_t C, const std::vector<double>& q, double* sum) {
+  std::vector<double> a(static_cast<std::size_t>(n * C));
+  for (std::int64_t i = 0; i < n; ++i) {
+    const double sq = std::sqrt(q[static_cast<std::size_t>(i)]);
+    for (std::int64_t c = 0; c < C; ++c)
+      a[static_cast<std::size_t>(i * C + c)] = sq * static_cast<double>(v[static_cast<std::size_t>(i * C + c)]);
+  }
+  cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, static_cast<int>(C), static_cast<int>(n), 1.0, a.data(),
+              static_cast<int>(C), 1.0, sum, static_cast<int>(C));
+}
 
 class RecordingBlock final : public MoeBlock {
  public:
@@ -72,15 +92,19 @@ class RecordingBlock final : public MoeBlock {
             const double v = xe[static_cast<std::size_t>(i * H + c)];
             s_->gu[static_cast<std::size_t>(e * H + c)] += q[static_cast<std::size_t>(i)] * (v * v);
           }
+      if (record_gate_up_ && !s_->gu_full.empty()) add_outer(xe.data(), n, H, q, s_->gu_full.data() + e * H * H);
       if (s_->mxfp8_input) mxfp8_qdq_rows(xe.data(), n, H, xe.data());
       std::vector<float> gu(static_cast<std::size_t>(n * 2 * I));
       linear(xe.data(), s_->w13.data() + static_cast<std::size_t>(e) * 2 * I * H, nullptr, gu.data(), n, 2 * I, H);
+      std::vector<float> hs(s_->dn_full.empty() ? 0 : static_cast<std::size_t>(n * I));
       for (std::int64_t i = 0; i < n; ++i)
         for (std::int64_t c = 0; c < I; ++c) {
           const float g = gu[static_cast<std::size_t>(i * 2 * I + c)], u = gu[static_cast<std::size_t>(i * 2 * I + I + c)];
           const double h = bf16_round(g / (1.0f + std::exp(-g)) * u);
           s_->dn[static_cast<std::size_t>(e * I + c)] += q[static_cast<std::size_t>(i)] * (h * h);
+          if (!hs.empty()) hs[static_cast<std::size_t>(i * I + c)] = static_cast<float>(h);
         }
+      if (!hs.empty()) add_outer(hs.data(), n, I, q, s_->dn_full.data() + e * I * I);
       s_->tokens[static_cast<std::size_t>(e)] += static_cast<double>(n);
       for (double v : q) s_->qsum[static_cast<std::size_t>(e)] += v;
     }
@@ -113,6 +137,23 @@ void run_pass(const std::filesystem::path& dir, const std::vector<std::int32_t>&
       throw Interrupted(sig, fmt::format("calibration: interrupted (flag {}) after {} of {} windows", sig,
                                          pass * windows + w + b, passes * windows));
   }
+}
+
+// The means [E][C][C] (both triangles, float) of the upper-triangle sums `sum` over the token weights
+// qsum[e] (0 for an expert no token reached).
+std::vector<float> full_means(const std::vector<double>& sum, const std::vector<double>& qsum, std::int64_t E,
+                              std::int64_t C) {
+  std::vector<float> out(static_cast<std::size_t>(E * C * C), 0.0f);
+  for (std::int64_t e = 0; e < E; ++e) {
+    const double qn = qsum[static_cast<std::size_t>(e)];
+    if (!(qn > 0)) continue;
+    const double* s = sum.data() + e * C * C;
+    float* o = out.data() + e * C * C;
+    for (std::int64_t i = 0; i < C; ++i)
+      for (std::int64_t j = i; j < C; ++j)
+        o[i * C + j] = o[j * C + i] = static_cast<float>(s[i * C + j] / qn);
+  }
+  return out;
 }
 
 // Refuses a NaN or infinite weight of a routed expert's stack (w13 [E, 2I, H] or w2 [E, H, I]) before
@@ -161,6 +202,10 @@ CalibrationStats collect_calibration(const std::filesystem::path& dir, const std
     s.dn.assign(static_cast<std::size_t>(s.E * s.I), 0.0);
     s.tokens.assign(static_cast<std::size_t>(s.E), 0.0);
     s.qsum.assign(static_cast<std::size_t>(s.E), 0.0);
+    if (opt.full_moments) {
+      s.gu_full.assign(static_cast<std::size_t>(s.E * s.H * s.H), 0.0);
+      s.dn_full.assign(static_cast<std::size_t>(s.E * s.I * s.I), 0.0);
+    }
     s.gate_weighted = opt.token_weight == TokenWeight::RoutingWeight;
     ExpertsSource src = ck.experts_source(l);
     s.w13 = src.w13.to_float();
@@ -192,6 +237,11 @@ CalibrationStats collect_calibration(const std::filesystem::path& dir, const std
         }
         lc.tokens.push_back(static_cast<float>(n));
       }
+      if (!s.gu_full.empty()) {
+        lc.full_moments = true;
+        lc.gate_up_xxT = full_means(s.gu_full, s.qsum, s.E, s.H);
+        lc.down_hhT = full_means(s.dn_full, s.qsum, s.E, s.I);
+      }
     }
     out.metadata["tokens"] = std::to_string(windows * opt.window);
     out.metadata["down_input"] = two_pass ? "quantized-w13" : "bf16";
@@ -213,6 +263,7 @@ CalibrationStats collect_calibration(const std::filesystem::path& dir, const std
     std::fill(s.dn.begin(), s.dn.end(), 0.0);
     std::fill(s.tokens.begin(), s.tokens.end(), 0.0);
     std::fill(s.qsum.begin(), s.qsum.end(), 0.0);
+    std::fill(s.dn_full.begin(), s.dn_full.end(), 0.0);
   }
   run_pass(dir, tokens, windows, opt, sums, false, 1, 2);
   return to_stats();

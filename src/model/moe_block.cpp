@@ -109,8 +109,10 @@ void check_lutb_magnitudes(const ExpertSource& src, int layer, const LutbTensor&
 /// The fit of layer `layer`'s w13 [E, 2I, H] and w2 [E, H, I] with the column weights of `cal`
 /// (lutb/calibration.hpp): `base` (or lutb::quantize) called with FitOptions::column_weights set, w13
 /// and w2 told apart by their shapes (rows 2I and cols H is w13; 2I == H == I cannot occur with I > 0).
+/// With `error_feedback` and full second moments in `cal`, also FitOptions::error_feedback with the
+/// layer's blended moments (read here, one layer at a time).
 moe::FitFunction calibrated_fit(const CalibrationStats& cal, int layer, std::int64_t E, std::int64_t H, std::int64_t I,
-                                moe::FitFunction base) {
+                                bool error_feedback, moe::FitFunction base) {
   const auto it = cal.layers.find(layer);
   const std::string file = cal.source.empty() ? std::string("calibration statistics") : cal.source;
   if (it == cal.layers.end())
@@ -122,10 +124,17 @@ moe::FitFunction calibrated_fit(const CalibrationStats& cal, int layer, std::int
                                  file, layer, lc.prefix, lc.experts, lc.hidden, lc.intermediate, E, H, I));
   auto w13 = std::make_shared<const std::vector<float>>(cal.column_weights(layer, CalibratedInput::kGateUp));
   auto w2 = std::make_shared<const std::vector<float>>(cal.column_weights(layer, CalibratedInput::kDown));
-  return [w13, w2, H, I, base = std::move(base)](const void* src, DType t, const LutbShape& s, LutbTensor& out,
-                                                 const FitOptions& o, const std::string& name) {
+  std::shared_ptr<const std::vector<float>> c13, c2;
+  if (error_feedback && lc.full_moments) {
+    c13 = std::make_shared<const std::vector<float>>(cal.second_moments(layer, CalibratedInput::kGateUp, 0, E));
+    c2 = std::make_shared<const std::vector<float>>(cal.second_moments(layer, CalibratedInput::kDown, 0, E));
+  }
+  return [w13, w2, c13, c2, H, I, base = std::move(base)](const void* src, DType t, const LutbShape& s, LutbTensor& out,
+                                                          const FitOptions& o, const std::string& name) {
     FitOptions f = o;
-    f.column_weights = (s.rows == 2 * I && s.cols == H ? w13 : w2)->data();
+    const bool is_w13 = s.rows == 2 * I && s.cols == H;
+    f.column_weights = (is_w13 ? w13 : w2)->data();
+    if (c13) f.error_feedback.second_moments = (is_w13 ? c13 : c2)->data();
     return base ? base(src, t, s, out, f, name) : quantize(src, t, s, out, f, name);
   };
 }
@@ -407,7 +416,7 @@ std::unique_ptr<MoeBlock> CheckpointMoe::build(int layer) {
         moe::OnlineOptions oo;
         oo.fit = m.opt.fit;
         oo.fit_function = m.opt.fit_function;
-        if (m.opt.calibration) oo.fit_function = calibrated_fit(*m.opt.calibration, layer, E, H, I, oo.fit_function);
+        if (m.opt.calibration) oo.fit_function = calibrated_fit(*m.opt.calibration, layer, E, H, I, m.opt.error_feedback, oo.fit_function);
         oo.emulation = m.opt.kernel;
         oo.activations = m.opt.activations;
         auto method = std::make_shared<moe::LutBOnlineMoEMethod>(mc, oo);

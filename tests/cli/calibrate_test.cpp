@@ -133,6 +133,89 @@ TEST(CliCalibrate, AnExpertNoTokenReachesFitsDeterministically) {
   EXPECT_TRUE(std::isfinite(last_json(o)["val_loss"].get<double>()));
 }
 
+// --full-moments: quantize and eval fit with cross-column error feedback by default, the same bytes
+// on any thread count with an expert no token reaches (it takes the layer's moments); --error-feedback
+// off gives exactly the bytes of the statistics without full moments; --device cuda is refused (the
+// feedback runs on the CPU only) before any GPU is looked for.
+TEST(CliCalibrate, FullMomentsFeedBackErrorsDeterministically) {
+  const auto sh = shared_mixtral();
+  if (!sh) GTEST_SKIP() << "../shared models or calib tokens absent";
+  test::TempDir dir;
+  const auto full = dir.path / "full.safetensors";
+  const auto c = run("calibrate " + q(sh->model) + " --tokens " + q(sh->tokens) + " --max-tokens 256 -o " + q(full) +
+                     " --full-moments --threads 1 --json");
+  ASSERT_EQ(c.code, 0) << c.out;
+  EXPECT_TRUE(last_json(c)["full_moments"].get<bool>());
+  // Expert 5 of layer 1 never reached, in memory: zero count, zero diagonal and full moments.
+  CalibrationStats s = CalibrationStats::load(full);
+  ASSERT_TRUE(s.has_second_moments());
+  const SafetensorsFile ff(full);
+  for (auto& [layer, l] : s.layers)
+    for (std::int64_t e = 0; e < l.experts; ++e)
+      for (const bool gu : {true, false}) {
+        const TensorView& v = ff.get(l.prefix + "." + std::to_string(e) + (gu ? ".gate_up.xxT" : ".down.hhT"));
+        std::vector<float>& m = gu ? l.gate_up_xxT : l.down_hhT;
+        const std::size_t at = m.size();
+        m.resize(at + v.nbytes / 4);
+        std::memcpy(m.data() + at, v.data, v.nbytes);
+      }
+  LayerCalibration& l = s.layers.at(1);
+  l.tokens[5] = 0;
+  std::fill(l.gate_up_x2.begin() + 5 * l.hidden, l.gate_up_x2.begin() + 6 * l.hidden, 0.0f);
+  std::fill(l.down_x2.begin() + 5 * l.intermediate, l.down_x2.begin() + 6 * l.intermediate, 0.0f);
+  std::fill(l.gate_up_xxT.begin() + 5 * l.hidden * l.hidden, l.gate_up_xxT.begin() + 6 * l.hidden * l.hidden, 0.0f);
+  std::fill(l.down_hhT.begin() + 5 * l.intermediate * l.intermediate,
+            l.down_hhT.begin() + 6 * l.intermediate * l.intermediate, 0.0f);
+  const auto rare = dir.path / "rare-full.safetensors";
+  s.save(rare);
+  // The same statistics without the full moments.
+  CalibrationStats d = s;
+  for (auto& [layer, dl] : d.layers) {
+    dl.gate_up_xxT.clear();
+    dl.down_hhT.clear();
+    dl.full_moments = false;
+  }
+  const auto diag = dir.path / "rare-diag.safetensors";
+  d.save(diag);
+  const auto quantize = [&](const std::string& out, const fs::path& stats, const std::string& extra) {
+    const auto r = run("quantize " + q(sh->model) + " -o " + q(dir.path / out) + " --calibration " + q(stats) +
+                       " --no-progress " + extra);
+    EXPECT_EQ(r.code, 0) << r.out;
+  };
+  quantize("a", rare, "--threads 1");
+  quantize("b", rare, "--threads 2");
+  quantize("off", rare, "--threads 2 --error-feedback off");
+  quantize("diag", diag, "--threads 1");
+  // Every routed-expert tensor equal (or not) between two checkpoints.
+  const auto same = [&](const std::string& x, const std::string& y) {
+    const SafetensorsFile fx(dir.path / x / "model.safetensors"), fy(dir.path / y / "model.safetensors");
+    int differ = 0;
+    for (const auto& n : fx.names()) {
+      if (n.find(".experts.") == std::string::npos) continue;
+      const TensorView &vx = fx.get(n), &vy = fy.get(n);
+      differ += vx.nbytes != vy.nbytes || std::memcmp(vx.data, vy.data, vx.nbytes) != 0;
+    }
+    return differ == 0;
+  };
+  EXPECT_TRUE(same("a", "b")) << "the bytes depend on the thread count";
+  EXPECT_TRUE(same("off", "diag")) << "--error-feedback off is not the fit with the column weights alone";
+  EXPECT_FALSE(same("a", "off")) << "the feedback changed nothing";
+  const auto e = run("eval " + q(dir.path / "a") + " --max-windows 1 --threads 1 --json");
+  ASSERT_EQ(e.code, 0) << e.out;
+  EXPECT_TRUE(std::isfinite(last_json(e)["val_loss"].get<double>()));
+  const auto o = run("eval " + q(sh->model) + " --quant lutb --calibration " + q(rare) +
+                     " --max-windows 1 --threads 1 --json");
+  ASSERT_EQ(o.code, 0) << o.out;
+  EXPECT_DOUBLE_EQ(last_json(o)["val_loss"].get<double>(), last_json(e)["val_loss"].get<double>())
+      << "the online fit differs from the checkpoint's";
+  const auto g = run("quantize " + q(sh->model) + " -o " + q(dir.path / "g") + " --calibration " + q(rare) +
+                     " --device cuda --no-progress");
+  EXPECT_EQ(g.code, 2) << g.out;
+  EXPECT_TRUE(has(g.out, "the fit with cross-column error feedback runs on the CPU only; use --device cpu, or "
+                         "--error-feedback off"))
+      << g.out;
+}
+
 TEST(CliCalibrate, Refusals) {
   const auto sh = shared_mixtral();
   if (!sh) GTEST_SKIP() << "../shared models or calib tokens absent";

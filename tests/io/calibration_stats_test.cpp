@@ -103,6 +103,115 @@ TEST(CalibrationStats, FileRoundTripAndNames) {
   EXPECT_EQ(r.source, file.string());
 }
 
+// small_stats() with full second moments: expert e's gate_up.xxT [4][4] and down.hhT [2][2] hold
+// (e + 1) * (i + 1) * (j + 1) / 10 off the diagonal and x2 on it (its diagonal is its x2).
+CalibrationStats full_stats() {
+  CalibrationStats s = small_stats();
+  LayerCalibration& l = s.layers[1];
+  l.full_moments = true;
+  for (const bool gu : {true, false}) {
+    const int K = gu ? 4 : 2;
+    std::vector<float>& m = gu ? l.gate_up_xxT : l.down_hhT;
+    const std::vector<float>& x2 = gu ? l.gate_up_x2 : l.down_x2;
+    for (int e = 0; e < 3; ++e)
+      for (int i = 0; i < K; ++i)
+        for (int j = 0; j < K; ++j)
+          m.push_back(i == j ? x2[static_cast<std::size_t>(e * K + i)] : 0.1f * (e + 1) * (i + 1) * (j + 1));
+  }
+  return s;
+}
+
+// The full moments: written as [K, K] tensors, read back a layer at a time, blended with the layer by
+// token count as the diagonal is (an expert no token reaches takes the layer's moments).
+TEST(CalibrationStats, FullMomentsRoundTripAndBlend) {
+  test::TempDir dir;
+  const auto file = dir.path / "full.safetensors";
+  const CalibrationStats s = full_stats();
+  EXPECT_TRUE(s.has_second_moments());
+  EXPECT_FALSE(small_stats().has_second_moments());
+  s.save(file);
+  const SafetensorsFile f(file);
+  EXPECT_EQ(f.get("model.layers.1.mlp.experts.2.gate_up.xxT").shape, (std::vector<std::int64_t>{4, 4}));
+  EXPECT_EQ(f.get("model.layers.1.mlp.experts.0.down.hhT").shape, (std::vector<std::int64_t>{2, 2}));
+  const CalibrationStats r = CalibrationStats::load(file);
+  EXPECT_TRUE(r.has_second_moments());
+  EXPECT_TRUE(r.layers.at(1).gate_up_xxT.empty());  // read when a fit asks for them
+  for (const CalibrationStats* st : {&s, &r}) {
+    const std::vector<float> c = st->second_moments(1, CalibratedInput::kGateUp, 0, 3);
+    ASSERT_EQ(c.size(), 48u);
+    const std::vector<float>& m = s.layers.at(1).gate_up_xxT;
+    for (int i = 0; i < 16; ++i) {
+      // M_layer = (1000 M_0 + 16 M_2) / 1016; C_e = (n_e M_e + 32 M_layer) / (n_e + 32).
+      const double ml = (1000.0 * m[static_cast<std::size_t>(i)] + 16.0 * m[static_cast<std::size_t>(32 + i)]) / 1016;
+      EXPECT_FLOAT_EQ(c[static_cast<std::size_t>(i)],
+                      static_cast<float>((1000.0 * m[static_cast<std::size_t>(i)] + kPriorTokens * ml) / 1032));
+      EXPECT_FLOAT_EQ(c[static_cast<std::size_t>(16 + i)], static_cast<float>(ml)) << i;  // never reached
+      EXPECT_FLOAT_EQ(c[static_cast<std::size_t>(32 + i)],
+                      static_cast<float>((16.0 * m[static_cast<std::size_t>(32 + i)] + kPriorTokens * ml) / 48));
+    }
+    // By tensor name, one expert of a per-expert checkpoint.
+    const auto one = st->second_moments_for_tensor("model.layers.1.mlp.experts.1.down_proj.weight", 1, 2, "S");
+    ASSERT_TRUE(one.has_value());
+    const std::vector<float> all = st->second_moments(1, CalibratedInput::kDown, 0, 3);
+    EXPECT_EQ(*one, std::vector<float>(all.begin() + 4, all.begin() + 8));
+  }
+  // A layer no token reached gives zeros (quantize then fits without feedback).
+  CalibrationStats z = full_stats();
+  z.layers[1].tokens = {0, 0, 0};
+  for (const float v : z.second_moments(1, CalibratedInput::kDown, 0, 3)) EXPECT_EQ(v, 0.0f);
+  // Statistics without them say so.
+  EXPECT_EQ(error_of([] { small_stats().second_moments(1, CalibratedInput::kDown, 0, 3); }),
+            "calibration statistics: layer 1 (model.layers.1.mlp.experts) has no full second moments "
+            "(PREFIX.e.down.hhT; lutb calibrate --full-moments stores them)");
+}
+
+TEST(CalibrationStats, BadFullMomentsAreRefusedByName) {
+  test::TempDir dir;
+  const auto good = dir.path / "good.safetensors", file = dir.path / "bad.safetensors";
+  full_stats().save(good);
+  // Rewrites the good file with tensor `name` replaced (or dropped when `t` has no bytes).
+  const auto rewrite = [&](const std::string& name, const OwnedTensor& t) {
+    const SafetensorsFile g(good);
+    std::vector<std::pair<std::string, OwnedTensor>> ts;
+    for (const auto& n : g.names()) {
+      const TensorView& v = g.get(n);
+      if (n == name) {
+        if (!t.bytes.empty()) ts.emplace_back(n, t);
+        continue;
+      }
+      ts.emplace_back(n, OwnedTensor{v.dtype, v.shape, std::vector<std::uint8_t>(v.data, v.data + v.nbytes)});
+    }
+    write_safetensors(file, ts, g.metadata());
+  };
+  const std::string name = "model.layers.1.mlp.experts.2.gate_up.xxT";
+  rewrite(name, OwnedTensor{DType::F32, {16}, std::vector<std::uint8_t>(64)});
+  EXPECT_EQ(error_of([&] { CalibrationStats::load(file); }),
+            file.string() + ": tensor " + name + " has shape [16], expected [4, 4] (the 4 columns of the expert's "
+                                                 "gate_up.x2)");
+  rewrite(name, OwnedTensor{DType::F16, {4, 4}, std::vector<std::uint8_t>(32)});
+  EXPECT_EQ(error_of([&] { CalibrationStats::load(file); }),
+            file.string() + ": tensor " + name + " has dtype F16; calibration statistics are F32");
+  rewrite(name, OwnedTensor{});
+  EXPECT_EQ(error_of([&] { CalibrationStats::load(file); }),
+            file.string() + ": layer 1 (model.layers.1.mlp.experts) lacks tensor " + name +
+                " (the full second moments are stored for every expert of a layer or for none)");
+  // A NaN is found when a fit reads the layer, named by file, tensor and position.
+  std::vector<float> v(16, 0.5f);
+  v[6] = NAN;
+  OwnedTensor nan{DType::F32, {4, 4}, std::vector<std::uint8_t>(64)};
+  std::memcpy(nan.bytes.data(), v.data(), 64);
+  rewrite(name, nan);
+  const CalibrationStats r = CalibrationStats::load(file);
+  EXPECT_EQ(error_of([&] { r.second_moments(1, CalibratedInput::kGateUp, 0, 1); }),
+            file.string() + ": tensor " + name + " holds NaN at [1, 2]; second moments are finite with a diagonal >= 0");
+  // save() refuses them too, naming the expert and the position.
+  CalibrationStats s = full_stats();
+  s.layers[1].down_hhT[4 + 1] = -INFINITY;
+  const std::string msg = error_of([&] { s.save(file); });
+  EXPECT_NE(msg.find("layer 1 (model.layers.1.mlp.experts), expert 1, down.hhT [0][1] is -Inf"), std::string::npos)
+      << msg;
+}
+
 TEST(CalibrationStats, BadFilesAreRefusedByName) {
   test::TempDir dir;
   const auto file = dir.path / "bad.safetensors";
@@ -125,8 +234,8 @@ TEST(CalibrationStats, BadFilesAreRefusedByName) {
   write_safetensors(file, {{"lm_head.weight", f32({1})}});
   msg = error_of([&] { CalibrationStats::load(file); });
   EXPECT_EQ(msg, file.string() + ": tensor lm_head.weight is not a calibration statistic (expected "
-                                 "PREFIX.e.gate_up.x2, PREFIX.e.down.x2 or PREFIX.e.tokens, with PREFIX the experts' "
-                                 "prefix such as model.layers.L.mlp.experts and e the expert; lutb/calibration.hpp), "
+                                 "PREFIX.e.gate_up.x2, PREFIX.e.down.x2, PREFIX.e.tokens, PREFIX.e.gate_up.xxT or "
+                                 "PREFIX.e.down.hhT, with PREFIX the experts' prefix such as model.layers.L.mlp.experts and e the expert; lutb/calibration.hpp), "
                                  "and its metadata has no \"format\": \"lutb-calibration\": it is not a statistics "
                                  "file of lutb calibrate")
       << msg;
