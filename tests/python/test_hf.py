@@ -312,10 +312,18 @@ def test_cuda_online_load_saves_the_cli_bytes(family, cli_checkpoints, tmp_path)
     for k in ref:
         if k.endswith(("_packed", "_codebook", "_scale")):
             assert torch.equal(raw_bytes(mine[k]), raw_bytes(ref[k])), k
-    ids = torch.arange(3, 67).view(1, 64).cuda()
-    cpu = AutoModelForCausalLM.from_pretrained(cli_checkpoints[family], dtype=torch.bfloat16)
-    a, b = model(ids).logits.float().cpu(), cpu(ids.cpu()).logits.float()
-    assert (a - b).abs().max() < 0.1  # FP32 summation order of the GPU kernels vs the CPU (spec 4)
+    # The forward in FP32 compute on both devices: only the experts' FP32 summation order differs
+    # (spec 4), which can move a BF16-rounded expert output by one unit; BF16 compute would add the
+    # non-expert layers' own rounding differences between the devices.
+    del model
+    ids = torch.arange(3, 67).view(1, 64)
+    gpu = AutoModelForCausalLM.from_pretrained(cli_checkpoints[family], dtype=torch.float32, device_map="cuda")
+    cpu = AutoModelForCausalLM.from_pretrained(cli_checkpoints[family], dtype=torch.float32)
+    with torch.no_grad():
+        a, b = gpu(ids.cuda()).logits.cpu(), cpu(ids).logits
+    rel = ((a - b).norm() / b.norm()).item()
+    print(f"{family}: logits GPU vs CPU, FP32 compute: relative L2 {rel:.2e}, max abs {(a - b).abs().max().item():.3e}")
+    assert rel < 1e-2
 
 
 @cuda
@@ -344,6 +352,7 @@ def test_cuda_static_cache_generate_compiled_matches_eager(cli_checkpoints):
                                                  device_map="cuda")
     ids = torch.arange(3, 35).view(2, 16).cuda()
     kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, cache_implementation="static", pad_token_id=0)
+    model.config.output_router_logits = False  # the checkpoint's training option; generate() needs no aux loss
     model.generation_config.disable_compile = True
     eager = model.generate(input_ids=ids, **kw)
     model.generation_config.disable_compile = False
