@@ -38,9 +38,11 @@ def _str_arg(v: Any, name: str) -> str:
 
 
 def _check_quantize(w: Any, fitter: Any, forced_scale: Any, threads: Any, name: Any,
-                    column_weights: Any = None) -> tuple[int, int, Any]:
+                    column_weights: Any = None, second_moments: Any = None,
+                    damping: Any = 0.01) -> tuple[int, int, Any, Any, float]:
     """The checks of lutb.quantize (also run by torch.ops.lutb.quantize); returns (forced_scale,
-    threads, column_weights as a contiguous float32 [E, K] array of w's kind and device, or None)."""
+    threads, column_weights as a contiguous float32 [E, K] array of w's kind and device or None,
+    second_moments as a contiguous float32 [E, K, K] CPU array of w's kind or None, damping)."""
     A.require_array(w, "w")
     A.require_device(w, "w")
     A.float_source_name(w, "w")
@@ -54,7 +56,11 @@ def _check_quantize(w: Any, fitter: Any, forced_scale: Any, threads: Any, name: 
     if not 0 <= threads <= MAX_THREADS:
         raise ValueError(f"threads: {threads} is not in 0..{MAX_THREADS} (0 = all cores)")
     _str_arg(name, "name")
-    return forced_scale, threads, _check_column_weights(column_weights, w, fitter)
+    cw = _check_column_weights(column_weights, w, fitter)
+    damping = _float_arg(damping, "damping")
+    if not (np.isfinite(damping) and damping >= 0):
+        raise ValueError(f"damping: {damping} is not finite and >= 0")
+    return forced_scale, threads, cw, _check_second_moments(second_moments, w, fitter), damping
 
 
 def _check_column_weights(cw: Any, w: Any, fitter: str) -> Any:
@@ -95,6 +101,51 @@ def _check_column_weights(cw: Any, w: Any, fitter: str) -> Any:
     if first >= 0:
         where = f"column {first}" if len(got) == 1 else f"expert {first // k}, column {first % k}"
         raise ValueError(f"column_weights: {where} is {np.float32(value)}; column weights must be finite and > 0")
+    return full
+
+
+def _check_second_moments(sm: Any, w: Any, fitter: str) -> Any:
+    """second_moments of lutb.quantize: None, or float32 [K, K] or [E, K, K] (E as for column_weights;
+    [K, K] is used for every expert) of w's kind, on the CPU with w (the fit with error feedback has
+    no GPU fitter), every value finite and the diagonal >= 0 (lutb/fit.hpp
+    FitOptions::error_feedback). Returns a contiguous [E, K, K] array (a copy when broadcast or
+    strided) or None."""
+    if sm is None:
+        return None
+    A.require_array(sm, "second_moments")
+    A.require_device(sm, "second_moments")
+    if A.is_cuda(w):
+        raise ValueError("second_moments: the fit with cross-column error feedback runs on the CPU only (it has no "
+                         "GPU fitter); quantize w.cpu() and move the result with .to(device), or pass "
+                         "second_moments=None for the GPU fit with the column weights alone")
+    A.require_same_device("second_moments", w, "w", sm)
+    if A.dtype_str(sm) != "float32":
+        raise TypeError(f"second_moments: dtype {A.dtype_str(sm)} is not float32")
+    if fitter not in _WEIGHTED_FITTERS:
+        raise ValueError(f"second_moments: fitter {fitter!r} has no weighted objective; error feedback needs "
+                         f"{' or '.join(repr(f) for f in _WEIGHTED_FITTERS)}")
+    shape = tuple(int(v) for v in w.shape)
+    _, e, _, _ = A.tiles_of(shape)
+    k = shape[-1]
+    got = tuple(int(v) for v in sm.shape)
+    if got not in ((k, k), (e, k, k)):
+        raise ValueError(f"second_moments: shape {got} is not [K, K] = ({k}, {k}) or [E, K, K] = ({e}, {k}, {k}) "
+                         f"for w of shape {shape}")
+    if A.is_torch(sm):
+        sm_np = sm.detach().numpy()
+        full = sm.detach().expand(e, k, k).contiguous()
+    else:
+        sm_np = sm
+        full = np.broadcast_to(sm, (e, k, k))
+        if not (full.flags["C_CONTIGUOUS"] and full.flags["WRITEABLE"]):  # the binding takes writeable arrays
+            full = np.array(full, order="C")
+    bad = np.flatnonzero(~np.isfinite(sm_np) | (np.eye(k, dtype=bool) & (sm_np < 0)))
+    if bad.size:
+        first = int(bad[0])
+        value = np.float32(sm_np.reshape(-1)[first])
+        i, j = first // k % k, first % k
+        where = f"[{i}][{j}]" if len(got) == 2 else f"expert {first // (k * k)}, [{i}][{j}]"
+        raise ValueError(f"second_moments: {where} is {value}; second moments must be finite, the diagonal >= 0")
     return full
 
 
@@ -303,8 +354,8 @@ class LutbWeight:
 # ---------------------------------------------------------------------------------------------
 
 
-def quantize(w: Any, fitter: Optional[str] = None, *, column_weights: Any = None, forced_scale: int = -1,
-             threads: int = 0, name: str = "w") -> LutbWeight:
+def quantize(w: Any, fitter: Optional[str] = None, *, column_weights: Any = None, second_moments: Any = None,
+             damping: float = 0.01, forced_scale: int = -1, threads: int = 0, name: str = "w") -> LutbWeight:
     """Fits a weight [N, K] or a stack [..., N, K] to LUT-B (spec 2.1) and returns a LutbWeight.
 
     w: torch.Tensor (bfloat16, float16, float32; CPU or CUDA) or numpy.ndarray (float32, float16,
@@ -320,21 +371,42 @@ def quantize(w: Any, fitter: Optional[str] = None, *, column_weights: Any = None
        float32, [K] (the same weights for every expert) or [E, K] with E the product of w's leading
        sizes (1 for a 2-D w), of w's kind and on w's device; any strides. Only "binned-dp" and
        "optimal" have a weighted objective. Constant weights give exactly the data-free bytes. The
-       bytes are those of the C++ weighted fit (`lutb quantize --calibration`).
+       bytes are those of the C++ weighted fit (`lutb quantize --calibration --error-feedback off`).
+    second_moments: None (each tile fitted on its own) or the second moments C = E[x x^T] of the
+       projection's input, for the fit with cross-column error feedback (GPTQ within LUT-B's tiles;
+       docs/calibration.md "Cross-column error feedback"; lutb/fit.hpp FitOptions::error_feedback):
+       each expert is fitted over K in blocks of 64 columns, and each column's error is fed back
+       into the later columns through H = C + damping * mean(diag C) * I.
+       float32, [K, K] (the same moments for every expert) or [E, K, K] with E as for column_weights,
+       of w's kind, on the CPU (there is no GPU fitter for it: a CUDA w raises ValueError; quantize
+       w.cpu() and move the result with .to(device)); any strides. Only the lower triangle is read
+       (C is symmetric); every value must be finite and the diagonal >= 0. With column_weights the
+       codebooks minimise the weighted objective as above. An expert whose C has a zero diagonal
+       (no signal) is fitted without feedback. CalibrationStats.second_moments_for_tensor gives
+       them from `lutb calibrate --full-moments` statistics: with the column weights of
+       weights_for_tensor, the bytes of `lutb quantize --calibration` (whose default is this fit).
+    damping: lambda of H above, a float, finite and >= 0 (GPTQ's dampening; the CLI's 0.01). With 0
+       a singular C is refused ("... not positive definite ...; raise the damping"). Unused without
+       second_moments.
     forced_scale: -1 (the fitter's own scale) or a scale byte 3..246 for every tile.
     threads: CPU threads, an int 0..4096 (0 = all cores; the CLI's --threads range).
     name: the tensor's name in error messages.
     Integer arguments take Python or numpy integers (not bool); another type raises TypeError naming it.
-    Raises TypeError (type, dtype; column_weights not float32 or of another kind than w) or ValueError
-    (shape, non-contiguous w, unknown fitter, a NaN or +-Inf weight or a tile whose magnitude needs a
-    scale byte above 246, named as "quantize: tensor NAME, expert e, tile (tn, tk): NaN at row R col
-    C"; column_weights of another shape or device, with a Lloyd fitter, or holding a value that is
-    not finite and > 0: "column_weights: expert e, column c is 0.0; column weights must be finite and
-    > 0"). On CUDA this synchronises once to read the error flag, and once more to check
-    column_weights.
+    Raises TypeError (type, dtype; column_weights or second_moments not float32 or of another kind
+    than w; damping not a number) or ValueError (shape, non-contiguous w, unknown fitter, a NaN or
+    +-Inf weight or a tile whose magnitude needs a scale byte above 246, named as "quantize: tensor
+    NAME, expert e, tile (tn, tk): NaN at row R col C"; column_weights of another shape or device,
+    with a Lloyd fitter, or holding a value that is not finite and > 0: "column_weights: expert e,
+    column c is 0.0; column weights must be finite and > 0"; second_moments with a CUDA w, of another
+    shape or device, with a Lloyd fitter, or holding a value that is not finite or a negative
+    diagonal: "second_moments: expert e, [i][j] is nan; second moments must be finite, the diagonal
+    >= 0"; damping negative or not finite; moments whose H is not positive definite: "quantize:
+    tensor NAME, expert e: the second moments plus damping ... are not positive definite ...").
+    On CUDA this synchronises once to read the error flag, and once more to check column_weights.
     """
     fitter = default_fitter() if fitter is None else fitter
-    forced_scale, threads, cw = _check_quantize(w, fitter, forced_scale, threads, name, column_weights)
+    forced_scale, threads, cw, sm, damping = _check_quantize(w, fitter, forced_scale, threads, name, column_weights,
+                                                             second_moments, damping)
     shape = tuple(int(v) for v in w.shape)
     if A.is_cuda(w):
         if not has_cuda():
@@ -342,9 +414,9 @@ def quantize(w: Any, fitter: Optional[str] = None, *, column_weights: Any = None
         if fitter in _LLOYD_FITTERS:  # never with column weights (refused above)
             return quantize(w.cpu(), fitter, forced_scale=forced_scale, threads=threads, name=name).to(w.device)
     if A.is_torch(w):
-        p, c, s = _ops().quantize(w, fitter, forced_scale, threads, name, cw)
+        p, c, s = _ops().quantize(w, fitter, forced_scale, threads, name, cw, sm, damping)
     else:
-        p, c, s = I.quantize_cpu(w, fitter, forced_scale, threads, name, cw)
+        p, c, s = I.quantize_cpu(w, fitter, forced_scale, threads, name, cw, sm, damping)
     return LutbWeight(p, c, s, shape)
 
 

@@ -1,8 +1,9 @@
 """Calibration statistics of `lutb calibrate` (docs/calibration.md), read by the C++ reader.
 
 CalibrationStats wraps lutb::CalibrationStats (lutb/calibration.hpp) through the extension: the
-file's checks, the column weights and the rule for rarely routed experts are the C++ library's, so
-lutb.quantize(w, column_weights=...) with them gives the bytes of `lutb quantize --calibration`.
+file's checks, the column weights, the second moments and the rule for rarely routed experts are the
+C++ library's, so lutb.quantize(w, column_weights=..., second_moments=...) with them gives the bytes
+of `lutb quantize --calibration` (second_moments=None: those of `--error-feedback off`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ class CalibrationLayer(NamedTuple):
     experts, hidden, intermediate: E, hidden_size, moe_intermediate_size;
     tokens: float32 [E], the tokens routed to each expert;
     gate_up_x2: float32 [E, hidden], E[x_c^2] of the experts' input;
-    down_x2: float32 [E, intermediate], E[h_c^2] of down's input h = bf16(silu(g) * u).
+    down_x2: float32 [E, intermediate], E[h_c^2] of down's input h = bf16(silu(g) * u);
+    full_moments: whether the file holds the layer's full second moments (`lutb calibrate
+    --full-moments`; CalibrationStats.second_moments reads them).
     """
 
     layer: int
@@ -38,6 +41,7 @@ class CalibrationLayer(NamedTuple):
     tokens: np.ndarray
     gate_up_x2: np.ndarray
     down_x2: np.ndarray
+    full_moments: bool = False
 
 
 def _int(v: Any, name: str) -> int:
@@ -49,7 +53,10 @@ def _int(v: Any, name: str) -> int:
 class CalibrationStats:
     """The calibration statistics file of `lutb calibrate -o STATS.safetensors` (docs/calibration.md).
 
-    CalibrationStats(path) reads the whole file (a few KiB per layer) with the C++ reader.
+    CalibrationStats(path) reads the file's diagonal statistics (a few KiB per layer) with the C++
+    reader; the full second moments of `lutb calibrate --full-moments` (hidden_size^2 +
+    moe_intermediate_size^2 floats per expert) are only checked by name, dtype and shape, and read a
+    layer at a time when second_moments() asks for them.
     Raises OSError (FileNotFoundError, IsADirectoryError, PermissionError) naming the path when it
     cannot be read, TypeError when path is not a str or os.PathLike, and ValueError naming the file
     and the tensor for a file that is not calibration statistics: a tensor name that is not
@@ -63,6 +70,9 @@ class CalibrationStats:
         model: metadata["model"], the model folder the statistics were collected on (None if absent).
         tokens: the number of calibration tokens (int; None if absent).
         layers: the indices of the MoE layers with statistics, ascending (tuple of int).
+        has_second_moments: whether every layer has the full second moments (bool): then
+            `lutb quantize --calibration` and lutb.hf.LutbConfig(calibration=...) fit with
+            cross-column error feedback by default.
     """
 
     def __init__(self, path: "str | os.PathLike[str]"):
@@ -80,6 +90,10 @@ class CalibrationStats:
         self.layers = tuple(self._stats.layer_indices())
 
     @property
+    def has_second_moments(self) -> bool:
+        return bool(self._stats.has_second_moments())
+
+    @property
     def model(self) -> Optional[str]:
         return self.metadata.get("model")
 
@@ -94,8 +108,8 @@ class CalibrationStats:
     def layer(self, layer: int) -> CalibrationLayer:
         """The stored statistics of MoE layer `layer` (copies). ValueError when it has none."""
         layer = _int(layer, "layer")
-        prefix, e, h, i, tokens, gate_up, down = self._stats.layer(layer)
-        return CalibrationLayer(layer, prefix, int(e), int(h), int(i), tokens.reshape(-1), gate_up, down)
+        prefix, e, h, i, tokens, gate_up, down, full = self._stats.layer(layer)
+        return CalibrationLayer(layer, prefix, int(e), int(h), int(i), tokens.reshape(-1), gate_up, down, bool(full))
 
     def column_weights(self, layer: int, projection: str) -> np.ndarray:
         """The column weights of the weighted fit of layer `layer`'s experts, by the C++ rule
@@ -129,3 +143,48 @@ class CalibrationStats:
         if not isinstance(name, str):
             raise TypeError(f"name: expected a str, got {type(name).__name__}")
         return self._stats.weights_for_tensor(name, _int(experts, "experts"), _int(cols, "cols"), self.path)
+
+    def second_moments(self, layer: int, projection: str, experts: Optional[range] = None) -> np.ndarray:
+        """The second moments C_e = E[x x^T] of layer `layer`'s experts' input for the fit with
+        cross-column error feedback (lutb.quantize(second_moments=...)), by the C++ rule
+        (CalibrationStats::second_moments): each expert's moments blended with the layer's by token
+        count as column_weights() blends the diagonal (an expert no token reaches takes the layer's;
+        a layer no token reaches gives zeros, which fit without feedback). Not normalised.
+
+        projection: "gate_up" (K = hidden_size) or "down" (K = moe_intermediate_size).
+        experts: a range of expert indices with step 1 (None: all E); the file is read for the layer
+            and only these experts are returned (memory: K^2 float64 for the layer's sum and
+            len(experts) * K^2 float32).
+        Returns float32 [len(experts), K, K] (both triangles, finite, diagonal >= 0), a new numpy array.
+        Raises ValueError: no statistics for `layer`, a projection not "gate_up" / "down", experts
+        outside 0..E-1 or not a range of step 1, a layer without full moments ("... has no full
+        second moments (PREFIX.e.gate_up.xxT; lutb calibrate --full-moments stores them)"), or a
+        file whose moments changed since it was read (a tensor missing, of another dtype or shape,
+        or holding a value that is not finite or a negative diagonal).
+        """
+        layer = _int(layer, "layer")
+        if projection not in PROJECTIONS:
+            raise ValueError(f"projection: {projection!r} is not 'gate_up' or 'down'")
+        if layer not in self.layers:
+            raise ValueError(f"{self.path}: no statistics for layer {layer}")
+        n_experts = self.layer(layer).experts
+        if experts is None:
+            experts = range(n_experts)
+        if not isinstance(experts, range) or experts.step != 1:
+            raise ValueError(f"experts: {experts!r} is not None or a range of step 1")
+        if len(experts) == 0 or experts.start < 0 or experts.stop > n_experts:
+            raise ValueError(f"experts: {experts!r} is empty or not within the layer's experts 0..{n_experts - 1}")
+        return self._stats.second_moments(layer, projection, experts.start, len(experts))
+
+    def second_moments_for_tensor(self, name: str, experts: int, cols: int) -> Optional[np.ndarray]:
+        """The second moments for a routed-expert tensor of a checkpoint, found by its name as
+        weights_for_tensor() finds its column weights (CalibrationStats::second_moments_for_tensor):
+        what `lutb quantize --calibration` passes to the fit with error feedback.
+
+        Returns float32 [experts, cols, cols], or None when `name` lies under no layer's prefix.
+        Raises ValueError as weights_for_tensor() does, and as second_moments() does for a layer
+        without full moments.
+        """
+        if not isinstance(name, str):
+            raise TypeError(f"name: expected a str, got {type(name).__name__}")
+        return self._stats.second_moments_for_tensor(name, _int(experts, "experts"), _int(cols, "cols"), self.path)

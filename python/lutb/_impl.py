@@ -23,14 +23,18 @@ from . import _lutb
 # ---------------------------------------------------------------------------------------------
 
 
-def quantize_cpu(w: Any, fitter: str, forced_scale: int, threads: int, name: str, column_weights: Any = None):
+def quantize_cpu(w: Any, fitter: str, forced_scale: int, threads: int, name: str, column_weights: Any = None,
+                 second_moments: Any = None, damping: float = 0.01):
     """(packed, codebook, scale) as uint8 arrays of w's kind (numpy or torch), shapes of spec 2.2.
-    column_weights: None or float32 [E, K], contiguous, of w's kind (checked by lutb._api)."""
+    column_weights: None or float32 [E, K]; second_moments: None or float32 [E, K, K] (the fit with
+    cross-column error feedback, damping its lambda); both contiguous, of w's kind, on the CPU
+    (checked by lutb._api)."""
     shape = tuple(w.shape)
     lead, e, tn, tk = A.tiles_of(shape)
     packed, codebook, scale, _, _ = _lutb.quantize_cpu(
         A.raw(w), A.float_source_name(w, "w"), e, shape[-2], shape[-1], len(shape) > 2, fitter, forced_scale,
-        None if column_weights is None else A.raw(column_weights), threads, name,
+        None if column_weights is None else A.raw(column_weights),
+        None if second_moments is None else A.raw(second_moments), damping, threads, name,
     )
     out = (
         packed.reshape(lead + (tn, tk, A.PACKED_BYTES)),

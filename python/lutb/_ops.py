@@ -11,8 +11,10 @@ stream of the input's device; moe_experts and moe_experts_out never synchronise 
 allocate only through torch (CUDA-graph capture works).
 
 Schemas (all LUT-B tensors uint8, spec 2.2 layout; E = experts, I = intermediate size):
-  quantize(w, fitter, forced_scale, threads, name, column_weights=None) -> (packed, codebook, scale)
-      column_weights: None or float32 [K] / [E, K] on w's device (lutb.quantize documents it)
+  quantize(w, fitter, forced_scale, threads, name, column_weights=None, second_moments=None, damping=0.01)
+      -> (packed, codebook, scale)
+      column_weights: None or float32 [K] / [E, K] on w's device; second_moments: None or float32
+      [K, K] / [E, K, K] on the CPU with w (the CUDA kernel refuses them); lutb.quantize documents both
   dequantize(packed, codebook, scale, shape) -> float32 [shape]
   lane_major(packed) -> packed bytes in the CUDA kernels' lane-major order (CUDA only)
   mxfp8_qdq(x, rule) -> float32 like x
@@ -47,27 +49,30 @@ def _define(schema: str, cpu=None, cuda=None, fake=None) -> None:
 
 
 # quantize ------------------------------------------------------------------------------------
-def _quantize_fake(w, fitter, forced_scale, threads, name, column_weights=None):
+def _quantize_fake(w, fitter, forced_scale, threads, name, column_weights=None, second_moments=None, damping=0.01):
     lead, _, tn, tk = A.tiles_of(tuple(w.shape))
     return (w.new_empty(lead + (tn, tk, A.PACKED_BYTES), dtype=torch.uint8),
             w.new_empty(lead + (tn, tk, A.CODEBOOK_SIZE), dtype=torch.uint8),
             w.new_empty(lead + (tn, tk), dtype=torch.uint8))
 
 
-def _quantize_cpu(w, fitter, forced_scale, threads, name, column_weights=None):
-    _, _, cw = P._check_quantize(w, fitter, forced_scale, threads, name, column_weights)
-    return I.quantize_cpu(w, fitter, forced_scale, threads, name, cw)
+def _quantize_cpu(w, fitter, forced_scale, threads, name, column_weights=None, second_moments=None, damping=0.01):
+    _, _, cw, sm, damping = P._check_quantize(w, fitter, forced_scale, threads, name, column_weights, second_moments,
+                                              damping)
+    return I.quantize_cpu(w, fitter, forced_scale, threads, name, cw, sm, damping)
 
 
-def _quantize_cuda(w, fitter, forced_scale, threads, name, column_weights=None):
-    _, _, cw = P._check_quantize(w, fitter, forced_scale, threads, name, column_weights)
+def _quantize_cuda(w, fitter, forced_scale, threads, name, column_weights=None, second_moments=None, damping=0.01):
+    # second_moments are refused here: the fit with error feedback runs on the CPU only.
+    _, _, cw, _, _ = P._check_quantize(w, fitter, forced_scale, threads, name, column_weights, second_moments,
+                                       damping)
     if fitter in P._LLOYD_FITTERS:
         raise ValueError(f"fitter: {fitter!r} has no GPU kernel; lutb.quantize fits CUDA tensors on the CPU for it")
     return I.quantize_cuda(w, fitter, forced_scale, name, cw)
 
 
-_define("quantize(Tensor w, str fitter, int forced_scale, int threads, str name, Tensor? column_weights=None) "
-        "-> (Tensor, Tensor, Tensor)",
+_define("quantize(Tensor w, str fitter, int forced_scale, int threads, str name, Tensor? column_weights=None, "
+        "Tensor? second_moments=None, float damping=0.01) -> (Tensor, Tensor, Tensor)",
         cpu=_quantize_cpu, cuda=_quantize_cuda,
         fake=_quantize_fake)
 

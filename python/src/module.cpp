@@ -91,6 +91,13 @@ nb::ndarray<nb::numpy, float> owned_floats(std::vector<float>&& v, std::size_t r
   return nb::ndarray<nb::numpy, float>(heap->data(), {rows, cols}, owner);
 }
 
+// A float32 numpy array [n, cols, cols] that owns `v` (n * cols^2 values, row-major): second moments.
+nb::ndarray<nb::numpy, float> owned_moments(std::vector<float>&& v, std::size_t n, std::size_t cols) {
+  auto* heap = new std::vector<float>(std::move(v));
+  nb::capsule owner(heap, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
+  return nb::ndarray<nb::numpy, float>(heap->data(), {n, cols, cols}, owner);
+}
+
 LutbView view_of(const LutbShape& s, const Array& packed, const Array& codebook, const Array& scale,
                  const char* what, bool cuda) {
   const auto tiles = static_cast<std::size_t>(s.tiles());
@@ -106,7 +113,8 @@ LutbView view_of(const LutbShape& s, const Array& packed, const Array& codebook,
 // float32 array of experts * cols values (FitOptions::column_weights, row-major [experts][cols]).
 nb::tuple quantize_cpu(const Array& src, const std::string& dtype, std::int64_t experts, std::int64_t rows,
                        std::int64_t cols, bool stacked, const std::string& fitter, int forced_scale,
-                       const std::optional<Array>& column_weights, int threads, const std::string& name) {
+                       const std::optional<Array>& column_weights, const std::optional<Array>& second_moments,
+                       double damping, int threads, const std::string& name) {
   const DType t = source_dtype(dtype);
   const LutbShape s = make_shape(experts, rows, cols, stacked);
   require(src, "w", static_cast<std::size_t>(experts * rows * cols) * dtype_size(t), false);
@@ -119,6 +127,15 @@ nb::tuple quantize_cpu(const Array& src, const std::string& dtype, std::int64_t 
       throw std::invalid_argument("column_weights: expected float32");
     require(*column_weights, "column_weights", static_cast<std::size_t>(experts * cols) * sizeof(float), false);
     opt.column_weights = static_cast<const float*>(column_weights->data());
+  }
+  // FitOptions::error_feedback: [experts][cols][cols] float32 on the CPU (the feedback has no GPU fitter).
+  if (second_moments) {
+    if (second_moments->dtype() != nb::dtype<float>())
+      throw std::invalid_argument("second_moments: expected float32");
+    require(*second_moments, "second_moments", static_cast<std::size_t>(experts * cols * cols) * sizeof(float),
+            false);
+    opt.error_feedback.second_moments = static_cast<const float*>(second_moments->data());
+    opt.error_feedback.damping = damping;
   }
   LutbTensor out;
   FitStats st;
@@ -297,15 +314,47 @@ const LayerCalibration& calibrated_layer(const CalibrationStats& s, int layer) {
   return it->second;
 }
 
-// (prefix, experts, hidden, intermediate, tokens [E, 1], gate_up_x2 [E, hidden], down_x2 [E, intermediate]):
-// the statistics of one layer as stored, copied into numpy arrays.
+// (prefix, experts, hidden, intermediate, tokens [E, 1], gate_up_x2 [E, hidden], down_x2 [E, intermediate],
+// full_moments): the statistics of one layer as stored, copied into numpy arrays (the full moments stay
+// in the file: calibration_second_moments reads them).
 nb::tuple calibration_layer(const CalibrationStats& s, int layer) {
   const LayerCalibration& lc = calibrated_layer(s, layer);
   const auto E = static_cast<std::size_t>(lc.experts);
   return nb::make_tuple(lc.prefix, lc.experts, lc.hidden, lc.intermediate,
                         owned_floats(std::vector<float>(lc.tokens), E, 1),
                         owned_floats(std::vector<float>(lc.gate_up_x2), E, static_cast<std::size_t>(lc.hidden)),
-                        owned_floats(std::vector<float>(lc.down_x2), E, static_cast<std::size_t>(lc.intermediate)));
+                        owned_floats(std::vector<float>(lc.down_x2), E, static_cast<std::size_t>(lc.intermediate)),
+                        lc.full_moments);
+}
+
+// CalibrationStats::second_moments as float32 [n, cols, cols] (read from the file a layer at a time).
+nb::ndarray<nb::numpy, float> calibration_second_moments(const CalibrationStats& s, int layer,
+                                                         const std::string& projection, std::int64_t e0,
+                                                         std::int64_t n) {
+  const CalibratedInput in = calibrated_input(projection);
+  const LayerCalibration& lc = calibrated_layer(s, layer);
+  const auto cols = static_cast<std::size_t>(in == CalibratedInput::kGateUp ? lc.hidden : lc.intermediate);
+  // The GIL is released while the file is read; value_errors turns the reader's errors into ValueError
+  // after it is held again.
+  std::vector<float> m = value_errors([&] {
+    nb::gil_scoped_release release;
+    return s.second_moments(layer, in, e0, n);
+  });
+  return owned_moments(std::move(m), static_cast<std::size_t>(n), cols);
+}
+
+// CalibrationStats::second_moments_for_tensor as float32 [experts, cols, cols], or None.
+std::optional<nb::ndarray<nb::numpy, float>> calibration_second_moments_for_tensor(
+    const CalibrationStats& s, const std::string& name, std::int64_t experts, std::int64_t cols,
+    const std::string& file_for_errors) {
+  if (experts < 1 || cols < 1)
+    throw std::invalid_argument("second_moments_for_tensor: experts and cols must be >= 1");
+  std::optional<std::vector<float>> m = value_errors([&] {
+    nb::gil_scoped_release release;
+    return s.second_moments_for_tensor(name, experts, cols, file_for_errors);
+  });
+  if (!m) return std::nullopt;
+  return owned_moments(std::move(*m), static_cast<std::size_t>(experts), static_cast<std::size_t>(cols));
 }
 
 // CalibrationStats::column_weights as float32 [experts, cols].
@@ -346,7 +395,10 @@ void bind_calibration(nb::module_& m) {
            })
       .def("layer", &calibration_layer)
       .def("column_weights", &calibration_column_weights)
-      .def("weights_for_tensor", &calibration_weights_for_tensor);
+      .def("weights_for_tensor", &calibration_weights_for_tensor)
+      .def("has_second_moments", &CalibrationStats::has_second_moments)
+      .def("second_moments", &calibration_second_moments)
+      .def("second_moments_for_tensor", &calibration_second_moments_for_tensor);
   m.attr("CALIBRATION_PRIOR_TOKENS") = kPriorTokens;
   m.attr("CALIBRATION_MIN_RELATIVE_WEIGHT") = kMinRelativeWeight;
 }
@@ -370,7 +422,8 @@ NB_MODULE(_lutb, m) {
   m.def("cpu_isa", &lutb::moe::cpu_isa);
   m.def("quantize_cpu", &quantize_cpu, nb::arg("src"), nb::arg("dtype"), nb::arg("experts"), nb::arg("rows"),
         nb::arg("cols"), nb::arg("stacked"), nb::arg("fitter"), nb::arg("forced_scale"),
-        nb::arg("column_weights").none(), nb::arg("threads"), nb::arg("name"));
+        nb::arg("column_weights").none(), nb::arg("second_moments").none(), nb::arg("damping"), nb::arg("threads"),
+        nb::arg("name"));
   m.def("dequantize_cpu", &dequantize_cpu);
   m.def("validate_cpu", &validate_cpu);
   m.def("mxfp8_qdq_cpu", &mxfp8_qdq_cpu);

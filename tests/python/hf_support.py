@@ -70,11 +70,11 @@ def calibration_tokens() -> Path:
     return s / "calib" / "train_tokens.safetensors"
 
 
-def calibrate(model: Path, out: Path, max_tokens: int = 1024) -> Path:
+def calibrate(model: Path, out: Path, max_tokens: int = 1024, full_moments: bool = False) -> Path:
     """`lutb calibrate MODEL --tokens ../shared/calib/train_tokens.safetensors --max-tokens N -o OUT`
-    (1024 tokens: under a second on the shared models); returns OUT."""
+    (1024 tokens: under a second on the shared models), with --full-moments when asked; returns OUT."""
     run_cli("calibrate", str(model), "--tokens", str(calibration_tokens()), "--max-tokens", str(max_tokens), "-o",
-            str(out))
+            str(out), *(["--full-moments"] if full_moments else []))
     return out
 
 
