@@ -15,7 +15,8 @@ Then::
     # BF16 checkpoint: the routed experts are fitted while loading, on the device they load to
     model = AutoModelForCausalLM.from_pretrained(bf16_dir, quantization_config=lutb.hf.LutbConfig(),
                                                  device_map="cuda")
-    # the same, each stack fitted with the column weights of `lutb calibrate` statistics (the bytes of
+    # the same, each stack fitted with the column weights of `lutb calibrate` statistics, and with
+    # cross-column error feedback when they hold full second moments (the bytes of
     # `lutb quantize --calibration STATS.safetensors`)
     model = AutoModelForCausalLM.from_pretrained(
         bf16_dir, quantization_config=lutb.hf.LutbConfig(calibration="STATS.safetensors"))
@@ -38,7 +39,7 @@ which needs ``moe_intermediate_size`` to be a multiple of 8.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -111,6 +112,16 @@ class LutbConfig(QuantizationConfigMixin):
             model, before any weight is loaded. It is a loading option, not part of the stored block
             (``to_dict`` leaves it out, as ``lutb quantize`` does); transformers ignores a
             ``quantization_config`` argument for a LUT-B checkpoint (it uses the stored one).
+        error_feedback: the rule of ``lutb quantize --error-feedback on|off`` (a bool; True, the
+            default, is ``on``). With statistics whose every layer holds the full second moments
+            (``lutb calibrate --full-moments``; ``CalibrationStats.has_second_moments``), True fits
+            each stack with cross-column error feedback (``lutb.quantize(second_moments=...)``, the
+            stack's moments read from the file when it is fitted: E * K^2 floats) and False with the
+            column weights alone; with other statistics, or without calibration, it changes
+            nothing. The feedback runs on the CPU only: a stack loaded to a CUDA device
+            (``device_map="cuda"``) is copied to the CPU, fitted there and its LUT-B buffers moved
+            back, which gives the CLI's bytes at the CPU fit's speed (``error_feedback=False`` keeps
+            the GPU fitter). A loading option like ``calibration``: not stored.
         **kwargs: the other keys of a stored ``quantization_config`` block (format, tile,
             index_bits, codebook_size, codebook_dtype, scale_dtype, activation, activation_block,
             modules, logical_shapes); each is checked against what LUT-B stores.
@@ -119,11 +130,11 @@ class LutbConfig(QuantizationConfigMixin):
         ValueError: an unknown act_format, a fitter not in ``lutb.fitter_names()``, calibration with a
             fitter without a weighted objective (``"ct-lloyd"``, ``"multistart"``), or a stored key that
             says the weights are not 3-bit LUT-B tiles of 8x64 with E4M3 codebooks and UE8M0 scales.
-        TypeError: calibration neither None, a str nor an os.PathLike.
+        TypeError: calibration neither None, a str nor an os.PathLike; error_feedback not a bool.
     """
 
     def __init__(self, fitter: str = "binned-dp", act_format: str | None = None,
-                 calibration: "str | os.PathLike[str] | None" = None, **kwargs: Any):
+                 calibration: "str | os.PathLike[str] | None" = None, error_feedback: bool = True, **kwargs: Any):
         self.quant_method = QUANT_METHOD
         kwargs.pop("quant_method", None)
         activation = kwargs.pop("activation", None)
@@ -135,6 +146,8 @@ class LutbConfig(QuantizationConfigMixin):
             raise ValueError(f"LutbConfig: fitter must be a non-empty string, got {fitter!r}")
         if fitter not in lutb.fitter_names():
             raise ValueError(f"LutbConfig: fitter {fitter!r} is not one of {lutb.fitter_names()}")
+        if not isinstance(error_feedback, bool):
+            raise TypeError(f"LutbConfig: error_feedback must be a bool, got {type(error_feedback).__name__}")
         if calibration is not None:
             if not isinstance(calibration, (str, os.PathLike)):
                 raise TypeError(f"LutbConfig: calibration must be a path (str or os.PathLike), got "
@@ -159,6 +172,7 @@ class LutbConfig(QuantizationConfigMixin):
         self.fitter = fitter
         self.act_format = act_format
         self.calibration = calibration
+        self.error_feedback = error_feedback
         self.modules = kwargs.pop("modules", None)
         self.logical_shapes = dict(kwargs.pop("logical_shapes", None) or {})
         # Keys another writer added are kept and written back unchanged.
@@ -380,12 +394,7 @@ class LutbQuantize(ConversionOps):
         try:
             if tuple(value.shape) != module.logical_shapes[proj]:
                 raise ValueError(f"shape {tuple(value.shape)} differs from {module.logical_shapes[proj]} of the config")
-            cw = self.hf_quantizer.column_weights.get(full_layer_name)
-            if self.hf_quantizer.quantization_config.calibration is not None and cw is None:
-                raise RuntimeError(f"{full_layer_name}: no column weights were prepared for this stack")
-            w = lutb.quantize(value.contiguous(), fitter=self.hf_quantizer.quantization_config.fitter,
-                              column_weights=None if cw is None else torch.from_numpy(cw).to(value.device),
-                              name=full_layer_name)
+            w = self.hf_quantizer.fit_stack(full_layer_name, value.contiguous())
         except Exception as e:
             # The loader logs a conversion error and goes on; _check_loaded names it again and stops.
             self.hf_quantizer.fit_errors[full_layer_name] = f"{type(e).__name__}: {e}"
@@ -425,19 +434,30 @@ def _replace_experts(model, act_format: str, online: bool) -> list[str]:
     return replaced
 
 
-def _calibration_weights(model, file: str) -> dict[str, np.ndarray]:
-    """"MODULE.gate_up_proj" / "MODULE.down_proj" of every LutbExperts module -> float32 [E, K], the
-    column weights of that fused stack from the statistics `file`, found by the checkpoint's name of
+class _CalibratedStack(NamedTuple):
+    """What the fit of one fused stack takes from the statistics: the checkpoint's name of the stack
+    (PREFIX.gate_up_proj / PREFIX.down_proj, by which the second moments are found), its experts and
+    columns, and its column weights float32 [E, K]."""
+
+    tensor: str
+    experts: int
+    cols: int
+    column_weights: np.ndarray
+
+
+def _calibration_weights(model, stats: "lutb.CalibrationStats") -> dict[str, _CalibratedStack]:
+    """"MODULE.gate_up_proj" / "MODULE.down_proj" of every LutbExperts module -> the stack's name,
+    sizes and column weights float32 [E, K] from the statistics, found by the checkpoint's name of
     the stack (PREFIX.gate_up_proj, PREFIX.down_proj with the family's PREFIX, e.g. Mixtral's
     block_sparse_moe) by the C++ rule of `lutb quantize --calibration`.
 
-    Raises OSError / ValueError naming the file (unreadable, not statistics), and ValueError naming
-    the file and the tensor for a stack the statistics do not describe (no layer's prefix matches:
-    a missing layer) or whose experts or columns differ (statistics of another model).
+    Raises ValueError naming the file and the tensor for a stack the statistics do not describe (no
+    layer's prefix matches: a missing layer) or whose experts or columns differ (statistics of
+    another model).
     """
-    stats = lutb.CalibrationStats(file)
+    file = stats.path
     family = _family_of(model.config.get_text_config())
-    out: dict[str, np.ndarray] = {}
+    out: dict[str, _CalibratedStack] = {}
     for name, m in model.named_modules():
         if not isinstance(m, LutbExperts):
             continue
@@ -449,7 +469,7 @@ def _calibration_weights(model, file: str) -> dict[str, np.ndarray]:
                 raise ValueError(f"{file}: no calibration statistics for tensor {tensor} (no layer's experts prefix "
                                  f"matches; the file has layers {list(stats.layers)}; were they collected on this "
                                  "model?)")
-            out[f"{name}.{proj}"] = w
+            out[f"{name}.{proj}"] = _CalibratedStack(tensor, m.num_experts, cols, w)
     return out
 
 
@@ -578,7 +598,9 @@ class LutbHfQuantizer(HfQuantizer):
       the loader has built it, and then released. With ``LutbConfig(calibration=STATS)`` the
       statistics are read and their column weights prepared for every stack before loading starts
       (so statistics of another model stop the load before any weight is read), and each stack is
-      fitted with its own.
+      fitted with its own; with full second moments in the statistics and
+      ``LutbConfig(error_feedback=True)`` (the default), also with cross-column error feedback, on
+      the CPU (``fit_stack``).
     * LUT-B checkpoint (``config.json`` quant_method ``"lut_b"``): the per-expert tensors are
       stacked by the model's own conversion mapping into the module's buffers, then checked.
     """
@@ -591,8 +613,11 @@ class LutbHfQuantizer(HfQuantizer):
     def __init__(self, quantization_config, **kwargs):
         super().__init__(quantization_config, **kwargs)
         self.fit_errors: dict[str, str] = {}
-        # "MODULE.gate_up_proj" -> float32 [E, K] column weights of the stack (LutbConfig.calibration)
-        self.column_weights: dict[str, np.ndarray] = {}
+        # LutbConfig.calibration while loading: the statistics, "MODULE.gate_up_proj" -> what its fit
+        # takes from them, and whether the fits use their second moments (LutbConfig.error_feedback).
+        self.calibration_stats: "lutb.CalibrationStats | None" = None
+        self.calibrated_stacks: dict[str, _CalibratedStack] = {}
+        self.error_feedback = False
 
     def validate_environment(self, *args, **kwargs):
         device_map = kwargs.get("device_map")
@@ -624,12 +649,36 @@ class LutbHfQuantizer(HfQuantizer):
                              "this checkpoint is already LUT-B")
         _replace_experts(model, self.quantization_config.act_format, online=not self.pre_quantized)
         if calibration is not None:
-            self.column_weights = _calibration_weights(model, calibration)
+            # Unreadable files and files that are not statistics raise OSError / ValueError naming them.
+            self.calibration_stats = lutb.CalibrationStats(calibration)
+            self.calibrated_stacks = _calibration_weights(model, self.calibration_stats)
+            # The CLI's rule (src/cli/quantize.cpp): feedback when asked and every layer has full moments.
+            self.error_feedback = self.quantization_config.error_feedback and self.calibration_stats.has_second_moments
         for cfg in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
             cfg._experts_implementation = "lutb"
 
+    def fit_stack(self, stack: str, value: torch.Tensor) -> "lutb.LutbWeight":
+        """The LUT-B fit of the fused stack "MODULE.gate_up_proj" / "MODULE.down_proj" (value: its
+        contiguous BF16 [E, N, K] on the device it loaded to), as `lutb quantize` fits the
+        checkpoint's tensors: data-free, with the column weights of the statistics, or also with
+        their second moments (error feedback: fitted on the CPU, the result moved to value's device).
+        """
+        fitter = self.quantization_config.fitter
+        if self.calibration_stats is None:
+            return lutb.quantize(value, fitter=fitter, name=stack)
+        c = self.calibrated_stacks.get(stack)
+        if c is None:
+            raise RuntimeError(f"{stack}: no column weights were prepared for this stack")
+        if not self.error_feedback:
+            cw = torch.from_numpy(c.column_weights).to(value.device)
+            return lutb.quantize(value, fitter=fitter, column_weights=cw, name=stack)
+        moments = self.calibration_stats.second_moments_for_tensor(c.tensor, c.experts, c.cols)
+        w = lutb.quantize(value.cpu(), fitter=fitter, column_weights=torch.from_numpy(c.column_weights),
+                          second_moments=torch.from_numpy(moments), name=stack)
+        return w if value.device.type == "cpu" else w.to(value.device)
+
     def _process_model_after_weight_loading(self, model, **kwargs):
-        self.column_weights = {}
+        self.calibration_stats, self.calibrated_stacks = None, {}
         _check_loaded(model, self.fit_errors)
         q = self.quantization_config
         family = _family_of(model.config.get_text_config())

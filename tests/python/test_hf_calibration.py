@@ -1,7 +1,9 @@
 """lutb.hf.LutbConfig(calibration=STATS): quantise while loading with the column weights of `lutb
 calibrate` statistics gives the bytes of `lutb quantize --calibration` and the held-out loss of
-`lutb eval --calibration`; statistics of another model stop the load, naming the file and the tensor,
-before any weight is fitted."""
+`lutb eval --calibration`; with statistics that hold the full second moments, the bytes of the CLI's
+fit with cross-column error feedback (LutbConfig(error_feedback=False): those of `--error-feedback
+off`); statistics of another model stop the load, naming the file and the tensor, before any weight
+is fitted."""
 
 from __future__ import annotations
 
@@ -37,9 +39,36 @@ def calibrated(tmp_path_factory):
     return out
 
 
-def load_calibrated(family, stats, **kw):
+@pytest.fixture(scope="module")
+def full_moments(tmp_path_factory):
+    """family -> (statistics of 1024 tokens with the full second moments, the `lutb quantize
+    --calibration` checkpoint (error feedback, the default), the one of `--error-feedback off`)."""
+    root = tmp_path_factory.mktemp("hf_feedback")
+    out = {}
+    for fam, name in FAMILY_MODELS.items():
+        stats = calibrate(model_dir(name), root / f"{name}.full.safetensors", full_moments=True)
+        run_cli("quantize", str(model_dir(name)), "-o", str(root / name), "--calibration", str(stats), "--no-progress")
+        run_cli("quantize", str(model_dir(name)), "-o", str(root / f"{name}.off"), "--calibration", str(stats),
+                "--error-feedback", "off", "--no-progress")
+        out[fam] = (stats, root / name, root / f"{name}.off")
+    return out
+
+
+def load_calibrated(family, stats, error_feedback=True, **kw):
+    cfg = lutb.hf.LutbConfig(calibration=stats, error_feedback=error_feedback)
     return AutoModelForCausalLM.from_pretrained(model_dir(FAMILY_MODELS[family]), dtype=torch.bfloat16,
-                                                quantization_config=lutb.hf.LutbConfig(calibration=stats), **kw)
+                                                quantization_config=cfg, **kw)
+
+
+def assert_saves_the_bytes_of(model, cli_dir, folder):
+    """save_pretrained(folder) writes every tensor of the CLI's checkpoint, the LUT-B ones byte for byte."""
+    model.save_pretrained(folder)
+    mine, ref = read_tensors(folder), read_tensors(cli_dir)
+    assert sorted(mine) == sorted(ref)
+    lutb_keys = [k for k in ref if k.endswith(("_packed", "_codebook", "_scale"))]
+    assert lutb_keys
+    for k in lutb_keys:
+        assert mine[k].shape == ref[k].shape and torch.equal(raw_bytes(mine[k]), raw_bytes(ref[k])), k
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -64,6 +93,28 @@ def test_calibrated_load_saves_the_cli_bytes(family, calibrated, tmp_path):
     layer = next(m for m in free.modules() if isinstance(m, lutb.hf.LutbExperts))
     name = next(n for n, m in free.named_modules() if m is layer)
     assert not torch.equal(layer.gate_up_proj_packed, model.get_submodule(name).gate_up_proj_packed)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_full_moments_load_saves_the_cli_feedback_bytes(family, full_moments, tmp_path):
+    """Statistics with full second moments: the default load is `lutb quantize --calibration` (error
+    feedback on), error_feedback=False is `--error-feedback off`, and the two differ."""
+    stats, on_dir, off_dir = full_moments[family]
+    assert lutb.CalibrationStats(stats).has_second_moments
+    on = load_calibrated(family, stats)
+    assert_saves_the_bytes_of(on, on_dir, tmp_path / "on")
+    off = load_calibrated(family, stats, error_feedback=False)
+    assert_saves_the_bytes_of(off, off_dir, tmp_path / "off")
+    name, layer = next((n, m) for n, m in on.named_modules() if isinstance(m, lutb.hf.LutbExperts))
+    assert not torch.equal(layer.gate_up_proj_packed, off.get_submodule(name).gate_up_proj_packed)
+    assert not torch.equal(layer.down_proj_packed, off.get_submodule(name).down_proj_packed)
+
+
+def test_error_feedback_needs_full_moments(calibrated, tmp_path):
+    """Statistics without full moments: error_feedback=True changes nothing (the CLI's rule)."""
+    stats, cli_dir = calibrated["qwen3_moe"]
+    assert not lutb.CalibrationStats(stats).has_second_moments
+    assert_saves_the_bytes_of(load_calibrated("qwen3_moe", stats, error_feedback=True), cli_dir, tmp_path / "s")
 
 
 def test_calibrated_increase_agrees_with_cli_eval(calibrated):
@@ -126,6 +177,7 @@ def test_statistics_of_another_model_stop_the_load(calibrated, tmp_path, monkeyp
      "fitter 'ct-lloyd' has no weighted objective; calibration needs 'binned-dp' or 'optimal'"),
     ({"fitter": "multistart", "calibration": "s.safetensors"}, ValueError, "fitter 'multistart' has no weighted"),
     ({"calibration": 3}, TypeError, "calibration must be a path"),
+    ({"calibration": "s.safetensors", "error_feedback": "on"}, TypeError, "error_feedback must be a bool, got str"),
 ])
 def test_config_refuses_calibration(kwargs, error, message):
     with pytest.raises(error, match=message):
@@ -137,6 +189,10 @@ def test_config_keeps_calibration_out_of_the_stored_block(tmp_path):
     assert cfg.calibration == str(tmp_path / "s.safetensors")
     assert "calibration" not in cfg.to_dict()
     assert lutb.hf.LutbConfig.from_dict(cfg.to_dict()).calibration is None
+    off = lutb.hf.LutbConfig(fitter="optimal", calibration=tmp_path / "s.safetensors",
+                              error_feedback=False)
+    assert off.error_feedback is False and cfg.error_feedback is True
+    assert off.to_dict() == cfg.to_dict() and "error_feedback" not in off.to_dict()
     assert lutb.hf.LutbHfQuantizer.requires_calibration is False  # fits BF16 weights while loading
 
 
@@ -155,3 +211,14 @@ def test_cuda_calibrated_load_saves_the_cli_bytes(family, calibrated, tmp_path):
     for k in ref:
         if k.endswith(("_packed", "_codebook", "_scale")):
             assert torch.equal(raw_bytes(mine[k]), raw_bytes(ref[k])), k
+
+
+@pytest.mark.cuda
+def test_cuda_full_moments_load_fits_on_the_cpu(full_moments, tmp_path):
+    """device_map="cuda" with error feedback: each stack is fitted on the CPU and its buffers moved to
+    the GPU; the bytes are the CLI's."""
+    pytest.importorskip("accelerate")
+    stats, on_dir, _ = full_moments["mixtral"]
+    model = load_calibrated("mixtral", stats, device_map="cuda")
+    assert all(m.gate_up_proj_packed.is_cuda for m in model.modules() if isinstance(m, lutb.hf.LutbExperts))
+    assert_saves_the_bytes_of(model, on_dir, tmp_path / "saved")
