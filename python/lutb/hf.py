@@ -445,7 +445,7 @@ class _CalibratedStack(NamedTuple):
     column_weights: np.ndarray
 
 
-def _calibration_weights(model, stats: "lutb.CalibrationStats") -> dict[str, _CalibratedStack]:
+def _calibrated_stacks(model, stats: "lutb.CalibrationStats") -> dict[str, _CalibratedStack]:
     """"MODULE.gate_up_proj" / "MODULE.down_proj" of every LutbExperts module -> the stack's name,
     sizes and column weights float32 [E, K] from the statistics, found by the checkpoint's name of
     the stack (PREFIX.gate_up_proj, PREFIX.down_proj with the family's PREFIX, e.g. Mixtral's
@@ -651,7 +651,7 @@ class LutbHfQuantizer(HfQuantizer):
         if calibration is not None:
             # Unreadable files and files that are not statistics raise OSError / ValueError naming them.
             self.calibration_stats = lutb.CalibrationStats(calibration)
-            self.calibrated_stacks = _calibration_weights(model, self.calibration_stats)
+            self.calibrated_stacks = _calibrated_stacks(model, self.calibration_stats)
             # The CLI's rule (src/cli/quantize.cpp): feedback when asked and every layer has full moments.
             self.error_feedback = self.quantization_config.error_feedback and self.calibration_stats.has_second_moments
         for cfg in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
