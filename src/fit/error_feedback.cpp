@@ -253,25 +253,8 @@ FitStats quantize_error_feedback(const void* src, DType src_type, const LutbShap
       }
     }
   }
-  if (const int v = stopped_by.load(); v != 0) {
-    out = LutbTensor();
-    const std::int64_t done = std::count(fitted.begin(), fitted.end(), std::uint8_t{1}) * TK;
-    throw Interrupted(v,
-                      "quantize: tensor " + name + ": interrupted (flag " + std::to_string(v) + ") after " +
-                          std::to_string(done) + " of " + std::to_string(tiles) + " tiles",
-                      done, tiles);
-  }
-  if (!bad_msg.empty()) {
-    out = LutbTensor();
-    throw std::invalid_argument("quantize: " + bad_msg);
-  }
-  FitStats st;
-  st.tiles = tiles;
-  for (std::int64_t t = 0; t < tiles; ++t) {
-    st.sse += sse[static_cast<std::size_t>(t)];
-    st.sum_sq += ssq[static_cast<std::size_t>(t)];
-  }
-  return st;
+  const std::int64_t done = std::count(fitted.begin(), fitted.end(), std::uint8_t{1}) * TK;  // a fitted strip is TK tiles
+  return finish_quantize(name, stopped_by.load(), done, tiles, bad_msg, sse, ssq, out);
 }
 
 }  // namespace lutb::fit_detail

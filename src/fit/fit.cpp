@@ -300,6 +300,29 @@ std::string tile_error(const std::string& name, const LutbShape& shape, const Ti
   return where + ": " + err;
 }
 
+FitStats finish_quantize(const std::string& name, int stopped, std::int64_t done, std::int64_t tiles,
+                         const std::string& bad_msg, const std::vector<double>& sse,
+                         const std::vector<double>& ssq, LutbTensor& out) {
+  if (stopped != 0) {
+    out = LutbTensor();
+    throw Interrupted(stopped,
+                      "quantize: tensor " + name + ": interrupted (flag " + std::to_string(stopped) + ") after " +
+                          std::to_string(done) + " of " + std::to_string(tiles) + " tiles",
+                      done, tiles);
+  }
+  if (!bad_msg.empty()) {
+    out = LutbTensor();
+    throw std::invalid_argument("quantize: " + bad_msg);
+  }
+  FitStats st;
+  st.tiles = tiles;
+  for (std::int64_t t = 0; t < tiles; ++t) {
+    st.sse += sse[static_cast<std::size_t>(t)];
+    st.sum_sq += ssq[static_cast<std::size_t>(t)];
+  }
+  return st;
+}
+
 }  // namespace fit_detail
 
 FitStats quantize(const void* src, DType src_type, const LutbShape& shape, LutbTensor& out,
@@ -356,25 +379,8 @@ FitStats quantize(const void* src, DType src_type, const LutbShape& shape, LutbT
       }
     }
   }
-  if (const int v = stopped_by.load(); v != 0) {
-    out = LutbTensor();
-    const std::int64_t done = std::count(fitted.begin(), fitted.end(), std::uint8_t{1});
-    throw Interrupted(v,
-                      "quantize: tensor " + name + ": interrupted (flag " + std::to_string(v) + ") after " +
-                          std::to_string(done) + " of " + std::to_string(tiles) + " tiles",
-                      done, tiles);
-  }
-  if (!bad_msg.empty()) {
-    out = LutbTensor();
-    throw std::invalid_argument("quantize: " + bad_msg);
-  }
-  FitStats st;
-  st.tiles = tiles;
-  for (std::int64_t t = 0; t < tiles; ++t) {
-    st.sse += sse[static_cast<std::size_t>(t)];
-    st.sum_sq += ssq[static_cast<std::size_t>(t)];
-  }
-  return st;
+  const std::int64_t done = std::count(fitted.begin(), fitted.end(), std::uint8_t{1});
+  return finish_quantize(name, stopped_by.load(), done, tiles, bad_msg, sse, ssq, out);
 }
 
 LutbTensor quantize(const float* src, const LutbShape& shape, const FitOptions& opt, FitStats* stats,

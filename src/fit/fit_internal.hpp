@@ -99,6 +99,14 @@ void store_tile(LutbTensor& out, std::int64_t t, const TileFit& f);
 /// tensor's row and column.
 std::string tile_error(const std::string& name, const LutbShape& shape, const TilePos& p, std::string err);
 
+/// The end of a quantize() loop over `tiles` tiles: clears `out` and throws Interrupted (flag
+/// `stopped` != 0, `done` tiles fitted) or std::invalid_argument("quantize: " + bad_msg) (bad_msg
+/// not empty); otherwise the tensor's FitStats, the per-tile sums sse / ssq added in tile order so
+/// that they never depend on the thread count.
+FitStats finish_quantize(const std::string& name, int stopped, std::int64_t done, std::int64_t tiles,
+                         const std::string& bad_msg, const std::vector<double>& sse,
+                         const std::vector<double>& ssq, LutbTensor& out);
+
 /// quantize() with FitOptions::error_feedback.second_moments set (src/fit/error_feedback.cpp); the
 /// arguments other than the moments and the damping are checked by the caller.
 FitStats quantize_error_feedback(const void* src, DType src_type, const LutbShape& shape, LutbTensor& out,
