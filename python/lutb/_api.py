@@ -63,6 +63,19 @@ def _check_quantize(w: Any, fitter: Any, forced_scale: Any, threads: Any, name: 
     return forced_scale, threads, cw, _check_second_moments(second_moments, w, fitter), damping
 
 
+def _check_fit_statistics(a: Any, name: str, w: Any, fitter: str, need: str) -> None:
+    """The checks column_weights and second_moments share: an array of w's kind and device, float32,
+    and a fitter with a weighted objective (`need` words the refusal: "column weights need")."""
+    A.require_array(a, name)
+    A.require_device(a, name)
+    A.require_same_device(name, w, "w", a)
+    if A.dtype_str(a) != "float32":
+        raise TypeError(f"{name}: dtype {A.dtype_str(a)} is not float32")
+    if fitter not in _WEIGHTED_FITTERS:
+        raise ValueError(f"{name}: fitter {fitter!r} has no weighted objective; {need} "
+                         f"{' or '.join(repr(f) for f in _WEIGHTED_FITTERS)}")
+
+
 def _check_column_weights(cw: Any, w: Any, fitter: str) -> Any:
     """column_weights of lutb.quantize: None, or float32 [K] or [E, K] (E = the experts of w's stack,
     the product of its leading sizes; [K] is used for every expert) of w's kind and device, every value
@@ -70,14 +83,7 @@ def _check_column_weights(cw: Any, w: Any, fitter: str) -> Any:
     when broadcast or strided) or None. Reading the values synchronises on CUDA."""
     if cw is None:
         return None
-    A.require_array(cw, "column_weights")
-    A.require_device(cw, "column_weights")
-    A.require_same_device("column_weights", w, "w", cw)
-    if A.dtype_str(cw) != "float32":
-        raise TypeError(f"column_weights: dtype {A.dtype_str(cw)} is not float32")
-    if fitter not in _WEIGHTED_FITTERS:
-        raise ValueError(f"column_weights: fitter {fitter!r} has no weighted objective; column weights need "
-                         f"{' or '.join(repr(f) for f in _WEIGHTED_FITTERS)}")
+    _check_fit_statistics(cw, "column_weights", w, fitter, "column weights need")
     shape = tuple(int(v) for v in w.shape)
     _, e, _, _ = A.tiles_of(shape)
     k = shape[-1]
@@ -112,18 +118,11 @@ def _check_second_moments(sm: Any, w: Any, fitter: str) -> Any:
     strided) or None."""
     if sm is None:
         return None
-    A.require_array(sm, "second_moments")
-    A.require_device(sm, "second_moments")
     if A.is_cuda(w):
         raise ValueError("second_moments: the fit with cross-column error feedback runs on the CPU only (it has no "
                          "GPU fitter); quantize w.cpu() and move the result with .to(device), or pass "
                          "second_moments=None for the GPU fit with the column weights alone")
-    A.require_same_device("second_moments", w, "w", sm)
-    if A.dtype_str(sm) != "float32":
-        raise TypeError(f"second_moments: dtype {A.dtype_str(sm)} is not float32")
-    if fitter not in _WEIGHTED_FITTERS:
-        raise ValueError(f"second_moments: fitter {fitter!r} has no weighted objective; error feedback needs "
-                         f"{' or '.join(repr(f) for f in _WEIGHTED_FITTERS)}")
+    _check_fit_statistics(sm, "second_moments", w, fitter, "error feedback needs")
     shape = tuple(int(v) for v in w.shape)
     _, e, _, _ = A.tiles_of(shape)
     k = shape[-1]
