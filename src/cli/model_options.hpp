@@ -126,6 +126,8 @@ struct ModelQuantArgs {
   std::string error_feedback = "on";  // --error-feedback on|off (with full second moments in the statistics)
   const CLI::Option* fitter_opt = nullptr;  // to tell `--fitter ""` from no --fitter
   const CLI::Option* kernel_opt = nullptr;  // to tell a given --kernel from the default
+  const CLI::Option* calibration_opt = nullptr;     // to tell `--calibration ""` from no --calibration
+  const CLI::Option* error_feedback_opt = nullptr;  // to tell a given --error-feedback from the default
 
   /// Registers --quant, `act_flag` (--act-format: eval and moe), --fitter, --kernel.
   void add_to(CLI::App* cmd, const std::string& act_flag = "--act-format") {
@@ -146,16 +148,18 @@ struct ModelQuantArgs {
                                  "of the FP32 additions differs (spec section 4), so results agree to FP32 rounding: "
                                  "losses typically differ in the 5th-6th significant digit (e.g. 3.862777 vs 3.862791)")
                      ->check(CLI::IsMember({"fast", "reference", "dequantized"}));
-    cmd->add_option("--calibration", calibration,
+    calibration_opt = cmd->add_option("--calibration", calibration,
                     "calibration statistics of `lutb calibrate` (STATS.safetensors): --quant lutb of a BF16 checkpoint "
                     "fits each expert projection under its inputs' second moments (fitters binned-dp, optimal; with "
                     "--device cuda on the GPU, the same bytes; default: none, the data-free fit)");
-    cmd->add_option("--error-feedback", error_feedback, std::string(kErrorFeedbackHelp))
-        ->check(CLI::IsMember({"on", "off"}));
+    error_feedback_opt = cmd->add_option("--error-feedback", error_feedback, std::string(kErrorFeedbackHelp))
+                             ->check(CLI::IsMember({"on", "off"}));
   }
 
   model::MoeOptions resolve(const std::string& model_dir, int threads) const {
     if (fitter_opt != nullptr && fitter_opt->count() > 0 && fitter.empty()) check_fitter_option(fitter_opt, fitter);
+    check_not_empty(calibration_opt, calibration, "statistics file name");
+    check_error_feedback_option(error_feedback_opt, error_feedback, calibration);
     model::MoeOptions o;
     std::string q = quant;
     bool lutb_ckpt = false;

@@ -255,21 +255,23 @@ void add_quantize(CLI::App& app) {
                 "built aside and swapped in at the end");
   cmd->add_flag("--no-progress", args->no_progress, "no progress bar on stderr");
   cmd->add_flag("--json", args->json, "print a JSON summary as the last line of stdout");
-  cmd->add_option("--calibration", args->calibration,
+  auto* cal_opt = cmd->add_option("--calibration", args->calibration,
                   "calibration statistics of `lutb calibrate` (STATS.safetensors): fit each routed-expert projection "
                   "under its inputs' second moments (fitters binned-dp, optimal; with --device cuda on the GPU, the "
                   "same bytes). The output format is unchanged (default: none, the data-free fit)");
-  cmd->add_option("--error-feedback", args->error_feedback, std::string(kErrorFeedbackHelp))
-      ->check(CLI::IsMember({"on", "off"}));
+  auto* feedback_opt = cmd->add_option("--error-feedback", args->error_feedback, std::string(kErrorFeedbackHelp))
+                           ->check(CLI::IsMember({"on", "off"}));
   add_device_option(cmd, args->device,
                     "the fit of the routed experts (cuda: the GPU fitters binned-dp and optimal, the same bytes as "
                     "the CPU; the rest of the run stays on the CPU)");
-  cmd->callback([args, fitter_opt, in_opt, out_opt] {
+  cmd->callback([args, fitter_opt, in_opt, out_opt, cal_opt, feedback_opt] {
     // Empty names are named as such (the file system would say "cannot make absolute path: Invalid
     // argument []" for `-o ""`, or ": no such checkpoint directory or file").
     check_not_empty(in_opt, args->input, "input name");
     check_not_empty(out_opt, args->output, "output name");
     check_fitter_option(fitter_opt, args->fitter);
+    check_not_empty(cal_opt, args->calibration, "statistics file name");
+    check_error_feedback_option(feedback_opt, args->error_feedback, args->calibration);
     run_quantize(*args);
   });
 }

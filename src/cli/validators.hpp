@@ -147,6 +147,17 @@ inline constexpr const char* kErrorFeedbackHelp =
     "fits with cross-column error feedback (GPTQ within the tiles, docs/calibration.md; CPU only), off with the "
     "column weights alone";
 
+/// A --error-feedback given on the command line (`opt` was used) without --calibration: it chooses how
+/// the statistics' full second moments are used, so without statistics it would change nothing
+/// (UsageError, as --kernel without LUT-B experts).
+inline void check_error_feedback_option(const CLI::Option* opt, const std::string& value,
+                                        const std::string& calibration) {
+  if (opt != nullptr && opt->count() > 0 && calibration.empty())
+    throw UsageError(fmt::format("--error-feedback {} applies only with --calibration STATS (lutb calibrate); without "
+                                 "statistics the fit is data-free",
+                                 value));
+}
+
 /// --device cuda with statistics that hold full second moments and --error-feedback on: the feedback
 /// runs on the CPU only (FitOptions::error_feedback; the GPU fitters do not take it).
 inline void check_gpu_error_feedback(const CalibrationStats* stats, bool error_feedback) {

@@ -194,6 +194,11 @@ TEST(CliArguments, EmptyValuesAreRefused) {
        "--fitter: unknown fitter 'kmeans'; allowed: binned-dp optimal ct-lloyd multistart"},
       {"eval " + q(t.path / "in") + " --tokens ''", "--tokens: an empty tokens file name was given"},
       {"moe " + q(t.path / "in") + " --layer 0 --activations ''", "--activations: an empty activations file name was given"},
+      {"quantize " + q(t.path / "in") + " -o " + q(t.path / "o") + " --calibration ''",
+       "--calibration: an empty statistics file name was given"},
+      {"eval " + q(t.path / "in") + " --quant lutb --calibration ''", "--calibration: an empty statistics file name was given"},
+      {"moe " + q(t.path / "in") + " --layer 0 --activations x --quant lutb --calibration ''",
+       "--calibration: an empty statistics file name was given"},
       {"--experts 2 --tokens 4 --work-dir ''", "--work-dir: an empty directory name was given"},
       // Not empty, but the same kind: the value as typed ("--nu inf" was printed for 1e400), and the
       // library's bound (1e7 passed the command line's check and failed in the library).

@@ -59,6 +59,12 @@ TEST(CliExitStatus, UsageErrorIsTwoFailureIsOne) {
       {"eval " + in + " --quant none --fitter optimal", "--fitter optimal only applies to --quant lutb"},
       {"eval " + in + " --quant lutb --fitter kmeans", "--fitter: unknown fitter 'kmeans'"},
       {"moe " + in + " --layer 0 --reps 3", "--reps applies to --device cuda only"},
+      // --error-feedback chooses how --calibration statistics are used: without them it would change nothing.
+      {"quantize " + in + out + " --error-feedback off",
+       "--error-feedback off applies only with --calibration STATS (lutb calibrate); without statistics the fit is "
+       "data-free"},
+      {"eval " + in + " --quant lutb --error-feedback on", "--error-feedback on applies only with --calibration STATS"},
+      {"moe " + in + " --layer 0 --quant none --error-feedback on", "--error-feedback on applies only with --calibration STATS"},
       {"moe " + in + " --layer 0", "--activations not given and "},
       {"moe " + in + " --layer 5 --activations " + q(t.path / "in" / "model.safetensors"),
        "--layer 5 is out of range: " + (t.path / "in").string() + " has layers 0..0"},
