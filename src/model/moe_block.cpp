@@ -109,8 +109,9 @@ void check_lutb_magnitudes(const ExpertSource& src, int layer, const LutbTensor&
 /// The fit of layer `layer`'s w13 [E, 2I, H] and w2 [E, H, I] with the column weights of `cal`
 /// (lutb/calibration.hpp): `base` (or lutb::quantize) called with FitOptions::column_weights set, w13
 /// and w2 told apart by their shapes (rows 2I and cols H is w13; 2I == H == I cannot occur with I > 0).
-/// With `error_feedback` and full second moments in `cal`, also FitOptions::error_feedback with the
-/// layer's blended moments (read here, one layer at a time).
+/// With `error_feedback` and full second moments in every layer of `cal` (has_second_moments(), the
+/// rule of `lutb quantize --calibration`, so that the online fit gives the checkpoint's bytes), also
+/// FitOptions::error_feedback with the layer's blended moments (read here, one layer at a time).
 moe::FitFunction calibrated_fit(const CalibrationStats& cal, int layer, std::int64_t E, std::int64_t H, std::int64_t I,
                                 bool error_feedback, moe::FitFunction base) {
   const auto it = cal.layers.find(layer);
@@ -125,7 +126,7 @@ moe::FitFunction calibrated_fit(const CalibrationStats& cal, int layer, std::int
   auto w13 = std::make_shared<const std::vector<float>>(cal.column_weights(layer, CalibratedInput::kGateUp));
   auto w2 = std::make_shared<const std::vector<float>>(cal.column_weights(layer, CalibratedInput::kDown));
   std::shared_ptr<const std::vector<float>> c13, c2;
-  if (error_feedback && lc.full_moments) {
+  if (error_feedback && cal.has_second_moments()) {
     c13 = std::make_shared<const std::vector<float>>(cal.second_moments(layer, CalibratedInput::kGateUp, 0, E));
     c2 = std::make_shared<const std::vector<float>>(cal.second_moments(layer, CalibratedInput::kDown, 0, E));
   }

@@ -216,6 +216,54 @@ TEST(CliCalibrate, FullMomentsFeedBackErrorsDeterministically) {
       << g.out;
 }
 
+// Error feedback needs the full moments of every layer (CalibrationStats::has_second_moments), in
+// every command: with a file where one layer lacks them, quantize and the online fit of moe and eval
+// all fit with the column weights alone, so `eval --calibration` stays the loss of the checkpoint that
+// `quantize --calibration` writes.
+TEST(CliCalibrate, FeedbackOnlyWhenEveryLayerHasFullMoments) {
+  const auto sh = shared_mixtral();
+  if (!sh) GTEST_SKIP() << "../shared models or calib tokens absent";
+  test::TempDir dir;
+  const auto full = dir.path / "full.safetensors";
+  ASSERT_EQ(run("calibrate " + q(sh->model) + " --tokens " + q(sh->tokens) + " --max-tokens 256 -o " + q(full) +
+                " --full-moments --threads 1")
+                .code,
+            0);
+  // Layer 1's moments read into memory (save() writes the moments held in memory), the others not.
+  CalibrationStats mixed = CalibrationStats::load(full);
+  ASSERT_TRUE(mixed.has_second_moments());
+  const SafetensorsFile ff(full);
+  for (auto& [layer, l] : mixed.layers) {
+    l.full_moments = layer == 1;
+    if (layer != 1) continue;
+    for (std::int64_t e = 0; e < l.experts; ++e)
+      for (const bool gu : {true, false}) {
+        const TensorView& v = ff.get(l.prefix + "." + std::to_string(e) + (gu ? ".gate_up.xxT" : ".down.hhT"));
+        std::vector<float>& m = gu ? l.gate_up_xxT : l.down_hhT;
+        const std::size_t at = m.size();
+        m.resize(at + v.nbytes / 4);
+        std::memcpy(m.data() + at, v.data, v.nbytes);
+      }
+  }
+  ASSERT_EQ(mixed.layers.count(1), 1u);
+  const auto mixed_file = dir.path / "mixed.safetensors", diag_file = dir.path / "diag.safetensors";
+  mixed.save(mixed_file);
+  CalibrationStats diag = mixed;
+  diag.layers.at(1).gate_up_xxT.clear();
+  diag.layers.at(1).down_hhT.clear();
+  diag.save(diag_file);
+  ASSERT_FALSE(CalibrationStats::load(mixed_file).has_second_moments());
+  ASSERT_TRUE(CalibrationStats::load(mixed_file).layers.at(1).full_moments);
+  const auto moe = [&](const fs::path& stats) {
+    const auto r = run("moe " + q(sh->model) + " --layer 1 --quant lutb --threads 1 --json --calibration " + q(stats));
+    EXPECT_EQ(r.code, 0) << r.out;
+    return last_json(r)["rel_l2"].get<double>();
+  };
+  EXPECT_EQ(moe(mixed_file), moe(diag_file)) << "moe fitted layer 1 with feedback; quantize fits no layer with it";
+  const auto full_rel = moe(full);
+  EXPECT_NE(full_rel, moe(diag_file)) << "the feedback changed nothing";
+}
+
 TEST(CliCalibrate, Refusals) {
   const auto sh = shared_mixtral();
   if (!sh) GTEST_SKIP() << "../shared models or calib tokens absent";
