@@ -210,6 +210,7 @@ struct ModelQuantArgs {
                                      calibration, lutb_ckpt ? "stored LUT-B weights" : "--quant " + q));
       check_calibrated_fitter(o.fit.fitter);
       o.calibration = std::make_shared<const CalibrationStats>(CalibrationStats::load(calibration));
+      check_statistics_layers(*o.calibration, model_dir);
     }
     o.error_feedback = error_feedback == "on";
     o.kernel = kernel == "reference" ? moe::EmulationKernel::Reference

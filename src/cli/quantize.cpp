@@ -200,7 +200,10 @@ void run_quantize(const QuantizeArgs& a) {
     opt.fit_function = calibrated_fit_function(stats, a.calibration,
                                                a.error_feedback == "on" && stats->has_second_moments(),
                                                opt.fit_function);
-  opt.check_model = check_model_as_eval;
+  opt.check_model = [stats](const fs::path& dir) {
+    if (stats) check_statistics_layers(*stats, dir);
+    return check_model_as_eval(dir);
+  };
   QuantizeSummary s;
   if (fs::is_directory(a.input)) {
     if (!a.match.empty() || a.all)

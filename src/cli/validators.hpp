@@ -4,6 +4,7 @@
 #include <omp.h>
 #include <sched.h>
 
+#include <algorithm>
 #include <charconv>
 #include <cstdint>
 #include <filesystem>
@@ -14,6 +15,7 @@
 #include <system_error>
 #include <thread>
 #include <type_traits>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 #include <fmt/core.h>
@@ -21,6 +23,7 @@
 #include "io/checkpoint_internal.hpp"
 #include "lutb/calibration.hpp"
 #include "lutb/fit.hpp"
+#include "lutb/safetensors.hpp"
 
 namespace lutb::cli {
 
@@ -166,6 +169,27 @@ inline void check_gpu_error_feedback(const CalibrationStats* stats, bool error_f
                                  "cross-column error feedback runs on the CPU only; use --device cpu, or "
                                  "--error-feedback off for the GPU's fit with the column weights alone",
                                  stats->source));
+}
+
+/// Statistics of a layer under whose experts' prefix the checkpoint `dir` holds no tensor were
+/// collected on another model (one with more layers, or a dense layer where this one has experts):
+/// std::runtime_error naming the file, the layer and the checkpoint, as a routed-expert tensor that no
+/// layer's statistics describe is refused. A checkpoint whose weights cannot be listed is left to the
+/// loader, which words its error.
+inline void check_statistics_layers(const CalibrationStats& stats, const std::filesystem::path& dir) {
+  std::vector<std::string> names;
+  try {
+    names = SafetensorsCollection::open_dir(dir).names();
+  } catch (const std::exception&) {
+    return;
+  }
+  for (const auto& [layer, lc] : stats.layers) {
+    const std::string p = lc.prefix + ".";
+    if (std::none_of(names.begin(), names.end(), [&](const std::string& n) { return n.compare(0, p.size(), p) == 0; }))
+      throw std::runtime_error(fmt::format("{}: layer {} ({}) has statistics, but {} holds no routed experts under "
+                                           "that prefix (were they collected on this model?)",
+                                           stats.source, layer, lc.prefix, dir.string()));
+  }
 }
 
 /// --calibration needs a fitter with a weighted objective (FitOptions::column_weights).

@@ -305,12 +305,35 @@ TEST(CliCalibrate, Refusals) {
         << cmd << "\n" << r.out;
   }
   EXPECT_FALSE(fs::exists(dir.path / "o3"));
-  // Statistics of another model: tiny-qwen3-moe's layers are under model.layers.L.mlp.experts.
+  // Statistics of another model: tiny-qwen3-moe's layers are under model.layers.L.mlp.experts, so
+  // the statistics' first layer is named before any tensor is fitted.
   if (const auto qwen = test::model_dir("tiny-qwen3-moe")) {
     r = run("quantize " + q(*qwen) + " -o " + q(dir.path / "o2") + " --calibration " + q(stats));
     EXPECT_EQ(r.code, 1) << r.out;
-    EXPECT_TRUE(has(r, "no calibration statistics for tensor model.layers.")) << r.out;
+    EXPECT_TRUE(has(r, "lutb: error: " + stats.string() + ": layer 0 (model.layers.0.block_sparse_moe.experts) has "
+                       "statistics, but " + qwen->string() + " holds no routed experts under that prefix (were they "
+                       "collected on this model?); nothing written"))
+        << r.out;
   }
+  // Statistics of a model with more layers (layer 2's copied as layer 9): the checkpoint has no experts
+  // under layer 9's prefix, so they were collected on another model, in every command.
+  CalibrationStats more = CalibrationStats::load(stats);
+  LayerCalibration l9 = more.layers.at(2);
+  l9.prefix = "model.layers.9.block_sparse_moe.experts";
+  more.layers[9] = l9;
+  const auto more_file = dir.path / "more.safetensors";
+  more.save(more_file);
+  const std::string extra = more_file.string() + ": layer 9 (model.layers.9.block_sparse_moe.experts) has statistics, "
+                                                 "but " + sh->model.string() +
+                            " holds no routed experts under that prefix (were they collected on this model?)";
+  for (const std::string& cmd : {"quantize " + q(sh->model) + " -o " + q(dir.path / "o4"),
+                                 "eval " + q(sh->model) + " --quant lutb --max-windows 1",
+                                 "moe " + q(sh->model) + " --layer 1 --quant lutb"}) {
+    r = run(cmd + " --calibration " + q(more_file));
+    EXPECT_EQ(r.code, 1) << cmd << "\n" << r.out;
+    EXPECT_TRUE(has(r, "lutb: error: " + extra)) << cmd << "\n" << r.out;
+  }
+  EXPECT_FALSE(fs::exists(dir.path / "o4"));
 }
 
 // A NaN or an infinity in a routed expert's weight is refused before the model runs, named as lutb eval
