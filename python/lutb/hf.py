@@ -453,7 +453,7 @@ def _calibrated_stacks(model, stats: "lutb.CalibrationStats") -> dict[str, _Cali
 
     Raises ValueError naming the file and the tensor for a stack the statistics do not describe (no
     layer's prefix matches: a missing layer) or whose experts or columns differ (statistics of
-    another model).
+    another model), and naming the layer for statistics of a layer the model has no experts for.
     """
     file = stats.path
     family = _family_of(model.config.get_text_config())
@@ -470,6 +470,14 @@ def _calibrated_stacks(model, stats: "lutb.CalibrationStats") -> dict[str, _Cali
                                  f"matches; the file has layers {list(stats.layers)}; were they collected on this "
                                  "model?)")
             out[f"{name}.{proj}"] = _CalibratedStack(tensor, m.num_experts, cols, w)
+    # A layer of statistics under whose prefix the model has no experts module was collected on
+    # another model (one with more layers): refused as the CLI refuses it (check_statistics_layers).
+    used = {c.tensor.rpartition(".")[0] for c in out.values()}
+    for layer in stats.layers:
+        prefix = stats.layer(layer).prefix
+        if prefix not in used:
+            raise ValueError(f"{file}: layer {layer} ({prefix}) has statistics, but the model has no routed experts "
+                             "under that prefix (were they collected on this model?)")
     return out
 
 

@@ -168,6 +168,16 @@ def test_statistics_of_another_model_stop_the_load(calibrated, tmp_path, monkeyp
                                          r"expert\(s\) x 256 columns, but the statistics of its input \(down\) have 16 "
                                          r"expert\(s\) x 128 columns \(were they collected on this model\?\)"):
         load_calibrated("qwen3_moe", bad)
+    # statistics of a model with more layers (layer 3's copied as layer 9): as the CLI refuses them
+    more = dict(t)
+    more.update({k.replace("model.layers.3.", "model.layers.9."): v for k, v in t.items()
+                 if k.startswith("model.layers.3.")})
+    extra = tmp_path / "more.safetensors"
+    save_numpy(more, str(extra), metadata={"format": "lutb-calibration"})
+    with pytest.raises(ValueError, match=rf"{extra}: layer 9 \(model\.layers\.9\.mlp\.experts\) has statistics, but "
+                                         r"the model has no routed experts under that prefix \(were they collected on "
+                                         r"this model\?\)"):
+        load_calibrated("qwen3_moe", extra)
     with pytest.raises(FileNotFoundError, match="missing.safetensors"):
         load_calibrated("qwen3_moe", tmp_path / "missing.safetensors")
 
