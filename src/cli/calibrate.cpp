@@ -61,13 +61,15 @@ void check_usage(const CalibrateArgs& a) {
 }
 
 // Bytes of the statistics file: per MoE layer and expert, gate_up.x2 [H], down.x2 [I] and tokens [1]
-// as F32, a header entry of at most 256 bytes per tensor, and 64 KiB of metadata.
-std::uint64_t statistics_bytes(const model::TransformerConfig& cfg) {
+// as F32, with `full_moments` also gate_up.xxT [H, H] and down.hhT [I, I], a header entry of at most
+// 256 bytes per tensor, and 64 KiB of metadata.
+std::uint64_t statistics_bytes(const model::TransformerConfig& cfg, bool full_moments) {
+  const auto H = static_cast<std::uint64_t>(cfg.hidden_size), I = static_cast<std::uint64_t>(cfg.moe_intermediate_size);
+  const std::uint64_t per_expert =
+      (H + I + 1) * 4u + 3u * 256u + (full_moments ? (H * H + I * I) * 4u + 2u * 256u : 0u);
   std::uint64_t n = 64u << 10;
   for (int l = 0; l < cfg.num_layers; ++l)
-    if (cfg.sparse_layer[static_cast<std::size_t>(l)])
-      n += static_cast<std::uint64_t>(cfg.num_experts) *
-           (static_cast<std::uint64_t>(cfg.hidden_size + cfg.moe_intermediate_size + 1) * 4u + 3u * 256u);
+    if (cfg.sparse_layer[static_cast<std::size_t>(l)]) n += static_cast<std::uint64_t>(cfg.num_experts) * per_expert;
   return n;
 }
 
@@ -89,7 +91,7 @@ void run_calibrate(const CalibrateArgs& a) {
     if (tokens[i] < 0 || tokens[i] >= cfg.vocab_size)
       throw model::ModelError(fmt::format("{}: input_ids[{}] = {} is outside the vocabulary [0, {}) of {}", a.tokens, i,
                                           tokens[i], cfg.vocab_size, a.model_dir));
-  lutb::detail::check_free_space(out, statistics_bytes(cfg), "the statistics file");
+  lutb::detail::check_free_space(out, statistics_bytes(cfg, a.full_moments), "the statistics file");
   InterruptGuard on_signal;
   warn_stale_temporaries(out);
   lutb::detail::CreatedParents parents;  // removed again if the run fails

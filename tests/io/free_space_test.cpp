@@ -150,5 +150,34 @@ TEST(FreeSpace, SynthCommandRefusesBeforeAnnouncing) {
   EXPECT_TRUE(fs::is_empty(t.path)) << "something was written";
 }
 
+// lutb calibrate --full-moments counts the full second moments in the size it checks (hidden_size^2 +
+// moe_intermediate_size^2 floats per expert): tiny-mixtral's config.json at hidden and intermediate
+// size 65536 and 64 layers makes 17.59 TB of moments, refused before the model runs; without them the
+// statistics are 0.03 GB and the run goes on to the weights, whose shapes config.json contradicts.
+TEST(FreeSpace, CalibrateCountsTheFullMoments) {
+  const auto m = test::model_dir("tiny-mixtral");
+  const auto shared = test::shared_dir();
+  if (!m || !shared || !fs::exists(*shared / "calib/train_tokens.safetensors"))
+    GTEST_SKIP() << "../shared models or calib tokens absent";
+  TempDir t;
+  if (fs::space(t.path).available > std::uintmax_t{17} * 1000000000000u) GTEST_SKIP() << "more than 17 TB free here";
+  const fs::path big = test::copy_model(*m, t.path / "m");
+  nlohmann::json cfg = nlohmann::json::parse(std::ifstream(big / "config.json"));
+  cfg["hidden_size"] = 65536;
+  cfg["intermediate_size"] = 65536;
+  cfg["num_hidden_layers"] = 64;
+  std::ofstream(big / "config.json") << cfg.dump();
+  const fs::path out = t.path / "sub" / "s.safetensors";  // its parent is missing: not created either
+  const std::string args = "calibrate " + q(big) + " --tokens " + q(*shared / "calib/train_tokens.safetensors") +
+                           " --max-tokens 256 --threads 1 -o " + q(out);
+  const CliOut r = run(args + " --full-moments");
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_TRUE(has(r, "lutb: error: " + out.string() + ": the statistics file needs 17.59 TB (")) << r.out;
+  EXPECT_FALSE(fs::exists(t.path / "sub"));
+  const CliOut d = run(args);
+  EXPECT_EQ(d.code, 1) << d.out;
+  EXPECT_FALSE(has(d, "are free on the filesystem")) << d.out;
+}
+
 }  // namespace
 }  // namespace lutb
