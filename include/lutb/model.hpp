@@ -251,8 +251,11 @@ struct MoeOptions {
   std::shared_ptr<const CalibrationStats> calibration;
   /// With calibration statistics that hold the full second moments (lutb calibrate --full-moments):
   /// true fits w13 and w2 with cross-column error feedback under them (FitOptions::error_feedback,
-  /// damping 0.01; the CPU fitters only), false with the column weights alone.
+  /// damped by `damping`; the CPU fitters only), false with the column weights alone.
   bool error_feedback = true;
+  /// FitOptions::error_feedback.damping of those fits: lambda of H = C + lambda mean(diag C) I,
+  /// finite and >= 0 (the fit throws std::invalid_argument otherwise).
+  double damping = 0.01;
 };
 
 /// Quantisation error of one expert stack (w13 or w2 of one layer, all experts).

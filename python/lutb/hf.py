@@ -38,6 +38,8 @@ which needs ``moe_intermediate_size`` to be a multiple of 8.
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 from typing import Any, NamedTuple
 
@@ -122,19 +124,25 @@ class LutbConfig(QuantizationConfigMixin):
             (``device_map="cuda"``) is copied to the CPU, fitted there and its LUT-B buffers moved
             back, which gives the CLI's bytes at the CPU fit's speed (``error_feedback=False`` keeps
             the GPU fitter). A loading option like ``calibration``: not stored.
+        damping: lambda of the error feedback's H = C + damping * mean(diag C) * I (``lutb quantize
+            --damping``, ``lutb.quantize(damping=...)``; a float, finite and >= 0, default 0.01); used
+            only where the error feedback runs. A loading option: not stored.
         **kwargs: the other keys of a stored ``quantization_config`` block (format, tile,
             index_bits, codebook_size, codebook_dtype, scale_dtype, activation, activation_block,
             modules, logical_shapes); each is checked against what LUT-B stores.
 
     Raises:
         ValueError: an unknown act_format, a fitter not in ``lutb.fitter_names()``, calibration with a
-            fitter without a weighted objective (``"ct-lloyd"``, ``"multistart"``), or a stored key that
-            says the weights are not 3-bit LUT-B tiles of 8x64 with E4M3 codebooks and UE8M0 scales.
-        TypeError: calibration neither None, a str nor an os.PathLike; error_feedback not a bool.
+            fitter without a weighted objective (``"ct-lloyd"``, ``"multistart"``), a stored key that
+            says the weights are not 3-bit LUT-B tiles of 8x64 with E4M3 codebooks and UE8M0 scales,
+            damping negative or not finite.
+        TypeError: calibration neither None, a str nor an os.PathLike; error_feedback not a bool;
+            damping not a real number.
     """
 
     def __init__(self, fitter: str = "binned-dp", act_format: str | None = None,
-                 calibration: "str | os.PathLike[str] | None" = None, error_feedback: bool = True, **kwargs: Any):
+                 calibration: "str | os.PathLike[str] | None" = None, error_feedback: bool = True, damping: float = 0.01,
+                 **kwargs: Any):
         self.quant_method = QUANT_METHOD
         kwargs.pop("quant_method", None)
         activation = kwargs.pop("activation", None)
@@ -148,6 +156,10 @@ class LutbConfig(QuantizationConfigMixin):
             raise ValueError(f"LutbConfig: fitter {fitter!r} is not one of {lutb.fitter_names()}")
         if not isinstance(error_feedback, bool):
             raise TypeError(f"LutbConfig: error_feedback must be a bool, got {type(error_feedback).__name__}")
+        if isinstance(damping, bool) or not isinstance(damping, numbers.Real):
+            raise TypeError(f"LutbConfig: damping must be a real number, got {type(damping).__name__}")
+        if not (math.isfinite(damping) and damping >= 0):
+            raise ValueError(f"LutbConfig: damping {damping} is not finite and >= 0")
         if calibration is not None:
             if not isinstance(calibration, (str, os.PathLike)):
                 raise TypeError(f"LutbConfig: calibration must be a path (str or os.PathLike), got "
@@ -173,6 +185,7 @@ class LutbConfig(QuantizationConfigMixin):
         self.act_format = act_format
         self.calibration = calibration
         self.error_feedback = error_feedback
+        self.damping = float(damping)
         self.modules = kwargs.pop("modules", None)
         self.logical_shapes = dict(kwargs.pop("logical_shapes", None) or {})
         # Keys another writer added are kept and written back unchanged.
@@ -682,7 +695,8 @@ class LutbHfQuantizer(HfQuantizer):
             return lutb.quantize(value, fitter=fitter, column_weights=cw, name=stack)
         moments = self.calibration_stats.second_moments_for_tensor(c.tensor, c.experts, c.cols)
         w = lutb.quantize(value.cpu(), fitter=fitter, column_weights=torch.from_numpy(c.column_weights),
-                          second_moments=torch.from_numpy(moments), name=stack)
+                          second_moments=torch.from_numpy(moments), damping=self.quantization_config.damping,
+                          name=stack)
         return w if value.device.type == "cpu" else w.to(value.device)
 
     def _process_model_after_weight_loading(self, model, **kwargs):

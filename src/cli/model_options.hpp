@@ -124,10 +124,12 @@ struct ModelQuantArgs {
   std::string kernel = "fast";
   std::string calibration;  // --calibration STATS.safetensors (lutb calibrate), empty = data-free fit
   std::string error_feedback = "on";  // --error-feedback on|off (with full second moments in the statistics)
+  double damping = 0.01;               // --damping (MoeOptions::damping)
   const CLI::Option* fitter_opt = nullptr;  // to tell `--fitter ""` from no --fitter
   const CLI::Option* kernel_opt = nullptr;  // to tell a given --kernel from the default
   const CLI::Option* calibration_opt = nullptr;     // to tell `--calibration ""` from no --calibration
   const CLI::Option* error_feedback_opt = nullptr;  // to tell a given --error-feedback from the default
+  const CLI::Option* damping_opt = nullptr;         // to tell a given --damping from the default
 
   /// Registers --quant, `act_flag` (--act-format: eval and moe), --fitter, --kernel.
   void add_to(CLI::App* cmd, const std::string& act_flag = "--act-format") {
@@ -154,12 +156,14 @@ struct ModelQuantArgs {
                     "--device cuda on the GPU, the same bytes; default: none, the data-free fit)");
     error_feedback_opt = cmd->add_option("--error-feedback", error_feedback, std::string(kErrorFeedbackHelp))
                              ->check(CLI::IsMember({"on", "off"}));
+    damping_opt = cmd->add_option("--damping", damping, std::string(kDampingHelp))->check(NonNegativeFinite());
   }
 
   model::MoeOptions resolve(const std::string& model_dir, int threads) const {
     if (fitter_opt != nullptr && fitter_opt->count() > 0 && fitter.empty()) check_fitter_option(fitter_opt, fitter);
     check_not_empty(calibration_opt, calibration, "statistics file name");
     check_error_feedback_option(error_feedback_opt, error_feedback, calibration);
+    check_damping_option(damping_opt, damping, calibration, error_feedback);
     model::MoeOptions o;
     std::string q = quant;
     bool lutb_ckpt = false;
@@ -213,6 +217,7 @@ struct ModelQuantArgs {
       check_statistics_layers(*o.calibration, model_dir);
     }
     o.error_feedback = error_feedback == "on";
+    o.damping = damping;
     o.kernel = kernel == "reference" ? moe::EmulationKernel::Reference
                : kernel == "dequantized" ? moe::EmulationKernel::Dequantized
                                          : moe::EmulationKernel::Fast;

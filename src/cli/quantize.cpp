@@ -28,6 +28,7 @@ namespace {
 struct QuantizeArgs {
   std::string input, output, fitter, match, calibration;
   std::string error_feedback = "on";
+  double damping = 0.01;  // --damping: FitOptions::error_feedback.damping
   std::string device = "cpu";
   int threads = 0;
   bool all = false, force = false, no_progress = false, json = false;
@@ -36,13 +37,13 @@ struct QuantizeArgs {
 // The fit of each tensor with the column weights of the statistics file (lutb/calibration.hpp),
 // found by the tensor's name: `base` (the GPU fit of --device cuda) or lutb::quantize called with
 // FitOptions::column_weights set, and with `error_feedback` FitOptions::error_feedback with the
-// tensor's blended second moments (read for that tensor only); a tensor the statistics do not
+// tensor's blended second moments (read for that tensor only) and `damping`; a tensor the statistics do not
 // describe is an error (a file of another model would otherwise fit some tensors unweighted without
 // a word).
 QuantizeOptions::FitFunction calibrated_fit_function(std::shared_ptr<const CalibrationStats> stats,
                                                      const std::string& file, bool error_feedback,
-                                                     QuantizeOptions::FitFunction base) {
-  return [stats, file, error_feedback, base = std::move(base)](const void* src, DType t, const LutbShape& s,
+                                                     double damping, QuantizeOptions::FitFunction base) {
+  return [stats, file, error_feedback, damping, base = std::move(base)](const void* src, DType t, const LutbShape& s,
                                                                LutbTensor& out, const FitOptions& fit,
                                                                const std::string& name) {
     const std::optional<std::vector<float>> w = stats->weights_for_tensor(name, s.experts, s.cols, file);
@@ -56,6 +57,7 @@ QuantizeOptions::FitFunction calibrated_fit_function(std::shared_ptr<const Calib
     if (error_feedback) {
       moments = stats->second_moments_for_tensor(name, s.experts, s.cols, file);
       f.error_feedback.second_moments = moments->data();
+      f.error_feedback.damping = damping;
     }
     return base ? base(src, t, s, out, f, name) : quantize(src, t, s, out, f, name);
   };
@@ -199,7 +201,7 @@ void run_quantize(const QuantizeArgs& a) {
   if (stats)
     opt.fit_function = calibrated_fit_function(stats, a.calibration,
                                                a.error_feedback == "on" && stats->has_second_moments(),
-                                               opt.fit_function);
+                                               a.damping, opt.fit_function);
   opt.check_model = [stats](const fs::path& dir) {
     if (stats) check_statistics_layers(*stats, dir);
     return check_model_as_eval(dir);
@@ -264,10 +266,12 @@ void add_quantize(CLI::App& app) {
                   "same bytes). The output format is unchanged (default: none, the data-free fit)");
   auto* feedback_opt = cmd->add_option("--error-feedback", args->error_feedback, std::string(kErrorFeedbackHelp))
                            ->check(CLI::IsMember({"on", "off"}));
+  auto* damping_opt =
+      cmd->add_option("--damping", args->damping, std::string(kDampingHelp))->check(NonNegativeFinite());
   add_device_option(cmd, args->device,
                     "the fit of the routed experts (cuda: the GPU fitters binned-dp and optimal, the same bytes as "
                     "the CPU; the rest of the run stays on the CPU)");
-  cmd->callback([args, fitter_opt, in_opt, out_opt, cal_opt, feedback_opt] {
+  cmd->callback([args, fitter_opt, in_opt, out_opt, cal_opt, feedback_opt, damping_opt] {
     // Empty names are named as such (the file system would say "cannot make absolute path: Invalid
     // argument []" for `-o ""`, or ": no such checkpoint directory or file").
     check_not_empty(in_opt, args->input, "input name");
@@ -275,6 +279,7 @@ void add_quantize(CLI::App& app) {
     check_fitter_option(fitter_opt, args->fitter);
     check_not_empty(cal_opt, args->calibration, "statistics file name");
     check_error_feedback_option(feedback_opt, args->error_feedback, args->calibration);
+    check_damping_option(damping_opt, args->damping, args->calibration, args->error_feedback);
     run_quantize(*args);
   });
 }

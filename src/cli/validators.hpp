@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cmath>
 #include <cstdint>
 #include <filesystem>
 #include <limits>
@@ -81,6 +82,25 @@ CLI::Validator IntRange(T lo, T hi) {
         return {};
       },
       fmt::format("{}..{}", lo, hi));  // help: "--threads INT:0..4096"
+}
+
+/// A real option that must be finite and >= 0 (std::from_chars, an optional leading '+'): CLI11's
+/// CLI::NonNegativeNumber lets "nan" through (NaN compares false with both bounds) and "inf" too.
+///   --damping: -1 is not a finite number >= 0
+inline CLI::Validator NonNegativeFinite() {
+  return CLI::Validator(
+      [](std::string& in) -> std::string {
+        if (in.empty()) return "an empty value was given; expected a finite number >= 0";
+        const char* b = in.data();
+        const char* e = in.data() + in.size();
+        if (*b == '+') ++b;
+        double v = 0;
+        const auto [p, ec] = std::from_chars(b, e, v);
+        if (ec != std::errc() || p != e || b == e || !std::isfinite(v) || v < 0)
+          return fmt::format("{} is not a finite number >= 0", in);
+        return {};
+      },
+      "FLOAT>=0");
 }
 
 /// Thread counts: 0 (all cores) .. 4096; see effective_threads for more than the machine has.
@@ -159,6 +179,25 @@ inline void check_error_feedback_option(const CLI::Option* opt, const std::strin
     throw UsageError(fmt::format("--error-feedback {} applies only with --calibration STATS (lutb calibrate); without "
                                  "statistics the fit is data-free",
                                  value));
+}
+
+/// --damping's help (quantize, eval, moe).
+inline constexpr const char* kDampingHelp =
+    "lambda of the error feedback's H = C + lambda mean(diag C) I (GPTQ's dampening; FitOptions::error_feedback, "
+    "docs/calibration.md): larger is more stable on moments of few tokens and feeds back less (default 0.01; 0 "
+    "needs positive definite moments)";
+
+/// A --damping given on the command line (`opt` was used) where no error feedback can run: without
+/// --calibration, or with --error-feedback off (UsageError: it would change nothing).
+inline void check_damping_option(const CLI::Option* opt, double damping, const std::string& calibration,
+                                 const std::string& error_feedback) {
+  if (opt == nullptr || opt->count() == 0) return;
+  if (calibration.empty())
+    throw UsageError(fmt::format("--damping {} applies only with --calibration STATS of full second moments (lutb "
+                                 "calibrate --full-moments); without statistics the fit is data-free",
+                                 damping));
+  if (error_feedback == "off")
+    throw UsageError(fmt::format("--damping {} damps the error feedback, which --error-feedback off turns off", damping));
 }
 
 /// --device cuda with statistics that hold full second moments and --error-feedback on: the feedback

@@ -111,9 +111,10 @@ void check_lutb_magnitudes(const ExpertSource& src, int layer, const LutbTensor&
 /// and w2 told apart by their shapes (rows 2I and cols H is w13; 2I == H == I cannot occur with I > 0).
 /// With `error_feedback` and full second moments in every layer of `cal` (has_second_moments(), the
 /// rule of `lutb quantize --calibration`, so that the online fit gives the checkpoint's bytes), also
-/// FitOptions::error_feedback with the layer's blended moments (read here, one layer at a time).
+/// FitOptions::error_feedback with the layer's blended moments (read here, one layer at a time) and
+/// `damping`.
 moe::FitFunction calibrated_fit(const CalibrationStats& cal, int layer, std::int64_t E, std::int64_t H, std::int64_t I,
-                                bool error_feedback, moe::FitFunction base) {
+                                bool error_feedback, double damping, moe::FitFunction base) {
   const auto it = cal.layers.find(layer);
   const std::string file = cal.source.empty() ? std::string("calibration statistics") : cal.source;
   if (it == cal.layers.end())
@@ -130,12 +131,16 @@ moe::FitFunction calibrated_fit(const CalibrationStats& cal, int layer, std::int
     c13 = std::make_shared<const std::vector<float>>(cal.second_moments(layer, CalibratedInput::kGateUp, 0, E));
     c2 = std::make_shared<const std::vector<float>>(cal.second_moments(layer, CalibratedInput::kDown, 0, E));
   }
-  return [w13, w2, c13, c2, H, I, base = std::move(base)](const void* src, DType t, const LutbShape& s, LutbTensor& out,
-                                                          const FitOptions& o, const std::string& name) {
+  return [w13, w2, c13, c2, H, I, damping, base = std::move(base)](const void* src, DType t, const LutbShape& s,
+                                                                   LutbTensor& out, const FitOptions& o,
+                                                                   const std::string& name) {
     FitOptions f = o;
     const bool is_w13 = s.rows == 2 * I && s.cols == H;
     f.column_weights = (is_w13 ? w13 : w2)->data();
-    if (c13) f.error_feedback.second_moments = (is_w13 ? c13 : c2)->data();
+    if (c13) {
+      f.error_feedback.second_moments = (is_w13 ? c13 : c2)->data();
+      f.error_feedback.damping = damping;
+    }
     return base ? base(src, t, s, out, f, name) : quantize(src, t, s, out, f, name);
   };
 }
@@ -417,7 +422,9 @@ std::unique_ptr<MoeBlock> CheckpointMoe::build(int layer) {
         moe::OnlineOptions oo;
         oo.fit = m.opt.fit;
         oo.fit_function = m.opt.fit_function;
-        if (m.opt.calibration) oo.fit_function = calibrated_fit(*m.opt.calibration, layer, E, H, I, m.opt.error_feedback, oo.fit_function);
+        if (m.opt.calibration)
+          oo.fit_function = calibrated_fit(*m.opt.calibration, layer, E, H, I, m.opt.error_feedback, m.opt.damping,
+                                           oo.fit_function);
         oo.emulation = m.opt.kernel;
         oo.activations = m.opt.activations;
         auto method = std::make_shared<moe::LutBOnlineMoEMethod>(mc, oo);

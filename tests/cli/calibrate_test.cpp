@@ -186,6 +186,8 @@ TEST(CliCalibrate, FullMomentsFeedBackErrorsDeterministically) {
   quantize("b", rare, "--threads 2");
   quantize("off", rare, "--threads 2 --error-feedback off");
   quantize("diag", diag, "--threads 1");
+  quantize("d-default", rare, "--threads 1 --damping 0.01");
+  quantize("d-large", rare, "--threads 1 --damping 1");
   // Every routed-expert tensor equal (or not) between two checkpoints.
   const auto same = [&](const std::string& x, const std::string& y) {
     const SafetensorsFile fx(dir.path / x / "model.safetensors"), fy(dir.path / y / "model.safetensors");
@@ -200,6 +202,9 @@ TEST(CliCalibrate, FullMomentsFeedBackErrorsDeterministically) {
   EXPECT_TRUE(same("a", "b")) << "the bytes depend on the thread count";
   EXPECT_TRUE(same("off", "diag")) << "--error-feedback off is not the fit with the column weights alone";
   EXPECT_FALSE(same("a", "off")) << "the feedback changed nothing";
+  EXPECT_TRUE(same("a", "d-default")) << "--damping 0.01 is not the default";
+  EXPECT_FALSE(same("a", "d-large")) << "--damping changed nothing";
+  EXPECT_FALSE(same("d-large", "off")) << "--damping 1 turned the feedback off";
   const auto e = run("eval " + q(dir.path / "a") + " --max-windows 1 --threads 1 --json");
   ASSERT_EQ(e.code, 0) << e.out;
   EXPECT_TRUE(std::isfinite(last_json(e)["val_loss"].get<double>()));

@@ -65,6 +65,11 @@ TEST(CliExitStatus, UsageErrorIsTwoFailureIsOne) {
        "data-free"},
       {"eval " + in + " --quant lutb --error-feedback on", "--error-feedback on applies only with --calibration STATS"},
       {"moe " + in + " --layer 0 --quant none --error-feedback on", "--error-feedback on applies only with --calibration STATS"},
+      // --damping damps the error feedback: without statistics, or with the feedback off, it would change nothing.
+      {"quantize " + in + out + " --damping 0.1", "--damping 0.1 applies only with --calibration STATS"},
+      {"eval " + in + " --quant lutb --damping 0.5", "--damping 0.5 applies only with --calibration STATS"},
+      {"quantize " + in + out + " --calibration " + q(t.path / "none.safetensors") + " --error-feedback off --damping 1",
+       "--damping 1 damps the error feedback, which --error-feedback off turns off"},
       {"moe " + in + " --layer 0", "--activations not given and "},
       {"moe " + in + " --layer 5 --activations " + q(t.path / "in" / "model.safetensors"),
        "--layer 5 is out of range: " + (t.path / "in").string() + " has layers 0..0"},

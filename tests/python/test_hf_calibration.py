@@ -54,8 +54,8 @@ def full_moments(tmp_path_factory):
     return out
 
 
-def load_calibrated(family, stats, error_feedback=True, **kw):
-    cfg = lutb.hf.LutbConfig(calibration=stats, error_feedback=error_feedback)
+def load_calibrated(family, stats, error_feedback=True, damping=0.01, **kw):
+    cfg = lutb.hf.LutbConfig(calibration=stats, error_feedback=error_feedback, damping=damping)
     return AutoModelForCausalLM.from_pretrained(model_dir(FAMILY_MODELS[family]), dtype=torch.bfloat16,
                                                 quantization_config=cfg, **kw)
 
@@ -108,6 +108,19 @@ def test_full_moments_load_saves_the_cli_feedback_bytes(family, full_moments, tm
     name, layer = next((n, m) for n, m in on.named_modules() if isinstance(m, lutb.hf.LutbExperts))
     assert not torch.equal(layer.gate_up_proj_packed, off.get_submodule(name).gate_up_proj_packed)
     assert not torch.equal(layer.down_proj_packed, off.get_submodule(name).down_proj_packed)
+
+
+def test_damping_load_saves_the_cli_bytes(full_moments, tmp_path):
+    """LutbConfig(damping=1.0) is `lutb quantize --damping 1`: the CLI's bytes, other than the default's."""
+    stats, on_dir, _ = full_moments["qwen3_moe"]
+    cli_dir = tmp_path / "cli"
+    run_cli("quantize", str(model_dir(FAMILY_MODELS["qwen3_moe"])), "-o", str(cli_dir), "--calibration", str(stats),
+            "--damping", "1", "--no-progress")
+    damped = load_calibrated("qwen3_moe", stats, damping=1.0)
+    assert_saves_the_bytes_of(damped, cli_dir, tmp_path / "s")
+    default = read_tensors(on_dir)
+    key = next(k for k in default if k.endswith("_packed"))
+    assert not torch.equal(raw_bytes(read_tensors(cli_dir)[key]), raw_bytes(default[key]))
 
 
 def test_error_feedback_needs_full_moments(calibrated, tmp_path):
@@ -188,6 +201,11 @@ def test_statistics_of_another_model_stop_the_load(calibrated, tmp_path, monkeyp
     ({"fitter": "multistart", "calibration": "s.safetensors"}, ValueError, "fitter 'multistart' has no weighted"),
     ({"calibration": 3}, TypeError, "calibration must be a path"),
     ({"calibration": "s.safetensors", "error_feedback": "on"}, TypeError, "error_feedback must be a bool, got str"),
+    ({"calibration": "s.safetensors", "damping": -0.5}, ValueError, "damping -0.5 is not finite and >= 0"),
+    ({"calibration": "s.safetensors", "damping": float("nan")}, ValueError, "damping nan is not finite and >= 0"),
+    ({"calibration": "s.safetensors", "damping": float("inf")}, ValueError, "damping inf is not finite and >= 0"),
+    ({"calibration": "s.safetensors", "damping": "0.1"}, TypeError, "damping must be a real number, got str"),
+    ({"calibration": "s.safetensors", "damping": True}, TypeError, "damping must be a real number, got bool"),
 ])
 def test_config_refuses_calibration(kwargs, error, message):
     with pytest.raises(error, match=message):
@@ -203,6 +221,9 @@ def test_config_keeps_calibration_out_of_the_stored_block(tmp_path):
                               error_feedback=False)
     assert off.error_feedback is False and cfg.error_feedback is True
     assert off.to_dict() == cfg.to_dict() and "error_feedback" not in off.to_dict()
+    damped = lutb.hf.LutbConfig(fitter="optimal", calibration=tmp_path / "s.safetensors", damping=1)
+    assert damped.damping == 1.0 and cfg.damping == 0.01
+    assert damped.to_dict() == cfg.to_dict() and "damping" not in damped.to_dict()
     assert lutb.hf.LutbHfQuantizer.requires_calibration is False  # fits BF16 weights while loading
 
 
