@@ -56,6 +56,20 @@ std::vector<std::string> listing(const fs::path& dir) {
   return v;
 }
 
+// Layer `l`'s full moments read from `file` into memory (load() only checks them; save() writes the
+// moments held in memory).
+void read_moments(LayerCalibration& l, const fs::path& file) {
+  const SafetensorsFile f(file);
+  for (std::int64_t e = 0; e < l.experts; ++e)
+    for (const bool gu : {true, false}) {
+      const TensorView& v = f.get(l.prefix + "." + std::to_string(e) + (gu ? ".gate_up.xxT" : ".down.hhT"));
+      std::vector<float>& m = gu ? l.gate_up_xxT : l.down_hhT;
+      const std::size_t at = m.size();
+      m.resize(at + v.nbytes / 4);
+      std::memcpy(m.data() + at, v.data, v.nbytes);
+    }
+}
+
 // The last JSON line of a run's output.
 nlohmann::json last_json(const test::CliOut& r) {
   const auto p = r.out.rfind("\n{");
@@ -149,16 +163,7 @@ TEST(CliCalibrate, FullMomentsFeedBackErrorsDeterministically) {
   // Expert 5 of layer 1 never reached, in memory: zero count, zero diagonal and full moments.
   CalibrationStats s = CalibrationStats::load(full);
   ASSERT_TRUE(s.has_second_moments());
-  const SafetensorsFile ff(full);
-  for (auto& [layer, l] : s.layers)
-    for (std::int64_t e = 0; e < l.experts; ++e)
-      for (const bool gu : {true, false}) {
-        const TensorView& v = ff.get(l.prefix + "." + std::to_string(e) + (gu ? ".gate_up.xxT" : ".down.hhT"));
-        std::vector<float>& m = gu ? l.gate_up_xxT : l.down_hhT;
-        const std::size_t at = m.size();
-        m.resize(at + v.nbytes / 4);
-        std::memcpy(m.data() + at, v.data, v.nbytes);
-      }
+  for (auto& [layer, l] : s.layers) read_moments(l, full);
   LayerCalibration& l = s.layers.at(1);
   l.tokens[5] = 0;
   std::fill(l.gate_up_x2.begin() + 5 * l.hidden, l.gate_up_x2.begin() + 6 * l.hidden, 0.0f);
@@ -237,18 +242,9 @@ TEST(CliCalibrate, FeedbackOnlyWhenEveryLayerHasFullMoments) {
   // Layer 1's moments read into memory (save() writes the moments held in memory), the others not.
   CalibrationStats mixed = CalibrationStats::load(full);
   ASSERT_TRUE(mixed.has_second_moments());
-  const SafetensorsFile ff(full);
   for (auto& [layer, l] : mixed.layers) {
     l.full_moments = layer == 1;
-    if (layer != 1) continue;
-    for (std::int64_t e = 0; e < l.experts; ++e)
-      for (const bool gu : {true, false}) {
-        const TensorView& v = ff.get(l.prefix + "." + std::to_string(e) + (gu ? ".gate_up.xxT" : ".down.hhT"));
-        std::vector<float>& m = gu ? l.gate_up_xxT : l.down_hhT;
-        const std::size_t at = m.size();
-        m.resize(at + v.nbytes / 4);
-        std::memcpy(m.data() + at, v.data, v.nbytes);
-      }
+    if (layer == 1) read_moments(l, full);
   }
   ASSERT_EQ(mixed.layers.count(1), 1u);
   const auto mixed_file = dir.path / "mixed.safetensors", diag_file = dir.path / "diag.safetensors";
