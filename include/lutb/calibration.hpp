@@ -52,6 +52,18 @@ struct LayerCalibration {
 /// Which projection's input: gate/up (w13, hidden_size columns) or down (w2, intermediate columns).
 enum class CalibratedInput { kGateUp, kDown };
 
+/// The layer mean M_layer of CalibrationStats::second_moments() (one layer and input, cols^2 doubles),
+/// kept between calls by the caller. A checkpoint that stores each expert apart has E tensors per
+/// projection, fitted one after another: with one cache, second_moments_for_tensor() reads the
+/// layer's E expert moments once for them instead of once per tensor (E^2 reads per layer). Valid
+/// for the CalibrationStats that filled it while its layers are unchanged; one per thread.
+struct SecondMomentsCache {
+  int layer = -1;  // -1: empty
+  CalibratedInput input = CalibratedInput::kGateUp;
+  double n_total = 0.0;      // sum_e n_e (0: no token reached the layer)
+  std::vector<double> mean;  // M_layer [cols][cols]
+};
+
 /// The rule for rarely routed experts (issue 25): an expert's statistics are blended with the
 /// layer's by token count,
 ///     d_e = (n_e * m_e + n0 * m_layer) / (n_e + n0),   m_layer = sum_e n_e m_e / sum_e n_e,
@@ -119,12 +131,15 @@ class CalibrationStats {
   /// cols^2 doubles for the layer sum and the n experts' floats). Throws std::runtime_error naming the
   /// file and the tensor: no full moments, a dtype other than F32, a shape other than [cols, cols], a
   /// value that is not finite or a negative diagonal.
-  std::vector<float> second_moments(int layer, CalibratedInput input, std::int64_t e0, std::int64_t n) const;
+  /// With `cache` (see SecondMomentsCache), the layer's M_layer is taken from it when it holds this
+  /// layer and input, else computed and stored there: only the n experts' moments are read.
+  std::vector<float> second_moments(int layer, CalibratedInput input, std::int64_t e0, std::int64_t n,
+                                    SecondMomentsCache* cache = nullptr) const;
   /// second_moments() for a routed-expert tensor, by name as weights_for_tensor() finds it (the same
   /// errors for a tensor the statistics do not fit); nullopt when the name is under no layer's prefix.
   std::optional<std::vector<float>> second_moments_for_tensor(const std::string& name, std::int64_t experts,
-                                                              std::int64_t cols,
-                                                              const std::string& file_for_errors) const;
+                                                              std::int64_t cols, const std::string& file_for_errors,
+                                                              SecondMomentsCache* cache = nullptr) const;
 };
 
 }  // namespace lutb

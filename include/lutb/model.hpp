@@ -406,7 +406,8 @@ struct CalibrateOptions {
   /// Called after each batch with (windows done, windows total) over all passes.
   std::function<void(std::int64_t, std::int64_t)> progress;
   /// Cancellation (lutb/fit.hpp): polled after each batch and by the fit of the second pass; when it
-  /// reads nonzero, Interrupted is thrown ("calibration: interrupted (flag V) after W of N windows").
+  /// reads nonzero, Interrupted is thrown ("calibration: interrupted by signal V (strsignal(V)) after W
+  /// of N windows": the flag holds the signal number, as the CLI's handler stores it).
   const InterruptFlag* interrupt = nullptr;
 };
 

@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <regex>
 #include <string>
@@ -37,15 +38,22 @@ struct QuantizeArgs {
 // The fit of each tensor with the column weights of the statistics file (lutb/calibration.hpp),
 // found by the tensor's name: `base` (the GPU fit of --device cuda) or lutb::quantize called with
 // FitOptions::column_weights set, and with `error_feedback` FitOptions::error_feedback with the
-// tensor's blended second moments (read for that tensor only) and `damping`; a tensor the statistics do not
-// describe is an error (a file of another model would otherwise fit some tensors unweighted without
-// a word).
+// tensor's blended second moments (its experts' read for it, the layer mean once per layer and input)
+// and `damping`; a tensor the statistics do not describe is an error (a file of another model would
+// otherwise fit some tensors unweighted without a word).
 QuantizeOptions::FitFunction calibrated_fit_function(std::shared_ptr<const CalibrationStats> stats,
                                                      const std::string& file, bool error_feedback,
                                                      double damping, QuantizeOptions::FitFunction base) {
-  return [stats, file, error_feedback, damping, base = std::move(base)](const void* src, DType t, const LutbShape& s,
-                                                               LutbTensor& out, const FitOptions& fit,
-                                                               const std::string& name) {
+  // The layer mean of the moments, kept from one tensor to the next (a per-expert checkpoint's E
+  // tensors of one projection then read the layer once); a mutex in case fits run concurrently.
+  struct Moments {
+    std::mutex m;
+    SecondMomentsCache cache;
+  };
+  auto mc = std::make_shared<Moments>();
+  return [stats, file, error_feedback, damping, mc, base = std::move(base)](
+             const void* src, DType t, const LutbShape& s, LutbTensor& out, const FitOptions& fit,
+             const std::string& name) {
     const std::optional<std::vector<float>> w = stats->weights_for_tensor(name, s.experts, s.cols, file);
     if (!w)
       throw std::runtime_error(fmt::format("{}: no calibration statistics for tensor {} (no layer's experts prefix "
@@ -55,7 +63,8 @@ QuantizeOptions::FitFunction calibrated_fit_function(std::shared_ptr<const Calib
     f.column_weights = w->data();
     std::optional<std::vector<float>> moments;
     if (error_feedback) {
-      moments = stats->second_moments_for_tensor(name, s.experts, s.cols, file);
+      const std::lock_guard<std::mutex> lock(mc->m);
+      moments = stats->second_moments_for_tensor(name, s.experts, s.cols, file, &mc->cache);
       f.error_feedback.second_moments = moments->data();
       f.error_feedback.damping = damping;
     }

@@ -334,8 +334,8 @@ bool CalibrationStats::has_second_moments() const {
   return true;
 }
 
-std::vector<float> CalibrationStats::second_moments(int layer, CalibratedInput input, std::int64_t e0,
-                                                    std::int64_t n) const {
+std::vector<float> CalibrationStats::second_moments(int layer, CalibratedInput input, std::int64_t e0, std::int64_t n,
+                                                    SecondMomentsCache* cache) const {
   const auto it = layers.find(layer);
   const std::string file = source.empty() ? std::string("calibration statistics") : source;
   if (it == layers.end()) throw std::runtime_error(fmt::format("{}: no statistics for layer {}", file, layer));
@@ -376,19 +376,28 @@ std::vector<float> CalibrationStats::second_moments(int layer, CalibratedInput i
                                                file, name, value_text(x), i, j));
     return buf.data();
   };
-  // M_layer = sum_e n_e M_e / sum_e n_e, in double, experts in order.
-  double n_total = 0.0;
-  std::vector<double> m_layer(K2, 0.0);
-  for (std::int64_t e = 0; e < E; ++e) {
-    const double ne = lc.tokens[static_cast<std::size_t>(e)];
-    if (!(ne > 0.0)) continue;
-    n_total += ne;
-    const float* M = expert(e);
-    for (std::size_t i = 0; i < K2; ++i) m_layer[i] += ne * M[i];
+  // M_layer = sum_e n_e M_e / sum_e n_e, in double, experts in order (or the cache's).
+  SecondMomentsCache local;
+  SecondMomentsCache& c = cache ? *cache : local;
+  if (c.layer != layer || c.input != input || c.mean.size() != K2) {
+    c.layer = -1;  // empty until complete (a read below may throw)
+    c.n_total = 0.0;
+    c.mean.assign(K2, 0.0);
+    for (std::int64_t e = 0; e < E; ++e) {
+      const double ne = lc.tokens[static_cast<std::size_t>(e)];
+      if (!(ne > 0.0)) continue;
+      c.n_total += ne;
+      const float* M = expert(e);
+      for (std::size_t i = 0; i < K2; ++i) c.mean[i] += ne * M[i];
+    }
+    if (c.n_total > 0.0)
+      for (auto& v : c.mean) v /= c.n_total;
+    c.layer = layer;
+    c.input = input;
   }
+  const std::vector<double>& m_layer = c.mean;
   std::vector<float> out(static_cast<std::size_t>(n) * K2, 0.0f);
-  if (!(n_total > 0.0)) return out;  // no calibration token reached the layer: no feedback
-  for (auto& v : m_layer) v /= n_total;
+  if (!(c.n_total > 0.0)) return out;  // no calibration token reached the layer: no feedback
   for (std::int64_t k = 0; k < n; ++k) {
     const std::int64_t e = e0 + k;
     const double ne = lc.tokens[static_cast<std::size_t>(e)];
@@ -402,10 +411,11 @@ std::vector<float> CalibrationStats::second_moments(int layer, CalibratedInput i
 
 std::optional<std::vector<float>> CalibrationStats::second_moments_for_tensor(const std::string& name,
                                                                               std::int64_t experts, std::int64_t cols,
-                                                                              const std::string& file_for_errors) const {
+                                                                              const std::string& file_for_errors,
+                                                                              SecondMomentsCache* cache) const {
   const std::optional<TensorStats> t = find_tensor_stats(layers, name, experts, cols, file_for_errors);
   if (!t) return std::nullopt;
-  return second_moments(t->layer, t->input, t->e0, t->n_e);
+  return second_moments(t->layer, t->input, t->e0, t->n_e, cache);
 }
 
 }  // namespace lutb

@@ -18,6 +18,7 @@
 #include <cblas.h>
 
 #include <cmath>
+#include <cstring>
 #include <memory>
 
 #include <fmt/core.h>
@@ -134,8 +135,8 @@ void run_pass(const std::filesystem::path& dir, const std::vector<std::int32_t>&
     lm.forward(tokens.data() + w * opt.window, b, opt.window);
     if (opt.progress) opt.progress(pass * windows + w + b, passes * windows);
     if (const int sig = opt.interrupt ? opt.interrupt->load(std::memory_order_relaxed) : 0)
-      throw Interrupted(sig, fmt::format("calibration: interrupted (flag {}) after {} of {} windows", sig,
-                                         pass * windows + w + b, passes * windows));
+      throw Interrupted(sig, fmt::format("calibration: interrupted by signal {} ({}) after {} of {} windows", sig,
+                                         strsignal(sig), pass * windows + w + b, passes * windows));
   }
 }
 

@@ -496,7 +496,7 @@ TEST(CliCalibrate, SigintStopsTheRunAndLeavesNothing) {
   const std::string log = test::read_file(dir.path / "log.txt");
   ASSERT_FALSE(ended) << log;
   EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGINT) << "wait status " << status << "\n" << log;
-  EXPECT_TRUE(has(log, "lutb: calibration: interrupted (flag 2) after ")) << log;
+  EXPECT_TRUE(has(log, "lutb: calibration: interrupted by signal 2 (Interrupt) after ")) << log;
   EXPECT_TRUE(has(log, " windows; nothing was created at " + out.string())) << log;
   EXPECT_EQ(listing(dir.path), std::vector<std::string>{"log.txt"});
 }

@@ -154,6 +154,29 @@ TEST(CalibrationStats, FullMomentsRoundTripAndBlend) {
     ASSERT_TRUE(one.has_value());
     const std::vector<float> all = st->second_moments(1, CalibratedInput::kDown, 0, 3);
     EXPECT_EQ(*one, std::vector<float>(all.begin() + 4, all.begin() + 8));
+    // A per-expert checkpoint's tensors with one cache: the same values, the layer mean computed once
+    // (a cache that holds another mean for the layer is used as it is, not recomputed).
+    SecondMomentsCache cache;
+    for (int e = 0; e < 3; ++e) {
+      const auto c1 = st->second_moments_for_tensor(
+          "model.layers.1.mlp.experts." + std::to_string(e) + ".down_proj.weight", 1, 2, "S", &cache);
+      ASSERT_TRUE(c1.has_value());
+      EXPECT_EQ(*c1, std::vector<float>(all.begin() + 4 * e, all.begin() + 4 * e + 4)) << e;
+      EXPECT_EQ(cache.layer, 1);
+      EXPECT_EQ(cache.input, CalibratedInput::kDown);
+      EXPECT_DOUBLE_EQ(cache.n_total, 1016.0);
+    }
+    const std::vector<double> mean = cache.mean;
+    for (auto& v : cache.mean) v = 0.0;
+    const std::vector<float> no_prior = st->second_moments(1, CalibratedInput::kDown, 0, 1, &cache);
+    for (int i = 0; i < 4; ++i)
+      EXPECT_FLOAT_EQ(no_prior[static_cast<std::size_t>(i)],
+                      static_cast<float>(1000.0 * s.layers.at(1).down_hhT[static_cast<std::size_t>(i)] / 1032));
+    // Another input replaces the cached mean.
+    EXPECT_EQ(st->second_moments(1, CalibratedInput::kGateUp, 0, 3, &cache), c);
+    EXPECT_EQ(cache.input, CalibratedInput::kGateUp);
+    EXPECT_EQ(cache.mean.size(), 16u);
+    EXPECT_NE(mean.size(), cache.mean.size());
   }
   // A layer no token reached gives zeros (quantize then fits without feedback).
   CalibrationStats z = full_stats();
