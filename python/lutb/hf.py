@@ -141,8 +141,8 @@ class LutbConfig(QuantizationConfigMixin):
     """
 
     def __init__(self, fitter: str = "binned-dp", act_format: str | None = None,
-                 calibration: "str | os.PathLike[str] | None" = None, error_feedback: bool = True, damping: float = 0.01,
-                 **kwargs: Any):
+                 calibration: "str | os.PathLike[str] | None" = None, error_feedback: bool = True,
+                 damping: float = 0.01, **kwargs: Any):
         self.quant_method = QUANT_METHOD
         kwargs.pop("quant_method", None)
         activation = kwargs.pop("activation", None)

@@ -84,8 +84,8 @@ CLI::Validator IntRange(T lo, T hi) {
       fmt::format("{}..{}", lo, hi));  // help: "--threads INT:0..4096"
 }
 
-/// A real option that must be finite and >= 0 (std::from_chars, an optional leading '+'): CLI11's
-/// CLI::NonNegativeNumber lets "nan" through (NaN compares false with both bounds) and "inf" too.
+/// A real option that must be finite and >= 0 (std::from_chars, an optional leading '+'). CLI11's
+/// CLI::NonNegativeNumber accepts "nan" (NaN compares false with both bounds) and "inf".
 ///   --damping: -1 is not a finite number >= 0
 inline CLI::Validator NonNegativeFinite() {
   return CLI::Validator(

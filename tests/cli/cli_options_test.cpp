@@ -45,7 +45,7 @@ TEST(CliOptions, RangeMessagesPrintIntegersAndTheValidRange) {
       {"synth --family qwen3_moe --layers 0 -o " + q(t.path / "s"), "--layers: 0 is outside the valid range 1..1024"},
       {"synth --family qwen3_moe --layers 1 --seed -1 -o " + q(t.path / "s"), "--seed: -1 is outside the valid range"},
       // A real option: NaN and infinities are refused as well as negative values (CLI::NonNegativeNumber
-      // passed "nan").
+      // accepts "nan").
       {"quantize " + dummy + " --calibration c --damping -1", "--damping: -1 is not a finite number >= 0"},
       {"quantize " + dummy + " --calibration c --damping nan", "--damping: nan is not a finite number >= 0"},
       {"eval " + q(t.path) + " --quant lutb --calibration c --damping inf", "--damping: inf is not a finite number >= 0"},
