@@ -31,6 +31,13 @@ def _float_arg(v: Any, name: str) -> float:
     return float(v)
 
 
+def _bool_arg(v: Any, name: str) -> bool:
+    """v as a bool (Python or numpy bool), or TypeError naming `name`: bool("False") is True."""
+    if not isinstance(v, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a bool, got {type(v).__name__}")
+    return bool(v)
+
+
 def _str_arg(v: Any, name: str) -> str:
     if not isinstance(v, str):
         raise TypeError(f"{name}: expected a str, got {type(v).__name__}")
@@ -517,16 +524,17 @@ def route_softmax_topk(logits: Any, k: int, renormalize: bool = True) -> tuple[A
     Returns (topk_ids int32 [T, k], topk_weights float32 [T, k]) on logits' device, each row in
     descending probability (ties: lower expert); weights renormalised to sum 1 when `renormalize`.
     Raises TypeError / ValueError naming the argument: type, dtype, shape, non-contiguous logits, k
-    outside 1..E (on CUDA also k > 32 or E > 1024).
+    outside 1..E (on CUDA also k > 32 or E > 1024), renormalize not a bool.
     Values are not checked (reading them would synchronise on CUDA): a row of logits holding a NaN or
     +Inf, or only -Inf, has NaN probabilities, so its ids are 0..k-1 (the tie order) and its weights
     NaN; CPU and CUDA give the same ids.
     """
     logits = _router_logits(logits)
     k = _check_k(k, int(logits.shape[1]), A.is_cuda(logits))
+    renormalize = _bool_arg(renormalize, "renormalize")
     if A.is_torch(logits):
-        return _ops().route_softmax_topk(logits, k, bool(renormalize))
-    return I.route_cpu(logits, None, False, k, bool(renormalize), 1, 1, 1.0)
+        return _ops().route_softmax_topk(logits, k, renormalize)
+    return I.route_cpu(logits, None, False, k, renormalize, 1, 1, 1.0)
 
 
 def route_deepseek(logits: Any, correction_bias: Any, k: int, n_group: int, topk_group: int,
@@ -539,7 +547,7 @@ def route_deepseek(logits: Any, correction_bias: Any, k: int, n_group: int, topk
     chosen experts, divided by their sum when `renormalize`, times routed_scaling_factor.
     Raises TypeError / ValueError naming the argument: types, dtypes, shapes, devices that differ,
     non-contiguous tensors, k, n_group or topk_group out of range, a routed_scaling_factor that is not
-    a finite number.
+    a finite number, renormalize not a bool.
     Values are not checked (reading them would synchronise on CUDA): a NaN logit or correction_bias
     entry ranks its expert below every number, in its group's score and in the choice (chosen only
     when the kept groups hold fewer than k others; ties: lower expert), and a chosen expert with a
@@ -548,10 +556,11 @@ def route_deepseek(logits: Any, correction_bias: Any, k: int, n_group: int, topk
     """
     logits, correction_bias, k, n_group, topk_group = _check_deepseek(logits, correction_bias, k, n_group,
                                                                       topk_group, routed_scaling_factor)
+    renormalize = _bool_arg(renormalize, "renormalize")
     if A.is_torch(logits):
-        return _ops().route_deepseek(logits, correction_bias, k, n_group, topk_group, bool(renormalize),
+        return _ops().route_deepseek(logits, correction_bias, k, n_group, topk_group, renormalize,
                                      float(routed_scaling_factor))
-    return I.route_cpu(logits, correction_bias, True, k, bool(renormalize), n_group, topk_group,
+    return I.route_cpu(logits, correction_bias, True, k, renormalize, n_group, topk_group,
                        float(routed_scaling_factor))
 
 

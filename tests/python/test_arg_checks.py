@@ -66,6 +66,23 @@ def test_router_accepts_numpy_integers():
     assert ids.shape == (3, 2)
 
 
+@pytest.mark.parametrize("renormalize", ["False", "no", None, 0, 1.0])
+def test_router_renormalize_is_a_bool(renormalize):
+    # bool("False") is True: a string or a number would renormalise, or not, silently.
+    with pytest.raises(TypeError, match="^renormalize: expected a bool"):
+        lutb.route_softmax_topk(torch.randn(3, 8), 2, renormalize)
+    with pytest.raises(TypeError, match="^renormalize: expected a bool"):
+        lutb.route_deepseek(torch.randn(3, 8), None, 2, 2, 1, renormalize)
+
+
+def test_router_renormalize_accepts_numpy_bool():
+    lg = torch.randn(3, 8, generator=torch.Generator().manual_seed(2))
+    for flag in (True, False):
+        ref = lutb.route_softmax_topk(lg, 2, flag)
+        got = lutb.route_softmax_topk(lg, 2, np.bool_(flag))
+        assert torch.equal(ref[1], got[1])
+    assert not torch.allclose(lutb.route_softmax_topk(lg, 2, False)[1].sum(1), torch.ones(3))
+
 # 2. torch.ops.lutb called directly --------------------------------------------------------------
 def _args(layer, x, ids, wts):
     w13, w2 = layer
@@ -157,6 +174,7 @@ def test_ops_routers_check_and_widen():
         torch.ops.lutb.route_deepseek(lg, torch.zeros(7), 2, 2, 1, True, 1.0)
     ref = lutb.route_deepseek(lg.half(), torch.randn(8).half(), 2, 2, 1)
     assert ref[0].shape == (5, 2)
+
 
 
 # 3. autograd ----------------------------------------------------------------------------------
