@@ -296,12 +296,23 @@ class LutbWeight:
         """The weight of the logical shape (..., N, K), exact for scale bytes 3..246 (spec 2).
 
         dtype: default torch.bfloat16 for torch tensors (exact), numpy.float32 for numpy arrays;
-        any float dtype of the same library. Same device as the weight.
+        any float dtype of the same library (another raises TypeError: an integer dtype would
+        truncate the weights). Same device as the weight.
         """
         if A.is_torch(self.scale):
             torch = A.torch_module()
+            if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+                raise TypeError(f"dtype: {dtype!r} is not a torch float dtype (this weight holds torch tensors)")
             w = _ops().dequantize(self.packed, self.codebook, self.scale, list(self.shape))
             return w.to(torch.bfloat16 if dtype is None else dtype)
+        if dtype is not None:
+            try:
+                d = np.dtype(dtype)
+            except TypeError:
+                d = None
+            # numpy floats, and ml_dtypes' (bfloat16, float8_*), which numpy sees as kind "V"
+            if d is None or not (d.kind == "f" or (d.kind == "V" and d.name.startswith(("bfloat", "float")))):
+                raise TypeError(f"dtype: {dtype!r} is not a numpy float dtype (this weight holds numpy arrays)")
         w = I.dequantize_cpu(self.packed, self.codebook, self.scale, self.shape)
         return w if dtype is None else w.astype(dtype)
 

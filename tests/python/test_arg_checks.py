@@ -177,6 +177,32 @@ def test_ops_routers_check_and_widen():
 
 
 
+@pytest.mark.parametrize("kind", ["torch", "numpy"])
+@pytest.mark.parametrize("dtype", ["int32", "uint8", "bool", "complex64", "other library"])
+def test_dequantize_dtype_is_a_float_dtype_of_the_same_library(kind, dtype):
+    # int32 truncated the weights and uint8 wrapped -4 to 252 without a word.
+    w = (torch.randn(8, 64, generator=torch.Generator().manual_seed(3)) * 3).numpy()
+    a = lutb.quantize(torch.from_numpy(w) if kind == "torch" else w)
+    lib = torch if kind == "torch" else np
+    d = (np.float32 if kind == "torch" else torch.float32) if dtype == "other library" else getattr(lib, dtype)
+    with pytest.raises(TypeError, match="^dtype: "):
+        a.dequantize(d)
+
+
+@pytest.mark.parametrize("kind", ["torch", "numpy"])
+def test_dequantize_float_dtypes(kind):
+    w = (torch.randn(8, 64, generator=torch.Generator().manual_seed(3)) * 3).numpy()
+    a = lutb.quantize(torch.from_numpy(w) if kind == "torch" else w)
+    ref = np.asarray(a.dequantize(torch.float32 if kind == "torch" else np.float32), dtype=np.float64)
+    dtypes = ((torch.float16, torch.float64, torch.bfloat16) if kind == "torch"
+              else (np.float16, np.float64, "float64"))
+    for d in dtypes:
+        got = a.dequantize(d)
+        assert got.dtype == (d if kind == "torch" else np.dtype(d))
+        got = got.float().numpy() if kind == "torch" else got
+        # LUT-B values (E4M3 times a power of two) are exact in FP16 here (|w| < 2^15, exponents >= -14)
+        assert np.array_equal(np.asarray(got, dtype=np.float64), ref)
+
 # 3. autograd ----------------------------------------------------------------------------------
 def test_moe_experts_backward_raises(layer):
     x = torch.randn(3, 64).to(torch.bfloat16).requires_grad_()
