@@ -610,6 +610,27 @@ def lutb_state_dict(model) -> dict[str, torch.Tensor]:
     return sd
 
 
+def _float_dtypes(model: nn.Module) -> dict[str, torch.dtype]:
+    """name -> dtype of every floating-point parameter and buffer of `model`."""
+    tensors = (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False))
+    return {n: t.dtype for n, t in tensors if t is not None and t.is_floating_point()}
+
+
+def _restore_float_dtypes(model: nn.Module, dtypes: dict[str, torch.dtype]) -> None:
+    """Casts each parameter and buffer named in `dtypes` to its dtype there (a parameter in place, so
+    that tied weights stay one tensor)."""
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for store in (module._parameters, module._buffers):
+            for n, t in store.items():
+                want = dtypes.get(f"{prefix}.{n}" if prefix else n)
+                if t is None or want is None or t.dtype == want or not t.is_floating_point():
+                    continue
+                if isinstance(t, nn.Parameter):
+                    t.data = t.data.to(want)
+                else:
+                    store[n] = t.to(want)
+
+
 class LutbHfQuantizer(HfQuantizer):
     """transformers quantizer of quant_method ``"lut_b"``.
 
@@ -639,6 +660,8 @@ class LutbHfQuantizer(HfQuantizer):
         self.calibration_stats: "lutb.CalibrationStats | None" = None
         self.calibrated_stacks: dict[str, _CalibratedStack] = {}
         self.error_feedback = False
+        # pre-quantized loads: name -> dtype of every float parameter and buffer of the model as built
+        self.float_dtypes: dict[str, torch.dtype] = {}
 
     def validate_environment(self, *args, **kwargs):
         device_map = kwargs.get("device_map")
@@ -669,6 +692,10 @@ class LutbHfQuantizer(HfQuantizer):
             raise ValueError(f"LutbConfig: calibration {calibration} applies to fitting BF16 experts while loading; "
                              "this checkpoint is already LUT-B")
         _replace_experts(model, self.quantization_config.act_format, online=not self.pre_quantized)
+        # transformers loads a pre-quantized checkpoint's renamed tensors in their stored dtype (Mixtral's
+        # block_sparse_moe.gate.weight -> mlp.gate.weight), so a BF16 router would stay BF16 in an
+        # FP32 model; every float tensor is given back the dtype the model was built with after loading.
+        self.float_dtypes = _float_dtypes(model) if self.pre_quantized else {}
         if calibration is not None:
             # Unreadable files and files that are not statistics raise OSError / ValueError naming them.
             self.calibration_stats = lutb.CalibrationStats(calibration)
@@ -701,6 +728,7 @@ class LutbHfQuantizer(HfQuantizer):
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         self.calibration_stats, self.calibrated_stacks = None, {}
+        _restore_float_dtypes(model, self.float_dtypes)
         _check_loaded(model, self.fit_errors)
         q = self.quantization_config
         family = _family_of(model.config.get_text_config())

@@ -150,6 +150,23 @@ def test_prequantized_load_does_not_refit(family, cli_checkpoints, monkeypatch):
     assert not torch.equal(bf16(ids).logits, got)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prequantized_load_in_float32(family, cli_checkpoints):
+    # transformers loads a pre-quantized checkpoint's renamed tensors in their stored dtype (Mixtral's
+    # block_sparse_moe.gate.weight becomes mlp.gate.weight): a BF16 router in an FP32 model stopped
+    # the forward with "expected m1 and m2 to have the same dtype".
+    model = AutoModelForCausalLM.from_pretrained(cli_checkpoints[family], dtype=torch.float32)
+    floats = {n: t.dtype for n, t in model.state_dict().items() if t.is_floating_point()}
+    assert floats and not {n: d for n, d in floats.items() if d != torch.float32}
+    online = AutoModelForCausalLM.from_pretrained(model_dir(FAMILY_MODELS[family]), dtype=torch.float32,
+                                                  quantization_config=lutb.hf.LutbConfig())
+    ids = torch.arange(3, 67).view(1, 64)
+    with torch.no_grad():
+        got, want = model(ids).logits, online(ids).logits
+    assert got.dtype == torch.float32
+    assert torch.equal(got, want)
+
+
 def test_lane_major_buffers_save_and_move_in_checkpoint_order(cli_checkpoints):
     """On CUDA a LutbExperts module holds its index bytes once, in the kernels' lane-major order.
     Emulated here on the CPU with the host reference of that order: state_dict() gives checkpoint
