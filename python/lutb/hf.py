@@ -103,7 +103,8 @@ class LutbConfig(QuantizationConfigMixin):
     Args:
         fitter: the tile fitter used when the experts are quantised while loading (``"binned-dp"``,
             the default of ``lutb quantize``; ``"optimal"``, ``"ct-lloyd"``, ``"multistart"``). A
-            pre-quantized checkpoint records the fitter that wrote it and is never refitted.
+            pre-quantized checkpoint records the fitter that wrote it and is never refitted; its
+            stored name may be one lutb does not know (``from_dict``).
         act_format: the activations of the expert GEMMs: ``"mxfp8"`` (spec 3 and 4, the Rubin
             numerics) or ``"bf16"``.
         calibration: a statistics file of ``lutb calibrate`` (str or os.PathLike; docs/calibration.md)
@@ -190,6 +191,22 @@ class LutbConfig(QuantizationConfigMixin):
         self.logical_shapes = dict(kwargs.pop("logical_shapes", None) or {})
         # Keys another writer added are kept and written back unchanged.
         self.extra = kwargs
+
+    @classmethod
+    def from_dict(cls, config_dict, return_unused_kwargs=False, **kwargs):
+        """A ``quantization_config`` block (transformers reads a checkpoint's through here). Its
+        ``fitter`` records what wrote the weights (spec 2.2): a name this lutb does not know is kept
+        as that record, as ``lutb eval`` keeps it, and refused only by a load that would fit with it
+        (``LutbHfQuantizer``, before any weight is read)."""
+        d = dict(config_dict)
+        record = d.get("fitter")
+        unknown = isinstance(record, str) and bool(record) and record not in lutb.fitter_names()
+        if unknown:
+            del d["fitter"]
+        out = super().from_dict(d, return_unused_kwargs=return_unused_kwargs, **kwargs)
+        if unknown:
+            (out[0] if return_unused_kwargs else out).fitter = record
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         """The ``quantization_config`` block in the layout ``lutb quantize`` writes (spec 2.2)."""
@@ -691,6 +708,9 @@ class LutbHfQuantizer(HfQuantizer):
         if calibration is not None and self.pre_quantized:
             raise ValueError(f"LutbConfig: calibration {calibration} applies to fitting BF16 experts while loading; "
                              "this checkpoint is already LUT-B")
+        fitter = self.quantization_config.fitter
+        if not self.pre_quantized and fitter not in lutb.fitter_names():
+            raise ValueError(f"LutbConfig: fitter {fitter!r} is not one of {lutb.fitter_names()}")
         _replace_experts(model, self.quantization_config.act_format, online=not self.pre_quantized)
         # transformers loads a pre-quantized checkpoint's renamed tensors in their stored dtype (Mixtral's
         # block_sparse_moe.gate.weight -> mlp.gate.weight), so a BF16 router would stay BF16 in an

@@ -167,6 +167,29 @@ def test_prequantized_load_in_float32(family, cli_checkpoints):
     assert torch.equal(got, want)
 
 
+def test_prequantized_load_keeps_an_unknown_fitter_record(cli_checkpoints, tmp_path):
+    # The stored fitter records what wrote the weights (spec 2.2); lutb eval reads any name, and a
+    # pre-quantized load never fits, so a fitter this lutb lacks must not stop the load.
+    src = cli_checkpoints["qwen3_moe"]
+    folder = tmp_path / "other-writer"
+    shutil.copytree(src, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"]["fitter"] = "gptq-lutb"
+    (folder / "config.json").write_text(json.dumps(cfg))
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    assert model.config.quantization_config.fitter == "gptq-lutb"
+    ids = torch.arange(3, 35).view(1, 32)
+    ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+    model.save_pretrained(tmp_path / "saved")
+    saved = json.loads((tmp_path / "saved" / "config.json").read_text())["quantization_config"]
+    assert saved["fitter"] == "gptq-lutb"
+    # Fitting while loading with that name is refused before any weight is read.
+    with pytest.raises(ValueError, match="fitter 'gptq-lutb' is not one of"):
+        AutoModelForCausalLM.from_pretrained(model_dir("tiny-qwen3-moe"), dtype=torch.bfloat16,
+                                             quantization_config={"quant_method": "lut_b", "fitter": "gptq-lutb"})
+
 def test_lane_major_buffers_save_and_move_in_checkpoint_order(cli_checkpoints):
     """On CUDA a LutbExperts module holds its index bytes once, in the kernels' lane-major order.
     Emulated here on the CPU with the host reference of that order: state_dict() gives checkpoint
