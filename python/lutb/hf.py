@@ -97,6 +97,23 @@ def _ceil_to(x: int, m: int) -> int:
 # ---------------------------------------------------------------------------------------------
 # Config
 # ---------------------------------------------------------------------------------------------
+def _check_logical_shapes(shapes: Any) -> dict[str, list[int]]:
+    """A stored block's logical_shapes (tensor name -> [rows, cols] or [E, rows, cols]) as a dict;
+    ValueError naming the key for what lutb eval refuses (src/io/checkpoint_config.cpp)."""
+    if shapes is None:
+        return {}
+    if not isinstance(shapes, dict):
+        raise ValueError(f"quantization_config.logical_shapes: must be an object of tensor name to [rows, cols], "
+                         f"got {shapes!r}")
+    for name, v in shapes.items():
+        ok = isinstance(v, (list, tuple)) and len(v) > 0 and all(
+            isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in v)
+        if not ok:
+            raise ValueError(f"quantization_config.logical_shapes.{name}: must be an array of positive integers, "
+                             f"got {v!r}")
+    return {name: list(v) for name, v in shapes.items()}
+
+
 class LutbConfig(QuantizationConfigMixin):
     """LUT-B quantization of the routed experts (quant_method ``"lut_b"``).
 
@@ -136,7 +153,8 @@ class LutbConfig(QuantizationConfigMixin):
         ValueError: an unknown act_format, a fitter not in ``lutb.fitter_names()``, calibration with a
             fitter without a weighted objective (``"ct-lloyd"``, ``"multistart"``), a stored key that
             says the weights are not 3-bit LUT-B tiles of 8x64 with E4M3 codebooks and UE8M0 scales,
-            damping negative or not finite.
+            a logical_shapes that is not an object of arrays of positive integers, damping negative
+            or not finite.
         TypeError: calibration neither None, a str nor an os.PathLike; error_feedback not a bool;
             damping not a real number.
     """
@@ -188,7 +206,7 @@ class LutbConfig(QuantizationConfigMixin):
         self.error_feedback = error_feedback
         self.damping = float(damping)
         self.modules = kwargs.pop("modules", None)
-        self.logical_shapes = dict(kwargs.pop("logical_shapes", None) or {})
+        self.logical_shapes = _check_logical_shapes(kwargs.pop("logical_shapes", None))
         # Keys another writer added are kept and written back unchanged.
         self.extra = kwargs
 

@@ -82,6 +82,14 @@ def test_config_block_is_the_cli_block():
     ({"tile": [16, 64]}, r"quantization_config.tile: \[16, 64\] is not supported"),
     ({"index_bits": 4}, "quantization_config.index_bits: 4"),
     ({"scale_dtype": "e8m0"}, "quantization_config.scale_dtype"),
+    # a stored block's logical_shapes is refused as lutb eval refuses it, naming the key
+    ({"logical_shapes": "abc"}, "quantization_config.logical_shapes: must be an object"),
+    ({"logical_shapes": 5}, "quantization_config.logical_shapes: must be an object"),
+    ({"logical_shapes": [["a.weight", [3, 5]]]}, "quantization_config.logical_shapes: must be an object"),
+    ({"logical_shapes": {"a.weight": [3, 0]}}, r"quantization_config.logical_shapes.a.weight: must be an array of "
+                                               r"positive integers, got \[3, 0\]"),
+    ({"logical_shapes": {"a.weight": "3x5"}}, "quantization_config.logical_shapes.a.weight: must be an array"),
+    ({"logical_shapes": {"a.weight": [3.0, 5]}}, "quantization_config.logical_shapes.a.weight: must be an array"),
 ])
 def test_config_refuses(kwargs, message):
     with pytest.raises(ValueError, match=message):
