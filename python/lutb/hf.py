@@ -173,8 +173,9 @@ class LutbConfig(QuantizationConfigMixin):
             raise ValueError(f"LutbConfig: fitter must be a non-empty string, got {fitter!r}")
         if fitter not in lutb.fitter_names():
             raise ValueError(f"LutbConfig: fitter {fitter!r} is not one of {lutb.fitter_names()}")
-        if not isinstance(error_feedback, bool):
+        if not isinstance(error_feedback, (bool, np.bool_)):
             raise TypeError(f"LutbConfig: error_feedback must be a bool, got {type(error_feedback).__name__}")
+        error_feedback = bool(error_feedback)
         if isinstance(damping, bool) or not isinstance(damping, numbers.Real):
             raise TypeError(f"LutbConfig: damping must be a real number, got {type(damping).__name__}")
         if not (math.isfinite(damping) and damping >= 0):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -223,6 +224,10 @@ def test_config_keeps_calibration_out_of_the_stored_block(tmp_path):
     assert off.to_dict() == cfg.to_dict() and "error_feedback" not in off.to_dict()
     damped = lutb.hf.LutbConfig(fitter="optimal", calibration=tmp_path / "s.safetensors", damping=1)
     assert damped.damping == 1.0 and cfg.damping == 0.01
+    # numpy's bool (what a flag read from an array is) is a bool, as for the routers' renormalize
+    np_off = lutb.hf.LutbConfig(fitter="optimal", calibration=tmp_path / "s.safetensors",
+                                 error_feedback=np.bool_(False))
+    assert np_off.error_feedback is False
     assert damped.to_dict() == cfg.to_dict() and "damping" not in damped.to_dict()
     assert lutb.hf.LutbHfQuantizer.requires_calibration is False  # fits BF16 weights while loading
 
