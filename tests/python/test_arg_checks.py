@@ -83,6 +83,7 @@ def test_router_renormalize_accepts_numpy_bool():
         assert torch.equal(ref[1], got[1])
     assert not torch.allclose(lutb.route_softmax_topk(lg, 2, False)[1].sum(1), torch.ones(3))
 
+
 # 2. torch.ops.lutb called directly --------------------------------------------------------------
 def _args(layer, x, ids, wts):
     w13, w2 = layer
@@ -176,7 +177,6 @@ def test_ops_routers_check_and_widen():
     assert ref[0].shape == (5, 2)
 
 
-
 @pytest.mark.parametrize("kind", ["torch", "numpy"])
 @pytest.mark.parametrize("dtype", ["int32", "uint8", "bool", "complex64", "other library"])
 def test_dequantize_dtype_is_a_float_dtype_of_the_same_library(kind, dtype):
@@ -202,6 +202,7 @@ def test_dequantize_float_dtypes(kind):
         got = got.float().numpy() if kind == "torch" else got
         # LUT-B values (E4M3 times a power of two) are exact in FP16 here (|w| < 2^15, exponents >= -14)
         assert np.array_equal(np.asarray(got, dtype=np.float64), ref)
+
 
 # 3. autograd ----------------------------------------------------------------------------------
 def test_moe_experts_backward_raises(layer):

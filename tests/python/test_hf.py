@@ -198,6 +198,7 @@ def test_prequantized_load_keeps_an_unknown_fitter_record(cli_checkpoints, tmp_p
         AutoModelForCausalLM.from_pretrained(model_dir("tiny-qwen3-moe"), dtype=torch.bfloat16,
                                              quantization_config={"quant_method": "lut_b", "fitter": "gptq-lutb"})
 
+
 def test_lane_major_buffers_save_and_move_in_checkpoint_order(cli_checkpoints):
     """On CUDA a LutbExperts module holds its index bytes once, in the kernels' lane-major order.
     Emulated here on the CPU with the host reference of that order: state_dict() gives checkpoint
