@@ -23,10 +23,10 @@
 //     GEMM1's epilogue for h), so the products are those of the natural order.
 //   Consumer K-step kt: wgmma of K-tile kt (4 x k16, async) from A registers buffer kt & 1; while it
 //     runs, wait for stage kt+1, build the scaled tables, decode K-tile kt+1 into the other buffer;
-//     after odd kt, wait for both K-tiles and add their tensor-core sum to the FP32 accumulators with
-//     round-to-nearest adds (the WB tiles' 128-column promotion, sm80_lutb_moe_prefill.cuh
-//     kPromoteTiles). A stage is released (empty mbarrier, one arrive per consumer warp) once the
-//     wgmma that read it has completed.
+//     after odd kt (and after the last K-tile of an odd tiles_k), wait for the groups and add their
+//     tensor-core sum to the FP32 accumulators with round-to-nearest adds (the WB tiles' 128-column
+//     promotion, sm80_lutb_moe_prefill.cuh kPromoteTiles). A stage is released (empty mbarrier, one
+//     arrive per consumer warp) once the wgmma that read it has completed.
 //   Persistent: grid = min(SMs, work items); CTA b takes items b, b + grid, ...; item i = token-tile
 //     slot i / nblocks, weight block i % nblocks: CTAs running together share a token tile (read
 //     from L2 by all weight blocks) and the expert's weights. The ring runs on across items, so the
@@ -316,6 +316,13 @@ __device__ __forceinline__ void rs_decode(const unsigned char* st, const unsigne
 /// Consumer mainloop of one work item: acc[4j + 2h + c] = weight row 16 w + 8 h + g of the
 /// warpgroup's 64, token row 8 j + 2 t + c (wgmma D layout), summed over K = 64 tiles_k.
 /// it: ring position (K-tiles consumed so far), advanced by tiles_k.
+///
+/// The loop runs over pairs of K-tiles (one 128-column promotion each) and drains the wgmma groups
+/// before every path leaves it, so ptxas can see that no register it reads or writes outside a
+/// wgmma is still in flight (else it serialises with an injected warpgroup.wait, C7517):
+///   d: read only after wait_group 0 (promotion), written only by wgmma;
+///   A buffer a0 is decoded only while no group or only the group of a1 is in flight, a1 only when
+///   none is; reg_fence keeps the compiler from moving those accesses across the wgmma fence/wait.
 template <class C, int NACC>
 __device__ __forceinline__ void rs_mainloop(unsigned char* smem, unsigned char* tabw, int q, int lane, bool valid,
                                             const unsigned char* tsc_ptr, long long tiles_k, unsigned& it,
@@ -325,64 +332,67 @@ __device__ __forceinline__ void rs_mainloop(unsigned char* smem, unsigned char* 
   const unsigned long long db0 = prefill90::smem_desc<1024, true>(smem_s);
   auto load_tsc = [&](long long kt) -> unsigned { return (tsc_ptr && kt < tiles_k) ? __ldg(tsc_ptr + kt) : 0u; };
   auto stage_of = [&](long long kt) -> unsigned { return (it + static_cast<unsigned>(kt)) % C::kStages; };
-  auto wait_full = [&](long long kt) {
-    const unsigned pos = it + static_cast<unsigned>(kt);
-    mbar_wait(full0 + 8 * (pos % C::kStages), (pos / C::kStages) & 1);
-    prefill90::fence_async_smem();  // the cp.async (generic proxy) writes, seen by wgmma (async proxy)
-  };
   auto release = [&](long long kt) {
     if (lane == 0) mbar_arrive(empty0 + 8 * stage_of(kt));
   };
+  unsigned tsc_cur = load_tsc(0), tsc_next = load_tsc(1);  // scale bytes of the next two K-tiles to decode
+  // K-tile kt (< tiles_k) into A buffer a: wait for its stage, build the scaled tables (buffer kt & 1:
+  // lanes that still read the other buffer's tables never race the writes), decode.
+  auto decode = [&](long long kt, unsigned(&a)[16]) {
+    const unsigned pos = it + static_cast<unsigned>(kt);
+    mbar_wait(full0 + 8 * (pos % C::kStages), (pos / C::kStages) & 1);
+    prefill90::fence_async_smem();  // the cp.async (generic proxy) writes, seen by wgmma (async proxy)
+    const unsigned char* st = smem + (pos % C::kStages) * C::kStageBytes;
+    unsigned char* tb = tabw + 32 * (kt & 1);
+    rs_tables<C>(st, tb, q, lane, valid, tsc_cur);
+    rs_decode<C>(st, tb, q, lane, a);
+    tsc_cur = tsc_next;
+    tsc_next = load_tsc(kt + 2);
+    reg_fence_u(a);
+  };
+  float d[NACC];
+  // The four k16 steps of K-tile kt from A buffer a as one wgmma group; fresh: the first overwrites d.
+  auto issue = [&](long long kt, const unsigned(&a)[16], bool fresh) {
+    const unsigned long long db = db0 + ((stage_of(kt) * C::kStageBytes) >> 4);
+    prefill90::wg_fence();
+    wgmma_rs<0>(d, a, db, fresh ? 0 : 1);
+    wgmma_rs<1>(d, a, db + 2, 1);
+    wgmma_rs<2>(d, a, db + 4, 1);
+    wgmma_rs<3>(d, a, db + 6, 1);
+    prefill90::wg_commit();
+  };
+  auto promote = [&] {
+    reg_fence(d);
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) acc[i] = __fadd_rn(acc[i], d[i]);
+  };
 #pragma unroll
   for (int i = 0; i < NACC; ++i) acc[i] = 0.0f;
-  float d[NACC];
 #pragma unroll
   for (int i = 0; i < NACC; ++i) d[i] = 0.0f;
   unsigned a0[16], a1[16];
 
-  unsigned tsc1 = load_tsc(0), tsc2 = load_tsc(1);
-  wait_full(0);
-  rs_tables<C>(smem + stage_of(0) * C::kStageBytes, tabw, q, lane, valid, tsc1);
-  rs_decode<C>(smem + stage_of(0) * C::kStageBytes, tabw, q, lane, a0);
-  tsc1 = tsc2;
-  tsc2 = load_tsc(2);
-
-  // K-tile kt with A registers cur; decodes kt+1 into nxt while kt's wgmma run.
-  auto step = [&](auto odd_c, long long kt, unsigned(&cur)[16], unsigned(&nxt)[16]) {
-    constexpr bool odd = decltype(odd_c)::value;
-    const unsigned long long db = db0 + ((stage_of(kt) * C::kStageBytes) >> 4);
+  if (tiles_k > 0) decode(0, a0);  // no K-tile: the producer fills no stage to wait for
+  long long kt = 0;
+  for (; kt + 2 <= tiles_k; kt += 2) {
+    // In: a0 = K-tile kt, no group in flight.
     reg_fence(d);
-    reg_fence_u(cur);
-    prefill90::wg_fence();
-    wgmma_rs<0>(d, cur, db, odd ? 1 : 0);
-    wgmma_rs<1>(d, cur, db + 2, 1);
-    wgmma_rs<2>(d, cur, db + 4, 1);
-    wgmma_rs<3>(d, cur, db + 6, 1);
-    prefill90::wg_commit();
-    if (odd) {
-      wg_wait<1>();  // K-tile kt-1 done: its stage and A buffer nxt are free
-      release(kt - 1);
-    }
-    if (kt + 1 < tiles_k) {
-      wait_full(kt + 1);
-      const unsigned char* st = smem + stage_of(kt + 1) * C::kStageBytes;
-      unsigned char* tb = tabw + 32 * ((kt + 1) & 1);
-      rs_tables<C>(st, tb, q, lane, valid, tsc1);
-      rs_decode<C>(st, tb, q, lane, nxt);
-      tsc1 = tsc2;
-      tsc2 = load_tsc(kt + 3);
-    }
-    if (odd || kt + 1 == tiles_k) {
-      wg_wait<0>();
-      reg_fence(d);
-      release(kt);
-#pragma unroll
-      for (int i = 0; i < NACC; ++i) acc[i] = __fadd_rn(acc[i], d[i]);
-    }
-  };
-  for (long long kt = 0; kt < tiles_k; kt += 2) {
-    step(std::false_type{}, kt, a0, a1);
-    if (kt + 1 < tiles_k) step(std::true_type{}, kt + 1, a1, a0);
+    issue(kt, a0, true);
+    decode(kt + 1, a1);  // while K-tile kt runs
+    issue(kt + 1, a1, false);
+    wg_wait<1>();  // K-tile kt done: its stage and a0 are free
+    release(kt);
+    if (kt + 2 < tiles_k) decode(kt + 2, a0);  // while K-tile kt+1 runs
+    wg_wait<0>();
+    release(kt + 1);
+    promote();
+  }
+  if (kt < tiles_k) {  // odd tiles_k: the last K-tile (in a0) is a 64-column promotion of its own
+    reg_fence(d);
+    issue(kt, a0, true);
+    wg_wait<0>();
+    release(kt);
+    promote();
   }
   it += static_cast<unsigned>(tiles_k);
 }
