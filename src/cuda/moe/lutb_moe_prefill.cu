@@ -104,6 +104,16 @@ void launch_rs(const kern::LutbW& w13, const kern::LutbW& w2, const kern::Routin
     detail::check(cudaFuncSetAttribute(rs::sm90_lutb_moe_prefill_rs_gemm2<C>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        C::kSmemBytes),
                   "cudaFuncSetAttribute(rs_gemm2)");
+    // setmaxnreg moves registers between the roles inside what the launch allocated (CfgRs): a build
+    // that gave the kernels another count would leave the consumers' setmaxnreg.inc waiting for ever.
+    cudaFuncAttributes f1{}, f2{};
+    detail::check(cudaFuncGetAttributes(&f1, rs::sm90_lutb_moe_prefill_rs_gemm1<C>), "cudaFuncGetAttributes(rs_gemm1)");
+    detail::check(cudaFuncGetAttributes(&f2, rs::sm90_lutb_moe_prefill_rs_gemm2<C>), "cudaFuncGetAttributes(rs_gemm2)");
+    if (f1.numRegs != C::kLaunchRegs || f2.numRegs != C::kLaunchRegs)
+      throw std::runtime_error(std::string("launch_lutb_prefill_gemms: ") + name1 + " / " + name2 + " were built with " +
+                               std::to_string(f1.numRegs) + " / " + std::to_string(f2.numRegs) +
+                               " registers per thread; their setmaxnreg split needs " +
+                               std::to_string(C::kLaunchRegs));
     if (dev < 64) smem_opt_in[dev] = true;
   }
   const std::int64_t sms = detail::moe_device().sms;
