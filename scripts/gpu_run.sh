@@ -36,7 +36,7 @@ failed=0
 
 # The sanitizers' cases: small shapes of every kernel family (decode, prefill, fitters, online
 # method, routing), a few seconds each under memcheck.
-MEMCHECK='MoeCuda.GoldenLayer:MoeCuda.SingleTokenInvalidAndRepeatedExperts:RoutingCuda.*:MoeDecodePaths.ActKernelBitIdenticalToDefault:MoeDecodePaths.ActKernelAbove128PairsSanitizerCase:MoeDecodePaths.FusedBackToBackBitIdentical:Shapes/MoeRandom.*E16_H200*:Shapes/PrefillRandom.MatchesHostReference/padded_odd:PrefillCuda.InvalidExpertIdWritesNanRowOnly:FitGpuSmall.*:FitGpu.EdgeTiles:FitGpu.DeviceEntryWithoutStats:FitGpuOptimal.EdgeTiles:OnlineGpu.RandomLayer*'
+MEMCHECK='MoeCuda.GoldenLayer:MoeCuda.SingleTokenInvalidAndRepeatedExperts:RoutingCuda.*:MoeDecodePaths.ActKernelBitIdenticalToDefault:MoeDecodePaths.ActKernelAbove128PairsSanitizerCase:MoeDecodePaths.FusedBackToBackBitIdentical:Shapes/MoeRandom.*E16_H200*:Shapes/PrefillRandom.MatchesHostReference/padded_odd:PrefillCuda.InvalidExpertIdWritesNanRowOnly:PrefillCuda.SkewedRouting1To300TokensPerExpert:FitGpuSmall.*:FitGpu.EdgeTiles:FitGpu.DeviceEntryWithoutStats:FitGpuOptimal.EdgeTiles:OnlineGpu.RandomLayer*'
 RACECHECK='MoeCuda.GoldenLayer:MoeDecodePaths.ActKernelAbove128PairsSanitizerCase:Shapes/MoeRandom.*E16_H200*:Shapes/PrefillRandom.MatchesHostReference/padded_odd:FitGpuSmall.*'
 SYNCCHECK='MoeCuda.GoldenLayer:Shapes/MoeRandom.*E16_H200*:FitGpuSmall.*'
 

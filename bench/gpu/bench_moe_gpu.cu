@@ -6,7 +6,8 @@
 //
 // Usage: bench_moe_gpu [--config NAME[,NAME...]] [--shape NAME] [--tokens T[,T...]]
 //   --config: lutb (the library's choice; default), bf16-baseline (moe_forward_bf16), lutb-decode / lutb-prefill (the swap-AB decode or the prefill
-//     kernels forced at every T). Default: lutb and bf16-baseline.
+//     kernels forced at every T), lutb-prefill-rs (the prefill forced with the sm_90a register-weight
+//     kernels, MoePrefillKernel::RegisterWeights). Default: lutb and bf16-baseline.
 //   --shape: deepseek-v3, qwen3-235b, qwen3-30b, mixtral-8x7b (default: all four).
 //   --tokens: default 1, 4, 16, 64, 256, 1024, 4096.
 // Method (bench/gpu/timing.cuh): each forward (routing precomputed by route_softmax_topk /
@@ -112,12 +113,15 @@ struct Config {
   std::string name;
   bool bf16;
   cuda::MoeStrategy strategy;
+  cuda::MoePrefillKernel prefill = cuda::MoePrefillKernel::Auto;
 };
 const std::vector<Config>& known_configs() {
   static const std::vector<Config> v = {{"lutb", false, cuda::MoeStrategy::Auto},
                                         {"bf16-baseline", true, cuda::MoeStrategy::Auto},
                                         {"lutb-decode", false, cuda::MoeStrategy::Decode},
-                                        {"lutb-prefill", false, cuda::MoeStrategy::Prefill}};
+                                        {"lutb-prefill", false, cuda::MoeStrategy::Prefill},
+                                        {"lutb-prefill-rs", false, cuda::MoeStrategy::Prefill,
+                                         cuda::MoePrefillKernel::RegisterWeights}};
   return v;
 }
 
@@ -170,7 +174,7 @@ double time_config(const Config& cfg, const Weights& w, const Shape& s, long lon
     const int r = j % routings, c = j % copies;
     cudaGraph_t g;
     LUTB_BENCH_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-    const cuda::MoeOptions opt{cfg.strategy};
+    const cuda::MoeOptions opt{cfg.strategy, cfg.prefill};
     const auto* xr = x + 1ull * r * Tmax * s.H;
     const int* id = ids + 1ull * r * Tmax * s.k;
     const float* wt = wts + 1ull * r * Tmax * s.k;
@@ -271,7 +275,7 @@ std::vector<Config> pick_configs(const std::vector<std::string>& names) {
     auto it = std::find_if(known_configs().begin(), known_configs().end(), [&](const Config& c) { return c.name == n; });
     if (it == known_configs().end()) {
       std::fprintf(stderr, "bench_moe_gpu: unknown --config %s (lutb, bf16-baseline, "
-                           "lutb-decode, lutb-prefill)\n", n.c_str());
+                           "lutb-decode, lutb-prefill, lutb-prefill-rs)\n", n.c_str());
       std::exit(2);
     }
     v.push_back(*it);

@@ -188,14 +188,23 @@ std::vector<PrefillKernel> all_tiles() {
   if (cuda::detail::moe_device().sm90a) {
     v.push_back(PrefillKernel::Sm90Wgmma64);
     v.push_back(PrefillKernel::Sm90Wgmma128);
+    v.push_back(PrefillKernel::Sm90WgmmaRs64);
+    v.push_back(PrefillKernel::Sm90WgmmaRs128);
   }
   return v;
+}
+/// The register-weight kernels: the same operands and 128-column promotion as the mma.sync tile,
+/// but each k16 step's tensor-core sum takes other columns, so equal up to FP32 addition order.
+bool bit_identical_to_mma(PrefillKernel t) {
+  return t != PrefillKernel::Sm90WgmmaRs64 && t != PrefillKernel::Sm90WgmmaRs128;
 }
 const char* tile_name(PrefillKernel t) {
   switch (t) {
     case PrefillKernel::Sm80Mma64: return "sm80 mma.sync 64";
     case PrefillKernel::Sm90Wgmma64: return "sm90 wgmma 64";
     case PrefillKernel::Sm90Wgmma128: return "sm90 wgmma 128";
+    case PrefillKernel::Sm90WgmmaRs64: return "sm90 wgmma rs 64";
+    case PrefillKernel::Sm90WgmmaRs128: return "sm90 wgmma rs 128";
   }
   return "?";
 }
@@ -251,11 +260,17 @@ TEST_P(PrefillRandom, MatchesHostReference) {
     if (tile == PrefillKernel::Sm80Mma64) m64 = got;
     if (tile != PrefillKernel::Sm80Mma64 && !m64.empty()) {
       // The wgmma tiles use the mma.sync tile's numerics (exact BF16 operands, tensor-core sums over
-      // the same 128 columns, the same FP32 promotion): bit-identical on all rows.
+      // the same 128 columns, the same FP32 promotion): bit-identical on all rows. The register-weight
+      // kernels group each k16 step's columns differently (bit_identical_to_mma).
       const Cmp d = compare_bf16(got, m64);
       std::cout << "  " << tile_name(tile) << " vs mma.sync (all rows): rel. L2 " << d.rel_l2 << ", bit-equal "
                 << d.exact << " of " << d.n << "\n";
-      EXPECT_EQ(d.exact, d.n) << tile_name(tile) << " is not bit-identical to the mma.sync tile";
+      if (bit_identical_to_mma(tile)) {
+        EXPECT_EQ(d.exact, d.n) << tile_name(tile) << " is not bit-identical to the mma.sync tile";
+      } else {
+        EXPECT_LT(d.rel_l2, 1e-3) << tile_name(tile) << " vs the mma.sync tile";
+        EXPECT_GT(d.exact, d.n * 8 / 10) << tile_name(tile) << " vs the mma.sync tile: FP32 order only differs";
+      }
     }
     if (c.check_tokens != 0) {
       // Every row written and finite (the sampled check covers the values).
@@ -419,6 +434,26 @@ TEST(PrefillCuda, HeuristicThresholdIs36PairsPerTouchedExpert) {
   EXPECT_EQ(cuda::heuristics::decode_token_blocks(32, 2, 8), 1);      // Mixtral, 8
   EXPECT_EQ(cuda::heuristics::decode_token_blocks(48, 2, 8), 2);      // Mixtral, 12
   EXPECT_EQ(cuda::heuristics::decode_token_blocks(1024, 8, 256), 2);  // 32: the decode side of the threshold
+}
+
+TEST(PrefillCuda, RegisterWeightKernelsRunOnlyWhenAskedAndTake128TokensFrom128PairsPerExpert) {
+  namespace hx = cuda::heuristics;
+  static_assert(!hx::kPrefillRsByDefault, "the rule keeps the wgmma tiles until a device run shows the RS kernels faster");
+  static_assert(hx::kPrefillRs128MinPairs == 128);
+  EXPECT_EQ(hx::prefill_kernel(4096 * 8, 256, true), PrefillKernel::Sm90Wgmma64);             // the rule: unchanged
+  EXPECT_EQ(hx::prefill_kernel(4096 * 8, 256, true, true), PrefillKernel::Sm90WgmmaRs128);    // 128 pairs per expert
+  EXPECT_EQ(hx::prefill_kernel(4095 * 8, 256, true, true), PrefillKernel::Sm90WgmmaRs64);     // 127.97
+  EXPECT_EQ(hx::prefill_kernel(1024 * 8, 256, true, true), PrefillKernel::Sm90WgmmaRs64);     // 32
+  EXPECT_EQ(hx::prefill_kernel(4096 * 8, 256, false, true), PrefillKernel::Sm80Mma64);        // not sm_90a
+  EXPECT_EQ(hx::prefill_tile_rows(PrefillKernel::Sm90WgmmaRs128), 128);
+  EXPECT_EQ(hx::prefill_tile_rows(PrefillKernel::Sm90WgmmaRs64), 64);
+  cuda::MoeOptions o;
+  o.strategy = cuda::MoeStrategy::Prefill;
+  o.prefill = cuda::MoePrefillKernel::RegisterWeights;
+  EXPECT_EQ(hx::plan_moe(4096, 8, 256, 7168, true, o, {true, 132}).prefill, PrefillKernel::Sm90WgmmaRs128);
+  EXPECT_EQ(hx::plan_moe(4096, 8, 256, 7168, true, o, {false, 108}).prefill, PrefillKernel::Sm80Mma64);
+  o.prefill = cuda::MoePrefillKernel::Auto;
+  EXPECT_EQ(hx::plan_moe(4096, 8, 256, 7168, true, o, {true, 132}).prefill, PrefillKernel::Sm90Wgmma64);
 }
 
 TEST(PrefillCuda, TileHeuristicPicksWgmma128From320PairsPerExpertOnSm90ElseWgmma64OrMma64) {

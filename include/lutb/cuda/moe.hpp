@@ -111,10 +111,17 @@ void route_deepseek(const float* logits, const float* bias, std::int64_t tokens,
 /// Every strategy gives the spec section 4 result up to the order of the FP32 additions.
 enum class MoeStrategy : std::uint8_t { Auto, Decode, Prefill };
 
+/// The prefill GEMMs of a LUT-B forward on sm_90a (other devices ignore it).
+///   Auto: the library's rule (src/cuda/heuristics/).
+///   RegisterWeights: the warp-specialised kernels with the decoded weights as wgmma's register
+///     operand and the tokens as its shared-memory operand (tests and the benchmark's A/B).
+enum class MoePrefillKernel : std::uint8_t { Auto, RegisterWeights };
+
 /// Options of one moe_forward / moe_forward_bf16 call (nothing is process-wide). The defaults are
-/// the library's choice; tests and benchmarks force a strategy.
+/// the library's choice; tests and benchmarks force a strategy or a prefill kernel.
 struct MoeOptions {
   MoeStrategy strategy = MoeStrategy::Auto;
+  MoePrefillKernel prefill = MoePrefillKernel::Auto;
 };
 
 /// Bytes of device workspace moe_forward needs for at most `max_tokens` tokens.

@@ -96,20 +96,24 @@ std::int64_t act_rows(std::int64_t pairs, std::int64_t experts) {
   return std::min({pairs * kActMaxSplit, kActMaxRows, auto_decode});
 }
 
-PrefillKernel prefill_kernel(std::int64_t pairs, std::int64_t experts, bool sm90a) {
+PrefillKernel prefill_kernel(std::int64_t pairs, std::int64_t experts, bool sm90a, bool rs) {
   if (!sm90a) return PrefillKernel::Sm80Mma64;
   const std::int64_t touched = std::max<std::int64_t>(1, std::min(pairs, experts));
+  if (rs || kPrefillRsByDefault)
+    return pairs >= kPrefillRs128MinPairs * touched ? PrefillKernel::Sm90WgmmaRs128 : PrefillKernel::Sm90WgmmaRs64;
   return pairs >= kPrefillWgmma128MinPairs * touched ? PrefillKernel::Sm90Wgmma128 : PrefillKernel::Sm90Wgmma64;
 }
 
-int prefill_tile_rows(PrefillKernel k) { return k == PrefillKernel::Sm90Wgmma128 ? 128 : 64; }
+int prefill_tile_rows(PrefillKernel k) {
+  return k == PrefillKernel::Sm90Wgmma128 || k == PrefillKernel::Sm90WgmmaRs128 ? 128 : 64;
+}
 
 MoePlan plan_moe(std::int64_t tokens, int top_k, std::int64_t experts, std::int64_t hidden, bool small_experts,
                  const MoeOptions& options, const MoeDevice& device) {
   MoePlan p;
   const std::int64_t pairs = tokens * top_k;
   p.cvt_decoder = device.sm90a;
-  p.prefill = prefill_kernel(pairs, experts, device.sm90a);
+  p.prefill = prefill_kernel(pairs, experts, device.sm90a, options.prefill == MoePrefillKernel::RegisterWeights);
   MoeStrategy s = options.strategy;
   if (s == MoeStrategy::Auto) s = choose_strategy(tokens, top_k, experts, true, p.prefill != PrefillKernel::Sm80Mma64);
   if (s == MoeStrategy::Prefill) {
