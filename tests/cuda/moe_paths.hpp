@@ -27,8 +27,8 @@ inline cuda::heuristics::MoePlan default_plan(std::int64_t T, int k, std::int64_
 
 /// Every kept path for this batch: swap-AB decode as planned, with the byte decoder, with each
 /// bit-identical option flipped; the m16 token-tile kernels; the prefill tile as planned and the
-/// mma.sync tile (on sm_90 the wgmma tiles of 64 and 128 rows and the register-weight kernels of 64
-/// and 128 tokens too).
+/// mma.sync tile (on sm_90 the wgmma tile of 64 rows and the register-weight kernels of 64 and 128
+/// tokens too).
 inline std::vector<MoePath> all_paths(std::int64_t T, int k, std::int64_t E, std::int64_t H) {
   namespace hx = cuda::heuristics;
   std::vector<MoePath> v;
@@ -67,8 +67,6 @@ inline std::vector<MoePath> all_paths(std::int64_t T, int k, std::int64_t E, std
   if (cuda::detail::moe_device().sm90a) {
     p.prefill = hx::PrefillKernel::Sm90Wgmma64;
     v.push_back({"prefill wgmma 64", p});
-    p.prefill = hx::PrefillKernel::Sm90Wgmma128;
-    v.push_back({"prefill wgmma 128", p});
     p.prefill = hx::PrefillKernel::Sm90WgmmaRs64;
     v.push_back({"prefill wgmma rs 64", p});
     p.prefill = hx::PrefillKernel::Sm90WgmmaRs128;

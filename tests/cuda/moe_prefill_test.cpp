@@ -187,7 +187,6 @@ std::vector<PrefillKernel> all_tiles() {
   std::vector<PrefillKernel> v = {PrefillKernel::Sm80Mma64};
   if (cuda::detail::moe_device().sm90a) {
     v.push_back(PrefillKernel::Sm90Wgmma64);
-    v.push_back(PrefillKernel::Sm90Wgmma128);
     v.push_back(PrefillKernel::Sm90WgmmaRs64);
     v.push_back(PrefillKernel::Sm90WgmmaRs128);
   }
@@ -202,7 +201,6 @@ const char* tile_name(PrefillKernel t) {
   switch (t) {
     case PrefillKernel::Sm80Mma64: return "sm80 mma.sync 64";
     case PrefillKernel::Sm90Wgmma64: return "sm90 wgmma 64";
-    case PrefillKernel::Sm90Wgmma128: return "sm90 wgmma 128";
     case PrefillKernel::Sm90WgmmaRs64: return "sm90 wgmma rs 64";
     case PrefillKernel::Sm90WgmmaRs128: return "sm90 wgmma rs 128";
   }
@@ -436,55 +434,42 @@ TEST(PrefillCuda, HeuristicThresholdIs36PairsPerTouchedExpert) {
   EXPECT_EQ(cuda::heuristics::decode_token_blocks(1024, 8, 256), 2);  // 32: the decode side of the threshold
 }
 
-TEST(PrefillCuda, RegisterWeightKernelsRunOnlyWhenAskedAndTake128TokensFrom128PairsPerExpert) {
+TEST(PrefillCuda, TileHeuristicPicksRegisterWeights128From128PairsPerExpertOnSm90ElseWgmma64OrMma64) {
+  // On sm_90a the register-weight kernel of 128 tokens from 128 pairs per touched expert (measured
+  // 1.20-1.38x the wgmma tiles there), the wgmma tile of 64 below (bit-identical to the mma.sync
+  // tile, asserted in MatchesHostReference); the mma.sync tile on every other device (host only).
   namespace hx = cuda::heuristics;
-  static_assert(!hx::kPrefillRsByDefault, "the rule keeps the wgmma tiles until a device run shows the RS kernels faster");
   static_assert(hx::kPrefillRs128MinPairs == 128);
-  EXPECT_EQ(hx::prefill_kernel(4096 * 8, 256, true), PrefillKernel::Sm90Wgmma64);             // the rule: unchanged
-  EXPECT_EQ(hx::prefill_kernel(4096 * 8, 256, true, true), PrefillKernel::Sm90WgmmaRs128);    // 128 pairs per expert
-  EXPECT_EQ(hx::prefill_kernel(4095 * 8, 256, true, true), PrefillKernel::Sm90WgmmaRs64);     // 127.97
-  EXPECT_EQ(hx::prefill_kernel(1024 * 8, 256, true, true), PrefillKernel::Sm90WgmmaRs64);     // 32
-  EXPECT_EQ(hx::prefill_kernel(4096 * 8, 256, false, true), PrefillKernel::Sm80Mma64);        // not sm_90a
-  EXPECT_EQ(hx::prefill_tile_rows(PrefillKernel::Sm90WgmmaRs128), 128);
-  EXPECT_EQ(hx::prefill_tile_rows(PrefillKernel::Sm90WgmmaRs64), 64);
-  cuda::MoeOptions o;
-  o.strategy = cuda::MoeStrategy::Prefill;
-  o.prefill = cuda::MoePrefillKernel::RegisterWeights;
-  EXPECT_EQ(hx::plan_moe(4096, 8, 256, 7168, true, o, {true, 132}).prefill, PrefillKernel::Sm90WgmmaRs128);
-  EXPECT_EQ(hx::plan_moe(4096, 8, 256, 7168, true, o, {false, 108}).prefill, PrefillKernel::Sm80Mma64);
-  o.prefill = cuda::MoePrefillKernel::Auto;
-  EXPECT_EQ(hx::plan_moe(4096, 8, 256, 7168, true, o, {true, 132}).prefill, PrefillKernel::Sm90Wgmma64);
-}
-
-TEST(PrefillCuda, TileHeuristicPicksWgmma128From320PairsPerExpertOnSm90ElseWgmma64OrMma64) {
-  // On sm_90 the wgmma tiles (bit-identical output, asserted in MatchesHostReference): 128 rows from
-  // 320 pairs per touched expert, 64 below; the mma.sync tile on every other device (host only).
-  static_assert(cuda::heuristics::kPrefillWgmma128MinPairs == 320);
   for (const bool sm90 : {false, true}) {
     const PrefillKernel small = sm90 ? PrefillKernel::Sm90Wgmma64 : PrefillKernel::Sm80Mma64;
-    const PrefillKernel large = sm90 ? PrefillKernel::Sm90Wgmma128 : PrefillKernel::Sm80Mma64;
-    EXPECT_EQ(cuda::heuristics::prefill_kernel(1024 * 8, 256, sm90), small);   // DeepSeek-V3, T = 1024: 32 pairs per expert
-    EXPECT_EQ(cuda::heuristics::prefill_kernel(4096 * 8, 256, sm90), small);   // DeepSeek-V3, T = 4096: 128
-    EXPECT_EQ(cuda::heuristics::prefill_kernel(4096 * 8, 128, sm90), small);   // Qwen3, T = 4096: 256
-    EXPECT_EQ(cuda::heuristics::prefill_kernel(1024 * 2, 8, sm90), small);     // Mixtral, T = 1024: 256
-    EXPECT_EQ(cuda::heuristics::prefill_kernel(10239 * 8, 256, sm90), small);  // 319.97
-    EXPECT_EQ(cuda::heuristics::prefill_kernel(10240 * 8, 256, sm90), large);  // DeepSeek-V3, T = 10240: 320
-    EXPECT_EQ(cuda::heuristics::prefill_kernel(1279 * 2, 8, sm90), small);     // Mixtral, T = 1279: 319.75
-    EXPECT_EQ(cuda::heuristics::prefill_kernel(1280 * 2, 8, sm90), large);     // Mixtral, T = 1280: 320
-    EXPECT_EQ(cuda::heuristics::prefill_kernel(5120 * 8, 128, sm90), large);   // Qwen3, T = 5120: 320
-    EXPECT_EQ(cuda::heuristics::prefill_kernel(16384 * 8, 256, sm90), large);  // DeepSeek-V3, T = 16384: 512
-    EXPECT_EQ(cuda::heuristics::prefill_kernel(8192 * 8, 128, sm90), large);   // Qwen3, T = 8192: 512
-    EXPECT_EQ(cuda::heuristics::prefill_kernel(16384 * 8, 128, sm90), large);  // Qwen3, T = 16384: 1024
-    EXPECT_EQ(cuda::heuristics::prefill_kernel(4096 * 2, 8, sm90), large);     // Mixtral, T = 4096: 1024
-    EXPECT_EQ(cuda::heuristics::prefill_kernel(2048 * 2, 8, sm90), large);     // Mixtral, T = 2048: 512
-    EXPECT_EQ(cuda::heuristics::prefill_kernel(100, 1024, sm90), small);       // 100 pairs over 100 touched experts
-    EXPECT_EQ(cuda::heuristics::prefill_kernel(600, 1, sm90), large);          // one expert, 600 pairs
-    EXPECT_EQ(cuda::heuristics::prefill_kernel(320, 1, sm90), large);
-    EXPECT_EQ(cuda::heuristics::prefill_kernel(319, 1, sm90), small);
+    const PrefillKernel large = sm90 ? PrefillKernel::Sm90WgmmaRs128 : PrefillKernel::Sm80Mma64;
+    EXPECT_EQ(hx::prefill_kernel(1024 * 8, 256, sm90), small);   // DeepSeek-V3, T = 1024: 32 pairs per expert
+    EXPECT_EQ(hx::prefill_kernel(1024 * 8, 128, sm90), small);   // Qwen3, T = 1024: 64
+    EXPECT_EQ(hx::prefill_kernel(4095 * 8, 256, sm90), small);   // 127.97
+    EXPECT_EQ(hx::prefill_kernel(4096 * 8, 256, sm90), large);   // DeepSeek-V3, T = 4096: 128
+    EXPECT_EQ(hx::prefill_kernel(4096 * 8, 128, sm90), large);   // Qwen3, T = 4096: 256
+    EXPECT_EQ(hx::prefill_kernel(511 * 2, 8, sm90), small);      // Mixtral, T = 511: 127.75
+    EXPECT_EQ(hx::prefill_kernel(512 * 2, 8, sm90), large);      // Mixtral, T = 512: 128
+    EXPECT_EQ(hx::prefill_kernel(1024 * 2, 8, sm90), large);     // Mixtral, T = 1024: 256
+    EXPECT_EQ(hx::prefill_kernel(16384 * 8, 256, sm90), large);  // DeepSeek-V3, T = 16384: 512
+    EXPECT_EQ(hx::prefill_kernel(100, 1024, sm90), small);       // 100 pairs over 100 touched experts
+    EXPECT_EQ(hx::prefill_kernel(128, 1, sm90), large);          // one expert
+    EXPECT_EQ(hx::prefill_kernel(127, 1, sm90), small);
+    // MoeOptions::prefill = RegisterWeights: the 64-token register-weight kernel below 128 pairs.
+    EXPECT_EQ(hx::prefill_kernel(4095 * 8, 256, sm90, true), sm90 ? PrefillKernel::Sm90WgmmaRs64 : small);
+    EXPECT_EQ(hx::prefill_kernel(4096 * 8, 256, sm90, true), large);
   }
-  EXPECT_EQ(cuda::heuristics::prefill_tile_rows(PrefillKernel::Sm80Mma64), 64);
-  EXPECT_EQ(cuda::heuristics::prefill_tile_rows(PrefillKernel::Sm90Wgmma64), 64);
-  EXPECT_EQ(cuda::heuristics::prefill_tile_rows(PrefillKernel::Sm90Wgmma128), 128);
+  EXPECT_EQ(hx::prefill_tile_rows(PrefillKernel::Sm80Mma64), 64);
+  EXPECT_EQ(hx::prefill_tile_rows(PrefillKernel::Sm90Wgmma64), 64);
+  EXPECT_EQ(hx::prefill_tile_rows(PrefillKernel::Sm90WgmmaRs64), 64);
+  EXPECT_EQ(hx::prefill_tile_rows(PrefillKernel::Sm90WgmmaRs128), 128);
+  cuda::MoeOptions o;
+  o.strategy = cuda::MoeStrategy::Prefill;
+  EXPECT_EQ(hx::plan_moe(1024, 8, 256, 7168, true, o, {true, 132}).prefill, PrefillKernel::Sm90Wgmma64);
+  EXPECT_EQ(hx::plan_moe(4096, 8, 256, 7168, true, o, {true, 132}).prefill, PrefillKernel::Sm90WgmmaRs128);
+  EXPECT_EQ(hx::plan_moe(4096, 8, 256, 7168, true, o, {false, 108}).prefill, PrefillKernel::Sm80Mma64);
+  o.prefill = cuda::MoePrefillKernel::RegisterWeights;
+  EXPECT_EQ(hx::plan_moe(1024, 8, 256, 7168, true, o, {true, 132}).prefill, PrefillKernel::Sm90WgmmaRs64);
 }
 
 TEST(PrefillCuda, BadArgumentsThrowBeforeAnyLaunch) {

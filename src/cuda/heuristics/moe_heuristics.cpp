@@ -99,13 +99,13 @@ std::int64_t act_rows(std::int64_t pairs, std::int64_t experts) {
 PrefillKernel prefill_kernel(std::int64_t pairs, std::int64_t experts, bool sm90a, bool rs) {
   if (!sm90a) return PrefillKernel::Sm80Mma64;
   const std::int64_t touched = std::max<std::int64_t>(1, std::min(pairs, experts));
-  if (rs || kPrefillRsByDefault)
-    return pairs >= kPrefillRs128MinPairs * touched ? PrefillKernel::Sm90WgmmaRs128 : PrefillKernel::Sm90WgmmaRs64;
-  return pairs >= kPrefillWgmma128MinPairs * touched ? PrefillKernel::Sm90Wgmma128 : PrefillKernel::Sm90Wgmma64;
+  if (pairs >= kPrefillRs128MinPairs * touched) return PrefillKernel::Sm90WgmmaRs128;
+  if (rs) return PrefillKernel::Sm90WgmmaRs64;
+  return PrefillKernel::Sm90Wgmma64;
 }
 
 int prefill_tile_rows(PrefillKernel k) {
-  return k == PrefillKernel::Sm90Wgmma128 || k == PrefillKernel::Sm90WgmmaRs128 ? 128 : 64;
+  return k == PrefillKernel::Sm90WgmmaRs128 ? 128 : 64;
 }
 
 MoePlan plan_moe(std::int64_t tokens, int top_k, std::int64_t experts, std::int64_t hidden, bool small_experts,

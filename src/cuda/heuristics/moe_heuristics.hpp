@@ -91,20 +91,18 @@ std::int64_t act_rows(std::int64_t pairs, std::int64_t experts);
 // --- prefill ---------------------------------------------------------------------------------
 
 /// Prefill GEMM kernels: the sm_80 mma.sync tile of 64 tokens (every device other than sm_90),
-/// the sm_90a wgmma tiles of 64 and 128 tokens (bit-identical to the mma.sync tile), and the sm_90a
+/// the sm_90a wgmma tile of 64 tokens (bit-identical to the mma.sync tile), and the sm_90a
 /// warp-specialised kernels with the weights as wgmma's register operand and 64 or 128 tokens as N
 /// (sm90_lutb_moe_prefill_rs.cuh; equal to the others up to FP32 addition order).
-enum class PrefillKernel : std::uint8_t { Sm80Mma64, Sm90Wgmma64, Sm90Wgmma128, Sm90WgmmaRs64, Sm90WgmmaRs128 };
-/// On sm_90a the 128-token tile from 320 pairs per touched expert: at least even there on every
-/// shape, 0.59-0.95x below 256 (docs/design/cuda-moe.md#heuristics).
-inline constexpr std::int64_t kPrefillWgmma128MinPairs = 320;
-/// The register-weight kernels: 128 tokens per tile from 128 pairs per touched expert (a full N tile).
+enum class PrefillKernel : std::uint8_t { Sm80Mma64, Sm90Wgmma64, Sm90WgmmaRs64, Sm90WgmmaRs128 };
+/// The register-weight kernels take 128 tokens per tile, and the rule picks them (Rs128) from 128
+/// pairs per touched expert, a full N tile each: 1.20-1.38x the wgmma tiles there on the four
+/// benchmark shapes (H100: 128-1024 pairs per expert), even or 0.96x at 32-64
+/// (docs/perf/moe-gpu-prefill.md), so below it the wgmma tile of 64 tokens stays. Rs64 runs only
+/// when forced.
 inline constexpr std::int64_t kPrefillRs128MinPairs = 128;
-/// The register-weight kernels replace the wgmma tiles by rule only once a device run shows them
-/// faster (issue #29); until then they run when MoeOptions::prefill asks for them. The one switch:
-inline constexpr bool kPrefillRsByDefault = false;
 /// The kernel for `pairs` (token, expert) pairs over `experts` experts; `rs` forces the
-/// register-weight kernels on sm_90a (MoeOptions::prefill).
+/// register-weight kernels on sm_90a (MoeOptions::prefill), Rs64 below kPrefillRs128MinPairs.
 PrefillKernel prefill_kernel(std::int64_t pairs, std::int64_t experts, bool sm90a, bool rs = false);
 /// Token rows per CTA (= the grouping's tile rows).
 int prefill_tile_rows(PrefillKernel k);

@@ -156,10 +156,6 @@ void launch_lutb_prefill_gemms(const DeviceMoeWeights& w, const kern::Routing& r
       launch_w90<p9::Cfg90Bf>(w13, w2, r, ws, slots, T, I, H, Hp, Ip, stream, "sm90_lutb_moe_prefill_wgmma_gemm1 (m64)",
                                "sm90_lutb_moe_prefill_wgmma_gemm2 (m64)");
       return;
-    case heuristics::PrefillKernel::Sm90Wgmma128:
-      launch_w90<p9::Cfg90Bf128>(w13, w2, r, ws, slots, T, I, H, Hp, Ip, stream,
-                                  "sm90_lutb_moe_prefill_wgmma_gemm1 (m128)", "sm90_lutb_moe_prefill_wgmma_gemm2 (m128)");
-      return;
     case heuristics::PrefillKernel::Sm90WgmmaRs64:
       launch_rs<kern::prefill90rs::CfgRs64>(w13, w2, r, ws, slots, T, I, H, Hp, Ip, stream,
                                             "sm90_lutb_moe_prefill_rs_gemm1 (n64)", "sm90_lutb_moe_prefill_rs_gemm2 (n64)");

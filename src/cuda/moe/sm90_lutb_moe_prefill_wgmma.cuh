@@ -1,9 +1,9 @@
 // src/cuda/moe/sm90_lutb_moe_prefill_wgmma.cuh: the sm_90a prefill GEMMs on Hopper's wgmma
 // (sm90_lutb_moe_prefill_wgmma_gemm1, sm90_lutb_moe_prefill_wgmma_gemm2), launched by
 // lutb_moe_prefill.cu: BF16 operands with both power-of-two scales folded in (exact), in the
-// 128B-swizzle layout, 64 token rows per CTA (Cfg90Bf) or 128 (Cfg90Bf128: 4 warpgroups sharing one
-// decoded B tile, 1 CTA per SM; heuristics::prefill_kernel chooses). Outputs bit-identical to the
-// mma.sync tile of sm80_lutb_moe_prefill.cuh.
+// 128B-swizzle layout, 64 token rows per CTA (Cfg90Bf; from 128 pairs per touched expert the
+// register-weight kernels of sm90_lutb_moe_prefill_rs.cuh run instead, heuristics::prefill_kernel).
+// Outputs bit-identical to the mma.sync tile of sm80_lutb_moe_prefill.cuh.
 // Everything device-side is compiled for sm_90a only (__CUDA_ARCH_FEAT_SM90_ALL; __trap otherwise).
 //
 // CTA of the 128-row tile (Cfg90<128>): 512 threads = 4 warpgroups, warpgroup wg on token rows
@@ -90,12 +90,6 @@ struct Cfg90 {
 };
 /// 64 token rows, 2 CTAs per SM (80.25 KB: stages padded to 12 KB for the SW128 alignment).
 using Cfg90Bf = Cfg90<64>;
-/// 128 token rows, 512 threads = 4 warpgroups (2 along tokens x 2 along weights), one decoded B tile
-/// per K-step feeds all four: half the 64-row tile's decode work per FLOP. Shared memory 112.5 KB
-/// (stages 20 KB: A 16 KB + raw 3.1 KB, padded for SW128), 1 CTA per SM; registers capped at 128 by
-/// 512 threads (the 64-row tile uses 115).
-using Cfg90Bf128 = Cfg90<128>;
-static_assert(Cfg90Bf128::kSmemBytes == 4 * 20480 + 2 * 16384 + 512 && Cfg90Bf128::kAQ == 2, "128-row layout");
 
 /// Byte offset of (row r, byte column c) of a [rows][128 bytes] operand in wgmma's 128B-swizzle
 /// K-major layout (CUTLASS GMMA::Layout_K_SW128_Atom, Swizzle<3,4,3>; the layout the mma.sync tile's ldmatrix
