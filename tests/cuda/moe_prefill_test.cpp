@@ -1,5 +1,6 @@
 // tests/cuda/moe_prefill_test.cpp: the large-batch (prefill) LUT-B kernels (src/cuda/moe/lutb_moe_prefill.cu:
-// the mma.sync tile, and on sm_90 the wgmma tiles of 64 and 128 rows) against the plain host reference of spec section 4 (tests/cuda/reference.hpp): random weights
+// the mma.sync tile, and on sm_90 the wgmma tile of 64 rows and the register-weight kernels of 64 and
+// 128 tokens) against the plain host reference of spec section 4 (tests/cuda/reference.hpp): random weights
 // uploaded in lane-major order, padded odd shapes, empty experts, 1..300 tokens per expert, the
 // DeepSeek-V3 / Qwen3 layer shapes (H, I, k as the models; fewer experts) at moderate T. Outputs
 // and workspace are poisoned (NaN bytes) before every run. GPU tests skip without a device.
@@ -182,7 +183,8 @@ void expect_matches(const std::vector<std::uint16_t>& got, const std::vector<std
                                                << r.rel_l2;
 }
 
-/// Every prefill kernel the device runs: the mma.sync tile, and on sm_90 the wgmma tiles.
+/// Every prefill kernel the device runs: the mma.sync tile, and on sm_90 the wgmma tile and the
+/// register-weight kernels.
 std::vector<PrefillKernel> all_tiles() {
   std::vector<PrefillKernel> v = {PrefillKernel::Sm80Mma64};
   if (cuda::detail::moe_device().sm90a) {
@@ -289,10 +291,10 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"deepseek_v3_shape", 12, 7168, 2048, 96, 8, false, 2},
                       Case{"qwen3_235b_shape", 16, 4096, 1536, 160, 8, false, 3},
                       Case{"qwen3_30b_shape", 32, 2048, 768, 256, 8, false, 8},
-                      // >= 128 pairs per expert: full 128-row tiles and a ragged last tile per expert,
+                      // >= 128 pairs per expert: full 128-token tiles and a ragged last tile per expert,
                       // H and I padded in K and N.
                       Case{"m128_ragged", 4, 328, 136, 600, 2, false, 0},
-                      // 128-row tiles with odd experts empty (E=16, 8 used, k=4: 4 * 700 / 8 = 350 pairs each).
+                      // 128-token tiles with odd experts empty (E=16, 8 used, k=4: 4 * 700 / 8 = 350 pairs each).
                       Case{"m128_empty_experts", 16, 512, 256, 700, 4, true, 0},
                       // DeepSeek-V3 layer shape (H=7168, I=2048, k=8) at >= 128 pairs per expert:
                       // E=8 experts, T=160 -> every expert gets all 160 tokens.

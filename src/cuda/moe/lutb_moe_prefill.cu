@@ -1,5 +1,5 @@
 // src/cuda/moe/lutb_moe_prefill.cu: launches of the large-batch (prefill) LUT-B GEMMs: the sm_80
-// mma.sync tile (sm80_lutb_moe_prefill.cuh), the sm_90a wgmma tiles of 64 and 128 token rows
+// mma.sync tile (sm80_lutb_moe_prefill.cuh), the sm_90a wgmma tile of 64 token rows
 // (sm90_lutb_moe_prefill_wgmma.cuh) and the sm_90a register-weight kernels
 // (sm90_lutb_moe_prefill_rs.cuh); heuristics::prefill_kernel chooses.
 #include <algorithm>
@@ -47,7 +47,7 @@ void launch_cfg(const kern::LutbW& w13, const kern::LutbW& w2, const kern::Routi
                 static_cast<long long>(Ip), r, static_cast<long long>(H), ws.y);
 }
 
-/// GEMM1 and GEMM2 of the sm_90a wgmma tiles (sm90_lutb_moe_prefill_wgmma.cuh, configuration C);
+/// GEMM1 and GEMM2 of the sm_90a wgmma tile (sm90_lutb_moe_prefill_wgmma.cuh, configuration C);
 /// grouping made with C::kBM rows. xa -> BF16 a in place (as the mma.sync tile); h goes through ws.hq
 /// as BF16.
 template <class C>

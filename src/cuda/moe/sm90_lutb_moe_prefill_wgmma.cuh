@@ -6,8 +6,6 @@
 // Outputs bit-identical to the mma.sync tile of sm80_lutb_moe_prefill.cuh.
 // Everything device-side is compiled for sm_90a only (__CUDA_ARCH_FEAT_SM90_ALL; __trap otherwise).
 //
-// CTA of the 128-row tile (Cfg90<128>): 512 threads = 4 warpgroups, warpgroup wg on token rows
-// 64 (wg >> 1).. and B rows 64 (wg & 1)..; each warp decodes one strip; otherwise as below.
 // CTA of the 64-row tile (Cfg90<64>, 256 threads = 2 warpgroups): 64 token rows (one token tile of
 // the grouping, one expert) x 128 weight rows (16 LUT-B row-strips; warpgroup wg owns B rows
 // 64wg..64wg+63 = strips 8wg..8wg+7) x K-tiles of 64 columns (one LUT-B tile column).
@@ -59,7 +57,9 @@ constexpr int kBM = 64;
 /// Configuration: BF16 operands with both scales folded in (exact, as the mma.sync tile), BF16 wgmma
 /// (m64n64k16, 4 per K-tile, accumulating in the tensor core over kPromoteTiles K-tiles, then
 /// promoted with round-to-nearest adds); a 4-deep cp.async ring with copies issued 3 K-tiles ahead;
-/// 2 decoded B buffers. BM: token rows per CTA, 64 or 128: BM/64 x 2 warpgroups, warpgroup wg
+/// 2 decoded B buffers. BM: token rows per CTA; 64 is the one instantiation (a 128-row one, 1 CTA
+/// per SM, lost to the register-weight kernels: docs/design/cuda-moe.md, tried and not kept), the
+/// layout is written for either: BM/64 x 2 warpgroups, warpgroup wg
 /// computes token rows 64 (wg >> 1) .. +63 x B rows 64 (wg & 1) .. +63 from ONE decoded B tile per
 /// K-step shared by all of them; each warp decodes 16 / (BM/8) strips (64 rows: 2, 128 rows: 1).
 template <int BM_>
