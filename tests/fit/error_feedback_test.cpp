@@ -17,18 +17,12 @@
 #include "fit/fit_test_util.hpp"
 #include "lutb/fit.hpp"
 #include "lutb/tile.hpp"
+#include "support/test_support.hpp"
 
 namespace lutb {
 namespace {
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+using test::error_of;
 
 // Second moments of correlated inputs, float [K][K]: C = (1/m) sum x x^T with x = B z, B a random
 // mixing of K unit Gaussians plus a common component (as a normalised hidden state's columns share
@@ -413,7 +407,7 @@ TEST(ErrorFeedback, BadMomentsAndOptionsAreRefusedByName) {
       << singular;
   EXPECT_NE(singular.find("raise the damping"), std::string::npos) << singular;
   // The same moments with the default damping fit.
-  EXPECT_EQ(err([](Problem& p, FitOptions&) { std::fill(p.C.begin(), p.C.end(), 1.0f); }), "(no error)");
+  EXPECT_EQ(err([](Problem& p, FitOptions&) { std::fill(p.C.begin(), p.C.end(), 1.0f); }), "no exception");
   // A NaN weight is reported as without feedback, at its row and column.
   EXPECT_EQ(err([](Problem& p, FitOptions&) { p.W[static_cast<std::size_t>((8 + 3) * 64 + 9)] = NAN; }),
             "quantize: tensor experts.w2, expert 1, tile (0, 0): NaN at row 3 col 9");

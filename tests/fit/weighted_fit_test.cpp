@@ -13,6 +13,7 @@
 
 #include "fit/fit_test_util.hpp"
 #include "lutb/fit.hpp"
+#include "support/test_support.hpp"
 
 namespace lutb {
 namespace {
@@ -246,15 +247,6 @@ TEST(WeightedFit, StackedWeightsSelectEachExpertsRow) {
     }
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::invalid_argument& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
-
 TEST(WeightedFit, BadWeightsAreRefusedByName) {
   const LutbShape shape{2, 8, 64, true};
   std::vector<float> w(2 * 8 * 64, 0.01f);
@@ -264,7 +256,8 @@ TEST(WeightedFit, BadWeightsAreRefusedByName) {
     FitOptions o;
     o.column_weights = cw.data();
     LutbTensor out;
-    const std::string msg = error_of([&] { quantize(w.data(), DType::F32, shape, out, o, "experts.w2"); });
+    const std::string msg =
+        test::error_of<std::invalid_argument>([&] { quantize(w.data(), DType::F32, shape, out, o, "experts.w2"); });
     EXPECT_NE(msg.find("quantize: tensor experts.w2, expert 1: column weight 5 is "), std::string::npos) << msg;
     EXPECT_NE(msg.find("must be finite and > 0"), std::string::npos) << msg;
     EXPECT_TRUE(out.packed.empty());
@@ -273,7 +266,7 @@ TEST(WeightedFit, BadWeightsAreRefusedByName) {
   FitOptions o;
   o.column_weights = cw.data();
   o.fitter = "ct-lloyd";
-  const std::string msg = error_of([&] { fit_tile(w.data(), o); });
+  const std::string msg = test::error_of<std::invalid_argument>([&] { fit_tile(w.data(), o); });
   EXPECT_NE(msg.find("'ct-lloyd' has no weighted objective"), std::string::npos) << msg;
 }
 

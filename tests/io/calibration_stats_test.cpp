@@ -16,6 +16,8 @@
 namespace lutb {
 namespace {
 
+using test::error_of;
+
 // Layer 1, 3 experts, hidden 4, intermediate 2: expert 0 well calibrated (1000 tokens), expert 1
 // never reached, expert 2 rarely (16 tokens); gate_up column 3 silent everywhere.
 CalibrationStats small_stats() {
@@ -29,15 +31,6 @@ CalibrationStats small_stats() {
   l.down_x2 = {1, 3, /**/ 0, 0, /**/ 2, 2};
   l.tokens = {1000, 0, 16};
   return s;
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "(no error)";
 }
 
 TEST(CalibrationStats, ColumnWeightsBlendRareExpertsWithTheLayer) {
