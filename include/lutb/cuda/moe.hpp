@@ -112,9 +112,11 @@ void route_deepseek(const float* logits, const float* bias, std::int64_t tokens,
 enum class MoeStrategy : std::uint8_t { Auto, Decode, Prefill };
 
 /// The prefill GEMMs of a LUT-B forward on sm_90a (other devices ignore it).
-///   Auto: the library's rule (src/cuda/heuristics/).
-///   RegisterWeights: the warp-specialised kernels with the decoded weights as wgmma's register
-///     operand and the tokens as its shared-memory operand (tests and the benchmark's A/B).
+///   Auto: the library's rule (src/cuda/heuristics/): the warp-specialised kernel with the decoded
+///     weights as wgmma's register operand and 128 tokens as its shared-memory operand from 128
+///     (token, expert) pairs per touched expert, the wgmma tile of 64 tokens below.
+///   RegisterWeights: the register-weight kernels at every batch, with 64 tokens below 128 pairs per
+///     expert (tests and the benchmark's A/B).
 enum class MoePrefillKernel : std::uint8_t { Auto, RegisterWeights };
 
 /// Options of one moe_forward / moe_forward_bf16 call (nothing is process-wide). The defaults are
