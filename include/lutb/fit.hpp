@@ -127,6 +127,9 @@ struct FitStats {
   /// 10*log10(sum_sq / sse); +inf when sse == 0.
   double sqnr_db() const;
   FitStats& operator+=(const FitStats& o);
+  /// The stats of a bulk fit from its per-tile sse and sum_sq (equal sizes, one entry per tile),
+  /// summed in tile order: the CPU and GPU fitters report the same doubles for the same tiles.
+  static FitStats of_tiles(const std::vector<double>& sse, const std::vector<double>& sum_sq);
 };
 
 /// Names of all fitters, the default first.

@@ -31,6 +31,19 @@ FitStats& FitStats::operator+=(const FitStats& o) {
   return *this;
 }
 
+FitStats FitStats::of_tiles(const std::vector<double>& sse, const std::vector<double>& sum_sq) {
+  if (sse.size() != sum_sq.size())
+    throw std::invalid_argument("FitStats::of_tiles: " + std::to_string(sse.size()) + " sse entries but " +
+                                std::to_string(sum_sq.size()) + " sum_sq entries");
+  FitStats st;
+  st.tiles = static_cast<std::int64_t>(sse.size());
+  for (std::size_t t = 0; t < sse.size(); ++t) {
+    st.sse += sse[t];
+    st.sum_sq += sum_sq[t];
+  }
+  return st;
+}
+
 namespace {
 constexpr const char* kNames[] = {"binned-dp", "optimal", "ct-lloyd", "multistart"};
 }  // namespace
@@ -314,13 +327,7 @@ FitStats finish_quantize(const std::string& name, int stopped, std::int64_t done
     out = LutbTensor();
     throw std::invalid_argument("quantize: " + bad_msg);
   }
-  FitStats st;
-  st.tiles = tiles;
-  for (std::int64_t t = 0; t < tiles; ++t) {
-    st.sse += sse[static_cast<std::size_t>(t)];
-    st.sum_sq += ssq[static_cast<std::size_t>(t)];
-  }
-  return st;
+  return FitStats::of_tiles(sse, ssq);
 }
 
 }  // namespace fit_detail

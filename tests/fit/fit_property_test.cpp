@@ -317,5 +317,20 @@ TEST(FitStatsTest, Sqnr) {
   EXPECT_TRUE(std::isinf(s.sqnr_db()));
 }
 
+TEST(FitStatsTest, OfTilesSumsInTileOrder) {
+  // 1 + 1e-16 + 1e-16 in that order rounds back to 1 at each step; the stats keep tile order.
+  const FitStats s = FitStats::of_tiles({1.0, 1e-16, 1e-16}, {4.0, 5.0, 6.0});
+  EXPECT_EQ(s.tiles, 3);
+  EXPECT_EQ(s.sse, 1.0);
+  EXPECT_EQ(s.sum_sq, 15.0);
+  EXPECT_EQ(FitStats::of_tiles({}, {}).tiles, 0);
+  try {
+    (void)FitStats::of_tiles({1.0}, {});
+    FAIL() << "sizes differ";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("1 sse entries but 0 sum_sq"), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace lutb

@@ -315,13 +315,7 @@ FitStats quantize_gpu(const void* src, DType src_type, const LutbShape& shape, L
       ok(cudaMemcpy(ssq.data() + t0, d_ssq.p, nt * 8, cudaMemcpyDeviceToHost), "cudaMemcpy sum_sq");
     }
   }
-  FitStats st;
-  st.tiles = tiles;
-  for (std::int64_t t = 0; t < tiles; ++t) {
-    st.sse += sse[static_cast<std::size_t>(t)];
-    st.sum_sq += ssq[static_cast<std::size_t>(t)];
-  }
-  return st;
+  return FitStats::of_tiles(sse, ssq);
 }
 
 }  // namespace lutb::cuda
